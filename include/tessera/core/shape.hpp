@@ -1,0 +1,75 @@
+// Shape: the extents of a contiguous, row-major (C order) tensor, up to kMaxRank dimensions.
+//
+// Kept inline (no heap) so that reshaping or comparing shapes in a training step never allocates.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <ostream>
+#include <string>
+
+#include "tessera/core/error.hpp"
+
+namespace tessera {
+
+class Shape {
+ public:
+  static constexpr int kMaxRank = 6;
+
+  Shape() = default;
+  Shape(std::initializer_list<std::int64_t> dims) {
+    TESSERA_CHECK(static_cast<int>(dims.size()) <= kMaxRank, ShapeError, "Shape: rank ", dims.size(),
+                  " exceeds the maximum of ", kMaxRank);
+    for (auto d : dims) push_back(d);
+  }
+  template <class It>
+  Shape(It first, It last) {
+    for (; first != last; ++first) push_back(static_cast<std::int64_t>(*first));
+  }
+
+  int rank() const { return rank_; }
+  std::int64_t operator[](int i) const { return dims_[static_cast<std::size_t>(i)]; }
+  std::int64_t& operator[](int i) { return dims_[static_cast<std::size_t>(i)]; }
+  // Negative indices count from the back, as in Python: shape.dim(-1) is the last extent.
+  std::int64_t dim(int i) const { return dims_[static_cast<std::size_t>(i < 0 ? rank_ + i : i)]; }
+
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < rank_; ++i) n *= dims_[static_cast<std::size_t>(i)];
+    return n;
+  }
+
+  void push_back(std::int64_t d) {
+    TESSERA_CHECK(rank_ < kMaxRank, ShapeError, "Shape: rank exceeds the maximum of ", kMaxRank);
+    TESSERA_CHECK(d >= 0, ShapeError, "Shape: negative extent ", d);
+    dims_[static_cast<std::size_t>(rank_++)] = d;
+  }
+
+  const std::int64_t* begin() const { return dims_.data(); }
+  const std::int64_t* end() const { return dims_.data() + rank_; }
+
+  friend bool operator==(const Shape& a, const Shape& b) {
+    if (a.rank_ != b.rank_) return false;
+    for (int i = 0; i < a.rank_; ++i)
+      if (a.dims_[static_cast<std::size_t>(i)] != b.dims_[static_cast<std::size_t>(i)]) return false;
+    return true;
+  }
+  friend bool operator!=(const Shape& a, const Shape& b) { return !(a == b); }
+
+  std::string str() const {
+    std::string s = "(";
+    for (int i = 0; i < rank_; ++i) {
+      if (i) s += ", ";
+      s += std::to_string(dims_[static_cast<std::size_t>(i)]);
+    }
+    return s + ")";
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << s.str(); }
+
+ private:
+  std::array<std::int64_t, kMaxRank> dims_{};
+  int rank_ = 0;
+};
+
+}  // namespace tessera

@@ -1,0 +1,51 @@
+// Cpu: the host device. Memory comes from one process-wide CachingAllocator; parallel kernels use
+// OpenMP threads (Eigen's matrix products use the same OpenMP team), settable at run time.
+//
+// Contract (the Device concept): allocate/deallocate raw bytes, copy between two buffers of this
+// device, synchronize() returns when all work on the device is done (on the CPU it always is).
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <string_view>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "tessera/core/allocator.hpp"
+
+namespace tessera {
+
+struct Cpu {
+  static constexpr std::string_view name = "cpu";
+
+  static CachingAllocator& allocator() {
+    static CachingAllocator instance;
+    return instance;
+  }
+  static void* allocate(std::size_t bytes) { return allocator().allocate(bytes); }
+  static void deallocate(void* p, std::size_t bytes) noexcept { allocator().deallocate(p, bytes); }
+  static void copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  static void synchronize() {}
+
+  // Threads used by kernels from now on; n <= 0 means "all cores" (OpenMP's default).
+  static void set_num_threads(int n) {
+#if defined(_OPENMP)
+    omp_set_num_threads(n > 0 ? n : omp_get_num_procs());
+#else
+    (void)n;
+#endif
+  }
+  static int num_threads() {
+#if defined(_OPENMP)
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+  }
+};
+
+}  // namespace tessera

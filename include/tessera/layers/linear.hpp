@@ -1,0 +1,96 @@
+// Linear: y = x W^T + b   x (N, in) -> y (N, out);  W (out, in), b (out).
+//
+// Backward (dy (N, out)):
+//   dW += dy^T x   (out, in)      db += sum_n dy   (out)      dx = dy W   (N, in)
+// The input is not copied: the cache keeps a pointer to it, so the caller keeps x alive until
+// backward (Sequential does: x is the previous layer's cached output).
+#pragma once
+
+#include <string>
+
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/init.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/kernels/cpu/gemm.hpp"
+
+namespace tessera {
+
+template <class E>
+class Linear {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    const Tensor* x = nullptr;
+    Tensor y, dx;
+  };
+
+  Linear(std::int64_t in_features, std::int64_t out_features, Rng& rng, bool bias = true)
+      : in_(in_features), out_(out_features), has_bias_(bias), weight_({out_features, in_features}) {
+    TESSERA_CHECK(in_features > 0 && out_features > 0, ArgumentError, "Linear: in_features=", in_features,
+                  " and out_features=", out_features, " must be positive");
+    default_weight_init_(weight_.value, rng);
+    if (has_bias_) {
+      bias_ = Parameter<S, D>({out_features}, ParamKind::Bias);
+      default_bias_init_(bias_.value, in_features, rng);
+    }
+  }
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    TESSERA_CHECK(x.rank() == 2 && x.dim(1) == in_, ShapeError, "Linear(", in_, ", ", out_,
+                  "): expected input (N, ", in_, "), got ", x.shape());
+    const auto n = x.dim(0);
+    c.x = &x;
+    c.y.resize({n, out_});
+    if (has_bias_) {
+      for (std::int64_t i = 0; i < n; ++i) std::copy(bias_.value.begin(), bias_.value.end(), c.y.data() + i * out_);
+    }
+    gemm(D{}, false, true, n, out_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
+         c.y.data(), out_);  // (N, in) x (in, out)
+    return c.y;
+  }
+
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(c.x != nullptr, Error, "Linear::backward called before forward on this cache");
+    const Tensor& x = *c.x;
+    const auto n = x.dim(0);
+    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Linear(", in_, ", ", out_, ")::backward: dy ",
+                  dy.shape(), " does not match output ", c.y.shape());
+    gemm(D{}, true, false, out_, in_, n, S(1), dy.data(), out_, x.data(), in_, S(1), weight_.grad.data(), in_);
+    weight_.grad_ready();
+    if (has_bias_) {
+      S* db = bias_.grad.data();
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t o = 0; o < out_; ++o) db[o] += dy.data()[i * out_ + o];
+      bias_.grad_ready();
+    }
+    if (needs_input_grad_) {
+      c.dx.resize({n, in_});
+      gemm(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
+    }
+    return c.dx;
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    v.parameter(prefix + "weight", weight_);
+    if (has_bias_) v.parameter(prefix + "bias", bias_);
+  }
+  void set_mode(Mode) {}
+  // The first layer of a network need not compute dL/dx (nobody consumes it).
+  void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+
+  Parameter<S, D>& weight() { return weight_; }
+  Parameter<S, D>& bias() { return bias_; }
+
+ private:
+  std::int64_t in_, out_;
+  bool has_bias_;
+  bool needs_input_grad_ = true;
+  Parameter<S, D> weight_;
+  Parameter<S, D> bias_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,88 @@
+// Sequential<Ls...>: layers applied in order, held flat in a std::tuple and walked with fold
+// expressions (no recursive network types: compile errors stay short, compile time stays linear).
+//
+// forward: y = L_{n-1}( ... L_1(L_0(x)) )        backward: the chain rule in reverse order.
+// Cache is the tuple of the layers' caches: one Cache per micro-batch in flight.
+// Parameter names follow torch.nn.Sequential ("0.weight", "2.bias"), or names given with
+// set_names() so that models match torchvision's state_dict ("conv1.weight", "bn1.running_mean").
+#pragma once
+
+#include <array>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/tensor.hpp"
+
+namespace tessera {
+
+template <Layer... Ls>
+class Sequential {
+  static_assert(sizeof...(Ls) > 0, "Sequential needs at least one layer");
+  using First = std::tuple_element_t<0, std::tuple<Ls...>>;
+
+ public:
+  using Env = typename First::Env;
+  using Tensor = typename First::Tensor;
+  using Cache = std::tuple<typename Ls::Cache...>;
+  static constexpr std::size_t kSize = sizeof...(Ls);
+
+  explicit Sequential(Ls... layers) : layers_(std::move(layers)...) {
+    for (std::size_t i = 0; i < kSize; ++i) names_[i] = std::to_string(i);
+  }
+
+  const Tensor& forward(const Tensor& x, Cache& cache) {
+    return forward_impl(x, cache, std::index_sequence_for<Ls...>{});
+  }
+  const Tensor& backward(const Tensor& dy, Cache& cache) {
+    return backward_impl(dy, cache, std::index_sequence_for<Ls...>{});
+  }
+
+  void set_mode(Mode mode) {
+    std::apply([mode](auto&... layer) { (layer.set_mode(mode), ...); }, layers_);
+  }
+  void set_needs_input_grad(bool needed) {
+    if constexpr (requires { std::get<0>(layers_).set_needs_input_grad(needed); })
+      std::get<0>(layers_).set_needs_input_grad(needed);
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    visit_impl(v, prefix, std::index_sequence_for<Ls...>{});
+  }
+  void set_names(const std::array<std::string, kSize>& names) { names_ = names; }
+
+  template <std::size_t I>
+  auto& get() {
+    return std::get<I>(layers_);
+  }
+
+ private:
+  template <std::size_t... I>
+  const Tensor& forward_impl(const Tensor& x, Cache& cache, std::index_sequence<I...>) {
+    const Tensor* current = &x;
+    ((current = &std::get<I>(layers_).forward(*current, std::get<I>(cache))), ...);
+    return *current;
+  }
+  template <std::size_t... I>
+  const Tensor& backward_impl(const Tensor& dy, Cache& cache, std::index_sequence<I...>) {
+    const Tensor* current = &dy;
+    constexpr std::size_t last = kSize - 1;
+    ((current = &std::get<last - I>(layers_).backward(*current, std::get<last - I>(cache))), ...);
+    return *current;
+  }
+  template <class V, std::size_t... I>
+  void visit_impl(V& v, const std::string& prefix, std::index_sequence<I...>) {
+    (visit_one(std::get<I>(layers_), v, prefix + names_[I] + "."), ...);
+  }
+  template <class L, class V>
+  static void visit_one(L& layer, V& v, const std::string& prefix) {
+    if constexpr (requires { layer.visit(v, prefix); }) layer.visit(v, prefix);
+  }
+
+  std::tuple<Ls...> layers_;
+  std::array<std::string, kSize> names_;
+};
+
+}  // namespace tessera
