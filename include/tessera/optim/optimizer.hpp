@@ -1,0 +1,127 @@
+// What every optimizer shares: the Optimizer concept, the parameter list with its weight-decay
+// mask, the element loop the update kernels run on, and the linear scaling rule.
+//
+// Optimizer contract (torch.optim semantics): step() applies one update to every parameter from its
+// current grad and advances steps() by one; zero_grad() sets every grad to 0 (backward accumulates);
+// lr()/set_lr() read and change the learning rate used by the next step() (schedules call set_lr
+// once per iteration). A StatefulOptimizer also has visit_state(v), which hands its state to a
+// checkpoint visitor: v.buffer(name, Tensor&) per state tensor, v.integer(name, std::int64_t&) for
+// the step counter.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tessera/core/error.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/core/tensor.hpp"
+
+namespace tessera {
+
+template <class O>
+concept Optimizer = requires(O& o, const O& co, double lr) {
+  o.step();
+  o.zero_grad();
+  { co.lr() } -> std::convertible_to<double>;
+  o.set_lr(lr);
+};
+
+// A visitor with the checkpoint interface and nothing else: checks visit_state's signature.
+struct StateVisitorArchetype {
+  template <class T>
+  void buffer(const std::string&, T&) {}
+  void integer(const std::string&, std::int64_t&) {}
+};
+
+template <class O>
+concept StatefulOptimizer = Optimizer<O> && requires(O& o, StateVisitorArchetype& v, const O& co) {
+  o.visit_state(v);
+  { co.steps() } -> std::convertible_to<std::int64_t>;
+};
+
+// Goyal et al. (2017): when the minibatch grows k-fold, multiply the learning rate by k.
+// linear_scaling_rule(0.1, 8192) == 3.2 (ResNet-50's 0.1 per 256 images).
+inline double linear_scaling_rule(double base_lr, std::int64_t global_batch, std::int64_t reference_batch = 256) {
+  TESSERA_CHECK(base_lr >= 0, ArgumentError, "linear_scaling_rule: base_lr=", base_lr, " must be >= 0");
+  TESSERA_CHECK(global_batch > 0 && reference_batch > 0, ArgumentError, "linear_scaling_rule: global_batch=",
+                global_batch, " and reference_batch=", reference_batch, " must be positive");
+  return base_lr * static_cast<double>(global_batch) / static_cast<double>(reference_batch);
+}
+
+// Biases and normalization scales/shifts are commonly excluded from weight decay (Goyal et al.;
+// "no bias decay"): decaying them only shrinks the network's freedom to shift and rescale.
+inline bool gets_weight_decay(ParamKind kind, bool decay_norm_and_bias) {
+  return decay_norm_and_bias || kind == ParamKind::Weight;
+}
+
+// One optimized parameter: its state_dict name (state names derive from it), the parameter, and
+// whether weight decay applies to it. The list plays the role of torch's two param groups
+// ("decay" and "no_decay") without duplicating the other hyper-parameters.
+template <class S, class D>
+struct OptimParam {
+  std::string name;
+  Parameter<S, D>* param;
+  bool decay;
+};
+
+// The parameters of `named` in visiting order with their decay mask. Requires a non-empty list of
+// distinct parameters (torch.optim raises on both) whose grad has the value's shape.
+template <class S, class D>
+std::vector<OptimParam<S, D>> optim_params(const NamedTensors<S, D>& named, bool decay_norm_and_bias,
+                                           const char* optimizer) {
+  TESSERA_CHECK(!named.parameters.empty(), ArgumentError, optimizer,
+                ": no parameters to optimize (collect them first, e.g. named_tensors<S, D>(model))");
+  std::vector<OptimParam<S, D>> out;
+  out.reserve(named.parameters.size());
+  for (const auto& [name, p] : named.parameters) {
+    TESSERA_CHECK(p != nullptr, ArgumentError, optimizer, ": parameter '", name, "' is null");
+    for (const auto& q : out)
+      TESSERA_CHECK(q.param != p, ArgumentError, optimizer, ": parameter '", name, "' is the same object as '",
+                    q.name, "'; each parameter may appear only once");
+    TESSERA_CHECK(p->grad.shape() == p->value.shape(), ShapeError, optimizer, ": parameter '", name, "' has value ",
+                  p->value.shape(), " but grad ", p->grad.shape());
+    out.push_back({name, p, gets_weight_decay(p->kind, decay_norm_and_bias)});
+  }
+  return out;
+}
+
+namespace detail {
+
+// Below this many elements the OpenMP fork/join costs more than the update itself (biases, BN).
+inline constexpr std::int64_t kOptimParallelElements = std::int64_t(1) << 15;
+
+// Runs f(i) for i in [0, n), over OpenMP threads when n is large. f is inlined, so the loop
+// body vectorizes like a hand-written loop.
+template <class F>
+void for_each_element(std::int64_t n, F f) {
+#pragma omp parallel for schedule(static) if (n >= kOptimParallelElements)
+  for (std::int64_t i = 0; i < n; ++i) f(i);
+}
+
+// Makes t a zero tensor of the given shape unless it already is allocated with that shape (state
+// created lazily by step() or by visit_state() must not clobber loaded values). The data check
+// matters for rank-0 parameters: a default Tensor already has the rank-0 shape but no buffer.
+template <class S, class D>
+void ensure_state_tensor(Tensor<S, D>& t, const Shape& shape) {
+  if (t.shape() == shape && t.data() != nullptr) return;
+  t.resize(shape);
+  t.zero();
+}
+
+template <class S, class D>
+void zero_grads(std::vector<OptimParam<S, D>>& params) {
+  for (auto& p : params) {
+    S* g = p.param->grad.data();
+    for_each_element(p.param->grad.numel(), [=](std::int64_t i) { g[i] = S(0); });
+  }
+}
+
+inline void check_lr(double lr, const char* optimizer) {
+  TESSERA_CHECK(lr >= 0, ArgumentError, optimizer, ": lr=", lr, " must be set to a value >= 0");
+}
+
+}  // namespace detail
+
+}  // namespace tessera
