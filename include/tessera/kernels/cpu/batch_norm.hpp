@@ -1,0 +1,180 @@
+// Batch normalization kernels on (N, C, HW) data (HW = H*W for images, 1 for (N, C) inputs), split
+// into the steps that SyncBatchNorm interleaves with all-reduces:
+//
+//   forward:   batch_norm_local_stats      sum[c] = sum_{n,s} x,  sumsq[c] = sum_{n,s} x^2   (local)
+//              [all-reduce sum, sumsq and the count here for SyncBatchNorm]
+//              batch_norm_finalize_stats   mean = sum / M,  var = sumsq / M - mean^2,  invstd = 1/sqrt(var + eps)
+//              batch_norm_update_running   running = (1 - momentum) running + momentum * (mean, var * M/(M-1))
+//              batch_norm_normalize        y = gamma (x - mean) invstd + beta
+//   backward:  batch_norm_backward_local_sums   sum_dy[c] = sum dy,  sum_dy_xhat[c] = sum dy * xhat   (local)
+//              [all-reduce sum_dy, sum_dy_xhat here for SyncBatchNorm; dgamma = sum_dy_xhat, dbeta = sum_dy
+//               stay the local sums]
+//              batch_norm_backward_input   dx = gamma invstd (dy - sum_dy/M - xhat sum_dy_xhat/M)
+//              batch_norm_backward_input_affine (eval mode: mean and invstd are constants) dx = gamma invstd dy
+//
+// M is the number of values per channel over the whole (possibly distributed) batch.
+// Sums are accumulated and exchanged in double: var = E[x^2] - mean^2 cancels, and float sums of
+// 10^5 values per channel would lose the digits the difference needs. Channels run in parallel.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+// x viewed as (n, c, hw): element (i, ch, s) at (i * c + ch) * hw + s.
+struct BatchNormShape {
+  std::int64_t n = 0, c = 0, hw = 1;
+  std::int64_t numel() const { return n * c * hw; }
+  std::int64_t count() const { return n * hw; }  // values per channel
+};
+
+namespace detail {
+// Below this many elements the OpenMP fork costs more than it saves.
+inline constexpr std::int64_t kBatchNormParallelThreshold = 1 << 14;
+}
+
+template <class S>
+void batch_norm_local_stats(Cpu, const S* x, BatchNormShape s, double* sum, double* sumsq) {
+#pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
+  for (std::int64_t ch = 0; ch < s.c; ++ch) {
+    double acc = 0, acc2 = 0;
+    for (std::int64_t i = 0; i < s.n; ++i) {
+      const S* row = x + (i * s.c + ch) * s.hw;
+#pragma omp simd reduction(+ : acc, acc2)
+      for (std::int64_t k = 0; k < s.hw; ++k) {
+        const double v = row[k];
+        acc += v;
+        acc2 += v * v;
+      }
+    }
+    sum[ch] = acc;
+    sumsq[ch] = acc2;
+  }
+}
+
+// mean and invstd of the batch from the (global) sums over `count` values per channel.
+template <class S>
+void batch_norm_finalize_stats(Cpu, std::int64_t channels, const double* sum, const double* sumsq,
+                               std::int64_t count, double eps, S* mean, S* invstd) {
+  const double m = static_cast<double>(count);
+  for (std::int64_t ch = 0; ch < channels; ++ch) {
+    const double mu = sum[ch] / m;
+    const double var = std::max(sumsq[ch] / m - mu * mu, 0.0);  // biased, as the normalization uses
+    mean[ch] = static_cast<S>(mu);
+    invstd[ch] = static_cast<S>(1.0 / std::sqrt(var + eps));
+  }
+}
+
+// Running statistics as torch.nn.BatchNorm2d keeps them: the variance is the unbiased one (M - 1).
+// Requires count > 1.
+template <class S>
+void batch_norm_update_running(Cpu, std::int64_t channels, const double* sum, const double* sumsq,
+                               std::int64_t count, double momentum, S* running_mean, S* running_var) {
+  const double m = static_cast<double>(count);
+  for (std::int64_t ch = 0; ch < channels; ++ch) {
+    const double mu = sum[ch] / m;
+    const double var = std::max(sumsq[ch] / m - mu * mu, 0.0) * (m / (m - 1.0));
+    running_mean[ch] = static_cast<S>((1.0 - momentum) * running_mean[ch] + momentum * mu);
+    running_var[ch] = static_cast<S>((1.0 - momentum) * running_var[ch] + momentum * var);
+  }
+}
+
+// invstd = 1 / sqrt(var + eps), for eval mode from the running variance.
+template <class S>
+void batch_norm_invstd(Cpu, std::int64_t channels, const S* var, double eps, S* invstd) {
+  for (std::int64_t ch = 0; ch < channels; ++ch)
+    invstd[ch] = static_cast<S>(1.0 / std::sqrt(static_cast<double>(var[ch]) + eps));
+}
+
+// y = (x - mean) scale + beta with scale = gamma invstd. Centring first (rather than folding mean
+// into the shift) keeps float32 accurate when a channel's mean is large against its spread.
+template <class S>
+void batch_norm_normalize(Cpu, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                          const S* beta, S* y) {
+#pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
+  for (std::int64_t ch = 0; ch < s.c; ++ch) {
+    const S scale = gamma[ch] * invstd[ch];
+    const S mu = mean[ch];
+    const S shift = beta[ch];
+    for (std::int64_t i = 0; i < s.n; ++i) {
+      const std::int64_t off = (i * s.c + ch) * s.hw;
+      const S* xr = x + off;
+      S* yr = y + off;
+#pragma omp simd
+      for (std::int64_t k = 0; k < s.hw; ++k) yr[k] = (xr[k] - mu) * scale + shift;
+    }
+  }
+}
+
+// sum_dy[c] = sum dy;  sum_dy_xhat[c] = sum dy * (x - mean) * invstd   (the local dbeta and dgamma).
+template <class S>
+void batch_norm_backward_local_sums(Cpu, const S* dy, const S* x, BatchNormShape s, const S* mean,
+                                    const S* invstd, double* sum_dy, double* sum_dy_xhat) {
+#pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
+  for (std::int64_t ch = 0; ch < s.c; ++ch) {
+    const double mu = mean[ch];
+    double acc = 0, acc_xmu = 0;
+    for (std::int64_t i = 0; i < s.n; ++i) {
+      const std::int64_t off = (i * s.c + ch) * s.hw;
+      const S* dyr = dy + off;
+      const S* xr = x + off;
+#pragma omp simd reduction(+ : acc, acc_xmu)
+      for (std::int64_t k = 0; k < s.hw; ++k) {
+        const double g = dyr[k];
+        acc += g;
+        acc_xmu += g * (static_cast<double>(xr[k]) - mu);
+      }
+    }
+    sum_dy[ch] = acc;
+    sum_dy_xhat[ch] = acc_xmu * static_cast<double>(invstd[ch]);
+  }
+}
+
+// Train-mode dx, with mean and invstd functions of the batch:
+//   dx = gamma invstd (dy - sum_dy/M - xhat sum_dy_xhat/M),  xhat = (x - mean) invstd,
+// evaluated per element as a dy + b (x - mean) + c with per-channel a, b, c.
+template <class S>
+void batch_norm_backward_input(Cpu, const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
+                               const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
+                               S* dx) {
+  const double m = static_cast<double>(count);
+#pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
+  for (std::int64_t ch = 0; ch < s.c; ++ch) {
+    const double is = invstd[ch];
+    const double k = static_cast<double>(gamma[ch]) * is;
+    const S a = static_cast<S>(k);
+    const S b = static_cast<S>(-k * is * sum_dy_xhat[ch] / m);
+    const S c = static_cast<S>(-k * sum_dy[ch] / m);
+    const S mu = mean[ch];
+    for (std::int64_t i = 0; i < s.n; ++i) {
+      const std::int64_t off = (i * s.c + ch) * s.hw;
+      const S* dyr = dy + off;
+      const S* xr = x + off;
+      S* dxr = dx + off;
+#pragma omp simd
+      for (std::int64_t k2 = 0; k2 < s.hw; ++k2) dxr[k2] = a * dyr[k2] + b * (xr[k2] - mu) + c;
+    }
+  }
+}
+
+// Eval-mode dx: the statistics are constants, so dx = gamma invstd dy.
+template <class S>
+void batch_norm_backward_input_affine(Cpu, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx) {
+#pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
+  for (std::int64_t ch = 0; ch < s.c; ++ch) {
+    const S a = gamma[ch] * invstd[ch];
+    for (std::int64_t i = 0; i < s.n; ++i) {
+      const std::int64_t off = (i * s.c + ch) * s.hw;
+      const S* dyr = dy + off;
+      S* dxr = dx + off;
+#pragma omp simd
+      for (std::int64_t k = 0; k < s.hw; ++k) dxr[k] = a * dyr[k];
+    }
+  }
+}
+
+}  // namespace tessera

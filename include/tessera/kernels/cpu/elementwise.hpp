@@ -1,0 +1,74 @@
+// Elementwise kernels on flat arrays of n values (activations, dropout).
+//
+//   relu_forward      y = max(x, 0)
+//   relu_backward     dx = dy * (y > 0)                      (from the output: no copy of x needed)
+//   gelu_forward      y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))      (exact form, PyTorch's default)
+//   gelu_backward     dx = dy (Phi(x) + x phi(x)),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+//   dropout_mask      mask_i = keep_i / (1 - p), keep_i ~ Bernoulli(1 - p), drawn in order from rng
+//   multiply          out = a * b
+//
+// Loops are contiguous (the compiler vectorizes them) and OpenMP-parallel above a size threshold.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+
+#include "tessera/core/random.hpp"
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+namespace detail {
+// Below this many elements the OpenMP fork costs more than it saves.
+inline constexpr std::int64_t kElementwiseParallelThreshold = 1 << 15;
+}
+
+template <class S>
+void relu_forward(Cpu, const S* x, std::int64_t n, S* y) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] > S(0) ? x[i] : S(0);
+}
+
+template <class S>
+void relu_backward(Cpu, const S* dy, const S* y, std::int64_t n, S* dx) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) dx[i] = y[i] > S(0) ? dy[i] : S(0);
+}
+
+template <class S>
+void gelu_forward(Cpu, const S* x, std::int64_t n, S* y) {
+  const S inv_sqrt2 = static_cast<S>(std::numbers::sqrt2 / 2);
+#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold / 8)
+  for (std::int64_t i = 0; i < n; ++i) y[i] = S(0.5) * x[i] * (S(1) + std::erf(x[i] * inv_sqrt2));
+}
+
+template <class S>
+void gelu_backward(Cpu, const S* dy, const S* x, std::int64_t n, S* dx) {
+  const S inv_sqrt2 = static_cast<S>(std::numbers::sqrt2 / 2);
+  const S inv_sqrt_2pi = static_cast<S>(std::numbers::inv_sqrtpi * std::numbers::sqrt2 / 2);
+#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold / 8)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const S v = x[i];
+    const S cdf = S(0.5) * (S(1) + std::erf(v * inv_sqrt2));
+    const S pdf = inv_sqrt_2pi * std::exp(S(-0.5) * v * v);
+    dx[i] = dy[i] * (cdf + v * pdf);
+  }
+}
+
+// Sequential in the rng (so a seed fixes the mask whatever the thread count). keep_i is
+// u_i < 1 - p for u_i uniform in [0, 1) on the 53-bit grid, compared as integers.
+template <class S>
+void dropout_mask(Cpu, std::int64_t n, double p, Rng& rng, S* mask) {
+  const auto threshold = static_cast<std::uint64_t>((1.0 - p) * 0x1.0p53);
+  const S scale = static_cast<S>(1.0 / (1.0 - p));
+  for (std::int64_t i = 0; i < n; ++i) mask[i] = (rng.next_u64() >> 11) < threshold ? scale : S(0);
+}
+
+template <class S>
+void multiply(Cpu, const S* a, const S* b, std::int64_t n, S* out) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
+}
+
+}  // namespace tessera

@@ -1,0 +1,185 @@
+"""Reference data for BatchNorm2d, GELU, CrossEntropyLoss and MseLoss
+(tests/layers/test_norm_act.cpp, tests/losses/test_losses.cpp).
+
+Run with /usr/bin/python3 (PyTorch 1.13, CPU) from the repository root:
+    /usr/bin/python3 tools/reference/gen_norm_act_loss.py
+Writes tests/data/norm_act_loss.safetensors, everything in float64:
+  BatchNorm (bn_*): <case>.x, .weight, .bias, .g (upstream gradient dL/dy of L = sum(y * g)),
+    PyTorch's .y, .dx, .dweight, .dbias; train cases also .x2 (a second batch) and the running
+    statistics after one step (.running_mean1, .running_var1) and after two (.running_mean2,
+    .running_var2); eval cases take .running_mean, .running_var as inputs.
+  GELU: gelu.x, gelu.g, gelu.y, gelu.dx.
+  CrossEntropyLoss (ce_*): <case>.logits, .labels (int64), .loss (scalar), .dlogits.
+  MseLoss (mse_*): <case>.y, .target, .loss (scalar), .dy.
+  <case>.torch_f32_err.<t>: PyTorch's own float32 error on tensor t, ||t32 - t64|| / ||t64||, from
+    which the C++ tests derive their float32 tolerances.
+The metadata holds each case's configuration string; the C++ tests rebuild it from their own
+tables and require equality, so the two cannot drift apart.
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from safetensors_io import save  # noqa: E402
+
+# name: (shape of x, mode, eps, momentum)
+BATCH_NORMS = {
+    "bn_train_4d": ((4, 3, 5, 4), "train", 1e-5, 0.1),
+    "bn_train_2d": ((6, 5), "train", 1e-3, 0.3),
+    "bn_eval_4d": ((3, 4, 3, 3), "eval", 1e-5, 0.1),
+    "bn_eval_2d": ((5, 3), "eval", 1e-2, 0.1),
+}
+# name: (N, C, reduction, label_smoothing, logit offset)
+CROSS_ENTROPIES = {
+    "ce_mean": (7, 5, "mean", 0.0, 0.0),
+    "ce_sum": (7, 5, "sum", 0.0, 0.0),
+    "ce_mean_ls": (7, 5, "mean", 0.1, 0.0),
+    "ce_sum_ls": (6, 11, "sum", 0.25, 0.0),
+    "ce_mean_large_logits": (4, 6, "mean", 0.1, 800.0),
+}
+# name: (shape, reduction)
+MSES = {
+    "mse_mean": ((3, 4, 5), "mean"),
+    "mse_sum": ((6, 7), "sum"),
+}
+
+
+def bn_config(c):
+    shape, mode, eps, momentum = c
+    return f"shape={'x'.join(map(str, shape))} mode={mode} eps={eps:g} momentum={momentum:g}"
+
+
+def ce_config(c):
+    n, classes, reduction, smoothing, offset = c
+    return f"N={n} C={classes} reduction={reduction} label_smoothing={smoothing:g} offset={offset:g}"
+
+
+def mse_config(c):
+    shape, reduction = c
+    return f"shape={'x'.join(map(str, shape))} reduction={reduction}"
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def run_bn(c, inputs, dtype):
+    shape, mode, eps, momentum = c
+    channels = shape[1]
+    bn = torch.nn.BatchNorm2d(channels, eps=eps, momentum=momentum) if len(shape) == 4 else \
+        torch.nn.BatchNorm1d(channels, eps=eps, momentum=momentum)
+    bn = bn.to(dtype)
+    with torch.no_grad():
+        bn.weight.copy_(inputs["weight"])
+        bn.bias.copy_(inputs["bias"])
+        if mode == "eval":
+            bn.running_mean.copy_(inputs["running_mean"])
+            bn.running_var.copy_(inputs["running_var"])
+    bn.train(mode == "train")
+    x = inputs["x"].to(dtype).clone().requires_grad_()
+    y = bn(x)
+    y.backward(inputs["g"].to(dtype))
+    out = {"y": y.detach(), "dx": x.grad, "dweight": bn.weight.grad, "dbias": bn.bias.grad}
+    if mode == "train":
+        out["running_mean1"] = bn.running_mean.clone()
+        out["running_var1"] = bn.running_var.clone()
+        with torch.no_grad():
+            bn(inputs["x2"].to(dtype))
+        out["running_mean2"] = bn.running_mean.clone()
+        out["running_var2"] = bn.running_var.clone()
+    return out
+
+
+def run_gelu(inputs, dtype):
+    x = inputs["x"].to(dtype).clone().requires_grad_()
+    y = torch.nn.functional.gelu(x)  # approximate='none': the exact erf form
+    y.backward(inputs["g"].to(dtype))
+    return {"y": y.detach(), "dx": x.grad}
+
+
+def run_ce(c, inputs, dtype):
+    n, classes, reduction, smoothing, offset = c
+    logits = inputs["logits"].to(dtype).clone().requires_grad_()
+    loss = torch.nn.CrossEntropyLoss(reduction=reduction, label_smoothing=smoothing)(logits, inputs["labels"])
+    loss.backward()
+    return {"loss": loss.detach(), "dlogits": logits.grad}
+
+
+def run_mse(c, inputs, dtype):
+    shape, reduction = c
+    y = inputs["y"].to(dtype).clone().requires_grad_()
+    loss = torch.nn.MSELoss(reduction=reduction)(y, inputs["target"].to(dtype))
+    loss.backward()
+    return {"loss": loss.detach(), "dy": y.grad}
+
+
+def add_case(tensors, name, inputs, run):
+    ref = run(torch.float64)
+    f32 = run(torch.float32)
+    for k, v in inputs.items():
+        tensors[f"{name}.{k}"] = v.numpy()
+    for k, v in ref.items():
+        tensors[f"{name}.{k}"] = v.detach().numpy()
+        tensors[f"{name}.torch_f32_err.{k}"] = np.array(rel_err(f32[k], v), dtype=np.float64)
+
+
+def main():
+    torch.manual_seed(20240611)
+    tensors, metadata = {}, {}
+    d = torch.float64
+
+    for name, c in BATCH_NORMS.items():
+        shape, mode, eps, momentum = c
+        channels = shape[1]
+        bshape = (1, channels) + (1,) * (len(shape) - 2)
+        # Channel means and scales away from 0 and 1, so that a kernel that forgets to centre or
+        # to scale fails.
+        shift = torch.randn(bshape, dtype=d) * 2.0
+        scale = torch.rand(bshape, dtype=d) * 2.0 + 0.5
+        inputs = {
+            "x": torch.randn(shape, dtype=d) * scale + shift,
+            "weight": torch.rand(channels, dtype=d) + 0.5,
+            "bias": torch.randn(channels, dtype=d),
+            "g": torch.randn(shape, dtype=d),
+        }
+        if mode == "train":
+            inputs["x2"] = torch.randn(shape, dtype=d) * scale + shift * 0.5
+        else:
+            inputs["running_mean"] = torch.randn(channels, dtype=d)
+            inputs["running_var"] = torch.rand(channels, dtype=d) * 2.0 + 0.2
+        add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_bn(c, i, dt))
+        metadata[name] = bn_config(c)
+
+    x = torch.cat([torch.linspace(-9.0, 9.0, 121, dtype=d), torch.randn(79, dtype=d) * 2.0]).reshape(4, 50)
+    inputs = {"x": x, "g": torch.randn(4, 50, dtype=d)}
+    add_case(tensors, "gelu", inputs, lambda dt, i=inputs: run_gelu(i, dt))
+    metadata["gelu"] = "shape=4x50"
+
+    for name, c in CROSS_ENTROPIES.items():
+        n, classes, reduction, smoothing, offset = c
+        inputs = {"logits": torch.randn(n, classes, dtype=d) * 3.0 + offset,
+                  "labels": torch.randint(0, classes, (n,), dtype=torch.int64)}
+        add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_ce(c, i, dt))
+        metadata[name] = ce_config(c)
+
+    for name, c in MSES.items():
+        shape, reduction = c
+        inputs = {"y": torch.randn(shape, dtype=d), "target": torch.randn(shape, dtype=d)}
+        add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_mse(c, i, dt))
+        metadata[name] = mse_config(c)
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "tests", "data", "norm_act_loss.safetensors")
+    save(path, tensors, metadata)
+    print(f"wrote {path}: {len(tensors)} tensors, {os.path.getsize(path)} bytes")
+    for k in sorted(tensors):
+        if ".torch_f32_err." in k:
+            print(f"  {k} = {float(tensors[k]):.3e}")
+
+
+if __name__ == "__main__":
+    main()
