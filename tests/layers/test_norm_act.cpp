@@ -69,7 +69,10 @@ std::string fmt_g(double v) {
 
 std::string shape_str(const Shape& s) {
   std::string out;
-  for (int i = 0; i < s.rank(); ++i) out += (i ? "x" : "") + std::to_string(s[i]);
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i) out += 'x';
+    out += std::to_string(s[i]);
+  }
   return out;
 }
 

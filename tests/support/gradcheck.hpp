@@ -26,6 +26,10 @@ inline T64 random_tensor(const Shape& shape, Rng& rng, double scale = 1.0) {
   return t;
 }
 
+inline void normal_fill(T64& t, Rng& rng, double scale = 1.0) {
+  for (auto& v : t) v = rng.normal(0.0, scale);
+}
+
 inline double dot(const T64& a, const T64& b) {
   double s = 0;
   for (std::int64_t i = 0; i < a.numel(); ++i) s += a[i] * b[i];

@@ -7,6 +7,8 @@
 #include <span>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
+#include "tessera/device/cpu.hpp"
 
 namespace tessera {
 
@@ -58,5 +60,9 @@ class LocalComm {
 static_assert(Communicator<LocalComm>, "LocalComm must satisfy Communicator");
 static_assert(AsyncCommunicator<LocalComm>, "LocalComm must satisfy AsyncCommunicator");
 static_assert(SplittableCommunicator<LocalComm>, "LocalComm must satisfy SplittableCommunicator");
+
+// The single-process bundles: float32 for training, float64 for gradient checks.
+using CpuLocal = Env<Cpu, LocalComm, float>;
+using CpuLocal64 = Env<Cpu, LocalComm, double>;
 
 }  // namespace tessera

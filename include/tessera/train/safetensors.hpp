@@ -372,7 +372,10 @@ class SafetensorsWriter {
     for (auto& e : entries_) {
       if (header.size() > 1) header += ",";
       header += quote(e.name) + ":{\"dtype\":\"" + std::string(dtype_name(e.dtype)) + "\",\"shape\":[";
-      for (int i = 0; i < e.shape.rank(); ++i) header += (i ? "," : "") + std::to_string(e.shape[i]);
+      for (int i = 0; i < e.shape.rank(); ++i) {
+        if (i) header += ',';
+        header += std::to_string(e.shape[i]);
+      }
       header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + e.bytes.size()) + "]}";
       offset += e.bytes.size();
     }

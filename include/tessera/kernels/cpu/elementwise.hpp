@@ -71,4 +71,21 @@ void multiply(Cpu, const S* a, const S* b, std::int64_t n, S* out) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
 }
 
+template <class S>
+void add(Cpu, const S* a, const S* b, std::int64_t n, S* out) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+// The residual join y = max(a + b, 0), fused so the sum is never stored: one pass over memory
+// instead of two. Its backward is relu_backward on y.
+template <class S>
+void add_relu_forward(Cpu, const S* a, const S* b, std::int64_t n, S* y) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const S s = a[i] + b[i];
+    y[i] = s > S(0) ? s : S(0);
+  }
+}
+
 }  // namespace tessera

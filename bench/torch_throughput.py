@@ -1,0 +1,73 @@
+"""PyTorch twin of train_throughput: images/s of the same training steps, as JSON on stdout.
+
+    /usr/bin/python3 bench/torch_throughput.py --threads 2 --models mlp,lenet,resnet20,resnet50_b8,resnet50_b32
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_models  # noqa: E402
+
+CONFIGS = {  # name: (builder, batch, channels, image, classes, default steps)
+    "mlp": (lambda: torch_models.mlp(), 128, 1, 28, 10, 50),
+    "lenet": (lambda: torch_models.lenet5(), 64, 1, 28, 10, 50),
+    "resnet20": (lambda: torch_models.resnet20(), 64, 1, 28, 10, 10),
+    "resnet50_b8": (lambda: torch_models.resnet50(), 8, 3, 224, 1000, 3),
+    "resnet50_b32": (lambda: torch_models.resnet50(), 32, 3, 224, 1000, 3),
+}
+
+
+def measure(name, steps_flag, warmup):
+    build, batch, channels, image, classes, default_steps = CONFIGS[name]
+    steps = steps_flag or default_steps
+    torch.manual_seed(1)
+    model = build()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.randn(batch, channels, image, image)
+    y = torch.randint(0, classes, (batch,))
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(min(warmup, 1) if name.startswith("resnet50") else warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    median = times[len(times) // 2]
+    return {"model": name, "batch": batch, "image": image, "steps": steps, "median_step_s": median,
+            "images_per_second": batch / median}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(CONFIGS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    for name in args.models.split(","):
+        r = measure(name, args.steps, args.warmup)
+        print(f"{name:13} batch {r['batch']:3}  {r['images_per_second']:8.1f} img/s", file=sys.stderr)
+        results.append(r)
+    print(json.dumps({"framework": "pytorch", "version": torch.__version__, "threads": args.threads,
+                      "mkldnn": torch.backends.mkldnn.is_enabled(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+// Training-step throughput (images/s) of Tessera models on synthetic data, as JSON.
+//
+//   ./train_throughput [--models=mlp,lenet,resnet20,resnet50_b8,resnet50_b32] [--threads=2]
+//                      [--steps=N] [--warmup=2]
+//
+// Each model: `warmup` steps (caches and workspaces settle), then `steps` timed steps; reports the
+// median step time, images/s, and the heap allocations made during the timed steps, counted by
+// interposing malloc (so Eigen's and OpenMP's allocations count too, not just operator new).
+// Never a timed test: bench/compare_pytorch.py runs this next to PyTorch and prints the ratio.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.hpp"
+
+// ---- allocation counting: every malloc-family call while `g_counting` is set -------------------
+extern "C" void* __libc_malloc(std::size_t);
+extern "C" void* __libc_calloc(std::size_t, std::size_t);
+extern "C" void* __libc_realloc(void*, std::size_t);
+extern "C" void* __libc_memalign(std::size_t, std::size_t);
+static std::atomic<bool> g_counting{false};
+static std::atomic<long> g_allocations{0};
+static inline void note_allocation() {
+  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
+}
+extern "C" void* malloc(std::size_t n) {
+  note_allocation();
+  return __libc_malloc(n);
+}
+extern "C" void* calloc(std::size_t n, std::size_t m) {
+  note_allocation();
+  return __libc_calloc(n, m);
+}
+extern "C" void* realloc(void* p, std::size_t n) {
+  note_allocation();
+  return __libc_realloc(p, n);
+}
+extern "C" void* aligned_alloc(std::size_t a, std::size_t n) {
+  note_allocation();
+  return __libc_memalign(a, n);
+}
+extern "C" int posix_memalign(void** out, std::size_t a, std::size_t n) {
+  note_allocation();
+  *out = __libc_memalign(a, n);
+  return *out ? 0 : 12;
+}
+
+using namespace tessera;
+using E = CpuLocal;
+
+struct Result {
+  std::string model;
+  std::int64_t batch, image;
+  double median_step_s, images_per_second;
+  long allocations;
+  int steps;
+};
+
+template <class Model>
+Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
+               std::int64_t classes, int warmup, int steps) {
+  auto named = named_tensors<float, Cpu>(model);
+  Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-4});
+  Trainer trainer(model, sgd, ConstantLr{0.01}, {.epochs = 1, .verbose = false});
+  Dataset data = SyntheticImages(batch, channels, image, image, classes, 11);
+  DataLoader<float> loader(data, {.batch_size = batch, .shuffle = false, .prefetch = false});
+  Batch<float> b;
+  loader.start_epoch(0);
+  loader.next(b);
+  for (int i = 0; i < warmup; ++i) trainer.train_step(b);
+  std::vector<double> times;
+  g_allocations = 0;
+  for (int i = 0; i < steps; ++i) {
+    g_counting = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    trainer.train_step(b);
+    const auto t1 = std::chrono::steady_clock::now();
+    g_counting = false;
+    times.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+  return {label, batch, image, median, static_cast<double>(batch) / median, g_allocations.load(), steps};
+}
+
+int main(int argc, char** argv) {
+  try {
+    Flags flags(argc, argv);
+    const std::string models = flags.get("models", std::string("mlp,lenet,resnet20,resnet50_b8,resnet50_b32"));
+    const int threads = flags.get("threads", 2);
+    const int steps_flag = flags.get("steps", 0);
+    const int warmup = flags.get("warmup", 2);
+    flags.finish();
+    Cpu::set_num_threads(threads);
+
+    std::vector<Result> results;
+    std::stringstream list(models);
+    for (std::string m; std::getline(list, m, ',');) {
+      auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
+      if (m == "mlp") {
+        Mlp<E> net(784, {512, 256}, 10, 1);
+        results.push_back(measure(m, net, 128, 1, 28, 10, warmup, steps(50)));
+      } else if (m == "lenet") {
+        auto net = lenet5<E>(1, 28, 10, 1);
+        results.push_back(measure(m, net, 64, 1, 28, 10, warmup, steps(50)));
+      } else if (m == "resnet20") {
+        auto net = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
+        results.push_back(measure(m, net, 64, 1, 28, 10, warmup, steps(10)));
+      } else if (m == "resnet50_b8" || m == "resnet50_b32") {
+        auto net = resnet50<E>({.in_channels = 3, .num_classes = 1000, .seed = 1});
+        const std::int64_t batch = m == "resnet50_b8" ? 8 : 32;
+        results.push_back(measure(m, net, batch, 3, 224, 1000, std::min(warmup, 1), steps(3)));
+      } else {
+        throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32)");
+      }
+      const auto& r = results.back();
+      std::fprintf(stderr, "%-13s batch %3lld  %8.1f img/s  median step %.4f s  allocations %ld\n", r.model.c_str(),
+                   static_cast<long long>(r.batch), r.images_per_second, r.median_step_s, r.allocations);
+    }
+    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"results\": [", threads);
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const auto& r = results[i];
+      std::printf("%s{\"model\": \"%s\", \"batch\": %lld, \"image\": %lld, \"steps\": %d, \"median_step_s\": %.6f, "
+                  "\"images_per_second\": %.2f, \"allocations_in_timed_steps\": %ld}",
+                  i ? ", " : "", r.model.c_str(), static_cast<long long>(r.batch), static_cast<long long>(r.image),
+                  r.steps, r.median_step_s, r.images_per_second, r.allocations);
+    }
+    std::printf("]}\n");
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

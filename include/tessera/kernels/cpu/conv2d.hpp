@@ -1,0 +1,382 @@
+// 2-D convolution on the CPU by im2col + gemm (the Caffe / PyTorch-THNN formulation), NCHW.
+//
+//   x (N, C, H, W), w (K, C/G, kh, kw), b (K)  ->  y (N, K, H', W')
+//   H' = (H + 2 ph - dh (kh - 1) - 1) / sh + 1      (likewise W')
+//   y[n, k, oh, ow] = b[k] + sum_{c in group(k), i, j} w[k, c, i, j] x[n, c, oh sh - ph + i dh, ow sw - pw + j dw]
+//
+// im2col turns a block of output positions into the matrix col (C kh kw, columns) whose row
+// (c, i, j) holds the input pixel each position sees through tap (i, j) of channel c (zero in the
+// padding). For group g:   y_g (K/G, columns) = w_g (K/G, C/G kh kw) x col_g.
+// Backward with dy (N, K, H', W'):
+//   dw_g += dy_g x col_g^T        db += sum over n, oh, ow of dy        dx = col2im(w_g^T dy_g)
+// col is recomputed from x in backward (storing it per micro-batch would cost kh kw times the input).
+//
+// Work is cut into blocks, each handled by one thread with a single-threaded gemm on its own
+// column buffer: either a band of output rows of one sample (large images: the band's columns
+// fit in L2, so im2col writes and the gemm reads hit the cache) or several whole samples (small
+// images such as ResNet's 7x7 stage, where one sample's product would be too narrow; costs a
+// copy between the (K, samples H' W') product and NCHW). Forward blocks are independent. In
+// backward, bands of one sample overlap in dx, so a thread owns whole samples, and each thread
+// accumulates dw privately; the partial sums are added at the end. With fewer sample groups than
+// threads, or when the private copies of dw would take too much memory, backward runs the groups
+// one after another with gemm parallel inside instead.
+// A 1x1, stride-1, unpadded convolution needs no im2col on single-sample blocks: the input of one
+// sample already is the (C, H W) matrix.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/gemm.hpp"
+
+namespace tessera {
+
+// Output extent of a convolution or pooling window along one axis; 0 when the window does not fit.
+inline std::int64_t conv_output_extent(std::int64_t in, std::int64_t kernel, std::int64_t stride, std::int64_t pad,
+                                       std::int64_t dilation = 1) {
+  const std::int64_t span = in + 2 * pad - dilation * (kernel - 1) - 1;
+  return span < 0 ? 0 : span / stride + 1;
+}
+
+// Everything about one convolution except the batch size and the data.
+struct Conv2dGeometry {
+  std::int64_t channels = 0, height = 0, width = 0;  // input C, H, W
+  std::int64_t out_channels = 0, groups = 1;         // K, G
+  std::int64_t kernel_h = 1, kernel_w = 1, stride_h = 1, stride_w = 1;
+  std::int64_t pad_h = 0, pad_w = 0, dilation_h = 1, dilation_w = 1;
+  std::int64_t out_height = 0, out_width = 0;  // H', W'
+
+  std::int64_t in_plane() const { return height * width; }
+  std::int64_t out_plane() const { return out_height * out_width; }
+  std::int64_t taps() const { return kernel_h * kernel_w; }
+  std::int64_t col_rows() const { return channels * taps(); }                  // C kh kw
+  std::int64_t group_col_rows() const { return channels / groups * taps(); }  // C/G kh kw
+  std::int64_t group_out_channels() const { return out_channels / groups; }   // K/G
+  std::int64_t weight_elements() const { return out_channels * group_col_rows(); }
+  // 1x1, stride 1, no padding: one sample's input is its own column matrix.
+  bool pointwise() const {
+    return kernel_h == 1 && kernel_w == 1 && stride_h == 1 && stride_w == 1 && pad_h == 0 && pad_w == 0;
+  }
+};
+
+// How the output positions are cut into per-thread blocks (see the header comment).
+struct Conv2dBlocking {
+  std::int64_t samples = 1;  // whole samples per block; when 1, a block may be a band of rows
+  std::int64_t rows = 1;     // output rows per band (out_height when blocks are whole samples)
+  std::int64_t threads = 1;  // threads the workspace was sized for
+  bool parallel_backward = false;  // sample groups split over threads, each with a private dw
+
+  std::int64_t bands(const Conv2dGeometry& g) const { return (g.out_height + rows - 1) / rows; }
+  std::int64_t groups(std::int64_t batch) const { return (batch + samples - 1) / samples; }
+  std::int64_t max_columns(const Conv2dGeometry& g) const { return samples * rows * g.out_width; }
+  bool direct(const Conv2dGeometry& g) const { return g.pointwise() && samples == 1; }
+
+  // Per-thread buffers: col (C kh kw, columns) unless direct, and the (K, columns) staging
+  // buffer of multi-sample blocks; then (threads - 1) private dw accumulators for backward.
+  std::int64_t col_elements(const Conv2dGeometry& g) const {
+    return direct(g) ? 0 : g.col_rows() * max_columns(g);
+  }
+  std::int64_t stage_elements(const Conv2dGeometry& g) const {
+    return samples == 1 ? 0 : g.out_channels * max_columns(g);
+  }
+  std::int64_t thread_elements(const Conv2dGeometry& g) const { return col_elements(g) + stage_elements(g); }
+  std::int64_t workspace_elements(const Conv2dGeometry& g, bool backward) const {
+    return threads * thread_elements(g) + (backward && parallel_backward ? (threads - 1) * g.weight_elements() : 0);
+  }
+};
+
+namespace detail {
+
+// A block's column buffer stays in the per-core L2 cache (2 MiB on the machines we tune for, with
+// room left for gemm's packed panels); below kMinBlockColumns the product gets too narrow.
+constexpr std::int64_t kBlockBytes = 512 * 1024;
+constexpr std::int64_t kMinBlockColumns = 256;
+// Cap on the private dw accumulators of one layer (threads - 1 copies of its weight): beyond it
+// (many threads, large late-stage weights) backward runs its gemms parallel inside instead.
+constexpr std::int64_t kMaxPrivateGradientBytes = std::int64_t{32} << 20;
+// Below this many elements of work a loop runs on one thread: waking the team would cost more.
+constexpr std::int64_t kParallelGrain = 32768;
+
+inline std::int64_t max_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+inline std::int64_t thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+inline std::int64_t team_size() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// Range [lo, hi) of output columns ow whose tap ow * stride + offset lies inside [0, extent).
+inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
+                               std::int64_t& lo, std::int64_t& hi) {
+  lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  hi = extent - 1 - offset < 0 ? 0 : (extent - 1 - offset) / stride + 1;
+  lo = std::min(lo, out);
+  hi = std::clamp(hi, lo, out);
+}
+
+}  // namespace detail
+
+// Blocking for a batch: blocks of about kBlockBytes of columns (or `block_columns` columns when
+// positive: tests and tuning), as bands of rows on large images, else as groups of whole samples
+// whose number is rounded to a multiple of the threads so that backward (one group per thread at
+// a time) stays balanced. Backward splits the groups over the threads when there are enough of
+// them and the private dw copies fit in kMaxPrivateGradientBytes.
+inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+                                      std::int64_t block_columns = 0) {
+  Conv2dBlocking b;
+  b.threads = detail::max_threads();
+  const std::int64_t target =
+      block_columns > 0
+          ? block_columns
+          : std::max(detail::kMinBlockColumns, detail::kBlockBytes / std::max<std::int64_t>(g.col_rows() * scalar_bytes, 1));
+  const std::int64_t plane = std::max<std::int64_t>(g.out_plane(), 1);
+  b.rows = std::max<std::int64_t>(g.out_height, 1);
+  if (plane > target) {
+    b.rows = std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows);
+  } else {
+    b.samples = std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1));
+    std::int64_t groups = (batch + b.samples - 1) / b.samples;
+    groups = (groups + b.threads - 1) / b.threads * b.threads;
+    b.samples = std::max<std::int64_t>(1, (batch + groups - 1) / groups);
+  }
+  b.parallel_backward = b.threads > 1 && b.groups(batch) >= b.threads &&
+                        (b.threads - 1) * g.weight_elements() * scalar_bytes <= detail::kMaxPrivateGradientBytes;
+  return b;
+}
+
+// col (C kh kw, ldcol) <- patches of output rows [oh0, oh1) of `samples` consecutive inputs
+// x (samples, C, H, W); sample s fills columns [s (oh1 - oh0) W', (s + 1) (oh1 - oh0) W'). Serial:
+// the callers run one block per thread.
+template <class S>
+void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std::int64_t oh0, std::int64_t oh1, S* col,
+            std::int64_t ldcol) {
+  const std::int64_t taps = g.taps(), rows = g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
+  for (std::int64_t s = 0; s < samples; ++s) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
+      const S* in = x + (s * g.channels + c) * g.in_plane();
+      S* out = col + r * ldcol + s * sample_cols;
+      const std::int64_t w_offset = j * g.dilation_w - g.pad_w;  // iw = ow * stride_w + w_offset
+      std::int64_t lo, hi;
+      detail::valid_output_range(w_offset, g.stride_w, g.width, g.out_width, lo, hi);
+      for (std::int64_t oh = oh0; oh < oh1; ++oh, out += g.out_width) {
+        const std::int64_t ih = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+        if (ih < 0 || ih >= g.height) {
+          std::fill(out, out + g.out_width, S(0));
+          continue;
+        }
+        const S* row = in + ih * g.width;
+        std::fill(out, out + lo, S(0));
+        if (g.stride_w == 1) {
+          for (std::int64_t ow = lo; ow < hi; ++ow) out[ow] = row[ow + w_offset];
+        } else {
+          for (std::int64_t ow = lo; ow < hi; ++ow) out[ow] = row[ow * g.stride_w + w_offset];
+        }
+        std::fill(out + hi, out + g.out_width, S(0));
+      }
+    }
+  }
+}
+
+// dx (samples, C, H, W) += col2im(col): the inverse scatter of im2col for the same block, each
+// column entry added onto the input pixel it was copied from. Serial, like im2col.
+template <class S>
+void col2im_add(Cpu, const Conv2dGeometry& g, const S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
+                std::int64_t oh1, S* dx) {
+  const std::int64_t taps = g.taps(), rows = g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
+  for (std::int64_t s = 0; s < samples; ++s) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
+      S* out = dx + (s * g.channels + c) * g.in_plane();
+      const S* in = col + r * ldcol + s * sample_cols;
+      const std::int64_t w_offset = j * g.dilation_w - g.pad_w;
+      std::int64_t lo, hi;
+      detail::valid_output_range(w_offset, g.stride_w, g.width, g.out_width, lo, hi);
+      for (std::int64_t oh = oh0; oh < oh1; ++oh, in += g.out_width) {
+        const std::int64_t ih = oh * g.stride_h - g.pad_h + i * g.dilation_h;
+        if (ih < 0 || ih >= g.height) continue;
+        S* row = out + ih * g.width;
+        if (g.stride_w == 1) {
+          for (std::int64_t ow = lo; ow < hi; ++ow) row[ow + w_offset] += in[ow];
+        } else {
+          for (std::int64_t ow = lo; ow < hi; ++ow) row[ow * g.stride_w + w_offset] += in[ow];
+        }
+      }
+    }
+  }
+}
+
+namespace detail {
+
+// One block of work: samples [n0, n0 + count) and, when count == 1, output rows [oh0, oh1).
+struct ConvBlock {
+  std::int64_t n0, count, oh0, oh1;
+  std::int64_t columns(const Conv2dGeometry& g) const { return count * (oh1 - oh0) * g.out_width; }
+};
+
+inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, std::int64_t group,
+                            std::int64_t band) {
+  const std::int64_t n0 = group * b.samples;
+  const std::int64_t oh0 = band * b.rows;
+  return {n0, std::min(b.samples, batch - n0), oh0, std::min(oh0 + b.rows, g.out_height)};
+}
+
+template <class S>
+void conv2d_forward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, const ConvBlock& blk, const S* x,
+                          const S* w, const S* bias, S* y, S* col, S* stage) {
+  const std::int64_t plane = g.out_plane(), k = g.out_channels, kg = g.group_out_channels();
+  const std::int64_t rows_g = g.group_col_rows(), cols = blk.columns(g), first = blk.oh0 * g.out_width;
+  const S* in = x + blk.n0 * g.channels * g.in_plane();
+  const S* cm = in + first;  // (C kh kw, cols), row stride ldc
+  std::int64_t ldc = plane;
+  if (!b.direct(g)) {
+    im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, col, cols);
+    cm = col;
+    ldc = cols;
+  }
+  // A band writes straight into y (row stride H'W'); whole-sample groups go through stage.
+  const bool band = blk.count == 1;
+  S* out = band ? y + blk.n0 * k * plane + first : stage;
+  const std::int64_t ldo = band ? plane : cols;
+  if (band && bias != nullptr)
+    for (std::int64_t ch = 0; ch < k; ++ch) std::fill(out + ch * ldo, out + ch * ldo + cols, bias[ch]);
+  const S beta = band && bias != nullptr ? S(1) : S(0);
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    gemm(Cpu{}, false, false, kg, cols, rows_g, S(1), w + grp * kg * rows_g, rows_g, cm + grp * rows_g * ldc, ldc,
+         beta, out + grp * kg * ldo, ldo);
+  if (band) return;
+  for (std::int64_t s = 0; s < blk.count; ++s)
+    for (std::int64_t ch = 0; ch < k; ++ch) {
+      S* dst = y + ((blk.n0 + s) * k + ch) * plane;
+      const S* src = stage + ch * cols + s * plane;
+      const S add = bias ? bias[ch] : S(0);
+      for (std::int64_t p = 0; p < plane; ++p) dst[p] = src[p] + add;
+    }
+}
+
+// dw_acc += this block's dL/dw; dx block (when non-null) += its dL/dx (the samples' dx must have
+// been zeroed unless the direct path writes it outright).
+template <class S>
+void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, const ConvBlock& blk, const S* x,
+                           const S* w, const S* dy, S* dw_acc, S* dx, S* col, S* stage) {
+  const std::int64_t plane = g.out_plane(), k = g.out_channels, kg = g.group_out_channels();
+  const std::int64_t rows_g = g.group_col_rows(), cols = blk.columns(g), first = blk.oh0 * g.out_width;
+  const std::int64_t in_sample = g.channels * g.in_plane();
+  const bool direct = b.direct(g), band = blk.count == 1;
+  const S* in = x + blk.n0 * in_sample;
+  const S* cm = in + first;
+  std::int64_t ldc = plane;
+  if (!direct) {
+    im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, col, cols);
+    cm = col;
+    ldc = cols;
+  }
+  const S* dym = dy + blk.n0 * k * plane + first;  // (K, cols), row stride lddy
+  std::int64_t lddy = plane;
+  if (!band) {
+    for (std::int64_t s = 0; s < blk.count; ++s)
+      for (std::int64_t ch = 0; ch < k; ++ch)
+        std::copy_n(dy + ((blk.n0 + s) * k + ch) * plane, plane, stage + ch * cols + s * plane);
+    dym = stage;
+    lddy = cols;
+  }
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    gemm(Cpu{}, false, true, kg, rows_g, cols, S(1), dym + grp * kg * lddy, lddy, cm + grp * rows_g * ldc, ldc, S(1),
+         dw_acc + grp * kg * rows_g, rows_g);
+  if (dx == nullptr) return;
+  // w^T dy goes straight into dx on the direct path, else into col (no longer needed) for col2im.
+  S* dcol = direct ? dx + blk.n0 * in_sample + first : col;
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    gemm(Cpu{}, true, false, rows_g, cols, kg, S(1), w + grp * kg * rows_g, rows_g, dym + grp * kg * lddy, lddy, S(0),
+         dcol + grp * rows_g * ldc, ldc);
+  if (!direct) col2im_add(Cpu{}, g, col, cols, blk.count, blk.oh0, blk.oh1, dx + blk.n0 * in_sample);
+}
+
+}  // namespace detail
+
+// y (N, K, H', W') = conv(x (N, C, H, W), w) + b; b may be null. `workspace` holds
+// b.workspace_elements(g, false) elements (b from conv2d_blocking for this batch).
+template <class S>
+void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
+                    const S* bias, S* y, S* workspace) {
+  const std::int64_t bands = b.bands(g), blocks = b.groups(batch) * bands;
+  [[maybe_unused]] const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
+#pragma omp parallel if (blocks > 1 && work > detail::kParallelGrain)
+  {
+    S* col = workspace + detail::thread_index() * b.thread_elements(g);
+    S* stage = col + b.col_elements(g);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < blocks; ++t)
+      detail::conv2d_forward_block(g, b, detail::conv_block(g, b, batch, t / bands, t % bands), x, w, bias, y, col,
+                                   stage);
+  }
+}
+
+// db (K) += sum over n, oh, ow of dy (N, K, H', W').
+template <class S>
+void conv2d_bias_backward(Cpu, std::int64_t batch, std::int64_t channels, std::int64_t plane, const S* dy, S* db) {
+#pragma omp parallel for schedule(static) if (batch * channels * plane > detail::kParallelGrain)
+  for (std::int64_t ch = 0; ch < channels; ++ch) {
+    S sum = 0;
+    for (std::int64_t n = 0; n < batch; ++n) {
+      const S* d = dy + (n * channels + ch) * plane;
+      for (std::int64_t p = 0; p < plane; ++p) sum += d[p];
+    }
+    db[ch] += sum;
+  }
+}
+
+// dw (K, C/G, kh, kw) += dL/dw and, unless dx is null, dx (N, C, H, W) = dL/dx, from x and
+// dy (N, K, H', W'). `workspace` holds b.workspace_elements(g, true) elements.
+template <class S>
+void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
+                     const S* w, const S* dy, S* dw, S* dx, S* workspace) {
+  const std::int64_t bands = b.bands(g), groups = b.groups(batch), in_group = b.samples * g.channels * g.in_plane();
+  const std::int64_t weights = g.weight_elements();
+  S* partial = workspace + b.threads * b.thread_elements(g);  // (threads - 1) private dw accumulators
+#pragma omp parallel if (b.parallel_backward)
+  {
+    const std::int64_t t = detail::thread_index();
+    S* col = workspace + t * b.thread_elements(g);
+    S* stage = col + b.col_elements(g);
+    S* dw_acc = t == 0 ? dw : partial + (t - 1) * weights;
+    if (t > 0) std::fill(dw_acc, dw_acc + weights, S(0));
+#pragma omp for schedule(static)
+    for (std::int64_t grp = 0; grp < groups; ++grp) {
+      S* dx_group = dx ? dx + grp * in_group : nullptr;
+      if (dx_group && !b.direct(g)) {
+        const std::int64_t count = std::min(b.samples, batch - grp * b.samples);
+        std::fill(dx_group, dx_group + count * g.channels * g.in_plane(), S(0));
+      }
+      for (std::int64_t band = 0; band < bands; ++band)
+        detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, grp, band), x, w, dy, dw_acc, dx, col,
+                                      stage);
+    }
+    // The loop's implicit barrier has passed: every private accumulator is complete.
+    const std::int64_t team = detail::team_size();
+#pragma omp for schedule(static)
+    for (std::int64_t i = 0; i < weights; ++i)
+      for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
+  }
+}
+
+}  // namespace tessera

@@ -1,0 +1,175 @@
+// 2-D pooling on the CPU over `planes` independent (H, W) planes (planes = N C for NCHW tensors).
+//
+// Square window k, stride s, padding p (p <= k / 2), H' = (H + 2p - k) / s + 1 (likewise W'):
+//   max:  y[oh, ow] = max over the window clipped to the image (padding acts as -inf);
+//         argmax[oh, ow] = h W + w of the maximum (first one on ties, NaN wins, as in PyTorch).
+//         dx[argmax[oh, ow]] += dy[oh, ow]
+//   avg:  y[oh, ow] = sum over the clipped window / k^2 (padding counts as zeros: PyTorch's
+//         count_include_pad=True).   dx[h, w] += dy[oh, ow] / k^2 for every window covering (h, w)
+//   global average: y (planes) = mean of each plane;  dx = dy / (H W) everywhere on the plane.
+// Every plane is independent, so threads split the planes and backward needs no atomics.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+struct Pool2dGeometry {
+  std::int64_t height = 0, width = 0;  // input H, W
+  std::int64_t kernel = 1, stride = 1, pad = 0;
+  std::int64_t out_height = 0, out_width = 0;  // H', W'
+
+  std::int64_t in_plane() const { return height * width; }
+  std::int64_t out_plane() const { return out_height * out_width; }
+};
+
+namespace detail {
+
+constexpr std::int64_t kPoolParallelGrain = 32768;  // elements of work below which one thread does it
+
+// Range [lo, hi) of output columns ow whose input column ow * stride + offset lies in [0, extent).
+inline void pool_valid_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
+                             std::int64_t& lo, std::int64_t& hi) {
+  lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  hi = extent - 1 - offset < 0 ? 0 : (extent - 1 - offset) / stride + 1;
+  lo = std::min(lo, out);
+  hi = std::clamp(hi, lo, out);
+}
+
+}  // namespace detail
+
+// y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W).
+// Each output row is built tap by tap over all its columns at once: the inner loop runs along ow
+// with no branches, so it vectorizes; taps are visited in row-major window order and only a
+// strictly larger value (or a NaN) replaces the current maximum, which keeps PyTorch's argmax.
+template <class S>
+void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
+  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    const S* in = x + p * g.in_plane();
+    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+      S* best = y + p * g.out_plane() + oh * g.out_width;
+      std::int32_t* at = argmax + p * g.out_plane() + oh * g.out_width;
+      const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0);
+      const std::int64_t h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+      for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+        best[ow] = -std::numeric_limits<S>::infinity();
+        at[ow] = static_cast<std::int32_t>(h0 * g.width + std::max<std::int64_t>(ow * g.stride - g.pad, 0));
+      }
+      for (std::int64_t h = h0; h < h1; ++h) {
+        const S* row = in + h * g.width;
+        for (std::int64_t j = 0; j < g.kernel; ++j) {
+          const std::int64_t offset = j - g.pad;  // iw = ow * stride + offset
+          std::int64_t lo, hi;
+          detail::pool_valid_range(offset, g.stride, g.width, g.out_width, lo, hi);
+          const auto base = static_cast<std::int32_t>(h * g.width + offset);
+          for (std::int64_t ow = lo; ow < hi; ++ow) {
+            const S v = row[ow * g.stride + offset];
+            const bool take = v > best[ow] || v != v;
+            best[ow] = take ? v : best[ow];
+            at[ow] = take ? base + static_cast<std::int32_t>(ow * g.stride) : at[ow];
+          }
+        }
+      }
+    }
+  }
+}
+
+// dx (planes, H, W) = routing of dy (planes, H', W') to the argmax of each window (overwrites dx).
+template <class S>
+void max_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* dy, const std::int32_t* argmax,
+                         S* dx) {
+  [[maybe_unused]] const std::int64_t work = planes * (g.in_plane() + g.out_plane());
+#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    S* out = dx + p * g.in_plane();
+    std::fill(out, out + g.in_plane(), S(0));
+    const S* d = dy + p * g.out_plane();
+    const std::int32_t* idx = argmax + p * g.out_plane();
+    for (std::int64_t o = 0; o < g.out_plane(); ++o) out[idx[o]] += d[o];
+  }
+}
+
+// y (planes, H', W') <- average pooling of x (planes, H, W), divisor k^2; tap by tap over whole
+// output rows like max_pool2d_forward.
+template <class S>
+void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
+  const S scale = S(1) / static_cast<S>(g.kernel * g.kernel);
+  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    const S* in = x + p * g.in_plane();
+    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+      S* out = y + p * g.out_plane() + oh * g.out_width;
+      std::fill(out, out + g.out_width, S(0));
+      const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0);
+      const std::int64_t h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+      for (std::int64_t h = h0; h < h1; ++h) {
+        const S* row = in + h * g.width;
+        for (std::int64_t j = 0; j < g.kernel; ++j) {
+          const std::int64_t offset = j - g.pad;
+          std::int64_t lo, hi;
+          detail::pool_valid_range(offset, g.stride, g.width, g.out_width, lo, hi);
+          for (std::int64_t ow = lo; ow < hi; ++ow) out[ow] += row[ow * g.stride + offset];
+        }
+      }
+      for (std::int64_t ow = 0; ow < g.out_width; ++ow) out[ow] *= scale;
+    }
+  }
+}
+
+// dx (planes, H, W) = dy (planes, H', W') spread evenly over each window (overwrites dx).
+template <class S>
+void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
+  const S scale = S(1) / static_cast<S>(g.kernel * g.kernel);
+  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    S* out = dx + p * g.in_plane();
+    std::fill(out, out + g.in_plane(), S(0));
+    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+      const S* d = dy + p * g.out_plane() + oh * g.out_width;
+      const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0);
+      const std::int64_t h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+      for (std::int64_t h = h0; h < h1; ++h) {
+        S* row = out + h * g.width;
+        // Within one tap j, distinct ow hit distinct columns, so this loop has no dependences.
+        for (std::int64_t j = 0; j < g.kernel; ++j) {
+          const std::int64_t offset = j - g.pad;
+          std::int64_t lo, hi;
+          detail::pool_valid_range(offset, g.stride, g.width, g.out_width, lo, hi);
+          for (std::int64_t ow = lo; ow < hi; ++ow) row[ow * g.stride + offset] += d[ow] * scale;
+        }
+      }
+    }
+  }
+}
+
+// y (planes) = mean of each plane of x (planes, plane).
+template <class S>
+void global_avg_pool_forward(Cpu, std::int64_t planes, std::int64_t plane, const S* x, S* y) {
+  const S scale = S(1) / static_cast<S>(plane);
+#pragma omp parallel for schedule(static) if (planes * plane > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    const S* in = x + p * plane;
+    S sum = 0;
+    for (std::int64_t i = 0; i < plane; ++i) sum += in[i];
+    y[p] = sum * scale;
+  }
+}
+
+// dx (planes, plane) = dy[p] / plane on plane p.
+template <class S>
+void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, const S* dy, S* dx) {
+  const S scale = S(1) / static_cast<S>(plane);
+#pragma omp parallel for schedule(static) if (planes * plane > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) std::fill(dx + p * plane, dx + (p + 1) * plane, dy[p] * scale);
+}
+
+}  // namespace tessera

@@ -1,0 +1,177 @@
+// Conv2d: 2-D convolution with stride, padding, dilation and groups, like torch.nn.Conv2d.
+//
+//   x (N, C_in, H, W) -> y (N, C_out, H', W'),   H' = (H + 2 pad_h - dilation_h (kernel_h - 1) - 1) / stride_h + 1
+//   weight (C_out, C_in / groups, kernel_h, kernel_w), optional bias (C_out)
+// Backward (dy (N, C_out, H', W')): weight.grad += dL/dW, bias.grad += sum of dy over N, H', W',
+// returns dx (N, C_in, H, W) unless set_needs_input_grad(false). Maths in kernels/cpu/conv2d.hpp.
+//
+// Default initialization is PyTorch's (U(+-1/sqrt(fan_in)) for weight and bias); models that want
+// He initialization call kaiming_normal_(conv.weight().value, rng) themselves.
+// The im2col column buffers are a workspace owned by the layer and reused by every call (they hold
+// nothing between forward and backward), so a steady-state step allocates nothing.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/error.hpp"
+#include "tessera/core/init.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/core/tensor.hpp"
+#include "tessera/kernels/cpu/conv2d.hpp"
+
+namespace tessera {
+
+struct Conv2dOptions {
+  std::int64_t in_channels = 0, out_channels = 0, kernel_h = 0, kernel_w = 0;
+  std::int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dilation_h = 1, dilation_w = 1, groups = 1;
+  bool bias = true;
+};
+
+template <class E>
+class Conv2d {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    const Tensor* x = nullptr;
+    Tensor y, dx;
+  };
+
+  Conv2d(Conv2dOptions o, Rng& rng) : o_(o), name_(describe(o)) {
+    TESSERA_CHECK(o.in_channels > 0 && o.out_channels > 0 && o.kernel_h > 0 && o.kernel_w > 0 && o.groups > 0,
+                  ArgumentError, name_, ": channels, kernel size and groups must be positive");
+    TESSERA_CHECK(o.stride_h > 0 && o.stride_w > 0 && o.dilation_h > 0 && o.dilation_w > 0, ArgumentError, name_,
+                  ": stride and dilation must be positive");
+    TESSERA_CHECK(o.pad_h >= 0 && o.pad_w >= 0, ArgumentError, name_, ": padding must be non-negative");
+    TESSERA_CHECK(o.in_channels % o.groups == 0 && o.out_channels % o.groups == 0, ArgumentError, name_,
+                  ": in_channels=", o.in_channels, " and out_channels=", o.out_channels,
+                  " must both be divisible by groups=", o.groups);
+    weight_ = Parameter<S, D>({o.out_channels, o.in_channels / o.groups, o.kernel_h, o.kernel_w}, ParamKind::Weight);
+    default_weight_init_(weight_.value, rng);
+    if (o.bias) {
+      bias_ = Parameter<S, D>({o.out_channels}, ParamKind::Bias);
+      default_bias_init_(bias_.value, fan(weight_.value, FanMode::FanIn), rng);
+    }
+  }
+
+  // Square kernel, stride, padding and dilation, in torch.nn.Conv2d's argument order.
+  Conv2d(std::int64_t in_channels, std::int64_t out_channels, std::int64_t kernel, Rng& rng, std::int64_t stride = 1,
+         std::int64_t padding = 0, bool bias = true, std::int64_t dilation = 1, std::int64_t groups = 1)
+      : Conv2d(Conv2dOptions{in_channels, out_channels, kernel, kernel, stride, stride, padding, padding, dilation,
+                             dilation, groups, bias},
+               rng) {}
+
+  // y (N, C_out, H', W') = conv(x (N, C_in, H, W), weight) + bias
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    const Conv2dGeometry g = geometry(x);
+    c.x = &x;
+    c.y.resize({x.dim(0), o_.out_channels, g.out_height, g.out_width});
+    const Conv2dBlocking b = blocking(g, x.dim(0), false);
+    conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), o_.bias ? bias_.value.data() : nullptr,
+                   c.y.data(), workspace_.data());
+    return c.y;
+  }
+
+  // dy (N, C_out, H', W') -> dx (N, C_in, H, W); weight.grad and bias.grad accumulate.
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(c.x != nullptr, Error, name_, "::backward called before forward on this cache");
+    const Tensor& x = *c.x;
+    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, name_, "::backward: dy ", dy.shape(),
+                  " does not match the output ", c.y.shape());
+    const Conv2dGeometry g = geometry(x);
+    const std::int64_t n = x.dim(0);
+    if (o_.bias) {
+      conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dy.data(), bias_.grad.data());
+      bias_.grad_ready();
+    }
+    if (needs_input_grad_) c.dx.resize(x.shape());
+    const Conv2dBlocking b = blocking(g, n, true);
+    conv2d_backward(D{}, g, b, n, x.data(), weight_.value.data(), dy.data(), weight_.grad.data(),
+                    needs_input_grad_ ? c.dx.data() : nullptr, workspace_.data());
+    weight_.grad_ready();
+    return c.dx;
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    v.parameter(prefix + "weight", weight_);
+    if (o_.bias) v.parameter(prefix + "bias", bias_);
+  }
+  void set_mode(Mode) {}
+  // The stem of a network need not compute dL/dx: saves the w^T dy product and col2im.
+  void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  // Output positions per block (one im2col buffer, one gemm; see kernels/cpu/conv2d.hpp): 0
+  // (default) sizes blocks to the L2 cache; n > 0 asks for about n columns. For tests and tuning.
+  void set_block_columns(std::int64_t n) { block_columns_ = n; }
+
+  Parameter<S, D>& weight() { return weight_; }
+  Parameter<S, D>& bias() { return bias_; }
+  const Conv2dOptions& options() const { return o_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  // "Conv2d(3, 64, kernel=7, stride=2, padding=3, bias=false)": the configuration error messages name.
+  static std::string describe(const Conv2dOptions& o) {
+    auto pair = [](std::int64_t h, std::int64_t w) {
+      return h == w ? std::to_string(h) : std::to_string(h) + "x" + std::to_string(w);
+    };
+    std::string s = "Conv2d(" + std::to_string(o.in_channels) + ", " + std::to_string(o.out_channels) +
+                    ", kernel=" + pair(o.kernel_h, o.kernel_w) + ", stride=" + pair(o.stride_h, o.stride_w) +
+                    ", padding=" + pair(o.pad_h, o.pad_w);
+    if (o.dilation_h != 1 || o.dilation_w != 1) s += ", dilation=" + pair(o.dilation_h, o.dilation_w);
+    if (o.groups != 1) s += ", groups=" + std::to_string(o.groups);
+    if (!o.bias) s += ", bias=false";
+    return s + ")";
+  }
+
+  Conv2dGeometry geometry(const Tensor& x) const {
+    TESSERA_CHECK(x.rank() == 4 && x.dim(1) == o_.in_channels, ShapeError, name_, ": expected input (N, ",
+                  o_.in_channels, ", H, W), got ", x.shape());
+    Conv2dGeometry g;
+    g.channels = o_.in_channels;
+    g.height = x.dim(2);
+    g.width = x.dim(3);
+    g.out_channels = o_.out_channels;
+    g.groups = o_.groups;
+    g.kernel_h = o_.kernel_h;
+    g.kernel_w = o_.kernel_w;
+    g.stride_h = o_.stride_h;
+    g.stride_w = o_.stride_w;
+    g.pad_h = o_.pad_h;
+    g.pad_w = o_.pad_w;
+    g.dilation_h = o_.dilation_h;
+    g.dilation_w = o_.dilation_w;
+    g.out_height = conv_output_extent(g.height, o_.kernel_h, o_.stride_h, o_.pad_h, o_.dilation_h);
+    g.out_width = conv_output_extent(g.width, o_.kernel_w, o_.stride_w, o_.pad_w, o_.dilation_w);
+    if (g.out_height <= 0 || g.out_width <= 0) {
+      const std::int64_t min_h = o_.dilation_h * (o_.kernel_h - 1) + 1 - 2 * o_.pad_h;
+      const std::int64_t min_w = o_.dilation_w * (o_.kernel_w - 1) + 1 - 2 * o_.pad_w;
+      throw ShapeError(detail::cat(name_, ": input ", x.shape(), " is smaller than the kernel; expected (N, ",
+                                   o_.in_channels, ", H, W) with H >= ", min_h, " and W >= ", min_w));
+    }
+    return g;
+  }
+
+  // The blocking for this batch, with the workspace grown to fit it (it only ever grows, so a
+  // steady-state step does not allocate).
+  Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch, bool backward) {
+    const Conv2dBlocking b = conv2d_blocking(g, batch, sizeof(S), block_columns_);
+    workspace_.resize({b.workspace_elements(g, backward)});
+    return b;
+  }
+
+  Conv2dOptions o_;
+  std::string name_;
+  bool needs_input_grad_ = true;
+  std::int64_t block_columns_ = 0;
+  Parameter<S, D> weight_;
+  Parameter<S, D> bias_;
+  Tensor workspace_;  // per-thread column buffers and dw accumulators (Conv2dBlocking)
+};
+
+}  // namespace tessera

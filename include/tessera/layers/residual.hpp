@@ -1,0 +1,80 @@
+// Residual<Main, Projection>: y = relu(main(x) + shortcut(x)), the block of He et al.'s ResNets.
+//
+// shortcut(x) is x itself (identity) when the block keeps shape, or a 1x1 strided convolution +
+// BatchNorm ("projection", option B) when it changes channels or resolution. Both kinds are one
+// C++ type (the projection is a std::optional), so a ResNet stage is a runtime array of one block
+// type rather than a deep type.
+//
+// Backward, with s = main(x) + shortcut(x) and dy (N, C, H, W):
+//   ds = dy * [s > 0];   dx = main'(x)^T ds + (shortcut'(x)^T ds  or  ds)
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/tensor.hpp"
+#include "tessera/kernels/cpu/elementwise.hpp"
+
+namespace tessera {
+
+template <Layer Main, Layer Projection>
+class Residual {
+ public:
+  using Env = typename Main::Env;
+  using Tensor = typename Main::Tensor;
+  using S = typename Env::Scalar;
+  using D = typename Env::Device;
+  struct Cache {
+    typename Main::Cache main;
+    typename Projection::Cache projection;
+    Tensor y, dsum, dx;
+  };
+
+  explicit Residual(Main main, std::optional<Projection> projection = std::nullopt)
+      : main_(std::move(main)), projection_(std::move(projection)) {}
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    const Tensor& m = main_.forward(x, c.main);
+    const Tensor& s = projection_ ? projection_->forward(x, c.projection) : x;
+    TESSERA_CHECK(m.shape() == s.shape(), ShapeError, "Residual: main branch gives ", m.shape(),
+                  " but the shortcut gives ", s.shape(), " (a block that changes shape needs a projection)");
+    c.y.resize(m.shape());
+    add_relu_forward(D{}, m.data(), s.data(), m.numel(), c.y.data());  // y = max(m + s, 0)
+    return c.y;
+  }
+
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Residual::backward: dy ", dy.shape(),
+                  " does not match the output ", c.y.shape());
+    c.dsum.resize(dy.shape());
+    relu_backward(D{}, dy.data(), c.y.data(), dy.numel(), c.dsum.data());  // ds = dy * [y > 0]
+    const Tensor& dmain = main_.backward(c.dsum, c.main);
+    const Tensor& dshortcut = projection_ ? projection_->backward(c.dsum, c.projection) : c.dsum;
+    c.dx.resize(dmain.shape());
+    add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
+    return c.dx;
+  }
+
+  void set_mode(Mode mode) {
+    main_.set_mode(mode);
+    if (projection_) projection_->set_mode(mode);
+  }
+
+  // torchvision names: the main branch's layers sit directly under the block ("layer1.0.conv1"),
+  // the projection under "downsample".
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    main_.visit(v, prefix);
+    if (projection_) projection_->visit(v, prefix + "downsample.");
+  }
+
+  Main& main() { return main_; }
+  bool has_projection() const { return projection_.has_value(); }
+
+ private:
+  Main main_;
+  std::optional<Projection> projection_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,245 @@
+// ResNets (He et al. 2016) with torchvision's structure and parameter names, so a state_dict maps
+// one to one:
+//   ResNet-18/34 (BasicBlock), ResNet-50/101/152 (Bottleneck, "v1.5": the stride sits on the 3x3
+//   convolution, as in torchvision and Goyal et al.), ImageNet stem 7x7/2 conv + 3x3/2 max-pool;
+//   CIFAR ResNet-20/56 (6n+2 layers, 16/32/64 channels, 3x3 stem, no max-pool) with option-B
+//   (1x1 convolution + BN) projection shortcuts.
+// Input channels, class count and image size are free (global average pooling before fc).
+// Init: Kaiming-normal (fan_out, ReLU) for convolutions, BN gamma = 1 and beta = 0, fc as
+// torch.nn.Linear; with zero_init_residual the last BN of every block starts at gamma = 0, so each
+// block starts as the identity (Goyal et al., section 5.1).
+//
+// Shapes, ImageNet ResNet-50 at 224x224: x (N, 3, 224, 224) -> stem (N, 64, 56, 56) -> layer1
+// (N, 256, 56, 56) -> layer2 (N, 512, 28, 28) -> layer3 (N, 1024, 14, 14) -> layer4 (N, 2048, 7, 7)
+// -> pool (N, 2048) -> fc (N, classes).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/init.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/batch_norm.hpp"
+#include "tessera/layers/conv2d.hpp"
+#include "tessera/layers/linear.hpp"
+#include "tessera/layers/pool.hpp"
+#include "tessera/layers/residual.hpp"
+#include "tessera/layers/sequential.hpp"
+
+namespace tessera {
+
+template <class E>
+using ConvBn = Sequential<Conv2d<E>, BatchNorm2d<E>>;
+
+namespace detail {
+template <class E>
+Conv2d<E> he_conv(std::int64_t in, std::int64_t out, std::int64_t kernel, std::int64_t stride, std::int64_t padding,
+                  Rng& rng) {
+  Conv2d<E> conv(in, out, kernel, rng, stride, padding, /*bias=*/false);
+  kaiming_normal_(conv.weight().value, rng, FanMode::FanOut);
+  return conv;
+}
+
+template <class E>
+std::optional<ConvBn<E>> projection(std::int64_t in, std::int64_t out, std::int64_t stride, Rng& rng) {
+  if (stride == 1 && in == out) return std::nullopt;
+  ConvBn<E> p(he_conv<E>(in, out, 1, stride, 0, rng), BatchNorm2d<E>(out));
+  return p;
+}
+}  // namespace detail
+
+// conv3x3 -> BN -> ReLU -> conv3x3 -> BN, joined with the shortcut. expansion = 1.
+template <class E>
+struct BasicBlock
+    : Residual<Sequential<Conv2d<E>, BatchNorm2d<E>, ReLU<E>, Conv2d<E>, BatchNorm2d<E>>, ConvBn<E>> {
+  using Main = Sequential<Conv2d<E>, BatchNorm2d<E>, ReLU<E>, Conv2d<E>, BatchNorm2d<E>>;
+  using Base = Residual<Main, ConvBn<E>>;
+  static constexpr std::int64_t expansion = 1;
+
+  BasicBlock(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng, bool zero_init_last_bn)
+      : Base(make_main(in, planes, stride, rng), detail::projection<E>(in, planes, stride, rng)) {
+    this->main().set_names({"conv1", "bn1", "relu", "conv2", "bn2"});
+    if (zero_init_last_bn) this->main().template get<4>().zero_init_weight();
+  }
+
+ private:
+  static Main make_main(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng) {
+    return Main(detail::he_conv<E>(in, planes, 3, stride, 1, rng), BatchNorm2d<E>(planes), ReLU<E>(),
+                detail::he_conv<E>(planes, planes, 3, 1, 1, rng), BatchNorm2d<E>(planes));
+  }
+};
+
+// 1x1 reduce -> 3x3 (carries the stride: v1.5) -> 1x1 expand (x4), BN + ReLU between.
+template <class E>
+struct Bottleneck : Residual<Sequential<Conv2d<E>, BatchNorm2d<E>, ReLU<E>, Conv2d<E>, BatchNorm2d<E>, ReLU<E>,
+                                        Conv2d<E>, BatchNorm2d<E>>,
+                             ConvBn<E>> {
+  using Main = Sequential<Conv2d<E>, BatchNorm2d<E>, ReLU<E>, Conv2d<E>, BatchNorm2d<E>, ReLU<E>, Conv2d<E>,
+                          BatchNorm2d<E>>;
+  using Base = Residual<Main, ConvBn<E>>;
+  static constexpr std::int64_t expansion = 4;
+
+  Bottleneck(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng, bool zero_init_last_bn)
+      : Base(make_main(in, planes, stride, rng), detail::projection<E>(in, planes * expansion, stride, rng)) {
+    this->main().set_names({"conv1", "bn1", "relu1", "conv2", "bn2", "relu2", "conv3", "bn3"});
+    if (zero_init_last_bn) this->main().template get<7>().zero_init_weight();
+  }
+
+ private:
+  static Main make_main(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng) {
+    return Main(detail::he_conv<E>(in, planes, 1, 1, 0, rng), BatchNorm2d<E>(planes), ReLU<E>(),
+                detail::he_conv<E>(planes, planes, 3, stride, 1, rng), BatchNorm2d<E>(planes), ReLU<E>(),
+                detail::he_conv<E>(planes, planes * expansion, 1, 1, 0, rng), BatchNorm2d<E>(planes * expansion));
+  }
+};
+
+struct ResNetOptions {
+  std::int64_t in_channels = 3;
+  std::int64_t num_classes = 1000;
+  bool zero_init_residual = false;
+  std::uint64_t seed = 0;
+};
+
+// Block: BasicBlock<E> or Bottleneck<E>. `stage_blocks` = blocks per stage, `widths` = planes per
+// stage; `imagenet_stem` chooses 7x7/2 + max-pool (ImageNet) or 3x3/1 (CIFAR).
+template <class E, template <class> class Block>
+class ResNet {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  using BlockType = Block<E>;
+  struct Cache {
+    typename Conv2d<E>::Cache conv1;
+    typename BatchNorm2d<E>::Cache bn1;
+    typename ReLU<E>::Cache relu;
+    typename MaxPool2d<E>::Cache maxpool;
+    std::vector<typename BlockType::Cache> blocks;
+    typename GlobalAvgPool<E>::Cache avgpool;
+    typename Linear<E>::Cache fc;
+  };
+
+  ResNet(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths, bool imagenet_stem,
+         const ResNetOptions& o)
+      : ResNet(stage_blocks, widths, imagenet_stem, o, Rng(o.seed)) {}
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
+                  in_channels_, ", H, W), got ", x.shape());
+    if (c.blocks.size() != blocks_.size()) c.blocks.resize(blocks_.size());  // first forward on this cache only
+    const Tensor* h = &relu_.forward(bn1_.forward(conv1_.forward(x, c.conv1), c.bn1), c.relu);
+    if (maxpool_) h = &maxpool_->forward(*h, c.maxpool);
+    for (std::size_t i = 0; i < blocks_.size(); ++i) h = &blocks_[i].forward(*h, c.blocks[i]);
+    return fc_.forward(avgpool_.forward(*h, c.avgpool), c.fc);
+  }
+
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    const Tensor* g = &avgpool_.backward(fc_.backward(dy, c.fc), c.avgpool);
+    for (std::size_t i = blocks_.size(); i-- > 0;) g = &blocks_[i].backward(*g, c.blocks[i]);
+    if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
+    return conv1_.backward(bn1_.backward(relu_.backward(*g, c.relu), c.bn1), c.conv1);
+  }
+
+  void set_mode(Mode mode) {
+    conv1_.set_mode(mode);
+    bn1_.set_mode(mode);
+    relu_.set_mode(mode);
+    if (maxpool_) maxpool_->set_mode(mode);
+    for (auto& b : blocks_) b.set_mode(mode);
+    avgpool_.set_mode(mode);
+    fc_.set_mode(mode);
+  }
+  void set_needs_input_grad(bool needed) { conv1_.set_needs_input_grad(needed); }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    conv1_.visit(v, prefix + "conv1.");
+    bn1_.visit(v, prefix + "bn1.");
+    for (std::size_t i = 0; i < blocks_.size(); ++i) blocks_[i].visit(v, prefix + block_names_[i]);
+    fc_.visit(v, prefix + "fc.");
+  }
+
+  const std::string& name() const { return name_; }
+  std::vector<BlockType>& blocks() { return blocks_; }
+
+ private:
+  ResNet(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths, bool imagenet_stem,
+         const ResNetOptions& o, Rng rng)
+      : in_channels_(o.in_channels),
+        conv1_(detail::he_conv<E>(o.in_channels, widths.at(0), imagenet_stem ? 7 : 3,
+                                  imagenet_stem ? 2 : 1, imagenet_stem ? 3 : 1, rng)),
+        bn1_(widths.at(0)),
+        fc_(widths.back() * BlockType::expansion, o.num_classes, rng) {
+    TESSERA_CHECK(stage_blocks.size() == widths.size() && !widths.empty(), ArgumentError,
+                  "ResNet: one block count per stage width is required");
+    TESSERA_CHECK(o.num_classes > 0 && o.in_channels > 0, ArgumentError, "ResNet: num_classes=", o.num_classes,
+                  " and in_channels=", o.in_channels, " must be positive");
+    if (imagenet_stem) maxpool_.emplace(3, 2, 1);
+    std::int64_t in = widths[0];
+    for (std::size_t s = 0; s < widths.size(); ++s) {
+      for (int b = 0; b < stage_blocks[s]; ++b) {
+        const std::int64_t stride = (s > 0 && b == 0) ? 2 : 1;
+        blocks_.emplace_back(in, widths[s], stride, rng, o.zero_init_residual);
+        block_names_.push_back("layer" + std::to_string(s + 1) + "." + std::to_string(b) + ".");
+        in = widths[s] * BlockType::expansion;
+      }
+    }
+    conv1_.set_needs_input_grad(false);
+    int depth = 2;
+    for (int n : stage_blocks) depth += n * (BlockType::expansion == 4 ? 3 : 2);
+    name_ = std::string(imagenet_stem ? "ResNet-" : "CIFAR ResNet-") + std::to_string(depth);
+  }
+
+  std::int64_t in_channels_;
+  std::string name_;
+  Conv2d<E> conv1_;
+  BatchNorm2d<E> bn1_;
+  ReLU<E> relu_;
+  std::optional<MaxPool2d<E>> maxpool_;
+  std::vector<BlockType> blocks_;
+  std::vector<std::string> block_names_;
+  GlobalAvgPool<E> avgpool_;
+  Linear<E> fc_;
+};
+
+template <class E>
+ResNet<E, BasicBlock> resnet18(const ResNetOptions& o = {}) {
+  return ResNet<E, BasicBlock>({2, 2, 2, 2}, {64, 128, 256, 512}, true, o);
+}
+template <class E>
+ResNet<E, BasicBlock> resnet34(const ResNetOptions& o = {}) {
+  return ResNet<E, BasicBlock>({3, 4, 6, 3}, {64, 128, 256, 512}, true, o);
+}
+template <class E>
+ResNet<E, Bottleneck> resnet50(const ResNetOptions& o = {}) {
+  return ResNet<E, Bottleneck>({3, 4, 6, 3}, {64, 128, 256, 512}, true, o);
+}
+template <class E>
+ResNet<E, Bottleneck> resnet101(const ResNetOptions& o = {}) {
+  return ResNet<E, Bottleneck>({3, 4, 23, 3}, {64, 128, 256, 512}, true, o);
+}
+template <class E>
+ResNet<E, Bottleneck> resnet152(const ResNetOptions& o = {}) {
+  return ResNet<E, Bottleneck>({3, 8, 36, 3}, {64, 128, 256, 512}, true, o);
+}
+// CIFAR ResNet-(6n+2): n blocks per stage, widths 16/32/64.
+template <class E>
+ResNet<E, BasicBlock> cifar_resnet(int depth, const ResNetOptions& o = {.in_channels = 3, .num_classes = 10}) {
+  TESSERA_CHECK(depth >= 8 && (depth - 2) % 6 == 0, ArgumentError, "cifar_resnet: depth ", depth,
+                " is not of the form 6n+2 (20, 32, 44, 56, 110)");
+  const int n = (depth - 2) / 6;
+  return ResNet<E, BasicBlock>({n, n, n}, {16, 32, 64}, false, o);
+}
+template <class E>
+ResNet<E, BasicBlock> resnet20(const ResNetOptions& o = {.in_channels = 3, .num_classes = 10}) {
+  return cifar_resnet<E>(20, o);
+}
+template <class E>
+ResNet<E, BasicBlock> resnet56(const ResNetOptions& o = {.in_channels = 3, .num_classes = 10}) {
+  return cifar_resnet<E>(56, o);
+}
+
+}  // namespace tessera

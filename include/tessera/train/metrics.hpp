@@ -1,0 +1,74 @@
+// Metrics as JSON lines: one object per line, appended and flushed per record, so a crashed run
+// keeps every epoch it finished and `jq`/pandas read the file directly.
+#pragma once
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "tessera/core/error.hpp"
+
+namespace tessera {
+
+class JsonRecord {
+ public:
+  JsonRecord& add(const std::string& key, double v) {
+    char buf[64];
+    if (std::isfinite(v))
+      std::snprintf(buf, sizeof buf, "%.9g", v);
+    else
+      std::snprintf(buf, sizeof buf, "null");
+    fields_.emplace_back(key, buf);
+    return *this;
+  }
+  JsonRecord& add(const std::string& key, std::int64_t v) {
+    fields_.emplace_back(key, std::to_string(v));
+    return *this;
+  }
+  JsonRecord& add(const std::string& key, int v) { return add(key, static_cast<std::int64_t>(v)); }
+  JsonRecord& add(const std::string& key, const std::string& v) {
+    std::string q = "\"";
+    for (char c : v) {
+      if (c == '"' || c == '\\') q += '\\';
+      q += c;
+    }
+    fields_.emplace_back(key, q + "\"");
+    return *this;
+  }
+  JsonRecord& add(const std::string& key, const char* v) { return add(key, std::string(v)); }
+
+  std::string str() const {
+    std::string out = "{";
+    for (std::size_t i = 0; i < fields_.size(); ++i)
+      out += (i ? ", \"" : "\"") + fields_[i].first + "\": " + fields_[i].second;
+    return out + "}";
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> fields_;
+};
+
+class MetricsWriter {
+ public:
+  MetricsWriter() = default;
+  explicit MetricsWriter(const std::string& path) : path_(path) {
+    if (path.empty()) return;
+    out_.open(path, std::ios::app);
+    TESSERA_CHECK(out_, IoError, "MetricsWriter: cannot open '", path, "' for appending");
+  }
+  void write(const JsonRecord& r) {
+    if (!out_.is_open()) return;
+    out_ << r.str() << '\n';
+    out_.flush();
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,188 @@
+// Trainer: the loop the examples share. Per step: forward, softmax cross-entropy, backward,
+// optimizer step with the scheduled learning rate (set per iteration, so warmup is smooth).
+// Per epoch: mean loss, accuracy, images/s, test accuracy; a progress bar or plain lines; one JSON
+// line per epoch in the metrics file; optionally a checkpoint.
+//
+// Everything a step touches (the model's activation cache, the loss cache, the batch) lives in
+// the Trainer and is reused, so after the first step a training step allocates nothing.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include "tessera/core/concepts.hpp"
+#include "tessera/data/loader.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/train/checkpoint.hpp"
+#include "tessera/train/metrics.hpp"
+#include "tessera/train/progress.hpp"
+
+namespace tessera {
+
+struct TrainOptions {
+  std::int64_t epochs = 1;
+  std::string metrics_path;          // JSON lines; empty = none
+  std::string checkpoint_path;       // saved after every epoch; empty = none
+  int progress = -1;                 // -1 detect terminal, 0 plain lines, 1 bar
+  bool verbose = true;               // false: no progress output at all (tests)
+  double label_smoothing = 0.0;
+};
+
+struct EpochResult {
+  std::int64_t epoch = 0;
+  double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
+  double seconds = 0, images_per_second = 0, lr = 0;
+};
+
+template <class Model, class Optimizer>
+class Trainer {
+ public:
+  using E = typename Model::Env;
+  using S = typename E::Scalar;
+  using Schedule = std::function<double(double)>;  // fractional epoch -> learning rate
+
+  Trainer(Model& model, Optimizer& optimizer, Schedule schedule, TrainOptions options)
+      : model_(model),
+        optimizer_(optimizer),
+        schedule_(std::move(schedule)),
+        options_(std::move(options)),
+        loss_(Reduction::Mean, options_.label_smoothing),
+        metrics_(options_.metrics_path) {}
+
+  // One optimizer step on `batch`; returns the loss. Accumulates correct-prediction counts.
+  S train_step(const Batch<S>& batch) {
+    optimizer_.zero_grad();
+    const auto& logits = model_.forward(batch.images, model_cache_);  // (N, classes)
+    const S loss = loss_.forward(logits, batch.labels, loss_cache_);
+    correct_ += count_correct(logits, batch.labels);
+    model_.backward(loss_.backward(loss_cache_), model_cache_);
+    optimizer_.step();
+    state_.global_step++;
+    return loss;
+  }
+
+  // Trains from the current state until options.epochs epochs are complete (or, with
+  // stop_after > 0, until that many: the schedule still spans options.epochs, as when a job's time
+  // limit stops it), evaluating on `test` after each epoch. Resumes where load() left off.
+  std::vector<EpochResult> fit(DataLoader<S>& train, DataLoader<S>* test = nullptr, std::int64_t stop_after = 0) {
+    const std::int64_t last = stop_after > 0 ? std::min(stop_after, options_.epochs) : options_.epochs;
+    std::vector<EpochResult> results;
+    while (state_.epoch < last) results.push_back(train_epoch(train, test));
+    return results;
+  }
+
+  EpochResult train_epoch(DataLoader<S>& train, DataLoader<S>* test) {
+    const std::int64_t epoch = state_.epoch;
+    const std::int64_t batches = train.batches_per_epoch();
+    if (state_.loader_epoch == epoch && state_.loader_next_batch > 0) {
+      train.set_state({epoch, state_.loader_next_batch});  // resuming inside this epoch
+    } else {
+      train.start_epoch(epoch);
+    }
+    model_.set_mode(Mode::Train);
+    Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(options_.epochs), batches,
+                      options_.progress);
+    const auto start = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    std::int64_t seen = 0, done = train.state().next_batch;
+    correct_ = 0;
+    char stats[128];
+    while (train.next(batch_)) {
+      optimizer_.set_lr(schedule_(static_cast<double>(epoch) + static_cast<double>(done) / static_cast<double>(batches)));
+      const S loss = train_step(batch_);
+      const auto n = static_cast<std::int64_t>(batch_.labels.size());
+      loss_sum += static_cast<double>(loss) * static_cast<double>(n);
+      seen += n;
+      ++done;
+      state_.loader_epoch = epoch;
+      state_.loader_next_batch = done;
+      if (options_.verbose) {
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::snprintf(stats, sizeof stats, "loss %.4f acc %.2f%% %.0f img/s lr %.4g", loss_sum / static_cast<double>(seen),
+                      100.0 * static_cast<double>(correct_) / static_cast<double>(seen),
+                      static_cast<double>(seen) / std::max(secs, 1e-9), optimizer_.lr());
+        progress.update(done, stats);
+      }
+    }
+    EpochResult r;
+    r.epoch = epoch + 1;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    r.train_loss = seen ? loss_sum / static_cast<double>(seen) : 0.0;
+    r.train_accuracy = seen ? static_cast<double>(correct_) / static_cast<double>(seen) : 0.0;
+    r.images_per_second = static_cast<double>(seen) / std::max(r.seconds, 1e-9);
+    r.lr = optimizer_.lr();
+    if (test) {
+      auto [test_loss, test_acc] = evaluate(*test);
+      r.test_loss = test_loss;
+      r.test_accuracy = test_acc;
+    }
+    state_.epoch = epoch + 1;
+    state_.loader_epoch = epoch + 1;
+    state_.loader_next_batch = 0;
+    if (options_.verbose) {
+      std::printf("epoch %lld: train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%% | %.1f s, %.0f img/s\n",
+                  static_cast<long long>(r.epoch), r.train_loss, 100 * r.train_accuracy, r.test_loss,
+                  100 * r.test_accuracy, r.seconds, r.images_per_second);
+      std::fflush(stdout);
+    }
+    metrics_.write(JsonRecord()
+                       .add("epoch", r.epoch)
+                       .add("train_loss", r.train_loss)
+                       .add("train_accuracy", r.train_accuracy)
+                       .add("test_loss", r.test_loss)
+                       .add("test_accuracy", r.test_accuracy)
+                       .add("seconds", r.seconds)
+                       .add("images_per_second", r.images_per_second)
+                       .add("lr", r.lr));
+    if (!options_.checkpoint_path.empty()) save(options_.checkpoint_path);
+    return r;
+  }
+
+  // Mean loss and accuracy over a whole loader, in eval mode (BN uses running statistics).
+  std::pair<double, double> evaluate(DataLoader<S>& loader) {
+    model_.set_mode(Mode::Eval);
+    loader.start_epoch(0);
+    double loss_sum = 0;
+    std::int64_t correct = 0, seen = 0;
+    while (loader.next(eval_batch_)) {
+      const auto& logits = model_.forward(eval_batch_.images, model_cache_);
+      const auto n = static_cast<std::int64_t>(eval_batch_.labels.size());
+      loss_sum += static_cast<double>(loss_.forward(logits, eval_batch_.labels, loss_cache_)) * static_cast<double>(n);
+      correct += count_correct(logits, eval_batch_.labels);
+      seen += n;
+    }
+    model_.set_mode(Mode::Train);
+    return {seen ? loss_sum / static_cast<double>(seen) : 0.0,
+            seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0};
+  }
+
+  void save(const std::string& path) {
+    state_.rng = rng_.state();
+    save_checkpoint(path, model_, optimizer_, state_);
+  }
+  void load(const std::string& path) {
+    state_ = load_checkpoint(path, model_, optimizer_);
+    rng_.set_state(state_.rng);
+  }
+
+  const TrainState& state() const { return state_; }
+  Rng& rng() { return rng_; }
+
+ private:
+  Model& model_;
+  Optimizer& optimizer_;
+  Schedule schedule_;
+  TrainOptions options_;
+  CrossEntropyLoss<E> loss_;
+  MetricsWriter metrics_;
+  typename Model::Cache model_cache_{};
+  typename CrossEntropyLoss<E>::Cache loss_cache_{};
+  Batch<S> batch_, eval_batch_;
+  TrainState state_;
+  Rng rng_{0};
+  std::int64_t correct_ = 0;
+};
+
+}  // namespace tessera

@@ -1,0 +1,112 @@
+// Core: Shape, Tensor, CachingAllocator, Rng, LocalComm.
+#include <catch2/catch.hpp>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "tessera/comm/local.hpp"
+#include "tessera/core/allocator.hpp"
+#include "tessera/core/random.hpp"
+#include "tessera/core/tensor.hpp"
+
+using namespace tessera;
+
+TEST_CASE("Shape: numel, negative dims, equality, rank limit", "[core]") {
+  Shape s{2, 3, 4};
+  CHECK(s.rank() == 3);
+  CHECK(s.numel() == 24);
+  CHECK(s.dim(-1) == 4);
+  CHECK(s == Shape{2, 3, 4});
+  CHECK(s != Shape{2, 3});
+  CHECK(s.str() == "(2, 3, 4)");
+  CHECK(Shape{}.numel() == 1);
+  CHECK_THROWS_AS((Shape{1, 2, 3, 4, 5, 6, 7}), ShapeError);
+  CHECK_THROWS_AS((Shape{2, -1}), ShapeError);
+}
+
+TEST_CASE("Tensor: deep copy, move, resize keeps the buffer, reshape checks numel", "[core]") {
+  auto t = Tensor<float>::from({2, 2}, {1, 2, 3, 4});
+  CHECK(t.at(1, 0) == 3.0f);
+  Tensor<float> copy = t;
+  copy[0] = 9;
+  CHECK(t[0] == 1.0f);
+  Tensor<float> moved = std::move(copy);
+  CHECK(moved[0] == 9.0f);
+  const float* before = moved.data();
+  moved.resize({1, 3});  // smaller: same buffer
+  CHECK(moved.data() == before);
+  CHECK(moved.shape() == Shape{1, 3});
+  CHECK(reinterpret_cast<std::uintptr_t>(moved.data()) % 64 == 0);
+  CHECK_THROWS_AS(moved.reshape({2, 2}), ShapeError);
+  CHECK_THROWS_AS(t.at(0, 0, 0), ShapeError);
+  CHECK_THROWS_AS((Tensor<float>::from({3}, {1, 2})), ShapeError);
+  auto d = t.cast<double>();
+  CHECK(d[3] == 4.0);
+}
+
+TEST_CASE("CachingAllocator: freed blocks are reused, no system allocation in steady state", "[core]") {
+  CachingAllocator alloc;
+  void* a = alloc.allocate(1000);
+  alloc.deallocate(a, 1000);
+  const auto before = alloc.stats();
+  for (int i = 0; i < 10; ++i) {
+    void* b = alloc.allocate(900);  // same size class (1024) as 1000
+    CHECK(b == a);
+    alloc.deallocate(b, 900);
+  }
+  const auto after = alloc.stats();
+  CHECK(after.system_allocations == before.system_allocations);
+  CHECK(after.cache_hits == before.cache_hits + 10);
+  CHECK(after.bytes_in_use == 0);
+  alloc.release_cached();
+  CHECK(alloc.stats().bytes_cached == 0);
+}
+
+TEST_CASE("Rng: reproducible, uniform range, normal moments, state round-trip", "[core]") {
+  Rng a(7), b(7), c(8);
+  CHECK(a.next_u64() == b.next_u64());
+  CHECK(a.next_u64() != c.next_u64());
+  double sum = 0, sq = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    const double x = a.normal();
+    sum += x;
+    sq += x * x;
+  }
+  CHECK(std::abs(sum / n) < 0.01);
+  CHECK(std::abs(sq / n - 1.0) < 0.02);
+  for (int i = 0; i < 1000; ++i) {
+    const double u = a.uniform();
+    REQUIRE((u >= 0.0 && u < 1.0));
+    REQUIRE(a.below(7) < 7);
+  }
+  a.normal();  // leaves a spare normal in the state
+  const auto saved = a.state();
+  const double x1 = a.normal(), x2 = a.normal();
+  Rng restored;
+  restored.set_state(saved);
+  CHECK(restored.normal() == x1);
+  CHECK(restored.normal() == x2);
+  std::vector<int> v(100);
+  std::iota(v.begin(), v.end(), 0);
+  a.shuffle(v.begin(), v.end());
+  CHECK(std::set<int>(v.begin(), v.end()).size() == 100);
+}
+
+TEST_CASE("LocalComm: every collective is the identity on one rank", "[core]") {
+  LocalComm comm;
+  CHECK(comm.rank() == 0);
+  CHECK(comm.size() == 1);
+  std::vector<float> buf{1, 2, 3};
+  comm.all_reduce(std::span<float>(buf), ReduceOp::Avg);
+  CHECK(buf == std::vector<float>{1, 2, 3});
+  comm.all_reduce_async(std::span<float>(buf), ReduceOp::Sum).wait();
+  std::vector<float> out(3);
+  comm.all_gather(std::span<const float>(buf), std::span<float>(out));
+  CHECK(out == buf);
+  CHECK_THROWS_AS(comm.broadcast(std::span<float>(buf), 1), CommError);
+  CHECK_THROWS_AS(comm.send(std::span<const float>(buf), 1), CommError);
+  std::vector<float> wrong(2);
+  CHECK_THROWS_AS(comm.all_gather(std::span<const float>(buf), std::span<float>(wrong)), CommError);
+  CHECK(comm.split(0, 0).size() == 1);
+}

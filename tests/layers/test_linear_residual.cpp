@@ -1,0 +1,152 @@
+// Linear, Sequential and Residual: gradient checks, PyTorch reference, shape errors, hooks.
+#include <catch2/catch.hpp>
+
+#include "support/gradcheck.hpp"
+#include "tessera/comm/local.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/batch_norm.hpp"
+#include "tessera/layers/conv2d.hpp"
+#include "tessera/layers/linear.hpp"
+#include "tessera/layers/residual.hpp"
+#include "tessera/layers/sequential.hpp"
+#include "tessera/models/resnet.hpp"
+#include "tessera/train/safetensors.hpp"
+
+using namespace tessera;
+using E64 = CpuLocal64;
+
+static_assert(Layer<Linear<CpuLocal>>);
+static_assert(Layer<Sequential<Linear<CpuLocal>, ReLU<CpuLocal>>>);
+static_assert(Layer<BasicBlock<CpuLocal>>);
+static_assert(Layer<Bottleneck<CpuLocal>>);
+
+TEST_CASE("Linear and Sequential: float64 gradient check", "[layers]") {
+  Rng rng(1);
+  Linear<E64> lin(5, 3, rng);
+  testing::check_gradients(lin, testing::random_tensor({4, 5}, rng), rng);
+  Linear<E64> no_bias(5, 3, rng, /*bias=*/false);
+  testing::check_gradients(no_bias, testing::random_tensor({2, 5}, rng), rng);
+  Sequential seq{Linear<E64>(5, 4, rng), ReLU<E64>(), Linear<E64>(4, 2, rng)};
+  testing::check_gradients(seq, testing::random_tensor({3, 5}, rng), rng);
+  auto named = named_tensors<double, Cpu>(seq);
+  REQUIRE(named.parameters.size() == 4);
+  CHECK(named.parameters[2].first == "2.weight");
+}
+
+TEST_CASE("Residual blocks: float64 gradient check, identity and projection", "[layers]") {
+  Rng rng(2);
+  BasicBlock<E64> identity(3, 3, 1, rng, false);
+  CHECK_FALSE(identity.has_projection());
+  testing::check_gradients(identity, testing::random_tensor({2, 3, 5, 5}, rng), rng);
+  BasicBlock<E64> projection(2, 4, 2, rng, false);
+  CHECK(projection.has_projection());
+  testing::check_gradients(projection, testing::random_tensor({2, 2, 6, 6}, rng), rng);
+  Bottleneck<E64> bottleneck(4, 2, 2, rng, false);  // 4 -> 2 -> 8 channels, stride on the 3x3
+  testing::check_gradients(bottleneck, testing::random_tensor({2, 4, 5, 5}, rng), rng);
+  auto named = named_tensors<double, Cpu>(bottleneck);
+  CHECK(named.parameters.front().first == "conv1.weight");
+  CHECK(named.parameters.back().first == "downsample.1.bias");
+}
+
+TEST_CASE("Residual: zero-initialized last BN makes the block start as relu(shortcut)", "[layers]") {
+  Rng rng(3);
+  BasicBlock<E64> block(3, 3, 1, rng, /*zero_init_last_bn=*/true);
+  auto x = testing::random_tensor({2, 3, 4, 4}, rng);
+  BasicBlock<E64>::Cache cache;
+  const auto& y = block.forward(x, cache);
+  for (std::int64_t i = 0; i < x.numel(); ++i) REQUIRE(y[i] == Approx(std::max(x[i], 0.0)).margin(1e-12));
+}
+
+TEST_CASE("Linear matches PyTorch (float64 and float32)", "[layers]") {
+  auto f = SafetensorsFile::load(TESSERA_TEST_DATA_DIR "/models.safetensors");
+  Rng rng(0);
+  Linear<E64> lin(5, 4, rng);
+  lin.weight().value = f.tensor<double>("linear.weight");
+  lin.bias().value = f.tensor<double>("linear.bias");
+  Linear<E64>::Cache c;
+  const auto x = f.tensor<double>("linear.x");
+  const auto& y = lin.forward(x, c);
+  const auto& dx = lin.backward(f.tensor<double>("linear.g"), c);
+  auto close = [](const Tensor<double>& a, const Tensor<double>& b, double rel) {
+    return testing::relative_error(a, b) <= rel;
+  };
+  CHECK(close(y, f.tensor<double>("linear.y"), 1e-12));
+  CHECK(close(dx, f.tensor<double>("linear.dx"), 1e-12));
+  CHECK(close(lin.weight().grad, f.tensor<double>("linear.dweight"), 1e-12));
+  CHECK(close(lin.bias().grad, f.tensor<double>("linear.dbias"), 1e-12));
+
+  Linear<CpuLocal> lin32(5, 4, rng);
+  lin32.weight().value = f.tensor<float>("linear.weight");
+  lin32.bias().value = f.tensor<float>("linear.bias");
+  Linear<CpuLocal>::Cache c32;
+  const auto x32 = f.tensor<float>("linear.x");
+  const auto y32 = lin32.forward(x32, c32).cast<double>();
+  const double torch_err = f.tensor<double>("linear.torch_f32_err")[0];
+  CHECK(testing::relative_error(y32, f.tensor<double>("linear.y")) <= 8 * torch_err + 1e-7);
+}
+
+TEST_CASE("Linear: shape errors name the layer and both shapes", "[layers]") {
+  Rng rng(0);
+  Linear<CpuLocal> lin(5, 4, rng);
+  Linear<CpuLocal>::Cache c;
+  Tensor<float> bad({3, 6});
+  try {
+    lin.forward(bad, c);
+    FAIL("expected ShapeError");
+  } catch (const ShapeError& e) {
+    const std::string msg = e.what();
+    CHECK_THAT(msg, Catch::Contains("Linear(5, 4)") && Catch::Contains("(N, 5)") && Catch::Contains("(3, 6)"));
+  }
+  CHECK_THROWS_AS(Linear<CpuLocal>(0, 4, rng), ArgumentError);
+}
+
+TEST_CASE("Backward calls each parameter's gradient-ready hook once, last layer first", "[layers]") {
+  Rng rng(4);
+  Sequential seq{Linear<CpuLocal>(3, 4, rng), ReLU<CpuLocal>(), Linear<CpuLocal>(4, 2, rng)};
+  auto named = named_tensors<float, Cpu>(seq);
+  std::vector<std::string> order;
+  for (auto& [name, p] : named.parameters) {
+    p->on_grad_ready = [&order, n = name](Parameter<float>&) { order.push_back(n); };
+  }
+  decltype(seq)::Cache cache;
+  Tensor<float> x({2, 3}, 0.5f);
+  const auto& y = seq.forward(x, cache);
+  seq.backward(Tensor<float>(y.shape(), 1.0f), cache);
+  CHECK(order == std::vector<std::string>{"2.weight", "2.bias", "0.weight", "0.bias"});
+}
+
+TEST_CASE("Per-micro-batch caches: two forwards in flight, backwards in any order", "[layers]") {
+  Rng rng(5);
+  BasicBlock<E64> block(2, 2, 1, rng, false);
+  auto xa = testing::random_tensor({2, 2, 4, 4}, rng), xb = testing::random_tensor({2, 2, 4, 4}, rng);
+  auto g = testing::random_tensor({2, 2, 4, 4}, rng);
+  auto grads_of = [&](auto run) {
+    auto named = named_tensors<double, Cpu>(block);
+    for (auto& [n, p] : named.parameters) p->grad.zero();
+    run();
+    std::vector<Tensor<double>> out;
+    for (auto& [n, p] : named.parameters) out.push_back(p->grad);
+    return out;
+  };
+  // Reference: forward a, backward a, forward b, backward b.
+  Tensor<double> dxa_ref, dxb_ref;
+  auto sequential = grads_of([&] {
+    BasicBlock<E64>::Cache ca, cb;
+    block.forward(xa, ca);
+    dxa_ref = block.backward(g, ca);
+    block.forward(xb, cb);
+    dxb_ref = block.backward(g, cb);
+  });
+  // Interleaved like a pipeline stage: forward a, forward b, backward b, backward a.
+  Tensor<double> dxa, dxb;
+  auto interleaved = grads_of([&] {
+    BasicBlock<E64>::Cache ca, cb;
+    block.forward(xa, ca);
+    block.forward(xb, cb);
+    dxb = block.backward(g, cb);
+    dxa = block.backward(g, ca);
+  });
+  CHECK(testing::relative_error(dxa, dxa_ref) < 1e-12);
+  CHECK(testing::relative_error(dxb, dxb_ref) < 1e-12);
+  for (std::size_t i = 0; i < sequential.size(); ++i) CHECK(testing::relative_error(interleaved[i], sequential[i]) < 1e-12);
+}

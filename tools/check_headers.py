@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Compiles every public header of include/tessera on its own (a translation unit that includes
+only that header), so that no header leans on another being included first. Exit 1 lists the
+headers that failed with the compiler's first lines of output."""
+import argparse
+import concurrent.futures
+import pathlib
+import subprocess
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compiler", default="c++")
+    ap.add_argument("--include", action="append", default=[])
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    root = pathlib.Path(args.include[0])
+    headers = sorted(p.relative_to(root) for p in (root / "tessera").rglob("*.hpp"))
+    flags = ["-std=c++20", "-fopenmp", "-fsyntax-only", "-Wall", "-Wextra", "-x", "c++", "-"]
+    flags += [f"-I{d}" for d in args.include]
+
+    def check(header):
+        source = f'#include "{header}"\n'
+        r = subprocess.run([args.compiler, *flags], input=source, capture_output=True, text=True)
+        return header, r.returncode, r.stderr
+
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for header, rc, err in pool.map(check, headers):
+            status = "ok" if rc == 0 else "FAILED"
+            print(f"{status:6} {header}")
+            if rc != 0:
+                failed += 1
+                print("\n".join(err.splitlines()[:15]))
+    print(f"{len(headers) - failed} of {len(headers)} headers compile on their own")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
