@@ -66,7 +66,7 @@ def main():
         print(f"{name:13} batch {r['batch']:3}  {r['images_per_second']:8.1f} img/s", file=sys.stderr)
         results.append(r)
     print(json.dumps({"framework": "pytorch", "version": torch.__version__, "threads": args.threads,
-                      "mkldnn": torch.backends.mkldnn.is_enabled(), "results": results}))
+                      "mkldnn": torch.backends.mkldnn.is_available(), "results": results}))
 
 
 if __name__ == "__main__":

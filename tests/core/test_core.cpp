@@ -40,6 +40,8 @@ TEST_CASE("Tensor: deep copy, move, resize keeps the buffer, reshape checks nume
   CHECK_THROWS_AS(moved.reshape({2, 2}), ShapeError);
   CHECK_THROWS_AS(t.at(0, 0, 0), ShapeError);
   CHECK_THROWS_AS((Tensor<float>::from({3}, {1, 2})), ShapeError);
+  CHECK(Tensor<float>().empty());
+  CHECK(Tensor<float>().data() == nullptr);
   auto d = t.cast<double>();
   CHECK(d[3] == 4.0);
 }

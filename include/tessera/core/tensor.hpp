@@ -139,7 +139,7 @@ class Tensor {
 
   S* data_ = nullptr;
   std::size_t capacity_ = 0;
-  Shape shape_;
+  Shape shape_{0};  // a default tensor is empty (shape (0)), not a rank-0 scalar with no storage
 };
 
 // The shape check every layer does at its entry: names the layer and both shapes.

@@ -2,41 +2,135 @@
 // CPU layer goes through (Linear directly; Conv2d after im2col).
 //
 // Shapes: op(A) is (m, k), op(B) is (k, n), C is (m, n); lda/ldb/ldc are row strides.
-// The product runs on Eigen's blocked GEMM, parallel over the OpenMP team. With TESSERA_USE_BLAS
-// defined (meson option `blas`), Eigen hands products to the system BLAS (EIGEN_USE_BLAS), which
-// must then be defined before any Eigen header: the umbrella header takes care of that.
+//
+// The inner kernel is Eigen's blocked GEMM (gebp), called through general_matrix_matrix_product
+// with packing buffers that this file owns, one pair per thread, grown once and then reused.
+// Eigen's own entry point (`C.noalias() += A * B`) packs into the stack below 128 KiB and into a
+// fresh heap block above it, i.e. several mallocs per product, which would break the "a steady-state
+// training step allocates nothing" rule.
+// Threads: called from outside a parallel region, a large product is split over the OpenMP team
+// by rows or columns of C (whichever is longer); from inside one (Conv2d's per-thread blocks) it
+// runs on the calling thread. With TESSERA_USE_BLAS defined (meson option `blas`), EIGEN_USE_BLAS
+// routes Eigen's own products to the system BLAS; this path is unaffected.
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstdint>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
 
 namespace tessera {
 
+namespace detail {
+
+// Eigen's blocking descriptor pointing at caller-owned packing buffers.
+template <class S>
+class GemmBlocking : public Eigen::internal::level3_blocking<S, S> {
+ public:
+  // (m, n, k) of the row-major product; Eigen runs it as the column-major (n, m, k) product C^T.
+  GemmBlocking(Eigen::Index m, Eigen::Index n, Eigen::Index k) {
+    this->m_mc = n;
+    this->m_nc = m;
+    this->m_kc = k;
+    Eigen::internal::computeProductBlockingSizes<S, S, 1>(this->m_kc, this->m_mc, this->m_nc, Eigen::Index{1});
+  }
+  std::int64_t size_a() const { return this->m_mc * this->m_kc; }
+  std::int64_t size_b() const { return this->m_kc * this->m_nc; }
+  void set_buffers(S* a, S* b) {
+    this->m_blockA = a;
+    this->m_blockB = b;
+  }
+};
+
+// One thread's packing buffers; they only ever grow, so steady state allocates nothing.
+template <class S>
+struct GemmWorkspace {
+  Tensor<S> packed_a, packed_b;
+  static GemmWorkspace& local() {
+    thread_local GemmWorkspace workspace;
+    return workspace;
+  }
+};
+
+template <class S, int LhsOrder, int RhsOrder>
+void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a, std::int64_t lda,
+                         const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
+  GemmBlocking<S> blocking(m, n, k);
+  auto& ws = GemmWorkspace<S>::local();
+  if (ws.packed_a.numel() < blocking.size_a()) ws.packed_a.resize({blocking.size_a()});
+  if (ws.packed_b.numel() < blocking.size_b()) ws.packed_b.resize({blocking.size_b()});
+  blocking.set_buffers(ws.packed_a.data(), ws.packed_b.data());
+  Eigen::internal::general_matrix_matrix_product<Eigen::Index, S, LhsOrder, false, S, RhsOrder, false, Eigen::RowMajor,
+                                                 1>::run(m, n, k, a, lda, b, ldb, c, 1, ldc, alpha, blocking, nullptr);
+}
+
+// C += alpha op(A) op(B) on the calling thread.
+template <class S>
+void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
+                 std::int64_t lda, const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
+  // A row-major (m, k) is RowMajor; stored transposed, i.e. (k, m) row-major, it is (m, k) ColMajor.
+  constexpr int R = Eigen::RowMajor, C = Eigen::ColMajor;
+  if (!trans_a && !trans_b) gemm_serial_ordered<S, R, R>(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+  else if (trans_a && !trans_b) gemm_serial_ordered<S, C, R>(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+  else if (!trans_a && trans_b) gemm_serial_ordered<S, R, C>(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+  else gemm_serial_ordered<S, C, C>(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+}
+
+}  // namespace detail
+
 template <class S>
 void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
           std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
-  using RowMat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using ConstMap = Eigen::Map<const RowMat, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using Map = Eigen::Map<RowMat, Eigen::Unaligned, Eigen::OuterStride<>>;
-  Map cm(c, m, n, Eigen::OuterStride<>(ldc));
-  if (beta == S(0))
-    cm.setZero();
-  else if (beta != S(1))
-    cm *= beta;
-  if (m == 0 || n == 0 || k == 0) return;
-  // A stored as (m, k) or, when transposed, as (k, m); likewise B.
-  ConstMap am(a, trans_a ? k : m, trans_a ? m : k, Eigen::OuterStride<>(lda));
-  ConstMap bm(b, trans_b ? n : k, trans_b ? k : n, Eigen::OuterStride<>(ldb));
-  if (!trans_a && !trans_b)
-    cm.noalias() += alpha * am * bm;
-  else if (trans_a && !trans_b)
-    cm.noalias() += alpha * am.transpose() * bm;
-  else if (!trans_a && trans_b)
-    cm.noalias() += alpha * am * bm.transpose();
-  else
-    cm.noalias() += alpha * am.transpose() * bm.transpose();
+  if (m == 0 || n == 0) return;
+  if (beta != S(1)) {
+    for (std::int64_t i = 0; i < m; ++i) {
+      S* row = c + i * ldc;
+      if (beta == S(0))
+        std::fill(row, row + n, S(0));
+      else
+        for (std::int64_t j = 0; j < n; ++j) row[j] *= beta;
+    }
+  }
+  if (k == 0) return;
+
+  int threads = 1;
+#if defined(_OPENMP)
+  // Below ~2^20 multiply-adds the fork/join costs more than the second core gains.
+  if (!omp_in_parallel() && m * n * k >= (1 << 20)) threads = omp_get_max_threads();
+#endif
+  if (threads <= 1) {
+    detail::gemm_serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    return;
+  }
+#if defined(_OPENMP)
+  // Split C by rows when it is taller than wide, else by columns (in multiples of 16, one AVX-512
+  // register of floats, so each thread's panel stays vector-aligned).
+  const bool split_rows = m >= n;
+  const std::int64_t extent = split_rows ? m : n;
+  const std::int64_t grain = split_rows ? 4 : 16;
+#pragma omp parallel num_threads(threads)
+  {
+    const std::int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    std::int64_t chunk = (extent + team - 1) / team;
+    chunk = (chunk + grain - 1) / grain * grain;
+    const std::int64_t begin = std::min(extent, t * chunk), end = std::min(extent, begin + chunk);
+    if (begin < end) {
+      if (split_rows) {
+        const S* a_part = trans_a ? a + begin : a + begin * lda;  // rows of op(A)
+        detail::gemm_serial(trans_a, trans_b, end - begin, n, k, alpha, a_part, lda, b, ldb, c + begin * ldc, ldc);
+      } else {
+        const S* b_part = trans_b ? b + begin * ldb : b + begin;  // columns of op(B)
+        detail::gemm_serial(trans_a, trans_b, m, end - begin, k, alpha, a, lda, b_part, ldb, c + begin, ldc);
+      }
+    }
+  }
+#endif
 }
 
 }  // namespace tessera
