@@ -39,7 +39,7 @@ def measure(name, steps_flag, warmup):
         loss.backward()
         opt.step()
 
-    for _ in range(min(warmup, 1) if name.startswith("resnet50") else warmup):
+    for _ in range(max(1, min(warmup, 2) if name.startswith("resnet50") else warmup)):
         step()
     times = []
     for _ in range(steps):

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "support/gradcheck.hpp"
+#include "support/reference.hpp"
 #include "tessera/comm/local.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/layers/activation.hpp"
@@ -37,23 +38,9 @@ const SafetensorsFile& reference() {
   return f;
 }
 
-// float64: ~1e-10 of the tensor's norm. float32: a small multiple of PyTorch's own float32 error
-// on the same case (stored by the generator), plus two float32 epsilons.
 template <class S>
 void expect_matches(const Tensor<S>& got, const std::string& name) {
-  const T64 want = reference().tensor<double>(name);
-  INFO(name << ": got shape " << got.shape() << ", reference " << want.shape());
-  REQUIRE(got.shape() == want.shape());
-  const double err = testing::relative_error(got.template cast<double>(), want);
-  double tolerance = 1e-10;
-  if constexpr (std::is_same_v<S, float>) {
-    const auto dot = name.rfind('.');
-    const double torch_err =
-        reference().tensor<double>(name.substr(0, dot) + ".torch_f32_err" + name.substr(dot))[0];
-    tolerance = 8 * torch_err + 2.5e-7;
-  }
-  INFO(name << ": relative error " << err << ", tolerance " << tolerance);
-  CHECK(err <= tolerance);
+  testing::expect_matches(reference(), got, name);
 }
 
 template <class S>
