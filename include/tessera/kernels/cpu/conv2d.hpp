@@ -153,15 +153,67 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
   if (plane > target) {
     b.rows = std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows);
   } else {
-    b.samples = std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1));
-    std::int64_t groups = (batch + b.samples - 1) / b.samples;
-    groups = (groups + b.threads - 1) / b.threads * b.threads;
-    b.samples = std::max<std::int64_t>(1, (batch + groups - 1) / groups);
+    // The largest group size up to target / plane whose number of groups divides evenly among the
+    // threads (64 samples in groups of 5 make 13 groups: one thread would do 7, the other 6).
+    const std::int64_t most = std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1));
+    b.samples = most;
+    for (std::int64_t s = most; s >= 1; --s)
+      if (((batch + s - 1) / s) % b.threads == 0) {
+        b.samples = s;
+        break;
+      }
+    if (b.samples == most && ((batch + most - 1) / most) % b.threads != 0) {
+      std::int64_t groups = (batch + most - 1) / most;
+      groups = (groups + b.threads - 1) / b.threads * b.threads;
+      b.samples = std::max<std::int64_t>(1, (batch + groups - 1) / groups);
+    }
   }
   b.parallel_backward = b.threads > 1 && b.groups(batch) >= b.threads &&
                         (b.threads - 1) * g.weight_elements() * scalar_bytes <= detail::kMaxPrivateGradientBytes;
   return b;
 }
+
+namespace detail {
+
+// Stride 1 with W' = W (a "same"-width convolution, e.g. 3x3 with padding 1): the columns of one
+// sample's rows [oh0, oh1) for tap (i, j) are the input rows [ih0, ih1) read as one run shifted
+// by w_offset, except the entries of output columns outside [lo, hi) (they wrap into the
+// neighbouring row; their tap lies in the padding). One long contiguous copy instead of one short
+// one per row: on ResNet's 28/14/7-wide images the per-row loop cost most of the time.
+inline bool contiguous_taps(const Conv2dGeometry& g) {
+  return g.stride_h == 1 && g.stride_w == 1 && g.out_width == g.width;
+}
+
+// Output rows [a, b) of [oh0, oh1) whose input row oh - pad_h + i dh (stride 1) lies inside [0, H).
+inline void valid_row_range(const Conv2dGeometry& g, std::int64_t i, std::int64_t oh0, std::int64_t oh1,
+                            std::int64_t& a, std::int64_t& b) {
+  const std::int64_t h_offset = i * g.dilation_h - g.pad_h;
+  a = std::clamp(-h_offset, oh0, oh1);
+  b = std::clamp(g.height - h_offset, a, oh1);
+}
+
+// Zeroes columns [0, lo) and [hi, w) of `rows` rows of width w: the entries whose tap lies in the
+// horizontal padding. Column by column: the pieces are one or two values wide, and row by row the
+// compiler would turn each into a call to memset.
+template <class S>
+void zero_wrapped_columns(S* m, std::int64_t rows, std::int64_t w, std::int64_t lo, std::int64_t hi) {
+  for (std::int64_t ow = 0; ow < lo; ++ow)
+    for (std::int64_t row = 0; row < rows; ++row) m[row * w + ow] = S(0);
+  for (std::int64_t ow = hi; ow < w; ++ow)
+    for (std::int64_t row = 0; row < rows; ++row) m[row * w + ow] = S(0);
+}
+
+// The tap (index i kw + j) that sees every input pixel exactly once over a whole sample, on the
+// contiguous path (the centre tap of an odd "same" kernel), or -1. col2im copies it into dx instead
+// of adding it, so dx need not be zeroed first.
+inline std::int64_t covering_tap(const Conv2dGeometry& g) {
+  if (!contiguous_taps(g) || g.out_height != g.height) return -1;
+  if (g.pad_h % g.dilation_h != 0 || g.pad_w % g.dilation_w != 0) return -1;
+  const std::int64_t i = g.pad_h / g.dilation_h, j = g.pad_w / g.dilation_w;
+  return i < g.kernel_h && j < g.kernel_w ? i * g.kernel_w + j : -1;
+}
+
+}  // namespace detail
 
 // col (C kh kw, ldcol) <- patches of output rows [oh0, oh1) of `samples` consecutive inputs
 // x (samples, C, H, W); sample s fills columns [s (oh1 - oh0) W', (s + 1) (oh1 - oh0) W'). Serial:
@@ -170,6 +222,7 @@ template <class S>
 void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std::int64_t oh0, std::int64_t oh1, S* col,
             std::int64_t ldcol) {
   const std::int64_t taps = g.taps(), rows = g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
+  const bool contiguous = detail::contiguous_taps(g);
   for (std::int64_t s = 0; s < samples; ++s) {
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
@@ -178,6 +231,24 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
       const std::int64_t w_offset = j * g.dilation_w - g.pad_w;  // iw = ow * stride_w + w_offset
       std::int64_t lo, hi;
       detail::valid_output_range(w_offset, g.stride_w, g.width, g.out_width, lo, hi);
+      if (contiguous) {
+        const std::int64_t w = g.width;
+        std::int64_t a, b;
+        detail::valid_row_range(g, i, oh0, oh1, a, b);
+        std::fill(out, out + (a - oh0) * w, S(0));
+        std::fill(out + (b - oh0) * w, out + (oh1 - oh0) * w, S(0));
+        if (a == b || lo == hi) {
+          std::fill(out + (a - oh0) * w, out + (b - oh0) * w, S(0));
+          continue;
+        }
+        S* dst = out + (a - oh0) * w;
+        // The run [lo, (b - a - 1) W + hi) of dst; its source starts inside the plane.
+        const std::int64_t length = (b - a - 1) * w + hi - lo;
+        const S* src = in + (a - g.pad_h + i * g.dilation_h) * w + w_offset + lo;
+        std::copy(src, src + length, dst + lo);
+        detail::zero_wrapped_columns(dst, b - a, w, lo, hi);
+        continue;
+      }
       for (std::int64_t oh = oh0; oh < oh1; ++oh, out += g.out_width) {
         const std::int64_t ih = oh * g.stride_h - g.pad_h + i * g.dilation_h;
         if (ih < 0 || ih >= g.height) {
@@ -198,19 +269,46 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
 }
 
 // dx (samples, C, H, W) += col2im(col): the inverse scatter of im2col for the same block, each
-// column entry added onto the input pixel it was copied from. Serial, like im2col.
+// column entry added onto the input pixel it was copied from. Serial, like im2col. col is scratch:
+// on the contiguous path the entries that fall into the padding are zeroed first, so that one
+// shifted run can be added per tap. With `assign` (whole samples, and detail::covering_tap(g) >= 0)
+// dx need not be initialized: each channel starts with a copy of the covering tap.
 template <class S>
-void col2im_add(Cpu, const Conv2dGeometry& g, const S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
-                std::int64_t oh1, S* dx) {
-  const std::int64_t taps = g.taps(), rows = g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
+void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
+                std::int64_t oh1, S* dx, bool assign = false) {
+  const std::int64_t taps = g.taps(), sample_cols = (oh1 - oh0) * g.out_width;
+  const bool contiguous = detail::contiguous_taps(g);
+  const std::int64_t first_tap = assign ? detail::covering_tap(g) : -1;
   for (std::int64_t s = 0; s < samples; ++s) {
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
+    for (std::int64_t r = 0; r < g.col_rows(); ++r) {
+      // Within a channel, the covering tap (when assigning) first, then the others in order.
+      const std::int64_t c = r / taps, order = r % taps;
+      std::int64_t tap = order;
+      if (first_tap >= 0) tap = order == 0 ? first_tap : order <= first_tap ? order - 1 : order;
+      const std::int64_t i = tap / g.kernel_w, j = tap % g.kernel_w;
       S* out = dx + (s * g.channels + c) * g.in_plane();
-      const S* in = col + r * ldcol + s * sample_cols;
+      S* in = col + (c * taps + tap) * ldcol + s * sample_cols;
       const std::int64_t w_offset = j * g.dilation_w - g.pad_w;
       std::int64_t lo, hi;
       detail::valid_output_range(w_offset, g.stride_w, g.width, g.out_width, lo, hi);
+      if (contiguous) {
+        const std::int64_t w = g.width;
+        std::int64_t a, b;
+        detail::valid_row_range(g, i, oh0, oh1, a, b);
+        if (a == b || lo == hi) continue;
+        S* src = in + (a - oh0) * w;
+        detail::zero_wrapped_columns(src, b - a, w, lo, hi);
+        const std::int64_t length = (b - a - 1) * w + hi - lo;
+        const S* run = src + lo;
+        S* dst = out + (a - g.pad_h + i * g.dilation_h) * w + w_offset + lo;
+        if (tap == first_tap) {
+          std::copy(run, run + length, dst);
+        } else {
+#pragma omp simd
+          for (std::int64_t p = 0; p < length; ++p) dst[p] += run[p];
+        }
+        continue;
+      }
       for (std::int64_t oh = oh0; oh < oh1; ++oh, in += g.out_width) {
         const std::int64_t ih = oh * g.stride_h - g.pad_h + i * g.dilation_h;
         if (ih < 0 || ih >= g.height) continue;
@@ -232,6 +330,12 @@ struct ConvBlock {
   std::int64_t n0, count, oh0, oh1;
   std::int64_t columns(const Conv2dGeometry& g) const { return count * (oh1 - oh0) * g.out_width; }
 };
+
+// Backward blocks of whole samples on a geometry with a covering tap write dx outright (col2im
+// copies that tap first), so dx is not zeroed beforehand.
+inline bool col2im_assigns(const Conv2dGeometry& g, const Conv2dBlocking& b) {
+  return b.bands(g) == 1 && covering_tap(g) >= 0;
+}
 
 inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, std::int64_t group,
                             std::int64_t band) {
@@ -308,7 +412,8 @@ void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, con
   for (std::int64_t grp = 0; grp < g.groups; ++grp)
     gemm(Cpu{}, true, false, rows_g, cols, kg, S(1), w + grp * kg * rows_g, rows_g, dym + grp * kg * lddy, lddy, S(0),
          dcol + grp * rows_g * ldc, ldc);
-  if (!direct) col2im_add(Cpu{}, g, col, cols, blk.count, blk.oh0, blk.oh1, dx + blk.n0 * in_sample);
+  if (!direct)
+    col2im_add(Cpu{}, g, col, cols, blk.count, blk.oh0, blk.oh1, dx + blk.n0 * in_sample, col2im_assigns(g, b));
 }
 
 }  // namespace detail
@@ -363,7 +468,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
 #pragma omp for schedule(static)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       S* dx_group = dx ? dx + grp * in_group : nullptr;
-      if (dx_group && !b.direct(g)) {
+      if (dx_group && !b.direct(g) && !detail::col2im_assigns(g, b)) {
         const std::int64_t count = std::min(b.samples, batch - grp * b.samples);
         std::fill(dx_group, dx_group + count * g.channels * g.in_plane(), S(0));
       }

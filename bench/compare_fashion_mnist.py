@@ -1,0 +1,67 @@
+"""Fashion-MNIST recipes side by side: Tessera's examples 01 (LeNet-5) and 02 (ResNet-20) against
+the same recipe in PyTorch 1.13 (bench/fashion_mnist_pytorch.py), on the same threads. Prints one
+JSON object with test accuracy, training wall time and images/s of both, and the accuracy gap.
+
+    /usr/bin/python3 bench/compare_fashion_mnist.py --build build --models lenet,resnet20 --threads 2
+
+PyTorch runs with OPENBLAS_NUM_THREADS=1 and OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset (its best
+configuration here, see compare_pytorch.py).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = {"lenet": "01_fashion_mnist_lenet", "resnet20": "02_fashion_mnist_resnet"}
+
+
+def run_tessera(build, model, threads, epochs):
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        subprocess.run([os.path.join(build, "examples", EXAMPLES[model]), f"--threads={threads}", f"--epochs={epochs}",
+                        f"--metrics={metrics}", "--progress=0"], check=True, stdout=sys.stderr)
+        with open(metrics) as f:
+            epochs_run = [json.loads(line) for line in f]
+    seconds = sum(e["seconds"] for e in epochs_run)
+    images = 60000 * len(epochs_run)
+    return {"test_accuracy": epochs_run[-1]["test_accuracy"], "train_seconds": seconds,
+            "images_per_second": images / seconds, "per_epoch_test_accuracy": [e["test_accuracy"] for e in epochs_run]}
+
+
+def run_torch(model, threads, epochs):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env.pop("OPENBLAS_CORETYPE", None)
+    env.pop("OPENBLAS_L2_SIZE", None)
+    out = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "fashion_mnist_pytorch.py"), "--model", model,
+                          "--threads", str(threads), "--epochs", str(epochs)], check=True, capture_output=True,
+                         text=True, env=env).stdout
+    lines = out.strip().splitlines()
+    print("\n".join(lines[:-1]), file=sys.stderr)
+    return json.loads(lines[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--models", default="lenet,resnet20")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=5)
+    args = ap.parse_args()
+    report = []
+    for model in args.models.split(","):
+        ours = run_tessera(args.build, model, args.threads, args.epochs)
+        theirs = run_torch(model, args.threads, args.epochs)
+        entry = {"model": model, "epochs": args.epochs, "threads": args.threads, "tessera": ours,
+                 "pytorch": {k: theirs[k] for k in ("test_accuracy", "train_seconds", "images_per_second")},
+                 "accuracy_gap_points": 100 * (ours["test_accuracy"] - theirs["test_accuracy"]),
+                 "speed_ratio": ours["images_per_second"] / theirs["images_per_second"]}
+        print(json.dumps(entry), file=sys.stderr)
+        report.append(entry)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
