@@ -1,8 +1,9 @@
 """Fashion-MNIST recipes side by side: Tessera's examples 01 (LeNet-5) and 02 (ResNet-20) against
 the same recipe in PyTorch 1.13 (bench/fashion_mnist_pytorch.py), on the same threads. Prints one
-JSON object with test accuracy, training wall time and images/s of both, and the accuracy gap.
+JSON object with test accuracy (mean over seeds), training wall time and images/s (medians) of
+both, and the accuracy gap in points.
 
-    /usr/bin/python3 bench/compare_fashion_mnist.py --build build --models lenet,resnet20 --threads 2
+    /usr/bin/python3 bench/compare_fashion_mnist.py --build build --models lenet,resnet20 --threads 2 --seeds 1,2,3
 
 PyTorch runs with OPENBLAS_NUM_THREADS=1 and OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset (its best
 configuration here, see compare_pytorch.py).
@@ -10,6 +11,7 @@ configuration here, see compare_pytorch.py).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,11 +20,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = {"lenet": "01_fashion_mnist_lenet", "resnet20": "02_fashion_mnist_resnet"}
 
 
-def run_tessera(build, model, threads, epochs):
+def run_tessera(build, model, threads, epochs, seed):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         subprocess.run([os.path.join(build, "examples", EXAMPLES[model]), f"--threads={threads}", f"--epochs={epochs}",
-                        f"--metrics={metrics}", "--progress=0"], check=True, stdout=sys.stderr)
+                        f"--metrics={metrics}", "--progress=0", f"--seed={seed}"], check=True, stdout=sys.stderr)
         with open(metrics) as f:
             epochs_run = [json.loads(line) for line in f]
     seconds = sum(e["seconds"] for e in epochs_run)
@@ -31,12 +33,12 @@ def run_tessera(build, model, threads, epochs):
             "images_per_second": images / seconds, "per_epoch_test_accuracy": [e["test_accuracy"] for e in epochs_run]}
 
 
-def run_torch(model, threads, epochs):
+def run_torch(model, threads, epochs, seed):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env.pop("OPENBLAS_CORETYPE", None)
     env.pop("OPENBLAS_L2_SIZE", None)
     out = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "fashion_mnist_pytorch.py"), "--model", model,
-                          "--threads", str(threads), "--epochs", str(epochs)], check=True, capture_output=True,
+                          "--threads", str(threads), "--epochs", str(epochs), "--seed", str(seed)], check=True, capture_output=True,
                          text=True, env=env).stdout
     lines = out.strip().splitlines()
     print("\n".join(lines[:-1]), file=sys.stderr)
@@ -49,15 +51,29 @@ def main():
     ap.add_argument("--models", default="lenet,resnet20")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--seeds", default="1", help="comma-separated; runs alternate Tessera/PyTorch per seed")
     args = ap.parse_args()
     report = []
     for model in args.models.split(","):
-        ours = run_tessera(args.build, model, args.threads, args.epochs)
-        theirs = run_torch(model, args.threads, args.epochs)
-        entry = {"model": model, "epochs": args.epochs, "threads": args.threads, "tessera": ours,
-                 "pytorch": {k: theirs[k] for k in ("test_accuracy", "train_seconds", "images_per_second")},
-                 "accuracy_gap_points": 100 * (ours["test_accuracy"] - theirs["test_accuracy"]),
-                 "speed_ratio": ours["images_per_second"] / theirs["images_per_second"]}
+        ours, theirs = [], []
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            ours.append(run_tessera(args.build, model, args.threads, args.epochs, seed))
+            theirs.append(run_torch(model, args.threads, args.epochs, seed))
+        summary = lambda runs, key: statistics.mean(r[key] for r in runs)  # noqa: E731
+        entry = {"model": model, "epochs": args.epochs, "threads": args.threads, "seeds": args.seeds,
+                 "tessera": {"mean_test_accuracy": summary(ours, "test_accuracy"),
+                             "median_train_seconds": statistics.median(r["train_seconds"] for r in ours),
+                             "median_images_per_second": statistics.median(r["images_per_second"] for r in ours),
+                             "runs": ours},
+                 "pytorch": {"mean_test_accuracy": summary(theirs, "test_accuracy"),
+                             "median_train_seconds": statistics.median(r["train_seconds"] for r in theirs),
+                             "median_images_per_second": statistics.median(r["images_per_second"] for r in theirs),
+                             "runs": [{k: r[k] for k in ("test_accuracy", "train_seconds", "images_per_second")}
+                                      for r in theirs]}}
+        entry["accuracy_gap_points"] = 100 * (entry["tessera"]["mean_test_accuracy"]
+                                              - entry["pytorch"]["mean_test_accuracy"])
+        entry["speed_ratio"] = (entry["tessera"]["median_images_per_second"]
+                                / entry["pytorch"]["median_images_per_second"])
         print(json.dumps(entry), file=sys.stderr)
         report.append(entry)
     print(json.dumps(report, indent=1))

@@ -11,14 +11,22 @@ for p in "${packages[@]}"; do
 done
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "error: missing packages (${missing[*]}) and no sudo: install them as root" >&2; exit 1; }
+    sudo=(sudo)
+  fi
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-if [ ! -f build/build.ninja ]; then
-  meson setup build --buildtype=release
+# Tests, examples and benchmarks are required here, so a missing dependency fails loudly instead
+# of silently building less; --reconfigure picks up packages installed since the last run.
+options=(--buildtype=release -Dtests=enabled -Dexamples=enabled -Dbench=enabled)
+if [ -f build/build.ninja ]; then
+  meson setup --reconfigure build "${options[@]}" >/dev/null
+else
+  meson setup build "${options[@]}"
 fi
 jobs=$(nproc)
 meson compile -C build -j "$jobs"

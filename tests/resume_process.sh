@@ -12,10 +12,16 @@ args=(--limit=1200 --batch=64 --progress=0 --threads=2)
 "$example" "${args[@]}" --epochs=3 --resume="$dir/two.safetensors" --checkpoint="$dir/resumed.safetensors"
 cmp "$dir/straight.safetensors" "$dir/resumed.safetensors"
 echo "resumed run is byte-identical to the straight run"
-# A truncated checkpoint is refused with an error, not a crash.
+# A truncated checkpoint is refused with an error (exit 1), not a crash or a partial load.
 head -c 3000 "$dir/two.safetensors" > "$dir/cut.safetensors"
-if "$example" "${args[@]}" --epochs=3 --resume="$dir/cut.safetensors" 2>"$dir/err.txt"; then
-  echo "loading a truncated checkpoint succeeded"; exit 1
-fi
-grep -q "safetensors" "$dir/err.txt"
+status=0
+"$example" "${args[@]}" --epochs=3 --resume="$dir/cut.safetensors" 2>"$dir/err.txt" >/dev/null || status=$?
 cat "$dir/err.txt"
+[ "$status" -eq 1 ] || { echo "expected exit status 1 for a truncated checkpoint, got $status"; exit 1; }
+grep -q "truncated" "$dir/err.txt"
+# Resuming with another batch size is refused: the saved data position would mean other samples.
+status=0
+"$example" --limit=1200 --batch=32 --progress=0 --threads=2 --epochs=3 --resume="$dir/two.safetensors" \
+  2>"$dir/err.txt" >/dev/null || status=$?
+cat "$dir/err.txt"
+[ "$status" -eq 1 ] && grep -q "batch size 64" "$dir/err.txt"

@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
     if (steps > 1)
       std::printf("steady state: %.1f img/s\n", static_cast<double>(batch * (steps - 1)) / total);
     return 0;
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }

@@ -88,7 +88,7 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
                   static_cast<double>(train.labels.size()) * static_cast<double>(results.size()) / seconds);
     }
     return 0;
-  } catch (const tessera::Error& e) {
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }

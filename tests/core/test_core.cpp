@@ -8,6 +8,7 @@
 #include "tessera/core/allocator.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/train/flags.hpp"
 
 using namespace tessera;
 
@@ -111,4 +112,29 @@ TEST_CASE("LocalComm: every collective is the identity on one rank", "[core]") {
   std::vector<float> wrong(2);
   CHECK_THROWS_AS(comm.all_gather(std::span<const float>(buf), std::span<float>(wrong)), CommError);
   CHECK(comm.split(0, 0).size() == 1);
+}
+
+TEST_CASE("Flags: typed values, defaults kept exactly, unknown flags and bad values rejected", "[core]") {
+  const char* argv[] = {"prog", "--epochs=3", "--lr", "0.25", "--verbose", "--name=x"};
+  Flags flags(6, const_cast<char**>(argv));
+  CHECK(flags.get("epochs", std::int64_t{1}) == 3);
+  CHECK(flags.get("lr", 0.1) == 0.25);
+  CHECK(flags.get("verbose", false));
+  CHECK(flags.get("name", "y") == "x");
+  CHECK(flags.get("eps", 1e-7) == 1e-7);  // an absent flag returns its default bit for bit
+  flags.finish();
+  const char* typo[] = {"prog", "--epoch=3"};
+  Flags bad(2, const_cast<char**>(typo));
+  bad.get("epochs", std::int64_t{1});
+  CHECK_THROWS_WITH(bad.finish(), Catch::Contains("unknown flag --epoch"));
+  const char* not_int[] = {"prog", "--epochs=three"};
+  Flags bad_value(2, const_cast<char**>(not_int));
+  CHECK_THROWS_AS(bad_value.get("epochs", std::int64_t{1}), ArgumentError);
+}
+
+TEST_CASE("Shape refuses element counts that would overflow", "[core]") {
+  CHECK_THROWS_AS((Shape{std::int64_t{1} << 32, std::int64_t{1} << 32}), ShapeError);
+  Tensor<float> t;
+  CHECK_THROWS_AS(t.resize({std::int64_t{1} << 40, std::int64_t{1} << 30}), ShapeError);
+  CHECK(t.empty());  // refused when the shape is built, before any allocation
 }

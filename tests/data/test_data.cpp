@@ -812,7 +812,10 @@ TEST_CASE("DataLoader: distributed split is disjoint, covering and balanced like
   CHECK_THROWS_AS((DataLoader<float>(ds, LoaderOptions{.batch_size = 2, .rank = 2, .world_size = 2})), ArgumentError);
   CHECK_THROWS_AS((DataLoader<float>(ds, LoaderOptions{.batch_size = 2, .rank = 0, .world_size = 0})), ArgumentError);
   CHECK_THROWS_AS((DataLoader<float>(ds, LoaderOptions{.batch_size = 0})), ArgumentError);
-  CHECK_THROWS_AS((DataLoader<float>(indexed_dataset(0), LoaderOptions{.batch_size = 2})), ArgumentError);
+  const Dataset empty = indexed_dataset(0);
+  CHECK_THROWS_AS((DataLoader<float>(empty, LoaderOptions{.batch_size = 2})), ArgumentError);
+  static_assert(!std::is_constructible_v<DataLoader<float>, Dataset&&, LoaderOptions>,
+                "a loader must not be built on a temporary dataset (it would dangle)");
 }
 
 TEST_CASE("DataLoader: an exception while preparing a batch is rethrown from next()", "[data][loader]") {

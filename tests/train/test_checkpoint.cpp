@@ -8,8 +8,13 @@
 #include "tessera/comm/local.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
+#include "tessera/layers/dropout.hpp"
+#include "tessera/layers/flatten.hpp"
 #include "tessera/models/lenet.hpp"
 #include "tessera/models/resnet.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/linear.hpp"
+#include "tessera/layers/sequential.hpp"
 #include "tessera/optim/schedule.hpp"
 #include "tessera/optim/sgd.hpp"
 #include "tessera/train/checkpoint.hpp"
@@ -142,6 +147,18 @@ TEST_CASE("Checkpoint: truncated or tampered files give an IoError and load noth
   expect_error(write("json.safetensors", garbage_header), "malformed header");
 
   expect_error((dir / "missing.safetensors").string(), "cannot open");
+
+  // A crafted header whose shape product overflows 64 bits must not pass the size check.
+  auto crafted = [&](const std::string& json) {
+    std::string out(8, '\0');
+    const std::uint64_t n = json.size();
+    std::memcpy(out.data(), &n, 8);
+    return write("crafted.safetensors", out + json);
+  };
+  expect_error(crafted(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})"),
+               "more elements than fit");
+  expect_error(crafted(R"({"w":{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,0]}})"), "2^63");
+  expect_error(crafted(R"({"\u00zz":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})"), "hex digit");
   fs::remove_all(dir);
 }
 
@@ -163,5 +180,50 @@ TEST_CASE("Checkpoint of another model lists every mismatch and loads nothing", 
                         Catch::Contains("nothing was loaded"));
   }
   CHECK(identical(before, snapshot(b.model)));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Resume is exact with Dropout: its generator state is in the checkpoint", "[train]") {
+  const auto dir = temp_dir();
+  using Net = Sequential<Flatten<E>, Linear<E>, ReLU<E>, Dropout<E>, Linear<E>>;
+  struct DropoutRun {
+    Rng rng{4};
+    Net model{Flatten<E>(), Linear<E>(100, 32, rng), ReLU<E>(), Dropout<E>(0.5, 77), Linear<E>(32, 4, rng)};
+    NamedTensors<float, Cpu> named = named_tensors<float, Cpu>(model);
+    Sgd<E> sgd{named, {.lr = 0.05, .momentum = 0.9}};
+    Trainer<Net, Sgd<E>> trainer;
+    explicit DropoutRun(const std::string& ckpt = "")
+        : trainer(model, sgd, ConstantLr{0.05}, {.epochs = 3, .checkpoint_path = ckpt, .verbose = false}) {}
+  };
+  DropoutRun straight;
+  DataLoader<float> l1(data(), {.batch_size = 16, .seed = 1});
+  straight.trainer.fit(l1);
+  {
+    DropoutRun first((dir / "drop.safetensors").string());
+    DataLoader<float> l2(data(), {.batch_size = 16, .seed = 1});
+    first.trainer.fit(l2, nullptr, /*stop_after=*/2);
+  }
+  DropoutRun resumed;
+  resumed.trainer.load((dir / "drop.safetensors").string());
+  CHECK(SafetensorsFile::load((dir / "drop.safetensors").string()).metadata().count("3.rng") == 1);
+  DataLoader<float> l3(data(), {.batch_size = 16, .seed = 1});
+  resumed.trainer.fit(l3);
+  CHECK(identical(snapshot(straight.model), snapshot(resumed.model)));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Resume refuses a data loader with other settings than the checkpoint's", "[train]") {
+  const auto dir = temp_dir();
+  {
+    Run first(3, (dir / "a.safetensors").string());
+    DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+    first.trainer.fit(loader, nullptr, 1);
+  }
+  Run resumed(3);
+  resumed.trainer.load((dir / "a.safetensors").string());
+  DataLoader<float> other_batch(data(), {.batch_size = 8, .seed = 1});
+  CHECK_THROWS_WITH(resumed.trainer.fit(other_batch), Catch::Contains("batch size 16"));
+  DataLoader<float> other_seed(data(), {.batch_size = 16, .seed = 2});
+  CHECK_THROWS_WITH(resumed.trainer.fit(other_seed), Catch::Contains("seed 1"));
   fs::remove_all(dir);
 }

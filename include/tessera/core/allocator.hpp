@@ -34,6 +34,8 @@ class CachingAllocator {
 
   void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
+    TESSERA_CHECK(bytes <= (std::size_t{1} << 62), Error, "CachingAllocator: request of ", bytes,
+                  " bytes is larger than any machine's memory (corrupt shape?)");
     const int cls = size_class(bytes);
     const std::size_t block = std::size_t{1} << cls;
     {

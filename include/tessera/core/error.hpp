@@ -4,6 +4,10 @@
 // tessera::Error so a caller can catch everything Tessera throws with one handler.
 #pragma once
 
+#if __cplusplus < 202002L
+#error "Tessera needs C++20: compile with -std=c++20 (Meson: cpp_std=c++20)"
+#endif
+
 #include <sstream>
 #include <stdexcept>
 #include <string>

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
 
 namespace tessera {
@@ -30,14 +31,21 @@ struct Parameter {
 };
 
 // Names as PyTorch's state_dict spells them ("layer1.0.conv1.weight"), gathered once after
-// construction by visiting the model: parameters, then buffers (running statistics).
+// construction by visiting the model. The visit protocol every layer follows:
+//   v.parameter(name, Parameter&)   trainable tensors
+//   v.buffer(name, Tensor&)         state that is not trained (BatchNorm running statistics)
+//   v.rng(name, Rng&)               random generators a layer owns (Dropout), so a checkpoint
+//                                   can resume their streams exactly
+// Requires: the model is not moved afterwards (the pointers point into it).
 template <class S, class D = Cpu>
 struct NamedTensors {
   std::vector<std::pair<std::string, Parameter<S, D>*>> parameters;
   std::vector<std::pair<std::string, Tensor<S, D>*>> buffers;
+  std::vector<std::pair<std::string, Rng*>> rngs;
 
   void parameter(std::string name, Parameter<S, D>& p) { parameters.emplace_back(std::move(name), &p); }
   void buffer(std::string name, Tensor<S, D>& t) { buffers.emplace_back(std::move(name), &t); }
+  void rng(std::string name, Rng& r) { rngs.emplace_back(std::move(name), &r); }
 };
 
 // Collects a layer's or model's parameters and buffers under a prefix.

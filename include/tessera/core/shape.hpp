@@ -40,9 +40,13 @@ class Shape {
     return n;
   }
 
+  // Requires 0 <= d and numel() * d < 2^62, so numel() can never overflow.
   void push_back(std::int64_t d) {
     TESSERA_CHECK(rank_ < kMaxRank, ShapeError, "Shape: rank exceeds the maximum of ", kMaxRank);
     TESSERA_CHECK(d >= 0, ShapeError, "Shape: negative extent ", d);
+    std::int64_t product = 0;
+    TESSERA_CHECK(!__builtin_mul_overflow(numel(), d, &product) && product < (std::int64_t{1} << 62), ShapeError,
+                  "Shape: ", str(), " x ", d, " has more elements than fit in memory");
     dims_[static_cast<std::size_t>(rank_++)] = d;
   }
 

@@ -68,10 +68,9 @@ class Tensor {
   void resize(const Shape& shape) {
     const auto n = static_cast<std::size_t>(shape.numel());
     if (n > capacity_) {
+      S* fresh = static_cast<S*>(D::allocate(n * sizeof(S)));  // may throw: then nothing changed
       D::deallocate(data_, capacity_ * sizeof(S));
-      data_ = nullptr;
-      capacity_ = 0;
-      data_ = static_cast<S*>(D::allocate(n * sizeof(S)));
+      data_ = fresh;
       capacity_ = n;
     }
     shape_ = shape;

@@ -135,6 +135,8 @@ class DataLoader {
     work_cv_.notify_all();
     worker_.join();
   }
+  // The loader reads the dataset it was given until it is destroyed: never a temporary.
+  DataLoader(Dataset&&, LoaderOptions, Transform = {}) = delete;
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 

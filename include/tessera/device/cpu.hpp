@@ -20,9 +20,11 @@ namespace tessera {
 struct Cpu {
   static constexpr std::string_view name = "cpu";
 
+  // Deliberately never destroyed (as PyTorch's allocators): tensors with static or thread
+  // storage may be freed after every function-local static is gone.
   static CachingAllocator& allocator() {
-    static CachingAllocator instance;
-    return instance;
+    static CachingAllocator* instance = new CachingAllocator;
+    return *instance;
   }
   static void* allocate(std::size_t bytes) { return allocator().allocate(bytes); }
   static void deallocate(void* p, std::size_t bytes) noexcept { allocator().deallocate(p, bytes); }

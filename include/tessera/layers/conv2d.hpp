@@ -7,8 +7,8 @@
 //
 // Default initialization is PyTorch's (U(+-1/sqrt(fan_in)) for weight and bias); models that want
 // He initialization call kaiming_normal_(conv.weight().value, rng) themselves.
-// The im2col column buffers are a workspace owned by the layer and reused by every call (they hold
-// nothing between forward and backward), so a steady-state step allocates nothing.
+// The im2col column buffers hold nothing between forward and backward, so they come from the
+// calling thread's scratch memory (core/scratch.hpp), shared with every other layer.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +19,7 @@
 #include "tessera/core/error.hpp"
 #include "tessera/core/init.hpp"
 #include "tessera/core/parameter.hpp"
+#include "tessera/core/scratch.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/cpu/conv2d.hpp"
 
@@ -71,9 +72,9 @@ class Conv2d {
     const Conv2dGeometry g = geometry(x);
     c.x = &x;
     c.y.resize({x.dim(0), o_.out_channels, g.out_height, g.out_width});
-    const Conv2dBlocking b = blocking(g, x.dim(0), false);
+    const Conv2dBlocking b = blocking(g, x.dim(0));
     conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), o_.bias ? bias_.value.data() : nullptr,
-                   c.y.data(), workspace_.data());
+                   c.y.data(), scratch<S, D>(b.workspace_elements(g, false)));
     return c.y;
   }
 
@@ -85,14 +86,16 @@ class Conv2d {
                   " does not match the output ", c.y.shape());
     const Conv2dGeometry g = geometry(x);
     const std::int64_t n = x.dim(0);
+    TESSERA_CHECK((Shape{n, o_.out_channels, g.out_height, g.out_width}) == c.y.shape(), ShapeError, name_,
+                  "::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
     if (o_.bias) {
       conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dy.data(), bias_.grad.data());
       bias_.grad_ready();
     }
     if (needs_input_grad_) c.dx.resize(x.shape());
-    const Conv2dBlocking b = blocking(g, n, true);
+    const Conv2dBlocking b = blocking(g, n);
     conv2d_backward(D{}, g, b, n, x.data(), weight_.value.data(), dy.data(), weight_.grad.data(),
-                    needs_input_grad_ ? c.dx.data() : nullptr, workspace_.data());
+                    needs_input_grad_ ? c.dx.data() : nullptr, scratch<S, D>(b.workspace_elements(g, true)));
     weight_.grad_ready();
     return c.dx;
   }
@@ -157,12 +160,8 @@ class Conv2d {
     return g;
   }
 
-  // The blocking for this batch, with the workspace grown to fit it (it only ever grows, so a
-  // steady-state step does not allocate).
-  Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch, bool backward) {
-    const Conv2dBlocking b = conv2d_blocking(g, batch, sizeof(S), block_columns_);
-    workspace_.resize({b.workspace_elements(g, backward)});
-    return b;
+  Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch) const {
+    return conv2d_blocking(g, batch, sizeof(S), block_columns_);
   }
 
   Conv2dOptions o_;
@@ -171,7 +170,6 @@ class Conv2d {
   std::int64_t block_columns_ = 0;
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
-  Tensor workspace_;  // per-thread column buffers and dw accumulators (Conv2dBlocking)
 };
 
 }  // namespace tessera

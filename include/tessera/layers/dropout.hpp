@@ -60,7 +60,9 @@ class Dropout {
   }
 
   template <class V>
-  void visit(V&, const std::string&) {}
+  void visit(V& v, const std::string& prefix) {
+    v.rng(prefix + "rng", rng_);  // the mask stream: saved in checkpoints for exact resume
+  }
   void set_mode(Mode mode) { mode_ = mode; }
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 

@@ -28,9 +28,7 @@ class Linear {
   };
 
   Linear(std::int64_t in_features, std::int64_t out_features, Rng& rng, bool bias = true)
-      : in_(in_features), out_(out_features), has_bias_(bias), weight_({out_features, in_features}) {
-    TESSERA_CHECK(in_features > 0 && out_features > 0, ArgumentError, "Linear: in_features=", in_features,
-                  " and out_features=", out_features, " must be positive");
+      : in_(in_features), out_(out_features), has_bias_(bias), weight_(checked_weight_shape(in_features, out_features)) {
     default_weight_init_(weight_.value, rng);
     if (has_bias_) {
       bias_ = Parameter<S, D>({out_features}, ParamKind::Bias);
@@ -58,6 +56,8 @@ class Linear {
     const auto n = x.dim(0);
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Linear(", in_, ", ", out_, ")::backward: dy ",
                   dy.shape(), " does not match output ", c.y.shape());
+    TESSERA_CHECK(x.rank() == 2 && x.dim(0) == n && c.y.dim(0) == n, ShapeError, "Linear(", in_, ", ", out_,
+                  ")::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
     gemm(D{}, true, false, out_, in_, n, S(1), dy.data(), out_, x.data(), in_, S(1), weight_.grad.data(), in_);
     weight_.grad_ready();
     if (has_bias_) {
@@ -83,6 +83,11 @@ class Linear {
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 
   Parameter<S, D>& weight() { return weight_; }
+  static Shape checked_weight_shape(std::int64_t in, std::int64_t out) {
+    TESSERA_CHECK(in > 0 && out > 0, ArgumentError, "Linear: in_features=", in, " and out_features=", out,
+                  " must be positive");
+    return {out, in};
+  }
   Parameter<S, D>& bias() { return bias_; }
 
  private:

@@ -27,10 +27,12 @@ LeNet5<E> lenet5(std::int64_t in_channels = 1, std::int64_t image_size = 28, std
   const std::int64_t after = ((image_size / 2) - 4) / 2;  // spatial size after the second pool
   TESSERA_CHECK(after >= 1, ArgumentError, "lenet5: image size ", image_size, " is too small (need >= 12)");
   Rng rng(seed);
-  LeNet5<E> net(Conv2d<E>(in_channels, 6, 5, rng, 1, 2), ReLU<E>(), MaxPool2d<E>(2, 2, 0),
+  // Braces: list-initialization evaluates the layers (and their draws from rng) left to right on
+  // every compiler; a parenthesized call would leave the order unspecified.
+  LeNet5<E> net{Conv2d<E>(in_channels, 6, 5, rng, 1, 2), ReLU<E>(), MaxPool2d<E>(2, 2, 0),
                 Conv2d<E>(6, 16, 5, rng), ReLU<E>(), MaxPool2d<E>(2, 2, 0), Flatten<E>(),
                 Linear<E>(16 * after * after, 120, rng), ReLU<E>(), Linear<E>(120, 84, rng), ReLU<E>(),
-                Linear<E>(84, num_classes, rng));
+                Linear<E>(84, num_classes, rng)};
   net.set_needs_input_grad(false);
   return net;
 }

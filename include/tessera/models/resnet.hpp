@@ -6,7 +6,8 @@
 //   (1x1 convolution + BN) projection shortcuts.
 // Input channels, class count and image size are free (global average pooling before fc).
 // Init: Kaiming-normal (fan_out, ReLU) for convolutions, BN gamma = 1 and beta = 0, fc as
-// torch.nn.Linear; with zero_init_residual the last BN of every block starts at gamma = 0, so each
+// torch.nn.Linear, drawn in a fixed order (brace initialization) so a seed means the same weights
+// on every compiler; with zero_init_residual the last BN of every block starts at gamma = 0, so each
 // block starts as the identity (Goyal et al., section 5.1).
 //
 // Shapes, ImageNet ResNet-50 at 224x224: x (N, 3, 224, 224) -> stem (N, 64, 56, 56) -> layer1
@@ -45,8 +46,7 @@ Conv2d<E> he_conv(std::int64_t in, std::int64_t out, std::int64_t kernel, std::i
 template <class E>
 std::optional<ConvBn<E>> projection(std::int64_t in, std::int64_t out, std::int64_t stride, Rng& rng) {
   if (stride == 1 && in == out) return std::nullopt;
-  ConvBn<E> p(he_conv<E>(in, out, 1, stride, 0, rng), BatchNorm2d<E>(out));
-  return p;
+  return ConvBn<E>{he_conv<E>(in, out, 1, stride, 0, rng), BatchNorm2d<E>(out)};
 }
 }  // namespace detail
 
@@ -59,15 +59,15 @@ struct BasicBlock
   static constexpr std::int64_t expansion = 1;
 
   BasicBlock(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng, bool zero_init_last_bn)
-      : Base(make_main(in, planes, stride, rng), detail::projection<E>(in, planes, stride, rng)) {
+      : Base{make_main(in, planes, stride, rng), detail::projection<E>(in, planes, stride, rng)} {
     this->main().set_names({"conv1", "bn1", "relu", "conv2", "bn2"});
     if (zero_init_last_bn) this->main().template get<4>().zero_init_weight();
   }
 
  private:
   static Main make_main(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng) {
-    return Main(detail::he_conv<E>(in, planes, 3, stride, 1, rng), BatchNorm2d<E>(planes), ReLU<E>(),
-                detail::he_conv<E>(planes, planes, 3, 1, 1, rng), BatchNorm2d<E>(planes));
+    return Main{detail::he_conv<E>(in, planes, 3, stride, 1, rng), BatchNorm2d<E>(planes), ReLU<E>(),
+                detail::he_conv<E>(planes, planes, 3, 1, 1, rng), BatchNorm2d<E>(planes)};
   }
 };
 
@@ -82,16 +82,16 @@ struct Bottleneck : Residual<Sequential<Conv2d<E>, BatchNorm2d<E>, ReLU<E>, Conv
   static constexpr std::int64_t expansion = 4;
 
   Bottleneck(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng, bool zero_init_last_bn)
-      : Base(make_main(in, planes, stride, rng), detail::projection<E>(in, planes * expansion, stride, rng)) {
+      : Base{make_main(in, planes, stride, rng), detail::projection<E>(in, planes * expansion, stride, rng)} {
     this->main().set_names({"conv1", "bn1", "relu1", "conv2", "bn2", "relu2", "conv3", "bn3"});
     if (zero_init_last_bn) this->main().template get<7>().zero_init_weight();
   }
 
  private:
   static Main make_main(std::int64_t in, std::int64_t planes, std::int64_t stride, Rng& rng) {
-    return Main(detail::he_conv<E>(in, planes, 1, 1, 0, rng), BatchNorm2d<E>(planes), ReLU<E>(),
+    return Main{detail::he_conv<E>(in, planes, 1, 1, 0, rng), BatchNorm2d<E>(planes), ReLU<E>(),
                 detail::he_conv<E>(planes, planes, 3, stride, 1, rng), BatchNorm2d<E>(planes), ReLU<E>(),
-                detail::he_conv<E>(planes, planes * expansion, 1, 1, 0, rng), BatchNorm2d<E>(planes * expansion));
+                detail::he_conv<E>(planes, planes * expansion, 1, 1, 0, rng), BatchNorm2d<E>(planes * expansion)};
   }
 };
 
@@ -168,15 +168,11 @@ class ResNet {
  private:
   ResNet(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths, bool imagenet_stem,
          const ResNetOptions& o, Rng rng)
-      : in_channels_(o.in_channels),
+      : in_channels_(check_options(stage_blocks, widths, o)),
         conv1_(detail::he_conv<E>(o.in_channels, widths.at(0), imagenet_stem ? 7 : 3,
                                   imagenet_stem ? 2 : 1, imagenet_stem ? 3 : 1, rng)),
         bn1_(widths.at(0)),
         fc_(widths.back() * BlockType::expansion, o.num_classes, rng) {
-    TESSERA_CHECK(stage_blocks.size() == widths.size() && !widths.empty(), ArgumentError,
-                  "ResNet: one block count per stage width is required");
-    TESSERA_CHECK(o.num_classes > 0 && o.in_channels > 0, ArgumentError, "ResNet: num_classes=", o.num_classes,
-                  " and in_channels=", o.in_channels, " must be positive");
     if (imagenet_stem) maxpool_.emplace(3, 2, 1);
     std::int64_t in = widths[0];
     for (std::size_t s = 0; s < widths.size(); ++s) {
@@ -191,6 +187,15 @@ class ResNet {
     int depth = 2;
     for (int n : stage_blocks) depth += n * (BlockType::expansion == 4 ? 3 : 2);
     name_ = std::string(imagenet_stem ? "ResNet-" : "CIFAR ResNet-") + std::to_string(depth);
+  }
+
+  static std::int64_t check_options(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths,
+                                    const ResNetOptions& o) {
+    TESSERA_CHECK(stage_blocks.size() == widths.size() && !widths.empty(), ArgumentError,
+                  "ResNet: one block count per stage width is required");
+    TESSERA_CHECK(o.num_classes > 0 && o.in_channels > 0, ArgumentError, "ResNet: num_classes=", o.num_classes,
+                  " and in_channels=", o.in_channels, " must be positive");
+    return o.in_channels;
   }
 
   std::int64_t in_channels_;

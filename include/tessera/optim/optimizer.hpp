@@ -102,7 +102,7 @@ void for_each_element(std::int64_t n, F f) {
 
 // Makes t a zero tensor of the given shape unless it already is allocated with that shape (state
 // created lazily by step() or by visit_state() must not clobber loaded values). The data check
-// matters for rank-0 parameters: a default Tensor already has the rank-0 shape but no buffer.
+// matters for empty parameters: a default Tensor already has the shape (0) but no buffer.
 template <class S, class D>
 void ensure_state_tensor(Tensor<S, D>& t, const Shape& shape) {
   if (t.shape() == shape && t.data() != nullptr) return;

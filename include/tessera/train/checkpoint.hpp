@@ -1,6 +1,7 @@
 // Checkpoints: model parameters, buffers (BN running statistics) and optimizer state in one
 // safetensors file, plus the training position (epoch, step, data-loader position, RNG state) in
-// its metadata, so that resuming continues exactly where the run stopped.
+// its metadata, with the state of every random generator a layer owns (Dropout masks), so that
+// resuming continues exactly where the run stopped.
 //
 // Tensor names are the model's state_dict names ("layer1.0.conv1.weight") and the optimizer's
 // ("optim.momentum_buffer.layer1.0.conv1.weight"); from Python:
@@ -26,14 +27,31 @@ namespace tessera {
 
 // Where training stands. Stored in the file's metadata as decimal strings.
 struct TrainState {
-  std::int64_t epoch = 0;         // epochs completed
-  std::int64_t global_step = 0;   // optimizer steps taken
-  std::int64_t loader_epoch = 0;  // the data loader's position: epoch being read ...
+  std::int64_t epoch = 0;              // epochs completed
+  std::int64_t global_step = 0;        // optimizer steps taken
+  std::int64_t loader_epoch = 0;       // the data loader's position: epoch being read ...
   std::int64_t loader_next_batch = 0;  // ... and the next batch index within it
-  Rng::State rng{};               // the trainer's own generator (dropout, augmentation)
+  // What the position means: resuming with another batch size, seed, dataset or world size would
+  // silently read other samples, so the Trainer checks these against its loader (0 = unknown).
+  std::int64_t loader_batch_size = 0, loader_seed = 0, loader_samples = 0, loader_world_size = 0;
 };
 
 namespace detail {
+
+inline std::string rng_to_string(const Rng::State& s) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%016" PRIx64 " %016" PRIx64 " %016" PRIx64 " %016" PRIx64 " %d %a", s.words[0],
+                s.words[1], s.words[2], s.words[3], s.has_spare_normal ? 1 : 0, s.spare_normal);
+  return buf;
+}
+
+inline bool rng_from_string(const std::string& text, Rng::State& s) {
+  int spare = 0;
+  const int n = std::sscanf(text.c_str(), "%" SCNx64 " %" SCNx64 " %" SCNx64 " %" SCNx64 " %d %la", &s.words[0],
+                            &s.words[1], &s.words[2], &s.words[3], &spare, &s.spare_normal);
+  s.has_spare_normal = spare != 0;
+  return n == 6;
+}
 
 struct CheckpointSaver {
   SafetensorsWriter& writer;
@@ -46,6 +64,7 @@ struct CheckpointSaver {
     writer.add(name, t);
   }
   void integer(const std::string& name, std::int64_t& v) { writer.set_metadata(name, std::to_string(v)); }
+  void rng(const std::string& name, Rng& r) { writer.set_metadata(name, rng_to_string(r.state())); }
 };
 
 // Two passes over the same visit: first `check` collects every problem, then `copy` loads.
@@ -89,22 +108,16 @@ struct CheckpointLoader {
       problems.push_back("metadata entry '" + name + "' = '" + it->second + "' is not an integer");
     }
   }
+  void rng(const std::string& name, Rng& r) {
+    auto it = file.metadata().find(name);
+    Rng::State s;
+    if (it == file.metadata().end() || !rng_from_string(it->second, s)) {
+      problems.push_back("missing or malformed generator state '" + name + "'");
+      return;
+    }
+    if (copy) r.set_state(s);
+  }
 };
-
-inline std::string rng_to_string(const Rng::State& s) {
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "%016" PRIx64 " %016" PRIx64 " %016" PRIx64 " %016" PRIx64 " %d %a", s.words[0],
-                s.words[1], s.words[2], s.words[3], s.has_spare_normal ? 1 : 0, s.spare_normal);
-  return buf;
-}
-
-inline bool rng_from_string(const std::string& text, Rng::State& s) {
-  int spare = 0;
-  const int n = std::sscanf(text.c_str(), "%" SCNx64 " %" SCNx64 " %" SCNx64 " %" SCNx64 " %d %la", &s.words[0],
-                            &s.words[1], &s.words[2], &s.words[3], &spare, &s.spare_normal);
-  s.has_spare_normal = spare != 0;
-  return n == 6;
-}
 
 template <class Model, class Optimizer>
 void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
@@ -114,6 +127,10 @@ void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
   v.integer("train.global_step", state.global_step);
   v.integer("train.loader_epoch", state.loader_epoch);
   v.integer("train.loader_next_batch", state.loader_next_batch);
+  v.integer("train.loader_batch_size", state.loader_batch_size);
+  v.integer("train.loader_seed", state.loader_seed);
+  v.integer("train.loader_samples", state.loader_samples);
+  v.integer("train.loader_world_size", state.loader_world_size);
 }
 
 }  // namespace detail
@@ -123,7 +140,6 @@ void save_checkpoint(const std::string& path, Model& model, Optimizer& optimizer
   SafetensorsWriter writer;
   detail::CheckpointSaver saver{writer};
   detail::visit_all(model, optimizer, state, saver);
-  writer.set_metadata("train.rng", detail::rng_to_string(state.rng));
   writer.set_metadata("format", "tessera-checkpoint-1");
   writer.write(path);
 }
@@ -136,9 +152,6 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
   detail::visit_all(model, optimizer, state, check);
   for (const auto& name : file.names())
     if (!check.seen.count(name)) check.problems.push_back("unexpected tensor '" + name + "' (not in this model)");
-  auto rng_it = file.metadata().find("train.rng");
-  if (rng_it == file.metadata().end() || !detail::rng_from_string(rng_it->second, state.rng))
-    check.problems.push_back("missing or malformed metadata entry 'train.rng'");
   if (!check.problems.empty()) {
     std::string msg = "load_checkpoint: '" + path + "' does not match the model; nothing was loaded:";
     for (const auto& p : check.problems) msg += "\n  - " + p;

@@ -3,6 +3,7 @@
 // --epoch=3 never silently trains with the default.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <set>
 #include <string>
@@ -34,8 +35,10 @@ class Flags {
     auto it = values_.find(name);
     return it == values_.end() ? fallback : it->second;
   }
+  std::string get(const std::string& name, const char* fallback) { return get(name, std::string(fallback)); }
   std::int64_t get(const std::string& name, std::int64_t fallback) {
-    const std::string v = get(name, std::to_string(fallback));
+    if (!present(name)) return fallback;
+    const std::string v = get(name, std::string());
     try {
       std::size_t used = 0;
       const long long x = std::stoll(v, &used);
@@ -45,10 +48,13 @@ class Flags {
     throw ArgumentError(detail::cat("--", name, "=", v, " is not an integer"));
   }
   int get(const std::string& name, int fallback) {
-    return static_cast<int>(get(name, static_cast<std::int64_t>(fallback)));
+    const std::int64_t v = get(name, static_cast<std::int64_t>(fallback));
+    TESSERA_CHECK(v >= INT32_MIN && v <= INT32_MAX, ArgumentError, "--", name, "=", v, " is out of range");
+    return static_cast<int>(v);
   }
   double get(const std::string& name, double fallback) {
-    const std::string v = get(name, std::to_string(fallback));
+    if (!present(name)) return fallback;  // no round trip through text: 1e-7 stays 1e-7
+    const std::string v = get(name, std::string());
     try {
       std::size_t used = 0;
       const double x = std::stod(v, &used);
@@ -58,12 +64,18 @@ class Flags {
     throw ArgumentError(detail::cat("--", name, "=", v, " is not a number"));
   }
   bool get(const std::string& name, bool fallback) {
-    const std::string v = get(name, std::string(fallback ? "true" : "false"));
+    if (!present(name)) return fallback;
+    const std::string v = get(name, std::string());
     if (v == "true" || v == "1" || v == "yes") return true;
     if (v == "false" || v == "0" || v == "no") return false;
     throw ArgumentError(detail::cat("--", name, "=", v, " is not a boolean (true/false)"));
   }
   bool has(const std::string& name) const { return values_.count(name) != 0; }
+  // Marks the flag as known and says whether it was given.
+  bool present(const std::string& name) {
+    known_.insert(name);
+    return has(name);
+  }
 
   // Call after reading every flag: throws on flags nobody asked for.
   void finish() const {

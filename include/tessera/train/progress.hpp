@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -24,10 +25,11 @@ class Progress {
       if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;  // ~10 redraws a second
       last_draw_ = now;
       constexpr int kWidth = 30;
-      const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : kWidth;
-      std::string bar(static_cast<std::size_t>(filled), '=');
-      if (filled < kWidth) bar += '>' + std::string(static_cast<std::size_t>(kWidth - filled - 1), ' ');
-      std::printf("\r%s [%s] %lld/%lld %s\033[K", label_.c_str(), bar.c_str(), static_cast<long long>(done),
+      const int filled = total_ > 0 ? static_cast<int>(kWidth * std::min(done, total_) / total_) : kWidth;
+      char bar[kWidth + 1];  // on the stack: redrawing inside the training loop must not allocate
+      for (int i = 0; i < kWidth; ++i) bar[i] = i < filled ? '=' : (i == filled ? '>' : ' ');
+      bar[kWidth] = '\0';
+      std::printf("\r%s [%s] %lld/%lld %s\033[K", label_.c_str(), bar, static_cast<long long>(done),
                   static_cast<long long>(total_), stats);
       if (done >= total_) std::printf("\n");
       std::fflush(stdout);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -122,7 +123,14 @@ class HeaderParser {
       } else if (field == "shape") {
         auto dims = integers();
         if (dims.size() > static_cast<std::size_t>(Shape::kMaxRank)) fail("tensor '" + name + "' has too many dimensions");
-        for (auto d : dims) info.shape.push_back(static_cast<std::int64_t>(d));
+        try {
+          for (auto d : dims) {
+            if (d > static_cast<std::uint64_t>(INT64_MAX)) fail("tensor '" + name + "' has an extent beyond 2^63");
+            info.shape.push_back(static_cast<std::int64_t>(d));
+          }
+        } catch (const ShapeError& e) {
+          fail("tensor '" + name + "': " + e.what());
+        }
         has_shape = true;
       } else if (field == "data_offsets") {
         auto off = integers();
@@ -186,8 +194,14 @@ class HeaderParser {
           case 'f': out += '\f'; break;
           case 'u': {
             if (i_ + 4 > s_.size()) fail("short \\u escape");
-            unsigned code = static_cast<unsigned>(std::stoul(std::string(s_.substr(i_, 4)), nullptr, 16));
-            i_ += 4;
+            unsigned code = 0;
+            for (int h = 0; h < 4; ++h) {
+              const char x = s_[i_++];
+              const int digit = (x >= '0' && x <= '9') ? x - '0' : (x >= 'a' && x <= 'f') ? x - 'a' + 10
+                              : (x >= 'A' && x <= 'F') ? x - 'A' + 10 : -1;
+              if (digit < 0) fail("bad hex digit in \\u escape");
+              code = code * 16 + static_cast<unsigned>(digit);
+            }
             if (code < 0x80) out += static_cast<char>(code);
             else if (code < 0x800) { out += static_cast<char>(0xC0 | (code >> 6)); out += static_cast<char>(0x80 | (code & 0x3F)); }
             else { out += static_cast<char>(0xE0 | (code >> 12)); out += static_cast<char>(0x80 | ((code >> 6) & 0x3F)); out += static_cast<char>(0x80 | (code & 0x3F)); }
@@ -382,9 +396,13 @@ class SafetensorsWriter {
     header += "}";
     while (header.size() % 8 != 0) header += ' ';  // keeps the data buffer 8-byte aligned, as the reference writer does
 
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    TESSERA_CHECK(fd >= 0, IoError, "safetensors: cannot create '", tmp, "': ", std::strerror(errno));
+    // A unique temporary beside the target (same file system, so rename is atomic); concurrent
+    // writers in one process (thread ranks) never share it.
+    std::string tmp = path + ".tmp.XXXXXX";
+    const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+    TESSERA_CHECK(fd >= 0, IoError, "safetensors: cannot create a temporary file next to '", path, "': ",
+                  std::strerror(errno));
+    ::fchmod(fd, 0644);
     auto write_all = [&](const void* p, std::size_t n) {
       const auto* bytes = static_cast<const char*>(p);
       while (n > 0) {
@@ -404,8 +422,11 @@ class SafetensorsWriter {
     write_all(&header_len, 8);
     write_all(header.data(), header.size());
     for (auto& e : entries_) write_all(e.bytes.data(), e.bytes.size());
-    if (::fsync(fd) != 0 || ::close(fd) != 0) {
-      const int err = errno;
+    const int sync_status = ::fsync(fd);
+    const int sync_errno = errno;
+    const int close_status = ::close(fd);
+    if (sync_status != 0 || close_status != 0) {
+      const int err = sync_status != 0 ? sync_errno : errno;
       ::unlink(tmp.c_str());
       throw IoError(detail::cat("safetensors: flushing '", tmp, "' failed: ", std::strerror(err)));
     }

@@ -50,6 +50,9 @@ class Trainer {
         options_(std::move(options)),
         loss_(Reduction::Mean, options_.label_smoothing),
         metrics_(options_.metrics_path) {}
+  // The caches hold pointers into this object (the batch): it stays where it was built.
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
   // One optimizer step on `batch`; returns the loss. Accumulates correct-prediction counts.
   S train_step(const Batch<S>& batch) {
@@ -74,6 +77,7 @@ class Trainer {
   }
 
   EpochResult train_epoch(DataLoader<S>& train, DataLoader<S>* test) {
+    check_loader_matches_state(train);
     const std::int64_t epoch = state_.epoch;
     const std::int64_t batches = train.batches_per_epoch();
     if (state_.loader_epoch == epoch && state_.loader_next_batch > 0) {
@@ -127,6 +131,9 @@ class Trainer {
                   100 * r.test_accuracy, r.seconds, r.images_per_second);
       std::fflush(stdout);
     }
+    // Checkpoint first: if the process dies between the two, a resume redoes this epoch's
+    // metrics line rather than writing it twice.
+    if (!options_.checkpoint_path.empty()) save(options_.checkpoint_path);
     metrics_.write(JsonRecord()
                        .add("epoch", r.epoch)
                        .add("train_loss", r.train_loss)
@@ -136,7 +143,6 @@ class Trainer {
                        .add("seconds", r.seconds)
                        .add("images_per_second", r.images_per_second)
                        .add("lr", r.lr));
-    if (!options_.checkpoint_path.empty()) save(options_.checkpoint_path);
     return r;
   }
 
@@ -158,17 +164,26 @@ class Trainer {
             seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0};
   }
 
-  void save(const std::string& path) {
-    state_.rng = rng_.state();
-    save_checkpoint(path, model_, optimizer_, state_);
-  }
-  void load(const std::string& path) {
-    state_ = load_checkpoint(path, model_, optimizer_);
-    rng_.set_state(state_.rng);
+  // A checkpoint's data-loader position only means something for the loader it was taken with.
+  void check_loader_matches_state(const DataLoader<S>& loader) {
+    const auto& o = loader.options();
+    const std::int64_t now[] = {o.batch_size, static_cast<std::int64_t>(o.seed), loader.dataset().size(),
+                                o.world_size};
+    std::int64_t* saved[] = {&state_.loader_batch_size, &state_.loader_seed, &state_.loader_samples,
+                             &state_.loader_world_size};
+    const char* what[] = {"batch size", "seed", "dataset size", "world size"};
+    for (int i = 0; i < 4; ++i) {
+      TESSERA_CHECK(*saved[i] == 0 || *saved[i] == now[i] || state_.global_step == 0, ArgumentError,
+                    "Trainer: the checkpoint's data-loader position was taken with ", what[i], " ", *saved[i],
+                    " but this loader has ", now[i], "; resume with the same settings");
+      *saved[i] = now[i];
+    }
   }
 
+  void save(const std::string& path) { save_checkpoint(path, model_, optimizer_, state_); }
+  void load(const std::string& path) { state_ = load_checkpoint(path, model_, optimizer_); }
+
   const TrainState& state() const { return state_; }
-  Rng& rng() { return rng_; }
 
  private:
   Model& model_;
@@ -181,7 +196,6 @@ class Trainer {
   typename CrossEntropyLoss<E>::Cache loss_cache_{};
   Batch<S> batch_, eval_batch_;
   TrainState state_;
-  Rng rng_{0};
   std::int64_t correct_ = 0;
 };
 
