@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "support/gradcheck.hpp"
+#include "support/reference.hpp"
 #include "tessera/comm/local.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/layers/conv2d.hpp"
@@ -123,18 +124,8 @@ const ConvCase kConvCases[] = {
 // rounding; float32 within 8x PyTorch's own float32 error plus a floor of a few float32 ulps.
 template <class S>
 void expect_matches(const Tensor<S>& ours, const std::string& key) {
-  const auto& f = reference();
-  const T64 ref = f.tensor<double>(key);
-  REQUIRE(ours.shape() == ref.shape());
-  const double err = relative_error(ours.template cast<double>(), ref);
-  double tolerance = 1e-10;
-  if constexpr (std::is_same_v<S, float>) {
-    const std::string name_end = key.substr(key.find('.') + 1);
-    const double torch_err = f.tensor<double>(key.substr(0, key.find('.')) + ".torch_f32_err." + name_end)[0];
-    tolerance = 8 * torch_err + 1e-7;
-  }
-  INFO(key << ": relative error " << err << ", tolerance " << tolerance);
-  CHECK(err <= tolerance);
+  REQUIRE(ours.shape() == reference().tensor<double>(key).shape());
+  testing::expect_matches(reference(), ours, key, {.case_ends_at_first_dot = true, .f32_floor = 1e-7});
 }
 
 template <class E>

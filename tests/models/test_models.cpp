@@ -61,6 +61,13 @@ TEST_CASE("Parameter counts equal torchvision's and the torch twins'", "[models]
 
 // Loads "<prefix>.init.<name>" into every parameter and buffer, runs train forward, CE loss and
 // backward, then compares logits, loss, every gradient, the BN running statistics and eval logits.
+void expect_close(const Tensor<double>& got, const Tensor<double>& want, double tolerance, const std::string& what) {
+  const double err = testing::relative_error(got, want);
+  testing::report_error("reference-f64", what, err);
+  INFO(what << ": relative error " << err);
+  CHECK(err < tolerance);
+}
+
 template <class Model>
 void check_against_torch(Model& model, const std::string& prefix) {
   const auto& f = reference();
@@ -87,21 +94,19 @@ void check_against_torch(Model& model, const std::string& prefix) {
   CrossEntropyLoss<E64>::Cache loss_cache;
   model.set_mode(Mode::Train);
   const auto& logits = model.forward(x, cache);
-  CHECK(testing::relative_error(logits, f.tensor<double>(prefix + ".logits")) < 1e-10);
+  expect_close(logits, f.tensor<double>(prefix + ".logits"), 1e-10, prefix + ".logits");
   const double l = loss.forward(logits, labels, loss_cache);
   CHECK(l == Approx(f.tensor<double>(prefix + ".loss")[0]).epsilon(1e-10));
   model.backward(loss.backward(loss_cache), cache);
   for (auto& [name, p] : named.parameters) {
-    INFO("gradient of " << name);
-    CHECK(testing::relative_error(p->grad, f.tensor<double>(prefix + ".grad." + name)) < 1e-9);
+    expect_close(p->grad, f.tensor<double>(prefix + ".grad." + name), 1e-9, prefix + ".grad." + name);
   }
   for (auto& [name, t] : named.buffers) {
-    INFO("buffer " << name);
-    CHECK(testing::relative_error(*t, f.tensor<double>(prefix + ".after." + name)) < 1e-10);
+    expect_close(*t, f.tensor<double>(prefix + ".after." + name), 1e-10, prefix + ".after." + name);
   }
   model.set_mode(Mode::Eval);
   const auto& eval_logits = model.forward(x, cache);
-  CHECK(testing::relative_error(eval_logits, f.tensor<double>(prefix + ".eval_logits")) < 1e-10);
+  expect_close(eval_logits, f.tensor<double>(prefix + ".eval_logits"), 1e-10, prefix + ".eval_logits");
 }
 
 TEST_CASE("CIFAR ResNet-8 matches PyTorch: logits, loss, all gradients, BN statistics", "[models]") {

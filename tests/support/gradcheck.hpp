@@ -9,6 +9,8 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,12 @@ inline double dot(const T64& a, const T64& b) {
   double s = 0;
   for (std::int64_t i = 0; i < a.numel(); ++i) s += a[i] * b[i];
   return s;
+}
+
+// With TESSERA_REPORT_ERRORS set, every checked error is also printed to stderr
+// ("gradcheck <what> <error>"), so the figures behind the tolerances can be collected.
+inline void report_error(const char* kind, const std::string& what, double err) {
+  if (std::getenv("TESSERA_REPORT_ERRORS")) std::fprintf(stderr, "%s %s %.3g\n", kind, what.c_str(), err);
 }
 
 inline double relative_error(const T64& analytic, const T64& numeric) {
@@ -84,6 +92,7 @@ void check_gradients(L& layer, T64 x, Rng& rng, double tolerance = 1e-6, double 
     numeric[i] = (plus - minus) / (2 * eps);
   }
   const double err_x = relative_error(dx, numeric);
+  report_error("gradcheck", Catch::getResultCapture().getCurrentTestName() + " dx", err_x);
   INFO("dL/dx relative error " << err_x << " for input " << x.shape());
   CHECK(err_x <= tolerance);
 
@@ -100,6 +109,7 @@ void check_gradients(L& layer, T64 x, Rng& rng, double tolerance = 1e-6, double 
       num[i] = (plus - minus) / (2 * eps);
     }
     const double err = relative_error(analytic, num);
+    report_error("gradcheck", Catch::getResultCapture().getCurrentTestName() + " d" + name, err);
     INFO("dL/d" << name << " relative error " << err << " for parameter shape " << p->value.shape());
     CHECK(err <= tolerance);
   }
