@@ -48,6 +48,21 @@ struct Cpu {
     return 1;
 #endif
   }
+  // Inside a parallel region: this thread's index and the team's size (0 and 1 outside one).
+  static int thread_index() {
+#if defined(_OPENMP)
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+  }
+  static int team_size() {
+#if defined(_OPENMP)
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+  }
 };
 
 }  // namespace tessera

@@ -164,6 +164,12 @@ class Trainer {
             seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0};
   }
 
+  void save(const std::string& path) { save_checkpoint(path, model_, optimizer_, state_); }
+  void load(const std::string& path) { state_ = load_checkpoint(path, model_, optimizer_); }
+
+  const TrainState& state() const { return state_; }
+
+ private:
   // A checkpoint's data-loader position only means something for the loader it was taken with.
   void check_loader_matches_state(const DataLoader<S>& loader) {
     const auto& o = loader.options();
@@ -180,12 +186,6 @@ class Trainer {
     }
   }
 
-  void save(const std::string& path) { save_checkpoint(path, model_, optimizer_, state_); }
-  void load(const std::string& path) { state_ = load_checkpoint(path, model_, optimizer_); }
-
-  const TrainState& state() const { return state_; }
-
- private:
   Model& model_;
   Optimizer& optimizer_;
   Schedule schedule_;

@@ -27,10 +27,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 
@@ -102,28 +98,6 @@ constexpr std::int64_t kMaxPrivateGradientBytes = std::int64_t{32} << 20;
 // Below this many elements of work a loop runs on one thread: waking the team would cost more.
 constexpr std::int64_t kParallelGrain = 32768;
 
-inline std::int64_t max_threads() {
-#if defined(_OPENMP)
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-inline std::int64_t thread_index() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-inline std::int64_t team_size() {
-#if defined(_OPENMP)
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-
 // Range [lo, hi) of output columns ow whose tap ow * stride + offset lies inside [0, extent).
 inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
                                std::int64_t& lo, std::int64_t& hi) {
@@ -143,7 +117,7 @@ inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::in
 inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                                       std::int64_t block_columns = 0) {
   Conv2dBlocking b;
-  b.threads = detail::max_threads();
+  b.threads = Cpu::num_threads();
   const std::int64_t target =
       block_columns > 0
           ? block_columns
@@ -427,7 +401,7 @@ void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::
   [[maybe_unused]] const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
 #pragma omp parallel if (blocks > 1 && work > detail::kParallelGrain)
   {
-    S* col = workspace + detail::thread_index() * b.thread_elements(g);
+    S* col = workspace + Cpu::thread_index() * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < blocks; ++t)
@@ -460,7 +434,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
   S* partial = workspace + b.threads * b.thread_elements(g);  // (threads - 1) private dw accumulators
 #pragma omp parallel if (b.parallel_backward)
   {
-    const std::int64_t t = detail::thread_index();
+    const std::int64_t t = Cpu::thread_index();
     S* col = workspace + t * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
     S* dw_acc = t == 0 ? dw : partial + (t - 1) * weights;
@@ -477,7 +451,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
                                       stage);
     }
     // The loop's implicit barrier has passed: every private accumulator is complete.
-    const std::int64_t team = detail::team_size();
+    const std::int64_t team = Cpu::team_size();
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < weights; ++i)
       for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
