@@ -17,9 +17,6 @@ struct Env {
   using Device = D;
   using Comm = C;
   using Scalar = S;
-  // The same bundle with another scalar: used by gradient checks (float64) and mixed tools.
-  template <class T>
-  using WithScalar = Env<D, C, T>;
 };
 
 }  // namespace tessera

@@ -81,8 +81,6 @@ class Tensor {
                   " as ", shape);
     shape_ = shape;
   }
-  // Copies src into this tensor, reusing the buffer when it is large enough.
-  void assign(const Tensor& src) { *this = src; }
 
   const Shape& shape() const { return shape_; }
   int rank() const { return shape_.rank(); }
@@ -140,12 +138,5 @@ class Tensor {
   std::size_t capacity_ = 0;
   Shape shape_{0};  // a default tensor is empty (shape (0)), not a rank-0 scalar with no storage
 };
-
-// The shape check every layer does at its entry: names the layer and both shapes.
-template <class S, class D>
-void expect_rank(const Tensor<S, D>& t, int rank, const char* where) {
-  TESSERA_CHECK(t.rank() == rank, ShapeError, where, ": expected a rank-", rank, " input, got shape ",
-                t.shape());
-}
 
 }  // namespace tessera

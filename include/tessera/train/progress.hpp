@@ -15,8 +15,7 @@ class Progress {
  public:
   // interactive: -1 = detect (isatty(stdout)), 0 = plain lines, 1 = bar.
   Progress(std::string label, std::int64_t total, int interactive = -1)
-      : label_(std::move(label)), total_(total), tty_(interactive < 0 ? ::isatty(STDOUT_FILENO) == 1 : interactive == 1),
-        start_(std::chrono::steady_clock::now()) {}
+      : label_(std::move(label)), total_(total), tty_(interactive < 0 ? ::isatty(STDOUT_FILENO) == 1 : interactive == 1) {}
 
   // done: steps finished so far; `stats` is appended (e.g. "loss 0.412 acc 85.1% 5230 img/s").
   void update(std::int64_t done, const char* stats) {
@@ -45,15 +44,10 @@ class Progress {
     }
   }
 
-  double elapsed_seconds() const {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-
  private:
   std::string label_;
   std::int64_t total_;
   bool tty_;
-  std::chrono::steady_clock::time_point start_;
   std::chrono::steady_clock::time_point last_draw_{};
   std::int64_t last_line_ = -1;
 };
