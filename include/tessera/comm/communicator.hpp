@@ -1,14 +1,21 @@
-// The communicator vocabulary (after torch.distributed / NCCL): ReduceOp, Work, and the concepts a
-// backend satisfies. Buffers are std::span views; all_reduce and broadcast work in place.
+// The communicator vocabulary (after torch.distributed / NCCL): ReduceOp, DType, Work, and the
+// concepts a backend satisfies. Buffers are std::span views; all_reduce and broadcast work in place.
 //
-//   all_reduce(buf, op)        every rank ends with op over all ranks' buf          (count n)
-//   broadcast(buf, root)       every rank ends with root's buf                      (count n)
-//   all_gather(in, out)        out = concat over ranks r of in_r, in rank order     (n -> size*n)
-//   reduce_scatter(in, out, op) out on rank r = op over ranks of in[r*n, (r+1)*n)   (size*n -> n)
+//   all_reduce(buf, op)         every rank ends with op over all ranks' buf            (n -> n)
+//   broadcast(buf, root)        every rank ends with root's buf                        (n -> n)
+//   all_gather(in, out)         out = concat over ranks r of in_r, in rank order       (n -> size*n)
+//   reduce_scatter(in, out, op) out on rank r = op over ranks of in[r*n, (r+1)*n)      (size*n -> n)
 //   send(buf, peer) / recv(buf, peer), barrier()
+//   *_async(...) -> Work        the same, started now; Work::wait() finishes it
+//   split(color, key)           ranks with the same color form a new communicator, ordered by key
 //
-// Every blocking call has a timeout and throws CommError naming the operation, the rank and the
-// peer on failure.
+// Element types: float, double, int32_t, int64_t and Half (IEEE fp16, reduced in float).
+// ReduceOp::Avg is sum / size; for integers it truncates toward zero like C++ division.
+//
+// Every blocking call has a timeout (CommOptions) and throws CommError naming the operation, the
+// rank and the peer or phase on failure. After a CommError a communicator is broken: later calls
+// throw at once (the same contract as NCCL and Gloo), because the ranks no longer agree on where
+// in the sequence of collectives they are.
 #pragma once
 
 #include <concepts>
@@ -16,8 +23,10 @@
 #include <functional>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/half.hpp"
 
 namespace tessera {
 
@@ -33,8 +42,35 @@ inline std::string_view to_string(ReduceOp op) {
   return "?";
 }
 
-// Handle of an asynchronous operation. wait() blocks until done (rethrowing its error);
-// is_completed() polls. A default Work is already complete (what synchronous backends return).
+// The element types a communicator moves. The enum travels between ranks in debug mode, so its
+// values are fixed.
+enum class DType : std::int8_t { F32 = 0, F64 = 1, I32 = 2, I64 = 3, F16 = 4 };
+
+template <class T>
+concept CommScalar = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::int32_t> ||
+                     std::same_as<T, std::int64_t> || std::same_as<T, Half>;
+
+template <CommScalar T>
+inline constexpr DType dtype_of = std::same_as<T, float>          ? DType::F32
+                                  : std::same_as<T, double>       ? DType::F64
+                                  : std::same_as<T, std::int32_t> ? DType::I32
+                                  : std::same_as<T, std::int64_t> ? DType::I64
+                                                                  : DType::F16;
+
+inline std::string_view to_string(DType t) {
+  switch (t) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+    case DType::F16: return "float16";
+  }
+  return "?";
+}
+
+// Handle of an asynchronous operation. wait() blocks until done (rethrowing its error, with the
+// operation's own timeout); is_completed() polls without blocking. A default Work is already
+// complete (what a backend returns when there was nothing to do).
 class Work {
  public:
   Work() = default;
@@ -55,29 +91,96 @@ class Work {
   std::function<bool()> poll_;
 };
 
-template <class C>
-concept Communicator = requires(C& c, std::span<float> f, std::span<const float> cf, std::span<double> d,
-                                ReduceOp op, int peer) {
-  { c.rank() } -> std::convertible_to<int>;
-  { c.size() } -> std::convertible_to<int>;
-  c.all_reduce(f, op);
-  c.all_reduce(d, op);
-  c.broadcast(f, peer);
-  c.all_gather(cf, f);
-  c.reduce_scatter(cf, f, op);
-  c.send(cf, peer);
-  c.recv(f, peer);
-  c.barrier();
-};
+// One concept per member, so that a backend that lacks one fails with that member's name:
+// "required for the satisfaction of 'has_reduce_scatter<MyComm, double>'".
+namespace comm_concepts {
 
 template <class C>
-concept AsyncCommunicator = Communicator<C> && requires(C& c, std::span<float> f, ReduceOp op) {
-  { c.all_reduce_async(f, op) } -> std::same_as<Work>;
+concept has_rank_and_size = requires(const C& c) {
+  { c.rank() } -> std::convertible_to<int>;
+  { c.size() } -> std::convertible_to<int>;
 };
+template <class C, class T>
+concept has_all_reduce = requires(C& c, std::span<T> buf, ReduceOp op) { c.all_reduce(buf, op); };
+template <class C, class T>
+concept has_broadcast = requires(C& c, std::span<T> buf, int root) { c.broadcast(buf, root); };
+template <class C, class T>
+concept has_all_gather = requires(C& c, std::span<const T> in, std::span<T> out) { c.all_gather(in, out); };
+template <class C, class T>
+concept has_reduce_scatter = requires(C& c, std::span<const T> in, std::span<T> out, ReduceOp op) {
+  c.reduce_scatter(in, out, op);
+};
+template <class C, class T>
+concept has_send_recv = requires(C& c, std::span<const T> in, std::span<T> out, int peer) {
+  c.send(in, peer);
+  c.recv(out, peer);
+};
+template <class C>
+concept has_barrier = requires(C& c) { c.barrier(); };
+
+template <class C, class T>
+concept has_async = requires(C& c, std::span<T> buf, std::span<const T> in, ReduceOp op, int peer) {
+  { c.all_reduce_async(buf, op) } -> std::same_as<Work>;
+  { c.broadcast_async(buf, peer) } -> std::same_as<Work>;
+  { c.all_gather_async(in, buf) } -> std::same_as<Work>;
+  { c.reduce_scatter_async(in, buf, op) } -> std::same_as<Work>;
+  { c.send_async(in, peer) } -> std::same_as<Work>;
+  { c.recv_async(buf, peer) } -> std::same_as<Work>;
+};
+
+template <class C, class T>
+concept has_collectives_for = has_all_reduce<C, T> && has_broadcast<C, T> && has_all_gather<C, T> &&
+                              has_reduce_scatter<C, T> && has_send_recv<C, T>;
+
+}  // namespace comm_concepts
+
+template <class C>
+concept Communicator =
+    comm_concepts::has_rank_and_size<C> && comm_concepts::has_barrier<C> &&
+    comm_concepts::has_collectives_for<C, float> && comm_concepts::has_collectives_for<C, double> &&
+    comm_concepts::has_collectives_for<C, std::int32_t> && comm_concepts::has_collectives_for<C, std::int64_t> &&
+    comm_concepts::has_collectives_for<C, Half>;
+
+template <class C>
+concept AsyncCommunicator =
+    Communicator<C> && comm_concepts::has_async<C, float> && comm_concepts::has_async<C, double> &&
+    comm_concepts::has_async<C, std::int32_t> && comm_concepts::has_async<C, std::int64_t> &&
+    comm_concepts::has_async<C, Half>;
 
 template <class C>
 concept SplittableCommunicator = Communicator<C> && requires(C& c, int color, int key) {
   { c.split(color, key) } -> std::same_as<C>;
 };
+
+// A backend writes `static_assert(check_communicator<MyComm>());` next to its definition: each
+// missing piece then fails with a sentence that says what to add.
+template <class C>
+consteval bool check_communicator() {
+  using namespace comm_concepts;
+  static_assert(has_rank_and_size<C>, "communicator: needs int rank() const and int size() const");
+  static_assert(has_barrier<C>, "communicator: needs void barrier()");
+  static_assert(has_all_reduce<C, float> && has_all_reduce<C, double> && has_all_reduce<C, std::int32_t> &&
+                    has_all_reduce<C, std::int64_t> && has_all_reduce<C, Half>,
+                "communicator: needs all_reduce(std::span<T>, ReduceOp) for T = float, double, int32_t, int64_t, Half");
+  static_assert(has_broadcast<C, float> && has_broadcast<C, double> && has_broadcast<C, std::int32_t> &&
+                    has_broadcast<C, std::int64_t> && has_broadcast<C, Half>,
+                "communicator: needs broadcast(std::span<T>, int root) for every CommScalar T");
+  static_assert(has_all_gather<C, float> && has_all_gather<C, double> && has_all_gather<C, std::int32_t> &&
+                    has_all_gather<C, std::int64_t> && has_all_gather<C, Half>,
+                "communicator: needs all_gather(std::span<const T>, std::span<T>) for every CommScalar T");
+  static_assert(has_reduce_scatter<C, float> && has_reduce_scatter<C, double> &&
+                    has_reduce_scatter<C, std::int32_t> && has_reduce_scatter<C, std::int64_t> &&
+                    has_reduce_scatter<C, Half>,
+                "communicator: needs reduce_scatter(std::span<const T>, std::span<T>, ReduceOp) for every CommScalar T");
+  static_assert(has_send_recv<C, float> && has_send_recv<C, double> && has_send_recv<C, std::int32_t> &&
+                    has_send_recv<C, std::int64_t> && has_send_recv<C, Half>,
+                "communicator: needs send(std::span<const T>, int) and recv(std::span<T>, int) for every CommScalar T");
+  static_assert(has_async<C, float> && has_async<C, double> && has_async<C, std::int32_t> &&
+                    has_async<C, std::int64_t> && has_async<C, Half>,
+                "communicator: needs all_reduce_async, broadcast_async, all_gather_async, reduce_scatter_async, "
+                "send_async and recv_async returning Work for every CommScalar T");
+  static_assert(SplittableCommunicator<C>, "communicator: needs C split(int color, int key)");
+  return true;
+}
 
 }  // namespace tessera

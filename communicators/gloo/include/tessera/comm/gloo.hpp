@@ -1,0 +1,552 @@
+// GlooComm: the Communicator concept over Gloo's TCP transport (Debian's libgloo-dev).
+//
+//   auto comm = GlooComm::from_env();   // TESSERA_RANK / SLURM_PROCID / OMPI_COMM_WORLD_RANK,
+//                                       // the world size likewise, TESSERA_STORE for rendezvous
+//
+// Rendezvous goes through a real store, as on a cluster:
+//   TESSERA_STORE=file:///shared/dir     Gloo's FileStore: a directory every rank can see (NFS,
+//                                        Lustre); tessera-run makes a fresh one per job
+//   TESSERA_STORE=redis://host:port      Gloo's RedisStore (a redis-server reachable by all)
+// TESSERA_STORE_PREFIX (default "tessera") keeps jobs that share a Redis server apart.
+// Network: TESSERA_GLOO_IFACE=eth0 binds that interface; otherwise TESSERA_GLOO_HOSTNAME, or this
+// machine's hostname, or 127.0.0.1 when the hostname does not resolve.
+//
+// Before Gloo's own full-mesh connect, every rank registers under "join.<rank>" and waits for
+// all others, so a rank that never starts is named ("rank 3 never joined") instead of leaving a
+// bare store timeout.
+//
+// Collectives are Gloo's own (allreduce, allgather, broadcast, barrier; ring or bcube allreduce
+// chosen by size, see kBcubeMaxBytes); reduce_scatter is a ring over Gloo's unbound buffers
+// (this Gloo has no new-style reduce_scatter). Asynchronous collectives run in issue order on a
+// worker thread (what ProcessGroupGloo does); send/recv are posted at once from the caller's
+// thread on their own slot, so a ring of send_async + recv cannot deadlock behind the worker.
+// Every operation carries the communicator's timeout; a Gloo error or timeout becomes CommError
+// naming the operation, the rank and Gloo's own reason (the peer's address or the phase).
+#pragma once
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/redis_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <netdb.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tessera/comm/async_worker.hpp"
+#include "tessera/comm/call_check.hpp"
+#include "tessera/comm/communicator.hpp"
+#include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/options.hpp"
+#include "tessera/comm/reduce.hpp"
+#include "tessera/core/env.hpp"
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+namespace detail {
+
+// Keys "<prefix>.<key>": flat names, because FileStore maps a key to a file in one directory.
+class PrefixedStore : public gloo::rendezvous::Store {
+ public:
+  PrefixedStore(std::shared_ptr<gloo::rendezvous::Store> base, std::string prefix)
+      : base_(std::move(base)), prefix_(std::move(prefix)) {}
+  void set(const std::string& key, const std::vector<char>& data) override { base_->set(full(key), data); }
+  std::vector<char> get(const std::string& key) override { return base_->get(full(key)); }
+  void wait(const std::vector<std::string>& keys) override { base_->wait(full(keys)); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    base_->wait(full(keys), timeout);
+  }
+
+ private:
+  std::string full(const std::string& key) const { return prefix_ + "." + key; }
+  std::vector<std::string> full(const std::vector<std::string>& keys) const {
+    std::vector<std::string> out;
+    for (const auto& k : keys) out.push_back(full(k));
+    return out;
+  }
+  std::shared_ptr<gloo::rendezvous::Store> base_;
+  std::string prefix_;
+};
+
+inline std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(const std::string& url) {
+  TESSERA_CHECK(!url.empty(), ArgumentError,
+                "GlooComm: no store given: set TESSERA_STORE=file:///shared/dir or redis://host:port "
+                "(tessera-run sets it for you)");
+  try {
+    if (url.rfind("file://", 0) == 0) {
+      const std::string path = url.substr(7);
+      TESSERA_CHECK(!path.empty() && path[0] == '/', ArgumentError, "GlooComm: store '", url,
+                    "' must be an absolute path: file:///dir");
+      return std::make_shared<gloo::rendezvous::FileStore>(path);
+    }
+    if (url.rfind("redis://", 0) == 0) {
+      const std::string rest = url.substr(8);
+      const auto colon = rest.rfind(':');
+      const std::string host = colon == std::string::npos ? rest : rest.substr(0, colon);
+      const int port = colon == std::string::npos ? 6379 : std::atoi(rest.c_str() + colon + 1);
+      TESSERA_CHECK(!host.empty() && port > 0 && port < 65536, ArgumentError, "GlooComm: store '", url,
+                    "' is not redis://host:port");
+      return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CommError(cat("GlooComm: cannot open store '", url, "': ", e.what()));
+  }
+  throw ArgumentError(cat("GlooComm: store '", url, "' must start with file:// or redis://"));
+}
+
+inline std::shared_ptr<gloo::transport::Device> make_gloo_device() {
+  gloo::transport::tcp::attr attr;
+  if (const char* iface = std::getenv("TESSERA_GLOO_IFACE"); iface != nullptr && *iface != '\0') {
+    attr.iface = iface;
+  } else if (const char* host = std::getenv("TESSERA_GLOO_HOSTNAME"); host != nullptr && *host != '\0') {
+    attr.hostname = host;
+  } else {
+    char name[256] = {};
+    addrinfo* info = nullptr;
+    if (gethostname(name, sizeof(name) - 1) == 0 && getaddrinfo(name, nullptr, nullptr, &info) == 0) {
+      attr.hostname = name;
+      freeaddrinfo(info);
+    } else {
+      attr.hostname = "127.0.0.1";
+    }
+  }
+  try {
+    return gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    throw CommError(cat("GlooComm: cannot create a TCP device on ",
+                        attr.iface.empty() ? "host '" + attr.hostname + "'" : "interface '" + attr.iface + "'", ": ",
+                        e.what(), " (set TESSERA_GLOO_IFACE or TESSERA_GLOO_HOSTNAME)"));
+  }
+}
+
+// c = a op b, the signature Gloo's allreduce wants. Avg is summed here and divided afterwards.
+template <CommScalar T>
+void gloo_reduce(void* c, const void* a, const void* b, std::size_t n, ReduceOp op) {
+  T* out = static_cast<T*>(c);
+  if (out != a) std::copy_n(static_cast<const T*>(a), n, out);
+  reduce_into(out, static_cast<const T*>(b), n, op);
+}
+template <CommScalar T, ReduceOp Op>
+void gloo_reduce_fn(void* c, const void* a, const void* b, std::size_t n) {
+  gloo_reduce<T>(c, a, b, n, Op);
+}
+template <CommScalar T>
+gloo::AllreduceOptions::Func gloo_reduce_function(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Max: return &gloo_reduce_fn<T, ReduceOp::Max>;
+    case ReduceOp::Min: return &gloo_reduce_fn<T, ReduceOp::Min>;
+    default: return &gloo_reduce_fn<T, ReduceOp::Sum>;
+  }
+}
+
+// Everything the worker thread and the Works need, shared so a GlooComm can move freely.
+struct GlooState {
+  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::shared_ptr<gloo::transport::Device> device;
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::string store_url;
+  int rank = 0, size = 1;
+  CommOptions options;
+  std::uint32_t next_tag = 1;  // advanced in issue order, identically on every rank
+  int splits = 0;
+  std::mutex broken_mutex;
+  std::string broken;
+};
+
+}  // namespace detail
+
+class GlooComm {
+ public:
+  // Below this many bytes all_reduce uses Gloo's bcube (recursive halving-doubling style, log2(p)
+  // rounds: latency-bound messages); above it the ring (bandwidth-optimal). Measured on this
+  // machine with bench/collectives (see bench/README.md).
+  static constexpr std::size_t kBcubeMaxBytes = 256 * 1024;
+
+  // Rank, size and store from the environment (see LaunchEnv).
+  static GlooComm from_env(CommOptions options = {}) {
+    const LaunchEnv env = LaunchEnv::from_environment();
+    const char* prefix = std::getenv("TESSERA_STORE_PREFIX");
+    return GlooComm(env.store, env.rank, env.size, options, prefix != nullptr && *prefix ? prefix : "tessera");
+  }
+
+  // Explicit: store URL, rank and size (for programs that get them elsewhere).
+  GlooComm(const std::string& store_url, int rank, int size, CommOptions options = {},
+           const std::string& prefix = "tessera")
+      : s_(std::make_shared<detail::GlooState>()) {
+    TESSERA_CHECK(size >= 1 && rank >= 0 && rank < size, ArgumentError, "GlooComm: rank ", rank, " and size ", size,
+                  " are inconsistent: need 0 <= rank < size");
+    s_->store_url = store_url;
+    s_->rank = rank;
+    s_->size = size;
+    s_->options = options;
+    s_->store = std::make_shared<detail::PrefixedStore>(detail::open_gloo_store(store_url), prefix);
+    s_->device = detail::make_gloo_device();
+    connect(prefix);
+  }
+
+  GlooComm(GlooComm&&) noexcept = default;
+  GlooComm& operator=(GlooComm&&) noexcept = default;
+
+  int rank() const { return s_->rank; }
+  int size() const { return s_->size; }
+  const CommOptions& options() const { return s_->options; }
+  const std::shared_ptr<gloo::rendezvous::Context>& native() const { return s_->context; }
+
+  template <CommScalar T>
+  void all_reduce(std::span<T> buf, ReduceOp op) {
+    drain();
+    run_all_reduce(s_, buf, op, take_tag());
+  }
+  template <CommScalar T>
+  void broadcast(std::span<T> buf, int root) {
+    drain();
+    run_broadcast(s_, buf, root, take_tag());
+  }
+  template <CommScalar T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    drain();
+    run_all_gather(s_, in, out, take_tag());
+  }
+  template <CommScalar T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op) {
+    drain();
+    run_reduce_scatter(s_, in, out, op, take_tag());
+  }
+  void barrier() {
+    drain();
+    run_barrier(s_, take_tag());
+  }
+  template <CommScalar T>
+  void send(std::span<const T> buf, int peer) { send_async(buf, peer).wait(); }
+  template <CommScalar T>
+  void recv(std::span<T> buf, int peer) { recv_async(buf, peer).wait(); }
+
+  template <CommScalar T>
+  Work all_reduce_async(std::span<T> buf, ReduceOp op) {
+    return submit([s = s_, buf, op, tag = take_tag()] { run_all_reduce(s, buf, op, tag); });
+  }
+  template <CommScalar T>
+  Work broadcast_async(std::span<T> buf, int root) {
+    return submit([s = s_, buf, root, tag = take_tag()] { run_broadcast(s, buf, root, tag); });
+  }
+  template <CommScalar T>
+  Work all_gather_async(std::span<const T> in, std::span<T> out) {
+    return submit([s = s_, in, out, tag = take_tag()] { run_all_gather(s, in, out, tag); });
+  }
+  template <CommScalar T>
+  Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op) {
+    return submit([s = s_, in, out, op, tag = take_tag()] { run_reduce_scatter(s, in, out, op, tag); });
+  }
+  template <CommScalar T>
+  Work send_async(std::span<const T> buf, int peer) {
+    const std::string what = detail::cat("send(", to_string(dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
+    check_peer(peer, what);
+    return post(what, const_cast<T*>(buf.data()), buf.size_bytes(), peer, true);
+  }
+  template <CommScalar T>
+  Work recv_async(std::span<T> buf, int peer) {
+    const std::string what = detail::cat("recv(", to_string(dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
+    check_peer(peer, what);
+    return post(what, buf.data(), buf.size_bytes(), peer, false);
+  }
+
+  // MPI_Comm_split semantics. The members find each other through the same store, under a key
+  // prefix unique to this split (split number and color), and connect a new full mesh.
+  GlooComm split(int color, int key) {
+    TESSERA_CHECK(color >= 0, ArgumentError, "GlooComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    drain();
+    std::vector<std::int64_t> mine = {color, key}, all(2 * static_cast<std::size_t>(size()));
+    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    std::vector<int> members;
+    for (int q = 0; q < size(); ++q)
+      if (all[2 * q] == color) members.push_back(q);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+    const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+    const std::string prefix = detail::cat("split", ++s_->splits, ".color", color);
+    return GlooComm(s_, prefix, new_rank, static_cast<int>(members.size()));
+  }
+
+ private:
+  // A child communicator of a split: same store and device, a new context.
+  GlooComm(const std::shared_ptr<detail::GlooState>& parent, const std::string& prefix, int rank, int size)
+      : s_(std::make_shared<detail::GlooState>()) {
+    s_->store_url = parent->store_url;
+    s_->rank = rank;
+    s_->size = size;
+    s_->options = parent->options;
+    s_->store = std::make_shared<detail::PrefixedStore>(parent->store, prefix);
+    s_->device = parent->device;
+    connect(prefix);
+  }
+
+  void connect(const std::string& label) {
+    const auto deadline = std::chrono::steady_clock::now() + s_->options.timeout;
+    auto& store = *s_->store;
+    try {
+      store.set(detail::cat("join.", rank()), std::vector<char>{'1'});
+    } catch (const std::exception& e) {
+      throw CommError(detail::cat("GlooComm rendezvous on rank ", rank(), " of ", size(), " at ", s_->store_url,
+                                  ": cannot write to the store: ", e.what()));
+    }
+    // Wait for every rank's join key, polling so that on timeout we can say who is missing.
+    std::vector<int> missing;
+    for (int q = 0; q < size(); ++q) missing.push_back(q);
+    while (!missing.empty()) {
+      std::vector<int> still;
+      for (int q : missing) {
+        try {
+          store.wait({detail::cat("join.", q)}, std::chrono::milliseconds(1));
+        } catch (const std::exception&) {
+          still.push_back(q);
+        }
+      }
+      missing.swap(still);
+      if (missing.empty()) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string names;
+        for (int q : missing) names += detail::cat(names.empty() ? "" : ", ", q);
+        throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
+                                    s_->store_url, ": timed out after ", detail::seconds_text(s_->options.timeout),
+                                    "; rank(s) ", names, " never joined"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    try {
+      s_->context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+      s_->context->setTimeout(s_->options.timeout);
+      s_->context->connectFullMesh(store, s_->device);
+    } catch (const std::exception& e) {
+      throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
+                                  s_->store_url, ": connecting the full mesh failed: ", e.what()));
+    }
+  }
+
+  std::uint32_t take_tag() { return s_->next_tag++; }
+
+  void drain() {
+    if (worker_) worker_->drain();
+  }
+  Work submit(std::function<void()> op) {
+    if (!worker_) worker_ = std::make_unique<detail::AsyncWorker>();
+    return worker_->submit(std::move(op));
+  }
+
+  void check_peer(int peer, const std::string& what) const {
+    TESSERA_CHECK(peer >= 0 && peer < size() && peer != rank(), CommError, "GlooComm ", what, " on rank ", rank(),
+                  ": peer ", peer, " must be another rank in [0, ", size(), ")");
+  }
+
+  static void check_usable(const std::shared_ptr<detail::GlooState>& s, const std::string& what) {
+    std::lock_guard lock(s->broken_mutex);
+    TESSERA_CHECK(s->broken.empty(), CommError, "GlooComm ", what, " on rank ", s->rank,
+                  ": communicator is unusable after an earlier error: ", s->broken);
+  }
+
+  // Runs one Gloo call, turning its exceptions into CommError with our context.
+  template <class Fn>
+  static void guarded(const std::shared_ptr<detail::GlooState>& s, const std::string& what, Fn&& fn) {
+    check_usable(s, what);
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      const std::string text = detail::cat("GlooComm ", what, " on rank ", s->rank, " of ", s->size, ": ", e.what());
+      {
+        std::lock_guard lock(s->broken_mutex);
+        if (s->broken.empty()) s->broken = text;
+      }
+      throw CommError(text);
+    }
+  }
+
+  // Debug mode: compare signatures through a fixed-size allgather (tagged like the call itself).
+  static void debug_check(const std::shared_ptr<detail::GlooState>& s, const detail::CallSignature& sig,
+                          std::uint32_t tag) {
+    if (!s->options.debug || s->size == 1) return;
+    const auto mine = sig.encode();
+    std::vector<std::int64_t> all(4 * static_cast<std::size_t>(s->size));
+    guarded(s, sig.describe() + " debug check", [&] {
+      gloo::AllgatherOptions opts(s->context);
+      opts.setInput(const_cast<std::int64_t*>(mine.data()), 4);
+      opts.setOutput(all.data(), all.size());
+      opts.setTag(tag | 0x80000000u);
+      opts.setTimeout(s->options.timeout);
+      gloo::allgather(opts);
+    });
+    try {
+      detail::check_signatures("GlooComm", s->rank, all);
+    } catch (const CommError& e) {
+      std::lock_guard lock(s->broken_mutex);
+      if (s->broken.empty()) s->broken = e.what();
+      throw;
+    }
+  }
+
+  template <CommScalar T>
+  static void run_all_reduce(const std::shared_ptr<detail::GlooState>& s, std::span<T> buf, ReduceOp op,
+                             std::uint32_t tag) {
+    const detail::CallSignature sig{detail::CollectiveKind::AllReduce, dtype_of<T>,
+                                    static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)};
+    debug_check(s, sig, tag);
+    if (s->size == 1 || buf.empty()) return check_usable(s, sig.describe());
+    guarded(s, sig.describe(), [&] {
+      gloo::AllreduceOptions opts(s->context);
+      opts.setOutput(buf.data(), buf.size());
+      opts.setReduceFunction(detail::gloo_reduce_function<T>(op));
+      opts.setAlgorithm(buf.size_bytes() <= kBcubeMaxBytes ? gloo::AllreduceOptions::Algorithm::BCUBE
+                                                           : gloo::AllreduceOptions::Algorithm::RING);
+      opts.setTag(tag);
+      opts.setTimeout(s->options.timeout);
+      gloo::allreduce(opts);
+    });
+    detail::finish_avg(buf.data(), buf.size(), op, s->size);
+  }
+
+  template <CommScalar T>
+  static void run_broadcast(const std::shared_ptr<detail::GlooState>& s, std::span<T> buf, int root,
+                            std::uint32_t tag) {
+    const detail::CallSignature sig{detail::CollectiveKind::Broadcast, dtype_of<T>,
+                                    static_cast<std::int64_t>(buf.size()), root};
+    TESSERA_CHECK(root >= 0 && root < s->size, CommError, "GlooComm broadcast on rank ", s->rank, ": root ", root,
+                  " is out of range [0, ", s->size, ")");
+    debug_check(s, sig, tag);
+    if (s->size == 1 || buf.empty()) return check_usable(s, sig.describe());
+    guarded(s, sig.describe(), [&] {
+      gloo::BroadcastOptions opts(s->context);
+      opts.setOutput(buf.data(), buf.size());
+      opts.setRoot(root);
+      opts.setTag(tag);
+      opts.setTimeout(s->options.timeout);
+      gloo::broadcast(opts);
+    });
+  }
+
+  template <CommScalar T>
+  static void run_all_gather(const std::shared_ptr<detail::GlooState>& s, std::span<const T> in, std::span<T> out,
+                             std::uint32_t tag) {
+    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(s->size), CommError,
+                  "GlooComm all_gather on rank ", s->rank, ": output has ", out.size(), " elements, expected ", s->size,
+                  " x ", in.size());
+    const detail::CallSignature sig{detail::CollectiveKind::AllGather, dtype_of<T>,
+                                    static_cast<std::int64_t>(in.size()), 0};
+    debug_check(s, sig, tag);
+    if (s->size == 1 || in.empty()) {
+      check_usable(s, sig.describe());
+      std::copy(in.begin(), in.end(), out.begin());
+      return;
+    }
+    guarded(s, sig.describe(), [&] {
+      gloo::AllgatherOptions opts(s->context);
+      opts.setInput(const_cast<T*>(in.data()), in.size());
+      opts.setOutput(out.data(), out.size());
+      opts.setTag(tag);
+      opts.setTimeout(s->options.timeout);
+      gloo::allgather(opts);
+    });
+  }
+
+  // Ring reduce-scatter: p - 1 steps; in step k rank r sends its partial sum of chunk
+  // (r - k - 1) mod p to the right and receives chunk (r - k - 2) mod p from the left, adding its
+  // own contribution; after the last step it holds chunk r reduced over all p ranks. Each rank
+  // sends and receives (p - 1)/p of the input: the bandwidth optimum.
+  template <CommScalar T>
+  static void run_reduce_scatter(const std::shared_ptr<detail::GlooState>& s, std::span<const T> in,
+                                 std::span<T> out, ReduceOp op, std::uint32_t tag) {
+    const int p = s->size, r = s->rank;
+    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(p), CommError, "GlooComm reduce_scatter on rank ",
+                  r, ": input has ", in.size(), " elements, expected ", p, " x ", out.size(), " (size x output)");
+    const detail::CallSignature sig{detail::CollectiveKind::ReduceScatter, dtype_of<T>,
+                                    static_cast<std::int64_t>(in.size()), static_cast<std::int64_t>(op)};
+    debug_check(s, sig, tag);
+    if (p == 1 || out.empty()) {
+      check_usable(s, sig.describe());
+      std::copy(in.begin(), in.end(), out.begin());
+      return;
+    }
+    const std::size_t n = out.size();
+    const int right = (r + 1) % p, left = (r + p - 1) % p;
+    auto chunk = [&](int c) { return in.data() + static_cast<std::size_t>((c % p + p) % p) * n; };
+    std::vector<T> partial(chunk(r - 1), chunk(r - 1) + n), incoming(n);
+    guarded(s, sig.describe(), [&] {
+      auto send_buf = s->context->createUnboundBuffer(partial.data(), n * sizeof(T));
+      auto recv_buf = s->context->createUnboundBuffer(incoming.data(), n * sizeof(T));
+      const std::uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+      for (int k = 0; k < p - 1; ++k) {
+        send_buf->send(right, slot);
+        recv_buf->recv(left, slot);
+        recv_buf->waitRecv(s->options.timeout);
+        send_buf->waitSend(s->options.timeout);
+        // incoming = left's partial of chunk r - k - 2; add ours and pass it on next step.
+        const T* own = chunk(r - k - 2);
+        if (k == p - 2) {
+          std::copy(incoming.begin(), incoming.end(), out.begin());
+          detail::reduce_into(out.data(), own, n, op);
+        } else {
+          std::copy(incoming.begin(), incoming.end(), partial.begin());
+          detail::reduce_into(partial.data(), own, n, op);
+        }
+      }
+    });
+    detail::finish_avg(out.data(), n, op, p);
+  }
+
+  static void run_barrier(const std::shared_ptr<detail::GlooState>& s, std::uint32_t tag) {
+    const detail::CallSignature sig{detail::CollectiveKind::Barrier, DType::F32, 0, 0};
+    debug_check(s, sig, tag);
+    if (s->size == 1) return check_usable(s, sig.describe());
+    guarded(s, sig.describe(), [&] {
+      gloo::BarrierOptions opts(s->context);
+      opts.setTag(tag);
+      opts.setTimeout(s->options.timeout);
+      gloo::barrier(opts);
+    });
+  }
+
+  // Point-to-point on a fixed slot: Gloo matches sends and receives per (peer, slot) in order.
+  Work post(const std::string& what, void* data, std::size_t bytes, int peer, bool is_send) {
+    auto s = s_;
+    std::shared_ptr<gloo::transport::UnboundBuffer> buffer;
+    guarded(s, what, [&] {
+      buffer = s->context->createUnboundBuffer(data, bytes);
+      if (is_send) buffer->send(peer, kPointToPointSlot);
+      else buffer->recv(peer, kPointToPointSlot);
+    });
+    const auto deadline = std::chrono::steady_clock::now() + s->options.timeout;
+    return Work(
+        [s, buffer, what, is_send, deadline] {
+          guarded(s, what, [&] {
+            const auto left = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                         deadline - std::chrono::steady_clock::now()));
+            if (is_send) buffer->waitSend(left);
+            else buffer->waitRecv(left);
+          });
+        },
+        {});
+  }
+
+  static constexpr std::uint8_t kReduceScatterSlotPrefix = 0x20;
+  static constexpr std::uint64_t kPointToPointSlot = 0x21ull << 56;
+
+  std::shared_ptr<detail::GlooState> s_;
+  std::unique_ptr<detail::AsyncWorker> worker_;  // last: joined before the state it uses goes
+};
+
+static_assert(check_communicator<GlooComm>());
+
+using CpuGloo = Env<Cpu, GlooComm, float>;
+using CpuGloo64 = Env<Cpu, GlooComm, double>;
+
+}  // namespace tessera

@@ -1,0 +1,72 @@
+// LaunchEnv: who am I and how many are we, read from what the launcher set.
+//
+// Looked up in this order (the first launcher whose rank variable is present wins):
+//   tessera-run / by hand: TESSERA_RANK, TESSERA_WORLD_SIZE, TESSERA_LOCAL_RANK, TESSERA_STORE
+//   Slurm srun:            SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+//   Open MPI mpirun:       OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK
+// With none of them set, the process is rank 0 of 1. The store address (used by Gloo and for
+// NCCL's id exchange) always comes from TESSERA_STORE.
+#pragma once
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "tessera/core/error.hpp"
+
+namespace tessera {
+
+struct LaunchEnv {
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  std::string store;          // e.g. "file:///shared/run42" or "redis://10.0.0.1:6379"; may be empty
+  std::string source = "default (no launcher variables set)";  // which variables were read
+
+  static LaunchEnv from_environment() {
+    LaunchEnv env;
+    if (const char* store = std::getenv("TESSERA_STORE")) env.store = store;
+    struct Scheme {
+      const char* rank;
+      const char* size;
+      const char* local_rank;
+      const char* name;
+    };
+    const Scheme schemes[] = {
+        {"TESSERA_RANK", "TESSERA_WORLD_SIZE", "TESSERA_LOCAL_RANK", "tessera-run (TESSERA_RANK)"},
+        {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "Slurm (SLURM_PROCID)"},
+        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI (OMPI_COMM_WORLD_RANK)"},
+    };
+    for (const Scheme& s : schemes) {
+      const auto rank = read_int(s.rank);
+      if (!rank) continue;
+      const auto size = read_int(s.size);
+      TESSERA_CHECK(size.has_value(), ArgumentError, s.rank, " is set but ", s.size,
+                    " is not: set both (the world size is needed to rendezvous)");
+      TESSERA_CHECK(*size >= 1 && *rank >= 0 && *rank < *size, ArgumentError, s.rank, "=", *rank, " and ", s.size,
+                    "=", *size, " are inconsistent: need 0 <= rank < size");
+      env.rank = *rank;
+      env.size = *size;
+      env.local_rank = read_int(s.local_rank).value_or(*rank);
+      env.source = s.name;
+      return env;
+    }
+    return env;
+  }
+
+ private:
+  static std::optional<int> read_int(const char* name) {
+    const char* text = std::getenv(name);
+    if (text == nullptr || *text == '\0') return std::nullopt;
+    char* end = nullptr;
+    errno = 0;
+    const long value = std::strtol(text, &end, 10);
+    TESSERA_CHECK(end != text && *end == '\0' && errno == 0 && value >= INT_MIN && value <= INT_MAX,
+                  ArgumentError, "environment variable ", name, "='", text, "' is not an integer");
+    return static_cast<int>(value);
+  }
+};
+
+}  // namespace tessera

@@ -1,0 +1,529 @@
+// ThreadComm: N ranks as N threads of one process, talking through shared memory.
+//
+//   ThreadWorld world(4);                       // 4 ranks
+//   world.run([](ThreadComm& comm) {            // spawns 4 threads, rank r on thread r, joins
+//     std::vector<float> g(1000, comm.rank());
+//     comm.all_reduce(std::span(g), ReduceOp::Sum);
+//   });
+//
+// or, with threads of your own, `ThreadComm comm = world.comm(r);` on each (adopt).
+//
+// How the collectives work: every rank publishes a pointer to its buffer and its CallSignature,
+// all meet at a barrier, then each rank does its share straight on the other ranks' memory and
+// they meet again before anyone returns (so no buffer is reused while a peer still reads it).
+// all_reduce of n elements over p ranks: rank r reduces elements [r n/p, (r+1) n/p) of all p
+// buffers and writes the result into that range of all p buffers, so each element is read p
+// times and written p times in total, with no intermediate copies: one pass over memory.
+// Because the signatures are in shared memory anyway, ThreadComm always checks that all ranks
+// called the same collective with the same type and count (the debug check of other backends).
+//
+// Failure: if a rank's function throws inside ThreadWorld::run, every rank waiting at a barrier
+// throws CommError naming that rank; a rank that stalls makes the others throw after the timeout,
+// naming the ranks that did not arrive. run() rethrows the first (root-cause) exception.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tessera/comm/async_worker.hpp"
+#include "tessera/comm/call_check.hpp"
+#include "tessera/comm/communicator.hpp"
+#include "tessera/comm/options.hpp"
+#include "tessera/comm/reduce.hpp"
+#include "tessera/core/env.hpp"
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+namespace detail {
+
+// State shared by every group (the world and its splits): the first failure, which wakes all.
+struct ThreadWorldState {
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  int failed_rank = -1;
+  std::string reason;
+};
+
+// One communicator group: its barrier, the published slots and the point-to-point mailboxes.
+class ThreadGroup {
+ public:
+  ThreadGroup(int size, CommOptions options, std::shared_ptr<ThreadWorldState> world, std::vector<int> world_ranks)
+      : size_(size),
+        options_(options),
+        world_(std::move(world)),
+        world_ranks_(std::move(world_ranks)),
+        present_(static_cast<std::size_t>(size), 0),
+        slots_(static_cast<std::size_t>(size)),
+        split_results_(static_cast<std::size_t>(size)) {
+    mailboxes_.reserve(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
+    for (int i = 0; i < size * size; ++i) mailboxes_.push_back(std::make_unique<Mailbox>());
+  }
+
+  int size() const { return size_; }
+  const CommOptions& options() const { return options_; }
+
+  template <CommScalar T>
+  void all_reduce(int rank, std::span<T> buf, ReduceOp op) {
+    const CallSignature sig{CollectiveKind::AllReduce, dtype_of<T>, static_cast<std::int64_t>(buf.size()),
+                            static_cast<std::int64_t>(op)};
+    if (size_ == 1) return check_usable(rank, sig);
+    enter(rank, buf.data(), sig);
+    const auto [lo, hi] = chunk(buf.size(), rank);
+    T* const* buffers = gather_pointers<T>(0);
+    thread_local std::vector<const T*> sources;
+    thread_local std::vector<T*> outputs;
+    sources.assign(buffers, buffers + size_);
+    outputs.assign(buffers, buffers + size_);
+    for (int q = 0; q < size_; ++q) {
+      sources[q] += lo;
+      outputs[q] += lo;
+    }
+    reduce_many(sources.data(), size_, outputs.data(), size_, hi - lo, op);
+    leave(rank, sig);
+  }
+
+  template <CommScalar T>
+  void broadcast(int rank, std::span<T> buf, int root) {
+    check_peer(rank, root, "broadcast", "root");
+    const CallSignature sig{CollectiveKind::Broadcast, dtype_of<T>, static_cast<std::int64_t>(buf.size()), root};
+    if (size_ == 1) return check_usable(rank, sig);
+    enter(rank, buf.data(), sig);
+    if (rank != root && !buf.empty()) std::memcpy(buf.data(), slots_[root].pointer, buf.size_bytes());
+    leave(rank, sig);
+  }
+
+  template <CommScalar T>
+  void all_gather(int rank, std::span<const T> in, std::span<T> out) {
+    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size_), CommError, "ThreadComm all_gather on rank ",
+                  rank, ": output has ", out.size(), " elements, expected ", size_, " x ", in.size());
+    const CallSignature sig{CollectiveKind::AllGather, dtype_of<T>, static_cast<std::int64_t>(in.size()), 0};
+    if (size_ == 1) {
+      check_usable(rank, sig);
+      std::copy(in.begin(), in.end(), out.begin());
+      return;
+    }
+    enter(rank, in.data(), sig);
+    for (int q = 0; q < size_ && !in.empty(); ++q)
+      std::memcpy(out.data() + q * in.size(), slots_[q].pointer, in.size_bytes());
+    leave(rank, sig);
+  }
+
+  template <CommScalar T>
+  void reduce_scatter(int rank, std::span<const T> in, std::span<T> out, ReduceOp op) {
+    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size_), CommError,
+                  "ThreadComm reduce_scatter on rank ", rank, ": input has ", in.size(), " elements, expected ", size_,
+                  " x ", out.size(), " (size x output)");
+    const CallSignature sig{CollectiveKind::ReduceScatter, dtype_of<T>, static_cast<std::int64_t>(in.size()),
+                            static_cast<std::int64_t>(op)};
+    if (size_ == 1) {
+      check_usable(rank, sig);
+      std::copy(in.begin(), in.end(), out.begin());
+      return;
+    }
+    enter(rank, in.data(), sig);
+    thread_local std::vector<const T*> sources;
+    sources.resize(static_cast<std::size_t>(size_));
+    for (int q = 0; q < size_; ++q) sources[q] = static_cast<const T*>(slots_[q].pointer) + rank * out.size();
+    T* output = out.data();
+    reduce_many(sources.data(), size_, &output, 1, out.size(), op);
+    leave(rank, sig);
+  }
+
+  void barrier(int rank) {
+    const CallSignature sig{CollectiveKind::Barrier, DType::F32, 0, 0};
+    if (size_ == 1) return check_usable(rank, sig);
+    enter(rank, nullptr, sig);
+    leave(rank, sig);  // a second meeting: nobody may publish the next call while a peer still compares
+  }
+
+  // Eager send: the bytes are copied into the receiver's mailbox and send returns, so a ring of
+  // sends followed by receives cannot deadlock (like MPI's eager protocol, at any size).
+  template <CommScalar T>
+  void send(int rank, std::span<const T> buf, int peer) {
+    check_peer(rank, peer, "send", "peer");
+    check_usable(rank, cat("send to rank ", peer));
+    Mailbox& box = mailbox(rank, peer);
+    Message message{std::vector<std::byte>(buf.size_bytes()), dtype_of<T>, buf.size()};
+    if (!buf.empty()) std::memcpy(message.bytes.data(), buf.data(), buf.size_bytes());
+    {
+      std::lock_guard lock(box.mutex);
+      box.queue.push_back(std::move(message));
+    }
+    box.cv.notify_all();
+  }
+
+  template <CommScalar T>
+  void recv(int rank, std::span<T> buf, int peer) {
+    check_peer(rank, peer, "recv", "peer");
+    check_usable(rank, cat("recv from rank ", peer));
+    Mailbox& box = mailbox(peer, rank);
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    std::unique_lock lock(box.mutex);
+    while (box.queue.empty()) {
+      if (world_->failed.load()) fail(rank, cat("recv from rank ", peer), "", stopped_reason());
+      if (std::chrono::steady_clock::now() >= deadline)
+        fail(rank, cat("recv(", to_string(dtype_of<T>), " x ", buf.size(), ") from rank ", peer), "",
+             cat("timed out after ", seconds_text(options_.timeout), ": rank ", peer, " sent nothing"));
+      box.cv.wait_for(lock, std::chrono::milliseconds(20));
+    }
+    Message message = std::move(box.queue.front());
+    box.queue.pop_front();
+    lock.unlock();
+    TESSERA_CHECK(message.dtype == dtype_of<T> && message.count == buf.size(), CommError, "ThreadComm recv on rank ",
+                  rank, ": expected ", to_string(dtype_of<T>), " x ", buf.size(), " from rank ", peer, ", got ",
+                  to_string(message.dtype), " x ", message.count);
+    if (!buf.empty()) std::memcpy(buf.data(), message.bytes.data(), buf.size_bytes());
+  }
+
+  // MPI_Comm_split semantics: ranks with equal color form a group, ordered by (key, old rank).
+  std::shared_ptr<ThreadGroup> split(int rank, int color, int key, int& new_rank) {
+    TESSERA_CHECK(color >= 0, ArgumentError, "ThreadComm split on rank ", rank, ": color ", color,
+                  " must be >= 0");
+    const CallSignature sig{CollectiveKind::Split, DType::I64, 0, 0};
+    slots_[rank].color = color;
+    slots_[rank].key = key;
+    enter(rank, nullptr, sig);
+    std::vector<int> members;
+    for (int q = 0; q < size_; ++q)
+      if (slots_[q].color == color) members.push_back(q);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return slots_[a].key < slots_[b].key; });
+    new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+    if (new_rank == 0) {
+      std::vector<int> world_ranks;
+      for (int q : members) world_ranks.push_back(world_ranks_[q]);
+      split_results_[rank] =
+          std::make_shared<ThreadGroup>(static_cast<int>(members.size()), options_, world_, std::move(world_ranks));
+    }
+    sync(rank, sig, "create");
+    std::shared_ptr<ThreadGroup> group = split_results_[members.front()];
+    sync(rank, sig, "adopt");
+    if (new_rank == 0) split_results_[rank].reset();
+    return group;
+  }
+
+  void check_usable(int rank, const CallSignature& sig) const { check_usable(rank, sig.describe()); }
+  void check_usable(int rank, const std::string& what) const {
+    if (!broken_.load()) return;
+    std::lock_guard lock(broken_mutex_);
+    throw CommError(cat("ThreadComm ", what, " on rank ", rank, ": communicator is unusable after an earlier error: ",
+                        broken_reason_));
+  }
+
+ private:
+  struct Slot {
+    const void* pointer = nullptr;
+    CallSignature signature;
+    int color = 0;
+    int key = 0;
+  };
+  struct Message {
+    std::vector<std::byte> bytes;
+    DType dtype;
+    std::size_t count;
+  };
+  struct Mailbox {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<Message> queue;
+  };
+
+  Mailbox& mailbox(int from, int to) { return *mailboxes_[static_cast<std::size_t>(from * size_ + to)]; }
+
+  std::pair<std::size_t, std::size_t> chunk(std::size_t n, int rank) const {
+    const std::size_t p = static_cast<std::size_t>(size_);
+    return {n * static_cast<std::size_t>(rank) / p, n * static_cast<std::size_t>(rank + 1) / p};
+  }
+
+  template <class T>
+  T* const* gather_pointers(int) {
+    thread_local std::vector<T*> pointers;
+    pointers.resize(static_cast<std::size_t>(size_));
+    for (int q = 0; q < size_; ++q) pointers[q] = static_cast<T*>(const_cast<void*>(slots_[q].pointer));
+    return pointers.data();
+  }
+
+  void check_peer(int rank, int peer, const char* op, const char* what) const {
+    TESSERA_CHECK(peer >= 0 && peer < size_, CommError, "ThreadComm ", op, " on rank ", rank, ": ", what, " ", peer,
+                  " is out of range [0, ", size_, ")");
+    TESSERA_CHECK(std::string_view(what) == "root" || peer != rank, CommError, "ThreadComm ", op, " on rank ", rank,
+                  ": cannot ", op, " to itself");
+  }
+
+  // Publish, meet, and compare signatures: every rank sees the same slots, so either all ranks
+  // throw the mismatch or none does.
+  void enter(int rank, const void* pointer, const CallSignature& sig) {
+    check_usable(rank, sig);
+    slots_[rank].pointer = pointer;
+    slots_[rank].signature = sig;
+    sync(rank, sig, "start");
+    for (int q = 0; q < size_; ++q) {
+      if (slots_[q].signature == sig) continue;
+      std::string text = cat("ranks called different collectives:");
+      for (int r = 0; r < size_; ++r) text += cat("\n  rank ", r, ": ", slots_[r].signature.describe());
+      fail(rank, sig.describe(), "", text);
+    }
+  }
+
+  void leave(int rank, const CallSignature& sig) { sync(rank, sig, "finish"); }
+
+  std::string stopped_reason() const {
+    std::lock_guard lock(world_->mutex);
+    return cat("stopped because rank ", world_->failed_rank, " failed: ", world_->reason);
+  }
+
+  [[noreturn]] void fail(int rank, const std::string& what, const std::string& phase, const std::string& reason) {
+    std::string text = cat("ThreadComm ", what, " on rank ", rank, " of ", size_);
+    if (!phase.empty()) text += cat(" (phase '", phase, "')");
+    text += cat(": ", reason);
+    {
+      std::lock_guard lock(broken_mutex_);
+      if (!broken_.load()) broken_reason_ = text;
+      broken_.store(true);
+    }
+    throw CommError(text);
+  }
+
+  // Central barrier with a generation counter. A short spin catches the common case of ranks
+  // arriving close together (each rank has a core); then the waiter sleeps on the condition
+  // variable in slices, checking for a failed rank and the deadline.
+  void sync(int rank, const CallSignature& sig, const char* phase) {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t generation = generation_.load();
+    present_[rank] = 1;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      std::fill(present_.begin(), present_.end(), 0);
+      generation_.store(generation + 1);
+      lock.unlock();
+      cv_.notify_all();
+      return;
+    }
+    lock.unlock();
+    for (int spin = 0; spin < 2000 && generation_.load(std::memory_order_acquire) == generation; ++spin)
+      std::this_thread::yield();
+    if (generation_.load(std::memory_order_acquire) != generation) return;
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    lock.lock();
+    while (generation_.load() == generation) {
+      if (world_->failed.load()) {
+        lock.unlock();
+        fail(rank, sig.describe(), phase, stopped_reason());
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string missing;
+        for (int q = 0; q < size_; ++q)
+          if (!present_[q]) missing += cat(missing.empty() ? "" : ", ", q);
+        lock.unlock();
+        fail(rank, sig.describe(), phase,
+             cat("timed out after ", seconds_text(options_.timeout), " waiting for rank(s) ", missing));
+      }
+      cv_.wait_for(lock, std::chrono::milliseconds(20));
+    }
+  }
+
+  int size_;
+  CommOptions options_;
+  std::shared_ptr<ThreadWorldState> world_;
+  std::vector<int> world_ranks_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::atomic<std::uint64_t> generation_{0};
+  std::vector<char> present_;
+  std::vector<Slot> slots_;
+  std::vector<std::shared_ptr<ThreadGroup>> split_results_;
+  std::vector<std::unique_ptr<Mailbox>> mailboxes_;
+
+  std::atomic<bool> broken_{false};
+  mutable std::mutex broken_mutex_;
+  std::string broken_reason_;
+};
+
+}  // namespace detail
+
+class ThreadWorld;
+
+class ThreadComm {
+ public:
+  ThreadComm(ThreadComm&&) noexcept = default;
+  ThreadComm& operator=(ThreadComm&&) noexcept = default;
+  ~ThreadComm() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return group_->size(); }
+  const CommOptions& options() const { return group_->options(); }
+
+  template <CommScalar T>
+  void all_reduce(std::span<T> buf, ReduceOp op) {
+    drain();
+    group_->all_reduce(rank_, buf, op);
+  }
+  template <CommScalar T>
+  void broadcast(std::span<T> buf, int root) {
+    drain();
+    group_->broadcast(rank_, buf, root);
+  }
+  template <CommScalar T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    drain();
+    group_->all_gather(rank_, in, out);
+  }
+  template <CommScalar T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op) {
+    drain();
+    group_->reduce_scatter(rank_, in, out, op);
+  }
+  template <CommScalar T>
+  void send(std::span<const T> buf, int peer) {
+    drain();
+    group_->send(rank_, buf, peer);
+  }
+  template <CommScalar T>
+  void recv(std::span<T> buf, int peer) {
+    drain();
+    group_->recv(rank_, buf, peer);
+  }
+  void barrier() {
+    drain();
+    group_->barrier(rank_);
+  }
+
+  // Asynchronous variants run on this rank's worker thread in issue order; the buffers must stay
+  // alive and untouched until wait().
+  template <CommScalar T>
+  Work all_reduce_async(std::span<T> buf, ReduceOp op) {
+    return submit([g = group_, r = rank_, buf, op] { g->all_reduce(r, buf, op); });
+  }
+  template <CommScalar T>
+  Work broadcast_async(std::span<T> buf, int root) {
+    return submit([g = group_, r = rank_, buf, root] { g->broadcast(r, buf, root); });
+  }
+  template <CommScalar T>
+  Work all_gather_async(std::span<const T> in, std::span<T> out) {
+    return submit([g = group_, r = rank_, in, out] { g->all_gather(r, in, out); });
+  }
+  template <CommScalar T>
+  Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op) {
+    return submit([g = group_, r = rank_, in, out, op] { g->reduce_scatter(r, in, out, op); });
+  }
+  template <CommScalar T>
+  Work send_async(std::span<const T> buf, int peer) {
+    drain();
+    group_->send(rank_, buf, peer);  // eager: complete once copied
+    return {};
+  }
+  template <CommScalar T>
+  Work recv_async(std::span<T> buf, int peer) {
+    return submit([g = group_, r = rank_, buf, peer] { g->recv(r, buf, peer); });
+  }
+
+  ThreadComm split(int color, int key) {
+    drain();
+    int new_rank = 0;
+    auto group = group_->split(rank_, color, key, new_rank);
+    return ThreadComm(std::move(group), new_rank);
+  }
+
+ private:
+  friend class ThreadWorld;
+  ThreadComm(std::shared_ptr<detail::ThreadGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
+
+  void drain() {
+    if (worker_) worker_->drain();
+  }
+  Work submit(std::function<void()> op) {
+    if (!worker_) worker_ = std::make_unique<detail::AsyncWorker>();
+    return worker_->submit(std::move(op));
+  }
+
+  std::shared_ptr<detail::ThreadGroup> group_;
+  int rank_ = 0;
+  std::unique_ptr<detail::AsyncWorker> worker_;  // last member: destroyed (joined) first
+};
+
+static_assert(check_communicator<ThreadComm>());
+
+class ThreadWorld {
+ public:
+  explicit ThreadWorld(int size, CommOptions options = {}) : size_(size) {
+    TESSERA_CHECK(size >= 1, ArgumentError, "ThreadWorld: size ", size, " must be >= 1");
+    std::vector<int> ranks(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) ranks[r] = r;
+    state_ = std::make_shared<detail::ThreadWorldState>();
+    group_ = std::make_shared<detail::ThreadGroup>(size, options, state_, std::move(ranks));
+  }
+
+  int size() const { return size_; }
+
+  // Adopt: the communicator for rank r, for a thread the caller owns. Call fail() from a thread
+  // that gives up, so the others stop at once instead of after the timeout.
+  ThreadComm comm(int rank) {
+    TESSERA_CHECK(rank >= 0 && rank < size_, ArgumentError, "ThreadWorld::comm: rank ", rank, " out of range [0, ",
+                  size_, ")");
+    return ThreadComm(group_, rank);
+  }
+
+  void fail(int rank, const std::string& reason) {
+    std::lock_guard lock(state_->mutex);
+    if (state_->failed.load()) return;
+    state_->failed_rank = rank;
+    state_->reason = reason;
+    state_->failed.store(true);
+  }
+
+  // Spawn: runs fn(ThreadComm&) as rank r on thread r, r = 0 .. size-1, and joins them all. If
+  // any rank throws, the others are stopped and the first exception is rethrown here.
+  template <class Fn>
+  void run(Fn&& fn) {
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(size_));
+    std::mutex first_mutex;
+    int first = -1;
+    auto body = [&](int rank) {
+      try {
+        ThreadComm comm = this->comm(rank);
+        fn(comm);
+      } catch (const std::exception& e) {
+        errors[rank] = std::current_exception();
+        std::lock_guard lock(first_mutex);
+        if (first < 0 && !state_->failed.load()) first = rank;
+        fail(rank, e.what());
+      } catch (...) {
+        errors[rank] = std::current_exception();
+        std::lock_guard lock(first_mutex);
+        if (first < 0 && !state_->failed.load()) first = rank;
+        fail(rank, "unknown exception");
+      }
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r) threads.emplace_back(body, r);
+    for (auto& t : threads) t.join();
+    if (first >= 0) std::rethrow_exception(errors[first]);
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  int size_;
+  std::shared_ptr<detail::ThreadWorldState> state_;
+  std::shared_ptr<detail::ThreadGroup> group_;
+};
+
+// The in-process multi-rank bundles.
+using CpuThreads = Env<Cpu, ThreadComm, float>;
+using CpuThreads64 = Env<Cpu, ThreadComm, double>;
+
+}  // namespace tessera

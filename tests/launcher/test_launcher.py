@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Tests of tools/tessera-run with small /bin/sh programs as ranks.
+
+Run as `python3 tests/launcher/test_launcher.py`: one line per check, exit 0 when all pass.
+Every launch has a timeout, so a broken launcher fails the test instead of hanging it.
+"""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+LAUNCHER = pathlib.Path(__file__).resolve().parent.parent.parent / "tools" / "tessera-run"
+TIMEOUT = 30  # seconds any single launch may take
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def expect(condition, message):
+    if not condition:
+        raise CheckFailed(message)
+
+
+def launch(*args, env=None):
+    """Runs the launcher; returns (exit status, stdout, stderr, seconds taken)."""
+    full_env = dict(os.environ, **(env or {}))
+    start = time.monotonic()
+    try:
+        done = subprocess.run([str(LAUNCHER), *args], capture_output=True, env=full_env,
+                              timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise CheckFailed(f"launcher still running after {TIMEOUT} s: {args}") from None
+    out, err = (s.decode("utf-8", "replace") for s in (done.stdout, done.stderr))
+    return done.returncode, out, err, time.monotonic() - start
+
+
+def sh(script):
+    return ["/bin/sh", "-c", script]
+
+
+def wait_for_pids(directory, count, timeout=10):
+    """Pids that ranks wrote to <directory>/<rank>.pid (written via mv, so never partial)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = sorted(pathlib.Path(directory).glob("*.pid"))
+        if len(files) >= count:
+            return [int(f.read_text()) for f in files]
+        expect(time.monotonic() < deadline, f"only {len(files)} of {count} ranks wrote a pid")
+        time.sleep(0.05)
+
+
+def expect_gone(pids):
+    deadline = time.monotonic() + 2
+    for pid in pids:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            expect(time.monotonic() < deadline, f"process {pid} of a stopped rank still exists")
+            time.sleep(0.05)
+
+
+# A rank script fragment: record this shell's pid (the later `exec` keeps it) in $D.
+WRITE_PID = 'echo $$ > "$D/$TESSERA_RANK.tmp" && mv "$D/$TESSERA_RANK.tmp" "$D/$TESSERA_RANK.pid"; '
+
+
+def check_environment_and_prefixes():
+    script = ('d="${TESSERA_STORE#file://}"; [ -d "$d" ] && e=yes || e=no; '
+              'echo "rank=$TESSERA_RANK size=$TESSERA_WORLD_SIZE '
+              'local=$TESSERA_LOCAL_RANK/$TESSERA_LOCAL_WORLD_SIZE store=$TESSERA_STORE '
+              'exists=$e ompi=${OMPI_COMM_WORLD_RANK-unset} slurm=${SLURM_PROCID-unset}"')
+    rc, out, err, _ = launch("-n", "3", *sh(script),
+                             env={"OMPI_COMM_WORLD_RANK": "7", "SLURM_PROCID": "7"})
+    expect(rc == 0, f"exit status {rc}, stderr: {err!r}")
+    lines = sorted(out.splitlines())
+    expect(len(lines) == 3, f"expected 3 lines, got {out!r}")
+    stores = set()
+    for rank, line in enumerate(lines):
+        prefix = f"[rank {rank}] rank={rank} size=3 local={rank}/3 store=file:///"
+        expect(line.startswith(prefix), f"line {line!r} does not start with {prefix!r}")
+        expect(line.endswith(" exists=yes ompi=unset slurm=unset"), f"line {line!r}")
+        stores.add(line.split("store=")[1].split()[0])
+    expect(len(stores) == 1, f"ranks got different stores: {stores}")
+    path = stores.pop()[len("file://"):]
+    expect(os.path.basename(path).startswith("tessera-run-"), f"store dir {path}")
+    expect(not os.path.exists(path), f"store dir {path} still exists after the launcher exited")
+
+
+def check_options():
+    script = 'echo "$TESSERA_STORE $TESSERA_GLOO_IFACE $TESSERA_COMM_TIMEOUT"'
+    rc, out, err, _ = launch("--store", "redis://127.0.0.1:6379", "--iface", "lo",
+                             "--timeout", "42", "--no-prefix", "-n", "2", "--", *sh(script))
+    expect(rc == 0, f"exit status {rc}, stderr: {err!r}")
+    expect(out.splitlines() == ["redis://127.0.0.1:6379 lo 42"] * 2, f"stdout {out!r}")
+
+
+def check_failure_stops_others():
+    with tempfile.TemporaryDirectory() as d:
+        # Rank 1 fails once ranks 0 and 2 are up and sleeping.
+        script = ('if [ "$TESSERA_RANK" = 1 ]; then '
+                  'while [ "$(ls "$D" | grep -c pid)" -lt 2 ]; do sleep 0.05; done; exit 3; fi; '
+                  + WRITE_PID + 'exec sleep 60')
+        rc, _, err, took = launch("-n", "3", *sh(script), env={"D": d})
+        expect(rc == 3, f"exit status {rc}, expected 3; stderr: {err!r}")
+        expect(took < 10, f"took {took:.1f} s")
+        message = "tessera-run: rank 1 failed with exit status 3; stopping ranks 0, 2"
+        expect(message in err, f"stderr {err!r} lacks {message!r}")
+        expect_gone(wait_for_pids(d, 2, timeout=0))
+
+
+def check_killed_by_signal():
+    rc, _, err, took = launch("-n", "3", *sh('[ "$TESSERA_RANK" = 1 ] && kill -9 $$; exec sleep 60'))
+    expect(rc == 137, f"exit status {rc}, expected 137; stderr: {err!r}")
+    expect(took < 10, f"took {took:.1f} s")
+    expect("rank 1 killed by signal 9 (SIGKILL)" in err, f"stderr {err!r}")
+
+
+def check_skipped():
+    rc, _, err, _ = launch("-n", "3", *sh("exit 77"))
+    expect(rc == 77, f"all ranks 77: exit status {rc}, expected 77; stderr: {err!r}")
+    rc, _, err, _ = launch("-n", "3", *sh('[ "$TESSERA_RANK" = 1 ] && exit 77; exit 0'))
+    expect(rc == 77, f"ranks 0/77: exit status {rc}, expected 77; stderr: {err!r}")
+    rc, _, err, _ = launch("-n", "2", *sh('[ "$TESSERA_RANK" = 1 ] && exit 3; exit 77'))
+    expect(rc == 3, f"ranks 77/3: exit status {rc}, expected 3; stderr: {err!r}")
+
+
+def check_usage_errors():
+    for args, words in ((["-n", "2", "./no-such-program"], "program not found: ./no-such-program"),
+                        (["-n", "2", "tessera-no-such-cmd"], "tessera-no-such-cmd"),
+                        (["-n", "0", "true"], "-n must be at least 1"),
+                        (["-n", "2"], "no program given")):
+        rc, out, err, _ = launch(*args)
+        expect(rc == 2, f"{args}: exit status {rc}, expected 2")
+        expect(words in err, f"{args}: stderr {err!r} lacks {words!r}")
+        expect(out == "", f"{args}: unexpected stdout {out!r}")
+
+
+def check_sigkill_after_grace():
+    with tempfile.TemporaryDirectory() as d:
+        # Rank 0 ignores SIGTERM (the ignore survives exec); rank 1 fails once rank 0 is up.
+        script = ('if [ "$TESSERA_RANK" = 1 ]; then '
+                  'while [ ! -e "$D/0.pid" ]; do sleep 0.05; done; exit 5; fi; '
+                  "trap '' TERM; " + WRITE_PID + 'exec sleep 60')
+        rc, _, err, took = launch("--grace", "1", "-n", "2", *sh(script), env={"D": d})
+        expect(rc == 5, f"exit status {rc}, expected 5; stderr: {err!r}")
+        expect(1 <= took < 10, f"took {took:.1f} s, expected between 1 and 10")
+        expect("sending SIGKILL to rank 0" in err, f"stderr {err!r}")
+        expect_gone(wait_for_pids(d, 1, timeout=0))
+
+
+def check_stderr_and_partial_lines():
+    script = r"echo to-out; echo to-err >&2; printf 'bad\377\n'; printf 'no-newline' >&2"
+    rc, out, err, _ = launch("-n", "1", *sh(script))
+    expect(rc == 0, f"exit status {rc}, stderr: {err!r}")
+    expect(out == "[rank 0] to-out\n[rank 0] bad\ufffd\n", f"stdout {out!r}")
+    expect(err == "[rank 0] to-err\n[rank 0] no-newline\n", f"stderr {err!r}")
+
+
+def check_launcher_sigterm():
+    with tempfile.TemporaryDirectory() as d:
+        script = WRITE_PID + 'echo "${TESSERA_STORE#file://}" > "$D/store"; exec sleep 60'
+        proc = subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            pids = wait_for_pids(d, 2)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err = err.decode("utf-8", "replace")
+        expect(proc.returncode == 143, f"exit status {proc.returncode}, expected 143; {err!r}")
+        expect("received SIGTERM; stopping ranks 0, 1" in err, f"stderr {err!r}")
+        expect_gone(pids)
+        store = pathlib.Path(d, "store").read_text().strip()
+        expect(not os.path.exists(store), f"store dir {store} still exists")
+
+
+CHECKS = [
+    ("ranks get their environment; output is prefixed; temp store removed", check_environment_and_prefixes),
+    ("--store/--iface/--timeout/--no-prefix reach the ranks", check_options),
+    ("a failing rank stops the others; its status is returned", check_failure_stops_others),
+    ("a rank killed by SIGKILL gives 137 and names the signal", check_killed_by_signal),
+    ("exit status 77 (skipped) propagates", check_skipped),
+    ("usage errors exit 2 with a message", check_usage_errors),
+    ("a rank ignoring SIGTERM is SIGKILLed after --grace", check_sigkill_after_grace),
+    ("stderr stays stderr; partial and non-UTF-8 lines forwarded", check_stderr_and_partial_lines),
+    ("SIGTERM to the launcher stops the ranks and exits 143", check_launcher_sigterm),
+]
+
+
+def main():
+    failed = 0
+    for number, (title, check) in enumerate(CHECKS, 1):
+        try:
+            check()
+            print(f"ok   {number} {title}", flush=True)
+        except CheckFailed as error:
+            failed += 1
+            print(f"FAIL {number} {title}: {error}", flush=True)
+    print(f"{len(CHECKS) - failed} of {len(CHECKS)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
