@@ -17,49 +17,78 @@ class LocalComm {
   int rank() const { return 0; }
   int size() const { return 1; }
 
-  template <class T>
-  void all_reduce(std::span<T>, ReduceOp) {}  // avg over one rank is the value itself
-  template <class T>
+  template <CommScalar T>
+  void all_reduce(std::span<T>, ReduceOp) {}  // any op over one rank is the value itself
+  template <CommScalar T>
+  void broadcast(std::span<T>, int root) {
+    check_root(root);
+  }
+  template <CommScalar T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    TESSERA_CHECK(out.size() == in.size(), CommError, "LocalComm all_gather: output has ", out.size(),
+                  " elements, expected ", in.size(), " (size 1 x input)");
+    std::copy(in.begin(), in.end(), out.begin());
+  }
+  template <CommScalar T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp) {
+    TESSERA_CHECK(out.size() == in.size(), CommError, "LocalComm reduce_scatter: output has ", out.size(),
+                  " elements, expected ", in.size(), " (input / size 1)");
+    std::copy(in.begin(), in.end(), out.begin());
+  }
+  template <CommScalar T>
+  void send(std::span<const T>, int peer) {
+    throw CommError(detail::cat("LocalComm send: rank 0 of a size-1 communicator has no peer ", peer));
+  }
+  template <CommScalar T>
+  void recv(std::span<T>, int peer) {
+    throw CommError(detail::cat("LocalComm recv: rank 0 of a size-1 communicator has no peer ", peer));
+  }
+  void barrier() {}
+
+  // Nothing to overlap with: the async forms finish at once and return a completed Work.
+  template <CommScalar T>
   Work all_reduce_async(std::span<T> buf, ReduceOp op) {
     all_reduce(buf, op);
     return {};
   }
-  template <class T>
-  void broadcast(std::span<T>, int root) {
-    check_peer(root, "broadcast");
+  template <CommScalar T>
+  Work broadcast_async(std::span<T> buf, int root) {
+    broadcast(buf, root);
+    return {};
   }
-  template <class T>
-  void all_gather(std::span<const T> in, std::span<T> out) {
-    TESSERA_CHECK(out.size() == in.size(), CommError, "LocalComm::all_gather: output has ", out.size(),
-                  " elements, expected ", in.size(), " (size 1 x input)");
-    std::copy(in.begin(), in.end(), out.begin());
+  template <CommScalar T>
+  Work all_gather_async(std::span<const T> in, std::span<T> out) {
+    all_gather(in, out);
+    return {};
   }
-  template <class T>
-  void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp) {
-    TESSERA_CHECK(out.size() == in.size(), CommError, "LocalComm::reduce_scatter: output has ", out.size(),
-                  " elements, expected ", in.size(), " (input / size 1)");
-    std::copy(in.begin(), in.end(), out.begin());
+  template <CommScalar T>
+  Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op) {
+    reduce_scatter(in, out, op);
+    return {};
   }
-  template <class T>
-  void send(std::span<const T>, int peer) {
-    throw CommError(detail::cat("LocalComm::send: rank 0 of a size-1 communicator has no peer ", peer));
+  template <CommScalar T>
+  Work send_async(std::span<const T> buf, int peer) {
+    send(buf, peer);
+    return {};
   }
-  template <class T>
-  void recv(std::span<T>, int peer) {
-    throw CommError(detail::cat("LocalComm::recv: rank 0 of a size-1 communicator has no peer ", peer));
+  template <CommScalar T>
+  Work recv_async(std::span<T> buf, int peer) {
+    recv(buf, peer);
+    return {};
   }
-  void barrier() {}
-  LocalComm split(int /*color*/, int /*key*/) const { return {}; }
+
+  LocalComm split(int color, int /*key*/) const {
+    TESSERA_CHECK(color >= 0, ArgumentError, "LocalComm split: color ", color, " must be >= 0");
+    return {};
+  }
 
  private:
-  static void check_peer(int peer, const char* op) {
-    TESSERA_CHECK(peer == 0, CommError, "LocalComm::", op, ": root ", peer, " out of range for size 1");
+  static void check_root(int root) {
+    TESSERA_CHECK(root == 0, CommError, "LocalComm broadcast: root ", root, " out of range for size 1");
   }
 };
 
-static_assert(Communicator<LocalComm>, "LocalComm must satisfy Communicator");
-static_assert(AsyncCommunicator<LocalComm>, "LocalComm must satisfy AsyncCommunicator");
-static_assert(SplittableCommunicator<LocalComm>, "LocalComm must satisfy SplittableCommunicator");
+static_assert(check_communicator<LocalComm>());
 
 // The single-process bundles: float32 for training, float64 for gradient checks.
 using CpuLocal = Env<Cpu, LocalComm, float>;

@@ -163,6 +163,7 @@ struct GlooState {
   CommOptions options;
   std::uint32_t next_tag = 1;  // advanced in issue order, identically on every rank
   int splits = 0;
+  std::vector<std::string> pair_addresses;  // this rank's address for its pair with each peer
   std::mutex broken_mutex;
   std::string broken;
 };
@@ -329,6 +330,15 @@ class GlooComm {
       s_->context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
       s_->context->setTimeout(s_->options.timeout);
       s_->context->connectFullMesh(store, s_->device);
+      // Gloo's errors name a pair's socket address, not a rank; keep every pair's address on
+      // both sides so an error can be translated into "peer rank q" (see peer_named_in).
+      std::string joined;
+      s_->pair_addresses.assign(static_cast<std::size_t>(size()), std::string());
+      for (int q = 0; q < size(); ++q) {
+        if (q != rank()) s_->pair_addresses[q] = s_->context->getPair(q)->address().str();
+        joined += s_->pair_addresses[q] + "|";
+      }
+      store.set(detail::cat("pairs.", rank()), std::vector<char>(joined.begin(), joined.end()));
     } catch (const std::exception& e) {
       throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
                                   s_->store_url, ": connecting the full mesh failed: ", e.what()));
@@ -363,13 +373,37 @@ class GlooComm {
     try {
       fn();
     } catch (const std::exception& e) {
-      const std::string text = detail::cat("GlooComm ", what, " on rank ", s->rank, " of ", s->size, ": ", e.what());
+      const std::string text =
+          detail::cat("GlooComm ", what, " on rank ", s->rank, " of ", s->size, ": ", e.what(), peer_named_in(s, e.what()));
       {
         std::lock_guard lock(s->broken_mutex);
         if (s->broken.empty()) s->broken = text;
       }
       throw CommError(text);
     }
+  }
+
+  // " (peer: rank q)" when Gloo's message contains the socket address of this rank's pair with
+  // q, or of q's pair with this rank (read from the store only now, on the error path).
+  static std::string peer_named_in(const std::shared_ptr<detail::GlooState>& s, const std::string& message) {
+    auto mentions = [&](const std::string& address) { return !address.empty() && message.find(address) != std::string::npos; };
+    for (int q = 0; q < s->size; ++q)
+      if (q != s->rank && q < static_cast<int>(s->pair_addresses.size()) && mentions(s->pair_addresses[q]))
+        return detail::cat(" (peer: rank ", q, ")");
+    for (int q = 0; q < s->size; ++q) {
+      if (q == s->rank) continue;
+      try {
+        const auto bytes = s->store->get(detail::cat("pairs.", q));
+        std::vector<std::string> theirs(1);
+        for (char ch : bytes) {
+          if (ch == '|') theirs.emplace_back();
+          else theirs.back() += ch;
+        }
+        if (s->rank < static_cast<int>(theirs.size()) && mentions(theirs[s->rank])) return detail::cat(" (peer: rank ", q, ")");
+      } catch (const std::exception&) {
+      }
+    }
+    return " (a peer died, stalled or did not make the same call)";
   }
 
   // Debug mode: compare signatures through a fixed-size allgather (tagged like the call itself).

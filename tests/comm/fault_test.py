@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Failure scenarios for the multi-process communicators (run by tests/meson.build).
+
+Each scenario starts ranks of tests/comm/fault_main.cpp with a short timeout and checks that the
+job ends -- never hangs -- within 2x that timeout, with an error that names the operation and
+the rank, and (for Gloo) the missing peer or phase:
+
+  kill during all_reduce / barrier   kill -9 one rank in the middle of a long loop
+  stall                              one rank never calls the collective
+  mismatch                           TESSERA_COMM_DEBUG=1 and different counts on different ranks
+  join (Gloo)                        world size 3 but only ranks 0 and 1 start
+
+Gloo ranks are started directly (not through tessera-run, which would stop the survivors itself)
+so that each survivor's own error is observed. Under mpirun the launcher ends the job when a
+rank dies, which is the MPI way; the test checks that it does so in time and names the rank.
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+TIMEOUT = 3.0  # seconds, passed as TESSERA_COMM_TIMEOUT
+failures = []
+
+
+def check(ok, what, detail=""):
+    print(("ok    " if ok else "FAIL  ") + what + ("" if ok else "\n      " + detail.replace("\n", "\n      ")))
+    sys.stdout.flush()
+    if not ok:
+        failures.append(what)
+
+
+class Rank:
+    """One process with its output collected by threads (so pipes never fill up)."""
+
+    def __init__(self, argv, env):
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.out, self.err = [], []
+        self.ended_at = None
+        self.threads = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+                        threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _read(stream, sink):
+        for line in iter(stream.readline, b""):
+            sink.append(line.decode("utf-8", "replace"))
+
+    def text(self):
+        return "".join(self.out) + "".join(self.err)
+
+    def wait(self, deadline):
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        for t in self.threads:
+            t.join(timeout=5)
+        return self.proc.returncode
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def wait_ready(ranks, seconds=120):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(any("ready" in line for line in r.out) for r in ranks):
+            return True
+        if any(r.proc.poll() is not None for r in ranks):
+            return False
+        time.sleep(0.02)
+    return False
+
+
+def base_env(extra=None):
+    env = dict(os.environ)
+    for k in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(k, None)
+    env["TESSERA_COMM_TIMEOUT"] = str(TIMEOUT)
+    env.update(extra or {})
+    return env
+
+
+# ---------------------------------------------------------------- Gloo (ranks started directly)
+
+def gloo_start(program, mode, size, ranks_to_start, store, extra=None):
+    ranks = []
+    for r in ranks_to_start:
+        env = base_env({"TESSERA_RANK": str(r), "TESSERA_WORLD_SIZE": str(size), "TESSERA_STORE": "file://" + store})
+        env.update(extra or {})
+        ranks.append(Rank([program, mode], env))
+    return ranks
+
+
+def gloo_kill_scenario(program, mode, op_name):
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, mode, 3, [0, 1, 2], store)
+        try:
+            ready = wait_ready(ranks)
+            check(ready, f"gloo {mode}: all 3 ranks started", "\n".join(r.text() for r in ranks))
+            if not ready:
+                return
+            time.sleep(0.3)  # in the middle of the loop
+            killed_at = time.monotonic()
+            os.kill(ranks[1].proc.pid, signal.SIGKILL)
+            for r, survivor in ((0, ranks[0]), (2, ranks[2])):
+                code = survivor.wait(killed_at + 2 * TIMEOUT + 1.0)
+                took = time.monotonic() - killed_at
+                text = survivor.text()
+                check(code is not None and code != 0 and took <= 2 * TIMEOUT,
+                      f"gloo {mode}: rank {r} exits non-zero within 2x the timeout after rank 1 is killed "
+                      f"({took:.2f} s, status {code})", text)
+                check(re.search(rf"CommError: GlooComm {op_name}\(.*\) on rank {r} of 3", text) is not None,
+                      f"gloo {mode}: rank {r}'s error names the operation and its rank", text)
+                print("      " + (text.strip().splitlines() or ["(no output)"])[-1])
+        finally:
+            for r in ranks:
+                r.kill()
+
+
+def gloo_mismatch(program):
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, "mismatch", 3, [0, 1, 2], store, {"TESSERA_COMM_DEBUG": "1"})
+        deadline = time.monotonic() + 2 * TIMEOUT + 30
+        try:
+            for r, rank in enumerate(ranks):
+                code = rank.wait(deadline)
+                text = rank.text()
+                check(code == 3 and "ranks called different collectives" in text
+                      and "rank 0: all_reduce(float32 x 10, sum)" in text
+                      and "rank 1: all_reduce(float32 x 11, sum)" in text,
+                      f"gloo mismatch (debug mode): rank {r} reports every rank's call (status {code})", text)
+        finally:
+            for r in ranks:
+                r.kill()
+
+
+def gloo_join(program):
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        start = time.monotonic()
+        ranks = gloo_start(program, "join", 3, [0, 1], store)
+        try:
+            for r, rank in enumerate(ranks):
+                code = rank.wait(start + 2 * TIMEOUT + 5)
+                took = time.monotonic() - start
+                text = rank.text()
+                check(code == 3 and "rank(s) 2 never joined" in text and took <= 2 * TIMEOUT + 2,
+                      f"gloo join: rank {r} fails naming the missing rank 2 ({took:.2f} s, status {code})", text)
+        finally:
+            for r in ranks:
+                r.kill()
+
+
+def gloo_stall(program):
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, "stall", 3, [0, 1, 2], store)
+        try:
+            if not wait_ready(ranks):
+                check(False, "gloo stall: ranks started", "\n".join(r.text() for r in ranks))
+                return
+            start = time.monotonic()
+            for r in (0, 2):
+                code = ranks[r].wait(start + 2 * TIMEOUT + 1)
+                took = time.monotonic() - start
+                text = ranks[r].text()
+                check(code == 3 and took <= 2 * TIMEOUT and f"all_reduce(float32 x 1000, sum) on rank {r} of 3" in text,
+                      f"gloo stall: rank {r} times out naming the operation ({took:.2f} s, status {code})", text)
+        finally:
+            for r in ranks:
+                r.kill()
+
+
+# ---------------------------------------------------------------- MPI (under mpirun)
+
+def mpi_job(mpirun, program, mode, extra=None):
+    argv = [mpirun, "--oversubscribe", "-n", "3"]
+    for k, v in (extra or {}).items():
+        argv += ["-x", f"{k}={v}"]
+    argv += ["-x", f"TESSERA_COMM_TIMEOUT={TIMEOUT}", program, mode]
+    return Rank(argv, base_env(extra))
+
+
+def wait_mpi_ready(job, seconds=60):
+    deadline = time.monotonic() + seconds
+    while sum("ready" in line for line in job.out) < 3 and time.monotonic() < deadline and job.proc.poll() is None:
+        time.sleep(0.02)
+
+
+def mpi_kill_scenario(mpirun, program, mode):
+    job = mpi_job(mpirun, program, mode)
+    try:
+        wait_mpi_ready(job)
+        pids = {int(m.group(1)): int(m.group(2)) for line in job.out
+                for m in [re.search(r"rank (\d+) ready pid (\d+)", line)] if m}
+        check(len(pids) == 3, f"mpi {mode}: all 3 ranks started", job.text())
+        if len(pids) != 3:
+            return
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        code = job.wait(killed_at + 2 * TIMEOUT + 1)
+        took = time.monotonic() - killed_at
+        text = job.text()
+        check(code is not None and code != 0 and took <= 2 * TIMEOUT,
+              f"mpi {mode}: the job ends within 2x the timeout after rank 1 is killed ({took:.2f} s, status {code})",
+              text)
+        check(re.search(r"rank 1 with PID \d+ .*exited on signal 9", text, re.S) is not None,
+              f"mpi {mode}: mpirun names the failed rank 1", text)
+    finally:
+        job.kill()
+
+
+def mpi_stall(mpirun, program):
+    job = mpi_job(mpirun, program, "stall")
+    try:
+        wait_mpi_ready(job)
+        start = time.monotonic()
+        code = job.wait(start + 2 * TIMEOUT + 1)
+        took = time.monotonic() - start
+        text = job.text()
+        check(code is not None and code != 0 and took <= 2 * TIMEOUT,
+              f"mpi stall: the job ends within 2x the timeout ({took:.2f} s, status {code})", text)
+        check(re.search(r"MpiComm all_reduce\(float32 x 1000, sum\) on rank [02] of 3: timed out after 3 s", text)
+              is not None, "mpi stall: the watchdog names the operation, the rank and the timeout", text)
+    finally:
+        job.kill()
+
+
+def mpi_mismatch(mpirun, program):
+    job = mpi_job(mpirun, program, "mismatch", {"TESSERA_COMM_DEBUG": "1"})
+    try:
+        code = job.wait(time.monotonic() + 60)
+        text = job.text()
+        check(code is not None and code != 0 and "ranks called different collectives" in text
+              and "rank 1: all_reduce(float32 x 11, sum)" in text and "returned despite" not in text,
+              f"mpi mismatch (debug mode): the job fails with every rank's call listed (status {code})", text)
+        reporting = sorted(set(re.findall(r"MpiComm debug check on rank (\d+)", text)))
+        check(reporting == ["0", "1", "2"], f"mpi mismatch: every rank reports it (ranks {reporting})", text)
+    finally:
+        job.kill()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["gloo", "mpi"], required=True)
+    parser.add_argument("--program", required=True, help="fault_gloo or fault_mpi")
+    parser.add_argument("--mpirun", default="mpirun")
+    args = parser.parse_args()
+    if args.backend == "gloo":
+        gloo_kill_scenario(args.program, "allreduce", "all_reduce")
+        gloo_kill_scenario(args.program, "barrier", "barrier")
+        gloo_stall(args.program)
+        gloo_mismatch(args.program)
+        gloo_join(args.program)
+    else:
+        mpi_kill_scenario(args.mpirun, args.program, "allreduce")
+        mpi_kill_scenario(args.mpirun, args.program, "barrier")
+        mpi_stall(args.mpirun, args.program)
+        mpi_mismatch(args.mpirun, args.program)
+    print(f"{len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

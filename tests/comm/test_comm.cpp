@@ -1,0 +1,256 @@
+// Communicators inside one process: the conformance suite over LocalComm and ThreadComm (1-4
+// ranks), ThreadComm's failure behaviour, Half, the environment readers, and the concept's
+// per-member diagnostics. MPI and Gloo run the same suite as multi-process programs
+// (tests/comm/conformance_main.cpp) registered in tests/meson.build.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "comm/conformance.hpp"
+#include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/local.hpp"
+#include "tessera/comm/threads.hpp"
+
+using namespace tessera;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Sets an environment variable for the scope of a test and restores it afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("Half: conversions round to nearest even and round-trip every value", "[comm]") {
+  CHECK(Half(1.0f).bits == 0x3c00);
+  CHECK(Half(-2.0f).bits == 0xc000);
+  CHECK(Half(65504.0f).bits == 0x7bff);               // largest finite
+  CHECK(Half(65520.0f).bits == 0x7c00);               // rounds up to inf
+  CHECK(Half(5.9604644775390625e-8f).bits == 0x0001);  // smallest subnormal
+  CHECK(Half(1e-9f).bits == 0x0000);
+  CHECK(static_cast<float>(Half(2049.0f)) == 2048.0f);  // tie: even mantissa
+  CHECK(static_cast<float>(Half(2051.0f)) == 2052.0f);
+  CHECK(std::isnan(static_cast<float>(Half(std::nanf("")))));
+  CHECK(std::isinf(static_cast<float>(Half(INFINITY))));
+  int mismatches = 0;
+  for (std::uint32_t b = 0; b < 0x10000; ++b) {
+    const Half h = Half::from_bits(static_cast<std::uint16_t>(b));
+    const float f = static_cast<float>(h);
+    if (!std::isnan(f) && Half(f).bits != h.bits) ++mismatches;
+  }
+  CHECK(mismatches == 0);
+}
+
+TEST_CASE("Conformance: LocalComm", "[comm]") {
+  LocalComm comm;
+  testing::Conformance<LocalComm> suite(comm, {.large_bytes = 64u << 20});
+  const auto failures = suite.run();
+  INFO(joined(failures));
+  CHECK(failures.empty());
+}
+
+TEST_CASE("Conformance: ThreadComm on 1, 2, 3 and 4 ranks", "[comm]") {
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    DYNAMIC_SECTION(ranks << " ranks") {
+      ThreadWorld world(ranks, CommOptions{.timeout = 60s});
+      std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
+      world.run([&](ThreadComm& comm) {
+        testing::Conformance<ThreadComm> suite(comm, {.large_bytes = 64u << 20});
+        failures[comm.rank()] = suite.run();
+      });
+      for (const auto& f : failures) {
+        INFO(joined(f));
+        CHECK(f.empty());
+      }
+    }
+  }
+}
+
+TEST_CASE("ThreadComm: a rank that throws stops the others with its name, run() rethrows it", "[comm]") {
+  ThreadWorld world(3, CommOptions{.timeout = 30s});
+  std::vector<std::string> errors(3);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    world.run([&](ThreadComm& comm) {
+      std::vector<float> g(1000, 1.0f);
+      comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      if (comm.rank() == 2) throw std::runtime_error("loss is nan");
+      try {
+        comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      } catch (const CommError& e) {
+        errors[comm.rank()] = e.what();
+        throw;
+      }
+    });
+    FAIL("run() did not rethrow");
+  } catch (const CommError&) {
+    FAIL("run() rethrew a follow-on CommError instead of the root cause");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "loss is nan");
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 5s);  // woken at once, not after the timeout
+  for (int r : {0, 1}) {
+    INFO(errors[r]);
+    CHECK(errors[r].find("all_reduce(float32 x 1000, sum) on rank " + std::to_string(r)) != std::string::npos);
+    CHECK(errors[r].find("rank 2 failed: loss is nan") != std::string::npos);
+  }
+}
+
+TEST_CASE("ThreadComm: a stalled rank makes the others time out naming it", "[comm]") {
+  ThreadWorld world(3, CommOptions{.timeout = 300ms});
+  std::vector<std::string> errors(3);
+  std::vector<double> waited(3);
+  auto comm1 = world.comm(0), comm2 = world.comm(1);
+  auto waiter = [&](ThreadComm& comm) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.barrier();
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+    waited[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  std::thread a(waiter, std::ref(comm1)), b(waiter, std::ref(comm2));  // rank 2 never comes
+  a.join();
+  b.join();
+  for (int r : {0, 1}) {
+    INFO(errors[r]);
+    CHECK(errors[r].find("barrier() on rank " + std::to_string(r) + " of 3") != std::string::npos);
+    CHECK(errors[r].find("timed out after 0.3 s waiting for rank(s) 2") != std::string::npos);
+    CHECK(waited[r] >= 0.29);
+    CHECK(waited[r] < 0.6);  // within 2x the timeout
+  }
+  // The communicator is broken from now on: later calls fail at once, saying why.
+  std::vector<float> x(1);
+  REQUIRE_THROWS_WITH(comm1.all_reduce(std::span<float>(x), ReduceOp::Sum),
+                      Catch::Contains("unusable after an earlier error"));
+}
+
+TEST_CASE("ThreadComm: mismatched collectives and counts are reported on every rank", "[comm]") {
+  ThreadWorld world(3, CommOptions{.timeout = 10s});
+  std::vector<std::string> errors(3);
+  try {
+    world.run([&](ThreadComm& comm) {
+      std::vector<float> g(comm.rank() == 1 ? 11 : 10);
+      try {
+        comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      } catch (const CommError& e) {
+        errors[comm.rank()] = e.what();
+      }
+    });
+  } catch (...) {
+  }
+  for (int r = 0; r < 3; ++r) {
+    INFO(errors[r]);
+    CHECK(errors[r].find("ranks called different collectives") != std::string::npos);
+    CHECK(errors[r].find("rank 1: all_reduce(float32 x 11, sum)") != std::string::npos);
+    CHECK(errors[r].find("rank 0: all_reduce(float32 x 10, sum)") != std::string::npos);
+  }
+}
+
+TEST_CASE("ThreadComm: recv checks type and count, peers are range-checked", "[comm]") {
+  ThreadWorld world(2, CommOptions{.timeout = 10s});
+  world.run([&](ThreadComm& comm) {
+    if (comm.rank() == 0) {
+      const std::vector<double> out(5, 1.0);
+      comm.send(std::span<const double>(out), 1);
+      CHECK_THROWS_WITH(comm.send(std::span<const double>(out), 2), Catch::Contains("peer 2 is out of range [0, 2)"));
+    } else {
+      std::vector<double> in(4);
+      CHECK_THROWS_WITH(comm.recv(std::span<double>(in), 0),
+                        Catch::Contains("expected float64 x 4 from rank 0, got float64 x 5"));
+    }
+  });
+}
+
+TEST_CASE("LaunchEnv: reads tessera-run, Slurm and Open MPI variables in that order", "[comm]") {
+  ScopedEnv a("TESSERA_RANK", nullptr), b("TESSERA_WORLD_SIZE", nullptr), c("SLURM_PROCID", nullptr),
+      d("SLURM_NTASKS", nullptr), e("OMPI_COMM_WORLD_RANK", nullptr), f("OMPI_COMM_WORLD_SIZE", nullptr),
+      g("TESSERA_STORE", nullptr), h("TESSERA_LOCAL_RANK", nullptr), i("SLURM_LOCALID", nullptr),
+      j("OMPI_COMM_WORLD_LOCAL_RANK", nullptr);
+  CHECK(LaunchEnv::from_environment().size == 1);
+  {
+    ScopedEnv r("OMPI_COMM_WORLD_RANK", "2"), s("OMPI_COMM_WORLD_SIZE", "4");
+    const auto env = LaunchEnv::from_environment();
+    CHECK((env.rank == 2 && env.size == 4));
+    CHECK(env.source.find("Open MPI") != std::string::npos);
+    ScopedEnv r2("SLURM_PROCID", "1"), s2("SLURM_NTASKS", "3"), st("TESSERA_STORE", "file:///tmp/x");
+    CHECK(LaunchEnv::from_environment().rank == 1);  // Slurm before Open MPI
+    CHECK(LaunchEnv::from_environment().store == "file:///tmp/x");
+    ScopedEnv r3("TESSERA_RANK", "0"), s3("TESSERA_WORLD_SIZE", "2");
+    CHECK(LaunchEnv::from_environment().size == 2);  // tessera-run first
+  }
+  {
+    ScopedEnv r("TESSERA_RANK", "5"), s("TESSERA_WORLD_SIZE", "4");
+    CHECK_THROWS_WITH(LaunchEnv::from_environment(), Catch::Contains("TESSERA_RANK=5 and TESSERA_WORLD_SIZE=4"));
+  }
+  {
+    ScopedEnv r("TESSERA_RANK", "one");
+    CHECK_THROWS_WITH(LaunchEnv::from_environment(), Catch::Contains("TESSERA_RANK='one' is not an integer"));
+  }
+  {
+    ScopedEnv r("TESSERA_RANK", "0");
+    CHECK_THROWS_WITH(LaunchEnv::from_environment(), Catch::Contains("TESSERA_WORLD_SIZE is not"));
+  }
+}
+
+TEST_CASE("CommOptions: timeout and debug mode from the environment", "[comm]") {
+  {
+    ScopedEnv t("TESSERA_COMM_TIMEOUT", "2.5"), d("TESSERA_COMM_DEBUG", "1");
+    const CommOptions options;
+    CHECK(options.timeout == 2500ms);
+    CHECK(options.debug);
+  }
+  {
+    ScopedEnv t("TESSERA_COMM_TIMEOUT", nullptr), d("TESSERA_COMM_DEBUG", "0");
+    const CommOptions options;
+    CHECK(options.timeout == 300s);
+    CHECK_FALSE(options.debug);
+  }
+  ScopedEnv t("TESSERA_COMM_TIMEOUT", "soon");
+  CHECK_THROWS_WITH(CommOptions(), Catch::Contains("TESSERA_COMM_TIMEOUT='soon'"));
+}
+
+namespace {
+// A backend that forgot reduce_scatter: the concept fails on exactly that member.
+struct NoReduceScatter : LocalComm {
+  template <class T>
+  void reduce_scatter(std::span<const T>, std::span<T>, ReduceOp) = delete;
+};
+}  // namespace
+
+TEST_CASE("Concepts: a missing member is named", "[comm]") {
+  STATIC_REQUIRE(check_communicator<LocalComm>());
+  STATIC_REQUIRE(check_communicator<ThreadComm>());
+  STATIC_REQUIRE_FALSE(Communicator<NoReduceScatter>);
+  STATIC_REQUIRE_FALSE(comm_concepts::has_reduce_scatter<NoReduceScatter, float>);
+  STATIC_REQUIRE(comm_concepts::has_all_reduce<NoReduceScatter, float>);
+  STATIC_REQUIRE_FALSE(CommScalar<std::int16_t>);
+}
