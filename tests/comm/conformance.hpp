@@ -299,7 +299,7 @@ class Conformance {
 
   template <class T>
   static std::string describe(const char* what, std::size_t n, const std::string& detail) {
-    return std::string(what) + "(" + std::string(to_string(dtype_of<T>)) + " x " + std::to_string(n) + ", " + detail + ")";
+    return std::string(what) + "(" + std::string(to_string(comm_dtype_of<T>)) + " x " + std::to_string(n) + ", " + detail + ")";
   }
   static std::string mismatch(std::size_t i, double got, double want) {
     char text[160];

@@ -31,7 +31,7 @@ inline std::string_view to_string(CollectiveKind k) {
 
 struct CallSignature {
   CollectiveKind kind = CollectiveKind::Barrier;
-  DType dtype = DType::F32;
+  CommDType dtype = CommDType::F32;
   std::int64_t count = 0;  // elements of the per-rank input
   std::int64_t extra = 0;  // root for broadcast, ReduceOp for reductions
 
@@ -39,7 +39,7 @@ struct CallSignature {
     return {static_cast<std::int64_t>(kind), static_cast<std::int64_t>(dtype), count, extra};
   }
   static CallSignature decode(const std::int64_t* v) {
-    return {static_cast<CollectiveKind>(v[0]), static_cast<DType>(v[1]), v[2], v[3]};
+    return {static_cast<CollectiveKind>(v[0]), static_cast<CommDType>(v[1]), v[2], v[3]};
   }
   bool operator==(const CallSignature&) const = default;
 
@@ -54,6 +54,11 @@ struct CallSignature {
     return text + ")";
   }
 };
+
+// Error texts are built only when something failed: describing a call on every call would cost
+// about a microsecond, as much as a small shared-memory collective.
+inline const std::string& describe(const std::string& what) { return what; }
+inline std::string describe(const CallSignature& what) { return what.describe(); }
 
 // all_signatures holds size x 4 int64 gathered from every rank. Throws CommError on this rank
 // when any rank's signature differs from rank 0's, listing every rank's call.

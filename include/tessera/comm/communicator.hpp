@@ -1,4 +1,4 @@
-// The communicator vocabulary (after torch.distributed / NCCL): ReduceOp, DType, Work, and the
+// The communicator vocabulary (after torch.distributed / NCCL): ReduceOp, CommDType, Work, and the
 // concepts a backend satisfies. Buffers are std::span views; all_reduce and broadcast work in place.
 //
 //   all_reduce(buf, op)         every rank ends with op over all ranks' buf            (n -> n)
@@ -44,26 +44,26 @@ inline std::string_view to_string(ReduceOp op) {
 
 // The element types a communicator moves. The enum travels between ranks in debug mode, so its
 // values are fixed.
-enum class DType : std::int8_t { F32 = 0, F64 = 1, I32 = 2, I64 = 3, F16 = 4 };
+enum class CommDType : std::int8_t { F32 = 0, F64 = 1, I32 = 2, I64 = 3, F16 = 4 };
 
 template <class T>
 concept CommScalar = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::int32_t> ||
                      std::same_as<T, std::int64_t> || std::same_as<T, Half>;
 
 template <CommScalar T>
-inline constexpr DType dtype_of = std::same_as<T, float>          ? DType::F32
-                                  : std::same_as<T, double>       ? DType::F64
-                                  : std::same_as<T, std::int32_t> ? DType::I32
-                                  : std::same_as<T, std::int64_t> ? DType::I64
-                                                                  : DType::F16;
+inline constexpr CommDType comm_dtype_of = std::same_as<T, float>          ? CommDType::F32
+                                  : std::same_as<T, double>       ? CommDType::F64
+                                  : std::same_as<T, std::int32_t> ? CommDType::I32
+                                  : std::same_as<T, std::int64_t> ? CommDType::I64
+                                                                  : CommDType::F16;
 
-inline std::string_view to_string(DType t) {
+inline std::string_view to_string(CommDType t) {
   switch (t) {
-    case DType::F32: return "float32";
-    case DType::F64: return "float64";
-    case DType::I32: return "int32";
-    case DType::I64: return "int64";
-    case DType::F16: return "float16";
+    case CommDType::F32: return "float32";
+    case CommDType::F64: return "float64";
+    case CommDType::I32: return "int32";
+    case CommDType::I64: return "int64";
+    case CommDType::F16: return "float16";
   }
   return "?";
 }

@@ -76,7 +76,7 @@ class ThreadGroup {
 
   template <CommScalar T>
   void all_reduce(int rank, std::span<T> buf, ReduceOp op) {
-    const CallSignature sig{CollectiveKind::AllReduce, dtype_of<T>, static_cast<std::int64_t>(buf.size()),
+    const CallSignature sig{CollectiveKind::AllReduce, comm_dtype_of<T>, static_cast<std::int64_t>(buf.size()),
                             static_cast<std::int64_t>(op)};
     if (size_ == 1) return check_usable(rank, sig);
     enter(rank, buf.data(), sig);
@@ -97,7 +97,7 @@ class ThreadGroup {
   template <CommScalar T>
   void broadcast(int rank, std::span<T> buf, int root) {
     check_peer(rank, root, "broadcast", "root");
-    const CallSignature sig{CollectiveKind::Broadcast, dtype_of<T>, static_cast<std::int64_t>(buf.size()), root};
+    const CallSignature sig{CollectiveKind::Broadcast, comm_dtype_of<T>, static_cast<std::int64_t>(buf.size()), root};
     if (size_ == 1) return check_usable(rank, sig);
     enter(rank, buf.data(), sig);
     if (rank != root && !buf.empty()) std::memcpy(buf.data(), slots_[root].pointer, buf.size_bytes());
@@ -108,7 +108,7 @@ class ThreadGroup {
   void all_gather(int rank, std::span<const T> in, std::span<T> out) {
     TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size_), CommError, "ThreadComm all_gather on rank ",
                   rank, ": output has ", out.size(), " elements, expected ", size_, " x ", in.size());
-    const CallSignature sig{CollectiveKind::AllGather, dtype_of<T>, static_cast<std::int64_t>(in.size()), 0};
+    const CallSignature sig{CollectiveKind::AllGather, comm_dtype_of<T>, static_cast<std::int64_t>(in.size()), 0};
     if (size_ == 1) {
       check_usable(rank, sig);
       std::copy(in.begin(), in.end(), out.begin());
@@ -125,7 +125,7 @@ class ThreadGroup {
     TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size_), CommError,
                   "ThreadComm reduce_scatter on rank ", rank, ": input has ", in.size(), " elements, expected ", size_,
                   " x ", out.size(), " (size x output)");
-    const CallSignature sig{CollectiveKind::ReduceScatter, dtype_of<T>, static_cast<std::int64_t>(in.size()),
+    const CallSignature sig{CollectiveKind::ReduceScatter, comm_dtype_of<T>, static_cast<std::int64_t>(in.size()),
                             static_cast<std::int64_t>(op)};
     if (size_ == 1) {
       check_usable(rank, sig);
@@ -142,7 +142,7 @@ class ThreadGroup {
   }
 
   void barrier(int rank) {
-    const CallSignature sig{CollectiveKind::Barrier, DType::F32, 0, 0};
+    const CallSignature sig{CollectiveKind::Barrier, CommDType::F32, 0, 0};
     if (size_ == 1) return check_usable(rank, sig);
     enter(rank, nullptr, sig);
     leave(rank, sig);  // a second meeting: nobody may publish the next call while a peer still compares
@@ -153,9 +153,9 @@ class ThreadGroup {
   template <CommScalar T>
   void send(int rank, std::span<const T> buf, int peer) {
     check_peer(rank, peer, "send", "peer");
-    check_usable(rank, cat("send to rank ", peer));
+    if (broken_.load()) check_usable(rank, cat("send to rank ", peer));
     Mailbox& box = mailbox(rank, peer);
-    Message message{std::vector<std::byte>(buf.size_bytes()), dtype_of<T>, buf.size()};
+    Message message{std::vector<std::byte>(buf.size_bytes()), comm_dtype_of<T>, buf.size()};
     if (!buf.empty()) std::memcpy(message.bytes.data(), buf.data(), buf.size_bytes());
     {
       std::lock_guard lock(box.mutex);
@@ -167,22 +167,22 @@ class ThreadGroup {
   template <CommScalar T>
   void recv(int rank, std::span<T> buf, int peer) {
     check_peer(rank, peer, "recv", "peer");
-    check_usable(rank, cat("recv from rank ", peer));
+    if (broken_.load()) check_usable(rank, cat("recv from rank ", peer));
     Mailbox& box = mailbox(peer, rank);
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     std::unique_lock lock(box.mutex);
     while (box.queue.empty()) {
       if (world_->failed.load()) fail(rank, cat("recv from rank ", peer), "", stopped_reason());
       if (std::chrono::steady_clock::now() >= deadline)
-        fail(rank, cat("recv(", to_string(dtype_of<T>), " x ", buf.size(), ") from rank ", peer), "",
+        fail(rank, cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer), "",
              cat("timed out after ", seconds_text(options_.timeout), ": rank ", peer, " sent nothing"));
       box.cv.wait_for(lock, std::chrono::milliseconds(20));
     }
     Message message = std::move(box.queue.front());
     box.queue.pop_front();
     lock.unlock();
-    TESSERA_CHECK(message.dtype == dtype_of<T> && message.count == buf.size(), CommError, "ThreadComm recv on rank ",
-                  rank, ": expected ", to_string(dtype_of<T>), " x ", buf.size(), " from rank ", peer, ", got ",
+    TESSERA_CHECK(message.dtype == comm_dtype_of<T> && message.count == buf.size(), CommError, "ThreadComm recv on rank ",
+                  rank, ": expected ", to_string(comm_dtype_of<T>), " x ", buf.size(), " from rank ", peer, ", got ",
                   to_string(message.dtype), " x ", message.count);
     if (!buf.empty()) std::memcpy(buf.data(), message.bytes.data(), buf.size_bytes());
   }
@@ -191,7 +191,7 @@ class ThreadGroup {
   std::shared_ptr<ThreadGroup> split(int rank, int color, int key, int& new_rank) {
     TESSERA_CHECK(color >= 0, ArgumentError, "ThreadComm split on rank ", rank, ": color ", color,
                   " must be >= 0");
-    const CallSignature sig{CollectiveKind::Split, DType::I64, 0, 0};
+    const CallSignature sig{CollectiveKind::Split, CommDType::I64, 0, 0};
     slots_[rank].color = color;
     slots_[rank].key = key;
     enter(rank, nullptr, sig);
@@ -213,11 +213,11 @@ class ThreadGroup {
     return group;
   }
 
-  void check_usable(int rank, const CallSignature& sig) const { check_usable(rank, sig.describe()); }
-  void check_usable(int rank, const std::string& what) const {
+  template <class What>
+  void check_usable(int rank, const What& what) const {
     if (!broken_.load()) return;
     std::lock_guard lock(broken_mutex_);
-    throw CommError(cat("ThreadComm ", what, " on rank ", rank, ": communicator is unusable after an earlier error: ",
+    throw CommError(cat("ThreadComm ", describe(what), " on rank ", rank, ": communicator is unusable after an earlier error: ",
                         broken_reason_));
   }
 
@@ -230,7 +230,7 @@ class ThreadGroup {
   };
   struct Message {
     std::vector<std::byte> bytes;
-    DType dtype;
+    CommDType dtype;
     std::size_t count;
   };
   struct Mailbox {

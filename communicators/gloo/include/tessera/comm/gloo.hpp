@@ -133,16 +133,23 @@ inline std::shared_ptr<gloo::transport::Device> make_gloo_device() {
   }
 }
 
-// c = a op b, the signature Gloo's allreduce wants. Avg is summed here and divided afterwards.
-template <CommScalar T>
-void gloo_reduce(void* c, const void* a, const void* b, std::size_t n, ReduceOp op) {
-  T* out = static_cast<T*>(c);
-  if (out != a) std::copy_n(static_cast<const T*>(a), n, out);
-  reduce_into(out, static_cast<const T*>(b), n, op);
-}
+// c = a op b in one pass, the signature Gloo's allreduce wants (c may alias a or b). Avg is
+// summed here and divided afterwards.
 template <CommScalar T, ReduceOp Op>
-void gloo_reduce_fn(void* c, const void* a, const void* b, std::size_t n) {
-  gloo_reduce<T>(c, a, b, n, Op);
+void gloo_reduce_fn(void* c_, const void* a_, const void* b_, std::size_t n) {
+  T* c = static_cast<T*>(c_);
+  const T* a = static_cast<const T*>(a_);
+  const T* b = static_cast<const T*>(b_);
+  if constexpr (std::is_same_v<T, Half>) {
+    if (c != a) std::copy_n(a, n, c);
+    reduce_into(c, b, n, Op);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      if constexpr (Op == ReduceOp::Max) c[i] = std::max(a[i], b[i]);
+      else if constexpr (Op == ReduceOp::Min) c[i] = std::min(a[i], b[i]);
+      else c[i] = a[i] + b[i];
+    }
+  }
 }
 template <CommScalar T>
 gloo::AllreduceOptions::Func gloo_reduce_function(ReduceOp op) {
@@ -172,10 +179,12 @@ struct GlooState {
 
 class GlooComm {
  public:
-  // Below this many bytes all_reduce uses Gloo's bcube (recursive halving-doubling style, log2(p)
-  // rounds: latency-bound messages); above it the ring (bandwidth-optimal). Measured on this
-  // machine with bench/collectives (see bench/README.md).
-  static constexpr std::size_t kBcubeMaxBytes = 256 * 1024;
+  // Up to this many bytes all_reduce uses Gloo's bcube (log2(p) rounds of pairwise exchange:
+  // fewer, larger messages); above it the ring (2(p-1) steps, bandwidth-optimal). Measured with
+  // bench/collectives.py on this machine, medians of 7 rounds: at 1 MiB bcube took 608 us vs
+  // ring 793 us on 2 ranks and 4.9 ms vs 5.2 ms on 4; at 4 MiB on 4 ranks the ring won (8.9 ms
+  // vs 10.7 ms), as it did at 64 MiB on 2 ranks (52 ms vs 64 ms).
+  static constexpr std::size_t kBcubeMaxBytes = 1024 * 1024;
 
   // Rank, size and store from the environment (see LaunchEnv).
   static GlooComm from_env(CommOptions options = {}) {
@@ -254,13 +263,13 @@ class GlooComm {
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
-    const std::string what = detail::cat("send(", to_string(dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
+    const std::string what = detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
     check_peer(peer, what);
     return post(what, const_cast<T*>(buf.data()), buf.size_bytes(), peer, true);
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
-    const std::string what = detail::cat("recv(", to_string(dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
+    const std::string what = detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
     check_peer(peer, what);
     return post(what, buf.data(), buf.size_bytes(), peer, false);
   }
@@ -360,21 +369,23 @@ class GlooComm {
                   ": peer ", peer, " must be another rank in [0, ", size(), ")");
   }
 
-  static void check_usable(const std::shared_ptr<detail::GlooState>& s, const std::string& what) {
+  template <class What>
+  static void check_usable(const std::shared_ptr<detail::GlooState>& s, const What& what) {
     std::lock_guard lock(s->broken_mutex);
-    TESSERA_CHECK(s->broken.empty(), CommError, "GlooComm ", what, " on rank ", s->rank,
+    TESSERA_CHECK(s->broken.empty(), CommError, "GlooComm ", detail::describe(what), " on rank ", s->rank,
                   ": communicator is unusable after an earlier error: ", s->broken);
   }
 
   // Runs one Gloo call, turning its exceptions into CommError with our context.
-  template <class Fn>
-  static void guarded(const std::shared_ptr<detail::GlooState>& s, const std::string& what, Fn&& fn) {
+  template <class What, class Fn>
+  static void guarded(const std::shared_ptr<detail::GlooState>& s, const What& what, Fn&& fn) {
     check_usable(s, what);
     try {
       fn();
     } catch (const std::exception& e) {
       const std::string text =
-          detail::cat("GlooComm ", what, " on rank ", s->rank, " of ", s->size, ": ", e.what(), peer_named_in(s, e.what()));
+          detail::cat("GlooComm ", detail::describe(what), " on rank ", s->rank, " of ", s->size, ": ", e.what(),
+                      peer_named_in(s, e.what()));
       {
         std::lock_guard lock(s->broken_mutex);
         if (s->broken.empty()) s->broken = text;
@@ -432,11 +443,11 @@ class GlooComm {
   template <CommScalar T>
   static void run_all_reduce(const std::shared_ptr<detail::GlooState>& s, std::span<T> buf, ReduceOp op,
                              std::uint32_t tag) {
-    const detail::CallSignature sig{detail::CollectiveKind::AllReduce, dtype_of<T>,
+    const detail::CallSignature sig{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)};
     debug_check(s, sig, tag);
-    if (s->size == 1 || buf.empty()) return check_usable(s, sig.describe());
-    guarded(s, sig.describe(), [&] {
+    if (s->size == 1 || buf.empty()) return check_usable(s, sig);
+    guarded(s, sig, [&] {
       gloo::AllreduceOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
       opts.setReduceFunction(detail::gloo_reduce_function<T>(op));
@@ -452,13 +463,13 @@ class GlooComm {
   template <CommScalar T>
   static void run_broadcast(const std::shared_ptr<detail::GlooState>& s, std::span<T> buf, int root,
                             std::uint32_t tag) {
-    const detail::CallSignature sig{detail::CollectiveKind::Broadcast, dtype_of<T>,
+    const detail::CallSignature sig{detail::CollectiveKind::Broadcast, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(buf.size()), root};
     TESSERA_CHECK(root >= 0 && root < s->size, CommError, "GlooComm broadcast on rank ", s->rank, ": root ", root,
                   " is out of range [0, ", s->size, ")");
     debug_check(s, sig, tag);
-    if (s->size == 1 || buf.empty()) return check_usable(s, sig.describe());
-    guarded(s, sig.describe(), [&] {
+    if (s->size == 1 || buf.empty()) return check_usable(s, sig);
+    guarded(s, sig, [&] {
       gloo::BroadcastOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
       opts.setRoot(root);
@@ -474,15 +485,15 @@ class GlooComm {
     TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(s->size), CommError,
                   "GlooComm all_gather on rank ", s->rank, ": output has ", out.size(), " elements, expected ", s->size,
                   " x ", in.size());
-    const detail::CallSignature sig{detail::CollectiveKind::AllGather, dtype_of<T>,
+    const detail::CallSignature sig{detail::CollectiveKind::AllGather, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(in.size()), 0};
     debug_check(s, sig, tag);
     if (s->size == 1 || in.empty()) {
-      check_usable(s, sig.describe());
+      check_usable(s, sig);
       std::copy(in.begin(), in.end(), out.begin());
       return;
     }
-    guarded(s, sig.describe(), [&] {
+    guarded(s, sig, [&] {
       gloo::AllgatherOptions opts(s->context);
       opts.setInput(const_cast<T*>(in.data()), in.size());
       opts.setOutput(out.data(), out.size());
@@ -502,11 +513,11 @@ class GlooComm {
     const int p = s->size, r = s->rank;
     TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(p), CommError, "GlooComm reduce_scatter on rank ",
                   r, ": input has ", in.size(), " elements, expected ", p, " x ", out.size(), " (size x output)");
-    const detail::CallSignature sig{detail::CollectiveKind::ReduceScatter, dtype_of<T>,
+    const detail::CallSignature sig{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(in.size()), static_cast<std::int64_t>(op)};
     debug_check(s, sig, tag);
     if (p == 1 || out.empty()) {
-      check_usable(s, sig.describe());
+      check_usable(s, sig);
       std::copy(in.begin(), in.end(), out.begin());
       return;
     }
@@ -514,7 +525,7 @@ class GlooComm {
     const int right = (r + 1) % p, left = (r + p - 1) % p;
     auto chunk = [&](int c) { return in.data() + static_cast<std::size_t>((c % p + p) % p) * n; };
     std::vector<T> partial(chunk(r - 1), chunk(r - 1) + n), incoming(n);
-    guarded(s, sig.describe(), [&] {
+    guarded(s, sig, [&] {
       auto send_buf = s->context->createUnboundBuffer(partial.data(), n * sizeof(T));
       auto recv_buf = s->context->createUnboundBuffer(incoming.data(), n * sizeof(T));
       const std::uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
@@ -538,10 +549,10 @@ class GlooComm {
   }
 
   static void run_barrier(const std::shared_ptr<detail::GlooState>& s, std::uint32_t tag) {
-    const detail::CallSignature sig{detail::CollectiveKind::Barrier, DType::F32, 0, 0};
+    const detail::CallSignature sig{detail::CollectiveKind::Barrier, CommDType::F32, 0, 0};
     debug_check(s, sig, tag);
-    if (s->size == 1) return check_usable(s, sig.describe());
-    guarded(s, sig.describe(), [&] {
+    if (s->size == 1) return check_usable(s, sig);
+    guarded(s, sig, [&] {
       gloo::BarrierOptions opts(s->context);
       opts.setTag(tag);
       opts.setTimeout(s->options.timeout);

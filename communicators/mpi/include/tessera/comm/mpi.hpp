@@ -272,7 +272,7 @@ class MpiComm {
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
     check_peer(peer, "send", "peer");
-    const auto what = detail::cat("send(", to_string(dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
+    const auto what = detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
     check_usable(what);
     MPI_Request request;
     call(what, MPI_Isend(buf.data(), count(buf.size()), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
@@ -282,7 +282,7 @@ class MpiComm {
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
     check_peer(peer, "recv", "peer");
-    const auto what = detail::cat("recv(", to_string(dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
+    const auto what = detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
     check_usable(what);
     MPI_Request request;
     call(what, MPI_Irecv(buf.data(), count(buf.size()), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
@@ -339,12 +339,12 @@ class MpiComm {
   void recv(std::span<T> buf, int peer) { recv_async(buf, peer).wait(); }
 
   void barrier() {
-    const detail::CallSignature sig{detail::CollectiveKind::Barrier, DType::F32, 0, 0};
+    const detail::CallSignature sig{detail::CollectiveKind::Barrier, CommDType::F32, 0, 0};
     if (!h_->interruptible) return blocking(sig, [&] { return MPI_Barrier(h_->comm); });
     begin(sig);
     MPI_Request request;
     call(sig, MPI_Ibarrier(h_->comm, &request));
-    make_work(request, sig.describe(), {}).wait();
+    make_work(request, sig, {}).wait();
   }
 
   // Blocking calls use the non-blocking path and throw on timeout instead of ending the job.
@@ -352,7 +352,7 @@ class MpiComm {
 
   MpiComm split(int color, int key) {
     TESSERA_CHECK(color >= 0, ArgumentError, "MpiComm split on rank ", rank(), ": color ", color, " must be >= 0");
-    begin(detail::CallSignature{detail::CollectiveKind::Split, DType::I64, 0, 0});
+    begin(detail::CallSignature{detail::CollectiveKind::Split, CommDType::I64, 0, 0});
     MPI_Comm child = MPI_COMM_NULL;
     call(std::string("split"), MPI_Comm_split(h_->comm, color, key, &child));
     MpiComm result(child, h_->options, true);
@@ -386,7 +386,7 @@ class MpiComm {
 
   template <CommScalar T>
   static detail::CallSignature signature(detail::CollectiveKind kind, std::size_t n, std::int64_t extra) {
-    return {kind, dtype_of<T>, static_cast<std::int64_t>(n), extra};
+    return {kind, comm_dtype_of<T>, static_cast<std::int64_t>(n), extra};
   }
 
   int count(std::size_t n) const {
@@ -400,14 +400,15 @@ class MpiComm {
                   " is out of range [0, ", size(), ")");
   }
 
-  void check_usable(const std::string& what) const {
-    TESSERA_CHECK(h_->broken.empty(), CommError, "MpiComm ", what, " on rank ", rank(),
+  template <class What>
+  void check_usable(const What& what) const {
+    TESSERA_CHECK(h_->broken.empty(), CommError, "MpiComm ", detail::describe(what), " on rank ", rank(),
                   ": communicator is unusable after an earlier error: ", h_->broken);
   }
 
   // Debug mode: every rank shares its signature first (a fixed-size all_gather cannot mismatch).
   void begin(const detail::CallSignature& sig) {
-    check_usable(sig.describe());
+    check_usable(sig);
     if (!h_->options.debug || size() == 1) return;
     std::int64_t mine[4];
     const auto encoded = sig.encode();
@@ -415,7 +416,7 @@ class MpiComm {
     std::vector<std::int64_t> all(4 * static_cast<std::size_t>(size()));
     MPI_Request request;
     call(sig, MPI_Iallgather(mine, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T, h_->comm, &request));
-    make_work(request, sig.describe() + " debug check", {}).wait();
+    make_work(request, sig, {}).wait();
     try {
       detail::check_signatures("MpiComm", rank(), all);
     } catch (const CommError& e) {
@@ -424,23 +425,22 @@ class MpiComm {
     }
   }
 
-  void call(const detail::CallSignature& sig, int code) { call(sig.describe(), code); }
-  void call(const std::string& what, int code) {
+  template <class What>
+  void call(const What& what, int code) {
     if (code == MPI_SUCCESS) return;
     fail(what, detail::mpi_error_text(code));
   }
-  [[noreturn]] void fail(const std::string& what, const std::string& reason) {
-    const std::string text = detail::cat("MpiComm ", what, " on rank ", rank(), " of ", size(), ": ", reason);
+  template <class What>
+  [[noreturn]] void fail(const What& what, const std::string& reason) {
+    const std::string text = detail::cat("MpiComm ", detail::describe(what), " on rank ", rank(), " of ", size(), ": ", reason);
     if (h_->broken.empty()) h_->broken = text;
     throw CommError(text);
   }
 
-  Work make_work(MPI_Request request, const detail::CallSignature& sig, std::function<void()> finish) {
-    return make_work(request, sig.describe(), std::move(finish));
-  }
   // The deadline counts from the start of the operation. Polling yields the core between tests,
   // which matters when ranks outnumber cores.
-  Work make_work(MPI_Request request, std::string what, std::function<void()> finish) {
+  template <class What>
+  Work make_work(MPI_Request request, What what, std::function<void()> finish) {
     struct State {
       MPI_Request request;
       bool done = false;
@@ -454,7 +454,8 @@ class MpiComm {
       const int code = MPI_Test(&state->request, &flag, MPI_STATUS_IGNORE);
       if (code != MPI_SUCCESS) {
         state->done = true;
-        throw CommError(detail::cat("MpiComm ", what, " on rank ", handle->rank, ": ", detail::mpi_error_text(code)));
+        throw CommError(
+            detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank, ": ", detail::mpi_error_text(code)));
       }
       state->done = flag != 0;
       return state->done;
