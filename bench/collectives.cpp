@@ -48,6 +48,7 @@ struct Options {
   int rounds = 5;               // alternating Tessera / raw rounds per size; medians reported
   double round_seconds = 0.05;  // each round repeats the op at least this long (and >= 2 times)
   std::vector<int> thread_ranks = {2, 4};
+  std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"};
 };
 
 Options parse(int argc, char** argv) {
@@ -59,6 +60,15 @@ Options parse(int argc, char** argv) {
     else if (a == "--min-bytes") o.min_bytes = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--rounds") o.rounds = std::atoi(next().c_str());
     else if (a == "--round-seconds") o.round_seconds = std::atof(next().c_str());
+    else if (a == "--ops") {
+      o.ops.clear();
+      const std::string list = next();
+      for (std::size_t p = 0; p < list.size();) {
+        const auto comma = list.find(',', p);
+        o.ops.push_back(list.substr(p, comma == std::string::npos ? std::string::npos : comma - p));
+        p = comma == std::string::npos ? list.size() : comma + 1;
+      }
+    }
     else if (a == "--ranks") {
       o.thread_ranks.clear();
       const std::string list = next();
@@ -68,7 +78,7 @@ Options parse(int argc, char** argv) {
         p = comma == std::string::npos ? list.size() : comma + 1;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--min-bytes B] [--max-bytes B] [--rounds R] [--round-seconds S] [--ranks 2,4]\n",
+      std::fprintf(stderr, "usage: %s [--min-bytes B] [--max-bytes B] [--rounds R] [--round-seconds S] [--ranks 2,4] [--ops a,b]\n",
                    argv[0]);
       std::exit(2);
     }
@@ -158,7 +168,7 @@ template <class Barrier, class MaxOver>
 void run_all(const std::string& comm_name, int rank, int n, const Options& o,
              const std::function<std::vector<Impl>(const std::string& op)>& impls_for, Barrier&& barrier,
              MaxOver&& max_over) {
-  for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
+  for (const std::string& op : o.ops) {
     const auto impls = impls_for(op);
     for (std::size_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= 4) {
       const std::size_t count = bytes / sizeof(float);

@@ -49,10 +49,13 @@ def main():
     parser.add_argument("--rounds", default="5")
     parser.add_argument("--round-seconds", default="0.1")
     parser.add_argument("--only", default="threads,mpi,gloo", help="comma list of communicators to run")
+    parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
+    parser.add_argument("--min-bytes", default=str(4 << 10))
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                       f"collectives_{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
-    common = ["--max-bytes", args.max_bytes, "--rounds", args.rounds, "--round-seconds", args.round_seconds]
+    common = ["--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--rounds", args.rounds,
+              "--round-seconds", args.round_seconds, "--ops", args.ops]
     ranks = [int(r) for r in args.ranks.split(",")]
     only = args.only.split(",")
     bench = os.path.join(args.build, "bench")

@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev catch2 zlib1g-dev dataset-fashion-mnist)
+# Communicators: Open MPI (MpiComm, mpirun), Gloo with hiredis (GlooComm and its Redis store) and
+# redis-server, which the Gloo Redis tests start on a private port themselves.
+packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev catch2 zlib1g-dev dataset-fashion-mnist
+  libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -22,7 +25,7 @@ fi
 
 # Tests, examples and benchmarks are required here, so a missing dependency fails loudly instead
 # of silently building less; --reconfigure picks up packages installed since the last run.
-options=(--buildtype=release -Dtests=enabled -Dexamples=enabled -Dbench=enabled)
+options=(--buildtype=release -Dtests=enabled -Dexamples=enabled -Dbench=enabled -Dmpi=enabled -Dgloo=enabled)
 if [ -f build/build.ninja ]; then
   meson setup --reconfigure build "${options[@]}" >/dev/null
 else

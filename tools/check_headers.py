@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Compiles every public header of include/tessera on its own (a translation unit that includes
-only that header), so that no header leans on another being included first. Exit 1 lists the
-headers that failed with the compiler's first lines of output."""
+"""Compiles every public header on its own (a translation unit that includes only that header), so
+that no header leans on another being included first. Headers are those under <root>/tessera for
+each --root (include/, and communicators/<name>/include for the backends that were found); every
+root and --include is on the include path. Exit 1 lists the headers that failed with the
+compiler's first lines of output."""
 import argparse
 import concurrent.futures
 import pathlib
@@ -12,13 +14,14 @@ import sys
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--compiler", default="c++")
-    ap.add_argument("--include", action="append", default=[])
+    ap.add_argument("--root", action="append", default=[], help="a directory holding tessera/ headers to check")
+    ap.add_argument("--include", action="append", default=[], help="an extra include directory")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
-    root = pathlib.Path(args.include[0])
-    headers = sorted(p.relative_to(root) for p in (root / "tessera").rglob("*.hpp"))
+    roots = [pathlib.Path(r) for r in args.root]
+    headers = sorted({p.relative_to(root) for root in roots for p in (root / "tessera").rglob("*.hpp")})
     flags = ["-std=c++20", "-fopenmp", "-fsyntax-only", "-Wall", "-Wextra", "-x", "c++", "-"]
-    flags += [f"-I{d}" for d in args.include]
+    flags += [f"-I{d}" for d in [*args.root, *args.include]]
 
     def check(header):
         source = f'#include "{header}"\n'

@@ -72,6 +72,29 @@ void reduce_into(T* acc, const T* x, std::size_t n, ReduceOp op) {
   }
 }
 
+// c[i] = a[i] op b[i] in one pass (c may alias a or b); Avg sums. Half goes through float.
+template <CommScalar T>
+void combine_into(T* c, const T* a, const T* b, std::size_t n, ReduceOp op) {
+  if constexpr (std::is_same_v<T, Half>) {
+    if (c == b) return reduce_into(c, a, n, op);  // every op is commutative
+    if (c != a) std::copy_n(a, n, c);
+    reduce_into(c, b, n, op);
+  } else {
+    switch (op) {
+      case ReduceOp::Sum:
+      case ReduceOp::Avg:
+        for (std::size_t i = 0; i < n; ++i) c[i] = a[i] + b[i];
+        break;
+      case ReduceOp::Max:
+        for (std::size_t i = 0; i < n; ++i) c[i] = std::max(a[i], b[i]);
+        break;
+      case ReduceOp::Min:
+        for (std::size_t i = 0; i < n; ++i) c[i] = std::min(a[i], b[i]);
+        break;
+    }
+  }
+}
+
 // buf[i] /= ranks when op is Avg (the sum has been formed); nothing otherwise.
 template <CommScalar T>
 void finish_avg(T* buf, std::size_t n, ReduceOp op, int ranks) {
