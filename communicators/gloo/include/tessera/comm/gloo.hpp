@@ -21,7 +21,10 @@
 // worker thread (what ProcessGroupGloo does); send/recv are posted at once from the caller's
 // thread on their own slot, so a ring of send_async + recv cannot deadlock behind the worker.
 // Every operation carries the communicator's timeout; a Gloo error or timeout becomes CommError
-// naming the operation, the rank and Gloo's own reason (the peer's address or the phase).
+// naming the operation, the rank and Gloo's own reason (the peer's address or the phase), and the
+// peer's rank where the address can be traced back. Creating a GlooComm sets SIGPIPE to ignored
+// if it still has its default action (a write to a dead peer must become an error, not kill the
+// process; see ignore_sigpipe_if_default).
 #pragma once
 
 #include <gloo/allgather.h>
@@ -32,9 +35,11 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/redis_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <signal.h>
 #include <netdb.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -148,6 +153,21 @@ gloo::AllreduceOptions::Func gloo_reduce_function(ReduceOp op) {
   }
 }
 
+// Gloo writes to its sockets without MSG_NOSIGNAL, so a write to a peer that just died raises
+// SIGPIPE, whose default action kills this process silently (exit by signal 13) instead of
+// letting Gloo report EPIPE. Python ignores SIGPIPE, which is why PyTorch never meets this; a C++
+// program must do it itself. Only the default action is replaced, never a handler of the user's.
+inline void ignore_sigpipe_if_default() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
+      !(current.sa_flags & SA_SIGINFO)) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
 // Everything the worker thread and the Works need, shared so a GlooComm can move freely.
 struct GlooState {
   std::shared_ptr<gloo::rendezvous::Store> store;
@@ -193,6 +213,7 @@ class GlooComm {
     s_->size = size;
     s_->options = options;
     s_->store = std::make_shared<detail::PrefixedStore>(detail::open_gloo_store(store_url), prefix);
+    detail::ignore_sigpipe_if_default();
     s_->device = detail::make_gloo_device();
     connect(prefix);
   }
@@ -383,23 +404,32 @@ class GlooComm {
     }
   }
 
-  // " (peer: rank q)" when Gloo's message contains the socket address of this rank's pair with
-  // q, or of q's pair with this rank (read from the store only now, on the error path).
+  // " (peer: rank q)" when Gloo's message contains the address of this rank's pair with q, or of
+  // q's pair with this rank (published at connect time, read from the store only now, on the error
+  // path). Gloo sometimes names another socket address; then the message says so in general terms.
   static std::string peer_named_in(const std::shared_ptr<detail::GlooState>& s, const std::string& message) {
-    auto mentions = [&](const std::string& address) { return !address.empty() && message.find(address) != std::string::npos; };
+    // "[127.0.0.1]:5323" must not match inside "[127.0.0.1]:53230".
+    auto mentions = [&](const std::string& address) {
+      if (address.empty()) return false;
+      for (auto at = message.find(address); at != std::string::npos; at = message.find(address, at + 1)) {
+        const std::size_t end = at + address.size();
+        if (end == message.size() || !std::isdigit(static_cast<unsigned char>(message[end]))) return true;
+      }
+      return false;
+    };
+    auto named = [](int q) { return detail::cat(" (peer: rank ", q, ")"); };
     for (int q = 0; q < s->size; ++q)
       if (q != s->rank && q < static_cast<int>(s->pair_addresses.size()) && mentions(s->pair_addresses[q]))
-        return detail::cat(" (peer: rank ", q, ")");
+        return named(q);
     for (int q = 0; q < s->size; ++q) {
       if (q == s->rank) continue;
       try {
-        const auto bytes = s->store->get(detail::cat("pairs.", q));
         std::vector<std::string> theirs(1);
-        for (char ch : bytes) {
+        for (char ch : s->store->get(detail::cat("pairs.", q))) {
           if (ch == '|') theirs.emplace_back();
           else theirs.back() += ch;
         }
-        if (s->rank < static_cast<int>(theirs.size()) && mentions(theirs[s->rank])) return detail::cat(" (peer: rank ", q, ")");
+        if (s->rank < static_cast<int>(theirs.size()) && mentions(theirs[s->rank])) return named(q);
       } catch (const std::exception&) {
       }
     }
