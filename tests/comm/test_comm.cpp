@@ -190,19 +190,20 @@ TEST_CASE("ThreadComm: recv checks type and count, peers are range-checked", "[c
   });
 }
 
-TEST_CASE("LaunchEnv: reads tessera-run, Slurm and Open MPI variables in that order", "[comm]") {
+TEST_CASE("LaunchEnv: reads tessera-run, Open MPI and Slurm variables in that order", "[comm]") {
   ScopedEnv a("TESSERA_RANK", nullptr), b("TESSERA_WORLD_SIZE", nullptr), c("SLURM_PROCID", nullptr),
       d("SLURM_NTASKS", nullptr), e("OMPI_COMM_WORLD_RANK", nullptr), f("OMPI_COMM_WORLD_SIZE", nullptr),
       g("TESSERA_STORE", nullptr), h("TESSERA_LOCAL_RANK", nullptr), i("SLURM_LOCALID", nullptr),
       j("OMPI_COMM_WORLD_LOCAL_RANK", nullptr);
   CHECK(LaunchEnv::from_environment().size == 1);
   {
-    ScopedEnv r("OMPI_COMM_WORLD_RANK", "2"), s("OMPI_COMM_WORLD_SIZE", "4");
+    ScopedEnv r("SLURM_PROCID", "1"), s("SLURM_NTASKS", "3");
     const auto env = LaunchEnv::from_environment();
-    CHECK((env.rank == 2 && env.size == 4));
-    CHECK(env.source.find("Open MPI") != std::string::npos);
-    ScopedEnv r2("SLURM_PROCID", "1"), s2("SLURM_NTASKS", "3"), st("TESSERA_STORE", "file:///tmp/x");
-    CHECK(LaunchEnv::from_environment().rank == 1);  // Slurm before Open MPI
+    CHECK((env.rank == 1 && env.size == 3));
+    CHECK(env.source.find("Slurm") != std::string::npos);
+    // mpirun inside an sbatch allocation: the allocation's SLURM_PROCID is inherited, OMPI_ wins.
+    ScopedEnv r2("OMPI_COMM_WORLD_RANK", "2"), s2("OMPI_COMM_WORLD_SIZE", "4"), st("TESSERA_STORE", "file:///tmp/x");
+    CHECK(LaunchEnv::from_environment().rank == 2);
     CHECK(LaunchEnv::from_environment().store == "file:///tmp/x");
     ScopedEnv r3("TESSERA_RANK", "0"), s3("TESSERA_WORLD_SIZE", "2");
     CHECK(LaunchEnv::from_environment().size == 2);  // tessera-run first

@@ -20,6 +20,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string_view>
@@ -57,6 +58,15 @@ inline constexpr CommDType comm_dtype_of = std::same_as<T, float>          ? Com
                                   : std::same_as<T, std::int64_t> ? CommDType::I64
                                                                   : CommDType::F16;
 
+inline std::size_t comm_scalar_bytes(CommDType t) {
+  switch (t) {
+    case CommDType::F64:
+    case CommDType::I64: return 8;
+    case CommDType::F16: return 2;
+    default: return 4;
+  }
+}
+
 inline std::string_view to_string(CommDType t) {
   switch (t) {
     case CommDType::F32: return "float32";
@@ -70,18 +80,29 @@ inline std::string_view to_string(CommDType t) {
 
 // Handle of an asynchronous operation. wait() blocks until done (rethrowing its error, with the
 // operation's own timeout); is_completed() polls without blocking. A default Work is already
-// complete (what a backend returns when there was nothing to do).
+// complete (what a backend returns when there was nothing to do). Move-only: the operation
+// finishes once (an Avg divides once), and a wait() that threw rethrows on every later wait().
 class Work {
  public:
   Work() = default;
   Work(std::function<void()> wait_fn, std::function<bool()> poll_fn)
       : wait_(std::move(wait_fn)), poll_(std::move(poll_fn)) {}
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&&) noexcept = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
   void wait() {
-    if (wait_) {
-      auto fn = std::move(wait_);
-      wait_ = nullptr;
-      poll_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+    if (!wait_) return;
+    auto fn = std::move(wait_);
+    wait_ = nullptr;
+    poll_ = nullptr;
+    try {
       fn();
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
     }
   }
   bool is_completed() const { return !wait_ || (poll_ && poll_()); }
@@ -89,6 +110,7 @@ class Work {
  private:
   std::function<void()> wait_;
   std::function<bool()> poll_;
+  std::exception_ptr error_;
 };
 
 // One concept per member, so that a backend that lacks one fails with that member's name:

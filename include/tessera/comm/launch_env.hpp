@@ -2,8 +2,10 @@
 //
 // Looked up in this order (the first launcher whose rank variable is present wins):
 //   tessera-run / by hand: TESSERA_RANK, TESSERA_WORLD_SIZE, TESSERA_LOCAL_RANK, TESSERA_STORE
-//   Slurm srun:            SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
 //   Open MPI mpirun:       OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK
+//   Slurm srun:            SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+// Open MPI comes before Slurm because an mpirun inside an sbatch allocation passes the
+// allocation's SLURM_PROCID (its own daemon's) to every rank; only the OMPI_ values are per rank.
 // With none of them set, the process is rank 0 of 1. The store address (used by Gloo and for
 // NCCL's id exchange) always comes from TESSERA_STORE.
 #pragma once
@@ -36,8 +38,8 @@ struct LaunchEnv {
     };
     const Scheme schemes[] = {
         {"TESSERA_RANK", "TESSERA_WORLD_SIZE", "TESSERA_LOCAL_RANK", "tessera-run (TESSERA_RANK)"},
-        {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "Slurm (SLURM_PROCID)"},
         {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI (OMPI_COMM_WORLD_RANK)"},
+        {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "Slurm (SLURM_PROCID)"},
     };
     for (const Scheme& s : schemes) {
       const auto rank = read_int(s.rank);

@@ -95,6 +95,22 @@ void combine_into(T* c, const T* a, const T* b, std::size_t n, ReduceOp op) {
   }
 }
 
+// Half and Avg over a library that reduces pairwise in fp16 (MPI, Gloo): each rank divides its
+// own values by the rank count first and the library sums (NCCL's pre-multiplied sum), so the
+// running sum cannot overflow fp16 (max 65504) when the average itself fits. True when the
+// caller must then reduce with Sum and skip finish_avg.
+template <CommScalar T>
+bool prescale_half_avg(T* buf, std::size_t n, ReduceOp op, int ranks) {
+  if constexpr (!std::is_same_v<T, Half>) {
+    return false;
+  } else {
+    if (op != ReduceOp::Avg || ranks == 1) return false;
+    const float inv = 1.0f / static_cast<float>(ranks);
+    for (std::size_t i = 0; i < n; ++i) buf[i] = Half(static_cast<float>(buf[i]) * inv);
+    return true;
+  }
+}
+
 // buf[i] /= ranks when op is Avg (the sum has been formed); nothing otherwise.
 template <CommScalar T>
 void finish_avg(T* buf, std::size_t n, ReduceOp op, int ranks) {

@@ -148,43 +148,78 @@ class ThreadGroup {
     leave(rank, sig);  // a second meeting: nobody may publish the next call while a peer still compares
   }
 
-  // Eager send: the bytes are copied into the receiver's mailbox and send returns, so a ring of
-  // sends followed by receives cannot deadlock (like MPI's eager protocol, at any size).
+  // Point-to-point. A send is eager: it hands its bytes to the oldest receive the peer has posted,
+  // or copies them into the mailbox if none is posted yet, and returns. A receive is posted at
+  // once (taking a waiting message if there is one) and completed by wait_recv. Neither touches
+  // the async worker's queue, so `recv_async` then `send`, and rings of blocking sends, cannot
+  // deadlock; matching is in order per (sender, receiver), as in MPI.
+  struct PostedRecv {
+    void* buffer;
+    CommDType dtype;
+    std::size_t count;
+    bool done = false;
+    std::string error;  // a type or count mismatch, reported by wait_recv
+  };
+
   template <CommScalar T>
   void send(int rank, std::span<const T> buf, int peer) {
     check_peer(rank, peer, "send", "peer");
     if (broken_.load()) check_usable(rank, cat("send to rank ", peer));
     Mailbox& box = mailbox(rank, peer);
-    Message message{std::vector<std::byte>(buf.size_bytes()), comm_dtype_of<T>, buf.size()};
-    if (!buf.empty()) std::memcpy(message.bytes.data(), buf.data(), buf.size_bytes());
     {
       std::lock_guard lock(box.mutex);
-      box.queue.push_back(std::move(message));
+      if (!box.posted.empty()) {
+        deliver(*box.posted.front(), buf.data(), comm_dtype_of<T>, buf.size(), rank);
+        box.posted.pop_front();
+      } else {
+        Message message{std::vector<std::byte>(buf.size_bytes()), comm_dtype_of<T>, buf.size()};
+        if (!buf.empty()) std::memcpy(message.bytes.data(), buf.data(), buf.size_bytes());
+        box.queue.push_back(std::move(message));
+      }
     }
     box.cv.notify_all();
   }
 
   template <CommScalar T>
-  void recv(int rank, std::span<T> buf, int peer) {
+  std::shared_ptr<PostedRecv> post_recv(int rank, std::span<T> buf, int peer) {
     check_peer(rank, peer, "recv", "peer");
     if (broken_.load()) check_usable(rank, cat("recv from rank ", peer));
+    auto posted = std::make_shared<PostedRecv>(PostedRecv{buf.data(), comm_dtype_of<T>, buf.size()});
+    Mailbox& box = mailbox(peer, rank);
+    std::lock_guard lock(box.mutex);
+    if (!box.queue.empty()) {
+      const Message& message = box.queue.front();
+      deliver(*posted, message.bytes.data(), message.dtype, message.count, peer);
+      box.queue.pop_front();
+    } else {
+      box.posted.push_back(posted);
+    }
+    return posted;
+  }
+
+  bool recv_done(int rank, int peer, const PostedRecv& posted) {
+    std::lock_guard lock(mailbox(peer, rank).mutex);
+    return posted.done;
+  }
+
+  void wait_recv(int rank, int peer, const std::shared_ptr<PostedRecv>& posted) {
     Mailbox& box = mailbox(peer, rank);
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     std::unique_lock lock(box.mutex);
-    while (box.queue.empty()) {
-      if (world_->failed.load()) fail(rank, cat("recv from rank ", peer), "", stopped_reason());
-      if (std::chrono::steady_clock::now() >= deadline)
-        fail(rank, cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer), "",
-             cat("timed out after ", seconds_text(options_.timeout), ": rank ", peer, " sent nothing"));
+    while (!posted->done) {
+      const bool failed = world_->failed.load();
+      const bool late = std::chrono::steady_clock::now() >= deadline;
+      if (failed || late) {
+        // Withdraw the receive so that a late send cannot write into a buffer the caller frees.
+        std::erase(box.posted, posted);
+        lock.unlock();
+        const std::string what = cat("recv(", to_string(posted->dtype), " x ", posted->count, ") from rank ", peer);
+        if (failed) fail(rank, what, "", stopped_reason());
+        fail(rank, what, "", cat("timed out after ", seconds_text(options_.timeout), ": rank ", peer, " sent nothing"));
+      }
       box.cv.wait_for(lock, std::chrono::milliseconds(20));
     }
-    Message message = std::move(box.queue.front());
-    box.queue.pop_front();
-    lock.unlock();
-    TESSERA_CHECK(message.dtype == comm_dtype_of<T> && message.count == buf.size(), CommError, "ThreadComm recv on rank ",
-                  rank, ": expected ", to_string(comm_dtype_of<T>), " x ", buf.size(), " from rank ", peer, ", got ",
-                  to_string(message.dtype), " x ", message.count);
-    if (!buf.empty()) std::memcpy(buf.data(), message.bytes.data(), buf.size_bytes());
+    TESSERA_CHECK(posted->error.empty(), CommError, "ThreadComm recv on rank ", rank, ": ", posted->error);
   }
 
   // MPI_Comm_split semantics: ranks with equal color form a group, ordered by (key, old rank).
@@ -236,8 +271,20 @@ class ThreadGroup {
   struct Mailbox {
     std::mutex mutex;
     std::condition_variable cv;
-    std::deque<Message> queue;
+    std::deque<Message> queue;                         // sent, not yet received
+    std::deque<std::shared_ptr<PostedRecv>> posted;  // posted receives, not yet matched
   };
+
+  // Copies a message into a posted receive, or records why it cannot (called with the lock held).
+  static void deliver(PostedRecv& to, const void* bytes, CommDType dtype, std::size_t count, int from) {
+    if (dtype != to.dtype || count != to.count) {
+      to.error = cat("expected ", to_string(to.dtype), " x ", to.count, " from rank ", from, ", got ",
+                     to_string(dtype), " x ", count);
+    } else if (count > 0) {
+      std::memcpy(to.buffer, bytes, count * comm_scalar_bytes(dtype));
+    }
+    to.done = true;
+  }
 
   Mailbox& mailbox(int from, int to) { return *mailboxes_[static_cast<std::size_t>(from * size_ + to)]; }
 
@@ -388,13 +435,11 @@ class ThreadComm {
   }
   template <CommScalar T>
   void send(std::span<const T> buf, int peer) {
-    drain();
-    group_->send(rank_, buf, peer);
+    group_->send(rank_, buf, peer);  // eager, and never queued behind async collectives
   }
   template <CommScalar T>
   void recv(std::span<T> buf, int peer) {
-    drain();
-    group_->recv(rank_, buf, peer);
+    recv_async(buf, peer).wait();
   }
   void barrier() {
     drain();
@@ -421,13 +466,14 @@ class ThreadComm {
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
-    drain();
-    group_->send(rank_, buf, peer);  // eager: complete once copied
+    group_->send(rank_, buf, peer);  // eager: complete once handed over
     return {};
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
-    return submit([g = group_, r = rank_, buf, peer] { g->recv(r, buf, peer); });
+    auto posted = group_->post_recv(rank_, buf, peer);
+    return Work([g = group_, r = rank_, peer, posted] { g->wait_recv(r, peer, posted); },
+                [g = group_, r = rank_, peer, posted] { return g->recv_done(r, peer, *posted); });
   }
 
   ThreadComm split(int color, int key) {
@@ -491,20 +537,22 @@ class ThreadWorld {
     std::vector<std::exception_ptr> errors(static_cast<std::size_t>(size_));
     std::mutex first_mutex;
     int first = -1;
+    // The communicator outlives the catch: the other ranks are told of a failure before this
+    // rank's worker is joined (its queued operations then fail fast instead of timing out).
     auto body = [&](int rank) {
+      ThreadComm comm = this->comm(rank);
+      auto record = [&](std::string reason) {
+        errors[rank] = std::current_exception();
+        std::lock_guard lock(first_mutex);
+        if (first < 0 && !state_->failed.load()) first = rank;
+        fail(rank, std::move(reason));
+      };
       try {
-        ThreadComm comm = this->comm(rank);
         fn(comm);
       } catch (const std::exception& e) {
-        errors[rank] = std::current_exception();
-        std::lock_guard lock(first_mutex);
-        if (first < 0 && !state_->failed.load()) first = rank;
-        fail(rank, e.what());
+        record(e.what());
       } catch (...) {
-        errors[rank] = std::current_exception();
-        std::lock_guard lock(first_mutex);
-        if (first < 0 && !state_->failed.load()) first = rank;
-        fail(rank, "unknown exception");
+        record("unknown exception");
       }
     };
     std::vector<std::thread> threads;

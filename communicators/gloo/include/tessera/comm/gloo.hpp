@@ -19,7 +19,8 @@
 // chosen by size, see kBcubeMaxBytes); reduce_scatter is a ring over Gloo's unbound buffers
 // (this Gloo has no new-style reduce_scatter). Asynchronous collectives run in issue order on a
 // worker thread (what ProcessGroupGloo does); send/recv are posted at once from the caller's
-// thread on their own slot, so a ring of send_async + recv cannot deadlock behind the worker.
+// thread on their own slot, so a ring of send_async + recv cannot deadlock behind the worker
+// (a helper thread per transfer reports its completion).
 // Every operation carries the communicator's timeout; a Gloo error or timeout becomes CommError
 // naming the operation, the rank and Gloo's own reason (the peer's address or the phase), and the
 // peer's rank where the address can be traced back. Creating a GlooComm sets SIGPIPE to ignored
@@ -41,9 +42,11 @@
 
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -466,6 +469,7 @@ class GlooComm {
                                     static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)};
     debug_check(s, sig, tag);
     if (s->size == 1 || buf.empty()) return check_usable(s, sig);
+    if (detail::prescale_half_avg(buf.data(), buf.size(), op, s->size)) op = ReduceOp::Sum;
     guarded(s, sig, [&] {
       gloo::AllreduceOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
@@ -543,6 +547,14 @@ class GlooComm {
       std::copy(in.begin(), in.end(), out.begin());
       return;
     }
+    // Half Avg: sum pre-divided values (from a copy, the input is const) so fp16 cannot overflow.
+    std::vector<T> scaled;
+    if (std::is_same_v<T, Half> && op == ReduceOp::Avg) {
+      scaled.assign(in.begin(), in.end());
+      detail::prescale_half_avg(scaled.data(), scaled.size(), op, p);
+      in = std::span<const T>(scaled);
+      op = ReduceOp::Sum;
+    }
     const std::size_t n = out.size(), bytes = n * sizeof(T);
     const int right = (r + 1) % p, left = (r + p - 1) % p;
     auto index = [p](int c) { return static_cast<std::size_t>((c % p + p) % p); };
@@ -584,7 +596,16 @@ class GlooComm {
   }
 
   // Point-to-point on a fixed slot: Gloo matches sends and receives per (peer, slot) in order.
+  // The transfer is posted at once; a short-lived thread waits for it (with the timeout) and
+  // records completion, which is what gives is_completed() an answer: Gloo cannot poll an unbound
+  // buffer (a zero-timeout wait counts as a timeout and tears the connection down).
   Work post(const std::string& what, void* data, std::size_t bytes, int peer, bool is_send) {
+    struct Completion {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done = false;
+      std::exception_ptr error;
+    };
     auto s = s_;
     std::shared_ptr<gloo::transport::UnboundBuffer> buffer;
     guarded(s, what, [&] {
@@ -592,17 +613,34 @@ class GlooComm {
       if (is_send) buffer->send(peer, kPointToPointSlot);
       else buffer->recv(peer, kPointToPointSlot);
     });
-    const auto deadline = std::chrono::steady_clock::now() + s->options.timeout;
+    auto completion = std::make_shared<Completion>();
+    std::thread([s, buffer, what, is_send, completion] {
+      std::exception_ptr error;
+      try {
+        guarded(s, what, [&] {
+          if (is_send) buffer->waitSend(s->options.timeout);
+          else buffer->waitRecv(s->options.timeout);
+        });
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard lock(completion->mutex);
+        completion->error = error;
+        completion->done = true;
+      }
+      completion->cv.notify_all();
+    }).detach();  // holds shared_ptrs to everything it touches
     return Work(
-        [s, buffer, what, is_send, deadline] {
-          guarded(s, what, [&] {
-            const auto left = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                         deadline - std::chrono::steady_clock::now()));
-            if (is_send) buffer->waitSend(left);
-            else buffer->waitRecv(left);
-          });
+        [completion] {
+          std::unique_lock lock(completion->mutex);
+          completion->cv.wait(lock, [&] { return completion->done; });
+          if (completion->error) std::rethrow_exception(completion->error);
         },
-        {});
+        [completion] {
+          std::lock_guard lock(completion->mutex);
+          return completion->done;
+        });
   }
 
   static constexpr std::uint8_t kReduceScatterSlotPrefix = 0x20;

@@ -16,7 +16,12 @@
 // MpiComm::set_interruptible(true)) to run blocking calls through the non-blocking path
 // instead and get an exception, at the speed cost above. A killed peer makes mpirun end the job
 // at once, naming the rank.
-// Half (fp16) travels as a 2-byte MPI datatype with user-defined reduction ops (MPI has none).
+// Half (fp16) travels as a 2-byte MPI datatype with user-defined reduction ops (MPI has none);
+// its Avg divides before summing so that the fp16 running sum cannot overflow.
+// Debug mode (TESSERA_COMM_DEBUG=1) exchanges call signatures with a blocking all_gather before
+// each collective, so in debug mode the *_async collectives synchronize the ranks when issued.
+// After any failure the job is broken: at exit the runtime calls MPI_Abort instead of
+// MPI_Finalize, which would wait for the dead or stalled peer forever.
 #pragma once
 
 // The C API is all we use; skip the deprecated C++ bindings (they also warn under -Wextra).
@@ -28,6 +33,7 @@
 #endif
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -100,7 +106,15 @@ MPI_Op mpi_op(ReduceOp op) {
   }
 }
 
-// Initializes MPI on first use when the program has not, and finalizes it at exit in that case.
+// Set once any MpiComm operation failed. The job is then broken: MPI_Finalize would wait for the
+// failed or stalled peer forever, so the runtime aborts the job at exit instead.
+inline std::atomic<bool>& mpi_job_failed() {
+  static std::atomic<bool> failed{false};
+  return failed;
+}
+
+// Initializes MPI on first use when the program has not, and finalizes it at exit in that case
+// (or aborts the job, after a failure; see mpi_job_failed).
 struct MpiRuntime {
   bool initialized_here = false;
   MpiRuntime() {
@@ -117,7 +131,9 @@ struct MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (initialized_here && !finalized) MPI_Finalize();
+    if (!initialized_here || finalized) return;
+    if (mpi_job_failed().load()) MPI_Abort(MPI_COMM_WORLD, 1);
+    MPI_Finalize();
   }
   static void ensure() { static MpiRuntime runtime; }
 };
@@ -232,6 +248,7 @@ class MpiComm {
   Work all_reduce_async(std::span<T> buf, ReduceOp op) {
     const auto sig = signature<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
     begin(sig);
+    if (detail::prescale_half_avg(buf.data(), buf.size(), op, size())) op = ReduceOp::Sum;
     MPI_Request request;
     call(sig, MPI_Iallreduce(MPI_IN_PLACE, buf.data(), count(buf.size()), detail::mpi_type<T>(),
                              detail::mpi_op<T>(op), h_->comm, &request));
@@ -264,14 +281,17 @@ class MpiComm {
                   " x ", out.size(), " (size x output)");
     const auto sig = signature<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
     begin(sig);
+    auto scaled = prescaled_input(in, op);  // Half Avg only; kept alive until the work finishes
     MPI_Request request;
-    call(sig, MPI_Ireduce_scatter_block(in.data(), out.data(), count(out.size()), detail::mpi_type<T>(),
-                                        detail::mpi_op<T>(op), h_->comm, &request));
-    return make_work(request, sig, [out, op, n = size()] { detail::finish_avg(out.data(), out.size(), op, n); });
+    call(sig, MPI_Ireduce_scatter_block(scaled ? scaled->data() : in.data(), out.data(), count(out.size()),
+                                        detail::mpi_type<T>(), detail::mpi_op<T>(op), h_->comm, &request));
+    return make_work(request, sig,
+                     [out, op, n = size(), scaled] { detail::finish_avg(out.data(), out.size(), op, n); });
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
     check_peer(peer, "send", "peer");
+    check_not_self(peer, "send");
     const auto what = detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
     check_usable(what);
     MPI_Request request;
@@ -282,18 +302,22 @@ class MpiComm {
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
     check_peer(peer, "recv", "peer");
+    check_not_self(peer, "recv");
     const auto what = detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
     check_usable(what);
     MPI_Request request;
     call(what, MPI_Irecv(buf.data(), count(buf.size()), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
                          &request));
-    return make_work(request, what, {});
+    // A shorter message would complete the receive silently: the received count is checked.
+    return make_work(request, what, {}, {detail::mpi_type<T>(), static_cast<long long>(buf.size())});
   }
 
   template <CommScalar T>
   void all_reduce(std::span<T> buf, ReduceOp op) {
     if (h_->interruptible) return all_reduce_async(buf, op).wait();
     const auto sig = signature<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
+    check_usable(sig);
+    if (detail::prescale_half_avg(buf.data(), buf.size(), op, size())) op = ReduceOp::Sum;
     blocking(sig, [&] {
       return MPI_Allreduce(MPI_IN_PLACE, buf.data(), count(buf.size()), detail::mpi_type<T>(), detail::mpi_op<T>(op),
                            h_->comm);
@@ -325,9 +349,11 @@ class MpiComm {
                   "MpiComm reduce_scatter on rank ", rank(), ": input has ", in.size(), " elements, expected ", size(),
                   " x ", out.size(), " (size x output)");
     const auto sig = signature<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
+    check_usable(sig);
+    const auto scaled = prescaled_input(in, op);
     blocking(sig, [&] {
-      return MPI_Reduce_scatter_block(in.data(), out.data(), count(out.size()), detail::mpi_type<T>(),
-                                      detail::mpi_op<T>(op), h_->comm);
+      return MPI_Reduce_scatter_block(scaled ? scaled->data() : in.data(), out.data(), count(out.size()),
+                                      detail::mpi_type<T>(), detail::mpi_op<T>(op), h_->comm);
     });
     detail::finish_avg(out.data(), out.size(), op, size());
   }
@@ -352,9 +378,10 @@ class MpiComm {
 
   MpiComm split(int color, int key) {
     TESSERA_CHECK(color >= 0, ArgumentError, "MpiComm split on rank ", rank(), ": color ", color, " must be >= 0");
-    begin(detail::CallSignature{detail::CollectiveKind::Split, CommDType::I64, 0, 0});
+    // MPI_Comm_split is blocking with no non-blocking form: the watchdog enforces its timeout.
     MPI_Comm child = MPI_COMM_NULL;
-    call(std::string("split"), MPI_Comm_split(h_->comm, color, key, &child));
+    blocking(detail::CallSignature{detail::CollectiveKind::Split, CommDType::I64, 0, 0},
+             [&] { return MPI_Comm_split(h_->comm, color, key, &child); });
     MpiComm result(child, h_->options, true);
     result.h_->interruptible = h_->interruptible;
     return result;
@@ -366,10 +393,25 @@ class MpiComm {
   template <class Call>
   void blocking(const detail::CallSignature& sig, Call&& mpi_call) {
     begin(sig);
-    const int entry = detail::MpiWatchdog::instance().begin(h_->options.timeout, sig, rank(), size());
-    const int code = mpi_call();
-    detail::MpiWatchdog::instance().end(entry);
-    call(sig, code);
+    struct Watched {  // ends the watch however the call leaves (an exception included)
+      int entry;
+      ~Watched() { detail::MpiWatchdog::instance().end(entry); }
+    } watched{detail::MpiWatchdog::instance().begin(h_->options.timeout, sig, rank(), size())};
+    call(sig, mpi_call());
+  }
+
+  // Half Avg over reduce_scatter: the input is const, so the pre-divided values go to a copy.
+  template <CommScalar T>
+  std::shared_ptr<std::vector<T>> prescaled_input(std::span<const T> in, ReduceOp& op) const {
+    if constexpr (!std::is_same_v<T, Half>) {
+      return nullptr;
+    } else {
+      if (op != ReduceOp::Avg || size() == 1) return nullptr;
+      auto copy = std::make_shared<std::vector<T>>(in.begin(), in.end());
+      detail::prescale_half_avg(copy->data(), copy->size(), op, size());
+      op = ReduceOp::Sum;
+      return copy;
+    }
   }
 
   MpiComm(MPI_Comm comm, CommOptions options, bool owned) : h_(std::make_shared<detail::MpiHandle>()) {
@@ -399,6 +441,9 @@ class MpiComm {
     TESSERA_CHECK(peer >= 0 && peer < size(), CommError, "MpiComm ", op, " on rank ", rank(), ": ", what, " ", peer,
                   " is out of range [0, ", size(), ")");
   }
+  void check_not_self(int peer, const char* op) const {
+    TESSERA_CHECK(peer != rank(), CommError, "MpiComm ", op, " on rank ", rank(), ": cannot ", op, " to itself");
+  }
 
   template <class What>
   void check_usable(const What& what) const {
@@ -420,7 +465,7 @@ class MpiComm {
     try {
       detail::check_signatures("MpiComm", rank(), all);
     } catch (const CommError& e) {
-      h_->broken = e.what();
+      mark_broken(h_, e.what());
       throw;
     }
   }
@@ -432,42 +477,72 @@ class MpiComm {
   }
   template <class What>
   [[noreturn]] void fail(const What& what, const std::string& reason) {
-    const std::string text = detail::cat("MpiComm ", detail::describe(what), " on rank ", rank(), " of ", size(), ": ", reason);
-    if (h_->broken.empty()) h_->broken = text;
-    throw CommError(text);
+    throw CommError(mark_broken(h_, detail::cat("MpiComm ", detail::describe(what), " on rank ", rank(), " of ", size(),
+                                                ": ", reason)));
   }
 
-  // The deadline counts from the start of the operation. Polling yields the core between tests,
-  // which matters when ranks outnumber cores.
+  // Remembers the first failure on this communicator and for the whole job (see mpi_job_failed).
+  static const std::string& mark_broken(const std::shared_ptr<detail::MpiHandle>& h, std::string text) {
+    detail::mpi_job_failed().store(true);
+    if (h->broken.empty()) h->broken = std::move(text);
+    return h->broken;
+  }
+
+  struct ExpectedCount {
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+    long long count = -1;  // checked against the received message when >= 0
+  };
+
+  // wait() polls MPI_Test (yielding the core between tests, which matters when ranks outnumber
+  // cores) until the operation completes or the timeout passes. The deadline counts from the
+  // start of wait(), not from the issue: MPI's non-blocking collectives progress only inside MPI
+  // calls, so a caller that computes for a long time before waiting has not been stalled by a
+  // peer. The finishing step (Avg's division) runs once, on whichever of poll and wait first sees
+  // the completion.
   template <class What>
-  Work make_work(MPI_Request request, What what, std::function<void()> finish) {
+  Work make_work(MPI_Request request, What what, std::function<void()> finish, ExpectedCount expected = {}) {
     struct State {
       MPI_Request request;
+      std::function<void()> finish;
+      ExpectedCount expected;
       bool done = false;
+      std::string error;
     };
-    auto state = std::make_shared<State>(State{request});
-    const auto deadline = std::chrono::steady_clock::now() + h_->options.timeout;
+    auto state = std::make_shared<State>(State{request, std::move(finish), expected});
     auto handle = h_;
     auto poll = [state, handle, what]() {
       if (state->done) return true;
       int flag = 0;
-      const int code = MPI_Test(&state->request, &flag, MPI_STATUS_IGNORE);
+      MPI_Status status;
+      const int code = MPI_Test(&state->request, &flag, &status);
       if (code != MPI_SUCCESS) {
         state->done = true;
-        throw CommError(
-            detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank, ": ", detail::mpi_error_text(code)));
+        state->error = detail::mpi_error_text(code);
+      } else if (flag) {
+        state->done = true;
+        if (state->expected.count >= 0) {
+          int received = 0;
+          MPI_Get_count(&status, state->expected.type, &received);
+          if (received != state->expected.count)
+            state->error = detail::cat("expected ", state->expected.count, " elements, the message had ", received);
+        }
+        if (state->error.empty() && state->finish) state->finish();
       }
-      state->done = flag != 0;
+      if (!state->error.empty())
+        throw CommError(mark_broken(handle, detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank,
+                                                        " of ", handle->size, ": ", state->error)));
       return state->done;
     };
-    auto wait = [this_comm = *this, state, deadline, what, poll, finish = std::move(finish)]() mutable {
+    auto wait = [handle, what, poll]() {
+      const auto deadline = std::chrono::steady_clock::now() + handle->options.timeout;
       for (int spins = 0; !poll(); ++spins) {
         if (spins > 64) std::this_thread::yield();
         if ((spins & 255) == 0 && std::chrono::steady_clock::now() >= deadline)
-          this_comm.fail(what, detail::cat("timed out after ", detail::seconds_text(this_comm.h_->options.timeout),
-                                           " (a peer is dead, stalled, or did not make the same call)"));
+          throw CommError(mark_broken(
+              handle, detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank, " of ", handle->size,
+                                  ": timed out after ", detail::seconds_text(handle->options.timeout),
+                                  " (a peer is dead, stalled, or did not make the same call)")));
       }
-      if (finish) finish();
     };
     return Work(std::move(wait), [poll] { return poll(); });
   }
