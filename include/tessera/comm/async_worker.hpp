@@ -18,6 +18,47 @@
 
 namespace tessera::detail {
 
+// A one-shot "finished, maybe with an error" flag shared by an operation running on another
+// thread and the Work that waits for it.
+class Completion {
+ public:
+  // Runs op, records how it ended and wakes the waiters.
+  template <class Op>
+  void run(Op&& op) {
+    std::exception_ptr error;
+    try {
+      op();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mutex_);
+      error_ = error;
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  static Work work_for(const std::shared_ptr<Completion>& c) {
+    return Work(
+        [c] {
+          std::unique_lock lock(c->mutex_);
+          c->cv_.wait(lock, [&] { return c->done_; });
+          if (c->error_) std::rethrow_exception(c->error_);
+        },
+        [c] {
+          std::lock_guard lock(c->mutex_);
+          return c->done_;
+        });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
 class AsyncWorker {
  public:
   AsyncWorker() = default;
@@ -33,24 +74,15 @@ class AsyncWorker {
   }
 
   Work submit(std::function<void()> op) {
-    auto state = std::make_shared<State>();
+    auto completion = std::make_shared<Completion>();
     {
       std::lock_guard lock(mutex_);
       if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-      queue_.push_back({std::move(op), state});
+      queue_.push_back({std::move(op), completion});
       ++pending_;
     }
     wake_.notify_all();
-    return Work(
-        [state] {
-          std::unique_lock lock(state->mutex);
-          state->cv.wait(lock, [&] { return state->done; });
-          if (state->error) std::rethrow_exception(state->error);
-        },
-        [state] {
-          std::lock_guard lock(state->mutex);
-          return state->done;
-        });
+    return Completion::work_for(completion);
   }
 
   // Blocks until every submitted operation has finished (successfully or not).
@@ -60,15 +92,9 @@ class AsyncWorker {
   }
 
  private:
-  struct State {
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool done = false;
-    std::exception_ptr error;
-  };
   struct Task {
     std::function<void()> op;
-    std::shared_ptr<State> state;
+    std::shared_ptr<Completion> completion;
   };
 
   void loop() {
@@ -81,18 +107,7 @@ class AsyncWorker {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
-      std::exception_ptr error;
-      try {
-        task.op();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard lock(task.state->mutex);
-        task.state->error = error;
-        task.state->done = true;
-      }
-      task.state->cv.notify_all();
+      task.completion->run(task.op);
       {
         std::lock_guard lock(mutex_);
         --pending_;

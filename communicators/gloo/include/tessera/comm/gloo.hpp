@@ -600,12 +600,6 @@ class GlooComm {
   // records completion, which is what gives is_completed() an answer: Gloo cannot poll an unbound
   // buffer (a zero-timeout wait counts as a timeout and tears the connection down).
   Work post(const std::string& what, void* data, std::size_t bytes, int peer, bool is_send) {
-    struct Completion {
-      std::mutex mutex;
-      std::condition_variable cv;
-      bool done = false;
-      std::exception_ptr error;
-    };
     auto s = s_;
     std::shared_ptr<gloo::transport::UnboundBuffer> buffer;
     guarded(s, what, [&] {
@@ -613,34 +607,16 @@ class GlooComm {
       if (is_send) buffer->send(peer, kPointToPointSlot);
       else buffer->recv(peer, kPointToPointSlot);
     });
-    auto completion = std::make_shared<Completion>();
+    auto completion = std::make_shared<detail::Completion>();
     std::thread([s, buffer, what, is_send, completion] {
-      std::exception_ptr error;
-      try {
+      completion->run([&] {
         guarded(s, what, [&] {
           if (is_send) buffer->waitSend(s->options.timeout);
           else buffer->waitRecv(s->options.timeout);
         });
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard lock(completion->mutex);
-        completion->error = error;
-        completion->done = true;
-      }
-      completion->cv.notify_all();
+      });
     }).detach();  // holds shared_ptrs to everything it touches
-    return Work(
-        [completion] {
-          std::unique_lock lock(completion->mutex);
-          completion->cv.wait(lock, [&] { return completion->done; });
-          if (completion->error) std::rethrow_exception(completion->error);
-        },
-        [completion] {
-          std::lock_guard lock(completion->mutex);
-          return completion->done;
-        });
+    return detail::Completion::work_for(completion);
   }
 
   static constexpr std::uint8_t kReduceScatterSlotPrefix = 0x20;
