@@ -10,7 +10,8 @@
 //   split(color, key)           ranks with the same color form a new communicator, ordered by key
 //
 // Element types: float, double, int32_t, int64_t and Half (IEEE fp16, reduced in float).
-// ReduceOp::Avg is sum / size; for integers it truncates toward zero like C++ division.
+// ReduceOp::Avg is sum / size; for integers it truncates toward zero like C++ division (and the
+// sum is formed first, so it can overflow where the mean would fit).
 //
 // Every blocking call has a timeout (CommOptions) and throws CommError naming the operation, the
 // rank and the peer or phase on failure. After a CommError a communicator is broken: later calls
