@@ -1,0 +1,228 @@
+// DataParallel: synchronous data parallelism over any communicator (PyTorch DDP's design).
+//
+//   DataParallel<double, ThreadComm> dp(model, comm);    // broadcasts rank 0's parameters/buffers
+//   loop: zero_grad; forward; loss; backward;             // all-reduces start during backward
+//         dp.finish();                                    // wait, write averaged gradients back
+//         optimizer.step();
+//
+// Every rank holds the whole model and trains on its own shard of each global batch. After
+// finish(), every parameter's grad is the average over ranks (and over micro-steps, see below) of
+// the per-rank gradients, which for a mean-reduced loss and equal shard sizes is exactly the
+// gradient of the global batch: N ranks x batch b step like one process on batch N x b.
+//
+// Buckets. Parameters are grouped, in reverse order of the model's parameter list (backward
+// produces gradients roughly last layer first), into flat buckets of at most bucket_bytes; the
+// first bucket is capped at first_bucket_bytes so that communication starts early in backward.
+// Backward calls each parameter's grad_ready hook once its gradient is final; when every
+// parameter of a bucket is in, its gradients are packed into the bucket and an asynchronous
+// all_reduce(Avg) starts, overlapping the rest of backward. Buckets are launched strictly in
+// bucket order on every rank (a later bucket that fills first waits for the earlier ones), so
+// the sequence of collectives is identical on all ranks whatever order hooks fire in.
+//
+// Gradient accumulation: inside `auto guard = dp.no_sync();` backward passes accumulate
+// gradients locally with no communication; the first backward after the guard ends runs the
+// all-reduces, and finish() divides by the number of micro-steps k, so k micro-steps of batch b
+// equal one step of batch k x b (for a mean-reduced loss).
+//
+// Unused parameters: finish() throws ArgumentError naming every parameter whose gradient was not
+// produced in this step (a branch not taken in forward). Every rank must use every parameter:
+// otherwise the ranks would launch different buckets and wait for each other forever.
+//
+// Requires: the model outlives the DataParallel and is not moved (hooks point into it); one
+// DataParallel per model; the communicator outlives it too.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/error.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+struct DataParallelOptions {
+  std::size_t bucket_bytes = 25u << 20;      // PyTorch DDP's default bucket_cap_mb = 25
+  std::size_t first_bucket_bytes = 1u << 20;  // and its 1 MiB first bucket
+  bool broadcast_at_start = true;             // parameters and buffers from rank 0
+};
+
+template <class S, class Comm, class D = Cpu>
+class DataParallel {
+  static_assert(AsyncCommunicator<Comm>, "DataParallel needs a communicator with *_async operations");
+
+ public:
+  struct Bucket {
+    std::vector<int> params;           // indices into parameters(), in bucket order
+    std::vector<std::int64_t> offset;  // element offset of each in the flat buffer
+    std::vector<S> flat;               // packed gradients, reduced in place
+    int ready = 0;                     // parameters whose gradient is in this step
+    bool launched = false;
+    Work work;
+  };
+
+  template <class Model>
+  DataParallel(Model& model, Comm& comm, DataParallelOptions options = {})
+      : comm_(comm), options_(options), named_(named_tensors<S, D>(model)) {
+    TESSERA_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0, ArgumentError,
+                  "DataParallel: bucket sizes must be positive");
+    TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "DataParallel: the model has no parameters");
+    if (options.broadcast_at_start) broadcast_from_rank0();
+    build_buckets();
+    install_hooks();
+  }
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+  ~DataParallel() {
+    for (auto& b : buckets_)
+      if (b.launched) {
+        try {
+          b.work.wait();  // never leave a reduction writing into freed memory
+        } catch (...) {
+        }
+      }
+    for (auto& [name, p] : named_.parameters) p->on_grad_ready = nullptr;
+  }
+
+  // Copies rank 0's parameters and buffers to every rank (done at construction; call again
+  // after loading a checkpoint on rank 0 only, or to re-align per-rank BatchNorm statistics).
+  void broadcast_from_rank0() {
+    for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
+    for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
+  }
+
+  // RAII scope in which backward accumulates gradients without communicating.
+  class NoSync {
+   public:
+    explicit NoSync(DataParallel& dp) : dp_(&dp) { dp_->sync_ = false; }
+    NoSync(NoSync&& other) noexcept : dp_(other.dp_) { other.dp_ = nullptr; }
+    NoSync(const NoSync&) = delete;
+    ~NoSync() {
+      if (dp_) dp_->sync_ = true;
+    }
+
+   private:
+    DataParallel* dp_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  // Waits for every bucket (launching any that are still due), writes the averaged gradients back
+  // into the parameters, and resets for the next step. Throws if a parameter got no gradient.
+  void finish() {
+    const int micro_steps = fired_.empty() ? 0 : *std::max_element(fired_.begin(), fired_.end());
+    std::vector<std::string> unused;
+    for (std::size_t i = 0; i < fired_.size(); ++i)
+      if (fired_[i] != micro_steps) unused.push_back(named_.parameters[i].first);
+    if (!unused.empty() || micro_steps == 0) {
+      for (auto& b : buckets_)
+        if (b.launched) b.work.wait();
+      reset();
+      std::string names;
+      for (const auto& n : unused) names += (names.empty() ? "" : ", ") + n;
+      TESSERA_CHECK(false, ArgumentError, "DataParallel on rank ", comm_.rank(), ": ",
+                    micro_steps == 0 ? std::string("finish() without a backward pass since the last step")
+                                     : "no gradient in this step for: " + names +
+                                           " (every rank must use every parameter in forward)");
+    }
+    launch_ready_buckets();
+    const S scale = S(1) / static_cast<S>(micro_steps);
+    for (auto& b : buckets_) {
+      b.work.wait();
+      for (std::size_t k = 0; k < b.params.size(); ++k) {
+        auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
+        const S* src = b.flat.data() + b.offset[k];
+        S* dst = g.data();
+        const std::int64_t n = g.numel();
+        if (micro_steps == 1) std::copy(src, src + n, dst);
+        else for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+      }
+    }
+    reset();
+  }
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const NamedTensors<S, D>& parameters() const { return named_; }
+  Comm& comm() { return comm_; }
+
+ private:
+  void build_buckets() {
+    const int n = static_cast<int>(named_.parameters.size());
+    fired_.assign(static_cast<std::size_t>(n), 0);
+    bucket_of_.assign(static_cast<std::size_t>(n), -1);
+    std::size_t cap = options_.first_bucket_bytes;
+    for (int i = n - 1; i >= 0; --i) {
+      const std::int64_t elements = named_.parameters[static_cast<std::size_t>(i)].second->value.numel();
+      const std::size_t bytes = static_cast<std::size_t>(elements) * sizeof(S);
+      if (buckets_.empty() || (!buckets_.back().params.empty() && bucket_bytes(buckets_.back()) + bytes > cap)) {
+        if (!buckets_.empty()) cap = options_.bucket_bytes;
+        buckets_.emplace_back();
+      }
+      Bucket& b = buckets_.back();
+      b.offset.push_back(static_cast<std::int64_t>(b.flat.size()));
+      b.params.push_back(i);
+      b.flat.resize(b.flat.size() + static_cast<std::size_t>(elements));
+      bucket_of_[static_cast<std::size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
+    }
+  }
+  static std::size_t bucket_bytes(const Bucket& b) { return b.flat.size() * sizeof(S); }
+
+  void install_hooks() {
+    for (std::size_t i = 0; i < named_.parameters.size(); ++i) {
+      Parameter<S, D>* p = named_.parameters[i].second;
+      TESSERA_CHECK(!p->on_grad_ready, ArgumentError, "DataParallel: parameter '", named_.parameters[i].first,
+                    "' already has a grad_ready hook (one DataParallel per model)");
+      p->on_grad_ready = [this, i](Parameter<S, D>&) { on_grad_ready(static_cast<int>(i)); };
+    }
+  }
+
+  void on_grad_ready(int i) {
+    ++fired_[static_cast<std::size_t>(i)];
+    if (!sync_) return;  // accumulating: no communication until the last micro-step
+    Bucket& b = buckets_[static_cast<std::size_t>(bucket_of_[static_cast<std::size_t>(i)])];
+    ++b.ready;
+    launch_ready_buckets();
+    // Drive progress of what is in flight: MPI's non-blocking collectives advance only inside
+    // MPI calls, and a test is cheap for the other backends.
+    for (auto& in_flight : buckets_)
+      if (in_flight.launched) (void)in_flight.work.is_completed();
+  }
+
+  // Launches, in bucket order, every bucket whose parameters are all in.
+  void launch_ready_buckets() {
+    while (next_launch_ < buckets_.size() &&
+           buckets_[next_launch_].ready == static_cast<int>(buckets_[next_launch_].params.size())) {
+      Bucket& b = buckets_[next_launch_++];
+      for (std::size_t k = 0; k < b.params.size(); ++k) {
+        const auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
+        std::copy(g.data(), g.data() + g.numel(), b.flat.data() + b.offset[k]);
+      }
+      b.work = comm_.all_reduce_async(std::span<S>(b.flat), ReduceOp::Avg);
+      b.launched = true;
+    }
+  }
+
+  void reset() {
+    std::fill(fired_.begin(), fired_.end(), 0);
+    for (auto& b : buckets_) {
+      b.ready = 0;
+      b.launched = false;
+      b.work = Work();
+    }
+    next_launch_ = 0;
+  }
+
+  Comm& comm_;
+  DataParallelOptions options_;
+  NamedTensors<S, D> named_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;  // parameter index -> bucket
+  std::vector<int> fired_;      // grad_ready calls per parameter since the last finish()
+  std::size_t next_launch_ = 0;
+  bool sync_ = true;
+};
+
+}  // namespace tessera

@@ -1,0 +1,126 @@
+// DataParallel against one process, on any communicator: N ranks each training on their shard
+// of every global batch must end with the parameters of one process training on the whole
+// batch, and with bit-identical parameters on every rank. Collective: every rank calls it.
+// Returns failures as text (usable from threads and from plain multi-process programs).
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/local.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/models/lenet.hpp"
+#include "tessera/optim/sgd.hpp"
+#include "tessera/parallel/data_parallel.hpp"
+
+namespace tessera::testing {
+
+struct DpCase {
+  int per_rank_batch = 8;  // images per rank per step
+  int steps = 3;
+  int micro_steps = 1;     // gradient accumulation: per_rank_batch is split into this many pieces
+  double tolerance = 1e-12;
+};
+
+template <class S>
+struct DpData {
+  std::vector<S> images;  // (steps * global_batch, 1, 28, 28)
+  std::vector<std::int64_t> labels;
+
+  DpData(std::int64_t samples) : images(static_cast<std::size_t>(samples) * 784), labels(static_cast<std::size_t>(samples)) {
+    Rng rng(2024);
+    for (auto& v : images) v = static_cast<S>(rng.normal());
+    for (auto& l : labels) l = static_cast<std::int64_t>(rng.uniform() * 10) % 10;
+  }
+  Tensor<S, Cpu> batch(std::int64_t first, std::int64_t n) const {
+    Tensor<S, Cpu> x(Shape{n, 1, 28, 28});
+    std::copy_n(images.begin() + first * 784, n * 784, x.data());
+    return x;
+  }
+  std::span<const std::int64_t> batch_labels(std::int64_t first, std::int64_t n) const {
+    return std::span<const std::int64_t>(labels).subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(n));
+  }
+};
+
+// One SGD step's worth of forward/backward of `model` on images [first, first + n).
+template <class S, class Model>
+void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, std::int64_t n) {
+  using E = Env<Cpu, LocalComm, S>;
+  typename Model::Cache cache{};
+  CrossEntropyLoss<E> loss;
+  typename CrossEntropyLoss<E>::Cache loss_cache;
+  const auto x = data.batch(first, n);
+  const auto& logits = model.forward(x, cache);
+  loss.forward(logits, data.batch_labels(first, n), loss_cache);
+  model.backward(loss.backward(loss_cache), cache);
+}
+
+template <class S, class Comm>
+std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c) {
+  using E = Env<Cpu, LocalComm, S>;
+  std::vector<std::string> failures;
+  const int p = comm.size(), r = comm.rank();
+  const std::int64_t b = c.per_rank_batch, global = b * p, piece = b / c.micro_steps;
+  const DpData<S> data(global * c.steps);
+  const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
+
+  // The reference: one process, whole global batch per step.
+  auto reference = lenet5<E>(1, 28, 10, 7);
+  auto reference_params = named_tensors<S, Cpu>(reference);
+  Sgd<E> reference_sgd(reference_params, sgd_options);
+  for (int step = 0; step < c.steps; ++step) {
+    reference_sgd.zero_grad();
+    forward_backward<S>(reference, data, step * global, global);
+    reference_sgd.step();
+  }
+
+  // Data parallel: ranks other than 0 start from different weights, which the constructor's
+  // broadcast must replace.
+  auto model = lenet5<E>(1, 28, 10, r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  DataParallel<S, Comm> dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
+  Sgd<E> sgd(dp.parameters(), sgd_options);
+  for (int step = 0; step < c.steps; ++step) {
+    sgd.zero_grad();
+    for (int m = 0; m < c.micro_steps; ++m) {
+      const std::int64_t first = step * global + r * b + m * piece;
+      if (m + 1 < c.micro_steps) {
+        auto guard = dp.no_sync();
+        forward_backward<S>(model, data, first, piece);
+      } else {
+        forward_backward<S>(model, data, first, piece);
+      }
+    }
+    dp.finish();
+    sgd.step();
+  }
+
+  // Equal to the reference, and bit-identical across ranks (max == min over ranks, element-wise).
+  double worst = 0;
+  std::string worst_name;
+  std::vector<S> flat;
+  for (std::size_t i = 0; i < dp.parameters().parameters.size(); ++i) {
+    const auto& mine = dp.parameters().parameters[i].second->value;
+    const auto& want = reference_params.parameters[i].second->value;
+    for (std::int64_t k = 0; k < mine.numel(); ++k) {
+      const double diff = std::abs(static_cast<double>(mine.data()[k]) - static_cast<double>(want.data()[k])) /
+                          std::max(1.0, std::abs(static_cast<double>(want.data()[k])));
+      if (diff > worst) worst = diff, worst_name = dp.parameters().parameters[i].first;
+      flat.push_back(mine.data()[k]);
+    }
+  }
+  if (!(worst <= c.tolerance))
+    failures.push_back("rank " + std::to_string(r) + ": parameters differ from one process by " + std::to_string(worst) +
+                       " (relative) in " + worst_name);
+  std::vector<S> high = flat, low = flat;
+  comm.all_reduce(std::span<S>(high), ReduceOp::Max);
+  comm.all_reduce(std::span<S>(low), ReduceOp::Min);
+  for (std::size_t k = 0; k < flat.size(); ++k)
+    if (high[k] != low[k]) {
+      failures.push_back("rank " + std::to_string(r) + ": parameters differ across ranks at element " + std::to_string(k));
+      break;
+    }
+  return failures;
+}
+
+}  // namespace tessera::testing
