@@ -5,12 +5,15 @@
 #pragma once
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "tessera/comm/local.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/models/lenet.hpp"
+#include "tessera/models/resnet.hpp"
+#include "tessera/parallel/sync_batch_norm.hpp"
 #include "tessera/optim/sgd.hpp"
 #include "tessera/parallel/data_parallel.hpp"
 
@@ -56,8 +59,17 @@ void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, s
   model.backward(loss.backward(loss_cache), cache);
 }
 
-template <class S, class Comm>
-std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c) {
+template <class S>
+auto make_lenet(std::uint64_t seed) {
+  return lenet5<Env<Cpu, LocalComm, S>>(1, 28, 10, seed);
+}
+
+// make_model(seed) builds the model; prepare(model, comm) runs on the data-parallel copy before
+// training (e.g. convert_sync_batch_norm). The reference model's BatchNorms (if any) see the
+// whole global batch, so models with BN match only with SyncBatchNorm.
+template <class S, class Comm, class MakeModel = decltype(&make_lenet<S>), class Prepare = void (*)(void*, void*)>
+std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel make_model = &make_lenet<S>,
+                                        Prepare prepare = nullptr) {
   using E = Env<Cpu, LocalComm, S>;
   std::vector<std::string> failures;
   const int p = comm.size(), r = comm.rank();
@@ -66,7 +78,7 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c) {
   const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
 
   // The reference: one process, whole global batch per step.
-  auto reference = lenet5<E>(1, 28, 10, 7);
+  auto reference = make_model(7);
   auto reference_params = named_tensors<S, Cpu>(reference);
   Sgd<E> reference_sgd(reference_params, sgd_options);
   for (int step = 0; step < c.steps; ++step) {
@@ -77,7 +89,8 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c) {
 
   // Data parallel: ranks other than 0 start from different weights, which the constructor's
   // broadcast must replace.
-  auto model = lenet5<E>(1, 28, 10, r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  auto model = make_model(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  if constexpr (!std::is_same_v<Prepare, void (*)(void*, void*)>) prepare(model, comm);
   DataParallel<S, Comm> dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
   Sgd<E> sgd(dp.parameters(), sgd_options);
   for (int step = 0; step < c.steps; ++step) {
@@ -109,6 +122,15 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c) {
       flat.push_back(mine.data()[k]);
     }
   }
+  for (std::size_t i = 0; i < dp.parameters().buffers.size(); ++i) {  // BatchNorm running statistics
+    const auto& mine = *dp.parameters().buffers[i].second;
+    const auto& want = *reference_params.buffers[i].second;
+    for (std::int64_t k = 0; k < mine.numel(); ++k) {
+      const double diff = std::abs(static_cast<double>(mine.data()[k]) - static_cast<double>(want.data()[k])) /
+                          std::max(1.0, std::abs(static_cast<double>(want.data()[k])));
+      if (diff > worst) worst = diff, worst_name = dp.parameters().buffers[i].first;
+    }
+  }
   if (!(worst <= c.tolerance))
     failures.push_back("rank " + std::to_string(r) + ": parameters differ from one process by " + std::to_string(worst) +
                        " (relative) in " + worst_name);
@@ -121,6 +143,19 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c) {
       break;
     }
   return failures;
+}
+
+template <class S>
+auto make_resnet20(std::uint64_t seed) {
+  return resnet20<Env<Cpu, LocalComm, S>>({.in_channels = 1, .num_classes = 10, .seed = seed});
+}
+
+// ResNet-20 with SyncBatchNorm against one process on the global batch.
+template <class S, class Comm>
+std::vector<std::string> dp_equivalence_resnet20_sync_bn(Comm& comm, const DpCase& c) {
+  return dp_equivalence<S>(comm, c, &make_resnet20<S>, [](auto& model, Comm& group) {
+    if (convert_sync_batch_norm(model, group) < 19) throw std::runtime_error("expected at least 19 BatchNorm layers");
+  });
 }
 
 }  // namespace tessera::testing

@@ -1,6 +1,7 @@
 // DataParallel equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run):
 // every rank checks that its parameters equal one process training on the whole batch and are
-// bit-identical across ranks, in float64, float32 and with gradient accumulation.
+// bit-identical across ranks, in float64, float32, with gradient accumulation, and for ResNet-20
+// with SyncBatchNorm (BatchNorm running statistics included).
 #include <cstdio>
 #include <exception>
 
@@ -20,6 +21,7 @@ int main() {
     add("float64", testing::dp_equivalence<double>(comm, {.per_rank_batch = 6, .steps = 3}));
     add("float32", testing::dp_equivalence<float>(comm, {.per_rank_batch = 8, .steps = 3, .tolerance = 1e-5}));
     add("accumulation", testing::dp_equivalence<double>(comm, {.per_rank_batch = 8, .steps = 2, .micro_steps = 4}));
+    add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
     std::printf("rank %d of %d (%s): data-parallel equivalence, %zu failures\n", rank, comm.size(),
                 testing::backend_name(), failures.size());

@@ -43,6 +43,32 @@ TEST_CASE("DataParallel: k accumulated micro-steps equal one step on the k-times
   run_equivalence<double>(1, {.per_rank_batch = 6, .steps = 2, .micro_steps = 3});
 }
 
+TEST_CASE("DataParallel + SyncBatchNorm: ResNet-20 on N ranks equals one process, BN statistics included", "[parallel]") {
+  for (int ranks : {2, 4}) {
+    DYNAMIC_SECTION(ranks << " ranks") {
+      ThreadWorld world(ranks);
+      std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
+      world.run([&](ThreadComm& comm) {
+        failures[comm.rank()] = testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2});
+      });
+      for (const auto& f : failures) {
+        INFO(joined(f));
+        CHECK(f.empty());
+      }
+    }
+  }
+}
+
+TEST_CASE("DataParallel with per-rank BatchNorm differs from one process (why SyncBatchNorm exists)", "[parallel]") {
+  ThreadWorld world(2);
+  std::vector<std::vector<std::string>> failures(2);
+  world.run([&](ThreadComm& comm) {
+    failures[comm.rank()] = testing::dp_equivalence<double>(comm, {.per_rank_batch = 4, .steps = 2},
+                                                            &testing::make_resnet20<double>);
+  });
+  for (const auto& f : failures) CHECK(!f.empty());  // statistics over 4 images are not those over 8
+}
+
 TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small", "[parallel]") {
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {

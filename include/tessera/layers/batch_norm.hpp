@@ -11,12 +11,22 @@
 //   eval:   dx = gamma invstd dy
 // gamma ("weight") starts at 1, beta ("bias") at 0, running_mean at 0, running_var at 1.
 // The mode a cache was filled in decides its backward, so switching modes between forward and
-// backward cannot mix the two. torch's num_batches_tracked buffer is not kept (it only matters for
+// backward cannot mix the two.
+//
+// Synchronized statistics (SyncBatchNorm, see parallel/sync_batch_norm.hpp): with a
+// StatsAllReduce set, training-mode forward sums (sum x, sum x^2, count) per channel over every
+// rank before normalizing, and backward sums (sum dy, sum dy xhat) before forming dx, so M and
+// the statistics are the whole distributed batch's. The layer itself never sees a communicator:
+// the hook is a function that sums a span of doubles over the group. dgamma and dbeta stay the
+// local sums, which data parallelism then averages, as in torch.nn.SyncBatchNorm. torch's num_batches_tracked buffer is not kept (it only matters for
 // momentum=None, which is not offered).
 #pragma once
 
 #include <algorithm>
+#include <functional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
@@ -31,12 +41,16 @@ class BatchNorm2d {
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
+  // Sums its argument element-wise over the ranks of a group, in place.
+  using StatsAllReduce = std::function<void(std::span<double>)>;
+
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;
     Tensor mean, invstd;                   // (C): the statistics the forward normalized with
     tessera::Tensor<double, D> sum, sum2;  // (C): per-channel sums, scratch for forward and backward
     bool train = false;
+    std::int64_t count = 0;  // M: values per channel the statistics were taken over (all ranks)
   };
 
   explicit BatchNorm2d(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1)
@@ -65,9 +79,11 @@ class BatchNorm2d {
       c.sum.resize({channels_});
       c.sum2.resize({channels_});
       batch_norm_local_stats(D{}, x.data(), s, c.sum.data(), c.sum2.data());
-      batch_norm_finalize_stats(D{}, channels_, c.sum.data(), c.sum2.data(), s.count(), eps_, c.mean.data(),
+      c.count = s.count();
+      if (stats_all_reduce_) c.count = all_reduce_stats(c.sum.data(), c.sum2.data(), s.count());
+      batch_norm_finalize_stats(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, eps_, c.mean.data(),
                                 c.invstd.data());
-      batch_norm_update_running(D{}, channels_, c.sum.data(), c.sum2.data(), s.count(), momentum_,
+      batch_norm_update_running(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, momentum_,
                                 running_mean_.data(), running_var_.data());
     } else {
       std::copy(running_mean_.begin(), running_mean_.end(), c.mean.begin());
@@ -98,9 +114,11 @@ class BatchNorm2d {
     bias_.grad_ready();
     if (needs_input_grad_) {
       c.dx.resize(x.shape());
+      // Synchronized: dx needs the group's sums (every rank must run this backward, as it ran forward).
+      if (c.train && stats_all_reduce_) all_reduce_stats(sum_dy, sum_dy_xhat, -1);
       if (c.train)
         batch_norm_backward_input(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
-                                  sum_dy, sum_dy_xhat, s.count(), c.dx.data());
+                                  sum_dy, sum_dy_xhat, c.count, c.dx.data());
       else
         batch_norm_backward_input_affine(D{}, dy.data(), s, c.invstd.data(), weight_.value.data(), c.dx.data());
     }
@@ -109,6 +127,7 @@ class BatchNorm2d {
 
   template <class V>
   void visit(V& v, const std::string& prefix) {
+    if constexpr (requires { v.batch_norm(prefix, *this); }) v.batch_norm(prefix, *this);  // e.g. to synchronize
     v.parameter(prefix + "weight", weight_);
     v.parameter(prefix + "bias", bias_);
     v.buffer(prefix + "running_mean", running_mean_);
@@ -117,6 +136,10 @@ class BatchNorm2d {
   void set_mode(Mode mode) { mode_ = mode; }
   Mode mode() const { return mode_; }
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+
+  // Synchronized statistics over a group (nullptr: this rank's batch only, the default).
+  void set_stats_all_reduce(StatsAllReduce f) { stats_all_reduce_ = std::move(f); }
+  bool synchronized() const { return static_cast<bool>(stats_all_reduce_); }
 
   // Goyal et al. (2017): the last BN of each residual block starts at gamma = 0, so every block
   // starts as the identity and very deep networks train from the first step.
@@ -139,8 +162,22 @@ class BatchNorm2d {
     return {x.dim(0), channels_, x.rank() == 4 ? x.dim(2) * x.dim(3) : 1};
   }
 
+  // Sums a (C) and b (C) over the group (and the count when count >= 0, returned summed).
+  std::int64_t all_reduce_stats(double* a, double* b, std::int64_t count) {
+    stats_buffer_.resize(static_cast<std::size_t>(2 * channels_ + 1));
+    std::copy(a, a + channels_, stats_buffer_.begin());
+    std::copy(b, b + channels_, stats_buffer_.begin() + channels_);
+    stats_buffer_.back() = static_cast<double>(count);
+    stats_all_reduce_(std::span<double>(stats_buffer_.data(), stats_buffer_.size() - (count >= 0 ? 0 : 1)));
+    std::copy_n(stats_buffer_.begin(), channels_, a);
+    std::copy_n(stats_buffer_.begin() + channels_, channels_, b);
+    return static_cast<std::int64_t>(stats_buffer_.back());
+  }
+
   std::int64_t channels_;
   double eps_, momentum_;
+  StatsAllReduce stats_all_reduce_;
+  std::vector<double> stats_buffer_;
   Mode mode_ = Mode::Train;
   bool needs_input_grad_ = true;
   Parameter<S, D> weight_, bias_;

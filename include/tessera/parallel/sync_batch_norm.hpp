@@ -1,0 +1,65 @@
+// SyncBatchNorm: BatchNorm whose batch statistics are those of the whole data-parallel batch,
+// not of each rank's shard (torch.nn.SyncBatchNorm.convert_sync_batchnorm).
+//
+//   auto model = resnet20<E>({...});
+//   convert_sync_batch_norm(model, comm);   // every BatchNorm2d in the model now synchronizes
+//   DataParallel<S, Comm> dp(model, comm);
+//
+// Each training forward of a BN layer all-reduces (sum x, sum x^2, count) per channel, 2C + 1
+// doubles, and each backward (sum dy, sum dy xhat), 2C doubles: with SyncBatchNorm, N ranks on
+// shards of b are exactly one process on the batch N x b, BN included. Without it every rank
+// normalizes with its own shard's statistics, which is what Goyal et al. do on purpose (per-GPU
+// BN over 32 images; the statistics' noise regularizes, and no communication is needed), and
+// the running statistics then differ between ranks (DataParallel::broadcast_from_rank0
+// re-aligns them before evaluation or a checkpoint).
+//
+// The all-reduces are blocking and happen inside forward and backward on every rank in the same
+// order, so every rank must run the same number of forward/backward passes.
+#pragma once
+
+#include <functional>
+#include <span>
+#include <string>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/layers/batch_norm.hpp"
+
+namespace tessera {
+
+namespace detail {
+// Visits a model and gives every BatchNorm2d the same statistics hook (empty: per-rank statistics).
+struct BatchNormStatsSetter {
+  std::function<void(std::span<double>)> hook;
+  int converted = 0;
+  template <class E>
+  void batch_norm(const std::string&, BatchNorm2d<E>& bn) {
+    bn.set_stats_all_reduce(hook);
+    ++converted;
+  }
+  template <class P>
+  void parameter(const std::string&, P&) {}
+  template <class T>
+  void buffer(const std::string&, T&) {}
+  template <class R>
+  void rng(const std::string&, R&) {}
+};
+}  // namespace detail
+
+// Makes every BatchNorm2d in `model` synchronize its statistics over `comm` (which must outlive
+// the model's use). Returns how many layers were converted.
+template <class Model, Communicator Comm>
+int convert_sync_batch_norm(Model& model, Comm& comm) {
+  detail::BatchNormStatsSetter setter{[c = &comm](std::span<double> values) { c->all_reduce(values, ReduceOp::Sum); }};
+  model.visit(setter, "");
+  return setter.converted;
+}
+
+// Back to per-rank statistics.
+template <class Model>
+int convert_local_batch_norm(Model& model) {
+  detail::BatchNormStatsSetter setter{nullptr};
+  model.visit(setter, "");
+  return setter.converted;
+}
+
+}  // namespace tessera
