@@ -14,7 +14,10 @@
 #include "tessera/models/lenet.hpp"
 #include "tessera/models/resnet.hpp"
 #include "tessera/parallel/sync_batch_norm.hpp"
+#include "tessera/optim/adam.hpp"
 #include "tessera/optim/sgd.hpp"
+#include "tessera/parallel/local_sgd.hpp"
+#include "tessera/parallel/zero.hpp"
 #include "tessera/parallel/data_parallel.hpp"
 
 namespace tessera::testing {
@@ -142,6 +145,65 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel m
       failures.push_back("rank " + std::to_string(r) + ": parameters differ across ranks at element " + std::to_string(k));
       break;
     }
+  return failures;
+}
+
+// The same comparison for the alternatives to DataParallel: ZeRO-1 (optimizer state sharded)
+// with SGD or Adam, and local SGD with period 1. Each must equal one process on the global batch.
+enum class Strategy { Zero1Sgd, Zero1Adam, LocalSgdPeriod1 };
+
+template <class S, class Comm>
+std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, const DpCase& c) {
+  using E = Env<Cpu, LocalComm, S>;
+  const int p = comm.size(), r = comm.rank();
+  const std::int64_t b = c.per_rank_batch, global = b * p;
+  const DpData<S> data(global * c.steps);
+  const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .decay_norm_and_bias = false};
+  const AdamOptions adam_options{.lr = 1e-3, .weight_decay = 1e-4};
+  const bool adam = strategy == Strategy::Zero1Adam;
+
+  auto reference = make_lenet<S>(7);
+  auto reference_params = named_tensors<S, Cpu>(reference);
+  Sgd<E> reference_sgd(reference_params, sgd_options);
+  Adam<E> reference_adam(reference_params, adam_options);
+  for (int step = 0; step < c.steps; ++step) {
+    adam ? reference_adam.zero_grad() : reference_sgd.zero_grad();
+    forward_backward<S>(reference, data, step * global, global);
+    adam ? reference_adam.step() : reference_sgd.step();
+  }
+
+  auto model = make_lenet<S>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  auto model_params = named_tensors<S, Cpu>(model);
+  if (strategy == Strategy::LocalSgdPeriod1) {
+    LocalSgd<S, Comm> local(model, comm, {.period = 1});
+    Sgd<E> sgd(model_params, sgd_options);
+    for (int step = 0; step < c.steps; ++step) {
+      sgd.zero_grad();
+      forward_backward<S>(model, data, step * global + r * b, b);
+      sgd.step();
+      local.after_step();
+    }
+  } else {
+    Zero1<S, Comm> zero(model, comm);
+    Sgd<E> sgd(zero.shard_parameters(), sgd_options);
+    Adam<E> adam_opt(zero.shard_parameters(), adam_options);
+    for (int step = 0; step < c.steps; ++step) {
+      zero.zero_grad();
+      forward_backward<S>(model, data, step * global + r * b, b);
+      adam ? zero.step(adam_opt) : zero.step(sgd);
+    }
+  }
+  std::vector<std::string> failures;
+  double worst = 0;
+  for (std::size_t i = 0; i < model_params.parameters.size(); ++i) {
+    const auto& mine = model_params.parameters[i].second->value;
+    const auto& want = reference_params.parameters[i].second->value;
+    for (std::int64_t k = 0; k < mine.numel(); ++k)
+      worst = std::max(worst, std::abs(static_cast<double>(mine.data()[k]) - static_cast<double>(want.data()[k])) /
+                                  std::max(1.0, std::abs(static_cast<double>(want.data()[k]))));
+  }
+  if (!(worst <= c.tolerance))
+    failures.push_back("rank " + std::to_string(r) + ": parameters differ from one process by " + std::to_string(worst));
   return failures;
 }
 

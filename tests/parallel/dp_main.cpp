@@ -21,6 +21,9 @@ int main() {
     add("float64", testing::dp_equivalence<double>(comm, {.per_rank_batch = 6, .steps = 3}));
     add("float32", testing::dp_equivalence<float>(comm, {.per_rank_batch = 8, .steps = 3, .tolerance = 1e-5}));
     add("accumulation", testing::dp_equivalence<double>(comm, {.per_rank_batch = 8, .steps = 2, .micro_steps = 4}));
+    add("zero1 sgd", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Sgd, {.per_rank_batch = 4, .steps = 3}));
+    add("zero1 adam", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Adam, {.per_rank_batch = 4, .steps = 3}));
+    add("local sgd k=1", testing::strategy_equivalence<double>(comm, testing::Strategy::LocalSgdPeriod1, {.per_rank_batch = 4, .steps = 3}));
     add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
     std::printf("rank %d of %d (%s): data-parallel equivalence, %zu failures\n", rank, comm.size(),

@@ -6,6 +6,7 @@
 #include "parallel/dp_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/models/mlp.hpp"
+#include "tessera/parallel/zero.hpp"
 
 using namespace tessera;
 
@@ -67,6 +68,38 @@ TEST_CASE("DataParallel with per-rank BatchNorm differs from one process (why Sy
                                                             &testing::make_resnet20<double>);
   });
   for (const auto& f : failures) CHECK(!f.empty());  // statistics over 4 images are not those over 8
+}
+
+TEST_CASE("ZeRO-1 (SGD and Adam) and local SGD with period 1 equal one process", "[parallel]") {
+  using testing::Strategy;
+  for (Strategy strategy : {Strategy::Zero1Sgd, Strategy::Zero1Adam, Strategy::LocalSgdPeriod1})
+    for (int ranks : {2, 3}) {
+      DYNAMIC_SECTION("strategy " << static_cast<int>(strategy) << ", " << ranks << " ranks") {
+        ThreadWorld world(ranks);
+        std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
+        world.run([&](ThreadComm& comm) {
+          failures[comm.rank()] = testing::strategy_equivalence<double>(comm, strategy, {.per_rank_batch = 4, .steps = 3});
+        });
+        for (const auto& f : failures) {
+          INFO(joined(f));
+          CHECK(f.empty());
+        }
+      }
+    }
+}
+
+TEST_CASE("ZeRO-1: each rank keeps optimizer state for its shard only", "[parallel]") {
+  ThreadWorld world(4);
+  world.run([](ThreadComm& comm) {
+    auto model = lenet5<CpuLocal64>();
+    const auto total = count_parameters(named_tensors<double, Cpu>(model));
+    Zero1<double, ThreadComm> zero(model, comm);
+    std::int64_t mine = 0;
+    for (const auto& [name, p] : zero.shard_parameters().parameters) mine += p->value.numel();
+    CHECK(mine == (static_cast<std::int64_t>(total) + 3) / 4 - (comm.rank() == 3 ? (4 - total % 4) % 4 : 0));
+    Sgd<CpuLocal64> sgd(zero.shard_parameters(), {.lr = 0.1, .momentum = 0.9});
+    sgd.step();  // momentum state: one buffer per shard segment, 1/4 of the model
+  });
 }
 
 TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small", "[parallel]") {

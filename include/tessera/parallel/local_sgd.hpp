@@ -1,0 +1,84 @@
+// LocalSgd: every rank takes optimizer steps on its own gradients, and every k steps the ranks
+// average their parameters (Lin et al. 2018, "Don't use large mini-batches, use local SGD";
+// the async/periodic-averaging family of the seeds). One all-reduce per k steps instead of one
+// per step; the models drift apart in between.
+//
+//   LocalSgd<S, Comm> local(model, comm, {.period = 4});   // broadcasts rank 0's parameters
+//   loop: opt.zero_grad(); forward; backward; opt.step(); local.after_step();
+//
+// With period 1 and SGD (momentum and weight decay included: the update is linear in the
+// gradient, so averaging parameters equals averaging gradients) this is synchronous data
+// parallelism exactly. Optimizer state (momentum buffers) stays per rank; buffers such as
+// BatchNorm running statistics are averaged with the parameters when average_buffers is set.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/device/cpu.hpp"
+
+namespace tessera {
+
+struct LocalSgdOptions {
+  int period = 4;  // k: average parameters after every k-th step
+  bool average_buffers = true;
+};
+
+template <class S, class Comm, class D = Cpu>
+class LocalSgd {
+ public:
+  template <class Model>
+  LocalSgd(Model& model, Comm& comm, LocalSgdOptions options = {})
+      : comm_(comm), options_(options), named_(named_tensors<S, D>(model)) {
+    TESSERA_CHECK(options.period >= 1, ArgumentError, "LocalSgd: period=", options.period, " must be >= 1");
+    for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
+    for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
+    std::int64_t total = 0;
+    for (auto& [name, p] : named_.parameters) total += p->value.numel();
+    if (options.average_buffers)
+      for (auto& [name, t] : named_.buffers) total += t->numel();
+    flat_.resize(static_cast<std::size_t>(total));
+  }
+
+  // Call after every optimizer step; averages parameters when a period is complete. Returns
+  // whether it did.
+  bool after_step() {
+    if (++steps_ % options_.period != 0) return false;
+    average();
+    return true;
+  }
+
+  // Averages parameters (and buffers) now: one all_reduce over a flat copy.
+  void average() {
+    std::int64_t offset = 0;
+    auto each = [&](auto&& visit) {
+      offset = 0;
+      for (auto& [name, p] : named_.parameters) visit(p->value);
+      if (options_.average_buffers)
+        for (auto& [name, t] : named_.buffers) visit(*t);
+    };
+    each([&](Tensor<S, D>& t) {
+      std::copy_n(t.data(), t.numel(), flat_.data() + offset);
+      offset += t.numel();
+    });
+    comm_.all_reduce(std::span<S>(flat_), ReduceOp::Avg);
+    each([&](Tensor<S, D>& t) {
+      std::copy_n(flat_.data() + offset, t.numel(), t.data());
+      offset += t.numel();
+    });
+  }
+
+  std::int64_t steps() const { return steps_; }
+
+ private:
+  Comm& comm_;
+  LocalSgdOptions options_;
+  NamedTensors<S, D> named_;
+  std::vector<S> flat_;
+  std::int64_t steps_ = 0;
+};
+
+}  // namespace tessera

@@ -1,0 +1,146 @@
+// Zero1: data parallelism with the optimizer state sharded across ranks (ZeRO stage 1,
+// Rajbhandari et al. 2020). Every rank still holds all parameters and computes full gradients,
+// but each rank keeps optimizer state (momentum, Adam moments) for 1/N of the parameters only:
+//
+//   per step:  flat gradient (all parameters, padded to a multiple of N)
+//              reduce_scatter(Avg)  -> rank r holds the averaged gradient of shard r
+//              optimizer step on shard r only (its state is 1/N of the whole)
+//              all_gather           -> every rank gets every updated shard
+//
+// Communication volume equals DataParallel's all-reduce (a reduce-scatter plus an all-gather is
+// how a ring all-reduce works anyway); memory for optimizer state drops N-fold.
+//
+//   Zero1<S, Comm> zero(model, comm);                 // broadcasts rank 0's parameters
+//   Sgd<E> sgd(zero.shard_parameters(), {...});       // any element-wise optimizer: SGD, Adam, AdamW
+//   loop: sgd.zero_grad(); zero.zero_grad(); forward; backward; zero.step(sgd);
+//
+// The shard is presented to the optimizer as one Parameter per (model parameter ∩ shard)
+// segment, with the model parameter's name and kind, so weight-decay masks work unchanged.
+// Optimizers whose update needs whole-tensor norms (LARS, LAMB) would see partial norms and are
+// rejected at compile time by a static_assert in step().
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/device/cpu.hpp"
+#include "tessera/optim/lamb.hpp"
+#include "tessera/optim/lars.hpp"
+
+namespace tessera {
+
+template <class S, class Comm, class D = Cpu>
+class Zero1 {
+ public:
+  template <class Model>
+  Zero1(Model& model, Comm& comm) : comm_(comm), model_(named_tensors<S, D>(model)) {
+    TESSERA_CHECK(!model_.parameters.empty(), ArgumentError, "Zero1: the model has no parameters");
+    for (auto& [name, p] : model_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
+    for (auto& [name, t] : model_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
+    std::int64_t total = 0;
+    for (auto& [name, p] : model_.parameters) total += p->value.numel();
+    const std::int64_t ranks = comm_.size();
+    shard_ = (total + ranks - 1) / ranks;
+    flat_grad_.assign(static_cast<std::size_t>(shard_ * ranks), S(0));
+    flat_value_.assign(static_cast<std::size_t>(shard_ * ranks), S(0));
+    shard_grad_.assign(static_cast<std::size_t>(shard_), S(0));
+    build_segments();
+  }
+
+  // The owned shard, as parameters for an optimizer (valid as long as this Zero1 lives).
+  const NamedTensors<S, D>& shard_parameters() const { return shard_named_; }
+  std::int64_t shard_elements() const { return shard_; }
+
+  // Zeroes the model's gradients (backward accumulates into them).
+  void zero_grad() {
+    for (auto& [name, p] : model_.parameters) p->grad.zero();
+  }
+
+  template <class Optimizer>
+  void step(Optimizer& optimizer) {
+    static_assert(!std::is_same_v<Optimizer, Lars<typename Optimizer::Env>> &&
+                      !std::is_same_v<Optimizer, Lamb<typename Optimizer::Env>>,
+                  "Zero1: LARS and LAMB need whole-tensor norms; a shard only has part of a tensor");
+    // Flatten gradients, average-and-scatter: shard r of the average lands on rank r.
+    pack([](Parameter<S, D>& p) { return p.grad.data(); }, flat_grad_);
+    comm_.reduce_scatter(std::span<const S>(flat_grad_), std::span<S>(shard_grad_), ReduceOp::Avg);
+    for (auto& seg : segments_) std::copy_n(shard_grad_.data() + seg.shard_offset, seg.length, seg.param.grad.data());
+    optimizer.step();
+    // Every rank's updated shard to everyone, then back into the model's parameters.
+    const std::int64_t first = shard_ * comm_.rank();
+    for (auto& seg : segments_)
+      std::copy_n(seg.param.value.data(), seg.length, flat_value_.data() + first + seg.shard_offset);
+    std::vector<S>& gathered = flat_grad_;  // reused as the all_gather output
+    comm_.all_gather(std::span<const S>(flat_value_.data() + first, static_cast<std::size_t>(shard_)),
+                     std::span<S>(gathered));
+    unpack(gathered);
+  }
+
+ private:
+  struct Segment {
+    std::size_t model_index;    // which model parameter
+    std::int64_t param_offset;  // first element within it
+    std::int64_t shard_offset;  // first element within the shard
+    std::int64_t length;
+    Parameter<S, D> param;  // the optimizer's view: value and grad of this piece
+  };
+
+  void build_segments() {
+    const std::int64_t first = shard_ * comm_.rank(), last = first + shard_;
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < model_.parameters.size(); ++i) {
+      Parameter<S, D>& p = *model_.parameters[i].second;
+      const std::int64_t begin = std::max(offset, first), end = std::min(offset + p.value.numel(), last);
+      if (begin < end) {
+        Segment seg{i, begin - offset, begin - first, end - begin, Parameter<S, D>(Shape{end - begin}, p.kind)};
+        std::copy_n(p.value.data() + seg.param_offset, seg.length, seg.param.value.data());
+        segments_.push_back(std::move(seg));
+      }
+      offset += p.value.numel();
+    }
+    // Names only after the vector stops growing (NamedTensors keeps pointers).
+    for (auto& seg : segments_) shard_named_.parameter(model_.parameters[seg.model_index].first, seg.param);
+    if (segments_.empty()) {  // more ranks than elements: an empty piece keeps optimizers happy
+      segments_.push_back(Segment{0, 0, 0, 0, Parameter<S, D>(Shape{0}, ParamKind::Weight)});
+      shard_named_.parameter(model_.parameters[0].first + ".empty_shard", segments_.back().param);
+    }
+  }
+
+  template <class Data>
+  void pack(Data data_of, std::vector<S>& flat) {
+    std::int64_t offset = 0;
+    for (auto& [name, p] : model_.parameters) {
+      std::copy_n(data_of(*p), p->value.numel(), flat.data() + offset);
+      offset += p->value.numel();
+    }
+    std::fill(flat.begin() + offset, flat.end(), S(0));  // padding
+  }
+
+  void unpack(const std::vector<S>& flat) {
+    std::int64_t offset = 0;
+    for (auto& [name, p] : model_.parameters) {
+      std::copy_n(flat.data() + offset, p->value.numel(), p->value.data());
+      offset += p->value.numel();
+    }
+    // Keep the optimizer's pieces equal to the model (the model is the source of truth).
+    for (auto& seg : segments_)
+      if (seg.length > 0)
+        std::copy_n(model_.parameters[seg.model_index].second->value.data() + seg.param_offset, seg.length,
+                    seg.param.value.data());
+  }
+
+  Comm& comm_;
+  NamedTensors<S, D> model_;
+  std::int64_t shard_ = 0;
+  std::vector<S> flat_grad_, flat_value_, shard_grad_;
+  std::vector<Segment> segments_;
+  NamedTensors<S, D> shard_named_;
+};
+
+}  // namespace tessera
