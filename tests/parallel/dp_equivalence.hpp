@@ -27,6 +27,7 @@ struct DpCase {
   int steps = 3;
   int micro_steps = 1;     // gradient accumulation: per_rank_batch is split into this many pieces
   double tolerance = 1e-12;
+  GradientCompression compression = GradientCompression::None;
 };
 
 template <class S>
@@ -94,7 +95,8 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel m
   // broadcast must replace.
   auto model = make_model(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
   if constexpr (!std::is_same_v<Prepare, void (*)(void*, void*)>) prepare(model, comm);
-  DataParallel<S, Comm> dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
+  DataParallel<S, Comm> dp(model, comm,
+                           {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024, .compression = c.compression});
   Sgd<E> sgd(dp.parameters(), sgd_options);
   for (int step = 0; step < c.steps; ++step) {
     sgd.zero_grad();

@@ -24,6 +24,16 @@
 // all-reduces, and finish() divides by the number of micro-steps k, so k micro-steps of batch b
 // equal one step of batch k x b (for a mean-reduced loss).
 //
+// Gradient compression, a step of the reducer applied per bucket (options.compression):
+//   Fp16:  cast the bucket down to IEEE half, all_reduce(Avg) in half (reduced in float per
+//          element, rounded once), cast up: half the bytes on the wire.
+//   TopK:  error feedback (Stich et al. 2018; Lin et al. 2018): corrected = gradient + residual;
+//          send only the k = ceil(ratio n) entries of largest magnitude, as (index, value) pairs
+//          exchanged with all_gather; residual = corrected minus what was sent. The averaged
+//          sparse sums are scattered back into a dense gradient. Over steps, the applied updates
+//          plus the residuals (averaged over ranks) sum exactly to the true averaged gradients, so
+//          nothing is lost, only delayed.
+//
 // Unused parameters: finish() throws ArgumentError naming every parameter whose gradient was not
 // produced in this step (a branch not taken in forward). Every rank must use every parameter:
 // otherwise the ranks would launch different buckets and wait for each other forever.
@@ -33,6 +43,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -40,15 +51,20 @@
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/half.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/device/cpu.hpp"
 
 namespace tessera {
 
+enum class GradientCompression { None, Fp16, TopK };
+
 struct DataParallelOptions {
   std::size_t bucket_bytes = 25u << 20;      // PyTorch DDP's default bucket_cap_mb = 25
   std::size_t first_bucket_bytes = 1u << 20;  // and its 1 MiB first bucket
   bool broadcast_at_start = true;             // parameters and buffers from rank 0
+  GradientCompression compression = GradientCompression::None;
+  double topk_ratio = 0.01;  // TopK: fraction of each bucket's entries sent per step
 };
 
 template <class S, class Comm, class D = Cpu>
@@ -62,7 +78,12 @@ class DataParallel {
     std::vector<S> flat;               // packed gradients, reduced in place
     int ready = 0;                     // parameters whose gradient is in this step
     bool launched = false;
-    Work work;
+    Work work, work2;                  // work2: TopK's second all_gather (values)
+    // Compression state
+    std::vector<Half> half;                                   // Fp16: the bucket on the wire
+    std::vector<S> residual;                                  // TopK: error feedback
+    std::vector<std::int64_t> order, sent_index, all_index;  // TopK: selection scratch, exchanged indices
+    std::vector<S> sent_value, all_value;                     // TopK: exchanged values
   };
 
   template <class Model>
@@ -71,6 +92,8 @@ class DataParallel {
     TESSERA_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0, ArgumentError,
                   "DataParallel: bucket sizes must be positive");
     TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "DataParallel: the model has no parameters");
+    TESSERA_CHECK(options.topk_ratio > 0 && options.topk_ratio <= 1, ArgumentError, "DataParallel: topk_ratio=",
+                  options.topk_ratio, " must lie in (0, 1]");
     if (options.broadcast_at_start) broadcast_from_rank0();
     build_buckets();
     install_hooks();
@@ -82,6 +105,7 @@ class DataParallel {
       if (b.launched) {
         try {
           b.work.wait();  // never leave a reduction writing into freed memory
+          b.work2.wait();
         } catch (...) {
         }
       }
@@ -119,7 +143,7 @@ class DataParallel {
       if (fired_[i] != micro_steps) unused.push_back(named_.parameters[i].first);
     if (!unused.empty() || micro_steps == 0) {
       for (auto& b : buckets_)
-        if (b.launched) b.work.wait();
+        if (b.launched) b.work.wait(), b.work2.wait();
       reset();
       std::string names;
       for (const auto& n : unused) names += (names.empty() ? "" : ", ") + n;
@@ -132,6 +156,8 @@ class DataParallel {
     const S scale = S(1) / static_cast<S>(micro_steps);
     for (auto& b : buckets_) {
       b.work.wait();
+      b.work2.wait();
+      decompress(b);
       for (std::size_t k = 0; k < b.params.size(); ++k) {
         auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
         const S* src = b.flat.data() + b.offset[k];
@@ -145,6 +171,16 @@ class DataParallel {
   }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // TopK's error-feedback residual of every parameter, in model parameter order (for tests and
+  // for logging how much is being delayed).
+  std::vector<S> residual_of(std::size_t param) const {
+    const Bucket& b = buckets_[static_cast<std::size_t>(bucket_of_[param])];
+    const auto k = static_cast<std::size_t>(std::find(b.params.begin(), b.params.end(), static_cast<int>(param)) - b.params.begin());
+    const std::int64_t n = named_.parameters[param].second->value.numel();
+    std::vector<S> out(static_cast<std::size_t>(n), S(0));
+    if (!b.residual.empty()) std::copy_n(b.residual.begin() + b.offset[k], n, out.begin());
+    return out;
+  }
   const NamedTensors<S, D>& parameters() const { return named_; }
   Comm& comm() { return comm_; }
 
@@ -200,8 +236,68 @@ class DataParallel {
         const auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
         std::copy(g.data(), g.data() + g.numel(), b.flat.data() + b.offset[k]);
       }
-      b.work = comm_.all_reduce_async(std::span<S>(b.flat), ReduceOp::Avg);
+      compress_and_launch(b);
       b.launched = true;
+    }
+  }
+
+  void compress_and_launch(Bucket& b) {
+    switch (options_.compression) {
+      case GradientCompression::None:
+        b.work = comm_.all_reduce_async(std::span<S>(b.flat), ReduceOp::Avg);
+        break;
+      case GradientCompression::Fp16:
+        b.half.resize(b.flat.size());
+        for (std::size_t i = 0; i < b.flat.size(); ++i) b.half[i] = Half(static_cast<float>(b.flat[i]));
+        b.work = comm_.all_reduce_async(std::span<Half>(b.half), ReduceOp::Avg);
+        break;
+      case GradientCompression::TopK: {
+        const std::size_t n = b.flat.size();
+        const std::size_t k = std::min(n, static_cast<std::size_t>(std::ceil(options_.topk_ratio * static_cast<double>(n))));
+        b.residual.resize(n, S(0));
+        for (std::size_t i = 0; i < n; ++i) b.flat[i] += b.residual[i];  // corrected gradient
+        b.order.resize(n);
+        for (std::size_t i = 0; i < n; ++i) b.order[i] = static_cast<std::int64_t>(i);
+        // The k largest magnitudes (ties broken by index, so every run selects the same set).
+        auto larger = [&](std::int64_t x, std::int64_t y) {
+          const S ax = std::abs(b.flat[static_cast<std::size_t>(x)]), ay = std::abs(b.flat[static_cast<std::size_t>(y)]);
+          return ax > ay || (ax == ay && x < y);
+        };
+        std::nth_element(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k), b.order.end(), larger);
+        b.sent_index.assign(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k));
+        std::sort(b.sent_index.begin(), b.sent_index.end());
+        b.sent_value.resize(k);
+        std::copy(b.flat.begin(), b.flat.end(), b.residual.begin());
+        for (std::size_t j = 0; j < k; ++j) {
+          const auto i = static_cast<std::size_t>(b.sent_index[j]);
+          b.sent_value[j] = b.flat[i];
+          b.residual[i] = S(0);  // sent: no error left at this index
+        }
+        b.all_index.resize(k * static_cast<std::size_t>(comm_.size()));
+        b.all_value.resize(k * static_cast<std::size_t>(comm_.size()));
+        b.work = comm_.all_gather_async(std::span<const std::int64_t>(b.sent_index), std::span<std::int64_t>(b.all_index));
+        b.work2 = comm_.all_gather_async(std::span<const S>(b.sent_value), std::span<S>(b.all_value));
+        break;
+      }
+    }
+  }
+
+  // After the bucket's collectives finished: its averaged gradient back into b.flat.
+  void decompress(Bucket& b) {
+    switch (options_.compression) {
+      case GradientCompression::None:
+        break;
+      case GradientCompression::Fp16:
+        for (std::size_t i = 0; i < b.flat.size(); ++i) b.flat[i] = static_cast<S>(static_cast<float>(b.half[i]));
+        break;
+      case GradientCompression::TopK: {
+        std::fill(b.flat.begin(), b.flat.end(), S(0));
+        for (std::size_t j = 0; j < b.all_index.size(); ++j)
+          b.flat[static_cast<std::size_t>(b.all_index[j])] += b.all_value[j];
+        const S inv = S(1) / static_cast<S>(comm_.size());
+        for (auto& v : b.flat) v *= inv;
+        break;
+      }
     }
   }
 
@@ -211,6 +307,7 @@ class DataParallel {
       b.ready = 0;
       b.launched = false;
       b.work = Work();
+      b.work2 = Work();
     }
     next_launch_ = 0;
   }
