@@ -28,6 +28,9 @@ struct TrainOptions {
   int progress = -1;                 // -1 detect terminal, 0 plain lines, 1 bar
   bool verbose = true;               // false: no progress output at all (tests)
   double label_smoothing = 0.0;
+  // Called after backward and before the optimizer step: where data parallelism finishes its
+  // gradient all-reduces (before_step = [&] { dp.finish(); }). Empty: nothing.
+  std::function<void()> before_step;
 };
 
 struct EpochResult {
@@ -61,6 +64,7 @@ class Trainer {
     const S loss = loss_.forward(logits, batch.labels, loss_cache_);
     correct_ += count_correct(logits, batch.labels);
     model_.backward(loss_.backward(loss_cache_), model_cache_);
+    if (options_.before_step) options_.before_step();
     optimizer_.step();
     state_.global_step++;
     return loss;
