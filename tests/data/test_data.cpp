@@ -818,6 +818,26 @@ TEST_CASE("DataLoader: distributed split is disjoint, covering and balanced like
                 "a loader must not be built on a temporary dataset (it would dangle)");
 }
 
+TEST_CASE("DataLoader: drop_tail gives every rank floor(N / W) distinct samples", "[data][loader]") {
+  for (const std::int64_t n : {100, 103, 7}) {
+    for (const int world : {2, 3, 4}) {
+      const Dataset ds = indexed_dataset(n);
+      std::map<std::int64_t, int> seen;
+      std::optional<std::int64_t> batches;
+      for (int rank = 0; rank < world; ++rank) {
+        DataLoader<float> loader(ds, LoaderOptions{.batch_size = 4, .seed = 5, .rank = rank, .world_size = world,
+                                                   .drop_tail = true});
+        CHECK(loader.samples_per_epoch() == n / world);
+        if (batches) CHECK(loader.batches_per_epoch() == *batches);
+        batches = loader.batches_per_epoch();
+        for (auto id : run_epoch(loader, ds, 1).first) seen[id]++;
+      }
+      CHECK(static_cast<std::int64_t>(seen.size()) == (n / world) * world);
+      for (const auto& [id, count] : seen) CHECK(count == 1);  // no duplicates
+    }
+  }
+}
+
 TEST_CASE("DataLoader: an exception while preparing a batch is rethrown from next()", "[data][loader]") {
   const Dataset ds = indexed_dataset(64);
   for (const bool prefetch : {true, false}) {

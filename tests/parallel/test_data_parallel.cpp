@@ -5,6 +5,8 @@
 
 #include "parallel/dp_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
+#include "tessera/data/loader.hpp"
+#include "tessera/data/synthetic.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/parallel/zero.hpp"
 
@@ -169,6 +171,43 @@ TEST_CASE("DataParallel top-k: error feedback keeps applied updates + residual =
         CHECK(sent_fraction[r] > 0.0);
       }
     }
+  }
+}
+
+TEST_CASE("DataParallel: a data set that does not divide evenly trains to the end on every rank", "[parallel]") {
+  // 103 samples, 4 ranks, batch 8: padding (or drop_tail) gives every rank the same number of
+  // batches and the same last-batch size, so no rank waits for a gradient that never comes.
+  for (const bool drop_tail : {false, true}) {
+    const SyntheticImages data(103, 1, 28, 28, 10, 3);
+    ThreadWorld world(4);
+    std::vector<std::int64_t> steps(4, 0), last_batch(4, 0);
+    world.run([&](ThreadComm& comm) {
+      auto model = lenet5<CpuLocal>();
+      DataParallel<float, ThreadComm> dp(model, comm);
+      Sgd<CpuLocal> sgd(dp.parameters(), {.lr = 0.01});
+      DataLoader<float> loader(data, {.batch_size = 8, .seed = 1, .rank = comm.rank(), .world_size = 4,
+                                      .drop_tail = drop_tail});
+      CrossEntropyLoss<CpuLocal> loss;
+      CrossEntropyLoss<CpuLocal>::Cache loss_cache;
+      decltype(model)::Cache cache{};
+      Batch<float> batch;
+      loader.start_epoch(0);
+      while (loader.next(batch)) {
+        sgd.zero_grad();
+        loss.forward(model.forward(batch.images, cache), batch.labels, loss_cache);
+        model.backward(loss.backward(loss_cache), cache);
+        dp.finish();
+        sgd.step();
+        ++steps[comm.rank()];
+        last_batch[comm.rank()] = static_cast<std::int64_t>(batch.labels.size());
+      }
+    });
+    for (int r = 1; r < 4; ++r) {
+      CHECK(steps[r] == steps[0]);
+      CHECK(last_batch[r] == last_batch[0]);
+    }
+    CHECK(steps[0] == 4);  // 26 samples per rank (25 with drop_tail) in batches of 8
+    CHECK(last_batch[0] == (drop_tail ? 1 : 2));
   }
 }
 

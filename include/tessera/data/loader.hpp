@@ -7,7 +7,12 @@
 // Ranks. Like torch's DistributedSampler (drop_last=False): the permutation is padded by repeating
 // its head to world_size * ceil(N / world_size) entries and rank r takes entries r, r + W, r + 2W, ...
 // Every rank therefore has the same number of samples and batches, the ranks' shares are disjoint
-// except for the padding, and together they cover every sample. With world_size 1 it is a plain loader.
+// except for the padding, and together they cover every sample. With drop_tail (torch's
+// DistributedSampler(drop_last=True)) the permutation's last N mod W entries are dropped instead:
+// floor(N / W) samples per rank, no duplicates, a few samples unseen per epoch (a different few
+// each epoch). Either way all ranks have equal batch counts and equal last-batch sizes, so
+// data-parallel ranks never wait on a rank that has run out of data. With world_size 1 it is a
+// plain loader.
 // Batches. Batch i of an epoch holds this rank's samples [i * B, min((i + 1) * B, samples)):
 // images (n, C, H, W) converted to S, labels (n). drop_last drops a final batch with n < B.
 //
@@ -51,6 +56,7 @@ struct LoaderOptions {
   bool prefetch = true;
   int rank = 0;
   int world_size = 1;
+  bool drop_tail = false;  // ranks: drop N mod world_size samples instead of padding (see above)
 };
 
 // Where a loader stands: the next call to next() returns batch `next_batch` of epoch `epoch`.
@@ -111,7 +117,9 @@ class DataLoader {
                   "DataLoader(", ds_.name, "): rank=", opt_.rank, " world_size=", opt_.world_size,
                   " need 0 <= rank < world_size");
     const std::int64_t n = ds_.size();
-    samples_ = (n + opt_.world_size - 1) / opt_.world_size;
+    samples_ = opt_.drop_tail ? n / opt_.world_size : (n + opt_.world_size - 1) / opt_.world_size;
+    TESSERA_CHECK(samples_ > 0, ArgumentError, "DataLoader(", ds_.name, "): drop_tail leaves no samples for ",
+                  opt_.world_size, " ranks out of ", n);
     batches_ = opt_.drop_last ? samples_ / opt_.batch_size : (samples_ + opt_.batch_size - 1) / opt_.batch_size;
     perm_.resize(static_cast<std::size_t>(n));
     indices_.resize(static_cast<std::size_t>(samples_));
