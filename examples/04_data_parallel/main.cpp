@@ -7,12 +7,16 @@
 //
 // Flags: --epochs=5 --batch=64 (the GLOBAL batch: each rank takes batch/N) --lr=0.05
 // --threads=1 (OpenMP threads per rank) --seed=1 --limit=N (first N training images)
-// --data-dir=DIR --compression=none|fp16|topk --bucket-kib=1024, and for the threads build
-// --ranks=2.
+// --data-dir=DIR --compression=none|fp16|topk --bucket-kib=1024 --trace=trace.json (a Chrome
+// trace of every step on every rank, for chrome://tracing or ui.perfetto.dev), and for the
+// threads build --ranks=2.
 //
 // Keeping the global batch fixed makes N ranks compute exactly what one process computes on the
 // same batches (up to floating-point summation order), so the accuracy must match one rank's.
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <optional>
 #include <cstdlib>
 #include <string>
 
@@ -34,7 +38,7 @@ struct Options {
   double lr = 0.05, weight_decay = 5e-4;
   int threads = 1, ranks = 2;
   std::uint64_t seed = 1;
-  std::string data_dir, compression = "none";
+  std::string data_dir, compression = "none", trace;
   std::int64_t bucket_kib = 1024;
 };
 
@@ -61,7 +65,9 @@ double train(Comm& comm, const Options& o) {
   TESSERA_CHECK(o.compression == "none" || o.compression == "fp16" || o.compression == "topk", ArgumentError,
                 "04_data_parallel: --compression=", o.compression, " is not one of none, fp16, topk");
   DataParallel<float, Comm> dp(model, comm,
-                               {.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024, .compression = compression});
+                               {.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
+                                .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024),
+                                .compression = compression});
   Sgd<CpuLocal> sgd(dp.parameters(), {.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay,
                                       .decay_norm_and_bias = false});
   const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
@@ -74,10 +80,36 @@ double train(Comm& comm, const Options& o) {
                 "compression %s\n",
                 ranks, static_cast<long long>(o.batch / ranks), static_cast<long long>(o.batch),
                 static_cast<long long>(o.epochs), dp.buckets().size(), o.compression.c_str());
+  // Optional timeline: compute spans from the Trainer, one span per bucket all-reduce from
+  // DataParallel, and the overlap: how much of the all-reduce time ran while backward still did.
+  std::optional<Timeline> timeline;
+  if (!o.trace.empty()) timeline.emplace(comm);
+  double comm_us = 0, exposed_us = 0;
+  auto finish = [&] {
+    dp.finish();
+    if (!timeline) return;
+    auto last_done = dp.last_wait_began();
+    for (std::size_t k = 0; k < dp.buckets().size(); ++k) {
+      const auto& b = dp.buckets()[k];
+      timeline->add("all_reduce bucket " + std::to_string(k) + " (" + std::to_string(b.flat.size() * 4 / 1024) + " KiB)",
+                    "communication", b.launched_at, b.completed_at, Timeline::kCommunication);
+      comm_us += std::chrono::duration<double, std::micro>(b.completed_at - b.launched_at).count();
+      last_done = std::max(last_done, b.completed_at);
+    }
+    exposed_us += std::chrono::duration<double, std::micro>(last_done - dp.last_wait_began()).count();
+  };
   // Rank 0 reports; every rank trains (and evaluates: the replicas are identical).
   Trainer trainer(model, sgd, schedule,
-                  {.epochs = o.epochs, .verbose = rank == 0, .before_step = [&] { dp.finish(); }});
+                  {.epochs = o.epochs, .verbose = rank == 0, .before_step = finish,
+                   .timeline = timeline ? &*timeline : nullptr});
   const auto results = trainer.fit(train_loader, &test_loader);
+  if (timeline) {
+    timeline->write(comm, o.trace);
+    if (rank == 0)
+      std::printf("timeline: %s; all-reduce time %.1f ms, of which %.1f ms waited for after backward: %.0f%% hidden "
+                  "behind backward (rank 0)\n",
+                  o.trace.c_str(), comm_us / 1000, exposed_us / 1000, 100.0 * (1.0 - exposed_us / std::max(comm_us, 1e-9)));
+  }
   double seconds = 0;
   for (const auto& r : results) seconds += r.seconds;
   const double accuracy = results.back().test_accuracy;
@@ -101,6 +133,7 @@ Options parse(int argc, char** argv) {
   o.data_dir = flags.get("data-dir", std::string());
   o.compression = flags.get("compression", o.compression);
   o.bucket_kib = flags.get("bucket-kib", o.bucket_kib);
+  o.trace = flags.get("trace", o.trace);
   flags.finish();
   return o;
 }

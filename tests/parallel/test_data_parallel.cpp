@@ -8,6 +8,10 @@
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
 #include "tessera/models/mlp.hpp"
+#include "tessera/train/timeline.hpp"
+
+#include <cstdio>
+#include <unistd.h>
 #include "tessera/parallel/zero.hpp"
 
 using namespace tessera;
@@ -209,6 +213,38 @@ TEST_CASE("DataParallel: a data set that does not divide evenly trains to the en
     CHECK(steps[0] == 4);  // 26 samples per rank (25 with drop_tail) in batches of 8
     CHECK(last_batch[0] == (drop_tail ? 1 : 2));
   }
+}
+
+TEST_CASE("Timeline: spans of every rank in one Chrome trace, bucket all-reduces from DataParallel", "[parallel]") {
+  const std::string path = "/tmp/tessera_test_trace_" + std::to_string(::getpid()) + ".json";
+  ThreadWorld world(2);
+  world.run([&](ThreadComm& comm) {
+    Timeline timeline(comm);
+    auto model = lenet5<CpuLocal64>();
+    DataParallel<double, ThreadComm> dp(model, comm, {.bucket_bytes = 32 * 1024, .first_bucket_bytes = 4096});
+    {
+      auto span = timeline.span("backward");
+      for (auto it = dp.parameters().parameters.rbegin(); it != dp.parameters().parameters.rend(); ++it)
+        it->second->grad_ready();
+    }
+    dp.finish();
+    for (std::size_t k = 0; k < dp.buckets().size(); ++k)
+      timeline.add("all_reduce bucket " + std::to_string(k), "communication", dp.buckets()[k].launched_at,
+                   dp.buckets()[k].completed_at, Timeline::kCommunication);
+    CHECK(timeline.size() == 1 + dp.buckets().size());
+    for (const auto& b : dp.buckets()) CHECK(b.completed_at >= b.launched_at);
+    timeline.write(comm, path);
+  });
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  REQUIRE(f != nullptr);
+  std::string text(1 << 16, '\0');
+  text.resize(std::fread(text.data(), 1, text.size(), f));
+  std::fclose(f);
+  std::remove(path.c_str());
+  CHECK(text.rfind("{\"traceEvents\": [", 0) == 0);
+  CHECK(text.find("\"name\": \"rank 1\"") != std::string::npos);
+  CHECK(text.find("\"name\": \"backward\", \"cat\": \"compute\", \"ph\": \"X\"") != std::string::npos);
+  CHECK(text.find("\"pid\": 1, \"tid\": 1}") != std::string::npos);  // rank 1's communication lane
 }
 
 TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small", "[parallel]") {

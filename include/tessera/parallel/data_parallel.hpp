@@ -43,6 +43,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -79,6 +80,10 @@ class DataParallel {
     int ready = 0;                     // parameters whose gradient is in this step
     bool launched = false;
     Work work, work2;                  // work2: TopK's second all_gather (values)
+    // When this step's reduction was launched and first seen complete (polled at every
+    // grad_ready hook and in finish(), so "seen" is at most one hook late): for timelines.
+    std::chrono::steady_clock::time_point launched_at, completed_at;
+    bool completion_seen = false;
     // Compression state
     std::vector<Half> half;                                   // Fp16: the bucket on the wire
     std::vector<S> residual;                                  // TopK: error feedback
@@ -153,10 +158,12 @@ class DataParallel {
                                            " (every rank must use every parameter in forward)");
     }
     launch_ready_buckets();
+    wait_began_ = std::chrono::steady_clock::now();
     const S scale = S(1) / static_cast<S>(micro_steps);
     for (auto& b : buckets_) {
       b.work.wait();
       b.work2.wait();
+      note_completion(b);
       decompress(b);
       for (std::size_t k = 0; k < b.params.size(); ++k) {
         auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
@@ -171,6 +178,10 @@ class DataParallel {
   }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // The last finish(): when it started waiting for the reductions and when it returned. With the
+  // buckets' launched_at/completed_at this shows how much communication backward hid.
+  std::chrono::steady_clock::time_point last_wait_began() const { return last_wait_began_; }
+  std::chrono::steady_clock::time_point last_finished() const { return finished_at_; }
   // TopK's error-feedback residual of every parameter, in model parameter order (for tests and
   // for logging how much is being delayed).
   std::vector<S> residual_of(std::size_t param) const {
@@ -224,7 +235,15 @@ class DataParallel {
     // Drive progress of what is in flight: MPI's non-blocking collectives advance only inside
     // MPI calls, and a test is cheap for the other backends.
     for (auto& in_flight : buckets_)
-      if (in_flight.launched) (void)in_flight.work.is_completed();
+      if (in_flight.launched && !in_flight.completion_seen && in_flight.work.is_completed() &&
+          in_flight.work2.is_completed())
+        note_completion(in_flight);
+  }
+
+  void note_completion(Bucket& b) {
+    if (b.completion_seen) return;
+    b.completed_at = std::chrono::steady_clock::now();
+    b.completion_seen = true;
   }
 
   // Launches, in bucket order, every bucket whose parameters are all in.
@@ -236,6 +255,7 @@ class DataParallel {
         const auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
         std::copy(g.data(), g.data() + g.numel(), b.flat.data() + b.offset[k]);
       }
+      b.launched_at = std::chrono::steady_clock::now();
       compress_and_launch(b);
       b.launched = true;
     }
@@ -302,6 +322,9 @@ class DataParallel {
   }
 
   void reset() {
+    finished_at_ = std::chrono::steady_clock::now();
+    last_wait_began_ = wait_began_;
+    for (auto& b : buckets_) b.completion_seen = false;
     std::fill(fired_.begin(), fired_.end(), 0);
     for (auto& b : buckets_) {
       b.ready = 0;
@@ -320,6 +343,7 @@ class DataParallel {
   std::vector<int> fired_;      // grad_ready calls per parameter since the last finish()
   std::size_t next_launch_ = 0;
   bool sync_ = true;
+  std::chrono::steady_clock::time_point wait_began_, last_wait_began_, finished_at_;
 };
 
 }  // namespace tessera

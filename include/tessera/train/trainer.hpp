@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "tessera/core/concepts.hpp"
@@ -18,6 +19,7 @@
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/progress.hpp"
+#include "tessera/train/timeline.hpp"
 
 namespace tessera {
 
@@ -31,6 +33,9 @@ struct TrainOptions {
   // Called after backward and before the optimizer step: where data parallelism finishes its
   // gradient all-reduces (before_step = [&] { dp.finish(); }). Empty: nothing.
   std::function<void()> before_step;
+  // Optional: forward, backward, the before_step hook and the optimizer step of every training
+  // step as spans on the compute lane (see train/timeline.hpp).
+  Timeline* timeline = nullptr;
 };
 
 struct EpochResult {
@@ -59,13 +64,22 @@ class Trainer {
 
   // One optimizer step on `batch`; returns the loss. Accumulates correct-prediction counts.
   S train_step(const Batch<S>& batch) {
+    Timeline* t = options_.timeline;
     optimizer_.zero_grad();
+    std::optional<Timeline::Span> span;
+    if (t) span.emplace(t->span("forward"));
     const auto& logits = model_.forward(batch.images, model_cache_);  // (N, classes)
     const S loss = loss_.forward(logits, batch.labels, loss_cache_);
     correct_ += count_correct(logits, batch.labels);
+    if (t) span.emplace(t->span("backward"));
     model_.backward(loss_.backward(loss_cache_), model_cache_);
-    if (options_.before_step) options_.before_step();
+    if (options_.before_step) {
+      if (t) span.emplace(t->span("gradient sync wait"));
+      options_.before_step();
+    }
+    if (t) span.emplace(t->span("optimizer step"));
     optimizer_.step();
+    span.reset();
     state_.global_step++;
     return loss;
   }

@@ -1,0 +1,173 @@
+// Timeline: a Chrome-trace (Trace Event Format) record of what each rank did when, for
+// chrome://tracing or https://ui.perfetto.dev. One file per job: every rank records its own
+// events, and write() gathers them to rank 0 through the communicator, which writes
+//
+//   {"traceEvents": [{"name": "backward", "cat": "compute", "ph": "X", "ts": 1234.5, "dur": 87.0,
+//                     "pid": <rank>, "tid": <lane>}, ...], "displayTimeUnit": "ms"}
+//
+// Each rank is a process row ("rank 0", "rank 1", ...); lanes are rows within it: lane 0 for
+// compute (forward, backward, optimizer step), lane 1 for communication (one span per bucket
+// all-reduce, from launch to the moment it was seen complete). Times are microseconds since the
+// Timeline was made; ranks' clocks are aligned by a barrier at construction.
+//
+//   Timeline timeline(comm);                         // collective: all ranks
+//   { auto span = timeline.span("forward"); ... }   // RAII span on lane 0
+//   timeline.write(comm, "trace.json");              // collective; rank 0 writes the file
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/error.hpp"
+
+namespace tessera {
+
+class Timeline {
+ public:
+  enum Lane : int { kCompute = 0, kCommunication = 1 };
+  using Clock = std::chrono::steady_clock;
+
+  template <Communicator Comm>
+  explicit Timeline(Comm& comm) : rank_(comm.rank()) {
+    comm.barrier();  // a common zero for all ranks (to within one barrier's skew)
+    start_ = Clock::now();
+  }
+
+  double now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - start_).count(); }
+
+  // A complete event [begin_us, end_us) on a lane. Thread-safe.
+  void add(std::string name, const char* category, double begin_us, double end_us, int lane) {
+    std::lock_guard lock(mutex_);
+    events_.push_back({std::move(name), category, begin_us, end_us - begin_us, lane});
+  }
+
+  // The same with clock readings (e.g. DataParallel's bucket launch and completion times).
+  void add(std::string name, const char* category, Clock::time_point begin, Clock::time_point end, int lane) {
+    add(std::move(name), category, std::chrono::duration<double, std::micro>(begin - start_).count(),
+        std::chrono::duration<double, std::micro>(end - start_).count(), lane);
+  }
+
+  class Span {
+   public:
+    Span(Timeline* t, std::string name, const char* category, int lane)
+        : t_(t), name_(std::move(name)), category_(category), lane_(lane), begin_(t ? t->now_us() : 0) {}
+    Span(Span&& other) noexcept
+        : t_(other.t_), name_(std::move(other.name_)), category_(other.category_), lane_(other.lane_), begin_(other.begin_) {
+      other.t_ = nullptr;
+    }
+    Span(const Span&) = delete;
+    ~Span() {
+      if (t_) t_->add(std::move(name_), category_, begin_, t_->now_us(), lane_);
+    }
+
+   private:
+    Timeline* t_;
+    std::string name_;
+    const char* category_;
+    int lane_;
+    double begin_;
+  };
+  // RAII: the span runs until the returned object is destroyed.
+  [[nodiscard]] Span span(std::string name, const char* category = "compute", int lane = kCompute) {
+    return Span(this, std::move(name), category, lane);
+  }
+
+  std::size_t size() const {
+    std::lock_guard lock(mutex_);
+    return events_.size();
+  }
+
+  // This rank's events as JSON objects separated by commas (no brackets).
+  std::string events_json() const {
+    std::lock_guard lock(mutex_);
+    std::string out;
+    char buf[128];
+    for (const auto& e : events_) {
+      if (!out.empty()) out += ",\n";
+      out += "{\"name\": \"" + escaped(e.name) + "\", \"cat\": \"" + e.category + "\", \"ph\": \"X\"";
+      std::snprintf(buf, sizeof buf, ", \"ts\": %.3f, \"dur\": %.3f, \"pid\": %d, \"tid\": %d}", e.begin_us, e.duration_us,
+                    rank_, e.lane);
+      out += buf;
+    }
+    return out;
+  }
+
+  // Collective: gathers every rank's events to rank 0, which writes one trace file (atomically
+  // enough for a trace: a temp name, then rename). Other ranks write nothing.
+  template <Communicator Comm>
+  void write(Comm& comm, const std::string& path) const {
+    const std::string mine = events_json();
+    // Variable-length strings through fixed-size collectives: lengths first, then the bytes
+    // packed into int64 words, padded to the longest.
+    std::vector<std::int64_t> length = {static_cast<std::int64_t>(mine.size())};
+    std::vector<std::int64_t> lengths(static_cast<std::size_t>(comm.size()));
+    comm.all_gather(std::span<const std::int64_t>(length), std::span<std::int64_t>(lengths));
+    std::int64_t longest = 0;
+    for (auto l : lengths) longest = std::max(longest, l);
+    const std::size_t words = static_cast<std::size_t>((longest + 7) / 8);
+    std::vector<std::int64_t> packed(words, 0), all(words * static_cast<std::size_t>(comm.size()));
+    std::memcpy(packed.data(), mine.data(), mine.size());
+    comm.all_gather(std::span<const std::int64_t>(packed), std::span<std::int64_t>(all));
+    if (comm.rank() != 0) return;
+    const std::string tmp = path + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "w");
+    TESSERA_CHECK(f != nullptr, IoError, "Timeline: cannot write '", tmp, "'");
+    std::fprintf(f, "{\"traceEvents\": [\n");
+    bool first = true;
+    for (int r = 0; r < comm.size(); ++r) {
+      std::fprintf(f, "%s{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}}",
+                   first ? "" : ",\n", r, r);
+      first = false;
+      std::fprintf(f, ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 0, \"args\": {\"name\": \"compute\"}}", r);
+      std::fprintf(f, ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 1, \"args\": {\"name\": \"communication\"}}", r);
+      const auto* bytes = reinterpret_cast<const char*>(all.data() + static_cast<std::size_t>(r) * words);
+      if (lengths[static_cast<std::size_t>(r)] > 0) {
+        std::fprintf(f, ",\n");
+        std::fwrite(bytes, 1, static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]), f);
+      }
+    }
+    std::fprintf(f, "\n], \"displayTimeUnit\": \"ms\"}\n");
+    const bool ok = std::fclose(f) == 0;
+    TESSERA_CHECK(ok && std::rename(tmp.c_str(), path.c_str()) == 0, IoError, "Timeline: cannot write '", path, "'");
+  }
+
+  // Sum of the durations of a rank's events whose name starts with `prefix` (for reports).
+  double total_us(const std::string& prefix) const {
+    std::lock_guard lock(mutex_);
+    double sum = 0;
+    for (const auto& e : events_)
+      if (e.name.rfind(prefix, 0) == 0) sum += e.duration_us;
+    return sum;
+  }
+
+ private:
+  struct Event {
+    std::string name;
+    const char* category;
+    double begin_us, duration_us;
+    int lane;
+  };
+  static std::string escaped(const std::string& s) {
+    std::string out;
+    for (char c : s) {
+      if (c == '"' || c == '\\') out += '\\';
+      out += c;
+    }
+    return out;
+  }
+
+  int rank_;
+  Clock::time_point start_;
+  mutable std::mutex mutex_;
+  std::vector<Event> events_;
+};
+
+}  // namespace tessera
