@@ -1,0 +1,121 @@
+// Data-parallel training throughput: images/s of LeNet-5 or ResNet-20 training steps (forward,
+// loss, backward, gradient all-reduce, SGD step) on synthetic 1x28x28 data, per rank batch fixed
+// (weak scaling, as DDP users scale). One source, one binary per communicator:
+//
+//   dp_scaling_threads --ranks=1|2 ...    --ranks=1 is plain training with no DataParallel at all
+//   mpirun -n 2 dp_scaling_mpi ...
+//   tessera-run -n 2 dp_scaling_gloo ...
+//
+// Flags: --model=lenet|resnet20 --batch=64 (per rank) --steps=40 --warmup=5 --threads=1 (per rank)
+// --bucket-kib=1024. Prints one JSON line (rank 0): images/s over all ranks = ranks x batch x steps
+// / the slowest rank's time for the timed steps. bench/dp_scaling.py runs these next to PyTorch DDP.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "tessera/tessera.hpp"
+#if defined(TESSERA_BENCH_MPI)
+#include "tessera/comm/mpi.hpp"
+#elif defined(TESSERA_BENCH_GLOO)
+#include "tessera/comm/gloo.hpp"
+#else
+#include "tessera/comm/threads.hpp"
+#endif
+
+using namespace tessera;
+
+namespace {
+
+struct Options {
+  std::string model = "lenet";
+  std::int64_t batch = 64;
+  int steps = 40, warmup = 5, threads = 1, ranks = 1;
+  std::int64_t bucket_kib = 1024;
+};
+
+// Runs warmup + timed steps; returns the seconds of the timed steps on this rank.
+template <class Model, class Comm>
+double run_steps(Model& model, Comm* comm, const Options& o) {
+  const SyntheticImages data(o.batch * 4, 1, 28, 28, 10, 7);
+  DataLoader<float> loader(data, {.batch_size = o.batch, .shuffle = false, .prefetch = false});
+  Batch<float> batch;
+  loader.start_epoch(0);
+  loader.next(batch);
+  std::optional<DataParallel<float, Comm>> dp;
+  if (comm) dp.emplace(model, *comm, DataParallelOptions{.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
+                                                         .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024)});
+  auto named = named_tensors<float, Cpu>(model);
+  Sgd<CpuLocal> sgd(named, {.lr = 0.01, .momentum = 0.9});
+  TrainOptions options{.verbose = false};
+  if (dp) options.before_step = [&] { dp->finish(); };
+  Trainer trainer(model, sgd, ConstantLr{0.01}, options);
+  for (int i = 0; i < o.warmup; ++i) trainer.train_step(batch);
+  if (comm) comm->barrier();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < o.steps; ++i) trainer.train_step(batch);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+template <class Comm>
+double run(Comm* comm, const Options& o) {
+  Cpu::set_num_threads(o.threads);
+  if (o.model == "resnet20") {
+    auto model = resnet20<CpuLocal>({.in_channels = 1, .num_classes = 10});
+    return run_steps(model, comm, o);
+  }
+  TESSERA_CHECK(o.model == "lenet", ArgumentError, "dp_scaling: --model=", o.model, " is not lenet or resnet20");
+  auto model = lenet5<CpuLocal>();
+  return run_steps(model, comm, o);
+}
+
+void report(const char* comm, int ranks, const Options& o, double seconds) {
+  std::printf("{\"bench\": \"dp_scaling\", \"framework\": \"tessera\", \"comm\": \"%s\", \"model\": \"%s\", \"ranks\": %d, "
+              "\"threads_per_rank\": %d, \"batch_per_rank\": %lld, \"steps\": %d, \"seconds\": %.6f, "
+              "\"images_per_second\": %.2f}\n",
+              comm, o.model.c_str(), ranks, o.threads, static_cast<long long>(o.batch), o.steps, seconds,
+              static_cast<double>(ranks) * static_cast<double>(o.batch) * o.steps / seconds);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Flags flags(argc, argv);
+    Options o;
+    o.model = flags.get("model", o.model);
+    o.batch = flags.get("batch", o.batch);
+    o.steps = flags.get("steps", o.steps);
+    o.warmup = flags.get("warmup", o.warmup);
+    o.threads = flags.get("threads", o.threads);
+    o.ranks = flags.get("ranks", o.ranks);
+    o.bucket_kib = flags.get("bucket-kib", o.bucket_kib);
+    flags.finish();
+#if defined(TESSERA_BENCH_MPI) || defined(TESSERA_BENCH_GLOO)
+#if defined(TESSERA_BENCH_MPI)
+    auto comm = MpiComm::world();
+    const char* name = "mpi";
+#else
+    auto comm = GlooComm::from_env();
+    const char* name = "gloo";
+#endif
+    std::vector<double> seconds = {run(&comm, o)};
+    comm.all_reduce(std::span<double>(seconds), ReduceOp::Max);
+    if (comm.rank() == 0) report(name, comm.size(), o, seconds[0]);
+#else
+    if (o.ranks == 1) {
+      report("none", 1, o, run<ThreadComm>(nullptr, o));  // plain training, no DataParallel
+    } else {
+      std::vector<double> seconds(static_cast<std::size_t>(o.ranks));
+      ThreadWorld world(o.ranks);
+      world.run([&](ThreadComm& comm) { seconds[comm.rank()] = run(&comm, o); });
+      report("threads", o.ranks, o, *std::max_element(seconds.begin(), seconds.end()));
+    }
+#endif
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dp_scaling: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Data-parallel scaling on this machine: Tessera (ThreadComm, MpiComm, GlooComm) and PyTorch DDP
+over Gloo, same model, same per-rank batch, 1 thread per rank, in alternating rounds.
+
+    python3 bench/dp_scaling.py [--models lenet,resnet20] [--rounds 5] [--build build]
+
+Per model and round it runs: Tessera 1 rank (plain training, no DataParallel), Tessera 2 ranks on
+each communicator, PyTorch 1 process (no DDP), PyTorch DDP 2 processes. Reports the median
+images/s of each and the scaling efficiency images/s(2 ranks) / (2 x images/s(1 rank)) of each
+framework against its own single rank (target: >= 0.9 and >= PyTorch's). Writes every run to
+bench/results/dp_scaling_<date>.json.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = {"lenet": {"batch": 64, "steps": 60}, "resnet20": {"batch": 32, "steps": 8}}
+
+
+def run(argv, env=None):
+    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"dp_scaling.py: {' '.join(argv)} failed:\n{out.stderr}")
+    for line in out.stdout.splitlines():
+        line = line.split("] ", 1)[-1] if line.startswith("[rank") else line
+        if line.startswith("{"):
+            return json.loads(line)
+    sys.exit(f"dp_scaling.py: no JSON from {' '.join(argv)}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="lenet,resnet20")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                                 f"dp_scaling_{datetime.date.today().isoformat()}.json"))
+    args = p.parse_args()
+    bench = os.path.join(args.build, "bench")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # PyTorch at its best here: OpenBLAS single-threaded and with its own core-type detection.
+    torch_env = dict(env, OPENBLAS_NUM_THREADS="1")
+    for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        torch_env.pop(k, None)
+    rows = []
+    for model in args.models.split(","):
+        d = DEFAULTS[model]
+        common = [f"--model={model}", f"--batch={d['batch']}", f"--steps={d['steps']}", "--threads=1"]
+        torch_common = ["--model", model, "--batch", str(d["batch"]), "--steps", str(d["steps"]), "--threads", "1"]
+        configs = [
+            ("tessera", "none", 1, [os.path.join(bench, "dp_scaling_threads"), "--ranks=1"] + common, env),
+            ("tessera", "threads", 2, [os.path.join(bench, "dp_scaling_threads"), "--ranks=2"] + common, env),
+            ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common, env),
+            ("tessera", "gloo", 2, [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", "2",
+                                    os.path.join(bench, "dp_scaling_gloo")] + common, env),
+            ("pytorch", "none", 1, ["/usr/bin/python3", os.path.join(ROOT, "bench", "torch_ddp_scaling.py"), "--ranks", "1"]
+             + torch_common, torch_env),
+            ("pytorch", "gloo", 2, ["/usr/bin/python3", os.path.join(ROOT, "bench", "torch_ddp_scaling.py"), "--ranks", "2"]
+             + torch_common, torch_env),
+        ]
+        for r in range(args.rounds):
+            for framework, comm, ranks, argv, e in configs:
+                row = run(argv, e)
+                row["round"] = r
+                rows.append(row)
+                print(f"  {model:8} round {r}: {framework:8} {comm:8} {ranks} rank(s): {row['images_per_second']:9.1f} img/s",
+                      file=sys.stderr, flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"\n{'model':9} {'framework':9} {'comm':8} {'ranks':>5} {'img/s (median)':>15} {'efficiency':>11}")
+    for model in args.models.split(","):
+        medians = {}
+        for row in rows:
+            if row["model"] == model:
+                medians.setdefault((row["framework"], row["comm"], row["ranks"]), []).append(row["images_per_second"])
+        for (framework, comm, ranks), values in medians.items():
+            m = statistics.median(values)
+            base = statistics.median(medians[(framework, "none", 1)])
+            eff = f"{m / (ranks * base):.3f}" if ranks > 1 else ""
+            print(f"{model:9} {framework:9} {comm:8} {ranks:>5} {m:>15.1f} {eff:>11}")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

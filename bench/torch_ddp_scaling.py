@@ -1,0 +1,88 @@
+"""PyTorch twin of dp_scaling: images/s of LeNet-5 / ResNet-20 training steps on synthetic data,
+one process without DDP or N processes with DistributedDataParallel over Gloo (file rendezvous),
+per-rank batch fixed. Prints one JSON line.
+
+    /usr/bin/python3 bench/torch_ddp_scaling.py --ranks 2 --model lenet --batch 64 --steps 40
+
+Run it with OPENBLAS_NUM_THREADS=1 and OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset (dp_scaling.py
+does): PyTorch at its best on this machine.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_models  # noqa: E402
+
+
+def build(name):
+    return torch_models.resnet20() if name == "resnet20" else torch_models.lenet5()
+
+
+def worker(rank, world, args, init_file, out_file):
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(1)
+    model = build(args.model)
+    model.train()
+    if world > 1:
+        dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model)  # default 25 MiB buckets, gloo all-reduce
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.randn(args.batch, 1, 28, 28)
+    y = torch.randint(0, 10, (args.batch,))
+
+    def step():
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump({"bench": "dp_scaling", "framework": "pytorch", "comm": "gloo" if world > 1 else "none",
+                       "model": args.model, "ranks": world, "threads_per_rank": args.threads,
+                       "batch_per_rank": args.batch, "steps": args.steps, "seconds": seconds.item(),
+                       "images_per_second": world * args.batch * args.steps / seconds.item(),
+                       "torch": torch.__version__}, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--model", default="lenet", choices=["lenet", "resnet20"])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
+        if args.ranks == 1:
+            worker(0, 1, args, init_file, out_file)
+        else:
+            mp.spawn(worker, args=(args.ranks, args, init_file, out_file), nprocs=args.ranks, join=True)
+        with open(out_file) as f:
+            print(f.read())
+
+
+if __name__ == "__main__":
+    main()
