@@ -22,10 +22,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {"lenet": {"batch": 64, "steps": 60}, "resnet20": {"batch": 32, "steps": 8}}
 
 
-def run(argv, env=None):
-    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    if out.returncode != 0:
-        sys.exit(f"dp_scaling.py: {' '.join(argv)} failed:\n{out.stderr}")
+def run(argv, env=None, attempts=3):
+    # A run that hangs is killed and repeated. Seen here: PyTorch DDP's 2-process run stalls in
+    # roughly one of ten launches under this driver (its rank 1 exits and rank 0 waits forever);
+    # the retry is counted in the log. No Tessera run has needed one.
+    for attempt in range(attempts):
+        try:
+            out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+        except subprocess.TimeoutExpired:
+            print(f"  timed out, retrying: {' '.join(argv)}", file=sys.stderr, flush=True)
+            continue
+        if out.returncode == 0:
+            break
+        print(f"  failed ({out.returncode}), retrying: {' '.join(argv)}\n{out.stderr[-2000:]}", file=sys.stderr, flush=True)
+    else:
+        sys.exit(f"dp_scaling.py: {' '.join(argv)} failed {attempts} times")
     for line in out.stdout.splitlines():
         line = line.split("] ", 1)[-1] if line.startswith("[rank") else line
         if line.startswith("{"):

@@ -1,5 +1,5 @@
 """PyTorch twin of dp_scaling: images/s of LeNet-5 / ResNet-20 training steps on synthetic data,
-one process without DDP or N processes with DistributedDataParallel over Gloo (file rendezvous),
+one process without DDP or N processes with DistributedDataParallel over Gloo (TCP rendezvous),
 per-rank batch fixed. Prints one JSON line.
 
     /usr/bin/python3 bench/torch_ddp_scaling.py --ranks 2 --model lenet --batch 64 --steps 40
@@ -10,6 +10,7 @@ does): PyTorch at its best on this machine.
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -32,7 +33,9 @@ def worker(rank, world, args, init_file, out_file):
     model = build(args.model)
     model.train()
     if world > 1:
-        dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+        # TCP store on a free local port, as torchrun --standalone does (the file store hung
+        # intermittently here with mp.spawn).
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + init_file, rank=rank, world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)  # default 25 MiB buckets, gloo all-reduce
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -75,7 +78,10 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        init_file, out_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        init_file, out_file = port, os.path.join(tmp, "result.json")
         if args.ranks == 1:
             worker(0, 1, args, init_file, out_file)
         else:
