@@ -59,11 +59,10 @@ struct ThreadWorldState {
 // One communicator group: its barrier, the published slots and the point-to-point mailboxes.
 class ThreadGroup {
  public:
-  ThreadGroup(int size, CommOptions options, std::shared_ptr<ThreadWorldState> world, std::vector<int> world_ranks)
+  ThreadGroup(int size, CommOptions options, std::shared_ptr<ThreadWorldState> world)
       : size_(size),
         options_(options),
         world_(std::move(world)),
-        world_ranks_(std::move(world_ranks)),
         present_(static_cast<std::size_t>(size), 0),
         slots_(static_cast<std::size_t>(size)),
         split_results_(static_cast<std::size_t>(size)) {
@@ -235,12 +234,8 @@ class ThreadGroup {
       if (slots_[q].color == color) members.push_back(q);
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return slots_[a].key < slots_[b].key; });
     new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
-    if (new_rank == 0) {
-      std::vector<int> world_ranks;
-      for (int q : members) world_ranks.push_back(world_ranks_[q]);
-      split_results_[rank] =
-          std::make_shared<ThreadGroup>(static_cast<int>(members.size()), options_, world_, std::move(world_ranks));
-    }
+    if (new_rank == 0)
+      split_results_[rank] = std::make_shared<ThreadGroup>(static_cast<int>(members.size()), options_, world_);
     sync(rank, sig, "create");
     std::shared_ptr<ThreadGroup> group = split_results_[members.front()];
     sync(rank, sig, "adopt");
@@ -383,7 +378,6 @@ class ThreadGroup {
   int size_;
   CommOptions options_;
   std::shared_ptr<ThreadWorldState> world_;
-  std::vector<int> world_ranks_;
 
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -506,10 +500,8 @@ class ThreadWorld {
  public:
   explicit ThreadWorld(int size, CommOptions options = {}) : size_(size) {
     TESSERA_CHECK(size >= 1, ArgumentError, "ThreadWorld: size ", size, " must be >= 1");
-    std::vector<int> ranks(static_cast<std::size_t>(size));
-    for (int r = 0; r < size; ++r) ranks[r] = r;
     state_ = std::make_shared<detail::ThreadWorldState>();
-    group_ = std::make_shared<detail::ThreadGroup>(size, options, state_, std::move(ranks));
+    group_ = std::make_shared<detail::ThreadGroup>(size, options, state_);
   }
 
   int size() const { return size_; }

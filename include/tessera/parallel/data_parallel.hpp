@@ -178,10 +178,9 @@ class DataParallel {
   }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  // The last finish(): when it started waiting for the reductions and when it returned. With the
-  // buckets' launched_at/completed_at this shows how much communication backward hid.
+  // When the last finish() started waiting for the reductions. With the buckets'
+  // launched_at/completed_at this shows how much communication backward hid.
   std::chrono::steady_clock::time_point last_wait_began() const { return last_wait_began_; }
-  std::chrono::steady_clock::time_point last_finished() const { return finished_at_; }
   // TopK's error-feedback residual of every parameter, in model parameter order (for tests and
   // for logging how much is being delayed).
   std::vector<S> residual_of(std::size_t param) const {
@@ -322,7 +321,6 @@ class DataParallel {
   }
 
   void reset() {
-    finished_at_ = std::chrono::steady_clock::now();
     last_wait_began_ = wait_began_;
     for (auto& b : buckets_) b.completion_seen = false;
     std::fill(fired_.begin(), fired_.end(), 0);
@@ -343,7 +341,7 @@ class DataParallel {
   std::vector<int> fired_;      // grad_ready calls per parameter since the last finish()
   std::size_t next_launch_ = 0;
   bool sync_ = true;
-  std::chrono::steady_clock::time_point wait_began_, last_wait_began_, finished_at_;
+  std::chrono::steady_clock::time_point wait_began_, last_wait_began_;
 };
 
 }  // namespace tessera

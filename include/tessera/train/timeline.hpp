@@ -139,15 +139,6 @@ class Timeline {
     TESSERA_CHECK(ok && std::rename(tmp.c_str(), path.c_str()) == 0, IoError, "Timeline: cannot write '", path, "'");
   }
 
-  // Sum of the durations of a rank's events whose name starts with `prefix` (for reports).
-  double total_us(const std::string& prefix) const {
-    std::lock_guard lock(mutex_);
-    double sum = 0;
-    for (const auto& e : events_)
-      if (e.name.rfind(prefix, 0) == 0) sum += e.duration_us;
-    return sum;
-  }
-
  private:
   struct Event {
     std::string name;
