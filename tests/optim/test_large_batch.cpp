@@ -72,6 +72,33 @@ TEST_CASE("Lars: several steps with weight decay equal the formula", "[optim]") 
   }
 }
 
+TEST_CASE("Lars: bias and BatchNorm parameters get neither decay nor adaptation unless switched on", "[optim]") {
+  for (bool adapt_all : {false, true}) {
+    Parameter<double> weight{Shape{2}, ParamKind::Weight}, bias{Shape{2}, ParamKind::Bias}, gamma{Shape{2}, ParamKind::Norm};
+    NamedTensors<double, Cpu> named;
+    named.parameter("w", weight);
+    named.parameter("b", bias);
+    named.parameter("bn.weight", gamma);
+    for (Parameter<double>* p : {&weight, &bias, &gamma}) {
+      p->value.data()[0] = 3, p->value.data()[1] = 4;      // ||x|| = 5
+      p->grad.data()[0] = 0.6, p->grad.data()[1] = 0.8;    // ||g|| = 1
+    }
+    const double lr = 0.1, wd = 0.01, eta = 0.001;
+    Lars<E64> lars(named, {.lr = lr, .momentum = 0.9, .weight_decay = wd, .eta = eta, .eps = 0,
+                           .adapt_norm_and_bias = adapt_all});
+    lars.step();
+    // Adapted: trust = eta ||x|| / (||g|| + wd ||x||), update lr trust (g + wd x).
+    const double trust = eta * 5 / (1 + wd * 5);
+    const double adapted0 = 3 - lr * trust * (0.6 + wd * 3);
+    const double plain0 = 3 - lr * 0.6;  // trust 1 and no decay: momentum SGD's first step
+    CHECK(weight.value.data()[0] == Approx(adapted0).epsilon(1e-14));
+    for (Parameter<double>* p : {&bias, &gamma})
+      CHECK(p->value.data()[0] == Approx(adapt_all ? adapted0 : plain0).epsilon(1e-14));
+    CHECK(lars.trust_ratios()[1] == Approx(adapt_all ? trust : 1.0));
+    CHECK(lars.trust_ratios()[2] == Approx(adapt_all ? trust : 1.0));
+  }
+}
+
 TEST_CASE("Lamb: first step by hand; biases get Adam", "[optim]") {
   TwoParams m;
   m.set({3, 4}, {0.6, 0.8}, {1, 2}, {0.5, -0.5});

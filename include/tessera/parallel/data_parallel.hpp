@@ -21,8 +21,10 @@
 //
 // Gradient accumulation: inside `auto guard = dp.no_sync();` backward passes accumulate
 // gradients locally with no communication; the first backward after the guard ends runs the
-// all-reduces, and finish() divides by the number of micro-steps k, so k micro-steps of batch b
-// equal one step of batch k x b (for a mean-reduced loss).
+// all-reduces (finish() launches whatever has not been, so calling it inside the guard also
+// works). Each gradient is divided by its number of micro-steps k when packed, before any
+// compression, so k micro-steps of batch b equal one step of batch k x b (for a mean-reduced
+// loss) and fp16 sees averages, not k-fold sums.
 //
 // Gradient compression, a step of the reducer applied per bucket (options.compression):
 //   Fp16:  cast the bucket down to IEEE half, all_reduce(Avg) in half (reduced in float per
@@ -34,9 +36,16 @@
 //          plus the residuals (averaged over ranks) sum exactly to the true averaged gradients, so
 //          nothing is lost, only delayed.
 //
-// Unused parameters: finish() throws ArgumentError naming every parameter whose gradient was not
-// produced in this step (a branch not taken in forward). Every rank must use every parameter:
-// otherwise the ranks would launch different buckets and wait for each other forever.
+// Unused parameters: finish() throws ArgumentError, on every rank, when any rank produced no
+// gradient for some parameter in this step (a branch not taken in forward), a different number
+// of gradients for some parameters (micro-steps that used different parts of the model), or one
+// parameter's hook fired twice in a backward (a layer used twice in forward). The rank where it
+// happened names the parameters. To make that agreement free, every rank still runs every
+// bucket's collective (missing gradients count as zero) and the last bucket carries one extra
+// element, a "something was wrong here" flag, that is averaged with the gradients: no rank waits
+// for a collective another rank never issues, and no extra round trip is needed. After the
+// error the DataParallel is reset and the next step can run; the thrown step's gradients are
+// not applied (and TopK's residual is left as it was before the step).
 //
 // Requires: the model outlives the DataParallel and is not moved (hooks point into it); one
 // DataParallel per model; the communicator outlives it too.
@@ -46,6 +55,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -76,8 +86,10 @@ class DataParallel {
   struct Bucket {
     std::vector<int> params;           // indices into parameters(), in bucket order
     std::vector<std::int64_t> offset;  // element offset of each in the flat buffer
-    std::vector<S> flat;               // packed gradients, reduced in place
-    int ready = 0;                     // parameters whose gradient is in this step
+    std::vector<S> flat;               // packed gradients, reduced in place (+ the flag, last bucket)
+    std::size_t elements = 0;          // gradient elements in flat; flat[elements] is the flag
+    bool has_flag = false;             // the last bucket carries the step's error flag
+    int ready = 0;                     // distinct parameters whose gradient is in this step
     bool launched = false;
     Work work, work2;                  // work2: TopK's second all_gather (values)
     // When this step's reduction was launched and first seen complete (polled at every
@@ -87,6 +99,7 @@ class DataParallel {
     // Compression state
     std::vector<Half> half;                                   // Fp16: the bucket on the wire
     std::vector<S> residual;                                  // TopK: error feedback
+    std::vector<S> next_residual;                             // TopK: residual once this step succeeds
     std::vector<std::int64_t> order, sent_index, all_index;  // TopK: selection scratch, exchanged indices
     std::vector<S> sent_value, all_value;                     // TopK: exchanged values
   };
@@ -139,40 +152,36 @@ class DataParallel {
   };
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
-  // Waits for every bucket (launching any that are still due), writes the averaged gradients back
-  // into the parameters, and resets for the next step. Throws if a parameter got no gradient.
+  // Launches every bucket not yet launched (in order), waits for all of them, and writes the
+  // averaged gradients back into the parameters; then resets for the next step. Throws on every
+  // rank if any rank lacked a gradient (see "Unused parameters" above).
   void finish() {
-    const int micro_steps = fired_.empty() ? 0 : *std::max_element(fired_.begin(), fired_.end());
-    std::vector<std::string> unused;
-    for (std::size_t i = 0; i < fired_.size(); ++i)
-      if (fired_[i] != micro_steps) unused.push_back(named_.parameters[i].first);
-    if (!unused.empty() || micro_steps == 0) {
-      for (auto& b : buckets_)
-        if (b.launched) b.work.wait(), b.work2.wait();
-      reset();
-      std::string names;
-      for (const auto& n : unused) names += (names.empty() ? "" : ", ") + n;
-      TESSERA_CHECK(false, ArgumentError, "DataParallel on rank ", comm_.rank(), ": ",
-                    micro_steps == 0 ? std::string("finish() without a backward pass since the last step")
-                                     : "no gradient in this step for: " + names +
-                                           " (every rank must use every parameter in forward)");
-    }
-    launch_ready_buckets();
+    launch_buckets(/*all=*/true);
     wait_began_ = std::chrono::steady_clock::now();
-    const S scale = S(1) / static_cast<S>(micro_steps);
     for (auto& b : buckets_) {
       b.work.wait();
       b.work2.wait();
       note_completion(b);
       decompress(b);
+    }
+    const Bucket& last = buckets_.back();
+    // A second hook firing after the last bucket went out is known only here, on this rank (a
+    // model that uses a layer twice does so on every rank, so every rank throws).
+    if (last.flat[last.elements] != S(0) || !duplicates_.empty()) {
+      const std::string local = local_problems();
+      reset();
+      TESSERA_CHECK(false, ArgumentError, "DataParallel on rank ", comm_.rank(), ": ",
+                    local.empty() ? std::string("another rank had a parameter without a gradient in this step "
+                                                "(its error names it); this step's gradients were not applied")
+                                  : local + " (every rank must use every parameter once per backward); this "
+                                            "step's gradients were not applied");
+    }
+    for (auto& b : buckets_) {
       for (std::size_t k = 0; k < b.params.size(); ++k) {
         auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
-        const S* src = b.flat.data() + b.offset[k];
-        S* dst = g.data();
-        const std::int64_t n = g.numel();
-        if (micro_steps == 1) std::copy(src, src + n, dst);
-        else for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+        std::copy_n(b.flat.data() + b.offset[k], g.numel(), g.data());
       }
+      if (options_.compression == GradientCompression::TopK) b.residual.swap(b.next_residual);
     }
     reset();
   }
@@ -211,10 +220,14 @@ class DataParallel {
       b.offset.push_back(static_cast<std::int64_t>(b.flat.size()));
       b.params.push_back(i);
       b.flat.resize(b.flat.size() + static_cast<std::size_t>(elements));
+      b.elements = b.flat.size();
       bucket_of_[static_cast<std::size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
     }
+    buckets_.back().has_flag = true;
+    buckets_.back().flat.push_back(S(0));
+    in_sync_pass_.assign(static_cast<std::size_t>(n), 0);
   }
-  static std::size_t bucket_bytes(const Bucket& b) { return b.flat.size() * sizeof(S); }
+  static std::size_t bucket_bytes(const Bucket& b) { return b.elements * sizeof(S); }
 
   void install_hooks() {
     for (std::size_t i = 0; i < named_.parameters.size(); ++i) {
@@ -226,11 +239,16 @@ class DataParallel {
   }
 
   void on_grad_ready(int i) {
-    ++fired_[static_cast<std::size_t>(i)];
+    const auto u = static_cast<std::size_t>(i);
+    if (sync_ && in_sync_pass_[u]) {  // a second gradient in one backward: its bucket may be sent
+      duplicates_.push_back(i);
+      return;
+    }
+    ++fired_[u];
     if (!sync_) return;  // accumulating: no communication until the last micro-step
-    Bucket& b = buckets_[static_cast<std::size_t>(bucket_of_[static_cast<std::size_t>(i)])];
-    ++b.ready;
-    launch_ready_buckets();
+    in_sync_pass_[u] = 1;
+    ++buckets_[static_cast<std::size_t>(bucket_of_[u])].ready;
+    launch_buckets(/*all=*/false);
     // Drive progress of what is in flight: MPI's non-blocking collectives advance only inside
     // MPI calls, and a test is cheap for the other backends.
     for (auto& in_flight : buckets_)
@@ -245,19 +263,50 @@ class DataParallel {
     b.completion_seen = true;
   }
 
-  // Launches, in bucket order, every bucket whose parameters are all in.
-  void launch_ready_buckets() {
+  // Launches, in bucket order, every bucket whose parameters are all in (all: every bucket).
+  void launch_buckets(bool all) {
     while (next_launch_ < buckets_.size() &&
-           buckets_[next_launch_].ready == static_cast<int>(buckets_[next_launch_].params.size())) {
+           (all || buckets_[next_launch_].ready == static_cast<int>(buckets_[next_launch_].params.size()))) {
       Bucket& b = buckets_[next_launch_++];
+      // Each gradient holds the sum of its micro-steps: pack the mean. No gradient: zeros.
       for (std::size_t k = 0; k < b.params.size(); ++k) {
-        const auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
-        std::copy(g.data(), g.data() + g.numel(), b.flat.data() + b.offset[k]);
+        const auto p = static_cast<std::size_t>(b.params[k]);
+        const auto& g = named_.parameters[p].second->grad;
+        S* dst = b.flat.data() + b.offset[k];
+        if (fired_[p] == 0) std::fill_n(dst, g.numel(), S(0));
+        else if (fired_[p] == 1) std::copy_n(g.data(), g.numel(), dst);
+        else {
+          const S scale = S(1) / static_cast<S>(fired_[p]);
+          for (std::int64_t e = 0; e < g.numel(); ++e) dst[e] = g.data()[e] * scale;
+        }
       }
+      // The last bucket goes out after every parameter's hook, so what this rank knows is final.
+      if (b.has_flag) b.flat[b.elements] = local_problems().empty() ? S(0) : S(1);
       b.launched_at = std::chrono::steady_clock::now();
       compress_and_launch(b);
       b.launched = true;
     }
+  }
+
+  // What is wrong with this rank's step, in words; empty when nothing is.
+  std::string local_problems() const {
+    const int micro_steps = *std::max_element(fired_.begin(), fired_.end());
+    if (micro_steps == 0) return "finish() without a backward pass since the last step";
+    std::string missing, uneven, twice;
+    for (std::size_t i = 0; i < fired_.size(); ++i) {
+      const std::string& name = named_.parameters[i].first;
+      if (fired_[i] == 0) missing += (missing.empty() ? "" : ", ") + name;
+      else if (fired_[i] != micro_steps) uneven += (uneven.empty() ? "" : ", ") + name;
+    }
+    for (int i : duplicates_) twice += (twice.empty() ? "" : ", ") + named_.parameters[static_cast<std::size_t>(i)].first;
+    std::string out;
+    auto add = [&](const std::string& what, const std::string& names) {
+      if (!names.empty()) out += (out.empty() ? "" : "; ") + what + names;
+    };
+    add("no gradient in this step for: ", missing);
+    add("gradients in fewer than all " + std::to_string(micro_steps) + " micro-steps for: ", uneven);
+    add("two gradients in one backward (used twice in forward) for: ", twice);
+    return out;
   }
 
   void compress_and_launch(Bucket& b) {
@@ -271,29 +320,41 @@ class DataParallel {
         b.work = comm_.all_reduce_async(std::span<Half>(b.half), ReduceOp::Avg);
         break;
       case GradientCompression::TopK: {
-        const std::size_t n = b.flat.size();
+        const std::size_t n = b.elements;
         const std::size_t k = std::min(n, static_cast<std::size_t>(std::ceil(options_.topk_ratio * static_cast<double>(n))));
         b.residual.resize(n, S(0));
         for (std::size_t i = 0; i < n; ++i) b.flat[i] += b.residual[i];  // corrected gradient
         b.order.resize(n);
         for (std::size_t i = 0; i < n; ++i) b.order[i] = static_cast<std::int64_t>(i);
-        // The k largest magnitudes (ties broken by index, so every run selects the same set).
+        // The k largest magnitudes, ties broken by index so every run selects the same set. NaN
+        // ranks as the largest (and so is sent and shows up in every rank's update) rather than
+        // breaking the strict weak order nth_element needs.
+        auto magnitude = [&](std::int64_t x) {
+          const S v = b.flat[static_cast<std::size_t>(x)];
+          return std::isnan(v) ? std::numeric_limits<S>::infinity() : std::abs(v);
+        };
         auto larger = [&](std::int64_t x, std::int64_t y) {
-          const S ax = std::abs(b.flat[static_cast<std::size_t>(x)]), ay = std::abs(b.flat[static_cast<std::size_t>(y)]);
+          const S ax = magnitude(x), ay = magnitude(y);
           return ax > ay || (ax == ay && x < y);
         };
         std::nth_element(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k), b.order.end(), larger);
+        // Sent: k (index, value) pairs, plus for the last bucket the flag as a final index with value 0.
+        const std::size_t sent = k + (b.has_flag ? 1 : 0);
         b.sent_index.assign(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k));
         std::sort(b.sent_index.begin(), b.sent_index.end());
-        b.sent_value.resize(k);
-        std::copy(b.flat.begin(), b.flat.end(), b.residual.begin());
+        b.sent_value.resize(sent);
+        b.next_residual.assign(b.flat.begin(), b.flat.begin() + static_cast<std::ptrdiff_t>(n));
         for (std::size_t j = 0; j < k; ++j) {
           const auto i = static_cast<std::size_t>(b.sent_index[j]);
           b.sent_value[j] = b.flat[i];
-          b.residual[i] = S(0);  // sent: no error left at this index
+          b.next_residual[i] = S(0);  // sent: no error left at this index
         }
-        b.all_index.resize(k * static_cast<std::size_t>(comm_.size()));
-        b.all_value.resize(k * static_cast<std::size_t>(comm_.size()));
+        if (b.has_flag) {
+          b.sent_index.push_back(b.flat[n] != S(0) ? 1 : 0);
+          b.sent_value[k] = S(0);
+        }
+        b.all_index.resize(sent * static_cast<std::size_t>(comm_.size()));
+        b.all_value.resize(sent * static_cast<std::size_t>(comm_.size()));
         b.work = comm_.all_gather_async(std::span<const std::int64_t>(b.sent_index), std::span<std::int64_t>(b.all_index));
         b.work2 = comm_.all_gather_async(std::span<const S>(b.sent_value), std::span<S>(b.all_value));
         break;
@@ -310,9 +371,15 @@ class DataParallel {
         for (std::size_t i = 0; i < b.flat.size(); ++i) b.flat[i] = static_cast<S>(static_cast<float>(b.half[i]));
         break;
       case GradientCompression::TopK: {
+        // Rank r's block of the gathered lists: its k pairs, then (last bucket) its flag.
         std::fill(b.flat.begin(), b.flat.end(), S(0));
-        for (std::size_t j = 0; j < b.all_index.size(); ++j)
-          b.flat[static_cast<std::size_t>(b.all_index[j])] += b.all_value[j];
+        const std::size_t per_rank = b.all_index.size() / static_cast<std::size_t>(comm_.size());
+        const std::size_t k = per_rank - (b.has_flag ? 1 : 0);
+        for (std::size_t j = 0; j < b.all_index.size(); ++j) {
+          const auto i = static_cast<std::size_t>(b.all_index[j]);
+          if (j % per_rank < k) b.flat[i] += b.all_value[j];
+          else b.flat[b.elements] += static_cast<S>(i);  // a flag, 0 or 1
+        }
         const S inv = S(1) / static_cast<S>(comm_.size());
         for (auto& v : b.flat) v *= inv;
         break;
@@ -324,6 +391,8 @@ class DataParallel {
     last_wait_began_ = wait_began_;
     for (auto& b : buckets_) b.completion_seen = false;
     std::fill(fired_.begin(), fired_.end(), 0);
+    std::fill(in_sync_pass_.begin(), in_sync_pass_.end(), 0);
+    duplicates_.clear();
     for (auto& b : buckets_) {
       b.ready = 0;
       b.launched = false;
@@ -339,6 +408,8 @@ class DataParallel {
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;  // parameter index -> bucket
   std::vector<int> fired_;      // grad_ready calls per parameter since the last finish()
+  std::vector<char> in_sync_pass_;  // grad_ready seen in the communicating backward
+  std::vector<int> duplicates_;     // parameters whose hook fired again in that backward
   std::size_t next_launch_ = 0;
   bool sync_ = true;
   std::chrono::steady_clock::time_point wait_began_, last_wait_began_;

@@ -67,6 +67,11 @@ class Zero1 {
     static_assert(!std::is_same_v<Optimizer, Lars<typename Optimizer::Env>> &&
                       !std::is_same_v<Optimizer, Lamb<typename Optimizer::Env>>,
                   "Zero1: LARS and LAMB need whole-tensor norms; a shard only has part of a tensor");
+    // The model is the source of truth for values (a checkpoint may have been loaded into it
+    // since the last step): refresh the optimizer's pieces before updating them.
+    for (auto& seg : segments_)
+      std::copy_n(model_.parameters[seg.model_index].second->value.data() + seg.param_offset, seg.length,
+                  seg.param.value.data());
     // Flatten gradients, average-and-scatter: shard r of the average lands on rank r.
     pack([](Parameter<S, D>& p) { return p.grad.data(); }, flat_grad_);
     comm_.reduce_scatter(std::span<const S>(flat_grad_), std::span<S>(shard_grad_), ReduceOp::Avg);
@@ -128,11 +133,6 @@ class Zero1 {
       std::copy_n(flat.data() + offset, p->value.numel(), p->value.data());
       offset += p->value.numel();
     }
-    // Keep the optimizer's pieces equal to the model (the model is the source of truth).
-    for (auto& seg : segments_)
-      if (seg.length > 0)
-        std::copy_n(model_.parameters[seg.model_index].second->value.data() + seg.param_offset, seg.length,
-                    seg.param.value.data());
   }
 
   Comm& comm_;

@@ -92,7 +92,7 @@ class Timeline {
     char buf[128];
     for (const auto& e : events_) {
       if (!out.empty()) out += ",\n";
-      out += "{\"name\": \"" + escaped(e.name) + "\", \"cat\": \"" + e.category + "\", \"ph\": \"X\"";
+      out += "{\"name\": \"" + escaped(e.name) + "\", \"cat\": \"" + escaped(e.category) + "\", \"ph\": \"X\"";
       std::snprintf(buf, sizeof buf, ", \"ts\": %.3f, \"dur\": %.3f, \"pid\": %d, \"tid\": %d}", e.begin_us, e.duration_us,
                     rank_, e.lane);
       out += buf;
@@ -149,8 +149,16 @@ class Timeline {
   static std::string escaped(const std::string& s) {
     std::string out;
     for (char c : s) {
-      if (c == '"' || c == '\\') out += '\\';
-      out += c;
+      if (c == '"' || c == '\\') {
+        out += '\\';
+        out += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {  // JSON forbids raw control characters
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+        out += buf;
+      } else {
+        out += c;
+      }
     }
     return out;
   }
