@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,12 +27,19 @@ def run(argv, env=None, attempts=3):
     # A run that hangs is killed and repeated. Seen here: PyTorch DDP's 2-process run stalls in
     # roughly one of ten launches under this driver (its rank 1 exits and rank 0 waits forever);
     # the retry is counted in the log. No Tessera run has needed one.
+    # Each run gets its own process group, and a hung one is killed as a group: PyTorch's spawned
+    # ranks outlive their parent otherwise and spin on both cores, slowing every later run.
     for attempt in range(attempts):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
         try:
-            out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+            stdout, stderr = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            print(f"  timed out, retrying: {' '.join(argv)}", file=sys.stderr, flush=True)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            print(f"  timed out, killed its process group, retrying: {' '.join(argv)}", file=sys.stderr, flush=True)
             continue
+        out = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
         if out.returncode == 0:
             break
         print(f"  failed ({out.returncode}), retrying: {' '.join(argv)}\n{out.stderr[-2000:]}", file=sys.stderr, flush=True)
