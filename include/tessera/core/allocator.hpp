@@ -7,6 +7,7 @@
 // Thread-safe: the data loader's prefetch thread allocates while the training thread does.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstddef>
@@ -24,6 +25,7 @@ struct AllocatorStats {
   std::size_t cache_hits = 0;          // requests served from a free list
   std::size_t bytes_in_use = 0;        // handed out and not yet returned
   std::size_t bytes_cached = 0;        // held in free lists
+  std::size_t peak_bytes_in_use = 0;   // the most bytes_in_use since construction or reset_peak()
 };
 
 class CachingAllocator {
@@ -42,6 +44,7 @@ class CachingAllocator {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& list = free_[static_cast<std::size_t>(cls)];
       stats_.bytes_in_use += block;
+      stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
       if (!list.empty()) {
         void* p = list.back();
         list.pop_back();
@@ -89,6 +92,12 @@ class CachingAllocator {
       list.clear();
     }
     stats_.bytes_cached = 0;
+  }
+
+  // Starts a new high-water mark at the current use (to measure one phase, e.g. a training step).
+  void reset_peak() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.peak_bytes_in_use = stats_.bytes_in_use;
   }
 
   AllocatorStats stats() const {

@@ -3,6 +3,8 @@
 //
 // forward: y = L_{n-1}( ... L_1(L_0(x)) )        backward: the chain rule in reverse order.
 // Cache is the tuple of the layers' caches: one Cache per micro-batch in flight.
+// Units: every layer is one unit of a pipeline stage (forward_units/backward_units/visit_units
+// run the layers [begin, end) only; see parallel/pipeline.hpp).
 // Parameter names follow torch.nn.Sequential ("0.weight", "2.bias"), or names given with
 // set_names() so that models match torchvision's state_dict ("conv1.weight", "bn1.running_mean").
 #pragma once
@@ -38,6 +40,34 @@ class Sequential {
   const Tensor& backward(const Tensor& dy, Cache& cache) {
     return backward_impl(dy, cache, std::index_sequence_for<Ls...>{});
   }
+
+  std::size_t unit_count() const { return kSize; }
+  const Tensor& forward_units(const Tensor& x, Cache& cache, std::size_t begin, std::size_t end) {
+    const Tensor* current = &x;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((I >= begin && I < end ? void(current = &std::get<I>(layers_).forward(*current, std::get<I>(cache))) : void()),
+       ...);
+    }(std::index_sequence_for<Ls...>{});
+    return *current;
+  }
+  const Tensor& backward_units(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
+    const Tensor* current = &dy;
+    constexpr std::size_t last = kSize - 1;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((last - I >= begin && last - I < end
+            ? void(current = &std::get<last - I>(layers_).backward(*current, std::get<last - I>(cache)))
+            : void()),
+       ...);
+    }(std::index_sequence_for<Ls...>{});
+    return *current;
+  }
+  template <class V>
+  void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((I >= begin && I < end ? visit_one(std::get<I>(layers_), v, prefix + names_[I] + ".") : void()), ...);
+    }(std::index_sequence_for<Ls...>{});
+  }
+  std::string unit_name(std::size_t i) const { return names_.at(i); }
 
   void set_mode(Mode mode) {
     std::apply([mode](auto&... layer) { (layer.set_mode(mode), ...); }, layers_);

@@ -38,32 +38,43 @@ class Mlp {
     linear_.front().set_needs_input_grad(false);
   }
 
-  const Tensor& forward(const Tensor& x, Cache& c) {
+  const Tensor& forward(const Tensor& x, Cache& c) { return forward_units(x, c, 0, unit_count()); }
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    return backward_units(dy, c, 0, unit_count());  // the first Linear skips dL/dx: nothing consumes it
+  }
+
+  // Pipeline units: unit i is Linear i with its ReLU (unit 0 starts with the Flatten).
+  std::size_t unit_count() const { return linear_.size(); }
+  const Tensor& forward_units(const Tensor& x, Cache& c, std::size_t begin, std::size_t end) {
     if (c.linear.size() != linear_.size()) {  // first forward on this cache only
       c.linear.resize(linear_.size());
       c.relu.resize(relu_.size());
     }
-    const Tensor* h = &flatten_.forward(x, c.flatten);
-    for (std::size_t i = 0; i < linear_.size(); ++i) {
+    const Tensor* h = begin == 0 ? &flatten_.forward(x, c.flatten) : &x;
+    for (std::size_t i = begin; i < end; ++i) {
       h = &linear_[i].forward(*h, c.linear[i]);
       if (i < relu_.size()) h = &relu_[i].forward(*h, c.relu[i]);
     }
     return *h;
   }
-
-  const Tensor& backward(const Tensor& dy, Cache& c) {
+  const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
     const Tensor* g = &dy;
-    for (std::size_t i = linear_.size(); i-- > 0;) {
+    for (std::size_t i = end; i-- > begin;) {
       if (i < relu_.size()) g = &relu_[i].backward(*g, c.relu[i]);
       g = &linear_[i].backward(*g, c.linear[i]);
     }
-    return *g;  // the first Linear skips dL/dx: nothing consumes it
+    return *g;
   }
+  template <class V>
+  void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) linear_[i].visit(v, prefix + std::to_string(2 * i + 1) + ".");
+  }
+  std::string unit_name(std::size_t i) const { return "linear" + std::to_string(i); }
 
   void set_mode(Mode) {}
   template <class V>
   void visit(V& v, const std::string& prefix) {
-    for (std::size_t i = 0; i < linear_.size(); ++i) linear_[i].visit(v, prefix + std::to_string(2 * i + 1) + ".");
+    visit_units(v, prefix, 0, unit_count());
   }
   std::string name() const { return "MLP"; }
 

@@ -126,21 +126,60 @@ class ResNet {
          const ResNetOptions& o)
       : ResNet(stage_blocks, widths, imagenet_stem, o, Rng(o.seed)) {}
 
-  const Tensor& forward(const Tensor& x, Cache& c) {
-    TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
-                  in_channels_, ", H, W), got ", x.shape());
-    if (c.blocks.size() != blocks_.size()) c.blocks.resize(blocks_.size());  // first forward on this cache only
-    const Tensor* h = &relu_.forward(bn1_.forward(conv1_.forward(x, c.conv1), c.bn1), c.relu);
-    if (maxpool_) h = &maxpool_->forward(*h, c.maxpool);
-    for (std::size_t i = 0; i < blocks_.size(); ++i) h = &blocks_[i].forward(*h, c.blocks[i]);
-    return fc_.forward(avgpool_.forward(*h, c.avgpool), c.fc);
-  }
+  const Tensor& forward(const Tensor& x, Cache& c) { return forward_units(x, c, 0, unit_count()); }
+  const Tensor& backward(const Tensor& dy, Cache& c) { return backward_units(dy, c, 0, unit_count()); }
 
-  const Tensor& backward(const Tensor& dy, Cache& c) {
-    const Tensor* g = &avgpool_.backward(fc_.backward(dy, c.fc), c.avgpool);
-    for (std::size_t i = blocks_.size(); i-- > 0;) g = &blocks_[i].backward(*g, c.blocks[i]);
-    if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
-    return conv1_.backward(bn1_.backward(relu_.backward(*g, c.relu), c.bn1), c.conv1);
+  // Pipeline units: 0 is the stem (conv1, bn1, relu, max-pool), 1..B the blocks, B + 1 the head
+  // (global average pool, fc).
+  std::size_t unit_count() const { return blocks_.size() + 2; }
+  const Tensor& forward_units(const Tensor& x, Cache& c, std::size_t begin, std::size_t end) {
+    if (c.blocks.size() != blocks_.size()) c.blocks.resize(blocks_.size());  // first forward on this cache only
+    const Tensor* h = &x;
+    for (std::size_t u = begin; u < end; ++u) {
+      if (u == 0) {
+        TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
+                      in_channels_, ", H, W), got ", x.shape());
+        h = &relu_.forward(bn1_.forward(conv1_.forward(*h, c.conv1), c.bn1), c.relu);
+        if (maxpool_) h = &maxpool_->forward(*h, c.maxpool);
+      } else if (u <= blocks_.size()) {
+        h = &blocks_[u - 1].forward(*h, c.blocks[u - 1]);
+      } else {
+        h = &fc_.forward(avgpool_.forward(*h, c.avgpool), c.fc);
+      }
+    }
+    return *h;
+  }
+  const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    const Tensor* g = &dy;
+    for (std::size_t u = end; u-- > begin;) {
+      if (u == blocks_.size() + 1) {
+        g = &avgpool_.backward(fc_.backward(*g, c.fc), c.avgpool);
+      } else if (u >= 1) {
+        g = &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
+      } else {
+        if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
+        g = &conv1_.backward(bn1_.backward(relu_.backward(*g, c.relu), c.bn1), c.conv1);
+      }
+    }
+    return *g;
+  }
+  template <class V>
+  void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
+    for (std::size_t u = begin; u < end; ++u) {
+      if (u == 0) {
+        conv1_.visit(v, prefix + "conv1.");
+        bn1_.visit(v, prefix + "bn1.");
+      } else if (u <= blocks_.size()) {
+        blocks_[u - 1].visit(v, prefix + block_names_[u - 1]);
+      } else {
+        fc_.visit(v, prefix + "fc.");
+      }
+    }
+  }
+  std::string unit_name(std::size_t u) const {
+    if (u == 0) return "stem";
+    if (u <= blocks_.size()) return block_names_[u - 1].substr(0, block_names_[u - 1].size() - 1);
+    return "head";
   }
 
   void set_mode(Mode mode) {
@@ -156,10 +195,7 @@ class ResNet {
 
   template <class V>
   void visit(V& v, const std::string& prefix) {
-    conv1_.visit(v, prefix + "conv1.");
-    bn1_.visit(v, prefix + "bn1.");
-    for (std::size_t i = 0; i < blocks_.size(); ++i) blocks_[i].visit(v, prefix + block_names_[i]);
-    fc_.visit(v, prefix + "fc.");
+    visit_units(v, prefix, 0, unit_count());
   }
 
   const std::string& name() const { return name_; }

@@ -1,0 +1,390 @@
+// Pipeline: pipeline model parallelism. The model's units (a Sequential's layers, an MLP's
+// Linear+ReLU pairs, a ResNet's stem, blocks and head) are split into P contiguous stages, one per
+// rank of `comm`; each global batch is cut into M micro-batches that flow through the stages.
+//
+//   Pipeline pipe(model, comm, {.micro_batches = 8, .schedule = PipelineSchedule::OneFOneB});
+//   Sgd<E> sgd(pipe.stage_parameters(), {...});          // this rank's units only
+//   loop: sgd.zero_grad(); S loss = pipe.train_step(x, labels); sgd.step();
+// The loss (a third template argument, cross-entropy by default) lives on the last stage.
+//
+// Stage s runs units [b_s, b_{s+1}). Per micro-batch i it receives activations from stage s-1
+// (stage 0 slices them from x), runs its units forward and sends the result to stage s+1; the
+// last stage computes the loss. Backward goes the other way with dL/d(activation). Each stage's
+// parameter gradients accumulate over the M micro-batches (every layer's backward accumulates),
+// and the loss gradient of each micro-batch is scaled by 1/M, so after train_step the gradients
+// are exactly those of the mean loss over the whole batch: the optimizer steps once per batch,
+// as in the unsplit model. BatchNorm is the exception: it normalizes each micro-batch with that
+// micro-batch's statistics, so with BN and M > 1 the result differs from the unsplit model (as in
+// GPipe); with M = 1 it is equal.
+//
+// Schedules (P stages, M micro-batches; F_i / B_i = forward / backward of micro-batch i):
+//   GPipe:  F_0 .. F_{M-1}, then B_0 .. B_{M-1}. Every stage holds all M micro-batches'
+//           activations at the peak.
+//   1F1B:   PipeDream-flush. Stage s first runs w = min(P-1-s, M) forwards, then alternates one
+//           forward and one backward, then drains the last w backwards. At most w + 1 <= P - s
+//           micro-batches of activations are held at any time, whatever M is.
+// Both leave every stage idle for the same (P-1)/(M+P-1) of the step (the bubble) when all stages
+// cost the same; 1F1B's gain is memory.
+//
+// Messages: activations go s -> s+1 with a shape header (8 int64) first; gradients s+1 -> s
+// without one (the receiver knows the shape it sent). Sends are asynchronous (a stage never blocks
+// on a peer that is itself sending), receives blocking with the communicator's timeout, so a dead
+// stage becomes a CommError naming the peer, not a hang.
+//
+// Balancing: options.boundaries fixes the split; otherwise the units are split to minimize the
+// most expensive stage, with options.unit_costs if given, else costs measured on rank 0 (forward +
+// backward of each unit on the sample micro-batch passed to rank 0's constructor, broadcast so
+// every rank splits the same way), else each unit's parameter count plus one (a crude estimate).
+//
+// Requires: every rank builds the same model (same seed); the model outlives the Pipeline.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/error.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/core/tensor.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/train/timeline.hpp"
+
+namespace tessera {
+
+// A model that can be cut into pipeline stages.
+template <class M>
+concept Stageable = requires(M& m, const typename M::Tensor& t, typename M::Cache& c, std::size_t i) {
+  { m.unit_count() } -> std::convertible_to<std::size_t>;
+  { m.forward_units(t, c, i, i) } -> std::same_as<const typename M::Tensor&>;
+  { m.backward_units(t, c, i, i) } -> std::same_as<const typename M::Tensor&>;
+  { m.unit_name(i) } -> std::convertible_to<std::string>;
+};
+
+enum class PipelineSchedule { GPipe, OneFOneB };
+
+inline const char* schedule_name(PipelineSchedule s) { return s == PipelineSchedule::GPipe ? "GPipe" : "1F1B"; }
+
+struct PipelineOptions {
+  int micro_batches = 4;
+  PipelineSchedule schedule = PipelineSchedule::OneFOneB;
+  std::vector<std::size_t> boundaries;  // P + 1 unit indices, 0 = b_0 < b_1 < ... < b_P = units
+  std::vector<double> unit_costs;       // one per unit: relative cost used for balancing
+  Timeline* timeline = nullptr;         // optional: every F_i / B_i as a span on the compute lane
+};
+
+// What the last train_step did on this rank.
+struct PipelineStepStats {
+  double step_seconds = 0;  // train_step, start to end
+  double busy_seconds = 0;  // in this stage's forward and backward compute
+  int peak_in_flight = 0;   // most micro-batches whose activations were held at once
+  double idle_fraction() const { return step_seconds > 0 ? 1.0 - busy_seconds / step_seconds : 0.0; }
+};
+
+// Splits costs into `parts` contiguous runs minimizing the largest run's sum (linear partition,
+// O(parts n^2) dynamic programme; n is at most a few hundred units). Returns parts + 1 boundaries.
+inline std::vector<std::size_t> balanced_boundaries(const std::vector<double>& costs, int parts) {
+  const std::size_t n = costs.size();
+  TESSERA_CHECK(parts >= 1 && static_cast<std::size_t>(parts) <= n, ArgumentError, "Pipeline: cannot split ", n,
+                " units into ", parts, " stages (every stage needs at least one unit)");
+  std::vector<double> prefix(n + 1, 0.0);
+  for (std::size_t i = 0; i < n; ++i) {
+    TESSERA_CHECK(costs[i] >= 0, ArgumentError, "Pipeline: unit cost ", i, " is negative (", costs[i], ")");
+    prefix[i + 1] = prefix[i] + costs[i];
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto p = static_cast<std::size_t>(parts);
+  // best[k][j]: the smallest possible maximum when the first j units form k stages.
+  std::vector<std::vector<double>> best(p + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<std::size_t>> cut(p + 1, std::vector<std::size_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (std::size_t k = 1; k <= p; ++k)
+    for (std::size_t j = k; j <= n; ++j)
+      for (std::size_t i = k - 1; i < j; ++i) {
+        const double candidate = std::max(best[k - 1][i], prefix[j] - prefix[i]);
+        if (candidate < best[k][j]) best[k][j] = candidate, cut[k][j] = i;
+      }
+  std::vector<std::size_t> bounds(p + 1);
+  bounds[p] = n;
+  for (std::size_t k = p; k > 0; --k) bounds[k - 1] = cut[k][bounds[k]];
+  return bounds;
+}
+
+template <Stageable Model, class Comm, class Loss = CrossEntropyLoss<typename Model::Env>>
+class Pipeline {
+  static_assert(AsyncCommunicator<Comm>, "Pipeline needs send_async (stages must not block on each other's sends)");
+
+ public:
+  using Env = typename Model::Env;
+  using S = typename Env::Scalar;
+  using D = typename Env::Device;
+  using Tensor = typename Model::Tensor;
+
+  // The part of the model on this rank, as a model-like object for optimizers, checkpoints and a
+  // DataParallel over the stage (hybrid data x pipeline parallelism).
+  class Stage {
+   public:
+    Stage(Model& model, std::size_t begin, std::size_t end) : model_(&model), begin_(begin), end_(end) {}
+    template <class V>
+    void visit(V& v, const std::string& prefix) {
+      model_->visit_units(v, prefix, begin_, end_);
+    }
+
+   private:
+    Model* model_;
+    std::size_t begin_, end_;
+  };
+
+  Pipeline(Model& model, Comm& comm, PipelineOptions options, const Tensor* sample = nullptr, Loss loss = Loss())
+      : model_(model), comm_(comm), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
+    TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
+                  " must be at least 1");
+    const std::size_t units = model_.unit_count();
+    bounds_ = options_.boundaries.empty() ? balanced_boundaries(costs(sample), comm_.size()) : options_.boundaries;
+    check_boundaries(units);
+    begin_ = bounds_[static_cast<std::size_t>(comm_.rank())];
+    end_ = bounds_[static_cast<std::size_t>(comm_.rank()) + 1];
+    stage_ = Stage(model_, begin_, end_);
+    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
+    slots_ = options_.schedule == PipelineSchedule::GPipe ? m : std::min(m, p - s);
+    slot_.resize(static_cast<std::size_t>(slots_));
+    loss_caches_.resize(static_cast<std::size_t>(slots_));
+  }
+
+  Stage& stage() { return stage_; }
+  NamedTensors<S, D> stage_parameters() { return named_tensors<S, D>(stage_); }
+  int stage_index() const { return comm_.rank(); }
+  int stage_count() const { return comm_.size(); }
+  // Unit boundaries of every stage: stage s runs [boundaries()[s], boundaries()[s+1]).
+  const std::vector<std::size_t>& boundaries() const { return bounds_; }
+  const PipelineStepStats& last_step() const { return stats_; }
+  // Micro-batch activation sets this stage keeps allocated (M for GPipe, min(M, P - s) for 1F1B).
+  int activation_slots() const { return slots_; }
+
+  // One training step on the global batch x (N, ...) with labels (N): x is read on stage 0 and
+  // labels on the last stage only (other ranks may pass empty ones). Accumulates this stage's
+  // parameter gradients (the caller zeroes them and steps the optimizer) and returns the mean loss
+  // over the batch on every rank.
+  S train_step(const Tensor& x, std::span<const std::int64_t> labels) {
+    const auto started = std::chrono::steady_clock::now();
+    stats_ = {};
+    in_flight_ = 0;
+    loss_sum_ = 0;
+    x_ = &x;
+    labels_ = labels;
+    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
+    if (s == 0) {
+      TESSERA_CHECK(x.rank() >= 1 && x.dim(0) % m == 0 && x.dim(0) > 0, ShapeError, "Pipeline: the batch of ",
+                    x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(), ") does not split into ", m,
+                    " equal micro-batches");
+    }
+    auto fwd = [&](int i) { forward_micro_batch(i); };
+    auto bwd = [&](int i) { backward_micro_batch(i); };
+    if (options_.schedule == PipelineSchedule::GPipe) {
+      for (int i = 0; i < m; ++i) fwd(i);
+      for (int i = 0; i < m; ++i) bwd(i);
+    } else {
+      const int warmup = std::min(p - 1 - s, m);
+      for (int i = 0; i < warmup; ++i) fwd(i);
+      for (int i = 0; i < m - warmup; ++i) {
+        fwd(warmup + i);
+        bwd(i);
+      }
+      for (int i = m - warmup; i < m; ++i) bwd(i);
+    }
+    for (auto& sl : slot_) sl.wait_sends();
+    // The mean loss lives on the last stage; every rank returns it.
+    std::array<S, 1> mean{loss_sum_ / static_cast<S>(m)};
+    comm_.broadcast(std::span<S>(mean), p - 1);
+    stats_.step_seconds = seconds_since(started);
+    return mean[0];
+  }
+
+ private:
+  // One micro-batch's worth of state on this stage, reused round-robin by micro-batches i, i +
+  // slots, ... (the schedule guarantees i's backward is done before i + slots's forward).
+  struct Slot {
+    typename Model::Cache cache{};
+    Tensor input;                        // received activations (or stage 0's slice of x)
+    Tensor output_grad;                  // received dL/d(output), or the scaled loss gradient
+    std::array<std::int64_t, 8> header{};  // shape of the activations sent forward
+    Shape output_shape;
+    Work send_activation_header, send_activation, send_grad;
+    void wait_sends() {
+      send_activation_header.wait();
+      send_activation.wait();
+      send_grad.wait();
+    }
+  };
+
+  void forward_micro_batch(int i) {
+    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
+    Slot& sl = slot_[static_cast<std::size_t>(i % slots_)];
+    sl.wait_sends();  // the previous user of this slot may still be sending from its buffers
+    if (s == 0) {
+      const std::int64_t per = x_->dim(0) / m;
+      Shape shape = x_->shape();
+      shape[0] = per;
+      sl.input.resize(shape);
+      const std::int64_t row = x_->numel() / x_->dim(0);
+      std::copy_n(x_->data() + i * per * row, per * row, sl.input.data());
+    } else {
+      std::array<std::int64_t, 8> header{};
+      comm_.recv(std::span<std::int64_t>(header), s - 1);
+      sl.input.resize(shape_from_header(header, s - 1));
+      comm_.recv(std::span<S>(sl.input.data(), static_cast<std::size_t>(sl.input.numel())), s - 1);
+    }
+    const auto began = std::chrono::steady_clock::now();
+    const Tensor& out = model_.forward_units(sl.input, sl.cache, begin_, end_);
+    sl.output_shape = out.shape();
+    if (s == p - 1) {
+      const std::int64_t per = out.dim(0);
+      TESSERA_CHECK(static_cast<std::int64_t>(labels_.size()) == per * m, ShapeError, "Pipeline: ",
+                    labels_.size(), " labels on the last stage for a batch of ", per * m, " (", m,
+                    " micro-batches of ", per, ")");
+      loss_sum_ += loss_.forward(out, labels_.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per)),
+                                 loss_caches_[static_cast<std::size_t>(i % slots_)]);
+    }
+    note_busy("F" + std::to_string(i), began);
+    if (s < p - 1) {
+      TESSERA_CHECK(out.rank() <= 7, ShapeError, "Pipeline: activations of rank ", out.rank(), " (at most 7)");
+      sl.header.fill(0);
+      sl.header[0] = out.rank();
+      for (std::int64_t d = 0; d < out.rank(); ++d) sl.header[static_cast<std::size_t>(d + 1)] = out.dim(d);
+      sl.send_activation_header = comm_.send_async(std::span<const std::int64_t>(sl.header), s + 1);
+      sl.send_activation = comm_.send_async(std::span<const S>(out.data(), static_cast<std::size_t>(out.numel())), s + 1);
+    }
+    stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight_);
+  }
+
+  void backward_micro_batch(int i) {
+    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
+    Slot& sl = slot_[static_cast<std::size_t>(i % slots_)];
+    sl.send_grad.wait();
+    if (s == p - 1) {
+      // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits).
+      const Tensor& g = loss_.backward(loss_caches_[static_cast<std::size_t>(i % slots_)]);
+      sl.output_grad.resize(g.shape());
+      const S scale = S(1) / static_cast<S>(m);
+      for (std::int64_t k = 0; k < g.numel(); ++k) sl.output_grad.data()[k] = g.data()[k] * scale;
+    } else {
+      sl.output_grad.resize(sl.output_shape);
+      comm_.recv(std::span<S>(sl.output_grad.data(), static_cast<std::size_t>(sl.output_grad.numel())), s + 1);
+    }
+    const auto began = std::chrono::steady_clock::now();
+    const Tensor& dx = model_.backward_units(sl.output_grad, sl.cache, begin_, end_);
+    note_busy("B" + std::to_string(i), began);
+    if (s > 0) {
+      TESSERA_CHECK(dx.shape() == sl.input.shape(), ShapeError, "Pipeline: stage ", s, " produced dL/dx ", dx.shape(),
+                    " for an input of ", sl.input.shape(), " (does its first unit compute input gradients?)");
+      sl.send_grad = comm_.send_async(std::span<const S>(dx.data(), static_cast<std::size_t>(dx.numel())), s - 1);
+    }
+    --in_flight_;
+  }
+
+  Shape shape_from_header(const std::array<std::int64_t, 8>& h, int from) const {
+    TESSERA_CHECK(h[0] >= 1 && h[0] <= 7, CommError, "Pipeline stage ", comm_.rank(), ": activation header from stage ",
+                  from, " has rank ", h[0], " (stages disagree about the model or the schedule)");
+    Shape shape;
+    for (std::int64_t d = 0; d < h[0]; ++d) {
+      TESSERA_CHECK(h[static_cast<std::size_t>(d + 1)] >= 0, CommError, "Pipeline stage ", comm_.rank(),
+                    ": activation header from stage ", from, " has a negative dimension");
+      shape.push_back(h[static_cast<std::size_t>(d + 1)]);
+    }
+    return shape;
+  }
+
+  void note_busy(std::string name, std::chrono::steady_clock::time_point began) {
+    const auto ended = std::chrono::steady_clock::now();
+    stats_.busy_seconds += std::chrono::duration<double>(ended - began).count();
+    if (options_.timeline) options_.timeline->add(std::move(name), "compute", began, ended, Timeline::kCompute);
+  }
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+
+  // Per-unit costs for balancing (see the header comment), identical on every rank.
+  std::vector<double> costs(const Tensor* sample) {
+    const std::size_t units = model_.unit_count();
+    if (!options_.unit_costs.empty()) {
+      TESSERA_CHECK(options_.unit_costs.size() == units, ArgumentError, "Pipeline: ", options_.unit_costs.size(),
+                    " unit costs for a model of ", units, " units");
+      return options_.unit_costs;
+    }
+    // Only rank 0 needs a sample (other stages may have no input data): it tells the others
+    // whether it measured.
+    std::array<std::int32_t, 1> measured{sample != nullptr ? 1 : 0};
+    comm_.broadcast(std::span<std::int32_t>(measured), 0);
+    std::vector<double> c(units, 1.0);
+    if (measured[0] && comm_.rank() == 0) {
+      // Measuring runs the model once in its current mode: keep its buffers (BatchNorm running
+      // statistics) as they were, so that rank 0 does not start different from the others.
+      auto named = named_tensors<S, D>(model_);
+      std::vector<std::vector<S>> saved;
+      for (auto& [name, t] : named.buffers) saved.emplace_back(t->data(), t->data() + t->numel());
+      typename Model::Cache cache{};
+      std::vector<const Tensor*> inputs(units + 1);
+      inputs[0] = sample;
+      for (std::size_t u = 0; u < units; ++u) {
+        const auto t = std::chrono::steady_clock::now();
+        inputs[u + 1] = &model_.forward_units(*inputs[u], cache, u, u + 1);
+        c[u] = seconds_since(t);
+      }
+      Tensor dy(inputs[units]->shape());
+      dy.fill(S(1) / static_cast<S>(dy.numel()));
+      const Tensor* g = &dy;
+      for (std::size_t u = units; u-- > 0;) {
+        const auto t = std::chrono::steady_clock::now();
+        g = &model_.backward_units(*g, cache, u, u + 1);
+        c[u] += seconds_since(t);
+      }
+      // That backward accumulated into the gradients: leave them zero, and the buffers as before.
+      for (auto& [name, p] : named.parameters) p->grad.zero();
+      for (std::size_t k = 0; k < saved.size(); ++k) std::copy(saved[k].begin(), saved[k].end(), named.buffers[k].second->data());
+    } else if (!measured[0]) {
+      for (std::size_t u = 0; u < units; ++u) {
+        struct Count {
+          double n = 0;
+          void parameter(const std::string&, Parameter<S, D>& p) { n += static_cast<double>(p.value.numel()); }
+          void buffer(const std::string&, tessera::Tensor<S, D>&) {}
+        } count;
+        model_.visit_units(count, "", u, u + 1);
+        c[u] = count.n + 1.0;
+      }
+    }
+    if (measured[0]) comm_.broadcast(std::span<double>(c), 0);
+    return c;
+  }
+
+  void check_boundaries(std::size_t units) const {
+    const auto p = static_cast<std::size_t>(comm_.size());
+    TESSERA_CHECK(bounds_.size() == p + 1 && bounds_.front() == 0 && bounds_.back() == units, ArgumentError,
+                  "Pipeline: boundaries must be ", p + 1, " unit indices from 0 to ", units, " (one stage per rank)");
+    for (std::size_t k = 0; k < p; ++k)
+      TESSERA_CHECK(bounds_[k] < bounds_[k + 1], ArgumentError, "Pipeline: stage ", k, " would be empty (boundaries ",
+                    bounds_[k], " and ", bounds_[k + 1], ")");
+  }
+
+  Model& model_;
+  Comm& comm_;
+  PipelineOptions options_;
+  std::vector<std::size_t> bounds_;
+  std::size_t begin_ = 0, end_ = 0;
+  Stage stage_;
+  int slots_ = 1;
+  std::vector<Slot> slot_;
+  Loss loss_;
+  std::vector<typename Loss::Cache> loss_caches_;
+  PipelineStepStats stats_;
+  int in_flight_ = 0;
+  S loss_sum_ = 0;
+  const Tensor* x_ = nullptr;
+  std::span<const std::int64_t> labels_;
+};
+
+}  // namespace tessera

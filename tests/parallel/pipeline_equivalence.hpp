@@ -1,0 +1,166 @@
+// Pipeline against the unsplit model, on any communicator: the loss and every parameter gradient
+// of a P-stage pipeline step equal one process running the whole model on the whole batch, and
+// after several SGD steps every stage's parameters equal the single-process run. Collective:
+// every rank calls it. Returns failures as text (usable from threads and from multi-process
+// programs).
+#pragma once
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/local.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/conv2d.hpp"
+#include "tessera/layers/linear.hpp"
+#include "tessera/layers/pool.hpp"
+#include "tessera/layers/residual.hpp"
+#include "tessera/layers/sequential.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/models/mlp.hpp"
+#include "tessera/models/resnet.hpp"
+#include "tessera/optim/sgd.hpp"
+#include "tessera/parallel/pipeline.hpp"
+
+namespace tessera::testing {
+
+// A residual network without BatchNorm, built as one Sequential: stem conv, three residual blocks
+// (the second and third change shape through a 1x1 projection), global pool, classifier. With no
+// BN, micro-batching changes nothing: the pipeline must match the unsplit model for any M.
+template <class E>
+using PlainBlock = Residual<Sequential<Conv2d<E>, ReLU<E>, Conv2d<E>>, Sequential<Conv2d<E>>>;
+template <class E>
+using PlainResNet = Sequential<Conv2d<E>, ReLU<E>, PlainBlock<E>, PlainBlock<E>, PlainBlock<E>, GlobalAvgPool<E>,
+                               Linear<E>>;
+
+template <class E>
+PlainBlock<E> plain_block(std::int64_t in, std::int64_t out, std::int64_t stride, Rng& rng) {
+  Sequential<Conv2d<E>, ReLU<E>, Conv2d<E>> main{Conv2d<E>(in, out, 3, rng, stride, 1), ReLU<E>(),
+                                                 Conv2d<E>(out, out, 3, rng, 1, 1)};
+  if (in == out && stride == 1) return PlainBlock<E>(std::move(main));
+  return PlainBlock<E>(std::move(main), Sequential<Conv2d<E>>{Conv2d<E>(in, out, 1, rng, stride, 0)});
+}
+
+template <class E>
+PlainResNet<E> plain_resnet(std::uint64_t seed) {
+  Rng rng(seed);
+  PlainResNet<E> net{Conv2d<E>(1, 4, 3, rng, 1, 1), ReLU<E>(), plain_block<E>(4, 4, 1, rng),
+                     plain_block<E>(4, 8, 2, rng), plain_block<E>(8, 8, 2, rng), GlobalAvgPool<E>(),
+                     Linear<E>(8, 10, rng)};
+  net.set_needs_input_grad(false);
+  return net;
+}
+
+enum class PipeModel { Mlp, PlainResNet, ResNet20 };
+
+struct PipeCase {
+  PipeModel model = PipeModel::Mlp;
+  int micro_batches = 4;
+  PipelineSchedule schedule = PipelineSchedule::OneFOneB;
+  int batch = 8;  // global batch
+  int steps = 3;
+  double tolerance = 1e-12;
+};
+
+inline const char* model_name(PipeModel m) {
+  return m == PipeModel::Mlp ? "MLP" : m == PipeModel::PlainResNet ? "BN-free ResNet" : "ResNet-20";
+}
+
+template <class S>
+Tensor<S, Cpu> pipe_images(std::int64_t n, std::int64_t size, int step) {
+  Tensor<S, Cpu> x(Shape{n, 1, size, size});
+  Rng rng(700 + static_cast<std::uint64_t>(step));
+  for (std::int64_t k = 0; k < x.numel(); ++k) x.data()[k] = static_cast<S>(rng.normal());
+  return x;
+}
+inline std::vector<std::int64_t> pipe_labels(std::int64_t n, int step) {
+  std::vector<std::int64_t> y(static_cast<std::size_t>(n));
+  Rng rng(900 + static_cast<std::uint64_t>(step));
+  for (auto& l : y) l = static_cast<std::int64_t>(rng.uniform() * 10) % 10;
+  return y;
+}
+
+// Returns peak in-flight micro-batches through *peak (this rank's, last step).
+template <class S, class Comm, class Model>
+std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model model_pipe, Model model_ref,
+                                           std::int64_t image, int* peak = nullptr) {
+  using E = Env<Cpu, LocalComm, S>;
+  std::vector<std::string> failures;
+  const std::string what = std::string(model_name(c.model)) + " " + schedule_name(c.schedule) + " P=" +
+                           std::to_string(comm.size()) + " M=" + std::to_string(c.micro_batches) + " stage " +
+                           std::to_string(comm.rank()) + ": ";
+  Pipeline<Model, Comm> pipe(model_pipe, comm, {.micro_batches = c.micro_batches, .schedule = c.schedule});
+  auto stage_params = pipe.stage_parameters();
+  auto ref_params = named_tensors<S, Cpu>(model_ref);
+  std::map<std::string, Parameter<S, Cpu>*> ref_by_name;
+  for (auto& [name, p] : ref_params.parameters) ref_by_name[name] = p;
+  Sgd<E> sgd_pipe(stage_params, {.lr = 0.05, .momentum = 0.9});
+  Sgd<E> sgd_ref(ref_params, {.lr = 0.05, .momentum = 0.9});
+  CrossEntropyLoss<E> loss;
+  for (int step = 0; step < c.steps; ++step) {
+    const auto x = pipe_images<S>(c.batch, image, step);
+    const auto y = pipe_labels(c.batch, step);
+    // The reference: the whole model on the whole batch.
+    sgd_ref.zero_grad();
+    typename Model::Cache cache{};
+    typename CrossEntropyLoss<E>::Cache loss_cache;
+    const S ref_loss = loss.forward(model_ref.forward(x, cache), y, loss_cache);
+    model_ref.backward(loss.backward(loss_cache), cache);
+    // The pipeline; stage 0 alone reads x, the last stage alone the labels.
+    sgd_pipe.zero_grad();
+    const bool first = comm.rank() == 0, last = comm.rank() == comm.size() - 1;
+    const Tensor<S, Cpu> empty;
+    const S pipe_loss = pipe.train_step(first ? x : empty, last ? std::span<const std::int64_t>(y)
+                                                                : std::span<const std::int64_t>());
+    if (std::abs(static_cast<double>(pipe_loss - ref_loss)) > c.tolerance * std::max(1.0, std::abs(static_cast<double>(ref_loss))))
+      failures.push_back(what + "step " + std::to_string(step) + " loss " + std::to_string(pipe_loss) + " vs " +
+                         std::to_string(ref_loss));
+    double worst_grad = 0, worst_value = 0;
+    for (auto& [name, p] : stage_params.parameters) {
+      const auto* r = ref_by_name.at(name);
+      for (std::int64_t k = 0; k < p->grad.numel(); ++k) {
+        const double scale = std::max(1.0, std::abs(static_cast<double>(r->grad.data()[k])));
+        worst_grad = std::max(worst_grad, std::abs(static_cast<double>(p->grad.data()[k] - r->grad.data()[k])) / scale);
+      }
+    }
+    if (worst_grad > c.tolerance)
+      failures.push_back(what + "step " + std::to_string(step) + " gradients differ by " + std::to_string(worst_grad));
+    if (stage_params.parameters.empty()) failures.push_back(what + "the stage has no parameters");
+    sgd_pipe.step();
+    sgd_ref.step();
+    for (auto& [name, p] : stage_params.parameters) {
+      const auto* r = ref_by_name.at(name);
+      for (std::int64_t k = 0; k < p->value.numel(); ++k)
+        worst_value = std::max(worst_value, std::abs(static_cast<double>(p->value.data()[k] - r->value.data()[k])));
+    }
+    if (worst_value > c.tolerance)
+      failures.push_back(what + "step " + std::to_string(step) + " parameters differ by " + std::to_string(worst_value));
+  }
+  // Activation memory bound: 1F1B holds at most P - s micro-batches; GPipe all M.
+  const int p = comm.size(), s = comm.rank();
+  const int bound = c.schedule == PipelineSchedule::OneFOneB ? std::min(c.micro_batches, p - s) : c.micro_batches;
+  if (pipe.last_step().peak_in_flight != bound)
+    failures.push_back(what + "held " + std::to_string(pipe.last_step().peak_in_flight) +
+                       " micro-batches at the peak, expected " + std::to_string(bound));
+  if (peak) *peak = pipe.last_step().peak_in_flight;
+  return failures;
+}
+
+template <class S, class Comm>
+std::vector<std::string> pipeline_equivalence(Comm& comm, const PipeCase& c, int* peak = nullptr) {
+  using E = Env<Cpu, LocalComm, S>;
+  switch (c.model) {
+    case PipeModel::Mlp:
+      return run_pipeline_case<S>(comm, c, Mlp<E>(64, {32, 32, 24, 16, 16}, 10, 5), Mlp<E>(64, {32, 32, 24, 16, 16}, 10, 5),
+                                  8, peak);
+    case PipeModel::PlainResNet:
+      return run_pipeline_case<S>(comm, c, plain_resnet<E>(6), plain_resnet<E>(6), 8, peak);
+    case PipeModel::ResNet20:
+      return run_pipeline_case<S>(comm, c, resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 7}),
+                                  resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 7}), 8, peak);
+  }
+  return {"unknown model"};
+}
+
+}  // namespace tessera::testing

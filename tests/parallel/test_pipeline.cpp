@@ -1,0 +1,118 @@
+// Pipeline over ThreadComm: every schedule on 2, 3 and 4 stages equals the unsplit model (loss,
+// gradients, parameters after SGD steps) for an MLP, a BN-free ResNet and ResNet-20 with BN at one
+// micro-batch; the 1F1B memory bound; balancing; bad input. MPI runs the same equivalence as a
+// multi-process program (tests/parallel/pipeline_main.cpp).
+#include <catch2/catch.hpp>
+
+#include "parallel/pipeline_equivalence.hpp"
+#include "tessera/comm/threads.hpp"
+
+using namespace tessera;
+using testing::PipeModel;
+
+namespace {
+std::string joined(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+void check_pipeline(int stages, testing::PipeCase c) {
+  ThreadWorld world(stages);
+  std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(stages));
+  world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::pipeline_equivalence<double>(comm, c); });
+  for (const auto& f : failures) {
+    INFO(joined(f));
+    CHECK(f.empty());
+  }
+}
+}  // namespace
+
+TEST_CASE("Pipeline: GPipe and 1F1B on 2-4 stages equal the unsplit MLP and BN-free ResNet (float64)", "[parallel]") {
+  for (PipeModel model : {PipeModel::Mlp, PipeModel::PlainResNet})
+    for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})
+      for (int stages : {2, 3, 4}) {
+        DYNAMIC_SECTION(testing::model_name(model) << " " << schedule_name(schedule) << " P=" << stages) {
+          check_pipeline(stages, {.model = model, .micro_batches = 4, .schedule = schedule, .batch = 8, .steps = 3});
+        }
+      }
+}
+
+TEST_CASE("Pipeline: more micro-batches than stages, and one micro-batch", "[parallel]") {
+  for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB}) {
+    check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 8, .schedule = schedule, .batch = 16, .steps = 2});
+    check_pipeline(3, {.model = PipeModel::Mlp, .micro_batches = 1, .schedule = schedule, .batch = 6, .steps = 2});
+  }
+}
+
+TEST_CASE("Pipeline: ResNet-20 with BatchNorm equals the unsplit model when the micro-batch is the batch", "[parallel]") {
+  for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})
+    for (int stages : {2, 4}) {
+      DYNAMIC_SECTION(schedule_name(schedule) << " P=" << stages) {
+        check_pipeline(stages, {.model = PipeModel::ResNet20, .micro_batches = 1, .schedule = schedule, .batch = 4, .steps = 2});
+      }
+    }
+}
+
+TEST_CASE("Pipeline: 1F1B holds at most P - s micro-batches, GPipe all M", "[parallel]") {
+  ThreadWorld world(4);
+  std::vector<int> gpipe(4), one_f_one_b(4);
+  world.run([&](ThreadComm& comm) {
+    testing::pipeline_equivalence<double>(comm, {.micro_batches = 8, .schedule = PipelineSchedule::GPipe, .batch = 16, .steps = 1},
+                                          &gpipe[comm.rank()]);
+    testing::pipeline_equivalence<double>(comm, {.micro_batches = 8, .schedule = PipelineSchedule::OneFOneB, .batch = 16, .steps = 1},
+                                          &one_f_one_b[comm.rank()]);
+  });
+  for (int s = 0; s < 4; ++s) {
+    CHECK(gpipe[s] == 8);
+    CHECK(one_f_one_b[s] == 4 - s);
+  }
+}
+
+TEST_CASE("Pipeline: balanced boundaries minimize the most expensive stage", "[parallel]") {
+  CHECK(balanced_boundaries({1, 1, 1, 1}, 2) == std::vector<std::size_t>{0, 2, 4});
+  CHECK(balanced_boundaries({4, 1, 1, 1, 1}, 2) == std::vector<std::size_t>{0, 1, 5});
+  CHECK(balanced_boundaries({1, 2, 3, 4, 5, 6, 7, 8, 9}, 3) == std::vector<std::size_t>{0, 5, 7, 9});  // 15, 13, 17
+  CHECK(balanced_boundaries({5}, 1) == std::vector<std::size_t>{0, 1});
+  CHECK_THROWS_WITH(balanced_boundaries({1, 1}, 3), Catch::Contains("cannot split 2 units into 3 stages"));
+}
+
+TEST_CASE("Pipeline: costs measured on rank 0 give every rank the same split", "[parallel]") {
+  using E = CpuLocal64;
+  ThreadWorld world(2);
+  std::vector<std::vector<std::size_t>> bounds(2);
+  world.run([&](ThreadComm& comm) {
+    auto model = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
+    const auto sample = testing::pipe_images<double>(4, 8, 0);
+    const auto before = named_tensors<double, Cpu>(model);
+    std::vector<double> running_mean(before.buffers.front().second->data(),
+                                     before.buffers.front().second->data() + before.buffers.front().second->numel());
+    Pipeline<decltype(model), ThreadComm> pipe(model, comm, {.micro_batches = 2}, comm.rank() == 0 ? &sample : nullptr);
+    bounds[comm.rank()] = pipe.boundaries();
+    // Measuring left the BatchNorm statistics and the gradients as they were.
+    const auto& after = *before.buffers.front().second;
+    for (std::int64_t k = 0; k < after.numel(); ++k) REQUIRE(after.data()[k] == running_mean[static_cast<std::size_t>(k)]);
+    for (const auto& [name, p] : before.parameters)
+      for (std::int64_t k = 0; k < p->grad.numel(); ++k) REQUIRE(p->grad.data()[k] == 0.0);
+  });
+  CHECK(bounds[0] == bounds[1]);
+  CHECK(bounds[0].size() == 3);
+}
+
+TEST_CASE("Pipeline: bad boundaries and a batch that does not split are named", "[parallel]") {
+  using E = CpuLocal64;
+  ThreadWorld world(1);
+  world.run([](ThreadComm& comm) {
+    Mlp<E> model(64, {16}, 10);
+    CHECK_THROWS_WITH((Pipeline<Mlp<E>, ThreadComm>(model, comm, {.boundaries = {0, 1}})),
+                      Catch::Contains("boundaries must be 2 unit indices from 0 to 2"));
+    CHECK_THROWS_WITH((Pipeline<Mlp<E>, ThreadComm>(model, comm, {.micro_batches = 0})),
+                      Catch::Contains("micro_batches=0 must be at least 1"));
+    Pipeline<Mlp<E>, ThreadComm> pipe(model, comm, {.micro_batches = 4});
+    const auto x = testing::pipe_images<double>(6, 8, 0);
+    const auto y = testing::pipe_labels(6, 0);
+    CHECK_THROWS_WITH(pipe.train_step(x, y), Catch::Contains("does not split into 4 equal micro-batches"));
+    const auto x8 = testing::pipe_images<double>(8, 8, 0);
+    CHECK_THROWS_WITH(pipe.train_step(x8, y), Catch::Contains("6 labels on the last stage for a batch of 8"));
+  });
+}
