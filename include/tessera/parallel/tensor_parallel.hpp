@@ -1,0 +1,302 @@
+// Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): one layer's weight split across the
+// ranks of `comm`, every rank seeing the same batch.
+//
+// ColumnParallelLinear: W (out, in) split by output rows, rank r holds W_r (out/p, in), b_r.
+//   forward   y_r = f(x) W_r^T + b_r            (N, out/p); gather_output: all_gather -> (N, out)
+//   backward  dW_r += dy_r^T x, db_r += sum dy_r; dx = sum_r dy_r W_r: all_reduce(sum) = f's backward
+// RowParallelLinear: W split by input columns, rank r holds W_r (out, in/p); b is replicated.
+//   forward   y = g(x_r W_r^T) + b               g = all_reduce(sum); x_r = columns r of x, or
+//                                                 x itself when input_is_parallel (it came split)
+//   backward  dW_r += dy^T x_r, db += sum dy; dx_r = dy W_r (no communication: g's backward is
+//             the identity); unless input_is_parallel, all_gather the dx_r into dx (N, in)
+// f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward) are
+// Megatron's conjugate operators. Column then row, with input_is_parallel on the row layer and
+// no gather on the column layer, is the tensor-parallel MLP: one all-reduce forward, one
+// backward, and the hidden activation (N, hidden/p) never leaves its rank.
+//
+// Both layers are built from the dense layer's initialization: the full W and b are drawn from
+// `rng` exactly as Linear(in, out, rng) draws them and each rank keeps its slice, so a
+// tensor-parallel model built with the same seed equals the dense one. Requires out (column) or
+// in (row) divisible by the number of ranks. The communicator outlives the layer.
+#pragma once
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/linear.hpp"
+
+namespace tessera {
+
+namespace detail {
+// (p, N, w) blocks, as all_gather lays them out, -> (N, p w) rows; and back.
+template <class S>
+void blocks_to_rows(const S* blocks, std::int64_t p, std::int64_t n, std::int64_t w, S* rows) {
+  for (std::int64_t r = 0; r < p; ++r)
+    for (std::int64_t i = 0; i < n; ++i) std::copy_n(blocks + (r * n + i) * w, w, rows + i * p * w + r * w);
+}
+// Columns [r w, (r + 1) w) of (N, p w) rows -> (N, w).
+template <class S>
+void columns_of(const S* rows, std::int64_t n, std::int64_t total, std::int64_t first, std::int64_t w, S* out) {
+  for (std::int64_t i = 0; i < n; ++i) std::copy_n(rows + i * total + first, w, out + i * w);
+}
+inline std::int64_t checked_shard(std::int64_t features, int ranks, const char* layer, const char* what) {
+  TESSERA_CHECK(features % ranks == 0, ArgumentError, layer, ": ", what, "=", features,
+                " does not divide over ", ranks, " ranks");
+  return features / ranks;
+}
+}  // namespace detail
+
+template <class E, class Comm>
+class ColumnParallelLinear {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    const Tensor* x = nullptr;
+    Tensor y_local, y, dy_local, dx;
+    std::vector<S> gathered;
+  };
+
+  ColumnParallelLinear(std::int64_t in_features, std::int64_t out_features, Rng& rng, Comm& comm,
+                       bool gather_output = true, bool bias = true)
+      : comm_(&comm),
+        in_(in_features),
+        out_(out_features),
+        local_(detail::checked_shard(out_features, comm.size(), "ColumnParallelLinear", "out_features")),
+        gather_output_(gather_output),
+        has_bias_(bias),
+        weight_(Shape{local_, in_features}) {
+    Linear<E> dense(in_features, out_features, rng, bias);  // the dense layer's draws, then our slice
+    const std::int64_t first = local_ * comm.rank();
+    std::copy_n(dense.weight().value.data() + first * in_, local_ * in_, weight_.value.data());
+    if (has_bias_) {
+      bias_ = Parameter<S, D>(Shape{local_}, ParamKind::Bias);
+      std::copy_n(dense_bias(dense).data() + first, local_, bias_.value.data());
+    }
+  }
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    TESSERA_CHECK(x.rank() == 2 && x.dim(1) == in_, ShapeError, "ColumnParallelLinear(", in_, ", ", out_,
+                  "): expected input (N, ", in_, "), got ", x.shape());
+    const auto n = x.dim(0);
+    c.x = &x;
+    c.y_local.resize({n, local_});
+    if (has_bias_)
+      for (std::int64_t i = 0; i < n; ++i) std::copy_n(bias_.value.data(), local_, c.y_local.data() + i * local_);
+    gemm(D{}, false, true, n, local_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
+         c.y_local.data(), local_);
+    if (!gather_output_) return c.y_local;
+    const auto p = static_cast<std::int64_t>(comm_->size());
+    c.gathered.resize(static_cast<std::size_t>(p * n * local_));
+    comm_->all_gather(std::span<const S>(c.y_local.data(), static_cast<std::size_t>(n * local_)),
+                      std::span<S>(c.gathered));
+    c.y.resize({n, out_});
+    detail::blocks_to_rows(c.gathered.data(), p, n, local_, c.y.data());
+    return c.y;
+  }
+
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(c.x != nullptr, Error, "ColumnParallelLinear::backward called before forward on this cache");
+    const Tensor& x = *c.x;
+    const auto n = x.dim(0);
+    const Tensor* dy_local = &dy;
+    if (gather_output_) {
+      TESSERA_CHECK(dy.rank() == 2 && dy.dim(0) == n && dy.dim(1) == out_, ShapeError, "ColumnParallelLinear::backward: dy ",
+                    dy.shape(), " is not (", n, ", ", out_, ")");
+      c.dy_local.resize({n, local_});
+      detail::columns_of(dy.data(), n, out_, local_ * comm_->rank(), local_, c.dy_local.data());
+      dy_local = &c.dy_local;
+    } else {
+      TESSERA_CHECK(dy.shape() == c.y_local.shape(), ShapeError, "ColumnParallelLinear::backward: dy ", dy.shape(),
+                    " does not match this rank's output ", c.y_local.shape());
+    }
+    gemm(D{}, true, false, local_, in_, n, S(1), dy_local->data(), local_, x.data(), in_, S(1), weight_.grad.data(), in_);
+    weight_.grad_ready();
+    if (has_bias_) {
+      S* db = bias_.grad.data();
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t o = 0; o < local_; ++o) db[o] += dy_local->data()[i * local_ + o];
+      bias_.grad_ready();
+    }
+    // f's backward: each rank has its output slice's share of dL/dx; the sum is dL/dx.
+    c.dx.resize({n, in_});
+    gemm(D{}, false, false, n, in_, local_, S(1), dy_local->data(), local_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
+    comm_->all_reduce(std::span<S>(c.dx.data(), static_cast<std::size_t>(c.dx.numel())), ReduceOp::Sum);
+    return c.dx;
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    v.parameter(prefix + "weight", weight_);
+    if (has_bias_) v.parameter(prefix + "bias", bias_);
+  }
+  void set_mode(Mode) {}
+  Parameter<S, D>& weight() { return weight_; }
+  std::int64_t local_out_features() const { return local_; }
+
+ private:
+  static const Tensor& dense_bias(Linear<E>& dense) {
+    struct Find {
+      const Tensor* bias = nullptr;
+      void parameter(const std::string& name, Parameter<S, D>& p) {
+        if (name == "bias") bias = &p.value;
+      }
+      void buffer(const std::string&, Tensor&) {}
+    } find;
+    dense.visit(find, "");
+    return *find.bias;
+  }
+  template <class, class>
+  friend class RowParallelLinear;
+
+  Comm* comm_;
+  std::int64_t in_, out_, local_;
+  bool gather_output_, has_bias_;
+  Parameter<S, D> weight_;
+  Parameter<S, D> bias_{Shape{0}, ParamKind::Bias};
+};
+
+template <class E, class Comm>
+class RowParallelLinear {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    const Tensor* x = nullptr;  // this rank's input columns (N, in/p)
+    Tensor x_local, y, dx_local, dx;
+    std::vector<S> gathered;
+  };
+
+  RowParallelLinear(std::int64_t in_features, std::int64_t out_features, Rng& rng, Comm& comm,
+                    bool input_is_parallel = false, bool bias = true)
+      : comm_(&comm),
+        in_(in_features),
+        out_(out_features),
+        local_(detail::checked_shard(in_features, comm.size(), "RowParallelLinear", "in_features")),
+        input_is_parallel_(input_is_parallel),
+        has_bias_(bias),
+        weight_(Shape{out_features, local_}) {
+    Linear<E> dense(in_features, out_features, rng, bias);
+    const std::int64_t first = local_ * comm.rank();
+    detail::columns_of(dense.weight().value.data(), out_, in_, first, local_, weight_.value.data());
+    if (has_bias_) {
+      bias_ = Parameter<S, D>(Shape{out_features}, ParamKind::Bias);
+      const Tensor& b = ColumnParallelLinear<E, Comm>::dense_bias(dense);
+      std::copy_n(b.data(), out_, bias_.value.data());
+    }
+  }
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    const std::int64_t expected = input_is_parallel_ ? local_ : in_;
+    TESSERA_CHECK(x.rank() == 2 && x.dim(1) == expected, ShapeError, "RowParallelLinear(", in_, ", ", out_, ")",
+                  input_is_parallel_ ? " with input_is_parallel" : "", ": expected input (N, ", expected, "), got ",
+                  x.shape());
+    const auto n = x.dim(0);
+    if (input_is_parallel_) {
+      c.x = &x;
+    } else {  // split: keep this rank's columns (no communication)
+      c.x_local.resize({n, local_});
+      detail::columns_of(x.data(), n, in_, local_ * comm_->rank(), local_, c.x_local.data());
+      c.x = &c.x_local;
+    }
+    c.y.resize({n, out_});
+    gemm(D{}, false, true, n, out_, local_, S(1), c.x->data(), local_, weight_.value.data(), local_, S(0), c.y.data(), out_);
+    comm_->all_reduce(std::span<S>(c.y.data(), static_cast<std::size_t>(c.y.numel())), ReduceOp::Sum);  // g
+    if (has_bias_)  // after the sum: the bias is added once, not p times
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t o = 0; o < out_; ++o) c.y.data()[i * out_ + o] += bias_.value.data()[o];
+    return c.y;
+  }
+
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(c.x != nullptr, Error, "RowParallelLinear::backward called before forward on this cache");
+    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "RowParallelLinear::backward: dy ", dy.shape(),
+                  " does not match output ", c.y.shape());
+    const auto n = dy.dim(0);
+    gemm(D{}, true, false, out_, local_, n, S(1), dy.data(), out_, c.x->data(), local_, S(1), weight_.grad.data(), local_);
+    weight_.grad_ready();
+    if (has_bias_) {
+      S* db = bias_.grad.data();
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t o = 0; o < out_; ++o) db[o] += dy.data()[i * out_ + o];
+      bias_.grad_ready();
+    }
+    c.dx_local.resize({n, local_});
+    gemm(D{}, false, false, n, local_, out_, S(1), dy.data(), out_, weight_.value.data(), local_, S(0), c.dx_local.data(), local_);
+    if (input_is_parallel_) return c.dx_local;
+    const auto p = static_cast<std::int64_t>(comm_->size());
+    c.gathered.resize(static_cast<std::size_t>(p * n * local_));
+    comm_->all_gather(std::span<const S>(c.dx_local.data(), static_cast<std::size_t>(n * local_)), std::span<S>(c.gathered));
+    c.dx.resize({n, in_});
+    detail::blocks_to_rows(c.gathered.data(), p, n, local_, c.dx.data());
+    return c.dx;
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    v.parameter(prefix + "weight", weight_);
+    if (has_bias_) v.parameter(prefix + "bias", bias_);
+  }
+  void set_mode(Mode) {}
+  Parameter<S, D>& weight() { return weight_; }
+
+ private:
+  Comm* comm_;
+  std::int64_t in_, out_, local_;
+  bool input_is_parallel_, has_bias_;
+  Parameter<S, D> weight_;
+  Parameter<S, D> bias_{Shape{0}, ParamKind::Bias};
+};
+
+// The tensor-parallel MLP block: Linear(in, hidden) -> ReLU -> Linear(hidden, out) with the hidden
+// layer split over the ranks. One all-reduce in forward (the row layer's g), one in backward (the
+// column layer's f). Equal to the dense block built from the same rng.
+template <class E, class Comm>
+class TensorParallelMlp {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    typename ColumnParallelLinear<E, Comm>::Cache column;
+    typename ReLU<E>::Cache relu;
+    typename RowParallelLinear<E, Comm>::Cache row;
+  };
+
+  TensorParallelMlp(std::int64_t in, std::int64_t hidden, std::int64_t out, Rng& rng, Comm& comm)
+      : column_(in, hidden, rng, comm, /*gather_output=*/false), row_(hidden, out, rng, comm, /*input_is_parallel=*/true) {}
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    return row_.forward(relu_.forward(column_.forward(x, c.column), c.relu), c.row);
+  }
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    return column_.backward(relu_.backward(row_.backward(dy, c.row), c.relu), c.column);
+  }
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    column_.visit(v, prefix + "0.");
+    row_.visit(v, prefix + "2.");
+  }
+  void set_mode(Mode mode) {
+    column_.set_mode(mode);
+    row_.set_mode(mode);
+  }
+
+ private:
+  ColumnParallelLinear<E, Comm> column_;
+  ReLU<E> relu_;
+  RowParallelLinear<E, Comm> row_;
+};
+
+}  // namespace tessera
