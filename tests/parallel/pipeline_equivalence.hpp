@@ -164,3 +164,64 @@ std::vector<std::string> pipeline_equivalence(Comm& comm, const PipeCase& c, int
 }
 
 }  // namespace tessera::testing
+
+#include "tessera/parallel/data_parallel.hpp"
+
+namespace tessera::testing {
+
+// Hybrid data x pipeline parallelism on replicas x stages ranks (rank = replica * stages +
+// stage): each replica is a pipeline over its own half of the global batch, and each stage's
+// gradients are averaged over the replicas (its data-parallel group) only. Must equal one
+// process training the whole MLP on the whole batch.
+template <class S, class Comm>
+std::vector<std::string> hybrid_equivalence(Comm& world, int stages, int steps = 3) {
+  using E = Env<Cpu, LocalComm, S>;
+  std::vector<std::string> failures;
+  const int replicas = world.size() / stages, replica = world.rank() / stages, stage = world.rank() % stages;
+  Comm pipe_comm = world.split(/*color=*/replica, /*key=*/stage);
+  Comm dp_comm = world.split(/*color=*/stage, /*key=*/replica);
+  Mlp<E> model(64, {32, 32, 24, 16}, 10, 5), reference(64, {32, 32, 24, 16}, 10, 5);
+  using Pipe = Pipeline<Mlp<E>, Comm>;
+  Pipe pipe(model, pipe_comm, {.micro_batches = 2});
+  DataParallel<S, Comm> dp(pipe.stage(), dp_comm, {.average_micro_steps = false});
+  auto stage_params = pipe.stage_parameters();
+  auto ref_params = named_tensors<S, Cpu>(reference);
+  Sgd<E> sgd(stage_params, {.lr = 0.05, .momentum = 0.9});
+  Sgd<E> sgd_ref(ref_params, {.lr = 0.05, .momentum = 0.9});
+  CrossEntropyLoss<E> loss;
+  const std::int64_t per_replica = 4, global = per_replica * replicas;
+  for (int step = 0; step < steps; ++step) {
+    const auto x = pipe_images<S>(global, 8, step);
+    const auto y = pipe_labels(global, step);
+    sgd_ref.zero_grad();
+    typename Mlp<E>::Cache cache{};
+    typename CrossEntropyLoss<E>::Cache loss_cache;
+    loss.forward(reference.forward(x, cache), y, loss_cache);
+    reference.backward(loss.backward(loss_cache), cache);
+    sgd_ref.step();
+    // This replica's slice of the batch through its pipeline; then the stage's all-reduce.
+    Tensor<S, Cpu> mine(Shape{per_replica, 1, 8, 8});
+    std::copy_n(x.data() + replica * per_replica * 64, per_replica * 64, mine.data());
+    sgd.zero_grad();
+    {
+      auto guard = dp.no_sync();
+      pipe.train_step(mine, std::span<const std::int64_t>(y).subspan(static_cast<std::size_t>(replica * per_replica),
+                                                                     static_cast<std::size_t>(per_replica)));
+    }
+    dp.finish();
+    sgd.step();
+    double worst = 0;
+    std::map<std::string, Parameter<S, Cpu>*> ref_by_name;
+    for (auto& [name, p] : ref_params.parameters) ref_by_name[name] = p;
+    for (auto& [name, p] : stage_params.parameters)
+      for (std::int64_t k = 0; k < p->value.numel(); ++k)
+        worst = std::max(worst, std::abs(static_cast<double>(p->value.data()[k] - ref_by_name.at(name)->value.data()[k])));
+    if (worst > 1e-12)
+      failures.push_back("hybrid " + std::to_string(replicas) + "x" + std::to_string(stages) + " rank " +
+                         std::to_string(world.rank()) + " step " + std::to_string(step) + ": parameters differ by " +
+                         std::to_string(worst));
+  }
+  return failures;
+}
+
+}  // namespace tessera::testing

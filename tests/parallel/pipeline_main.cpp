@@ -1,6 +1,7 @@
 // Pipeline equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run): one
 // stage per rank, GPipe and 1F1B, an MLP and a BN-free ResNet with 4 micro-batches and ResNet-20
-// with BN at one micro-batch, each checked against the unsplit model on the same rank.
+// with BN at one micro-batch, each checked against the unsplit model on the same rank; on 4 ranks
+// also 2 data-parallel replicas x 2 pipeline stages.
 #include <cstdio>
 #include <exception>
 
@@ -23,6 +24,8 @@ int main() {
                comm, {.model = PipeModel::ResNet20, .micro_batches = 1, .schedule = schedule, .batch = 4, .steps = 2}))
         failures.push_back(f);
     }
+    if (comm.size() == 4)
+      for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
     std::printf("rank %d of %d (%s): pipeline equivalence, %zu failures\n", rank, comm.size(), testing::backend_name(),
                 failures.size());

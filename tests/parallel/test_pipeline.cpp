@@ -116,3 +116,13 @@ TEST_CASE("Pipeline: bad boundaries and a batch that does not split are named", 
     CHECK_THROWS_WITH(pipe.train_step(x8, y), Catch::Contains("6 labels on the last stage for a batch of 8"));
   });
 }
+
+TEST_CASE("Hybrid: 2 data-parallel replicas x 2 pipeline stages equal one process on the global batch", "[parallel]") {
+  ThreadWorld world(4);
+  std::vector<std::vector<std::string>> failures(4);
+  world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::hybrid_equivalence<double>(comm, 2); });
+  for (const auto& f : failures) {
+    INFO(joined(f));
+    CHECK(f.empty());
+  }
+}

@@ -76,6 +76,10 @@ struct DataParallelOptions {
   bool broadcast_at_start = true;             // parameters and buffers from rank 0
   GradientCompression compression = GradientCompression::None;
   double topk_ratio = 0.01;  // TopK: fraction of each bucket's entries sent per step
+  // Divide each gradient by its number of micro-steps. Off when the gradients already are means
+  // over micro-batches: a Pipeline stage (hybrid data x pipeline parallelism) scales its loss
+  // gradient by 1/M itself, and its hooks fire once per micro-batch inside dp.no_sync().
+  bool average_micro_steps = true;
 };
 
 template <class S, class Comm, class D = Cpu>
@@ -274,7 +278,7 @@ class DataParallel {
         const auto& g = named_.parameters[p].second->grad;
         S* dst = b.flat.data() + b.offset[k];
         if (fired_[p] == 0) std::fill_n(dst, g.numel(), S(0));
-        else if (fired_[p] == 1) std::copy_n(g.data(), g.numel(), dst);
+        else if (fired_[p] == 1 || !options_.average_micro_steps) std::copy_n(g.data(), g.numel(), dst);
         else {
           const S scale = S(1) / static_cast<S>(fired_[p]);
           for (std::int64_t e = 0; e < g.numel(); ++e) dst[e] = g.data()[e] * scale;
