@@ -161,3 +161,114 @@ TEST_CASE("Tensor-parallel layers name a split that does not divide", "[parallel
                       Catch::Contains("RowParallelLinear: in_features=8 does not divide over 3 ranks"));
   });
 }
+
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/optim/sgd.hpp"
+#include "tessera/parallel/tensor_parallel_resnet.hpp"
+
+namespace {
+struct ParamList {
+  std::vector<std::pair<std::string, Parameter<double, Cpu>*>> all;
+  void parameter(const std::string& n, Parameter<double, Cpu>& p) { all.emplace_back(n, &p); }
+  void buffer(const std::string&, T&) {}
+};
+// The part of dense tensor `a` that rank `part` holds as `b`: the whole tensor (replicated), a
+// block of leading rows, or (input-channel-parallel conv2 weights) a run of every row.
+double slice_diff(const T& a, const T& b, bool along_dim1, std::int64_t part) {
+  if (a.numel() == b.numel()) return max_diff(a.data(), b.data(), a.numel());
+  if (!along_dim1) return max_diff(a.data() + part * b.numel(), b.data(), b.numel());
+  const std::int64_t rows = a.dim(0), inner = b.numel() / rows, row = a.numel() / rows;
+  double worst = 0;
+  for (std::int64_t i = 0; i < rows; ++i) worst = std::max(worst, max_diff(a.data() + i * row + part * inner, b.data() + i * inner, inner));
+  return worst;
+}
+// Largest difference between every tensor-parallel parameter (value or gradient) and its slice of
+// the dense one, matched by name.
+template <class Dense, class Parallel>
+double parameters_diff(Dense& dense, Parallel& tp, int rank, bool grads) {
+  ParamList d, t;
+  dense.visit(d, "");
+  tp.visit(t, "");
+  REQUIRE(d.all.size() == t.all.size());
+  double worst = 0;
+  for (std::size_t k = 0; k < d.all.size(); ++k) {
+    REQUIRE(d.all[k].first == t.all[k].first);
+    const bool dim1 = d.all[k].first.find("conv2.weight") != std::string::npos;
+    worst = std::max(worst, slice_diff(grads ? d.all[k].second->grad : d.all[k].second->value,
+                                       grads ? t.all[k].second->grad : t.all[k].second->value, dim1, rank));
+  }
+  return worst;
+}
+}  // namespace
+
+TEST_CASE("TensorParallelBottleneck equals the dense bottleneck: output, dL/dx, every gradient", "[parallel]") {
+  for (int ranks : {2, 4})
+    for (bool projection : {false, true}) {
+      DYNAMIC_SECTION(ranks << " ranks, " << (projection ? "projection, stride 2" : "identity shortcut")) {
+        ThreadWorld world(ranks);
+        std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
+        world.run([&](ThreadComm& comm) {
+          Rng rng(21);
+          const std::int64_t in = projection ? 8 : 16, planes = 4, stride = projection ? 2 : 1;
+          Bottleneck<E> dense(in, planes, stride, rng, /*zero_init_last_bn=*/false);
+          TensorParallelBottleneck<E, ThreadComm> tp(dense, comm);
+          const T x = random_tensor({3, in, 6, 6}, 22);
+          Bottleneck<E>::Cache dc{};
+          TensorParallelBottleneck<E, ThreadComm>::Cache tc{};
+          const T& y_dense = dense.forward(x, dc);
+          const T& y_tp = tp.forward(x, tc);
+          REQUIRE(y_tp.shape() == y_dense.shape());
+          double d = max_diff(y_tp.data(), y_dense.data(), y_dense.numel());
+          const T dy = random_tensor(y_dense.shape(), 23);
+          const T& dx_dense = dense.backward(dy, dc);
+          const T& dx_tp = tp.backward(dy, tc);
+          d = std::max(d, max_diff(dx_tp.data(), dx_dense.data(), dx_dense.numel()));
+          d = std::max(d, parameters_diff(dense, tp, comm.rank(), /*grads=*/true));
+          worst[comm.rank()] = d;
+        });
+        for (double d : worst) CHECK(d < 1e-11);
+      }
+    }
+}
+
+TEST_CASE("TensorParallelResNet equals the dense bottleneck ResNet through SGD steps", "[parallel]") {
+  for (int ranks : {2, 4}) {
+    DYNAMIC_SECTION(ranks << " ranks") {
+      ThreadWorld world(ranks);
+      std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
+      world.run([&](ThreadComm& comm) {
+        // ImageNet stem (7x7/2 conv, max-pool), two bottleneck stages, 8 classes.
+        auto make = [] { return ResNet<E, Bottleneck>({1, 1}, {4, 8}, true, {.in_channels = 1, .num_classes = 8, .seed = 3}); };
+        auto dense = make();
+        auto to_split = make();
+        TensorParallelResNet<E, ThreadComm> tp(to_split, comm);
+        auto dense_params = named_tensors<double, Cpu>(dense);
+        auto tp_params = named_tensors<double, Cpu>(tp);
+        Sgd<E> sgd_dense(dense_params, {.lr = 0.1, .momentum = 0.9});
+        Sgd<E> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
+        CrossEntropyLoss<E> loss;
+        double d = 0;
+        for (int step = 0; step < 3; ++step) {
+          const T x = random_tensor({4, 1, 16, 16}, 30 + static_cast<std::uint64_t>(step));
+          const std::vector<std::int64_t> y = {1, 7, 3, 0};
+          sgd_dense.zero_grad();
+          sgd_tp.zero_grad();
+          decltype(dense)::Cache dc{};
+          TensorParallelResNet<E, ThreadComm>::Cache tc{};
+          CrossEntropyLoss<E>::Cache lc_dense, lc_tp;
+          const double l_dense = loss.forward(dense.forward(x, dc), y, lc_dense);
+          const double l_tp = loss.forward(tp.forward(x, tc), y, lc_tp);
+          d = std::max(d, std::abs(l_dense - l_tp));
+          dense.backward(loss.backward(lc_dense), dc);
+          tp.backward(loss.backward(lc_tp), tc);
+          d = std::max(d, parameters_diff(dense, tp, comm.rank(), /*grads=*/true));
+          sgd_dense.step();
+          sgd_tp.step();
+          d = std::max(d, parameters_diff(dense, tp, comm.rank(), /*grads=*/false));
+        }
+        worst[comm.rank()] = d;
+      });
+      for (double d : worst) CHECK(d < 1e-11);
+    }
+  }
+}

@@ -71,6 +71,7 @@ class Residual {
 
   Main& main() { return main_; }
   bool has_projection() const { return projection_.has_value(); }
+  Projection* projection() { return projection_ ? &*projection_ : nullptr; }
 
  private:
   Main main_;

@@ -200,6 +200,12 @@ class ResNet {
 
   const std::string& name() const { return name_; }
   std::vector<BlockType>& blocks() { return blocks_; }
+  // The stem and head layers (for building split or converted versions of the model).
+  Conv2d<E>& stem_conv() { return conv1_; }
+  BatchNorm2d<E>& stem_bn() { return bn1_; }
+  MaxPool2d<E>* stem_pool() { return maxpool_ ? &*maxpool_ : nullptr; }
+  Linear<E>& fc() { return fc_; }
+  const std::vector<std::string>& block_names() const { return block_names_; }
 
  private:
   ResNet(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths, bool imagenet_stem,

@@ -67,19 +67,22 @@ class ColumnParallelLinear {
 
   ColumnParallelLinear(std::int64_t in_features, std::int64_t out_features, Rng& rng, Comm& comm,
                        bool gather_output = true, bool bias = true)
+      : ColumnParallelLinear(Linear<E>(in_features, out_features, rng, bias), comm, gather_output) {}
+
+  // The rank's rows of an existing dense layer.
+  ColumnParallelLinear(Linear<E> dense, Comm& comm, bool gather_output = true)
       : comm_(&comm),
-        in_(in_features),
-        out_(out_features),
-        local_(detail::checked_shard(out_features, comm.size(), "ColumnParallelLinear", "out_features")),
+        in_(dense.weight().value.dim(1)),
+        out_(dense.weight().value.dim(0)),
+        local_(detail::checked_shard(out_, comm.size(), "ColumnParallelLinear", "out_features")),
         gather_output_(gather_output),
-        has_bias_(bias),
-        weight_(Shape{local_, in_features}) {
-    Linear<E> dense(in_features, out_features, rng, bias);  // the dense layer's draws, then our slice
+        has_bias_(dense_bias(dense) != nullptr),
+        weight_(Shape{local_, in_}) {
     const std::int64_t first = local_ * comm.rank();
     std::copy_n(dense.weight().value.data() + first * in_, local_ * in_, weight_.value.data());
     if (has_bias_) {
       bias_ = Parameter<S, D>(Shape{local_}, ParamKind::Bias);
-      std::copy_n(dense_bias(dense).data() + first, local_, bias_.value.data());
+      std::copy_n(dense_bias(dense)->data() + first, local_, bias_.value.data());
     }
   }
 
@@ -143,7 +146,7 @@ class ColumnParallelLinear {
   std::int64_t local_out_features() const { return local_; }
 
  private:
-  static const Tensor& dense_bias(Linear<E>& dense) {
+  static const Tensor* dense_bias(Linear<E>& dense) {
     struct Find {
       const Tensor* bias = nullptr;
       void parameter(const std::string& name, Parameter<S, D>& p) {
@@ -152,7 +155,7 @@ class ColumnParallelLinear {
       void buffer(const std::string&, Tensor&) {}
     } find;
     dense.visit(find, "");
-    return *find.bias;
+    return find.bias;
   }
   template <class, class>
   friend class RowParallelLinear;
@@ -191,8 +194,7 @@ class RowParallelLinear {
     detail::columns_of(dense.weight().value.data(), out_, in_, first, local_, weight_.value.data());
     if (has_bias_) {
       bias_ = Parameter<S, D>(Shape{out_features}, ParamKind::Bias);
-      const Tensor& b = ColumnParallelLinear<E, Comm>::dense_bias(dense);
-      std::copy_n(b.data(), out_, bias_.value.data());
+      std::copy_n(ColumnParallelLinear<E, Comm>::dense_bias(dense)->data(), out_, bias_.value.data());
     }
   }
 

@@ -1,0 +1,236 @@
+// 06_pipeline_parallel: LeNet-5 on Fashion-MNIST split into P pipeline stages, one per rank, each
+// batch cut into M micro-batches, GPipe or 1F1B; optionally R data-parallel replicas of the whole
+// pipeline (hybrid). One source, one binary per communicator:
+//
+//   build/examples/06_pipeline_parallel_threads --stages=2 --micro-batches=4
+//   mpirun -n 2 build/examples/06_pipeline_parallel_mpi --schedule=gpipe
+//   build/examples/06_pipeline_parallel_threads --stages=2 --replicas=2     4 ranks: 2 x 2
+//
+// Flags: --epochs=3 --batch=64 (global) --micro-batches=4 --schedule=1f1b|gpipe --lr=0.05
+// --threads=1 --seed=1 --limit=N --data-dir=DIR --trace=trace.json (one step's schedule as a
+// Chrome trace), and for the threads build --stages=2 --replicas=1.
+//
+// It checks itself first: on the first batch, the pipeline's loss and every stage's gradients
+// must equal the unsplit model's (every rank builds the whole model from the same seed, so it
+// can compute the reference too), and it stops with an error if they do not.
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "tessera/tessera.hpp"
+#include "tessera/parallel/pipeline.hpp"
+#if defined(TESSERA_EXAMPLE_MPI)
+#include "tessera/comm/mpi.hpp"
+#else
+#include "tessera/comm/threads.hpp"
+#endif
+
+using namespace tessera;
+
+namespace {
+
+struct Options {
+  std::int64_t epochs = 3, batch = 64, limit = 0;
+  int micro_batches = 4, threads = 1, stages = 2, replicas = 1;
+  double lr = 0.05;
+  std::uint64_t seed = 1;
+  std::string schedule = "1f1b", data_dir, trace;
+};
+
+using E = CpuLocal;
+using Model = LeNet5<E>;
+
+// The first batch through the unsplit model and through the pipeline: equal loss and gradients.
+template <class Pipe, class Comm>
+void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, std::uint64_t seed) {
+  auto whole = lenet5<E>(1, 28, 10, seed);
+  Model::Cache cache{};
+  CrossEntropyLoss<E> loss;
+  CrossEntropyLoss<E>::Cache loss_cache;
+  const float expected = loss.forward(whole.forward(b.images, cache), b.labels, loss_cache);
+  whole.backward(loss.backward(loss_cache), cache);
+  const float got = pipe.train_step(b.images, b.labels);
+  std::map<std::string, Parameter<float>*> reference;
+  for (auto& [name, p] : named_tensors<float, Cpu>(whole).parameters) reference[name] = p;
+  double worst = 0;
+  for (auto& [name, p] : pipe.stage_parameters().parameters)
+    for (std::int64_t k = 0; k < p->grad.numel(); ++k)
+      worst = std::max(worst, static_cast<double>(std::abs(p->grad.data()[k] - reference.at(name)->grad.data()[k])));
+  std::array<double, 1> all{worst};
+  pipe_comm.all_reduce(std::span<double>(all), ReduceOp::Max);
+  TESSERA_CHECK(std::abs(got - expected) < 1e-5f && all[0] < 1e-5, Error, "06_pipeline_parallel: the pipeline differs "
+                "from the unsplit model on the first batch: loss ", got, " vs ", expected, ", gradients by ", all[0]);
+  if (pipe_comm.rank() == 0)
+    std::printf("check: first batch through the pipeline = the unsplit model (loss %.6f vs %.6f, gradients within %.1e)\n",
+                got, expected, all[0]);
+  for (auto& [name, p] : pipe.stage_parameters().parameters) p->grad.zero();
+}
+
+template <class Comm>
+void train(Comm& world, const Options& o, int stages) {
+  TESSERA_CHECK(world.size() % stages == 0, ArgumentError, "06_pipeline_parallel: ", world.size(),
+                " ranks do not form replicas of ", stages, " stages");
+  const int replicas = world.size() / stages, replica = world.rank() / stages, stage = world.rank() % stages;
+  TESSERA_CHECK(o.batch % replicas == 0, ArgumentError, "06_pipeline_parallel: --batch=", o.batch, " does not split over ",
+                replicas, " replicas");
+  TESSERA_CHECK(o.schedule == "1f1b" || o.schedule == "gpipe", ArgumentError, "06_pipeline_parallel: --schedule=",
+                o.schedule, " is not 1f1b or gpipe");
+  Cpu::set_num_threads(o.threads);
+  // Rank = replica x stages + stage: my pipeline, and the same stage in the other replicas.
+  Comm pipe_comm = world.split(replica, stage);
+  Comm dp_comm = world.split(stage, replica);
+  const bool reporter = world.rank() == stages - 1;  // the last stage of replica 0 holds the loss
+
+  Dataset train_set = load_fashion_mnist(Split::Train, o.data_dir);
+  Dataset test_set = load_fashion_mnist(Split::Test, o.data_dir);
+  if (o.limit > 0 && o.limit < static_cast<std::int64_t>(train_set.labels.size())) train_set = subset(train_set, 0, o.limit);
+  normalize(train_set, {kFashionMnistMean}, {kFashionMnistStd});
+  normalize(test_set, {kFashionMnistMean}, {kFashionMnistStd});
+
+  auto model = lenet5<E>(1, 28, 10, o.seed);  // every rank builds all of it; each runs its stage
+  Timeline timeline(world);
+  const auto schedule = o.schedule == "gpipe" ? PipelineSchedule::GPipe : PipelineSchedule::OneFOneB;
+  DataLoader<float> loader(train_set, {.batch_size = o.batch / replicas, .shuffle = true, .seed = o.seed, .rank = replica,
+                                       .world_size = replicas, .drop_tail = true});
+  DataLoader<float> test_loader(test_set, {.batch_size = 500, .shuffle = false});
+  Batch<float> batch;
+  loader.start_epoch(0);
+  TESSERA_CHECK(loader.next(batch), Error, "06_pipeline_parallel: no training data");
+  // Balance: rank 0 times each layer's forward + backward on one micro-batch and the layers are
+  // split to even out the stages' times (conv layers cost far more than their few parameters say).
+  const std::int64_t micro = batch.images.dim(0) / o.micro_batches;
+  Tensor<float> sample(Shape{micro, 1, 28, 28});
+  std::copy_n(batch.images.data(), sample.numel(), sample.data());
+  Pipeline<Model, Comm> pipe(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = schedule},
+                             pipe_comm.rank() == 0 ? &sample : nullptr);
+  Sgd<E> sgd(pipe.stage_parameters(), {.lr = o.lr, .momentum = 0.9});
+  const CosineLr lr_schedule{o.lr, static_cast<double>(o.epochs), 0.0};
+
+  if (world.rank() == 0) {
+    std::printf("06_pipeline_parallel: LeNet-5, %d stage(s) x %d replica(s), %s, global batch %lld = %d x %d micro-batches "
+                "of %lld\n", stages, replicas, schedule_name(schedule), static_cast<long long>(o.batch), replicas,
+                o.micro_batches, static_cast<long long>(o.batch / replicas / o.micro_batches));
+    for (int s = 0; s < stages; ++s) {
+      const auto first = pipe.boundaries()[static_cast<std::size_t>(s)], end = pipe.boundaries()[static_cast<std::size_t>(s) + 1];
+      std::printf("  stage %d: layers %s..%s of LeNet-5's 12 (conv1 relu pool conv2 relu pool flatten fc1 relu fc2 relu fc3)\n",
+                  s, model.unit_name(first).c_str(), model.unit_name(end - 1).c_str());
+    }
+  }
+  check_against_unsplit(pipe, pipe_comm, batch, o.seed);
+  // Hybrid: each stage's gradients are averaged over the replicas holding the same stage (after
+  // the check, whose backward must not reach these hooks).
+  std::optional<DataParallel<float, Comm>> dp;
+  if (replicas > 1) dp.emplace(pipe.stage(), dp_comm, DataParallelOptions{.average_micro_steps = false});
+
+  double idle_sum = 0;
+  std::int64_t idle_steps = 0;
+  for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
+    sgd.set_lr(lr_schedule(static_cast<double>(epoch)));
+    model.set_mode(Mode::Train);
+    loader.start_epoch(epoch);
+    const auto started = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    std::int64_t steps = 0;
+    while (loader.next(batch)) {
+      sgd.zero_grad();
+      float loss;
+      if (dp) {
+        auto guard = dp->no_sync();
+        loss = pipe.train_step(batch.images, batch.labels);
+      } else {
+        loss = pipe.train_step(batch.images, batch.labels);
+      }
+      if (dp) dp->finish();
+      sgd.step();
+      loss_sum += loss;
+      ++steps;
+      if (steps > 1) idle_sum += pipe.last_step().idle_fraction(), ++idle_steps;  // step 1 warms caches up
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    // Test accuracy: forward through the stages, counted on the last one.
+    model.set_mode(Mode::Eval);
+    test_loader.start_epoch(0);
+    std::array<double, 2> correct{0, 0};
+    Batch<float> test_batch;
+    while (test_loader.next(test_batch)) {
+      const auto& logits = pipe.predict(test_batch.images);
+      if (stage == stages - 1) correct[0] += static_cast<double>(count_correct(logits, test_batch.labels));
+      correct[1] += static_cast<double>(test_batch.labels.size());
+    }
+    if (reporter)
+      std::printf("epoch %lld: train loss %.4f | test acc %.2f%% | %.1f s, %.0f img/s\n", static_cast<long long>(epoch + 1),
+                  loss_sum / static_cast<double>(steps), 100 * correct[0] / correct[1], seconds,
+                  static_cast<double>(steps * o.batch) / seconds);
+    std::fflush(stdout);
+    if (epoch + 1 == o.epochs && reporter) std::printf("final test accuracy: %.2f%%\n", 100 * correct[0] / correct[1]);
+  }
+
+  // The bubble: each stage's measured idle fraction against (P - 1) / (M + P - 1).
+  std::vector<double> mine{idle_steps ? idle_sum / static_cast<double>(idle_steps) : 0.0,
+                           static_cast<double>(pipe.last_step().peak_in_flight)};
+  std::vector<double> all(mine.size() * static_cast<std::size_t>(pipe_comm.size()));
+  pipe_comm.all_gather(std::span<const double>(mine), std::span<double>(all));
+  if (world.rank() == 0) {
+    const double ideal = static_cast<double>(stages - 1) / static_cast<double>(o.micro_batches + stages - 1);
+    std::printf("bubble: ideal (P-1)/(M+P-1) = %.3f; measured idle fraction per stage:", ideal);
+    for (int s = 0; s < stages; ++s) std::printf(" %.3f", all[static_cast<std::size_t>(2 * s)]);
+    std::printf("\nmicro-batches of activations held at the peak per stage:");
+    for (int s = 0; s < stages; ++s) std::printf(" %.0f", all[static_cast<std::size_t>(2 * s + 1)]);
+    std::printf(" (%s)\n", schedule == PipelineSchedule::GPipe ? "GPipe: all M" : "1F1B: at most P - s");
+  }
+  // One more step with the timeline on, written as a Chrome trace.
+  if (!o.trace.empty()) {
+    Pipeline<Model, Comm> traced(model, pipe_comm,
+                                 {.micro_batches = o.micro_batches, .schedule = schedule, .timeline = &timeline});
+    model.set_mode(Mode::Train);
+    loader.start_epoch(0);
+    loader.next(batch);
+    sgd.zero_grad();
+    traced.train_step(batch.images, batch.labels);
+    timeline.write(world, o.trace);
+    if (world.rank() == 0) std::printf("timeline of one step: %s\n", o.trace.c_str());
+  }
+}
+
+Options parse(int argc, char** argv) {
+  Flags flags(argc, argv);
+  Options o;
+  o.epochs = flags.get("epochs", o.epochs);
+  o.batch = flags.get("batch", o.batch);
+  o.micro_batches = flags.get("micro-batches", o.micro_batches);
+  o.schedule = flags.get("schedule", o.schedule);
+  o.lr = flags.get("lr", o.lr);
+  o.threads = flags.get("threads", o.threads);
+  o.stages = flags.get("stages", o.stages);
+  o.replicas = flags.get("replicas", o.replicas);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
+  o.limit = flags.get("limit", o.limit);
+  o.data_dir = flags.get("data-dir", std::string());
+  o.trace = flags.get("trace", o.trace);
+  flags.finish();
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+#if defined(TESSERA_EXAMPLE_MPI)
+    auto comm = MpiComm::world();
+    // Under mpirun every rank is a stage unless --replicas says how many pipelines there are.
+    train(comm, o, comm.size() / o.replicas);
+#else
+    ThreadWorld world(o.stages * o.replicas);
+    world.run([&](ThreadComm& comm) { train(comm, o, o.stages); });
+#endif
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "06_pipeline_parallel: %s\n", e.what());
+    return 1;
+  }
+}
