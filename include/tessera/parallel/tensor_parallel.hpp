@@ -129,6 +129,7 @@ class ColumnParallelLinear {
         for (std::int64_t o = 0; o < local_; ++o) db[o] += dy_local->data()[i * local_ + o];
       bias_.grad_ready();
     }
+    if (!needs_input_grad_) return c.dx;  // the first layer: nobody consumes dL/dx, skip f's all-reduce
     // f's backward: each rank has its output slice's share of dL/dx; the sum is dL/dx.
     c.dx.resize({n, in_});
     gemm(D{}, false, false, n, in_, local_, S(1), dy_local->data(), local_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
@@ -142,6 +143,7 @@ class ColumnParallelLinear {
     if (has_bias_) v.parameter(prefix + "bias", bias_);
   }
   void set_mode(Mode) {}
+  void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
   Parameter<S, D>& weight() { return weight_; }
   std::int64_t local_out_features() const { return local_; }
 
@@ -163,6 +165,7 @@ class ColumnParallelLinear {
   Comm* comm_;
   std::int64_t in_, out_, local_;
   bool gather_output_, has_bias_;
+  bool needs_input_grad_ = true;
   Parameter<S, D> weight_;
   Parameter<S, D> bias_{Shape{0}, ParamKind::Bias};
 };
@@ -294,6 +297,8 @@ class TensorParallelMlp {
     column_.set_mode(mode);
     row_.set_mode(mode);
   }
+  // As the first layer of a network: no dL/dx, and so no backward all-reduce.
+  void set_needs_input_grad(bool needed) { column_.set_needs_input_grad(needed); }
 
  private:
   ColumnParallelLinear<E, Comm> column_;

@@ -1,0 +1,197 @@
+// 07_tensor_parallel: a 784-1024-10 MLP on Fashion-MNIST whose layers are split across the ranks
+// (Megatron-LM's tensor parallelism): every rank sees the same batch and holds 1/p of every weight.
+// One source, one binary per communicator:
+//
+//   build/examples/07_tensor_parallel_threads --ranks=2
+//   mpirun -n 4 build/examples/07_tensor_parallel_mpi
+//
+// Flags: --epochs=3 --batch=64 --hidden=1024 --lr=0.05 --threads=1 --seed=1 --limit=N
+// --data-dir=DIR, and for the threads build --ranks=2.
+//
+// It checks itself first: the same network built densely from the same seed must give the same
+// loss, and each rank's gradients must be its slice of the dense gradients, on the first batch.
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "tessera/tessera.hpp"
+#if defined(TESSERA_EXAMPLE_MPI)
+#include "tessera/comm/mpi.hpp"
+#else
+#include "tessera/comm/threads.hpp"
+#endif
+
+using namespace tessera;
+
+namespace {
+
+struct Options {
+  std::int64_t epochs = 3, batch = 64, hidden = 1024, limit = 0;
+  double lr = 0.05;
+  int threads = 1, ranks = 2;
+  std::uint64_t seed = 1;
+  std::string data_dir;
+};
+
+using E = CpuLocal;
+
+// Flatten -> [column-parallel Linear(784, hidden) -> ReLU -> row-parallel Linear(hidden, 10)].
+template <class Comm>
+struct TensorParallelClassifier {
+  using Env = E;
+  using Tensor = tessera::Tensor<float>;
+  struct Cache {
+    Flatten<E>::Cache flatten;
+    typename TensorParallelMlp<E, Comm>::Cache mlp;
+  };
+  Flatten<E> flatten;
+  TensorParallelMlp<E, Comm> mlp;
+
+  TensorParallelClassifier(std::int64_t hidden, Rng& rng, Comm& comm) : mlp(784, hidden, 10, rng, comm) {
+    mlp.set_needs_input_grad(false);  // dL/d(images) is not needed: saves the backward all-reduce
+  }
+  const Tensor& forward(const Tensor& x, Cache& c) { return mlp.forward(flatten.forward(x, c.flatten), c.mlp); }
+  const Tensor& backward(const Tensor& dy, Cache& c) { return mlp.backward(dy, c.mlp); }  // dL/dx of the images: unused
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    mlp.visit(v, prefix);
+  }
+  void set_mode(Mode m) { mlp.set_mode(m); }
+};
+
+// The first batch through the dense network (same seed) and the split one.
+template <class Comm>
+void check_against_dense(TensorParallelClassifier<Comm>& tp, Comm& comm, const Batch<float>& b, const Options& o) {
+  Rng rng(o.seed);
+  Linear<E> fc1(784, o.hidden, rng), fc2(o.hidden, 10, rng);
+  Flatten<E> flatten;
+  ReLU<E> relu;
+  Flatten<E>::Cache cf;
+  Linear<E>::Cache c1, c2;
+  ReLU<E>::Cache cr;
+  CrossEntropyLoss<E> loss;
+  CrossEntropyLoss<E>::Cache lc_dense, lc_tp;
+  const float expected = loss.forward(fc2.forward(relu.forward(fc1.forward(flatten.forward(b.images, cf), c1), cr), c2),
+                                      b.labels, lc_dense);
+  fc1.backward(relu.backward(fc2.backward(loss.backward(lc_dense), c2), cr), c1);
+  typename TensorParallelClassifier<Comm>::Cache cache;
+  const float got = loss.forward(tp.forward(b.images, cache), b.labels, lc_tp);
+  tp.backward(loss.backward(lc_tp), cache);
+  // Rank r holds rows [r h/p, (r+1) h/p) of fc1 and columns [r h/p, (r+1) h/p) of fc2.
+  auto named = named_tensors<float, Cpu>(tp);
+  const std::int64_t w = o.hidden / comm.size(), first = w * comm.rank();
+  double worst = 0;
+  const auto& g1 = named.parameters[0].second->grad;  // "0.weight" (w, 784)
+  for (std::int64_t k = 0; k < g1.numel(); ++k)
+    worst = std::max(worst, static_cast<double>(std::abs(g1.data()[k] - fc1.weight().grad.data()[first * 784 + k])));
+  const auto& g2 = named.parameters[2].second->grad;  // "2.weight" (10, w)
+  for (std::int64_t i = 0; i < 10; ++i)
+    for (std::int64_t j = 0; j < w; ++j)
+      worst = std::max(worst, static_cast<double>(std::abs(g2.data()[i * w + j] - fc2.weight().grad.data()[i * o.hidden + first + j])));
+  std::array<double, 1> all{worst};
+  comm.all_reduce(std::span<double>(all), ReduceOp::Max);
+  TESSERA_CHECK(std::abs(got - expected) < 1e-5f && all[0] < 1e-5, Error, "07_tensor_parallel: differs from the dense "
+                "network: loss ", got, " vs ", expected, ", gradients by ", all[0]);
+  if (comm.rank() == 0)
+    std::printf("check: first batch = the dense network (loss %.6f vs %.6f, gradient slices within %.1e)\n", got,
+                expected, all[0]);
+  for (auto& [name, p] : named.parameters) p->grad.zero();
+}
+
+template <class Comm>
+void train(Comm& comm, const Options& o) {
+  Cpu::set_num_threads(o.threads);
+  Dataset train_set = load_fashion_mnist(Split::Train, o.data_dir);
+  Dataset test_set = load_fashion_mnist(Split::Test, o.data_dir);
+  if (o.limit > 0 && o.limit < static_cast<std::int64_t>(train_set.labels.size())) train_set = subset(train_set, 0, o.limit);
+  normalize(train_set, {kFashionMnistMean}, {kFashionMnistStd});
+  normalize(test_set, {kFashionMnistMean}, {kFashionMnistStd});
+
+  Rng rng(o.seed);  // the dense layers' draws; each rank keeps its slice
+  TensorParallelClassifier<Comm> model(o.hidden, rng, comm);
+  auto named = named_tensors<float, Cpu>(model);
+  if (comm.rank() == 0)
+    std::printf("07_tensor_parallel: MLP 784-%lld-10 split over %d ranks: %zu of %lld parameters on each rank; batch %lld\n",
+                static_cast<long long>(o.hidden), comm.size(), count_parameters(named),
+                static_cast<long long>(784 * o.hidden + o.hidden + o.hidden * 10 + 10), static_cast<long long>(o.batch));
+  // Every rank reads the same batches (tensor parallelism splits the model, not the data).
+  DataLoader<float> loader(train_set, {.batch_size = o.batch, .shuffle = true, .seed = o.seed});
+  DataLoader<float> test_loader(test_set, {.batch_size = 500, .shuffle = false});
+  Batch<float> batch;
+  loader.start_epoch(0);
+  TESSERA_CHECK(loader.next(batch), Error, "07_tensor_parallel: no training data");
+  check_against_dense(model, comm, batch, o);
+
+  Sgd<E> sgd(named, {.lr = o.lr, .momentum = 0.9});
+  const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
+  CrossEntropyLoss<E> loss;
+  CrossEntropyLoss<E>::Cache loss_cache;
+  typename TensorParallelClassifier<Comm>::Cache cache;
+  for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
+    sgd.set_lr(schedule(static_cast<double>(epoch)));
+    loader.start_epoch(epoch);
+    const auto started = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    std::int64_t steps = 0;
+    while (loader.next(batch)) {
+      sgd.zero_grad();
+      loss_sum += loss.forward(model.forward(batch.images, cache), batch.labels, loss_cache);
+      model.backward(loss.backward(loss_cache), cache);
+      sgd.step();
+      ++steps;
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::int64_t correct = 0, total = 0;
+    test_loader.start_epoch(0);
+    Batch<float> test_batch;
+    while (test_loader.next(test_batch)) {  // logits are whole on every rank (the row layer's all-reduce)
+      correct += count_correct(model.forward(test_batch.images, cache), test_batch.labels);
+      total += static_cast<std::int64_t>(test_batch.labels.size());
+    }
+    const double accuracy = static_cast<double>(correct) / static_cast<double>(total);
+    if (comm.rank() == 0) {
+      std::printf("epoch %lld: train loss %.4f | test acc %.2f%% | %.1f s, %.0f img/s\n", static_cast<long long>(epoch + 1),
+                  loss_sum / static_cast<double>(steps), 100 * accuracy, seconds,
+                  static_cast<double>(steps * o.batch) / seconds);
+      if (epoch + 1 == o.epochs) std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
+      std::fflush(stdout);
+    }
+  }
+}
+
+Options parse(int argc, char** argv) {
+  Flags flags(argc, argv);
+  Options o;
+  o.epochs = flags.get("epochs", o.epochs);
+  o.batch = flags.get("batch", o.batch);
+  o.hidden = flags.get("hidden", o.hidden);
+  o.lr = flags.get("lr", o.lr);
+  o.threads = flags.get("threads", o.threads);
+  o.ranks = flags.get("ranks", o.ranks);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
+  o.limit = flags.get("limit", o.limit);
+  o.data_dir = flags.get("data-dir", std::string());
+  flags.finish();
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+#if defined(TESSERA_EXAMPLE_MPI)
+    auto comm = MpiComm::world();
+    train(comm, o);
+#else
+    ThreadWorld world(o.ranks);
+    world.run([&](ThreadComm& comm) { train(comm, o); });
+#endif
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "07_tensor_parallel: %s\n", e.what());
+    return 1;
+  }
+}
