@@ -7,6 +7,8 @@
 #include "parallel/pipeline_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
 
+#include <chrono>
+
 using namespace tessera;
 using testing::PipeModel;
 
@@ -125,4 +127,21 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 pipeline stages equal one proces
     INFO(joined(f));
     CHECK(f.empty());
   }
+}
+
+TEST_CASE("Pipeline: a failing stage stops the others instead of leaving them waiting", "[parallel]") {
+  using E = CpuLocal64;
+  ThreadWorld world(3);
+  // The last stage gets the wrong number of labels and throws; stages 0 and 1 are blocked in
+  // receives at that moment and must be woken with the error, not wait for the timeout.
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(world.run([](ThreadComm& comm) {
+                      Mlp<E> model(64, {16, 16}, 10);
+                      Pipeline<Mlp<E>, ThreadComm> pipe(model, comm, {.micro_batches = 2});
+                      const auto x = testing::pipe_images<double>(8, 8, 0);
+                      const auto y = testing::pipe_labels(comm.rank() == 2 ? 5 : 8, 0);
+                      pipe.train_step(x, y);
+                    }),
+                    Catch::Contains("5 labels on the last stage for a batch of 8"));
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
 }

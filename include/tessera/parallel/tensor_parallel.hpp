@@ -45,6 +45,19 @@ template <class S>
 void columns_of(const S* rows, std::int64_t n, std::int64_t total, std::int64_t first, std::int64_t w, S* out) {
   for (std::int64_t i = 0; i < n; ++i) std::copy_n(rows + i * total + first, w, out + i * w);
 }
+// A linear layer's parameter gradients from dy (n, out) and its input x (n, in):
+// dW += dy^T x (out, in), db += the column sums of dy (out); then each parameter's grad-ready hook.
+template <class S, class D>
+void linear_parameter_grads(const S* dy, const S* x, std::int64_t n, std::int64_t out, std::int64_t in,
+                            Parameter<S, D>& weight, Parameter<S, D>* bias) {
+  gemm(D{}, true, false, out, in, n, S(1), dy, out, x, in, S(1), weight.grad.data(), in);
+  weight.grad_ready();
+  if (bias == nullptr) return;
+  S* db = bias->grad.data();
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t o = 0; o < out; ++o) db[o] += dy[i * out + o];
+  bias->grad_ready();
+}
 inline std::int64_t checked_shard(std::int64_t features, int ranks, const char* layer, const char* what) {
   TESSERA_CHECK(features % ranks == 0, ArgumentError, layer, ": ", what, "=", features,
                 " does not divide over ", ranks, " ranks");
@@ -121,14 +134,7 @@ class ColumnParallelLinear {
       TESSERA_CHECK(dy.shape() == c.y_local.shape(), ShapeError, "ColumnParallelLinear::backward: dy ", dy.shape(),
                     " does not match this rank's output ", c.y_local.shape());
     }
-    gemm(D{}, true, false, local_, in_, n, S(1), dy_local->data(), local_, x.data(), in_, S(1), weight_.grad.data(), in_);
-    weight_.grad_ready();
-    if (has_bias_) {
-      S* db = bias_.grad.data();
-      for (std::int64_t i = 0; i < n; ++i)
-        for (std::int64_t o = 0; o < local_; ++o) db[o] += dy_local->data()[i * local_ + o];
-      bias_.grad_ready();
-    }
+    detail::linear_parameter_grads(dy_local->data(), x.data(), n, local_, in_, weight_, has_bias_ ? &bias_ : nullptr);
     if (!needs_input_grad_) return c.dx;  // the first layer: nobody consumes dL/dx, skip f's all-reduce
     // f's backward: each rank has its output slice's share of dL/dx; the sum is dL/dx.
     c.dx.resize({n, in_});
@@ -228,14 +234,7 @@ class RowParallelLinear {
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "RowParallelLinear::backward: dy ", dy.shape(),
                   " does not match output ", c.y.shape());
     const auto n = dy.dim(0);
-    gemm(D{}, true, false, out_, local_, n, S(1), dy.data(), out_, c.x->data(), local_, S(1), weight_.grad.data(), local_);
-    weight_.grad_ready();
-    if (has_bias_) {
-      S* db = bias_.grad.data();
-      for (std::int64_t i = 0; i < n; ++i)
-        for (std::int64_t o = 0; o < out_; ++o) db[o] += dy.data()[i * out_ + o];
-      bias_.grad_ready();
-    }
+    detail::linear_parameter_grads(dy.data(), c.x->data(), n, out_, local_, weight_, has_bias_ ? &bias_ : nullptr);
     c.dx_local.resize({n, local_});
     gemm(D{}, false, false, n, local_, out_, S(1), dy.data(), out_, weight_.value.data(), local_, S(0), c.dx_local.data(), local_);
     if (input_is_parallel_) return c.dx_local;
