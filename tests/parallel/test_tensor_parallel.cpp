@@ -272,3 +272,61 @@ TEST_CASE("TensorParallelResNet equals the dense bottleneck ResNet through SGD s
     }
   }
 }
+
+#include "tessera/parallel/data_parallel.hpp"
+
+TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one process on the global batch", "[parallel]") {
+  ThreadWorld world(4);
+  std::vector<double> worst(4, 1.0);
+  world.run([&](ThreadComm& comm) {
+    // rank = replica x 2 + tensor rank: the tensor group shares a batch, the data group shares a
+    // weight slice.
+    const int replica = comm.rank() / 2, tp_rank = comm.rank() % 2;
+    ThreadComm tp_comm = comm.split(replica, tp_rank);
+    ThreadComm dp_comm = comm.split(tp_rank, replica);
+    Rng rng_tp(41), rng_dense(41);
+    TensorParallelMlp<E, ThreadComm> tp(kIn, kHidden, kOut, rng_tp, tp_comm);
+    Linear<E> fc1(kIn, kHidden, rng_dense), fc2(kHidden, kOut, rng_dense);
+    ReLU<E> relu;
+    DataParallel<double, ThreadComm> dp(tp, dp_comm);  // averages each slice over the replicas only
+    auto tp_params = named_tensors<double, Cpu>(tp);
+    Sgd<E> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
+    // The dense reference trains on the global batch of 2 x kN rows; the weights are compared
+    // (they carry every step's effect, biases included).
+    Sgd<E> sgd_dense(named_tensors<double, Cpu>(fc1), {.lr = 0.1, .momentum = 0.9});
+    Sgd<E> sgd_dense2(named_tensors<double, Cpu>(fc2), {.lr = 0.1, .momentum = 0.9});
+    double d = 0;
+    for (int step = 0; step < 3; ++step) {
+      const T x = random_tensor({2 * kN, kIn}, 50 + static_cast<std::uint64_t>(step));
+      const T dy_global = random_tensor({2 * kN, kOut}, 60 + static_cast<std::uint64_t>(step));
+      // Dense: a loss whose gradient is dy_global / (2 kN) summed over the global batch; each
+      // replica's half then carries dy / kN for the mean over its kN rows, averaged over 2.
+      sgd_dense.zero_grad();
+      sgd_dense2.zero_grad();
+      Linear<E>::Cache c1, c2;
+      ReLU<E>::Cache cr;
+      fc2.forward(relu.forward(fc1.forward(x, c1), cr), c2);
+      T dy_dense({2 * kN, kOut});
+      for (std::int64_t k = 0; k < dy_dense.numel(); ++k) dy_dense.data()[k] = dy_global.data()[k] / (2.0 * kN);
+      fc1.backward(relu.backward(fc2.backward(dy_dense, c2), cr), c1);
+      sgd_dense.step();
+      sgd_dense2.step();
+      // Tensor x data: this replica's rows.
+      sgd_tp.zero_grad();
+      T x_mine({kN, kIn}), dy_mine({kN, kOut});
+      std::copy_n(x.data() + replica * kN * kIn, kN * kIn, x_mine.data());
+      for (std::int64_t k = 0; k < dy_mine.numel(); ++k) dy_mine.data()[k] = dy_global.data()[replica * kN * kOut + k] / kN;
+      TensorParallelMlp<E, ThreadComm>::Cache tc;
+      tp.forward(x_mine, tc);
+      tp.backward(dy_mine, tc);
+      dp.finish();
+      sgd_tp.step();
+      const std::int64_t w = kHidden / 2, first = w * tp_rank;
+      d = std::max(d, max_diff(tp_params.parameters[0].second->value.data(), fc1.weight().value.data() + first * kIn, w * kIn));
+      d = std::max(d, max_diff(tp_params.parameters[2].second->value.data(),
+                               columns(fc2.weight().value, first, w).data(), kOut * w));
+    }
+    worst[comm.rank()] = d;
+  });
+  for (double d : worst) CHECK(d < 1e-12);
+}
