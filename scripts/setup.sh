@@ -23,6 +23,12 @@ if ((${#missing[@]})); then
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# CUDA (optional, on auto): the toolkit's usual place is not on PATH by default; with nvcc found,
+# the Cuda device and its GPU tests are built too (they exit 77, skipped, without a GPU).
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="$PATH:/usr/local/cuda/bin"
+fi
+
 # Tests, examples and benchmarks are required here, so a missing dependency fails loudly instead
 # of silently building less; --reconfigure picks up packages installed since the last run.
 options=(--buildtype=release -Dtests=enabled -Dexamples=enabled -Dbench=enabled -Dmpi=enabled -Dgloo=enabled)

@@ -5,6 +5,8 @@
 // Size classes are powers of two from 64 bytes up, so a request wastes at most half its block;
 // blocks are 64-byte aligned (one cache line, enough for AVX-512 loads).
 // Thread-safe: the data loader's prefetch thread allocates while the training thread does.
+// The memory behind it is a policy (Backing: allocate(bytes) -> pointer or nullptr, release(p)),
+// so the same caching serves host memory here and device memory in device/cuda.cuh.
 #pragma once
 
 #include <algorithm>
@@ -21,18 +23,29 @@
 namespace tessera {
 
 struct AllocatorStats {
-  std::size_t system_allocations = 0;  // calls that reached aligned_alloc
+  std::size_t system_allocations = 0;  // calls that reached the backing memory (aligned_alloc, cudaMalloc)
   std::size_t cache_hits = 0;          // requests served from a free list
   std::size_t bytes_in_use = 0;        // handed out and not yet returned
   std::size_t bytes_cached = 0;        // held in free lists
   std::size_t peak_bytes_in_use = 0;   // the most bytes_in_use since construction or reset_peak()
 };
 
-class CachingAllocator {
+// Host memory, 64-byte aligned.
+struct HostMemory {
+  static constexpr const char* kName = "host";
+  static void* allocate(std::size_t bytes) noexcept { return std::aligned_alloc(64, bytes); }
+  static void release(void* p) noexcept { std::free(p); }
+};
+
+template <class Backing>
+class BasicCachingAllocator {
  public:
   static constexpr std::size_t kAlignment = 64;
 
-  ~CachingAllocator() { release_cached(); }
+  BasicCachingAllocator() = default;
+  BasicCachingAllocator(const BasicCachingAllocator&) = delete;
+  BasicCachingAllocator& operator=(const BasicCachingAllocator&) = delete;
+  ~BasicCachingAllocator() { release_cached(); }
 
   void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
@@ -54,15 +67,15 @@ class CachingAllocator {
       }
       stats_.system_allocations++;
     }
-    void* p = std::aligned_alloc(kAlignment, block);
+    void* p = Backing::allocate(block);
     if (p == nullptr) {
       release_cached();  // memory may be sitting in other size classes: give it back and retry once
-      p = std::aligned_alloc(kAlignment, block);
+      p = Backing::allocate(block);
     }
     if (p == nullptr) {
       std::lock_guard<std::mutex> lock(mutex_);
       stats_.bytes_in_use -= block;
-      throw Error(detail::cat("CachingAllocator: out of host memory allocating ", block, " bytes (",
+      throw Error(detail::cat("CachingAllocator: out of ", Backing::kName, " memory allocating ", block, " bytes (",
                               stats_.bytes_in_use, " bytes in use)"));
     }
     return p;
@@ -80,7 +93,7 @@ class CachingAllocator {
       free_[static_cast<std::size_t>(cls)].push_back(p);
     } catch (...) {  // the free list could not grow: return the block to the system instead
       stats_.bytes_cached -= block;
-      std::free(p);
+      Backing::release(p);
     }
   }
 
@@ -88,7 +101,7 @@ class CachingAllocator {
   void release_cached() noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& list : free_) {
-      for (void* p : list) std::free(p);
+      for (void* p : list) Backing::release(p);
       list.clear();
     }
     stats_.bytes_cached = 0;
@@ -115,5 +128,7 @@ class CachingAllocator {
   std::array<std::vector<void*>, 64> free_{};
   AllocatorStats stats_{};
 };
+
+using CachingAllocator = BasicCachingAllocator<HostMemory>;
 
 }  // namespace tessera

@@ -1,0 +1,195 @@
+// Cuda: the GPU device of the policy bundle (CUDA runtime, cuBLAS, cuDNN). Included only from
+// CUDA translation units (.cu, compiled by nvcc); Eigen never enters them.
+//
+//   Cuda::select_device(local_rank);        // rank r of a node -> device r mod devices
+//   float* p = static_cast<float*>(Cuda::allocate(bytes));   // cached: no cudaMalloc once warm
+//   Cuda::copy_to_device(p, host, bytes);   // async on the device's stream
+//   cublasSgemm(Cuda::cublas(), ...);       // handles bound to that stream
+//   Cuda::synchronize();
+//
+// One stream per device (created non-blocking on first use, so work on it never serializes with
+// the legacy default stream), one cuBLAS and one cuDNN handle per device bound to that stream, and
+// one caching allocator per device, the host allocator's size classes over cudaMalloc (like
+// PyTorch's CUDA caching allocator: freed blocks are kept and handed out again, so a steady-state
+// training step calls cudaMalloc zero times). Blocks are freed to the cache without waiting: every
+// kernel of this device runs on its one stream, so a later user of the block is ordered after
+// the earlier one.
+//
+// Errors throw CudaError with the library's own name and message, the failing call's text and
+// its file:line (TESSERA_CUDA_CHECK, TESSERA_CUBLAS_CHECK, TESSERA_CUDNN_CHECK).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "tessera/core/allocator.hpp"
+#include "tessera/core/error.hpp"
+
+namespace tessera {
+
+class CudaError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+[[noreturn]] inline void throw_cuda_error(const std::string& library, const std::string& name, const std::string& text,
+                                          const char* call, const char* file, int line) {
+  throw CudaError(detail::cat(library, " error ", name, " (", text, ") in ", call, " at ", file, ":", line));
+}
+inline void cuda_check(cudaError_t status, const char* call, const char* file, int line) {
+  if (status == cudaSuccess) return;
+  (void)cudaGetLastError();  // reset a non-sticky error so the next call does not report it again
+  throw_cuda_error("CUDA", cudaGetErrorName(status), cudaGetErrorString(status), call, file, line);
+}
+inline void cublas_check(cublasStatus_t status, const char* call, const char* file, int line) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw_cuda_error("cuBLAS", cublasGetStatusName(status), cublasGetStatusString(status), call, file, line);
+}
+inline void cudnn_check(cudnnStatus_t status, const char* call, const char* file, int line) {
+  if (status == CUDNN_STATUS_SUCCESS) return;
+  throw_cuda_error("cuDNN", std::to_string(static_cast<int>(status)), cudnnGetErrorString(status), call, file, line);
+}
+}  // namespace detail
+
+#define TESSERA_CUDA_CHECK(call) ::tessera::detail::cuda_check((call), #call, __FILE__, __LINE__)
+#define TESSERA_CUBLAS_CHECK(call) ::tessera::detail::cublas_check((call), #call, __FILE__, __LINE__)
+#define TESSERA_CUDNN_CHECK(call) ::tessera::detail::cudnn_check((call), #call, __FILE__, __LINE__)
+
+// Device memory of the current device, for the caching allocator. A failed cudaMalloc returns
+// nullptr (the allocator then empties its cache and tries once more, then reports).
+struct CudaMemory {
+  static constexpr const char* kName = "GPU";
+  static void* allocate(std::size_t bytes) noexcept {
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  }
+  static void release(void* p) noexcept { (void)cudaFree(p); }
+};
+
+using CudaCachingAllocator = BasicCachingAllocator<CudaMemory>;
+
+class Cuda {
+ public:
+  static constexpr int kMaxDevices = 64;
+
+  // Devices this process can see; 0 when there is no GPU or no driver (never throws, so a
+  // program can decide to skip or fall back).
+  static int device_count() noexcept {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return n;
+  }
+
+  // One process per GPU: local rank r uses device r mod device_count() (several ranks may share
+  // a device, as the tests do on one GPU). Sets the device for the calling thread.
+  static int select_device(int local_rank) {
+    const int n = device_count();
+    TESSERA_CHECK(n > 0, CudaError, "Cuda::select_device(", local_rank, "): no CUDA device is visible (",
+                  "cudaGetDeviceCount found none; check CUDA_VISIBLE_DEVICES and the driver)");
+    TESSERA_CHECK(local_rank >= 0, ArgumentError, "Cuda::select_device: local rank ", local_rank, " is negative");
+    const int device = local_rank % n;
+    TESSERA_CUDA_CHECK(cudaSetDevice(device));
+    return device;
+  }
+  static int current_device() {
+    int d = 0;
+    TESSERA_CUDA_CHECK(cudaGetDevice(&d));
+    return d;
+  }
+
+  // The Device concept: device memory through the cache, device-to-device copies, synchronize.
+  static void* allocate(std::size_t bytes) { return state().allocator.allocate(bytes); }
+  static void deallocate(void* p, std::size_t bytes) noexcept { state().allocator.deallocate(p, bytes); }
+  static void copy(void* dst, const void* src, std::size_t bytes) {
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
+  }
+  static void synchronize() { TESSERA_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+  // Host <-> device, asynchronous on the device's stream (truly asynchronous from pinned memory).
+  static void copy_to_device(void* dst, const void* host, std::size_t bytes) {
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream()));
+  }
+  static void copy_to_host(void* host, const void* src, std::size_t bytes) {
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream()));
+  }
+
+  static cudaStream_t stream() { return state().stream; }
+  static cublasHandle_t cublas() { return state().cublas; }
+  static cudnnHandle_t cudnn() { return state().cudnn; }
+  static CudaCachingAllocator& allocator() { return state().allocator; }
+
+ private:
+  // Everything per device, created on the first use of that device and kept for the process's
+  // life (like PyTorch's: freeing CUDA objects during static destruction races the driver).
+  struct DeviceState {
+    cudaStream_t stream = nullptr;
+    cublasHandle_t cublas = nullptr;
+    cudnnHandle_t cudnn = nullptr;
+    CudaCachingAllocator allocator;
+    explicit DeviceState(int device) {
+      TESSERA_CUDA_CHECK(cudaSetDevice(device));
+      TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      TESSERA_CUBLAS_CHECK(cublasCreate(&cublas));
+      TESSERA_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+      TESSERA_CUDNN_CHECK(cudnnCreate(&cudnn));
+      TESSERA_CUDNN_CHECK(cudnnSetStream(cudnn, stream));
+    }
+  };
+  static DeviceState& state() {
+    const int device = current_device();
+    TESSERA_CHECK(device >= 0 && device < kMaxDevices, CudaError, "Cuda: device ", device, " beyond ", kMaxDevices);
+    static std::array<DeviceState*, kMaxDevices> states{};
+    static std::mutex mutex;
+    std::lock_guard lock(mutex);
+    auto& slot = states[static_cast<std::size_t>(device)];
+    if (slot == nullptr) slot = new DeviceState(device);  // never destroyed, see above
+    return *slot;
+  }
+};
+
+// Page-locked host memory for the data loader's staging buffers: copies from it to the device
+// are asynchronous and run at full bus speed.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes > 0) TESSERA_CUDA_CHECK(cudaMallocHost(&data_, bytes));
+  }
+  PinnedBuffer(PinnedBuffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) {
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (data_) (void)cudaFreeHost(data_);
+  }
+  void* data() const { return data_; }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace tessera
