@@ -21,6 +21,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/fashion_mnist_data.hpp"
 #if defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
 #elif defined(TESSERA_EXAMPLE_GLOO)
@@ -51,11 +52,7 @@ double train(Comm& comm, const Options& o) {
 
   // Every rank reads the data set; the loader gives rank r the samples r, r + N, r + 2N, ... of
   // each epoch's shared permutation, so batch i of all ranks together is batch i of one process.
-  Dataset train_set = load_fashion_mnist(Split::Train, o.data_dir);
-  Dataset test_set = load_fashion_mnist(Split::Test, o.data_dir);
-  if (o.limit > 0 && o.limit < static_cast<std::int64_t>(train_set.labels.size())) train_set = subset(train_set, 0, o.limit);
-  normalize(train_set, {kFashionMnistMean}, {kFashionMnistStd});
-  normalize(test_set, {kFashionMnistMean}, {kFashionMnistStd});
+  auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
   // Ranks start from different weights on purpose: DataParallel broadcasts rank 0's.
   auto model = lenet5<CpuLocal>(1, 28, 10, o.seed + static_cast<std::uint64_t>(rank));

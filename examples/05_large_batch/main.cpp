@@ -21,6 +21,7 @@
 #include "../common/png_plot.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/tessera.hpp"
+#include "../common/fashion_mnist_data.hpp"
 
 using namespace tessera;
 
@@ -97,11 +98,7 @@ int main(int argc, char** argv) {
     const std::string data_dir = flags.get("data-dir", std::string());
     flags.finish();
 
-    Dataset train_set = load_fashion_mnist(Split::Train, data_dir);
-    Dataset test_set = load_fashion_mnist(Split::Test, data_dir);
-    if (limit > 0 && limit < static_cast<std::int64_t>(train_set.labels.size())) train_set = subset(train_set, 0, limit);
-    normalize(train_set, {kFashionMnistMean}, {kFashionMnistStd});
-    normalize(test_set, {kFashionMnistMean}, {kFashionMnistStd});
+    auto [train_set, test_set] = examples::load_normalized_fashion_mnist(data_dir, limit);
 
     const double base_lr = 0.1;  // per 256 images
     std::vector<Run> runs = {

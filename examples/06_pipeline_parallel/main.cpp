@@ -22,6 +22,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/fashion_mnist_data.hpp"
 #include "tessera/parallel/pipeline.hpp"
 #if defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
@@ -85,11 +86,7 @@ void train(Comm& world, const Options& o, int stages) {
   Comm dp_comm = world.split(stage, replica);
   const bool reporter = world.rank() == stages - 1;  // the last stage of replica 0 holds the loss
 
-  Dataset train_set = load_fashion_mnist(Split::Train, o.data_dir);
-  Dataset test_set = load_fashion_mnist(Split::Test, o.data_dir);
-  if (o.limit > 0 && o.limit < static_cast<std::int64_t>(train_set.labels.size())) train_set = subset(train_set, 0, o.limit);
-  normalize(train_set, {kFashionMnistMean}, {kFashionMnistStd});
-  normalize(test_set, {kFashionMnistMean}, {kFashionMnistStd});
+  auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
   auto model = lenet5<E>(1, 28, 10, o.seed);  // every rank builds all of it; each runs its stage
   Timeline timeline(world);

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/fashion_mnist_data.hpp"
 #if defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
 #else
@@ -103,11 +104,7 @@ void check_against_dense(TensorParallelClassifier<Comm>& tp, Comm& comm, const B
 template <class Comm>
 void train(Comm& comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
-  Dataset train_set = load_fashion_mnist(Split::Train, o.data_dir);
-  Dataset test_set = load_fashion_mnist(Split::Test, o.data_dir);
-  if (o.limit > 0 && o.limit < static_cast<std::int64_t>(train_set.labels.size())) train_set = subset(train_set, 0, o.limit);
-  normalize(train_set, {kFashionMnistMean}, {kFashionMnistStd});
-  normalize(test_set, {kFashionMnistMean}, {kFashionMnistStd});
+  auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
   Rng rng(o.seed);  // the dense layers' draws; each rank keeps its slice
   TensorParallelClassifier<Comm> model(o.hidden, rng, comm);

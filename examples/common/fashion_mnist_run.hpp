@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "fashion_mnist_data.hpp"
 
 namespace examples {
 
@@ -52,11 +53,7 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
     flags.finish();
 
     Cpu::set_num_threads(threads);
-    Dataset train = load_fashion_mnist(Split::Train, data_dir);
-    Dataset test = load_fashion_mnist(Split::Test, data_dir);
-    if (limit > 0 && limit < static_cast<std::int64_t>(train.labels.size())) train = subset(train, 0, limit);
-    normalize(train, {kFashionMnistMean}, {kFashionMnistStd});
-    normalize(test, {kFashionMnistMean}, {kFashionMnistStd});
+    auto [train, test] = examples::load_normalized_fashion_mnist(data_dir, limit);
 
     auto model = make_model(seed);
     auto named = named_tensors<float, Cpu>(model);

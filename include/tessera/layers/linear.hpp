@@ -15,6 +15,22 @@
 
 namespace tessera {
 
+namespace detail {
+// A linear layer's parameter gradients from dy (n, out) and its input x (n, in):
+// dW += dy^T x (out, in), db += the column sums of dy (out); then each parameter's grad-ready hook.
+template <class S, class D>
+void linear_parameter_grads(const S* dy, const S* x, std::int64_t n, std::int64_t out, std::int64_t in,
+                            Parameter<S, D>& weight, Parameter<S, D>* bias) {
+  gemm(D{}, true, false, out, in, n, S(1), dy, out, x, in, S(1), weight.grad.data(), in);
+  weight.grad_ready();
+  if (bias == nullptr) return;
+  S* db = bias->grad.data();
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t o = 0; o < out; ++o) db[o] += dy[i * out + o];
+  bias->grad_ready();
+}
+}  // namespace detail
+
 template <class E>
 class Linear {
  public:
@@ -58,14 +74,7 @@ class Linear {
                   dy.shape(), " does not match output ", c.y.shape());
     TESSERA_CHECK(x.rank() == 2 && x.dim(0) == n && c.y.dim(0) == n, ShapeError, "Linear(", in_, ", ", out_,
                   ")::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
-    gemm(D{}, true, false, out_, in_, n, S(1), dy.data(), out_, x.data(), in_, S(1), weight_.grad.data(), in_);
-    weight_.grad_ready();
-    if (has_bias_) {
-      S* db = bias_.grad.data();
-      for (std::int64_t i = 0; i < n; ++i)
-        for (std::int64_t o = 0; o < out_; ++o) db[o] += dy.data()[i * out_ + o];
-      bias_.grad_ready();
-    }
+    detail::linear_parameter_grads(dy.data(), x.data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);
     if (needs_input_grad_) {
       c.dx.resize({n, in_});
       gemm(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0), c.dx.data(), in_);

@@ -285,14 +285,21 @@ class DataParallel {
         }
       }
       // The last bucket goes out after every parameter's hook, so what this rank knows is final.
-      if (b.has_flag) b.flat[b.elements] = local_problems().empty() ? S(0) : S(1);
+      if (b.has_flag) b.flat[b.elements] = has_local_problem() ? S(1) : S(0);
       b.launched_at = std::chrono::steady_clock::now();
       compress_and_launch(b);
       b.launched = true;
     }
   }
 
-  // What is wrong with this rank's step, in words; empty when nothing is.
+  // Whether local_problems() would say anything (every step: no strings built).
+  bool has_local_problem() const {
+    const int micro_steps = *std::max_element(fired_.begin(), fired_.end());
+    return micro_steps == 0 || !duplicates_.empty() ||
+           std::any_of(fired_.begin(), fired_.end(), [&](int f) { return f != micro_steps; });
+  }
+
+  // What is wrong with this rank's step, in words; empty when nothing is (only on the error path).
   std::string local_problems() const {
     const int micro_steps = *std::max_element(fired_.begin(), fired_.end());
     if (micro_steps == 0) return "finish() without a backward pass since the last step";

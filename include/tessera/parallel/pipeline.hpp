@@ -271,7 +271,7 @@ class Pipeline {
       loss_sum_ += loss_.forward(out, labels_.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per)),
                                  loss_caches_[static_cast<std::size_t>(i % slots_)]);
     }
-    note_busy("F" + std::to_string(i), began);
+    note_busy('F', i, began);
     if (s < p - 1) send_activation(sl, out);
     stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight_);
   }
@@ -292,7 +292,7 @@ class Pipeline {
     }
     const auto began = std::chrono::steady_clock::now();
     const Tensor& dx = model_.backward_units(sl.output_grad, sl.cache, begin_, end_);
-    note_busy("B" + std::to_string(i), began);
+    note_busy('B', i, began);
     if (s > 0) {
       TESSERA_CHECK(dx.shape() == sl.input.shape(), ShapeError, "Pipeline: stage ", s, " produced dL/dx ", dx.shape(),
                     " for an input of ", sl.input.shape(), " (does its first unit compute input gradients?)");
@@ -324,10 +324,12 @@ class Pipeline {
     return shape;
   }
 
-  void note_busy(std::string name, std::chrono::steady_clock::time_point began) {
+  // kind 'F' or 'B' of micro-batch i; the span's name is built only when a timeline records it.
+  void note_busy(char kind, int i, std::chrono::steady_clock::time_point began) {
     const auto ended = std::chrono::steady_clock::now();
     stats_.busy_seconds += std::chrono::duration<double>(ended - began).count();
-    if (options_.timeline) options_.timeline->add(std::move(name), "compute", began, ended, Timeline::kCompute);
+    if (options_.timeline)
+      options_.timeline->add(kind + std::to_string(i), "compute", began, ended, Timeline::kCompute);
   }
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();

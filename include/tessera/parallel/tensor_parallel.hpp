@@ -45,19 +45,6 @@ template <class S>
 void columns_of(const S* rows, std::int64_t n, std::int64_t total, std::int64_t first, std::int64_t w, S* out) {
   for (std::int64_t i = 0; i < n; ++i) std::copy_n(rows + i * total + first, w, out + i * w);
 }
-// A linear layer's parameter gradients from dy (n, out) and its input x (n, in):
-// dW += dy^T x (out, in), db += the column sums of dy (out); then each parameter's grad-ready hook.
-template <class S, class D>
-void linear_parameter_grads(const S* dy, const S* x, std::int64_t n, std::int64_t out, std::int64_t in,
-                            Parameter<S, D>& weight, Parameter<S, D>* bias) {
-  gemm(D{}, true, false, out, in, n, S(1), dy, out, x, in, S(1), weight.grad.data(), in);
-  weight.grad_ready();
-  if (bias == nullptr) return;
-  S* db = bias->grad.data();
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t o = 0; o < out; ++o) db[o] += dy[i * out + o];
-  bias->grad_ready();
-}
 inline std::int64_t checked_shard(std::int64_t features, int ranks, const char* layer, const char* what) {
   TESSERA_CHECK(features % ranks == 0, ArgumentError, layer, ": ", what, "=", features,
                 " does not divide over ", ranks, " ranks");

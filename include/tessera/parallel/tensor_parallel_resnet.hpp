@@ -62,10 +62,10 @@ std::vector<std::pair<std::string, Tensor<S, D>*>> tensors_of(L& layer) {
   layer.visit(list, "");
   return list.values;
 }
-// Copies slice `part` of `parts` along dimension `dim` (0 or 1) of every tensor of `from` into the
+// Copies slice `part` (of equal slices) along dimension `dim` (0 or 1) of every tensor of `from` into the
 // tensors of `to` (same names, the sliced shapes). Vectors (BN, bias) slice along their only dim.
 template <class S, class D, class From, class To>
-void copy_slices(From& from, To& to, int dim, std::int64_t part, std::int64_t parts) {
+void copy_slices(From& from, To& to, int dim, std::int64_t part) {
   auto src = tensors_of<S, D>(from);
   auto dst = tensors_of<S, D>(to);
   TESSERA_CHECK(src.size() == dst.size(), Error, "copy_slices: layers differ in their tensors");
@@ -80,8 +80,13 @@ void copy_slices(From& from, To& to, int dim, std::int64_t part, std::int64_t pa
       const std::int64_t rows = a.dim(0), inner = b.numel() / rows, row = a.numel() / rows;
       for (std::int64_t i = 0; i < rows; ++i) std::copy_n(a.data() + i * row + part * inner, inner, b.data() + i * inner);
     }
-    (void)parts;
   }
+}
+// Conv2d's constructor draws an initialization; the split layers overwrite it with the dense
+// layer's slice, so the draws come from this throwaway generator.
+inline Rng& overwritten_init_rng() {
+  thread_local Rng rng(0);
+  return rng;
 }
 }  // namespace detail
 
@@ -96,16 +101,16 @@ class OutputChannelParallelConv2d {
 
   // The rank's output channels of `dense` (weights copied).
   OutputChannelParallelConv2d(Conv2d<E>& dense, Comm& comm, bool reduce_input_grad = true)
-      : comm_(&comm), reduce_input_grad_(reduce_input_grad), conv_(local_options(dense.options(), comm), rng_for_shape()) {
-    detail::copy_slices<S, D>(dense, conv_, 0, comm.rank(), comm.size());
+      : comm_(&comm), reduce_input_grad_(reduce_input_grad), conv_(local_options(dense.options(), comm), detail::overwritten_init_rng()) {
+    detail::copy_slices<S, D>(dense, conv_, 0, comm.rank());
   }
 
   const Tensor& forward(const Tensor& x, Cache& c) { return conv_.forward(x, c); }
   const Tensor& backward(const Tensor& dy, Cache& c) {
-    Tensor& dx = const_cast<Tensor&>(conv_.backward(dy, c));
-    if (reduce_input_grad_ && dx.numel() > 0)
-      comm_->all_reduce(std::span<S>(dx.data(), static_cast<std::size_t>(dx.numel())), ReduceOp::Sum);
-    return dx;
+    conv_.backward(dy, c);  // into c.dx, which the cache owns
+    if (reduce_input_grad_ && c.dx.numel() > 0)
+      comm_->all_reduce(std::span<S>(c.dx.data(), static_cast<std::size_t>(c.dx.numel())), ReduceOp::Sum);
+    return c.dx;
   }
   template <class V>
   void visit(V& v, const std::string& prefix) {
@@ -120,10 +125,6 @@ class OutputChannelParallelConv2d {
     TESSERA_CHECK(o.groups == 1, ArgumentError, "OutputChannelParallelConv2d: grouped convolutions are not split");
     o.out_channels = detail::checked_shard(o.out_channels, comm.size(), "OutputChannelParallelConv2d", "out_channels");
     return o;
-  }
-  static Rng& rng_for_shape() {  // the weights are overwritten from the dense layer
-    thread_local Rng rng(0);
-    return rng;
   }
   Comm* comm_;
   bool reduce_input_grad_;
@@ -140,16 +141,16 @@ class InputChannelParallelConv2d {
   using Cache = typename Conv2d<E>::Cache;
 
   // Input channels of the rank; the input must already be the rank's channels (N, C_in/p, H, W).
-  InputChannelParallelConv2d(Conv2d<E>& dense, Comm& comm) : comm_(&comm), conv_(local_options(dense.options(), comm), rng()) {
+  InputChannelParallelConv2d(Conv2d<E>& dense, Comm& comm) : comm_(&comm), conv_(local_options(dense.options(), comm), detail::overwritten_init_rng()) {
     TESSERA_CHECK(!dense.options().bias, ArgumentError,
                   "InputChannelParallelConv2d: a bias would be added once per rank; build the dense layer without one");
-    detail::copy_slices<S, D>(dense, conv_, 1, comm.rank(), comm.size());
+    detail::copy_slices<S, D>(dense, conv_, 1, comm.rank());
   }
 
   const Tensor& forward(const Tensor& x, Cache& c) {
-    Tensor& y = const_cast<Tensor&>(conv_.forward(x, c));
-    comm_->all_reduce(std::span<S>(y.data(), static_cast<std::size_t>(y.numel())), ReduceOp::Sum);  // g
-    return y;
+    conv_.forward(x, c);  // into c.y, which the cache owns
+    comm_->all_reduce(std::span<S>(c.y.data(), static_cast<std::size_t>(c.y.numel())), ReduceOp::Sum);  // g
+    return c.y;
   }
   const Tensor& backward(const Tensor& dy, Cache& c) { return conv_.backward(dy, c); }
   template <class V>
@@ -163,10 +164,6 @@ class InputChannelParallelConv2d {
     TESSERA_CHECK(o.groups == 1, ArgumentError, "InputChannelParallelConv2d: grouped convolutions are not split");
     o.in_channels = detail::checked_shard(o.in_channels, comm.size(), "InputChannelParallelConv2d", "in_channels");
     return o;
-  }
-  static Rng& rng() {
-    thread_local Rng r(0);
-    return r;
   }
   Comm* comm_;
   Conv2d<E> conv_;
@@ -278,7 +275,7 @@ class TensorParallelBottleneck {
   static BatchNorm2d<E> sliced_bn(BatchNorm2d<E>& dense, Comm& comm) {
     BatchNorm2d<E> local(detail::checked_shard(dense.num_features(), comm.size(), "TensorParallelBottleneck", "channels"),
                          dense.eps(), dense.momentum());
-    detail::copy_slices<S, D>(dense, local, 0, comm.rank(), comm.size());
+    detail::copy_slices<S, D>(dense, local, 0, comm.rank());
     return local;
   }
   void channel_slice(const Tensor& x, Tensor& out) const {
