@@ -2,13 +2,15 @@
 """Compiles every public header on its own (a translation unit that includes only that header), so
 that no header leans on another being included first. Headers are those under <root>/tessera for
 each --root (include/, and communicators/<name>/include for the backends that were found); every
-root and --include is on the include path. Exit 1 lists the headers that failed with the
-compiler's first lines of output."""
+root and --include is on the include path. CUDA headers (*.cuh) are compiled by --cuda-compiler
+(nvcc, one architecture, host and device code) when one is given. Exit 1 lists the headers that
+failed with the compiler's first lines of output."""
 import argparse
 import concurrent.futures
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 
 def main():
@@ -16,15 +18,28 @@ def main():
     ap.add_argument("--compiler", default="c++")
     ap.add_argument("--root", action="append", default=[], help="a directory holding tessera/ headers to check")
     ap.add_argument("--include", action="append", default=[], help="an extra include directory")
+    ap.add_argument("--cuda-compiler", default="", help="nvcc: also check the *.cuh headers")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
     roots = [pathlib.Path(r) for r in args.root]
-    headers = sorted({p.relative_to(root) for root in roots for p in (root / "tessera").rglob("*.hpp")})
+    patterns = ["*.hpp", "*.cuh"] if args.cuda_compiler else ["*.hpp"]
+    headers = sorted({p.relative_to(root) for root in roots for pattern in patterns
+                      for p in (root / "tessera").rglob(pattern)})
     flags = ["-std=c++20", "-fopenmp", "-fsyntax-only", "-Wall", "-Wextra", "-x", "c++", "-"]
     flags += [f"-I{d}" for d in [*args.root, *args.include]]
 
+    includes = [f"-I{d}" for d in [*args.root, *args.include]]
+
     def check(header):
         source = f'#include "{header}"\n'
+        if header.suffix == ".cuh":
+            with tempfile.TemporaryDirectory() as tmp:
+                unit = pathlib.Path(tmp) / "unit.cu"
+                unit.write_text(source)
+                r = subprocess.run([args.cuda_compiler, "-std=c++20", "--expt-relaxed-constexpr", "-arch=sm_80",
+                                    "-Xcompiler=-fopenmp,-Wall,-Wextra", *includes, "-c", str(unit), "-o",
+                                    str(pathlib.Path(tmp) / "unit.o")], capture_output=True, text=True)
+            return header, r.returncode, r.stderr
         r = subprocess.run([args.compiler, *flags], input=source, capture_output=True, text=True)
         return header, r.returncode, r.stderr
 

@@ -88,7 +88,7 @@ double train(Comm& comm, const Options& o) {
     auto last_done = dp.last_wait_began();
     for (std::size_t k = 0; k < dp.buckets().size(); ++k) {
       const auto& b = dp.buckets()[k];
-      timeline->add("all_reduce bucket " + std::to_string(k) + " (" + std::to_string(b.flat.size() * 4 / 1024) + " KiB)",
+      timeline->add("all_reduce bucket " + std::to_string(k) + " (" + std::to_string(b.flat.numel() * 4 / 1024) + " KiB)",
                     "communication", b.launched_at, b.completed_at, Timeline::kCommunication);
       comm_us += std::chrono::duration<double, std::micro>(b.completed_at - b.launched_at).count();
       last_done = std::max(last_done, b.completed_at);

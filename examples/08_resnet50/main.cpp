@@ -5,6 +5,8 @@
 //                 [--ranks=1]  (>1: data parallel over that many ThreadComm ranks)
 //   mpirun -n 2 ./08_resnet50_mpi ...                 data parallel over MPI
 //   tools/tessera-run -n 2 ./08_resnet50_gloo ...     data parallel over Gloo
+//   ./08_resnet50_cuda ...                            one GPU (CudaLocal; main_cuda.cu)
+//   tools/tessera-run -n 2 ./08_resnet50_nccl ...     one process per GPU over NCCL (CudaNccl)
 //   [--sync-bn] synchronizes BatchNorm statistics across ranks (default: per rank, as Goyal et al.)
 //
 //   --strategy=data          (default) every rank a replica, --batch per rank
@@ -25,11 +27,17 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "tessera/tessera.hpp"
 #include "tessera/parallel/pipeline.hpp"
 #include "tessera/parallel/tensor_parallel_resnet.hpp"
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+#include "tessera/comm/nccl.hpp"
+#elif defined(TESSERA_EXAMPLE_CUDA)
+#include "tessera/comm/launch_env.hpp"
+#include "tessera/device/cuda.cuh"
+#elif defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
 #elif defined(TESSERA_EXAMPLE_GLOO)
 #include "tessera/comm/gloo.hpp"
@@ -48,8 +56,33 @@ struct Options {
   std::string strategy = "data";
 };
 
+// The layers' policy bundle: the device (and scalar) they compute on. The communicator of a
+// strategy is the program's own (Comm below); the layers never talk to it.
+#if defined(TESSERA_EXAMPLE_CUDA)
+using Device = Cuda;
+using E = CudaLocal;
+#else
+using Device = Cpu;
 using E = CpuLocal;
+#endif
 using Model = ResNet<E, Bottleneck>;
+
+// The loader's host batch where the model is (the batch itself on the CPU).
+class Upload {
+ public:
+  template <class Host>  // a template, so that the branch not taken is never compiled
+  const Tensor<float, Device>& operator()(const Tensor<float, Host>& host) {
+    if constexpr (std::is_same_v<Device, Host>) {
+      return host;
+    } else {
+      device_ = to_device<Device>(host);
+      return device_;
+    }
+  }
+
+ private:
+  Tensor<float, Device> device_;
+};
 
 Model make_resnet50(const Options& o) {
   return resnet50<E>({.in_channels = 3, .num_classes = o.classes, .zero_init_residual = true, .seed = 1});
@@ -61,16 +94,17 @@ SgdOptions sgd_options(std::int64_t global_batch) {
 // The unsplit model, trained on rank 0 beside a model-parallel run to check it step by step.
 struct Reference {
   Model model;
-  NamedTensors<float, Cpu> named;
+  NamedTensors<float, Device> named;
   Sgd<E> sgd;
+  Upload upload;
   explicit Reference(const Options& o)
-      : model(make_resnet50(o)), named(named_tensors<float, Cpu>(model)), sgd(named, sgd_options(o.batch)) {}
+      : model(make_resnet50(o)), named(named_tensors<float, Device>(model)), sgd(named, sgd_options(o.batch)) {}
   float step(const Batch<float>& b) {
     sgd.zero_grad();
     Model::Cache cache{};
     CrossEntropyLoss<E> loss;
     CrossEntropyLoss<E>::Cache loss_cache;
-    const float l = loss.forward(model.forward(b.images, cache), b.labels, loss_cache);
+    const float l = loss.forward(model.forward(upload(b.images), cache), b.labels, loss_cache);
     model.backward(loss.backward(loss_cache), cache);
     sgd.step();
     return l;
@@ -126,9 +160,10 @@ void train_pipeline(Comm& comm, const Options& o, int stages) {
   // Balanced by each unit's forward + backward time on one micro-batch, measured on rank 0.
   TESSERA_CHECK(o.batch % o.micro_batches == 0, ArgumentError, "08_resnet50: --batch=", o.batch,
                 " does not split into --micro-batches=", o.micro_batches);
-  Tensor<float> sample(Shape{o.batch / o.micro_batches, 3, o.image, o.image});
+  Tensor<float> host_sample(Shape{o.batch / o.micro_batches, 3, o.image, o.image});
   Rng rng(11);
-  for (std::int64_t k = 0; k < sample.numel(); ++k) sample.data()[k] = static_cast<float>(rng.normal());
+  for (std::int64_t k = 0; k < host_sample.numel(); ++k) host_sample.data()[k] = static_cast<float>(rng.normal());
+  const auto sample = to_device<Device>(host_sample);
   Pipeline<Model, Comm> pipe(model, comm, {.micro_batches = o.micro_batches, .schedule = PipelineSchedule::OneFOneB},
                              comm.rank() == 0 ? &sample : nullptr);
   Sgd<E> sgd(pipe.stage_parameters(), sgd_options(o.batch));
@@ -146,9 +181,10 @@ void train_pipeline(Comm& comm, const Options& o, int stages) {
       std::printf("  stage %d: %s .. %s, %.0f parameters\n", s, model.unit_name(static_cast<std::size_t>(all[3 * s])).c_str(),
                   model.unit_name(static_cast<std::size_t>(all[3 * s + 1]) - 1).c_str(), all[3 * s + 2]);
   }
+  Upload upload;
   run_model_parallel(comm, o, "pipeline", [&](const Batch<float>& b) {
     sgd.zero_grad();
-    const float loss = pipe.train_step(b.images, b.labels);
+    const float loss = pipe.train_step(upload(b.images), b.labels);
     sgd.step();
     return loss;
   });
@@ -162,7 +198,7 @@ void train_tensor(Comm& comm, const Options& o) {
     auto dense = make_resnet50(o);  // split, then dropped: each rank keeps 1/p of the blocks and head
     model.emplace(dense, comm);
   }
-  auto named = named_tensors<float, Cpu>(*model);
+  auto named = named_tensors<float, Device>(*model);
   Sgd<E> sgd(named, sgd_options(o.batch));
   if (comm.rank() == 0)
     std::printf("%s: %zu parameters on each rank (of 25.6 M in the unsplit model), batch %lld, %lldx%lld, %d threads per rank\n",
@@ -171,9 +207,10 @@ void train_tensor(Comm& comm, const Options& o) {
   typename TensorParallelResNet<E, Comm>::Cache cache{};
   CrossEntropyLoss<E> loss;
   CrossEntropyLoss<E>::Cache loss_cache;
+  Upload upload;
   run_model_parallel(comm, o, "tensor", [&](const Batch<float>& b) {
     sgd.zero_grad();
-    const float l = loss.forward(model->forward(b.images, cache), b.labels, loss_cache);
+    const float l = loss.forward(model->forward(upload(b.images), cache), b.labels, loss_cache);
     model->backward(loss.backward(loss_cache), cache);
     sgd.step();
     return l;
@@ -195,9 +232,9 @@ void train(Comm* comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
   auto model = make_resnet50(o);
   if (comm && o.sync_bn) convert_sync_batch_norm(model, *comm);
-  std::optional<DataParallel<float, Comm>> dp;
+  std::optional<DataParallel<float, Comm, Device>> dp;
   if (comm) dp.emplace(model, *comm);
-  auto named = named_tensors<float, Cpu>(model);
+  auto named = named_tensors<float, Device>(model);
   if (rank == 0)
     std::printf("%s: %zu parameters, %d rank(s) x batch %lld, %lldx%lld, %d threads per rank%s\n", model.name().c_str(),
                 count_parameters(named), ranks, static_cast<long long>(o.batch), static_cast<long long>(o.image),
@@ -254,7 +291,16 @@ int main(int argc, char** argv) {
                        o.strategy.find_first_not_of("0123456789", 9) == std::string::npos),
                   ArgumentError, "--strategy=", o.strategy, " is not data, pipeline:P or tensor");
     TESSERA_CHECK(!split || !o.sync_bn, ArgumentError, "--sync-bn applies to --strategy=data only");
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+    auto comm = NcclComm::from_env();  // this rank's GPU: its local rank (tessera-run, mpirun, srun)
+    if (split) train_split(comm, o);
+    else train(&comm, o);
+#elif defined(TESSERA_EXAMPLE_CUDA)
+    TESSERA_CHECK(!split && o.ranks <= 1, ArgumentError, "08_resnet50_cuda trains on one GPU; for --ranks, ",
+                  "--strategy=pipeline:P or tensor run 08_resnet50_nccl with one process per GPU");
+    Cuda::select_device(LaunchEnv::from_environment().local_rank);
+    train<LocalComm>(nullptr, o);
+#elif defined(TESSERA_EXAMPLE_MPI)
     auto comm = MpiComm::world();
     if (split) train_split(comm, o);
     else train(&comm, o);

@@ -21,13 +21,33 @@
 
 namespace tessera::testing {
 
+// Where the buffers a communicator sees live. Host backends take the test's vectors themselves;
+// a GPU backend (NCCL) gets device copies through a policy with the same shape (see
+// tests/cuda/device_buffers.hpp): Buffer<T>(vector) stages the vector, span() is what the
+// communicator sees, fetch() brings the result back into the vector.
+struct HostBuffers {
+  template <class T>
+  class Buffer {
+   public:
+    explicit Buffer(std::vector<T>& host) : host_(host) {}
+    std::span<T> span() { return host_; }
+    void fetch() {}
+
+   private:
+    std::vector<T>& host_;
+  };
+};
+
 struct ConformanceOptions {
   std::size_t large_bytes = 64u << 20;  // the ">= 64 MiB" case; 0 skips it
   bool verbose = false;                 // rank 0 prints each section as it starts
 };
 
-template <class Comm>
+template <class Comm, class Memory = HostBuffers>
 class Conformance {
+  template <class T>
+  using Buffer = typename Memory::template Buffer<T>;
+
  public:
   Conformance(Comm& comm, ConformanceOptions options) : c_(comm), o_(options) {}
 
@@ -143,7 +163,9 @@ class Conformance {
   void all_reduce(std::size_t n, ReduceOp op) {
     auto buf = input<T>(n, c_.rank());
     attempt(describe<T>("all_reduce", n, std::string(to_string(op))), [&] {
-      c_.all_reduce(std::span<T>(buf), op);
+      Buffer<T> staged(buf);
+      c_.all_reduce(staged.span(), op);
+      staged.fetch();
       for (std::size_t i = 0; i < n; ++i)
         if (!close<T>(as_double(buf[i]), expected_reduce<T>(op, i), op))
           return mismatch(i, as_double(buf[i]), expected_reduce<T>(op, i));
@@ -158,7 +180,9 @@ class Conformance {
     for (int r = 0; r < c_.size(); ++r) want += 40000.0 + 1000.0 * r;
     want /= c_.size();
     attempt("all_reduce(float16 x 8, avg) of values near 65504", [&] {
-      c_.all_reduce(std::span<Half>(buf), ReduceOp::Avg);
+      Buffer<Half> staged(buf);
+      c_.all_reduce(staged.span(), ReduceOp::Avg);
+      staged.fetch();
       const double got = static_cast<float>(buf[7]);
       if (!(std::abs(got - want) <= 4e-3 * want)) return mismatch(7, got, want);
       return std::string();
@@ -169,7 +193,9 @@ class Conformance {
   void broadcast(std::size_t n, int root) {
     auto buf = input<T>(n, c_.rank());
     attempt(describe<T>("broadcast", n, "root " + std::to_string(root)), [&] {
-      c_.broadcast(std::span<T>(buf), root);
+      Buffer<T> staged(buf);
+      c_.broadcast(staged.span(), root);
+      staged.fetch();
       for (std::size_t i = 0; i < n; ++i)
         if (as_double(buf[i]) != value(root, i)) return mismatch(i, as_double(buf[i]), value(root, i));
       return std::string();
@@ -178,10 +204,12 @@ class Conformance {
 
   template <class T>
   void all_gather(std::size_t n) {
-    const auto in = input<T>(n, c_.rank());
+    auto in = input<T>(n, c_.rank());
     std::vector<T> out(n * static_cast<std::size_t>(c_.size()), make<T>(99));
     attempt(describe<T>("all_gather", n, "rank order"), [&] {
-      c_.all_gather(std::span<const T>(in), std::span<T>(out));
+      Buffer<T> staged_in(in), staged_out(out);
+      c_.all_gather(std::span<const T>(staged_in.span()), staged_out.span());
+      staged_out.fetch();
       for (int r = 0; r < c_.size(); ++r)
         for (std::size_t i = 0; i < n; ++i)
           if (as_double(out[r * n + i]) != value(r, i))
@@ -193,10 +221,12 @@ class Conformance {
   // Input of size p*n; rank r's shard is elements [r n, (r+1) n) reduced over ranks.
   template <class T>
   void reduce_scatter(std::size_t n, ReduceOp op) {
-    const auto in = input<T>(n * static_cast<std::size_t>(c_.size()), c_.rank());
+    auto in = input<T>(n * static_cast<std::size_t>(c_.size()), c_.rank());
     std::vector<T> out(n, make<T>(99));
     attempt(describe<T>("reduce_scatter", n, std::string(to_string(op)) + ", shard per rank"), [&] {
-      c_.reduce_scatter(std::span<const T>(in), std::span<T>(out), op);
+      Buffer<T> staged_in(in), staged_out(out);
+      c_.reduce_scatter(std::span<const T>(staged_in.span()), staged_out.span(), op);
+      staged_out.fetch();
       const std::size_t base = static_cast<std::size_t>(c_.rank()) * n;
       for (std::size_t i = 0; i < n; ++i)
         if (!close<T>(as_double(out[i]), expected_reduce<T>(op, base + i), op))
@@ -211,12 +241,14 @@ class Conformance {
   void ring(std::size_t n) {
     const int p = c_.size(), r = c_.rank();
     const int right = (r + 1) % p, left = (r + p - 1) % p;
-    const auto out = input<T>(n, r);
+    auto out = input<T>(n, r);
     std::vector<T> in(n, make<T>(99));
     attempt(describe<T>("ring send/recv", n, "right/left"), [&] {
-      Work sent = c_.send_async(std::span<const T>(out), right);
-      c_.recv(std::span<T>(in), left);
+      Buffer<T> staged_out(out), staged_in(in);
+      Work sent = c_.send_async(std::span<const T>(staged_out.span()), right);
+      c_.recv(staged_in.span(), left);
       sent.wait();
+      staged_in.fetch();
       for (std::size_t i = 0; i < n; ++i)
         if (as_double(in[i]) != value(left, i)) return mismatch(i, as_double(in[i]), value(left, i));
       return std::string();
@@ -229,15 +261,17 @@ class Conformance {
   void ring_receive_posted_first(std::size_t n) {
     const int p = c_.size(), r = c_.rank();
     const int right = (r + 1) % p, left = (r + p - 1) % p;
-    const auto out = input<T>(n, r);
+    auto out = input<T>(n, r);
     std::vector<T> in(n, make<T>(99));
     attempt(describe<T>("recv_async, then blocking send, ring", n, "polled"), [&] {
-      Work received = c_.recv_async(std::span<T>(in), left);
-      c_.send(std::span<const T>(out), right);
+      Buffer<T> staged_out(out), staged_in(in);
+      Work received = c_.recv_async(staged_in.span(), left);
+      c_.send(std::span<const T>(staged_out.span()), right);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
       while (!received.is_completed())
         if (std::chrono::steady_clock::now() > deadline) return std::string("is_completed() never became true");
       received.wait();
+      staged_in.fetch();
       for (std::size_t i = 0; i < n; ++i)
         if (as_double(in[i]) != value(left, i)) return mismatch(i, as_double(in[i]), value(left, i));
       return std::string();
@@ -250,16 +284,18 @@ class Conformance {
     const int r = c_.rank();
     const int peer = r % 2 == 0 ? r + 1 : r - 1;
     if (peer >= c_.size()) return;
-    const auto out = input<T>(n, r);
+    auto out = input<T>(n, r);
     std::vector<T> in(n);
     attempt(describe<T>("blocking send/recv", n, "pairs"), [&] {
+      Buffer<T> staged_out(out), staged_in(in);
       if (r % 2 == 0) {
-        c_.send(std::span<const T>(out), peer);
-        c_.recv(std::span<T>(in), peer);
+        c_.send(std::span<const T>(staged_out.span()), peer);
+        c_.recv(staged_in.span(), peer);
       } else {
-        c_.recv(std::span<T>(in), peer);
-        c_.send(std::span<const T>(out), peer);
+        c_.recv(staged_in.span(), peer);
+        c_.send(std::span<const T>(staged_out.span()), peer);
       }
+      staged_in.fetch();
       for (std::size_t i = 0; i < n; ++i)
         if (as_double(in[i]) != value(peer, i)) return mismatch(i, as_double(in[i]), value(peer, i));
       return std::string();
@@ -270,16 +306,22 @@ class Conformance {
   // before either finished; then the result of each must be right.
   void async_overlap() {
     auto a = input<float>(100000, c_.rank());
-    const auto g_in = input<double>(333, c_.rank());
+    auto g_in = input<double>(333, c_.rank());
     std::vector<double> g_out(333 * static_cast<std::size_t>(c_.size()));
     auto b = input<std::int32_t>(17, c_.rank());
     attempt("async all_reduce + all_gather + broadcast in flight together", [&] {
-      Work w1 = c_.all_reduce_async(std::span<float>(a), ReduceOp::Sum);
-      Work w2 = c_.all_gather_async(std::span<const double>(g_in), std::span<double>(g_out));
-      Work w3 = c_.broadcast_async(std::span<std::int32_t>(b), c_.size() - 1);
+      Buffer<float> staged_a(a);
+      Buffer<double> staged_g_in(g_in), staged_g_out(g_out);
+      Buffer<std::int32_t> staged_b(b);
+      Work w1 = c_.all_reduce_async(staged_a.span(), ReduceOp::Sum);
+      Work w2 = c_.all_gather_async(std::span<const double>(staged_g_in.span()), staged_g_out.span());
+      Work w3 = c_.broadcast_async(staged_b.span(), c_.size() - 1);
       w2.wait();
       w1.wait();
       w3.wait();
+      staged_a.fetch();
+      staged_g_out.fetch();
+      staged_b.fetch();
       if (!w1.is_completed() || !w2.is_completed()) return std::string("is_completed() false after wait()");
       for (std::size_t i = 0; i < a.size(); ++i)
         if (a[i] != expected_reduce<float>(ReduceOp::Sum, i)) return "all_reduce: " + mismatch(i, a[i], expected_reduce<float>(ReduceOp::Sum, i));
@@ -293,11 +335,13 @@ class Conformance {
     // Polling until done must terminate (the completion test works without wait()).
     auto d = input<double>(1000, c_.rank());
     attempt("async all_reduce completed by polling is_completed()", [&] {
-      Work w = c_.all_reduce_async(std::span<double>(d), ReduceOp::Max);
+      Buffer<double> staged(d);
+      Work w = c_.all_reduce_async(staged.span(), ReduceOp::Max);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
       while (!w.is_completed())
         if (std::chrono::steady_clock::now() > deadline) return std::string("is_completed() never became true");
       w.wait();
+      staged.fetch();
       for (std::size_t i = 0; i < d.size(); ++i)
         if (d[i] != expected_reduce<double>(ReduceOp::Max, i)) return mismatch(i, d[i], expected_reduce<double>(ReduceOp::Max, i));
       return std::string();
@@ -319,19 +363,25 @@ class Conformance {
                std::to_string(want_rank) + "/" + std::to_string(members.size());
       if (r % 2 == 0) {
         std::vector<double> v(5000, r);
-        sub.all_reduce(std::span<double>(v), ReduceOp::Sum);
+        Buffer<double> staged(v);
+        sub.all_reduce(staged.span(), ReduceOp::Sum);
+        staged.fetch();
         double want = 0;
         for (int q : members) want += q;
         if (v[4999] != want) return mismatch(4999, v[4999], want) + " (even group all_reduce)";
       } else {
-        const std::vector<std::int64_t> in(3, r);
+        std::vector<std::int64_t> in(3, r);
         std::vector<std::int64_t> out(3 * members.size());
-        sub.all_gather(std::span<const std::int64_t>(in), std::span<std::int64_t>(out));
+        Buffer<std::int64_t> staged_in(in), staged_out(out);
+        sub.all_gather(std::span<const std::int64_t>(staged_in.span()), staged_out.span());
+        staged_out.fetch();
         for (std::size_t k = 0; k < members.size(); ++k)
           if (out[3 * k] != members[k]) return mismatch(3 * k, out[3 * k], members[k]) + " (odd group all_gather)";
       }
       std::vector<float> after(3, 1.0f);
-      c_.all_reduce(std::span<float>(after), ReduceOp::Sum);
+      Buffer<float> staged_after(after);
+      c_.all_reduce(staged_after.span(), ReduceOp::Sum);
+      staged_after.fetch();
       if (after[0] != p) return mismatch(0, after[0], p) + " (parent all_reduce after split)";
       return std::string();
     });

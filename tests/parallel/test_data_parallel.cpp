@@ -278,10 +278,10 @@ TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small"
     const int n = static_cast<int>(dp.parameters().parameters.size());
     REQUIRE(!buckets.empty());
     CHECK(buckets.front().params.front() == n - 1);  // the last layer's bias first
-    CHECK(buckets.front().flat.size() * sizeof(double) <= 8 * 1024);
+    CHECK(static_cast<std::size_t>(buckets.front().flat.numel()) * sizeof(double) <= 8 * 1024);
     int expected = n - 1, total = 0;
     for (const auto& b : buckets) {
-      CHECK((b.flat.size() * sizeof(double) <= 100 * 1024 || b.params.size() == 1));
+      CHECK((static_cast<std::size_t>(b.flat.numel()) * sizeof(double) <= 100 * 1024 || b.params.size() == 1));
       for (int i : b.params) CHECK(i == expected--);
       total += static_cast<int>(b.params.size());
     }

@@ -7,13 +7,16 @@
 
 namespace tessera {
 
-// A device: raw memory plus synchronization. Cpu is one; Cuda (later) another.
+// A device: raw memory, copies to and from the host, synchronization. Cpu and Cuda.
 template <class D>
 concept Device = requires(void* dst, const void* src, std::size_t n) {
   { D::allocate(n) } -> std::same_as<void*>;
   D::deallocate(dst, n);
   D::copy(dst, src, n);
+  D::copy_to_device(dst, src, n);
+  D::copy_to_host(dst, src, n);
   D::synchronize();
+  { D::host_accessible } -> std::convertible_to<bool>;
 };
 
 enum class Mode { Train, Eval };

@@ -24,14 +24,30 @@ std::int64_t fan(const Tensor<S, D>& w, FanMode mode) {
   return (mode == FanMode::FanIn ? w.dim(1) : w.dim(0)) * receptive;
 }
 
+namespace detail {
+// Draws on the host in element order (so a seed gives the same values on every device), then
+// copies to the device when it is not the host.
+template <class S, class D, class Draw>
+void fill_from_host(Tensor<S, D>& t, Draw draw) {
+  if constexpr (D::host_accessible) {
+    for (auto& v : t) v = static_cast<S>(draw());
+  } else {
+    Tensor<S, Cpu> host(t.shape());
+    for (auto& v : host) v = static_cast<S>(draw());
+    D::copy_to_device(t.data(), host.data(), host.bytes());
+    D::synchronize();
+  }
+}
+}  // namespace detail
+
 template <class S, class D>
 void uniform_(Tensor<S, D>& t, double lo, double hi, Rng& rng) {
-  for (auto& v : t) v = static_cast<S>(rng.uniform(lo, hi));
+  detail::fill_from_host(t, [&] { return rng.uniform(lo, hi); });
 }
 
 template <class S, class D>
 void normal_(Tensor<S, D>& t, double mean, double stddev, Rng& rng) {
-  for (auto& v : t) v = static_cast<S>(rng.normal(mean, stddev));
+  detail::fill_from_host(t, [&] { return rng.normal(mean, stddev); });
 }
 
 // He initialization for layers followed by ReLU: std = sqrt(2 / fan).

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
+#include <type_traits>
 #include <span>
 #include <utility>
 
@@ -35,7 +37,7 @@ class Tensor {
     TESSERA_CHECK(static_cast<std::int64_t>(values.size()) == shape.numel(), ShapeError,
                   "Tensor::from: ", values.size(), " values for shape ", shape);
     Tensor t(shape);
-    std::copy(values.begin(), values.end(), t.data());
+    D::copy_to_device(t.data(), std::data(values), t.bytes());
     return t;
   }
 
@@ -98,9 +100,15 @@ class Tensor {
   const S* begin() const { return data_; }
   const S* end() const { return data_ + numel(); }
 
-  // Flat element access (row-major index).
-  S& operator[](std::int64_t i) { return data_[i]; }
-  const S& operator[](std::int64_t i) const { return data_[i]; }
+  // Flat element access (row-major index). Host memory only: a GPU tensor goes through to_host.
+  S& operator[](std::int64_t i) {
+    static_assert(D::host_accessible, "Tensor::operator[] on device memory: copy it with to_host() first");
+    return data_[i];
+  }
+  const S& operator[](std::int64_t i) const {
+    static_assert(D::host_accessible, "Tensor::operator[] on device memory: copy it with to_host() first");
+    return data_[i];
+  }
 
   // Multi-index access, bounds-checked in rank only: t.at(n, c, h, w).
   template <class... I>
@@ -112,12 +120,15 @@ class Tensor {
     return data_[offset(idx...)];
   }
 
-  void fill(S value) { std::fill(begin(), end(), value); }
+  // On a GPU, a kernel on the device's stream (fill_elements is found by argument-dependent
+  // lookup: the device's kernel header must be included where this is instantiated).
+  void fill(S value) { fill_elements(D{}, data_, numel(), value); }
   void zero() { fill(S(0)); }
 
-  // Converts element type (e.g. float64 reference data to float32).
+  // Converts element type (e.g. float64 reference data to float32). Host memory only.
   template <class T>
   Tensor<T, D> cast() const {
+    static_assert(D::host_accessible, "Tensor::cast on device memory: cast on the host (to_host) and copy back");
     Tensor<T, D> out(shape_);
     for (std::int64_t i = 0; i < numel(); ++i) out[i] = static_cast<T>(data_[i]);
     return out;
@@ -138,5 +149,30 @@ class Tensor {
   std::size_t capacity_ = 0;
   Shape shape_{0};  // a default tensor is empty (shape (0)), not a rank-0 scalar with no storage
 };
+
+// Transfers between host memory and device D; each returns when the copy is complete (a GPU
+// synchronizes its stream), so the result may be used at once.
+template <class S, class D>
+Tensor<S, Cpu> to_host(const Tensor<S, D>& src) {
+  if constexpr (std::is_same_v<D, Cpu>) {
+    return src;
+  } else {
+    Tensor<S, Cpu> out(src.shape());
+    D::copy_to_host(out.data(), src.data(), src.bytes());
+    D::synchronize();
+    return out;
+  }
+}
+template <class D, class S>
+Tensor<S, D> to_device(const Tensor<S, Cpu>& src) {
+  if constexpr (std::is_same_v<D, Cpu>) {
+    return src;
+  } else {
+    Tensor<S, D> out(src.shape());
+    D::copy_to_device(out.data(), src.data(), src.bytes());
+    D::synchronize();
+    return out;
+  }
+}
 
 }  // namespace tessera

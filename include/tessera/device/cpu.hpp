@@ -2,10 +2,13 @@
 // OpenMP threads (Eigen's matrix products use the same OpenMP team), settable at run time.
 //
 // Contract (the Device concept): allocate/deallocate raw bytes, copy between two buffers of this
-// device, synchronize() returns when all work on the device is done (on the CPU it always is).
+// device, copy_to_device/copy_to_host between it and ordinary host memory (plain copies here;
+// asynchronous on a GPU), synchronize() returns when all work on the device is done (on the CPU
+// it always is). host_accessible says whether the host may dereference the device's pointers.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string_view>
 
@@ -19,6 +22,7 @@ namespace tessera {
 
 struct Cpu {
   static constexpr std::string_view name = "cpu";
+  static constexpr bool host_accessible = true;
 
   // Deliberately never destroyed (as PyTorch's allocators): tensors with static or thread
   // storage may be freed after every function-local static is gone.
@@ -31,6 +35,8 @@ struct Cpu {
   static void copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes) std::memcpy(dst, src, bytes);
   }
+  static void copy_to_device(void* dst, const void* host, std::size_t bytes) { copy(dst, host, bytes); }
+  static void copy_to_host(void* host, const void* src, std::size_t bytes) { copy(host, src, bytes); }
   static void synchronize() {}
 
   // Threads used by kernels from now on; n <= 0 means "all cores" (OpenMP's default).
@@ -64,5 +70,13 @@ struct Cpu {
 #endif
   }
 };
+
+// The one kernel every device must have: Tensor::fill goes through it (a GPU launches a kernel).
+// Large fills (a ResNet-50's gradients: 25M elements) are split over the OpenMP team.
+template <class S>
+void fill_elements(Cpu, S* p, std::int64_t n, S value) {
+#pragma omp parallel for simd schedule(static) if (n >= (1 << 15))
+  for (std::int64_t i = 0; i < n; ++i) p[i] = value;
+}
 
 }  // namespace tessera

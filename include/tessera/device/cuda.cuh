@@ -24,12 +24,16 @@
 #include <cudnn.h>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 
+#include "tessera/comm/local.hpp"
 #include "tessera/core/allocator.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 
 namespace tessera {
@@ -80,9 +84,18 @@ struct CudaMemory {
 
 using CudaCachingAllocator = BasicCachingAllocator<CudaMemory>;
 
+// The precision of the GPU's matrix products and convolutions (storage stays Env's Scalar):
+// Float32 computes in fp32 (no TF32); Float16 and BFloat16 let cuBLAS round the fp32 inputs of
+// every product to fp16 / bf16 on tensor cores, accumulating in fp32 (CUBLAS_COMPUTE_32F_FAST_16F
+// / _16BF), and let cuDNN's convolutions do the same (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; its
+// legacy API converts to fp16 in both cases). Pair with GradScaler (train/grad_scaler.hpp).
+enum class MathPrecision { Float32, Float16, BFloat16 };
+
 class Cuda {
  public:
   static constexpr int kMaxDevices = 64;
+  static constexpr std::string_view name = "cuda";
+  static constexpr bool host_accessible = false;  // device pointers: the host copies, never reads
 
   // Devices this process can see; 0 when there is no GPU or no driver (never throws, so a
   // program can decide to skip or fall back).
@@ -128,12 +141,20 @@ class Cuda {
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream()));
   }
 
+  // Process-wide, read at each product (convolution plans are cached per precision).
+  static void set_math_precision(MathPrecision p) { precision_slot().store(p); }
+  static MathPrecision math_precision() { return precision_slot().load(); }
+
   static cudaStream_t stream() { return state().stream; }
   static cublasHandle_t cublas() { return state().cublas; }
   static cudnnHandle_t cudnn() { return state().cudnn; }
   static CudaCachingAllocator& allocator() { return state().allocator; }
 
  private:
+  static std::atomic<MathPrecision>& precision_slot() {
+    static std::atomic<MathPrecision> precision{MathPrecision::Float32};
+    return precision;
+  }
   // Everything per device, created on the first use of that device and kept for the process's
   // life (like PyTorch's: freeing CUDA objects during static destruction races the driver).
   struct DeviceState {
@@ -161,6 +182,10 @@ class Cuda {
     return *slot;
   }
 };
+
+// The single-GPU bundles (CudaNccl, for many GPUs, lives with NcclComm).
+using CudaLocal = Env<Cuda, LocalComm, float>;
+using CudaLocal64 = Env<Cuda, LocalComm, double>;
 
 // Page-locked host memory for the data loader's staging buffers: copies from it to the device
 // are asynchronous and run at full bus speed.

@@ -30,7 +30,7 @@
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
-#include "tessera/kernels/cpu/batch_norm.hpp"
+#include "tessera/kernels/batch_norm.hpp"
 
 namespace tessera {
 
@@ -86,7 +86,7 @@ class BatchNorm2d {
       batch_norm_update_running(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, momentum_,
                                 running_mean_.data(), running_var_.data());
     } else {
-      std::copy(running_mean_.begin(), running_mean_.end(), c.mean.begin());
+      D::copy(c.mean.data(), running_mean_.data(), running_mean_.bytes());
       batch_norm_invstd(D{}, channels_, running_var_.data(), eps_, c.invstd.data());
     }
     batch_norm_normalize(D{}, x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
@@ -106,10 +106,7 @@ class BatchNorm2d {
     double* sum_dy_xhat = c.sum2.data();
     batch_norm_backward_local_sums(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), sum_dy,
                                    sum_dy_xhat);
-    for (std::int64_t ch = 0; ch < channels_; ++ch) {
-      weight_.grad[ch] += static_cast<S>(sum_dy_xhat[ch]);
-      bias_.grad[ch] += static_cast<S>(sum_dy[ch]);
-    }
+    batch_norm_accumulate_affine_grads(D{}, channels_, sum_dy, sum_dy_xhat, weight_.grad.data(), bias_.grad.data());
     weight_.grad_ready();
     bias_.grad_ready();
     if (needs_input_grad_) {
@@ -164,20 +161,26 @@ class BatchNorm2d {
 
   // Sums a (C) and b (C) over the group (and the count when count >= 0, returned summed).
   std::int64_t all_reduce_stats(double* a, double* b, std::int64_t count) {
-    stats_buffer_.resize(static_cast<std::size_t>(2 * channels_ + 1));
-    std::copy(a, a + channels_, stats_buffer_.begin());
-    std::copy(b, b + channels_, stats_buffer_.begin() + channels_);
-    stats_buffer_.back() = static_cast<double>(count);
-    stats_all_reduce_(std::span<double>(stats_buffer_.data(), stats_buffer_.size() - (count >= 0 ? 0 : 1)));
-    std::copy_n(stats_buffer_.begin(), channels_, a);
-    std::copy_n(stats_buffer_.begin() + channels_, channels_, b);
-    return static_cast<std::int64_t>(stats_buffer_.back());
+    // One message: [a (C), b (C), count] in device memory (a GPU communicator reduces in place there).
+    const std::size_t bytes = static_cast<std::size_t>(channels_) * sizeof(double);
+    stats_buffer_.resize({2 * channels_ + 1});
+    double* buffer = stats_buffer_.data();
+    D::copy(buffer, a, bytes);
+    D::copy(buffer + channels_, b, bytes);
+    double total = static_cast<double>(count);
+    D::copy_to_device(buffer + 2 * channels_, &total, sizeof(double));
+    stats_all_reduce_(std::span<double>(buffer, static_cast<std::size_t>(2 * channels_ + (count >= 0 ? 1 : 0))));
+    D::copy(a, buffer, bytes);
+    D::copy(b, buffer + channels_, bytes);
+    D::copy_to_host(&total, buffer + 2 * channels_, sizeof(double));
+    D::synchronize();
+    return static_cast<std::int64_t>(total);
   }
 
   std::int64_t channels_;
   double eps_, momentum_;
   StatsAllReduce stats_all_reduce_;
-  std::vector<double> stats_buffer_;
+  tessera::Tensor<double, D> stats_buffer_;  // all_reduce_stats' message, kept across steps
   Mode mode_ = Mode::Train;
   bool needs_input_grad_ = true;
   Parameter<S, D> weight_, bias_;

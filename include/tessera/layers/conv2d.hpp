@@ -21,7 +21,7 @@
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/scratch.hpp"
 #include "tessera/core/tensor.hpp"
-#include "tessera/kernels/cpu/conv2d.hpp"
+#include "tessera/kernels/conv2d.hpp"
 
 namespace tessera {
 
@@ -74,7 +74,7 @@ class Conv2d {
     c.y.resize({x.dim(0), o_.out_channels, g.out_height, g.out_width});
     const Conv2dBlocking b = blocking(g, x.dim(0));
     conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), o_.bias ? bias_.value.data() : nullptr,
-                   c.y.data(), scratch<S, D>(b.workspace_elements(g, false)));
+                   c.y.data(), scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0));
     return c.y;
   }
 
@@ -95,7 +95,8 @@ class Conv2d {
     if (needs_input_grad_) c.dx.resize(x.shape());
     const Conv2dBlocking b = blocking(g, n);
     conv2d_backward(D{}, g, b, n, x.data(), weight_.value.data(), dy.data(), weight_.grad.data(),
-                    needs_input_grad_ ? c.dx.data() : nullptr, scratch<S, D>(b.workspace_elements(g, true)));
+                    needs_input_grad_ ? c.dx.data() : nullptr,
+                    scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
     weight_.grad_ready();
     return c.dx;
   }

@@ -11,7 +11,8 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/init.hpp"
 #include "tessera/core/parameter.hpp"
-#include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/elementwise.hpp"
+#include "tessera/kernels/gemm.hpp"
 
 namespace tessera {
 
@@ -24,9 +25,7 @@ void linear_parameter_grads(const S* dy, const S* x, std::int64_t n, std::int64_
   gemm(D{}, true, false, out, in, n, S(1), dy, out, x, in, S(1), weight.grad.data(), in);
   weight.grad_ready();
   if (bias == nullptr) return;
-  S* db = bias->grad.data();
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t o = 0; o < out; ++o) db[o] += dy[i * out + o];
+  add_column_sums(D{}, dy, n, out, bias->grad.data());
   bias->grad_ready();
 }
 }  // namespace detail
@@ -58,9 +57,7 @@ class Linear {
     const auto n = x.dim(0);
     c.x = &x;
     c.y.resize({n, out_});
-    if (has_bias_) {
-      for (std::int64_t i = 0; i < n; ++i) std::copy(bias_.value.begin(), bias_.value.end(), c.y.data() + i * out_);
-    }
+    if (has_bias_) broadcast_rows(D{}, bias_.value.data(), n, out_, c.y.data());
     gemm(D{}, false, true, n, out_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
          c.y.data(), out_);  // (N, in) x (in, out)
     return c.y;

@@ -14,7 +14,7 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
-#include "tessera/kernels/cpu/pool.hpp"
+#include "tessera/kernels/pool.hpp"
 
 namespace tessera {
 

@@ -14,7 +14,7 @@
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/tensor.hpp"
-#include "tessera/kernels/cpu/elementwise.hpp"
+#include "tessera/kernels/elementwise.hpp"
 
 namespace tessera {
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "tessera/core/tensor.hpp"
+#include "tessera/kernels/loss.hpp"
 #include "tessera/losses/reduction.hpp"
 
 namespace tessera {
@@ -31,7 +32,7 @@ class CrossEntropyLoss {
   struct Cache {
     Tensor probs;                      // (N, C) softmax of the logits
     Tensor dlogits;                    // (N, C) dL/dlogits, filled by backward
-    std::vector<std::int64_t> labels;  // (N) copy of the labels (capacity kept across steps)
+    tessera::Tensor<std::int64_t, D> labels;  // (N) the labels, on the device (capacity kept across steps)
   };
 
   explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean, double label_smoothing = 0.0)
@@ -49,47 +50,21 @@ class CrossEntropyLoss {
     for (std::size_t i = 0; i < labels.size(); ++i)
       TESSERA_CHECK(labels[i] >= 0 && labels[i] < classes, ArgumentError, name(), ": labels[", i, "] = ", labels[i],
                     " is out of range [0, ", classes, ")");
-    c.labels.assign(labels.begin(), labels.end());
+    c.labels.resize({n});
+    D::copy_to_device(c.labels.data(), labels.data(), labels.size_bytes());
     c.probs.resize(logits.shape());
-    const double eps = smoothing_;
-    double total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total) if (n * classes >= (1 << 15))
-    for (std::int64_t i = 0; i < n; ++i) {
-      const S* z = logits.data() + i * classes;
-      S* p = c.probs.data() + i * classes;
-      S zmax = z[0];
-      for (std::int64_t j = 1; j < classes; ++j) zmax = z[j] > zmax ? z[j] : zmax;
-      double sum_exp = 0, sum_z = 0;
-      for (std::int64_t j = 0; j < classes; ++j) {
-        p[j] = std::exp(z[j] - zmax);
-        sum_exp += p[j];
-        sum_z += z[j];
-      }
-      const double lse = static_cast<double>(zmax) + std::log(sum_exp);
-      const S inv = static_cast<S>(1.0 / sum_exp);
-      for (std::int64_t j = 0; j < classes; ++j) p[j] *= inv;
-      // -sum_j t_j log p_j with log p_j = z_j - lse.
-      const double nll = lse - static_cast<double>(z[c.labels[static_cast<std::size_t>(i)]]);
-      const double uniform = lse - sum_z / static_cast<double>(classes);
-      total += (1.0 - eps) * nll + eps * uniform;
-    }
+    const double total = softmax_cross_entropy_forward(D{}, logits.data(), c.labels.data(), n, classes, smoothing_,
+                                                       c.probs.data());
     return static_cast<S>(reduction_ == Reduction::Mean ? total / static_cast<double>(n) : total);
   }
 
   const Tensor& backward(Cache& c) {
     TESSERA_CHECK(c.probs.rank() == 2, Error, name(), "::backward called before forward on this cache");
     const std::int64_t n = c.probs.dim(0), classes = c.probs.dim(1);
-    const S scale = reduction_ == Reduction::Mean ? static_cast<S>(1.0 / static_cast<double>(n)) : S(1);
-    const S off = static_cast<S>(smoothing_ / static_cast<double>(classes));
-    const S on = static_cast<S>(1.0 - smoothing_);
+    const double scale = reduction_ == Reduction::Mean ? 1.0 / static_cast<double>(n) : 1.0;
     c.dlogits.resize(c.probs.shape());
-#pragma omp parallel for schedule(static) if (n * classes >= (1 << 15))
-    for (std::int64_t i = 0; i < n; ++i) {
-      const S* p = c.probs.data() + i * classes;
-      S* g = c.dlogits.data() + i * classes;
-      for (std::int64_t j = 0; j < classes; ++j) g[j] = (p[j] - off) * scale;
-      g[c.labels[static_cast<std::size_t>(i)]] -= on * scale;
-    }
+    softmax_cross_entropy_backward(D{}, c.probs.data(), c.labels.data(), n, classes, smoothing_, scale,
+                                   c.dlogits.data());
     return c.dlogits;
   }
 
@@ -111,6 +86,9 @@ std::int64_t count_correct(const Tensor<S, D>& logits, std::span<const std::int6
   TESSERA_CHECK(logits.rank() == 2 && static_cast<std::int64_t>(labels.size()) == logits.dim(0), ShapeError,
                 "count_correct: expected logits (N, C) and N labels, got logits ", logits.shape(), " and ",
                 labels.size(), " labels");
+  if constexpr (!D::host_accessible) {
+    return count_correct(to_host(logits), labels);  // a (N, C) copy: small next to the step
+  }
   const std::int64_t n = logits.dim(0), classes = logits.dim(1);
   std::int64_t hits = 0;
   for (std::int64_t i = 0; i < n; ++i) {

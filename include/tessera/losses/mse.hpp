@@ -12,6 +12,8 @@
 #include <string>
 
 #include "tessera/core/tensor.hpp"
+#include "tessera/kernels/elementwise.hpp"
+#include "tessera/kernels/loss.hpp"
 #include "tessera/losses/reduction.hpp"
 
 namespace tessera {
@@ -35,15 +37,7 @@ class MseLoss {
                   "): prediction ", y.shape(), " and target ", target.shape(), " must have the same shape");
     const std::int64_t n = y.numel();
     c.diff.resize(y.shape());
-    const S* a = y.data();
-    const S* b = target.data();
-    S* d = c.diff.data();
-    double total = 0;
-#pragma omp parallel for simd schedule(static) reduction(+ : total) if (n >= (1 << 15))
-    for (std::int64_t i = 0; i < n; ++i) {
-      d[i] = a[i] - b[i];
-      total += static_cast<double>(d[i]) * static_cast<double>(d[i]);
-    }
+    const double total = squared_error_forward(D{}, y.data(), target.data(), n, c.diff.data());
     return static_cast<S>(reduction_ == Reduction::Mean && n > 0 ? total / static_cast<double>(n) : total);
   }
 
@@ -51,10 +45,7 @@ class MseLoss {
     const std::int64_t n = c.diff.numel();
     const S scale = static_cast<S>(reduction_ == Reduction::Mean && n > 0 ? 2.0 / static_cast<double>(n) : 2.0);
     c.dy.resize(c.diff.shape());
-    const S* d = c.diff.data();
-    S* g = c.dy.data();
-#pragma omp parallel for simd schedule(static) if (n >= (1 << 15))
-    for (std::int64_t i = 0; i < n; ++i) g[i] = scale * d[i];
+    scale_elements(D{}, c.diff.data(), n, scale, c.dy.data());
     return c.dy;
   }
 

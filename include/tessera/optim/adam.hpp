@@ -178,3 +178,7 @@ template <class E>
 using AdamW = BasicAdam<E, AdamDecay::Decoupled>;
 
 }  // namespace tessera
+
+#if defined(__CUDACC__)
+#include "tessera/kernels/cuda/adam.cuh"  // the Cuda overload of adam_update
+#endif

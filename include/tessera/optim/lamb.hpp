@@ -34,6 +34,25 @@ struct LambOptions {
   bool adapt_norm_and_bias = false;
 };
 
+// One LAMB step's two passes on n elements (see the header): the moments and the raw update
+// r = m^ / (sqrt(v^) + eps) + wd w, then w -= step r once the trust ratio is known.
+template <class S>
+struct LambCoefficients {
+  S b1, b2, inv_c1, inv_c2, eps, wd;
+};
+template <class S>
+void lamb_moments(Cpu, std::int64_t n, const S* w, const S* g, S* m, S* v, S* r, LambCoefficients<S> c) {
+  detail::for_each_element(n, [=](std::int64_t k) {
+    m[k] = c.b1 * m[k] + (S(1) - c.b1) * g[k];
+    v[k] = c.b2 * v[k] + (S(1) - c.b2) * g[k] * g[k];
+    r[k] = (m[k] * c.inv_c1) / (std::sqrt(v[k] * c.inv_c2) + c.eps) + c.wd * w[k];
+  });
+}
+template <class S>
+void lamb_apply(Cpu, std::int64_t n, S* w, const S* r, S step) {
+  detail::for_each_element(n, [=](std::int64_t k) { w[k] -= step * r[k]; });
+}
+
 template <class E>
 class Lamb {
  public:
@@ -62,23 +81,16 @@ class Lamb {
       const S b1 = S(o_.beta1), b2 = S(o_.beta2), inv_c1 = S(1.0 / c1), inv_c2 = S(1.0 / c2), eps = S(o_.eps),
               wd = S(adapt ? o_.weight_decay : 0.0);
       S* w = p.value.data();
-      const S* g = p.grad.data();
-      S* m = exp_avg_[i].data();
-      S* v = exp_avg_sq_[i].data();
       S* r = update_[i].data();
       // First pass: moments and the raw update r; second: the trust-scaled step.
-      detail::for_each_element(n, [=](std::int64_t k) {
-        m[k] = b1 * m[k] + (S(1) - b1) * g[k];
-        v[k] = b2 * v[k] + (S(1) - b2) * g[k] * g[k];
-        r[k] = (m[k] * inv_c1) / (std::sqrt(v[k] * inv_c2) + eps) + wd * w[k];
-      });
+      lamb_moments(D{}, n, w, p.grad.data(), exp_avg_[i].data(), exp_avg_sq_[i].data(), r,
+                   LambCoefficients<S>{b1, b2, inv_c1, inv_c2, eps, wd});
       double trust = 1.0;
       if (adapt) {
-        const double w_norm = detail::l2_norm(w, n), r_norm = detail::l2_norm(r, n);
+        const double w_norm = l2_norm(D{}, w, n), r_norm = l2_norm(D{}, r, n);
         if (w_norm > 0 && r_norm > 0) trust = w_norm / r_norm;
       }
-      const S step = S(o_.lr * trust);
-      detail::for_each_element(n, [=](std::int64_t k) { w[k] -= step * r[k]; });
+      lamb_apply(D{}, n, w, r, S(o_.lr * trust));
       last_trust_[i] = trust;
     }
   }
@@ -124,3 +136,7 @@ class Lamb {
 };
 
 }  // namespace tessera
+
+#if defined(__CUDACC__)
+#include "tessera/kernels/cuda/lamb.cuh"  // the Cuda overloads of lamb_moments and lamb_apply
+#endif

@@ -33,16 +33,23 @@ struct LarsOptions {
   bool adapt_norm_and_bias = false;
 };
 
-namespace detail {
-// ||x||_2 in double, over OpenMP threads for large tensors.
+// ||x||_2 in double, over OpenMP threads for large tensors (the GPU's is in kernels/cuda/lars.cuh).
 template <class S>
-double l2_norm(const S* x, std::int64_t n) {
+double l2_norm(Cpu, const S* x, std::int64_t n) {
   double sum = 0;
-#pragma omp parallel for reduction(+ : sum) schedule(static) if (n >= kOptimParallelElements)
+#pragma omp parallel for reduction(+ : sum) schedule(static) if (n >= detail::kOptimParallelElements)
   for (std::int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
   return std::sqrt(sum);
 }
-}  // namespace detail
+
+// One LARS step on n elements: v = m v + lr_scaled (g + wd w);  w -= v.
+template <class S>
+void lars_update(Cpu, std::int64_t n, S* w, const S* g, S* v, S scaled_lr, S m, S decay) {
+  detail::for_each_element(n, [=](std::int64_t k) {
+    v[k] = m * v[k] + scaled_lr * (g[k] + decay * w[k]);
+    w[k] -= v[k];
+  });
+}
 
 template <class E>
 class Lars {
@@ -69,17 +76,10 @@ class Lars {
       const double wd = adapt ? o_.weight_decay : 0.0;
       double trust = 1.0;
       if (adapt) {
-        const double w_norm = detail::l2_norm(p.value.data(), n), g_norm = detail::l2_norm(p.grad.data(), n);
+        const double w_norm = l2_norm(D{}, p.value.data(), n), g_norm = l2_norm(D{}, p.grad.data(), n);
         if (w_norm > 0 && g_norm > 0) trust = o_.eta * w_norm / (g_norm + wd * w_norm + o_.eps);
       }
-      const S scaled_lr = S(o_.lr * trust), m = S(o_.momentum), decay = S(wd);
-      S* w = p.value.data();
-      const S* g = p.grad.data();
-      S* v = momentum_[i].data();
-      detail::for_each_element(n, [=](std::int64_t k) {
-        v[k] = m * v[k] + scaled_lr * (g[k] + decay * w[k]);
-        w[k] -= v[k];
-      });
+      lars_update(D{}, n, p.value.data(), p.grad.data(), momentum_[i].data(), S(o_.lr * trust), S(o_.momentum), S(wd));
       last_trust_[i] = trust;
     }
     ++steps_;
@@ -118,3 +118,7 @@ class Lars {
 };
 
 }  // namespace tessera
+
+#if defined(__CUDACC__)
+#include "tessera/kernels/cuda/lars.cuh"  // the Cuda overloads of l2_norm and lars_update
+#endif

@@ -112,10 +112,7 @@ void ensure_state_tensor(Tensor<S, D>& t, const Shape& shape) {
 
 template <class S, class D>
 void zero_grads(std::vector<OptimParam<S, D>>& params) {
-  for (auto& p : params) {
-    S* g = p.param->grad.data();
-    for_each_element(p.param->grad.numel(), [=](std::int64_t i) { g[i] = S(0); });
-  }
+  for (auto& p : params) p.param->grad.zero();
 }
 
 inline void check_lr(double lr, const char* optimizer) {

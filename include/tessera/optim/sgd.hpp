@@ -135,3 +135,7 @@ class Sgd {
 };
 
 }  // namespace tessera
+
+#if defined(__CUDACC__)
+#include "tessera/kernels/cuda/sgd.cuh"  // the Cuda overload of sgd_update
+#endif

@@ -65,6 +65,7 @@
 #include "tessera/core/half.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/elementwise.hpp"
 
 namespace tessera {
 
@@ -90,7 +91,7 @@ class DataParallel {
   struct Bucket {
     std::vector<int> params;           // indices into parameters(), in bucket order
     std::vector<std::int64_t> offset;  // element offset of each in the flat buffer
-    std::vector<S> flat;               // packed gradients, reduced in place (+ the flag, last bucket)
+    Tensor<S, D> flat;                 // packed gradients, reduced in place (+ the flag, last bucket)
     std::size_t elements = 0;          // gradient elements in flat; flat[elements] is the flag
     bool has_flag = false;             // the last bucket carries the step's error flag
     int ready = 0;                     // distinct parameters whose gradient is in this step
@@ -116,6 +117,9 @@ class DataParallel {
     TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "DataParallel: the model has no parameters");
     TESSERA_CHECK(options.topk_ratio > 0 && options.topk_ratio <= 1, ArgumentError, "DataParallel: topk_ratio=",
                   options.topk_ratio, " must lie in (0, 1]");
+    TESSERA_CHECK(D::host_accessible || options.compression == GradientCompression::None, ArgumentError,
+                  "DataParallel: gradient compression (fp16, top-k) packs buckets on the host; on the device '", D::name,
+                  "' use GradientCompression::None");
     if (options.broadcast_at_start) broadcast_from_rank0();
     build_buckets();
     install_hooks();
@@ -171,7 +175,10 @@ class DataParallel {
     const Bucket& last = buckets_.back();
     // A second hook firing after the last bucket went out is known only here, on this rank (a
     // model that uses a layer twice does so on every rank, so every rank throws).
-    if (last.flat[last.elements] != S(0) || !duplicates_.empty()) {
+    S flag = 0;
+    D::copy_to_host(&flag, last.flat.data() + last.elements, sizeof(S));
+    D::synchronize();
+    if (flag != S(0) || !duplicates_.empty()) {
       const std::string local = local_problems();
       reset();
       TESSERA_CHECK(false, ArgumentError, "DataParallel on rank ", comm_.rank(), ": ",
@@ -183,7 +190,7 @@ class DataParallel {
     for (auto& b : buckets_) {
       for (std::size_t k = 0; k < b.params.size(); ++k) {
         auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
-        std::copy_n(b.flat.data() + b.offset[k], g.numel(), g.data());
+        D::copy(g.data(), b.flat.data() + b.offset[k], g.bytes());
       }
       if (options_.compression == GradientCompression::TopK) b.residual.swap(b.next_residual);
     }
@@ -221,14 +228,16 @@ class DataParallel {
         buckets_.emplace_back();
       }
       Bucket& b = buckets_.back();
-      b.offset.push_back(static_cast<std::int64_t>(b.flat.size()));
+      b.offset.push_back(static_cast<std::int64_t>(b.elements));
       b.params.push_back(i);
-      b.flat.resize(b.flat.size() + static_cast<std::size_t>(elements));
-      b.elements = b.flat.size();
+      b.elements += static_cast<std::size_t>(elements);
       bucket_of_[static_cast<std::size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
     }
     buckets_.back().has_flag = true;
-    buckets_.back().flat.push_back(S(0));
+    for (auto& b : buckets_) {  // one allocation per bucket, on the device; the flag slot after the last
+      b.flat.resize({static_cast<std::int64_t>(b.elements + (b.has_flag ? 1 : 0))});
+      b.flat.zero();
+    }
     in_sync_pass_.assign(static_cast<std::size_t>(n), 0);
   }
   static std::size_t bucket_bytes(const Bucket& b) { return b.elements * sizeof(S); }
@@ -277,15 +286,15 @@ class DataParallel {
         const auto p = static_cast<std::size_t>(b.params[k]);
         const auto& g = named_.parameters[p].second->grad;
         S* dst = b.flat.data() + b.offset[k];
-        if (fired_[p] == 0) std::fill_n(dst, g.numel(), S(0));
-        else if (fired_[p] == 1 || !options_.average_micro_steps) std::copy_n(g.data(), g.numel(), dst);
-        else {
-          const S scale = S(1) / static_cast<S>(fired_[p]);
-          for (std::int64_t e = 0; e < g.numel(); ++e) dst[e] = g.data()[e] * scale;
-        }
+        if (fired_[p] == 0) fill_elements(D{}, dst, g.numel(), S(0));
+        else if (fired_[p] == 1 || !options_.average_micro_steps) D::copy(dst, g.data(), g.bytes());
+        else scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(fired_[p]), dst);
       }
       // The last bucket goes out after every parameter's hook, so what this rank knows is final.
-      if (b.has_flag) b.flat[b.elements] = has_local_problem() ? S(1) : S(0);
+      if (b.has_flag) {
+        const S flag = has_local_problem() ? S(1) : S(0);
+        D::copy_to_device(b.flat.data() + b.elements, &flag, sizeof(S));
+      }
       b.launched_at = std::chrono::steady_clock::now();
       compress_and_launch(b);
       b.launched = true;
@@ -323,25 +332,26 @@ class DataParallel {
   void compress_and_launch(Bucket& b) {
     switch (options_.compression) {
       case GradientCompression::None:
-        b.work = comm_.all_reduce_async(std::span<S>(b.flat), ReduceOp::Avg);
+        b.work = comm_.all_reduce_async(b.flat.span(), ReduceOp::Avg);
         break;
       case GradientCompression::Fp16:
-        b.half.resize(b.flat.size());
-        for (std::size_t i = 0; i < b.flat.size(); ++i) b.half[i] = Half(static_cast<float>(b.flat[i]));
+        b.half.resize(static_cast<std::size_t>(b.flat.numel()));
+        for (std::size_t i = 0; i < b.half.size(); ++i) b.half[i] = Half(static_cast<float>(b.flat.data()[i]));
         b.work = comm_.all_reduce_async(std::span<Half>(b.half), ReduceOp::Avg);
         break;
       case GradientCompression::TopK: {
         const std::size_t n = b.elements;
         const std::size_t k = std::min(n, static_cast<std::size_t>(std::ceil(options_.topk_ratio * static_cast<double>(n))));
         b.residual.resize(n, S(0));
-        for (std::size_t i = 0; i < n; ++i) b.flat[i] += b.residual[i];  // corrected gradient
+        S* flat = b.flat.data();
+        for (std::size_t i = 0; i < n; ++i) flat[i] += b.residual[i];  // corrected gradient
         b.order.resize(n);
         for (std::size_t i = 0; i < n; ++i) b.order[i] = static_cast<std::int64_t>(i);
         // The k largest magnitudes, ties broken by index so every run selects the same set. NaN
         // ranks as the largest (and so is sent and shows up in every rank's update) rather than
         // breaking the strict weak order nth_element needs.
         auto magnitude = [&](std::int64_t x) {
-          const S v = b.flat[static_cast<std::size_t>(x)];
+          const S v = flat[x];
           return std::isnan(v) ? std::numeric_limits<S>::infinity() : std::abs(v);
         };
         auto larger = [&](std::int64_t x, std::int64_t y) {
@@ -354,14 +364,14 @@ class DataParallel {
         b.sent_index.assign(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k));
         std::sort(b.sent_index.begin(), b.sent_index.end());
         b.sent_value.resize(sent);
-        b.next_residual.assign(b.flat.begin(), b.flat.begin() + static_cast<std::ptrdiff_t>(n));
+        b.next_residual.assign(flat, flat + n);
         for (std::size_t j = 0; j < k; ++j) {
           const auto i = static_cast<std::size_t>(b.sent_index[j]);
-          b.sent_value[j] = b.flat[i];
+          b.sent_value[j] = flat[i];
           b.next_residual[i] = S(0);  // sent: no error left at this index
         }
         if (b.has_flag) {
-          b.sent_index.push_back(b.flat[n] != S(0) ? 1 : 0);
+          b.sent_index.push_back(flat[n] != S(0) ? 1 : 0);
           b.sent_value[k] = S(0);
         }
         b.all_index.resize(sent * static_cast<std::size_t>(comm_.size()));
@@ -379,20 +389,21 @@ class DataParallel {
       case GradientCompression::None:
         break;
       case GradientCompression::Fp16:
-        for (std::size_t i = 0; i < b.flat.size(); ++i) b.flat[i] = static_cast<S>(static_cast<float>(b.half[i]));
+        for (std::size_t i = 0; i < b.half.size(); ++i) b.flat.data()[i] = static_cast<S>(static_cast<float>(b.half[i]));
         break;
       case GradientCompression::TopK: {
         // Rank r's block of the gathered lists: its k pairs, then (last bucket) its flag.
-        std::fill(b.flat.begin(), b.flat.end(), S(0));
+        S* flat = b.flat.data();
+        std::fill(flat, flat + b.flat.numel(), S(0));
         const std::size_t per_rank = b.all_index.size() / static_cast<std::size_t>(comm_.size());
         const std::size_t k = per_rank - (b.has_flag ? 1 : 0);
         for (std::size_t j = 0; j < b.all_index.size(); ++j) {
           const auto i = static_cast<std::size_t>(b.all_index[j]);
-          if (j % per_rank < k) b.flat[i] += b.all_value[j];
-          else b.flat[b.elements] += static_cast<S>(i);  // a flag, 0 or 1
+          if (j % per_rank < k) flat[i] += b.all_value[j];
+          else flat[b.elements] += static_cast<S>(i);  // a flag, 0 or 1
         }
         const S inv = S(1) / static_cast<S>(comm_.size());
-        for (auto& v : b.flat) v *= inv;
+        for (std::int64_t i = 0; i < b.flat.numel(); ++i) flat[i] *= inv;
         break;
       }
     }

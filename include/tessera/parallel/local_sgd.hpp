@@ -40,7 +40,7 @@ class LocalSgd {
     for (auto& [name, p] : named_.parameters) total += p->value.numel();
     if (options.average_buffers)
       for (auto& [name, t] : named_.buffers) total += t->numel();
-    flat_.resize(static_cast<std::size_t>(total));
+    flat_.resize({total});
   }
 
   // Call after every optimizer step; averages parameters when a period is complete. Returns
@@ -61,12 +61,12 @@ class LocalSgd {
         for (auto& [name, t] : named_.buffers) visit(*t);
     };
     each([&](Tensor<S, D>& t) {
-      std::copy_n(t.data(), t.numel(), flat_.data() + offset);
+      D::copy(flat_.data() + offset, t.data(), t.bytes());
       offset += t.numel();
     });
-    comm_.all_reduce(std::span<S>(flat_), ReduceOp::Avg);
+    comm_.all_reduce(flat_.span(), ReduceOp::Avg);
     each([&](Tensor<S, D>& t) {
-      std::copy_n(flat_.data() + offset, t.numel(), t.data());
+      D::copy(t.data(), flat_.data() + offset, t.bytes());
       offset += t.numel();
     });
   }
@@ -77,7 +77,7 @@ class LocalSgd {
   Comm& comm_;
   LocalSgdOptions options_;
   NamedTensors<S, D> named_;
-  std::vector<S> flat_;
+  Tensor<S, D> flat_;
   std::int64_t steps_ = 0;
 };
 

@@ -52,6 +52,7 @@
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/train/timeline.hpp"
 
@@ -253,7 +254,7 @@ class Pipeline {
       shape[0] = per;
       sl.input.resize(shape);
       const std::int64_t row = x_->numel() / x_->dim(0);
-      std::copy_n(x_->data() + i * per * row, per * row, sl.input.data());
+      D::copy(sl.input.data(), x_->data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
     } else {
       std::array<std::int64_t, 8> header{};
       comm_.recv(std::span<std::int64_t>(header), s - 1);
@@ -284,8 +285,7 @@ class Pipeline {
       // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits).
       const Tensor& g = loss_.backward(loss_caches_[static_cast<std::size_t>(i % slots_)]);
       sl.output_grad.resize(g.shape());
-      const S scale = S(1) / static_cast<S>(m);
-      for (std::int64_t k = 0; k < g.numel(); ++k) sl.output_grad.data()[k] = g.data()[k] * scale;
+      scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(m), sl.output_grad.data());
     } else {
       sl.output_grad.resize(sl.output_shape);
       comm_.recv(std::span<S>(sl.output_grad.data(), static_cast<std::size_t>(sl.output_grad.numel())), s + 1);
@@ -352,8 +352,8 @@ class Pipeline {
       // Measuring runs the model once in its current mode: keep its buffers (BatchNorm running
       // statistics) as they were, so that rank 0 does not start different from the others.
       auto named = named_tensors<S, D>(model_);
-      std::vector<std::vector<S>> saved;
-      for (auto& [name, t] : named.buffers) saved.emplace_back(t->data(), t->data() + t->numel());
+      std::vector<Tensor> saved;  // device copies (Tensor's copy is a device-to-device copy)
+      for (auto& [name, t] : named.buffers) saved.push_back(*t);
       // The fastest of three passes per unit: the first pass also allocates and touches memory.
       typename Model::Cache cache{};
       std::vector<const Tensor*> inputs(units + 1);
@@ -379,7 +379,7 @@ class Pipeline {
       c = best;
       // That backward accumulated into the gradients: leave them zero, and the buffers as before.
       for (auto& [name, p] : named.parameters) p->grad.zero();
-      for (std::size_t k = 0; k < saved.size(); ++k) std::copy(saved[k].begin(), saved[k].end(), named.buffers[k].second->data());
+      for (std::size_t k = 0; k < saved.size(); ++k) *named.buffers[k].second = saved[k];
     } else if (!measured[0]) {
       for (std::size_t u = 0; u < units; ++u) {
         struct Count {

@@ -27,7 +27,8 @@
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
-#include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/elementwise.hpp"
+#include "tessera/kernels/gemm.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/linear.hpp"
 
@@ -35,15 +36,14 @@ namespace tessera {
 
 namespace detail {
 // (p, N, w) blocks, as all_gather lays them out, -> (N, p w) rows; and back.
-template <class S>
+template <class D, class S>
 void blocks_to_rows(const S* blocks, std::int64_t p, std::int64_t n, std::int64_t w, S* rows) {
-  for (std::int64_t r = 0; r < p; ++r)
-    for (std::int64_t i = 0; i < n; ++i) std::copy_n(blocks + (r * n + i) * w, w, rows + i * p * w + r * w);
+  for (std::int64_t r = 0; r < p; ++r) copy_2d(D{}, rows + r * w, p * w, blocks + r * n * w, w, w, n);
 }
 // Columns [r w, (r + 1) w) of (N, p w) rows -> (N, w).
-template <class S>
+template <class D, class S>
 void columns_of(const S* rows, std::int64_t n, std::int64_t total, std::int64_t first, std::int64_t w, S* out) {
-  for (std::int64_t i = 0; i < n; ++i) std::copy_n(rows + i * total + first, w, out + i * w);
+  copy_2d(D{}, out, w, rows + first, total, w, n);
 }
 inline std::int64_t checked_shard(std::int64_t features, int ranks, const char* layer, const char* what) {
   TESSERA_CHECK(features % ranks == 0, ArgumentError, layer, ": ", what, "=", features,
@@ -62,7 +62,7 @@ class ColumnParallelLinear {
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y_local, y, dy_local, dx;
-    std::vector<S> gathered;
+    Tensor gathered;
   };
 
   ColumnParallelLinear(std::int64_t in_features, std::int64_t out_features, Rng& rng, Comm& comm,
@@ -79,10 +79,10 @@ class ColumnParallelLinear {
         has_bias_(dense_bias(dense) != nullptr),
         weight_(Shape{local_, in_}) {
     const std::int64_t first = local_ * comm.rank();
-    std::copy_n(dense.weight().value.data() + first * in_, local_ * in_, weight_.value.data());
+    D::copy(weight_.value.data(), dense.weight().value.data() + first * in_, weight_.value.bytes());
     if (has_bias_) {
       bias_ = Parameter<S, D>(Shape{local_}, ParamKind::Bias);
-      std::copy_n(dense_bias(dense)->data() + first, local_, bias_.value.data());
+      D::copy(bias_.value.data(), dense_bias(dense)->data() + first, bias_.value.bytes());
     }
   }
 
@@ -92,17 +92,15 @@ class ColumnParallelLinear {
     const auto n = x.dim(0);
     c.x = &x;
     c.y_local.resize({n, local_});
-    if (has_bias_)
-      for (std::int64_t i = 0; i < n; ++i) std::copy_n(bias_.value.data(), local_, c.y_local.data() + i * local_);
+    if (has_bias_) broadcast_rows(D{}, bias_.value.data(), n, local_, c.y_local.data());
     gemm(D{}, false, true, n, local_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
          c.y_local.data(), local_);
     if (!gather_output_) return c.y_local;
     const auto p = static_cast<std::int64_t>(comm_->size());
-    c.gathered.resize(static_cast<std::size_t>(p * n * local_));
-    comm_->all_gather(std::span<const S>(c.y_local.data(), static_cast<std::size_t>(n * local_)),
-                      std::span<S>(c.gathered));
+    c.gathered.resize({p * n * local_});
+    comm_->all_gather(std::span<const S>(c.y_local.data(), static_cast<std::size_t>(n * local_)), c.gathered.span());
     c.y.resize({n, out_});
-    detail::blocks_to_rows(c.gathered.data(), p, n, local_, c.y.data());
+    detail::blocks_to_rows<D>(c.gathered.data(), p, n, local_, c.y.data());
     return c.y;
   }
 
@@ -115,7 +113,7 @@ class ColumnParallelLinear {
       TESSERA_CHECK(dy.rank() == 2 && dy.dim(0) == n && dy.dim(1) == out_, ShapeError, "ColumnParallelLinear::backward: dy ",
                     dy.shape(), " is not (", n, ", ", out_, ")");
       c.dy_local.resize({n, local_});
-      detail::columns_of(dy.data(), n, out_, local_ * comm_->rank(), local_, c.dy_local.data());
+      detail::columns_of<D>(dy.data(), n, out_, local_ * comm_->rank(), local_, c.dy_local.data());
       dy_local = &c.dy_local;
     } else {
       TESSERA_CHECK(dy.shape() == c.y_local.shape(), ShapeError, "ColumnParallelLinear::backward: dy ", dy.shape(),
@@ -173,7 +171,7 @@ class RowParallelLinear {
   struct Cache {
     const Tensor* x = nullptr;  // this rank's input columns (N, in/p)
     Tensor x_local, y, dx_local, dx;
-    std::vector<S> gathered;
+    Tensor gathered;
   };
 
   RowParallelLinear(std::int64_t in_features, std::int64_t out_features, Rng& rng, Comm& comm,
@@ -187,10 +185,10 @@ class RowParallelLinear {
         weight_(Shape{out_features, local_}) {
     Linear<E> dense(in_features, out_features, rng, bias);
     const std::int64_t first = local_ * comm.rank();
-    detail::columns_of(dense.weight().value.data(), out_, in_, first, local_, weight_.value.data());
+    detail::columns_of<D>(dense.weight().value.data(), out_, in_, first, local_, weight_.value.data());
     if (has_bias_) {
       bias_ = Parameter<S, D>(Shape{out_features}, ParamKind::Bias);
-      std::copy_n(ColumnParallelLinear<E, Comm>::dense_bias(dense)->data(), out_, bias_.value.data());
+      D::copy(bias_.value.data(), ColumnParallelLinear<E, Comm>::dense_bias(dense)->data(), bias_.value.bytes());
     }
   }
 
@@ -204,15 +202,14 @@ class RowParallelLinear {
       c.x = &x;
     } else {  // split: keep this rank's columns (no communication)
       c.x_local.resize({n, local_});
-      detail::columns_of(x.data(), n, in_, local_ * comm_->rank(), local_, c.x_local.data());
+      detail::columns_of<D>(x.data(), n, in_, local_ * comm_->rank(), local_, c.x_local.data());
       c.x = &c.x_local;
     }
     c.y.resize({n, out_});
     gemm(D{}, false, true, n, out_, local_, S(1), c.x->data(), local_, weight_.value.data(), local_, S(0), c.y.data(), out_);
     comm_->all_reduce(std::span<S>(c.y.data(), static_cast<std::size_t>(c.y.numel())), ReduceOp::Sum);  // g
     if (has_bias_)  // after the sum: the bias is added once, not p times
-      for (std::int64_t i = 0; i < n; ++i)
-        for (std::int64_t o = 0; o < out_; ++o) c.y.data()[i * out_ + o] += bias_.value.data()[o];
+      add_broadcast_rows(D{}, bias_.value.data(), n, out_, c.y.data());
     return c.y;
   }
 
@@ -226,10 +223,10 @@ class RowParallelLinear {
     gemm(D{}, false, false, n, local_, out_, S(1), dy.data(), out_, weight_.value.data(), local_, S(0), c.dx_local.data(), local_);
     if (input_is_parallel_) return c.dx_local;
     const auto p = static_cast<std::int64_t>(comm_->size());
-    c.gathered.resize(static_cast<std::size_t>(p * n * local_));
-    comm_->all_gather(std::span<const S>(c.dx_local.data(), static_cast<std::size_t>(n * local_)), std::span<S>(c.gathered));
+    c.gathered.resize({p * n * local_});
+    comm_->all_gather(std::span<const S>(c.dx_local.data(), static_cast<std::size_t>(n * local_)), c.gathered.span());
     c.dx.resize({n, in_});
-    detail::blocks_to_rows(c.gathered.data(), p, n, local_, c.dx.data());
+    detail::blocks_to_rows<D>(c.gathered.data(), p, n, local_, c.dx.data());
     return c.dx;
   }
 

@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
-#include "tessera/kernels/cpu/elementwise.hpp"
+#include "tessera/kernels/elementwise.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/batch_norm.hpp"
 #include "tessera/layers/conv2d.hpp"
@@ -73,12 +73,12 @@ void copy_slices(From& from, To& to, int dim, std::int64_t part) {
     const Tensor<S, D>& a = *src[k].second;
     Tensor<S, D>& b = *dst[k].second;
     if (a.numel() == b.numel()) {  // not split (e.g. a bias added after the reduce)
-      std::copy_n(a.data(), a.numel(), b.data());
+      D::copy(b.data(), a.data(), b.bytes());
     } else if (dim == 0 || a.rank() == 1) {  // rows [part n/p, (part+1) n/p): one contiguous block
-      std::copy_n(a.data() + part * b.numel(), b.numel(), b.data());
+      D::copy(b.data(), a.data() + part * b.numel(), b.bytes());
     } else {  // dim 1 of (d0, d1, ...): per row, a contiguous run
       const std::int64_t rows = a.dim(0), inner = b.numel() / rows, row = a.numel() / rows;
-      for (std::int64_t i = 0; i < rows; ++i) std::copy_n(a.data() + i * row + part * inner, inner, b.data() + i * inner);
+      copy_2d(D{}, b.data(), inner, a.data() + part * inner, row, inner, rows);
     }
   }
 }
@@ -184,7 +184,7 @@ class TensorParallelBottleneck {
     typename BatchNorm2d<E>::Cache bn1, bn2, bn3, projection_bn;
     typename ReLU<E>::Cache relu1, relu2;
     Tensor shortcut, sum, dsum, dy_local, dshortcut, dx, y;
-    std::vector<S> gathered;
+    Tensor gathered;
   };
 
   TensorParallelBottleneck(Bottleneck<E>& dense, Comm& comm)
@@ -219,10 +219,10 @@ class TensorParallelBottleneck {
     add_relu_forward(D{}, main.data(), shortcut->data(), main.numel(), c.sum.data());
     // all_gather of the (N, C/p, H, W) slices, then (p, N, C/p HW) blocks -> (N, C, H, W).
     const std::int64_t n = main.dim(0), plane = main.dim(2) * main.dim(3), p = comm_->size();
-    c.gathered.resize(static_cast<std::size_t>(c.sum.numel() * p));
-    comm_->all_gather(std::span<const S>(c.sum.data(), static_cast<std::size_t>(c.sum.numel())), std::span<S>(c.gathered));
+    c.gathered.resize({c.sum.numel() * p});
+    comm_->all_gather(std::span<const S>(c.sum.data(), static_cast<std::size_t>(c.sum.numel())), c.gathered.span());
     c.y.resize({n, out_channels_, main.dim(2), main.dim(3)});
-    detail::blocks_to_rows(c.gathered.data(), p, n, local_out_ * plane, c.y.data());
+    detail::blocks_to_rows<D>(c.gathered.data(), p, n, local_out_ * plane, c.y.data());
     return c.y;
   }
 
@@ -231,7 +231,7 @@ class TensorParallelBottleneck {
                   " does not match the output ", c.y.shape());
     const std::int64_t n = dy.dim(0), plane = dy.dim(2) * dy.dim(3);
     c.dy_local.resize(c.sum.shape());
-    detail::columns_of(dy.data(), n, out_channels_ * plane, comm_->rank() * local_out_ * plane, local_out_ * plane,
+    detail::columns_of<D>(dy.data(), n, out_channels_ * plane, comm_->rank() * local_out_ * plane, local_out_ * plane,
                        c.dy_local.data());
     c.dsum.resize(c.sum.shape());
     relu_backward(D{}, c.dy_local.data(), c.sum.data(), c.dsum.numel(), c.dsum.data());
@@ -239,14 +239,13 @@ class TensorParallelBottleneck {
     const Tensor& dh1 = conv2_.backward(bn2_.backward(relu2_.backward(dh2, c.relu2), c.bn2), c.conv2);
     const Tensor& dx_main = conv1_.backward(bn1_.backward(relu1_.backward(dh1, c.relu1), c.bn1), c.conv1);
     c.dx.resize(dx_main.shape());
-    std::copy_n(dx_main.data(), dx_main.numel(), c.dx.data());
+    D::copy(c.dx.data(), dx_main.data(), dx_main.bytes());
     if (projection_conv_) {
       const Tensor& ds = projection_conv_->backward(projection_bn_->backward(c.dsum, c.projection_bn), c.projection_conv);
-      for (std::int64_t k = 0; k < ds.numel(); ++k) c.dx.data()[k] += ds.data()[k];
+      add(D{}, c.dx.data(), ds.data(), ds.numel(), c.dx.data());
     } else {  // the identity's gradient lands on this rank's channels only
       const std::int64_t first = comm_->rank() * local_out_ * plane, row = out_channels_ * plane;
-      for (std::int64_t i = 0; i < n; ++i)
-        for (std::int64_t k = 0; k < local_out_ * plane; ++k) c.dx.data()[i * row + first + k] += c.dsum.data()[i * local_out_ * plane + k];
+      accumulate_2d(D{}, c.dx.data() + first, row, c.dsum.data(), local_out_ * plane, local_out_ * plane, n);
     }
     // One all-reduce for both branches' shares of dL/dx.
     comm_->all_reduce(std::span<S>(c.dx.data(), static_cast<std::size_t>(c.dx.numel())), ReduceOp::Sum);
@@ -280,7 +279,7 @@ class TensorParallelBottleneck {
   }
   void channel_slice(const Tensor& x, Tensor& out) const {
     const std::int64_t n = x.dim(0), plane = x.dim(2) * x.dim(3);
-    detail::columns_of(x.data(), n, x.dim(1) * plane, comm_->rank() * local_out_ * plane, local_out_ * plane, out.data());
+    detail::columns_of<D>(x.data(), n, x.dim(1) * plane, comm_->rank() * local_out_ * plane, local_out_ * plane, out.data());
   }
 
   Comm* comm_;

@@ -37,6 +37,7 @@ namespace tessera {
 
 template <class S, class Comm, class D = Cpu>
 class Zero1 {
+  static_assert(D::host_accessible, "Zero1 packs its shards on the host; on a GPU use DataParallel with a full optimizer");
  public:
   template <class Model>
   Zero1(Model& model, Comm& comm) : comm_(comm), model_(named_tensors<S, D>(model)) {

@@ -343,7 +343,8 @@ class SafetensorsFile {
                   i.shape, " in the file but ", dst.shape(), " in the model");
     TESSERA_CHECK(i.dtype == dtype_of<S>(), IoError, "safetensors: '", path_, "': tensor '", name, "' has dtype ",
                   dtype_name(i.dtype), " in the file but ", dtype_name(dtype_of<S>()), " in the model");
-    std::memcpy(dst.data(), raw(name), i.end - i.begin);
+    D::copy_to_device(dst.data(), raw(name), i.end - i.begin);  // a plain copy on the CPU
+    D::synchronize();
   }
 
  private:
@@ -357,7 +358,12 @@ class SafetensorsWriter {
  public:
   template <class S, class D>
   void add(const std::string& name, const Tensor<S, D>& t) {
-    add_raw(name, dtype_of<S>(), t.shape(), t.data(), t.bytes());
+    if constexpr (D::host_accessible) {
+      add_raw(name, dtype_of<S>(), t.shape(), t.data(), t.bytes());
+    } else {
+      const Tensor<S, Cpu> host = to_host(t);  // device memory: through a host copy
+      add_raw(name, dtype_of<S>(), t.shape(), host.data(), host.bytes());
+    }
   }
   void add_raw(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t bytes) {
     TESSERA_CHECK(bytes == static_cast<std::size_t>(shape.numel()) * dtype_size(dtype), IoError,

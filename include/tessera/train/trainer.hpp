@@ -68,7 +68,7 @@ class Trainer {
     optimizer_.zero_grad();
     std::optional<Timeline::Span> span;
     if (t) span.emplace(t->span("forward"));
-    const auto& logits = model_.forward(batch.images, model_cache_);  // (N, classes)
+    const auto& logits = model_.forward(on_device(batch.images), model_cache_);  // (N, classes)
     const S loss = loss_.forward(logits, batch.labels, loss_cache_);
     correct_ += count_correct(logits, batch.labels);
     if (t) span.emplace(t->span("backward"));
@@ -171,7 +171,7 @@ class Trainer {
     double loss_sum = 0;
     std::int64_t correct = 0, seen = 0;
     while (loader.next(eval_batch_)) {
-      const auto& logits = model_.forward(eval_batch_.images, model_cache_);
+      const auto& logits = model_.forward(on_device(eval_batch_.images), model_cache_);
       const auto n = static_cast<std::int64_t>(eval_batch_.labels.size());
       loss_sum += static_cast<double>(loss_.forward(logits, eval_batch_.labels, loss_cache_)) * static_cast<double>(n);
       correct += count_correct(logits, eval_batch_.labels);
@@ -188,6 +188,19 @@ class Trainer {
   const TrainState& state() const { return state_; }
 
  private:
+  // The batch's images where the model is: the host batch itself on the CPU, else a copy in a
+  // device tensor kept across steps (the model's caches point at it until backward).
+  const Tensor<S, typename E::Device>& on_device(const Tensor<S, Cpu>& images) {
+    using D = typename E::Device;
+    if constexpr (std::is_same_v<D, Cpu>) {
+      return images;
+    } else {
+      device_images_.resize(images.shape());
+      D::copy_to_device(device_images_.data(), images.data(), images.bytes());
+      return device_images_;
+    }
+  }
+
   // A checkpoint's data-loader position only means something for the loader it was taken with.
   void check_loader_matches_state(const DataLoader<S>& loader) {
     const auto& o = loader.options();
@@ -213,6 +226,7 @@ class Trainer {
   typename Model::Cache model_cache_{};
   typename CrossEntropyLoss<E>::Cache loss_cache_{};
   Batch<S> batch_, eval_batch_;
+  Tensor<S, typename E::Device> device_images_;  // on_device's copy (GPU models only)
   TrainState state_;
   std::int64_t correct_ = 0;
 };

@@ -28,8 +28,9 @@ namespace tessera {
 // x viewed as (n, c, hw): element (i, ch, s) at (i * c + ch) * hw + s.
 struct BatchNormShape {
   std::int64_t n = 0, c = 0, hw = 1;
-  std::int64_t numel() const { return n * c * hw; }
-  std::int64_t count() const { return n * hw; }  // values per channel
+  // constexpr: callable from CUDA kernels too (nvcc --expt-relaxed-constexpr).
+  constexpr std::int64_t numel() const { return n * c * hw; }
+  constexpr std::int64_t count() const { return n * hw; }  // values per channel
 };
 
 namespace detail {
@@ -174,6 +175,16 @@ void batch_norm_backward_input_affine(Cpu, const S* dy, BatchNormShape s, const 
 #pragma omp simd
       for (std::int64_t k = 0; k < s.hw; ++k) dxr[k] = a * dyr[k];
     }
+  }
+}
+
+// dgamma[c] += sum_dy_xhat[c], dbeta[c] += sum_dy[c]: the affine parameters' gradients.
+template <class S>
+void batch_norm_accumulate_affine_grads(Cpu, std::int64_t channels, const double* sum_dy, const double* sum_dy_xhat,
+                                        S* dgamma, S* dbeta) {
+  for (std::int64_t ch = 0; ch < channels; ++ch) {
+    dgamma[ch] += static_cast<S>(sum_dy_xhat[ch]);
+    dbeta[ch] += static_cast<S>(sum_dy[ch]);
   }
 }
 

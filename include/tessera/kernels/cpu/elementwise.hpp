@@ -10,6 +10,7 @@
 // Loops are contiguous (the compiler vectorizes them) and OpenMP-parallel above a size threshold.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numbers>
@@ -86,6 +87,58 @@ void add_relu_forward(Cpu, const S* a, const S* b, std::int64_t n, S* y) {
     const S s = a[i] + b[i];
     y[i] = s > S(0) ? s : S(0);
   }
+}
+
+// Linear's bias: y (rows, cols) gets b (cols) in every row; db (cols) += the column sums of dy.
+template <class S>
+void broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
+  for (std::int64_t i = 0; i < rows; ++i) std::copy(b, b + cols, y + i * cols);
+}
+template <class S>
+void add_column_sums(Cpu, const S* dy, std::int64_t rows, std::int64_t cols, S* db) {
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) db[j] += dy[i * cols + j];
+}
+
+// Mixed-precision loss scaling: g *= inv_scale, and *found_nonfinite = 1 if any element of g is
+// inf or NaN (never reset here: the caller zeroes the flag once per step).
+template <class S>
+void unscale_and_flag(Cpu, S* g, std::int64_t n, S inv_scale, std::int32_t* found_nonfinite) {
+  bool bad = false;
+#pragma omp parallel for simd schedule(static) reduction(|| : bad) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) {
+    bad = bad || !std::isfinite(g[i]);
+    g[i] *= inv_scale;
+  }
+  if (bad) *found_nonfinite = 1;
+}
+
+// out = scale * x.
+template <class S>
+void scale_elements(Cpu, const S* x, std::int64_t n, S scale, S* out) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = scale * x[i];
+}
+
+// Strided blocks (pitches in elements): dst rows of `width` elements at dst_pitch apart get the
+// src rows at src_pitch apart (copy_2d), or have them added (accumulate_2d). For gathering and
+// scattering column slices (tensor parallelism).
+template <class S>
+void copy_2d(Cpu, S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch, std::int64_t width,
+             std::int64_t rows) {
+  for (std::int64_t i = 0; i < rows; ++i) std::copy_n(src + i * src_pitch, width, dst + i * dst_pitch);
+}
+template <class S>
+void accumulate_2d(Cpu, S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch, std::int64_t width,
+                   std::int64_t rows) {
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t k = 0; k < width; ++k) dst[i * dst_pitch + k] += src[i * src_pitch + k];
+}
+// y (rows, cols) += b (cols) in every row.
+template <class S>
+void add_broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) y[i * cols + j] += b[j];
 }
 
 }  // namespace tessera

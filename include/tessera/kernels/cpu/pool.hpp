@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/conv2d_geometry.hpp"
 
 namespace tessera {
 
@@ -24,21 +25,20 @@ struct Pool2dGeometry {
   std::int64_t kernel = 1, stride = 1, pad = 0;
   std::int64_t out_height = 0, out_width = 0;  // H', W'
 
-  std::int64_t in_plane() const { return height * width; }
-  std::int64_t out_plane() const { return out_height * out_width; }
+  // constexpr: callable from CUDA kernels too (nvcc --expt-relaxed-constexpr).
+  constexpr std::int64_t in_plane() const { return height * width; }
+  constexpr std::int64_t out_plane() const { return out_height * out_width; }
 };
 
 namespace detail {
 
 constexpr std::int64_t kPoolParallelGrain = 32768;  // elements of work below which one thread does it
 
-// Range [lo, hi) of output columns ow whose input column ow * stride + offset lies in [0, extent).
+// Range [lo, hi) of output columns ow whose input column ow * stride + offset lies in [0, extent):
+// the same arithmetic as a convolution tap's.
 inline void pool_valid_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
                              std::int64_t& lo, std::int64_t& hi) {
-  lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  hi = extent - 1 - offset < 0 ? 0 : (extent - 1 - offset) / stride + 1;
-  lo = std::min(lo, out);
-  hi = std::clamp(hi, lo, out);
+  valid_output_range(offset, stride, extent, out, lo, hi);
 }
 
 }  // namespace detail

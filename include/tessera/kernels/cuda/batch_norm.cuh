@@ -1,0 +1,180 @@
+// Batch normalization on the GPU: the Cuda overloads of kernels/cpu/batch_norm.hpp, same steps,
+// same maths (see there), so SyncBatchNorm's all-reduces between them work on device memory with
+// NCCL. Per-channel sums are one block per channel reducing in double; per-element steps are one
+// thread per element with the channel of element e at (e / hw) % c.
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/kernels/cpu/batch_norm.hpp"
+#include "tessera/kernels/cuda/launch.cuh"
+#include "tessera/kernels/cuda/reduce.cuh"
+
+namespace tessera {
+
+namespace cuda_detail {
+
+template <class S>
+__global__ void bn_local_stats_kernel(const S* x, BatchNormShape s, double* sum, double* sumsq) {
+  __shared__ double scratch[32];
+  const std::int64_t ch = blockIdx.x;
+  double acc = 0, acc2 = 0;
+  for (std::int64_t k = threadIdx.x; k < s.count(); k += blockDim.x) {
+    const double v = x[((k / s.hw) * s.c + ch) * s.hw + k % s.hw];
+    acc += v;
+    acc2 += v * v;
+  }
+  acc = block_reduce<false>(acc, scratch);
+  acc2 = block_reduce<false>(acc2, scratch);
+  if (threadIdx.x == 0) {
+    sum[ch] = acc;
+    sumsq[ch] = acc2;
+  }
+}
+
+template <class S>
+__global__ void bn_finalize_kernel(std::int64_t channels, const double* sum, const double* sumsq, std::int64_t count,
+                                   double eps, S* mean, S* invstd) {
+  TESSERA_CUDA_FOR(ch, channels) {
+    const double m = double(count), mu = sum[ch] / m;
+    const double var = fmax(sumsq[ch] / m - mu * mu, 0.0);
+    mean[ch] = S(mu);
+    invstd[ch] = S(1.0 / sqrt(var + eps));
+  }
+}
+
+template <class S>
+__global__ void bn_update_running_kernel(std::int64_t channels, const double* sum, const double* sumsq,
+                                         std::int64_t count, double momentum, S* running_mean, S* running_var) {
+  TESSERA_CUDA_FOR(ch, channels) {
+    const double m = double(count), mu = sum[ch] / m;
+    const double var = fmax(sumsq[ch] / m - mu * mu, 0.0) * (m / (m - 1.0));
+    running_mean[ch] = S((1.0 - momentum) * double(running_mean[ch]) + momentum * mu);
+    running_var[ch] = S((1.0 - momentum) * double(running_var[ch]) + momentum * var);
+  }
+}
+
+template <class S>
+__global__ void bn_invstd_kernel(std::int64_t channels, const S* var, double eps, S* invstd) {
+  TESSERA_CUDA_FOR(ch, channels) invstd[ch] = S(1.0 / sqrt(double(var[ch]) + eps));
+}
+
+template <class S>
+__global__ void bn_normalize_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                                    const S* beta, S* y) {
+  TESSERA_CUDA_FOR(e, s.numel()) {
+    const std::int64_t ch = (e / s.hw) % s.c;
+    y[e] = (x[e] - mean[ch]) * (gamma[ch] * invstd[ch]) + beta[ch];
+  }
+}
+
+template <class S>
+__global__ void bn_backward_local_sums_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
+                                              const S* invstd, double* sum_dy, double* sum_dy_xhat) {
+  __shared__ double scratch[32];
+  const std::int64_t ch = blockIdx.x;
+  const double mu = mean[ch];
+  double acc = 0, acc_xmu = 0;
+  for (std::int64_t k = threadIdx.x; k < s.count(); k += blockDim.x) {
+    const std::int64_t e = ((k / s.hw) * s.c + ch) * s.hw + k % s.hw;
+    const double g = dy[e];
+    acc += g;
+    acc_xmu += g * (double(x[e]) - mu);
+  }
+  acc = block_reduce<false>(acc, scratch);
+  acc_xmu = block_reduce<false>(acc_xmu, scratch);
+  if (threadIdx.x == 0) {
+    sum_dy[ch] = acc;
+    sum_dy_xhat[ch] = acc_xmu * double(invstd[ch]);
+  }
+}
+
+template <class S>
+__global__ void bn_backward_input_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
+                                         const S* gamma, const double* sum_dy, const double* sum_dy_xhat,
+                                         std::int64_t count, S* dx) {
+  const double m = double(count);
+  TESSERA_CUDA_FOR(e, s.numel()) {
+    const std::int64_t ch = (e / s.hw) % s.c;
+    const double is = invstd[ch], k = double(gamma[ch]) * is;
+    const S a = S(k), b = S(-k * is * sum_dy_xhat[ch] / m), c = S(-k * sum_dy[ch] / m);
+    dx[e] = a * dy[e] + b * (x[e] - mean[ch]) + c;
+  }
+}
+
+template <class S>
+__global__ void bn_backward_input_affine_kernel(const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx) {
+  TESSERA_CUDA_FOR(e, s.numel()) {
+    const std::int64_t ch = (e / s.hw) % s.c;
+    dx[e] = gamma[ch] * invstd[ch] * dy[e];
+  }
+}
+
+template <class S>
+__global__ void bn_affine_grads_kernel(std::int64_t channels, const double* sum_dy, const double* sum_dy_xhat,
+                                       S* dgamma, S* dbeta) {
+  TESSERA_CUDA_FOR(ch, channels) {
+    dgamma[ch] += S(sum_dy_xhat[ch]);
+    dbeta[ch] += S(sum_dy[ch]);
+  }
+}
+
+// One block per channel, capped so huge channel counts still launch (blocks then loop).
+inline unsigned channel_blocks(std::int64_t channels) { return static_cast<unsigned>(channels); }
+
+}  // namespace cuda_detail
+
+template <class S>
+void batch_norm_local_stats(Cuda, const S* x, BatchNormShape s, double* sum, double* sumsq) {
+  if (s.c == 0) return;
+  cuda_detail::bn_local_stats_kernel<S><<<cuda_detail::channel_blocks(s.c), cuda_detail::kThreads, 0, Cuda::stream()>>>(
+      x, s, sum, sumsq);
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
+template <class S>
+void batch_norm_finalize_stats(Cuda, std::int64_t channels, const double* sum, const double* sumsq,
+                               std::int64_t count, double eps, S* mean, S* invstd) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_finalize_kernel<S>, channels, channels, sum, sumsq, count, eps, mean, invstd);
+}
+template <class S>
+void batch_norm_update_running(Cuda, std::int64_t channels, const double* sum, const double* sumsq,
+                               std::int64_t count, double momentum, S* running_mean, S* running_var) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_update_running_kernel<S>, channels, channels, sum, sumsq, count, momentum,
+                      running_mean, running_var);
+}
+template <class S>
+void batch_norm_invstd(Cuda, std::int64_t channels, const S* var, double eps, S* invstd) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_invstd_kernel<S>, channels, channels, var, eps, invstd);
+}
+template <class S>
+void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                          const S* beta, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_normalize_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta, y);
+}
+template <class S>
+void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean,
+                                    const S* invstd, double* sum_dy, double* sum_dy_xhat) {
+  if (s.c == 0) return;
+  cuda_detail::bn_backward_local_sums_kernel<S>
+      <<<cuda_detail::channel_blocks(s.c), cuda_detail::kThreads, 0, Cuda::stream()>>>(dy, x, s, mean, invstd, sum_dy,
+                                                                                       sum_dy_xhat);
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
+template <class S>
+void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
+                               const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
+                               S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_kernel<S>, s.numel(), dy, x, s, mean, invstd, gamma, sum_dy,
+                      sum_dy_xhat, count, dx);
+}
+template <class S>
+void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_affine_kernel<S>, s.numel(), dy, s, invstd, gamma, dx);
+}
+template <class S>
+void batch_norm_accumulate_affine_grads(Cuda, std::int64_t channels, const double* sum_dy, const double* sum_dy_xhat,
+                                        S* dgamma, S* dbeta) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_affine_grads_kernel<S>, channels, channels, sum_dy, sum_dy_xhat, dgamma, dbeta);
+}
+
+}  // namespace tessera

@@ -1,0 +1,197 @@
+// Elementwise CUDA kernels: the Cuda overloads of kernels/cpu/elementwise.hpp (same names, same
+// arguments, same maths), plus fill and the bias broadcast/reduction of Linear. All run on the
+// device's stream; none synchronizes.
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/core/random.hpp"
+#include "tessera/kernels/cuda/launch.cuh"
+
+namespace tessera {
+
+namespace cuda_detail {
+
+template <class S>
+__global__ void fill_kernel(S* p, std::int64_t n, S value) {
+  TESSERA_CUDA_FOR(i, n) p[i] = value;
+}
+template <class S>
+__global__ void relu_forward_kernel(const S* x, std::int64_t n, S* y) {
+  TESSERA_CUDA_FOR(i, n) y[i] = x[i] > S(0) ? x[i] : S(0);
+}
+template <class S>
+__global__ void relu_backward_kernel(const S* dy, const S* y, std::int64_t n, S* dx) {
+  TESSERA_CUDA_FOR(i, n) dx[i] = y[i] > S(0) ? dy[i] : S(0);
+}
+// y = x Phi(x) = x (1 + erf(x / sqrt 2)) / 2;  dy/dx = Phi(x) + x phi(x).
+template <class S>
+__global__ void gelu_forward_kernel(const S* x, std::int64_t n, S* y) {
+  TESSERA_CUDA_FOR(i, n) y[i] = S(0.5) * x[i] * (S(1) + erf(x[i] * S(0.70710678118654752440)));
+}
+template <class S>
+__global__ void gelu_backward_kernel(const S* dy, const S* x, std::int64_t n, S* dx) {
+  TESSERA_CUDA_FOR(i, n) {
+    const S v = x[i];
+    const S cdf = S(0.5) * (S(1) + erf(v * S(0.70710678118654752440)));
+    const S pdf = S(0.39894228040143267794) * exp(S(-0.5) * v * v);
+    dx[i] = dy[i] * (cdf + v * pdf);
+  }
+}
+template <class S>
+__global__ void multiply_kernel(const S* a, const S* b, std::int64_t n, S* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] = a[i] * b[i];
+}
+template <class S>
+__global__ void add_kernel(const S* a, const S* b, std::int64_t n, S* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] = a[i] + b[i];
+}
+template <class S>
+__global__ void add_relu_forward_kernel(const S* a, const S* b, std::int64_t n, S* y) {
+  TESSERA_CUDA_FOR(i, n) {
+    const S s = a[i] + b[i];
+    y[i] = s > S(0) ? s : S(0);
+  }
+}
+
+// SplitMix64 of (seed, i): a counter-based stream, so every element draws independently of the
+// launch shape and a seed fixes the mask. keep_i is u_i < 1 - p on the 53-bit grid, as on the CPU
+// (whose masks come from one sequential stream instead: the two devices' masks differ, their
+// distribution does not).
+__device__ inline std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+template <class S>
+__global__ void dropout_mask_kernel(std::int64_t n, std::uint64_t seed, std::uint64_t threshold, S scale, S* mask) {
+  TESSERA_CUDA_FOR(i, n) {
+    const std::uint64_t u = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(i)));
+    mask[i] = (u >> 11) < threshold ? scale : S(0);
+  }
+}
+
+// y (n, out): every row a copy of b (out).
+template <class S>
+__global__ void broadcast_rows_kernel(const S* b, std::int64_t rows, std::int64_t cols, S* y) {
+  TESSERA_CUDA_FOR(i, rows * cols) y[i] = b[i % cols];
+}
+// db (cols) += sum over rows of dy (rows, cols): one thread per column, reading down the column
+// (coalesced across the warp, since neighbouring threads read neighbouring columns).
+template <class S>
+__global__ void add_column_sums_kernel(const S* dy, std::int64_t rows, std::int64_t cols, S* db) {
+  TESSERA_CUDA_FOR(j, cols) {
+    S sum = 0;
+    for (std::int64_t i = 0; i < rows; ++i) sum += dy[i * cols + j];
+    db[j] += sum;
+  }
+}
+
+template <class S>
+__global__ void unscale_and_flag_kernel(S* g, std::int64_t n, S inv_scale, std::int32_t* found_nonfinite) {
+  bool bad = false;
+  TESSERA_CUDA_FOR(i, n) {
+    bad = bad || !isfinite(g[i]);
+    g[i] *= inv_scale;
+  }
+  if (bad) *found_nonfinite = 1;  // benign race: every writer stores the same value
+}
+
+template <class S>
+__global__ void scale_elements_kernel(const S* x, std::int64_t n, S scale, S* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] = scale * x[i];
+}
+
+template <class S>
+__global__ void accumulate_2d_kernel(S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch,
+                                     std::int64_t width, std::int64_t rows) {
+  TESSERA_CUDA_FOR(e, width * rows) {
+    const std::int64_t i = e / width, k = e % width;
+    dst[i * dst_pitch + k] += src[i * src_pitch + k];
+  }
+}
+template <class S>
+__global__ void add_broadcast_rows_kernel(const S* b, std::int64_t rows, std::int64_t cols, S* y) {
+  TESSERA_CUDA_FOR(i, rows * cols) y[i] += b[i % cols];
+}
+
+}  // namespace cuda_detail
+
+template <class S>
+void fill_elements(Cuda, S* p, std::int64_t n, S value) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::fill_kernel<S>, n, p, n, value);
+}
+template <class S>
+void relu_forward(Cuda, const S* x, std::int64_t n, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::relu_forward_kernel<S>, n, x, n, y);
+}
+template <class S>
+void relu_backward(Cuda, const S* dy, const S* y, std::int64_t n, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::relu_backward_kernel<S>, n, dy, y, n, dx);
+}
+template <class S>
+void gelu_forward(Cuda, const S* x, std::int64_t n, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::gelu_forward_kernel<S>, n, x, n, y);
+}
+template <class S>
+void gelu_backward(Cuda, const S* dy, const S* x, std::int64_t n, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::gelu_backward_kernel<S>, n, dy, x, n, dx);
+}
+template <class S>
+void multiply(Cuda, const S* a, const S* b, std::int64_t n, S* out) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::multiply_kernel<S>, n, a, b, n, out);
+}
+template <class S>
+void add(Cuda, const S* a, const S* b, std::int64_t n, S* out) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::add_kernel<S>, n, a, b, n, out);
+}
+template <class S>
+void add_relu_forward(Cuda, const S* a, const S* b, std::int64_t n, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::add_relu_forward_kernel<S>, n, a, b, n, y);
+}
+// One draw from the layer's rng per call seeds the whole mask, so checkpoints that save the rng
+// resume the same mask sequence.
+template <class S>
+void dropout_mask(Cuda, std::int64_t n, double p, Rng& rng, S* mask) {
+  const auto threshold = static_cast<std::uint64_t>((1.0 - p) * 0x1.0p53);
+  TESSERA_CUDA_LAUNCH(cuda_detail::dropout_mask_kernel<S>, n, n, rng.next_u64(), threshold, static_cast<S>(1.0 / (1.0 - p)),
+                      mask);
+}
+template <class S>
+void broadcast_rows(Cuda, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::broadcast_rows_kernel<S>, rows * cols, b, rows, cols, y);
+}
+template <class S>
+void add_column_sums(Cuda, const S* dy, std::int64_t rows, std::int64_t cols, S* db) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::add_column_sums_kernel<S>, cols, dy, rows, cols, db);
+}
+
+template <class S>
+void unscale_and_flag(Cuda, S* g, std::int64_t n, S inv_scale, std::int32_t* found_nonfinite) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::unscale_and_flag_kernel<S>, n, g, n, inv_scale, found_nonfinite);
+}
+
+template <class S>
+void scale_elements(Cuda, const S* x, std::int64_t n, S scale, S* out) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::scale_elements_kernel<S>, n, x, n, scale, out);
+}
+
+template <class S>
+void copy_2d(Cuda, S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch, std::int64_t width,
+             std::int64_t rows) {
+  if (width == 0 || rows == 0) return;
+  TESSERA_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch * sizeof(S), src, src_pitch * sizeof(S), width * sizeof(S),
+                                       rows, cudaMemcpyDeviceToDevice, Cuda::stream()));
+}
+template <class S>
+void accumulate_2d(Cuda, S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch, std::int64_t width,
+                   std::int64_t rows) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::accumulate_2d_kernel<S>, width * rows, dst, dst_pitch, src, src_pitch, width, rows);
+}
+template <class S>
+void add_broadcast_rows(Cuda, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::add_broadcast_rows_kernel<S>, rows * cols, b, rows, cols, y);
+}
+
+}  // namespace tessera

@@ -1,0 +1,44 @@
+// gemm on the GPU: the Cuda overload of kernels/cpu/gemm.hpp, C = alpha op(A) op(B) + beta C on
+// row-major matrices, through cuBLAS on the device's stream, at Cuda::math_precision() (double
+// always computes in double).
+//
+// cuBLAS is column-major. A row-major (m, n) matrix is the column-major (n, m) matrix C^T, and
+// C^T = op(B)^T op(A)^T, so the row-major product is cuBLAS's column-major product with the
+// operands swapped: gemm(opB, opA, n, m, k, B, ldb, A, lda, C, ldc). No data moves.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tessera/device/cuda.cuh"
+
+namespace tessera {
+
+template <class S>
+void gemm(Cuda, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
+          std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "gemm(Cuda): float or double");
+  if (m == 0 || n == 0) return;
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const auto i = [](std::int64_t v) { return static_cast<int>(v); };
+  if constexpr (std::is_same_v<S, float>) {
+    const MathPrecision precision = Cuda::math_precision();
+    if (precision == MathPrecision::Float32) {
+      TESSERA_CUBLAS_CHECK(cublasSgemm(Cuda::cublas(), op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda),
+                                       &beta, c, i(ldc)));
+    } else {
+      // fp32 in and out, products on tensor cores from 16-bit copies of the inputs, fp32 sums.
+      const cublasComputeType_t compute =
+          precision == MathPrecision::Float16 ? CUBLAS_COMPUTE_32F_FAST_16F : CUBLAS_COMPUTE_32F_FAST_16BF;
+      TESSERA_CUBLAS_CHECK(cublasGemmEx(Cuda::cublas(), op_b, op_a, i(n), i(m), i(k), &alpha, b, CUDA_R_32F, i(ldb), a,
+                                        CUDA_R_32F, i(lda), &beta, c, CUDA_R_32F, i(ldc), compute,
+                                        CUBLAS_GEMM_DEFAULT));
+    }
+  } else {
+    TESSERA_CUBLAS_CHECK(cublasDgemm(Cuda::cublas(), op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda), &beta,
+                                     c, i(ldc)));
+  }
+}
+
+}  // namespace tessera

@@ -1,0 +1,148 @@
+// Pooling on the GPU: the Cuda overloads of kernels/cpu/pool.hpp, same semantics (see there).
+// Forward: one thread per output element, the window visited in row-major order so the argmax
+// (first maximum, NaN wins) is PyTorch's. Backward: one thread per *input* element gathering from
+// the windows that cover it (max: those whose argmax is this element), so no atomics are needed and
+// the sums run in a fixed order.
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/kernels/cpu/pool.hpp"
+#include "tessera/kernels/cuda/launch.cuh"
+#include "tessera/kernels/cuda/reduce.cuh"
+
+namespace tessera {
+
+namespace cuda_detail {
+
+// Output rows (or columns) [lo, hi) whose window, of size k at stride s after padding p, covers
+// input row h.
+__device__ inline void covering_windows(std::int64_t h, std::int64_t k, std::int64_t s, std::int64_t p,
+                                        std::int64_t out, std::int64_t& lo, std::int64_t& hi) {
+  const std::int64_t top = h + p - k + 1;  // smallest oh with oh s + k - 1 >= h + p
+  lo = top <= 0 ? 0 : (top + s - 1) / s;
+  hi = (h + p) / s + 1;
+  if (hi > out) hi = out;
+}
+
+template <class S>
+__global__ void max_pool_forward_kernel(Pool2dGeometry g, std::int64_t planes, const S* x, S* y,
+                                        std::int32_t* argmax) {
+  TESSERA_CUDA_FOR(o, planes * g.out_plane()) {
+    const std::int64_t p = o / g.out_plane(), oh = (o % g.out_plane()) / g.out_width, ow = o % g.out_width;
+    const S* in = x + p * g.in_plane();
+    const std::int64_t h0 = max(oh * g.stride - g.pad, std::int64_t(0)), h1 = min(oh * g.stride - g.pad + g.kernel, g.height);
+    const std::int64_t w0 = max(ow * g.stride - g.pad, std::int64_t(0)), w1 = min(ow * g.stride - g.pad + g.kernel, g.width);
+    S best = -INFINITY;
+    std::int32_t at = static_cast<std::int32_t>(h0 * g.width + w0);
+    for (std::int64_t h = h0; h < h1; ++h)
+      for (std::int64_t w = w0; w < w1; ++w) {
+        const S v = in[h * g.width + w];
+        if (v > best || v != v) {
+          best = v;
+          at = static_cast<std::int32_t>(h * g.width + w);
+        }
+      }
+    y[o] = best;
+    argmax[o] = at;
+  }
+}
+
+template <class S>
+__global__ void max_pool_backward_kernel(Pool2dGeometry g, std::int64_t planes, const S* dy, const std::int32_t* argmax,
+                                         S* dx) {
+  TESSERA_CUDA_FOR(e, planes * g.in_plane()) {
+    const std::int64_t p = e / g.in_plane(), h = (e % g.in_plane()) / g.width, w = e % g.width;
+    std::int64_t oh0, oh1, ow0, ow1;
+    covering_windows(h, g.kernel, g.stride, g.pad, g.out_height, oh0, oh1);
+    covering_windows(w, g.kernel, g.stride, g.pad, g.out_width, ow0, ow1);
+    const auto self = static_cast<std::int32_t>(h * g.width + w);
+    S sum = 0;
+    for (std::int64_t oh = oh0; oh < oh1; ++oh)
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
+        const std::int64_t o = p * g.out_plane() + oh * g.out_width + ow;
+        if (argmax[o] == self) sum += dy[o];
+      }
+    dx[e] = sum;
+  }
+}
+
+template <class S>
+__global__ void avg_pool_forward_kernel(Pool2dGeometry g, std::int64_t planes, const S* x, S* y) {
+  const S scale = S(1) / S(g.kernel * g.kernel);
+  TESSERA_CUDA_FOR(o, planes * g.out_plane()) {
+    const std::int64_t p = o / g.out_plane(), oh = (o % g.out_plane()) / g.out_width, ow = o % g.out_width;
+    const S* in = x + p * g.in_plane();
+    const std::int64_t h0 = max(oh * g.stride - g.pad, std::int64_t(0)), h1 = min(oh * g.stride - g.pad + g.kernel, g.height);
+    const std::int64_t w0 = max(ow * g.stride - g.pad, std::int64_t(0)), w1 = min(ow * g.stride - g.pad + g.kernel, g.width);
+    S sum = 0;
+    for (std::int64_t h = h0; h < h1; ++h)
+      for (std::int64_t w = w0; w < w1; ++w) sum += in[h * g.width + w];
+    y[o] = sum * scale;
+  }
+}
+
+template <class S>
+__global__ void avg_pool_backward_kernel(Pool2dGeometry g, std::int64_t planes, const S* dy, S* dx) {
+  const S scale = S(1) / S(g.kernel * g.kernel);
+  TESSERA_CUDA_FOR(e, planes * g.in_plane()) {
+    const std::int64_t p = e / g.in_plane(), h = (e % g.in_plane()) / g.width, w = e % g.width;
+    std::int64_t oh0, oh1, ow0, ow1;
+    covering_windows(h, g.kernel, g.stride, g.pad, g.out_height, oh0, oh1);
+    covering_windows(w, g.kernel, g.stride, g.pad, g.out_width, ow0, ow1);
+    S sum = 0;
+    for (std::int64_t oh = oh0; oh < oh1; ++oh)
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) sum += dy[p * g.out_plane() + oh * g.out_width + ow] * scale;
+    dx[e] = sum;
+  }
+}
+
+// One block per plane.
+template <class S>
+__global__ void global_avg_pool_forward_kernel(std::int64_t plane, const S* x, S* y) {
+  __shared__ S scratch[32];
+  const S* in = x + static_cast<std::int64_t>(blockIdx.x) * plane;
+  S sum = 0;
+  for (std::int64_t i = threadIdx.x; i < plane; i += blockDim.x) sum += in[i];
+  sum = block_reduce<false>(sum, scratch);
+  if (threadIdx.x == 0) y[blockIdx.x] = sum * (S(1) / S(plane));
+}
+
+template <class S>
+__global__ void global_avg_pool_backward_kernel(std::int64_t planes, std::int64_t plane, const S* dy, S* dx) {
+  const S scale = S(1) / S(plane);
+  TESSERA_CUDA_FOR(e, planes * plane) dx[e] = dy[e / plane] * scale;
+}
+
+}  // namespace cuda_detail
+
+template <class S>
+void max_pool2d_forward(Cuda, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::max_pool_forward_kernel<S>, planes * g.out_plane(), g, planes, x, y, argmax);
+}
+template <class S>
+void max_pool2d_backward(Cuda, const Pool2dGeometry& g, std::int64_t planes, const S* dy, const std::int32_t* argmax,
+                         S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::max_pool_backward_kernel<S>, planes * g.in_plane(), g, planes, dy, argmax, dx);
+}
+template <class S>
+void avg_pool2d_forward(Cuda, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::avg_pool_forward_kernel<S>, planes * g.out_plane(), g, planes, x, y);
+}
+template <class S>
+void avg_pool2d_backward(Cuda, const Pool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::avg_pool_backward_kernel<S>, planes * g.in_plane(), g, planes, dy, dx);
+}
+template <class S>
+void global_avg_pool_forward(Cuda, std::int64_t planes, std::int64_t plane, const S* x, S* y) {
+  if (planes == 0) return;
+  cuda_detail::global_avg_pool_forward_kernel<S><<<static_cast<unsigned>(planes), cuda_detail::kThreads, 0,
+                                                   Cuda::stream()>>>(plane, x, y);
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
+template <class S>
+void global_avg_pool_backward(Cuda, std::int64_t planes, std::int64_t plane, const S* dy, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::global_avg_pool_backward_kernel<S>, planes * plane, planes, plane, dy, dx);
+}
+
+}  // namespace tessera

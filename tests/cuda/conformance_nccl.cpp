@@ -1,0 +1,51 @@
+// The communicator conformance suite over NCCL, one process per GPU. The same checks as every
+// other backend (tests/comm/conformance.hpp), with the buffers in GPU memory.
+//
+// The meson tests run it through if_gpus.sh, which skips (exit 77) with fewer GPUs than ranks:
+// NCCL refuses two ranks of one communicator on the same GPU.
+//   tessera-run -n 2 conformance_nccl   the NCCL id through tessera-run's file store (from_env)
+//   mpirun -n 2 conformance_nccl_mpi    the NCCL id over MPI (NcclComm::from(MpiComm::world()))
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "comm/conformance.hpp"
+#include "cuda/device_buffers.hpp"
+#include "tessera/comm/nccl.hpp"
+#if defined(TESSERA_TEST_NCCL_OVER_MPI)
+#include "tessera/comm/mpi.hpp"
+#endif
+
+int main(int argc, char** argv) {
+  using namespace tessera;
+  if (Cuda::device_count() == 0) {
+    std::printf("conformance_nccl: no CUDA device, skipped\n");
+    return 77;
+  }
+  int rank = -1;
+  try {
+#if defined(TESSERA_TEST_NCCL_OVER_MPI)
+    auto comm = NcclComm::from(MpiComm::world());
+    const char* bootstrap = "id over MPI";
+#else
+    auto comm = NcclComm::from_env();
+    const char* bootstrap = "id through the file store";
+#endif
+    rank = comm.rank();
+    testing::ConformanceOptions options;
+    options.verbose = true;
+    for (int i = 1; i < argc; ++i)
+      if (std::strcmp(argv[i], "--no-large") == 0) options.large_bytes = 0;
+    if (rank == 0) std::printf("conformance: nccl (%s), %d ranks\n", bootstrap, comm.size());
+    testing::Conformance<NcclComm, testing::DeviceBuffers> suite(comm, options);
+    const auto failures = suite.run();
+    for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
+    std::printf("rank %d (GPU %d): %d checks, %zu failed\n", rank, comm.device(), suite.checks(), failures.size());
+    std::fflush(stdout);
+    comm.barrier();
+    return failures.empty() ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+    return 1;
+  }
+}

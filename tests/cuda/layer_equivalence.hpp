@@ -1,0 +1,204 @@
+// CPU-vs-CUDA equivalence: every case builds the same layer (same seed: parameters are drawn on
+// the host, so both devices start from identical values), runs forward on the same seeded input
+// and backward on the same seeded dy, and returns every output, input gradient and parameter
+// gradient as host doubles. Optimizer cases run three steps on fixed gradients and return the
+// parameters (and state). The same template runs in two translation units: the host compiler's
+// (Eigen gemm, Env<Cpu, ...>) and nvcc's (cuBLAS, Env<Cuda, ...>), because Eigen stays out of
+// nvcc; layer_equivalence_main.cpp compares them case by case.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tessera/core/init.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/batch_norm.hpp"
+#include "tessera/layers/conv2d.hpp"
+#include "tessera/layers/flatten.hpp"
+#include "tessera/layers/linear.hpp"
+#include "tessera/layers/pool.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/losses/mse.hpp"
+#include "tessera/models/mlp.hpp"
+#include "tessera/models/resnet.hpp"
+#include "tessera/optim/adam.hpp"
+#include "tessera/optim/lamb.hpp"
+#include "tessera/optim/lars.hpp"
+#include "tessera/optim/sgd.hpp"
+
+namespace tessera::testing {
+
+using Outputs = std::map<std::string, std::vector<double>>;
+
+// Every case, in the order they run. Dropout is not here: its masks come from different random
+// streams on the two devices; tests/cuda/layer_equivalence_cuda.cu checks its distribution.
+inline constexpr std::string_view kEquivalenceCases[] = {
+    "linear", "linear_no_bias", "relu", "gelu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
+    "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",
+    "global_avg_pool", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "cross_entropy",
+    "cross_entropy_smoothing", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
+};
+
+template <class S, class D>
+std::vector<double> host_values(const Tensor<S, D>& t) {
+  const Tensor<S, Cpu> h = to_host(t);
+  return std::vector<double>(h.begin(), h.end());
+}
+
+template <class S, class D>
+Tensor<S, D> seeded(const Shape& shape, Rng& rng, double scale = 1.0) {
+  Tensor<S, Cpu> h(shape);
+  normal_(h, 0.0, scale, rng);
+  return to_device<D>(h);
+}
+
+// Forward and backward of one layer on a seeded input of shape `in`.
+template <class L>
+Outputs layer_outputs(L& layer, const Shape& in, std::uint64_t seed) {
+  using E = typename L::Env;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  Rng rng(seed);
+  const auto x = seeded<S, D>(in, rng);
+  typename L::Cache cache{};
+  const auto& y = layer.forward(x, cache);
+  const auto dy = seeded<S, D>(y.shape(), rng);
+  const auto& dx = layer.backward(dy, cache);
+  Outputs out{{"y", host_values(y)}, {"dx", host_values(dx)}};
+  for (auto& [name, p] : named_tensors<S, D>(layer).parameters) out["grad." + name] = host_values(p->grad);
+  return out;
+}
+
+template <class E, class Optimizer, class Options>
+Outputs optimizer_outputs(Options options) {
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  Rng init(7);
+  Linear<E> layer(5, 4, init);
+  auto named = named_tensors<S, D>(layer);
+  Optimizer optimizer(named, options);
+  Rng rng(11);
+  for (int step = 0; step < 3; ++step) {
+    for (auto& [name, p] : named.parameters) p->grad = seeded<S, D>(p->value.shape(), rng);
+    optimizer.step();
+  }
+  Outputs out;
+  for (auto& [name, p] : named.parameters) out["value." + name] = host_values(p->value);
+  return out;
+}
+
+template <class E>
+Outputs loss_outputs(std::string_view name) {
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  Rng rng(5);
+  if (name == "mse") {
+    MseLoss<E> loss;
+    typename MseLoss<E>::Cache cache;
+    const auto y = seeded<S, D>({6, 3}, rng), t = seeded<S, D>({6, 3}, rng);
+    const double value = loss.forward(y, t, cache);
+    return {{"loss", {value}}, {"dy", host_values(loss.backward(cache))}};
+  }
+  CrossEntropyLoss<E> loss(Reduction::Mean, name == "cross_entropy_smoothing" ? 0.1 : 0.0);
+  typename CrossEntropyLoss<E>::Cache cache;
+  const auto logits = seeded<S, D>({7, 300}, rng, 3.0);  // 300 classes: more than one block's threads
+  std::vector<std::int64_t> labels{0, 299, 17, 150, 3, 3, 256};
+  const double value = loss.forward(logits, labels, cache);
+  return {{"loss", {value}}, {"dlogits", host_values(loss.backward(cache))},
+          {"correct", {static_cast<double>(count_correct(logits, labels))}}};
+}
+
+template <class E>
+Outputs run_equivalence_case(std::string_view name) {
+  Rng init(3);
+  if (name == "linear" || name == "linear_no_bias") {
+    Linear<E> layer(37, 19, init, name == "linear");
+    return layer_outputs(layer, {9, 37}, 1);
+  }
+  if (name == "relu") {
+    ReLU<E> layer;
+    return layer_outputs(layer, {4, 1000}, 2);
+  }
+  if (name == "gelu") {
+    GELU<E> layer;
+    return layer_outputs(layer, {4, 1000}, 2);
+  }
+  if (name == "flatten") {
+    Flatten<E> layer;
+    return layer_outputs(layer, {3, 2, 4, 5}, 4);
+  }
+  if (name == "conv2d_3x3") {
+    Conv2d<E> layer(4, 6, 3, init, 1, 1);
+    return layer_outputs(layer, {2, 4, 9, 9}, 12);
+  }
+  if (name == "conv2d_strided_grouped_dilated") {
+    Conv2d<E> layer(Conv2dOptions{.in_channels = 4, .out_channels = 6, .kernel_h = 3, .kernel_w = 3, .stride_h = 2,
+                                  .stride_w = 2, .pad_h = 2, .pad_w = 2, .dilation_h = 2, .dilation_w = 2, .groups = 2},
+                    init);
+    return layer_outputs(layer, {3, 4, 11, 10}, 13);
+  }
+  if (name == "conv2d_1x1_no_bias") {
+    Conv2d<E> layer(8, 16, 1, init, 1, 0, false);
+    return layer_outputs(layer, {2, 8, 7, 7}, 14);
+  }
+  if (name == "batch_norm_train" || name == "batch_norm_eval" || name == "batch_norm_2d_input") {
+    BatchNorm2d<E> layer(5);
+    if (name == "batch_norm_eval") {
+      // Running statistics from one training pass, then an eval-mode forward and backward.
+      typename BatchNorm2d<E>::Cache warmup;
+      Rng rng(15);
+      layer.forward(seeded<typename E::Scalar, typename E::Device>({4, 5, 3, 3}, rng, 2.0), warmup);
+      layer.set_mode(Mode::Eval);
+    }
+    Outputs out = layer_outputs(layer, name == "batch_norm_2d_input" ? Shape{16, 5} : Shape{4, 5, 6, 6}, 16);
+    out["running_mean"] = host_values(layer.running_mean());
+    out["running_var"] = host_values(layer.running_var());
+    return out;
+  }
+  if (name == "max_pool") {
+    MaxPool2d<E> layer(3, 2, 1);
+    return layer_outputs(layer, {2, 3, 9, 8}, 17);
+  }
+  if (name == "avg_pool") {
+    AvgPool2d<E> layer(3, 2, 1);
+    return layer_outputs(layer, {2, 3, 9, 8}, 18);
+  }
+  if (name == "global_avg_pool") {
+    GlobalAvgPool<E> layer;
+    return layer_outputs(layer, {3, 4, 5, 7}, 19);
+  }
+  if (name == "resnet_basic_blocks") {
+    ResNet<E, BasicBlock> model({1, 1}, {8, 16}, false, ResNetOptions{.in_channels = 3, .num_classes = 10, .seed = 20});
+    return layer_outputs(model, {2, 3, 12, 12}, 21);
+  }
+  if (name == "resnet_bottleneck_imagenet_stem") {
+    ResNet<E, Bottleneck> model({1, 1}, {4, 8}, true, ResNetOptions{.in_channels = 3, .num_classes = 7, .seed = 22});
+    return layer_outputs(model, {2, 3, 32, 32}, 23);
+  }
+  if (name == "mlp") {
+    Mlp<E> model(3 * 8 * 8, {64, 32}, 10, 9);
+    return layer_outputs(model, {5, 3, 8, 8}, 6);
+  }
+  if (name == "cross_entropy" || name == "cross_entropy_smoothing" || name == "mse") return loss_outputs<E>(name);
+  if (name == "sgd_nesterov")
+    return optimizer_outputs<E, Sgd<E>>(SgdOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-2, .nesterov = true});
+  if (name == "adam") return optimizer_outputs<E, Adam<E>>(AdamOptions{.lr = 1e-2, .weight_decay = 1e-2});
+  if (name == "adamw_amsgrad")
+    return optimizer_outputs<E, AdamW<E>>(AdamWOptions{.lr = 1e-2, .weight_decay = 0.1, .amsgrad = true});
+  if (name == "lars")
+    return optimizer_outputs<E, Lars<E>>(LarsOptions{.lr = 0.5, .momentum = 0.9, .weight_decay = 1e-3});
+  if (name == "lamb") return optimizer_outputs<E, Lamb<E>>(LambOptions{.lr = 1e-2, .weight_decay = 1e-2});
+  throw ArgumentError(detail::cat("no equivalence case '", name, "'"));
+}
+
+// The two halves, defined in their own translation units.
+Outputs cpu_equivalence_case(std::string_view name);
+Outputs cuda_equivalence_case(std::string_view name);
+std::string cuda_dropout_check();  // empty when the GPU dropout mask is right
+int cuda_device_count();
+
+}  // namespace tessera::testing

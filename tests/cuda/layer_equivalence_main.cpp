@@ -1,0 +1,57 @@
+// CPU-vs-CUDA equivalence of every layer, loss and optimizer with a CUDA kernel (the CPU half is
+// this translation unit, compiled by the host compiler; the CUDA half is
+// layer_equivalence_cuda.cu). Prints one line per case; exits 77 (skipped) without a GPU.
+//
+// Tolerance: float32 on both devices, relative 2e-4 of max(1, |cpu|) per element: cuBLAS and
+// Eigen sum products in different orders, and the GPU's exp/erf differ from glibc's in the last
+// bits; the differences are a few float ulps times the length of the longest sum.
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "cuda/layer_equivalence.hpp"
+#include "tessera/comm/local.hpp"
+
+namespace tessera::testing {
+Outputs cpu_equivalence_case(std::string_view name) { return run_equivalence_case<CpuLocal>(name); }
+}  // namespace tessera::testing
+
+int main() {
+  using namespace tessera::testing;
+  if (cuda_device_count() == 0) {
+    std::printf("no CUDA device: %zu equivalence cases and the dropout check skipped\n", std::size(kEquivalenceCases));
+    return 77;
+  }
+  int failed = 0;
+  for (std::string_view name : kEquivalenceCases) {
+    std::string problem;
+    double worst = 0;
+    try {
+      const Outputs cpu = cpu_equivalence_case(name), gpu = cuda_equivalence_case(name);
+      for (const auto& [key, want] : cpu) {
+        const auto it = gpu.find(key);
+        if (it == gpu.end() || it->second.size() != want.size()) {
+          problem = "output '" + key + "' missing or of another size on the GPU";
+          break;
+        }
+        for (std::size_t i = 0; i < want.size() && problem.empty(); ++i) {
+          const double diff = std::abs(it->second[i] - want[i]) / std::max(1.0, std::abs(want[i]));
+          worst = std::max(worst, diff);
+          if (!(diff <= 2e-4))
+            problem = key + "[" + std::to_string(i) + "]: cuda " + std::to_string(it->second[i]) + ", cpu " +
+                      std::to_string(want[i]);
+        }
+        if (!problem.empty()) break;
+      }
+    } catch (const std::exception& e) {
+      problem = std::string("threw: ") + e.what();
+    }
+    std::printf("%-26s %s (max rel diff %.2e)%s%s\n", std::string(name).c_str(), problem.empty() ? "ok" : "FAILED",
+                worst, problem.empty() ? "" : ": ", problem.c_str());
+    failed += !problem.empty();
+  }
+  const std::string dropout = cuda_dropout_check();
+  std::printf("%-26s %s%s\n", "dropout (distribution)", dropout.empty() ? "ok" : "FAILED: ", dropout.c_str());
+  failed += !dropout.empty();
+  return failed == 0 ? 0 : 1;
+}
