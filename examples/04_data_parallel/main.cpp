@@ -4,6 +4,7 @@
 //   build/examples/04_data_parallel_threads --ranks 2          ranks are threads of this process
 //   mpirun -n 2 build/examples/04_data_parallel_mpi            ranks are MPI processes
 //   tools/tessera-run -n 2 build/examples/04_data_parallel_gloo  ranks are processes over Gloo/TCP
+//   tools/tessera-run -n 2 build/examples/04_data_parallel_nccl  one process per GPU over NCCL
 //
 // Flags: --epochs=5 --batch=64 (the GLOBAL batch: each rank takes batch/N) --lr=0.05
 // --threads=1 (OpenMP threads per rank) --seed=1 --limit=N (first N training images)
@@ -22,7 +23,9 @@
 
 #include "tessera/tessera.hpp"
 #include "../common/fashion_mnist_data.hpp"
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+#include "tessera/comm/nccl.hpp"
+#elif defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
 #elif defined(TESSERA_EXAMPLE_GLOO)
 #include "tessera/comm/gloo.hpp"
@@ -33,6 +36,14 @@
 using namespace tessera;
 
 namespace {
+
+// Where the layers compute: the GPU in the NCCL build (compiled by nvcc through main_nccl.cu).
+#if defined(TESSERA_EXAMPLE_NCCL)
+using E = CudaLocal;
+#else
+using E = CpuLocal;
+#endif
+using Device = typename E::Device;
 
 struct Options {
   std::int64_t epochs = 5, batch = 64, limit = 0;
@@ -55,17 +66,17 @@ double train(Comm& comm, const Options& o) {
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
   // Ranks start from different weights on purpose: DataParallel broadcasts rank 0's.
-  auto model = lenet5<CpuLocal>(1, 28, 10, o.seed + static_cast<std::uint64_t>(rank));
+  auto model = lenet5<E>(1, 28, 10, o.seed + static_cast<std::uint64_t>(rank));
   const GradientCompression compression = o.compression == "fp16"   ? GradientCompression::Fp16
                                           : o.compression == "topk" ? GradientCompression::TopK
                                                                     : GradientCompression::None;
   TESSERA_CHECK(o.compression == "none" || o.compression == "fp16" || o.compression == "topk", ArgumentError,
                 "04_data_parallel: --compression=", o.compression, " is not one of none, fp16, topk");
-  DataParallel<float, Comm> dp(model, comm,
+  DataParallel<float, Comm, Device> dp(model, comm,
                                {.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
                                 .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024),
                                 .compression = compression});
-  Sgd<CpuLocal> sgd(dp.parameters(), {.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay,
+  Sgd<E> sgd(dp.parameters(), {.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay,
                                       .decay_norm_and_bias = false});
   const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
 
@@ -140,7 +151,10 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+    auto comm = NcclComm::from_env();
+    train(comm, o);
+#elif defined(TESSERA_EXAMPLE_MPI)
     auto comm = MpiComm::world();
     train(comm, o);
 #elif defined(TESSERA_EXAMPLE_GLOO)

@@ -5,6 +5,7 @@
 //   build/examples/06_pipeline_parallel_threads --stages=2 --micro-batches=4
 //   mpirun -n 2 build/examples/06_pipeline_parallel_mpi --schedule=gpipe
 //   build/examples/06_pipeline_parallel_threads --stages=2 --replicas=2     4 ranks: 2 x 2
+//   tools/tessera-run -n 2 build/examples/06_pipeline_parallel_nccl          one stage per GPU
 //
 // Flags: --epochs=3 --batch=64 (global) --micro-batches=4 --schedule=1f1b|gpipe --lr=0.05
 // --threads=1 --seed=1 --limit=N --data-dir=DIR --trace=trace.json (one step's schedule as a
@@ -23,8 +24,11 @@
 
 #include "tessera/tessera.hpp"
 #include "../common/fashion_mnist_data.hpp"
+#include "../common/device_batch.hpp"
 #include "tessera/parallel/pipeline.hpp"
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+#include "tessera/comm/nccl.hpp"
+#elif defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
 #else
 #include "tessera/comm/threads.hpp"
@@ -42,7 +46,13 @@ struct Options {
   std::string schedule = "1f1b", data_dir, trace;
 };
 
+// Where the layers compute: the GPU in the NCCL build (compiled by nvcc through main_nccl.cu).
+#if defined(TESSERA_EXAMPLE_NCCL)
+using E = CudaLocal;
+#else
 using E = CpuLocal;
+#endif
+using Device = typename E::Device;
 using Model = LeNet5<E>;
 
 // The first batch through the unsplit model and through the pipeline: equal loss and gradients.
@@ -52,22 +62,26 @@ void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, s
   Model::Cache cache{};
   CrossEntropyLoss<E> loss;
   CrossEntropyLoss<E>::Cache loss_cache;
-  const float expected = loss.forward(whole.forward(b.images, cache), b.labels, loss_cache);
+  examples::DeviceBatch<Device> images;
+  const float expected = loss.forward(whole.forward(images(b.images), cache), b.labels, loss_cache);
   whole.backward(loss.backward(loss_cache), cache);
-  const float got = pipe.train_step(b.images, b.labels);
-  std::map<std::string, Parameter<float>*> reference;
-  for (auto& [name, p] : named_tensors<float, Cpu>(whole).parameters) reference[name] = p;
+  const float got = pipe.train_step(images(b.images), b.labels);
+  std::map<std::string, Parameter<float, Device>*> reference;
+  for (auto& [name, p] : named_tensors<float, Device>(whole).parameters) reference[name] = p;
   double worst = 0;
-  for (auto& [name, p] : pipe.stage_parameters().parameters)
-    for (std::int64_t k = 0; k < p->grad.numel(); ++k)
-      worst = std::max(worst, static_cast<double>(std::abs(p->grad.data()[k] - reference.at(name)->grad.data()[k])));
-  std::array<double, 1> all{worst};
+  for (auto& [name, p] : pipe.stage_parameters().parameters) {
+    const auto mine = to_host(p->grad), want = to_host(reference.at(name)->grad);
+    for (std::int64_t k = 0; k < mine.numel(); ++k)
+      worst = std::max(worst, static_cast<double>(std::abs(mine[k] - want[k])));
+  }
+  std::array<double, 1> all{worst};  // the largest difference over the stages
   pipe_comm.all_reduce(std::span<double>(all), ReduceOp::Max);
-  TESSERA_CHECK(std::abs(got - expected) < 1e-5f && all[0] < 1e-5, Error, "06_pipeline_parallel: the pipeline differs "
-                "from the unsplit model on the first batch: loss ", got, " vs ", expected, ", gradients by ", all[0]);
+  worst = all[0];
+  TESSERA_CHECK(std::abs(got - expected) < 1e-5f && worst < 1e-5, Error, "06_pipeline_parallel: the pipeline differs "
+                "from the unsplit model on the first batch: loss ", got, " vs ", expected, ", gradients by ", worst);
   if (report)
     std::printf("check: first batch through the pipeline = the unsplit model (loss %.6f vs %.6f, gradients within %.1e)\n",
-                got, expected, all[0]);
+                got, expected, worst);
   for (auto& [name, p] : pipe.stage_parameters().parameters) p->grad.zero();
 }
 
@@ -100,8 +114,10 @@ void train(Comm& world, const Options& o, int stages) {
   // Balance: rank 0 times each layer's forward + backward on one micro-batch and the layers are
   // split to even out the stages' times (conv layers cost far more than their few parameters say).
   const std::int64_t micro = batch.images.dim(0) / o.micro_batches;
-  Tensor<float> sample(Shape{micro, 1, 28, 28});
-  std::copy_n(batch.images.data(), sample.numel(), sample.data());
+  Tensor<float> host_sample(Shape{micro, 1, 28, 28});
+  std::copy_n(batch.images.data(), host_sample.numel(), host_sample.data());
+  const auto sample = to_device<Device>(host_sample);
+  examples::DeviceBatch<Device> images;
   Pipeline<Model, Comm> pipe(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = schedule},
                              pipe_comm.rank() == 0 ? &sample : nullptr);
   Sgd<E> sgd(pipe.stage_parameters(), {.lr = o.lr, .momentum = 0.9});
@@ -120,7 +136,7 @@ void train(Comm& world, const Options& o, int stages) {
   check_against_unsplit(pipe, pipe_comm, batch, o.seed, world.rank() == 0);
   // Hybrid: each stage's gradients are averaged over the replicas holding the same stage (after
   // the check, whose backward must not reach these hooks).
-  std::optional<DataParallel<float, Comm>> dp;
+  std::optional<DataParallel<float, Comm, Device>> dp;
   if (replicas > 1) dp.emplace(pipe.stage(), dp_comm, DataParallelOptions{.average_micro_steps = false});
 
   double idle_sum = 0;
@@ -137,9 +153,9 @@ void train(Comm& world, const Options& o, int stages) {
       float loss;
       if (dp) {
         auto guard = dp->no_sync();
-        loss = pipe.train_step(batch.images, batch.labels);
+        loss = pipe.train_step(images(batch.images), batch.labels);
       } else {
-        loss = pipe.train_step(batch.images, batch.labels);
+        loss = pipe.train_step(images(batch.images), batch.labels);
       }
       if (dp) dp->finish();
       sgd.step();
@@ -160,7 +176,7 @@ void train(Comm& world, const Options& o, int stages) {
     std::array<double, 2> correct{0, 0};
     Batch<float> test_batch;
     while (test_loader.next(test_batch)) {
-      const auto& logits = pipe.predict(test_batch.images);
+      const auto& logits = pipe.predict(images(test_batch.images));
       if (stage == stages - 1) correct[0] += static_cast<double>(count_correct(logits, test_batch.labels));
       correct[1] += static_cast<double>(test_batch.labels.size());
     }
@@ -193,7 +209,7 @@ void train(Comm& world, const Options& o, int stages) {
     loader.start_epoch(0);
     loader.next(batch);
     sgd.zero_grad();
-    traced.train_step(batch.images, batch.labels);
+    traced.train_step(images(batch.images), batch.labels);
     timeline.write(world, o.trace);
     if (world.rank() == 0) std::printf("timeline of one step: %s\n", o.trace.c_str());
   }
@@ -223,7 +239,10 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+    auto comm = NcclComm::from_env();  // one process per GPU; --replicas as under mpirun
+    train(comm, o, comm.size() / o.replicas);
+#elif defined(TESSERA_EXAMPLE_MPI)
     auto comm = MpiComm::world();
     // Under mpirun every rank is a stage unless --replicas says how many pipelines there are.
     train(comm, o, comm.size() / o.replicas);

@@ -17,8 +17,11 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/device_batch.hpp"
 #include "../common/fashion_mnist_data.hpp"
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+#include "tessera/comm/nccl.hpp"
+#elif defined(TESSERA_EXAMPLE_MPI)
 #include "tessera/comm/mpi.hpp"
 #else
 #include "tessera/comm/threads.hpp"
@@ -36,13 +39,19 @@ struct Options {
   std::string data_dir;
 };
 
+// Where the layers compute: the GPU in the NCCL build (compiled by nvcc through main_nccl.cu).
+#if defined(TESSERA_EXAMPLE_NCCL)
+using E = CudaLocal;
+#else
 using E = CpuLocal;
+#endif
+using Device = typename E::Device;
 
 // Flatten -> [column-parallel Linear(784, hidden) -> ReLU -> row-parallel Linear(hidden, 10)].
 template <class Comm>
 struct TensorParallelClassifier {
   using Env = E;
-  using Tensor = tessera::Tensor<float>;
+  using Tensor = tessera::Tensor<float, Device>;
   struct Cache {
     Flatten<E>::Cache flatten;
     typename TensorParallelMlp<E, Comm>::Cache mlp;
@@ -74,23 +83,26 @@ void check_against_dense(TensorParallelClassifier<Comm>& tp, Comm& comm, const B
   ReLU<E>::Cache cr;
   CrossEntropyLoss<E> loss;
   CrossEntropyLoss<E>::Cache lc_dense, lc_tp;
-  const float expected = loss.forward(fc2.forward(relu.forward(fc1.forward(flatten.forward(b.images, cf), c1), cr), c2),
-                                      b.labels, lc_dense);
+  examples::DeviceBatch<Device> images;
+  const float expected = loss.forward(
+      fc2.forward(relu.forward(fc1.forward(flatten.forward(images(b.images), cf), c1), cr), c2), b.labels, lc_dense);
   fc1.backward(relu.backward(fc2.backward(loss.backward(lc_dense), c2), cr), c1);
   typename TensorParallelClassifier<Comm>::Cache cache;
-  const float got = loss.forward(tp.forward(b.images, cache), b.labels, lc_tp);
+  const float got = loss.forward(tp.forward(images(b.images), cache), b.labels, lc_tp);
   tp.backward(loss.backward(lc_tp), cache);
   // Rank r holds rows [r h/p, (r+1) h/p) of fc1 and columns [r h/p, (r+1) h/p) of fc2.
-  auto named = named_tensors<float, Cpu>(tp);
+  auto named = named_tensors<float, Device>(tp);
   const std::int64_t w = o.hidden / comm.size(), first = w * comm.rank();
   double worst = 0;
-  const auto& g1 = named.parameters[0].second->grad;  // "0.weight" (w, 784)
+  const auto g1 = to_host(named.parameters[0].second->grad);  // "0.weight" (w, 784)
+  const auto dense_g1 = to_host(fc1.weight().grad);
   for (std::int64_t k = 0; k < g1.numel(); ++k)
-    worst = std::max(worst, static_cast<double>(std::abs(g1.data()[k] - fc1.weight().grad.data()[first * 784 + k])));
-  const auto& g2 = named.parameters[2].second->grad;  // "2.weight" (10, w)
+    worst = std::max(worst, static_cast<double>(std::abs(g1[k] - dense_g1[first * 784 + k])));
+  const auto g2 = to_host(named.parameters[2].second->grad);  // "2.weight" (10, w)
+  const auto dense_g2 = to_host(fc2.weight().grad);
   for (std::int64_t i = 0; i < 10; ++i)
     for (std::int64_t j = 0; j < w; ++j)
-      worst = std::max(worst, static_cast<double>(std::abs(g2.data()[i * w + j] - fc2.weight().grad.data()[i * o.hidden + first + j])));
+      worst = std::max(worst, static_cast<double>(std::abs(g2[i * w + j] - dense_g2[i * o.hidden + first + j])));
   std::array<double, 1> all{worst};
   comm.all_reduce(std::span<double>(all), ReduceOp::Max);
   TESSERA_CHECK(std::abs(got - expected) < 1e-5f && all[0] < 1e-5, Error, "07_tensor_parallel: differs from the dense "
@@ -108,7 +120,8 @@ void train(Comm& comm, const Options& o) {
 
   Rng rng(o.seed);  // the dense layers' draws; each rank keeps its slice
   TensorParallelClassifier<Comm> model(o.hidden, rng, comm);
-  auto named = named_tensors<float, Cpu>(model);
+  auto named = named_tensors<float, Device>(model);
+  examples::DeviceBatch<Device> images;  // the host batches, on the GPU in the NCCL build
   if (comm.rank() == 0)
     std::printf("07_tensor_parallel: MLP 784-%lld-10 split over %d ranks: %zu of %lld parameters on each rank; batch %lld\n",
                 static_cast<long long>(o.hidden), comm.size(), count_parameters(named),
@@ -134,7 +147,7 @@ void train(Comm& comm, const Options& o) {
     std::int64_t steps = 0;
     while (loader.next(batch)) {
       sgd.zero_grad();
-      loss_sum += loss.forward(model.forward(batch.images, cache), batch.labels, loss_cache);
+      loss_sum += loss.forward(model.forward(images(batch.images), cache), batch.labels, loss_cache);
       model.backward(loss.backward(loss_cache), cache);
       sgd.step();
       ++steps;
@@ -144,7 +157,7 @@ void train(Comm& comm, const Options& o) {
     test_loader.start_epoch(0);
     Batch<float> test_batch;
     while (test_loader.next(test_batch)) {  // logits are whole on every rank (the row layer's all-reduce)
-      correct += count_correct(model.forward(test_batch.images, cache), test_batch.labels);
+      correct += count_correct(model.forward(images(test_batch.images), cache), test_batch.labels);
       total += static_cast<std::int64_t>(test_batch.labels.size());
     }
     const double accuracy = static_cast<double>(correct) / static_cast<double>(total);
@@ -179,7 +192,10 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-#if defined(TESSERA_EXAMPLE_MPI)
+#if defined(TESSERA_EXAMPLE_NCCL)
+    auto comm = NcclComm::from_env();  // one process per GPU
+    train(comm, o);
+#elif defined(TESSERA_EXAMPLE_MPI)
     auto comm = MpiComm::world();
     train(comm, o);
 #else

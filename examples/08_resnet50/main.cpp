@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "tessera/tessera.hpp"
+#include "../common/device_batch.hpp"
 #include "tessera/parallel/pipeline.hpp"
 #include "tessera/parallel/tensor_parallel_resnet.hpp"
 #if defined(TESSERA_EXAMPLE_NCCL)
@@ -67,22 +68,7 @@ using E = CpuLocal;
 #endif
 using Model = ResNet<E, Bottleneck>;
 
-// The loader's host batch where the model is (the batch itself on the CPU).
-class Upload {
- public:
-  template <class Host>  // a template, so that the branch not taken is never compiled
-  const Tensor<float, Device>& operator()(const Tensor<float, Host>& host) {
-    if constexpr (std::is_same_v<Device, Host>) {
-      return host;
-    } else {
-      device_ = to_device<Device>(host);
-      return device_;
-    }
-  }
-
- private:
-  Tensor<float, Device> device_;
-};
+using Upload = examples::DeviceBatch<Device>;
 
 Model make_resnet50(const Options& o) {
   return resnet50<E>({.in_channels = 3, .num_classes = o.classes, .zero_init_residual = true, .seed = 1});

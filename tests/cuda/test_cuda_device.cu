@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,26 @@ int main() {
     Cuda::copy_to_host(back.data(), b, n * sizeof(float));
     Cuda::synchronize();
     check(std::memcmp(back.data(), h, n * sizeof(float)) == 0, "copies round-trip exactly");
+
+    // Staged uploads from pageable memory: three batches through the two staging slots (the
+    // third reuses the first slot, after its transfer), each to its own device buffer; the
+    // source may change as soon as upload() returns.
+    std::vector<float> batch(n);
+    std::vector<float*> targets;
+    for (int k = 0; k < 3; ++k) {
+      for (std::size_t i = 0; i < n; ++i) batch[i] = static_cast<float>(k * 10000 + static_cast<int>(i));
+      targets.push_back(static_cast<float*>(Cuda::allocate(n * sizeof(float))));
+      Cuda::upload(targets.back(), batch.data(), n * sizeof(float));
+      std::fill(batch.begin(), batch.end(), -1.0f);  // overwritten at once: the staging copy must not care
+    }
+    for (int k = 0; k < 3; ++k) {
+      Cuda::copy_to_host(back.data(), targets[static_cast<std::size_t>(k)], n * sizeof(float));
+      Cuda::synchronize();
+      bool same = true;
+      for (std::size_t i = 0; i < n; ++i) same = same && back[i] == static_cast<float>(k * 10000 + static_cast<int>(i));
+      check(same, "upload " + std::to_string(k) + " arrived intact through the staging buffers");
+      Cuda::deallocate(targets[static_cast<std::size_t>(k)], n * sizeof(float));
+    }
 
     // cuBLAS on the stream: C = A B for 3x4 times 4x2 (column-major), against the CPU.
     const int m = 3, k = 4, cols = 2;

@@ -37,6 +37,8 @@ struct Cpu {
   }
   static void copy_to_device(void* dst, const void* host, std::size_t bytes) { copy(dst, host, bytes); }
   static void copy_to_host(void* host, const void* src, std::size_t bytes) { copy(host, src, bytes); }
+  // The data loader's path to the device (a GPU stages it through page-locked memory).
+  static void upload(void* dst, const void* host, std::size_t bytes) { copy(dst, host, bytes); }
   static void synchronize() {}
 
   // Threads used by kernels from now on; n <= 0 means "all cores" (OpenMP's default).

@@ -26,6 +26,7 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -145,6 +146,30 @@ class Cuda {
   static void set_math_precision(MathPrecision p) { precision_slot().store(p); }
   static MathPrecision math_precision() { return precision_slot().load(); }
 
+  // Host -> device for the data loader's batches, from ordinary (pageable) host memory: the bytes
+  // are copied into one of two page-locked staging buffers and sent from there asynchronously,
+  // so the call returns before the transfer ends and the next batch can be prepared meanwhile.
+  // A slot is reused only after its previous transfer completed (an event per slot).
+  static void upload(void* dst, const void* host, std::size_t bytes) {
+    if (bytes == 0) return;
+    DeviceState& s = state();
+    std::lock_guard lock(s.staging_mutex);
+    auto& slot = s.staging[s.next_staging];
+    s.next_staging = (s.next_staging + 1) % s.staging.size();
+    if (slot.in_flight) TESSERA_CUDA_CHECK(cudaEventSynchronize(slot.done));
+    if (slot.bytes < bytes) {
+      if (slot.host) TESSERA_CUDA_CHECK(cudaFreeHost(slot.host));
+      slot.host = nullptr;
+      TESSERA_CUDA_CHECK(cudaMallocHost(&slot.host, bytes));
+      slot.bytes = bytes;
+    }
+    if (slot.done == nullptr) TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    std::memcpy(slot.host, host, bytes);
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, s.stream));
+    TESSERA_CUDA_CHECK(cudaEventRecord(slot.done, s.stream));
+    slot.in_flight = true;
+  }
+
   static cudaStream_t stream() { return state().stream; }
   static cublasHandle_t cublas() { return state().cublas; }
   static cudnnHandle_t cudnn() { return state().cudnn; }
@@ -162,6 +187,15 @@ class Cuda {
     cublasHandle_t cublas = nullptr;
     cudnnHandle_t cudnn = nullptr;
     CudaCachingAllocator allocator;
+    struct Staging {
+      void* host = nullptr;  // page-locked, grown to the largest upload
+      std::size_t bytes = 0;
+      cudaEvent_t done = nullptr;
+      bool in_flight = false;
+    };
+    std::array<Staging, 2> staging{};
+    std::size_t next_staging = 0;
+    std::mutex staging_mutex;
     explicit DeviceState(int device) {
       TESSERA_CUDA_CHECK(cudaSetDevice(device));
       TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -189,14 +189,15 @@ class Trainer {
 
  private:
   // The batch's images where the model is: the host batch itself on the CPU, else a copy in a
-  // device tensor kept across steps (the model's caches point at it until backward).
+  // device tensor kept across steps (the model's caches point at it until backward), sent through
+  // the device's page-locked staging buffers so the loader prepares the next batch meanwhile.
   const Tensor<S, typename E::Device>& on_device(const Tensor<S, Cpu>& images) {
     using D = typename E::Device;
     if constexpr (std::is_same_v<D, Cpu>) {
       return images;
     } else {
       device_images_.resize(images.shape());
-      D::copy_to_device(device_images_.data(), images.data(), images.bytes());
+      D::upload(device_images_.data(), images.data(), images.bytes());  // staged, asynchronous
       return device_images_;
     }
   }

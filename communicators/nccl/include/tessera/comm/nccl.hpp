@@ -21,6 +21,9 @@
 // conformance suite's "send_async right, recv left" ring becomes one fused group, as PyTorch's
 // batch_isend_irecv does explicitly.
 //
+// Host buffers work too (for small control messages: step times, metrics): they are copied to
+// the GPU and back around the operation.
+//
 // Failures. The communicator is created non-blocking (ncclConfig_t::blocking = 0), so no NCCL
 // call can hang the host: waits poll the completion event and ncclCommGetAsyncError, and after
 // CommOptions::timeout (TESSERA_COMM_TIMEOUT) the communicator is aborted (ncclCommAbort) and
@@ -196,9 +199,10 @@ class NcclComm {
 
   template <CommScalar T>
   Work all_reduce_async(std::span<T> buf, ReduceOp op) {
+    if (!on_device(buf.data(), buf.size_bytes()))
+      return through_device<T>(buf, buf, [&](auto, std::span<T> d) { return all_reduce_async(d, op); });
     return collective(detail::CallSignature{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)},
-                      {buf.data()}, buf.size_bytes(), [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)}, [=, this](cudaStream_t st) {
                         return ncclAllReduce(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(),
                                              detail::nccl_op(op), s_->comm, st);
                       });
@@ -206,9 +210,10 @@ class NcclComm {
   template <CommScalar T>
   Work broadcast_async(std::span<T> buf, int root) {
     check_peer(root, "broadcast root");
+    if (!on_device(buf.data(), buf.size_bytes()))
+      return through_device<T>(buf, buf, [&](auto, std::span<T> d) { return broadcast_async(d, root); });
     return collective(detail::CallSignature{detail::CollectiveKind::Broadcast, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(buf.size()), root},
-                      {buf.data()}, buf.size_bytes(), [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(buf.size()), root}, [=, this](cudaStream_t st) {
                         return ncclBroadcast(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(), root,
                                              s_->comm, st);
                       });
@@ -217,9 +222,10 @@ class NcclComm {
   Work all_gather_async(std::span<const T> in, std::span<T> out) {
     TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), ArgumentError, "NcclComm all_gather on rank ",
                   rank(), ": output holds ", out.size(), " elements, expected ", size(), " x ", in.size());
+    if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
+      return through_device<T>(in, out, [&](std::span<const T> a, std::span<T> b) { return all_gather_async(a, b); });
     return collective(detail::CallSignature{detail::CollectiveKind::AllGather, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(in.size()), 0},
-                      {in.data(), out.data()}, in.size_bytes(), [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(in.size()), 0}, [=, this](cudaStream_t st) {
                         return ncclAllGather(in.data(), out.data(), in.size(), detail::nccl_type<T>(), s_->comm, st);
                       });
   }
@@ -228,9 +234,11 @@ class NcclComm {
     TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size()), ArgumentError,
                   "NcclComm reduce_scatter on rank ", rank(), ": input holds ", in.size(), " elements, expected ", size(),
                   " x ", out.size());
+    if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
+      return through_device<T>(in, out,
+                               [&](std::span<const T> a, std::span<T> b) { return reduce_scatter_async(a, b, op); });
     return collective(detail::CallSignature{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(out.size()), static_cast<std::int64_t>(op)},
-                      {in.data(), out.data()}, out.size_bytes(), [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(out.size()), static_cast<std::int64_t>(op)}, [=, this](cudaStream_t st) {
                         return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_type<T>(),
                                                  detail::nccl_op(op), s_->comm, st);
                       });
@@ -238,7 +246,8 @@ class NcclComm {
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
     check_peer(peer, "send peer");
-    check_device_memory(buf.data(), buf.size_bytes(), "send");
+    if (!on_device(buf.data(), buf.size_bytes()))
+      return through_device<T>(buf, {}, [&](std::span<const T> d, auto) { return send_async(d, peer); });
     return queue_p2p([=, this](cudaStream_t st) {
       return ncclSend(buf.data(), buf.size(), detail::nccl_type<T>(), peer, s_->comm, st);
     }, detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer));
@@ -246,7 +255,8 @@ class NcclComm {
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
     check_peer(peer, "recv peer");
-    check_device_memory(buf.data(), buf.size_bytes(), "recv");
+    if (!on_device(buf.data(), buf.size_bytes()))
+      return through_device<T>({}, buf, [&](auto, std::span<T> d) { return recv_async(d, peer); });
     return queue_p2p([=, this](cudaStream_t st) {
       return ncclRecv(buf.data(), buf.size(), detail::nccl_type<T>(), peer, s_->comm, st);
     }, detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer));
@@ -346,17 +356,58 @@ class NcclComm {
                   " is outside 0..", size() - 1);
   }
 
-  // NCCL reads and writes GPU memory only; a host pointer would fault inside a kernel, far from
-  // the call. cudaPointerGetAttributes tells them apart (about a microsecond).
-  void check_device_memory(const void* p, std::size_t bytes, const char* what) const {
-    if (bytes == 0) return;
+  // NCCL reads and writes GPU memory only (a host pointer would fault inside its kernel).
+  // cudaPointerGetAttributes tells them apart, in about a microsecond.
+  static bool on_device(const void* p, std::size_t bytes) {
+    if (bytes == 0) return true;
     cudaPointerAttributes attributes{};
-    const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
-    if (status != cudaSuccess) (void)cudaGetLastError();
-    TESSERA_CHECK(status == cudaSuccess &&
-                      (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged),
-                  ArgumentError, "NcclComm ", what, " on rank ", rank(), ": buffer ", p,
-                  " is not GPU memory; NCCL needs device buffers (Tensor<S, Cuda>)");
+    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+  }
+
+  // A host buffer's stand-in in GPU memory (from the device's cache) for one operation.
+  template <class T>
+  struct DeviceCopy {
+    T* data = nullptr;
+    std::size_t size = 0;
+    explicit DeviceCopy(std::size_t n) : size(n) {
+      if (n) data = static_cast<T*>(Cuda::allocate(n * sizeof(T)));
+    }
+    ~DeviceCopy() {
+      if (data) Cuda::deallocate(data, size * sizeof(T));
+    }
+    DeviceCopy(const DeviceCopy&) = delete;
+    DeviceCopy& operator=(const DeviceCopy&) = delete;
+  };
+
+  // Host buffers, for control messages (step times, metrics, a BN count): `run` gets device
+  // copies, `in` copied over first, `out` copied back when the Work is waited on; in-place
+  // operations pass the same span as both. Costs two copies and an allocation from the cache:
+  // keep large tensors on the GPU.
+  template <class T, class Run>
+  Work through_device(std::span<const T> in, std::span<T> out, Run&& run) {
+    TESSERA_CUDA_CHECK(cudaSetDevice(s_->device));
+    const bool in_place = !in.empty() && static_cast<const void*>(in.data()) == static_cast<const void*>(out.data());
+    auto in_copy = std::make_shared<DeviceCopy<T>>(in_place || on_device(in.data(), in.size_bytes()) ? 0 : in.size());
+    auto out_copy = std::make_shared<DeviceCopy<T>>(on_device(out.data(), out.size_bytes()) ? 0 : out.size());
+    if (in_copy->data) Cuda::copy_to_device(in_copy->data, in.data(), in.size_bytes());
+    if (in_place) Cuda::copy_to_device(out_copy->data, in.data(), in.size_bytes());
+    const std::span<const T> device_in = in_place ? std::span<const T>(out_copy->data, out.size())
+                                         : in_copy->data ? std::span<const T>(in_copy->data, in.size()) : in;
+    const std::span<T> device_out = out_copy->data ? std::span<T>(out_copy->data, out.size()) : out;
+    auto inner = std::make_shared<Work>(run(device_in, device_out));
+    const std::span<T> host_out = out_copy->data ? out : std::span<T>();
+    return Work(
+        [inner, in_copy, out_copy, host_out] {
+          inner->wait();
+          if (host_out.empty()) return;
+          Cuda::copy_to_host(host_out.data(), out_copy->data, host_out.size_bytes());
+          Cuda::synchronize();
+        },
+        [inner] { return inner->is_completed(); });
   }
 
   static void allocate_scratch(detail::NcclState& s) {
@@ -412,10 +463,8 @@ class NcclComm {
   // One collective: queued sends/recvs first (one group), then the collective on NCCL's stream
   // after the compute stream's work so far.
   template <class Enqueue>
-  Work collective(const detail::CallSignature& signature, std::initializer_list<const void*> buffers,
-                  std::size_t bytes, Enqueue&& enqueue) {
+  Work collective(const detail::CallSignature& signature, Enqueue&& enqueue) {
     auto& s = *s_;
-    for (const void* p : buffers) check_device_memory(p, bytes, detail::to_string(signature.kind).data());
     std::lock_guard lock(s.mutex);
     ensure_usable(s, signature.describe());
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
