@@ -22,6 +22,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/example_env.hpp"
 #include "../common/fashion_mnist_data.hpp"
 #if defined(TESSERA_EXAMPLE_NCCL)
 #include "tessera/comm/nccl.hpp"
@@ -37,13 +38,8 @@ using namespace tessera;
 
 namespace {
 
-// Where the layers compute: the GPU in the NCCL build (compiled by nvcc through main_nccl.cu).
-#if defined(TESSERA_EXAMPLE_NCCL)
-using E = CudaLocal;
-#else
-using E = CpuLocal;
-#endif
-using Device = typename E::Device;
+using E = examples::Env;  // CpuLocal, or CudaLocal in the NCCL build (main_nccl.cu)
+using Device = examples::Device;
 
 struct Options {
   std::int64_t epochs = 5, batch = 64, limit = 0;

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/example_env.hpp"
 #include "../common/fashion_mnist_data.hpp"
 #include "../common/device_batch.hpp"
 #include "tessera/parallel/pipeline.hpp"
@@ -46,13 +47,8 @@ struct Options {
   std::string schedule = "1f1b", data_dir, trace;
 };
 
-// Where the layers compute: the GPU in the NCCL build (compiled by nvcc through main_nccl.cu).
-#if defined(TESSERA_EXAMPLE_NCCL)
-using E = CudaLocal;
-#else
-using E = CpuLocal;
-#endif
-using Device = typename E::Device;
+using E = examples::Env;  // CpuLocal, or CudaLocal in the NCCL build (main_nccl.cu)
+using Device = examples::Device;
 using Model = LeNet5<E>;
 
 // The first batch through the unsplit model and through the pipeline: equal loss and gradients.

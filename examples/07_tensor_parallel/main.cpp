@@ -17,6 +17,7 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
+#include "../common/example_env.hpp"
 #include "../common/device_batch.hpp"
 #include "../common/fashion_mnist_data.hpp"
 #if defined(TESSERA_EXAMPLE_NCCL)
@@ -39,13 +40,8 @@ struct Options {
   std::string data_dir;
 };
 
-// Where the layers compute: the GPU in the NCCL build (compiled by nvcc through main_nccl.cu).
-#if defined(TESSERA_EXAMPLE_NCCL)
-using E = CudaLocal;
-#else
-using E = CpuLocal;
-#endif
-using Device = typename E::Device;
+using E = examples::Env;  // CpuLocal, or CudaLocal in the NCCL build (main_nccl.cu)
+using Device = examples::Device;
 
 // Flatten -> [column-parallel Linear(784, hidden) -> ReLU -> row-parallel Linear(hidden, 10)].
 template <class Comm>

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "tessera/tessera.hpp"
+#include "../common/example_env.hpp"
 #include "../common/device_batch.hpp"
 #include "tessera/parallel/pipeline.hpp"
 #include "tessera/parallel/tensor_parallel_resnet.hpp"
@@ -59,13 +60,8 @@ struct Options {
 
 // The layers' policy bundle: the device (and scalar) they compute on. The communicator of a
 // strategy is the program's own (Comm below); the layers never talk to it.
-#if defined(TESSERA_EXAMPLE_CUDA)
-using Device = Cuda;
-using E = CudaLocal;
-#else
-using Device = Cpu;
-using E = CpuLocal;
-#endif
+using E = examples::Env;  // CpuLocal, or CudaLocal in the GPU builds (main_cuda.cu)
+using Device = examples::Device;
 using Model = ResNet<E, Bottleneck>;
 
 using Upload = examples::DeviceBatch<Device>;
