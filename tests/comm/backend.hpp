@@ -16,6 +16,13 @@ using BackendComm = GlooComm;
 inline const char* backend_name() { return "gloo"; }
 inline GlooComm open_backend() { return GlooComm::from_env(); }
 }  // namespace tessera::testing
+#elif defined(TESSERA_TEST_NCCL)
+#include "tessera/comm/nccl.hpp"
+namespace tessera::testing {
+using BackendComm = NcclComm;
+inline const char* backend_name() { return "nccl"; }
+inline NcclComm open_backend() { return NcclComm::from_env(); }
+}  // namespace tessera::testing
 #else
-#error "define TESSERA_TEST_MPI or TESSERA_TEST_GLOO"
+#error "define TESSERA_TEST_MPI, TESSERA_TEST_GLOO or TESSERA_TEST_NCCL"
 #endif

@@ -10,8 +10,8 @@ the rank, and (for Gloo) the missing peer or phase:
   mismatch                           TESSERA_COMM_DEBUG=1 and different counts on different ranks
   join (Gloo)                        world size 3 but only ranks 0 and 1 start
 
-Gloo ranks are started directly (not through tessera-run, which would stop the survivors itself)
-so that each survivor's own error is observed. Under mpirun the launcher ends the job when a
+Gloo and NCCL ranks are started directly (not through tessera-run, which would stop the survivors
+itself) so that each survivor's own error is observed; NCCL needs one GPU per rank (3). Under mpirun the launcher ends the job when a
 rank dies, which is the MPI way; the test checks that it does so in time and names the rank.
 """
 import argparse
@@ -26,6 +26,8 @@ import time
 
 TIMEOUT = 3.0  # seconds, passed as TESSERA_COMM_TIMEOUT
 failures = []
+# The store-based backends share the scenarios: (label in the report, class named in errors).
+STORE_BACKEND = {"label": "gloo", "class": "GlooComm"}
 
 
 def check(ok, what, detail=""):
@@ -109,7 +111,7 @@ def gloo_kill_scenario(program, mode, op_name):
         ranks = gloo_start(program, mode, 3, [0, 1, 2], store)
         try:
             ready = wait_ready(ranks)
-            check(ready, f"gloo {mode}: all 3 ranks started", "\n".join(r.text() for r in ranks))
+            check(ready, f"{STORE_BACKEND['label']} {mode}: all 3 ranks started", "\n".join(r.text() for r in ranks))
             if not ready:
                 return
             time.sleep(0.3)  # in the middle of the loop
@@ -120,10 +122,10 @@ def gloo_kill_scenario(program, mode, op_name):
                 took = time.monotonic() - killed_at
                 text = survivor.text()
                 check(code is not None and code != 0 and took <= 2 * TIMEOUT,
-                      f"gloo {mode}: rank {r} exits non-zero within 2x the timeout after rank 1 is killed "
+                      f"{STORE_BACKEND['label']} {mode}: rank {r} exits non-zero within 2x the timeout after rank 1 is killed "
                       f"({took:.2f} s, status {code})", text)
-                check(re.search(rf"CommError: GlooComm {op_name}\(.*\) on rank {r} of 3", text) is not None,
-                      f"gloo {mode}: rank {r}'s error names the operation and its rank", text)
+                check(re.search(rf"CommError: {STORE_BACKEND['class']} {op_name}\(.*\) on rank {r} of 3", text) is not None,
+                      f"{STORE_BACKEND['label']} {mode}: rank {r}'s error names the operation and its rank", text)
                 print("      " + (text.strip().splitlines() or ["(no output)"])[-1])
         finally:
             for r in ranks:
@@ -141,7 +143,7 @@ def gloo_mismatch(program):
                 check(code == 3 and "ranks called different collectives" in text
                       and "rank 0: all_reduce(float32 x 10, sum)" in text
                       and "rank 1: all_reduce(float32 x 11, sum)" in text,
-                      f"gloo mismatch (debug mode): rank {r} reports every rank's call (status {code})", text)
+                      f"{STORE_BACKEND['label']} mismatch (debug mode): rank {r} reports every rank's call (status {code})", text)
         finally:
             for r in ranks:
                 r.kill()
@@ -157,7 +159,7 @@ def gloo_join(program):
                 took = time.monotonic() - start
                 text = rank.text()
                 check(code == 3 and "rank(s) 2 never joined" in text and took <= 2 * TIMEOUT + 2,
-                      f"gloo join: rank {r} fails naming the missing rank 2 ({took:.2f} s, status {code})", text)
+                      f"{STORE_BACKEND['label']} join: rank {r} fails naming the missing rank 2 ({took:.2f} s, status {code})", text)
         finally:
             for r in ranks:
                 r.kill()
@@ -168,7 +170,7 @@ def gloo_stall(program):
         ranks = gloo_start(program, "stall", 3, [0, 1, 2], store)
         try:
             if not wait_ready(ranks):
-                check(False, "gloo stall: ranks started", "\n".join(r.text() for r in ranks))
+                check(False, f"{STORE_BACKEND['label']} stall: ranks started", "\n".join(r.text() for r in ranks))
                 return
             start = time.monotonic()
             for r in (0, 2):
@@ -176,7 +178,7 @@ def gloo_stall(program):
                 took = time.monotonic() - start
                 text = ranks[r].text()
                 check(code == 3 and took <= 2 * TIMEOUT and f"all_reduce(float32 x 1000, sum) on rank {r} of 3" in text,
-                      f"gloo stall: rank {r} times out naming the operation ({took:.2f} s, status {code})", text)
+                      f"{STORE_BACKEND['label']} stall: rank {r} times out naming the operation ({took:.2f} s, status {code})", text)
         finally:
             for r in ranks:
                 r.kill()
@@ -254,11 +256,18 @@ def mpi_mismatch(mpirun, program):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["gloo", "mpi"], required=True)
-    parser.add_argument("--program", required=True, help="fault_gloo or fault_mpi")
+    parser.add_argument("--backend", choices=["gloo", "mpi", "nccl"], required=True)
+    parser.add_argument("--program", required=True, help="fault_gloo, fault_mpi or fault_nccl")
     parser.add_argument("--mpirun", default="mpirun")
     args = parser.parse_args()
-    if args.backend == "gloo":
+    if args.backend == "nccl":
+        # NCCL cannot tell which rank never joined its rendezvous, so the join scenario is Gloo's.
+        STORE_BACKEND.update(label="nccl", **{"class": "NcclComm"})
+        gloo_kill_scenario(args.program, "allreduce", "all_reduce")
+        gloo_kill_scenario(args.program, "barrier", "barrier")
+        gloo_stall(args.program)
+        gloo_mismatch(args.program)
+    elif args.backend == "gloo":
         gloo_kill_scenario(args.program, "allreduce", "all_reduce")
         gloo_kill_scenario(args.program, "barrier", "barrier")
         gloo_stall(args.program)

@@ -198,7 +198,9 @@ Outputs run_equivalence_case(std::string_view name) {
 // The two halves, defined in their own translation units.
 Outputs cpu_equivalence_case(std::string_view name);
 Outputs cuda_equivalence_case(std::string_view name);
-std::string cuda_dropout_check();  // empty when the GPU dropout mask is right
+std::string cuda_dropout_check();  // each: empty when right, else what is wrong
+std::string cuda_mixed_precision_check();
+std::string cuda_steady_state_allocation_check();
 int cuda_device_count();
 
 }  // namespace tessera::testing

@@ -1,10 +1,12 @@
 // The CUDA half of the CPU-vs-CUDA equivalence test (see layer_equivalence.hpp), compiled by
 // nvcc: every case on Env<Cuda, LocalComm>, plus the dropout mask's own check.
 #include <cmath>
+#include <limits>
 
 #include "cuda/layer_equivalence.hpp"
 #include "tessera/device/cuda.cuh"
 #include "tessera/layers/dropout.hpp"
+#include "tessera/train/grad_scaler.hpp"
 
 namespace tessera::testing {
 
@@ -44,6 +46,86 @@ std::string cuda_dropout_check() {
   if (std::abs(kept - expected) > 5 * sigma)
     return detail::cat("dropout kept ", kept, " of ", n, ", expected ", expected, " +- ", 5 * sigma);
   if (y != y_again) return "dropout with the same seed gave a different mask";
+  return {};
+}
+
+namespace {
+// One SGD step of a small ResNet on a seeded batch; returns the loss.
+template <class Model>
+double train_step(Model& model, Sgd<CudaLocal>& sgd, GradScaler<float, Cuda>* scaler, std::uint64_t seed) {
+  Rng rng(seed);
+  const auto x = seeded<float, Cuda>({8, 3, 16, 16}, rng);
+  std::vector<std::int64_t> labels(8);
+  for (auto& l : labels) l = static_cast<std::int64_t>(rng.uniform() * 10) % 10;
+  typename Model::Cache cache{};
+  CrossEntropyLoss<CudaLocal> loss;
+  typename CrossEntropyLoss<CudaLocal>::Cache loss_cache;
+  sgd.zero_grad();
+  const double value = loss.forward(model.forward(x, cache), labels, loss_cache);
+  const auto& dy = loss.backward(loss_cache);
+  model.backward(scaler ? scaler->scale_gradient(dy) : dy, cache);
+  if (scaler) scaler->step(sgd);
+  else sgd.step();
+  return value;
+}
+auto small_resnet() {
+  return ResNet<CudaLocal, BasicBlock>({1, 1}, {8, 16}, false, ResNetOptions{.in_channels = 3, .num_classes = 10, .seed = 5});
+}
+}  // namespace
+
+// Reduced-precision products stay close to float32, a ResNet trains under BFloat16 with a
+// GradScaler (finite, decreasing loss), and the scaler skips a step with an inf gradient.
+std::string cuda_mixed_precision_check() {
+  struct Reset {
+    ~Reset() { Cuda::set_math_precision(MathPrecision::Float32); }
+  } reset;
+  Rng init(1), rng(2);
+  Linear<CudaLocal> layer(256, 128, init);
+  const auto x = seeded<float, Cuda>({64, 256}, rng);
+  typename Linear<CudaLocal>::Cache cache;
+  const auto exact = host_values(layer.forward(x, cache));
+  double scale = 0;
+  for (double v : exact) scale = std::max(scale, std::abs(v));
+  for (MathPrecision p : {MathPrecision::Float16, MathPrecision::BFloat16}) {
+    Cuda::set_math_precision(p);
+    const auto reduced = host_values(layer.forward(x, cache));
+    double worst = 0;
+    for (std::size_t i = 0; i < exact.size(); ++i) worst = std::max(worst, std::abs(reduced[i] - exact[i]) / scale);
+    const double bound = p == MathPrecision::Float16 ? 5e-3 : 3e-2;  // 11 vs 8 significant bits
+    if (!(worst <= bound))
+      return detail::cat("Linear under ", p == MathPrecision::Float16 ? "Float16" : "BFloat16", " differs from float32 by ",
+                         worst, " of the output's range (bound ", bound, ")");
+  }
+  Cuda::set_math_precision(MathPrecision::BFloat16);
+  auto model = small_resnet();
+  auto named = named_tensors<float, Cuda>(model);
+  Sgd<CudaLocal> sgd(named, {.lr = 0.05, .momentum = 0.9});
+  GradScaler<float, Cuda> scaler(named, {});
+  std::vector<double> losses;
+  for (int step = 0; step < 6; ++step) losses.push_back(train_step(model, sgd, &scaler, 100));  // the same batch
+  for (double l : losses)
+    if (!std::isfinite(l)) return "a BFloat16 training step produced a non-finite loss";
+  if (!(losses.back() < losses.front())) return detail::cat("BFloat16 training on one batch did not lower the loss: ",
+                                                              losses.front(), " -> ", losses.back());
+  if (sgd.steps() == 0) return "GradScaler skipped every step";
+  const double before = scaler.scale();
+  named.parameters.front().second->grad.fill(std::numeric_limits<float>::infinity());
+  if (scaler.step(sgd)) return "GradScaler stepped on an inf gradient";
+  if (scaler.scale() != before / 2) return detail::cat("GradScaler scale ", scaler.scale(), " after an overflow, expected ", before / 2);
+  return {};
+}
+
+// After two warm-up steps, training steps call cudaMalloc zero times (the caching allocator,
+// cached convolution plans and their shared workspace).
+std::string cuda_steady_state_allocation_check() {
+  auto model = small_resnet();
+  auto named = named_tensors<float, Cuda>(model);
+  Sgd<CudaLocal> sgd(named, {.lr = 0.05, .momentum = 0.9});
+  for (int step = 0; step < 2; ++step) train_step(model, sgd, nullptr, 200 + step);
+  const auto before = Cuda::allocator().stats().system_allocations;
+  for (int step = 2; step < 5; ++step) train_step(model, sgd, nullptr, 200 + step);
+  const auto after = Cuda::allocator().stats().system_allocations;
+  if (after != before) return detail::cat(after - before, " cudaMalloc calls in 3 steady-state training steps");
   return {};
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include "cuda/layer_equivalence.hpp"
 #include "tessera/comm/local.hpp"
@@ -19,7 +20,7 @@ Outputs cpu_equivalence_case(std::string_view name) { return run_equivalence_cas
 int main() {
   using namespace tessera::testing;
   if (cuda_device_count() == 0) {
-    std::printf("no CUDA device: %zu equivalence cases and the dropout check skipped\n", std::size(kEquivalenceCases));
+    std::printf("no CUDA device: %zu equivalence cases and 3 GPU checks skipped\n", std::size(kEquivalenceCases));
     return 77;
   }
   int failed = 0;
@@ -50,8 +51,20 @@ int main() {
                 worst, problem.empty() ? "" : ": ", problem.c_str());
     failed += !problem.empty();
   }
-  const std::string dropout = cuda_dropout_check();
-  std::printf("%-26s %s%s\n", "dropout (distribution)", dropout.empty() ? "ok" : "FAILED: ", dropout.c_str());
-  failed += !dropout.empty();
+  const std::pair<const char*, std::string (*)()> checks[] = {
+      {"dropout (distribution)", cuda_dropout_check},
+      {"mixed precision", cuda_mixed_precision_check},
+      {"no cudaMalloc when warm", cuda_steady_state_allocation_check},
+  };
+  for (const auto& [what, check] : checks) {
+    std::string problem;
+    try {
+      problem = check();
+    } catch (const std::exception& e) {
+      problem = std::string("threw: ") + e.what();
+    }
+    std::printf("%-26s %s%s\n", what, problem.empty() ? "ok" : "FAILED: ", problem.c_str());
+    failed += !problem.empty();
+  }
   return failed == 0 ? 0 : 1;
 }

@@ -279,7 +279,10 @@ class NcclComm {
   void barrier() {
     auto& s = *s_;
     if (s.signatures == nullptr) allocate_scratch(s);
-    all_reduce_async(std::span<std::int64_t>(s.signatures, 1), ReduceOp::Sum).wait();
+    std::int64_t* word = s.signatures;  // the debug scratch: its value does not matter here
+    collective(detail::CallSignature{detail::CollectiveKind::Barrier, CommDType::I64, 1, 0}, [=, this](cudaStream_t st) {
+      return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, s_->comm, st);
+    }).wait();
   }
 
   // ncclCommSplit: ranks with the same color form a new communicator ordered by (key, rank),
