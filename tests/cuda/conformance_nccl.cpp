@@ -5,6 +5,7 @@
 // NCCL refuses two ranks of one communicator on the same GPU.
 //   tessera-run -n 2 conformance_nccl   the NCCL id through tessera-run's file store (from_env)
 //   mpirun -n 2 conformance_nccl_mpi    the NCCL id over MPI (NcclComm::from(MpiComm::world()))
+//   tessera-run -n 2 conformance_nccl_gloo   the NCCL id over Gloo (NcclComm::from(GlooComm::from_env()))
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -16,6 +17,8 @@
 #include "tessera/comm/nccl.hpp"
 #if defined(TESSERA_TEST_NCCL_OVER_MPI)
 #include "tessera/comm/mpi.hpp"
+#elif defined(TESSERA_TEST_NCCL_OVER_GLOO)
+#include "tessera/comm/gloo.hpp"
 #endif
 
 int main(int argc, char** argv) {
@@ -29,6 +32,9 @@ int main(int argc, char** argv) {
 #if defined(TESSERA_TEST_NCCL_OVER_MPI)
     auto comm = NcclComm::from(MpiComm::world());
     const char* bootstrap = "id over MPI";
+#elif defined(TESSERA_TEST_NCCL_OVER_GLOO)
+    auto comm = NcclComm::from(GlooComm::from_env());
+    const char* bootstrap = "id over Gloo";
 #else
     auto comm = NcclComm::from_env();
     const char* bootstrap = "id through the file store";
