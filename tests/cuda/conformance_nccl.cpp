@@ -8,7 +8,10 @@
 //   tessera-run -n 2 conformance_nccl_gloo   the NCCL id over Gloo (NcclComm::from(GlooComm::from_env()))
 #include <cstdio>
 #include <cstring>
+#include <cstdint>
 #include <exception>
+#include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -60,6 +63,26 @@ int main(int argc, char** argv) {
       failures = suite.run();
       checks = suite.checks();
     }
+#if !defined(TESSERA_TEST_NCCL_OVER_MPI) && !defined(TESSERA_TEST_NCCL_OVER_GLOO)
+    {
+      // A second from_env in the same run meets on an id file of its own (not the first's), and
+      // rank 0 removes each file once every rank has joined.
+      auto second = NcclComm::from_env();
+      std::int64_t value = second.rank() + 1;
+      second.all_reduce(std::span<std::int64_t>(&value, 1), ReduceOp::Sum);
+      const std::int64_t expected = std::int64_t{second.size()} * (second.size() + 1) / 2;
+      if (value != expected)
+        failures.push_back("second from_env: all_reduce gave " + std::to_string(value) + ", expected " +
+                           std::to_string(expected));
+      second.barrier();
+      const std::string store = LaunchEnv::from_environment().store;
+      if (rank == 0 && store.rfind("file://", 0) == 0)
+        for (const auto& entry : std::filesystem::directory_iterator(store.substr(7)))
+          if (entry.path().filename().string().find("nccl_unique_id") != std::string::npos)
+            failures.push_back("from_env left its id file behind: " + entry.path().string());
+      checks += 2;
+    }
+#endif
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
     std::printf("rank %d (GPU %d): %d checks, %zu failed\n", rank, comm.device(), checks, failures.size());
     std::fflush(stdout);

@@ -9,7 +9,8 @@
 //   *_async(...) -> Work        the same, started now; Work::wait() finishes it
 //   split(color, key)           ranks with the same color form a new communicator, ordered by key
 //
-// Element types: float, double, int32_t, int64_t and Half (IEEE fp16, reduced in float).
+// Element types: float, double, int32_t, int64_t and Half (IEEE fp16, reduced in float; NCCL
+// reduces it in fp16 on the GPU).
 // ReduceOp::Avg is sum / size; for integers it truncates toward zero like C++ division (and the
 // sum is formed first, so it can overflow where the mean would fit).
 //

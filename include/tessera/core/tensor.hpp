@@ -113,10 +113,12 @@ class Tensor {
   // Multi-index access, bounds-checked in rank only: t.at(n, c, h, w).
   template <class... I>
   S& at(I... idx) {
+    static_assert(D::host_accessible, "Tensor::at on device memory: copy it with to_host() first");
     return data_[offset(idx...)];
   }
   template <class... I>
   const S& at(I... idx) const {
+    static_assert(D::host_accessible, "Tensor::at on device memory: copy it with to_host() first");
     return data_[offset(idx...)];
   }
 

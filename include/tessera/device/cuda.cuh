@@ -128,7 +128,12 @@ class Cuda {
 
   // The Device concept: device memory through the cache, device-to-device copies, synchronize.
   static void* allocate(std::size_t bytes) { return state().allocator.allocate(bytes); }
-  static void deallocate(void* p, std::size_t bytes) noexcept { state().allocator.deallocate(p, bytes); }
+  // Never throws (tensors free from destructors): without a current device or its state, which
+  // only happens while the process tears down, the block is left to the driver.
+  static void deallocate(void* p, std::size_t bytes) noexcept {
+    if (p == nullptr) return;
+    if (DeviceState* s = existing_state()) s->allocator.deallocate(p, bytes);
+  }
   static void copy(void* dst, const void* src, std::size_t bytes) {
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
   }
@@ -205,15 +210,33 @@ class Cuda {
       TESSERA_CUDNN_CHECK(cudnnSetStream(cudnn, stream));
     }
   };
+  struct States {
+    std::array<DeviceState*, kMaxDevices> of_device{};
+    std::mutex mutex;
+  };
+  static States& states() {
+    static States all;  // the DeviceStates themselves are never destroyed, see above
+    return all;
+  }
   static DeviceState& state() {
     const int device = current_device();
     TESSERA_CHECK(device >= 0 && device < kMaxDevices, CudaError, "Cuda: device ", device, " beyond ", kMaxDevices);
-    static std::array<DeviceState*, kMaxDevices> states{};
-    static std::mutex mutex;
-    std::lock_guard lock(mutex);
-    auto& slot = states[static_cast<std::size_t>(device)];
-    if (slot == nullptr) slot = new DeviceState(device);  // never destroyed, see above
+    auto& all = states();
+    std::lock_guard lock(all.mutex);
+    auto& slot = all.of_device[static_cast<std::size_t>(device)];
+    if (slot == nullptr) slot = new DeviceState(device);
     return *slot;
+  }
+  static DeviceState* existing_state() noexcept {
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    if (device < 0 || device >= kMaxDevices) return nullptr;
+    auto& all = states();
+    std::lock_guard lock(all.mutex);
+    return all.of_device[static_cast<std::size_t>(device)];
   }
 };
 

@@ -119,7 +119,7 @@ __global__ void bn_affine_grads_kernel(std::int64_t channels, const double* sum_
   }
 }
 
-// One block per channel, capped so huge channel counts still launch (blocks then loop).
+// One block per channel (the grid's x limit, 2^31 - 1, is far above any channel count).
 inline unsigned channel_blocks(std::int64_t channels) { return static_cast<unsigned>(channels); }
 
 }  // namespace cuda_detail

@@ -4,17 +4,26 @@
 //
 // Plans. Per device, data type, batch size and geometry, a plan holds the cuDNN descriptors and
 // the three algorithms (forward, backward data, backward filter), chosen once from cuDNN's
-// heuristics (cudnnGet*Algorithm_v7: the first that succeeds within kMaxWorkspaceBytes) and
-// cached for the process, like PyTorch with cudnn.benchmark off. Math is CUDNN_FMA_MATH under
-// MathPrecision::Float32 (no TF32 tensor-core rounding: results match the CPU to float precision),
-// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (16-bit tensor-core products) under Float16/BFloat16.
+// heuristics (cudnnGet*Algorithm_v7: the first that runs within kMaxWorkspaceBytes) and cached
+// for the process, like PyTorch with cudnn.benchmark off. cuDNN runs an algorithm in the math
+// type of the convolution descriptor it is given, so each direction has its own descriptor set to
+// the chosen entry's math type, and its workspace is asked for with that descriptor (the
+// heuristic's perf.memory may be for another math type).
+//
+// Math. CUDNN_FMA_MATH under MathPrecision::Float32 and BFloat16 (no TF32 rounding: results match
+// the CPU to float precision); under Float16, tensor-core entries too, with
+// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (fp32 data rounded to fp16 for the products). BFloat16
+// stays in fp32 here because the legacy API's conversion is to fp16 only, whose range (65504)
+// activations and scaled gradients can exceed; BFloat16 changes only cuBLAS's products.
 //
 // Workspace. One buffer per device, grown to the largest size any plan asked for and reused by
 // every convolution: all of them run on the device's one stream, so they never overlap.
 #pragma once
 
 #include <array>
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,34 +48,57 @@ constexpr cudnnDataType_t cudnn_data_type() {
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr, bias = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
-  cudnnConvolutionDescriptor_t conv = nullptr;
+  // One per direction: each carries the math type its chosen algorithm runs in.
+  cudnnConvolutionDescriptor_t conv_forward = nullptr, conv_backward_data = nullptr, conv_backward_filter = nullptr;
   cudnnConvolutionFwdAlgo_t forward{};
   cudnnConvolutionBwdDataAlgo_t backward_data{};
   cudnnConvolutionBwdFilterAlgo_t backward_filter{};
   std::size_t workspace_bytes = 0;  // the largest of the three algorithms' needs
 };
 
-// The first heuristic choice that runs, within the workspace cap, without tensor-core math;
-// deterministic algorithms first (some backward ones sum with atomics, in a varying order), so
-// a seed reproduces a run when cuDNN offers a deterministic one.
-template <class Perf>
-const Perf& pick_algorithm(const Perf* perf, int count, const char* what, const Conv2dGeometry& g, bool tensor_ops) {
+// cuDNN's descriptors take int; a dimension beyond it would wrap silently.
+inline int cudnn_dim(std::int64_t v, const char* what) {
+  TESSERA_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), ArgumentError, "cuDNN convolution: ", what, " = ", v,
+                " does not fit cuDNN's int dimensions");
+  return static_cast<int>(v);
+}
+
+// The first heuristic entry that runs: status success, a math type this precision allows
+// (FMA only, unless tensor_ops), and a workspace - asked for with the descriptor set to that
+// math type - within the cap; deterministic algorithms first (some backward ones sum with
+// atomics, in a varying order), so a seed reproduces a run when cuDNN offers a deterministic one.
+// workspace_of(algo, &bytes) queries cudnnGet*WorkspaceSize with `conv`.
+template <class Perf, class WorkspaceOf>
+auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t conv, bool tensor_ops,
+                    WorkspaceOf&& workspace_of, std::size_t& workspace_bytes, const char* what,
+                    const Conv2dGeometry& g) {
   for (bool need_deterministic : {true, false})
-    for (int i = 0; i < count; ++i)
-      if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].memory <= kMaxWorkspaceBytes &&
-          (tensor_ops || perf[i].mathType == CUDNN_FMA_MATH || perf[i].mathType == CUDNN_DEFAULT_MATH) &&
-          (!need_deterministic || perf[i].determinism == CUDNN_DETERMINISTIC))
-        return perf[i];
+    for (int i = 0; i < count; ++i) {
+      const Perf& entry = perf[i];
+      if (entry.status != CUDNN_STATUS_SUCCESS) continue;
+      if (need_deterministic && entry.determinism != CUDNN_DETERMINISTIC) continue;
+      // The entry's status holds for its own math type: without tensor ops, only entries that
+      // run in FMA already (FMA, or DEFAULT for algorithms without tensor-core variants).
+      if (!tensor_ops && entry.mathType != CUDNN_FMA_MATH && entry.mathType != CUDNN_DEFAULT_MATH) continue;
+      const cudnnMathType_t math = tensor_ops ? entry.mathType : CUDNN_FMA_MATH;
+      if (cudnnSetConvolutionMathType(conv, math) != CUDNN_STATUS_SUCCESS) continue;
+      std::size_t bytes = 0;
+      if (workspace_of(entry.algo, &bytes) != CUDNN_STATUS_SUCCESS || bytes > kMaxWorkspaceBytes) continue;
+      workspace_bytes = std::max(workspace_bytes, bytes);
+      return entry.algo;
+    }
   throw CudaError(detail::cat("cuDNN has no ", what, " algorithm for a convolution of ", g.channels, "x", g.height, "x",
                               g.width, " to ", g.out_channels, " channels with kernel ", g.kernel_h, "x", g.kernel_w,
-                              " within ", kMaxWorkspaceBytes >> 20, " MiB of workspace"));
+                              tensor_ops ? "" : " in FMA math", " within ", kMaxWorkspaceBytes >> 20,
+                              " MiB of workspace"));
 }
 
 template <class S>
 ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
   using Key = std::array<std::int64_t, 17>;
-  // Reduced precision applies to float data only; double always computes in double.
-  const bool tensor_ops = std::is_same_v<S, float> && Cuda::math_precision() != MathPrecision::Float32;
+  // Reduced precision applies to float data under Float16 only (see the header); double always
+  // computes in double.
+  const bool tensor_ops = std::is_same_v<S, float> && Cuda::math_precision() == MathPrecision::Float16;
   const Key key{Cuda::current_device(), static_cast<std::int64_t>(sizeof(S)), batch, g.channels, g.height, g.width,
                 g.out_channels, g.groups, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w,
                 g.dilation_h, g.dilation_w, tensor_ops};
@@ -76,44 +108,74 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
   auto& slot = plans[key];
   if (slot) return *slot;
   auto plan = std::make_unique<ConvPlan>();
-  const auto i = [](std::int64_t v) { return static_cast<int>(v); };
   constexpr cudnnDataType_t type = cudnn_data_type<S>();
+  const int n = cudnn_dim(batch, "batch"), c = cudnn_dim(g.channels, "channels"), h = cudnn_dim(g.height, "height"),
+            wd = cudnn_dim(g.width, "width"), k = cudnn_dim(g.out_channels, "out_channels"),
+            oh = cudnn_dim(g.out_height, "out_height"), ow = cudnn_dim(g.out_width, "out_width");
+  TESSERA_CHECK(static_cast<double>(batch) * std::max(g.channels * g.height * g.width,
+                                                      g.out_channels * g.out_height * g.out_width) <=
+                    static_cast<double>(std::numeric_limits<int>::max()),
+                ArgumentError, "cuDNN convolution: a batch of ", batch, " tensors of ", g.channels, "x", g.height, "x",
+                g.width, " has more than 2^31 elements; split the batch");
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->x));
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->y));
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->bias));
   TESSERA_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan->w));
-  TESSERA_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&plan->conv));
-  TESSERA_CUDNN_CHECK(
-      cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NCHW, type, i(batch), i(g.channels), i(g.height), i(g.width)));
-  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y, CUDNN_TENSOR_NCHW, type, i(batch), i(g.out_channels),
-                                                 i(g.out_height), i(g.out_width)));
-  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->bias, CUDNN_TENSOR_NCHW, type, 1, i(g.out_channels), 1, 1));
-  TESSERA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan->w, type, CUDNN_TENSOR_NCHW, i(g.out_channels),
-                                                 i(g.channels / g.groups), i(g.kernel_h), i(g.kernel_w)));
-  TESSERA_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(plan->conv, i(g.pad_h), i(g.pad_w), i(g.stride_h), i(g.stride_w),
-                                                      i(g.dilation_h), i(g.dilation_w), CUDNN_CROSS_CORRELATION, type));
-  TESSERA_CUDNN_CHECK(cudnnSetConvolutionGroupCount(plan->conv, i(g.groups)));
-  TESSERA_CUDNN_CHECK(
-      cudnnSetConvolutionMathType(plan->conv, tensor_ops ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION : CUDNN_FMA_MATH));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NCHW, type, n, c, h, wd));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y, CUDNN_TENSOR_NCHW, type, n, k, oh, ow));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->bias, CUDNN_TENSOR_NCHW, type, 1, k, 1, 1));
+  TESSERA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan->w, type, CUDNN_TENSOR_NCHW, k, static_cast<int>(g.channels / g.groups),
+                                                 static_cast<int>(g.kernel_h), static_cast<int>(g.kernel_w)));
+  const auto make_conv = [&](cudnnConvolutionDescriptor_t& conv) {
+    TESSERA_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv));
+    TESSERA_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(
+        conv, static_cast<int>(g.pad_h), static_cast<int>(g.pad_w), static_cast<int>(g.stride_h),
+        static_cast<int>(g.stride_w), static_cast<int>(g.dilation_h), static_cast<int>(g.dilation_w),
+        CUDNN_CROSS_CORRELATION, type));
+    TESSERA_CUDNN_CHECK(cudnnSetConvolutionGroupCount(conv, static_cast<int>(g.groups)));
+    // The heuristics are asked under the widest math type allowed; pick_algorithm then sets it.
+    TESSERA_CUDNN_CHECK(
+        cudnnSetConvolutionMathType(conv, tensor_ops ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION : CUDNN_FMA_MATH));
+  };
+  make_conv(plan->conv_forward);
+  make_conv(plan->conv_backward_data);
+  make_conv(plan->conv_backward_filter);
 
   cudnnHandle_t handle = Cuda::cudnn();
   int returned = 0;
   std::array<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT> forward{};
-  TESSERA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x, plan->w, plan->conv, plan->y,
-                                                             i(forward.size()), &returned, forward.data()));
-  const auto& f = pick_algorithm(forward.data(), returned, "forward", g, tensor_ops);
+  TESSERA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x, plan->w, plan->conv_forward, plan->y,
+                                                             static_cast<int>(forward.size()), &returned, forward.data()));
+  plan->forward = pick_algorithm(
+      forward.data(), returned, plan->conv_forward, tensor_ops,
+      [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* bytes) {
+        return cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x, plan->w, plan->conv_forward, plan->y, algo,
+                                                       bytes);
+      },
+      plan->workspace_bytes, "forward", g);
   std::array<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT> data{};
-  TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w, plan->y, plan->conv, plan->x,
-                                                                  i(data.size()), &returned, data.data()));
-  const auto& d = pick_algorithm(data.data(), returned, "backward-data", g, tensor_ops);
+  TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w, plan->y, plan->conv_backward_data,
+                                                                  plan->x, static_cast<int>(data.size()), &returned,
+                                                                  data.data()));
+  plan->backward_data = pick_algorithm(
+      data.data(), returned, plan->conv_backward_data, tensor_ops,
+      [&](cudnnConvolutionBwdDataAlgo_t algo, std::size_t* bytes) {
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w, plan->y, plan->conv_backward_data,
+                                                            plan->x, algo, bytes);
+      },
+      plan->workspace_bytes, "backward-data", g);
   std::array<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT> filter{};
-  TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x, plan->y, plan->conv, plan->w,
-                                                                    i(filter.size()), &returned, filter.data()));
-  const auto& w = pick_algorithm(filter.data(), returned, "backward-filter", g, tensor_ops);
-  plan->forward = f.algo;
-  plan->backward_data = d.algo;
-  plan->backward_filter = w.algo;
-  plan->workspace_bytes = std::max({f.memory, d.memory, w.memory});
+  TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x, plan->y,
+                                                                    plan->conv_backward_filter, plan->w,
+                                                                    static_cast<int>(filter.size()), &returned,
+                                                                    filter.data()));
+  plan->backward_filter = pick_algorithm(
+      filter.data(), returned, plan->conv_backward_filter, tensor_ops,
+      [&](cudnnConvolutionBwdFilterAlgo_t algo, std::size_t* bytes) {
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x, plan->y, plan->conv_backward_filter,
+                                                              plan->w, algo, bytes);
+      },
+      plan->workspace_bytes, "backward-filter", g);
   slot = std::move(plan);
   return *slot;
 }
@@ -129,7 +191,12 @@ inline void* conv_workspace(std::size_t bytes) {
   std::lock_guard lock(mutex);
   Buffer& b = buffers[static_cast<std::size_t>(Cuda::current_device())];
   if (b.bytes < bytes) {
-    Cuda::deallocate(b.p, b.bytes);  // stream-ordered: earlier users are done before later ones run
+    // Forget the old block before allocating: if the allocation throws (out of memory), the
+    // buffer is empty rather than pointing at a block the cache may hand out again.
+    void* old = b.p;
+    const std::size_t old_bytes = b.bytes;
+    b = Buffer{};
+    Cuda::deallocate(old, old_bytes);  // stream-ordered: earlier users are done before later ones run
     b.p = Cuda::allocate(bytes);
     b.bytes = bytes;
   }
@@ -158,7 +225,7 @@ void conv2d_forward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& /*cpu_b
   auto& plan = cuda_detail::conv_plan<S>(g, batch);
   void* workspace = cuda_detail::conv_workspace(plan.workspace_bytes);
   const S one = 1, zero = 0;
-  TESSERA_CUDNN_CHECK(cudnnConvolutionForward(Cuda::cudnn(), &one, plan.x, x, plan.w, w, plan.conv, plan.forward,
+  TESSERA_CUDNN_CHECK(cudnnConvolutionForward(Cuda::cudnn(), &one, plan.x, x, plan.w, w, plan.conv_forward, plan.forward,
                                               workspace, plan.workspace_bytes, &zero, plan.y, y));
   if (bias != nullptr) TESSERA_CUDNN_CHECK(cudnnAddTensor(Cuda::cudnn(), &one, plan.bias, bias, &one, plan.y, y));
 }
@@ -179,11 +246,11 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& /*cpu_
   auto& plan = cuda_detail::conv_plan<S>(g, batch);
   void* workspace = cuda_detail::conv_workspace(plan.workspace_bytes);
   const S one = 1, zero = 0;
-  TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, x, plan.y, dy, plan.conv,
+  TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, x, plan.y, dy, plan.conv_backward_filter,
                                                      plan.backward_filter, workspace, plan.workspace_bytes, &one, plan.w,
                                                      dw));
   if (dx != nullptr)
-    TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, w, plan.y, dy, plan.conv,
+    TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, w, plan.y, dy, plan.conv_backward_data,
                                                      plan.backward_data, workspace, plan.workspace_bytes, &zero, plan.x,
                                                      dx));
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "tessera/device/cuda.cuh"
@@ -21,7 +22,12 @@ void gemm(Cuda, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
   if (m == 0 || n == 0) return;
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const auto i = [](std::int64_t v) { return static_cast<int>(v); };
+  // cuBLAS's classic API takes int sizes; a larger one would wrap silently.
+  const auto i = [](std::int64_t v) {
+    TESSERA_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), ArgumentError, "gemm(Cuda): size or stride ", v,
+                  " does not fit cuBLAS's int arguments");
+    return static_cast<int>(v);
+  };
   if constexpr (std::is_same_v<S, float>) {
     const MathPrecision precision = Cuda::math_precision();
     if (precision == MathPrecision::Float32) {

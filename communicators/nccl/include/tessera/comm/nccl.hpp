@@ -19,7 +19,13 @@
 // send_async/recv_async therefore queue the operation and launch it with the next operation on
 // this communicator (in one ncclGroupStart/End), or when its Work is waited on or polled: the
 // conformance suite's "send_async right, recv left" ring becomes one fused group, as PyTorch's
-// batch_isend_irecv does explicitly.
+// batch_isend_irecv does explicitly. Unlike MPI's and Gloo's, a send here is not buffered:
+// if rank A sends to B and then starts a collective, while B runs that collective before its
+// receive, both wait until the timeout. Post matching sends and receives before the next
+// collective, as every strategy in Tessera does.
+//
+// Half is reduced by NCCL in fp16 on the GPU (the other backends accumulate it in float), so a
+// long fp16 sum rounds more; Avg multiplies by 1/size first, so it does not overflow.
 //
 // Host buffers work too (for small control messages: step times, metrics): they are copied to
 // the GPU and back around the operation.
@@ -35,6 +41,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -91,25 +98,32 @@ struct NcclState {
   int splits = 0;
   std::mutex mutex;    // one thread issues NCCL calls at a time; Works may wait on other threads
   std::string broken;  // why the communicator is unusable; empty while it works
-  std::int64_t* signatures = nullptr;  // debug mode: size x 4 int64 in device memory
+  std::atomic<bool> aborted{false};  // broken, readable without the mutex (polls)
+  std::int64_t* signatures = nullptr;  // size x 4 int64 on the GPU: debug signatures, barrier word
 
   // Send/recv queued by *_async, launched together with the next operation (see the header).
   struct Launch {
-    cudaEvent_t done = nullptr;  // recorded on `stream` after the group ran; null until launched
+    // Recorded on `stream` after the group ran; null until launched. Set under the mutex, read
+    // without it (a poll must not wait for another thread's long call).
+    std::atomic<cudaEvent_t> done{nullptr};
+    explicit Launch(cudaEvent_t event = nullptr) : done(event) {}
     ~Launch() {
-      if (done) (void)cudaEventDestroy(done);
+      if (cudaEvent_t event = done.load()) (void)cudaEventDestroy(event);
     }
   };
   struct PendingP2p {
-    std::function<ncclResult_t(cudaStream_t)> enqueue;
+    // Captures its buffers by value, never the NcclComm (which may be gone when it launches).
+    std::function<ncclResult_t(ncclComm_t, cudaStream_t)> enqueue;
     std::shared_ptr<Launch> launch;
+    std::shared_ptr<void> keep_alive;  // host-buffer staging copies, freed once launched
   };
   std::vector<PendingP2p> pending;
 
   ~NcclState() {
-    if (comm == nullptr) return;
     (void)cudaSetDevice(device);
-    if (!broken.empty()) {
+    if (comm == nullptr) {
+      // Already aborted (fail) or never created: nothing of NCCL's to release.
+    } else if (!broken.empty()) {
       (void)ncclCommAbort(comm);  // a finalize would wait for peers that may be gone
     } else {
       // Finalize flushes outstanding work; on a non-blocking comm it returns at once and the
@@ -163,13 +177,25 @@ class NcclComm {
   // Rank, size and local rank from the launcher (LaunchEnv); the id through the directory of a
   // file:// TESSERA_STORE (tessera-run makes a fresh one per run): rank 0 writes it atomically
   // (write, then rename), the others poll for it until the timeout. One rank needs no store.
+  // Each call of a process uses its own file (the n-th from_env of every rank meet), named with
+  // SLURM_JOB_ID when there is one, and rank 0 removes it once all ranks have joined. A file left
+  // by a crashed run in a reused directory could still be read: give each job its own store
+  // directory or TESSERA_STORE_PREFIX (tessera-run makes a fresh directory per run).
   static NcclComm from_env(CommOptions options = {}) {
     const LaunchEnv env = LaunchEnv::from_environment();
     const int device = Cuda::select_device(env.local_rank);
     ncclUniqueId id{};
     if (env.rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId", 0, nullptr);
-    if (env.size > 1) exchange_id_through_file_store(env, options, id);
-    return NcclComm(id, env.rank, env.size, device, options);
+    static std::atomic<int> calls{0};
+    const int call = calls.fetch_add(1);
+    std::filesystem::path id_file;
+    if (env.size > 1) id_file = exchange_id_through_file_store(env, options, call, id);
+    NcclComm comm(id, env.rank, env.size, device, options);
+    if (env.rank == 0 && !id_file.empty()) {
+      std::error_code ignored;  // every rank has read it: init only completes once all joined
+      std::filesystem::remove(id_file, ignored);
+    }
+    return comm;
   }
 
   // Explicit: every rank passes the same id (from ncclGetUniqueId on one of them), its rank,
@@ -189,6 +215,7 @@ class NcclComm {
     ncclUniqueId copy = id;
     const ncclResult_t started = ncclCommInitRankConfig(&s_->comm, size, copy, rank, &config);
     settle(*s_, started, "ncclCommInitRankConfig (rendezvous of all ranks)");
+    allocate_scratch(*s_);
   }
 
   int rank() const { return s_->rank; }
@@ -200,22 +227,22 @@ class NcclComm {
   template <CommScalar T>
   Work all_reduce_async(std::span<T> buf, ReduceOp op) {
     if (!on_device(buf.data(), buf.size_bytes()))
-      return through_device<T>(buf, buf, [&](auto, std::span<T> d) { return all_reduce_async(d, op); });
+      return through_device<T>(buf, buf, [&](auto, std::span<T> d, auto) { return all_reduce_async(d, op); });
     return collective(detail::CallSignature{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)}, [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)}, [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclAllReduce(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(),
-                                             detail::nccl_op(op), s_->comm, st);
+                                             detail::nccl_op(op), nccl, st);
                       });
   }
   template <CommScalar T>
   Work broadcast_async(std::span<T> buf, int root) {
     check_peer(root, "broadcast root");
     if (!on_device(buf.data(), buf.size_bytes()))
-      return through_device<T>(buf, buf, [&](auto, std::span<T> d) { return broadcast_async(d, root); });
+      return through_device<T>(buf, buf, [&](auto, std::span<T> d, auto) { return broadcast_async(d, root); });
     return collective(detail::CallSignature{detail::CollectiveKind::Broadcast, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(buf.size()), root}, [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(buf.size()), root}, [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclBroadcast(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(), root,
-                                             s_->comm, st);
+                                             nccl, st);
                       });
   }
   template <CommScalar T>
@@ -223,10 +250,10 @@ class NcclComm {
     TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), ArgumentError, "NcclComm all_gather on rank ",
                   rank(), ": output holds ", out.size(), " elements, expected ", size(), " x ", in.size());
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
-      return through_device<T>(in, out, [&](std::span<const T> a, std::span<T> b) { return all_gather_async(a, b); });
+      return through_device<T>(in, out, [&](std::span<const T> a, std::span<T> b, auto) { return all_gather_async(a, b); });
     return collective(detail::CallSignature{detail::CollectiveKind::AllGather, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(in.size()), 0}, [=, this](cudaStream_t st) {
-                        return ncclAllGather(in.data(), out.data(), in.size(), detail::nccl_type<T>(), s_->comm, st);
+                                            static_cast<std::int64_t>(in.size()), 0}, [=](ncclComm_t nccl, cudaStream_t st) {
+                        return ncclAllGather(in.data(), out.data(), in.size(), detail::nccl_type<T>(), nccl, st);
                       });
   }
   template <CommScalar T>
@@ -236,30 +263,30 @@ class NcclComm {
                   " x ", out.size());
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
       return through_device<T>(in, out,
-                               [&](std::span<const T> a, std::span<T> b) { return reduce_scatter_async(a, b, op); });
+                               [&](std::span<const T> a, std::span<T> b, auto) { return reduce_scatter_async(a, b, op); });
     return collective(detail::CallSignature{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(out.size()), static_cast<std::int64_t>(op)}, [=, this](cudaStream_t st) {
+                                            static_cast<std::int64_t>(out.size()), static_cast<std::int64_t>(op)}, [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_type<T>(),
-                                                 detail::nccl_op(op), s_->comm, st);
+                                                 detail::nccl_op(op), nccl, st);
                       });
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
     check_peer(peer, "send peer");
     if (!on_device(buf.data(), buf.size_bytes()))
-      return through_device<T>(buf, {}, [&](std::span<const T> d, auto) { return send_async(d, peer); });
-    return queue_p2p([=, this](cudaStream_t st) {
-      return ncclSend(buf.data(), buf.size(), detail::nccl_type<T>(), peer, s_->comm, st);
-    }, detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer));
+      return through_device<T>(buf, {}, [&](std::span<const T> d, auto, std::shared_ptr<void> keep) {
+        return queue_send(d, peer, std::move(keep));
+      });
+    return queue_send(buf, peer, nullptr);
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
     check_peer(peer, "recv peer");
     if (!on_device(buf.data(), buf.size_bytes()))
-      return through_device<T>({}, buf, [&](auto, std::span<T> d) { return recv_async(d, peer); });
-    return queue_p2p([=, this](cudaStream_t st) {
-      return ncclRecv(buf.data(), buf.size(), detail::nccl_type<T>(), peer, s_->comm, st);
-    }, detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer));
+      return through_device<T>({}, buf, [&](auto, std::span<T> d, std::shared_ptr<void> keep) {
+        return queue_recv(d, peer, std::move(keep));
+      });
+    return queue_recv(buf, peer, nullptr);
   }
 
   template <CommScalar T>
@@ -277,11 +304,9 @@ class NcclComm {
 
   // An all_reduce of one int on the GPU, waited for: every rank has reached it.
   void barrier() {
-    auto& s = *s_;
-    if (s.signatures == nullptr) allocate_scratch(s);
-    std::int64_t* word = s.signatures;  // the debug scratch: its value does not matter here
-    collective(detail::CallSignature{detail::CollectiveKind::Barrier, CommDType::I64, 1, 0}, [=, this](cudaStream_t st) {
-      return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, s_->comm, st);
+    std::int64_t* word = s_->signatures;  // the debug scratch: its value does not matter here
+    collective(detail::CallSignature{detail::CollectiveKind::Barrier, CommDType::I64, 1, 0}, [=](ncclComm_t nccl, cudaStream_t st) {
+      return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, nccl, st);
     }).wait();
   }
 
@@ -304,12 +329,12 @@ class NcclComm {
     TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    const ncclResult_t started = ncclCommSplit(s.comm, color, key, &c.comm, &config);
+    const std::string what = detail::cat("ncclCommSplit(color ", color, ", key ", key, ")");
+    settle_split(s, c, ncclCommSplit(s.comm, color, key, &c.comm, &config), what);
     ++s.splits;
-    // The new communicator is being built while the call reports ncclInProgress: poll it.
-    settle(c, started, detail::cat("ncclCommSplit(color ", color, ", key ", key, ")"));
     check(ncclCommUserRank(c.comm, &c.rank), "ncclCommUserRank", s.rank, c.comm);
     check(ncclCommCount(c.comm, &c.size), "ncclCommCount", s.rank, c.comm);
+    allocate_scratch(c);
     return child;
   }
 
@@ -332,7 +357,7 @@ class NcclComm {
       }
       std::this_thread::yield();
       if (s.comm == nullptr) break;
-      if (ncclCommGetAsyncError(s.comm, &status) != ncclSuccess) break;
+      if (const ncclResult_t query = ncclCommGetAsyncError(s.comm, &status); query != ncclSuccess) status = query;
     }
     if (status != ncclSuccess)
       fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": NCCL error ",
@@ -342,11 +367,56 @@ class NcclComm {
   // Marks the communicator broken, aborts it so no peer waits on it forever, and throws.
   [[noreturn]] static void fail(detail::NcclState& s, const std::string& text) {
     if (s.broken.empty()) s.broken = text;
+    s.aborted.store(true);
     if (s.comm != nullptr) {
       (void)ncclCommAbort(s.comm);
       s.comm = nullptr;
     }
     throw CommError(text);
+  }
+
+  // A non-blocking ncclCommSplit runs as a job of the parent: the parent reports ncclInProgress
+  // until it is done, and the child handle may stay null until then (NCCL fills it in at the
+  // end), so both are polled. On failure or timeout both are aborted and the parent is broken.
+  static void settle_split(detail::NcclState& parent, detail::NcclState& child, ncclResult_t status,
+                           const std::string& what) {
+    const auto start = std::chrono::steady_clock::now();
+    // Marked broken too: the parent's abort waits for the split job, which may still write a
+    // half-built child into child.comm; the destructor then aborts it rather than finalizing.
+    const auto abort_child = [&] {
+      child.broken = "ncclCommSplit failed";
+      if (child.comm != nullptr) (void)ncclCommAbort(child.comm);
+      child.comm = nullptr;
+    };
+    for (;;) {
+      if (status != ncclSuccess && status != ncclInProgress) {
+        abort_child();
+        fail(parent, detail::cat("NcclComm ", what, " on rank ", parent.rank, " of ", parent.size, ": NCCL error ",
+                                 detail::nccl_error_text(status, parent.comm)));
+      }
+      ncclResult_t child_status = ncclInProgress;
+      if (status == ncclSuccess && child.comm != nullptr) {
+        if (const ncclResult_t query = ncclCommGetAsyncError(child.comm, &child_status); query != ncclSuccess)
+          child_status = query;
+        if (child_status == ncclSuccess) return;
+        if (child_status != ncclInProgress) {
+          abort_child();
+          fail(parent, detail::cat("NcclComm ", what, " on rank ", parent.rank, " of ", parent.size,
+                                   ": the new communicator failed: ", detail::nccl_error_text(child_status, nullptr)));
+        }
+      }
+      if (std::chrono::steady_clock::now() - start > parent.options.timeout) {
+        abort_child();
+        fail(parent, detail::cat("NcclComm ", what, " on rank ", parent.rank, " of ", parent.size,
+                                 ": did not complete within ", detail::seconds_text(parent.options.timeout),
+                                 status == ncclSuccess && child.comm == nullptr
+                                     ? " (NCCL returned no communicator for this rank)"
+                                     : " (a peer is missing, dead or hung)"));
+      }
+      std::this_thread::yield();
+      if (status == ncclInProgress)
+        if (const ncclResult_t query = ncclCommGetAsyncError(parent.comm, &status); query != ncclSuccess) status = query;
+    }
   }
 
   static void ensure_usable(detail::NcclState& s, const std::string& what) {
@@ -359,28 +429,51 @@ class NcclComm {
                   " is outside 0..", size() - 1);
   }
 
-  // NCCL reads and writes GPU memory only (a host pointer would fault inside its kernel).
-  // cudaPointerGetAttributes tells them apart, in about a microsecond.
-  static bool on_device(const void* p, std::size_t bytes) {
+  // NCCL reads and writes GPU memory only (a host pointer would fault inside its kernel), and
+  // only this communicator's GPU. cudaPointerGetAttributes tells them apart in about a
+  // microsecond; host memory (pageable or pinned) is staged through the GPU.
+  bool on_device(const void* p, std::size_t bytes) const {
     if (bytes == 0) return true;
     cudaPointerAttributes attributes{};
     if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
       (void)cudaGetLastError();
       return false;
     }
-    return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+    if (attributes.type == cudaMemoryTypeManaged) return true;
+    if (attributes.type != cudaMemoryTypeDevice) return false;
+    TESSERA_CHECK(attributes.device == s_->device, ArgumentError, "NcclComm on rank ", rank(), ": a buffer lives on GPU ",
+                  attributes.device, " but this communicator runs on GPU ", s_->device,
+                  " (allocate it after Cuda::select_device, on the communicator's GPU)");
+    return true;
   }
 
-  // A host buffer's stand-in in GPU memory (from the device's cache) for one operation.
+  // A host buffer's stand-in in GPU memory (from the device's cache) for one operation. The
+  // cache reuses blocks in the order of the compute stream, but NCCL works on its own stream:
+  // before the block goes back, the compute stream waits for everything NCCL has queued so far
+  // (by then the operation is queued: a pending send/recv keeps its copies alive until launch).
   template <class T>
   struct DeviceCopy {
     T* data = nullptr;
     std::size_t size = 0;
-    explicit DeviceCopy(std::size_t n) : size(n) {
+    std::weak_ptr<detail::NcclState> state;
+    DeviceCopy(std::size_t n, std::weak_ptr<detail::NcclState> owner) : size(n), state(std::move(owner)) {
       if (n) data = static_cast<T*>(Cuda::allocate(n * sizeof(T)));
     }
     ~DeviceCopy() {
-      if (data) Cuda::deallocate(data, size * sizeof(T));
+      if (!data) return;
+      // Locking fails only inside ~NcclState, after its finalize or abort ended NCCL's work.
+      if (const auto s = state.lock(); s && s->stream) {
+        try {
+          cudaEvent_t queued = nullptr;
+          TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&queued, cudaEventDisableTiming));
+          TESSERA_CUDA_CHECK(cudaEventRecord(queued, s->stream));
+          TESSERA_CUDA_CHECK(cudaStreamWaitEvent(Cuda::stream(), queued, 0));
+          (void)cudaEventDestroy(queued);
+        } catch (...) {
+          return;  // the GPU is failing: leaking the block is safer than reusing it
+        }
+      }
+      Cuda::deallocate(data, size * sizeof(T));
     }
     DeviceCopy(const DeviceCopy&) = delete;
     DeviceCopy& operator=(const DeviceCopy&) = delete;
@@ -389,22 +482,25 @@ class NcclComm {
   // Host buffers, for control messages (step times, metrics, a BN count): `run` gets device
   // copies, `in` copied over first, `out` copied back when the Work is waited on; in-place
   // operations pass the same span as both. Costs two copies and an allocation from the cache:
-  // keep large tensors on the GPU.
+  // keep large tensors on the GPU. run's third argument owns the copies (for queued send/recv).
   template <class T, class Run>
   Work through_device(std::span<const T> in, std::span<T> out, Run&& run) {
     TESSERA_CUDA_CHECK(cudaSetDevice(s_->device));
     const bool in_place = !in.empty() && static_cast<const void*>(in.data()) == static_cast<const void*>(out.data());
-    auto in_copy = std::make_shared<DeviceCopy<T>>(in_place || on_device(in.data(), in.size_bytes()) ? 0 : in.size());
-    auto out_copy = std::make_shared<DeviceCopy<T>>(on_device(out.data(), out.size_bytes()) ? 0 : out.size());
+    auto in_copy =
+        std::make_shared<DeviceCopy<T>>(in_place || on_device(in.data(), in.size_bytes()) ? 0 : in.size(), s_);
+    auto out_copy = std::make_shared<DeviceCopy<T>>(on_device(out.data(), out.size_bytes()) ? 0 : out.size(), s_);
     if (in_copy->data) Cuda::copy_to_device(in_copy->data, in.data(), in.size_bytes());
     if (in_place) Cuda::copy_to_device(out_copy->data, in.data(), in.size_bytes());
     const std::span<const T> device_in = in_place ? std::span<const T>(out_copy->data, out.size())
                                          : in_copy->data ? std::span<const T>(in_copy->data, in.size()) : in;
     const std::span<T> device_out = out_copy->data ? std::span<T>(out_copy->data, out.size()) : out;
-    auto inner = std::make_shared<Work>(run(device_in, device_out));
+    std::shared_ptr<void> keep = std::make_shared<std::array<std::shared_ptr<void>, 2>>(
+        std::array<std::shared_ptr<void>, 2>{in_copy, out_copy});
+    auto inner = std::make_shared<Work>(run(device_in, device_out, keep));
     const std::span<T> host_out = out_copy->data ? out : std::span<T>();
     return Work(
-        [inner, in_copy, out_copy, host_out] {
+        [inner, keep, out_copy, host_out] {
           inner->wait();
           if (host_out.empty()) return;
           Cuda::copy_to_host(host_out.data(), out_copy->data, host_out.size_bytes());
@@ -413,6 +509,7 @@ class NcclComm {
         [inner] { return inner->is_completed(); });
   }
 
+  // The barrier's word and the debug mode's signatures: size x 4 int64, made with the communicator.
   static void allocate_scratch(detail::NcclState& s) {
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
     TESSERA_CUDA_CHECK(cudaMalloc(&s.signatures, sizeof(std::int64_t) * 4 * static_cast<std::size_t>(s.size)));
@@ -422,45 +519,61 @@ class NcclComm {
   // async-error check) and then orders the compute stream after it.
   Work completion(cudaEvent_t done, std::string what) {
     auto state = s_;
-    auto event = std::shared_ptr<detail::NcclState::Launch>(new detail::NcclState::Launch{done});
+    auto event = std::shared_ptr<detail::NcclState::Launch>(new detail::NcclState::Launch(done));
     return completion_of(state, event, std::move(what));
   }
   static Work completion_of(std::shared_ptr<detail::NcclState> state, std::shared_ptr<detail::NcclState::Launch> launch,
                             std::string what) {
     auto launched = [state, launch] {
-      if (launch->done != nullptr) return;
+      if (launch->done.load() != nullptr) return;
       std::lock_guard lock(state->mutex);
+      if (launch->done.load() != nullptr) return;
       ensure_usable(*state, "pending send/recv");
       flush_pending(*state);
     };
     auto wait = [state, launch, launched, what] {
       launched();
       TESSERA_CUDA_CHECK(cudaSetDevice(state->device));
-      const auto start = std::chrono::steady_clock::now();
-      for (;;) {
-        const cudaError_t query = cudaEventQuery(launch->done);
-        if (query == cudaSuccess) break;
-        if (query != cudaErrorNotReady) TESSERA_CUDA_CHECK(query);
-        std::lock_guard lock(state->mutex);
-        ensure_usable(*state, what);
-        ncclResult_t async_error = ncclSuccess;
-        (void)ncclCommGetAsyncError(state->comm, &async_error);
-        if (async_error != ncclSuccess && async_error != ncclInProgress)
-          fail(*state, detail::cat("NcclComm ", what, " on rank ", state->rank, " of ", state->size, ": NCCL error ",
-                           detail::nccl_error_text(async_error, state->comm)));
-        if (std::chrono::steady_clock::now() - start > state->options.timeout)
-          fail(*state, detail::cat("NcclComm ", what, " on rank ", state->rank, " of ", state->size, ": not complete after ",
-                           detail::seconds_text(state->options.timeout),
-                           " (a peer is dead, hung or called a different collective); communicator aborted"));
-        std::this_thread::yield();
-      }
-      TESSERA_CUDA_CHECK(cudaStreamWaitEvent(Cuda::stream(), launch->done, 0));
+      wait_event(*state, launch->done.load(), what, /*caller_holds_mutex=*/false);
+      TESSERA_CUDA_CHECK(cudaStreamWaitEvent(Cuda::stream(), launch->done.load(), 0));
     };
     auto poll = [state, launch, launched] {
       launched();
-      return cudaEventQuery(launch->done) == cudaSuccess;
+      // An abort ends NCCL's kernels, completing every event: a broken communicator's work
+      // is never reported complete (wait() then throws).
+      return !state->aborted.load() && cudaEventQuery(launch->done.load()) == cudaSuccess;
     };
     return Work(std::move(wait), std::move(poll));
+  }
+
+  // Waits until `event` (on NCCL's stream) has completed, polling it and ncclCommGetAsyncError;
+  // on an NCCL or CUDA error, or at the timeout, aborts the communicator and throws CommError.
+  // Without the mutex held, it is taken per poll only, so other threads may launch meanwhile (a
+  // send another thread posts may be what this wait needs).
+  static void wait_event(detail::NcclState& s, cudaEvent_t event, const std::string& what, bool caller_holds_mutex) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      const cudaError_t query = cudaEventQuery(event);
+      std::unique_lock lock(s.mutex, std::defer_lock);
+      if (!caller_holds_mutex) lock.lock();
+      // First: after an abort (another Work's timeout) NCCL's kernels exit and every event
+      // completes, with garbage in the buffers.
+      ensure_usable(s, what);
+      if (query == cudaSuccess) return;
+      if (query != cudaErrorNotReady)
+        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": CUDA error ",
+                            cudaGetErrorName(query), ": ", cudaGetErrorString(query)));
+      ncclResult_t async_error = ncclSuccess;
+      if (const ncclResult_t r = ncclCommGetAsyncError(s.comm, &async_error); r != ncclSuccess) async_error = r;
+      if (async_error != ncclSuccess && async_error != ncclInProgress)
+        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": NCCL error ",
+                            detail::nccl_error_text(async_error, s.comm)));
+      if (std::chrono::steady_clock::now() - start > s.options.timeout)
+        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": not complete after ",
+                            detail::seconds_text(s.options.timeout),
+                            " (a peer is dead, hung or called a different collective); communicator aborted"));
+      std::this_thread::yield();
+    }
   }
 
   // One collective: queued sends/recvs first (one group), then the collective on NCCL's stream
@@ -474,17 +587,30 @@ class NcclComm {
     flush_pending(s);
     if (s.options.debug && s.size > 1) check_signature(s, signature);
     order_after_compute(s);
-    settle(s, enqueue(s.stream), signature.describe());
+    settle(s, enqueue(s.comm, s.stream), signature.describe());
     cudaEvent_t done = record(s);
     return completion(done, signature.describe());
   }
 
-  Work queue_p2p(std::function<ncclResult_t(cudaStream_t)> enqueue, std::string what) {
+  template <CommScalar T>
+  Work queue_send(std::span<const T> buf, int peer, std::shared_ptr<void> keep_alive) {
+    return queue_p2p([=](ncclComm_t nccl, cudaStream_t st) {
+      return ncclSend(buf.data(), buf.size(), detail::nccl_type<T>(), peer, nccl, st);
+    }, detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer), std::move(keep_alive));
+  }
+  template <CommScalar T>
+  Work queue_recv(std::span<T> buf, int peer, std::shared_ptr<void> keep_alive) {
+    return queue_p2p([=](ncclComm_t nccl, cudaStream_t st) {
+      return ncclRecv(buf.data(), buf.size(), detail::nccl_type<T>(), peer, nccl, st);
+    }, detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer), std::move(keep_alive));
+  }
+  Work queue_p2p(std::function<ncclResult_t(ncclComm_t, cudaStream_t)> enqueue, std::string what,
+                 std::shared_ptr<void> keep_alive) {
     auto& s = *s_;
     std::lock_guard lock(s.mutex);
     ensure_usable(s, what);
     auto launch = std::make_shared<detail::NcclState::Launch>();
-    s.pending.push_back({std::move(enqueue), launch});
+    s.pending.push_back({std::move(enqueue), launch, std::move(keep_alive)});
     return completion_of(s_, launch, std::move(what));
   }
 
@@ -493,22 +619,29 @@ class NcclComm {
     if (s.pending.empty()) return;
     auto pending = std::move(s.pending);
     s.pending.clear();
-    TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
-    order_after_compute(s);
-    check(ncclGroupStart(), "ncclGroupStart", s.rank, s.comm);
-    for (auto& op : pending) {
-      const ncclResult_t status = op.enqueue(s.stream);
-      if (status != ncclSuccess && status != ncclInProgress) {
-        (void)ncclGroupEnd();
-        fail(s, detail::cat("NcclComm send/recv on rank ", s.rank, ": NCCL error ", detail::nccl_error_text(status, s.comm)));
+    // Any failure here leaves these Works unlaunchable: the communicator is broken, so their
+    // waits throw instead of querying an event that was never recorded.
+    try {
+      TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
+      order_after_compute(s);
+      check(ncclGroupStart(), "ncclGroupStart", s.rank, s.comm);
+      for (auto& op : pending) {
+        const ncclResult_t status = op.enqueue(s.comm, s.stream);
+        if (status != ncclSuccess && status != ncclInProgress) {
+          (void)ncclGroupEnd();
+          fail(s, detail::cat("NcclComm send/recv on rank ", s.rank, ": NCCL error ",
+                              detail::nccl_error_text(status, s.comm)));
+        }
       }
+      settle(s, ncclGroupEnd(), detail::cat(pending.size(), " grouped send/recv"));
+      // Every Work of the group waits on the same point of the stream; each needs its own event
+      // object because each Launch owns (and destroys) one.
+      for (auto& op : pending) op.launch->done.store(record(s));
+    } catch (const CommError&) {
+      throw;  // fail() already marked it broken
+    } catch (const std::exception& e) {
+      fail(s, detail::cat("NcclComm send/recv on rank ", s.rank, ": ", e.what()));
     }
-    settle(s, ncclGroupEnd(), detail::cat(pending.size(), " grouped send/recv"));
-    cudaEvent_t done = record(s);
-    // Every Work of the group waits on the same point of the stream; each needs its own event
-    // object because each Launch owns (and destroys) one.
-    pending.front().launch->done = done;
-    for (std::size_t i = 1; i < pending.size(); ++i) pending[i].launch->done = record(s);
   }
 
   static void order_after_compute(detail::NcclState& s) {
@@ -528,15 +661,27 @@ class NcclComm {
   // Debug mode: all ranks compare the call they are about to make (an all_gather of 4 int64 per
   // rank through GPU scratch memory, which cannot itself mismatch).
   static void check_signature(detail::NcclState& s, const detail::CallSignature& signature) {
-    if (s.signatures == nullptr) allocate_scratch(s);
     const auto mine = signature.encode();
     std::int64_t* slot = s.signatures + 4 * s.rank;
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(slot, mine.data(), sizeof(mine), cudaMemcpyHostToDevice, s.stream));
     settle(s, ncclAllGather(slot, s.signatures, 4, ncclInt64, s.comm, s.stream), "debug signature exchange");
+    // Wait with the timeout and abort, never a bare synchronize: a mismatched or dead peer is
+    // exactly what this mode is for, and it must not hang here.
     std::vector<std::int64_t> all(4 * static_cast<std::size_t>(s.size));
+    const auto wait_for_stream = [&s](const char* what) {
+      cudaEvent_t done = record(s);
+      try {
+        wait_event(s, done, what, /*caller_holds_mutex=*/true);
+      } catch (...) {
+        (void)cudaEventDestroy(done);
+        throw;
+      }
+      (void)cudaEventDestroy(done);
+    };
+    wait_for_stream("debug signature exchange");
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(all.data(), s.signatures, all.size() * sizeof(std::int64_t),
                                        cudaMemcpyDeviceToHost, s.stream));
-    TESSERA_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+    wait_for_stream("debug signature read-back");
     try {
       detail::check_signatures("NcclComm", s.rank, all);
     } catch (const CommError& e) {
@@ -544,7 +689,8 @@ class NcclComm {
     }
   }
 
-  static void exchange_id_through_file_store(const LaunchEnv& env, const CommOptions& options, ncclUniqueId& id) {
+  static std::filesystem::path exchange_id_through_file_store(const LaunchEnv& env, const CommOptions& options, int call,
+                                                              ncclUniqueId& id) {
     const std::string prefix = "file://";
     TESSERA_CHECK(env.store.rfind(prefix, 0) == 0, ArgumentError, "NcclComm::from_env on rank ", env.rank, " of ",
                   env.size, ": needs TESSERA_STORE=file:///shared/dir to pass NCCL's id (got '", env.store,
@@ -552,7 +698,8 @@ class NcclComm {
                   "NcclComm::from(GlooComm::from_env())");
     const std::filesystem::path dir = env.store.substr(prefix.size());
     const char* store_prefix = std::getenv("TESSERA_STORE_PREFIX");
-    const std::string name = detail::cat(store_prefix != nullptr && *store_prefix ? store_prefix : "tessera", ".nccl_unique_id");
+    const std::string name = detail::cat(store_prefix != nullptr && *store_prefix ? store_prefix : "tessera", ".nccl_unique_id.",
+                                        std::getenv("SLURM_JOB_ID") != nullptr ? std::getenv("SLURM_JOB_ID") : "", ".", call);
     const auto path = dir / name;
     if (env.rank == 0) {
       const auto temp = dir / (name + ".tmp");
@@ -564,12 +711,12 @@ class NcclComm {
       std::error_code ec;
       std::filesystem::rename(temp, path, ec);
       TESSERA_CHECK(!ec, IoError, "NcclComm::from_env on rank 0: cannot rename ", temp, " to ", path, ": ", ec.message());
-      return;
+      return path;
     }
     const auto start = std::chrono::steady_clock::now();
     for (;;) {
       std::ifstream in(path, std::ios::binary);
-      if (in && in.read(reinterpret_cast<char*>(&id), sizeof(id)) && in.gcount() == sizeof(id)) return;
+      if (in && in.read(reinterpret_cast<char*>(&id), sizeof(id)) && in.gcount() == sizeof(id)) return path;
       TESSERA_CHECK(std::chrono::steady_clock::now() - start < options.timeout, CommError, "NcclComm::from_env on rank ",
                     env.rank, " of ", env.size, ": rank 0 did not publish NCCL's id at ", path, " within ",
                     detail::seconds_text(options.timeout));
