@@ -89,6 +89,42 @@ inline ncclRedOp_t nccl_op(ReduceOp op) {
   throw ArgumentError("NcclComm: unknown ReduceOp");
 }
 
+// Completion events, reused: after warm-up a training step's collectives create none. Shared
+// by a communicator's state and its Works' launches (either may be destroyed first).
+class NcclEventPool {
+ public:
+  cudaEvent_t take() {
+    {
+      std::lock_guard lock(mutex_);
+      if (!free_.empty()) {
+        cudaEvent_t event = free_.back();
+        free_.pop_back();
+        return event;
+      }
+    }
+    cudaEvent_t event = nullptr;
+    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+  // Only once nothing waits on it any more (a stream wait already enqueued keeps its own copy
+  // of the event's state, so re-recording it later is safe).
+  void give(cudaEvent_t event) noexcept {
+    std::lock_guard lock(mutex_);
+    try {
+      free_.push_back(event);
+    } catch (...) {
+      (void)cudaEventDestroy(event);
+    }
+  }
+  ~NcclEventPool() {
+    for (cudaEvent_t event : free_) (void)cudaEventDestroy(event);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> free_;
+};
+
 // Everything one communicator needs, shared by copies of the NcclComm and by its Works.
 struct NcclState {
   ncclComm_t comm = nullptr;
@@ -100,15 +136,21 @@ struct NcclState {
   std::string broken;  // why the communicator is unusable; empty while it works
   std::atomic<bool> aborted{false};  // broken, readable without the mutex (polls)
   std::int64_t* signatures = nullptr;  // size x 4 int64 on the GPU: debug signatures, barrier word
+  // Re-recorded at every use: compute -> NCCL ordering, and NCCL -> compute before staging
+  // copies go back to the cache.
+  cudaEvent_t compute_ready = nullptr, nccl_queued = nullptr;
+  std::shared_ptr<NcclEventPool> events = std::make_shared<NcclEventPool>();
 
   // Send/recv queued by *_async, launched together with the next operation (see the header).
   struct Launch {
     // Recorded on `stream` after the group ran; null until launched. Set under the mutex, read
     // without it (a poll must not wait for another thread's long call).
     std::atomic<cudaEvent_t> done{nullptr};
-    explicit Launch(cudaEvent_t event = nullptr) : done(event) {}
+    std::shared_ptr<NcclEventPool> pool;  // where `done` goes back
+    explicit Launch(std::shared_ptr<NcclEventPool> from, cudaEvent_t event = nullptr)
+        : done(event), pool(std::move(from)) {}
     ~Launch() {
-      if (cudaEvent_t event = done.load()) (void)cudaEventDestroy(event);
+      if (cudaEvent_t event = done.load()) pool->give(event);
     }
   };
   struct PendingP2p {
@@ -138,6 +180,8 @@ struct NcclState {
       else (void)ncclCommAbort(comm);
     }
     if (signatures) (void)cudaFree(signatures);
+    if (compute_ready) (void)cudaEventDestroy(compute_ready);
+    if (nccl_queued) (void)cudaEventDestroy(nccl_queued);
     if (stream) (void)cudaStreamDestroy(stream);
   }
 };
@@ -215,7 +259,7 @@ class NcclComm {
     ncclUniqueId copy = id;
     const ncclResult_t started = ncclCommInitRankConfig(&s_->comm, size, copy, rank, &config);
     settle(*s_, started, "ncclCommInitRankConfig (rendezvous of all ranks)");
-    allocate_scratch(*s_);
+    allocate_resources(*s_);
   }
 
   int rank() const { return s_->rank; }
@@ -334,7 +378,7 @@ class NcclComm {
     ++s.splits;
     check(ncclCommUserRank(c.comm, &c.rank), "ncclCommUserRank", s.rank, c.comm);
     check(ncclCommCount(c.comm, &c.size), "ncclCommCount", s.rank, c.comm);
-    allocate_scratch(c);
+    allocate_resources(c);
     return child;
   }
 
@@ -464,11 +508,7 @@ class NcclComm {
       // Locking fails only inside ~NcclState, after its finalize or abort ended NCCL's work.
       if (const auto s = state.lock(); s && s->stream) {
         try {
-          cudaEvent_t queued = nullptr;
-          TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&queued, cudaEventDisableTiming));
-          TESSERA_CUDA_CHECK(cudaEventRecord(queued, s->stream));
-          TESSERA_CUDA_CHECK(cudaStreamWaitEvent(Cuda::stream(), queued, 0));
-          (void)cudaEventDestroy(queued);
+          stream_wait(Cuda::stream(), s->stream, s->nccl_queued);
         } catch (...) {
           return;  // the GPU is failing: leaking the block is safer than reusing it
         }
@@ -509,17 +549,20 @@ class NcclComm {
         [inner] { return inner->is_completed(); });
   }
 
-  // The barrier's word and the debug mode's signatures: size x 4 int64, made with the communicator.
-  static void allocate_scratch(detail::NcclState& s) {
+  // Made with the communicator: the barrier's word and the debug mode's signatures (size x 4
+  // int64), and the two ordering events.
+  static void allocate_resources(detail::NcclState& s) {
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
     TESSERA_CUDA_CHECK(cudaMalloc(&s.signatures, sizeof(std::int64_t) * 4 * static_cast<std::size_t>(s.size)));
+    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_ready, cudaEventDisableTiming));
+    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.nccl_queued, cudaEventDisableTiming));
   }
 
   // Records an event on `stream` and returns a Work that waits for it (with the timeout and the
   // async-error check) and then orders the compute stream after it.
   Work completion(cudaEvent_t done, std::string what) {
     auto state = s_;
-    auto event = std::shared_ptr<detail::NcclState::Launch>(new detail::NcclState::Launch(done));
+    auto event = std::make_shared<detail::NcclState::Launch>(s_->events, done);
     return completion_of(state, event, std::move(what));
   }
   static Work completion_of(std::shared_ptr<detail::NcclState> state, std::shared_ptr<detail::NcclState::Launch> launch,
@@ -609,7 +652,7 @@ class NcclComm {
     auto& s = *s_;
     std::lock_guard lock(s.mutex);
     ensure_usable(s, what);
-    auto launch = std::make_shared<detail::NcclState::Launch>();
+    auto launch = std::make_shared<detail::NcclState::Launch>(s.events);
     s.pending.push_back({std::move(enqueue), launch, std::move(keep_alive)});
     return completion_of(s_, launch, std::move(what));
   }
@@ -635,7 +678,7 @@ class NcclComm {
       }
       settle(s, ncclGroupEnd(), detail::cat(pending.size(), " grouped send/recv"));
       // Every Work of the group waits on the same point of the stream; each needs its own event
-      // object because each Launch owns (and destroys) one.
+      // object because each Launch owns one (and gives it back to the pool).
       for (auto& op : pending) op.launch->done.store(record(s));
     } catch (const CommError&) {
       throw;  // fail() already marked it broken
@@ -644,17 +687,19 @@ class NcclComm {
     }
   }
 
-  static void order_after_compute(detail::NcclState& s) {
-    cudaEvent_t ready = nullptr;
-    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    TESSERA_CUDA_CHECK(cudaEventRecord(ready, Cuda::stream()));
-    TESSERA_CUDA_CHECK(cudaStreamWaitEvent(s.stream, ready, 0));
-    TESSERA_CUDA_CHECK(cudaEventDestroy(ready));  // released once the wait is satisfied
+  // `waiter` runs nothing more until everything queued so far on `producer` has run.
+  static void stream_wait(cudaStream_t waiter, cudaStream_t producer, cudaEvent_t scratch) {
+    TESSERA_CUDA_CHECK(cudaEventRecord(scratch, producer));
+    TESSERA_CUDA_CHECK(cudaStreamWaitEvent(waiter, scratch, 0));
   }
+  static void order_after_compute(detail::NcclState& s) { stream_wait(s.stream, Cuda::stream(), s.compute_ready); }
+  // An event from the pool, recorded on NCCL's stream (the caller owns it: pool->give).
   static cudaEvent_t record(detail::NcclState& s) {
-    cudaEvent_t done = nullptr;
-    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    TESSERA_CUDA_CHECK(cudaEventRecord(done, s.stream));
+    cudaEvent_t done = s.events->take();
+    if (const cudaError_t status = cudaEventRecord(done, s.stream); status != cudaSuccess) {
+      s.events->give(done);
+      TESSERA_CUDA_CHECK(status);
+    }
     return done;
   }
 
@@ -673,10 +718,10 @@ class NcclComm {
       try {
         wait_event(s, done, what, /*caller_holds_mutex=*/true);
       } catch (...) {
-        (void)cudaEventDestroy(done);
+        s.events->give(done);
         throw;
       }
-      (void)cudaEventDestroy(done);
+      s.events->give(done);
     };
     wait_for_stream("debug signature exchange");
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(all.data(), s.signatures, all.size() * sizeof(std::int64_t),
