@@ -5,8 +5,8 @@
                                [--rounds 5] [--round-seconds 0.1] [--out FILE]
 
 ThreadComm, MpiComm (under mpirun) and GlooComm (under tools/tessera-run with a fresh file
-store) each run bench/collectives.cpp on 2 and 4 ranks; every binary times Tessera's call and the
-raw library call for the same sizes in alternating rounds (see collectives.cpp). All rows go to
+store) each run bench/collectives_<backend>.cpp on 2 and 4 ranks; every binary times Tessera's call and the
+raw library call for the same sizes in alternating rounds (see collectives.hpp). All rows go to
 one JSON file (default bench/results/collectives_<date>.json), and a summary is printed:
 
   * MPI and Gloo all_reduce: Tessera's time / the raw call's time for every size >= 1 MiB

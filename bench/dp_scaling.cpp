@@ -2,7 +2,7 @@
 // loss, backward, gradient all-reduce, SGD step) on synthetic 1x28x28 data, per rank batch fixed
 // (weak scaling, as DDP users scale). One source, one binary per communicator:
 //
-//   dp_scaling_threads --ranks=1|2 ...    --ranks=1 is plain training with no DataParallel at all
+//   dp_scaling_threads --ranks=1|2 ...    one rank is plain training with no DataParallel at all
 //   mpirun -n 2 dp_scaling_mpi ...
 //   tessera-run -n 2 dp_scaling_gloo ...
 //
@@ -15,17 +15,14 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
-#if defined(TESSERA_BENCH_MPI)
-#include "tessera/comm/mpi.hpp"
-#elif defined(TESSERA_BENCH_GLOO)
-#include "tessera/comm/gloo.hpp"
-#else
-#include "tessera/comm/threads.hpp"
-#endif
+#include "tessera/build_env.hpp"
 
 using namespace tessera;
 
 namespace {
+
+using E = BuildEnv;  // the backend is the build's choice (bench/meson.build, one binary per backend)
+using Comm = E::Comm;
 
 struct Options {
   std::string model = "lenet";
@@ -35,37 +32,35 @@ struct Options {
 };
 
 // Runs warmup + timed steps; returns the seconds of the timed steps on this rank.
-template <class Model, class Comm>
-double run_steps(Model& model, Comm* comm, const Options& o) {
+// One rank: plain training, no DataParallel at all (the baseline of the scaling efficiency).
+template <class Model>
+double run_steps(Model& model, Comm& comm, const Options& o) {
   const SyntheticImages data(o.batch * 4, 1, 28, 28, 10, 7);
   DataLoader<float> loader(data, {.batch_size = o.batch, .shuffle = false, .prefetch = false});
   Batch<float> batch;
   loader.start_epoch(0);
   loader.next(batch);
-  std::optional<DataParallel<float, Comm>> dp;
-  if (comm) dp.emplace(model, *comm, DataParallelOptions{.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
+  std::optional<DataParallel<E>> dp;
+  if (comm.size() > 1) dp.emplace(model, comm, DataParallelOptions{.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
                                                          .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024)});
-  auto named = named_tensors<float, Cpu>(model);
-  Sgd<CpuLocal> sgd(named, {.lr = 0.01, .momentum = 0.9});
-  TrainOptions options{.verbose = false};
-  if (dp) options.before_step = [&] { dp->finish(); };
-  Trainer trainer(model, sgd, ConstantLr{0.01}, options);
+  auto named = named_tensors(model);
+  Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9});
+  Trainer trainer(model, sgd, ConstantLr{0.01}, {.verbose = false});  // sgd.step() finishes the all-reduce
   for (int i = 0; i < o.warmup; ++i) trainer.train_step(batch);
-  if (comm) comm->barrier();
+  comm.barrier();
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < o.steps; ++i) trainer.train_step(batch);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-template <class Comm>
-double run(Comm* comm, const Options& o) {
+double run(Comm& comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
   if (o.model == "resnet20") {
-    auto model = resnet20<CpuLocal>({.in_channels = 1, .num_classes = 10});
+    auto model = resnet20<E>({.in_channels = 1, .num_classes = 10});
     return run_steps(model, comm, o);
   }
   TESSERA_CHECK(o.model == "lenet", ArgumentError, "dp_scaling: --model=", o.model, " is not lenet or resnet20");
-  auto model = lenet5<CpuLocal>();
+  auto model = lenet5<E>();
   return run_steps(model, comm, o);
 }
 
@@ -92,27 +87,13 @@ int main(int argc, char** argv) {
     o.ranks = flags.get("ranks", o.ranks);
     o.bucket_kib = flags.get("bucket-kib", o.bucket_kib);
     flags.finish();
-#if defined(TESSERA_BENCH_MPI) || defined(TESSERA_BENCH_GLOO)
-#if defined(TESSERA_BENCH_MPI)
-    auto comm = MpiComm::world();
-    const char* name = "mpi";
-#else
-    auto comm = GlooComm::from_env();
-    const char* name = "gloo";
-#endif
-    std::vector<double> seconds = {run(&comm, o)};
-    comm.all_reduce(std::span<double>(seconds), ReduceOp::Max);
-    if (comm.rank() == 0) report(name, comm.size(), o, seconds[0]);
-#else
-    if (o.ranks == 1) {
-      report("none", 1, o, run<ThreadComm>(nullptr, o));  // plain training, no DataParallel
-    } else {
-      std::vector<double> seconds(static_cast<std::size_t>(o.ranks));
-      ThreadWorld world(o.ranks);
-      world.run([&](ThreadComm& comm) { seconds[comm.rank()] = run(&comm, o); });
-      report("threads", o.ranks, o, *std::max_element(seconds.begin(), seconds.end()));
-    }
-#endif
+    launch<E>(
+        [&](Comm& comm) {
+          std::vector<double> seconds = {run(comm, o)};
+          comm.all_reduce(std::span<double>(seconds), ReduceOp::Max);  // the slowest rank's time
+          if (comm.rank() == 0) report(comm.size() > 1 ? Comm::backend_name : "none", comm.size(), o, seconds[0]);
+        },
+        {.ranks = o.ranks});  // --ranks: threads build only
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dp_scaling: %s\n", e.what());

@@ -65,7 +65,7 @@ struct Result {
 template <class Model>
 Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
                std::int64_t classes, int warmup, int steps) {
-  auto named = named_tensors<float, Cpu>(model);
+  auto named = named_tensors(model);
   Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-4});
   Trainer trainer(model, sgd, ConstantLr{0.01}, {.epochs = 1, .verbose = false});
   Dataset data = SyntheticImages(batch, channels, image, image, classes, 11);

@@ -26,7 +26,7 @@ int main() {
   const Tensor<double>& dx = net.backward(dy, cache);  // (2, 4)
   std::printf("dL/dx %s\n", dx.shape().str().c_str());
 
-  auto named = named_tensors<double, Cpu>(net);
+  auto named = named_tensors(net);
   for (auto& [name, p] : named.parameters) std::printf("  %-10s %s\n", name.c_str(), p->value.shape().str().c_str());
 
   // Check dL/dW[0] of the first layer against (L(W + h) - L(W - h)) / 2h.

@@ -1,7 +1,7 @@
 // Example 01: train LeNet-5 on Fashion-MNIST on one CPU process and report test accuracy.
 //   ./01_fashion_mnist_lenet [--epochs=5] [--batch=64] [--lr=0.05] [--threads=N] [--data-dir=DIR]
 //                            [--metrics=run.jsonl] [--checkpoint=ckpt.safetensors] [--resume=ckpt.safetensors]
-#include "../common/fashion_mnist_run.hpp"
+#include "common/fashion_mnist_run.hpp"
 
 int main(int argc, char** argv) {
   examples::Recipe recipe{.epochs = 5, .batch_size = 64, .lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};

@@ -1,6 +1,6 @@
 // Example 02: train the CIFAR-style ResNet-20 (He et al., option-B shortcuts) on Fashion-MNIST.
 //   ./02_fashion_mnist_resnet [--epochs=5] [--batch=128] [--lr=0.1] [--warmup=1] [--threads=N] ...
-#include "../common/fashion_mnist_run.hpp"
+#include "common/fashion_mnist_run.hpp"
 
 int main(int argc, char** argv) {
   examples::Recipe recipe{.epochs = 5, .batch_size = 128, .lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4,

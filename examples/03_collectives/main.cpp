@@ -5,21 +5,16 @@
 //   mpirun -n 4 build/examples/03_collectives_mpi            4 MPI processes
 //   tools/tessera-run -n 4 build/examples/03_collectives_gloo 4 processes over Gloo/TCP
 //
-// The code below never names a backend: `show` is a template over any Communicator, which is
-// how models and strategies in Tessera are written too. Rank 0 prints; to print every rank's
+// The code below never names a backend: the build picks tessera::BuildEnv, whose Comm is the
+// communicator, and launch<E> opens its world (threads spawned here, or the processes that
+// mpirun / tessera-run started). Rank 0 prints; to print every rank's
 // values it first all_gathers them (output from several processes would interleave otherwise).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
-#if defined(TESSERA_EXAMPLE_MPI)
-#include "tessera/comm/mpi.hpp"
-#elif defined(TESSERA_EXAMPLE_GLOO)
-#include "tessera/comm/gloo.hpp"
-#else
-#include "tessera/comm/threads.hpp"
-#endif
+#include "tessera/build_env.hpp"
 
 using namespace tessera;
 
@@ -147,21 +142,7 @@ void show(Comm& comm) {
 
 int main(int argc, char** argv) {
   try {
-#if defined(TESSERA_EXAMPLE_MPI) || defined(TESSERA_EXAMPLE_GLOO)
-    (void)argc, (void)argv;  // the launcher says how many ranks
-#endif
-#if defined(TESSERA_EXAMPLE_MPI)
-    auto comm = MpiComm::world();
-    if (comm.rank() == 0) std::printf("03_collectives over MPI, %d ranks\n\n", comm.size());
-    show(comm);
-    return comm.rank() == 0 && failures > 0 ? 1 : 0;
-#elif defined(TESSERA_EXAMPLE_GLOO)
-    auto comm = GlooComm::from_env();
-    if (comm.rank() == 0) std::printf("03_collectives over Gloo (store %s), %d ranks\n\n", std::getenv("TESSERA_STORE"), comm.size());
-    show(comm);
-    return comm.rank() == 0 && failures > 0 ? 1 : 0;
-#else
-    int ranks = 4;
+    int ranks = 4;  // threads build; a process backend's launcher says how many ranks
     for (int i = 1; i < argc; ++i)
       if (std::string(argv[i]).rfind("--ranks=", 0) == 0) ranks = std::atoi(argv[i] + 8);
       else if (std::string(argv[i]) == "--ranks" && i + 1 < argc) ranks = std::atoi(argv[++i]);
@@ -169,11 +150,15 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: %s [--ranks N]\n", argv[0]);
         return 2;
       }
-    std::printf("03_collectives over ThreadComm, %d ranks (threads)\n\n", ranks);
-    ThreadWorld world(ranks);
-    world.run([](ThreadComm& comm) { show(comm); });
-    return failures > 0 ? 1 : 0;
-#endif
+    using Comm = BuildEnv::Comm;
+    launch<BuildEnv>(
+        [](Comm& comm) {
+          if (comm.rank() == 0)
+            std::printf("03_collectives over %s, %d ranks\n\n", Comm::backend_name, comm.size());
+          show(comm);
+        },
+        {.ranks = ranks});
+    return failures > 0 ? 1 : 0;  // counted on rank 0
   } catch (const std::exception& e) {
     std::fprintf(stderr, "03_collectives: %s\n", e.what());
     return 1;

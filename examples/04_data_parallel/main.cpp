@@ -22,24 +22,17 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
-#include "../common/example_env.hpp"
-#include "../common/fashion_mnist_data.hpp"
-#if defined(TESSERA_EXAMPLE_NCCL)
-#include "tessera/comm/nccl.hpp"
-#elif defined(TESSERA_EXAMPLE_MPI)
-#include "tessera/comm/mpi.hpp"
-#elif defined(TESSERA_EXAMPLE_GLOO)
-#include "tessera/comm/gloo.hpp"
-#else
-#include "tessera/comm/threads.hpp"
-#endif
+#include "tessera/build_env.hpp"
+#include "common/device_batch.hpp"
+#include "common/fashion_mnist_data.hpp"
 
 using namespace tessera;
 
 namespace {
 
-using E = examples::Env;  // CpuLocal, or CudaLocal in the NCCL build (main_nccl.cu)
-using Device = examples::Device;
+using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the build, nowhere else
+using Device = E::Device;
+using Comm = E::Comm;
 
 struct Options {
   std::int64_t epochs = 5, batch = 64, limit = 0;
@@ -50,7 +43,6 @@ struct Options {
   std::int64_t bucket_kib = 1024;
 };
 
-template <class Comm>
 double train(Comm& comm, const Options& o) {
   const int rank = comm.rank(), ranks = comm.size();
   TESSERA_CHECK(o.batch % ranks == 0, ArgumentError, "04_data_parallel: --batch=", o.batch,
@@ -68,10 +60,10 @@ double train(Comm& comm, const Options& o) {
                                                                     : GradientCompression::None;
   TESSERA_CHECK(o.compression == "none" || o.compression == "fp16" || o.compression == "topk", ArgumentError,
                 "04_data_parallel: --compression=", o.compression, " is not one of none, fp16, topk");
-  DataParallel<float, Comm, Device> dp(model, comm,
-                               {.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
-                                .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024),
-                                .compression = compression});
+  DataParallel dp(model, comm,
+                  {.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
+                   .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024),
+                   .compression = compression});
   Sgd<E> sgd(dp.parameters(), {.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay,
                                       .decay_norm_and_bias = false});
   const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
@@ -89,9 +81,10 @@ double train(Comm& comm, const Options& o) {
   std::optional<Timeline> timeline;
   if (!o.trace.empty()) timeline.emplace(comm);
   double comm_us = 0, exposed_us = 0;
-  auto finish = [&] {
-    dp.finish();
+  // sgd.step() finishes the all-reduce by itself; with a timeline, finish here to record it.
+  auto record = [&] {
     if (!timeline) return;
+    dp.finish();
     auto last_done = dp.last_wait_began();
     for (std::size_t k = 0; k < dp.buckets().size(); ++k) {
       const auto& b = dp.buckets()[k];
@@ -104,7 +97,7 @@ double train(Comm& comm, const Options& o) {
   };
   // Rank 0 reports; every rank trains (and evaluates: the replicas are identical).
   Trainer trainer(model, sgd, schedule,
-                  {.epochs = o.epochs, .verbose = rank == 0, .before_step = finish,
+                  {.epochs = o.epochs, .verbose = rank == 0, .before_step = record,
                    .timeline = timeline ? &*timeline : nullptr});
   const auto results = trainer.fit(train_loader, &test_loader);
   if (timeline) {
@@ -147,19 +140,7 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-#if defined(TESSERA_EXAMPLE_NCCL)
-    auto comm = NcclComm::from_env();
-    train(comm, o);
-#elif defined(TESSERA_EXAMPLE_MPI)
-    auto comm = MpiComm::world();
-    train(comm, o);
-#elif defined(TESSERA_EXAMPLE_GLOO)
-    auto comm = GlooComm::from_env();
-    train(comm, o);
-#else
-    ThreadWorld world(o.ranks);
-    world.run([&](ThreadComm& comm) { train(comm, o); });
-#endif
+    launch<E>([&](Comm& comm) { train(comm, o); }, {.ranks = o.ranks});  // --ranks: threads build only
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "04_data_parallel: %s\n", e.what());

@@ -18,10 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "../common/png_plot.hpp"
-#include "tessera/comm/threads.hpp"
+#include "common/png_plot.hpp"
 #include "tessera/tessera.hpp"
-#include "../common/fashion_mnist_data.hpp"
+#include "common/fashion_mnist_data.hpp"
 
 using namespace tessera;
 
@@ -54,12 +53,12 @@ struct Run {
 
 void train(Run& run, const Dataset& train_set, const Dataset& test_set, std::int64_t epochs, int ranks, int threads,
            std::uint64_t seed) {
-  ThreadWorld world(ranks);
-  world.run([&](ThreadComm& comm) {
+  using E = CpuThreads;  // ranks are threads of this process (the runs' results meet in `run`)
+  launch<E>([&](E::Comm& comm) {
     Cpu::set_num_threads(threads);
-    auto model = make_bn_net<CpuLocal>(seed);
-    DataParallel<float, ThreadComm> dp(model, comm);
-    Sgd<CpuLocal> sgd(dp.parameters(), {.lr = run.lr, .momentum = 0.9, .weight_decay = 5e-4, .decay_norm_and_bias = false});
+    auto model = make_bn_net<E>(seed);
+    DataParallel dp(model, comm);
+    Sgd<E> sgd(dp.parameters(), {.lr = run.lr, .momentum = 0.9, .weight_decay = 5e-4, .decay_norm_and_bias = false});
     const CosineLr cosine{run.lr, static_cast<double>(epochs), 0.0};
     // Goyal et al.: start at lr / k (k = batch / 256) and rise linearly to lr over the warmup.
     const double start = std::min(1.0, 256.0 / static_cast<double>(run.batch));
@@ -67,8 +66,7 @@ void train(Run& run, const Dataset& train_set, const Dataset& test_set, std::int
     DataLoader<float> train_loader(train_set, {.batch_size = run.batch / ranks, .shuffle = true, .seed = seed,
                                                .rank = comm.rank(), .world_size = ranks});
     DataLoader<float> test_loader(test_set, {.batch_size = 1000, .shuffle = false});
-    Trainer trainer(model, sgd, schedule,
-                    {.epochs = epochs, .progress = 0, .verbose = false, .before_step = [&] { dp.finish(); }});
+    Trainer trainer(model, sgd, schedule, {.epochs = epochs, .progress = 0, .verbose = false});
     for (std::int64_t e = 0; e < epochs; ++e) {
       const auto r = trainer.train_epoch(train_loader, &test_loader);
       if (comm.rank() == 0) {
@@ -79,7 +77,7 @@ void train(Run& run, const Dataset& train_set, const Dataset& test_set, std::int
         std::fflush(stdout);
       }
     }
-  });
+  }, {.ranks = ranks});
 }
 
 }  // namespace

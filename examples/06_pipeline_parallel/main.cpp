@@ -9,7 +9,7 @@
 //
 // Flags: --epochs=3 --batch=64 (global) --micro-batches=4 --schedule=1f1b|gpipe --lr=0.05
 // --threads=1 --seed=1 --limit=N --data-dir=DIR --trace=trace.json (one step's schedule as a
-// Chrome trace), and for the threads build --stages=2 --replicas=1.
+// Chrome trace), --replicas=1, and for the threads build --stages=2.
 //
 // It checks itself first: on the first batch, the pipeline's loss and every stage's gradients
 // must equal the unsplit model's (every rank builds the whole model from the same seed, so it
@@ -23,17 +23,9 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
-#include "../common/example_env.hpp"
-#include "../common/fashion_mnist_data.hpp"
-#include "../common/device_batch.hpp"
-#include "tessera/parallel/pipeline.hpp"
-#if defined(TESSERA_EXAMPLE_NCCL)
-#include "tessera/comm/nccl.hpp"
-#elif defined(TESSERA_EXAMPLE_MPI)
-#include "tessera/comm/mpi.hpp"
-#else
-#include "tessera/comm/threads.hpp"
-#endif
+#include "tessera/build_env.hpp"
+#include "common/device_batch.hpp"
+#include "common/fashion_mnist_data.hpp"
 
 using namespace tessera;
 
@@ -47,12 +39,13 @@ struct Options {
   std::string schedule = "1f1b", data_dir, trace;
 };
 
-using E = examples::Env;  // CpuLocal, or CudaLocal in the NCCL build (main_nccl.cu)
-using Device = examples::Device;
+using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the build, nowhere else
+using Device = E::Device;
+using Comm = E::Comm;
 using Model = LeNet5<E>;
 
 // The first batch through the unsplit model and through the pipeline: equal loss and gradients.
-template <class Pipe, class Comm>
+template <class Pipe>
 void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, std::uint64_t seed, bool report) {
   auto whole = lenet5<E>(1, 28, 10, seed);
   Model::Cache cache{};
@@ -63,7 +56,7 @@ void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, s
   whole.backward(loss.backward(loss_cache), cache);
   const float got = pipe.train_step(images(b.images), b.labels);
   std::map<std::string, Parameter<float, Device>*> reference;
-  for (auto& [name, p] : named_tensors<float, Device>(whole).parameters) reference[name] = p;
+  for (auto& [name, p] : named_tensors(whole).parameters) reference[name] = p;
   double worst = 0;
   for (auto& [name, p] : pipe.stage_parameters().parameters) {
     const auto mine = to_host(p->grad), want = to_host(reference.at(name)->grad);
@@ -81,7 +74,6 @@ void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, s
   for (auto& [name, p] : pipe.stage_parameters().parameters) p->grad.zero();
 }
 
-template <class Comm>
 void train(Comm& world, const Options& o, int stages) {
   TESSERA_CHECK(world.size() % stages == 0, ArgumentError, "06_pipeline_parallel: ", world.size(),
                 " ranks do not form replicas of ", stages, " stages");
@@ -114,8 +106,8 @@ void train(Comm& world, const Options& o, int stages) {
   std::copy_n(batch.images.data(), host_sample.numel(), host_sample.data());
   const auto sample = to_device<Device>(host_sample);
   examples::DeviceBatch<Device> images;
-  Pipeline<Model, Comm> pipe(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = schedule},
-                             pipe_comm.rank() == 0 ? &sample : nullptr);
+  Pipeline pipe(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = schedule},
+                pipe_comm.rank() == 0 ? &sample : nullptr);
   Sgd<E> sgd(pipe.stage_parameters(), {.lr = o.lr, .momentum = 0.9});
   const CosineLr lr_schedule{o.lr, static_cast<double>(o.epochs), 0.0};
 
@@ -132,7 +124,7 @@ void train(Comm& world, const Options& o, int stages) {
   check_against_unsplit(pipe, pipe_comm, batch, o.seed, world.rank() == 0);
   // Hybrid: each stage's gradients are averaged over the replicas holding the same stage (after
   // the check, whose backward must not reach these hooks).
-  std::optional<DataParallel<float, Comm, Device>> dp;
+  std::optional<DataParallel<E>> dp;
   if (replicas > 1) dp.emplace(pipe.stage(), dp_comm, DataParallelOptions{.average_micro_steps = false});
 
   double idle_sum = 0;
@@ -199,8 +191,7 @@ void train(Comm& world, const Options& o, int stages) {
   }
   // One more step with the timeline on, written as a Chrome trace.
   if (!o.trace.empty()) {
-    Pipeline<Model, Comm> traced(model, pipe_comm,
-                                 {.micro_batches = o.micro_batches, .schedule = schedule, .timeline = &timeline});
+    Pipeline traced(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = schedule, .timeline = &timeline});
     model.set_mode(Mode::Train);
     loader.start_epoch(0);
     loader.next(batch);
@@ -235,17 +226,10 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-#if defined(TESSERA_EXAMPLE_NCCL)
-    auto comm = NcclComm::from_env();  // one process per GPU; --replicas as under mpirun
-    train(comm, o, comm.size() / o.replicas);
-#elif defined(TESSERA_EXAMPLE_MPI)
-    auto comm = MpiComm::world();
-    // Under mpirun every rank is a stage unless --replicas says how many pipelines there are.
-    train(comm, o, comm.size() / o.replicas);
-#else
-    ThreadWorld world(o.stages * o.replicas);
-    world.run([&](ThreadComm& comm) { train(comm, o, o.stages); });
-#endif
+    // Threads: --stages x --replicas ranks are spawned here. A process backend (mpirun,
+    // tools/tessera-run) brings its own world, and every rank is a stage unless --replicas says
+    // how many pipelines there are.
+    launch<E>([&](Comm& comm) { train(comm, o, comm.size() / o.replicas); }, {.ranks = o.stages * o.replicas});
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "06_pipeline_parallel: %s\n", e.what());

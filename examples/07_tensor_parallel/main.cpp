@@ -17,16 +17,9 @@
 #include <string>
 
 #include "tessera/tessera.hpp"
-#include "../common/example_env.hpp"
-#include "../common/device_batch.hpp"
-#include "../common/fashion_mnist_data.hpp"
-#if defined(TESSERA_EXAMPLE_NCCL)
-#include "tessera/comm/nccl.hpp"
-#elif defined(TESSERA_EXAMPLE_MPI)
-#include "tessera/comm/mpi.hpp"
-#else
-#include "tessera/comm/threads.hpp"
-#endif
+#include "tessera/build_env.hpp"
+#include "common/device_batch.hpp"
+#include "common/fashion_mnist_data.hpp"
 
 using namespace tessera;
 
@@ -40,20 +33,20 @@ struct Options {
   std::string data_dir;
 };
 
-using E = examples::Env;  // CpuLocal, or CudaLocal in the NCCL build (main_nccl.cu)
-using Device = examples::Device;
+using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the build, nowhere else
+using Device = E::Device;
+using Comm = E::Comm;
 
 // Flatten -> [column-parallel Linear(784, hidden) -> ReLU -> row-parallel Linear(hidden, 10)].
-template <class Comm>
 struct TensorParallelClassifier {
   using Env = E;
   using Tensor = tessera::Tensor<float, Device>;
   struct Cache {
     Flatten<E>::Cache flatten;
-    typename TensorParallelMlp<E, Comm>::Cache mlp;
+    typename TensorParallelMlp<E>::Cache mlp;
   };
   Flatten<E> flatten;
-  TensorParallelMlp<E, Comm> mlp;
+  TensorParallelMlp<E> mlp;
 
   TensorParallelClassifier(std::int64_t hidden, Rng& rng, Comm& comm) : mlp(784, hidden, 10, rng, comm) {
     mlp.set_needs_input_grad(false);  // dL/d(images) is not needed: saves the backward all-reduce
@@ -68,8 +61,7 @@ struct TensorParallelClassifier {
 };
 
 // The first batch through the dense network (same seed) and the split one.
-template <class Comm>
-void check_against_dense(TensorParallelClassifier<Comm>& tp, Comm& comm, const Batch<float>& b, const Options& o) {
+void check_against_dense(TensorParallelClassifier& tp, Comm& comm, const Batch<float>& b, const Options& o) {
   Rng rng(o.seed);
   Linear<E> fc1(784, o.hidden, rng), fc2(o.hidden, 10, rng);
   Flatten<E> flatten;
@@ -83,11 +75,11 @@ void check_against_dense(TensorParallelClassifier<Comm>& tp, Comm& comm, const B
   const float expected = loss.forward(
       fc2.forward(relu.forward(fc1.forward(flatten.forward(images(b.images), cf), c1), cr), c2), b.labels, lc_dense);
   fc1.backward(relu.backward(fc2.backward(loss.backward(lc_dense), c2), cr), c1);
-  typename TensorParallelClassifier<Comm>::Cache cache;
+  TensorParallelClassifier::Cache cache;
   const float got = loss.forward(tp.forward(images(b.images), cache), b.labels, lc_tp);
   tp.backward(loss.backward(lc_tp), cache);
   // Rank r holds rows [r h/p, (r+1) h/p) of fc1 and columns [r h/p, (r+1) h/p) of fc2.
-  auto named = named_tensors<float, Device>(tp);
+  auto named = named_tensors(tp);
   const std::int64_t w = o.hidden / comm.size(), first = w * comm.rank();
   double worst = 0;
   const auto g1 = to_host(named.parameters[0].second->grad);  // "0.weight" (w, 784)
@@ -109,14 +101,13 @@ void check_against_dense(TensorParallelClassifier<Comm>& tp, Comm& comm, const B
   for (auto& [name, p] : named.parameters) p->grad.zero();
 }
 
-template <class Comm>
 void train(Comm& comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
   Rng rng(o.seed);  // the dense layers' draws; each rank keeps its slice
-  TensorParallelClassifier<Comm> model(o.hidden, rng, comm);
-  auto named = named_tensors<float, Device>(model);
+  TensorParallelClassifier model(o.hidden, rng, comm);
+  auto named = named_tensors(model);
   examples::DeviceBatch<Device> images;  // the host batches, on the GPU in the NCCL build
   if (comm.rank() == 0)
     std::printf("07_tensor_parallel: MLP 784-%lld-10 split over %d ranks: %zu of %lld parameters on each rank; batch %lld\n",
@@ -134,7 +125,7 @@ void train(Comm& comm, const Options& o) {
   const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
   CrossEntropyLoss<E> loss;
   CrossEntropyLoss<E>::Cache loss_cache;
-  typename TensorParallelClassifier<Comm>::Cache cache;
+  TensorParallelClassifier::Cache cache;
   for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
     sgd.set_lr(schedule(static_cast<double>(epoch)));
     loader.start_epoch(epoch);
@@ -188,16 +179,7 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-#if defined(TESSERA_EXAMPLE_NCCL)
-    auto comm = NcclComm::from_env();  // one process per GPU
-    train(comm, o);
-#elif defined(TESSERA_EXAMPLE_MPI)
-    auto comm = MpiComm::world();
-    train(comm, o);
-#else
-    ThreadWorld world(o.ranks);
-    world.run([&](ThreadComm& comm) { train(comm, o); });
-#endif
+    launch<E>([&](Comm& comm) { train(comm, o); }, {.ranks = o.ranks});  // --ranks: threads build only
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "07_tensor_parallel: %s\n", e.what());

@@ -1,11 +1,13 @@
 // Example 08: ResNet-50 (v1.5, 25,557,032 parameters at 1000 classes) training steps on synthetic
-// ImageNet-shaped data. One source, one binary per backend:
+// ImageNet-shaped data. One source, one binary per backend: the build picks the Env
+// (tessera::BuildEnv: CpuThreads, CpuMpi, CpuGloo, CudaLocal, CudaNccl) and this file never names
+// a backend; the strategy is a flag.
 //
-//   ./08_resnet50 [--batch=8] [--steps=5] [--image=224] [--classes=1000] [--threads=N]
-//                 [--ranks=1]  (>1: data parallel over that many ThreadComm ranks)
+//   ./08_resnet50_threads [--batch=8] [--steps=5] [--image=224] [--classes=1000] [--threads=N]
+//                 [--ranks=1]  (>1: data parallel over that many ranks, threads of this process)
 //   mpirun -n 2 ./08_resnet50_mpi ...                 data parallel over MPI
 //   tools/tessera-run -n 2 ./08_resnet50_gloo ...     data parallel over Gloo
-//   ./08_resnet50_cuda ...                            one GPU (CudaLocal; main_cuda.cu)
+//   ./08_resnet50_cuda ...                            one GPU (CudaLocal)
 //   tools/tessera-run -n 2 ./08_resnet50_nccl ...     one process per GPU over NCCL (CudaNccl)
 //   [--sync-bn] synchronizes BatchNorm statistics across ranks (default: per rank, as Goyal et al.)
 //
@@ -30,22 +32,8 @@
 #include <type_traits>
 
 #include "tessera/tessera.hpp"
-#include "../common/example_env.hpp"
-#include "../common/device_batch.hpp"
-#include "tessera/parallel/pipeline.hpp"
-#include "tessera/parallel/tensor_parallel_resnet.hpp"
-#if defined(TESSERA_EXAMPLE_NCCL)
-#include "tessera/comm/nccl.hpp"
-#elif defined(TESSERA_EXAMPLE_CUDA)
-#include "tessera/comm/launch_env.hpp"
-#include "tessera/device/cuda.cuh"
-#elif defined(TESSERA_EXAMPLE_MPI)
-#include "tessera/comm/mpi.hpp"
-#elif defined(TESSERA_EXAMPLE_GLOO)
-#include "tessera/comm/gloo.hpp"
-#else
-#include "tessera/comm/threads.hpp"
-#endif
+#include "tessera/build_env.hpp"
+#include "common/device_batch.hpp"
 
 using namespace tessera;
 
@@ -58,10 +46,11 @@ struct Options {
   std::string strategy = "data";
 };
 
-// The layers' policy bundle: the device (and scalar) they compute on. The communicator of a
-// strategy is the program's own (Comm below); the layers never talk to it.
-using E = examples::Env;  // CpuLocal, or CudaLocal in the GPU builds (main_cuda.cu)
-using Device = examples::Device;
+// The one policy bundle: device, scalar and communicator. Layers read the device and scalar; the
+// strategies take the communicator type from it.
+using E = BuildEnv;
+using Device = E::Device;
+using Comm = E::Comm;
 using Model = ResNet<E, Bottleneck>;
 
 using Upload = examples::DeviceBatch<Device>;
@@ -76,11 +65,11 @@ SgdOptions sgd_options(std::int64_t global_batch) {
 // The unsplit model, trained on rank 0 beside a model-parallel run to check it step by step.
 struct Reference {
   Model model;
-  NamedTensors<float, Device> named;
+  NamedTensors<E> named;
   Sgd<E> sgd;
   Upload upload;
   explicit Reference(const Options& o)
-      : model(make_resnet50(o)), named(named_tensors<float, Device>(model)), sgd(named, sgd_options(o.batch)) {}
+      : model(make_resnet50(o)), named(named_tensors(model)), sgd(named, sgd_options(o.batch)) {}
   float step(const Batch<float>& b) {
     sgd.zero_grad();
     Model::Cache cache{};
@@ -94,7 +83,7 @@ struct Reference {
 };
 
 // Pipeline or tensor parallelism: every rank sees the same batches. step(batch) -> loss.
-template <class Comm, class Step>
+template <class Step>
 void run_model_parallel(Comm& comm, const Options& o, const char* what, Step&& step) {
   const int rank = comm.rank();
   std::optional<Reference> reference;
@@ -133,7 +122,6 @@ void run_model_parallel(Comm& comm, const Options& o, const char* what, Step&& s
   }
 }
 
-template <class Comm>
 void train_pipeline(Comm& comm, const Options& o, int stages) {
   TESSERA_CHECK(comm.size() == stages, ArgumentError, "08_resnet50: --strategy=pipeline:", stages, " needs ", stages,
                 " ranks, got ", comm.size());
@@ -146,8 +134,8 @@ void train_pipeline(Comm& comm, const Options& o, int stages) {
   Rng rng(11);
   for (std::int64_t k = 0; k < host_sample.numel(); ++k) host_sample.data()[k] = static_cast<float>(rng.normal());
   const auto sample = to_device<Device>(host_sample);
-  Pipeline<Model, Comm> pipe(model, comm, {.micro_batches = o.micro_batches, .schedule = PipelineSchedule::OneFOneB},
-                             comm.rank() == 0 ? &sample : nullptr);
+  Pipeline pipe(model, comm, {.micro_batches = o.micro_batches, .schedule = PipelineSchedule::OneFOneB},
+                comm.rank() == 0 ? &sample : nullptr);
   Sgd<E> sgd(pipe.stage_parameters(), sgd_options(o.batch));
   // Per stage: which units, how many parameters (gathered to rank 0 for the report).
   std::array<double, 3> mine{static_cast<double>(pipe.boundaries()[comm.rank()]),
@@ -172,21 +160,20 @@ void train_pipeline(Comm& comm, const Options& o, int stages) {
   });
 }
 
-template <class Comm>
 void train_tensor(Comm& comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
-  std::optional<TensorParallelResNet<E, Comm>> model;
+  std::optional<TensorParallelResNet<E>> model;
   {
     auto dense = make_resnet50(o);  // split, then dropped: each rank keeps 1/p of the blocks and head
     model.emplace(dense, comm);
   }
-  auto named = named_tensors<float, Device>(*model);
+  auto named = named_tensors(*model);
   Sgd<E> sgd(named, sgd_options(o.batch));
   if (comm.rank() == 0)
     std::printf("%s: %zu parameters on each rank (of 25.6 M in the unsplit model), batch %lld, %lldx%lld, %d threads per rank\n",
                 model->name().c_str(), count_parameters(named), static_cast<long long>(o.batch),
                 static_cast<long long>(o.image), static_cast<long long>(o.image), Cpu::num_threads());
-  typename TensorParallelResNet<E, Comm>::Cache cache{};
+  typename TensorParallelResNet<E>::Cache cache{};
   CrossEntropyLoss<E> loss;
   CrossEntropyLoss<E>::Cache loss_cache;
   Upload upload;
@@ -200,36 +187,34 @@ void train_tensor(Comm& comm, const Options& o) {
 }
 
 // The strategy named by --strategy, on this communicator.
-template <class Comm>
 void train_split(Comm& comm, const Options& o) {
   if (o.strategy == "tensor") return train_tensor(comm, o);
   const int stages = std::stoi(o.strategy.substr(std::string("pipeline:").size()));
   train_pipeline(comm, o, stages);
 }
 
-// comm == nullptr: one process, no data parallelism.
-template <class Comm>
-void train(Comm* comm, const Options& o) {
-  const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+// Data parallelism over every rank of comm (one rank: plain training, no DataParallel).
+void train(Comm& comm, const Options& o) {
+  const int rank = comm.rank(), ranks = comm.size();
+  const bool parallel = ranks > 1;
   Cpu::set_num_threads(o.threads);
   auto model = make_resnet50(o);
-  if (comm && o.sync_bn) convert_sync_batch_norm(model, *comm);
-  std::optional<DataParallel<float, Comm, Device>> dp;
-  if (comm) dp.emplace(model, *comm);
-  auto named = named_tensors<float, Device>(model);
+  if (parallel && o.sync_bn) convert_sync_batch_norm(model, comm);
+  std::optional<DataParallel<E>> dp;
+  if (parallel) dp.emplace(model, comm);
+  auto named = named_tensors(model);
   if (rank == 0)
     std::printf("%s: %zu parameters, %d rank(s) x batch %lld, %lldx%lld, %d threads per rank%s\n", model.name().c_str(),
                 count_parameters(named), ranks, static_cast<long long>(o.batch), static_cast<long long>(o.image),
                 static_cast<long long>(o.image), Cpu::num_threads(),
-                comm ? (o.sync_bn ? ", DataParallel + SyncBatchNorm" : ", DataParallel") : "");
+                parallel ? (o.sync_bn ? ", DataParallel + SyncBatchNorm" : ", DataParallel") : "");
 
   Sgd<E> sgd(named, sgd_options(o.batch * ranks));
   Dataset data = SyntheticImages(o.batch * ranks * 4, 3, o.image, o.image, o.classes, 7);
   DataLoader<float> loader(data, {.batch_size = o.batch, .shuffle = true, .seed = 3, .drop_last = true,
                                   .rank = rank, .world_size = ranks});
-  TrainOptions options{.epochs = 1, .verbose = false};
-  if (dp) options.before_step = [&] { dp->finish(); };
-  Trainer trainer(model, sgd, ConstantLr{sgd.lr()}, options);
+  // No before_step hook: sgd.step() finishes DataParallel's all-reduce itself.
+  Trainer trainer(model, sgd, ConstantLr{sgd.lr()}, {.epochs = 1, .verbose = false});
 
   Batch<float> b;
   double total = 0;
@@ -273,35 +258,17 @@ int main(int argc, char** argv) {
                        o.strategy.find_first_not_of("0123456789", 9) == std::string::npos),
                   ArgumentError, "--strategy=", o.strategy, " is not data, pipeline:P or tensor");
     TESSERA_CHECK(!split || !o.sync_bn, ArgumentError, "--sync-bn applies to --strategy=data only");
-#if defined(TESSERA_EXAMPLE_NCCL)
-    auto comm = NcclComm::from_env();  // this rank's GPU: its local rank (tessera-run, mpirun, srun)
-    if (split) train_split(comm, o);
-    else train(&comm, o);
-#elif defined(TESSERA_EXAMPLE_CUDA)
-    TESSERA_CHECK(!split && o.ranks <= 1, ArgumentError, "08_resnet50_cuda trains on one GPU; for --ranks, ",
-                  "--strategy=pipeline:P or tensor run 08_resnet50_nccl with one process per GPU");
-    Cuda::select_device(LaunchEnv::from_environment().local_rank);
-    train<LocalComm>(nullptr, o);
-#elif defined(TESSERA_EXAMPLE_MPI)
-    auto comm = MpiComm::world();
-    if (split) train_split(comm, o);
-    else train(&comm, o);
-#elif defined(TESSERA_EXAMPLE_GLOO)
-    auto comm = GlooComm::from_env();
-    if (split) train_split(comm, o);
-    else train(&comm, o);
-#else
-    if (split) {
-      const int ranks = o.strategy == "tensor" ? std::max(o.ranks, 2) : std::stoi(o.strategy.substr(9));
-      ThreadWorld world(ranks);
-      world.run([&](ThreadComm& comm) { train_split(comm, o); });
-    } else if (o.ranks <= 1) {
-      train<ThreadComm>(nullptr, o);
-    } else {
-      ThreadWorld world(o.ranks);
-      world.run([&](ThreadComm& comm) { train(&comm, o); });
-    }
-#endif
+    // Ranks spawned in-process (threads) for each strategy; a process backend takes its world
+    // from the launcher (mpirun, tools/tessera-run, srun).
+    const int ranks = !split                ? o.ranks
+                      : o.strategy == "tensor" ? std::max(o.ranks, 2)
+                                               : std::stoi(o.strategy.substr(9));
+    launch<E>(
+        [&](Comm& comm) {
+          if (split) train_split(comm, o);
+          else train(comm, o);
+        },
+        {.ranks = ranks});
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

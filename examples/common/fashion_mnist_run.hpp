@@ -56,7 +56,7 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
     auto [train, test] = examples::load_normalized_fashion_mnist(data_dir, limit);
 
     auto model = make_model(seed);
-    auto named = named_tensors<float, Cpu>(model);
+    auto named = named_tensors(model);
     std::printf("%s: %s, %zu parameters, %lld training / %lld test images, batch %lld, %lld epochs, %d threads\n",
                 title, model_name(model).c_str(), count_parameters(named), static_cast<long long>(train.labels.size()),
                 static_cast<long long>(test.labels.size()), static_cast<long long>(recipe.batch_size),

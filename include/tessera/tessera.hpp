@@ -1,8 +1,12 @@
-// Tessera, CPU build: one include for everything that runs on the host with the local
-// communicator. Backends (MPI, Gloo, NCCL, CUDA) have their own headers under communicators/.
+// Tessera, CPU build: one include for everything that runs on the host, with the in-process
+// communicators (LocalComm, ThreadComm) and launch<E>. Backends with outside libraries (MPI, Gloo,
+// NCCL, CUDA) have their own headers; tessera/build_env.hpp picks the one a build asks for.
 #pragma once
 
+#include "tessera/core/concepts.hpp"  // first: a failed layer check then names a short include chain
+#include "tessera/comm/launch.hpp"
 #include "tessera/comm/local.hpp"
+#include "tessera/comm/threads.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/init.hpp"
 #include "tessera/core/parameter.hpp"

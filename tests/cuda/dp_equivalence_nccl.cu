@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/comm/local_cuda.cuh"
 #include "tessera/comm/nccl.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/models/lenet.hpp"
@@ -75,7 +76,7 @@ std::string run_case(NcclComm& comm, MakeModel make, const Shape& sample, std::i
   const SgdOptions options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
 
   auto reference = make(7);
-  auto reference_named = named_tensors<float, Cuda>(reference);
+  auto reference_named = named_tensors(reference);
   Sgd<E> reference_sgd(reference_named, options);
   for (int s = 0; s < steps; ++s) {
     reference_sgd.zero_grad();
@@ -85,7 +86,7 @@ std::string run_case(NcclComm& comm, MakeModel make, const Shape& sample, std::i
 
   auto model = make(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));  // the broadcast must fix ranks > 0
   if (sync_bn) convert_sync_batch_norm(model, comm);
-  DataParallel<float, NcclComm, Cuda> dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
+  DataParallel dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
   Sgd<E> sgd(dp.parameters(), options);
   for (int s = 0; s < steps; ++s) {
     sgd.zero_grad();

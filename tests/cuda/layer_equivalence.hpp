@@ -69,7 +69,7 @@ Outputs layer_outputs(L& layer, const Shape& in, std::uint64_t seed) {
   const auto dy = seeded<S, D>(y.shape(), rng);
   const auto& dx = layer.backward(dy, cache);
   Outputs out{{"y", host_values(y)}, {"dx", host_values(dx)}};
-  for (auto& [name, p] : named_tensors<S, D>(layer).parameters) out["grad." + name] = host_values(p->grad);
+  for (auto& [name, p] : named_tensors(layer).parameters) out["grad." + name] = host_values(p->grad);
   return out;
 }
 
@@ -79,7 +79,7 @@ Outputs optimizer_outputs(Options options) {
   using D = typename E::Device;
   Rng init(7);
   Linear<E> layer(5, 4, init);
-  auto named = named_tensors<S, D>(layer);
+  auto named = named_tensors(layer);
   Optimizer optimizer(named, options);
   Rng rng(11);
   for (int step = 0; step < 3; ++step) {

@@ -4,7 +4,7 @@
 #include <limits>
 
 #include "cuda/layer_equivalence.hpp"
-#include "tessera/device/cuda.cuh"
+#include "tessera/comm/local_cuda.cuh"
 #include "tessera/layers/dropout.hpp"
 #include "tessera/train/grad_scaler.hpp"
 
@@ -52,7 +52,7 @@ std::string cuda_dropout_check() {
 namespace {
 // One SGD step of a small ResNet on a seeded batch; returns the loss.
 template <class Model>
-double train_step(Model& model, Sgd<CudaLocal>& sgd, GradScaler<float, Cuda>* scaler, std::uint64_t seed) {
+double train_step(Model& model, Sgd<CudaLocal>& sgd, GradScaler<CudaLocal>* scaler, std::uint64_t seed) {
   Rng rng(seed);
   const auto x = seeded<float, Cuda>({8, 3, 16, 16}, rng);
   std::vector<std::int64_t> labels(8);
@@ -98,9 +98,9 @@ std::string cuda_mixed_precision_check() {
   }
   Cuda::set_math_precision(MathPrecision::BFloat16);
   auto model = small_resnet();
-  auto named = named_tensors<float, Cuda>(model);
+  auto named = named_tensors(model);
   Sgd<CudaLocal> sgd(named, {.lr = 0.05, .momentum = 0.9});
-  GradScaler<float, Cuda> scaler(named, {});
+  GradScaler<CudaLocal> scaler(named, {});
   std::vector<double> losses;
   for (int step = 0; step < 6; ++step) losses.push_back(train_step(model, sgd, &scaler, 100));  // the same batch
   for (double l : losses)
@@ -119,7 +119,7 @@ std::string cuda_mixed_precision_check() {
 // cached convolution plans and their shared workspace).
 std::string cuda_steady_state_allocation_check() {
   auto model = small_resnet();
-  auto named = named_tensors<float, Cuda>(model);
+  auto named = named_tensors(model);
   Sgd<CudaLocal> sgd(named, {.lr = 0.05, .momentum = 0.9});
   for (int step = 0; step < 2; ++step) train_step(model, sgd, nullptr, 200 + step);
   const auto before = Cuda::allocator().stats().system_allocations;

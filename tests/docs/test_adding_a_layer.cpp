@@ -20,5 +20,5 @@ TEST_CASE("docs/adding-a-layer: ChannelScale passes the gradient check", "[layer
   testing::check_gradients(scale, testing::random_tensor({2, 3, 4, 5}, rng), rng);
   Sequential seq{ChannelScale<CpuLocal64>(3), ReLU<CpuLocal64>()};
   testing::check_gradients(seq, testing::random_tensor({2, 3, 2, 2}, rng), rng);
-  CHECK(named_tensors<double, Cpu>(seq).parameters[0].first == "0.alpha");
+  CHECK(named_tensors(seq).parameters[0].first == "0.alpha");
 }

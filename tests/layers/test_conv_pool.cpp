@@ -272,12 +272,12 @@ TEST_CASE("Conv2d initializes like PyTorch and names its parameters", "[layers][
   const double bound = 1.0 / std::sqrt(2.0 * 3 * 3);  // fan_in = C_in / groups * kh * kw
   for (float v : conv.weight().value) CHECK(std::abs(v) <= bound);
   for (float v : conv.bias().value) CHECK(std::abs(v) <= bound);
-  auto named = named_tensors<float, Cpu>(conv, "conv1.");
+  auto named = named_tensors(conv, "conv1.");
   REQUIRE(named.parameters.size() == 2);
   CHECK(named.parameters[0].first == "conv1.weight");
   CHECK(named.parameters[1].first == "conv1.bias");
   Conv2d<E32> no_bias(3, 64, 7, rng, 2, 3, false);
-  CHECK(named_tensors<float, Cpu>(no_bias).parameters.size() == 1);
+  CHECK(named_tensors(no_bias).parameters.size() == 1);
 }
 
 TEST_CASE("Conv2d and pools reject bad shapes and arguments", "[layers][conv][pool]") {

@@ -28,7 +28,7 @@ TEST_CASE("Linear and Sequential: float64 gradient check", "[layers]") {
   testing::check_gradients(no_bias, testing::random_tensor({2, 5}, rng), rng);
   Sequential seq{Linear<E64>(5, 4, rng), ReLU<E64>(), Linear<E64>(4, 2, rng)};
   testing::check_gradients(seq, testing::random_tensor({3, 5}, rng), rng);
-  auto named = named_tensors<double, Cpu>(seq);
+  auto named = named_tensors(seq);
   REQUIRE(named.parameters.size() == 4);
   CHECK(named.parameters[2].first == "2.weight");
 }
@@ -43,7 +43,7 @@ TEST_CASE("Residual blocks: float64 gradient check, identity and projection", "[
   testing::check_gradients(projection, testing::random_tensor({2, 2, 6, 6}, rng), rng);
   Bottleneck<E64> bottleneck(4, 2, 2, rng, false);  // 4 -> 2 -> 8 channels, stride on the 3x3
   testing::check_gradients(bottleneck, testing::random_tensor({2, 4, 5, 5}, rng), rng);
-  auto named = named_tensors<double, Cpu>(bottleneck);
+  auto named = named_tensors(bottleneck);
   CHECK(named.parameters.front().first == "conv1.weight");
   CHECK(named.parameters.back().first == "downsample.1.bias");
 }
@@ -103,7 +103,7 @@ TEST_CASE("Linear: shape errors name the layer and both shapes", "[layers]") {
 TEST_CASE("Backward calls each parameter's gradient-ready hook once, last layer first", "[layers]") {
   Rng rng(4);
   Sequential seq{Linear<CpuLocal>(3, 4, rng), ReLU<CpuLocal>(), Linear<CpuLocal>(4, 2, rng)};
-  auto named = named_tensors<float, Cpu>(seq);
+  auto named = named_tensors(seq);
   std::vector<std::string> order;
   for (auto& [name, p] : named.parameters) {
     p->on_grad_ready = [&order, n = name](Parameter<float>&) { order.push_back(n); };
@@ -121,7 +121,7 @@ TEST_CASE("Per-micro-batch caches: two forwards in flight, backwards in any orde
   auto xa = testing::random_tensor({2, 2, 4, 4}, rng), xb = testing::random_tensor({2, 2, 4, 4}, rng);
   auto g = testing::random_tensor({2, 2, 4, 4}, rng);
   auto grads_of = [&](auto run) {
-    auto named = named_tensors<double, Cpu>(block);
+    auto named = named_tensors(block);
     for (auto& [n, p] : named.parameters) p->grad.zero();
     run();
     std::vector<Tensor<double>> out;

@@ -215,7 +215,7 @@ TEST_CASE("BatchNorm2d running statistics use the unbiased variance", "[layers][
 
 TEST_CASE("BatchNorm2d parameters, buffers, zero_init_weight and gradient accumulation", "[layers][batch_norm]") {
   BatchNorm2d<E32> bn(4);
-  auto named = named_tensors<float, Cpu>(bn, "bn1.");
+  auto named = named_tensors(bn, "bn1.");
   REQUIRE(named.parameters.size() == 2);
   CHECK(named.parameters[0].first == "bn1.weight");
   CHECK(named.parameters[1].first == "bn1.bias");

@@ -25,7 +25,7 @@ const SafetensorsFile& reference() {
 }
 template <class M>
 std::int64_t parameter_count(M& model) {
-  return static_cast<std::int64_t>(count_parameters(named_tensors<typename M::Env::Scalar, Cpu>(model)));
+  return static_cast<std::int64_t>(count_parameters(named_tensors(model)));
 }
 std::int64_t torch_count(const std::string& name) {
   return reference().tensor<std::int64_t>("count." + name)[0];
@@ -71,7 +71,7 @@ void expect_close(const Tensor<double>& got, const Tensor<double>& want, double 
 template <class Model>
 void check_against_torch(Model& model, const std::string& prefix) {
   const auto& f = reference();
-  auto named = named_tensors<double, Cpu>(model);
+  auto named = named_tensors(model);
   std::size_t loaded = 0;
   for (auto& [name, p] : named.parameters) {
     p->value = f.tensor<double>(prefix + ".init." + name);
@@ -122,7 +122,7 @@ TEST_CASE("LeNet-5 matches PyTorch: logits, loss, all gradients", "[models]") {
 TEST_CASE("CIFAR ResNet-8 in float32 stays within a small multiple of PyTorch's float32 error", "[models]") {
   const auto& f = reference();
   auto net = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 5});
-  auto named = named_tensors<float, Cpu>(net);
+  auto named = named_tensors(net);
   for (auto& [name, p] : named.parameters) p->value = f.tensor<float>("resnet8.init." + name);
   for (auto& [name, t] : named.buffers) *t = f.tensor<float>("resnet8.init." + name);
   decltype(net)::Cache cache;
@@ -152,7 +152,7 @@ TEST_CASE("One ResNet-50 training step at batch 8 on 224x224 runs and gives fini
   const float l = loss.forward(logits, labels, lc);
   CHECK(std::isfinite(l));
   net.backward(loss.backward(lc), cache);
-  auto named = named_tensors<float, Cpu>(net);
+  auto named = named_tensors(net);
   double norm = 0;
   for (auto& [n, p] : named.parameters)
     for (float g : p->grad) norm += static_cast<double>(g) * g;

@@ -17,8 +17,8 @@ namespace {
 struct TwoParams {
   Parameter<double> weight{Shape{2}, ParamKind::Weight};
   Parameter<double> bias{Shape{2}, ParamKind::Bias};
-  NamedTensors<double, Cpu> named() {
-    NamedTensors<double, Cpu> n;
+  NamedTensors<CpuLocal64> named() {
+    NamedTensors<CpuLocal64> n;
     n.parameter("w", weight);
     n.parameter("b", bias);
     return n;
@@ -75,7 +75,7 @@ TEST_CASE("Lars: several steps with weight decay equal the formula", "[optim]") 
 TEST_CASE("Lars: bias and BatchNorm parameters get neither decay nor adaptation unless switched on", "[optim]") {
   for (bool adapt_all : {false, true}) {
     Parameter<double> weight{Shape{2}, ParamKind::Weight}, bias{Shape{2}, ParamKind::Bias}, gamma{Shape{2}, ParamKind::Norm};
-    NamedTensors<double, Cpu> named;
+    NamedTensors<CpuLocal64> named;
     named.parameter("w", weight);
     named.parameter("b", bias);
     named.parameter("bn.weight", gamma);

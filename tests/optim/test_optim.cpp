@@ -308,7 +308,7 @@ TEST_CASE("the OpenMP path over large tensors equals the serial path", "[optim]"
   for (std::int64_t j = 0; j < n; ++j) big.value[j] = rng.normal(0.0, 1.0);
   for (int h = 0; h < 2; ++h) std::copy(big.value.begin() + h * n / 2, big.value.begin() + (h + 1) * n / 2,
                                         halves[h].value.begin());
-  NamedTensors<double, Cpu> named_big, named_halves;
+  NamedTensors<CpuLocal64> named_big, named_halves;
   named_big.parameter("w", big);
   named_halves.parameter("w0", halves[0]);
   named_halves.parameter("w1", halves[1]);
@@ -441,9 +441,9 @@ TEST_CASE("bad optimizer and schedule arguments throw ArgumentError", "[optim]")
   CHECK(sgd.lr() == 0.1);
   CHECK_THROWS_WITH((Sgd<Env32>(named, {.lr = 0.1, .nesterov = true})), Catch::Contains("momentum > 0"));
 
-  NamedTensors<float, Cpu> empty;
+  NamedTensors<CpuLocal> empty;
   CHECK_THROWS_AS((Sgd<Env32>(empty, {.lr = 0.1})), ArgumentError);
-  NamedTensors<float, Cpu> twice;
+  NamedTensors<CpuLocal> twice;
   twice.parameter("a", model.params[0]);
   twice.parameter("b", model.params[0]);
   CHECK_THROWS_AS((Adam<Env32>(twice, {})), ArgumentError);

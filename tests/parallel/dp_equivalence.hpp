@@ -83,7 +83,7 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel m
 
   // The reference: one process, whole global batch per step.
   auto reference = make_model(7);
-  auto reference_params = named_tensors<S, Cpu>(reference);
+  auto reference_params = named_tensors(reference);
   Sgd<E> reference_sgd(reference_params, sgd_options);
   for (int step = 0; step < c.steps; ++step) {
     reference_sgd.zero_grad();
@@ -95,7 +95,7 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel m
   // broadcast must replace.
   auto model = make_model(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
   if constexpr (!std::is_same_v<Prepare, void (*)(void*, void*)>) prepare(model, comm);
-  DataParallel<S, Comm> dp(model, comm,
+  DataParallel dp(model, comm,
                            {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024, .compression = c.compression});
   Sgd<E> sgd(dp.parameters(), sgd_options);
   for (int step = 0; step < c.steps; ++step) {
@@ -165,7 +165,7 @@ std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, con
   const bool adam = strategy == Strategy::Zero1Adam;
 
   auto reference = make_lenet<S>(7);
-  auto reference_params = named_tensors<S, Cpu>(reference);
+  auto reference_params = named_tensors(reference);
   Sgd<E> reference_sgd(reference_params, sgd_options);
   Adam<E> reference_adam(reference_params, adam_options);
   for (int step = 0; step < c.steps; ++step) {
@@ -175,9 +175,9 @@ std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, con
   }
 
   auto model = make_lenet<S>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
-  auto model_params = named_tensors<S, Cpu>(model);
+  auto model_params = named_tensors(model);
   if (strategy == Strategy::LocalSgdPeriod1) {
-    LocalSgd<S, Comm> local(model, comm, {.period = 1});
+    LocalSgd local(model, comm, {.period = 1});
     Sgd<E> sgd(model_params, sgd_options);
     for (int step = 0; step < c.steps; ++step) {
       sgd.zero_grad();
@@ -186,7 +186,7 @@ std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, con
       local.after_step();
     }
   } else {
-    Zero1<S, Comm> zero(model, comm);
+    Zero1 zero(model, comm);
     Sgd<E> sgd(zero.shard_parameters(), sgd_options);
     Adam<E> adam_opt(zero.shard_parameters(), adam_options);
     for (int step = 0; step < c.steps; ++step) {

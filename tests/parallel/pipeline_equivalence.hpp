@@ -90,9 +90,9 @@ std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model 
   const std::string what = std::string(model_name(c.model)) + " " + schedule_name(c.schedule) + " P=" +
                            std::to_string(comm.size()) + " M=" + std::to_string(c.micro_batches) + " stage " +
                            std::to_string(comm.rank()) + ": ";
-  Pipeline<Model, Comm> pipe(model_pipe, comm, {.micro_batches = c.micro_batches, .schedule = c.schedule});
+  Pipeline<Model> pipe(model_pipe, comm, {.micro_batches = c.micro_batches, .schedule = c.schedule});
   auto stage_params = pipe.stage_parameters();
-  auto ref_params = named_tensors<S, Cpu>(model_ref);
+  auto ref_params = named_tensors(model_ref);
   std::map<std::string, Parameter<S, Cpu>*> ref_by_name;
   for (auto& [name, p] : ref_params.parameters) ref_by_name[name] = p;
   Sgd<E> sgd_pipe(stage_params, {.lr = 0.05, .momentum = 0.9});
@@ -181,11 +181,11 @@ std::vector<std::string> hybrid_equivalence(Comm& world, int stages, int steps =
   Comm pipe_comm = world.split(/*color=*/replica, /*key=*/stage);
   Comm dp_comm = world.split(/*color=*/stage, /*key=*/replica);
   Mlp<E> model(64, {32, 32, 24, 16}, 10, 5), reference(64, {32, 32, 24, 16}, 10, 5);
-  using Pipe = Pipeline<Mlp<E>, Comm>;
+  using Pipe = Pipeline<Mlp<E>>;
   Pipe pipe(model, pipe_comm, {.micro_batches = 2});
-  DataParallel<S, Comm> dp(pipe.stage(), dp_comm, {.average_micro_steps = false});
+  DataParallel dp(pipe.stage(), dp_comm, {.average_micro_steps = false});
   auto stage_params = pipe.stage_parameters();
-  auto ref_params = named_tensors<S, Cpu>(reference);
+  auto ref_params = named_tensors(reference);
   Sgd<E> sgd(stage_params, {.lr = 0.05, .momentum = 0.9});
   Sgd<E> sgd_ref(ref_params, {.lr = 0.05, .momentum = 0.9});
   CrossEntropyLoss<E> loss;

@@ -104,8 +104,8 @@ TEST_CASE("ZeRO-1: each rank keeps optimizer state for its shard only", "[parall
   ThreadWorld world(4);
   world.run([](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    const auto total = count_parameters(named_tensors<double, Cpu>(model));
-    Zero1<double, ThreadComm> zero(model, comm);
+    const auto total = count_parameters(named_tensors(model));
+    Zero1 zero(model, comm);
     std::int64_t mine = 0;
     for (const auto& [name, p] : zero.shard_parameters().parameters) mine += p->value.numel();
     const auto padding = comm.rank() == 3 ? static_cast<std::int64_t>((4 - total % 4) % 4) : std::int64_t{0};
@@ -117,9 +117,9 @@ TEST_CASE("ZeRO-1: values loaded into the model after construction are what the 
   ThreadWorld world(2);
   world.run([](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    Zero1<double, ThreadComm> zero(model, comm);
+    Zero1 zero(model, comm);
     Sgd<CpuLocal64> sgd(zero.shard_parameters(), {.lr = 0.5});
-    const auto named = named_tensors<double, Cpu>(model);
+    const auto named = named_tensors(model);
     for (auto& [name, p] : named.parameters) {  // "load a checkpoint": every value 1, gradient 2
       p->value.fill(1.0);
       p->grad.fill(2.0);
@@ -152,7 +152,7 @@ TEST_CASE("DataParallel top-k: error feedback keeps applied updates + residual =
       std::vector<double> sent_fraction(static_cast<std::size_t>(ranks), 0.0);
       world.run([&](ThreadComm& comm) {
         auto model = lenet5<CpuLocal64>();
-        DataParallel<double, ThreadComm> dp(
+        DataParallel dp(
             model, comm, {.first_bucket_bytes = 4096, .compression = GradientCompression::TopK, .topk_ratio = 0.05});
         const auto& params = dp.parameters().parameters;
         std::vector<std::vector<double>> applied_sum(params.size()), true_sum(params.size());
@@ -209,7 +209,7 @@ TEST_CASE("DataParallel: a data set that does not divide evenly trains to the en
     std::vector<std::int64_t> steps(4, 0), last_batch(4, 0);
     world.run([&](ThreadComm& comm) {
       auto model = lenet5<CpuLocal>();
-      DataParallel<float, ThreadComm> dp(model, comm);
+      DataParallel dp(model, comm);
       Sgd<CpuLocal> sgd(dp.parameters(), {.lr = 0.01});
       DataLoader<float> loader(data, {.batch_size = 8, .seed = 1, .rank = comm.rank(), .world_size = 4,
                                       .drop_tail = drop_tail});
@@ -243,7 +243,7 @@ TEST_CASE("Timeline: spans of every rank in one Chrome trace, bucket all-reduces
   world.run([&](ThreadComm& comm) {
     Timeline timeline(comm);
     auto model = lenet5<CpuLocal64>();
-    DataParallel<double, ThreadComm> dp(model, comm, {.bucket_bytes = 32 * 1024, .first_bucket_bytes = 4096});
+    DataParallel dp(model, comm, {.bucket_bytes = 32 * 1024, .first_bucket_bytes = 4096});
     {
       auto span = timeline.span("backward");
       for (auto it = dp.parameters().parameters.rbegin(); it != dp.parameters().parameters.rend(); ++it)
@@ -273,7 +273,7 @@ TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small"
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    DataParallel<double, ThreadComm> dp(model, comm, {.bucket_bytes = 100 * 1024, .first_bucket_bytes = 8 * 1024});
+    DataParallel dp(model, comm, {.bucket_bytes = 100 * 1024, .first_bucket_bytes = 8 * 1024});
     const auto& buckets = dp.buckets();
     const int n = static_cast<int>(dp.parameters().parameters.size());
     REQUIRE(!buckets.empty());
@@ -293,7 +293,7 @@ TEST_CASE("DataParallel: a parameter without gradient is named", "[parallel]") {
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    DataParallel<double, ThreadComm> dp(model, comm);
+    DataParallel dp(model, comm);
     CHECK_THROWS_WITH(dp.finish(), Catch::Contains("finish() without a backward pass"));
     // A backward that skipped "3.weight" (as a branch not taken in forward would).
     for (const auto& [name, p] : dp.parameters().parameters)
@@ -319,7 +319,7 @@ TEST_CASE("DataParallel: one rank without a gradient makes every rank throw, the
   std::vector<std::string> errors(2);
   world.run([&](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    DataParallel<double, ThreadComm> dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 4096});
+    DataParallel dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 4096});
     const auto& params = dp.parameters().parameters;
     fill_grads(dp, [&](std::size_t) { return 1.0 + comm.rank(); });
     for (const auto& [name, p] : params)
@@ -345,7 +345,7 @@ TEST_CASE("DataParallel: finish() without backward, and a parameter used twice, 
   std::vector<std::string> no_backward(2), twice(2);
   world.run([&](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    DataParallel<double, ThreadComm> dp(model, comm);
+    DataParallel dp(model, comm);
     try {
       dp.finish();
     } catch (const ArgumentError& e) {
@@ -371,7 +371,7 @@ TEST_CASE("DataParallel: hooks in a different order on each rank, buckets still 
   world.run([&](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
     // Small buckets, so most of the ten parameters get their own bucket.
-    DataParallel<double, ThreadComm> dp(model, comm, {.bucket_bytes = 1024, .first_bucket_bytes = 1024});
+    DataParallel dp(model, comm, {.bucket_bytes = 1024, .first_bucket_bytes = 1024});
     REQUIRE(dp.buckets().size() >= 6);
     const auto& params = dp.parameters().parameters;
     for (int step = 0; step < 3; ++step) {
@@ -394,7 +394,7 @@ TEST_CASE("DataParallel: nothing is sent inside no_sync; finish() inside the gua
   ThreadWorld world(2);
   world.run([&](ThreadComm& comm) {
     auto model = lenet5<CpuLocal64>();
-    DataParallel<double, ThreadComm> dp(model, comm, {.bucket_bytes = 4096, .first_bucket_bytes = 1024});
+    DataParallel dp(model, comm, {.bucket_bytes = 4096, .first_bucket_bytes = 1024});
     const auto& params = dp.parameters().parameters;
     auto guard = dp.no_sync();
     // Three micro-steps accumulate 1 + 2 + 3 (+ 10 on rank 1) into each gradient.

@@ -86,10 +86,10 @@ TEST_CASE("Pipeline: costs measured on rank 0 give every rank the same split", "
   world.run([&](ThreadComm& comm) {
     auto model = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
     const auto sample = testing::pipe_images<double>(4, 8, 0);
-    const auto before = named_tensors<double, Cpu>(model);
+    const auto before = named_tensors(model);
     std::vector<double> running_mean(before.buffers.front().second->data(),
                                      before.buffers.front().second->data() + before.buffers.front().second->numel());
-    Pipeline<decltype(model), ThreadComm> pipe(model, comm, {.micro_batches = 2}, comm.rank() == 0 ? &sample : nullptr);
+    Pipeline<decltype(model)> pipe(model, comm, {.micro_batches = 2}, comm.rank() == 0 ? &sample : nullptr);
     bounds[comm.rank()] = pipe.boundaries();
     // Measuring left the BatchNorm statistics and the gradients as they were.
     const auto& after = *before.buffers.front().second;
@@ -106,11 +106,11 @@ TEST_CASE("Pipeline: bad boundaries and a batch that does not split are named", 
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
     Mlp<E> model(64, {16}, 10);
-    CHECK_THROWS_WITH((Pipeline<Mlp<E>, ThreadComm>(model, comm, {.boundaries = {0, 1}})),
+    CHECK_THROWS_WITH((Pipeline<Mlp<E>>(model, comm, {.boundaries = {0, 1}})),
                       Catch::Contains("boundaries must be 2 unit indices from 0 to 2"));
-    CHECK_THROWS_WITH((Pipeline<Mlp<E>, ThreadComm>(model, comm, {.micro_batches = 0})),
+    CHECK_THROWS_WITH((Pipeline<Mlp<E>>(model, comm, {.micro_batches = 0})),
                       Catch::Contains("micro_batches=0 must be at least 1"));
-    Pipeline<Mlp<E>, ThreadComm> pipe(model, comm, {.micro_batches = 4});
+    Pipeline<Mlp<E>> pipe(model, comm, {.micro_batches = 4});
     const auto x = testing::pipe_images<double>(6, 8, 0);
     const auto y = testing::pipe_labels(6, 0);
     CHECK_THROWS_WITH(pipe.train_step(x, y), Catch::Contains("does not split into 4 equal micro-batches"));
@@ -137,7 +137,7 @@ TEST_CASE("Pipeline: a failing stage stops the others instead of leaving them wa
   const auto started = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(world.run([](ThreadComm& comm) {
                       Mlp<E> model(64, {16, 16}, 10);
-                      Pipeline<Mlp<E>, ThreadComm> pipe(model, comm, {.micro_batches = 2});
+                      Pipeline<Mlp<E>> pipe(model, comm, {.micro_batches = 2});
                       const auto x = testing::pipe_images<double>(8, 8, 0);
                       const auto y = testing::pipe_labels(comm.rank() == 2 ? 5 : 8, 0);
                       pipe.train_step(x, y);

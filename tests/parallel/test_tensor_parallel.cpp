@@ -43,10 +43,10 @@ TEST_CASE("ColumnParallelLinear equals Linear: output, dL/dx, the rank's rows of
         world.run([&](ThreadComm& comm) {
           Rng rng_dense(3), rng_tp(3);
           Linear<E> dense(kIn, kHidden, rng_dense);
-          ColumnParallelLinear<E, ThreadComm> tp(kIn, kHidden, rng_tp, comm, gather);
+          ColumnParallelLinear<E> tp(kIn, kHidden, rng_tp, comm, gather);
           const T x = random_tensor({kN, kIn}, 1), dy = random_tensor({kN, kHidden}, 2);
           Linear<E>::Cache dc;
-          ColumnParallelLinear<E, ThreadComm>::Cache tc;
+          ColumnParallelLinear<E>::Cache tc;
           const T& y_dense = dense.forward(x, dc);
           const T& y_tp = tp.forward(x, tc);
           const std::int64_t w = kHidden / ranks, first = w * comm.rank();
@@ -84,14 +84,14 @@ TEST_CASE("RowParallelLinear equals Linear: output, dL/dx (gathered or the rank'
         world.run([&](ThreadComm& comm) {
           Rng rng_dense(4), rng_tp(4);
           Linear<E> dense(kHidden, kOut, rng_dense);
-          RowParallelLinear<E, ThreadComm> tp(kHidden, kOut, rng_tp, comm, parallel_input);
+          RowParallelLinear<E> tp(kHidden, kOut, rng_tp, comm, parallel_input);
           const T x = random_tensor({kN, kHidden}, 5), dy = random_tensor({kN, kOut}, 6);
           const std::int64_t w = kHidden / ranks, first = w * comm.rank();
           T x_local({kN, w});
           const auto xc = columns(x, first, w);
           std::copy(xc.begin(), xc.end(), x_local.data());
           Linear<E>::Cache dc;
-          RowParallelLinear<E, ThreadComm>::Cache tc;
+          RowParallelLinear<E>::Cache tc;
           const T& y_dense = dense.forward(x, dc);
           const T& y_tp = tp.forward(parallel_input ? x_local : x, tc);
           double d = max_diff(y_tp.data(), y_dense.data(), y_dense.numel());
@@ -122,11 +122,11 @@ TEST_CASE("TensorParallelMlp equals Linear -> ReLU -> Linear, with one all-reduc
         Linear<E> fc1(kIn, kHidden, rng_dense);
         Linear<E> fc2(kHidden, kOut, rng_dense);
         ReLU<E> relu;
-        TensorParallelMlp<E, ThreadComm> tp(kIn, kHidden, kOut, rng_tp, comm);
+        TensorParallelMlp<E> tp(kIn, kHidden, kOut, rng_tp, comm);
         const T x = random_tensor({kN, kIn}, 7), dy = random_tensor({kN, kOut}, 8);
         Linear<E>::Cache c1, c2;
         ReLU<E>::Cache cr;
-        TensorParallelMlp<E, ThreadComm>::Cache tc;
+        TensorParallelMlp<E>::Cache tc;
         const T& y_dense = fc2.forward(relu.forward(fc1.forward(x, c1), cr), c2);
         const T& y_tp = tp.forward(x, tc);
         double d = max_diff(y_tp.data(), y_dense.data(), y_dense.numel());
@@ -155,9 +155,9 @@ TEST_CASE("Tensor-parallel layers name a split that does not divide", "[parallel
   ThreadWorld world(3);
   world.run([](ThreadComm& comm) {
     Rng rng(1);
-    CHECK_THROWS_WITH((ColumnParallelLinear<E, ThreadComm>(4, 8, rng, comm)),
+    CHECK_THROWS_WITH((ColumnParallelLinear<E>(4, 8, rng, comm)),
                       Catch::Contains("ColumnParallelLinear: out_features=8 does not divide over 3 ranks"));
-    CHECK_THROWS_WITH((RowParallelLinear<E, ThreadComm>(8, 4, rng, comm)),
+    CHECK_THROWS_WITH((RowParallelLinear<E>(8, 4, rng, comm)),
                       Catch::Contains("RowParallelLinear: in_features=8 does not divide over 3 ranks"));
   });
 }
@@ -211,10 +211,10 @@ TEST_CASE("TensorParallelBottleneck equals the dense bottleneck: output, dL/dx, 
           Rng rng(21);
           const std::int64_t in = projection ? 8 : 16, planes = 4, stride = projection ? 2 : 1;
           Bottleneck<E> dense(in, planes, stride, rng, /*zero_init_last_bn=*/false);
-          TensorParallelBottleneck<E, ThreadComm> tp(dense, comm);
+          TensorParallelBottleneck<E> tp(dense, comm);
           const T x = random_tensor({3, in, 6, 6}, 22);
           Bottleneck<E>::Cache dc{};
-          TensorParallelBottleneck<E, ThreadComm>::Cache tc{};
+          TensorParallelBottleneck<E>::Cache tc{};
           const T& y_dense = dense.forward(x, dc);
           const T& y_tp = tp.forward(x, tc);
           REQUIRE(y_tp.shape() == y_dense.shape());
@@ -241,9 +241,9 @@ TEST_CASE("TensorParallelResNet equals the dense bottleneck ResNet through SGD s
         auto make = [] { return ResNet<E, Bottleneck>({1, 1}, {4, 8}, true, {.in_channels = 1, .num_classes = 8, .seed = 3}); };
         auto dense = make();
         auto to_split = make();
-        TensorParallelResNet<E, ThreadComm> tp(to_split, comm);
-        auto dense_params = named_tensors<double, Cpu>(dense);
-        auto tp_params = named_tensors<double, Cpu>(tp);
+        TensorParallelResNet<E> tp(to_split, comm);
+        auto dense_params = named_tensors(dense);
+        auto tp_params = named_tensors(tp);
         Sgd<E> sgd_dense(dense_params, {.lr = 0.1, .momentum = 0.9});
         Sgd<E> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
         CrossEntropyLoss<E> loss;
@@ -254,7 +254,7 @@ TEST_CASE("TensorParallelResNet equals the dense bottleneck ResNet through SGD s
           sgd_dense.zero_grad();
           sgd_tp.zero_grad();
           decltype(dense)::Cache dc{};
-          TensorParallelResNet<E, ThreadComm>::Cache tc{};
+          TensorParallelResNet<E>::Cache tc{};
           CrossEntropyLoss<E>::Cache lc_dense, lc_tp;
           const double l_dense = loss.forward(dense.forward(x, dc), y, lc_dense);
           const double l_tp = loss.forward(tp.forward(x, tc), y, lc_tp);
@@ -285,16 +285,16 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
     ThreadComm tp_comm = comm.split(replica, tp_rank);
     ThreadComm dp_comm = comm.split(tp_rank, replica);
     Rng rng_tp(41), rng_dense(41);
-    TensorParallelMlp<E, ThreadComm> tp(kIn, kHidden, kOut, rng_tp, tp_comm);
+    TensorParallelMlp<E> tp(kIn, kHidden, kOut, rng_tp, tp_comm);
     Linear<E> fc1(kIn, kHidden, rng_dense), fc2(kHidden, kOut, rng_dense);
     ReLU<E> relu;
-    DataParallel<double, ThreadComm> dp(tp, dp_comm);  // averages each slice over the replicas only
-    auto tp_params = named_tensors<double, Cpu>(tp);
+    DataParallel dp(tp, dp_comm);  // averages each slice over the replicas only
+    auto tp_params = named_tensors(tp);
     Sgd<E> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
     // The dense reference trains on the global batch of 2 x kN rows; the weights are compared
     // (they carry every step's effect, biases included).
-    Sgd<E> sgd_dense(named_tensors<double, Cpu>(fc1), {.lr = 0.1, .momentum = 0.9});
-    Sgd<E> sgd_dense2(named_tensors<double, Cpu>(fc2), {.lr = 0.1, .momentum = 0.9});
+    Sgd<E> sgd_dense(named_tensors(fc1), {.lr = 0.1, .momentum = 0.9});
+    Sgd<E> sgd_dense2(named_tensors(fc2), {.lr = 0.1, .momentum = 0.9});
     double d = 0;
     for (int step = 0; step < 3; ++step) {
       const T x = random_tensor({2 * kN, kIn}, 50 + static_cast<std::uint64_t>(step));
@@ -316,7 +316,7 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
       T x_mine({kN, kIn}), dy_mine({kN, kOut});
       std::copy_n(x.data() + replica * kN * kIn, kN * kIn, x_mine.data());
       for (std::int64_t k = 0; k < dy_mine.numel(); ++k) dy_mine.data()[k] = dy_global.data()[replica * kN * kOut + k] / kN;
-      TensorParallelMlp<E, ThreadComm>::Cache tc;
+      TensorParallelMlp<E>::Cache tc;
       tp.forward(x_mine, tc);
       tp.backward(dy_mine, tc);
       dp.finish();

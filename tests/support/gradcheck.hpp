@@ -55,8 +55,8 @@ inline double relative_error(const T64& analytic, const T64& numeric) {
 }
 
 template <class L>
-NamedTensors<double, Cpu> layer_tensors(L& layer) {
-  NamedTensors<double, Cpu> named;
+NamedTensors<CpuLocal64> layer_tensors(L& layer) {
+  NamedTensors<CpuLocal64> named;
   if constexpr (requires { layer.visit(named, std::string()); }) layer.visit(named, "");
   return named;
 }

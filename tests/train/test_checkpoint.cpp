@@ -34,7 +34,7 @@ fs::path temp_dir() {
 template <class M>
 std::vector<Tensor<float>> snapshot(M& model) {
   std::vector<Tensor<float>> out;
-  auto named = named_tensors<float, Cpu>(model);
+  auto named = named_tensors(model);
   for (auto& [n, p] : named.parameters) out.push_back(p->value);
   for (auto& [n, t] : named.buffers) out.push_back(*t);
   return out;
@@ -52,7 +52,7 @@ bool identical(const std::vector<Tensor<float>>& a, const std::vector<Tensor<flo
 // A small ResNet (BN buffers, projection shortcuts) trained with SGD + momentum on synthetic data.
 struct Run {
   ResNet<E, BasicBlock> model = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 4, .seed = 3});
-  NamedTensors<float, Cpu> named = named_tensors<float, Cpu>(model);
+  NamedTensors<CpuLocal> named = named_tensors(model);
   Sgd<E> sgd{named, {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-4}};
   Trainer<ResNet<E, BasicBlock>, Sgd<E>> trainer;
   Run(std::int64_t epochs, const std::string& ckpt = "")
@@ -166,7 +166,7 @@ TEST_CASE("Checkpoint of another model lists every mismatch and loads nothing", 
   const auto dir = temp_dir();
   const auto path = (dir / "lenet.safetensors").string();
   auto lenet = lenet5<E>(1, 28, 10);
-  auto named = named_tensors<float, Cpu>(lenet);
+  auto named = named_tensors(lenet);
   Sgd<E> sgd(named, {.lr = 0.1});
   save_checkpoint(path, lenet, sgd, TrainState{});
   Run b(1);
@@ -189,7 +189,7 @@ TEST_CASE("Resume is exact with Dropout: its generator state is in the checkpoin
   struct DropoutRun {
     Rng rng{4};
     Net model{Flatten<E>(), Linear<E>(100, 32, rng), ReLU<E>(), Dropout<E>(0.5, 77), Linear<E>(32, 4, rng)};
-    NamedTensors<float, Cpu> named = named_tensors<float, Cpu>(model);
+    NamedTensors<CpuLocal> named = named_tensors(model);
     Sgd<E> sgd{named, {.lr = 0.05, .momentum = 0.9}};
     Trainer<Net, Sgd<E>> trainer;
     explicit DropoutRun(const std::string& ckpt = "")

@@ -30,9 +30,9 @@ TEST_CASE("GradScaler scales the loss gradient, unscales parameter gradients and
           "[train][grad_scaler]") {
   Rng rng(1);
   Linear<CpuLocal> layer(3, 2, rng);
-  auto named = named_tensors<float, Cpu>(layer);
+  auto named = named_tensors(layer);
   Sgd<CpuLocal> sgd(named, {.lr = 0.5});
-  GradScaler<float, Cpu> scaler(named, {.init_scale = 1024.0, .growth_interval = 2});
+  GradScaler<CpuLocal> scaler(named, {.init_scale = 1024.0, .growth_interval = 2});
 
   const auto dy = Tensor<float>::from({1, 2}, {0.25f, -1.0f});
   const auto& scaled = scaler.scale_gradient(dy);
@@ -57,9 +57,9 @@ TEST_CASE("GradScaler scales the loss gradient, unscales parameter gradients and
 TEST_CASE("GradScaler skips the step and backs off on inf or NaN gradients", "[train][grad_scaler]") {
   Rng rng(2);
   Linear<CpuLocal> layer(4, 3, rng);
-  auto named = named_tensors<float, Cpu>(layer);
+  auto named = named_tensors(layer);
   Sgd<CpuLocal> sgd(named, {.lr = 0.1});
-  GradScaler<float, Cpu> scaler(named, {.init_scale = 65536.0, .growth_interval = 3});
+  GradScaler<CpuLocal> scaler(named, {.init_scale = 65536.0, .growth_interval = 3});
   const Tensor<float> before = layer.weight().value;
 
   for (float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
@@ -85,26 +85,26 @@ TEST_CASE("GradScaler skips the step and backs off on inf or NaN gradients", "[t
 TEST_CASE("GradScaler state round-trips and disabled scaling is the identity", "[train][grad_scaler]") {
   Rng rng(3);
   Linear<CpuLocal> layer(2, 2, rng);
-  auto named = named_tensors<float, Cpu>(layer);
+  auto named = named_tensors(layer);
   Sgd<CpuLocal> sgd(named, {.lr = 0.1});
-  GradScaler<float, Cpu> scaler(named, {.init_scale = 8.0, .growth_interval = 5});
+  GradScaler<CpuLocal> scaler(named, {.init_scale = 8.0, .growth_interval = 5});
   layer.weight().grad.fill(std::numeric_limits<float>::infinity());
   scaler.step(sgd);  // scale 4
   sgd.zero_grad();
   scaler.step(sgd);  // one clean step
   IntegerState saved;
   scaler.visit_state(saved);
-  GradScaler<float, Cpu> restored(named, {.init_scale = 8.0, .growth_interval = 5});
+  GradScaler<CpuLocal> restored(named, {.init_scale = 8.0, .growth_interval = 5});
   restored.visit_state(saved);
   CHECK(restored.scale() == 4.0);
   for (int i = 0; i < 4; ++i) restored.step(sgd);  // 1 + 4 = 5 clean steps: grows
   CHECK(restored.scale() == 8.0);
 
-  GradScaler<float, Cpu> off(named, {.enabled = false});
+  GradScaler<CpuLocal> off(named, {.enabled = false});
   CHECK(off.scale() == 1.0);
   layer.weight().grad.fill(std::numeric_limits<float>::infinity());
   CHECK(off.unscale());  // no checks when disabled, as torch's GradScaler(enabled=False)
 
   const GradScalerOptions zero_scale{.init_scale = 0.0};
-  CHECK_THROWS_WITH((GradScaler<float, Cpu>(named, zero_scale)), Catch::Contains("init_scale=0"));
+  CHECK_THROWS_WITH((GradScaler<CpuLocal>(named, zero_scale)), Catch::Contains("init_scale=0"));
 }

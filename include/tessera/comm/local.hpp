@@ -7,6 +7,7 @@
 #include <span>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/options.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/device/cpu.hpp"
 
@@ -14,6 +15,17 @@ namespace tessera {
 
 class LocalComm {
  public:
+  static constexpr const char* backend_name = "local";
+  // launch<CpuLocal>(fn): this process is the only rank.
+  template <class Fn>
+  static void launch(const LaunchOptions& options, Fn&& fn) {
+    TESSERA_CHECK(options.ranks <= 1, ArgumentError, "launch: ", options.ranks,
+                  " ranks asked of LocalComm, which is one process; build with an Env of several ranks "
+                  "(CpuThreads, CpuMpi, CpuGloo)");
+    LocalComm comm;
+    fn(comm);
+  }
+
   int rank() const { return 0; }
   int size() const { return 1; }
 

@@ -34,6 +34,15 @@ struct CommOptions {
   }
 };
 
+// What tessera::launch<E> (comm/launch.hpp) passes to the Env's communicator when it opens the
+// world. ranks: how many ranks an in-process communicator (ThreadComm) spawns; a communicator
+// whose ranks are processes takes the world size from its launcher (mpirun, srun,
+// tools/tessera-run) and ignores it. 0 means one rank.
+struct LaunchOptions {
+  int ranks = 0;
+  CommOptions comm = {};
+};
+
 namespace detail {
 inline std::string seconds_text(std::chrono::milliseconds ms) { return cat(ms.count() / 1000.0, " s"); }
 }  // namespace detail

@@ -399,6 +399,11 @@ class ThreadWorld;
 
 class ThreadComm {
  public:
+  static constexpr const char* backend_name = "threads";
+  // Spawns options.ranks threads, each running fn(ThreadComm&) (see ThreadWorld::run).
+  template <class Fn>
+  static void launch(const LaunchOptions& options, Fn&& fn);
+
   ThreadComm(ThreadComm&&) noexcept = default;
   ThreadComm& operator=(ThreadComm&&) noexcept = default;
   ~ThreadComm() = default;
@@ -561,6 +566,14 @@ class ThreadWorld {
   std::shared_ptr<detail::ThreadWorldState> state_;
   std::shared_ptr<detail::ThreadGroup> group_;
 };
+
+// launch<CpuThreads>(fn, {.ranks = N}): N ranks as threads of this process.
+template <class Fn>
+void ThreadComm::launch(const LaunchOptions& options, Fn&& fn) {
+  TESSERA_CHECK(options.ranks >= 0, ArgumentError, "launch: ranks=", options.ranks, " must be >= 0");
+  ThreadWorld world(options.ranks > 0 ? options.ranks : 1, options.comm);
+  world.run(std::forward<Fn>(fn));
+}
 
 // The in-process multi-rank bundles.
 using CpuThreads = Env<Cpu, ThreadComm, float>;

@@ -1,9 +1,11 @@
-// Concepts checked with static_assert where each type is defined, so that a type missing a member
-// fails with a message naming the member instead of an error deep inside a template.
+// Concepts checked with static_assert where each type is used, so that a type missing a member
+// fails with one sentence naming the member instead of a wall of constraint notes.
 #pragma once
 
 #include <concepts>
 #include <cstddef>
+#include <string>
+#include <type_traits>
 
 namespace tessera {
 
@@ -21,16 +23,95 @@ concept Device = requires(void* dst, const void* src, std::size_t n) {
 
 enum class Mode { Train, Eval };
 
+// The visit protocol (see core/parameter.hpp) with nothing behind it: what a layer's visit must
+// accept. v.parameter(name, Parameter&), v.buffer(name, Tensor&), v.rng(name, Rng&).
+struct VisitorArchetype {
+  template <class P>
+  void parameter(const std::string&, P&) {}
+  template <class T>
+  void buffer(const std::string&, T&) {}
+  template <class R>
+  void rng(const std::string&, R&) {}
+};
+
+// A layer without parameters, buffers or random state says so by deriving from ParameterFree:
+// every layer must have visit, so one that owns parameters and forgets to expose them (they would
+// never be updated, saved or all-reduced) fails to compile instead of training silently.
+struct ParameterFree {
+  template <class V>
+  void visit(V&, const std::string&) {}
+};
+
 // A layer computes y = f(x; theta) and its backward. Activations backward needs live in a
 // per-micro-batch Cache owned by the caller, never in the layer, so a pipeline stage may have
-// several micro-batches in flight. backward returns dL/dx and *accumulates* dL/dtheta.
+// several micro-batches in flight. backward returns dL/dx and *accumulates* dL/dtheta; visit
+// hands every parameter, buffer and generator to a visitor under its state_dict name.
+//
+//   using Env = E;  using Tensor = tessera::Tensor<S, D>;  struct Cache { ... };
+//   const Tensor& forward(const Tensor& x, Cache&);     const Tensor& backward(const Tensor& dy, Cache&);
+//   template <class V> void visit(V&, const std::string& prefix);   (or derive from ParameterFree)
+//   void set_mode(Mode);
+namespace detail {
 template <class L>
-concept Layer = requires(L& layer, const typename L::Tensor& t, typename L::Cache& cache) {
-  typename L::Env;
-  typename L::Cache;
-  { layer.forward(t, cache) } -> std::same_as<const typename L::Tensor&>;
-  { layer.backward(t, cache) } -> std::same_as<const typename L::Tensor&>;
-  layer.set_mode(Mode::Train);
+concept HasEnv = requires { typename L::Env; };
+template <class L>
+concept HasTensor = requires { typename L::Tensor; };
+template <class L>
+concept HasCache = requires { typename L::Cache; } && std::default_initializable<typename L::Cache>;
+template <class L>
+concept HasForward = requires(L& l, const typename L::Tensor& t, typename L::Cache& c) {
+  { l.forward(t, c) } -> std::same_as<const typename L::Tensor&>;
 };
+template <class L>
+concept HasBackward = requires(L& l, const typename L::Tensor& t, typename L::Cache& c) {
+  { l.backward(t, c) } -> std::same_as<const typename L::Tensor&>;
+};
+template <class L>
+concept HasSetMode = requires(L& l) { l.set_mode(Mode::Train); };
+template <class L>
+concept HasVisit = requires(L& l, VisitorArchetype& v, const std::string& prefix) { l.visit(v, prefix); };
+}  // namespace detail
+
+template <class L>
+concept Layer = detail::HasEnv<L> && detail::HasTensor<L> && detail::HasCache<L> && detail::HasForward<L> &&
+                detail::HasBackward<L> && detail::HasSetMode<L> && detail::HasVisit<L>;
+
+// check_layer<L>(): the Layer concept, one sentence per missing member. The type is named by the
+// compiler's "In instantiation of ... [with L = ...]" line right above the sentence. Members that
+// need Tensor/Cache are checked only once those exist, so one mistake gives one message.
+// The bools are computed first: a static_assert on a plain bool prints no constraint notes.
+template <class L>
+consteval bool check_layer() {
+  constexpr bool has_env = detail::HasEnv<L>, has_tensor = detail::HasTensor<L>, has_cache = detail::HasCache<L>;
+  static_assert(has_env, "Tessera Layer: missing `using Env = E;` (the layer's Env<Device, Comm, Scalar>)");
+  static_assert(has_tensor, "Tessera Layer: missing `using Tensor = tessera::Tensor<S, D>;`");
+  static_assert(has_cache, "Tessera Layer: missing `struct Cache { ... };` (default-constructible; holds what "
+                           "backward needs, one per micro-batch)");
+  if constexpr (has_tensor && has_cache) {
+    constexpr bool has_forward = detail::HasForward<L>, has_backward = detail::HasBackward<L>;
+    static_assert(has_forward, "Tessera Layer: missing `const Tensor& forward(const Tensor& x, Cache& cache)`");
+    static_assert(has_backward, "Tessera Layer: missing `const Tensor& backward(const Tensor& dy, Cache& cache)` "
+                                "(returns dL/dx, accumulates parameter gradients)");
+  }
+  constexpr bool has_set_mode = detail::HasSetMode<L>, has_visit = detail::HasVisit<L>;
+  static_assert(has_set_mode, "Tessera Layer: missing `void set_mode(Mode)` (Train/Eval; empty if the layer "
+                              "behaves the same in both)");
+  static_assert(has_visit, "Tessera Layer: missing `template <class V> void visit(V& v, const std::string& prefix)`: "
+                           "a layer with parameters must hand each to v.parameter(prefix + \"weight\", p), or it "
+                           "is never updated, saved or all-reduced; a layer without any derives from "
+                           "tessera::ParameterFree");
+  return Layer<L>;
+}
+
+// What checkpoints, optimizers and strategies need of a model: visit (parameters by name).
+template <class M>
+consteval bool check_visitable() {
+  constexpr bool has_env = detail::HasEnv<M>, has_visit = detail::HasVisit<M>;
+  static_assert(has_env, "Tessera: the model has no `using Env = E;` (build it from layers or a model of "
+                         "tessera/models, or add the alias)");
+  static_assert(has_visit, "Tessera: the model has no `visit(v, prefix)`: its parameters cannot be found "
+                           "(layers expose them with visit; see docs/adding-a-layer.md)");
+  return has_env && has_visit;
+}
 
 }  // namespace tessera

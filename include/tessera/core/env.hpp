@@ -1,8 +1,14 @@
-// Env<Device, Comm, Scalar>: the one policy bundle every layer, loss, optimizer and model takes.
+// Env<Device, Comm, Scalar>: the one policy bundle every layer, loss, optimizer, model and strategy
+// takes. Plain layers read Device and Scalar; the strategies (DataParallel, Zero1, LocalSgd,
+// Pipeline) and the comm-aware layers (tensor-parallel linears and convolutions) take their
+// communicator *type* from Comm, so a program switches backend by changing its Env alias and
+// nothing else. Named aliases (CpuLocal, CpuThreads, CpuMpi, CpuGloo, CudaLocal, CudaNccl, and
+// their float64 twins) live next to each communicator, so a backend stays in its own header.
 //
-// Plain layers read only Device and Scalar; Comm is used by the strategy wrappers and comm-aware
-// layers. Named aliases (CpuLocal, CpuLocal64, and per backend CpuMpi, CpuGloo, ...) live next to
-// each communicator so that a backend stays entirely in its own header.
+// Impossible bundles fail where the Env is first used, with a sentence naming the fix:
+// a Device that is not a device, a Scalar that is not float/double, or a communicator that
+// cannot move this device's memory (a communicator may declare
+// `template <class D> static consteval bool accepts_device()` holding its own static_assert).
 #pragma once
 
 #include <type_traits>
@@ -11,12 +17,54 @@
 
 namespace tessera {
 
-template <Device D, class C, class S = float>
+namespace detail {
+template <class C, class D>
+consteval bool comm_accepts_device() {
+  if constexpr (requires { C::template accepts_device<D>(); })
+    return C::template accepts_device<D>();
+  else
+    return true;
+}
+}  // namespace detail
+
+template <class D, class C, class S = float>
 struct Env {
+  static_assert(Device<D>, "Env<Device, Comm, Scalar>: the first argument is not a device (it needs allocate, "
+                           "deallocate, copy, copy_to_device, copy_to_host, synchronize, host_accessible): use Cpu "
+                           "or Cuda");
   static_assert(std::is_floating_point_v<S>, "Env<Device, Comm, Scalar>: Scalar must be float or double");
+  static_assert(detail::comm_accepts_device<C, D>(), "Env<Device, Comm, Scalar>: this communicator cannot move "
+                                                     "this device's memory");
   using Device = D;
   using Comm = C;
   using Scalar = S;
 };
+
+template <class T>
+inline constexpr bool is_env_v = false;
+template <class D, class C, class S>
+inline constexpr bool is_env_v<Env<D, C, S>> = true;
+
+// Two parts of one program that must agree on their bundle (a model and its optimizer, a model
+// and its strategy). The assertion reads as one sentence in the compiler's output; the
+// instantiation line above it names both Envs.
+template <class Expected, class Got>
+consteval bool check_same_env() {
+  static_assert(std::is_same_v<Expected, Got>,
+                "Tessera: these parts were built for different Envs (the model's Env decides: build the "
+                "optimizer, strategy and model from one alias, e.g. `using E = CpuThreads;` and "
+                "lenet5<E>(...), Sgd<E>, DataParallel(model, comm) deduces E)");
+  return true;
+}
+
+// A communicator object handed to a strategy or comm-aware layer must be of the Env's Comm type.
+template <class E, class GivenComm>
+consteval bool check_comm_of_env() {
+  static_assert(std::is_same_v<typename E::Comm, std::remove_cvref_t<GivenComm>>,
+                "Tessera: the communicator passed here is not the Env's Comm type (the Env picks the "
+                "backend: build the model with the Env of this communicator, e.g. CpuThreads for "
+                "ThreadComm, CpuMpi for MpiComm, CpuGloo for GlooComm, CudaNccl for NcclComm)");
+  return true;
+}
 
 }  // namespace tessera

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/core/concepts.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
 
@@ -14,12 +15,25 @@ namespace tessera {
 
 enum class ParamKind { Weight, Bias, Norm };  // Norm = BatchNorm scale/shift
 
-template <class S, class D = Cpu>
+// A strategy that must act on gradients before the optimizer applies them (DataParallel's
+// all-reduce) installs one of these in each parameter it manages; every optimizer calls
+// before_update() once per distinct guard at the start of step(). So the synchronization cannot be
+// skipped: forgetting dp.finish() finishes it there, and stepping on gradients that can never be
+// averaged (inside no_sync) throws an error that names the strategy.
+struct UpdateGuard {
+  virtual void before_update() = 0;
+
+ protected:
+  ~UpdateGuard() = default;
+};
+
+template <class S, class D>
 struct Parameter {
   Tensor<S, D> value;
   Tensor<S, D> grad;
   ParamKind kind = ParamKind::Weight;
   std::function<void(Parameter&)> on_grad_ready;
+  UpdateGuard* update_guard = nullptr;
 
   Parameter() = default;
   explicit Parameter(const Shape& shape, ParamKind k = ParamKind::Weight)
@@ -36,9 +50,13 @@ struct Parameter {
 //   v.buffer(name, Tensor&)         state that is not trained (BatchNorm running statistics)
 //   v.rng(name, Rng&)               random generators a layer owns (Dropout), so a checkpoint
 //                                   can resume their streams exactly
-// Requires: the model is not moved afterwards (the pointers point into it).
-template <class S, class D = Cpu>
+// The list carries the model's Env, so an optimizer or strategy of another Env is refused at
+// compile time. Requires: the model is not moved afterwards (the pointers point into it).
+template <class E>
 struct NamedTensors {
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
   std::vector<std::pair<std::string, Parameter<S, D>*>> parameters;
   std::vector<std::pair<std::string, Tensor<S, D>*>> buffers;
   std::vector<std::pair<std::string, Rng*>> rngs;
@@ -48,19 +66,35 @@ struct NamedTensors {
   void rng(std::string name, Rng& r) { rngs.emplace_back(std::move(name), &r); }
 };
 
-// Collects a layer's or model's parameters and buffers under a prefix.
-template <class S, class D, class L>
-NamedTensors<S, D> named_tensors(L& layer, const std::string& prefix = "") {
-  NamedTensors<S, D> out;
-  layer.visit(out, prefix);
+// Collects a layer's or model's parameters and buffers under a prefix; scalar and device come
+// from the model's Env: `auto params = named_tensors(model);`.
+template <class M>
+NamedTensors<typename M::Env> named_tensors(M& model, const std::string& prefix = "") {
+  static_assert(check_visitable<M>());
+  NamedTensors<typename M::Env> out;
+  model.visit(out, prefix);
   return out;
 }
 
-template <class S, class D>
-std::size_t count_parameters(const NamedTensors<S, D>& named) {
+template <class E>
+std::size_t count_parameters(const NamedTensors<E>& named) {
   std::size_t n = 0;
   for (auto& [name, p] : named.parameters) n += static_cast<std::size_t>(p->value.numel());
   return n;
+}
+
+// The distinct update guards of a parameter list, in order (consecutive parameters usually share
+// one, so the check per step is a short scan).
+template <class Params, class Get>
+void run_update_guards(const Params& params, Get get) {
+  UpdateGuard* last = nullptr;
+  for (const auto& entry : params) {
+    UpdateGuard* g = get(entry)->update_guard;
+    if (g != nullptr && g != last) {
+      g->before_update();
+      last = g;
+    }
+  }
 }
 
 }  // namespace tessera

@@ -32,9 +32,7 @@
 #include <string>
 #include <string_view>
 
-#include "tessera/comm/local.hpp"
 #include "tessera/core/allocator.hpp"
-#include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 
 namespace tessera {
@@ -239,10 +237,6 @@ class Cuda {
     return all.of_device[static_cast<std::size_t>(device)];
   }
 };
-
-// The single-GPU bundles (CudaNccl, for many GPUs, lives with NcclComm).
-using CudaLocal = Env<Cuda, LocalComm, float>;
-using CudaLocal64 = Env<Cuda, LocalComm, double>;
 
 // Page-locked host memory for the data loader's staging buffers: copies from it to the device
 // are asynchronous and run at full bus speed.

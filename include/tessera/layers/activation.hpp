@@ -2,23 +2,33 @@
 //
 //   ReLU:  y = max(x, 0)                                  dx = dy * (y > 0)
 //   GELU:  y = 0.5 x (1 + erf(x / sqrt 2))   (exact)      dx = dy (Phi(x) + x phi(x))
+//   LeakyReLU: y = x if x > 0 else slope x                dx = dy (x > 0 ? 1 : slope)
 //
-// Neither works in place: y is a new tensor in the cache, so the input (often a BatchNorm output
+// None works in place: y is a new tensor in the cache, so the input (often a BatchNorm output
 // that the BatchNorm backward still needs) stays intact. No parameters.
 #pragma once
 
+#include <concepts>
 #include <string>
 
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/host_device.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 
 namespace tessera {
 
-// A parameter-free pointwise layer; Op supplies the kernels:
-//   Op::forward(D, x, n, y)   Op::backward(D, dy, x, y, n, dx)   Op::name
+// A parameter-free pointwise layer y = f(x), any shape. Op is one of two kinds:
+//  - a per-element functor, possibly with state (a slope, a temperature), that runs on every
+//    device through the generic map kernels:
+//        static constexpr const char* name;
+//        template <class S> TESSERA_HOST_DEVICE S value(S x) const;            // f(x)
+//        template <class S> TESSERA_HOST_DEVICE S derivative(S x, S y) const;  // f'(x), y = f(x)
+//  - a kernel provider, for activations with hand-written kernels (ReLU, GELU):
+//        static void forward(D, x, n, y);   static void backward(D, dy, x, y, n, dx);
+// Pointwise<E, Op>(op) keeps a copy of op.
 template <class E, class Op>
-class Pointwise {
+class Pointwise : public ParameterFree {
  public:
   using Env = E;
   using S = typename E::Scalar;
@@ -28,11 +38,19 @@ class Pointwise {
     const Tensor* x = nullptr;
     Tensor y, dx;
   };
+  static constexpr bool kPerElement = requires(const Op& op, S v) {
+    { op.value(v) } -> std::convertible_to<S>;
+    { op.derivative(v, v) } -> std::convertible_to<S>;
+  };
+
+  Pointwise() = default;
+  explicit Pointwise(Op op) : op_(op) {}
 
   const Tensor& forward(const Tensor& x, Cache& c) {
     c.x = &x;
     c.y.resize(x.shape());
-    Op::forward(D{}, x.data(), x.numel(), c.y.data());
+    if constexpr (kPerElement) map_forward(D{}, op_, x.data(), x.numel(), c.y.data());
+    else Op::forward(D{}, x.data(), x.numel(), c.y.data());
     return c.y;
   }
 
@@ -42,18 +60,34 @@ class Pointwise {
                   " does not match output ", c.y.shape());
     if (needs_input_grad_) {
       c.dx.resize(dy.shape());
-      Op::backward(D{}, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
+      if constexpr (kPerElement) map_backward(D{}, op_, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
+      else Op::backward(D{}, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
     }
     return c.dx;
   }
 
-  template <class V>
-  void visit(V&, const std::string&) {}
   void set_mode(Mode) {}
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  const Op& op() const { return op_; }
 
  private:
+  Op op_{};
   bool needs_input_grad_ = true;
+};
+
+// torch.nn.LeakyReLU(negative_slope=0.01): y = x for x > 0, negative_slope * x otherwise.
+// LeakyReLU<E>({.negative_slope = 0.2}).
+struct LeakyReluOp {
+  static constexpr const char* name = "LeakyReLU";
+  double negative_slope = 0.01;
+  template <class S>
+  TESSERA_HOST_DEVICE S value(S x) const {
+    return x > S(0) ? x : static_cast<S>(negative_slope) * x;
+  }
+  template <class S>
+  TESSERA_HOST_DEVICE S derivative(S x, S) const {
+    return x > S(0) ? S(1) : static_cast<S>(negative_slope);
+  }
 };
 
 struct ReluOp {
@@ -84,5 +118,7 @@ template <class E>
 using ReLU = Pointwise<E, ReluOp>;
 template <class E>
 using GELU = Pointwise<E, GeluOp>;
+template <class E>
+using LeakyReLU = Pointwise<E, LeakyReluOp>;
 
 }  // namespace tessera

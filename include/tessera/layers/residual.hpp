@@ -18,8 +18,10 @@
 
 namespace tessera {
 
-template <Layer Main, Layer Projection>
+template <class Main, class Projection>
 class Residual {
+  static_assert(check_layer<Main>() && check_layer<Projection>());
+
  public:
   using Env = typename Main::Env;
   using Tensor = typename Main::Tensor;

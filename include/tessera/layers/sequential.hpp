@@ -12,6 +12,7 @@
 #include <array>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "tessera/core/concepts.hpp"
@@ -19,18 +20,50 @@
 
 namespace tessera {
 
-template <Layer... Ls>
+namespace detail {
+// What Sequential holds in place of a type that is not a Layer, once check_layer has said why:
+// it accepts every call, so the one static_assert sentence is the whole error output (no cascade
+// of "no member named ..." from every place the tuple is walked).
+struct NotALayer : ParameterFree {
+  struct Cache {};
+  template <class T>
+  explicit NotALayer(T&&) {}
+  template <class T, class C>
+  const T& forward(const T& x, C&) { return x; }
+  template <class T, class C>
+  const T& backward(const T& dy, C&) { return dy; }
+  void set_mode(Mode) {}
+};
+template <class L>
+using LayerSlot = std::conditional_t<check_layer<L>(), L, NotALayer>;
+
+// The first type of the list that is a Layer gives Sequential its Env and Tensor.
+struct NoLayerFound {
+  using Env = void;
+  struct Tensor {};
+};
+template <class... Ls>
+struct FirstLayer {
+  using type = NoLayerFound;
+};
+template <class L, class... Rest>
+struct FirstLayer<L, Rest...> {
+  using type = std::conditional_t<Layer<L>, L, typename FirstLayer<Rest...>::type>;
+};
+}  // namespace detail
+
+template <class... Ls>
 class Sequential {
   static_assert(sizeof...(Ls) > 0, "Sequential needs at least one layer");
-  using First = std::tuple_element_t<0, std::tuple<Ls...>>;
+  using First = typename detail::FirstLayer<Ls...>::type;
 
  public:
   using Env = typename First::Env;
   using Tensor = typename First::Tensor;
-  using Cache = std::tuple<typename Ls::Cache...>;
+  using Cache = std::tuple<typename detail::LayerSlot<Ls>::Cache...>;
   static constexpr std::size_t kSize = sizeof...(Ls);
 
-  explicit Sequential(Ls... layers) : layers_(std::move(layers)...) {
+  explicit Sequential(Ls... layers) : layers_(detail::LayerSlot<Ls>(std::move(layers))...) {
     for (std::size_t i = 0; i < kSize; ++i) names_[i] = std::to_string(i);
   }
 
@@ -108,10 +141,10 @@ class Sequential {
   }
   template <class L, class V>
   static void visit_one(L& layer, V& v, const std::string& prefix) {
-    if constexpr (requires { layer.visit(v, prefix); }) layer.visit(v, prefix);
+    layer.visit(v, prefix);
   }
 
-  std::tuple<Ls...> layers_;
+  std::tuple<detail::LayerSlot<Ls>...> layers_;
   std::array<std::string, kSize> names_;
 };
 

@@ -106,7 +106,10 @@ class BasicAdam {
   using Options = std::conditional_t<Decay == AdamDecay::L2, AdamOptions, AdamWOptions>;
 
   // Keeps pointers to the parameters in `named` (the model must outlive the optimizer).
-  BasicAdam(const NamedTensors<S, D>& named, Options o)
+  // Parameters of a model of another Env are refused at compile time.
+  template <class Other>
+  BasicAdam(const NamedTensors<Other>& named, Options o) : BasicAdam(parameters_of_env<E>(named), o) {}
+  BasicAdam(const NamedTensors<E>& named, Options o)
       : o_(o), params_(optim_params(named, o.decay_norm_and_bias, name())) {
     detail::check_lr(o.lr, name());
     TESSERA_CHECK(o.eps >= 0, ArgumentError, name(), ": eps=", o.eps, " must be >= 0");
@@ -116,6 +119,7 @@ class BasicAdam {
   }
 
   void step() {
+    detail::before_update(params_);
     ensure_state();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       Parameter<S, D>& p = *params_[i].param;

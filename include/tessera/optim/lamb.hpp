@@ -61,7 +61,10 @@ class Lamb {
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
 
-  Lamb(const NamedTensors<S, D>& named, LambOptions o)
+  // Parameters of a model of another Env are refused at compile time.
+  template <class Other>
+  Lamb(const NamedTensors<Other>& named, LambOptions o) : Lamb(parameters_of_env<E>(named), o) {}
+  Lamb(const NamedTensors<E>& named, LambOptions o)
       : o_(o), params_(optim_params(named, o.adapt_norm_and_bias, "Lamb")) {
     detail::check_lr(o.lr, "Lamb");
     TESSERA_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1 && o.eps >= 0 && o.weight_decay >= 0,
@@ -70,6 +73,7 @@ class Lamb {
   }
 
   void step() {
+    detail::before_update(params_);
     ensure_state();
     ++steps_;
     const double c1 = 1.0 - std::pow(o_.beta1, static_cast<double>(steps_));

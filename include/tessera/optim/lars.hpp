@@ -59,7 +59,10 @@ class Lars {
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
 
-  Lars(const NamedTensors<S, D>& named, LarsOptions o)
+  // Parameters of a model of another Env are refused at compile time.
+  template <class Other>
+  Lars(const NamedTensors<Other>& named, LarsOptions o) : Lars(parameters_of_env<E>(named), o) {}
+  Lars(const NamedTensors<E>& named, LarsOptions o)
       : o_(o), params_(optim_params(named, o.adapt_norm_and_bias, "Lars")) {
     detail::check_lr(o.lr, "Lars");
     TESSERA_CHECK(o.momentum >= 0 && o.weight_decay >= 0 && o.eta > 0 && o.eps >= 0, ArgumentError,
@@ -68,6 +71,7 @@ class Lars {
   }
 
   void step() {
+    detail::before_update(params_);
     ensure_state();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       Parameter<S, D>& p = *params_[i].param;

@@ -12,8 +12,10 @@
 #include <concepts>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/tensor.hpp"
@@ -68,11 +70,11 @@ struct OptimParam {
 
 // The parameters of `named` in visiting order with their decay mask. Requires a non-empty list of
 // distinct parameters (torch.optim raises on both) whose grad has the value's shape.
-template <class S, class D>
-std::vector<OptimParam<S, D>> optim_params(const NamedTensors<S, D>& named, bool decay_norm_and_bias,
+template <class E, class S = typename E::Scalar, class D = typename E::Device>
+std::vector<OptimParam<S, D>> optim_params(const NamedTensors<E>& named, bool decay_norm_and_bias,
                                            const char* optimizer) {
   TESSERA_CHECK(!named.parameters.empty(), ArgumentError, optimizer,
-                ": no parameters to optimize (collect them first, e.g. named_tensors<S, D>(model))");
+                ": no parameters to optimize (collect them first, e.g. named_tensors(model))");
   std::vector<OptimParam<S, D>> out;
   out.reserve(named.parameters.size());
   for (const auto& [name, p] : named.parameters) {
@@ -87,7 +89,26 @@ std::vector<OptimParam<S, D>> optim_params(const NamedTensors<S, D>& named, bool
   return out;
 }
 
+// The parameter list an optimizer of Env E was given, refused at compile time when it comes from a
+// model of another Env (Sgd<CpuThreads> on a CpuLocal model's parameters).
+template <class E, class Other>
+const NamedTensors<E>& parameters_of_env(const NamedTensors<Other>& named) {
+  if constexpr (std::is_same_v<E, Other>) {
+    return named;
+  } else {
+    static_assert(check_same_env<E, Other>());
+    static const NamedTensors<E> none;
+    return none;
+  }
+}
+
 namespace detail {
+
+// Runs the strategies' update guards (DataParallel finishes its all-reduce) before an update.
+template <class S, class D>
+void before_update(const std::vector<OptimParam<S, D>>& params) {
+  run_update_guards(params, [](const OptimParam<S, D>& p) { return p.param; });
+}
 
 // Below this many elements the OpenMP fork/join costs more than the update itself (biases, BN).
 inline constexpr std::int64_t kOptimParallelElements = std::int64_t(1) << 15;

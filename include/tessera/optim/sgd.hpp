@@ -77,7 +77,10 @@ class Sgd {
   using Tensor = tessera::Tensor<S, D>;
 
   // Keeps pointers to the parameters in `named` (the model must outlive the optimizer).
-  Sgd(const NamedTensors<S, D>& named, SgdOptions o)
+  // Parameters of a model of another Env are refused at compile time.
+  template <class Other>
+  Sgd(const NamedTensors<Other>& named, SgdOptions o) : Sgd(parameters_of_env<E>(named), o) {}
+  Sgd(const NamedTensors<E>& named, SgdOptions o)
       : o_(o), params_(optim_params(named, o.decay_norm_and_bias, "Sgd")) {
     detail::check_lr(o.lr, "Sgd");
     TESSERA_CHECK(o.momentum >= 0, ArgumentError, "Sgd: momentum=", o.momentum, " must be >= 0");
@@ -88,6 +91,7 @@ class Sgd {
   }
 
   void step() {
+    detail::before_update(params_);
     if (o_.momentum != 0) ensure_state();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       Parameter<S, D>& p = *params_[i].param;

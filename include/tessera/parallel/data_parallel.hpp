@@ -1,9 +1,16 @@
 // DataParallel: synchronous data parallelism over any communicator (PyTorch DDP's design).
 //
-//   DataParallel<double, ThreadComm> dp(model, comm);    // broadcasts rank 0's parameters/buffers
+//   auto model = lenet5<E>(...);                          // E = CpuThreads, CpuMpi, CudaNccl, ...
+//   DataParallel dp(model, comm);                         // DataParallel<E>, comm an E::Comm;
+//                                                         // broadcasts rank 0's parameters/buffers
+//   Sgd<E> sgd(dp.parameters(), {...});
 //   loop: zero_grad; forward; loss; backward;             // all-reduces start during backward
-//         dp.finish();                                    // wait, write averaged gradients back
-//         optimizer.step();
+//         sgd.step();                                     // finishes them first (or dp.finish())
+//
+// The optimizer step cannot skip the synchronization: DataParallel installs an update guard in
+// every parameter, and every optimizer's step() (and GradScaler::unscale) calls finish() through
+// it when gradients are pending. Stepping inside no_sync(), where gradients are never averaged,
+// throws.
 //
 // Every rank holds the whole model and trains on its own shard of each global batch. After
 // finish(), every parameter's grad is the average over ranks (and over micro-steps, see below) of
@@ -61,6 +68,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/half.hpp"
 #include "tessera/core/parameter.hpp"
@@ -83,11 +91,15 @@ struct DataParallelOptions {
   bool average_micro_steps = true;
 };
 
-template <class S, class Comm, class D = Cpu>
-class DataParallel {
+template <class E>
+class DataParallel final : UpdateGuard {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Comm = typename E::Comm;
   static_assert(AsyncCommunicator<Comm>, "DataParallel needs a communicator with *_async operations");
 
- public:
   struct Bucket {
     std::vector<int> params;           // indices into parameters(), in bucket order
     std::vector<std::int64_t> offset;  // element offset of each in the flat buffer
@@ -109,9 +121,12 @@ class DataParallel {
     std::vector<S> sent_value, all_value;                     // TopK: exchanged values
   };
 
-  template <class Model>
-  DataParallel(Model& model, Comm& comm, DataParallelOptions options = {})
-      : comm_(comm), options_(options), named_(named_tensors<S, D>(model)) {
+  // comm: the world, or a group from split (its type is the Env's Comm; another is refused at
+  // compile time).
+  template <class Model, class C>
+  DataParallel(Model& model, C& comm, DataParallelOptions options = {})
+      : comm_(comm), options_(options), named_(named_tensors(model)) {
+    static_assert(check_same_env<E, typename Model::Env>() && check_comm_of_env<E, C>());
     TESSERA_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0, ArgumentError,
                   "DataParallel: bucket sizes must be positive");
     TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "DataParallel: the model has no parameters");
@@ -135,7 +150,10 @@ class DataParallel {
         } catch (...) {
         }
       }
-    for (auto& [name, p] : named_.parameters) p->on_grad_ready = nullptr;
+    for (auto& [name, p] : named_.parameters) {
+      p->on_grad_ready = nullptr;
+      if (p->update_guard == this) p->update_guard = nullptr;
+    }
   }
 
   // Copies rank 0's parameters and buffers to every rank (done at construction; call again
@@ -211,7 +229,7 @@ class DataParallel {
     if (!b.residual.empty()) std::copy_n(b.residual.begin() + b.offset[k], n, out.begin());
     return out;
   }
-  const NamedTensors<S, D>& parameters() const { return named_; }
+  const NamedTensors<E>& parameters() const { return named_; }
   Comm& comm() { return comm_; }
 
  private:
@@ -248,7 +266,18 @@ class DataParallel {
       TESSERA_CHECK(!p->on_grad_ready, ArgumentError, "DataParallel: parameter '", named_.parameters[i].first,
                     "' already has a grad_ready hook (one DataParallel per model)");
       p->on_grad_ready = [this, i](Parameter<S, D>&) { on_grad_ready(static_cast<int>(i)); };
+      p->update_guard = this;
     }
+  }
+
+  // Called by the optimizer before it applies gradients: the step must see averaged gradients.
+  void before_update() override {
+    const bool pending = std::any_of(fired_.begin(), fired_.end(), [](int f) { return f != 0; });
+    if (!pending) return;  // finish() already ran (or no backward since the last step)
+    TESSERA_CHECK(sync_, Error, "DataParallel on rank ", comm_.rank(),
+                  ": optimizer step inside no_sync(): these gradients were accumulated locally and never averaged "
+                  "across ranks; end the no_sync() scope and run the last micro-step's backward outside it, then step");
+    finish();
   }
 
   void on_grad_ready(int i) {
@@ -426,7 +455,7 @@ class DataParallel {
 
   Comm& comm_;
   DataParallelOptions options_;
-  NamedTensors<S, D> named_;
+  NamedTensors<E> named_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;  // parameter index -> bucket
   std::vector<int> fired_;      // grad_ready calls per parameter since the last finish()
@@ -437,4 +466,9 @@ class DataParallel {
   std::chrono::steady_clock::time_point wait_began_, last_wait_began_;
 };
 
+// DataParallel dp(model, comm): the Env is the model's.
+template <class Model, class C>
+DataParallel(Model&, C&, DataParallelOptions = {}) -> DataParallel<typename Model::Env>;
+
 }  // namespace tessera
+

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/device/cpu.hpp"
 
@@ -27,12 +28,18 @@ struct LocalSgdOptions {
   bool average_buffers = true;
 };
 
-template <class S, class Comm, class D = Cpu>
+template <class E>
 class LocalSgd {
  public:
-  template <class Model>
-  LocalSgd(Model& model, Comm& comm, LocalSgdOptions options = {})
-      : comm_(comm), options_(options), named_(named_tensors<S, D>(model)) {
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Comm = typename E::Comm;
+
+  template <class Model, class C>
+  LocalSgd(Model& model, C& comm, LocalSgdOptions options = {})
+      : comm_(comm), options_(options), named_(named_tensors(model)) {
+    static_assert(check_same_env<E, typename Model::Env>() && check_comm_of_env<E, C>());
     TESSERA_CHECK(options.period >= 1, ArgumentError, "LocalSgd: period=", options.period, " must be >= 1");
     for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
@@ -76,9 +83,12 @@ class LocalSgd {
  private:
   Comm& comm_;
   LocalSgdOptions options_;
-  NamedTensors<S, D> named_;
+  NamedTensors<E> named_;
   Tensor<S, D> flat_;
   std::int64_t steps_ = 0;
 };
+
+template <class Model, class C>
+LocalSgd(Model&, C&, LocalSgdOptions = {}) -> LocalSgd<typename Model::Env>;
 
 }  // namespace tessera

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/tensor.hpp"
@@ -116,12 +117,12 @@ inline std::vector<std::size_t> balanced_boundaries(const std::vector<double>& c
   return bounds;
 }
 
-template <Stageable Model, class Comm, class Loss = CrossEntropyLoss<typename Model::Env>>
+template <Stageable Model, class Loss = CrossEntropyLoss<typename Model::Env>>
 class Pipeline {
-  static_assert(AsyncCommunicator<Comm>, "Pipeline needs send_async (stages must not block on each other's sends)");
-
  public:
   using Env = typename Model::Env;
+  using Comm = typename Env::Comm;
+  static_assert(AsyncCommunicator<Comm>, "Pipeline needs send_async (stages must not block on each other's sends)");
   using S = typename Env::Scalar;
   using D = typename Env::Device;
   using Tensor = typename Model::Tensor;
@@ -130,6 +131,7 @@ class Pipeline {
   // DataParallel over the stage (hybrid data x pipeline parallelism).
   class Stage {
    public:
+    using Env = typename Model::Env;
     Stage(Model& model, std::size_t begin, std::size_t end) : model_(&model), begin_(begin), end_(end) {}
     template <class V>
     void visit(V& v, const std::string& prefix) {
@@ -141,8 +143,11 @@ class Pipeline {
     std::size_t begin_, end_;
   };
 
-  Pipeline(Model& model, Comm& comm, PipelineOptions options, const Tensor* sample = nullptr, Loss loss = Loss())
+  // comm: the world, or a group from split, of the model Env's Comm type.
+  template <class C>
+  Pipeline(Model& model, C& comm, PipelineOptions options, const Tensor* sample = nullptr, Loss loss = Loss())
       : model_(model), comm_(comm), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
+    static_assert(check_comm_of_env<Env, C>());
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
                   " must be at least 1");
     const std::size_t units = model_.unit_count();
@@ -158,7 +163,7 @@ class Pipeline {
   }
 
   Stage& stage() { return stage_; }
-  NamedTensors<S, D> stage_parameters() { return named_tensors<S, D>(stage_); }
+  NamedTensors<Env> stage_parameters() { return named_tensors(stage_); }
   int stage_index() const { return comm_.rank(); }
   int stage_count() const { return comm_.size(); }
   // Unit boundaries of every stage: stage s runs [boundaries()[s], boundaries()[s+1]).
@@ -351,7 +356,7 @@ class Pipeline {
     if (measured[0] && comm_.rank() == 0) {
       // Measuring runs the model once in its current mode: keep its buffers (BatchNorm running
       // statistics) as they were, so that rank 0 does not start different from the others.
-      auto named = named_tensors<S, D>(model_);
+      auto named = named_tensors(model_);
       std::vector<Tensor> saved;  // device copies (Tensor's copy is a device-to-device copy)
       for (auto& [name, t] : named.buffers) saved.push_back(*t);
       // The fastest of three passes per unit: the first pass also allocates and touches memory.
@@ -421,5 +426,8 @@ class Pipeline {
   std::span<const std::int64_t> labels_;
   Tensor empty_;
 };
+
+template <class Model, class C>
+Pipeline(Model&, C&, PipelineOptions, const typename Model::Tensor* = nullptr) -> Pipeline<Model>;
 
 }  // namespace tessera

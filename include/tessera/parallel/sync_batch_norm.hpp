@@ -3,7 +3,7 @@
 //
 //   auto model = resnet20<E>({...});
 //   convert_sync_batch_norm(model, comm);   // every BatchNorm2d in the model now synchronizes
-//   DataParallel<S, Comm> dp(model, comm);
+//   DataParallel dp(model, comm);            // comm: the model Env's Comm
 //
 // Each training forward of a BN layer all-reduces (sum x, sum x^2, count) per channel, 2C + 1
 // doubles, and each backward (sum dy, sum dy xhat), 2C doubles: with SyncBatchNorm, N ranks on
@@ -22,6 +22,7 @@
 #include <string>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/layers/batch_norm.hpp"
 
 namespace tessera {
@@ -49,6 +50,7 @@ struct BatchNormStatsSetter {
 // the model's use). Returns how many layers were converted.
 template <class Model, Communicator Comm>
 int convert_sync_batch_norm(Model& model, Comm& comm) {
+  static_assert(check_comm_of_env<typename Model::Env, Comm>());
   detail::BatchNormStatsSetter setter{[c = &comm](std::span<double> values) { c->all_reduce(values, ReduceOp::Sum); }};
   model.visit(setter, "");
   return setter.converted;

@@ -52,9 +52,10 @@ inline std::int64_t checked_shard(std::int64_t features, int ranks, const char* 
 }
 }  // namespace detail
 
-template <class E, class Comm>
+template <class E>
 class ColumnParallelLinear {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
@@ -150,7 +151,7 @@ class ColumnParallelLinear {
     dense.visit(find, "");
     return find.bias;
   }
-  template <class, class>
+  template <class>
   friend class RowParallelLinear;
 
   Comm* comm_;
@@ -161,9 +162,10 @@ class ColumnParallelLinear {
   Parameter<S, D> bias_{Shape{0}, ParamKind::Bias};
 };
 
-template <class E, class Comm>
+template <class E>
 class RowParallelLinear {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
@@ -188,7 +190,7 @@ class RowParallelLinear {
     detail::columns_of<D>(dense.weight().value.data(), out_, in_, first, local_, weight_.value.data());
     if (has_bias_) {
       bias_ = Parameter<S, D>(Shape{out_features}, ParamKind::Bias);
-      D::copy(bias_.value.data(), ColumnParallelLinear<E, Comm>::dense_bias(dense)->data(), bias_.value.bytes());
+      D::copy(bias_.value.data(), ColumnParallelLinear<E>::dense_bias(dense)->data(), bias_.value.bytes());
     }
   }
 
@@ -249,17 +251,18 @@ class RowParallelLinear {
 // The tensor-parallel MLP block: Linear(in, hidden) -> ReLU -> Linear(hidden, out) with the hidden
 // layer split over the ranks. One all-reduce in forward (the row layer's g), one in backward (the
 // column layer's f). Equal to the dense block built from the same rng.
-template <class E, class Comm>
+template <class E>
 class TensorParallelMlp {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
   struct Cache {
-    typename ColumnParallelLinear<E, Comm>::Cache column;
+    typename ColumnParallelLinear<E>::Cache column;
     typename ReLU<E>::Cache relu;
-    typename RowParallelLinear<E, Comm>::Cache row;
+    typename RowParallelLinear<E>::Cache row;
   };
 
   TensorParallelMlp(std::int64_t in, std::int64_t hidden, std::int64_t out, Rng& rng, Comm& comm)
@@ -284,9 +287,9 @@ class TensorParallelMlp {
   void set_needs_input_grad(bool needed) { column_.set_needs_input_grad(needed); }
 
  private:
-  ColumnParallelLinear<E, Comm> column_;
+  ColumnParallelLinear<E> column_;
   ReLU<E> relu_;
-  RowParallelLinear<E, Comm> row_;
+  RowParallelLinear<E> row_;
 };
 
 }  // namespace tessera

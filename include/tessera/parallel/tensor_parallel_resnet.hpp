@@ -90,9 +90,10 @@ inline Rng& overwritten_init_rng() {
 }
 }  // namespace detail
 
-template <class E, class Comm>
+template <class E>
 class OutputChannelParallelConv2d {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
@@ -131,9 +132,10 @@ class OutputChannelParallelConv2d {
   Conv2d<E> conv_;
 };
 
-template <class E, class Comm>
+template <class E>
 class InputChannelParallelConv2d {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
@@ -169,15 +171,16 @@ class InputChannelParallelConv2d {
   Conv2d<E> conv_;
 };
 
-template <class E, class Comm>
+template <class E>
 class TensorParallelBottleneck {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
-  using OutConv = OutputChannelParallelConv2d<E, Comm>;
-  using InConv = InputChannelParallelConv2d<E, Comm>;
+  using OutConv = OutputChannelParallelConv2d<E>;
+  using InConv = InputChannelParallelConv2d<E>;
   struct Cache {
     typename OutConv::Cache conv1, conv3, projection_conv;
     typename InConv::Cache conv2;
@@ -296,14 +299,15 @@ class TensorParallelBottleneck {
   std::int64_t out_channels_, local_out_;
 };
 
-template <class E, class Comm>
+template <class E>
 class TensorParallelResNet {
  public:
+  using Comm = typename E::Comm;
   using Env = E;
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
-  using Block = TensorParallelBottleneck<E, Comm>;
+  using Block = TensorParallelBottleneck<E>;
   struct Cache {
     typename Conv2d<E>::Cache conv1;
     typename BatchNorm2d<E>::Cache bn1;
@@ -311,7 +315,7 @@ class TensorParallelResNet {
     typename MaxPool2d<E>::Cache maxpool;
     std::vector<typename Block::Cache> blocks;
     typename GlobalAvgPool<E>::Cache avgpool;
-    typename ColumnParallelLinear<E, Comm>::Cache fc;
+    typename ColumnParallelLinear<E>::Cache fc;
   };
 
   // Splits `dense` (its values at this moment); `dense` may be destroyed afterwards.
@@ -355,7 +359,7 @@ class TensorParallelResNet {
   std::optional<MaxPool2d<E>> maxpool_;
   std::vector<Block> blocks_;
   GlobalAvgPool<E> avgpool_;
-  ColumnParallelLinear<E, Comm> fc_;
+  ColumnParallelLinear<E> fc_;
   std::vector<std::string> block_names_;
   std::string name_;
 };

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/optim/lamb.hpp"
@@ -35,12 +36,18 @@
 
 namespace tessera {
 
-template <class S, class Comm, class D = Cpu>
-class Zero1 {
-  static_assert(D::host_accessible, "Zero1 packs its shards on the host; on a GPU use DataParallel with a full optimizer");
+template <class E>
+class Zero1 final : UpdateGuard {
  public:
-  template <class Model>
-  Zero1(Model& model, Comm& comm) : comm_(comm), model_(named_tensors<S, D>(model)) {
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Comm = typename E::Comm;
+  static_assert(D::host_accessible, "Zero1 packs its shards on the host; on a GPU use DataParallel with a full optimizer");
+
+  template <class Model, class C>
+  Zero1(Model& model, C& comm) : comm_(comm), model_(named_tensors(model)) {
+    static_assert(check_same_env<E, typename Model::Env>() && check_comm_of_env<E, C>());
     TESSERA_CHECK(!model_.parameters.empty(), ArgumentError, "Zero1: the model has no parameters");
     for (auto& [name, p] : model_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : model_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
@@ -55,7 +62,7 @@ class Zero1 {
   }
 
   // The owned shard, as parameters for an optimizer (valid as long as this Zero1 lives).
-  const NamedTensors<S, D>& shard_parameters() const { return shard_named_; }
+  const NamedTensors<E>& shard_parameters() const { return shard_named_; }
   std::int64_t shard_elements() const { return shard_; }
 
   // Zeroes the model's gradients (backward accumulates into them).
@@ -77,7 +84,14 @@ class Zero1 {
     pack([](Parameter<S, D>& p) { return p.grad.data(); }, flat_grad_);
     comm_.reduce_scatter(std::span<const S>(flat_grad_), std::span<S>(shard_grad_), ReduceOp::Avg);
     for (auto& seg : segments_) std::copy_n(shard_grad_.data() + seg.shard_offset, seg.length, seg.param.grad.data());
-    optimizer.step();
+    in_step_ = true;
+    try {
+      optimizer.step();
+    } catch (...) {
+      in_step_ = false;
+      throw;
+    }
+    in_step_ = false;
     // Every rank's updated shard to everyone, then back into the model's parameters.
     const std::int64_t first = shard_ * comm_.rank();
     for (auto& seg : segments_)
@@ -116,6 +130,14 @@ class Zero1 {
       segments_.push_back(Segment{0, 0, 0, 0, Parameter<S, D>(Shape{0}, ParamKind::Weight)});
       shard_named_.parameter(model_.parameters[0].first + ".empty_shard", segments_.back().param);
     }
+    for (auto& seg : segments_) seg.param.update_guard = this;
+  }
+
+  // The shard's gradients exist only inside step(optimizer), after the reduce-scatter.
+  void before_update() override {
+    TESSERA_CHECK(in_step_, Error, "Zero1 on rank ", comm_.rank(),
+                  ": optimizer.step() called directly on the shard; call zero.step(optimizer), which "
+                  "reduce-scatters the gradients first and all-gathers the updated shards after");
   }
 
   template <class Data>
@@ -137,11 +159,15 @@ class Zero1 {
   }
 
   Comm& comm_;
-  NamedTensors<S, D> model_;
+  NamedTensors<E> model_;
   std::int64_t shard_ = 0;
   std::vector<S> flat_grad_, flat_value_, shard_grad_;
   std::vector<Segment> segments_;
-  NamedTensors<S, D> shard_named_;
+  NamedTensors<E> shard_named_;
+  bool in_step_ = false;
 };
+
+template <class Model, class C>
+Zero1(Model&, C&) -> Zero1<typename Model::Env>;
 
 }  // namespace tessera

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/train/safetensors.hpp"
@@ -121,6 +122,7 @@ struct CheckpointLoader {
 
 template <class Model, class Optimizer>
 void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
+  static_assert(check_visitable<Model>());
   model.visit(v, "");
   optimizer.visit_state(v);
   v.integer("train.epoch", state.epoch);

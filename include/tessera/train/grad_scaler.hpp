@@ -28,6 +28,7 @@
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/kernels/loss.hpp"
+#include "tessera/optim/optimizer.hpp"
 
 namespace tessera {
 
@@ -39,10 +40,17 @@ struct GradScalerOptions {
   bool enabled = true;                  // false: scale 1, no checks (the same code path in fp32 runs)
 };
 
-template <class S, class D>
+template <class E>
 class GradScaler {
  public:
-  GradScaler(const NamedTensors<S, D>& named, GradScalerOptions o = {}) : o_(o), scale_(o.init_scale) {
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+
+  template <class Other>
+  GradScaler(const NamedTensors<Other>& named, GradScalerOptions o = {})
+      : GradScaler(parameters_of_env<E>(named), o) {}
+  GradScaler(const NamedTensors<E>& named, GradScalerOptions o = {}) : o_(o), scale_(o.init_scale) {
     TESSERA_CHECK(o.init_scale > 0 && std::isfinite(o.init_scale), ArgumentError, "GradScaler: init_scale=",
                   o.init_scale, " must be positive and finite");
     TESSERA_CHECK(o.growth_factor > 1 && o.backoff_factor > 0 && o.backoff_factor < 1 && o.growth_interval > 0,
@@ -66,6 +74,8 @@ class GradScaler {
   // Divides every parameter gradient by the scale; true when all of them are finite. One flag in
   // device memory collects every parameter's check, read back once.
   bool unscale() {
+    // The gradients must be final (averaged across ranks) before they are checked.
+    run_update_guards(params_, [](Parameter<S, D>* p) { return p; });
     if (!o_.enabled) return true;
     found_.zero();
     const S inv = static_cast<S>(1.0 / scale_);

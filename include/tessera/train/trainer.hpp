@@ -14,6 +14,7 @@
 #include <string>
 
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/train/checkpoint.hpp"
@@ -30,8 +31,9 @@ struct TrainOptions {
   int progress = -1;                 // -1 detect terminal, 0 plain lines, 1 bar
   bool verbose = true;               // false: no progress output at all (tests)
   double label_smoothing = 0.0;
-  // Called after backward and before the optimizer step: where data parallelism finishes its
-  // gradient all-reduces (before_step = [&] { dp.finish(); }). Empty: nothing.
+  // Called after backward and before the optimizer step (e.g. to record a timeline of
+  // DataParallel's buckets after dp.finish()). Not needed for synchronization: the optimizer's
+  // step finishes a DataParallel's all-reduce itself. Empty: nothing.
   std::function<void()> before_step;
   // Optional: forward, backward, the before_step hook and the optimizer step of every training
   // step as spans on the compute lane (see train/timeline.hpp).
@@ -46,6 +48,9 @@ struct EpochResult {
 
 template <class Model, class Optimizer>
 class Trainer {
+  static_assert(check_layer<Model>());
+  static_assert(!requires { typename Optimizer::Env; } || check_same_env<typename Model::Env, typename Optimizer::Env>());
+
  public:
   using E = typename Model::Env;
   using S = typename E::Scalar;

@@ -25,6 +25,19 @@ namespace detail {
 inline constexpr std::int64_t kElementwiseParallelThreshold = 1 << 15;
 }
 
+// y = f(x) and dx = dy * f'(x, y) with a user's per-element functor (Pointwise layers with
+// stateful ops, e.g. LeakyReLU's slope): op.value(x) and op.derivative(x, y).
+template <class S, class Op>
+void map_forward(Cpu, const Op& op, const S* x, std::int64_t n, S* y) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) y[i] = op.value(x[i]);
+}
+template <class S, class Op>
+void map_backward(Cpu, const Op& op, const S* dy, const S* x, const S* y, std::int64_t n, S* dx) {
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) dx[i] = dy[i] * op.derivative(x[i], y[i]);
+}
+
 template <class S>
 void relu_forward(Cpu, const S* x, std::int64_t n, S* y) {
 #pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)

@@ -12,6 +12,14 @@ namespace tessera {
 
 namespace cuda_detail {
 
+template <class S, class Op>
+__global__ void map_forward_kernel(Op op, const S* x, std::int64_t n, S* y) {
+  TESSERA_CUDA_FOR(i, n) y[i] = op.value(x[i]);
+}
+template <class S, class Op>
+__global__ void map_backward_kernel(Op op, const S* dy, const S* x, const S* y, std::int64_t n, S* dx) {
+  TESSERA_CUDA_FOR(i, n) dx[i] = dy[i] * op.derivative(x[i], y[i]);
+}
 template <class S>
 __global__ void fill_kernel(S* p, std::int64_t n, S value) {
   TESSERA_CUDA_FOR(i, n) p[i] = value;
@@ -117,6 +125,17 @@ __global__ void add_broadcast_rows_kernel(const S* b, std::int64_t rows, std::in
 }
 
 }  // namespace cuda_detail
+
+// The user's functor is copied to the device by value (its members are its state); value and
+// derivative must be TESSERA_HOST_DEVICE.
+template <class S, class Op>
+void map_forward(Cuda, const Op& op, const S* x, std::int64_t n, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::map_forward_kernel<S>, n, op, x, n, y);
+}
+template <class S, class Op>
+void map_backward(Cuda, const Op& op, const S* dy, const S* x, const S* y, std::int64_t n, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::map_backward_kernel<S>, n, op, dy, x, y, n, dx);
+}
 
 template <class S>
 void fill_elements(Cuda, S* p, std::int64_t n, S value) {

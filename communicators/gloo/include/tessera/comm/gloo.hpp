@@ -191,6 +191,7 @@ struct GlooState {
 
 class GlooComm {
  public:
+  static constexpr const char* backend_name = "gloo";
   // Up to this many bytes all_reduce uses Gloo's bcube (log2(p) rounds of pairwise exchange:
   // fewer, larger messages); above it the ring (2(p-1) steps, bandwidth-optimal). Measured with
   // bench/collectives.py on this machine, medians of 7 rounds: at 1 MiB bcube took 608 us vs

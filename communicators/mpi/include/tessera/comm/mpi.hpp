@@ -229,6 +229,7 @@ struct MpiHandle {
 
 class MpiComm {
  public:
+  static constexpr const char* backend_name = "mpi";
   // MPI_COMM_WORLD, initializing MPI if needed.
   static MpiComm world(CommOptions options = {}) {
     detail::MpiRuntime::ensure();

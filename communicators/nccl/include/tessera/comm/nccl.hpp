@@ -55,12 +55,14 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/options.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/device/cuda.cuh"
 
@@ -197,6 +199,15 @@ inline std::string nccl_error_text(ncclResult_t status, ncclComm_t comm) {
 
 class NcclComm {
  public:
+  static constexpr const char* backend_name = "nccl";
+  // Env<D, NcclComm> is valid for the Cuda device only (checked where the Env is used).
+  template <class D>
+  static consteval bool accepts_device() {
+    static_assert(std::is_same_v<D, Cuda>, "NcclComm moves GPU memory only: pair it with the Cuda device "
+                                           "(Env<Cuda, NcclComm>, alias CudaNccl); on the CPU use MpiComm or "
+                                           "GlooComm (CpuMpi, CpuGloo)");
+    return true;
+  }
   // The id travels over any host communicator of the same ranks (MpiComm, GlooComm, ThreadComm):
   // rank 0 creates it, a broadcast of its 128 bytes hands it to the others. The GPU is the
   // launcher's local rank (LaunchEnv) modulo the visible devices.

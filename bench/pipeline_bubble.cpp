@@ -25,7 +25,7 @@
 #include "tessera/parallel/pipeline.hpp"
 
 using namespace tessera;
-using E = CpuLocal;
+using E = CpuMpi;  // one MPI process per stage: a shared allocator would mix the stages' memory
 
 namespace {
 
@@ -34,7 +34,7 @@ struct Result {
 };
 
 template <class Model>
-Result measure(Model& model, MpiComm& comm, int micro_batches, PipelineSchedule schedule, std::int64_t batch,
+Result measure(Model& model, E::Comm& comm, int micro_batches, PipelineSchedule schedule, std::int64_t batch,
                Shape image, int steps, Timeline* timeline) {
   Shape shape{batch};
   for (int d = 0; d < image.rank(); ++d) shape.push_back(image[d]);
@@ -46,7 +46,7 @@ Result measure(Model& model, MpiComm& comm, int micro_batches, PipelineSchedule 
   micro_shape[0] = batch / micro_batches;
   Tensor<float> sample(micro_shape);
   std::copy_n(x.data(), sample.numel(), sample.data());
-  Pipeline<Model, MpiComm> pipe(model, comm, {.micro_batches = micro_batches, .schedule = schedule, .timeline = timeline},
+  Pipeline pipe(model, comm, {.micro_batches = micro_batches, .schedule = schedule, .timeline = timeline},
                                 comm.rank() == 0 ? &sample : nullptr);
   Sgd<E> sgd(pipe.stage_parameters(), {.lr = 0.01, .momentum = 0.9});
   std::vector<std::int64_t> labels(static_cast<std::size_t>(batch));
@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
     const std::int64_t batch = flags.get("batch", std::int64_t{128});
     const std::string trace = flags.get("trace", std::string());
     flags.finish();
-    auto comm = MpiComm::world();
+    auto comm = E::Comm::from_env();
     Cpu::set_num_threads(1);
     const int p = comm.size();
     for (const std::string model_name : {"mlp", "resnet20"}) {

@@ -17,6 +17,10 @@
 // x (n-1)/n for all_gather and reduce_scatter, x 1 for broadcast: the per-link traffic of the
 // optimal algorithm, comparable across rank counts. Time per operation is the slowest rank's.
 // Output: one JSON object per line on stdout (rank 0), a table on stderr.
+//
+// This header is the driver every backend shares; each collectives_<backend>.cpp holds the
+// backend's main and its raw-library baseline (MPI_Allreduce, gloo::allreduce; STREAM for threads).
+#pragma once
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,21 +28,12 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <span>
 #include <vector>
 
-#if defined(TESSERA_BENCH_MPI)
-#include "tessera/comm/mpi.hpp"
-#elif defined(TESSERA_BENCH_GLOO)
-#include <gloo/reduce_scatter.h>
+#include "tessera/comm/communicator.hpp"
 
-#include "tessera/comm/gloo.hpp"
-#else
-#include <omp.h>
-
-#include "tessera/comm/threads.hpp"
-#endif
-
-namespace {
+namespace collectives_bench {
 
 using Clock = std::chrono::steady_clock;
 
@@ -202,173 +197,4 @@ Impl tessera_impl(Comm& comm, const std::string& op) {
   return {"tessera", [&comm](Buffers& b, std::size_t) { comm.broadcast(std::span<float>(b.a), comm.size() - 1); }};
 }
 
-}  // namespace
-
-#if defined(TESSERA_BENCH_MPI)
-
-int main(int argc, char** argv) {
-  using namespace tessera;
-  const Options o = parse(argc, argv);
-  auto comm = MpiComm::world();
-  const int rank = comm.rank(), n = comm.size();
-  if (rank == 0) header();
-  auto barrier = [] { MPI_Barrier(MPI_COMM_WORLD); };
-  auto max_over = [](double t) {
-    MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    return t;
-  };
-  auto impls_for = [&](const std::string& op) {
-    std::vector<Impl> impls = {tessera_impl(comm, op)};
-    if (op == "all_reduce")
-      impls.push_back({"raw MPI_Allreduce", [](Buffers& b, std::size_t) {
-                         MPI_Allreduce(MPI_IN_PLACE, b.a.data(), static_cast<int>(b.a.size()), MPI_FLOAT, MPI_SUM,
-                                       MPI_COMM_WORLD);
-                       }});
-    else if (op == "all_gather")
-      impls.push_back({"raw MPI_Allgather", [](Buffers& b, std::size_t) {
-                         MPI_Allgather(b.a.data(), static_cast<int>(b.a.size()), MPI_FLOAT, b.b.data(),
-                                       static_cast<int>(b.a.size()), MPI_FLOAT, MPI_COMM_WORLD);
-                       }});
-    else if (op == "reduce_scatter")
-      impls.push_back({"raw MPI_Reduce_scatter_block", [](Buffers& b, std::size_t) {
-                         MPI_Reduce_scatter_block(b.a.data(), b.b.data(), static_cast<int>(b.b.size()), MPI_FLOAT,
-                                                  MPI_SUM, MPI_COMM_WORLD);
-                       }});
-    else
-      impls.push_back({"raw MPI_Bcast", [n](Buffers& b, std::size_t) {
-                         MPI_Bcast(b.a.data(), static_cast<int>(b.a.size()), MPI_FLOAT, n - 1, MPI_COMM_WORLD);
-                       }});
-    return impls;
-  };
-  run_all("mpi", rank, n, o, impls_for, barrier, max_over);
-  return 0;
-}
-
-#elif defined(TESSERA_BENCH_GLOO)
-
-int main(int argc, char** argv) {
-  using namespace tessera;
-  const Options o = parse(argc, argv);
-  auto comm = GlooComm::from_env();
-  const int rank = comm.rank(), n = comm.size();
-  const auto context = comm.native();
-  if (rank == 0) header();
-  // Raw calls get tags from a range the communicator never reaches in this run.
-  std::uint32_t raw_tag = 0x40000000u;
-  auto barrier = [&] {
-    gloo::BarrierOptions opts(context);
-    opts.setTag(raw_tag++);
-    gloo::barrier(opts);
-  };
-  auto max_over = [&](double t) {
-    gloo::AllreduceOptions opts(context);
-    opts.setOutput(&t, 1);
-    opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::max<double>));
-    opts.setTag(raw_tag++);
-    gloo::allreduce(opts);
-    return t;
-  };
-  auto raw_allreduce = [&](gloo::AllreduceOptions::Algorithm algorithm) {
-    return [&, algorithm](Buffers& b, std::size_t) {
-      gloo::AllreduceOptions opts(context);
-      opts.setOutput(b.a.data(), b.a.size());
-      opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-      opts.setAlgorithm(algorithm);
-      opts.setTag(raw_tag++);
-      gloo::allreduce(opts);
-    };
-  };
-  // The old-style halving-doubling reduce-scatter is built once per size (as it is meant to be
-  // used) and then run; rebuilding it when the buffer changes.
-  std::unique_ptr<gloo::ReduceScatterHalvingDoubling<float>> rs;
-  const float* rs_for = nullptr;
-  std::vector<float> rs_work;
-  auto impls_for = [&](const std::string& op) {
-    std::vector<Impl> impls = {tessera_impl(comm, op)};
-    if (op == "all_reduce") {
-      impls.push_back({"raw gloo::allreduce ring", raw_allreduce(gloo::AllreduceOptions::Algorithm::RING)});
-      impls.push_back({"raw gloo::allreduce bcube", raw_allreduce(gloo::AllreduceOptions::Algorithm::BCUBE)});
-    } else if (op == "all_gather") {
-      impls.push_back({"raw gloo::allgather", [&](Buffers& b, std::size_t) {
-                         gloo::AllgatherOptions opts(context);
-                         opts.setInput(b.a.data(), b.a.size());
-                         opts.setOutput(b.b.data(), b.b.size());
-                         opts.setTag(raw_tag++);
-                         gloo::allgather(opts);
-                       }});
-    } else if (op == "reduce_scatter") {
-      impls.push_back({"raw gloo::ReduceScatterHalvingDoubling", [&](Buffers& b, std::size_t) {
-                         // In place on a work copy of the input, like the algorithm requires.
-                         if (rs_for != b.a.data()) {
-                           rs_work = b.a;
-                           std::vector<int> counts(static_cast<std::size_t>(n), static_cast<int>(b.b.size()));
-                           rs = std::make_unique<gloo::ReduceScatterHalvingDoubling<float>>(
-                               context, std::vector<float*>{rs_work.data()}, static_cast<int>(rs_work.size()), counts);
-                           rs_for = b.a.data();
-                         }
-                         rs->run();
-                       }});
-    } else {
-      impls.push_back({"raw gloo::broadcast", [&, n](Buffers& b, std::size_t) {
-                         gloo::BroadcastOptions opts(context);
-                         opts.setOutput(b.a.data(), b.a.size());
-                         opts.setRoot(n - 1);
-                         opts.setTag(raw_tag++);
-                         gloo::broadcast(opts);
-                       }});
-    }
-    return impls;
-  };
-  run_all("gloo", rank, n, o, impls_for, barrier, max_over);
-  return 0;
-}
-
-#else
-
-// STREAM triad a[i] = b[i] + s c[i] over arrays far larger than the caches, with `threads`
-// OpenMP threads; bytes counted as STREAM does (3 x 8 per element; no write-allocate).
-double stream_triad_GBps(int threads) {
-  const std::size_t n = std::size_t(1) << 25;  // 32 Mi doubles = 256 MiB per array
-  std::vector<double> a(n), b(n), c(n);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::size_t i = 0; i < n; ++i) a[i] = 0, b[i] = 1, c[i] = 2;  // first touch by the same threads
-  std::vector<double> rates;
-  for (int rep = 0; rep < 7; ++rep) {
-    const auto start = Clock::now();
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 3.0 * c[i];
-    const double s = std::chrono::duration<double>(Clock::now() - start).count();
-    rates.push_back(3.0 * sizeof(double) * n / s / 1e9);
-  }
-  return *std::max_element(rates.begin(), rates.end());  // STREAM reports the best
-}
-
-int main(int argc, char** argv) {
-  using namespace tessera;
-  const Options o = parse(argc, argv);
-  header();
-  for (int threads : {1, 2}) {
-    const double triad = stream_triad_GBps(threads);
-    std::printf("{\"bench\": \"stream_triad\", \"threads\": %d, \"GBps\": %.3f}\n", threads, triad);
-    std::fprintf(stderr, "STREAM triad, %d thread(s): %.2f GB/s\n", threads, triad);
-  }
-  for (int n : o.thread_ranks) {
-    ThreadWorld world(n);
-    world.run([&](ThreadComm& comm) {
-      auto barrier = [&] { comm.barrier(); };
-      auto max_over = [&](double t) {
-        comm.all_reduce(std::span<double>(&t, 1), ReduceOp::Max);
-        return t;
-      };
-      auto impls_for = [&](const std::string& op) { return std::vector<Impl>{tessera_impl(comm, op)}; };
-      run_all("threads", comm.rank(), n, o, impls_for, barrier, max_over);
-    });
-  }
-  // The triad again at the end: the machine is shared, so bracket the run.
-  const double triad = stream_triad_GBps(2);
-  std::printf("{\"bench\": \"stream_triad\", \"threads\": 2, \"GBps\": %.3f, \"when\": \"after\"}\n", triad);
-  std::fprintf(stderr, "STREAM triad, 2 threads, after: %.2f GB/s\n", triad);
-  return 0;
-}
-
-#endif
+}  // namespace collectives_bench
