@@ -67,4 +67,16 @@ consteval bool check_comm_of_env() {
   return true;
 }
 
+// The communicator a strategy keeps: `comm` itself when it is of the Env's Comm type; otherwise
+// check_comm_of_env's sentence is the whole error (the reference is never formed).
+template <class E, class GivenComm>
+typename E::Comm& comm_of_env(GivenComm& comm) {
+  if constexpr (std::is_same_v<typename E::Comm, GivenComm>) {
+    return comm;
+  } else {
+    static_assert(check_comm_of_env<E, GivenComm>());
+    return *static_cast<typename E::Comm*>(nullptr);
+  }
+}
+
 }  // namespace tessera

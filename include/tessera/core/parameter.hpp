@@ -5,9 +5,11 @@
 
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/env.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
 
@@ -74,6 +76,19 @@ NamedTensors<typename M::Env> named_tensors(M& model, const std::string& prefix 
   NamedTensors<typename M::Env> out;
   model.visit(out, prefix);
   return out;
+}
+
+// The parameter list a part of Env E (optimizer, strategy) was given, refused at compile time
+// when it comes from a model of another Env (Sgd<CpuThreads> on a CpuLocal model's parameters).
+template <class E, class Other>
+const NamedTensors<E>& parameters_of_env(const NamedTensors<Other>& named) {
+  if constexpr (std::is_same_v<E, Other>) {
+    return named;
+  } else {
+    static_assert(check_same_env<E, Other>());
+    static const NamedTensors<E> none;
+    return none;
+  }
 }
 
 template <class E>

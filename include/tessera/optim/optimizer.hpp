@@ -89,19 +89,6 @@ std::vector<OptimParam<S, D>> optim_params(const NamedTensors<E>& named, bool de
   return out;
 }
 
-// The parameter list an optimizer of Env E was given, refused at compile time when it comes from a
-// model of another Env (Sgd<CpuThreads> on a CpuLocal model's parameters).
-template <class E, class Other>
-const NamedTensors<E>& parameters_of_env(const NamedTensors<Other>& named) {
-  if constexpr (std::is_same_v<E, Other>) {
-    return named;
-  } else {
-    static_assert(check_same_env<E, Other>());
-    static const NamedTensors<E> none;
-    return none;
-  }
-}
-
 namespace detail {
 
 // Runs the strategies' update guards (DataParallel finishes its all-reduce) before an update.

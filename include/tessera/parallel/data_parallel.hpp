@@ -125,8 +125,7 @@ class DataParallel final : UpdateGuard {
   // compile time).
   template <class Model, class C>
   DataParallel(Model& model, C& comm, DataParallelOptions options = {})
-      : comm_(comm), options_(options), named_(named_tensors(model)) {
-    static_assert(check_same_env<E, typename Model::Env>() && check_comm_of_env<E, C>());
+      : comm_(comm_of_env<E>(comm)), options_(options), named_(parameters_of_env<E>(named_tensors(model))) {
     TESSERA_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0, ArgumentError,
                   "DataParallel: bucket sizes must be positive");
     TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "DataParallel: the model has no parameters");

@@ -38,8 +38,7 @@ class LocalSgd {
 
   template <class Model, class C>
   LocalSgd(Model& model, C& comm, LocalSgdOptions options = {})
-      : comm_(comm), options_(options), named_(named_tensors(model)) {
-    static_assert(check_same_env<E, typename Model::Env>() && check_comm_of_env<E, C>());
+      : comm_(comm_of_env<E>(comm)), options_(options), named_(parameters_of_env<E>(named_tensors(model))) {
     TESSERA_CHECK(options.period >= 1, ArgumentError, "LocalSgd: period=", options.period, " must be >= 1");
     for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);

@@ -146,8 +146,7 @@ class Pipeline {
   // comm: the world, or a group from split, of the model Env's Comm type.
   template <class C>
   Pipeline(Model& model, C& comm, PipelineOptions options, const Tensor* sample = nullptr, Loss loss = Loss())
-      : model_(model), comm_(comm), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
-    static_assert(check_comm_of_env<Env, C>());
+      : model_(model), comm_(comm_of_env<Env>(comm)), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
                   " must be at least 1");
     const std::size_t units = model_.unit_count();

@@ -46,8 +46,7 @@ class Zero1 final : UpdateGuard {
   static_assert(D::host_accessible, "Zero1 packs its shards on the host; on a GPU use DataParallel with a full optimizer");
 
   template <class Model, class C>
-  Zero1(Model& model, C& comm) : comm_(comm), model_(named_tensors(model)) {
-    static_assert(check_same_env<E, typename Model::Env>() && check_comm_of_env<E, C>());
+  Zero1(Model& model, C& comm) : comm_(comm_of_env<E>(comm)), model_(parameters_of_env<E>(named_tensors(model))) {
     TESSERA_CHECK(!model_.parameters.empty(), ArgumentError, "Zero1: the model has no parameters");
     for (auto& [name, p] : model_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : model_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
