@@ -17,15 +17,17 @@
 #include <thread>
 #include <vector>
 
-#include "comm/backend.hpp"
+#include "comm/program.hpp"
 
 int main(int argc, char** argv) {
   using namespace tessera;
   const std::string mode = argc > 1 ? argv[1] : "";
-  int rank = -1;
-  try {
-    auto comm = testing::open_backend();
-    rank = comm.rank();
+  if (mode != "allreduce" && mode != "barrier" && mode != "mismatch" && mode != "stall" && mode != "join") {
+    std::fprintf(stderr, "usage: %s allreduce|barrier|mismatch|stall|join\n", argv[0]);
+    return 2;
+  }
+  return testing::run_ranks([&](testing::TestComm& comm) {
+    const int rank = comm.rank();
     auto ready = [&] {
       std::printf("rank %d ready pid %d\n", rank, static_cast<int>(getpid()));
       std::fflush(stdout);
@@ -44,27 +46,16 @@ int main(int argc, char** argv) {
       std::vector<float> g(rank == 0 ? 10 : 11, 1.0f);
       comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
       std::printf("rank %d: all_reduce returned despite the mismatch\n", rank);
-      return 0;
     } else if (mode == "stall") {
       comm.barrier();
       ready();
       if (rank == 1) std::this_thread::sleep_for(std::chrono::hours(1));
       std::vector<float> g(1000, 1.0f);
       comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
-      return 0;
-    } else if (mode == "join") {
+    } else {  // join
       comm.barrier();
       ready();
-      return 0;
     }
-    std::fprintf(stderr, "usage: %s allreduce|barrier|mismatch|stall|join\n", argv[0]);
-    return 2;
-  } catch (const CommError& e) {
-    std::fprintf(stderr, "rank %d: CommError: %s\n", rank, e.what());
-    std::fflush(stderr);
-    return 3;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: error: %s\n", rank, e.what());
-    return 1;
-  }
+    return 0;
+  });
 }

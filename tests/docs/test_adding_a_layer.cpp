@@ -15,7 +15,7 @@ static_assert(Layer<ChannelScale<CpuLocal>>);
 TEST_CASE("docs/adding-a-layer: ChannelScale passes the gradient check", "[layers]") {
   Rng rng(11);
   ChannelScale<CpuLocal64> scale(3);
-  auto named = testing::layer_tensors(scale);
+  auto named = named_tensors(scale);
   for (auto& [n, p] : named.parameters) testing::normal_fill(p->value, rng);
   testing::check_gradients(scale, testing::random_tensor({2, 3, 4, 5}, rng), rng);
   Sequential seq{ChannelScale<CpuLocal64>(3), ReLU<CpuLocal64>()};

@@ -33,13 +33,13 @@ static_assert(Layer<AvgPool2d<E32>>);
 static_assert(Layer<GlobalAvgPool<E32>>);
 
 const SafetensorsFile& reference() {
-  static const SafetensorsFile file = SafetensorsFile::load(TESSERA_TEST_DATA_DIR "/conv_pool.safetensors");
+  static const SafetensorsFile file = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/conv_pool.safetensors");
   return file;
 }
 
 template <class L>
 void zero_grads(L& layer) {
-  for (auto& [name, p] : testing::layer_tensors(layer).parameters) p->grad.zero();
+  for (auto& [name, p] : named_tensors(layer).parameters) p->grad.zero();
 }
 
 // ---- gradient checks (float64, central differences) ----

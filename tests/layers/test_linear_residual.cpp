@@ -58,7 +58,7 @@ TEST_CASE("Residual: zero-initialized last BN makes the block start as relu(shor
 }
 
 TEST_CASE("Linear matches PyTorch (float64 and float32)", "[layers]") {
-  auto f = SafetensorsFile::load(TESSERA_TEST_DATA_DIR "/models.safetensors");
+  auto f = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/models.safetensors");
   Rng rng(0);
   Linear<E64> lin(5, 4, rng);
   lin.weight().value = f.tensor<double>("linear.weight");
@@ -106,7 +106,7 @@ TEST_CASE("Backward calls each parameter's gradient-ready hook once, last layer 
   auto named = named_tensors(seq);
   std::vector<std::string> order;
   for (auto& [name, p] : named.parameters) {
-    p->on_grad_ready = [&order, n = name](Parameter<float>&) { order.push_back(n); };
+    p->on_grad_ready = [&order, n = name](Parameter<float, Cpu>&) { order.push_back(n); };
   }
   decltype(seq)::Cache cache;
   Tensor<float> x({2, 3}, 0.5f);

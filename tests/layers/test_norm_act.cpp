@@ -34,7 +34,7 @@ static_assert(Layer<BatchNorm2d<E64>>);
 
 const SafetensorsFile& reference() {
   static const SafetensorsFile f =
-      SafetensorsFile::load(std::string(TESSERA_TEST_DATA_DIR) + "/norm_act_loss.safetensors");
+      SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/norm_act_loss.safetensors");
   return f;
 }
 
@@ -147,6 +147,10 @@ struct FixedMaskDropout {
   }
   const Tensor& backward(const Tensor& dy, Cache& c) { return layer.backward(dy, c); }
   void set_mode(Mode m) { layer.set_mode(m); }
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    layer.visit(v, prefix);
+  }
 };
 
 std::size_t system_allocations() { return Cpu::allocator().stats().system_allocations; }

@@ -26,7 +26,7 @@ using E64 = Env<Cpu, LocalComm, double>;
 
 const SafetensorsFile& reference() {
   static const SafetensorsFile f =
-      SafetensorsFile::load(std::string(TESSERA_TEST_DATA_DIR) + "/norm_act_loss.safetensors");
+      SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/norm_act_loss.safetensors");
   return f;
 }
 

@@ -20,7 +20,7 @@ static_assert(Layer<LeNet5<E>>);
 
 namespace {
 const SafetensorsFile& reference() {
-  static const SafetensorsFile f = SafetensorsFile::load(TESSERA_TEST_DATA_DIR "/models.safetensors");
+  static const SafetensorsFile f = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/models.safetensors");
   return f;
 }
 template <class M>

@@ -15,8 +15,8 @@ using E64 = CpuLocal64;
 namespace {
 
 struct TwoParams {
-  Parameter<double> weight{Shape{2}, ParamKind::Weight};
-  Parameter<double> bias{Shape{2}, ParamKind::Bias};
+  Parameter<double, Cpu> weight{Shape{2}, ParamKind::Weight};
+  Parameter<double, Cpu> bias{Shape{2}, ParamKind::Bias};
   NamedTensors<CpuLocal64> named() {
     NamedTensors<CpuLocal64> n;
     n.parameter("w", weight);
@@ -74,12 +74,12 @@ TEST_CASE("Lars: several steps with weight decay equal the formula", "[optim]") 
 
 TEST_CASE("Lars: bias and BatchNorm parameters get neither decay nor adaptation unless switched on", "[optim]") {
   for (bool adapt_all : {false, true}) {
-    Parameter<double> weight{Shape{2}, ParamKind::Weight}, bias{Shape{2}, ParamKind::Bias}, gamma{Shape{2}, ParamKind::Norm};
+    Parameter<double, Cpu> weight{Shape{2}, ParamKind::Weight}, bias{Shape{2}, ParamKind::Bias}, gamma{Shape{2}, ParamKind::Norm};
     NamedTensors<CpuLocal64> named;
     named.parameter("w", weight);
     named.parameter("b", bias);
     named.parameter("bn.weight", gamma);
-    for (Parameter<double>* p : {&weight, &bias, &gamma}) {
+    for (Parameter<double, Cpu>* p : {&weight, &bias, &gamma}) {
       p->value.data()[0] = 3, p->value.data()[1] = 4;      // ||x|| = 5
       p->grad.data()[0] = 0.6, p->grad.data()[1] = 0.8;    // ||g|| = 1
     }
@@ -92,7 +92,7 @@ TEST_CASE("Lars: bias and BatchNorm parameters get neither decay nor adaptation 
     const double adapted0 = 3 - lr * trust * (0.6 + wd * 3);
     const double plain0 = 3 - lr * 0.6;  // trust 1 and no decay: momentum SGD's first step
     CHECK(weight.value.data()[0] == Approx(adapted0).epsilon(1e-14));
-    for (Parameter<double>* p : {&bias, &gamma})
+    for (Parameter<double, Cpu>* p : {&bias, &gamma})
       CHECK(p->value.data()[0] == Approx(adapt_all ? adapted0 : plain0).epsilon(1e-14));
     CHECK(lars.trust_ratios()[1] == Approx(adapt_all ? trust : 1.0));
     CHECK(lars.trust_ratios()[2] == Approx(adapt_all ? trust : 1.0));

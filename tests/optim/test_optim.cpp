@@ -36,7 +36,7 @@ static_assert(StatefulOptimizer<Sgd<Env64>> && StatefulOptimizer<Adam<Env64>> &&
 constexpr int kSteps = 5;
 
 const SafetensorsFile& data() {
-  static const SafetensorsFile f = SafetensorsFile::load(TESSERA_TEST_DATA_DIR "/optim.safetensors");
+  static const SafetensorsFile f = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/optim.safetensors");
   return f;
 }
 
@@ -61,7 +61,7 @@ const std::array<std::pair<const char*, ParamKind>, 4> kParams = {{{"fc.weight",
 template <class S>
 struct Model {
   std::array<Parameter<S, Cpu>, 4> params;
-  NamedTensors<S, Cpu> named;
+  NamedTensors<Env<Cpu, LocalComm, S>> named;
 
   Model() {
     for (std::size_t i = 0; i < kParams.size(); ++i) {
@@ -113,7 +113,7 @@ const std::vector<OptimCase>& cases() {
 }
 
 template <class E, class O>
-auto make_optimizer(NamedTensors<typename E::Scalar, Cpu>& named, const O& o) {
+auto make_optimizer(NamedTensors<E>& named, const O& o) {
   if constexpr (std::is_same_v<O, SgdOptions>) return Sgd<E>(named, o);
   else if constexpr (std::is_same_v<O, AdamOptions>) return Adam<E>(named, o);
   else return AdamW<E>(named, o);

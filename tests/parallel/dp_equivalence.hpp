@@ -53,7 +53,7 @@ struct DpData {
 // One SGD step's worth of forward/backward of `model` on images [first, first + n).
 template <class S, class Model>
 void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, std::int64_t n) {
-  using E = Env<Cpu, LocalComm, S>;
+  using E = typename Model::Env;
   typename Model::Cache cache{};
   CrossEntropyLoss<E> loss;
   typename CrossEntropyLoss<E>::Cache loss_cache;
@@ -63,18 +63,29 @@ void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, s
   model.backward(loss.backward(loss_cache), cache);
 }
 
-template <class S>
-auto make_lenet(std::uint64_t seed) {
-  return lenet5<Env<Cpu, LocalComm, S>>(1, 28, 10, seed);
-}
+// Model makers: make<E>(seed) builds the model for Env E, once for the one-process reference
+// (LocalComm) and once for the data-parallel copy (the communicator's Env).
+struct MakeLenet {
+  template <class E>
+  static auto make(std::uint64_t seed) {
+    return lenet5<E>(1, 28, 10, seed);
+  }
+};
 
-// make_model(seed) builds the model; prepare(model, comm) runs on the data-parallel copy before
-// training (e.g. convert_sync_batch_norm). The reference model's BatchNorms (if any) see the
-// whole global batch, so models with BN match only with SyncBatchNorm.
-template <class S, class Comm, class MakeModel = decltype(&make_lenet<S>), class Prepare = void (*)(void*, void*)>
-std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel make_model = &make_lenet<S>,
-                                        Prepare prepare = nullptr) {
-  using E = Env<Cpu, LocalComm, S>;
+struct MakeResnet20 {
+  template <class E>
+  static auto make(std::uint64_t seed) {
+    return resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = seed});
+  }
+};
+
+// Maker builds the model; prepare(model, comm) runs on the data-parallel copy before training
+// (e.g. convert_sync_batch_norm). The reference model's BatchNorms (if any) see the whole global
+// batch, so models with BN match only with SyncBatchNorm.
+template <class S, class Comm, class Maker = MakeLenet, class Prepare = void (*)(void*, void*)>
+std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, Maker = {}, Prepare prepare = nullptr) {
+  using Reference = Env<Cpu, LocalComm, S>;
+  using E = Env<Cpu, Comm, S>;
   std::vector<std::string> failures;
   const int p = comm.size(), r = comm.rank();
   const std::int64_t b = c.per_rank_batch, global = b * p, piece = b / c.micro_steps;
@@ -82,9 +93,9 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel m
   const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
 
   // The reference: one process, whole global batch per step.
-  auto reference = make_model(7);
+  auto reference = Maker::template make<Reference>(7);
   auto reference_params = named_tensors(reference);
-  Sgd<E> reference_sgd(reference_params, sgd_options);
+  Sgd<Reference> reference_sgd(reference_params, sgd_options);
   for (int step = 0; step < c.steps; ++step) {
     reference_sgd.zero_grad();
     forward_backward<S>(reference, data, step * global, global);
@@ -93,7 +104,7 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, MakeModel m
 
   // Data parallel: ranks other than 0 start from different weights, which the constructor's
   // broadcast must replace.
-  auto model = make_model(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
   if constexpr (!std::is_same_v<Prepare, void (*)(void*, void*)>) prepare(model, comm);
   DataParallel dp(model, comm,
                            {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024, .compression = c.compression});
@@ -156,7 +167,8 @@ enum class Strategy { Zero1Sgd, Zero1Adam, LocalSgdPeriod1 };
 
 template <class S, class Comm>
 std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, const DpCase& c) {
-  using E = Env<Cpu, LocalComm, S>;
+  using Reference = Env<Cpu, LocalComm, S>;
+  using E = Env<Cpu, Comm, S>;
   const int p = comm.size(), r = comm.rank();
   const std::int64_t b = c.per_rank_batch, global = b * p;
   const DpData<S> data(global * c.steps);
@@ -164,17 +176,17 @@ std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, con
   const AdamOptions adam_options{.lr = 1e-3, .weight_decay = 1e-4};
   const bool adam = strategy == Strategy::Zero1Adam;
 
-  auto reference = make_lenet<S>(7);
+  auto reference = MakeLenet::make<Reference>(7);
   auto reference_params = named_tensors(reference);
-  Sgd<E> reference_sgd(reference_params, sgd_options);
-  Adam<E> reference_adam(reference_params, adam_options);
+  Sgd<Reference> reference_sgd(reference_params, sgd_options);
+  Adam<Reference> reference_adam(reference_params, adam_options);
   for (int step = 0; step < c.steps; ++step) {
     adam ? reference_adam.zero_grad() : reference_sgd.zero_grad();
     forward_backward<S>(reference, data, step * global, global);
     adam ? reference_adam.step() : reference_sgd.step();
   }
 
-  auto model = make_lenet<S>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  auto model = MakeLenet::make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
   auto model_params = named_tensors(model);
   if (strategy == Strategy::LocalSgdPeriod1) {
     LocalSgd local(model, comm, {.period = 1});
@@ -209,15 +221,10 @@ std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, con
   return failures;
 }
 
-template <class S>
-auto make_resnet20(std::uint64_t seed) {
-  return resnet20<Env<Cpu, LocalComm, S>>({.in_channels = 1, .num_classes = 10, .seed = seed});
-}
-
 // ResNet-20 with SyncBatchNorm against one process on the global batch.
 template <class S, class Comm>
 std::vector<std::string> dp_equivalence_resnet20_sync_bn(Comm& comm, const DpCase& c) {
-  return dp_equivalence<S>(comm, c, &make_resnet20<S>, [](auto& model, Comm& group) {
+  return dp_equivalence<S>(comm, c, MakeResnet20{}, [](auto& model, Comm& group) {
     if (convert_sync_batch_norm(model, group) < 19) throw std::runtime_error("expected at least 19 BatchNorm layers");
   });
 }

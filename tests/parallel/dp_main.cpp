@@ -5,15 +5,13 @@
 #include <cstdio>
 #include <exception>
 
-#include "comm/backend.hpp"
+#include "comm/program.hpp"
 #include "parallel/dp_equivalence.hpp"
 
 int main() {
   using namespace tessera;
-  int rank = -1;
-  try {
-    auto comm = testing::open_backend();
-    rank = comm.rank();
+  return testing::run_ranks([&](testing::TestComm& comm) {
+    const int rank = comm.rank();
     std::vector<std::string> failures;
     auto add = [&](const char* what, std::vector<std::string> f) {
       for (auto& line : f) failures.push_back(std::string(what) + ": " + line);
@@ -30,8 +28,5 @@ int main() {
                 testing::backend_name(), failures.size());
     comm.barrier();
     return failures.empty() ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-    return 1;
-  }
+  });
 }

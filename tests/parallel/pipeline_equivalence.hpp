@@ -85,7 +85,7 @@ inline std::vector<std::int64_t> pipe_labels(std::int64_t n, int step) {
 template <class S, class Comm, class Model>
 std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model model_pipe, Model model_ref,
                                            std::int64_t image, int* peak = nullptr) {
-  using E = Env<Cpu, LocalComm, S>;
+  using E = Env<Cpu, Comm, S>;
   std::vector<std::string> failures;
   const std::string what = std::string(model_name(c.model)) + " " + schedule_name(c.schedule) + " P=" +
                            std::to_string(comm.size()) + " M=" + std::to_string(c.micro_batches) + " stage " +
@@ -149,7 +149,7 @@ std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model 
 
 template <class S, class Comm>
 std::vector<std::string> pipeline_equivalence(Comm& comm, const PipeCase& c, int* peak = nullptr) {
-  using E = Env<Cpu, LocalComm, S>;
+  using E = Env<Cpu, Comm, S>;
   switch (c.model) {
     case PipeModel::Mlp:
       return run_pipeline_case<S>(comm, c, Mlp<E>(64, {32, 32, 24, 16, 16}, 10, 5), Mlp<E>(64, {32, 32, 24, 16, 16}, 10, 5),
@@ -175,7 +175,7 @@ namespace tessera::testing {
 // process training the whole MLP on the whole batch.
 template <class S, class Comm>
 std::vector<std::string> hybrid_equivalence(Comm& world, int stages, int steps = 3) {
-  using E = Env<Cpu, LocalComm, S>;
+  using E = Env<Cpu, Comm, S>;
   std::vector<std::string> failures;
   const int replicas = world.size() / stages, replica = world.rank() / stages, stage = world.rank() % stages;
   Comm pipe_comm = world.split(/*color=*/replica, /*key=*/stage);

@@ -5,16 +5,14 @@
 #include <cstdio>
 #include <exception>
 
-#include "comm/backend.hpp"
+#include "comm/program.hpp"
 #include "parallel/pipeline_equivalence.hpp"
 
 int main() {
   using namespace tessera;
   using testing::PipeModel;
-  int rank = -1;
-  try {
-    auto comm = testing::open_backend();
-    rank = comm.rank();
+  return testing::run_ranks([&](testing::TestComm& comm) {
+    const int rank = comm.rank();
     std::vector<std::string> failures;
     for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB}) {
       for (PipeModel model : {PipeModel::Mlp, PipeModel::PlainResNet})
@@ -31,8 +29,5 @@ int main() {
                 failures.size());
     comm.barrier();
     return failures.empty() ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-    return 1;
-  }
+  });
 }

@@ -71,7 +71,7 @@ TEST_CASE("DataParallel with per-rank BatchNorm differs from one process (why Sy
   std::vector<std::vector<std::string>> failures(2);
   world.run([&](ThreadComm& comm) {
     failures[comm.rank()] = testing::dp_equivalence<double>(comm, {.per_rank_batch = 4, .steps = 2},
-                                                            &testing::make_resnet20<double>);
+                                                            testing::MakeResnet20{});
   });
   for (const auto& f : failures) {
     // Statistics over 4 images are not those over 8: the parameters move apart from one process,
@@ -103,7 +103,7 @@ TEST_CASE("ZeRO-1 (SGD and Adam) and local SGD with period 1 equal one process",
 TEST_CASE("ZeRO-1: each rank keeps optimizer state for its shard only", "[parallel]") {
   ThreadWorld world(4);
   world.run([](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     const auto total = count_parameters(named_tensors(model));
     Zero1 zero(model, comm);
     std::int64_t mine = 0;
@@ -116,9 +116,9 @@ TEST_CASE("ZeRO-1: each rank keeps optimizer state for its shard only", "[parall
 TEST_CASE("ZeRO-1: values loaded into the model after construction are what the step updates", "[parallel]") {
   ThreadWorld world(2);
   world.run([](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     Zero1 zero(model, comm);
-    Sgd<CpuLocal64> sgd(zero.shard_parameters(), {.lr = 0.5});
+    Sgd<CpuThreads64> sgd(zero.shard_parameters(), {.lr = 0.5});
     const auto named = named_tensors(model);
     for (auto& [name, p] : named.parameters) {  // "load a checkpoint": every value 1, gradient 2
       p->value.fill(1.0);
@@ -151,7 +151,7 @@ TEST_CASE("DataParallel top-k: error feedback keeps applied updates + residual =
       std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
       std::vector<double> sent_fraction(static_cast<std::size_t>(ranks), 0.0);
       world.run([&](ThreadComm& comm) {
-        auto model = lenet5<CpuLocal64>();
+        auto model = lenet5<CpuThreads64>();
         DataParallel dp(
             model, comm, {.first_bucket_bytes = 4096, .compression = GradientCompression::TopK, .topk_ratio = 0.05});
         const auto& params = dp.parameters().parameters;
@@ -208,13 +208,13 @@ TEST_CASE("DataParallel: a data set that does not divide evenly trains to the en
     ThreadWorld world(4);
     std::vector<std::int64_t> steps(4, 0), last_batch(4, 0);
     world.run([&](ThreadComm& comm) {
-      auto model = lenet5<CpuLocal>();
+      auto model = lenet5<CpuThreads>();
       DataParallel dp(model, comm);
-      Sgd<CpuLocal> sgd(dp.parameters(), {.lr = 0.01});
+      Sgd<CpuThreads> sgd(dp.parameters(), {.lr = 0.01});
       DataLoader<float> loader(data, {.batch_size = 8, .seed = 1, .rank = comm.rank(), .world_size = 4,
                                       .drop_tail = drop_tail});
-      CrossEntropyLoss<CpuLocal> loss;
-      CrossEntropyLoss<CpuLocal>::Cache loss_cache;
+      CrossEntropyLoss<CpuThreads> loss;
+      CrossEntropyLoss<CpuThreads>::Cache loss_cache;
       decltype(model)::Cache cache{};
       Batch<float> batch;
       loader.start_epoch(0);
@@ -242,7 +242,7 @@ TEST_CASE("Timeline: spans of every rank in one Chrome trace, bucket all-reduces
   ThreadWorld world(2);
   world.run([&](ThreadComm& comm) {
     Timeline timeline(comm);
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.bucket_bytes = 32 * 1024, .first_bucket_bytes = 4096});
     {
       auto span = timeline.span("backward");
@@ -272,7 +272,7 @@ TEST_CASE("Timeline: spans of every rank in one Chrome trace, bucket all-reduces
 TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small", "[parallel]") {
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.bucket_bytes = 100 * 1024, .first_bucket_bytes = 8 * 1024});
     const auto& buckets = dp.buckets();
     const int n = static_cast<int>(dp.parameters().parameters.size());
@@ -292,7 +292,7 @@ TEST_CASE("DataParallel: buckets in reverse parameter order, first bucket small"
 TEST_CASE("DataParallel: a parameter without gradient is named", "[parallel]") {
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm);
     CHECK_THROWS_WITH(dp.finish(), Catch::Contains("finish() without a backward pass"));
     // A backward that skipped "3.weight" (as a branch not taken in forward would).
@@ -308,7 +308,7 @@ TEST_CASE("DataParallel: a parameter without gradient is named", "[parallel]") {
 namespace {
 // Sets every parameter's gradient to value(rank, parameter index), as a backward would.
 template <class F>
-void fill_grads(DataParallel<double, ThreadComm>& dp, F value) {
+void fill_grads(DataParallel<CpuThreads64>& dp, F value) {
   const auto& params = dp.parameters().parameters;
   for (std::size_t i = 0; i < params.size(); ++i) params[i].second->grad.fill(value(i));
 }
@@ -318,7 +318,7 @@ TEST_CASE("DataParallel: one rank without a gradient makes every rank throw, the
   ThreadWorld world(2);
   std::vector<std::string> errors(2);
   world.run([&](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 4096});
     const auto& params = dp.parameters().parameters;
     fill_grads(dp, [&](std::size_t) { return 1.0 + comm.rank(); });
@@ -344,7 +344,7 @@ TEST_CASE("DataParallel: finish() without backward, and a parameter used twice, 
   ThreadWorld world(2);
   std::vector<std::string> no_backward(2), twice(2);
   world.run([&](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm);
     try {
       dp.finish();
@@ -369,7 +369,7 @@ TEST_CASE("DataParallel: finish() without backward, and a parameter used twice, 
 TEST_CASE("DataParallel: hooks in a different order on each rank, buckets still go out in one order", "[parallel]") {
   ThreadWorld world(2);
   world.run([&](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     // Small buckets, so most of the ten parameters get their own bucket.
     DataParallel dp(model, comm, {.bucket_bytes = 1024, .first_bucket_bytes = 1024});
     REQUIRE(dp.buckets().size() >= 6);
@@ -393,7 +393,7 @@ TEST_CASE("DataParallel: hooks in a different order on each rank, buckets still 
 TEST_CASE("DataParallel: nothing is sent inside no_sync; finish() inside the guard still averages", "[parallel]") {
   ThreadWorld world(2);
   world.run([&](ThreadComm& comm) {
-    auto model = lenet5<CpuLocal64>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.bucket_bytes = 4096, .first_bucket_bytes = 1024});
     const auto& params = dp.parameters().parameters;
     auto guard = dp.no_sync();

@@ -80,7 +80,7 @@ TEST_CASE("Pipeline: balanced boundaries minimize the most expensive stage", "[p
 }
 
 TEST_CASE("Pipeline: costs measured on rank 0 give every rank the same split", "[parallel]") {
-  using E = CpuLocal64;
+  using E = CpuThreads64;
   ThreadWorld world(2);
   std::vector<std::vector<std::size_t>> bounds(2);
   world.run([&](ThreadComm& comm) {
@@ -102,7 +102,7 @@ TEST_CASE("Pipeline: costs measured on rank 0 give every rank the same split", "
 }
 
 TEST_CASE("Pipeline: bad boundaries and a batch that does not split are named", "[parallel]") {
-  using E = CpuLocal64;
+  using E = CpuThreads64;
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
     Mlp<E> model(64, {16}, 10);
@@ -130,7 +130,7 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 pipeline stages equal one proces
 }
 
 TEST_CASE("Pipeline: a failing stage stops the others instead of leaving them waiting", "[parallel]") {
-  using E = CpuLocal64;
+  using E = CpuThreads64;
   ThreadWorld world(3);
   // The last stage gets the wrong number of labels and throws; stages 0 and 1 are blocked in
   // receives at that moment and must be woken with the error, not wait for the timeout.

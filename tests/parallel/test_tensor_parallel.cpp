@@ -9,7 +9,7 @@
 #include "tessera/parallel/tensor_parallel.hpp"
 
 using namespace tessera;
-using E = CpuLocal64;
+using E = CpuThreads64;
 using T = Tensor<double, Cpu>;
 
 namespace {

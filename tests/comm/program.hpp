@@ -1,0 +1,51 @@
+// The frame of a multi-rank test program, built once per backend from one source (tests/meson.build
+// passes the backend's TESSERA_ENV pair; see tessera/build_env.hpp): opens BuildEnv's
+// communicator the way launch<E> does for that backend and runs body(comm) on every rank.
+//
+// Exit status: the largest status any rank's body returned; 3 after a CommError (a dead, stalled or
+// mismatched peer: tests/comm/fault_test.py reads the status and the "rank R: CommError: ..."
+// line); 1 after any other error.
+#pragma once
+
+#include <atomic>
+#include <cstdio>
+#include <exception>
+
+#include "tessera/build_env.hpp"
+#include "tessera/core/error.hpp"
+
+namespace tessera::testing {
+
+using TestEnv = BuildEnv;
+using TestComm = BuildEnv::Comm;
+
+inline const char* backend_name() { return TestComm::backend_name; }
+
+template <class Body>
+int run_ranks(Body body, const LaunchOptions& options = {}) {
+  std::atomic<int> status{0};
+  std::atomic<int> failing_rank{-1};
+  auto raise = [&](int s) {
+    int seen = status.load();
+    while (s > seen && !status.compare_exchange_weak(seen, s)) {
+    }
+  };
+  try {
+    launch<TestEnv>(
+        [&](TestComm& comm) {
+          failing_rank = comm.rank();
+          raise(body(comm));
+        },
+        options);
+  } catch (const CommError& e) {
+    std::fprintf(stderr, "rank %d: CommError: %s\n", failing_rank.load(), e.what());
+    std::fflush(stderr);
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: error: %s\n", failing_rank.load(), e.what());
+    return 1;
+  }
+  return status.load();
+}
+
+}  // namespace tessera::testing
