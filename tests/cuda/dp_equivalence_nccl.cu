@@ -1,5 +1,5 @@
 // DataParallel on GPUs over NCCL against one GPU: every rank trains on its shard of each global
-// batch with DataParallel<float, NcclComm, Cuda>; each must end with the parameters of one
+// batch with DataParallel<CudaNccl>; each must end with the parameters of one
 // process (CudaLocal) training on the whole batch, and all ranks with identical parameters.
 // Cases: LeNet-5 with SGD + momentum; LeNet-5 with 4 accumulated micro-steps; a small ResNet with
 // SyncBatchNorm (running statistics compared too). One process per GPU, launched by tessera-run
@@ -22,7 +22,8 @@ using namespace tessera;
 
 namespace {
 
-using E = CudaLocal;
+using Reference = CudaLocal;  // one GPU, the whole batch
+using E = CudaNccl;           // one GPU per rank, DataParallel over NCCL
 
 struct Data {
   std::int64_t image;
@@ -45,9 +46,10 @@ void forward_backward(Model& model, const Data& data, const Shape& sample, std::
   Tensor<float, Cpu> host(shape);
   std::copy_n(data.images.begin() + first * data.image, n * data.image, host.data());
   const auto x = to_device<Cuda>(host);
+  using ModelEnv = typename Model::Env;
   typename Model::Cache cache{};
-  CrossEntropyLoss<E> loss;
-  typename CrossEntropyLoss<E>::Cache loss_cache;
+  CrossEntropyLoss<ModelEnv> loss;
+  typename CrossEntropyLoss<ModelEnv>::Cache loss_cache;
   loss.forward(model.forward(x, cache), std::span<const std::int64_t>(data.labels).subspan(first, n), loss_cache);
   model.backward(loss.backward(loss_cache), cache);
 }
@@ -67,24 +69,25 @@ double compare(const std::vector<std::pair<std::string, Tensor<float, Cuda>*>>& 
   return worst;
 }
 
-template <class MakeModel>
-std::string run_case(NcclComm& comm, MakeModel make, const Shape& sample, std::int64_t per_rank, int steps,
+// Maker::make<Env>(seed) builds the model for an Env: once for the reference, once for the ranks.
+template <class Maker>
+std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t per_rank, int steps,
                      int micro_steps, bool sync_bn) {
   const int p = comm.size(), r = comm.rank();
   const std::int64_t global = per_rank * p, piece = per_rank / micro_steps;
   const Data data(global * steps, sample[1], sample[2]);
   const SgdOptions options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
 
-  auto reference = make(7);
+  auto reference = Maker::template make<Reference>(7);
   auto reference_named = named_tensors(reference);
-  Sgd<E> reference_sgd(reference_named, options);
+  Sgd<Reference> reference_sgd(reference_named, options);
   for (int s = 0; s < steps; ++s) {
     reference_sgd.zero_grad();
     forward_backward(reference, data, sample, s * global, global);
     reference_sgd.step();
   }
 
-  auto model = make(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));  // the broadcast must fix ranks > 0
+  auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));  // the broadcast must fix ranks > 0
   if (sync_bn) convert_sync_batch_norm(model, comm);
   DataParallel dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
   Sgd<E> sgd(dp.parameters(), options);
@@ -126,6 +129,19 @@ std::string run_case(NcclComm& comm, MakeModel make, const Shape& sample, std::i
   return problem;
 }
 
+struct Lenet {
+  template <class Env>
+  static auto make(std::uint64_t seed) {
+    return lenet5<Env>(1, 28, 10, seed);
+  }
+};
+struct SmallResnet {
+  template <class Env>
+  static auto make(std::uint64_t seed) {
+    return ResNet<Env, BasicBlock>({1, 1}, {8, 16}, false, ResNetOptions{.in_channels = 3, .num_classes = 10, .seed = seed});
+  }
+};
+
 }  // namespace
 
 int main() {
@@ -137,10 +153,8 @@ int main() {
   try {
     auto comm = NcclComm::from_env();
     rank = comm.rank();
-    auto lenet = [](std::uint64_t seed) { return lenet5<E>(1, 28, 10, seed); };
-    auto resnet = [](std::uint64_t seed) {
-      return ResNet<E, BasicBlock>({1, 1}, {8, 16}, false, ResNetOptions{.in_channels = 3, .num_classes = 10, .seed = seed});
-    };
+    const Lenet lenet;
+    const SmallResnet resnet;
     struct Case {
       const char* name;
       std::string problem;

@@ -28,6 +28,7 @@ using E64 = Env<Cpu, LocalComm, double>;
 static_assert(Layer<BatchNorm2d<E32>>);
 static_assert(Layer<ReLU<E32>>);
 static_assert(Layer<GELU<E32>>);
+static_assert(Layer<LeakyReLU<E32>>);
 static_assert(Layer<Dropout<E32>>);
 static_assert(Layer<Flatten<E32>>);
 static_assert(Layer<BatchNorm2d<E64>>);
@@ -301,6 +302,45 @@ TEST_CASE("ReLU and GELU gradients (float64)", "[layers][activation]") {
   SECTION("GELU") {
     GELU<E64> gelu;
     testing::check_gradients(gelu, x, rng);
+  }
+  SECTION("LeakyReLU, default and configured slope") {
+    LeakyReLU<E64> leaky;
+    testing::check_gradients(leaky, x, rng);
+    LeakyReLU<E64> steep({.negative_slope = 0.2});
+    testing::check_gradients(steep, x, rng);
+  }
+}
+
+TEST_CASE("LeakyReLU: PyTorch's default slope 0.01, the slope at x = 0, not in place", "[layers][activation]") {
+  LeakyReLU<E32> leaky;
+  CHECK(leaky.op().negative_slope == 0.01);  // torch.nn.LeakyReLU(negative_slope=0.01)
+  LeakyReLU<E64> layer({.negative_slope = 0.25});
+  LeakyReLU<E64>::Cache c;
+  const auto x = T64::from({5}, {-4.0, -1.0, 0.0, 0.5, 3.0});
+  const auto& y = layer.forward(x, c);
+  const double want_y[] = {-1.0, -0.25, 0.0, 0.5, 3.0};
+  for (int i = 0; i < 5; ++i) CHECK(y[i] == want_y[i]);
+  const auto& dx = layer.backward(T64::from({5}, {1.0, 2.0, 4.0, 8.0, 16.0}), c);
+  const double want_dx[] = {0.25, 0.5, 1.0, 8.0, 16.0};  // at x = 0 the slope, as PyTorch (x > 0 is false)
+  for (int i = 0; i < 5; ++i) CHECK(dx[i] == want_dx[i]);
+  CHECK(x[0] == -4.0);
+}
+
+TEST_CASE("LeakyReLU matches PyTorch (float64 and float32)", "[layers][activation][reference]") {
+  REQUIRE(reference().metadata().at("leaky_relu") == "shape=3x40 negative_slope=0.2");
+  SECTION("float64") {
+    LeakyReLU<E64> leaky({.negative_slope = 0.2});
+    LeakyReLU<E64>::Cache c;
+    const T64 x = load<double>("leaky_relu.x");
+    expect_matches(leaky.forward(x, c), "leaky_relu.y");
+    expect_matches(leaky.backward(load<double>("leaky_relu.g"), c), "leaky_relu.dx");
+  }
+  SECTION("float32") {
+    LeakyReLU<E32> leaky({.negative_slope = 0.2});
+    LeakyReLU<E32>::Cache c;
+    const Tensor<float> x = load<float>("leaky_relu.x");
+    expect_matches(leaky.forward(x, c), "leaky_relu.y");
+    expect_matches(leaky.backward(load<float>("leaky_relu.g"), c), "leaky_relu.dx");
   }
 }
 

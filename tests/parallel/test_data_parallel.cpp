@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include "parallel/dp_equivalence.hpp"
+#include "tessera/comm/launch.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
@@ -411,3 +412,92 @@ TEST_CASE("DataParallel: nothing is sent inside no_sync; finish() inside the gua
     for (const auto& [name, p] : params) REQUIRE(p->grad.data()[0] == 7.0);
   });
 }
+
+namespace {
+// Trains LeNet-5 data-parallel on 2 thread ranks for 3 steps and returns rank 0's parameters;
+// with call_finish false the loop never calls dp.finish() and relies on the optimizer's step.
+std::vector<double> train_two_ranks(bool call_finish) {
+  std::vector<double> out;
+  launch<CpuThreads64>(
+      [&](ThreadComm& comm) {
+        const testing::DpData<double> data(2 * 4 * 3);
+        auto model = lenet5<CpuThreads64>(1, 28, 10, comm.rank() == 0 ? 7 : 8);
+        DataParallel dp(model, comm, {.first_bucket_bytes = 4096});
+        Sgd<CpuThreads64> sgd(dp.parameters(), {.lr = 0.05, .momentum = 0.9});
+        for (int step = 0; step < 3; ++step) {
+          sgd.zero_grad();
+          testing::forward_backward<double>(model, data, step * 8 + comm.rank() * 4, 4);
+          if (call_finish) dp.finish();
+          sgd.step();
+        }
+        if (comm.rank() == 0)
+          for (const auto& [name, p] : dp.parameters().parameters)
+            out.insert(out.end(), p->value.data(), p->value.data() + p->value.numel());
+      },
+      {.ranks = 2});
+  return out;
+}
+}  // namespace
+
+TEST_CASE("DataParallel: the optimizer's step finishes the all-reduce a forgotten finish() left open", "[parallel]") {
+  const auto with_finish = train_two_ranks(true);
+  const auto without = train_two_ranks(false);
+  REQUIRE(with_finish.size() == without.size());
+  CHECK(with_finish == without);  // bit for bit: the same all-reduces, started by the step instead
+}
+
+TEST_CASE("DataParallel: an optimizer step inside no_sync() is an error naming the strategy", "[parallel]") {
+  launch<CpuThreads64>(
+      [](ThreadComm& comm) {
+        const testing::DpData<double> data(4);
+        auto model = lenet5<CpuThreads64>();
+        DataParallel dp(model, comm);
+        Sgd<CpuThreads64> sgd(dp.parameters(), {.lr = 0.05});
+        auto guard = dp.no_sync();
+        testing::forward_backward<double>(model, data, comm.rank() * 2, 2);
+        CHECK_THROWS_WITH(sgd.step(), Catch::Contains("DataParallel on rank") &&
+                                          Catch::Contains("optimizer step inside no_sync()"));
+      },
+      {.ranks = 2});
+}
+
+TEST_CASE("Zero1: stepping the shard's optimizer directly is an error, zero.step(optimizer) is the way", "[parallel]") {
+  launch<CpuThreads64>(
+      [](ThreadComm& comm) {
+        auto model = lenet5<CpuThreads64>();
+        Zero1 zero(model, comm);
+        Sgd<CpuThreads64> sgd(zero.shard_parameters(), {.lr = 0.05});
+        CHECK_THROWS_WITH(sgd.step(), Catch::Contains("Zero1 on rank") && Catch::Contains("zero.step(optimizer)"));
+        zero.step(sgd);  // the supported call still works after the refused one
+      },
+      {.ranks = 2});
+}
+
+TEST_CASE("launch<E>: one rank for LocalComm, options.ranks threads for ThreadComm, errors rethrown", "[parallel]") {
+  int local_calls = 0;
+  launch<CpuLocal>([&](LocalComm& comm) {
+    CHECK(comm.size() == 1);
+    ++local_calls;
+  });
+  CHECK(local_calls == 1);
+  std::vector<int> seen(3, 0);
+  launch<CpuThreads>(
+      [&](ThreadComm& comm) {
+        REQUIRE(comm.size() == 3);
+        seen[static_cast<std::size_t>(comm.rank())] += 1;
+      },
+      {.ranks = 3});
+  CHECK(seen == std::vector<int>{1, 1, 1});
+  CHECK_THROWS_WITH(launch<CpuThreads>(
+                        [](ThreadComm& comm) {
+                          if (comm.rank() == 1) throw ArgumentError("rank 1 failed on purpose");
+                          comm.barrier();
+                        },
+                        {.ranks = 2}),
+                    Catch::Contains("rank 1 failed on purpose"));
+  CHECK_THROWS_WITH(launch<CpuThreads>([](ThreadComm&) {}, {.ranks = -1}), Catch::Contains("ranks=-1 must be >= 0"));
+}
+
+// The Env travels with the parameter list: named_tensors deduces it from the model.
+static_assert(std::is_same_v<decltype(named_tensors(std::declval<decltype(lenet5<CpuThreads64>())&>())),
+                             NamedTensors<CpuThreads64>>);

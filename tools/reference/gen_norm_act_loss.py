@@ -1,4 +1,4 @@
-"""Reference data for BatchNorm2d, GELU, CrossEntropyLoss and MseLoss
+"""Reference data for BatchNorm2d, GELU, LeakyReLU, CrossEntropyLoss and MseLoss
 (tests/layers/test_norm_act.cpp, tests/losses/test_losses.cpp).
 
 Run with /usr/bin/python3 (PyTorch 1.13, CPU) from the repository root:
@@ -9,6 +9,7 @@ Writes tests/data/norm_act_loss.safetensors, everything in float64:
     statistics after one step (.running_mean1, .running_var1) and after two (.running_mean2,
     .running_var2); eval cases take .running_mean, .running_var as inputs.
   GELU: gelu.x, gelu.g, gelu.y, gelu.dx.
+  LeakyReLU (negative_slope 0.2): leaky_relu.x, leaky_relu.g, leaky_relu.y, leaky_relu.dx.
   CrossEntropyLoss (ce_*): <case>.logits, .labels (int64), .loss (scalar), .dlogits.
   MseLoss (mse_*): <case>.y, .target, .loss (scalar), .dy.
   <case>.torch_f32_err.<t>: PyTorch's own float32 error on tensor t, ||t32 - t64|| / ||t64||, from
@@ -101,6 +102,13 @@ def run_gelu(inputs, dtype):
     return {"y": y.detach(), "dx": x.grad}
 
 
+def run_leaky_relu(inputs, dtype, slope):
+    x = inputs["x"].to(dtype).clone().requires_grad_()
+    y = torch.nn.functional.leaky_relu(x, negative_slope=slope)
+    y.backward(inputs["g"].to(dtype))
+    return {"y": y.detach(), "dx": x.grad}
+
+
 def run_ce(c, inputs, dtype):
     n, classes, reduction, smoothing, offset = c
     logits = inputs["logits"].to(dtype).clone().requires_grad_()
@@ -171,6 +179,13 @@ def main():
         inputs = {"y": torch.randn(shape, dtype=d), "target": torch.randn(shape, dtype=d)}
         add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_mse(c, i, dt))
         metadata[name] = mse_config(c)
+
+    # After every other case, so their random draws stay what they were. Exact zeros included:
+    # PyTorch's gradient there is the slope (x > 0 is false).
+    x = torch.cat([torch.linspace(-3.0, 3.0, 61, dtype=d), torch.zeros(3, dtype=d), torch.randn(56, dtype=d)]).reshape(3, 40)
+    inputs = {"x": x, "g": torch.randn(3, 40, dtype=d)}
+    add_case(tensors, "leaky_relu", inputs, lambda dt, i=inputs: run_leaky_relu(i, dt, 0.2))
+    metadata["leaky_relu"] = "shape=3x40 negative_slope=0.2"
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tests", "data", "norm_act_loss.safetensors")

@@ -82,7 +82,7 @@ struct GradCheckReport {
     return output_shape_ok &&
            std::all_of(entries.begin(), entries.end(), [&](const GradCheckEntry& e) { return e.error <= tolerance; });
   }
-  // One line per tensor, failures marked, e.g. "dweight [4, 3] relative error 2.1e-03 > 1e-06  FAILED".
+  // One line per tensor, failures marked, e.g. "dweight (4, 3) relative error 2.1e-03 > 1e-06  FAILED".
   std::string describe() const {
     std::ostringstream out;
     if (!output_shape_ok) out << "backward returned dL/dx of another shape than x  FAILED\n";
