@@ -8,7 +8,7 @@
 #include "tessera/core/allocator.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
-#include "tessera/train/flags.hpp"
+#include "tessera/io/flags.hpp"
 
 using namespace tessera;
 

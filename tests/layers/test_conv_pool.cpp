@@ -15,7 +15,7 @@
 #include "tessera/core/env.hpp"
 #include "tessera/layers/conv2d.hpp"
 #include "tessera/layers/pool.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 namespace {
 

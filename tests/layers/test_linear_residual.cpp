@@ -10,7 +10,7 @@
 #include "tessera/layers/residual.hpp"
 #include "tessera/layers/sequential.hpp"
 #include "tessera/models/resnet.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 using namespace tessera;
 using E64 = CpuLocal64;

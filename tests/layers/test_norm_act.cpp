@@ -15,7 +15,7 @@
 #include "tessera/layers/batch_norm.hpp"
 #include "tessera/layers/dropout.hpp"
 #include "tessera/layers/flatten.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 using namespace tessera;
 using tessera::testing::T64;

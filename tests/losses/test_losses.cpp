@@ -14,7 +14,7 @@
 #include "tessera/core/env.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/losses/mse.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 using namespace tessera;
 using tessera::testing::T64;

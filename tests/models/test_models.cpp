@@ -8,7 +8,7 @@
 #include "tessera/models/lenet.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 using namespace tessera;
 using E = CpuLocal;

@@ -19,7 +19,7 @@
 #include "tessera/optim/adam.hpp"
 #include "tessera/optim/schedule.hpp"
 #include "tessera/optim/sgd.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 using namespace tessera;
 

@@ -11,7 +11,7 @@
 #include <type_traits>
 
 #include "support/gradcheck.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 namespace tessera::testing {
 

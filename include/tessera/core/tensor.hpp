@@ -16,9 +16,13 @@
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/shape.hpp"
-#include "tessera/device/cpu.hpp"
 
 namespace tessera {
+
+// The default device, declared only: core sits below device/ in the include graph, so a tensor's
+// member functions need the device's header (tessera/device/cpu.hpp, device/cuda.cuh) where they
+// are used; every layer, kernel and model header includes its devices.
+struct Cpu;
 
 template <class S, class D = Cpu>
 class Tensor {

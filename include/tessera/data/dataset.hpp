@@ -15,6 +15,7 @@
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
 
 namespace tessera {
 

@@ -44,6 +44,7 @@
 #include "tessera/core/error.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
 #include "tessera/data/dataset.hpp"
 
 namespace tessera {

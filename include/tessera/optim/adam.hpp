@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "tessera/core/parameter.hpp"
-#include "tessera/device/cpu.hpp"
+#include "tessera/kernels/optim.hpp"
 #include "tessera/optim/optimizer.hpp"
 
 namespace tessera {
@@ -54,44 +54,6 @@ struct AdamWOptions {
   bool amsgrad = false;
   bool decay_norm_and_bias = true;
 };
-
-// The coefficients of one update of one parameter at step t (weight decay already masked).
-struct AdamStep {
-  double lr, beta1, beta2, eps;
-  double l2_decay;        // Adam: added to the gradient as l2_decay * p
-  double decoupled_decay; // AdamW: p *= 1 - lr * decoupled_decay
-  std::int64_t t;         // 1 on the first step
-};
-
-// The update above on n contiguous elements; v_max is used (and updated) only when non-null.
-template <class S>
-void adam_update(Cpu, std::int64_t n, S* p, const S* g, S* m, S* v, S* v_max, const AdamStep& c) {
-  const double bias_correction1 = 1 - std::pow(c.beta1, static_cast<double>(c.t));
-  const double bias_correction2 = 1 - std::pow(c.beta2, static_cast<double>(c.t));
-  const S step = S(-(c.lr / bias_correction1));
-  const S bc2_sqrt = S(std::sqrt(bias_correction2));
-  const S eps = S(c.eps), wd = S(c.l2_decay), shrink = S(1 - c.lr * c.decoupled_decay);
-  const S b1 = S(c.beta1), b2 = S(c.beta2), one_minus_b1 = S(1 - c.beta1), one_minus_b2 = S(1 - c.beta2);
-  // Operations in torch's order (mul_ then add_, (value * m) / denom) so float32 rounds alike.
-  auto moments = [=](std::int64_t i) {
-    const S gi = g[i] + wd * p[i];
-    p[i] = p[i] * shrink;
-    m[i] = m[i] * b1 + one_minus_b1 * gi;
-    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
-  };
-  if (v_max == nullptr) {
-    detail::for_each_element(n, [=](std::int64_t i) {
-      moments(i);
-      p[i] = p[i] + step * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
-    });
-  } else {
-    detail::for_each_element(n, [=](std::int64_t i) {
-      moments(i);
-      v_max[i] = std::max(v_max[i], v[i]);
-      p[i] = p[i] + step * m[i] / (std::sqrt(v_max[i]) / bc2_sqrt + eps);
-    });
-  }
-}
 
 enum class AdamDecay { L2, Decoupled };
 
@@ -183,6 +145,3 @@ using AdamW = BasicAdam<E, AdamDecay::Decoupled>;
 
 }  // namespace tessera
 
-#if defined(__CUDACC__)
-#include "tessera/kernels/cuda/adam.cuh"  // the Cuda overload of adam_update
-#endif

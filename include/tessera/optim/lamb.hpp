@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "tessera/core/parameter.hpp"
-#include "tessera/device/cpu.hpp"
+#include "tessera/kernels/optim.hpp"
 #include "tessera/optim/lars.hpp"
 #include "tessera/optim/optimizer.hpp"
 
@@ -33,25 +33,6 @@ struct LambOptions {
   double weight_decay = 0;
   bool adapt_norm_and_bias = false;
 };
-
-// One LAMB step's two passes on n elements (see the header): the moments and the raw update
-// r = m^ / (sqrt(v^) + eps) + wd w, then w -= step r once the trust ratio is known.
-template <class S>
-struct LambCoefficients {
-  S b1, b2, inv_c1, inv_c2, eps, wd;
-};
-template <class S>
-void lamb_moments(Cpu, std::int64_t n, const S* w, const S* g, S* m, S* v, S* r, LambCoefficients<S> c) {
-  detail::for_each_element(n, [=](std::int64_t k) {
-    m[k] = c.b1 * m[k] + (S(1) - c.b1) * g[k];
-    v[k] = c.b2 * v[k] + (S(1) - c.b2) * g[k] * g[k];
-    r[k] = (m[k] * c.inv_c1) / (std::sqrt(v[k] * c.inv_c2) + c.eps) + c.wd * w[k];
-  });
-}
-template <class S>
-void lamb_apply(Cpu, std::int64_t n, S* w, const S* r, S step) {
-  detail::for_each_element(n, [=](std::int64_t k) { w[k] -= step * r[k]; });
-}
 
 template <class E>
 class Lamb {
@@ -141,6 +122,3 @@ class Lamb {
 
 }  // namespace tessera
 
-#if defined(__CUDACC__)
-#include "tessera/kernels/cuda/lamb.cuh"  // the Cuda overloads of lamb_moments and lamb_apply
-#endif

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "tessera/core/parameter.hpp"
-#include "tessera/device/cpu.hpp"
+#include "tessera/kernels/optim.hpp"
 #include "tessera/optim/optimizer.hpp"
 
 namespace tessera {
@@ -32,24 +32,6 @@ struct LarsOptions {
   double eps = 1e-9;
   bool adapt_norm_and_bias = false;
 };
-
-// ||x||_2 in double, over OpenMP threads for large tensors (the GPU's is in kernels/cuda/lars.cuh).
-template <class S>
-double l2_norm(Cpu, const S* x, std::int64_t n) {
-  double sum = 0;
-#pragma omp parallel for reduction(+ : sum) schedule(static) if (n >= detail::kOptimParallelElements)
-  for (std::int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-  return std::sqrt(sum);
-}
-
-// One LARS step on n elements: v = m v + lr_scaled (g + wd w);  w -= v.
-template <class S>
-void lars_update(Cpu, std::int64_t n, S* w, const S* g, S* v, S scaled_lr, S m, S decay) {
-  detail::for_each_element(n, [=](std::int64_t k) {
-    v[k] = m * v[k] + scaled_lr * (g[k] + decay * w[k]);
-    w[k] -= v[k];
-  });
-}
 
 template <class E>
 class Lars {
@@ -123,6 +105,3 @@ class Lars {
 
 }  // namespace tessera
 
-#if defined(__CUDACC__)
-#include "tessera/kernels/cuda/lars.cuh"  // the Cuda overloads of l2_norm and lars_update
-#endif

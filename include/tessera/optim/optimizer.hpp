@@ -97,17 +97,6 @@ void before_update(const std::vector<OptimParam<S, D>>& params) {
   run_update_guards(params, [](const OptimParam<S, D>& p) { return p.param; });
 }
 
-// Below this many elements the OpenMP fork/join costs more than the update itself (biases, BN).
-inline constexpr std::int64_t kOptimParallelElements = std::int64_t(1) << 15;
-
-// Runs f(i) for i in [0, n), over OpenMP threads when n is large. f is inlined, so the loop
-// body vectorizes like a hand-written loop.
-template <class F>
-void for_each_element(std::int64_t n, F f) {
-#pragma omp parallel for schedule(static) if (n >= kOptimParallelElements)
-  for (std::int64_t i = 0; i < n; ++i) f(i);
-}
-
 // Makes t a zero tensor of the given shape unless it already is allocated with that shape (state
 // created lazily by step() or by visit_state() must not clobber loaded values). The data check
 // matters for empty parameters: a default Tensor already has the shape (0) but no buffer.

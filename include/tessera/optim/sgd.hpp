@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "tessera/core/parameter.hpp"
-#include "tessera/device/cpu.hpp"
+#include "tessera/kernels/optim.hpp"
 #include "tessera/optim/optimizer.hpp"
 
 namespace tessera {
@@ -37,36 +37,6 @@ struct SgdOptions {
   bool nesterov = false;
   bool decay_norm_and_bias = true;  // false: ParamKind::Bias and ParamKind::Norm get no weight decay
 };
-
-// The coefficients of one update of one parameter (weight decay already masked).
-struct SgdStep {
-  double lr, momentum, dampening, weight_decay;
-  bool nesterov;
-  bool first_step;  // the momentum buffer has no history yet: it becomes a copy of d
-};
-
-// The update above on n contiguous elements; buf is unused (may be null) when momentum == 0.
-template <class S>
-void sgd_update(Cpu, std::int64_t n, S* p, const S* g, S* buf, const SgdStep& c) {
-  const S lr = S(-c.lr), wd = S(c.weight_decay), m = S(c.momentum), keep = S(1 - c.dampening);
-  const bool nesterov = c.nesterov;
-  if (c.momentum == 0) {
-    detail::for_each_element(n, [=](std::int64_t i) { p[i] = p[i] + lr * (g[i] + wd * p[i]); });
-  } else if (c.first_step) {
-    detail::for_each_element(n, [=](std::int64_t i) {
-      const S d = g[i] + wd * p[i];
-      buf[i] = d;
-      p[i] = p[i] + lr * (nesterov ? d + m * d : d);
-    });
-  } else {
-    detail::for_each_element(n, [=](std::int64_t i) {
-      const S d = g[i] + wd * p[i];
-      const S b = buf[i] * m + keep * d;
-      buf[i] = b;
-      p[i] = p[i] + lr * (nesterov ? d + m * b : b);
-    });
-  }
-}
 
 template <class E>
 class Sgd {
@@ -140,6 +110,3 @@ class Sgd {
 
 }  // namespace tessera
 
-#if defined(__CUDACC__)
-#include "tessera/kernels/cuda/sgd.cuh"  // the Cuda overload of sgd_update
-#endif

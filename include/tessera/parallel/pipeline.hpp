@@ -55,7 +55,7 @@
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
-#include "tessera/train/timeline.hpp"
+#include "tessera/core/span_sink.hpp"
 
 namespace tessera {
 
@@ -77,7 +77,7 @@ struct PipelineOptions {
   PipelineSchedule schedule = PipelineSchedule::OneFOneB;
   std::vector<std::size_t> boundaries;  // P + 1 unit indices, 0 = b_0 < b_1 < ... < b_P = units
   std::vector<double> unit_costs;       // one per unit: relative cost used for balancing
-  Timeline* timeline = nullptr;         // optional: every F_i / B_i as a span on the compute lane
+  SpanSink* timeline = nullptr;         // optional (a Timeline): every F_i / B_i as a span on the compute lane
 };
 
 // What the last train_step did on this rank.
@@ -333,7 +333,7 @@ class Pipeline {
     const auto ended = std::chrono::steady_clock::now();
     stats_.busy_seconds += std::chrono::duration<double>(ended - began).count();
     if (options_.timeline)
-      options_.timeline->add(kind + std::to_string(i), "compute", began, ended, Timeline::kCompute);
+      options_.timeline->add(kind + std::to_string(i), "compute", began, ended, SpanSink::kCompute);
   }
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();

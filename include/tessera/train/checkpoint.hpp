@@ -22,7 +22,7 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/random.hpp"
-#include "tessera/train/safetensors.hpp"
+#include "tessera/io/safetensors.hpp"
 
 namespace tessera {
 

@@ -27,13 +27,12 @@
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/span_sink.hpp"
 
 namespace tessera {
 
-class Timeline {
+class Timeline final : public SpanSink {
  public:
-  enum Lane : int { kCompute = 0, kCommunication = 1 };
-  using Clock = std::chrono::steady_clock;
 
   template <Communicator Comm>
   explicit Timeline(Comm& comm) : rank_(comm.rank()) {
@@ -50,7 +49,8 @@ class Timeline {
   }
 
   // The same with clock readings (e.g. DataParallel's bucket launch and completion times).
-  void add(std::string name, const char* category, Clock::time_point begin, Clock::time_point end, int lane) {
+  void add(std::string name, const char* category, Clock::time_point begin, Clock::time_point end,
+           int lane) override {
     add(std::move(name), category, std::chrono::duration<double, std::micro>(begin - start_).count(),
         std::chrono::duration<double, std::micro>(end - start_).count(), lane);
   }

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "tessera/kernels/cuda/launch.cuh"
-#include "tessera/optim/adam.hpp"
+#include "tessera/kernels/cpu/optim.hpp"
 
 namespace tessera {
 

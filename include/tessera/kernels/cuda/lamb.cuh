@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "tessera/kernels/cuda/lars.cuh"
-#include "tessera/optim/lamb.hpp"
+#include "tessera/kernels/cpu/optim.hpp"
 
 namespace tessera {
 

@@ -9,7 +9,7 @@
 
 #include "tessera/kernels/cuda/launch.cuh"
 #include "tessera/kernels/cuda/reduce.cuh"
-#include "tessera/optim/lars.hpp"
+#include "tessera/kernels/cpu/optim.hpp"
 
 namespace tessera {
 

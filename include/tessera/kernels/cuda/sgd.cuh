@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "tessera/kernels/cuda/launch.cuh"
-#include "tessera/optim/sgd.hpp"
+#include "tessera/kernels/cpu/optim.hpp"
 
 namespace tessera {
 

@@ -29,6 +29,7 @@
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
 
 namespace tessera {
 
