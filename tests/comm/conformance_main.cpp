@@ -22,5 +22,5 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     comm.barrier();  // nobody tears the connections down while a peer still finishes
     return failures.empty() ? 0 : 1;
-  });
+  }, testing::launch_options(argc, argv));
 }

@@ -9,6 +9,8 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 
 #include "tessera/build_env.hpp"
@@ -20,6 +22,15 @@ using TestEnv = BuildEnv;
 using TestComm = BuildEnv::Comm;
 
 inline const char* backend_name() { return TestComm::backend_name; }
+
+// --ranks=N from the command line: how many ranks a backend that spawns its own (threads) starts;
+// backends whose ranks a launcher started (mpirun, tessera-run) ignore it.
+inline LaunchOptions launch_options(int argc, char** argv) {
+  LaunchOptions options;
+  for (int i = 1; i < argc; ++i)
+    if (std::strncmp(argv[i], "--ranks=", 8) == 0) options.ranks = std::atoi(argv[i] + 8);
+  return options;
+}
 
 template <class Body>
 int run_ranks(Body body, const LaunchOptions& options = {}) {

@@ -8,7 +8,7 @@
 #include "comm/program.hpp"
 #include "parallel/dp_equivalence.hpp"
 
-int main() {
+int main(int argc, char** argv) {
   using namespace tessera;
   return testing::run_ranks([&](testing::TestComm& comm) {
     const int rank = comm.rank();
@@ -28,5 +28,5 @@ int main() {
                 testing::backend_name(), failures.size());
     comm.barrier();
     return failures.empty() ? 0 : 1;
-  });
+  }, testing::launch_options(argc, argv));
 }

@@ -8,7 +8,7 @@
 #include "comm/program.hpp"
 #include "parallel/pipeline_equivalence.hpp"
 
-int main() {
+int main(int argc, char** argv) {
   using namespace tessera;
   using testing::PipeModel;
   return testing::run_ranks([&](testing::TestComm& comm) {
@@ -29,5 +29,5 @@ int main() {
                 failures.size());
     comm.barrier();
     return failures.empty() ? 0 : 1;
-  });
+  }, testing::launch_options(argc, argv));
 }
