@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Tessera needs on Debian 12 (only the packages that are missing), then configures
-# and builds into ./build. Safe to run again: it skips what is already done.
+# and builds into ./build: everything, or only the targets given (scripts/setup.sh 01_fashion_mnist_lenet).
+# Safe to run again: it skips what is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,4 +39,5 @@ else
   meson setup build "${options[@]}"
 fi
 jobs=$(nproc)
-meson compile -C build -j "$jobs"
+# Targets given as arguments (scripts/train.sh passes its example) build alone; none builds all.
+meson compile -C build -j "$jobs" "$@"

@@ -4,5 +4,5 @@
 #   scripts/train.sh --epochs=1        scripts/train.sh --threads=4 --metrics=run.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh 01_fashion_mnist_lenet
 exec build/examples/01_fashion_mnist_lenet "$@"

@@ -1,8 +1,9 @@
 // Example 08: ResNet-50 (v1.5, 25,557,032 parameters at 1000 classes) training steps on synthetic
 // ImageNet-shaped data. One source, one binary per backend: the build picks the Env
-// (tessera::BuildEnv: CpuThreads, CpuMpi, CpuGloo, CudaLocal, CudaNccl) and this file never names
-// a backend; the strategy is a flag.
+// (tessera::BuildEnv: CpuLocal, CpuThreads, CpuMpi, CpuGloo, CudaLocal, CudaNccl) and this file
+// never names a backend; the strategy is a flag.
 //
+//   ./08_resnet50_local [--batch=8] ...               one CPU process (CpuLocal)
 //   ./08_resnet50_threads [--batch=8] [--steps=5] [--image=224] [--classes=1000] [--threads=N]
 //                 [--ranks=1]  (>1: data parallel over that many ranks, threads of this process)
 //   mpirun -n 2 ./08_resnet50_mpi ...                 data parallel over MPI

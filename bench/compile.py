@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Compile-time benchmark: wall seconds and peak memory of the translation units users wait for.
+
+  python3 bench/compile.py [--build build] [--runs 3] > bench/results/compile_<cpu>.json
+
+Measured with the build's own compiler command lines (compile_commands.json), one compile at a
+time, median of --runs:
+  resnet50_cpu      examples/08_resnet50/main.cpp built for CpuThreads (the CPU build of the
+                    same source every backend compiles); goal: under 15 s on 2 cores
+  slowest_test_tu   the slowest source of tests/tessera_tests (every one is compiled once to find
+                    it, and all are reported)
+  umbrella_header   a file that includes tessera/tessera.hpp and nothing else
+Peak memory is the compiler's maximum resident set (cc1plus included: wait4 reports the largest
+of the child and its descendants). JSON on stdout, a table on stderr.
+"""
+import argparse
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+GOAL_RESNET50_S = 15.0
+
+
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load_commands(build):
+    path = build / "compile_commands.json"
+    if not path.exists():
+        sys.exit(f"compile: {path} not found; configure the build first (meson setup {build})")
+    return json.loads(path.read_text())
+
+
+def strip_outputs(args):
+    """The command without its -o, -MD/-MQ/-MF dependency outputs, so nothing in the build changes."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("-o", "-MQ", "-MF", "-MT"):
+            skip = True
+            continue
+        if a in ("-MD", "-MMD"):
+            continue
+        out.append(a)
+    return out
+
+
+def compile_once(args, cwd, obj):
+    start = time.perf_counter()
+    proc = subprocess.Popen(args + ["-o", obj], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    err = proc.stderr.read().decode(errors="replace")
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"compile: {' '.join(args[:3])} ... failed:\n{err[:2000]}")
+    return seconds, usage.ru_maxrss / 1024.0  # KiB -> MiB
+
+
+def measure(args, cwd, runs):
+    times, peaks = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(runs):
+            s, mb = compile_once(args, cwd, os.path.join(tmp, "unit.o"))
+            times.append(s)
+            peaks.append(mb)
+    return {"seconds": round(statistics.median(times), 2), "seconds_all": [round(t, 2) for t in times],
+            "peak_mb": round(max(peaks), 1)}
+
+
+def command_for(entries, source_suffix, output_part):
+    for e in entries:
+        if e["file"].endswith(source_suffix) and output_part in e.get("output", e["command"]):
+            return shlex.split(e["command"]), e["directory"]
+    return None, None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    build = pathlib.Path(args.build).resolve()
+    entries = load_commands(build)
+
+    resnet_cmd, resnet_dir = command_for(entries, "examples/08_resnet50/main.cpp", "08_resnet50_threads")
+    if resnet_cmd is None:
+        sys.exit("compile: no 08_resnet50_threads compile command; configure with -Dexamples=enabled")
+    results = {}
+    print("measuring 08_resnet50 (CpuThreads) ...", file=sys.stderr)
+    results["resnet50_cpu"] = measure(strip_outputs(resnet_cmd), resnet_dir, args.runs)
+    results["resnet50_cpu"]["goal_seconds"] = GOAL_RESNET50_S
+    results["resnet50_cpu"]["meets_goal"] = results["resnet50_cpu"]["seconds"] < GOAL_RESNET50_S
+
+    tests = [e for e in entries if "tessera_tests.p" in e.get("output", e["command"])]
+    if tests:
+        print(f"compiling the {len(tests)} test sources once to find the slowest ...", file=sys.stderr)
+        once = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for e in tests:
+                s, mb = compile_once(strip_outputs(shlex.split(e["command"])), e["directory"], os.path.join(tmp, "t.o"))
+                once[os.path.relpath(e["file"], build)] = {"seconds": round(s, 2), "peak_mb": round(mb, 1)}
+        slowest = max(once, key=lambda k: once[k]["seconds"])
+        entry = next(e for e in tests if os.path.relpath(e["file"], build) == slowest)
+        print(f"measuring the slowest, {slowest} ...", file=sys.stderr)
+        results["slowest_test_tu"] = {"file": slowest,
+                                      **measure(strip_outputs(shlex.split(entry["command"])), entry["directory"], args.runs)}
+        results["test_tus_once"] = once
+
+    # tessera.hpp alone, with the 08 command's flags (include paths, -O, -march).
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = pathlib.Path(tmp) / "umbrella.cpp"
+        unit.write_text('#include "tessera/tessera.hpp"\nint main() { return 0; }\n')
+        base = strip_outputs(resnet_cmd)
+        source_index = next(i for i, a in enumerate(base) if a.endswith("examples/08_resnet50/main.cpp"))
+        base[source_index] = str(unit)
+        print("measuring tessera.hpp alone ...", file=sys.stderr)
+        results["umbrella_header"] = measure(base, resnet_dir, args.runs)
+
+    compiler = subprocess.run([resnet_cmd[0], "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    report = {"benchmark": "compile", "cpu": cpu_model(), "cores": os.cpu_count(), "compiler": compiler,
+              "runs": args.runs, "build": str(build), "results": results}
+    for name in ("resnet50_cpu", "slowest_test_tu", "umbrella_header"):
+        if name in results:
+            r = results[name]
+            print(f"{name:18} {r['seconds']:7.2f} s  {r['peak_mb']:8.1f} MB  {r.get('file', '')}", file=sys.stderr)
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
