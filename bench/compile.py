@@ -84,6 +84,16 @@ def measure(args, cwd, runs):
             "peak_mb": round(max(peaks), 1)}
 
 
+def source_name(entry):
+    """The source's path inside the repository (compile_commands.json has it relative to the build)."""
+    path = pathlib.Path(entry["directory"], entry["file"]).resolve()
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def command_for(entries, source_suffix, output_part):
     for e in entries:
         if e["file"].endswith(source_suffix) and output_part in e.get("output", e["command"]):
@@ -115,9 +125,9 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for e in tests:
                 s, mb = compile_once(strip_outputs(shlex.split(e["command"])), e["directory"], os.path.join(tmp, "t.o"))
-                once[os.path.relpath(e["file"], build)] = {"seconds": round(s, 2), "peak_mb": round(mb, 1)}
+                once[source_name(e)] = {"seconds": round(s, 2), "peak_mb": round(mb, 1)}
         slowest = max(once, key=lambda k: once[k]["seconds"])
-        entry = next(e for e in tests if os.path.relpath(e["file"], build) == slowest)
+        entry = next(e for e in tests if source_name(e) == slowest)
         print(f"measuring the slowest, {slowest} ...", file=sys.stderr)
         results["slowest_test_tu"] = {"file": slowest,
                                       **measure(strip_outputs(shlex.split(entry["command"])), entry["directory"], args.runs)}

@@ -92,7 +92,7 @@ def main():
         final = test_correct / len(y_test)
         print(f"epoch {epoch + 1}: train loss {loss_sum / n:.4f} acc {100 * correct / n:.2f}% | "
               f"test acc {100 * final:.2f}% | {seconds:.1f} s, {n / seconds:.0f} img/s", flush=True)
-    print(json.dumps({"framework": "pytorch", "model": args.model, "epochs": args.epochs, "test_accuracy": final,
+    print(json.dumps({"framework": "pytorch", "blas": torch_models.BLAS, "model": args.model, "epochs": args.epochs, "test_accuracy": final,
                       "train_seconds": total_time, "images_per_second": n * args.epochs / total_time,
                       "threads": args.threads}))
 

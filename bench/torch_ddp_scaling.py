@@ -59,7 +59,7 @@ def worker(rank, world, args, init_file, out_file):
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"bench": "dp_scaling", "framework": "pytorch", "comm": "gloo" if world > 1 else "none",
+            json.dump({"bench": "dp_scaling", "framework": "pytorch", "blas": torch_models.BLAS, "comm": "gloo" if world > 1 else "none",
                        "model": args.model, "ranks": world, "threads_per_rank": args.threads,
                        "batch_per_rank": args.batch, "steps": args.steps, "seconds": seconds.item(),
                        "images_per_second": world * args.batch * args.steps / seconds.item(),

@@ -65,7 +65,7 @@ def main():
         r = measure(name, args.steps, args.warmup)
         print(f"{name:13} batch {r['batch']:3}  {r['images_per_second']:8.1f} img/s", file=sys.stderr)
         results.append(r)
-    print(json.dumps({"framework": "pytorch", "version": torch.__version__, "threads": args.threads,
+    print(json.dumps({"framework": "pytorch", "version": torch.__version__, "blas": torch_models.BLAS, "threads": args.threads,
                       "mkldnn": torch.backends.mkldnn.is_available(), "results": results}))
 
 
