@@ -21,7 +21,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_tessera(binary, model, threads):
     out = subprocess.run([binary, f"--models={model}", f"--threads={threads}"], check=True, capture_output=True,
                          text=True).stdout
-    return json.loads(out)["results"][0]
+    result = json.loads(out)
+    return {**result["results"][0], "blas": result.get("blas")}
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def torch_env(policy):
@@ -39,7 +48,16 @@ def run_torch(model, threads, policy):
     out = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
                           "--threads", str(threads)], check=True, capture_output=True, text=True,
                          env=torch_env(policy)).stdout
-    return json.loads(out)["results"][0]
+    result = json.loads(out)
+    return {**result["results"][0], "blas": result.get("blas")}
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def main():
@@ -49,9 +67,11 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
-    report = {"threads": args.threads, "runs": args.runs, "models": []}
+    report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "models": []}
     for model in args.models.split(","):
-        trials = {p or "unset": run_torch(model, args.threads, p)["images_per_second"] for p in ("", "PASSIVE", "ACTIVE")}
+        probes = {p or "unset": run_torch(model, args.threads, p) for p in ("", "PASSIVE", "ACTIVE")}
+        trials = {p: r["images_per_second"] for p, r in probes.items()}
+        report["pytorch_blas"] = probes["unset"]["blas"]
         best = max(trials, key=trials.get)
         policy = "" if best == "unset" else best
         ours, theirs = [], []
