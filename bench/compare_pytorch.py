@@ -21,16 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_tessera(binary, model, threads):
     out = subprocess.run([binary, f"--models={model}", f"--threads={threads}"], check=True, capture_output=True,
                          text=True).stdout
-    result = json.loads(out)
-    return {**result["results"][0], "blas": result.get("blas")}
-
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
+    return json.loads(out)["results"][0]
 
 
 def torch_env(policy):

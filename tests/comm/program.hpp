@@ -35,7 +35,9 @@ inline LaunchOptions launch_options(int argc, char** argv) {
 template <class Body>
 int run_ranks(Body body, const LaunchOptions& options = {}) {
   std::atomic<int> status{0};
-  std::atomic<int> failing_rank{-1};
+  // This process's rank when it holds exactly one (mpirun, tessera-run); -1 while its communicator
+  // is not open, or when the ranks are threads here (then the error text names the rank).
+  std::atomic<int> my_rank{-1};
   auto raise = [&](int s) {
     int seen = status.load();
     while (s > seen && !status.compare_exchange_weak(seen, s)) {
@@ -44,16 +46,16 @@ int run_ranks(Body body, const LaunchOptions& options = {}) {
   try {
     launch<TestEnv>(
         [&](TestComm& comm) {
-          failing_rank = comm.rank();
+          my_rank = comm.size() > 1 && options.ranks > 1 ? -1 : comm.rank();
           raise(body(comm));
         },
         options);
   } catch (const CommError& e) {
-    std::fprintf(stderr, "rank %d: CommError: %s\n", failing_rank.load(), e.what());
+    std::fprintf(stderr, "rank %d: CommError: %s\n", my_rank.load(), e.what());
     std::fflush(stderr);
     return 3;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: error: %s\n", failing_rank.load(), e.what());
+    std::fprintf(stderr, "rank %d: error: %s\n", my_rank.load(), e.what());
     return 1;
   }
   return status.load();

@@ -52,10 +52,10 @@
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
+#include "tessera/core/span_sink.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
-#include "tessera/core/span_sink.hpp"
 
 namespace tessera {
 

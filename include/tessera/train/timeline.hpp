@@ -33,7 +33,6 @@ namespace tessera {
 
 class Timeline final : public SpanSink {
  public:
-
   template <Communicator Comm>
   explicit Timeline(Comm& comm) : rank_(comm.rank()) {
     comm.barrier();  // a common zero for all ranks (to within one barrier's skew)
