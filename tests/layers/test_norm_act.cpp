@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <numbers>
 #include <string>
 
@@ -357,6 +358,23 @@ TEST_CASE("ReLU forward and backward by hand", "[layers][activation]") {
   for (int i = 0; i < 6; ++i) CHECK(dx[i] == want_dx[i]);
   CHECK(x[0] == -1.f);  // not in place
   CHECK_THROWS_AS(relu.backward(Tensor<float>({3, 2}, 0.f), c), ShapeError);
+}
+
+TEST_CASE("ReLU lets NaN through like torch.relu, and its gradient too", "[layers][activation]") {
+  // torch.relu(nan) = nan and threshold_backward passes dy where the output is nan: a diverging
+  // run shows NaN in its loss instead of being silently clamped to zero.
+  ReLU<E32> relu;
+  ReLU<E32>::Cache c;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const auto x = Tensor<float>::from({3}, {nan, -nan, -2.f});
+  const auto& y = relu.forward(x, c);
+  CHECK(std::isnan(y[0]));
+  CHECK(std::isnan(y[1]));
+  CHECK(y[2] == 0.f);
+  const auto& dx = relu.backward(Tensor<float>::from({3}, {5.f, 6.f, 7.f}), c);
+  CHECK(dx[0] == 5.f);
+  CHECK(dx[1] == 6.f);
+  CHECK(dx[2] == 0.f);
 }
 
 TEST_CASE("ReLU and GELU on a large tensor (parallel path) equal the serial formula", "[layers][activation]") {

@@ -26,6 +26,9 @@ struct DpCase {
   int per_rank_batch = 8;  // images per rank per step
   int steps = 3;
   int micro_steps = 1;     // gradient accumulation: per_rank_batch is split into this many pieces
+  // false: each micro-step's loss is scaled by 1/micro_steps and DataParallel sums (PyTorch DDP);
+  // true: the loss is left alone and DataParallel divides by the number of micro-steps.
+  bool average_micro_steps = false;
   double tolerance = 1e-12;
   GradientCompression compression = GradientCompression::None;
 };
@@ -52,7 +55,7 @@ struct DpData {
 
 // One SGD step's worth of forward/backward of `model` on images [first, first + n).
 template <class S, class Model>
-void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, std::int64_t n) {
+void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, std::int64_t n, double loss_scale = 1) {
   using E = typename Model::Env;
   typename Model::Cache cache{};
   CrossEntropyLoss<E> loss;
@@ -60,7 +63,13 @@ void forward_backward(Model& model, const DpData<S>& data, std::int64_t first, s
   const auto x = data.batch(first, n);
   const auto& logits = model.forward(x, cache);
   loss.forward(logits, data.batch_labels(first, n), loss_cache);
-  model.backward(loss.backward(loss_cache), cache);
+  if (loss_scale == 1) {
+    model.backward(loss.backward(loss_cache), cache);
+  } else {  // the loss / k of gradient accumulation with PyTorch DDP
+    Tensor<S, typename E::Device> dy = loss.backward(loss_cache);
+    scale_elements(typename E::Device{}, dy.data(), dy.numel(), static_cast<S>(loss_scale), dy.data());
+    model.backward(dy, cache);
+  }
 }
 
 // Model makers: make<E>(seed) builds the model for Env E, once for the one-process reference
@@ -107,7 +116,9 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, Maker = {},
   auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
   if constexpr (!std::is_same_v<Prepare, void (*)(void*, void*)>) prepare(model, comm);
   DataParallel dp(model, comm,
-                           {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024, .compression = c.compression});
+                           {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024, .compression = c.compression,
+                            .average_micro_steps = c.average_micro_steps});
+  const double loss_scale = c.average_micro_steps ? 1.0 : 1.0 / c.micro_steps;
   Sgd<E> sgd(dp.parameters(), sgd_options);
   for (int step = 0; step < c.steps; ++step) {
     sgd.zero_grad();
@@ -115,9 +126,9 @@ std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, Maker = {},
       const std::int64_t first = step * global + r * b + m * piece;
       if (m + 1 < c.micro_steps) {
         auto guard = dp.no_sync();
-        forward_backward<S>(model, data, first, piece);
+        forward_backward<S>(model, data, first, piece, loss_scale);
       } else {
-        forward_backward<S>(model, data, first, piece);
+        forward_backward<S>(model, data, first, piece, loss_scale);
       }
     }
     dp.finish();

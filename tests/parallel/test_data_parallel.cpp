@@ -12,6 +12,7 @@
 #include "tessera/train/timeline.hpp"
 
 #include <cstdio>
+#include <mutex>
 #include <unistd.h>
 #include "tessera/parallel/zero.hpp"
 
@@ -49,6 +50,7 @@ TEST_CASE("DataParallel: float32 agrees with one process to ~1e-5", "[parallel]"
 TEST_CASE("DataParallel: k accumulated micro-steps equal one step on the k-times batch", "[parallel]") {
   run_equivalence<double>(2, {.per_rank_batch = 8, .steps = 2, .micro_steps = 4});
   run_equivalence<double>(1, {.per_rank_batch = 6, .steps = 2, .micro_steps = 3});
+  run_equivalence<double>(2, {.per_rank_batch = 8, .steps = 2, .micro_steps = 4, .average_micro_steps = true});
 }
 
 TEST_CASE("DataParallel + SyncBatchNorm: ResNet-20 on N ranks equals one process, BN statistics included", "[parallel]") {
@@ -391,26 +393,49 @@ TEST_CASE("DataParallel: hooks in a different order on each rank, buckets still 
   });
 }
 
-TEST_CASE("DataParallel: nothing is sent inside no_sync; finish() inside the guard still averages", "[parallel]") {
+namespace {
+// Three micro-steps under no_sync() that accumulate 1 + 2 + 3 (+ 10 per micro-step on rank 1) into
+// every gradient, then finish() (inside the guard or after it), on 2 thread ranks; returns the
+// first gradient element of every parameter on every rank.
+std::vector<double> accumulate_three_micro_steps(DataParallelOptions options, bool finish_inside_guard) {
+  std::vector<double> firsts;
+  std::mutex mutex;
   ThreadWorld world(2);
   world.run([&](ThreadComm& comm) {
     auto model = lenet5<CpuThreads64>();
-    DataParallel dp(model, comm, {.bucket_bytes = 4096, .first_bucket_bytes = 1024});
+    DataParallel dp(model, comm, options);
     const auto& params = dp.parameters().parameters;
-    auto guard = dp.no_sync();
-    // Three micro-steps accumulate 1 + 2 + 3 (+ 10 on rank 1) into each gradient.
-    fill_grads(dp, [](std::size_t) { return 0.0; });
-    for (int micro = 1; micro <= 3; ++micro) {
-      for (const auto& [name, p] : params) {
-        for (std::int64_t k = 0; k < p->grad.numel(); ++k) p->grad.data()[k] += micro + 10.0 * comm.rank();
-        p->grad_ready();
+    {
+      auto guard = dp.no_sync();
+      fill_grads(dp, [](std::size_t) { return 0.0; });
+      for (int micro = 1; micro <= 3; ++micro) {
+        for (const auto& [name, p] : params) {
+          for (std::int64_t k = 0; k < p->grad.numel(); ++k) p->grad.data()[k] += micro + 10.0 * comm.rank();
+          p->grad_ready();
+        }
+        for (const auto& b : dp.buckets()) REQUIRE(!b.launched);  // nothing is sent inside no_sync
       }
-      for (const auto& b : dp.buckets()) REQUIRE(!b.launched);
+      if (finish_inside_guard) dp.finish();
     }
-    dp.finish();
-    // Mean over micro-steps (2 + 10 r), then over ranks: 7.
-    for (const auto& [name, p] : params) REQUIRE(p->grad.data()[0] == 7.0);
+    if (!finish_inside_guard) dp.finish();
+    std::lock_guard lock(mutex);
+    for (const auto& [name, p] : params) firsts.push_back(p->grad.data()[0]);
   });
+  return firsts;
+}
+}  // namespace
+
+TEST_CASE("DataParallel: micro-steps add up as in DDP; nothing is sent inside no_sync", "[parallel]") {
+  // Summed over micro-steps (6 + 30 r), averaged over ranks: 21.
+  for (const double g : accumulate_three_micro_steps({.bucket_bytes = 4096, .first_bucket_bytes = 1024}, false))
+    REQUIRE(g == 21.0);
+}
+
+TEST_CASE("DataParallel: average_micro_steps divides by the micro-steps; finish() inside the guard", "[parallel]") {
+  // Mean over micro-steps (2 + 10 r), then over ranks: 7.
+  for (const double g : accumulate_three_micro_steps(
+           {.bucket_bytes = 4096, .first_bucket_bytes = 1024, .average_micro_steps = true}, true))
+    REQUIRE(g == 7.0);
 }
 
 namespace {

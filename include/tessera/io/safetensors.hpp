@@ -376,7 +376,7 @@ class SafetensorsWriter {
   }
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
-  // Atomic: write <path>.tmp.<pid>, fsync, rename over path, fsync the directory.
+  // Atomic: write a fresh <path>.tmp.XXXXXX (mkostemp), fsync, rename over path, fsync the directory.
   void write(const std::string& path) const {
     std::string header = "{";
     if (!metadata_.empty()) {

@@ -60,7 +60,8 @@ class Conv2d {
     }
   }
 
-  // Square kernel, stride, padding and dilation, in torch.nn.Conv2d's argument order.
+  // Square kernel: torch.nn.Conv2d's leading arguments (in, out, kernel, stride, padding), then the
+  // rng, then bias before dilation and groups (torch: dilation, groups, bias).
   Conv2d(std::int64_t in_channels, std::int64_t out_channels, std::int64_t kernel, Rng& rng, std::int64_t stride = 1,
          std::int64_t padding = 0, bool bias = true, std::int64_t dilation = 1, std::int64_t groups = 1)
       : Conv2d(Conv2dOptions{in_channels, out_channels, kernel, kernel, stride, stride, padding, padding, dilation,

@@ -85,10 +85,11 @@ struct DataParallelOptions {
   bool broadcast_at_start = true;             // parameters and buffers from rank 0
   GradientCompression compression = GradientCompression::None;
   double topk_ratio = 0.01;  // TopK: fraction of each bucket's entries sent per step
-  // Divide each gradient by its number of micro-steps. Off when the gradients already are means
-  // over micro-batches: a Pipeline stage (hybrid data x pipeline parallelism) scales its loss
-  // gradient by 1/M itself, and its hooks fire once per micro-batch inside dp.no_sync().
-  bool average_micro_steps = true;
+  // Gradients accumulated over k micro-steps (k - 1 inside no_sync()) are summed, as in PyTorch
+  // DDP: scale each micro-step's loss by 1/k, as one does with DDP, for the gradient of the
+  // mean over the k micro-batches (a Pipeline stage does so itself). true: DataParallel divides
+  // each gradient by its number of micro-steps instead, and the loss is left unscaled.
+  bool average_micro_steps = false;
 };
 
 template <class E>
@@ -309,7 +310,8 @@ class DataParallel final : UpdateGuard {
     while (next_launch_ < buckets_.size() &&
            (all || buckets_[next_launch_].ready == static_cast<int>(buckets_[next_launch_].params.size()))) {
       Bucket& b = buckets_[next_launch_++];
-      // Each gradient holds the sum of its micro-steps: pack the mean. No gradient: zeros.
+      // Each gradient holds the sum of its micro-steps: pack it (or its mean with
+      // average_micro_steps). No gradient: zeros.
       for (std::size_t k = 0; k < b.params.size(); ++k) {
         const auto p = static_cast<std::size_t>(b.params[k]);
         const auto& g = named_.parameters[p].second->grad;

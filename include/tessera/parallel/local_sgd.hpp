@@ -3,7 +3,7 @@
 // the async/periodic-averaging family of the seeds). One all-reduce per k steps instead of one
 // per step; the models drift apart in between.
 //
-//   LocalSgd<S, Comm> local(model, comm, {.period = 4});   // broadcasts rank 0's parameters
+//   LocalSgd local(model, comm, {.period = 4});   // LocalSgd<E>, E from the model; broadcasts rank 0's parameters
 //   loop: opt.zero_grad(); forward; backward; opt.step(); local.after_step();
 //
 // With period 1 and SGD (momentum and weight decay included: the update is linear in the

@@ -10,7 +10,7 @@
 // Communication volume equals DataParallel's all-reduce (a reduce-scatter plus an all-gather is
 // how a ring all-reduce works anyway); memory for optimizer state drops N-fold.
 //
-//   Zero1<S, Comm> zero(model, comm);                 // broadcasts rank 0's parameters
+//   Zero1 zero(model, comm);                          // Zero1<E>, E from the model; broadcasts rank 0's parameters
 //   Sgd<E> sgd(zero.shard_parameters(), {...});       // any element-wise optimizer: SGD, Adam, AdamW
 //   loop: sgd.zero_grad(); zero.zero_grad(); forward; backward; zero.step(sgd);
 //

@@ -7,7 +7,7 @@
 // before the optimizer sees them. When any gradient is inf or NaN the scale was too large: the
 // step is skipped and S halves; after growth_interval clean steps in a row S doubles.
 //
-//   GradScaler<float, Cuda> scaler(named, {});
+//   GradScaler<CudaLocal> scaler(named, {});
 //   const auto& dy = scaler.scale_gradient(loss.backward(loss_cache));   // dL/dlogits * S
 //   model.backward(dy, cache);
 //   (data parallel: all-reduce the gradients here, so every rank sees the same inf/NaN)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/io/json.hpp"
 
 namespace tessera {
 
@@ -31,12 +32,10 @@ class JsonRecord {
   }
   JsonRecord& add(const std::string& key, int v) { return add(key, static_cast<std::int64_t>(v)); }
   JsonRecord& add(const std::string& key, const std::string& v) {
-    std::string q = "\"";
-    for (char c : v) {
-      if (c == '"' || c == '\\') q += '\\';
-      q += c;
-    }
-    fields_.emplace_back(key, q + "\"");
+    std::string quoted = "\"";  // appended, not `"\"" + s`: GCC 12 warns falsely (-Wrestrict) on that
+    quoted += detail::json_escaped(v);
+    quoted += '"';
+    fields_.emplace_back(key, std::move(quoted));
     return *this;
   }
   JsonRecord& add(const std::string& key, const char* v) { return add(key, std::string(v)); }
@@ -44,7 +43,7 @@ class JsonRecord {
   std::string str() const {
     std::string out = "{";
     for (std::size_t i = 0; i < fields_.size(); ++i)
-      out += (i ? ", \"" : "\"") + fields_[i].first + "\": " + fields_[i].second;
+      out += (i ? ", \"" : "\"") + detail::json_escaped(fields_[i].first) + "\": " + fields_[i].second;
     return out + "}";
   }
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/io/json.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/span_sink.hpp"
 
@@ -145,22 +146,7 @@ class Timeline final : public SpanSink {
     double begin_us, duration_us;
     int lane;
   };
-  static std::string escaped(const std::string& s) {
-    std::string out;
-    for (char c : s) {
-      if (c == '"' || c == '\\') {
-        out += '\\';
-        out += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {  // JSON forbids raw control characters
-        char buf[8];
-        std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
-        out += buf;
-      } else {
-        out += c;
-      }
-    }
-    return out;
-  }
+  static std::string escaped(const std::string& s) { return detail::json_escaped(s); }
 
   int rank_;
   Clock::time_point start_;

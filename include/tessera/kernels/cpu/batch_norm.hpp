@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera {
 
@@ -187,5 +188,24 @@ void batch_norm_accumulate_affine_grads(Cpu, std::int64_t channels, const double
     dbeta[ch] += static_cast<S>(sum_dy[ch]);
   }
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
+#define TESSERA_CPU_BATCH_NORM_INSTANCES(PREFIX, S)                                                                 \
+  PREFIX template void batch_norm_local_stats<S>(Cpu, const S*, BatchNormShape, double*, double*);                  \
+  PREFIX template void batch_norm_finalize_stats<S>(Cpu, std::int64_t, const double*, const double*, std::int64_t,  \
+                                                    double, S*, S*);                                                \
+  PREFIX template void batch_norm_update_running<S>(Cpu, std::int64_t, const double*, const double*, std::int64_t,  \
+                                                    double, S*, S*);                                                \
+  PREFIX template void batch_norm_invstd<S>(Cpu, std::int64_t, const S*, double, S*);                               \
+  PREFIX template void batch_norm_normalize<S>(Cpu, const S*, BatchNormShape, const S*, const S*, const S*,         \
+                                               const S*, S*);                                                       \
+  PREFIX template void batch_norm_backward_local_sums<S>(Cpu, const S*, const S*, BatchNormShape, const S*,         \
+                                                         const S*, double*, double*);                               \
+  PREFIX template void batch_norm_backward_input<S>(Cpu, const S*, const S*, BatchNormShape, const S*, const S*,    \
+                                                    const S*, const double*, const double*, std::int64_t, S*);      \
+  PREFIX template void batch_norm_backward_input_affine<S>(Cpu, const S*, BatchNormShape, const S*, const S*, S*);  \
+  PREFIX template void batch_norm_accumulate_affine_grads<S>(Cpu, std::int64_t, const double*, const double*, S*,   \
+                                                             S*);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_BATCH_NORM_INSTANCES)
 
 }  // namespace tessera

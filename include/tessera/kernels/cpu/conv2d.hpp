@@ -29,6 +29,7 @@
 
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 
 namespace tessera {
@@ -343,5 +344,14 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
       for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
   }
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
+#define TESSERA_CPU_CONV2D_INSTANCES(PREFIX, S)                                                                   \
+  PREFIX template void conv2d_forward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t, const S*, \
+                                         const S*, const S*, S*, S*);                                              \
+  PREFIX template void conv2d_bias_backward<S>(Cpu, std::int64_t, std::int64_t, std::int64_t, const S*, S*);       \
+  PREFIX template void conv2d_backward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,          \
+                                          const S*, const S*, const S*, S*, S*, S*);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_CONV2D_INSTANCES)
 
 }  // namespace tessera

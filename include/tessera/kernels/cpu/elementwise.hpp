@@ -1,7 +1,7 @@
 // Elementwise kernels on flat arrays of n values (activations, dropout).
 //
-//   relu_forward      y = max(x, 0)
-//   relu_backward     dx = dy * (y > 0)                      (from the output: no copy of x needed)
+//   relu_forward      y = max(x, 0); NaN stays NaN (torch.relu)
+//   relu_backward     dx = dy * (y > 0), and dy where y is NaN (torch's threshold_backward)   (from the output)
 //   gelu_forward      y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))      (exact form, PyTorch's default)
 //   gelu_backward     dx = dy (Phi(x) + x phi(x)),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
 //   dropout_mask      mask_i = keep_i / (1 - p), keep_i ~ Bernoulli(1 - p), drawn in order from rng
@@ -41,13 +41,13 @@ void map_backward(Cpu, const Op& op, const S* dy, const S* x, const S* y, std::i
 template <class S>
 void relu_forward(Cpu, const S* x, std::int64_t n, S* y) {
 #pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] > S(0) ? x[i] : S(0);
+  for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] < S(0) ? S(0) : x[i];  // NaN passes through, as in torch.relu
 }
 
 template <class S>
 void relu_backward(Cpu, const S* dy, const S* y, std::int64_t n, S* dx) {
 #pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) dx[i] = y[i] > S(0) ? dy[i] : S(0);
+  for (std::int64_t i = 0; i < n; ++i) dx[i] = y[i] <= S(0) ? S(0) : dy[i];
 }
 
 template <class S>
@@ -98,7 +98,7 @@ void add_relu_forward(Cpu, const S* a, const S* b, std::int64_t n, S* y) {
 #pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
   for (std::int64_t i = 0; i < n; ++i) {
     const S s = a[i] + b[i];
-    y[i] = s > S(0) ? s : S(0);
+    y[i] = s < S(0) ? S(0) : s;
   }
 }
 

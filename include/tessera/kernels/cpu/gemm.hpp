@@ -13,11 +13,19 @@
 // runs on the calling thread. Do not compile with EIGEN_USE_BLAS: Eigen would then route this call
 // to the system BLAS, whose own threads fight the OpenMP team (measured here: Eigen's kernel with
 // these buffers is as fast as Debian's OpenBLAS on 2 cores).
+//
+// With TESSERA_COMPILED_KERNELS (kernels/cpu/compiled.hpp) only the declaration below is visible:
+// the float and double instances come from src/kernels_cpu.cpp, and Eigen is not parsed here.
 #pragma once
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+
+#include "tessera/kernels/cpu/compiled.hpp"
+#if !TESSERA_CPU_KERNELS_EXTERN
+#include <Eigen/Core>
+#endif
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -28,6 +36,15 @@
 
 namespace tessera {
 
+// The scalars the CPU matrix product is built for.
+template <class S>
+concept GemmScalar = std::is_same_v<S, float> || std::is_same_v<S, double>;
+
+#if TESSERA_CPU_KERNELS_EXTERN
+template <GemmScalar S>
+void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
+          std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc);
+#else
 namespace detail {
 
 // Eigen's blocking descriptor pointing at caller-owned packing buffers.
@@ -85,7 +102,7 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
 
 }  // namespace detail
 
-template <class S>
+template <GemmScalar S>
 void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
           std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
@@ -133,5 +150,11 @@ void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
   }
 #endif
 }
+#endif  // TESSERA_CPU_KERNELS_EXTERN
+
+#define TESSERA_CPU_GEMM_INSTANCES(PREFIX, S)                                                                   \
+  PREFIX template void gemm<S>(Cpu, bool, bool, std::int64_t, std::int64_t, std::int64_t, S, const S*, std::int64_t, \
+                               const S*, std::int64_t, S, S*, std::int64_t);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_GEMM_INSTANCES)
 
 }  // namespace tessera

@@ -17,6 +17,7 @@
 
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera {
 
@@ -171,5 +172,16 @@ void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, cons
 #pragma omp parallel for schedule(static) if (planes * plane > detail::kPoolParallelGrain)
   for (std::int64_t p = 0; p < planes; ++p) std::fill(dx + p * plane, dx + (p + 1) * plane, dy[p] * scale);
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
+#define TESSERA_CPU_POOL_INSTANCES(PREFIX, S)                                                                       \
+  PREFIX template void max_pool2d_forward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*, S*, std::int32_t*); \
+  PREFIX template void max_pool2d_backward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*,                    \
+                                              const std::int32_t*, S*);                                              \
+  PREFIX template void avg_pool2d_forward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*, S*);                \
+  PREFIX template void avg_pool2d_backward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*, S*);               \
+  PREFIX template void global_avg_pool_forward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);                    \
+  PREFIX template void global_avg_pool_backward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_POOL_INSTANCES)
 
 }  // namespace tessera

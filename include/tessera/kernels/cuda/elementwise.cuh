@@ -26,11 +26,11 @@ __global__ void fill_kernel(S* p, std::int64_t n, S value) {
 }
 template <class S>
 __global__ void relu_forward_kernel(const S* x, std::int64_t n, S* y) {
-  TESSERA_CUDA_FOR(i, n) y[i] = x[i] > S(0) ? x[i] : S(0);
+  TESSERA_CUDA_FOR(i, n) y[i] = x[i] < S(0) ? S(0) : x[i];  // NaN passes through, as in torch.relu
 }
 template <class S>
 __global__ void relu_backward_kernel(const S* dy, const S* y, std::int64_t n, S* dx) {
-  TESSERA_CUDA_FOR(i, n) dx[i] = y[i] > S(0) ? dy[i] : S(0);
+  TESSERA_CUDA_FOR(i, n) dx[i] = y[i] <= S(0) ? S(0) : dy[i];
 }
 // y = x Phi(x) = x (1 + erf(x / sqrt 2)) / 2;  dy/dx = Phi(x) + x phi(x).
 template <class S>
@@ -58,7 +58,7 @@ template <class S>
 __global__ void add_relu_forward_kernel(const S* a, const S* b, std::int64_t n, S* y) {
   TESSERA_CUDA_FOR(i, n) {
     const S s = a[i] + b[i];
-    y[i] = s > S(0) ? s : S(0);
+    y[i] = s < S(0) ? S(0) : s;
   }
 }
 

@@ -302,7 +302,7 @@ class NcclComm {
   }
   template <CommScalar T>
   Work all_gather_async(std::span<const T> in, std::span<T> out) {
-    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), ArgumentError, "NcclComm all_gather on rank ",
+    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), CommError, "NcclComm all_gather on rank ",
                   rank(), ": output holds ", out.size(), " elements, expected ", size(), " x ", in.size());
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
       return through_device<T>(in, out, [&](std::span<const T> a, std::span<T> b, auto) { return all_gather_async(a, b); });
@@ -313,7 +313,7 @@ class NcclComm {
   }
   template <CommScalar T>
   Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op) {
-    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size()), ArgumentError,
+    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size()), CommError,
                   "NcclComm reduce_scatter on rank ", rank(), ": input holds ", in.size(), " elements, expected ", size(),
                   " x ", out.size());
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))

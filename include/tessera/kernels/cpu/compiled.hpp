@@ -1,0 +1,25 @@
+// Compiled CPU kernels: the float and double instances of the heavy CPU kernels (gemm, conv2d,
+// batch norm, pooling) compiled once, in src/kernels_cpu.cpp, instead of in every translation
+// unit that includes a layer.
+//
+// Tessera stays header-only: without TESSERA_COMPILED_KERNELS every kernel is an ordinary
+// template, instantiated where it is used. The meson build defines TESSERA_COMPILED_KERNELS on
+// tessera_dep (option compiled_kernels, default on) and links the library tessera_kernels, which
+// defines TESSERA_COMPILING_KERNELS and instantiates each kernel header's list. A user translation
+// unit then still parses the kernel bodies but generates no code for them, and does not parse
+// Eigen at all (gemm's body is hidden): on ResNet-50's example that is about a quarter of its
+// compile time (bench/compile.py).
+//
+// A kernel header lists its instances once, as a macro over (PREFIX, S), and ends with
+// TESSERA_CPU_KERNEL_INSTANCES(list): `extern` declarations in compiled mode, nothing otherwise.
+// Other scalar types (none today) would be instantiated implicitly as before, except gemm, whose
+// body is not visible in compiled mode and which therefore only takes float and double.
+#pragma once
+
+#if defined(TESSERA_COMPILED_KERNELS) && !defined(TESSERA_COMPILING_KERNELS)
+#define TESSERA_CPU_KERNELS_EXTERN 1
+#define TESSERA_CPU_KERNEL_INSTANCES(LIST) LIST(extern, float) LIST(extern, double)
+#else
+#define TESSERA_CPU_KERNELS_EXTERN 0
+#define TESSERA_CPU_KERNEL_INSTANCES(LIST)
+#endif
