@@ -279,6 +279,11 @@ TEST_CASE("MseLoss by hand and errors", "[losses][mse]") {
   CHECK_THROWS_AS(mean.forward(y, Tensor<double>({4}, 0.0), c), ShapeError);
   CHECK_THROWS_WITH(mean.forward(y, Tensor<double>({2, 3}, 0.0), c),
                     Catch::Contains("(2, 2)") && Catch::Contains("(2, 3)"));
+  // No elements: the mean is NaN and the sum 0, as torch.nn.MSELoss gives.
+  const Tensor<double> none({0, 2});
+  CHECK(std::isnan(mean.forward(none, none, c)));
+  CHECK(mean.backward(c).numel() == 0);
+  CHECK(sum.forward(none, none, c) == 0.0);
 }
 
 TEST_CASE("MseLoss matches PyTorch (float64 and float32)", "[losses][mse][reference]") {

@@ -56,7 +56,7 @@ class BatchNorm2d {
   explicit BatchNorm2d(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1)
       : channels_(num_features), eps_(eps), momentum_(momentum) {
     TESSERA_CHECK(num_features > 0, ArgumentError, "BatchNorm2d: num_features=", num_features, " must be positive");
-    TESSERA_CHECK(eps > 0, ArgumentError, "BatchNorm2d(", num_features, "): eps=", eps, " must be positive");
+    TESSERA_CHECK(eps >= 0, ArgumentError, "BatchNorm2d(", num_features, "): eps=", eps, " must be >= 0");
     TESSERA_CHECK(momentum >= 0 && momentum <= 1, ArgumentError, "BatchNorm2d(", num_features,
                   "): momentum=", momentum, " must lie in [0, 1]");
     weight_ = Parameter<S, D>({num_features}, ParamKind::Norm);

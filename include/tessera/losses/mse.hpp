@@ -38,7 +38,8 @@ class MseLoss {
     const std::int64_t n = y.numel();
     c.diff.resize(y.shape());
     const double total = squared_error_forward(D{}, y.data(), target.data(), n, c.diff.data());
-    return static_cast<S>(reduction_ == Reduction::Mean && n > 0 ? total / static_cast<double>(n) : total);
+    // Mean of no elements is 0 / 0 = NaN, as torch.nn.MSELoss gives (Sum of none is 0).
+    return static_cast<S>(reduction_ == Reduction::Mean ? total / static_cast<double>(n) : total);
   }
 
   const Tensor& backward(Cache& c) {
