@@ -68,8 +68,10 @@ struct OptimParam {
   bool decay;
 };
 
-// The parameters of `named` in visiting order with their decay mask. Requires a non-empty list of
-// distinct parameters (torch.optim raises on both) whose grad has the value's shape.
+// The parameters of `named` in visiting order with their decay mask. Requires a non-empty list
+// (torch.optim raises on an empty one) of distinct parameters (torch only warns about a duplicate
+// within one group, and then updates it twice per step; here it is an error) whose grad has the
+// value's shape.
 template <class E, class S = typename E::Scalar, class D = typename E::Device>
 std::vector<OptimParam<S, D>> optim_params(const NamedTensors<E>& named, bool decay_norm_and_bias,
                                            const char* optimizer) {
