@@ -37,7 +37,7 @@ using Outputs = std::map<std::string, std::vector<double>>;
 // Every case, in the order they run. Dropout is not here: its masks come from different random
 // streams on the two devices; tests/cuda/layer_equivalence_cuda.cu checks its distribution.
 inline constexpr std::string_view kEquivalenceCases[] = {
-    "linear", "linear_no_bias", "relu", "gelu", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
+    "linear", "linear_no_bias", "relu", "gelu", "gelu_tanh", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
     "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",
     "global_avg_pool", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "cross_entropy",
     "cross_entropy_smoothing", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
@@ -125,6 +125,10 @@ Outputs run_equivalence_case(std::string_view name) {
   }
   if (name == "gelu") {
     GELU<E> layer;
+    return layer_outputs(layer, {4, 1000}, 2);
+  }
+  if (name == "gelu_tanh") {  // a stateful kernel-provider op (GeluOp's approximation)
+    GELU<E> layer({.approximate = GeluApproximate::Tanh});
     return layer_outputs(layer, {4, 1000}, 2);
   }
   if (name == "leaky_relu") {  // a stateful per-element op through the generic map kernels

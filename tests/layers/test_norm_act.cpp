@@ -305,6 +305,10 @@ TEST_CASE("ReLU and GELU gradients (float64)", "[layers][activation]") {
     GELU<E64> gelu;
     testing::check_gradients(gelu, x, rng);
   }
+  SECTION("GELU, tanh form") {
+    GELU<E64> gelu({.approximate = GeluApproximate::Tanh});
+    testing::check_gradients(gelu, x, rng);
+  }
   SECTION("LeakyReLU, default and configured slope") {
     LeakyReLU<E64> leaky;
     testing::check_gradients(leaky, x, rng);
@@ -416,6 +420,29 @@ TEST_CASE("GELU matches PyTorch (float64 and float32)", "[layers][activation][re
     expect_matches(gelu.forward(x, c), "gelu.y");
     expect_matches(gelu.backward(load<float>("gelu.g"), c), "gelu.dx");
   }
+}
+
+TEST_CASE("GELU with approximate=tanh matches PyTorch (float64 and float32)", "[layers][activation][reference]") {
+  REQUIRE(reference().metadata().at("gelu_tanh") == "shape=4x50 approximate=tanh");
+  {
+    GELU<E64> gelu({.approximate = GeluApproximate::Tanh});
+    GELU<E64>::Cache c;
+    const T64 x = load<double>("gelu_tanh.x");
+    expect_matches(gelu.forward(x, c), "gelu_tanh.y");
+    expect_matches(gelu.backward(load<double>("gelu_tanh.g"), c), "gelu_tanh.dx");
+  }
+  {
+    GELU<E32> gelu({.approximate = GeluApproximate::Tanh});
+    GELU<E32>::Cache c;
+    const Tensor<float> x = load<float>("gelu_tanh.x");
+    expect_matches(gelu.forward(x, c), "gelu_tanh.y");
+    expect_matches(gelu.backward(load<float>("gelu_tanh.g"), c), "gelu_tanh.dx");
+  }
+  // The two forms differ by up to ~1e-3 around |x| = 2: the option really switches the formula.
+  GELU<E64> exact, tanh_form({.approximate = GeluApproximate::Tanh});
+  GELU<E64>::Cache ce, ct;
+  const T64 x = T64::from({1}, {2.0});
+  CHECK(std::abs(exact.forward(x, ce)[0] - tanh_form.forward(x, ct)[0]) > 1e-5);
 }
 
 TEST_CASE("Dropout gradient with a fixed mask (float64)", "[layers][dropout]") {

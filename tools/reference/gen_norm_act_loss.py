@@ -10,6 +10,7 @@ Writes tests/data/norm_act_loss.safetensors, everything in float64:
     .running_var2); eval cases take .running_mean, .running_var as inputs.
   GELU: gelu.x, gelu.g, gelu.y, gelu.dx.
   LeakyReLU (negative_slope 0.2): leaky_relu.x, leaky_relu.g, leaky_relu.y, leaky_relu.dx.
+  GELU, tanh form (approximate='tanh'): gelu_tanh.x, gelu_tanh.g, gelu_tanh.y, gelu_tanh.dx.
   CrossEntropyLoss (ce_*): <case>.logits, .labels (int64), .loss (scalar), .dlogits.
   MseLoss (mse_*): <case>.y, .target, .loss (scalar), .dy.
   <case>.torch_f32_err.<t>: PyTorch's own float32 error on tensor t, ||t32 - t64|| / ||t64||, from
@@ -95,9 +96,9 @@ def run_bn(c, inputs, dtype):
     return out
 
 
-def run_gelu(inputs, dtype):
+def run_gelu(inputs, dtype, approximate="none"):
     x = inputs["x"].to(dtype).clone().requires_grad_()
-    y = torch.nn.functional.gelu(x)  # approximate='none': the exact erf form
+    y = torch.nn.functional.gelu(x, approximate=approximate)  # 'none': the exact erf form
     y.backward(inputs["g"].to(dtype))
     return {"y": y.detach(), "dx": x.grad}
 
@@ -186,6 +187,12 @@ def main():
     inputs = {"x": x, "g": torch.randn(3, 40, dtype=d)}
     add_case(tensors, "leaky_relu", inputs, lambda dt, i=inputs: run_leaky_relu(i, dt, 0.2))
     metadata["leaky_relu"] = "shape=3x40 negative_slope=0.2"
+
+    # Appended last for the same reason.
+    x = torch.cat([torch.linspace(-9.0, 9.0, 121, dtype=d), torch.randn(79, dtype=d) * 2.0]).reshape(4, 50)
+    inputs = {"x": x, "g": torch.randn(4, 50, dtype=d)}
+    add_case(tensors, "gelu_tanh", inputs, lambda dt, i=inputs: run_gelu(i, dt, "tanh"))
+    metadata["gelu_tanh"] = "shape=4x50 approximate=tanh"
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tests", "data", "norm_act_loss.safetensors")

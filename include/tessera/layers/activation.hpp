@@ -2,12 +2,16 @@
 //
 //   ReLU:  y = max(x, 0)                                  dx = dy * (y > 0)
 //   GELU:  y = 0.5 x (1 + erf(x / sqrt 2))   (exact)      dx = dy (Phi(x) + x phi(x))
+//          tanh form (approximate = Tanh, torch's approximate='tanh'):
+//          y = 0.5 x (1 + t), t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3)
+//          dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
 //   LeakyReLU: y = x if x > 0 else slope x                dx = dy (x > 0 ? 1 : slope)
 //
 // None works in place: y is a new tensor in the cache, so the input (often a BatchNorm output
 // that the BatchNorm backward still needs) stays intact. No parameters.
 #pragma once
 
+#include <cmath>
 #include <concepts>
 #include <string>
 
@@ -24,8 +28,9 @@ namespace tessera {
 //        static constexpr const char* name;
 //        template <class S> TESSERA_HOST_DEVICE S value(S x) const;            // f(x)
 //        template <class S> TESSERA_HOST_DEVICE S derivative(S x, S y) const;  // f'(x), y = f(x)
-//  - a kernel provider, for activations with hand-written kernels (ReLU, GELU):
-//        static void forward(D, x, n, y);   static void backward(D, dy, x, y, n, dx);
+//  - a kernel provider, for activations with hand-written kernels (ReLU, GELU), possibly with
+//    state too (GELU's approximation):
+//        void forward(D, x, n, y) const;   void backward(D, dy, x, y, n, dx) const;   (or static)
 // Pointwise<E, Op>(op) keeps a copy of op.
 template <class E, class Op>
 class Pointwise : public ParameterFree {
@@ -50,7 +55,7 @@ class Pointwise : public ParameterFree {
     c.x = &x;
     c.y.resize(x.shape());
     if constexpr (kPerElement) map_forward(D{}, op_, x.data(), x.numel(), c.y.data());
-    else Op::forward(D{}, x.data(), x.numel(), c.y.data());
+    else op_.forward(D{}, x.data(), x.numel(), c.y.data());
     return c.y;
   }
 
@@ -61,7 +66,7 @@ class Pointwise : public ParameterFree {
     if (needs_input_grad_) {
       c.dx.resize(dy.shape());
       if constexpr (kPerElement) map_backward(D{}, op_, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
-      else Op::backward(D{}, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
+      else op_.backward(D{}, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
     }
     return c.dx;
   }
@@ -102,15 +107,42 @@ struct ReluOp {
   }
 };
 
+// torch.nn.GELU(approximate='none' | 'tanh').
+enum class GeluApproximate { None, Tanh };
+
+namespace detail {
+// The tanh form per element, for the generic map kernels (formulas at the top of this file).
+struct GeluTanhMath {
+  template <class S>
+  TESSERA_HOST_DEVICE S value(S x) const {
+    using std::tanh;  // tanh(float) in float, as torch computes it (the C tanh would use double)
+    const S k = S(0.7978845608028654);  // sqrt(2 / pi)
+    return S(0.5) * x * (S(1) + tanh(k * (x + S(0.044715) * x * x * x)));
+  }
+  template <class S>
+  TESSERA_HOST_DEVICE S derivative(S x, S) const {
+    using std::tanh;
+    const S k = S(0.7978845608028654);
+    const S t = tanh(k * (x + S(0.044715) * x * x * x));
+    return S(0.5) * (S(1) + t) + S(0.5) * x * (S(1) - t * t) * k * (S(1) + S(3 * 0.044715) * x * x);
+  }
+};
+}  // namespace detail
+
+// GELU<E>() is the exact erf form (torch's default); GELU<E>({.approximate = GeluApproximate::Tanh})
+// the tanh form.
 struct GeluOp {
   static constexpr const char* name = "GELU";
+  GeluApproximate approximate = GeluApproximate::None;
   template <class Dev, class S>
-  static void forward(Dev d, const S* x, std::int64_t n, S* y) {
-    gelu_forward(d, x, n, y);
+  void forward(Dev d, const S* x, std::int64_t n, S* y) const {
+    if (approximate == GeluApproximate::Tanh) map_forward(d, detail::GeluTanhMath{}, x, n, y);
+    else gelu_forward(d, x, n, y);
   }
   template <class Dev, class S>
-  static void backward(Dev d, const S* dy, const S* x, const S* /*y*/, std::int64_t n, S* dx) {
-    gelu_backward(d, dy, x, n, dx);
+  void backward(Dev d, const S* dy, const S* x, const S* y, std::int64_t n, S* dx) const {
+    if (approximate == GeluApproximate::Tanh) map_backward(d, detail::GeluTanhMath{}, dy, x, y, n, dx);
+    else gelu_backward(d, dy, x, n, dx);
   }
 };
 
