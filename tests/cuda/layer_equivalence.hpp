@@ -21,8 +21,10 @@
 #include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
 #include "tessera/layers/pool.hpp"
+#include "tessera/layers/softmax.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/losses/mse.hpp"
+#include "tessera/losses/nll.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"
 #include "tessera/optim/adam.hpp"
@@ -40,7 +42,8 @@ inline constexpr std::string_view kEquivalenceCases[] = {
     "linear", "linear_no_bias", "relu", "gelu", "gelu_tanh", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
     "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",
     "global_avg_pool", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "cross_entropy",
-    "cross_entropy_smoothing", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
+    "cross_entropy_smoothing", "cross_entropy_ignore", "nll", "softmax_channels", "log_softmax_last",
+    "linear_rank3", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
 };
 
 template <class S, class D>
@@ -103,12 +106,24 @@ Outputs loss_outputs(std::string_view name) {
     const double value = loss.forward(y, t, cache);
     return {{"loss", {value}}, {"dy", host_values(loss.backward(cache))}};
   }
-  CrossEntropyLoss<E> loss(Reduction::Mean, name == "cross_entropy_smoothing" ? 0.1 : 0.0);
-  typename CrossEntropyLoss<E>::Cache cache;
   const auto logits = seeded<S, D>({7, 300}, rng, 3.0);  // 300 classes: more than one block's threads
+  if (name == "nll") {  // on log-probabilities from the device's own log-softmax, two rows ignored
+    LogSoftmax<E> log_softmax(1);
+    typename LogSoftmax<E>::Cache lc;
+    NLLLoss<E> loss(Reduction::Mean);
+    typename NLLLoss<E>::Cache cache;
+    const std::vector<std::int64_t> labels{0, -100, 17, 150, -100, 3, 256};
+    const double value = loss.forward(log_softmax.forward(logits, lc), labels, cache);
+    return {{"loss", {value}}, {"dlogits", host_values(log_softmax.backward(loss.backward(cache), lc))}};
+  }
+  const bool ignore = name == "cross_entropy_ignore";
+  CrossEntropyLoss<E> loss(ignore ? Reduction::Sum : Reduction::Mean, name == "cross_entropy" ? 0.0 : 0.1);
+  typename CrossEntropyLoss<E>::Cache cache;
   std::vector<std::int64_t> labels{0, 299, 17, 150, 3, 3, 256};
+  if (ignore) labels[1] = labels[4] = -100;
   const double value = loss.forward(logits, labels, cache);
   return {{"loss", {value}}, {"dlogits", host_values(loss.backward(cache))},
+          {"log_probs", host_values(cache.log_probs)},
           {"correct", {static_cast<double>(count_correct(logits, labels))}}};
 }
 
@@ -118,6 +133,18 @@ Outputs run_equivalence_case(std::string_view name) {
   if (name == "linear" || name == "linear_no_bias") {
     Linear<E> layer(37, 19, init, name == "linear");
     return layer_outputs(layer, {9, 37}, 1);
+  }
+  if (name == "linear_rank3") {  // (B, T, in): the leading dimensions are rows
+    Linear<E> layer(37, 19, init);
+    return layer_outputs(layer, {2, 5, 37}, 1);
+  }
+  if (name == "softmax_channels") {  // along dim 1 of (N, C, H, W): strided rows
+    Softmax<E> layer(1);
+    return layer_outputs(layer, {3, 5, 4, 6}, 24);
+  }
+  if (name == "log_softmax_last") {  // rows longer than a block
+    LogSoftmax<E> layer(-1);
+    return layer_outputs(layer, {6, 300}, 25);
   }
   if (name == "relu") {
     ReLU<E> layer;
@@ -191,7 +218,9 @@ Outputs run_equivalence_case(std::string_view name) {
     Mlp<E> model(3 * 8 * 8, {64, 32}, 10, 9);
     return layer_outputs(model, {5, 3, 8, 8}, 6);
   }
-  if (name == "cross_entropy" || name == "cross_entropy_smoothing" || name == "mse") return loss_outputs<E>(name);
+  if (name == "cross_entropy" || name == "cross_entropy_smoothing" || name == "cross_entropy_ignore" ||
+      name == "nll" || name == "mse")
+    return loss_outputs<E>(name);
   if (name == "sgd_nesterov")
     return optimizer_outputs<E, Sgd<E>>(SgdOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-2, .nesterov = true});
   if (name == "adam") return optimizer_outputs<E, Adam<E>>(AdamOptions{.lr = 1e-2, .weight_decay = 1e-2});

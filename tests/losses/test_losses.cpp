@@ -162,7 +162,7 @@ TEST_CASE("CrossEntropyLoss by hand: uniform logits, probabilities, Mean vs Sum"
   CrossEntropyLoss<E64> mean;
   CrossEntropyLoss<E64>::Cache c;
   CHECK(mean.forward(zeros, labels, c) == Approx(std::log(4.0)).epsilon(1e-15));
-  for (std::int64_t i = 0; i < 8; ++i) CHECK(c.probs[i] == Approx(0.25).epsilon(1e-15));
+  for (std::int64_t i = 0; i < 8; ++i) CHECK(c.log_probs[i] == Approx(std::log(0.25)).epsilon(1e-15));
   const T64& g = mean.backward(c);
   CHECK(g.at(0, 1) == Approx((0.25 - 1.0) / 2).epsilon(1e-15));
   CHECK(g.at(0, 0) == Approx(0.25 / 2).epsilon(1e-15));

@@ -11,7 +11,11 @@ Writes tests/data/norm_act_loss.safetensors, everything in float64:
   GELU: gelu.x, gelu.g, gelu.y, gelu.dx.
   LeakyReLU (negative_slope 0.2): leaky_relu.x, leaky_relu.g, leaky_relu.y, leaky_relu.dx.
   GELU, tanh form (approximate='tanh'): gelu_tanh.x, gelu_tanh.g, gelu_tanh.y, gelu_tanh.dx.
-  CrossEntropyLoss (ce_*): <case>.logits, .labels (int64), .loss (scalar), .dlogits.
+  CrossEntropyLoss (ce_*): <case>.logits, .labels (int64), .loss (scalar), .dlogits; the ce_ignore_*
+    cases have labels equal to ignore_index, and also .log_probs (torch.log_softmax of the logits).
+  Softmax / LogSoftmax (softmax_*, log_softmax_*): <case>.x, .g, .y, .dx.
+  NLLLoss (nll_*): <case>.log_probs, .labels, .loss, .dlog_probs.
+  Linear over any rank (linear_*): <case>.x, .weight, .bias, .g, .y, .dx, .dweight, .dbias.
   MseLoss (mse_*): <case>.y, .target, .loss (scalar), .dy.
   <case>.torch_f32_err.<t>: PyTorch's own float32 error on tensor t, ||t32 - t64|| / ||t64||, from
     which the C++ tests derive their float32 tolerances.
@@ -49,6 +53,36 @@ MSES = {
 }
 
 
+# name: (N, C, reduction, label_smoothing, ignore_index, rows ignored)
+CE_IGNORES = {
+    "ce_ignore_mean": (7, 5, "mean", 0.0, -100, 2),
+    "ce_ignore_sum_ls": (6, 4, "sum", 0.2, -100, 3),
+    "ce_ignore_mean_ls_index2": (8, 5, "mean", 0.1, 2, 0),
+    "ce_ignore_all": (3, 4, "mean", 0.0, -100, 3),
+}
+# name: (N, C, reduction, ignore_index, rows ignored)
+NLLS = {
+    "nll_mean": (7, 5, "mean", -100, 0),
+    "nll_sum": (6, 4, "sum", -100, 0),
+    "nll_mean_ignore": (9, 6, "mean", -100, 3),
+    "nll_sum_ignore_index1": (8, 3, "sum", 1, 0),
+}
+# name: (shape, dim, logit offset)
+SOFTMAXES = {
+    "softmax_2d_last": ((5, 7), -1, 0.0),
+    "softmax_3d_middle": ((3, 4, 5), 1, 0.0),
+    "softmax_4d_first": ((3, 2, 3, 2), 0, 0.0),
+    "softmax_1d": ((9,), 0, 0.0),
+    "softmax_large": ((4, 6), 1, 700.0),
+}
+# name: (input shape, in, out, bias)
+LINEARS = {
+    "linear_rank3": ((2, 3, 5), 5, 4, True),
+    "linear_rank1": ((6,), 6, 3, True),
+    "linear_rank4_nobias": ((2, 2, 3, 4), 4, 5, False),
+}
+
+
 def bn_config(c):
     shape, mode, eps, momentum = c
     return f"shape={'x'.join(map(str, shape))} mode={mode} eps={eps:g} momentum={momentum:g}"
@@ -62,6 +96,27 @@ def ce_config(c):
 def mse_config(c):
     shape, reduction = c
     return f"shape={'x'.join(map(str, shape))} reduction={reduction}"
+
+
+def ce_ignore_config(c):
+    n, classes, reduction, smoothing, ignore_index, ignored = c
+    return (f"N={n} C={classes} reduction={reduction} label_smoothing={smoothing:g} "
+            f"ignore_index={ignore_index} ignored={ignored}")
+
+
+def nll_config(c):
+    n, classes, reduction, ignore_index, ignored = c
+    return f"N={n} C={classes} reduction={reduction} ignore_index={ignore_index} ignored={ignored}"
+
+
+def softmax_config(c):
+    shape, dim, offset = c
+    return f"shape={'x'.join(map(str, shape))} dim={dim} offset={offset:g}"
+
+
+def linear_config(c):
+    shape, fan_in, fan_out, bias = c
+    return f"shape={'x'.join(map(str, shape))} in={fan_in} out={fan_out} bias={int(bias)}"
 
 
 def rel_err(a, b):
@@ -116,6 +171,48 @@ def run_ce(c, inputs, dtype):
     loss = torch.nn.CrossEntropyLoss(reduction=reduction, label_smoothing=smoothing)(logits, inputs["labels"])
     loss.backward()
     return {"loss": loss.detach(), "dlogits": logits.grad}
+
+
+def run_ce_ignore(c, inputs, dtype):
+    n, classes, reduction, smoothing, ignore_index, ignored = c
+    logits = inputs["logits"].to(dtype).clone().requires_grad_()
+    loss = torch.nn.CrossEntropyLoss(reduction=reduction, label_smoothing=smoothing,
+                                     ignore_index=ignore_index)(logits, inputs["labels"])
+    loss.backward()
+    return {"loss": loss.detach(), "dlogits": logits.grad,
+            "log_probs": torch.log_softmax(inputs["logits"].to(dtype), 1)}
+
+
+def run_nll(c, inputs, dtype):
+    n, classes, reduction, ignore_index, ignored = c
+    logp = inputs["log_probs"].to(dtype).clone().requires_grad_()
+    loss = torch.nn.NLLLoss(reduction=reduction, ignore_index=ignore_index)(logp, inputs["labels"])
+    loss.backward()
+    return {"loss": loss.detach(), "dlog_probs": logp.grad}
+
+
+def run_softmax(c, inputs, dtype, log):
+    shape, dim, offset = c
+    x = inputs["x"].to(dtype).clone().requires_grad_()
+    y = (torch.nn.LogSoftmax(dim) if log else torch.nn.Softmax(dim))(x)
+    y.backward(inputs["g"].to(dtype))
+    return {"y": y.detach(), "dx": x.grad}
+
+
+def run_linear(c, inputs, dtype):
+    shape, fan_in, fan_out, bias = c
+    lin = torch.nn.Linear(fan_in, fan_out, bias=bias).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(inputs["weight"])
+        if bias:
+            lin.bias.copy_(inputs["bias"])
+    x = inputs["x"].to(dtype).clone().requires_grad_()
+    y = lin(x)
+    y.backward(inputs["g"].to(dtype))
+    out = {"y": y.detach(), "dx": x.grad, "dweight": lin.weight.grad}
+    if bias:
+        out["dbias"] = lin.bias.grad
+    return out
 
 
 def run_mse(c, inputs, dtype):
@@ -193,6 +290,38 @@ def main():
     inputs = {"x": x, "g": torch.randn(4, 50, dtype=d)}
     add_case(tensors, "gelu_tanh", inputs, lambda dt, i=inputs: run_gelu(i, dt, "tanh"))
     metadata["gelu_tanh"] = "shape=4x50 approximate=tanh"
+
+    # Softmax, NLL, cross-entropy with ignore_index and Linear over any rank: appended last too.
+    for name, c in CE_IGNORES.items():
+        n, classes, reduction, smoothing, ignore_index, ignored = c
+        labels = torch.randint(0, classes, (n,), dtype=torch.int64)
+        labels[torch.randperm(n)[:ignored]] = ignore_index
+        inputs = {"logits": torch.randn(n, classes, dtype=d) * 3.0, "labels": labels}
+        add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_ce_ignore(c, i, dt))
+        metadata[name] = ce_ignore_config(c)
+    for name, c in NLLS.items():
+        n, classes, reduction, ignore_index, ignored = c
+        labels = torch.randint(0, classes, (n,), dtype=torch.int64)
+        labels[torch.randperm(n)[:ignored]] = ignore_index
+        inputs = {"log_probs": torch.log_softmax(torch.randn(n, classes, dtype=d) * 2.0, 1), "labels": labels}
+        add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_nll(c, i, dt))
+        metadata[name] = nll_config(c)
+    for log in (False, True):
+        for name, c in SOFTMAXES.items():
+            shape, dim, offset = c
+            case = ("log_" if log else "") + name
+            inputs = {"x": torch.randn(shape, dtype=d) * 3.0 + offset, "g": torch.randn(shape, dtype=d)}
+            add_case(tensors, case, inputs, lambda dt, c=c, i=inputs, log=log: run_softmax(c, i, dt, log))
+            metadata[case] = softmax_config(c)
+    for name, c in LINEARS.items():
+        shape, fan_in, fan_out, bias = c
+        out_shape = shape[:-1] + (fan_out,)
+        inputs = {"x": torch.randn(shape, dtype=d), "weight": torch.randn(fan_out, fan_in, dtype=d) * 0.5,
+                  "g": torch.randn(out_shape, dtype=d)}
+        if bias:
+            inputs["bias"] = torch.randn(fan_out, dtype=d)
+        add_case(tensors, name, inputs, lambda dt, c=c, i=inputs: run_linear(c, i, dt))
+        metadata[name] = linear_config(c)
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tests", "data", "norm_act_loss.safetensors")

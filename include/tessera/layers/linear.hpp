@@ -1,6 +1,9 @@
-// Linear: y = x W^T + b   x (N, in) -> y (N, out);  W (out, in), b (out).
+// Linear: y = x W^T + b   x (*, in) -> y (*, out);  W (out, in), b (out).
+// As torch.nn.Linear, the input may have any rank >= 1: the map applies to the last dimension, and
+// the leading dimensions (*) are flattened into N rows (x (B, T, in) is N = B T rows; a vector
+// x (in) gives y (out)). Below, N is that row count.
 //
-// Backward (dy (N, out)):
+// Backward (dy (*, out), seen as (N, out)):
 //   dW += dy^T x   (out, in)      db += sum_n dy   (out)      dx = dy W   (N, in)
 // The input is not copied: the cache keeps a pointer to it, so the caller keeps x alive until
 // backward (Sequential does: x is the previous layer's cached output).
@@ -52,11 +55,13 @@ class Linear {
   }
 
   const Tensor& forward(const Tensor& x, Cache& c) {
-    TESSERA_CHECK(x.rank() == 2 && x.dim(1) == in_, ShapeError, "Linear(", in_, ", ", out_,
-                  "): expected input (N, ", in_, "), got ", x.shape());
-    const auto n = x.dim(0);
+    TESSERA_CHECK(x.rank() >= 1 && x.shape().dim(-1) == in_, ShapeError, "Linear(", in_, ", ", out_,
+                  "): expected input (*, ", in_, ") (the last dimension is in_features), got ", x.shape());
+    const auto n = x.numel() / in_;
     c.x = &x;
-    c.y.resize({n, out_});
+    Shape y_shape = x.shape();
+    y_shape[y_shape.rank() - 1] = out_;
+    c.y.resize(y_shape);
     if (has_bias_) broadcast_rows(D{}, bias_.value.data(), n, out_, c.y.data());
     gemm(D{}, false, true, n, out_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
          c.y.data(), out_);  // (N, in) x (in, out)
@@ -66,14 +71,15 @@ class Linear {
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, "Linear::backward called before forward on this cache");
     const Tensor& x = *c.x;
-    const auto n = x.dim(0);
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Linear(", in_, ", ", out_, ")::backward: dy ",
                   dy.shape(), " does not match output ", c.y.shape());
-    TESSERA_CHECK(x.rank() == 2 && x.dim(0) == n && c.y.dim(0) == n, ShapeError, "Linear(", in_, ", ", out_,
-                  ")::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
+    const auto n = c.y.numel() / out_;
+    TESSERA_CHECK(x.rank() == c.y.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
+                  in_, ", ", out_, ")::backward: the input changed shape to ", x.shape(),
+                  " since forward (keep it alive and unchanged)");
     detail::linear_parameter_grads(dy.data(), x.data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);
     if (needs_input_grad_) {
-      c.dx.resize({n, in_});
+      c.dx.resize(x.shape());
       gemm(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
     }
     return c.dx;

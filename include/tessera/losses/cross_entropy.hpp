@@ -1,11 +1,15 @@
 // CrossEntropyLoss: softmax cross-entropy of logits (N, C) against integer labels (N), as
-// torch.nn.CrossEntropyLoss(reduction, label_smoothing):
+// torch.nn.CrossEntropyLoss(ignore_index=-100, reduction, label_smoothing), computed as torch
+// does: log-softmax, then the negative log-likelihood against the smoothed target:
 //
-//   p_i = softmax(z_i)                                  (probs, (N, C); log-sum-exp with the max subtracted)
-//   t_i = (1 - eps) onehot(label_i) + eps / C           (target distribution; eps = label_smoothing)
-//   l_i = -sum_j t_ij log p_ij                          loss = mean_i l_i  or  sum_i l_i
-//   dL/dz_i = (p_i - t_i) / N  (Mean)  or  p_i - t_i  (Sum)                    (dlogits, (N, C))
+//   logp_i = z_i - max z_i - log sum_j exp(z_ij - max z_i)    (log_probs, (N, C); kept in the cache)
+//   t_i = (1 - eps) onehot(label_i) + eps / C                 (target distribution; eps = label_smoothing)
+//   l_i = -sum_j t_ij logp_ij                 loss = sum_i l_i / #counted (Mean)  or  sum_i l_i (Sum)
+//   dL/dz_i = (exp(logp_i) - t_i) / #counted  (Mean)  or  exp(logp_i) - t_i  (Sum)   (dlogits, (N, C))
 //
+// Rows whose label equals ignore_index add nothing and are not counted (a Mean over no counted
+// rows is NaN, as in PyTorch). The cache's log_probs are what LogSoftmax<E>(1) would return, for
+// metrics, distillation or sampling without a second pass. No class weights (torch's `weight`).
 // Not a layer: no parameters, the chain starts here. forward copies the labels into the cache,
 // so the caller's label buffer may be reused before backward. Also count_correct (top-1 hits).
 #pragma once
@@ -17,7 +21,8 @@
 #include <vector>
 
 #include "tessera/core/tensor.hpp"
-#include "tessera/kernels/loss.hpp"
+#include "tessera/kernels/softmax.hpp"
+#include "tessera/losses/nll.hpp"
 #include "tessera/losses/reduction.hpp"
 
 namespace tessera {
@@ -30,54 +35,51 @@ class CrossEntropyLoss {
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
   struct Cache {
-    Tensor probs;                      // (N, C) softmax of the logits
-    Tensor dlogits;                    // (N, C) dL/dlogits, filled by backward
+    Tensor log_probs;                         // (N, C) log-softmax of the logits
+    Tensor dlogits;                           // (N, C) dL/dlogits, filled by backward
     tessera::Tensor<std::int64_t, D> labels;  // (N) the labels, on the device (capacity kept across steps)
+    std::int64_t counted = 0;                 // rows not ignored
   };
 
-  explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean, double label_smoothing = 0.0)
-      : reduction_(reduction), smoothing_(label_smoothing) {
+  explicit CrossEntropyLoss(Reduction reduction = Reduction::Mean, double label_smoothing = 0.0,
+                            std::int64_t ignore_index = -100)
+      : reduction_(reduction), smoothing_(label_smoothing), ignore_index_(ignore_index) {
     TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, ArgumentError,
                   "CrossEntropyLoss: label_smoothing=", label_smoothing, " must lie in [0, 1]");
   }
 
   S forward(const Tensor& logits, std::span<const std::int64_t> labels, Cache& c) {
-    TESSERA_CHECK(logits.rank() == 2 && logits.dim(0) > 0 && logits.dim(1) > 0, ShapeError, name(),
-                  ": expected logits (N, C) with N, C > 0, got ", logits.shape());
+    c.counted = detail::checked_class_labels(name(), logits, labels, ignore_index_, c.labels);
     const std::int64_t n = logits.dim(0), classes = logits.dim(1);
-    TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == n, ShapeError, name(), ": logits ", logits.shape(),
-                  " need ", n, " labels, got ", labels.size());
-    for (std::size_t i = 0; i < labels.size(); ++i)
-      TESSERA_CHECK(labels[i] >= 0 && labels[i] < classes, ArgumentError, name(), ": labels[", i, "] = ", labels[i],
-                    " is out of range [0, ", classes, ")");
-    c.labels.resize({n});
-    D::copy_to_device(c.labels.data(), labels.data(), labels.size_bytes());
-    c.probs.resize(logits.shape());
-    const double total = softmax_cross_entropy_forward(D{}, logits.data(), c.labels.data(), n, classes, smoothing_,
-                                                       c.probs.data());
-    return static_cast<S>(reduction_ == Reduction::Mean ? total / static_cast<double>(n) : total);
+    c.log_probs.resize(logits.shape());
+    softmax_forward(D{}, logits.data(), n, classes, 1, /*log=*/true, c.log_probs.data());
+    const double total = nll_forward(D{}, c.log_probs.data(), c.labels.data(), n, classes, smoothing_, ignore_index_);
+    return static_cast<S>(reduction_ == Reduction::Mean ? total * detail::reduction_scale(reduction_, c.counted)
+                                                        : total);
   }
 
   const Tensor& backward(Cache& c) {
-    TESSERA_CHECK(c.probs.rank() == 2, Error, name(), "::backward called before forward on this cache");
-    const std::int64_t n = c.probs.dim(0), classes = c.probs.dim(1);
-    const double scale = reduction_ == Reduction::Mean ? 1.0 / static_cast<double>(n) : 1.0;
-    c.dlogits.resize(c.probs.shape());
-    softmax_cross_entropy_backward(D{}, c.probs.data(), c.labels.data(), n, classes, smoothing_, scale,
-                                   c.dlogits.data());
+    TESSERA_CHECK(c.log_probs.rank() == 2, Error, name(), "::backward called before forward on this cache");
+    const std::int64_t n = c.log_probs.dim(0), classes = c.log_probs.dim(1);
+    c.dlogits.resize(c.log_probs.shape());
+    nll_backward(D{}, c.log_probs.data(), c.labels.data(), n, classes, smoothing_, ignore_index_,
+                 detail::reduction_scale(reduction_, c.counted), /*through_softmax=*/true, c.dlogits.data());
     return c.dlogits;
   }
 
   Reduction reduction() const { return reduction_; }
   double label_smoothing() const { return smoothing_; }
+  std::int64_t ignore_index() const { return ignore_index_; }
 
  private:
   std::string name() const {
-    return detail::cat("CrossEntropyLoss(reduction=", to_string(reduction_), ", label_smoothing=", smoothing_, ")");
+    return detail::cat("CrossEntropyLoss(reduction=", to_string(reduction_), ", label_smoothing=", smoothing_,
+                       ", ignore_index=", ignore_index_, ")");
   }
 
   Reduction reduction_;
   double smoothing_;
+  std::int64_t ignore_index_;
 };
 
 // Number of rows whose argmax (first maximum on ties) equals the label: top-1 hits.
