@@ -1,12 +1,14 @@
 // DataParallel equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run):
 // every rank checks that its parameters equal one process training on the whole batch and are
 // bit-identical across ranks, in float64, float32, with gradient accumulation, and for ResNet-20
-// with SyncBatchNorm (BatchNorm running statistics included).
+// with SyncBatchNorm (BatchNorm running statistics included); and the parameter server's
+// synchronous mode against one process, its SSP and asynchronous modes against their bounds.
 #include <cstdio>
 #include <exception>
 
 #include "comm/program.hpp"
 #include "parallel/dp_equivalence.hpp"
+#include "parallel/ps_equivalence.hpp"
 
 int main(int argc, char** argv) {
   using namespace tessera;
@@ -23,6 +25,15 @@ int main(int argc, char** argv) {
     add("zero1 adam", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Adam, {.per_rank_batch = 4, .steps = 3}));
     add("local sgd k=1", testing::strategy_equivalence<double>(comm, testing::Strategy::LocalSgdPeriod1, {.per_rank_batch = 4, .steps = 3}));
     add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
+    // Parameter server: synchronous mode equals one process; SSP and asynchronous modes stay
+    // within their staleness bound (point-to-point polling on this backend).
+    const int servers = comm.size() >= 4 ? 2 : 1;
+    add("ps bsp", testing::ps_equivalence<double>(comm, {.num_servers = servers, .steps = 3}));
+    add("ps ssp s=1", testing::ps_staleness_bound<double>(comm, {.num_servers = servers, .per_worker_batch = 2,
+                                                                .steps = 5, .staleness_bound = 1}));
+    add("ps async", testing::ps_staleness_bound<double>(
+                        comm, {.num_servers = servers, .per_worker_batch = 2, .steps = 5,
+                               .staleness_bound = ParameterServerOptions::kAsynchronous}));
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
     std::printf("rank %d of %d (%s): data-parallel equivalence, %zu failures\n", rank, comm.size(),
                 testing::backend_name(), failures.size());

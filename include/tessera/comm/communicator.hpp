@@ -176,6 +176,12 @@ concept SplittableCommunicator = Communicator<C> && requires(C& c, int color, in
   { c.split(color, key) } -> std::same_as<C>;
 };
 
+// A communicator whose ranks are threads of one process (ThreadComm, LocalComm) says so with
+// `static constexpr bool ranks_share_memory = true;`: strategies that share memory between ranks
+// (Hogwild) need it.
+template <class C>
+concept SharedMemoryCommunicator = Communicator<C> && requires { requires C::ranks_share_memory; };
+
 // A backend writes `static_assert(check_communicator<MyComm>());` next to its definition: each
 // missing piece then fails with a sentence that says what to add.
 template <class C>

@@ -16,6 +16,7 @@ namespace tessera {
 class LocalComm {
  public:
   static constexpr const char* backend_name = "local";
+  static constexpr bool ranks_share_memory = true;  // the only rank shares memory with itself
   // launch<CpuLocal>(fn): this process is the only rank.
   template <class Fn>
   static void launch(const LaunchOptions& options, Fn&& fn) {

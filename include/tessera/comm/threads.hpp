@@ -196,7 +196,10 @@ class ThreadGroup {
     return posted;
   }
 
+  // Done, or never going to be because a rank failed: either way wait() returns at once (and
+  // throws in the second case), as torch's Work.is_completed() is true for a failed operation.
   bool recv_done(int rank, int peer, const PostedRecv& posted) {
+    if (world_->failed.load()) return true;
     std::lock_guard lock(mailbox(peer, rank).mutex);
     return posted.done;
   }
@@ -400,6 +403,8 @@ class ThreadWorld;
 class ThreadComm {
  public:
   static constexpr const char* backend_name = "threads";
+  // Every rank is a thread of one process, so ranks may share memory (Hogwild).
+  static constexpr bool ranks_share_memory = true;
   // Spawns options.ranks threads, each running fn(ThreadComm&) (see ThreadWorld::run).
   template <class Fn>
   static void launch(const LaunchOptions& options, Fn&& fn);
