@@ -21,7 +21,8 @@ namespace examples {
 struct Series {
   std::string name;
   std::array<std::uint8_t, 3> rgb;
-  std::vector<double> y;  // y[i] at x = i + 1
+  std::vector<double> y;  // y[i] at x = i + 1, or at x[i] when x is given (plot_xy_png)
+  std::vector<double> x = {};
 };
 
 class PngImage {
@@ -113,6 +114,30 @@ inline void plot_png(const std::string& path, const std::vector<Series>& series,
   for (const auto& s : series)
     for (std::size_t i = 1; i < s.y.size(); ++i)
       img.line(px(static_cast<double>(i)), py(s.y[i - 1]), px(static_cast<double>(i + 1)), py(s.y[i]), s.rgb);
+  img.write(path);
+}
+
+// Plots each series' points (x[i], y[i]) over [0, x_max] x [y_min, y_max]; grid lines every 10%
+// of both ranges.
+inline void plot_xy_png(const std::string& path, const std::vector<Series>& series, double x_max, double y_min,
+                        double y_max, int width = 800, int height = 500) {
+  PngImage img(width, height);
+  const int left = 40, right = width - 20, top = 20, bottom = height - 40;
+  auto px = [&](double x) { return left + static_cast<int>(std::clamp(x / x_max, 0.0, 1.0) * (right - left)); };
+  auto py = [&](double y) {
+    const double t = std::clamp((y - y_min) / (y_max - y_min), 0.0, 1.0);
+    return bottom - static_cast<int>(t * (bottom - top));
+  };
+  const std::array<std::uint8_t, 3> grid = {225, 225, 225}, axis = {60, 60, 60};
+  for (int k = 0; k <= 10; ++k) {
+    img.line(left, py(y_min + k * (y_max - y_min) / 10), right, py(y_min + k * (y_max - y_min) / 10), grid);
+    img.line(px(k * x_max / 10), top, px(k * x_max / 10), bottom, grid);
+  }
+  img.line(left, bottom, right, bottom, axis);
+  img.line(left, top, left, bottom, axis);
+  for (const auto& s : series)
+    for (std::size_t i = 1; i < s.y.size() && i < s.x.size(); ++i)
+      img.line(px(s.x[i - 1]), py(s.y[i - 1]), px(s.x[i]), py(s.y[i]), s.rgb);
   img.write(path);
 }
 

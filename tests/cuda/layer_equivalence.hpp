@@ -41,7 +41,8 @@ using Outputs = std::map<std::string, std::vector<double>>;
 inline constexpr std::string_view kEquivalenceCases[] = {
     "linear", "linear_no_bias", "relu", "gelu", "gelu_tanh", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
     "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",
-    "global_avg_pool", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "cross_entropy",
+    "global_avg_pool", "max_pool_ceil", "avg_pool_ceil_exclude_pad", "avg_pool_divisor_override",
+    "adaptive_avg_pool", "adaptive_avg_pool_upsample", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "cross_entropy",
     "cross_entropy_smoothing", "cross_entropy_ignore", "nll", "softmax_channels", "log_softmax_last",
     "linear_rank3", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
 };
@@ -205,6 +206,26 @@ Outputs run_equivalence_case(std::string_view name) {
   if (name == "global_avg_pool") {
     GlobalAvgPool<E> layer;
     return layer_outputs(layer, {3, 4, 5, 7}, 19);
+  }
+  if (name == "max_pool_ceil") {
+    MaxPool2d<E> layer(3, 2, 1, true);
+    return layer_outputs(layer, {2, 3, 8, 9}, 17);
+  }
+  if (name == "avg_pool_ceil_exclude_pad") {
+    AvgPool2d<E> layer({.kernel = 3, .stride = 2, .padding = 1, .ceil_mode = true, .count_include_pad = false});
+    return layer_outputs(layer, {2, 3, 8, 9}, 18);
+  }
+  if (name == "avg_pool_divisor_override") {
+    AvgPool2d<E> layer({.kernel = 2, .stride = 2, .padding = 1, .ceil_mode = true, .divisor_override = 3});
+    return layer_outputs(layer, {2, 3, 5, 6}, 18);
+  }
+  if (name == "adaptive_avg_pool") {
+    AdaptiveAvgPool2d<E> layer(3, 2);
+    return layer_outputs(layer, {2, 4, 7, 5}, 19);
+  }
+  if (name == "adaptive_avg_pool_upsample") {
+    AdaptiveAvgPool2d<E> layer(5, 3);
+    return layer_outputs(layer, {2, 4, 3, 2}, 19);
   }
   if (name == "resnet_basic_blocks") {
     ResNet<E, BasicBlock> model({1, 1}, {8, 16}, false, ResNetOptions{.in_channels = 3, .num_classes = 10, .seed = 20});

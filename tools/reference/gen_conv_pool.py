@@ -1,4 +1,4 @@
-"""Reference data for Conv2d, MaxPool2d, AvgPool2d and GlobalAvgPool (tests/layers/test_conv_pool.cpp).
+"""Reference data for Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d and GlobalAvgPool (tests/layers/test_conv_pool.cpp).
 
 Run with /usr/bin/python3 (PyTorch 1.13, CPU) from the repository root:
     /usr/bin/python3 tools/reference/gen_conv_pool.py
@@ -34,6 +34,23 @@ POOLS = {
     "avgpool_3_2_1": ("avg", 2, 3, 9, 8, 3, 2, 1),
     "avgpool_2_2_0": ("avg", 2, 2, 6, 6, 2, 2, 0),
     "global_avg_pool": ("gap", 2, 5, 4, 3, 0, 0, 0),
+    # Options beyond the defaults, as a ninth element: (ceil_mode, count_include_pad, divisor_override).
+    "maxpool_3_2_1_ceil": ("max", 2, 3, 8, 8, 3, 2, 1, (True, True, None)),
+    "maxpool_2_2_0_ceil": ("max", 2, 2, 5, 7, 2, 2, 0, (True, True, None)),
+    # H = 5: ceil gives 4 windows, the last starting in the right padding, so PyTorch drops it.
+    "maxpool_2_2_1_ceil_drop": ("max", 2, 2, 5, 6, 2, 2, 1, (True, True, None)),
+    "avgpool_3_2_1_ceil": ("avg", 2, 3, 8, 9, 3, 2, 1, (True, True, None)),
+    "avgpool_3_2_1_exclude_pad": ("avg", 2, 3, 9, 8, 3, 2, 1, (False, False, None)),
+    "avgpool_3_2_1_ceil_exclude_pad": ("avg", 2, 3, 8, 7, 3, 2, 1, (True, False, None)),
+    "avgpool_2_2_1_ceil_drop": ("avg", 2, 2, 5, 6, 2, 2, 1, (True, True, None)),
+    "avgpool_3_2_1_ceil_divisor": ("avg", 2, 2, 8, 7, 3, 2, 1, (True, True, 5)),
+}
+# name: (N, C, H, W, out_h, out_w), torch.nn.functional.adaptive_avg_pool2d
+ADAPTIVE = {
+    "adaptive_7_to_3": (2, 3, 7, 7, 3, 3),
+    "adaptive_5x4_to_2x3": (2, 2, 5, 4, 2, 3),
+    "adaptive_2x5_to_3x2": (2, 2, 2, 5, 3, 2),
+    "adaptive_5x3_to_1": (2, 3, 5, 3, 1, 1),
 }
 
 
@@ -43,9 +60,26 @@ def conv_config(c):
             f"padding={p[0]}x{p[1]} dilation={d[0]}x{d[1]} groups={groups} bias={int(bias)}")
 
 
+def pool_options(c):
+    return c[8] if len(c) > 8 else (False, True, None)
+
+
 def pool_config(c):
-    kind, n, ch, h, w, k, s, p = c
-    return f"{kind} N={n} C={ch} H={h} W={w} kernel={k} stride={s} padding={p}"
+    kind, n, ch, h, w, k, s, p = c[:8]
+    text = f"{kind} N={n} C={ch} H={h} W={w} kernel={k} stride={s} padding={p}"
+    ceil_mode, count_include_pad, divisor_override = pool_options(c)
+    if ceil_mode:
+        text += " ceil_mode=1"
+    if not count_include_pad:
+        text += " count_include_pad=0"
+    if divisor_override is not None:
+        text += f" divisor_override={divisor_override}"
+    return text
+
+
+def adaptive_config(c):
+    n, ch, h, w, oh, ow = c
+    return f"adaptive N={n} C={ch} H={h} W={w} output={oh}x{ow}"
 
 
 def rel_err(a, b):
@@ -66,15 +100,23 @@ def run_conv(c, inputs, dtype):
     return out
 
 
-def run_pool(c, inputs, dtype):
-    kind, k, s, p = c[0], *c[5:]
-    x = inputs["x"].to(dtype).clone().requires_grad_()
+def pool_forward(c, x):
+    kind = c[0]
+    if kind == "adaptive":
+        return torch.nn.functional.adaptive_avg_pool2d(x, c[1:3])
+    k, s, p = c[5:8]
+    ceil_mode, count_include_pad, divisor_override = pool_options(c)
     if kind == "max":
-        y = torch.nn.functional.max_pool2d(x, k, s, p)
-    elif kind == "avg":
-        y = torch.nn.functional.avg_pool2d(x, k, s, p, count_include_pad=True)
-    else:
-        y = torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+        return torch.nn.functional.max_pool2d(x, k, s, p, ceil_mode=ceil_mode)
+    if kind == "avg":
+        return torch.nn.functional.avg_pool2d(x, k, s, p, ceil_mode=ceil_mode, count_include_pad=count_include_pad,
+                                              divisor_override=divisor_override)
+    return torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+
+
+def run_pool(c, inputs, dtype):
+    x = inputs["x"].to(dtype).clone().requires_grad_()
+    y = pool_forward(c, x)
     y.backward(inputs["g"].to(dtype))
     return {"y": y.detach(), "dx": x.grad}
 
@@ -104,12 +146,17 @@ def main():
         metadata[name] = conv_config(c)
 
     for name, c in POOLS.items():
-        kind, n, ch, h, w, k, s, p = c
+        kind, n, ch, h, w, k, s, p = c[:8]
         inputs = {"x": torch.randn(n, ch, h, w, dtype=torch.float64)}
-        y_shape = (n, ch) if kind == "gap" else (n, ch, (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1)
-        inputs["g"] = torch.randn(y_shape, dtype=torch.float64)
+        inputs["g"] = torch.randn(pool_forward(c, inputs["x"]).shape, dtype=torch.float64)  # ceil_mode included
         record(name, inputs, run_pool, c)
         metadata[name] = pool_config(c)
+
+    for name, c in ADAPTIVE.items():
+        n, ch, h, w, oh, ow = c
+        inputs = {"x": torch.randn(n, ch, h, w, dtype=torch.float64), "g": torch.randn(n, ch, oh, ow, dtype=torch.float64)}
+        record(name, inputs, run_pool, ("adaptive", oh, ow))
+        metadata[name] = adaptive_config(c)
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tests", "data", "conv_pool.safetensors")

@@ -1,11 +1,19 @@
 // 2-D pooling on the CPU over `planes` independent (H, W) planes (planes = N C for NCHW tensors).
 //
-// Square window k, stride s, padding p (p <= k / 2), H' = (H + 2p - k) / s + 1 (likewise W'):
-//   max:  y[oh, ow] = max over the window clipped to the image (padding acts as -inf);
+// Square window k, stride s, padding p (p <= k / 2); the layer fixes H' (floor or ceil mode, see
+// layers/pool.hpp), and every window starts inside the image or its left/top padding. Window
+// (oh, ow) covers rows [oh s - p, oh s - p + k) (likewise columns), clipped to the image:
+//   max:  y[oh, ow] = max over the clipped window (padding acts as -inf);
 //         argmax[oh, ow] = h W + w of the maximum (first one on ties, NaN wins, as in PyTorch).
 //         dx[argmax[oh, ow]] += dy[oh, ow]
-//   avg:  y[oh, ow] = sum over the clipped window / k^2 (padding counts as zeros: PyTorch's
-//         count_include_pad=True).   dx[h, w] += dy[oh, ow] / k^2 for every window covering (h, w)
+//   avg:  y[oh, ow] = sum over the clipped window / d(oh, ow), where (PyTorch's avg_pool2d)
+//         d = divisor_override if set, else count_include_pad ? e_h(oh) e_w(ow) : c_h(oh) c_w(ow),
+//         e_h(oh) = min(oh s - p + k, H + p) - (oh s - p) (the window cut at the end of the padded
+//         input, padding counted: k except for a ceil-mode window running past it) and c_h(oh) the
+//         number of image rows in the window.  dx[h, w] += dy[oh, ow] / d(oh, ow) for every window
+//         covering (h, w). The default options give d = k^2 everywhere: the fast path.
+//   adaptive average (output oh x ow of any size): window rows [floor(i H / oh), ceil((i + 1) H / oh)),
+//         y = sum / rows / cols (PyTorch's rounding);  dx[h, w] += dy[i, j] / rows / cols.
 //   global average: y (planes) = mean of each plane;  dx = dy / (H W) everywhere on the plane.
 // Every plane is independent, so threads split the planes and backward needs no atomics.
 #pragma once
@@ -25,10 +33,47 @@ struct Pool2dGeometry {
   std::int64_t height = 0, width = 0;  // input H, W
   std::int64_t kernel = 1, stride = 1, pad = 0;
   std::int64_t out_height = 0, out_width = 0;  // H', W'
+  bool count_include_pad = true;               // average pooling only
+  std::int64_t divisor_override = 0;           // average pooling only; 0: none (torch forbids 0)
 
   // constexpr: callable from CUDA kernels too (nvcc --expt-relaxed-constexpr).
   constexpr std::int64_t in_plane() const { return height * width; }
   constexpr std::int64_t out_plane() const { return out_height * out_width; }
+
+  // Average pooling's divisor factor along one axis for output index o over an input of extent
+  // `in`: e(o) with count_include_pad, else c(o) (see the header comment).
+  constexpr std::int64_t avg_extent(std::int64_t o, std::int64_t in) const {
+    const std::int64_t start = o * stride - pad;
+    const std::int64_t end = start + kernel < in + pad ? start + kernel : in + pad;
+    if (count_include_pad) return end - start;
+    return (end < in ? end : in) - (start > 0 ? start : 0);
+  }
+  // PyTorch's divide_factor of average-pooling window (oh, ow).
+  constexpr std::int64_t avg_divisor(std::int64_t oh, std::int64_t ow) const {
+    return divisor_override != 0 ? divisor_override : avg_extent(oh, height) * avg_extent(ow, width);
+  }
+  // True when every window has the same divisor (k^2, or the override): the default options,
+  // where no window (the last one the furthest) runs past the padded input.
+  constexpr bool uniform_avg_divisor() const {
+    const std::int64_t last_end_h = (out_height - 1) * stride - pad + kernel;
+    const std::int64_t last_end_w = (out_width - 1) * stride - pad + kernel;
+    return divisor_override != 0 ||
+           (count_include_pad && last_end_h <= height + pad && last_end_w <= width + pad);
+  }
+};
+
+// Adaptive average pooling from (H, W) to any (H', W').
+struct AdaptivePool2dGeometry {
+  std::int64_t height = 0, width = 0;          // input H, W
+  std::int64_t out_height = 1, out_width = 1;  // H', W'
+
+  constexpr std::int64_t in_plane() const { return height * width; }
+  constexpr std::int64_t out_plane() const { return out_height * out_width; }
+  // Window of output index o along an axis: [floor(o in / out), ceil((o + 1) in / out)).
+  static constexpr std::int64_t start(std::int64_t o, std::int64_t in, std::int64_t out) { return o * in / out; }
+  static constexpr std::int64_t end(std::int64_t o, std::int64_t in, std::int64_t out) {
+    return ((o + 1) * in + out - 1) / out;
+  }
 };
 
 namespace detail {
@@ -97,11 +142,13 @@ void max_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, cons
   }
 }
 
-// y (planes, H', W') <- average pooling of x (planes, H, W), divisor k^2; tap by tap over whole
-// output rows like max_pool2d_forward.
+// y (planes, H', W') <- average pooling of x (planes, H, W); tap by tap over whole output rows
+// like max_pool2d_forward, then each sum divided by its window's divisor: one multiplication by
+// 1 / k^2 for the default options, else PyTorch's sum / d(oh, ow).
 template <class S>
 void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
-  const S scale = S(1) / static_cast<S>(g.kernel * g.kernel);
+  const bool uniform = g.uniform_avg_divisor();
+  const S scale = S(1) / static_cast<S>(g.avg_divisor(0, 0));
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
 #pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
   for (std::int64_t p = 0; p < planes; ++p) {
@@ -120,7 +167,11 @@ void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
           for (std::int64_t ow = lo; ow < hi; ++ow) out[ow] += row[ow * g.stride + offset];
         }
       }
-      for (std::int64_t ow = 0; ow < g.out_width; ++ow) out[ow] *= scale;
+      if (uniform) {
+        for (std::int64_t ow = 0; ow < g.out_width; ++ow) out[ow] *= scale;
+      } else {
+        for (std::int64_t ow = 0; ow < g.out_width; ++ow) out[ow] /= static_cast<S>(g.avg_divisor(oh, ow));
+      }
     }
   }
 }
@@ -128,7 +179,8 @@ void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
 // dx (planes, H, W) = dy (planes, H', W') spread evenly over each window (overwrites dx).
 template <class S>
 void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
-  const S scale = S(1) / static_cast<S>(g.kernel * g.kernel);
+  const bool uniform = g.uniform_avg_divisor();
+  const S scale = S(1) / static_cast<S>(g.avg_divisor(0, 0));
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
 #pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
   for (std::int64_t p = 0; p < planes; ++p) {
@@ -138,6 +190,17 @@ void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, cons
       const S* d = dy + p * g.out_plane() + oh * g.out_width;
       const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0);
       const std::int64_t h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+      if (!uniform) {
+        // Divisors vary per window (ceil mode, count_include_pad=false): window by window.
+        for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+          const S share = d[ow] / static_cast<S>(g.avg_divisor(oh, ow));
+          const std::int64_t w0 = std::max<std::int64_t>(ow * g.stride - g.pad, 0);
+          const std::int64_t w1 = std::min(ow * g.stride - g.pad + g.kernel, g.width);
+          for (std::int64_t h = h0; h < h1; ++h)
+            for (std::int64_t w = w0; w < w1; ++w) out[h * g.width + w] += share;
+        }
+        continue;
+      }
       for (std::int64_t h = h0; h < h1; ++h) {
         S* row = out + h * g.width;
         // Within one tap j, distinct ow hit distinct columns, so this loop has no dependences.
@@ -147,6 +210,51 @@ void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, cons
           detail::pool_valid_range(offset, g.stride, g.width, g.out_width, lo, hi);
           for (std::int64_t ow = lo; ow < hi; ++ow) row[ow * g.stride + offset] += d[ow] * scale;
         }
+      }
+    }
+  }
+}
+
+// y (planes, H', W') <- adaptive average pooling of x (planes, H, W).
+template <class S>
+void adaptive_avg_pool2d_forward(Cpu, const AdaptivePool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
+  using G = AdaptivePool2dGeometry;
+  [[maybe_unused]] const std::int64_t work = planes * std::max(g.in_plane(), g.out_plane());
+#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    const S* in = x + p * g.in_plane();
+    S* out = y + p * g.out_plane();
+    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+      const std::int64_t h0 = G::start(oh, g.height, g.out_height), h1 = G::end(oh, g.height, g.out_height);
+      for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+        const std::int64_t w0 = G::start(ow, g.width, g.out_width), w1 = G::end(ow, g.width, g.out_width);
+        S sum = 0;
+        for (std::int64_t h = h0; h < h1; ++h)
+          for (std::int64_t w = w0; w < w1; ++w) sum += in[h * g.width + w];
+        out[oh * g.out_width + ow] = sum / static_cast<S>(h1 - h0) / static_cast<S>(w1 - w0);
+      }
+    }
+  }
+}
+
+// dx (planes, H, W) = each dy[oh, ow] / (rows cols) added over its window (overwrites dx; windows
+// overlap when H' does not divide H).
+template <class S>
+void adaptive_avg_pool2d_backward(Cpu, const AdaptivePool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
+  using G = AdaptivePool2dGeometry;
+  [[maybe_unused]] const std::int64_t work = planes * std::max(g.in_plane(), g.out_plane());
+#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    S* out = dx + p * g.in_plane();
+    const S* d = dy + p * g.out_plane();
+    std::fill(out, out + g.in_plane(), S(0));
+    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+      const std::int64_t h0 = G::start(oh, g.height, g.out_height), h1 = G::end(oh, g.height, g.out_height);
+      for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+        const std::int64_t w0 = G::start(ow, g.width, g.out_width), w1 = G::end(ow, g.width, g.out_width);
+        const S share = d[oh * g.out_width + ow] / static_cast<S>(h1 - h0) / static_cast<S>(w1 - w0);
+        for (std::int64_t h = h0; h < h1; ++h)
+          for (std::int64_t w = w0; w < w1; ++w) out[h * g.width + w] += share;
       }
     }
   }
@@ -180,6 +288,9 @@ void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, cons
                                               const std::int32_t*, S*);                                              \
   PREFIX template void avg_pool2d_forward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*, S*);                \
   PREFIX template void avg_pool2d_backward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*, S*);               \
+  PREFIX template void adaptive_avg_pool2d_forward<S>(Cpu, const AdaptivePool2dGeometry&, std::int64_t, const S*, S*); \
+  PREFIX template void adaptive_avg_pool2d_backward<S>(Cpu, const AdaptivePool2dGeometry&, std::int64_t, const S*,     \
+                                                       S*);                                                         \
   PREFIX template void global_avg_pool_forward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);                    \
   PREFIX template void global_avg_pool_backward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);
 TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_POOL_INSTANCES)

@@ -2,7 +2,8 @@
 // Forward: one thread per output element, the window visited in row-major order so the argmax
 // (first maximum, NaN wins) is PyTorch's. Backward: one thread per *input* element gathering from
 // the windows that cover it (max: those whose argmax is this element), so no atomics are needed and
-// the sums run in a fixed order.
+// the sums run in a fixed order. Average pooling divides each window by its own divisor
+// (Pool2dGeometry::avg_divisor), which covers ceil mode, count_include_pad and divisor_override.
 #pragma once
 
 #include <cstdint>
@@ -69,7 +70,6 @@ __global__ void max_pool_backward_kernel(Pool2dGeometry g, std::int64_t planes, 
 
 template <class S>
 __global__ void avg_pool_forward_kernel(Pool2dGeometry g, std::int64_t planes, const S* x, S* y) {
-  const S scale = S(1) / S(g.kernel * g.kernel);
   TESSERA_CUDA_FOR(o, planes * g.out_plane()) {
     const std::int64_t p = o / g.out_plane(), oh = (o % g.out_plane()) / g.out_width, ow = o % g.out_width;
     const S* in = x + p * g.in_plane();
@@ -78,13 +78,15 @@ __global__ void avg_pool_forward_kernel(Pool2dGeometry g, std::int64_t planes, c
     S sum = 0;
     for (std::int64_t h = h0; h < h1; ++h)
       for (std::int64_t w = w0; w < w1; ++w) sum += in[h * g.width + w];
-    y[o] = sum * scale;
+    // 1 / k^2 times the sum under the default options, as on the CPU.
+    y[o] = g.uniform_avg_divisor() ? sum * (S(1) / S(g.avg_divisor(0, 0))) : sum / S(g.avg_divisor(oh, ow));
   }
 }
 
 template <class S>
 __global__ void avg_pool_backward_kernel(Pool2dGeometry g, std::int64_t planes, const S* dy, S* dx) {
-  const S scale = S(1) / S(g.kernel * g.kernel);
+  const bool uniform = g.uniform_avg_divisor();
+  const S scale = S(1) / S(g.avg_divisor(0, 0));
   TESSERA_CUDA_FOR(e, planes * g.in_plane()) {
     const std::int64_t p = e / g.in_plane(), h = (e % g.in_plane()) / g.width, w = e % g.width;
     std::int64_t oh0, oh1, ow0, ow1;
@@ -92,7 +94,54 @@ __global__ void avg_pool_backward_kernel(Pool2dGeometry g, std::int64_t planes, 
     covering_windows(w, g.kernel, g.stride, g.pad, g.out_width, ow0, ow1);
     S sum = 0;
     for (std::int64_t oh = oh0; oh < oh1; ++oh)
-      for (std::int64_t ow = ow0; ow < ow1; ++ow) sum += dy[p * g.out_plane() + oh * g.out_width + ow] * scale;
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
+        const S d = dy[p * g.out_plane() + oh * g.out_width + ow];
+        sum += uniform ? d * scale : d / S(g.avg_divisor(oh, ow));
+      }
+    dx[e] = sum;
+  }
+}
+
+template <class S>
+__global__ void adaptive_avg_pool_forward_kernel(AdaptivePool2dGeometry g, std::int64_t planes, const S* x, S* y) {
+  using G = AdaptivePool2dGeometry;
+  TESSERA_CUDA_FOR(o, planes * g.out_plane()) {
+    const std::int64_t p = o / g.out_plane(), oh = (o % g.out_plane()) / g.out_width, ow = o % g.out_width;
+    const S* in = x + p * g.in_plane();
+    const std::int64_t h0 = G::start(oh, g.height, g.out_height), h1 = G::end(oh, g.height, g.out_height);
+    const std::int64_t w0 = G::start(ow, g.width, g.out_width), w1 = G::end(ow, g.width, g.out_width);
+    S sum = 0;
+    for (std::int64_t h = h0; h < h1; ++h)
+      for (std::int64_t w = w0; w < w1; ++w) sum += in[h * g.width + w];
+    y[o] = sum / S(h1 - h0) / S(w1 - w0);
+  }
+}
+
+// Output indices [lo, hi) along one axis whose adaptive window [start, end) covers input index i:
+// start(o) <= i  <=>  o < ceil((i + 1) out / in);  end(o) > i  <=>  o >= floor(i out / in).
+__device__ inline void adaptive_covering_windows(std::int64_t i, std::int64_t in, std::int64_t out,
+                                                 std::int64_t& lo, std::int64_t& hi) {
+  lo = i * out / in;
+  hi = ((i + 1) * out + in - 1) / in;
+  if (hi > out) hi = out;
+}
+
+template <class S>
+__global__ void adaptive_avg_pool_backward_kernel(AdaptivePool2dGeometry g, std::int64_t planes, const S* dy, S* dx) {
+  using G = AdaptivePool2dGeometry;
+  TESSERA_CUDA_FOR(e, planes * g.in_plane()) {
+    const std::int64_t p = e / g.in_plane(), h = (e % g.in_plane()) / g.width, w = e % g.width;
+    std::int64_t oh0, oh1, ow0, ow1;
+    adaptive_covering_windows(h, g.height, g.out_height, oh0, oh1);
+    adaptive_covering_windows(w, g.width, g.out_width, ow0, ow1);
+    S sum = 0;
+    for (std::int64_t oh = oh0; oh < oh1; ++oh) {
+      const S rows = S(G::end(oh, g.height, g.out_height) - G::start(oh, g.height, g.out_height));
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
+        const S cols = S(G::end(ow, g.width, g.out_width) - G::start(ow, g.width, g.out_width));
+        sum += dy[p * g.out_plane() + oh * g.out_width + ow] / rows / cols;
+      }
+    }
     dx[e] = sum;
   }
 }
@@ -132,6 +181,14 @@ void avg_pool2d_forward(Cuda, const Pool2dGeometry& g, std::int64_t planes, cons
 template <class S>
 void avg_pool2d_backward(Cuda, const Pool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
   TESSERA_CUDA_LAUNCH(cuda_detail::avg_pool_backward_kernel<S>, planes * g.in_plane(), g, planes, dy, dx);
+}
+template <class S>
+void adaptive_avg_pool2d_forward(Cuda, const AdaptivePool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::adaptive_avg_pool_forward_kernel<S>, planes * g.out_plane(), g, planes, x, y);
+}
+template <class S>
+void adaptive_avg_pool2d_backward(Cuda, const AdaptivePool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::adaptive_avg_pool_backward_kernel<S>, planes * g.in_plane(), g, planes, dy, dx);
 }
 template <class S>
 void global_avg_pool_forward(Cuda, std::int64_t planes, std::int64_t plane, const S* x, S* y) {

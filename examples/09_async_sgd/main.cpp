@@ -1,0 +1,401 @@
+// 09_async_sgd: synchronous data parallelism against stale-synchronous and fully asynchronous
+// parameter-server SGD (and lock-free Hogwild in the threads build), with one worker slowed on
+// purpose. LeNet-5 on Fashion-MNIST; every mode processes the same number of batches in total.
+//
+//   build/examples/09_async_sgd_threads --ranks=4 --straggler-ms=20      ranks are threads
+//   mpirun -n 4 build/examples/09_async_sgd_mpi --straggler-ms=20        ranks are MPI processes
+//   tools/tessera-run -n 4 build/examples/09_async_sgd_gloo --straggler-ms=20
+//
+// Ranks [0, --servers) hold the parameters in the parameter-server modes (and idle in the others);
+// the remaining W ranks are workers, each with its own shard of the training set and a batch of
+// --batch images. The last worker sleeps --straggler-ms after every batch.
+//
+//   sync      DataParallel over the W workers: every step waits for the straggler.
+//   ssp       ParameterServer, staleness bound --staleness: a worker may run that many steps ahead
+//             of the slowest, then waits.
+//   async     ParameterServer without a bound: nobody waits; the fast workers take more batches,
+//             and the straggler's gradients arrive computed on old parameters (their staleness).
+//   hogwild   threads build only: every worker writes into one shared copy without locks.
+//
+// Each epoch's worth of batches (training images / batch) is split into --evals sessions; after
+// each, the parameters are gathered and rank `servers` measures test accuracy (outside the clock).
+// Prints a table (wall time to --target accuracy, final accuracy, mean and max staleness), writes
+// the points as JSON lines (--out) and plots accuracy against wall time (--plot). Checks itself:
+// every mode must reach --min-accuracy and SSP must stay within its bound, else exit 1.
+//
+// Learning rates: sync steps with --lr on the mean of W gradients; the parameter server applies
+// each gradient scaled by 1/W with the same --lr and momentum, so W arrivals move the parameters as
+// far as one synchronous step. Hogwild has no momentum: it uses lr / (1 - momentum) / W per
+// gradient, the same step size in the long run.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/fashion_mnist_data.hpp"
+#include "common/png_plot.hpp"
+#include "tessera/build_env.hpp"
+#include "tessera/tessera.hpp"
+
+using namespace tessera;
+
+namespace {
+
+using E = BuildEnv;  // CpuThreads, CpuMpi or CpuGloo: chosen by the build, nowhere else
+using Comm = E::Comm;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::int64_t epochs = 2, batch = 32, limit = 0, evals = 4;
+  double lr = 0.05, momentum = 0.9, weight_decay = 5e-4, target = 0.85, min_accuracy = 0.6;
+  int servers = 1, staleness = 2, straggler_ms = 0, ranks = 4, threads = 1;
+  std::uint64_t seed = 1;
+  std::string data_dir, modes = "sync,ssp,async,hogwild", out = "09_async_sgd.jsonl", plot = "09_async_sgd.png";
+};
+
+struct Point {
+  double seconds, accuracy;
+};
+
+struct ModeResult {
+  std::string mode;
+  std::vector<Point> points;
+  std::int64_t gradients = 0;
+  double staleness_mean = 0;
+  std::int64_t staleness_max = 0;
+  std::int64_t staleness_bound = -1;  // the bound SSP must respect, -1 if none
+};
+
+// A worker's endless stream of batches from its shard, epoch after epoch.
+class BatchStream {
+ public:
+  BatchStream(const Dataset& data, const Options& o, int worker, int workers)
+      : loader_(data, {.batch_size = o.batch, .shuffle = true, .seed = o.seed, .drop_last = true, .rank = worker,
+                       .world_size = workers}) {}
+  const Batch<float>& next() {
+    while (!loader_.next(batch_)) loader_.start_epoch(++epoch_);
+    return batch_;
+  }
+
+ private:
+  DataLoader<float> loader_;
+  Batch<float> batch_;
+  std::int64_t epoch_ = 0;
+};
+
+template <class Model>
+double test_accuracy(Model& model, DataLoader<float>& loader) {
+  model.set_mode(Mode::Eval);
+  typename Model::Cache cache;
+  Batch<float> batch;
+  loader.start_epoch(0);
+  std::int64_t correct = 0, seen = 0;
+  while (loader.next(batch)) {
+    correct += count_correct(model.forward(batch.images, cache), batch.labels);
+    seen += static_cast<std::int64_t>(batch.labels.size());
+  }
+  model.set_mode(Mode::Train);
+  return seen == 0 ? 0.0 : static_cast<double>(correct) / static_cast<double>(seen);
+}
+
+// One forward/backward of the model on the next batch (gradients accumulate: zero them first).
+template <class Model, class Loss>
+void compute_gradients(Model& model, BatchStream& data, Loss& loss) {
+  for (auto& [name, p] : named_tensors(model).parameters) p->grad.zero();
+  typename Model::Cache cache;
+  typename Loss::Cache loss_cache;
+  const Batch<float>& b = data.next();
+  loss.forward(model.forward(b.images, cache), b.labels, loss_cache);
+  model.backward(loss.backward(loss_cache), cache);
+}
+
+// Everything one mode needs on every rank; run() trains it session by session.
+struct Runner {
+  Comm& comm;
+  const Options& o;
+  const Dataset& train_set;
+  DataLoader<float>& test_loader;
+  HogwildStore<float>& store;
+  int workers;
+  bool is_worker, is_evaluator;
+  std::int64_t session_budget;  // gradients per session, all workers together
+
+  void straggle(int worker) const {
+    if (o.straggler_ms > 0 && worker == workers - 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(o.straggler_ms));
+  }
+
+  // Times `session` (all ranks, barrier to barrier), then measures test accuracy on the evaluator
+  // (outside the clock) and shares it.
+  template <class Model, class Session>
+  void run_sessions(ModeResult& r, Model& model, Session&& session) {
+    double elapsed = 0;
+    const std::int64_t sessions = o.epochs * o.evals;
+    for (std::int64_t s = 0; s < sessions; ++s) {
+      comm.barrier();
+      const auto start = Clock::now();
+      session();
+      comm.barrier();
+      elapsed += std::chrono::duration<double>(Clock::now() - start).count();
+      std::vector<double> accuracy = {is_evaluator ? test_accuracy(model, test_loader) : 0.0};
+      comm.all_reduce(std::span<double>(accuracy), ReduceOp::Sum);
+      r.points.push_back({elapsed, accuracy[0]});
+      if (is_evaluator)
+        std::printf("  [%-7s] epoch %5.2f  %7.1f s  test accuracy %.2f%%\n", r.mode.c_str(),
+                    static_cast<double>(s + 1) / static_cast<double>(o.evals), elapsed, 100 * accuracy[0]);
+    }
+  }
+
+  ModeResult sync() {
+    ModeResult r{.mode = "sync"};
+    Comm worker_comm = comm.split(is_worker ? 0 : 1, comm.rank());
+    auto model = lenet5<E>(1, 28, 10, o.seed);
+    CrossEntropyLoss<E> loss;
+    if (!is_worker) {  // servers idle in this mode; they still keep the clock and the model in step
+      run_sessions(r, model, [] {});
+      return r;
+    }
+    DataParallel dp(model, worker_comm);
+    Sgd<E> sgd(dp.parameters(), {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+    const int worker = worker_comm.rank();
+    BatchStream data(train_set, o, worker, workers);
+    const std::int64_t steps = session_budget / workers;
+    run_sessions(r, model, [&] {
+      for (std::int64_t step = 0; step < steps; ++step) {
+        compute_gradients(model, data, loss);
+        straggle(worker);
+        sgd.step();  // finishes DataParallel's all-reduce first
+      }
+    });
+    r.gradients = steps * workers * o.epochs * o.evals;
+    return r;
+  }
+
+  ModeResult parameter_server(const std::string& mode, int bound) {
+    ModeResult r{.mode = mode};
+    auto model = lenet5<E>(1, 28, 10, o.seed);
+    ParameterServer ps(model, comm, {.num_servers = o.servers, .staleness_bound = bound});
+    if (bound > 0) r.staleness_bound = static_cast<std::int64_t>(workers - 1) * (2 * bound + 1);
+    CrossEntropyLoss<E> loss;
+    if (ps.is_server()) {
+      Sgd<E> sgd(ps.server_parameters(), {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+      run_sessions(r, model, [&] {
+        ps.serve(sgd, session_budget);
+        ps.gather_parameters();
+      });
+    } else {
+      BatchStream data(train_set, o, ps.worker_index(), workers);
+      run_sessions(r, model, [&] {
+        ps.pull();
+        for (std::int64_t step = 0; step <= session_budget; ++step) {  // the servers' budget ends it sooner
+          compute_gradients(model, data, loss);
+          straggle(ps.worker_index());
+          if (!ps.push_pull()) break;
+        }
+        ps.done();
+        ps.gather_parameters();
+      });
+    }
+    const StalenessStats stats = ps.gather_staleness();
+    r.gradients = stats.applied;  // server 0 applies every gradient (BSP: counted per gradient too)
+    r.staleness_mean = stats.mean();
+    r.staleness_max = stats.max;
+    return r;
+  }
+
+  // A template so that the Hogwild branch is only compiled for communicators whose ranks share a
+  // process (if constexpr discards only inside templates).
+  template <class C = Comm>
+  ModeResult hogwild() {
+    ModeResult r{.mode = "hogwild"};
+    using EC = Env<E::Device, C, E::Scalar>;  // E itself; dependent on C
+    auto model = lenet5<EC>(1, 28, 10, o.seed);
+    if constexpr (SharedMemoryCommunicator<C>) {
+      Hogwild hog(model, comm, store, {.lr = o.lr / (1 - o.momentum) / workers, .weight_decay = o.weight_decay});
+      CrossEntropyLoss<EC> loss;
+      const int worker = comm.rank() - o.servers;
+      std::optional<BatchStream> data;
+      if (is_worker) data.emplace(train_set, o, worker, workers);
+      std::int64_t target = 0;
+      run_sessions(r, model, [&] {
+        target += session_budget;
+        while (is_worker && store.updates() < target) {
+          hog.pull();
+          compute_gradients(model, *data, loss);
+          straggle(worker);
+          hog.step();
+        }
+        hog.gather_parameters();
+      });
+      std::vector<double> stats = {static_cast<double>(hog.staleness().sum), static_cast<double>(hog.staleness().applied),
+                                   static_cast<double>(hog.staleness().max)};
+      std::vector<double> max_only = {stats[2]};
+      stats.pop_back();
+      comm.all_reduce(std::span<double>(stats), ReduceOp::Sum);
+      comm.all_reduce(std::span<double>(max_only), ReduceOp::Max);
+      r.gradients = static_cast<std::int64_t>(stats[1]);
+      r.staleness_mean = stats[1] > 0 ? stats[0] / stats[1] : 0;
+      r.staleness_max = static_cast<std::int64_t>(max_only[0]);
+    }
+    return r;
+  }
+};
+
+int run(Comm& comm, const Options& o, HogwildStore<float>& store) {
+  Cpu::set_num_threads(o.threads);
+  const int workers = comm.size() - o.servers;
+  TESSERA_CHECK(o.servers >= 1 && workers >= 1, ArgumentError, "09_async_sgd: --servers=", o.servers,
+                " must leave at least one worker among ", comm.size(), " ranks");
+  auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
+  DataLoader<float> test_loader(test_set, {.batch_size = 1000, .shuffle = false});
+  const bool is_worker = comm.rank() >= o.servers, is_evaluator = comm.rank() == o.servers;
+  const std::int64_t batches_per_epoch = static_cast<std::int64_t>(train_set.labels.size()) / o.batch;
+  const std::int64_t session_budget = std::max<std::int64_t>(batches_per_epoch / o.evals, workers);
+  Runner runner{comm, o, train_set, test_loader, store, workers, is_worker, is_evaluator, session_budget};
+  if (is_evaluator)
+    std::printf("09_async_sgd: LeNet-5, %d server(s) + %d workers x batch %lld, %lld epochs (%lld batches each), "
+                "worker %d sleeps %d ms per batch, SSP bound %d\n",
+                o.servers, workers, static_cast<long long>(o.batch), static_cast<long long>(o.epochs),
+                static_cast<long long>(session_budget * o.evals), workers - 1, o.straggler_ms, o.staleness);
+
+  std::vector<ModeResult> results;
+  std::string modes = o.modes + ",";
+  for (std::size_t at = 0; (at = modes.find(',')) != std::string::npos; modes.erase(0, at + 1)) {
+    const std::string mode = modes.substr(0, at);
+    if (mode.empty()) continue;
+    if (mode == "sync") {
+      results.push_back(runner.sync());
+    } else if (mode == "ssp") {
+      results.push_back(runner.parameter_server("ssp", o.staleness));
+    } else if (mode == "async") {
+      results.push_back(runner.parameter_server("async", ParameterServerOptions::kAsynchronous));
+    } else if (mode == "hogwild") {
+      if (!SharedMemoryCommunicator<Comm>) {
+        if (is_evaluator) std::printf("  [hogwild] skipped: needs ranks that share one process (threads build)\n");
+        continue;
+      }
+      results.push_back(runner.hogwild());
+    } else {
+      throw ArgumentError("09_async_sgd: --modes: unknown mode '" + mode + "' (sync, ssp, async, hogwild)");
+    }
+  }
+  if (!is_evaluator) return 0;
+
+  int failures = 0;
+  std::printf("\n%-8s %16s %10s %10s %10s %15s %15s\n", "mode", "time to target", "final acc", "wall time", "gradients",
+              "mean staleness", "max staleness");
+  for (const ModeResult& r : results) {
+    std::string to_target = "not reached";
+    for (const Point& p : r.points)
+      if (p.accuracy >= o.target) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.1f s", p.seconds);
+        to_target = buf;
+        break;
+      }
+    const Point& last = r.points.back();
+    std::printf("%-8s %16s %9.2f%% %9.1fs %10lld %15.2f %15lld\n", r.mode.c_str(), to_target.c_str(),
+                100 * last.accuracy, last.seconds, static_cast<long long>(r.gradients), r.staleness_mean,
+                static_cast<long long>(r.staleness_max));
+    if (last.accuracy < o.min_accuracy) {
+      std::printf("CHECK FAILED: %s ends at %.2f%%, below --min-accuracy %.2f%%\n", r.mode.c_str(),
+                  100 * last.accuracy, 100 * o.min_accuracy);
+      ++failures;
+    }
+    if (r.staleness_bound >= 0 && r.staleness_max > r.staleness_bound) {
+      std::printf("CHECK FAILED: %s max staleness %lld exceeds (W - 1)(2s + 1) = %lld\n", r.mode.c_str(),
+                  static_cast<long long>(r.staleness_max), static_cast<long long>(r.staleness_bound));
+      ++failures;
+    }
+  }
+  std::printf("(time to target: wall time, evaluation excluded, until test accuracy >= %.1f%%)\n", 100 * o.target);
+  if (!o.out.empty()) {
+    std::FILE* f = std::fopen(o.out.c_str(), "w");
+    TESSERA_CHECK(f != nullptr, IoError, "09_async_sgd: cannot write '", o.out, "'");
+    for (const ModeResult& r : results)
+      for (std::size_t i = 0; i < r.points.size(); ++i)
+        std::fprintf(f, "{\"mode\": \"%s\", \"epoch\": %.4f, \"seconds\": %.3f, \"test_accuracy\": %.6f, "
+                        "\"straggler_ms\": %d, \"workers\": %d, \"staleness_mean\": %.4f, \"staleness_max\": %lld}\n",
+                     r.mode.c_str(), static_cast<double>(i + 1) / static_cast<double>(o.evals), r.points[i].seconds,
+                     r.points[i].accuracy, o.straggler_ms, workers, r.staleness_mean,
+                     static_cast<long long>(r.staleness_max));
+    std::fclose(f);
+  }
+  if (!o.plot.empty() && !results.empty()) {
+    const std::array<std::array<std::uint8_t, 3>, 4> colours = {{{40, 90, 200}, {40, 160, 60}, {210, 50, 40}, {150, 60, 170}}};
+    const char* colour_names[] = {"blue", "green", "red", "purple"};
+    std::vector<examples::Series> series;
+    double x_max = 0, low = 1;
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      examples::Series s{results[i].mode, colours[i % 4], {}, {0.0}};
+      s.y.push_back(0.1);  // chance, at time 0
+      for (const Point& p : results[i].points) {
+        s.x.push_back(p.seconds);
+        s.y.push_back(p.accuracy);
+        x_max = std::max(x_max, p.seconds);
+        low = std::min(low, p.accuracy);
+      }
+      series.push_back(s);
+    }
+    const double y_min = std::floor(std::min(low, 0.5) * 10) / 10;
+    examples::plot_xy_png(o.plot, series, x_max, y_min, 1.0);
+    std::printf("\nplot: %s (test accuracy against wall time; x: 0..%.0f s, y: %.0f%%..100%%, grid every 10%%)\n",
+                o.plot.c_str(), x_max, 100 * y_min);
+    for (std::size_t i = 0; i < results.size(); ++i) std::printf("  %-6s %s\n", colour_names[i % 4], results[i].mode.c_str());
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+Options parse(int argc, char** argv) {
+  Flags flags(argc, argv);
+  Options o;
+  o.epochs = flags.get("epochs", o.epochs);
+  o.batch = flags.get("batch", o.batch);
+  o.limit = flags.get("limit", o.limit);
+  o.evals = flags.get("evals", o.evals);
+  o.lr = flags.get("lr", o.lr);
+  o.momentum = flags.get("momentum", o.momentum);
+  o.weight_decay = flags.get("weight-decay", o.weight_decay);
+  o.target = flags.get("target", o.target);
+  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy);
+  o.servers = flags.get("servers", o.servers);
+  o.staleness = flags.get("staleness", o.staleness);
+  o.straggler_ms = flags.get("straggler-ms", o.straggler_ms);
+  o.ranks = flags.get("ranks", o.ranks);
+  o.threads = flags.get("threads", o.threads);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
+  o.data_dir = flags.get("data-dir", std::string());
+  o.modes = flags.get("modes", o.modes);
+  o.out = flags.get("out", o.out);
+  o.plot = flags.get("plot", o.plot);
+  flags.finish();
+  TESSERA_CHECK(o.epochs >= 1 && o.batch >= 1 && o.evals >= 1, ArgumentError,
+                "09_async_sgd: --epochs, --batch and --evals must be positive");
+  TESSERA_CHECK(o.staleness >= 1, ArgumentError, "09_async_sgd: --staleness=", o.staleness,
+                " must be >= 1 (0 is the sync row)");
+  TESSERA_CHECK(o.momentum >= 0 && o.momentum < 1, ArgumentError, "09_async_sgd: --momentum must lie in [0, 1)");
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+    HogwildStore<float> store;  // shared by the ranks of this process (the threads build's Hogwild row)
+    int status = 0;
+    launch<E>([&](Comm& comm) {
+      const int s = run(comm, o, store);
+      if (s != 0) status = s;
+    }, {.ranks = o.ranks});
+    return status;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "09_async_sgd: %s\n", e.what());
+    return 1;
+  }
+}

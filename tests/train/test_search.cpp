@@ -1,0 +1,212 @@
+// HyperparameterSearch on ThreadComm ranks: grid, random and evolutionary search over groups,
+// failed and diverged trials, the JSON-lines log and resuming from it.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "tessera/comm/threads.hpp"
+#include "tessera/train/search.hpp"
+
+using namespace tessera;
+
+namespace {
+// A smooth score with its peak at lr = 0.01, momentum = 0.9 (what a real search hopes to find).
+double synthetic_score(const TrialConfig& c) {
+  const double a = std::log10(c.at("lr")) + 2.0, b = c.at("momentum") - 0.9;
+  return 1.0 - a * a - 4 * b * b;
+}
+
+SearchSpace lr_momentum() {
+  SearchSpace space;
+  space.add("lr", 1e-4, 1.0, Scale::Log).add("momentum", 0.0, 0.99);
+  return space;
+}
+
+std::string temp_path(const char* what) {
+  return "/tmp/tessera_search_" + std::string(what) + "_" + std::to_string(::getpid()) + ".jsonl";
+}
+
+// Runs a search on `ranks` threads; returns rank 0's records (checking every rank got the same).
+std::vector<TrialRecord> run_search(int ranks, SearchOptions options, SearchSpace space,
+                                    const std::function<double(const TrialConfig&, ThreadComm&, TrialReport&)>& fn,
+                                    std::vector<Generation>* generations = nullptr) {
+  ThreadWorld world(ranks);
+  std::vector<std::vector<std::string>> per_rank(static_cast<std::size_t>(ranks));
+  std::vector<TrialRecord> out;
+  world.run([&](ThreadComm& comm) {
+    HyperparameterSearch search(comm, options, space);
+    const auto records = search.run(fn);
+    for (const auto& r : records) per_rank[static_cast<std::size_t>(comm.rank())].push_back(r.json());
+    if (comm.rank() == 0) {
+      out = records;
+      if (generations) *generations = search.generations();
+    }
+  });
+  for (const auto& r : per_rank) CHECK(r == per_rank[0]);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("Search: grid over two groups of two ranks, each group data-parallel", "[train][search]") {
+  SearchSpace space;
+  space.add("lr", 0.001, 0.1, Scale::Log).add("momentum", 0.0, 0.9, Scale::Linear, {0.0, 0.5, 0.9});
+  std::atomic<int> calls{0};
+  const auto records = run_search(4, {.groups = 2, .strategy = SearchStrategy::Grid, .grid_points = 3}, space,
+                                   [&](const TrialConfig& c, ThreadComm& group, TrialReport& report) {
+                                     std::vector<double> ones = {1.0};
+                                     group.all_reduce(std::span<double>(ones), ReduceOp::Sum);  // a real group
+                                     if (group.rank() == 0) ++calls;
+                                     report.epoch({{"loss", 1.0 - synthetic_score(c)}, {"group_size", ones[0]}});
+                                     return synthetic_score(c);
+                                   });
+  REQUIRE(records.size() == 9);
+  CHECK(calls == 9);
+  CHECK(records[0].config.at("lr") == Approx(0.001));
+  CHECK(records[1].config.at("lr") == Approx(0.001));
+  CHECK(records[3].config.at("lr") == Approx(0.01));  // the middle of a log grid is the geometric mean
+  CHECK(records[8].config.at("momentum") == 0.9);
+  for (const auto& r : records) {
+    CHECK(r.group == r.id % 2);  // handed out one per group per round
+    CHECK(r.epochs.at(0).values.at("group_size") == 2.0);
+    CHECK_FALSE(r.failed);
+  }
+}
+
+TEST_CASE("Search: random draws stay in range, log-uniform on log scales", "[train][search]") {
+  const auto records = run_search(2, {.groups = 2, .strategy = SearchStrategy::Random, .trials = 40, .seed = 3},
+                                   lr_momentum(), [](const TrialConfig& c, ThreadComm&, TrialReport&) {
+                                     return synthetic_score(c);
+                                   });
+  REQUIRE(records.size() == 40);
+  int below_1e2 = 0;
+  for (const auto& r : records) {
+    CHECK(r.config.at("lr") >= 1e-4);
+    CHECK(r.config.at("lr") <= 1.0);
+    CHECK(r.config.at("momentum") >= 0.0);
+    CHECK(r.config.at("momentum") <= 0.99);
+    below_1e2 += r.config.at("lr") < 1e-2;
+  }
+  CHECK(below_1e2 >= 15);  // half the log range lies below 1e-2 (uniform draws would give ~1%)
+}
+
+TEST_CASE("Search: evolution improves on its first generation, keeps elites, reports generations",
+          "[train][search]") {
+  std::vector<Generation> generations;
+  const auto records = run_search(
+      4,
+      {.groups = 2, .strategy = SearchStrategy::Evolution,
+       .evolution = {.population = 8, .generations = 5, .tournament_size = 3, .elitism = 2}, .seed = 11},
+      lr_momentum(), [](const TrialConfig& c, ThreadComm&, TrialReport&) { return synthetic_score(c); }, &generations);
+  REQUIRE(records.size() == 40);
+  REQUIRE(generations.size() == 5);
+  for (const auto& g : generations) CHECK(g.trials.size() == 8);
+  for (std::size_t g = 1; g < generations.size(); ++g) {
+    CHECK(generations[g].best() >= generations[g - 1].best());  // elitism: the best never gets lost
+    int carried = 0;
+    for (const auto& t : generations[g].trials) carried += t.carried;
+    CHECK(carried == 2);
+  }
+  INFO("best " << generations[0].best() << " -> " << generations.back().best() << ", median "
+               << generations[0].median() << " -> " << generations.back().median());
+  CHECK(generations.back().best() > generations[0].best());
+  CHECK(generations.back().median() > generations[0].median());
+}
+
+TEST_CASE("Search: failed and diverged trials are recorded and the search goes on", "[train][search]") {
+  const auto records = run_search(
+      4, {.groups = 2, .strategy = SearchStrategy::Random, .trials = 6, .seed = 5}, lr_momentum(),
+      [](const TrialConfig& c, ThreadComm& group, TrialReport& report) {
+        (void)c;
+        static_cast<void>(group);
+        const std::uint64_t kind = report.seed % 4;
+        if (kind == 0) throw std::runtime_error("out of patience");
+        if (kind == 1) report.epoch({{"loss", std::nan("")}});
+        if (kind == 2 && group.rank() == 1) throw std::runtime_error("only rank 1 of the group failed");
+        return 0.5;
+      });
+  REQUIRE(records.size() == 6);
+  int failed = 0;
+  for (const auto& r : records) {
+    const std::uint64_t kind = r.seed % 4;
+    INFO("trial " << r.id << " kind " << kind << ": " << r.error);
+    CHECK(r.failed == (kind != 3));
+    if (kind == 0) CHECK_THAT(r.error, Catch::Contains("out of patience"));
+    if (kind == 1) CHECK_THAT(r.error, Catch::Contains("diverged: loss is nan"));
+    if (kind == 2) CHECK_THAT(r.error, Catch::Contains("only rank 1") || Catch::Contains("another rank"));
+    if (r.failed) CHECK(std::isinf(r.score));
+    failed += r.failed;
+  }
+  CHECK(failed < 6);
+}
+
+TEST_CASE("Search: the JSON-lines log resumes a search without re-running finished trials", "[train][search]") {
+  const std::string path = temp_path("resume");
+  std::remove(path.c_str());
+  const SearchOptions options{.groups = 2, .strategy = SearchStrategy::Evolution,
+                              .evolution = {.population = 4, .generations = 3}, .seed = 21, .log_path = path};
+  std::atomic<int> calls{0};
+  auto fn = [&](const TrialConfig& c, ThreadComm& group, TrialReport& report) {
+    if (group.rank() == 0) ++calls;
+    report.epoch({{"loss", 1 - synthetic_score(c)}, {"accuracy", 0.5}});
+    return synthetic_score(c);
+  };
+  const auto first = run_search(4, options, lr_momentum(), fn);
+  const int trained = calls.load();
+  CHECK(trained == 4 + 2 * 3);  // 4, then 3 children per generation (one elite carried)
+
+  // Everything logged: nothing runs again, the same records come back.
+  calls = 0;
+  const auto again = run_search(4, options, lr_momentum(), fn);
+  CHECK(calls == 0);
+  REQUIRE(again.size() == first.size());
+  for (std::size_t i = 0; i < first.size(); ++i) CHECK(again[i].json() == first[i].json());
+
+  // A crash after 5 records, in the middle of writing the 6th: the torn line is dropped, and only
+  // the trials after the 5th run again, ending with the same records.
+  std::vector<std::string> lines;
+  {
+    std::ifstream in(path);
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+  }
+  REQUIRE(lines.size() == first.size());
+  {
+    std::ofstream out(path, std::ios::trunc);
+    for (int i = 0; i < 5; ++i) out << lines[static_cast<std::size_t>(i)] << "\n";
+    out << lines[5].substr(0, lines[5].size() / 2);
+  }
+  calls = 0;
+  const auto resumed = run_search(4, options, lr_momentum(), fn);
+  int carried_after_5 = 0;
+  for (std::size_t i = 5; i < first.size(); ++i) carried_after_5 += first[i].carried;
+  CHECK(calls == static_cast<int>(first.size()) - 5 - carried_after_5);
+  REQUIRE(resumed.size() == first.size());
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    CHECK(resumed[i].config == first[i].config);
+    CHECK(resumed[i].score == first[i].score);
+  }
+
+  // Another search's log is refused, naming the file and the line.
+  SearchOptions other = options;
+  other.seed = 22;
+  ThreadWorld world(4);
+  CHECK_THROWS_WITH(world.run([&](ThreadComm& comm) {
+    HyperparameterSearch search(comm, other, lr_momentum());
+    search.run(fn);
+  }), Catch::Contains(path + ":1") && Catch::Contains("does not match"));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("Search: bad options are refused", "[train][search][errors]") {
+  ThreadWorld world(3);
+  world.run([&](ThreadComm& comm) {
+    CHECK_THROWS_WITH(HyperparameterSearch(comm, {.groups = 2}, lr_momentum()), Catch::Contains("must divide"));
+  });
+  CHECK_THROWS_AS(SearchSpace().add("lr", 0.0, 1.0, Scale::Log), ArgumentError);
+  CHECK_THROWS_AS(SearchSpace().add("lr", 0.1, 1.0).add("lr", 0.1, 1.0), ArgumentError);
+}
