@@ -51,5 +51,6 @@
 #include "tessera/io/flags.hpp"
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/progress.hpp"
+#include "tessera/train/search.hpp"
 #include "tessera/io/safetensors.hpp"
 #include "tessera/train/trainer.hpp"
