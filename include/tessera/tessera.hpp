@@ -53,4 +53,5 @@
 #include "tessera/train/progress.hpp"
 #include "tessera/train/search.hpp"
 #include "tessera/io/safetensors.hpp"
+#include "tessera/io/state_dict.hpp"
 #include "tessera/train/trainer.hpp"

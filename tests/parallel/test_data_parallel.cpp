@@ -298,10 +298,10 @@ TEST_CASE("DataParallel: a parameter without gradient is named", "[parallel]") {
     auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm);
     CHECK_THROWS_WITH(dp.finish(), Catch::Contains("finish() without a backward pass"));
-    // A backward that skipped "3.weight" (as a branch not taken in forward would).
+    // A backward that skipped "conv2.weight" (as a branch not taken in forward would).
     for (const auto& [name, p] : dp.parameters().parameters)
-      if (name != "3.weight") p->grad_ready();
-    CHECK_THROWS_WITH(dp.finish(), Catch::Contains("no gradient in this step for: 3.weight"));
+      if (name != "conv2.weight") p->grad_ready();
+    CHECK_THROWS_WITH(dp.finish(), Catch::Contains("no gradient in this step for: conv2.weight"));
     // And it recovers: a full backward afterwards works.
     for (const auto& [name, p] : dp.parameters().parameters) p->grad_ready();
     CHECK_NOTHROW(dp.finish());
@@ -326,7 +326,7 @@ TEST_CASE("DataParallel: one rank without a gradient makes every rank throw, the
     const auto& params = dp.parameters().parameters;
     fill_grads(dp, [&](std::size_t) { return 1.0 + comm.rank(); });
     for (const auto& [name, p] : params)
-      if (!(comm.rank() == 1 && name == "3.weight")) p->grad_ready();  // rank 1 skips one
+      if (!(comm.rank() == 1 && name == "conv2.weight")) p->grad_ready();  // rank 1 skips one
     try {
       dp.finish();
     } catch (const ArgumentError& e) {
@@ -339,7 +339,7 @@ TEST_CASE("DataParallel: one rank without a gradient makes every rank throw, the
     for (std::size_t i = 0; i < params.size(); ++i)
       REQUIRE(params[i].second->grad.data()[0] == static_cast<double>(i) + 1.0);  // mean of i and i + 2
   });
-  CHECK_THAT(errors[1], Catch::Contains("rank 1: no gradient in this step for: 3.weight"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 1: no gradient in this step for: conv2.weight"));
   CHECK_THAT(errors[0], Catch::Contains("another rank had a parameter without a gradient"));
 }
 
@@ -365,7 +365,7 @@ TEST_CASE("DataParallel: finish() without backward, and a parameter used twice, 
   });
   for (int r = 0; r < 2; ++r) {
     CHECK_THAT(no_backward[r], Catch::Contains("finish() without a backward pass"));
-    CHECK_THAT(twice[r], Catch::Contains("two gradients in one backward (used twice in forward) for: 0.weight"));
+    CHECK_THAT(twice[r], Catch::Contains("two gradients in one backward (used twice in forward) for: conv1.weight"));
   }
 }
 

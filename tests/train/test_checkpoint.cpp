@@ -76,6 +76,9 @@ TEST_CASE("Checkpoint: save then load restores parameters, buffers and optimizer
   CHECK_FALSE(identical(snapshot(a.model), snapshot(b.model)));
   b.trainer.load((dir / "a.safetensors").string());
   CHECK(identical(snapshot(a.model), snapshot(b.model)));
+  // BatchNorm's num_batches_tracked too: one per training batch (96 samples / 16), an I64 scalar as in torch.
+  CHECK(b.model.stem_bn().num_batches_tracked() == 6);
+  CHECK(SafetensorsFile::load((dir / "a.safetensors").string()).info("bn1.num_batches_tracked").dtype == DType::I64);
   CHECK(b.trainer.state().epoch == 1);
   CHECK(b.trainer.state().global_step == 6);
   CHECK(b.sgd.steps() == a.sgd.steps());
@@ -176,8 +179,10 @@ TEST_CASE("Checkpoint of another model lists every mismatch and loads nothing", 
     FAIL("expected IoError");
   } catch (const IoError& e) {
     const std::string msg = e.what();
-    CHECK_THAT(msg, Catch::Contains("missing tensor 'conv1.weight'") && Catch::Contains("unexpected tensor '0.weight'") &&
-                        Catch::Contains("nothing was loaded"));
+    // LeNet-5 and ResNet-8 share the name conv1.weight but not its shape.
+    CHECK_THAT(msg, Catch::Contains("tensor 'conv1.weight': file has F32 (6, 1, 5, 5), model has F32 (16, 1, 3, 3)") &&
+                        Catch::Contains("missing tensor 'bn1.weight'") &&
+                        Catch::Contains("unexpected tensor 'fc1.weight'") && Catch::Contains("nothing was loaded"));
   }
   CHECK(identical(before, snapshot(b.model)));
   fs::remove_all(dir);

@@ -24,7 +24,7 @@ double synthetic_score(const TrialConfig& c) {
 
 SearchSpace lr_momentum() {
   SearchSpace space;
-  space.add("lr", 1e-4, 1.0, Scale::Log).add("momentum", 0.0, 0.99);
+  space.add("lr", 1e-4, 1.0, SearchScale::Log).add("momentum", 0.0, 0.99);
   return space;
 }
 
@@ -55,7 +55,7 @@ std::vector<TrialRecord> run_search(int ranks, SearchOptions options, SearchSpac
 
 TEST_CASE("Search: grid over two groups of two ranks, each group data-parallel", "[train][search]") {
   SearchSpace space;
-  space.add("lr", 0.001, 0.1, Scale::Log).add("momentum", 0.0, 0.9, Scale::Linear, {0.0, 0.5, 0.9});
+  space.add("lr", 0.001, 0.1, SearchScale::Log).add("momentum", 0.0, 0.9, SearchScale::Linear, {0.0, 0.5, 0.9});
   std::atomic<int> calls{0};
   const auto records = run_search(4, {.groups = 2, .strategy = SearchStrategy::Grid, .grid_points = 3}, space,
                                    [&](const TrialConfig& c, ThreadComm& group, TrialReport& report) {
@@ -207,6 +207,6 @@ TEST_CASE("Search: bad options are refused", "[train][search][errors]") {
   world.run([&](ThreadComm& comm) {
     CHECK_THROWS_WITH(HyperparameterSearch(comm, {.groups = 2}, lr_momentum()), Catch::Contains("must divide"));
   });
-  CHECK_THROWS_AS(SearchSpace().add("lr", 0.0, 1.0, Scale::Log), ArgumentError);
+  CHECK_THROWS_AS(SearchSpace().add("lr", 0.0, 1.0, SearchScale::Log), ArgumentError);
   CHECK_THROWS_AS(SearchSpace().add("lr", 0.1, 1.0).add("lr", 0.1, 1.0), ArgumentError);
 }

@@ -18,8 +18,13 @@
 // rank before normalizing, and backward sums (sum dy, sum dy xhat) before forming dx, so M and
 // the statistics are the whole distributed batch's. The layer itself never sees a communicator:
 // the hook is a function that sums a span of doubles over the group. dgamma and dbeta stay the
-// local sums, which data parallelism then averages, as in torch.nn.SyncBatchNorm. torch's num_batches_tracked buffer is not kept (it only matters for
-// momentum=None, which is not offered).
+// local sums, which data parallelism then averages, as in torch.nn.SyncBatchNorm.
+//
+// num_batches_tracked: counted as torch counts it (+1 per training-mode forward) and visited as
+// v.integer_buffer(prefix + "num_batches_tracked", std::int64_t&) for visitors that have that member
+// (state_dict and checkpoint I/O, where it is torch's int64 scalar tensor); visitors without it
+// (optimizers, gradient reducers) never see it. It does not affect the numbers: torch only uses it
+// for momentum=None, which is not offered.
 #pragma once
 
 #include <algorithm>
@@ -85,6 +90,7 @@ class BatchNorm2d {
                                 c.invstd.data());
       batch_norm_update_running(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, momentum_,
                                 running_mean_.data(), running_var_.data());
+      ++num_batches_tracked_;
     } else {
       D::copy(c.mean.data(), running_mean_.data(), running_mean_.bytes());
       batch_norm_invstd(D{}, channels_, running_var_.data(), eps_, c.invstd.data());
@@ -129,6 +135,8 @@ class BatchNorm2d {
     v.parameter(prefix + "bias", bias_);
     v.buffer(prefix + "running_mean", running_mean_);
     v.buffer(prefix + "running_var", running_var_);
+    if constexpr (requires { v.integer_buffer(prefix, num_batches_tracked_); })
+      v.integer_buffer(prefix + "num_batches_tracked", num_batches_tracked_);
   }
   void set_mode(Mode mode) { mode_ = mode; }
   Mode mode() const { return mode_; }
@@ -149,6 +157,7 @@ class BatchNorm2d {
   Parameter<S, D>& bias() { return bias_; }
   Tensor& running_mean() { return running_mean_; }
   Tensor& running_var() { return running_var_; }
+  std::int64_t num_batches_tracked() const { return num_batches_tracked_; }
 
  private:
   std::string name() const { return detail::cat("BatchNorm2d(", channels_, ", eps=", eps_, ", momentum=", momentum_, ")"); }
@@ -185,6 +194,7 @@ class BatchNorm2d {
   bool needs_input_grad_ = true;
   Parameter<S, D> weight_, bias_;
   Tensor running_mean_, running_var_;
+  std::int64_t num_batches_tracked_ = 0;
 };
 
 }  // namespace tessera

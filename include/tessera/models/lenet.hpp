@@ -3,7 +3,12 @@
 //   -> conv5x5(16) -> ReLU -> maxpool 2 -> (N, 16, (H/2-4)/2, (W/2-4)/2) -> flatten
 //   -> fc 120 -> ReLU -> fc 84 -> ReLU -> fc classes
 // For 28x28 inputs the flattened size is 16*5*5 = 400, as in the original 32x32 design.
-// Names follow torch.nn.Sequential: "0.weight" (conv1), "3.weight" (conv2), "7.weight" (fc1), ...
+// Names are the classic LeNet-5 layout, as a torch module with attributes conv1, conv2, fc1, fc2,
+// fc3 (or an nn.Sequential built from an OrderedDict of the same names) spells them:
+//   conv1.weight (6, C, 5, 5)  conv1.bias (6)     conv2.weight (16, 6, 5, 5)  conv2.bias (16)
+//   fc1.weight (120, 16*s*s)   fc1.bias (120)     fc2.weight (84, 120)        fc2.bias (84)
+//   fc3.weight (classes, 84)   fc3.bias (classes)
+// The parameter-free layers are relu1, pool1, relu2, pool2, flatten, relu3, relu4 (pipeline unit names).
 #pragma once
 
 #include <string>
@@ -33,6 +38,8 @@ LeNet5<E> lenet5(std::int64_t in_channels = 1, std::int64_t image_size = 28, std
                 Conv2d<E>(6, 16, 5, rng), ReLU<E>(), MaxPool2d<E>(2, 2, 0), Flatten<E>(),
                 Linear<E>(16 * after * after, 120, rng), ReLU<E>(), Linear<E>(120, 84, rng), ReLU<E>(),
                 Linear<E>(84, num_classes, rng)};
+  net.set_names(
+      {"conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc1", "relu3", "fc2", "relu4", "fc3"});
   net.set_needs_input_grad(false);
   return net;
 }

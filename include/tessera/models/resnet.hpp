@@ -1,5 +1,6 @@
-// ResNets (He et al. 2016) with torchvision's structure and parameter names, so a state_dict maps
-// one to one:
+// ResNets (He et al. 2016) with torchvision's structure and state_dict keys (BatchNorm's
+// num_batches_tracked included, same order and shapes), so a torchvision checkpoint converted by
+// tools/convert_torchvision.py loads with load_state_dict (io/state_dict.hpp) one to one:
 //   ResNet-18/34 (BasicBlock), ResNet-50/101/152 (Bottleneck, "v1.5": the stride sits on the 3x3
 //   convolution, as in torchvision and Goyal et al.), ImageNet stem 7x7/2 conv + 3x3/2 max-pool;
 //   CIFAR ResNet-20/56 (6n+2 layers, 16/32/64 channels, 3x3 stem, no max-pool) with option-B

@@ -9,7 +9,9 @@
 //
 // Biases and BatchNorm scales/shifts get neither weight decay nor the trust ratio by default
 // (trust = 1: Adam for them); adapt_norm_and_bias = true includes them. Norms are summed in
-// double. Checkpoint state: "optim.exp_avg.<name>", "optim.exp_avg_sq.<name>", "optim.step".
+// double. Scalars follow torch's Adam: 1 - beta, the bias corrections and -lr * trust are computed
+// in double and rounded to S once; m and v are divided by the rounded corrections (see
+// kernels/cpu/optim.hpp for the order of operations). Checkpoint state: "optim.exp_avg.<name>", "optim.exp_avg_sq.<name>", "optim.step".
 #pragma once
 
 #include <cmath>
@@ -57,25 +59,23 @@ class Lamb {
     detail::before_update(params_);
     ensure_state();
     ++steps_;
-    const double c1 = 1.0 - std::pow(o_.beta1, static_cast<double>(steps_));
-    const double c2 = 1.0 - std::pow(o_.beta2, static_cast<double>(steps_));
     for (std::size_t i = 0; i < params_.size(); ++i) {
       Parameter<S, D>& p = *params_[i].param;
+      TESSERA_CHECK(p.grad.shape() == p.value.shape(), ShapeError, "Lamb::step: parameter '", params_[i].name,
+                    "' has value ", p.value.shape(), " but grad ", p.grad.shape());
       const bool adapt = params_[i].decay;
       const std::int64_t n = p.value.numel();
-      const S b1 = S(o_.beta1), b2 = S(o_.beta2), inv_c1 = S(1.0 / c1), inv_c2 = S(1.0 / c2), eps = S(o_.eps),
-              wd = S(adapt ? o_.weight_decay : 0.0);
       S* w = p.value.data();
       S* r = update_[i].data();
       // First pass: moments and the raw update r; second: the trust-scaled step.
       lamb_moments(D{}, n, w, p.grad.data(), exp_avg_[i].data(), exp_avg_sq_[i].data(), r,
-                   LambCoefficients<S>{b1, b2, inv_c1, inv_c2, eps, wd});
+                   lamb_coefficients<S>(o_.beta1, o_.beta2, o_.eps, adapt ? o_.weight_decay : 0.0, steps_));
       double trust = 1.0;
       if (adapt) {
         const double w_norm = l2_norm(D{}, w, n), r_norm = l2_norm(D{}, r, n);
         if (w_norm > 0 && r_norm > 0) trust = w_norm / r_norm;
       }
-      lamb_apply(D{}, n, w, r, S(o_.lr * trust));
+      lamb_apply(D{}, n, w, r, S(-o_.lr * trust));
       last_trust_[i] = trust;
     }
   }

@@ -9,7 +9,9 @@
 // Biases and BatchNorm scales/shifts (ParamKind::Bias/Norm) get neither weight decay nor the
 // trust ratio by default (trust = 1: plain momentum SGD for them), as in the paper's reference
 // implementations; adapt_norm_and_bias = true adapts and decays them too. Norms are summed in
-// double. Checkpoint state: "optim.momentum_buffer.<name>" and "optim.step".
+// double; the trust ratio and lr * trust are computed in double and rounded to S once, and the
+// element update is torch's d = g.add(w, alpha=wd); v.mul_(momentum).add_(d, alpha=lr*trust);
+// w.sub_(v) (see kernels/cpu/optim.hpp). Checkpoint state: "optim.momentum_buffer.<name>" and "optim.step".
 #pragma once
 
 #include <cmath>

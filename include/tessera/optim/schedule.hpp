@@ -11,17 +11,22 @@
 //                                 (past T it rises again, as torch's does)
 //   LinearWarmup{inner, W, f}(e)= inner(e) * (f + (1 - f) * min(e, W) / W)             LinearLR(f, 1, W)
 //                                 chained with inner (torch's ChainedScheduler multiplies factors)
+//   SequentialLr{{M1, ..}, s0, s1, ..}(e) = s_k(e - M_k) for M_k <= e < M_k+1 (M_0 = 0)     SequentialLR
+//                                 each stage on its own clock: a warmup, then any schedule
 //
 // Use: opt.set_lr(schedule(epoch + double(i) / iterations_per_epoch)) before each step.
 // Constructors throw ArgumentError on a negative base lr, non-positive periods, a negative
-// milestone or warmup length, and a start factor outside (0, 1]; operator() on a negative epoch.
+// milestone or warmup length, a start factor outside (0, 1], and SequentialLr milestones that are
+// not increasing and positive or not one fewer than the stages; operator() on a negative epoch.
 // linear_scaling_rule (from optimizer.hpp) scales the base lr for a large global batch.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <concepts>
+#include <cstddef>
 #include <numbers>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -137,7 +142,62 @@ struct LinearWarmup {
   }
 };
 
+// Schedules one after another, torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers,
+// milestones): stage k runs from milestone k-1 (0 for the first stage) up to milestone k, on its
+// own clock. With M_0 = 0 and M_k <= e < M_{k+1},  lr(e) = stage_k(e - M_k).
+//
+// That is what torch 1.13 does: at a milestone SequentialLR calls step(0) on the next scheduler,
+// which sets it to its closed form at its own epoch 0 (its base lr times its factor at 0), and its
+// later step()s continue from there. So the next stage starts from its beginning whatever the
+// previous one ended at: a warmup cut short by its milestone is followed by the full lr, and a
+// StepLR/CosineAnnealingLR stage counts epochs from its milestone. Examples (base lr 0.4):
+//
+//   // SequentialLR([LinearLR(opt, 0.1, total_iters=5), CosineAnnealingLR(opt, T_max=85)], [5])
+//   SequentialLr warmup_cosine{{5}, LinearWarmup{ConstantLr{0.4}, 5, 0.1}, CosineLr{0.4, 85}};
+//   // SequentialLR([ConstantLR(opt, factor=0.25, total_iters=3), StepLR(opt, 30)], [3])
+//   SequentialLr hold_then_step{{3}, ConstantLr{0.1}, StepLr{0.4, 30}};
+//
+// Stages are any LrSchedule, a SequentialLr too (torch's ConstantLR that ends before the
+// milestone is SequentialLr{{2}, ConstantLr{f * b}, ConstantLr{b}} as a stage). Milestones are in
+// epochs and may be fractional, like every epoch here. Requires one milestone fewer than stages,
+// strictly increasing and positive (torch accepts any list; unsorted or zero ones make it pick
+// stages in a confusing order): ArgumentError otherwise.
+template <LrSchedule... Stages>
+struct SequentialLr {
+  static_assert(sizeof...(Stages) >= 1, "SequentialLr needs at least one stage");
+
+  std::vector<double> milestones;  // milestones[k] starts stage k + 1
+  std::tuple<Stages...> stages;
+
+  SequentialLr(std::vector<double> ms, Stages... s) : milestones(std::move(ms)), stages(std::move(s)...) {
+    TESSERA_CHECK(milestones.size() + 1 == sizeof...(Stages), ArgumentError, "SequentialLr: ", sizeof...(Stages),
+                  " stages need ", sizeof...(Stages) - 1, " milestones, got ", milestones.size());
+    for (std::size_t k = 0; k < milestones.size(); ++k)
+      TESSERA_CHECK(milestones[k] > (k == 0 ? 0.0 : milestones[k - 1]) && std::isfinite(milestones[k]),
+                    ArgumentError, "SequentialLr: milestone ", k, " = ", milestones[k],
+                    " must be finite, positive and greater than the one before");
+  }
+
+  double operator()(double epoch) const {
+    detail::check_epoch(epoch, "SequentialLr");
+    // The stage is the number of milestones <= epoch (torch: bisect_right(milestones, epoch)).
+    const auto k = static_cast<std::size_t>(std::upper_bound(milestones.begin(), milestones.end(), epoch) -
+                                            milestones.begin());
+    return stage_at<0>(k, k == 0 ? epoch : epoch - milestones[k - 1]);
+  }
+
+ private:
+  template <std::size_t I>
+  double stage_at(std::size_t k, double local) const {
+    if constexpr (I + 1 == sizeof...(Stages)) {
+      return std::get<I>(stages)(local);
+    } else {
+      return k == I ? std::get<I>(stages)(local) : stage_at<I + 1>(k, local);
+    }
+  }
+};
+
 static_assert(LrSchedule<ConstantLr> && LrSchedule<StepLr> && LrSchedule<MultiStepLr> && LrSchedule<CosineLr> &&
-              LrSchedule<LinearWarmup<StepLr>>);
+              LrSchedule<LinearWarmup<StepLr>> && LrSchedule<SequentialLr<LinearWarmup<ConstantLr>, CosineLr>>);
 
 }  // namespace tessera

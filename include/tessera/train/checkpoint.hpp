@@ -3,7 +3,8 @@
 // its metadata, with the state of every random generator a layer owns (Dropout masks), so that
 // resuming continues exactly where the run stopped.
 //
-// Tensor names are the model's state_dict names ("layer1.0.conv1.weight") and the optimizer's
+// Tensor names are the model's state_dict names ("layer1.0.conv1.weight", BatchNorm's
+// "bn1.num_batches_tracked" as an I64 scalar) and the optimizer's
 // ("optim.momentum_buffer.layer1.0.conv1.weight"); from Python:
 //   tensors, meta = safetensors_io.load("ckpt.safetensors")   (or safetensors.numpy.load_file)
 //
@@ -64,6 +65,10 @@ struct CheckpointSaver {
   void buffer(const std::string& name, T& t) {
     writer.add(name, t);
   }
+  // BatchNorm's num_batches_tracked: an I64 scalar tensor, as in torch's state_dict.
+  void integer_buffer(const std::string& name, std::int64_t& v) {
+    writer.add_raw(name, DType::I64, Shape{}, &v, sizeof v);
+  }
   void integer(const std::string& name, std::int64_t& v) { writer.set_metadata(name, std::to_string(v)); }
   void rng(const std::string& name, Rng& r) { writer.set_metadata(name, rng_to_string(r.state())); }
 };
@@ -93,6 +98,18 @@ struct CheckpointLoader {
       return;
     }
     if (copy) file.read_into(name, t);
+  }
+  // Absent in checkpoints written before BatchNorm kept it: the counter then stays as it is.
+  void integer_buffer(const std::string& name, std::int64_t& v) {
+    seen.insert(name);
+    if (!file.has(name)) return;
+    const TensorInfo& info = file.info(name);
+    if (info.shape != Shape{} || info.dtype != DType::I64) {
+      problems.push_back(cat("tensor '", name, "': file has ", dtype_name(info.dtype), " ", info.shape,
+                             ", model has I64 ()"));
+      return;
+    }
+    if (copy) v = file.tensor<std::int64_t>(name)[0];
   }
   void integer(const std::string& name, std::int64_t& v) {
     auto it = file.metadata().find(name);

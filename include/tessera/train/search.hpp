@@ -2,7 +2,7 @@
 // data-parallel inside itself (Spark/Ray Tune-style search on an MPI-shaped job).
 //
 //   SearchSpace space;
-//   space.add("lr", 1e-3, 0.3, Scale::Log).add("momentum", 0.5, 0.99).add("weight_decay", 1e-6, 1e-2, Scale::Log);
+//   space.add("lr", 1e-3, 0.3, SearchScale::Log).add("momentum", 0.5, 0.99).add("weight_decay", 1e-6, 1e-2, SearchScale::Log);
 //   HyperparameterSearch search(world, {.groups = 2, .strategy = SearchStrategy::Evolution, .log_path = "s.jsonl"}, space);
 //   auto records = search.run([&](const TrialConfig& c, Comm& group, TrialReport& report) {
 //     ... DataParallel over `group`, train with c.at("lr") ...;
@@ -67,7 +67,7 @@
 
 namespace tessera {
 
-enum class Scale { Linear, Log };
+enum class SearchScale { Linear, Log };
 enum class SearchStrategy { Grid, Random, Evolution };
 
 // A configuration: hyper-parameter name -> value.
@@ -76,17 +76,17 @@ using TrialConfig = std::map<std::string, double>;
 struct SearchDimension {
   std::string name;
   double low = 0, high = 1;
-  Scale scale = Scale::Linear;
+  SearchScale scale = SearchScale::Linear;
   std::vector<double> grid = {};  // Grid strategy: these values, or grid_points spaced values if empty
 };
 
 class SearchSpace {
  public:
-  SearchSpace& add(std::string name, double low, double high, Scale scale = Scale::Linear,
+  SearchSpace& add(std::string name, double low, double high, SearchScale scale = SearchScale::Linear,
                    std::vector<double> grid = {}) {
     TESSERA_CHECK(!name.empty() && low <= high, ArgumentError, "SearchSpace::add('", name, "', ", low, ", ", high,
                   "): needs a name and low <= high");
-    TESSERA_CHECK(scale == Scale::Linear || low > 0, ArgumentError, "SearchSpace::add('", name,
+    TESSERA_CHECK(scale == SearchScale::Linear || low > 0, ArgumentError, "SearchSpace::add('", name,
                   "'): a log-scale range must be positive, got [", low, ", ", high, "]");
     for (const auto& d : dims_)
       TESSERA_CHECK(d.name != name, ArgumentError, "SearchSpace::add: '", name, "' is already a dimension");
@@ -105,7 +105,7 @@ struct EvolutionOptions {
   int tournament_size = 3;
   double crossover = 0.5;        // probability that a child mixes two parents (uniform crossover)
   double mutation = 0.3;         // per-gene mutation probability
-  double mutation_scale = 0.15;  // Gaussian step, as a fraction of the range (log range for Scale::Log)
+  double mutation_scale = 0.15;  // Gaussian step, as a fraction of the range (log range for SearchScale::Log)
   int elitism = 1;               // best configurations carried into the next generation unchanged
 };
 
@@ -326,7 +326,7 @@ class HyperparameterSearch {
 
   double draw(const SearchDimension& d, Rng& rng) const {
     const double u = rng.uniform();
-    if (d.scale == Scale::Log) return std::exp(std::log(d.low) + u * (std::log(d.high) - std::log(d.low)));
+    if (d.scale == SearchScale::Log) return std::exp(std::log(d.low) + u * (std::log(d.high) - std::log(d.low)));
     return d.low + u * (d.high - d.low);
   }
   TrialConfig random_config(Rng& rng) const {
@@ -343,7 +343,7 @@ class HyperparameterSearch {
         const int n = options_.grid_points;
         for (int i = 0; i < n; ++i) {
           const double t = n == 1 ? 0.5 : static_cast<double>(i) / (n - 1);
-          values.push_back(d.scale == Scale::Log ? std::exp(std::log(d.low) + t * (std::log(d.high) - std::log(d.low)))
+          values.push_back(d.scale == SearchScale::Log ? std::exp(std::log(d.low) + t * (std::log(d.high) - std::log(d.low)))
                                                  : d.low + t * (d.high - d.low));
         }
       }
@@ -399,7 +399,7 @@ class HyperparameterSearch {
       for (const auto& d : space_.dimensions()) {
         double v = cross && rng.uniform() < 0.5 ? b.config.at(d.name) : a.config.at(d.name);
         if (rng.uniform() < e.mutation) {
-          const bool log = d.scale == Scale::Log;
+          const bool log = d.scale == SearchScale::Log;
           const double lo = log ? std::log(d.low) : d.low, hi = log ? std::log(d.high) : d.high;
           double x = (log ? std::log(v) : v) + rng.normal(0.0, e.mutation_scale * (hi - lo));
           x = std::clamp(x, lo, hi);

@@ -3,7 +3,17 @@
 // (optim/) compute the per-parameter coefficients (learning rate, bias corrections, trust ratios)
 // and call these with the device tag first; the CUDA overloads are in kernels/cuda/{sgd,adam,lars,
 // lamb}.cuh, picked by kernels/optim.hpp. Formulas as in PyTorch's torch.optim, in its operation
-// order so that float32 rounds alike.
+// order so that float32 rounds alike:
+//
+// - Scalars are computed as torch's Python code computes them: in double (1 - beta, 1 - dampening,
+//   lr / (1 - beta1^t), sqrt(1 - beta2^t), lr * trust, ...) and rounded to S once, where torch
+//   converts a Python scalar into the tensor's dtype. Never from already-rounded S values.
+// - Every tensor op is one rounding in S, in torch's order: buf.mul_(m).add_(d, alpha=a) rounds
+//   buf*m, then adds a*d; addcmul_(g, g, value=c) is self + (c*g)*g; addcdiv_ is self + (c*m)/d.
+// - torch's CPU kernels (AVX2/AVX-512/NEON builds, i.e. every current x86-64 and ARM wheel) and its
+//   CUDA kernels evaluate `x + alpha * y` (add/sub with alpha, addcmul) as one fused multiply-add.
+//   detail::mul_add does the same where the target has FMA, so that a float32 trajectory stays
+//   within a few ulps of torch's over hundreds of steps instead of drifting by its own rounding.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +36,27 @@ void for_each_element(std::int64_t n, F f) {
   for (std::int64_t i = 0; i < n; ++i) f(i);
 }
 
+// 1 where this translation unit is compiled for a CPU with fused multiply-add (x86-64 with -mfma
+// or -march=native on Haswell and later; AArch64), 0 otherwise. Tests use it to pick their bound.
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#define TESSERA_OPTIM_FUSED_MULTIPLY_ADD 1
+#else
+#define TESSERA_OPTIM_FUSED_MULTIPLY_ADD 0
+#endif
+
+// c + a * b rounded the way torch's `c.add_(b, alpha=a)` rounds on this CPU: once (fused) where
+// the hardware has FMA, as torch's vectorized kernels do, else after the product and after the sum.
+// Without FMA hardware the compiler cannot fuse a * b + c either, so both branches are exact about
+// their rounding.
+template <class S>
+inline S mul_add(S a, S b, S c) {
+#if TESSERA_OPTIM_FUSED_MULTIPLY_ADD
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 }  // namespace detail
 
 // The coefficients of one update of one parameter (weight decay already masked).
@@ -38,22 +69,25 @@ struct SgdStep {
 // The update above on n contiguous elements; buf is unused (may be null) when momentum == 0.
 template <class S>
 void sgd_update(Cpu, std::int64_t n, S* p, const S* g, S* buf, const SgdStep& c) {
-  const S lr = S(-c.lr), wd = S(c.weight_decay), m = S(c.momentum), keep = S(1 - c.dampening);
+  // torch: d = g.add(p, alpha=wd); buf.mul_(m).add_(d, alpha=1 - dampening) (1 - dampening in
+  // double); nesterov: d = d.add(buf, alpha=m); p.add_(d, alpha=-lr).
+  const S neg_lr = S(-c.lr), wd = S(c.weight_decay), m = S(c.momentum), keep = S(1 - c.dampening);
   const bool nesterov = c.nesterov;
+  using detail::mul_add;
   if (c.momentum == 0) {
-    detail::for_each_element(n, [=](std::int64_t i) { p[i] = p[i] + lr * (g[i] + wd * p[i]); });
+    detail::for_each_element(n, [=](std::int64_t i) { p[i] = mul_add(neg_lr, mul_add(wd, p[i], g[i]), p[i]); });
   } else if (c.first_step) {
     detail::for_each_element(n, [=](std::int64_t i) {
-      const S d = g[i] + wd * p[i];
+      const S d = mul_add(wd, p[i], g[i]);
       buf[i] = d;
-      p[i] = p[i] + lr * (nesterov ? d + m * d : d);
+      p[i] = mul_add(neg_lr, nesterov ? mul_add(m, d, d) : d, p[i]);
     });
   } else {
     detail::for_each_element(n, [=](std::int64_t i) {
-      const S d = g[i] + wd * p[i];
-      const S b = buf[i] * m + keep * d;
+      const S d = mul_add(wd, p[i], g[i]);
+      const S b = mul_add(keep, d, buf[i] * m);
       buf[i] = b;
-      p[i] = p[i] + lr * (nesterov ? d + m * b : b);
+      p[i] = mul_add(neg_lr, nesterov ? mul_add(m, b, d) : b, p[i]);
     });
   }
 }
@@ -75,12 +109,15 @@ void adam_update(Cpu, std::int64_t n, S* p, const S* g, S* m, S* v, S* v_max, co
   const S bc2_sqrt = S(std::sqrt(bias_correction2));
   const S eps = S(c.eps), wd = S(c.l2_decay), shrink = S(1 - c.lr * c.decoupled_decay);
   const S b1 = S(c.beta1), b2 = S(c.beta2), one_minus_b1 = S(1 - c.beta1), one_minus_b2 = S(1 - c.beta2);
-  // Operations in torch's order (mul_ then add_, (value * m) / denom) so float32 rounds alike.
+  // torch's order: g.add(p, alpha=wd); p.mul_(1 - lr*wd); m.mul_(b1).add_(g, alpha=1 - b1);
+  // v.mul_(b2).addcmul_(g, g, value=1 - b2); denom = (sqrt(v) / bc2_sqrt).add_(eps);
+  // p.addcdiv_(m, denom, value=-step_size), which is p + (value * m) / denom.
+  using detail::mul_add;
   auto moments = [=](std::int64_t i) {
-    const S gi = g[i] + wd * p[i];
+    const S gi = mul_add(wd, p[i], g[i]);
     p[i] = p[i] * shrink;
-    m[i] = m[i] * b1 + one_minus_b1 * gi;
-    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+    m[i] = mul_add(one_minus_b1, gi, m[i] * b1);
+    v[i] = mul_add(one_minus_b2 * gi, gi, v[i] * b2);
   };
   if (v_max == nullptr) {
     detail::for_each_element(n, [=](std::int64_t i) {
@@ -105,32 +142,48 @@ double l2_norm(Cpu, const S* x, std::int64_t n) {
   return std::sqrt(sum);
 }
 
-// One LARS step on n elements: v = m v + lr_scaled (g + wd w);  w -= v.
+// One LARS step on n elements, as torch ops d = g.add(w, alpha=wd); v.mul_(m).add_(d,
+// alpha=lr*trust); w.sub_(v). The caller rounds lr * trust (computed in double) to S once.
 template <class S>
 void lars_update(Cpu, std::int64_t n, S* w, const S* g, S* v, S scaled_lr, S m, S decay) {
+  using detail::mul_add;
   detail::for_each_element(n, [=](std::int64_t k) {
-    v[k] = m * v[k] + scaled_lr * (g[k] + decay * w[k]);
+    v[k] = mul_add(scaled_lr, mul_add(decay, w[k], g[k]), v[k] * m);
     w[k] -= v[k];
   });
 }
 
-// One LAMB step's two passes on n elements (see the header): the moments and the raw update
-// r = m^ / (sqrt(v^) + eps) + wd w, then w -= step r once the trust ratio is known.
+// One LAMB step's two passes on n elements (see optim/lamb.hpp): the moments and the raw update
+// r = m^ / (sqrt(v^) + eps) + wd w, then w += neg_step r once the trust ratio is known. Every
+// coefficient is a double-precision value rounded to S once (1 - beta too, as torch's Adam does;
+// the bias corrections c1 = 1 - beta1^t and c2 = 1 - beta2^t are divided by, not inverted).
 template <class S>
 struct LambCoefficients {
-  S b1, b2, inv_c1, inv_c2, eps, wd;
+  S b1, b2, one_minus_b1, one_minus_b2, c1, c2, eps, wd;
 };
+
+// The coefficients of step t (1 on the first step) from the double-precision options.
+template <class S>
+LambCoefficients<S> lamb_coefficients(double beta1, double beta2, double eps, double weight_decay, std::int64_t t) {
+  const double c1 = 1 - std::pow(beta1, static_cast<double>(t)), c2 = 1 - std::pow(beta2, static_cast<double>(t));
+  return {S(beta1), S(beta2), S(1 - beta1), S(1 - beta2), S(c1), S(c2), S(eps), S(weight_decay)};
+}
+
+// torch ops: m.mul_(b1).add_(g, alpha=1 - b1); v.mul_(b2).addcmul_(g, g, value=1 - b2);
+// r = (m / c1) / ((v / c2).sqrt() + eps); r.add_(w, alpha=wd).
 template <class S>
 void lamb_moments(Cpu, std::int64_t n, const S* w, const S* g, S* m, S* v, S* r, LambCoefficients<S> c) {
+  using detail::mul_add;
   detail::for_each_element(n, [=](std::int64_t k) {
-    m[k] = c.b1 * m[k] + (S(1) - c.b1) * g[k];
-    v[k] = c.b2 * v[k] + (S(1) - c.b2) * g[k] * g[k];
-    r[k] = (m[k] * c.inv_c1) / (std::sqrt(v[k] * c.inv_c2) + c.eps) + c.wd * w[k];
+    m[k] = mul_add(c.one_minus_b1, g[k], m[k] * c.b1);
+    v[k] = mul_add(c.one_minus_b2 * g[k], g[k], v[k] * c.b2);
+    r[k] = mul_add(c.wd, w[k], (m[k] / c.c1) / (std::sqrt(v[k] / c.c2) + c.eps));
   });
 }
+// w.add_(r, alpha=-lr*trust): neg_step is -(lr * trust) rounded to S.
 template <class S>
-void lamb_apply(Cpu, std::int64_t n, S* w, const S* r, S step) {
-  detail::for_each_element(n, [=](std::int64_t k) { w[k] -= step * r[k]; });
+void lamb_apply(Cpu, std::int64_t n, S* w, const S* r, S neg_step) {
+  detail::for_each_element(n, [=](std::int64_t k) { w[k] = detail::mul_add(neg_step, r[k], w[k]); });
 }
 
 }  // namespace tessera

@@ -1,5 +1,6 @@
 // The fused Adam/AdamW update on the GPU: the Cuda overload of adam_update in optim/adam.hpp
-// (same maths and order of operations, as torch's), one pass over p, g, m, v (and v_max).
+// (same maths and order of operations, as torch's; scalars rounded from double once; fma() where
+// torch's add(..., alpha) and addcmul round once), one pass over p, g, m, v (and v_max).
 #pragma once
 
 #include <cmath>
@@ -15,15 +16,16 @@ template <class S>
 __global__ void adam_update_kernel(std::int64_t n, S* p, const S* g, S* m, S* v, S* v_max, S step, S bc2_sqrt, S eps,
                                    S wd, S shrink, S b1, S b2, S one_minus_b1, S one_minus_b2) {
   TESSERA_CUDA_FOR(i, n) {
-    const S gi = g[i] + wd * p[i];
+    const S gi = fma(wd, p[i], g[i]);
     p[i] = p[i] * shrink;
-    m[i] = m[i] * b1 + one_minus_b1 * gi;
-    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+    m[i] = fma(one_minus_b1, gi, m[i] * b1);
+    v[i] = fma(one_minus_b2 * gi, gi, v[i] * b2);
     S second = v[i];
     if (v_max != nullptr) {
       v_max[i] = v_max[i] > v[i] ? v_max[i] : v[i];
       second = v_max[i];
     }
+    // addcdiv: (step * m) / denom, then + p, each rounded (nothing here nvcc could contract).
     p[i] = p[i] + step * m[i] / (sqrt(second) / bc2_sqrt + eps);
   }
 }

@@ -25,7 +25,7 @@ __global__ void sum_of_squares_kernel(const S* x, std::int64_t n, double* block_
 template <class S>
 __global__ void lars_update_kernel(std::int64_t n, S* w, const S* g, S* v, S scaled_lr, S m, S decay) {
   TESSERA_CUDA_FOR(k, n) {
-    v[k] = m * v[k] + scaled_lr * (g[k] + decay * w[k]);
+    v[k] = fma(scaled_lr, fma(decay, w[k], g[k]), v[k] * m);  // as the CPU kernel (torch's order)
     w[k] -= v[k];
   }
 }
