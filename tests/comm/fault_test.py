@@ -9,6 +9,7 @@ the rank, and (for Gloo) the missing peer or phase:
   stall                              one rank never calls the collective
   mismatch                           TESSERA_COMM_DEBUG=1 and different counts on different ranks
   join (Gloo)                        world size 3 but only ranks 0 and 1 start
+  ps (Gloo, --ps-program)            kill -9 a parameter-server worker: the server stops naming it
 
 Gloo and NCCL ranks are started directly (not through tessera-run, which would stop the survivors
 itself) so that each survivor's own error is observed; NCCL needs one GPU per rank (3). Under mpirun the launcher ends the job when a
@@ -128,6 +129,33 @@ def gloo_kill_scenario(program, mode, op_name):
                 check(re.search(rf"CommError: {STORE_BACKEND['class']} {op_name}\(.*\) on rank {r} of 3", text) is not None,
                       f"{STORE_BACKEND['label']} {mode}: rank {r}'s error names the operation and its rank", text)
                 print("      " + (text.strip().splitlines() or ["(no output)"])[-1])
+        finally:
+            for r in ranks:
+                r.kill()
+
+
+def gloo_ps_kill(program):
+    """A killed worker must not hang the parameter server: it exits with a CommError naming rank 1."""
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = []
+        for r in range(3):
+            env = base_env({"TESSERA_RANK": str(r), "TESSERA_WORLD_SIZE": "3", "TESSERA_STORE": "file://" + store})
+            ranks.append(Rank([program], env))
+        try:
+            ready = wait_ready(ranks)
+            check(ready, f"{STORE_BACKEND['label']} ps: server and 2 workers started", "\n".join(r.text() for r in ranks))
+            if not ready:
+                return
+            time.sleep(0.3)
+            killed_at = time.monotonic()
+            os.kill(ranks[1].proc.pid, signal.SIGKILL)
+            code = ranks[0].wait(killed_at + 2 * TIMEOUT + 1.0)
+            took = time.monotonic() - killed_at
+            text = ranks[0].text()
+            check(code == 3 and took <= 2 * TIMEOUT and "rank 1" in text and "CommError" in text,
+                  f"{STORE_BACKEND['label']} ps: the server stops within 2x the timeout with a CommError naming "
+                  f"rank 1 ({took:.2f} s, status {code})", text)
+            print("      " + (text.strip().splitlines() or ["(no output)"])[-1])
         finally:
             for r in ranks:
                 r.kill()
@@ -265,6 +293,7 @@ def main():
     parser.add_argument("--backend", choices=["gloo", "mpi", "nccl"], required=True)
     parser.add_argument("--program", required=True, help="fault_gloo, fault_mpi or fault_nccl")
     parser.add_argument("--mpirun", default="mpirun")
+    parser.add_argument("--ps-program", help="ps_fault_gloo: the parameter-server scenario (Gloo)")
     args = parser.parse_args()
     if args.backend == "nccl":
         # NCCL cannot tell which rank never joined its rendezvous, so the join scenario is Gloo's.
@@ -279,6 +308,8 @@ def main():
         gloo_stall(args.program)
         gloo_mismatch(args.program)
         gloo_join(args.program)
+        if args.ps_program:
+            gloo_ps_kill(args.ps_program)
     else:
         mpi_kill_scenario(args.mpirun, args.program, "allreduce")
         mpi_kill_scenario(args.mpirun, args.program, "barrier")
