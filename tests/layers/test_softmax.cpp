@@ -40,18 +40,9 @@ Tensor<S> load(const std::string& name) {
   return reference().tensor<double>(name).cast<S>();
 }
 
-std::vector<std::int64_t> load_labels(const std::string& name) {
-  const T64 t = reference().tensor<double>(name);
-  std::vector<std::int64_t> out(static_cast<std::size_t>(t.numel()));
-  for (std::int64_t i = 0; i < t.numel(); ++i) out[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(t[i]);
-  return out;
-}
+std::vector<std::int64_t> load_labels(const std::string& name) { return testing::load_labels(reference(), name); }
 
-std::string fmt_g(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
+using testing::fmt_g;
 
 // The generator's tables, repeated: each case's configuration string must equal the file's.
 struct SoftmaxCase {
@@ -150,26 +141,6 @@ void run_ce_ignore_reference(const CeIgnoreCase& k) {
   testing::expect_matches(reference(), loss.backward(c), n + ".dlogits");
 }
 
-// Central differences of a scalar loss f(z) against the analytic gradient (as testing::check_gradients).
-template <class F>
-void check_loss_gradient(T64 z, const T64& analytic, F&& f) {
-  REQUIRE(analytic.shape() == z.shape());
-  const double eps = 1e-6;
-  T64 numeric(z.shape());
-  for (std::int64_t i = 0; i < z.numel(); ++i) {
-    const double saved = z[i];
-    z[i] = saved + eps;
-    const double plus = f(z);
-    z[i] = saved - eps;
-    const double minus = f(z);
-    z[i] = saved;
-    numeric[i] = (plus - minus) / (2 * eps);
-  }
-  const double err = testing::relative_error(analytic, numeric);
-  INFO("d loss / d input relative error " << err);
-  CHECK(err <= 1e-6);
-}
-
 }  // namespace
 
 TEST_CASE("Softmax and LogSoftmax gradients along every dimension (float64)", "[layers][softmax]") {
@@ -255,7 +226,7 @@ TEST_CASE("NLLLoss and CrossEntropyLoss with ignore_index: gradients by central 
     NLLLoss<E64> nll(r);
     NLLLoss<E64>::Cache nc;
     nll.forward(logits, labels, nc);  // any (N, C) scores work for the gradient check
-    check_loss_gradient(logits, nll.backward(nc), [&](const T64& z) {
+    testing::check_loss_gradient(logits, nll.backward(nc), [&](const T64& z) {
       NLLLoss<E64>::Cache fresh;
       return nll.forward(z, labels, fresh);
     });
@@ -264,7 +235,7 @@ TEST_CASE("NLLLoss and CrossEntropyLoss with ignore_index: gradients by central 
       CrossEntropyLoss<E64> ce(r, smoothing);
       CrossEntropyLoss<E64>::Cache cc;
       ce.forward(logits, labels, cc);
-      check_loss_gradient(logits, ce.backward(cc), [&](const T64& z) {
+      testing::check_loss_gradient(logits, ce.backward(cc), [&](const T64& z) {
         CrossEntropyLoss<E64>::Cache fresh;
         return ce.forward(z, labels, fresh);
       });

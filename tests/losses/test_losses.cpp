@@ -40,18 +40,9 @@ Tensor<S> load(const std::string& name) {
   return reference().tensor<double>(name).cast<S>();
 }
 
-std::vector<std::int64_t> load_labels(const std::string& name) {
-  const T64 t = reference().tensor<double>(name);
-  std::vector<std::int64_t> out(static_cast<std::size_t>(t.numel()));
-  for (std::int64_t i = 0; i < t.numel(); ++i) out[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(t[i]);
-  return out;
-}
+std::vector<std::int64_t> load_labels(const std::string& name) { return testing::load_labels(reference(), name); }
 
-std::string fmt_g(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
+using testing::fmt_g;
 
 struct CeCase {
   const char* name;
@@ -112,27 +103,6 @@ void run_mse_reference(const MseCase& k) {
   expect_matches(loss.backward(c), n + ".dy");
 }
 
-// Central differences of a scalar loss f(z) in every element of z, against the analytic gradient,
-// with the same error measure and tolerance as testing::check_gradients.
-template <class F>
-void check_loss_gradient(T64 z, const T64& analytic, F&& f) {
-  REQUIRE(analytic.shape() == z.shape());
-  const double eps = 1e-6;
-  T64 numeric(z.shape());
-  for (std::int64_t i = 0; i < z.numel(); ++i) {
-    const double saved = z[i];
-    z[i] = saved + eps;
-    const double plus = f(z);
-    z[i] = saved - eps;
-    const double minus = f(z);
-    z[i] = saved;
-    numeric[i] = (plus - minus) / (2 * eps);
-  }
-  const double err = testing::relative_error(analytic, numeric);
-  INFO("d loss / d input relative error " << err);
-  CHECK(err <= 1e-6);
-}
-
 std::size_t system_allocations() { return Cpu::allocator().stats().system_allocations; }
 
 }  // namespace
@@ -148,7 +118,7 @@ TEST_CASE("CrossEntropyLoss gradient by central differences (float64)", "[losses
       CrossEntropyLoss<E64>::Cache c;
       loss.forward(logits, labels, c);
       const T64 analytic = loss.backward(c);
-      check_loss_gradient(logits, analytic, [&](const T64& z) {
+      testing::check_loss_gradient(logits, analytic, [&](const T64& z) {
         CrossEntropyLoss<E64>::Cache fresh;
         return loss.forward(z, labels, fresh);
       });
@@ -258,7 +228,7 @@ TEST_CASE("MseLoss gradient by central differences (float64)", "[losses][mse]") 
     MseLoss<E64>::Cache c;
     loss.forward(y, target, c);
     const T64 analytic = loss.backward(c);
-    check_loss_gradient(y, analytic, [&](const T64& z) {
+    testing::check_loss_gradient(y, analytic, [&](const T64& z) {
       MseLoss<E64>::Cache fresh;
       return loss.forward(z, target, fresh);
     });

@@ -7,7 +7,10 @@
 #pragma once
 
 #include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdio>
 #include <string>
+#include <vector>
 #include <type_traits>
 
 #include "support/gradcheck.hpp"
@@ -38,6 +41,42 @@ void expect_matches(const SafetensorsFile& reference, const Tensor<S>& got, cons
   report_error(std::is_same_v<S, float> ? "reference-f32" : "reference-f64", name, err);
   INFO(name << ": relative error " << err << ", tolerance " << tolerance);
   CHECK(err <= tolerance);
+}
+
+// Integer labels stored (as float64) under `name`.
+inline std::vector<std::int64_t> load_labels(const SafetensorsFile& reference, const std::string& name) {
+  const T64 t = reference.tensor<double>(name);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(t.numel()));
+  for (std::int64_t i = 0; i < t.numel(); ++i) out[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(t[i]);
+  return out;
+}
+
+// %g, as the generators format numbers in their configuration strings.
+inline std::string fmt_g(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// Central differences of a scalar loss f(z) in every element of z, against the analytic gradient,
+// with the same error measure and tolerance as check_gradients.
+template <class F>
+void check_loss_gradient(T64 z, const T64& analytic, F&& f) {
+  REQUIRE(analytic.shape() == z.shape());
+  const double eps = 1e-6;
+  T64 numeric(z.shape());
+  for (std::int64_t i = 0; i < z.numel(); ++i) {
+    const double saved = z[i];
+    z[i] = saved + eps;
+    const double plus = f(z);
+    z[i] = saved - eps;
+    const double minus = f(z);
+    z[i] = saved;
+    numeric[i] = (plus - minus) / (2 * eps);
+  }
+  const double err = relative_error(analytic, numeric);
+  INFO("d loss / d input relative error " << err);
+  CHECK(err <= 1e-6);
 }
 
 }  // namespace tessera::testing
