@@ -2,8 +2,16 @@
 //
 //   fault_program allreduce   loop over 64 MiB all_reduces (the test kills a rank meanwhile)
 //   fault_program barrier     loop over barriers (likewise)
-//   fault_program mismatch    rank 0 reduces 10 floats, the others 11 (run with TESSERA_COMM_DEBUG=1)
-//   fault_program stall       rank 1 sleeps instead of joining an all_reduce
+//   fault_program mismatch    rank 0 reduces 10 floats, the others 11 (the first call: checked)
+//   fault_program mismatch-dtype | mismatch-op | mismatch-root | mismatch-kind
+//                             rank 0 differs from the others in the element type, the reduce op,
+//                             the broadcast root, or the collective (broadcast vs all_reduce)
+//   fault_program mismatch-late-op | mismatch-late-count
+//                             100 matching all_reduces, then rank 0 reduces with max (or 10
+//                             floats) where the others sum (or 11): a call the sampled check
+//                             skips, found at the next checked call
+//   fault_program stall       40 matching all_reduces (past the checked first calls), then rank 1
+//                             sleeps instead of joining the next one
 //   fault_program join        rendezvous and one barrier (the test starts fewer ranks than the size)
 //
 // Each rank prints "rank R ready pid P" after its first operation; a CommError is printed as
@@ -22,8 +30,12 @@
 int main(int argc, char** argv) {
   using namespace tessera;
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "allreduce" && mode != "barrier" && mode != "mismatch" && mode != "stall" && mode != "join") {
-    std::fprintf(stderr, "usage: %s allreduce|barrier|mismatch|stall|join\n", argv[0]);
+  const bool mismatch = mode.rfind("mismatch", 0) == 0;
+  if (mode != "allreduce" && mode != "barrier" && mode != "mismatch" && mode != "mismatch-dtype" &&
+      mode != "mismatch-op" && mode != "mismatch-root" && mode != "mismatch-kind" && mode != "mismatch-late-op" &&
+      mode != "mismatch-late-count" && mode != "stall" && mode != "join") {
+    std::fprintf(stderr, "usage: %s allreduce|barrier|mismatch[-dtype|-op|-root|-kind|-late-op|-late-count]|stall|join\n",
+                 argv[0]);
     return 2;
   }
   return testing::run_ranks([&](testing::TestComm& comm) {
@@ -41,16 +53,35 @@ int main(int argc, char** argv) {
       comm.barrier();
       ready();
       for (;;) comm.barrier();
-    } else if (mode == "mismatch") {
+    } else if (mismatch) {
       ready();
-      std::vector<float> g(rank == 0 ? 10 : 11, 1.0f);
-      comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      const bool odd = rank == 0;  // rank 0 is the odd one out
+      std::vector<float> g(11, 1.0f);
+      std::vector<double> d(11, 1.0);
+      if (mode.rfind("mismatch-late", 0) == 0)
+        for (int i = 0; i < 100; ++i) comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      if (mode == "mismatch" || mode == "mismatch-late-count") {
+        comm.all_reduce(std::span<float>(g.data(), odd ? 10 : 11), ReduceOp::Sum);
+      } else if (mode == "mismatch-dtype") {
+        if (odd) comm.all_reduce(std::span<double>(d), ReduceOp::Sum);
+        else comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      } else if (mode == "mismatch-op" || mode == "mismatch-late-op") {
+        comm.all_reduce(std::span<float>(g), odd ? ReduceOp::Max : ReduceOp::Sum);
+      } else if (mode == "mismatch-root") {
+        comm.broadcast(std::span<float>(g), odd ? 0 : 1);
+      } else {  // mismatch-kind
+        if (odd) comm.broadcast(std::span<float>(g), 0);
+        else comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      }
+      // A mismatch the check skipped is found at the next checked call (at most 16 later).
+      for (int i = 0; i < 32; ++i) comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
       std::printf("rank %d: all_reduce returned despite the mismatch\n", rank);
     } else if (mode == "stall") {
       comm.barrier();
+      std::vector<float> g(1000, 1.0f);
+      for (int i = 0; i < 40; ++i) comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
       ready();
       if (rank == 1) std::this_thread::sleep_for(std::chrono::hours(1));
-      std::vector<float> g(1000, 1.0f);
       comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
     } else {  // join
       comm.barrier();

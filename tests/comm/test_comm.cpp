@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "comm/conformance.hpp"
+#include "tessera/comm/call_check.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
@@ -235,8 +236,74 @@ TEST_CASE("CommOptions: timeout and debug mode from the environment", "[comm]") 
     CHECK(options.timeout == 300s);
     CHECK_FALSE(options.debug);
   }
-  ScopedEnv t("TESSERA_COMM_TIMEOUT", "soon");
-  CHECK_THROWS_WITH(CommOptions(), Catch::Contains("TESSERA_COMM_TIMEOUT='soon'"));
+  {
+    ScopedEnv t("TESSERA_COMM_TIMEOUT", "soon");
+    CHECK_THROWS_WITH(CommOptions(), Catch::Contains("TESSERA_COMM_TIMEOUT='soon'"));
+  }
+  {
+    // 0.1 ms would round to 0 ms, which reads as "already expired": refused, not rounded.
+    ScopedEnv t("TESSERA_COMM_TIMEOUT", "0.0001");
+    CHECK_THROWS_WITH(CommOptions(), Catch::Contains("TESSERA_COMM_TIMEOUT='0.0001' must be a number of seconds in [0.001"));
+  }
+  {
+    ScopedEnv t("TESSERA_COMM_TIMEOUT", "0.001");
+    CHECK(CommOptions().timeout == 1ms);
+  }
+}
+
+TEST_CASE("CommOptions: call-check interval and stall warning", "[comm]") {
+  {
+    ScopedEnv e("TESSERA_COMM_CHECK_EVERY", nullptr), d("TESSERA_COMM_DEBUG", nullptr),
+        t("TESSERA_COMM_TIMEOUT", nullptr), w("TESSERA_COMM_STALL_WARNING", nullptr);
+    const CommOptions options;
+    CHECK(options.effective_check_every() == 16);
+    CHECK(options.effective_stall_warning() == 30s);  // min(30 s, 300 s / 2)
+  }
+  {
+    ScopedEnv e("TESSERA_COMM_CHECK_EVERY", "4"), d("TESSERA_COMM_DEBUG", "1"), t("TESSERA_COMM_TIMEOUT", "3"),
+        w("TESSERA_COMM_STALL_WARNING", nullptr);
+    const CommOptions options;
+    CHECK(options.effective_check_every() == 1);  // debug compares every call
+    CHECK(options.effective_stall_warning() == 1500ms);
+  }
+  {
+    ScopedEnv e("TESSERA_COMM_CHECK_EVERY", "65");
+    CHECK_THROWS_WITH(CommOptions(), Catch::Contains("TESSERA_COMM_CHECK_EVERY='65' must be an integer in [0, 64]"));
+  }
+}
+
+TEST_CASE("CallLedger: checks the first calls, then a sample, and names the first differing call", "[comm]") {
+  using detail::CallLedger;
+  using detail::CallSignature;
+  using detail::CollectiveKind;
+  const CallSignature reduce10{CollectiveKind::AllReduce, CommDType::F32, 10, 0};
+  const CallSignature reduce11{CollectiveKind::AllReduce, CommDType::F32, 11, 0};
+  CallLedger a(4, 8), b(4, 8);
+  std::vector<int> checked;
+  for (int i = 0; i < 30; ++i) {
+    const bool due_a = a.record(reduce10);
+    // Rank b's 10th call has another count: the hashes differ from there on.
+    const bool due_b = b.record(i == 9 ? reduce11 : reduce10);
+    CHECK(due_a == due_b);  // the schedule depends only on the call index
+    if (due_a) checked.push_back(i);
+    std::vector<std::int64_t> all;
+    for (const auto* l : {&a, &b}) {
+      const auto s = l->summary();
+      all.insert(all.end(), s.begin(), s.end());
+    }
+    CHECK(CallLedger::summaries_agree(all) == (i < 9));
+    if (i == 11) {  // the first check after the mismatch (calls 0-3, then 11, 19, 27)
+      std::vector<std::int64_t> windows = a.window();
+      const auto wb = b.window();
+      windows.insert(windows.end(), wb.begin(), wb.end());
+      const std::string text = a.mismatch_text("TestComm", 0, 2, windows);
+      CHECK_THAT(text, Catch::Contains("call #10 on this communicator"));
+      CHECK_THAT(text, Catch::Contains("rank 0: all_reduce(float32 x 10, sum)"));
+      CHECK_THAT(text, Catch::Contains("rank 1: all_reduce(float32 x 11, sum)"));
+      CHECK_THAT(text, Catch::Contains("ran unchecked"));
+    }
+  }
+  CHECK(checked == std::vector<int>{0, 1, 2, 3, 11, 19, 27});
 }
 
 namespace {

@@ -1,15 +1,19 @@
-// Debug-mode agreement check (TESSERA_COMM_DEBUG=1): before a collective, every rank shares a
-// CallSignature (which collective, element type, count, root or op) through the backend's own
-// all_gather of fixed size, which cannot mismatch, and throws on every rank if they differ.
-// A mismatch would otherwise hang (different collectives) or silently read past a buffer or
-// return wrong numbers (different counts), far from the bug.
+// Agreement check of collective calls: every rank shares what it is about to call (which
+// collective, element type, count, root or op) through the backend's own all_gather of fixed
+// size, which cannot mismatch, and throws on every rank if they differ. A mismatch would
+// otherwise hang (different collectives), crash inside the backend or silently return wrong
+// numbers (different counts, types, ops or roots), far from the bug. On by default (CallLedger:
+// the first calls and then a sample, with a running hash so nothing slips through unnoticed);
+// TESSERA_COMM_DEBUG=1 or TESSERA_COMM_CHECK_EVERY=1 compares every call.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tessera/comm/communicator.hpp"
 
@@ -60,6 +64,12 @@ struct CallSignature {
 inline const std::string& describe(const std::string& what) { return what; }
 inline std::string describe(const CallSignature& what) { return what.describe(); }
 
+// The call check's own exchange before `call` (named so in errors, and counted as part of it).
+struct CallCheckOf {
+  CallSignature call;
+};
+inline std::string describe(const CallCheckOf& what) { return what.call.describe() + " call check"; }
+
 // all_signatures holds size x 4 int64 gathered from every rank. Throws CommError on this rank
 // when any rank's signature differs from rank 0's, listing every rank's call.
 inline void check_signatures(std::string_view backend, int rank, std::span<const std::int64_t> all_signatures) {
@@ -68,9 +78,117 @@ inline void check_signatures(std::string_view backend, int rank, std::span<const
   bool same = true;
   for (int r = 1; r < size; ++r) same = same && CallSignature::decode(all_signatures.data() + 4 * r) == first;
   if (same) return;
-  std::string text = cat(backend, " debug check on rank ", rank, ": ranks called different collectives:");
+  std::string text = cat(backend, " call check on rank ", rank, ": ranks called different collectives:");
   for (int r = 0; r < size; ++r) text += cat("\n  rank ", r, ": ", CallSignature::decode(all_signatures.data() + 4 * r).describe());
   throw CommError(text);
+}
+
+// CallLedger: the default-on agreement check of the process backends (MPI, Gloo, NCCL).
+//
+// Every collective is recorded here before it runs: a running 64-bit hash of all signatures so
+// far, and the last kWindow signatures. On chosen calls the ranks compare (count, hash) through
+// one fixed-size all_gather of 4 int64, which cannot itself mismatch. Which calls are checked
+// depends only on the call's index on this communicator, so every rank checks at the same index
+// and the check exchange always meets the check exchange of the others, even when the ranks'
+// real calls differ. Checked: the first `check_first` calls (a mismatched program nearly always
+// shows itself there) and then every `check_every`-th. Because the hash covers every call, a
+// mismatch at an unchecked call is still caught at the next checked one; then the ranks exchange
+// their windows and the error names the first call where they differ, every rank's version of it.
+//
+// Cost: the hash is a few multiplications per call; a check is one all_gather of 32 bytes per
+// rank. With check_every = 16 that is at most one small collective per 16 (the overhead on a
+// 4 KiB all_reduce is measured in bench/collectives.py --check-overhead).
+class CallLedger {
+ public:
+  static constexpr std::int64_t kWindow = 64;
+
+  CallLedger(std::int64_t check_first, std::int64_t check_every)
+      : first_(check_first < 0 ? 0 : check_first), every_(check_every < 0 ? 0 : std::min(check_every, kWindow)) {}
+
+  // Records the call; true when the ranks must compare notes before it runs.
+  bool record(const CallSignature& sig) {
+    const std::int64_t index = calls_++;
+    window_[static_cast<std::size_t>(index % kWindow)] = sig;
+    const auto fields = sig.encode();
+    for (std::int64_t v : fields) hash_ = (hash_ ^ static_cast<std::uint64_t>(v)) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
+    if (index < first_) return true;
+    return every_ > 0 && (index - first_) % every_ == every_ - 1;
+  }
+
+  std::int64_t calls() const { return calls_; }
+
+  // This rank's contribution to the check: [calls, hash, kind, count of the current call].
+  std::array<std::int64_t, 4> summary() const {
+    const CallSignature& last = window_[static_cast<std::size_t>((calls_ - 1) % kWindow)];
+    return {calls_, static_cast<std::int64_t>(hash_), static_cast<std::int64_t>(last.kind), last.count};
+  }
+  static bool summaries_agree(std::span<const std::int64_t> all) {
+    for (std::size_t i = 4; i + 4 <= all.size(); i += 4)
+      if (all[i] != all[0] || all[i + 1] != all[1]) return false;
+    return true;
+  }
+
+  // The window, oldest first: kWindow x 4 int64 (calls before the first are Barrier with count -1).
+  std::vector<std::int64_t> window() const {
+    std::vector<std::int64_t> out(static_cast<std::size_t>(4 * kWindow), 0);
+    for (std::int64_t i = 0; i < kWindow; ++i) {
+      const std::int64_t index = calls_ - kWindow + i;
+      CallSignature sig{CollectiveKind::Barrier, CommDType::F32, -1, 0};
+      if (index >= 0) sig = window_[static_cast<std::size_t>(index % kWindow)];
+      const auto e = sig.encode();
+      std::copy(e.begin(), e.end(), out.begin() + 4 * i);
+    }
+    return out;
+  }
+
+  // all_windows: size x window() from every rank. Builds the error every rank throws: the first
+  // call (oldest first) where the ranks' signatures differ, with each rank's version.
+  std::string mismatch_text(std::string_view backend, int rank, int size,
+                            std::span<const std::int64_t> all_windows) const {
+    const std::size_t stride = static_cast<std::size_t>(4 * kWindow);
+    std::int64_t at = kWindow - 1;
+    for (std::int64_t i = 0; i < kWindow; ++i) {
+      bool same = true;
+      const CallSignature first = CallSignature::decode(all_windows.data() + 4 * i);
+      for (int r = 1; r < size; ++r)
+        same = same && CallSignature::decode(all_windows.data() + r * stride + 4 * i) == first;
+      if (!same) {
+        at = i;
+        break;
+      }
+    }
+    const std::int64_t index = calls_ - kWindow + at;  // 0-based call index on this communicator
+    std::string text = cat(backend, " call check on rank ", rank, " of ", size,
+                           ": ranks called different collectives (call #", index + 1, " on this communicator):");
+    for (int r = 0; r < size; ++r)
+      text += cat("\n  rank ", r, ": ", CallSignature::decode(all_windows.data() + r * stride + 4 * at).describe());
+    if (index + 1 < calls_)
+      text += cat("\nThat call ran unchecked (calls after the first ", first_, " are compared every ", every_,
+                  "th; TESSERA_COMM_CHECK_EVERY=1 compares every call): its results on these ranks are wrong.");
+    else
+      text += "\nIt was stopped before any data moved.";
+    return text;
+  }
+
+ private:
+  std::int64_t first_, every_;
+  std::int64_t calls_ = 0;
+  std::uint64_t hash_ = 0xcbf29ce484222325ull;
+  std::array<CallSignature, kWindow> window_{};
+};
+
+// The check itself, for a backend that gives a blocking all_gather of int64 (fixed size, so
+// it cannot mismatch). Throws the same CommError text on every rank.
+template <class Gather>
+void run_call_check(const CallLedger& ledger, std::string_view backend, int rank, int size, Gather&& all_gather) {
+  const auto mine = ledger.summary();
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(size));
+  all_gather(std::span<const std::int64_t>(mine.data(), 4), std::span<std::int64_t>(all));
+  if (CallLedger::summaries_agree(all)) return;
+  const auto window = ledger.window();
+  std::vector<std::int64_t> windows(window.size() * static_cast<std::size_t>(size));
+  all_gather(std::span<const std::int64_t>(window), std::span<std::int64_t>(windows));
+  throw CommError(ledger.mismatch_text(backend, rank, size, windows));
 }
 
 }  // namespace tessera::detail

@@ -56,6 +56,7 @@
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/comm/reduce.hpp"
 #include "tessera/core/env.hpp"
@@ -179,6 +180,9 @@ struct GlooState {
   std::string store_url;
   int rank = 0, size = 1;
   CommOptions options;
+  CallLedger ledger{options.check_first, options.effective_check_every()};
+  std::shared_ptr<ProgressBoard> board;  // what peers see of this communicator (comm/monitor.hpp)
+  std::string label;                     // the board's name, the same on every member
   std::uint32_t next_tag = 1;  // advanced in issue order, identically on every rank
   int splits = 0;
   std::vector<std::string> pair_addresses;  // this rank's address for its pair with each peer
@@ -216,8 +220,11 @@ class GlooComm {
     s_->rank = rank;
     s_->size = size;
     s_->options = options;
+    s_->ledger = detail::CallLedger(options.check_first, options.effective_check_every());
     s_->store = std::make_shared<detail::PrefixedStore>(detail::open_gloo_store(store_url), prefix);
+    s_->label = "gloo:" + prefix;
     detail::ignore_sigpipe_if_default();
+    detail::install_fatal_handler();
     s_->device = detail::make_gloo_device();
     connect(prefix);
   }
@@ -312,7 +319,9 @@ class GlooComm {
     s_->rank = rank;
     s_->size = size;
     s_->options = parent->options;
+    s_->ledger = detail::CallLedger(s_->options.check_first, s_->options.effective_check_every());
     s_->store = std::make_shared<detail::PrefixedStore>(parent->store, prefix);
+    s_->label = parent->label + "/" + prefix;
     s_->device = parent->device;
     connect(prefix);
   }
@@ -362,6 +371,16 @@ class GlooComm {
         joined += s_->pair_addresses[q] + "|";
       }
       store.set(detail::cat("pairs.", rank()), std::vector<char>(joined.begin(), joined.end()));
+      // Tag 0 is never an operation's (next_tag starts at 1).
+      s_->board = detail::make_progress_board("GlooComm", s_->label, rank(), size(),
+                                              [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+                                                gloo::AllgatherOptions opts(s_->context);
+                                                opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
+                                                opts.setOutput(out.data(), out.size());
+                                                opts.setTag(0);
+                                                opts.setTimeout(s_->options.timeout);
+                                                gloo::allgather(opts);
+                                              });
     } catch (const std::exception& e) {
       throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
                                   s_->store_url, ": connecting the full mesh failed: ", e.what()));
@@ -397,13 +416,21 @@ class GlooComm {
     try {
       fn();
     } catch (const std::exception& e) {
-      const std::string text =
+      std::string text =
           detail::cat("GlooComm ", detail::describe(what), " on rank ", s->rank, " of ", s->size, ": ", e.what(),
                       peer_named_in(s, e.what()));
+      // Which peers reached the call, asked of their status servers (up to a second).
+      if (s->board && s->size > 1) {
+        std::int64_t sig[4];
+        for (int i = 0; i < 4; ++i) sig[i] = s->board->last[i].load(std::memory_order_relaxed);
+        const std::string report = detail::stall_report(*s->board, s->board->entered.load(), detail::CallSignature::decode(sig));
+        if (!report.empty()) text += "; " + report;
+      }
       {
         std::lock_guard lock(s->broken_mutex);
         if (s->broken.empty()) s->broken = text;
       }
+      detail::mark_board_failed(s->board);
       throw CommError(text);
     }
   }
@@ -440,27 +467,52 @@ class GlooComm {
     return " (a peer died, stalled or did not make the same call)";
   }
 
-  // Debug mode: compare signatures through a fixed-size allgather (tagged like the call itself).
-  static void debug_check(const std::shared_ptr<detail::GlooState>& s, const detail::CallSignature& sig,
-                          std::uint32_t tag) {
-    if (!s->options.debug || s->size == 1) return;
-    const auto mine = sig.encode();
-    std::vector<std::int64_t> all(4 * static_cast<std::size_t>(s->size));
-    guarded(s, sig.describe() + " debug check", [&] {
-      gloo::AllgatherOptions opts(s->context);
-      opts.setInput(const_cast<std::int64_t*>(mine.data()), 4);
-      opts.setOutput(all.data(), all.size());
-      opts.setTag(tag | 0x80000000u);
-      opts.setTimeout(s->options.timeout);
-      gloo::allgather(opts);
-    });
+  // The call check (comm/call_check.hpp): on the calls the ledger picks, the ranks compare notes
+  // through fixed-size allgathers (tagged like the call itself, with a high bit) before the call.
+  // Runs where the call runs (caller or worker thread), so the ledger sees calls in issue order.
+  //
+  // Also publishes the call on the progress board and watches it (a warning naming the ranks that
+  // have not reached it after the stall warning; Gloo enforces the timeout itself) until the
+  // returned InCall goes out of scope.
+  class InCall {
+   public:
+    InCall(const std::shared_ptr<detail::GlooState>& s, const detail::CallSignature& sig)
+        : board_(s->board),
+          watched_({s->board, s->board->enter(sig), sig, "GlooComm", s->rank, s->size, s->options.timeout,
+                    s->options.effective_stall_warning(), nullptr}) {}
+    ~InCall() { board_->finish(); }
+    InCall(const InCall&) = delete;
+    InCall& operator=(const InCall&) = delete;
+
+   private:
+    std::shared_ptr<detail::ProgressBoard> board_;
+    detail::WatchedCall watched_;
+  };
+  [[nodiscard]] static std::unique_ptr<InCall> debug_check(const std::shared_ptr<detail::GlooState>& s,
+                                                           const detail::CallSignature& sig, std::uint32_t tag) {
+    check_usable(s, sig);
+    auto in_call = std::make_unique<InCall>(s, sig);
+    if (!s->ledger.record(sig) || s->size == 1) return in_call;
+    std::uint32_t exchange = 0;
     try {
-      detail::check_signatures("GlooComm", s->rank, all);
+      detail::run_call_check(s->ledger, "GlooComm", s->rank, s->size,
+                             [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+                               guarded(s, sig.describe() + " call check", [&] {
+                                 gloo::AllgatherOptions opts(s->context);
+                                 opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
+                                 opts.setOutput(out.data(), out.size());
+                                 opts.setTag((tag & 0x3fffffffu) | (++exchange << 30));
+                                 opts.setTimeout(s->options.timeout);
+                                 gloo::allgather(opts);
+                               });
+                             });
     } catch (const CommError& e) {
+      detail::mark_board_failed(s->board);
       std::lock_guard lock(s->broken_mutex);
       if (s->broken.empty()) s->broken = e.what();
       throw;
     }
+    return in_call;
   }
 
   template <CommScalar T>
@@ -468,7 +520,7 @@ class GlooComm {
                              std::uint32_t tag) {
     const detail::CallSignature sig{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)};
-    debug_check(s, sig, tag);
+    const auto in_call = debug_check(s, sig, tag);
     if (s->size == 1 || buf.empty()) return check_usable(s, sig);
     if (detail::prescale_half_avg(buf.data(), buf.size(), op, s->size)) op = ReduceOp::Sum;
     guarded(s, sig, [&] {
@@ -491,7 +543,7 @@ class GlooComm {
                                     static_cast<std::int64_t>(buf.size()), root};
     TESSERA_CHECK(root >= 0 && root < s->size, CommError, "GlooComm broadcast on rank ", s->rank, ": root ", root,
                   " is out of range [0, ", s->size, ")");
-    debug_check(s, sig, tag);
+    const auto in_call = debug_check(s, sig, tag);
     if (s->size == 1 || buf.empty()) return check_usable(s, sig);
     guarded(s, sig, [&] {
       gloo::BroadcastOptions opts(s->context);
@@ -511,7 +563,7 @@ class GlooComm {
                   " x ", in.size());
     const detail::CallSignature sig{detail::CollectiveKind::AllGather, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(in.size()), 0};
-    debug_check(s, sig, tag);
+    const auto in_call = debug_check(s, sig, tag);
     if (s->size == 1 || in.empty()) {
       check_usable(s, sig);
       std::copy(in.begin(), in.end(), out.begin());
@@ -542,7 +594,7 @@ class GlooComm {
                   r, ": input has ", in.size(), " elements, expected ", p, " x ", out.size(), " (size x output)");
     const detail::CallSignature sig{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
                                     static_cast<std::int64_t>(in.size()), static_cast<std::int64_t>(op)};
-    debug_check(s, sig, tag);
+    const auto in_call = debug_check(s, sig, tag);
     if (p == 1 || out.empty()) {
       check_usable(s, sig);
       std::copy(in.begin(), in.end(), out.begin());
@@ -586,7 +638,7 @@ class GlooComm {
 
   static void run_barrier(const std::shared_ptr<detail::GlooState>& s, std::uint32_t tag) {
     const detail::CallSignature sig{detail::CollectiveKind::Barrier, CommDType::F32, 0, 0};
-    debug_check(s, sig, tag);
+    const auto in_call = debug_check(s, sig, tag);
     if (s->size == 1) return check_usable(s, sig);
     guarded(s, sig, [&] {
       gloo::BarrierOptions opts(s->context);

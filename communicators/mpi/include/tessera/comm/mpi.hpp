@@ -18,8 +18,9 @@
 // at once, naming the rank.
 // Half (fp16) travels as a 2-byte MPI datatype with user-defined reduction ops (MPI has none);
 // its Avg divides before summing so that the fp16 running sum cannot overflow.
-// Debug mode (TESSERA_COMM_DEBUG=1) exchanges call signatures with a blocking all_gather before
-// each collective, so in debug mode the *_async collectives synchronize the ranks when issued.
+// The call check (comm/call_check.hpp) exchanges call summaries with a blocking all_gather before
+// the checked collectives (the first 32, then every 16th; every one with TESSERA_COMM_DEBUG=1),
+// so those *_async collectives synchronize the ranks when issued.
 // After any failure the job is broken: at exit the runtime calls MPI_Abort instead of
 // MPI_Finalize, which would wait for the dead or stalled peer forever.
 #pragma once
@@ -47,6 +48,8 @@
 
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/comm/reduce.hpp"
 #include "tessera/core/env.hpp"
@@ -113,6 +116,34 @@ inline std::atomic<bool>& mpi_job_failed() {
   return failed;
 }
 
+// The first failure of the job, said again at exit: whatever the program did with the exception,
+// the reason reaches the user (and TESSERA_ERROR_DIR) before MPI_Abort tears the job down.
+// Leaked: read by MpiRuntime's destructor, which may run after other statics are destroyed.
+inline std::string& mpi_first_error() {
+  static std::string* text = new std::string();
+  return *text;
+}
+inline std::mutex& mpi_first_error_mutex() {
+  static std::mutex* m = new std::mutex();
+  return *m;
+}
+
+// Flush, give mpirun's I/O forwarding a moment to pass the text on, then end the job. Without
+// the pause the last lines of a rank that calls MPI_Abort were lost in 3 of 5 runs (0 of 6
+// with another process busy): the abort races the forwarding of the rank's stderr.
+[[noreturn]] inline void mpi_abort_after(int rank, const std::string& text) {
+  report_fatal(rank, text);
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
+
+// The watchdog's action when a blocking MPI call passes its timeout.
+inline void mpi_watchdog_timeout(const std::string& text, int rank) {
+  mpi_abort_after(rank, text + "; calling MPI_Abort (a blocking MPI call cannot be interrupted)");
+}
+
 // Initializes MPI on first use when the program has not, and finalizes it at exit in that case
 // (or aborts the job, after a failure; see mpi_job_failed).
 struct MpiRuntime {
@@ -132,80 +163,20 @@ struct MpiRuntime {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!initialized_here || finalized) return;
-    if (mpi_job_failed().load()) MPI_Abort(MPI_COMM_WORLD, 1);
+    if (mpi_job_failed().load()) {
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      std::string first;
+      {
+        std::lock_guard lock(mpi_first_error_mutex());
+        first = mpi_first_error();
+      }
+      mpi_abort_after(rank, cat("tessera: rank ", rank, " ends the MPI job (MPI_Abort, not MPI_Finalize, which would wait "
+                                "for the failed peer) after: ", first));
+    }
     MPI_Finalize();
   }
   static void ensure() { static MpiRuntime runtime; }
-};
-
-// Enforces the timeout of blocking MPI calls (see the top of this file). begin() registers an
-// operation with its deadline in a fixed table, end() clears it; a thread sleeps until the
-// earliest deadline. Nothing is formatted or allocated per call, and the thread is only woken
-// when a new deadline is earlier than the one it sleeps towards (rare: timeouts are long).
-class MpiWatchdog {
- public:
-  struct Entry {
-    std::chrono::steady_clock::time_point deadline;
-    CallSignature signature;
-    int rank = 0, size = 0;
-    std::chrono::milliseconds timeout{0};
-    bool active = false;
-  };
-
-  static MpiWatchdog& instance() {
-    static MpiWatchdog* watchdog = new MpiWatchdog();  // leaked: must outlive static destructors
-    return *watchdog;
-  }
-  int begin(std::chrono::milliseconds timeout, const CallSignature& sig, int rank, int size) {
-    std::lock_guard lock(mutex_);
-    if (!started_) {
-      std::thread([this] { loop(); }).detach();
-      started_ = true;
-    }
-    for (int i = 0; i < kSlots; ++i) {
-      if (entries_[i].active) continue;
-      entries_[i] = {std::chrono::steady_clock::now() + timeout, sig, rank, size, timeout, true};
-      if (entries_[i].deadline < sleeping_until_) wake_.notify_one();
-      return i;
-    }
-    return -1;  // more than kSlots threads inside blocking MPI calls at once: not watched
-  }
-  void end(int slot) {
-    if (slot < 0) return;
-    std::lock_guard lock(mutex_);
-    entries_[slot].active = false;
-  }
-
- private:
-  static constexpr int kSlots = 64;
-
-  void loop() {
-    std::unique_lock lock(mutex_);
-    for (;;) {
-      const Entry* earliest = nullptr;
-      for (const Entry& e : entries_)
-        if (e.active && (earliest == nullptr || e.deadline < earliest->deadline)) earliest = &e;
-      const auto now = std::chrono::steady_clock::now();
-      if (earliest != nullptr && now >= earliest->deadline) {
-        std::fprintf(stderr,
-                     "tessera: CommError: MpiComm %s on rank %d of %d: timed out after %s (a peer is dead, stalled, "
-                     "or did not make the same call); calling MPI_Abort\n",
-                     earliest->signature.describe().c_str(), earliest->rank, earliest->size,
-                     seconds_text(earliest->timeout).c_str());
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-      }
-      // With nothing active, sleep in long slices; begin() wakes us only for an earlier deadline.
-      sleeping_until_ = earliest != nullptr ? earliest->deadline : now + std::chrono::hours(1);
-      wake_.wait_until(lock, sleeping_until_);
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  Entry entries_[kSlots];
-  std::chrono::steady_clock::time_point sleeping_until_ = std::chrono::steady_clock::time_point::max();
-  bool started_ = false;
 };
 
 // Owns a communicator made by split (freed at the end) or borrows one (never freed), plus the
@@ -215,6 +186,10 @@ struct MpiHandle {
   bool owned = false;
   int rank = 0, size = 1;
   CommOptions options;
+  CallLedger ledger{options.check_first, options.effective_check_every()};
+  std::shared_ptr<ProgressBoard> board;  // what peers see of this communicator (comm/monitor.hpp)
+  std::string label;                     // the board's name, the same on every member
+  int splits = 0;
   bool interruptible = false;
   std::string broken;  // reason, once an operation failed
 
@@ -231,8 +206,19 @@ class MpiComm {
  public:
   static constexpr const char* backend_name = "mpi";
   // MPI_COMM_WORLD, initializing MPI if needed.
+  // Refuses to start when the launcher's world size is not MPI's: tessera-run or an srun without
+  // MPI support start N independent singleton MPI processes, each of which would train alone
+  // and exit 0.
   static MpiComm world(CommOptions options = {}) {
     detail::MpiRuntime::ensure();
+    int mpi_size = 1, mpi_rank = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &mpi_size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+    const LaunchEnv env = LaunchEnv::from_environment();
+    TESSERA_CHECK(env.size == 1 || env.size == mpi_size, ArgumentError, "MpiComm: ", env.source, " started ", env.size,
+                  " ranks (this is rank ", env.rank, "), but MPI sees ", mpi_size, " (this is MPI rank ", mpi_rank,
+                  "): an MPI program must be started by mpirun -n ", env.size, " (or srun with MPI support), ",
+                  "not by tessera-run or an srun without PMI");
     return MpiComm(MPI_COMM_WORLD, options);
   }
   // The same as world(): with MPI the launcher (mpirun, srun) already told every process its rank.
@@ -383,7 +369,7 @@ class MpiComm {
     MPI_Comm child = MPI_COMM_NULL;
     blocking(detail::CallSignature{detail::CollectiveKind::Split, CommDType::I64, 0, 0},
              [&] { return MPI_Comm_split(h_->comm, color, key, &child); });
-    MpiComm result(child, h_->options, true);
+    MpiComm result(child, h_->options, true, detail::cat(h_->label, "/split", ++h_->splits, ".color", color));
     result.h_->interruptible = h_->interruptible;
     return result;
   }
@@ -393,12 +379,13 @@ class MpiComm {
 
   template <class Call>
   void blocking(const detail::CallSignature& sig, Call&& mpi_call) {
-    begin(sig);
-    struct Watched {  // ends the watch however the call leaves (an exception included)
-      int entry;
-      ~Watched() { detail::MpiWatchdog::instance().end(entry); }
-    } watched{detail::MpiWatchdog::instance().begin(h_->options.timeout, sig, rank(), size())};
-    call(sig, mpi_call());
+    const std::int64_t index = begin(sig);
+    {
+      const detail::WatchedCall watched({h_->board, index, sig, "MpiComm", rank(), size(), h_->options.timeout,
+                                         h_->options.effective_stall_warning(), &detail::mpi_watchdog_timeout});
+      call(sig, mpi_call());
+    }
+    h_->board->finish();
   }
 
   // Half Avg over reduce_scatter: the input is const, so the pre-divided values go to a copy.
@@ -415,16 +402,34 @@ class MpiComm {
     }
   }
 
-  MpiComm(MPI_Comm comm, CommOptions options, bool owned) : h_(std::make_shared<detail::MpiHandle>()) {
+  MpiComm(MPI_Comm comm, CommOptions options, bool owned, std::string label = "")
+      : h_(std::make_shared<detail::MpiHandle>()) {
     h_->comm = comm;
     h_->owned = owned;
     h_->options = options;
+    h_->ledger = detail::CallLedger(options.check_first, options.effective_check_every());
     const char* interruptible = std::getenv("TESSERA_MPI_INTERRUPTIBLE");
     h_->interruptible = interruptible != nullptr && *interruptible != '\0' && std::string(interruptible) != "0";
     MPI_Comm_rank(comm, &h_->rank);
     MPI_Comm_size(comm, &h_->size);
     // Return error codes instead of aborting, so failures become CommError with our context.
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    // Labels agree across ranks: the world is "world", a split child names its parent and split
+    // number, and a communicator the program wrapped is numbered in wrapping order.
+    static std::atomic<int> wrapped{0};
+    int is_world = 0;
+    MPI_Comm_compare(comm, MPI_COMM_WORLD, &is_world);
+    h_->label = !label.empty()             ? label
+                : is_world == MPI_IDENT ? std::string("mpi:world")
+                                        : detail::cat("mpi:wrapped", wrapped.fetch_add(1));
+    h_->board = detail::make_progress_board("MpiComm", h_->label, h_->rank, h_->size,
+                                            [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+                                              call(detail::CallSignature{detail::CollectiveKind::AllGather,
+                                                                         CommDType::I64, 3, 0},
+                                                   MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T,
+                                                                 out.data(), static_cast<int>(in.size()), MPI_INT64_T,
+                                                                 comm));
+                                            });
   }
 
   template <CommScalar T>
@@ -452,23 +457,26 @@ class MpiComm {
                   ": communicator is unusable after an earlier error: ", h_->broken);
   }
 
-  // Debug mode: every rank shares its signature first (a fixed-size all_gather cannot mismatch).
-  void begin(const detail::CallSignature& sig) {
+  // The call check (comm/call_check.hpp): on the calls the ledger picks, the ranks compare
+  // notes through fixed-size all_gathers (which cannot mismatch) before the call runs.
+  // Returns the call's number on this communicator (1-based), as the peers' reports count it.
+  std::int64_t begin(const detail::CallSignature& sig) {
     check_usable(sig);
-    if (!h_->options.debug || size() == 1) return;
-    std::int64_t mine[4];
-    const auto encoded = sig.encode();
-    std::copy(encoded.begin(), encoded.end(), mine);
-    std::vector<std::int64_t> all(4 * static_cast<std::size_t>(size()));
-    MPI_Request request;
-    call(sig, MPI_Iallgather(mine, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T, h_->comm, &request));
-    make_work(request, sig, {}).wait();
+    const std::int64_t index = h_->board->enter(sig);
+    if (!h_->ledger.record(sig) || size() == 1) return index;
     try {
-      detail::check_signatures("MpiComm", rank(), all);
+      detail::run_call_check(h_->ledger, "MpiComm", rank(), size(),
+                             [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+                               MPI_Request request;
+                               call(sig, MPI_Iallgather(in.data(), count(in.size()), MPI_INT64_T, out.data(),
+                                                        count(in.size()), MPI_INT64_T, h_->comm, &request));
+                               make_work(request, detail::CallCheckOf{sig}, {}).wait();
+                             });
     } catch (const CommError& e) {
       mark_broken(h_, e.what());
       throw;
     }
+    return index;
   }
 
   template <class What>
@@ -485,6 +493,11 @@ class MpiComm {
   // Remembers the first failure on this communicator and for the whole job (see mpi_job_failed).
   static const std::string& mark_broken(const std::shared_ptr<detail::MpiHandle>& h, std::string text) {
     detail::mpi_job_failed().store(true);
+    detail::mark_board_failed(h->board);
+    {
+      std::lock_guard lock(detail::mpi_first_error_mutex());
+      if (detail::mpi_first_error().empty()) detail::mpi_first_error() = text;
+    }
     if (h->broken.empty()) h->broken = std::move(text);
     return h->broken;
   }
@@ -528,21 +541,50 @@ class MpiComm {
             state->error = detail::cat("expected ", state->expected.count, " elements, the message had ", received);
         }
         if (state->error.empty() && state->finish) state->finish();
+        if (std::is_same_v<What, detail::CallSignature>) handle->board->finish();
       }
       if (!state->error.empty())
         throw CommError(mark_broken(handle, detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank,
                                                         " of ", handle->size, ": ", state->error)));
       return state->done;
     };
-    auto wait = [handle, what, poll]() {
-      const auto deadline = std::chrono::steady_clock::now() + handle->options.timeout;
+    // Collectives carry their call number for stall reports; point-to-point names its peer already.
+    constexpr bool collective =
+        std::is_same_v<What, detail::CallSignature> || std::is_same_v<What, detail::CallCheckOf>;
+    const std::int64_t index = collective ? handle->board->entered.load(std::memory_order_relaxed) : 0;
+    auto wait = [handle, what, poll, index]() {
+      const auto start = std::chrono::steady_clock::now();
+      const auto deadline = start + handle->options.timeout;
+      const auto warn_at = start + handle->options.effective_stall_warning();
+      bool warned = false;
+      auto report = [&]() -> std::string {
+        if constexpr (std::is_same_v<What, detail::CallCheckOf>) {
+          const std::string r = detail::stall_report(*handle->board, index, what.call);
+          return r.empty() ? r : "; " + r;
+        } else if constexpr (collective) {
+          const std::string r = detail::stall_report(*handle->board, index, what);
+          return r.empty() ? r : "; " + r;
+        } else {
+          return "";
+        }
+      };
       for (int spins = 0; !poll(); ++spins) {
         if (spins > 64) std::this_thread::yield();
-        if ((spins & 255) == 0 && std::chrono::steady_clock::now() >= deadline)
+        if ((spins & 255) != 0) continue;
+        const auto now = std::chrono::steady_clock::now();
+        if (!warned && now >= warn_at && now < deadline) {
+          warned = true;
+          std::fprintf(stderr, "tessera: warning: MpiComm %s on rank %d of %d has waited %s (timeout %s)%s\n",
+                       detail::describe(what).c_str(), handle->rank, handle->size,
+                       detail::seconds_text(handle->options.effective_stall_warning()).c_str(),
+                       detail::seconds_text(handle->options.timeout).c_str(), report().c_str());
+          std::fflush(stderr);
+        }
+        if (now >= deadline)
           throw CommError(mark_broken(
               handle, detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank, " of ", handle->size,
                                   ": timed out after ", detail::seconds_text(handle->options.timeout),
-                                  " (a peer is dead, stalled, or did not make the same call)")));
+                                  " (a peer is dead, stalled, or did not make the same call)", report())));
       }
     };
     return Work(std::move(wait), [poll] { return poll(); });

@@ -61,6 +61,7 @@
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/env.hpp"
@@ -137,7 +138,11 @@ struct NcclState {
   std::mutex mutex;    // one thread issues NCCL calls at a time; Works may wait on other threads
   std::string broken;  // why the communicator is unusable; empty while it works
   std::atomic<bool> aborted{false};  // broken, readable without the mutex (polls)
-  std::int64_t* signatures = nullptr;  // size x 4 int64 on the GPU: debug signatures, barrier word
+  CallLedger ledger{options.check_first, options.effective_check_every()};
+  std::shared_ptr<ProgressBoard> board;  // what peers see of this communicator (comm/monitor.hpp)
+  std::string label = "nccl:world";      // the board's name, the same on every member
+  // size x CallLedger::kWindow x 4 int64 on the GPU: the call check's exchanges, barrier word
+  std::int64_t* signatures = nullptr;
   // Re-recorded at every use: compute -> NCCL ordering, and NCCL -> compute before staging
   // copies go back to the cache.
   cudaEvent_t compute_ready = nullptr, nccl_queued = nullptr;
@@ -377,6 +382,7 @@ class NcclComm {
     c.size = s.size;
     c.device = s.device;
     c.options = s.options;
+    c.label = detail::cat(s.label, "/split", s.splits + 1, ".color", color);
     std::lock_guard lock(s.mutex);
     ensure_usable(s, "split");
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
@@ -421,6 +427,7 @@ class NcclComm {
 
   // Marks the communicator broken, aborts it so no peer waits on it forever, and throws.
   [[noreturn]] static void fail(detail::NcclState& s, const std::string& text) {
+    detail::mark_board_failed(s.board);
     if (s.broken.empty()) s.broken = text;
     s.aborted.store(true);
     if (s.comm != nullptr) {
@@ -560,24 +567,31 @@ class NcclComm {
         [inner] { return inner->is_completed(); });
   }
 
-  // Made with the communicator: the barrier's word and the debug mode's signatures (size x 4
+  // Made with the communicator: the barrier's word and the call check's scratch (size x 64 x 4
   // int64), and the two ordering events.
   static void allocate_resources(detail::NcclState& s) {
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
-    TESSERA_CUDA_CHECK(cudaMalloc(&s.signatures, sizeof(std::int64_t) * 4 * static_cast<std::size_t>(s.size)));
+    s.ledger = detail::CallLedger(s.options.check_first, s.options.effective_check_every());
+    TESSERA_CUDA_CHECK(cudaMalloc(&s.signatures, sizeof(std::int64_t) * 4 * detail::CallLedger::kWindow *
+                                                     static_cast<std::size_t>(s.size)));
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_ready, cudaEventDisableTiming));
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.nccl_queued, cudaEventDisableTiming));
+    std::lock_guard lock(s.mutex);
+    s.board = detail::make_progress_board("NcclComm", s.label, s.rank, s.size,
+                                          [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+                                            gather_int64(s, in, out, "status-server address exchange");
+                                          });
   }
 
   // Records an event on `stream` and returns a Work that waits for it (with the timeout and the
   // async-error check) and then orders the compute stream after it.
-  Work completion(cudaEvent_t done, std::string what) {
+  Work completion(cudaEvent_t done, std::string what, std::int64_t call = 0, detail::CallSignature sig = {}) {
     auto state = s_;
     auto event = std::make_shared<detail::NcclState::Launch>(s_->events, done);
-    return completion_of(state, event, std::move(what));
+    return completion_of(state, event, std::move(what), call, sig);
   }
   static Work completion_of(std::shared_ptr<detail::NcclState> state, std::shared_ptr<detail::NcclState::Launch> launch,
-                            std::string what) {
+                            std::string what, std::int64_t call = 0, detail::CallSignature sig = {}) {
     auto launched = [state, launch] {
       if (launch->done.load() != nullptr) return;
       std::lock_guard lock(state->mutex);
@@ -585,10 +599,10 @@ class NcclComm {
       ensure_usable(*state, "pending send/recv");
       flush_pending(*state);
     };
-    auto wait = [state, launch, launched, what] {
+    auto wait = [state, launch, launched, what, call, sig] {
       launched();
       TESSERA_CUDA_CHECK(cudaSetDevice(state->device));
-      wait_event(*state, launch->done.load(), what, /*caller_holds_mutex=*/false);
+      wait_event(*state, launch->done.load(), what, /*caller_holds_mutex=*/false, call, sig);
       TESSERA_CUDA_CHECK(cudaStreamWaitEvent(Cuda::stream(), launch->done.load(), 0));
     };
     auto poll = [state, launch, launched] {
@@ -604,8 +618,16 @@ class NcclComm {
   // on an NCCL or CUDA error, or at the timeout, aborts the communicator and throws CommError.
   // Without the mutex held, it is taken per poll only, so other threads may launch meanwhile (a
   // send another thread posts may be what this wait needs).
-  static void wait_event(detail::NcclState& s, cudaEvent_t event, const std::string& what, bool caller_holds_mutex) {
+  // call > 0: a collective's number on the board, for the stall warning and the timeout's report.
+  static void wait_event(detail::NcclState& s, cudaEvent_t event, const std::string& what, bool caller_holds_mutex,
+                         std::int64_t call = 0, const detail::CallSignature& sig = {}) {
     const auto start = std::chrono::steady_clock::now();
+    bool warned = false;
+    auto report = [&]() -> std::string {
+      if (call <= 0 || !s.board) return "";
+      const std::string r = detail::stall_report(*s.board, call, sig);
+      return r.empty() ? r : "; " + r;
+    };
     for (;;) {
       const cudaError_t query = cudaEventQuery(event);
       std::unique_lock lock(s.mutex, std::defer_lock);
@@ -622,10 +644,20 @@ class NcclComm {
       if (async_error != ncclSuccess && async_error != ncclInProgress)
         fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": NCCL error ",
                             detail::nccl_error_text(async_error, s.comm)));
-      if (std::chrono::steady_clock::now() - start > s.options.timeout)
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (!warned && call > 0 && waited > s.options.effective_stall_warning() && waited < s.options.timeout) {
+        warned = true;
+        std::fprintf(stderr, "tessera: warning: NcclComm %s on rank %d of %d (call #%lld) has waited %s (timeout %s)%s\n",
+                     what.c_str(), s.rank, s.size, static_cast<long long>(call),
+                     detail::seconds_text(s.options.effective_stall_warning()).c_str(),
+                     detail::seconds_text(s.options.timeout).c_str(), report().c_str());
+        std::fflush(stderr);
+      }
+      if (waited > s.options.timeout)
         fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": not complete after ",
                             detail::seconds_text(s.options.timeout),
-                            " (a peer is dead, hung or called a different collective); communicator aborted"));
+                            " (a peer is dead, hung or called a different collective); communicator aborted",
+                            report()));
       std::this_thread::yield();
     }
   }
@@ -639,11 +671,28 @@ class NcclComm {
     ensure_usable(s, signature.describe());
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
     flush_pending(s);
-    if (s.options.debug && s.size > 1) check_signature(s, signature);
+    const std::int64_t call = s.board->enter(signature);
+    if (s.ledger.record(signature) && s.size > 1) check_signature(s, signature);
     order_after_compute(s);
     settle(s, enqueue(s.comm, s.stream), signature.describe());
     cudaEvent_t done = record(s);
-    return completion(done, signature.describe());
+    auto inner = std::make_shared<Work>(completion(done, signature.describe(), call, signature));
+    // The board counts the call finished when this rank has seen it complete.
+    auto finished = std::make_shared<std::atomic<bool>>(false);
+    auto board = s.board;
+    auto mark = [board, finished] {
+      if (!finished->exchange(true)) board->finish();
+    };
+    return Work(
+        [inner, mark] {
+          inner->wait();
+          mark();
+        },
+        [inner, mark] {
+          const bool done_now = inner->is_completed();
+          if (done_now) mark();
+          return done_now;
+        });
   }
 
   template <CommScalar T>
@@ -714,34 +763,40 @@ class NcclComm {
     return done;
   }
 
-  // Debug mode: all ranks compare the call they are about to make (an all_gather of 4 int64 per
-  // rank through GPU scratch memory, which cannot itself mismatch).
-  static void check_signature(detail::NcclState& s, const detail::CallSignature& signature) {
-    const auto mine = signature.encode();
-    std::int64_t* slot = s.signatures + 4 * s.rank;
-    TESSERA_CUDA_CHECK(cudaMemcpyAsync(slot, mine.data(), sizeof(mine), cudaMemcpyHostToDevice, s.stream));
-    settle(s, ncclAllGather(slot, s.signatures, 4, ncclInt64, s.comm, s.stream), "debug signature exchange");
-    // Wait with the timeout and abort, never a bare synchronize: a mismatched or dead peer is
-    // exactly what this mode is for, and it must not hang here.
-    std::vector<std::int64_t> all(4 * static_cast<std::size_t>(s.size));
-    const auto wait_for_stream = [&s](const char* what) {
+  // A blocking all_gather of at most CallLedger::kWindow x 4 int64 per rank through the GPU
+  // scratch (the caller holds the mutex). Waits with the timeout and aborts, never a bare
+  // synchronize: a mismatched or dead peer is exactly what its users are for.
+  static void gather_int64(detail::NcclState& s, std::span<const std::int64_t> in, std::span<std::int64_t> out,
+                           const std::string& what) {
+    const auto wait_for_stream = [&s](const std::string& step) {
       cudaEvent_t done = record(s);
       try {
-        wait_event(s, done, what, /*caller_holds_mutex=*/true);
+        wait_event(s, done, step, /*caller_holds_mutex=*/true);
       } catch (...) {
         s.events->give(done);
         throw;
       }
       s.events->give(done);
     };
-    wait_for_stream("debug signature exchange");
-    TESSERA_CUDA_CHECK(cudaMemcpyAsync(all.data(), s.signatures, all.size() * sizeof(std::int64_t),
-                                       cudaMemcpyDeviceToHost, s.stream));
-    wait_for_stream("debug signature read-back");
+    std::int64_t* slot = s.signatures + in.size() * static_cast<std::size_t>(s.rank);
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(slot, in.data(), in.size_bytes(), cudaMemcpyHostToDevice, s.stream));
+    settle(s, ncclAllGather(slot, s.signatures, in.size(), ncclInt64, s.comm, s.stream), what);
+    wait_for_stream(what);
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(out.data(), s.signatures, out.size_bytes(), cudaMemcpyDeviceToHost, s.stream));
+    wait_for_stream(what + " read-back");
+  }
+
+  // The call check (comm/call_check.hpp): on the calls the ledger picks, all ranks compare notes
+  // (all_gathers of int64 through GPU scratch memory, which cannot themselves mismatch).
+  static void check_signature(detail::NcclState& s, const detail::CallSignature& signature) {
+    const auto gather = [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      gather_int64(s, in, out, signature.describe() + " call check");
+    };
     try {
-      detail::check_signatures("NcclComm", s.rank, all);
+      detail::run_call_check(s.ledger, "NcclComm", s.rank, s.size, gather);
     } catch (const CommError& e) {
-      fail(s, e.what());
+      if (s.broken.empty()) fail(s, e.what());
+      throw;
     }
   }
 

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Cost of the default-on call check (comm/call_check.hpp) on small all_reduces.
+
+  python3 bench/check_overhead.py [--build build] [--ranks 2] [--bytes 4096] [--pairs 7] [--out FILE]
+
+For MPI (mpirun) and Gloo (tools/tessera-run) it runs bench/collectives_<backend> for one
+all_reduce size in alternating pairs of jobs: one with the default check (the first 32 calls,
+then every 16th; TESSERA_COMM_CHECK_EVERY unset) and one with the sampled check off
+(TESSERA_COMM_CHECK_EVERY=0: only the first 32 calls, all of them in the warm-up). Each job
+reports the median time of Tessera's call over its rounds; the script reports the median over
+pairs of (default / off) - 1 as the overhead. Target: <= 15 % at 4 KiB.
+The JSON (default bench/results/check_overhead_<date>.json) names the CPU model.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def tessera_us(argv, env):
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, timeout=600)
+    if proc.returncode != 0:
+        sys.exit(f"check_overhead.py: {' '.join(argv)} exited with status {proc.returncode}")
+    times = []
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("[rank"):
+            line = line.split("] ", 1)[1]
+        if line.startswith("{"):
+            row = json.loads(line)
+            if row.get("impl") == "tessera" and row.get("op") == "all_reduce":
+                times.append(row["time_us"])
+    if not times:
+        sys.exit(f"check_overhead.py: no Tessera all_reduce row from {argv}")
+    return max(times)  # the slowest rank's median: what the job waits for
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--ranks", default="2")
+    parser.add_argument("--bytes", default="4096")
+    parser.add_argument("--pairs", type=int, default=7)
+    parser.add_argument("--rounds", default="7")
+    parser.add_argument("--round-seconds", default="0.2")
+    parser.add_argument("--only", default="mpi,gloo")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                                      f"check_overhead_{datetime.date.today().isoformat()}.json"))
+    args = parser.parse_args()
+    bench = os.path.join(args.build, "bench")
+    common = ["--ops", "all_reduce", "--min-bytes", args.bytes, "--max-bytes", args.bytes, "--rounds", args.rounds,
+              "--round-seconds", args.round_seconds]
+    base_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for var in ("TESSERA_COMM_CHECK_EVERY", "TESSERA_COMM_DEBUG"):
+        base_env.pop(var, None)
+    results = []
+    for comm in args.only.split(","):
+        binary = os.path.join(bench, f"collectives_{comm}")
+        if not os.path.exists(binary):
+            print(f"skipping {comm}: {binary} not built", file=sys.stderr)
+            continue
+        for n in args.ranks.split(","):
+            if comm == "mpi":
+                argv = ["mpirun", "--oversubscribe", "-n", n, binary] + common
+            else:
+                argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", n, binary] + common
+            ratios, on, off = [], [], []
+            for i in range(args.pairs):
+                # Alternate which goes first, so a drift in machine load does not favour one side.
+                order = [("on", base_env), ("off", dict(base_env, TESSERA_COMM_CHECK_EVERY="0"))]
+                if i % 2:
+                    order.reverse()
+                t = {name: tessera_us(argv, env) for name, env in order}
+                on.append(t["on"])
+                off.append(t["off"])
+                ratios.append(t["on"] / t["off"])
+                print(f"{comm} n={n} pair {i}: checked {t['on']:.2f} us, unchecked {t['off']:.2f} us, "
+                      f"ratio {ratios[-1]:.3f}", file=sys.stderr, flush=True)
+            row = {"bench": "check_overhead", "comm": comm, "ranks": int(n), "bytes": int(args.bytes),
+                   "checked_us_median": statistics.median(on), "unchecked_us_median": statistics.median(off),
+                   "overhead_median": statistics.median(ratios) - 1, "pairs": args.pairs,
+                   "check": "first 32 calls, then every 16th", "cpu": cpu_model(), "cores": os.cpu_count()}
+            results.append(row)
+            print(json.dumps(row))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        for row in results:
+            f.write(json.dumps(row) + "\n")
+    for row in results:
+        print(f"{row['comm']} {row['ranks']} ranks, {row['bytes']} B all_reduce: overhead "
+              f"{100 * row['overhead_median']:.1f} % (target <= 15 %)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
