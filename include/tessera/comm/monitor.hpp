@@ -27,6 +27,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -472,6 +473,48 @@ inline void install_fatal_handler() {
       if (previous) previous();
       std::abort();
     });
+  });
+}
+
+// Says, when the launcher ends this rank with SIGTERM (mpirun and tessera-run stop the other ranks
+// that way when one fails), what the rank was doing: otherwise a survivor of a dead peer under
+// mpirun disappears without a word. The handler only writes a byte to a pipe (async-signal-safe);
+// a thread formats the message, then restores the default action and re-raises the signal.
+// Installed only while SIGTERM has its default action, so a program's own handler wins.
+inline void install_sigterm_reporter() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGTERM, nullptr, &current) != 0 || current.sa_handler != SIG_DFL || (current.sa_flags & SA_SIGINFO))
+      return;
+    static int pipe_fds[2] = {-1, -1};
+    if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return;
+    std::thread([] {
+      char byte = 0;
+      while (::read(pipe_fds[0], &byte, 1) < 0 && errno == EINTR) {
+      }
+      const LastEntered& last = LastEntered::get();
+      const char* backend = last.backend.load();
+      std::string text = cat("tessera: rank ", last.rank.load(), " of ", last.size.load(),
+                             " received SIGTERM (the launcher is ending the job, usually because another rank failed)");
+      if (backend != nullptr) {
+        std::int64_t sig[4];
+        for (int i = 0; i < 4; ++i) sig[i] = last.sig[i].load();
+        text += cat("; its last collective was ", backend, " ", CallSignature::decode(sig).describe(), " (call #",
+                    last.call.load(), ")");
+      }
+      report_fatal(last.rank.load(), text);
+      std::fflush(stdout);
+      signal(SIGTERM, SIG_DFL);
+      ::raise(SIGTERM);
+    }).detach();
+    struct sigaction action {};
+    action.sa_handler = [](int) {
+      const char byte = 1;
+      (void)!::write(pipe_fds[1], &byte, 1);
+    };
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, nullptr);
   });
 }
 

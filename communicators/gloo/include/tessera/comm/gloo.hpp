@@ -225,6 +225,7 @@ class GlooComm {
     s_->label = "gloo:" + prefix;
     detail::ignore_sigpipe_if_default();
     detail::install_fatal_handler();
+    detail::install_sigterm_reporter();
     s_->device = detail::make_gloo_device();
     connect(prefix);
   }

@@ -158,6 +158,7 @@ struct MpiRuntime {
       TESSERA_CHECK(code == MPI_SUCCESS, CommError, "MpiComm: MPI_Init_thread failed: ", mpi_error_text(code));
       initialized_here = true;
     }
+    install_sigterm_reporter();
   }
   ~MpiRuntime() {
     int finalized = 0;
