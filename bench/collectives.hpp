@@ -22,6 +22,7 @@
 // backend's main and its raw-library baseline (MPI_Allreduce, gloo::allreduce; STREAM for threads).
 #pragma once
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/io/flags.hpp"
 
 namespace collectives_bench {
 
@@ -46,38 +48,44 @@ struct Options {
   std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"};
 };
 
+// --name=value or --name value (tessera::Flags); every value is checked before anything runs,
+// and a bad one ends the program with its message and status 2 (the mains catch nothing).
+Options parse_flags(int argc, char** argv);
 Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-    if (a == "--max-bytes") o.max_bytes = std::strtoull(next().c_str(), nullptr, 10);
-    else if (a == "--min-bytes") o.min_bytes = std::strtoull(next().c_str(), nullptr, 10);
-    else if (a == "--rounds") o.rounds = std::atoi(next().c_str());
-    else if (a == "--round-seconds") o.round_seconds = std::atof(next().c_str());
-    else if (a == "--ops") {
-      o.ops.clear();
-      const std::string list = next();
-      for (std::size_t p = 0; p < list.size();) {
-        const auto comma = list.find(',', p);
-        o.ops.push_back(list.substr(p, comma == std::string::npos ? std::string::npos : comma - p));
-        p = comma == std::string::npos ? list.size() : comma + 1;
-      }
-    }
-    else if (a == "--ranks") {
-      o.thread_ranks.clear();
-      const std::string list = next();
-      for (std::size_t p = 0; p < list.size();) {
-        o.thread_ranks.push_back(std::atoi(list.c_str() + p));
-        const auto comma = list.find(',', p);
-        p = comma == std::string::npos ? list.size() : comma + 1;
-      }
-    } else {
-      std::fprintf(stderr, "usage: %s [--min-bytes B] [--max-bytes B] [--rounds R] [--round-seconds S] [--ranks 2,4] [--ops a,b]\n",
-                   argv[0]);
-      std::exit(2);
-    }
+  try {
+    return parse_flags(argc, argv);
+  } catch (const tessera::ArgumentError& e) {
+    std::fprintf(stderr, "%s: %s\nusage: %s [--min-bytes B] [--max-bytes B] [--rounds R] [--round-seconds S] "
+                 "[--ranks 2,4] [--ops a,b]\n", argv[0], e.what(), argv[0]);
+    std::exit(2);
   }
+}
+
+Options parse_flags(int argc, char** argv) {
+  tessera::Flags flags(argc, argv);
+  Options o;
+  // Sizes go min, 4 min, 16 min, ... up to max: at least one float, at most 16 GiB per buffer.
+  const tessera::FlagRange bytes{.min = 4, .max = static_cast<double>(std::int64_t{1} << 34)};
+  o.min_bytes = static_cast<std::size_t>(flags.get("min-bytes", static_cast<std::int64_t>(o.min_bytes), bytes));
+  o.max_bytes = static_cast<std::size_t>(flags.get("max-bytes", static_cast<std::int64_t>(o.max_bytes), bytes));
+  TESSERA_CHECK(o.min_bytes <= o.max_bytes, tessera::ArgumentError, "--min-bytes=", o.min_bytes,
+                " is above --max-bytes=", o.max_bytes);
+  o.rounds = flags.get("rounds", o.rounds, {.min = 1});
+  o.round_seconds = flags.get("round-seconds", o.round_seconds, {.above = 0, .max = 3600});
+  // An unknown name would otherwise be timed as a broadcast (tessera_impl's last case).
+  o.ops = flags.list("ops", "all_reduce,all_gather,reduce_scatter,broadcast",
+                     {"all_reduce", "all_gather", "reduce_scatter", "broadcast"});
+  // --ranks: the threads build's rank counts, each bounded like threads (1 .. max_threads()).
+  o.thread_ranks.clear();
+  for (const std::string& item : flags.list("ranks", "2,4")) {
+    int n = 0;
+    const auto r = std::from_chars(item.data(), item.data() + item.size(), n);
+    TESSERA_CHECK(r.ec == std::errc() && r.ptr == item.data() + item.size() && n >= 1 && n <= tessera::max_threads(),
+                  tessera::ArgumentError, "--ranks: '", item, "' must be a rank count in [1, ", tessera::max_threads(),
+                  "] (4 x the ", tessera::hardware_threads(), " hardware threads of this machine)");
+    o.thread_ranks.push_back(n);
+  }
+  flags.finish();
   return o;
 }
 

@@ -79,13 +79,15 @@ int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
     Options o;
-    o.model = flags.get("model", o.model);
-    o.batch = flags.get("batch", o.batch);
-    o.steps = flags.get("steps", o.steps);
-    o.warmup = flags.get("warmup", o.warmup);
-    o.threads = flags.get("threads", o.threads);
-    o.ranks = flags.get("ranks", o.ranks);
-    o.bucket_kib = flags.get("bucket-kib", o.bucket_kib);
+    o.model = flags.choice("model", o.model, {"lenet", "resnet20"});
+    o.batch = flags.get("batch", o.batch, {.min = 1});  // per rank
+    o.steps = flags.get("steps", o.steps, {.min = 1});
+    o.warmup = flags.get("warmup", o.warmup, {.min = 0});
+    o.threads = flags.threads("threads", o.threads);
+    o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+    // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+    check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
+    o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20});  // 1 KiB .. 1 GiB
     flags.finish();
     launch<E>(
         [&](Comm& comm) {

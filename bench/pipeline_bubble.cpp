@@ -87,9 +87,12 @@ Result measure(Model& model, E::Comm& comm, int micro_batches, PipelineSchedule 
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
-    const int steps = flags.get("steps", 12);
-    const std::int64_t batch = flags.get("batch", std::int64_t{128});
-    const std::string trace = flags.get("trace", std::string());
+    const int steps = flags.get("steps", 12, {.min = 2});  // the first step is not in the medians
+    // Split into 1, 4, 8 and 16 micro-batches below: a multiple of 16, or refused.
+    const std::int64_t batch = flags.get("batch", std::int64_t{128}, {.min = 16});
+    TESSERA_CHECK(batch % 16 == 0, ArgumentError, "--batch=", batch, ": must be a multiple of 16 (it is split into 1, 4, "
+                  "8 and 16 micro-batches)");
+    const std::string trace = flags.output_path("trace", "");
     flags.finish();
     auto comm = E::Comm::from_env();
     Cpu::set_num_threads(1);

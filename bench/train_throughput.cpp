@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -100,16 +99,16 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
-    const std::string models = flags.get("models", std::string("mlp,lenet,resnet20,resnet50_b8,resnet50_b32"));
-    const int threads = flags.get("threads", 2);
-    const int steps_flag = flags.get("steps", 0);
-    const int warmup = flags.get("warmup", 2);
+    const std::vector<std::string> models = flags.list("models", "mlp,lenet,resnet20,resnet50_b8,resnet50_b32",
+                                                       {"mlp", "lenet", "resnet20", "resnet50_b8", "resnet50_b32"});
+    const int threads = flags.threads("threads", 2);
+    const int steps_flag = flags.get("steps", 0, {.min = 0});  // 0: each model's own count
+    const int warmup = flags.get("warmup", 2, {.min = 1});     // the first step is never timed
     flags.finish();
     Cpu::set_num_threads(threads);
 
     std::vector<Result> results;
-    std::stringstream list(models);
-    for (std::string m; std::getline(list, m, ',');) {
+    for (const std::string& m : models) {
       auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
       if (m == "mlp") {
         Mlp<E> net(784, {512, 256}, 10, 1);

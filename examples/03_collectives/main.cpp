@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tessera/build_env.hpp"
+#include "tessera/io/flags.hpp"
 
 using namespace tessera;
 
@@ -142,14 +143,11 @@ void show(Comm& comm) {
 
 int main(int argc, char** argv) {
   try {
-    int ranks = 4;  // threads build; a process backend's launcher says how many ranks
-    for (int i = 1; i < argc; ++i)
-      if (std::string(argv[i]).rfind("--ranks=", 0) == 0) ranks = std::atoi(argv[i] + 8);
-      else if (std::string(argv[i]) == "--ranks" && i + 1 < argc) ranks = std::atoi(argv[++i]);
-      else {
-        std::fprintf(stderr, "usage: %s [--ranks N]\n", argv[0]);
-        return 2;
-      }
+    // --ranks: threads build (ranks are threads, so bounded like threads: 1 .. max_threads());
+    // a process backend's launcher says how many ranks.
+    Flags flags(argc, argv);
+    const int ranks = flags.threads("ranks", 4);
+    flags.finish();
     using Comm = BuildEnv::Comm;
     launch<BuildEnv>(
         [](Comm& comm) {

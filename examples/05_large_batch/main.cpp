@@ -160,44 +160,37 @@ std::string text(const char* fmt, auto... args) {
   return buf;
 }
 
-std::vector<std::string> split(const std::string& list) {
-  std::vector<std::string> out;
-  std::stringstream ss(list);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
-    const std::int64_t epochs = flags.get("epochs", std::int64_t{16});
-    const double warmup = flags.get("warmup", 5.0);
-    const int ranks = flags.get("ranks", 2);
-    const int threads = flags.get("threads", 1);
+    // Every flag is checked here, the output paths included, before hours of training.
+    const std::int64_t epochs = flags.get("epochs", std::int64_t{16}, {.min = 1});
+    const double warmup = flags.get("warmup", 5.0, {.min = 0});
+    const int ranks = flags.get("ranks", 2, {.min = 1});
+    const int threads = flags.threads("threads", 1);
+    check_thread_budget(ranks, "--ranks", threads, "--threads");  // the ranks are threads of this process
     const std::uint64_t seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-    const std::int64_t limit = flags.get("limit", std::int64_t{0});
-    const std::string run_list = flags.get("runs", std::string("small,nowarmup,warmup"));
-    const std::int64_t small = flags.get("small-batch", std::int64_t{256});
-    const std::int64_t large = flags.get("large-batch", std::int64_t{4096});
-    const double lars_lr = flags.get("lars-lr", 8.0);
-    const double lars_eta = flags.get("lars-eta", 0.001);
-    const double lars_wd = flags.get("lars-wd", 5e-4);
-    const double lamb_lr = flags.get("lamb-lr", 0.05);
-    const double lamb_wd = flags.get("lamb-wd", 0.01);
-    const double adaptive_warmup = flags.get("adaptive-warmup", warmup);
-    const std::string adaptive_decay = flags.get("adaptive-decay", std::string("cosine"));
-    const std::string out = flags.get("out", std::string("05_large_batch.jsonl"));
-    const std::string plot = flags.get("plot", std::string("05_large_batch.png"));
+    const std::int64_t limit = flags.get("limit", std::int64_t{0}, {.min = 0});
+    const std::vector<std::string> run_keys =
+        flags.list("runs", "small,nowarmup,warmup", {"small", "nowarmup", "warmup", "lars", "lamb"});
+    const std::int64_t small = flags.get("small-batch", std::int64_t{256}, {.min = 1});
+    const std::int64_t large = flags.get("large-batch", std::int64_t{4096}, {.min = 1});
+    const double lars_lr = flags.get("lars-lr", 8.0, {.above = 0});
+    const double lars_eta = flags.get("lars-eta", 0.001, {.above = 0});
+    const double lars_wd = flags.get("lars-wd", 5e-4, {.min = 0});
+    const double lamb_lr = flags.get("lamb-lr", 0.05, {.above = 0});
+    const double lamb_wd = flags.get("lamb-wd", 0.01, {.min = 0});
+    const double adaptive_warmup = flags.get("adaptive-warmup", warmup, {.min = 0});
+    const std::string adaptive_decay = flags.choice("adaptive-decay", "cosine", {"cosine", "poly2"});
+    const std::string out = flags.output_path("out", "05_large_batch.jsonl");
+    const std::string plot = flags.output_path("plot", "05_large_batch.png");
     const std::string data_dir = flags.get("data-dir", std::string());
     flags.finish();
-    TESSERA_CHECK(small > 0 && large > 0 && small % ranks == 0 && large % ranks == 0, ArgumentError,
-                  "05_large_batch: --small-batch=", small, " and --large-batch=", large,
-                  " must be positive multiples of --ranks=", ranks);
-    TESSERA_CHECK(adaptive_decay == "cosine" || adaptive_decay == "poly2", ArgumentError,
-                  "05_large_batch: --adaptive-decay=", adaptive_decay, " must be cosine or poly2");
+    // Global batches split evenly over the ranks, or refused: never silently rounded.
+    TESSERA_CHECK(small % ranks == 0 && large % ranks == 0, ArgumentError, "--small-batch=", small,
+                  " and --large-batch=", large, " (global batches) must be multiples of --ranks=", ranks);
     const bool poly = adaptive_decay == "poly2";
 
     auto [train_set, test_set] = examples::load_normalized_fashion_mnist(data_dir, limit);
@@ -220,13 +213,8 @@ int main(int argc, char** argv) {
          Method::Lamb, large, lamb_lr, adaptive_warmup, lamb_wd, 0, poly, {230, 140, 20}, "orange"},
     };
     std::vector<Run> runs;
-    for (const auto& key : split(run_list)) {
-      const auto it = std::find_if(all.begin(), all.end(), [&](const Run& r) { return r.key == key; });
-      TESSERA_CHECK(it != all.end(), ArgumentError, "05_large_batch: --runs: unknown run '", key,
-                    "' (known: small, nowarmup, warmup, lars, lamb)");
-      runs.push_back(*it);
-    }
-    TESSERA_CHECK(!runs.empty(), ArgumentError, "05_large_batch: --runs=", run_list, " names no run");
+    for (const auto& key : run_keys)  // each one of all's keys (flags.list checked them)
+      runs.push_back(*std::find_if(all.begin(), all.end(), [&](const Run& r) { return r.key == key; }));
 
     std::printf("05_large_batch: %lld epochs, %d ranks x %d thread(s), %lld training images, warmup %.1f epochs "
                 "(LARS/LAMB %.1f, %s decay)\n",

@@ -78,10 +78,13 @@ void train(Comm& world, const Options& o, int stages) {
   TESSERA_CHECK(world.size() % stages == 0, ArgumentError, "06_pipeline_parallel: ", world.size(),
                 " ranks do not form replicas of ", stages, " stages");
   const int replicas = world.size() / stages, replica = world.rank() / stages, stage = world.rank() % stages;
-  TESSERA_CHECK(o.batch % replicas == 0, ArgumentError, "06_pipeline_parallel: --batch=", o.batch, " does not split over ",
-                replicas, " replicas");
-  TESSERA_CHECK(o.schedule == "1f1b" || o.schedule == "gpipe", ArgumentError, "06_pipeline_parallel: --schedule=",
-                o.schedule, " is not 1f1b or gpipe");
+  // The global batch splits evenly over the replicas and each replica's share into the
+  // micro-batches, or it is refused here, before the data is read: never silently rounded.
+  TESSERA_CHECK(o.batch % replicas == 0, ArgumentError, "--batch=", o.batch,
+                " (the global batch) does not split over ", replicas, " replicas");
+  TESSERA_CHECK((o.batch / replicas) % o.micro_batches == 0, ArgumentError, "--batch=", o.batch,
+                " over ", replicas, " replica(s) is ", o.batch / replicas, " per replica, which does not split into ",
+                "--micro-batches=", o.micro_batches);
   Cpu::set_num_threads(o.threads);
   // Rank = replica x stages + stage: my pipeline, and the same stage in the other replicas.
   Comm pipe_comm = world.split(replica, stage);
@@ -205,18 +208,21 @@ void train(Comm& world, const Options& o, int stages) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs);
-  o.batch = flags.get("batch", o.batch);
-  o.micro_batches = flags.get("micro-batches", o.micro_batches);
-  o.schedule = flags.get("schedule", o.schedule);
-  o.lr = flags.get("lr", o.lr);
-  o.threads = flags.get("threads", o.threads);
-  o.stages = flags.get("stages", o.stages);
-  o.replicas = flags.get("replicas", o.replicas);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
+  o.batch = flags.get("batch", o.batch, {.min = 1});
+  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1});
+  o.schedule = flags.choice("schedule", o.schedule, {"1f1b", "gpipe"});
+  o.lr = flags.get("lr", o.lr, {.above = 0});
+  o.threads = flags.threads("threads", o.threads);
+  o.stages = flags.get("stages", o.stages, {.min = 1, .max = 4096});  // the max keeps stages x replicas an int
+  o.replicas = flags.get("replicas", o.replicas, {.min = 1, .max = 4096});
+  // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? std::int64_t{o.stages} * o.replicas : 1,
+                      "--stages x --replicas", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit);
+  o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", std::string());
-  o.trace = flags.get("trace", o.trace);
+  o.trace = flags.output_path("trace", o.trace);
   flags.finish();
   return o;
 }
@@ -229,7 +235,13 @@ int main(int argc, char** argv) {
     // Threads: --stages x --replicas ranks are spawned here. A process backend (mpirun,
     // tools/tessera-run) brings its own world, and every rank is a stage unless --replicas says
     // how many pipelines there are.
-    launch<E>([&](Comm& comm) { train(comm, o, comm.size() / o.replicas); }, {.ranks = o.stages * o.replicas});
+    launch<E>(
+        [&](Comm& comm) {
+          TESSERA_CHECK(comm.size() % o.replicas == 0, ArgumentError, comm.size(),
+                        " ranks do not split into --replicas=", o.replicas, " pipelines of equal length");
+          train(comm, o, comm.size() / o.replicas);
+        },
+        {.ranks = o.stages * o.replicas});
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "06_pipeline_parallel: %s\n", e.what());

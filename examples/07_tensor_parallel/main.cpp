@@ -102,6 +102,9 @@ void check_against_dense(TensorParallelClassifier& tp, Comm& comm, const Batch<f
 }
 
 void train(Comm& comm, const Options& o) {
+  // Refused before the data is read (the parallel layers would refuse it later).
+  TESSERA_CHECK(o.hidden % comm.size() == 0, ArgumentError, "--hidden=", o.hidden,
+                " does not split over ", comm.size(), " ranks (each holds hidden / ranks units)");
   Cpu::set_num_threads(o.threads);
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
@@ -161,14 +164,16 @@ void train(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs);
-  o.batch = flags.get("batch", o.batch);
-  o.hidden = flags.get("hidden", o.hidden);
-  o.lr = flags.get("lr", o.lr);
-  o.threads = flags.get("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
+  o.batch = flags.get("batch", o.batch, {.min = 1});  // every rank sees the whole batch: nothing to split
+  o.hidden = flags.get("hidden", o.hidden, {.min = 1});
+  o.lr = flags.get("lr", o.lr, {.above = 0});
+  o.threads = flags.threads("threads", o.threads);
+  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit);
+  o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", std::string());
   flags.finish();
   return o;

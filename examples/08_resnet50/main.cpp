@@ -91,28 +91,37 @@ int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
     Options o;
-    o.batch = flags.get("batch", o.batch);
-    o.steps = flags.get("steps", o.steps);
-    o.image = flags.get("image", o.image);
-    o.classes = flags.get("classes", o.classes);
-    o.threads = flags.get("threads", o.threads);
-    o.ranks = flags.get("ranks", o.ranks);
+    o.batch = flags.get("batch", o.batch, {.min = 1});  // per rank (data), the whole batch (pipeline, tensor)
+    o.steps = flags.get("steps", o.steps, {.min = 1});
+    o.image = flags.get("image", o.image, {.min = 1});
+    o.classes = flags.get("classes", o.classes, {.min = 1});
+    o.threads = flags.threads("threads", o.threads, /*zero_is_all_cores=*/true);
+    o.ranks = flags.get("ranks", o.ranks, {.min = 1});
     o.sync_bn = flags.get("sync-bn", o.sync_bn);
     o.strategy = flags.get("strategy", o.strategy);
-    o.micro_batches = flags.get("micro-batches", o.micro_batches);
+    o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1});
     o.verify = flags.get("verify", o.verify);
     flags.finish();
     const bool split = o.strategy != "data";
     TESSERA_CHECK(!split || o.strategy == "tensor" ||
-                      (o.strategy.rfind("pipeline:", 0) == 0 && o.strategy.size() > 9 &&
+                      (o.strategy.rfind("pipeline:", 0) == 0 && o.strategy.size() > 9 && o.strategy.size() <= 11 &&
                        o.strategy.find_first_not_of("0123456789", 9) == std::string::npos),
                   ArgumentError, "--strategy=", o.strategy, " is not data, pipeline:P or tensor");
+    // ResNet-50's 18 units (stem, 16 bottlenecks, head) give at most 18 stages.
+    const int stages = o.strategy.rfind("pipeline:", 0) == 0 ? std::stoi(o.strategy.substr(9)) : 0;
+    TESSERA_CHECK(o.strategy.rfind("pipeline:", 0) != 0 || (stages >= 1 && stages <= 18), ArgumentError,
+                  "--strategy=", o.strategy, ": P must be in [1, 18] (ResNet-50 has 18 units)");
+    TESSERA_CHECK(stages == 0 || o.batch % o.micro_batches == 0, ArgumentError, "--batch=", o.batch,
+                  " does not split into --micro-batches=", o.micro_batches);
     TESSERA_CHECK(!split || !o.sync_bn, ArgumentError, "--sync-bn applies to --strategy=data only");
     // Ranks spawned in-process (threads) for each strategy; a process backend takes its world
     // from the launcher (mpirun, tools/tessera-run, srun).
     const int ranks = !split                ? o.ranks
                       : o.strategy == "tensor" ? std::max(o.ranks, 2)
-                                               : std::stoi(o.strategy.substr(9));
+                                               : stages;
+    // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+    check_thread_budget(SharedMemoryCommunicator<Comm> ? ranks : 1, split ? "ranks" : "--ranks", o.threads,
+                        "--threads");
     launch<E>(
         [&](Comm& comm) {
           if (split) train_split(comm, o);

@@ -57,7 +57,8 @@ struct Options {
   double lr = 0.05, momentum = 0.9, weight_decay = 5e-4, hogwild_lr = 0.05, target = 0.85, min_accuracy = 0.6;
   int servers = 1, staleness = 2, straggler_ms = 0, ranks = 4, threads = 1;
   std::uint64_t seed = 1;
-  std::string data_dir, modes = "sync,ssp,async,hogwild", out = "09_async_sgd.jsonl", plot = "09_async_sgd.png";
+  std::string data_dir, out = "09_async_sgd.jsonl", plot = "09_async_sgd.png";
+  std::vector<std::string> modes = {"sync", "ssp", "async", "hogwild"};
 };
 
 struct Point {
@@ -251,10 +252,7 @@ int run(Comm& comm, const Options& o, HogwildStore<float>& store) {
                 static_cast<long long>(session_budget * o.evals), workers - 1, o.straggler_ms, o.staleness);
 
   std::vector<ModeResult> results;
-  std::string modes = o.modes + ",";
-  for (std::size_t at = 0; (at = modes.find(',')) != std::string::npos; modes.erase(0, at + 1)) {
-    const std::string mode = modes.substr(0, at);
-    if (mode.empty()) continue;
+  for (const std::string& mode : o.modes) {  // checked by parse(): each one of the four
     if (mode == "sync") {
       results.push_back(runner.sync());
     } else if (mode == "ssp") {
@@ -341,32 +339,31 @@ int run(Comm& comm, const Options& o, HogwildStore<float>& store) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs);
-  o.batch = flags.get("batch", o.batch);
-  o.limit = flags.get("limit", o.limit);
-  o.evals = flags.get("evals", o.evals);
-  o.lr = flags.get("lr", o.lr);
-  o.momentum = flags.get("momentum", o.momentum);
-  o.hogwild_lr = flags.get("hogwild-lr", o.hogwild_lr);
-  o.weight_decay = flags.get("weight-decay", o.weight_decay);
-  o.target = flags.get("target", o.target);
-  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy);
-  o.servers = flags.get("servers", o.servers);
-  o.staleness = flags.get("staleness", o.staleness);
-  o.straggler_ms = flags.get("straggler-ms", o.straggler_ms);
-  o.ranks = flags.get("ranks", o.ranks);
-  o.threads = flags.get("threads", o.threads);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
+  o.batch = flags.get("batch", o.batch, {.min = 1});  // per worker: nothing to split
+  o.limit = flags.get("limit", o.limit, {.min = 0});
+  o.evals = flags.get("evals", o.evals, {.min = 1});
+  o.lr = flags.get("lr", o.lr, {.above = 0});
+  o.momentum = flags.get("momentum", o.momentum, {.min = 0, .below = 1});
+  o.hogwild_lr = flags.get("hogwild-lr", o.hogwild_lr, {.above = 0});
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0});
+  o.target = flags.get("target", o.target, {.min = 0, .max = 1});  // accuracies are fractions
+  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 1});
+  o.servers = flags.get("servers", o.servers, {.min = 1});
+  o.staleness = flags.get("staleness", o.staleness, {.min = 1});  // 0 is the sync row
+  o.straggler_ms = flags.get("straggler-ms", o.straggler_ms, {.min = 0, .max = 60000});
+  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.threads = flags.threads("threads", o.threads);
+  // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.data_dir = flags.get("data-dir", std::string());
-  o.modes = flags.get("modes", o.modes);
-  o.out = flags.get("out", o.out);
-  o.plot = flags.get("plot", o.plot);
+  o.modes = flags.list("modes", "sync,ssp,async,hogwild", {"sync", "ssp", "async", "hogwild"});
+  o.out = flags.output_path("out", o.out);
+  o.plot = flags.output_path("plot", o.plot);
   flags.finish();
-  TESSERA_CHECK(o.epochs >= 1 && o.batch >= 1 && o.evals >= 1, ArgumentError,
-                "09_async_sgd: --epochs, --batch and --evals must be positive");
-  TESSERA_CHECK(o.staleness >= 1, ArgumentError, "09_async_sgd: --staleness=", o.staleness,
-                " must be >= 1 (0 is the sync row)");
-  TESSERA_CHECK(o.momentum >= 0 && o.momentum < 1, ArgumentError, "09_async_sgd: --momentum must lie in [0, 1)");
+  TESSERA_CHECK(!SharedMemoryCommunicator<Comm> || o.ranks > o.servers, ArgumentError, "--ranks=",
+                o.ranks, " must leave at least one worker besides --servers=", o.servers);
   return o;
 }
 

@@ -50,7 +50,7 @@ double train_trial(const TrialConfig& config, Comm& group, TrialReport& report, 
   DataParallel dp(model, group);
   Sgd<E> sgd(dp.parameters(), {.lr = config.at("lr"), .momentum = config.at("momentum"),
                                .weight_decay = config.at("weight_decay"), .decay_norm_and_bias = false});
-  const std::int64_t per_rank = std::max<std::int64_t>(1, o.batch / group.size());
+  const std::int64_t per_rank = o.batch / group.size();  // run() refused a batch the group cannot split
   DataLoader<float> loader(train_set, {.batch_size = per_rank, .shuffle = true, .seed = report.seed,
                                        .drop_last = true, .rank = group.rank(), .world_size = group.size()});
   DataLoader<float> eval_loader(eval_set, {.batch_size = 1000, .shuffle = false});
@@ -81,6 +81,14 @@ double train_trial(const TrialConfig& config, Comm& group, TrialReport& report, 
 }
 
 int run(Comm& world, const Options& o) {
+  // Every group trains with --batch split evenly over its ranks, or the run is refused here, before
+  // the data is read: never silently rounded (64 over 3 ranks is not 21 each).
+  TESSERA_CHECK(world.size() % o.groups == 0, ArgumentError, world.size(),
+                " ranks do not form --groups=", o.groups, " groups of equal size");
+  const int group_size = world.size() / o.groups;
+  TESSERA_CHECK(o.batch % group_size == 0, ArgumentError, "--batch=", o.batch,
+                " (each trial's global batch) must be divisible by the ", group_size, " ranks of a group (",
+                world.size(), " ranks / --groups=", o.groups, ")");
   Cpu::set_num_threads(o.threads);
   auto [full_train, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
   const std::int64_t n = static_cast<std::int64_t>(full_train.labels.size());
@@ -170,25 +178,28 @@ int run(Comm& world, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs);
-  o.batch = flags.get("batch", o.batch);
-  o.limit = flags.get("limit", o.limit);
-  o.validation = flags.get("validation", o.validation);
-  o.groups = flags.get("groups", o.groups);
-  o.ranks = flags.get("ranks", o.ranks);
-  o.threads = flags.get("threads", o.threads);
-  o.population = flags.get("population", o.population);
-  o.generations = flags.get("generations", o.generations);
-  o.tournament = flags.get("tournament", o.tournament);
-  o.elitism = flags.get("elitism", o.elitism);
-  o.crossover = flags.get("crossover", o.crossover);
-  o.mutation = flags.get("mutation", o.mutation);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
+  o.batch = flags.get("batch", o.batch, {.min = 1});  // per trial, split over the ranks of its group
+  o.limit = flags.get("limit", o.limit, {.min = 0});
+  o.validation = flags.get("validation", o.validation, {.min = 1});  // and below the training images: run()
+  o.groups = flags.get("groups", o.groups, {.min = 1});
+  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.threads = flags.threads("threads", o.threads);
+  // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
+  o.population = flags.get("population", o.population, {.min = 2});
+  o.generations = flags.get("generations", o.generations, {.min = 1});
+  o.tournament = flags.get("tournament", o.tournament, {.min = 1});
+  o.elitism = flags.get("elitism", o.elitism, {.min = 0});
+  o.crossover = flags.get("crossover", o.crossover, {.min = 0, .max = 1});  // probabilities
+  o.mutation = flags.get("mutation", o.mutation, {.min = 0, .max = 1});
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.data_dir = flags.get("data-dir", std::string());
-  o.log = flags.get("log", o.log);
-  o.plot = flags.get("plot", o.plot);
+  o.log = flags.output_path("log", o.log);
+  o.plot = flags.output_path("plot", o.plot);
   flags.finish();
-  TESSERA_CHECK(o.epochs >= 1 && o.batch >= 1, ArgumentError, "10_hyperparameter_search: --epochs and --batch must be positive");
+  TESSERA_CHECK(o.elitism < o.population, ArgumentError, "--elitism=", o.elitism,
+                " must be below --population=", o.population, " (the elite are carried over unchanged)");
   return o;
 }
 

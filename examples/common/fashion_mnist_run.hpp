@@ -35,21 +35,24 @@ template <class MakeModel>
 int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, MakeModel make_model) {
   using namespace tessera;
   try {
+    // Every flag is checked here, paths included, before any data is read or step computed.
     Flags flags(argc, argv);
-    recipe.epochs = flags.get("epochs", recipe.epochs);
-    recipe.batch_size = flags.get("batch", recipe.batch_size);
-    recipe.lr = flags.get("lr", recipe.lr);
-    recipe.weight_decay = flags.get("weight-decay", recipe.weight_decay);
-    recipe.warmup_epochs = flags.get("warmup", recipe.warmup_epochs);
+    recipe.epochs = flags.get("epochs", recipe.epochs, {.min = 1});
+    recipe.batch_size = flags.get("batch", recipe.batch_size, {.min = 1});
+    recipe.lr = flags.get("lr", recipe.lr, {.above = 0});
+    recipe.weight_decay = flags.get("weight-decay", recipe.weight_decay, {.min = 0});
+    recipe.warmup_epochs = flags.get("warmup", recipe.warmup_epochs, {.min = 0});
     const std::string data_dir = flags.get("data-dir", std::string());
-    const int threads = flags.get("threads", 0);
+    const int threads = flags.threads("threads", 0, /*zero_is_all_cores=*/true);
     const std::uint64_t seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-    const std::string metrics = flags.get("metrics", std::string());
-    const std::string checkpoint = flags.get("checkpoint", std::string());
-    const std::string resume = flags.get("resume", std::string());
-    const std::int64_t limit = flags.get("limit", std::int64_t{0});  // use only the first N training images
-    const int progress = flags.get("progress", -1);
-    const std::int64_t stop_after = flags.get("stop-after", std::int64_t{0});  // stop early, e.g. to test resume
+    const std::string metrics = flags.output_path("metrics", "");
+    const std::string checkpoint = flags.output_path("checkpoint", "");
+    const std::string resume = flags.input_path("resume", "");
+    // use only the first N training images (0: all)
+    const std::int64_t limit = flags.get("limit", std::int64_t{0}, {.min = 0});
+    const int progress = flags.get("progress", -1, {.min = -1, .max = 1});  // -1 detect terminal, 0 lines, 1 bar
+    // stop after this many epochs (0: run all), e.g. to test resume
+    const std::int64_t stop_after = flags.get("stop-after", std::int64_t{0}, {.min = 0});
     flags.finish();
 
     Cpu::set_num_threads(threads);

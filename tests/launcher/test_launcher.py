@@ -4,8 +4,11 @@
 Run as `python3 tests/launcher/test_launcher.py`: one line per check, exit 0 when all pass.
 Every launch has a timeout, so a broken launcher fails the test instead of hanging it.
 """
+import importlib.machinery
+import importlib.util
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +16,10 @@ import tempfile
 import time
 
 LAUNCHER = pathlib.Path(__file__).resolve().parent.parent.parent / "tools" / "tessera-run"
+# The launcher as a module too, to test its ELF reader directly (it has no .py suffix).
+LAUNCHER_MODULE = importlib.util.module_from_spec(importlib.util.spec_from_loader(
+    "tessera_run", importlib.machinery.SourceFileLoader("tessera_run", str(LAUNCHER))))
+LAUNCHER_MODULE.__spec__.loader.exec_module(LAUNCHER_MODULE)
 TIMEOUT = 30  # seconds any single launch may take
 
 
@@ -182,6 +189,72 @@ def check_launcher_sigterm():
         expect(not os.path.exists(store), f"store dir {store} still exists")
 
 
+def check_sigcont_before_kill():
+    with tempfile.TemporaryDirectory() as d:
+        # Rank 0 handles SIGTERM (writes a file, exits 0) and then stops itself; rank 1 fails once
+        # rank 0 is stopped. A stopped rank keeps SIGTERM pending until continued: without
+        # SIGCONT its handler never runs and only the SIGKILL after --grace (10 s) ends it.
+        script = ('if [ "$TESSERA_RANK" = 1 ]; then '
+                  'while [ ! -e "$D/0.pid" ]; do sleep 0.05; done; '
+                  'while [ "$(cut -d" " -f3 "/proc/$(cat "$D/0.pid")/stat")" != T ]; do sleep 0.05; done; '
+                  'exit 4; fi; '
+                  "trap 'echo handled > \"$D/term\"; exit 0' TERM; " + WRITE_PID +
+                  'kill -STOP $$; while :; do sleep 0.05; done')
+        rc, _, err, took = launch("--grace", "10", "-n", "2", *sh(script), env={"D": d})
+        expect(rc == 4, f"exit status {rc}, expected 4; stderr: {err!r}")
+        expect(took < 8, f"took {took:.1f} s: the stopped rank waited for SIGKILL")
+        expect("SIGKILL" not in err, f"stderr {err!r}")
+        expect(pathlib.Path(d, "term").exists(), "the stopped rank's SIGTERM handler never ran")
+        expect_gone(wait_for_pids(d, 1, timeout=0))
+
+
+def build_fake_mpi_program(d):
+    """A program whose ELF file needs libmpi.so.40: a stub library of that name is built here, so
+    no MPI installation is needed. Returns its path, or None without a C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    pathlib.Path(d, "stub.c").write_text("int tessera_fake_mpi_init(void) { return 0; }\n")
+    pathlib.Path(d, "main.c").write_text('#include <stdio.h>\nint tessera_fake_mpi_init(void);\n'
+                                         'int main(void) { puts("ran"); return tessera_fake_mpi_init(); }\n')
+    lib, prog = os.path.join(d, "libmpi.so.40"), os.path.join(d, "prog")
+    for args in ([cc, "-shared", "-fPIC", "-Wl,-soname,libmpi.so.40", "-o", lib, os.path.join(d, "stub.c")],
+                 [cc, "-o", prog, os.path.join(d, "main.c"), "-Wl,--no-as-needed", lib, f"-Wl,-rpath,{d}"]):
+        done = subprocess.run(args, capture_output=True, timeout=120)
+        expect(done.returncode == 0, f"{args}: {done.stderr!r}")
+    return prog
+
+
+def check_mpi_program_refused():
+    with tempfile.TemporaryDirectory() as d:
+        prog = build_fake_mpi_program(d)
+        if prog is None:
+            print("     (no C compiler: MPI program check skipped)", flush=True)
+            return
+        rc, out, err, _ = launch("-n", "2", prog)
+        expect(rc == 2, f"exit status {rc}, expected 2; stderr: {err!r}")
+        expect(out == "", f"a rank ran: stdout {out!r}")
+        for words in ("links the MPI library libmpi.so.40", f"`mpirun -n 2 {prog}`", "--allow-mpi"):
+            expect(words in err, f"stderr {err!r} lacks {words!r}")
+        # Found in the ELF dynamic section too (the path used where ldd is missing).
+        needed = LAUNCHER_MODULE.elf_needed(prog)
+        expect("libmpi.so.40" in needed, f"DT_NEEDED of {prog}: {needed}")
+        expect(LAUNCHER_MODULE.elf_needed("/bin/sh") != [] and
+               LAUNCHER_MODULE.linked_mpi_library("/bin/sh") is None, "/bin/sh taken for an MPI program")
+        rc, out, err, _ = launch("--allow-mpi", "-n", "2", prog)
+        expect(rc == 0 and sorted(out.splitlines()) == ["[rank 0] ran", "[rank 1] ran"], f"--allow-mpi: exit status {rc}, stdout {out!r}, stderr {err!r}")
+
+
+def check_rank_bound():
+    cpus = len(os.sched_getaffinity(0))
+    limit = 64 * cpus
+    rc, out, err, took = launch("-n", str(limit + 1), "true")
+    expect(rc == 2, f"-n {limit + 1}: exit status {rc}, expected 2; stderr: {err!r}")
+    words = f"-n {limit + 1}: at most {limit} ranks (64 per CPU, {cpus} CPU"
+    expect(words in err, f"stderr {err!r} lacks {words!r}")
+    expect(out == "" and took < 10, f"stdout {out!r}, took {took:.1f} s")
+
+
 CHECKS = [
     ("ranks get their environment; output is prefixed; temp store removed", check_environment_and_prefixes),
     ("--store/--iface/--timeout/--no-prefix reach the ranks", check_options),
@@ -192,6 +265,9 @@ CHECKS = [
     ("a rank ignoring SIGTERM is SIGKILLed after --grace", check_sigkill_after_grace),
     ("stderr stays stderr; partial and non-UTF-8 lines forwarded", check_stderr_and_partial_lines),
     ("SIGTERM to the launcher stops the ranks and exits 143", check_launcher_sigterm),
+    ("a stopped rank is continued after SIGTERM and handles it", check_sigcont_before_kill),
+    ("a program linking MPI is refused (mpirun -n N named); --allow-mpi starts it", check_mpi_program_refused),
+    ("more than 64 ranks per CPU is a usage error", check_rank_bound),
 ]
 
 

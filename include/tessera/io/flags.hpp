@@ -1,16 +1,129 @@
 // Flags: a small --name=value / --name value command-line parser for the examples and benchmarks.
 // Unknown flags and malformed values are errors (ArgumentError naming the flag), so a typo such as
-// --epoch=3 never silently trains with the default.
+// --epoch=3 never silently trains with the default. Everything a flag can get wrong is refused
+// while the flags are read, before any data is loaded or any step is computed:
+//
+//   flags.get("limit", o.limit, {.min = 0})            --limit=-5: must be >= 0
+//   flags.get("lr", o.lr, {.above = 0})                --lr=0: must be > 0
+//   flags.get("momentum", o.momentum, {.min = 0, .below = 1})
+//   flags.choice("schedule", o.schedule, {"1f1b", "gpipe"})
+//   flags.list("modes", "sync,ssp", {"sync", "ssp", "async"})      comma-separated, each one checked
+//   flags.threads("threads", 1)                        0 (all cores) .. max_threads()
+//   flags.output_path("checkpoint", "")                its directory exists and is writable
+//   flags.input_path("resume", "")                     a readable file
+//   check_thread_budget(ranks, "--ranks", threads, "--threads")   ranks x threads <= max_threads()
 #pragma once
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <initializer_list>
+#include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "tessera/core/error.hpp"
 
 namespace tessera {
+
+// The interval a numeric flag must lie in; unset ends are open to infinity. `min`/`max` are
+// inclusive, `above`/`below` exclusive; give at most one of each pair. Written with designated
+// initializers, lower end first: {.min = 0}, {.above = 0}, {.min = 0, .max = 1}, {.above = 0, .below = 1}.
+struct FlagRange {
+  std::optional<double> min, above, max, below;
+
+  // NaN lies in no range (every comparison with it is false).
+  bool contains(double v) const {
+    if (min && !(v >= *min)) return false;
+    if (above && !(v > *above)) return false;
+    if (max && !(v <= *max)) return false;
+    if (below && !(v < *below)) return false;
+    return !std::isnan(v);
+  }
+
+  // ">= 0", "> 0", "<= 8", "in [0, 1]", "in (0, 1)".
+  std::string describe() const {
+    const bool low = min || above, high = max || below;
+    if (low && high)
+      return "in " + std::string(min ? "[" : "(") + number(min ? *min : *above) + ", " + number(max ? *max : *below) +
+             (max ? "]" : ")");
+    if (low) return (min ? ">= " : "> ") + number(min ? *min : *above);
+    if (high) return (max ? "<= " : "< ") + number(max ? *max : *below);
+    return "a number";
+  }
+
+  // Shortest text that reads back as x: 1048576, 0.001, 1e-07 (not 1.04858e+06).
+  static std::string number(double x) {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof buf, x);
+    return std::string(buf, r.ptr);
+  }
+};
+
+// Hardware threads of this machine (std::thread::hardware_concurrency(); 1 if it cannot tell).
+inline int hardware_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+// The most threads one process may ask for: 4 per hardware thread. OpenMP threads beyond the cores
+// only take turns on them (every parallel region then waits for the slowest, descheduled one), so
+// more than the core count never speeds a step up; 4x still lets a 2-core CI machine run 4 ranks of
+// 2 threads to test oversubscription. Far beyond it, libgomp runs out of stacks and crashes
+// (--threads=100000 was a segfault), and every thread-rank holds its own copy of the data set.
+inline int max_threads() { return 4 * hardware_threads(); }
+
+// Refuses `ranks` ranks (threads of this process) x `threads` OpenMP threads each when the total
+// exceeds max_threads(). threads <= 0 ("all cores") counts as hardware_threads().
+inline void check_thread_budget(std::int64_t ranks, const std::string& ranks_flag, std::int64_t threads,
+                                const std::string& threads_flag) {
+  const std::int64_t per_rank = threads > 0 ? threads : hardware_threads();
+  const std::int64_t total = ranks * per_rank;
+  TESSERA_CHECK(total <= max_threads(), ArgumentError, ranks_flag, "=", ranks, " x ", threads_flag, "=", threads,
+                threads > 0 ? "" : " (all cores)", " = ", total, " threads in this process: must be <= ", max_threads(),
+                " (4 x the ", hardware_threads(), " hardware threads of this machine)");
+}
+
+// Refuses an output path whose file could not be created later: its directory must exist and be
+// writable, and the path must not be a directory. Creates nothing. Call it before any compute, so
+// that a mistyped --checkpoint fails in a second, not after the training it was meant to keep.
+// An empty path means "no output" and passes.
+inline void check_writable_output(const std::string& path, const std::string& flag) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p(path);
+  TESSERA_CHECK(!fs::is_directory(p, ec), ArgumentError, flag, "=", path, ": is a directory, not a file name");
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  TESSERA_CHECK(fs::exists(dir, ec), ArgumentError, flag, "=", path, ": directory '", dir.string(),
+                "' does not exist (create it first)");
+  TESSERA_CHECK(fs::is_directory(dir, ec), ArgumentError, flag, "=", path, ": '", dir.string(), "' is not a directory");
+  // W_OK | X_OK: create an entry in it (access() also says EROFS for a read-only file system).
+  TESSERA_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, ArgumentError, flag, "=", path, ": directory '",
+                dir.string(), "' is not writable");
+  if (fs::exists(p, ec))
+    TESSERA_CHECK(::access(p.c_str(), W_OK) == 0, ArgumentError, flag, "=", path,
+                  ": the file exists and is not writable");
+}
+
+// Refuses an input path that is not a readable regular file. An empty path passes.
+inline void check_readable_input(const std::string& path, const std::string& flag) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  TESSERA_CHECK(fs::exists(path, ec), ArgumentError, flag, "=", path, ": no such file");
+  TESSERA_CHECK(fs::is_regular_file(path, ec), ArgumentError, flag, "=", path, ": not a regular file");
+  TESSERA_CHECK(::access(path.c_str(), R_OK) == 0, ArgumentError, flag, "=", path, ": not readable");
+}
 
 class Flags {
  public:
@@ -39,13 +152,14 @@ class Flags {
   std::int64_t get(const std::string& name, std::int64_t fallback) {
     if (!present(name)) return fallback;
     const std::string v = get(name, std::string());
-    try {
-      std::size_t used = 0;
-      const long long x = std::stoll(v, &used);
-      if (used == v.size()) return x;
-    } catch (const std::exception&) {
-    }
-    throw ArgumentError(detail::cat("--", name, "=", v, " is not an integer"));
+    std::int64_t x = 0;
+    const std::size_t skip = v.size() > 1 && v[0] == '+' ? 1 : 0;  // "+5" reads as 5, as std::stoll does
+    const auto r = std::from_chars(v.data() + skip, v.data() + v.size(), x);
+    if (r.ec == std::errc::result_out_of_range)
+      throw ArgumentError(detail::cat("--", name, "=", v, " is out of range for a 64-bit integer"));
+    if (r.ec != std::errc() || r.ptr != v.data() + v.size() || v.empty())
+      throw ArgumentError(detail::cat("--", name, "=", v, " is not an integer"));
+    return x;
   }
   int get(const std::string& name, int fallback) {
     const std::int64_t v = get(name, static_cast<std::int64_t>(fallback));
@@ -58,7 +172,7 @@ class Flags {
     try {
       std::size_t used = 0;
       const double x = std::stod(v, &used);
-      if (used == v.size()) return x;
+      if (used == v.size() && !std::isnan(x)) return x;  // "nan" parses, but is no value of any flag
     } catch (const std::exception&) {
     }
     throw ArgumentError(detail::cat("--", name, "=", v, " is not a number"));
@@ -70,6 +184,80 @@ class Flags {
     if (v == "false" || v == "0" || v == "no") return false;
     throw ArgumentError(detail::cat("--", name, "=", v, " is not a boolean (true/false)"));
   }
+
+  // Range-checked numbers: the value (given or the fallback) must lie in `range`, else
+  // ArgumentError "--limit=-5: must be >= 0". A double must also be finite.
+  std::int64_t get(const std::string& name, std::int64_t fallback, const FlagRange& range) {
+    const std::int64_t v = get(name, fallback);
+    check(name, static_cast<double>(v), std::to_string(v), range);
+    return v;
+  }
+  int get(const std::string& name, int fallback, const FlagRange& range) {
+    const int v = get(name, fallback);
+    check(name, v, std::to_string(v), range);
+    return v;
+  }
+  double get(const std::string& name, double fallback, const FlagRange& range) {
+    const double v = get(name, fallback);
+    const std::string text = present(name) ? get(name, std::string()) : FlagRange::number(v);
+    TESSERA_CHECK(std::isfinite(v), ArgumentError, where(name, text), ": must be a finite number");
+    check(name, v, text, range);
+    return v;
+  }
+
+  // One of `allowed`: "--schedule=zigzag: must be one of 1f1b, gpipe".
+  std::string choice(const std::string& name, const std::string& fallback, std::initializer_list<const char*> allowed) {
+    const std::string v = get(name, fallback);
+    for (const char* a : allowed)
+      if (v == a) return v;
+    throw ArgumentError(detail::cat(where(name, v), ": must be one of ", join(allowed)));
+  }
+
+  // A comma-separated list (empty items skipped), each item one of `allowed` (any text if `allowed`
+  // is empty); an empty list is refused: "--runs=small,big: 'big' must be one of small, warmup".
+  std::vector<std::string> list(const std::string& name, const std::string& fallback,
+                                std::initializer_list<const char*> allowed = {}) {
+    const std::string v = get(name, fallback);
+    std::vector<std::string> items;
+    for (std::size_t p = 0; p <= v.size();) {
+      const auto comma = std::min(v.find(',', p), v.size());
+      if (comma > p) items.push_back(v.substr(p, comma - p));
+      p = comma + 1;
+    }
+    TESSERA_CHECK(!items.empty(), ArgumentError, where(name, v), ": names nothing (a comma-separated list)");
+    for (const auto& item : items) {
+      bool ok = allowed.size() == 0;
+      for (const char* a : allowed) ok = ok || item == a;
+      TESSERA_CHECK(ok, ArgumentError, where(name, v), ": '", item, "' must be one of ", join(allowed));
+    }
+    return items;
+  }
+
+  // OpenMP threads: 1 .. max_threads(), or 0 ("all cores") where `zero_is_all_cores`.
+  int threads(const std::string& name, int fallback, bool zero_is_all_cores = false) {
+    const int v = get(name, fallback);
+    TESSERA_CHECK(v >= (zero_is_all_cores ? 0 : 1), ArgumentError, where(name, std::to_string(v)), ": must be >= ",
+                  zero_is_all_cores ? "0 (0: all cores)" : "1");
+    TESSERA_CHECK(v <= max_threads(), ArgumentError, where(name, std::to_string(v)), ": must be <= ", max_threads(),
+                  " (4 x the ", hardware_threads(), " hardware threads of this machine: more threads than cores only ",
+                  "take turns on them)");
+    return v;
+  }
+
+  // A path the program will write (checkpoint, trace, metrics, plot): checked now by
+  // check_writable_output(); empty = none.
+  std::string output_path(const std::string& name, const std::string& fallback) {
+    const std::string v = get(name, fallback);
+    check_writable_output(v, "--" + name);
+    return v;
+  }
+  // A file the program will read (a checkpoint to resume from): checked now; empty = none.
+  std::string input_path(const std::string& name, const std::string& fallback) {
+    const std::string v = get(name, fallback);
+    check_readable_input(v, "--" + name);
+    return v;
+  }
+
   bool has(const std::string& name) const { return values_.count(name) != 0; }
   // Marks the flag as known and says whether it was given.
   bool present(const std::string& name) {
@@ -84,6 +272,18 @@ class Flags {
   }
 
  private:
+  // "--limit=-5" for a given value, "--limit (default 5)" for the fallback (a program's own bug).
+  std::string where(const std::string& name, const std::string& text) const {
+    return has(name) ? "--" + name + "=" + text : "--" + name + " (default " + text + ")";
+  }
+  void check(const std::string& name, double v, const std::string& text, const FlagRange& range) const {
+    TESSERA_CHECK(range.contains(v), ArgumentError, where(name, text), ": must be ", range.describe());
+  }
+  static std::string join(std::initializer_list<const char*> items) {
+    std::string s;
+    for (const char* i : items) s += (s.empty() ? "" : ", ") + std::string(i);
+    return s;
+  }
   std::string known_list() const {
     std::string s;
     for (auto& k : known_) s += (s.empty() ? "--" : ", --") + k;

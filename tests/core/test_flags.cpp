@@ -1,0 +1,155 @@
+// Flags' guards: ranges, choices, lists, thread counts and output/input paths, each refused with a
+// message naming the flag, the value and what is allowed, while the flags are read.
+#include <catch2/catch.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tessera/io/flags.hpp"
+
+using namespace tessera;
+
+namespace {
+
+// Flags over a list of arguments (argv[0] added).
+struct Args {
+  std::vector<std::string> text;
+  std::vector<char*> argv;
+  explicit Args(std::vector<std::string> a) : text(std::move(a)) {
+    text.insert(text.begin(), "prog");
+    for (auto& t : text) argv.push_back(t.data());
+  }
+  Flags flags() { return Flags(static_cast<int>(argv.size()), argv.data()); }
+};
+
+// A fresh empty directory under the system temp dir, removed at the end of the test.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "tessera-flags-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path, std::filesystem::perms::owner_all, ec);
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("Flags ranges: values in range pass, out of range name flag, value and range", "[core][flags]") {
+  Args a({"--limit=-5", "--epochs=3", "--lr=0", "--momentum=1", "--frac=0.5", "--big=1048576"});
+  Flags f = a.flags();
+  CHECK_THROWS_WITH(f.get("limit", std::int64_t{0}, {.min = 0}), "--limit=-5: must be >= 0");
+  CHECK(f.get("epochs", std::int64_t{1}, {.min = 1}) == 3);
+  CHECK(f.get("epochs", 1, {.min = 1, .max = 3}) == 3);  // inclusive ends
+  CHECK_THROWS_WITH(f.get("epochs", 1, {.min = 1, .below = 3}), "--epochs=3: must be in [1, 3)");
+  CHECK_THROWS_WITH(f.get("lr", 0.1, {.above = 0}), "--lr=0: must be > 0");
+  CHECK_THROWS_WITH(f.get("momentum", 0.9, {.min = 0, .below = 1}), "--momentum=1: must be in [0, 1)");
+  CHECK(f.get("frac", 0.0, {.min = 0, .max = 1}) == 0.5);
+  CHECK_THROWS_WITH(f.get("frac", 0.0, {.above = 0.5, .max = 1}), "--frac=0.5: must be in (0.5, 1]");
+  // Bounds print as the shortest text that reads back: 1048576, not 1.04858e+06.
+  CHECK_THROWS_WITH(f.get("big", std::int64_t{1}, {.max = 1048575}), "--big=1048576: must be <= 1048575");
+  CHECK_THROWS_WITH(f.get("big", 1, {.below = 1e-7}), "--big=1048576: must be < 1e-07");
+  // An absent flag takes its fallback, which must lie in the range too (else the program is wrong).
+  CHECK(f.get("absent", std::int64_t{7}, {.min = 1}) == 7);
+  CHECK_THROWS_WITH(f.get("absent2", std::int64_t{0}, {.min = 1}), "--absent2 (default 0): must be >= 1");
+  f.finish();
+}
+
+TEST_CASE("Flags numbers: non-finite and malformed values refused", "[core][flags]") {
+  Args a({"--lr=nan", "--wd=inf", "--n=99999999999999999999", "--m=+5", "--k=5x", "--j="});
+  Flags f = a.flags();
+  CHECK_THROWS_WITH(f.get("lr", 0.1), "--lr=nan is not a number");
+  CHECK(f.get("wd", 0.0) == std::numeric_limits<double>::infinity());  // unranged: as written
+  CHECK_THROWS_WITH(f.get("wd", 0.0, {.min = 0}), "--wd=inf: must be a finite number");
+  CHECK_THROWS_WITH(f.get("n", std::int64_t{0}), Catch::Contains("out of range for a 64-bit integer"));
+  CHECK(f.get("m", std::int64_t{0}) == 5);
+  CHECK_THROWS_WITH(f.get("k", std::int64_t{0}), "--k=5x is not an integer");
+  CHECK_THROWS_WITH(f.get("j", std::int64_t{0}), "--j= is not an integer");
+  CHECK_THROWS_WITH(f.get("n", 0), Catch::Contains("--n=99999999999999999999"));
+}
+
+TEST_CASE("Flags choices and lists", "[core][flags]") {
+  Args a({"--schedule=zigzag", "--compression=fp16", "--runs=small,,lars", "--modes=sync,bogus", "--empty=,"});
+  Flags f = a.flags();
+  CHECK_THROWS_WITH(f.choice("schedule", "1f1b", {"1f1b", "gpipe"}), "--schedule=zigzag: must be one of 1f1b, gpipe");
+  CHECK(f.choice("compression", "none", {"none", "fp16", "topk"}) == "fp16");
+  CHECK(f.choice("absent", "none", {"none", "fp16"}) == "none");
+  CHECK(f.list("runs", "small", {"small", "lars", "lamb"}) == std::vector<std::string>{"small", "lars"});
+  CHECK_THROWS_WITH(f.list("modes", "sync", {"sync", "ssp"}), "--modes=sync,bogus: 'bogus' must be one of sync, ssp");
+  CHECK_THROWS_WITH(f.list("empty", "x"), "--empty=,: names nothing (a comma-separated list)");
+  CHECK(f.list("free", "a,b") == std::vector<std::string>{"a", "b"});  // no allowed set: any text
+}
+
+TEST_CASE("Flags threads: bounded by 4 x the hardware threads; the thread budget of ranks x threads",
+          "[core][flags]") {
+  const int cap = max_threads();
+  REQUIRE(cap == 4 * hardware_threads());
+  Args a({"--threads=100000", "--ok=" + std::to_string(cap), "--zero=0", "--neg=-1"});
+  Flags f = a.flags();
+  CHECK_THROWS_WITH(f.threads("threads", 1),
+                    Catch::StartsWith("--threads=100000: must be <= " + std::to_string(cap) + " (4 x the "));
+  CHECK(f.threads("ok", 1) == cap);
+  CHECK(f.threads("zero", 1, true) == 0);  // 0 = all cores, where the program allows it
+  CHECK_THROWS_WITH(f.threads("zero", 1), "--zero=0: must be >= 1");
+  CHECK_THROWS_WITH(f.threads("neg", 1, true), Catch::StartsWith("--neg=-1: must be >= 0"));
+
+  CHECK_NOTHROW(check_thread_budget(1, "--ranks", cap, "--threads"));
+  CHECK_NOTHROW(check_thread_budget(cap, "--ranks", 1, "--threads"));
+  CHECK_THROWS_WITH(check_thread_budget(2, "--ranks", cap, "--threads"),
+                    Catch::StartsWith("--ranks=2 x --threads=" + std::to_string(cap) + " = " + std::to_string(2 * cap) +
+                                      " threads in this process: must be <= " + std::to_string(cap)));
+  // threads 0 means all cores: counted as hardware_threads() each.
+  CHECK_THROWS_WITH(check_thread_budget(5, "--ranks", 0, "--threads"), Catch::Contains("--threads=0 (all cores)"));
+  CHECK_NOTHROW(check_thread_budget(4, "--ranks", 0, "--threads"));
+}
+
+TEST_CASE("Flags output paths: directory must exist and be writable; nothing created", "[core][flags]") {
+  TempDir tmp;
+  const std::string ok = (tmp.path / "ck.safetensors").string();
+  const std::string missing = (tmp.path / "no-such-dir" / "ck.safetensors").string();
+  Args a({"--checkpoint=" + ok, "--trace=" + missing, "--metrics=" + tmp.path.string(), "--plot="});
+  Flags f = a.flags();
+  CHECK(f.output_path("checkpoint", "") == ok);
+  CHECK_FALSE(std::filesystem::exists(ok));  // checked, not created
+  CHECK_THROWS_WITH(f.output_path("trace", ""),
+                    "--trace=" + missing + ": directory '" + (tmp.path / "no-such-dir").string() +
+                        "' does not exist (create it first)");
+  CHECK_FALSE(std::filesystem::exists(tmp.path / "no-such-dir"));
+  CHECK_THROWS_WITH(f.output_path("metrics", ""), Catch::EndsWith(": is a directory, not a file name"));
+  CHECK(f.output_path("plot", "x.png").empty());  // given empty: no output, nothing to check
+  CHECK(f.output_path("absent", "").empty());
+  // A relative name is checked against the current directory.
+  CHECK_NOTHROW(check_writable_output("relative-name.json", "--out"));
+
+  // A file as the "directory".
+  { std::ofstream(tmp.path / "file") << "x"; }
+  CHECK_THROWS_WITH(check_writable_output((tmp.path / "file" / "x.json").string(), "--out"),
+                    Catch::EndsWith("' is not a directory"));
+  // A read-only directory (root ignores permission bits, so only where they apply).
+  std::filesystem::create_directory(tmp.path / "ro");
+  std::filesystem::permissions(tmp.path / "ro", std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
+  if (::geteuid() != 0)
+    CHECK_THROWS_WITH(check_writable_output((tmp.path / "ro" / "x.json").string(), "--out"),
+                      Catch::EndsWith("' is not writable"));
+  std::filesystem::permissions(tmp.path / "ro", std::filesystem::perms::owner_all);
+}
+
+TEST_CASE("Flags input paths: a readable regular file", "[core][flags]") {
+  TempDir tmp;
+  { std::ofstream(tmp.path / "ck") << "x"; }
+  Args a({"--resume=" + (tmp.path / "ck").string(), "--other=" + (tmp.path / "none").string(),
+          "--dir=" + tmp.path.string()});
+  Flags f = a.flags();
+  CHECK(f.input_path("resume", "") == (tmp.path / "ck").string());
+  CHECK_THROWS_WITH(f.input_path("other", ""), Catch::EndsWith("none: no such file"));
+  CHECK_THROWS_WITH(f.input_path("dir", ""), Catch::EndsWith(": not a regular file"));
+  CHECK(f.input_path("absent", "").empty());
+}
