@@ -19,6 +19,22 @@ status=0
 cat "$dir/err.txt"
 [ "$status" -eq 1 ] || { echo "expected exit status 1 for a truncated checkpoint, got $status"; exit 1; }
 grep -q "truncated" "$dir/err.txt"
+# A checkpoint of a newer format is refused, saying so, before anything says "resumed".
+LC_ALL=C sed 's/tessera-checkpoint-2/tessera-checkpoint-7/' "$dir/two.safetensors" > "$dir/newer.safetensors"
+status=0
+"$example" "${args[@]}" --epochs=3 --resume="$dir/newer.safetensors" >"$dir/out.txt" 2>"$dir/err.txt" || status=$?
+cat "$dir/err.txt"
+[ "$status" -eq 1 ] || { echo "expected exit status 1 for a newer format, got $status"; exit 1; }
+grep -q "format 'tessera-checkpoint-7' is newer than this build reads" "$dir/err.txt"
+if grep -q "resumed from" "$dir/out.txt"; then echo "said 'resumed' before refusing the file"; exit 1; fi
+# The temporary of a save killed mid-write (kill -9) is removed by the next save to that path;
+# other files are left alone.
+cp "$dir/two.safetensors" "$dir/resumed.safetensors.tmp.Xy12Z9"
+cp "$dir/two.safetensors" "$dir/resumed.safetensors.tmp.keep"
+"$example" "${args[@]}" --epochs=3 --resume="$dir/two.safetensors" --checkpoint="$dir/resumed.safetensors" >/dev/null
+[ ! -e "$dir/resumed.safetensors.tmp.Xy12Z9" ] || { echo "stale temporary not removed"; exit 1; }
+[ -e "$dir/resumed.safetensors.tmp.keep" ]
+echo "stale temporary removed by the next save"
 # Resuming with another batch size is refused: the saved data position would mean other samples.
 status=0
 "$example" --limit=1200 --batch=32 --progress=0 --threads=2 --epochs=3 --resume="$dir/two.safetensors" \

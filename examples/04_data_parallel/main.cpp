@@ -45,7 +45,7 @@ struct Options {
 
 double train(Comm& comm, const Options& o) {
   const int rank = comm.rank(), ranks = comm.size();
-  TESSERA_CHECK(o.batch % ranks == 0, ArgumentError, "04_data_parallel: --batch=", o.batch,
+  TESSERA_CHECK(o.batch % ranks == 0, ArgumentError, "--batch=", o.batch,
                 " (the global batch) must be divisible by the ", ranks, " ranks");
   Cpu::set_num_threads(o.threads);  // per rank (OpenMP settings are per thread)
 
@@ -96,9 +96,11 @@ double train(Comm& comm, const Options& o) {
     exposed_us += std::chrono::duration<double, std::micro>(last_done - dp.last_wait_began()).count();
   };
   // Rank 0 reports; every rank trains (and evaluates: the replicas are identical).
+  // checkpoint_group: a checkpoint (save/load) gathers every rank's random generators to rank 0's
+  // file and gives each rank its own back, so ranks seeded differently resume exactly.
   Trainer trainer(model, sgd, schedule,
                   {.epochs = o.epochs, .verbose = rank == 0, .before_step = record,
-                   .timeline = timeline ? &*timeline : nullptr});
+                   .timeline = timeline ? &*timeline : nullptr, .checkpoint_group = CheckpointGroup(comm)});
   const auto results = trainer.fit(train_loader, &test_loader);
   if (timeline) {
     timeline->write(comm, o.trace);
@@ -119,18 +121,20 @@ double train(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs);
-  o.batch = flags.get("batch", o.batch);
-  o.lr = flags.get("lr", o.lr);
-  o.weight_decay = flags.get("weight-decay", o.weight_decay);
-  o.threads = flags.get("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
+  o.batch = flags.get("batch", o.batch, {.min = 1});  // global; train() refuses one the ranks cannot split
+  o.lr = flags.get("lr", o.lr, {.above = 0});
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0});
+  o.threads = flags.threads("threads", o.threads);
+  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  // Ranks of the threads build share this process's cores (a process backend runs one rank here).
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit);
+  o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", std::string());
-  o.compression = flags.get("compression", o.compression);
-  o.bucket_kib = flags.get("bucket-kib", o.bucket_kib);
-  o.trace = flags.get("trace", o.trace);
+  o.compression = flags.choice("compression", o.compression, {"none", "fp16", "topk"});
+  o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20});  // 1 KiB .. 1 GiB
+  o.trace = flags.output_path("trace", o.trace);
   flags.finish();
   return o;
 }

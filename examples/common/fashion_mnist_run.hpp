@@ -75,7 +75,7 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
     Trainer trainer(model, sgd, schedule, {.epochs = recipe.epochs, .metrics_path = metrics,
                                            .checkpoint_path = checkpoint, .progress = progress});
     if (!resume.empty()) {
-      trainer.load(resume);
+      trainer.load(resume, train_loader);  // checks the loader position too, before "resumed" is printed
       std::printf("resumed from %s at epoch %lld, step %lld\n", resume.c_str(),
                   static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
     }

@@ -1,11 +1,26 @@
-// Checkpoints: round trip, all-or-nothing loading, truncated and tampered files, exact resume.
+// Checkpoints: round trip, all-or-nothing loading, truncated and tampered files, exact resume;
+// stale temporaries of killed saves, format versions, non-finite values, metadata out of range,
+// resuming at another world size, and every rank's generators under data parallelism.
 #include <catch2/catch.hpp>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
+#include <thread>
 
 #include "tessera/comm/local.hpp"
+#include "tessera/comm/threads.hpp"
+#include "tessera/io/state_dict.hpp"
+#include "tessera/parallel/data_parallel.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
 #include "tessera/layers/dropout.hpp"
@@ -62,6 +77,38 @@ struct Run {
 const Dataset& data() {
   static const Dataset d = SyntheticImages(96, 1, 10, 10, 4, 5);
   return d;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void write_bytes(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
+// `bytes` with the first `from` replaced by `to` (same length: the header length stays valid).
+std::string edited(std::string bytes, const std::string& from, const std::string& to) {
+  REQUIRE(from.size() == to.size());
+  const auto at = bytes.find(from);
+  REQUIRE(at != std::string::npos);
+  return bytes.replace(at, from.size(), to);
+}
+std::vector<std::string> temporaries_of(const fs::path& dir, const std::string& file) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind(file + ".tmp.", 0) == 0) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+// The message of the exception `fn` throws as E ("" if none).
+template <class E, class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
 }
 }  // namespace
 
@@ -230,5 +277,316 @@ TEST_CASE("Resume refuses a data loader with other settings than the checkpoint'
   CHECK_THROWS_WITH(resumed.trainer.fit(other_batch), Catch::Contains("batch size 16"));
   DataLoader<float> other_seed(data(), {.batch_size = 16, .seed = 2});
   CHECK_THROWS_WITH(resumed.trainer.fit(other_seed), Catch::Contains("seed 1"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Checkpoint: a save removes the temporaries that saves killed mid-write left, and nothing else",
+          "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string path = (dir / "c.safetensors").string();
+  // A real orphan: a child process saving a 32 MiB file over and over, killed (SIGKILL) while a
+  // temporary exists.
+  std::vector<float> big(8u << 20, 1.0f);
+  SafetensorsWriter writer;
+  writer.add_raw("w", DType::F32, Shape{static_cast<std::int64_t>(big.size())}, big.data(), big.size() * 4);
+  std::vector<std::string> orphans;
+  for (int attempt = 0; attempt < 5 && orphans.empty(); ++attempt) {
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      for (;;) writer.write(path);
+    }
+    // Killed once a temporary holds at least 1 MiB: mid-write, as the orphans users found were.
+    auto partly_written = [&] {
+      for (const auto& name : temporaries_of(dir, "c.safetensors")) {
+        std::error_code ec;
+        if (fs::file_size(dir / name, ec) >= (1u << 20) && !ec) return true;
+      }
+      return false;
+    };
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!partly_written() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    orphans = temporaries_of(dir, "c.safetensors");
+  }
+  REQUIRE(orphans.size() == 1);
+  CHECK(fs::file_size(dir / orphans[0]) > 0);
+  // An orphan made by hand, a writer alive in this process (its temporary locked, as write() keeps
+  // its own), and names that only look alike: only the two orphans may go.
+  write_bytes((dir / "c.safetensors.tmp.Stale9").string(), "stale");
+  const int live = ::open((dir / "c.safetensors.tmp.LIVE01").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  REQUIRE(live >= 0);
+  REQUIRE(::flock(live, LOCK_EX | LOCK_NB) == 0);
+  const std::vector<std::string> keep = {"c.safetensors.tmp.AB12c", "c.safetensors.tmp.AB12cde", "c.safetensors.tmp.AB_2cd",
+                                         "d.safetensors.tmp.AB12cd", "c.safetensorsXtmp.AB12cd"};
+  for (const auto& name : keep) write_bytes((dir / name).string(), "not ours");
+  fs::create_directory(dir / "c.safetensors.tmp.Dir123");
+
+  Run a(1);
+  a.trainer.save(path);
+  const auto left = temporaries_of(dir, "c.safetensors");
+  CHECK(std::find(left.begin(), left.end(), orphans[0]) == left.end());
+  CHECK(std::find(left.begin(), left.end(), "c.safetensors.tmp.Stale9") == left.end());
+  CHECK(std::find(left.begin(), left.end(), "c.safetensors.tmp.LIVE01") != left.end());
+  CHECK(std::find(left.begin(), left.end(), "c.safetensors.tmp.Dir123") != left.end());
+  for (const auto& name : keep) CHECK(fs::exists(dir / name));
+  ::close(live);
+  Run b(1);
+  b.trainer.load(path);
+  CHECK(identical(snapshot(a.model), snapshot(b.model)));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Checkpoint: the format is checked and the error says what the file is", "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string good = (dir / "good.safetensors").string();
+  Run a(1);
+  a.trainer.save(good);
+  const std::string bytes = read_bytes(good);
+  Run b(1);
+  const auto before = snapshot(b.model);
+  auto load_error = [&](const std::string& p) { return error_of<IoError>([&] { b.trainer.load(p); }); };
+
+  // No format at all: the same tensors, written without metadata (as another program might).
+  const std::string bare = (dir / "x.safetensors").string();
+  {
+    SafetensorsWriter w;
+    for (auto& [n, p] : a.named.parameters) w.add(n, p->value);
+    w.write(bare);
+  }
+  CHECK_THAT(load_error(bare), Catch::Contains("'" + bare + "' is a safetensors file without Tessera checkpoint "
+                                               "metadata (format missing); was it written by save_state_dict or by "
+                                               "another program?"));
+  const std::string state_dict = (dir / "sd.safetensors").string();
+  save_state_dict(state_dict, a.model);
+  CHECK_THAT(load_error(state_dict), Catch::Contains("is a state dict (format 'pt'") && Catch::Contains("load_state_dict"));
+  const std::string newer = (dir / "newer.safetensors").string();
+  write_bytes(newer, edited(bytes, "tessera-checkpoint-2", "tessera-checkpoint-7"));
+  CHECK_THAT(load_error(newer),
+             Catch::Contains("format 'tessera-checkpoint-7' is newer than this build reads (tessera-checkpoint-2)"));
+  const std::string other = (dir / "other.safetensors").string();
+  write_bytes(other, edited(bytes, "tessera-checkpoint-2", "keras-checkpoint-2xx"));
+  CHECK_THAT(load_error(other), Catch::Contains("'keras-checkpoint-2xx', which is not a Tessera checkpoint format"));
+  CHECK(identical(before, snapshot(b.model)));
+  // Version 1 (no train.ranks) is still read.
+  const std::string v1 = (dir / "v1.safetensors").string();
+  write_bytes(v1, edited(edited(bytes, "tessera-checkpoint-2", "tessera-checkpoint-1"), "\"train.ranks\"", "\"x_ignored__\""));
+  b.trainer.load(v1);
+  CHECK(identical(snapshot(a.model), snapshot(b.model)));
+  fs::remove_all(dir);
+}
+
+namespace {
+// Sets element `index` of the optimizer state tensor `name` (visit_state's names) to `value`.
+struct PokeState {
+  std::string name;
+  std::int64_t index;
+  float value;
+  template <class T>
+  void buffer(const std::string& n, T& t) {
+    if (n == name) t.data()[index] = value;
+  }
+  void integer(const std::string&, std::int64_t&) {}
+};
+}  // namespace
+
+TEST_CASE("Checkpoint: NaN and Inf are refused on save and on load unless allowed, naming tensor and index",
+          "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string path = (dir / "nan.safetensors").string();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  Run a(1);
+  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  a.trainer.fit(loader);
+  auto& fc = *a.named.parameters.back().second;  // fc.bias (4)
+  auto& fc_weight = *a.named.parameters[a.named.parameters.size() - 2].second;
+  REQUIRE(a.named.parameters[a.named.parameters.size() - 2].first == "fc.weight");
+  fc_weight.value.data()[70] = nan;  // (4, 64): row 1, column 6
+  fc_weight.value.data()[71] = inf;
+  CHECK_THAT(error_of<ArgumentError>([&] { a.trainer.save(path); }),
+             Catch::Contains("'" + path + "': tensor 'fc.weight' (4, 64) holds NaN at flat index 70 = [1, 6]") &&
+                 Catch::Contains("allow_non_finite"));
+  CHECK_FALSE(fs::exists(path));
+  fc_weight.value.data()[70] = 0.5f;
+  fc_weight.value.data()[71] = 0.5f;
+  // Buffers and optimizer state too.
+  a.model.stem_bn().running_var().data()[3] = -inf;
+  CHECK_THAT(error_of<ArgumentError>([&] { a.trainer.save(path); }),
+             Catch::Contains("tensor 'bn1.running_var' (16) holds -Inf at flat index 3 = [3]"));
+  a.model.stem_bn().running_var().data()[3] = 1.0f;
+  PokeState poke{"optim.momentum_buffer.fc.bias", 2, inf};
+  a.sgd.visit_state(poke);
+  CHECK_THAT(error_of<ArgumentError>([&] { a.trainer.save(path); }),
+             Catch::Contains("tensor 'optim.momentum_buffer.fc.bias' (4) holds +Inf at flat index 2 = [2]"));
+  poke.value = 0.0f;
+  a.sgd.visit_state(poke);
+
+  // Allowed: written, and then refused on load unless allowed there too.
+  fc.value.data()[1] = nan;
+  save_checkpoint(path, a.model, a.sgd, a.trainer.state(), CheckpointOptions{.allow_non_finite = true});
+  Run b(1);
+  const auto before = snapshot(b.model);
+  CHECK_THAT(error_of<IoError>([&] { b.trainer.load(path); }),
+             Catch::Contains("'" + path + "': nothing was loaded") &&
+                 Catch::Contains("tensor 'fc.bias' (4) holds NaN at flat index 1 = [1]"));
+  CHECK(identical(before, snapshot(b.model)));
+  load_checkpoint(path, b.model, b.sgd, CheckpointOptions{.allow_non_finite = true});
+  CHECK(std::isnan(b.model.fc().bias().value.data()[1]));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Checkpoint: training metadata out of range names the file and the key, and loads nothing",
+          "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  Run a(1);
+  Run b(1);
+  const auto before = snapshot(b.model);
+  auto expect = [&](const std::string& name, TrainState st, const std::string& needle, std::string from = "",
+                    std::string to = "") {
+    const std::string path = (dir / name).string();
+    save_checkpoint(path, a.model, a.sgd, st);
+    if (!from.empty()) write_bytes(path, edited(read_bytes(path), from, to));
+    INFO(name);
+    CHECK_THAT(error_of<IoError>([&] { b.trainer.load(path); }),
+               Catch::Contains("load_checkpoint: '" + path + "'") && Catch::Contains(needle));
+    CHECK(b.trainer.state().global_step == 0);  // nothing taken: the caller never prints "resumed"
+    CHECK(identical(before, snapshot(b.model)));
+  };
+  expect("epoch.safetensors", {.epoch = -3}, "metadata entry 'train.epoch' = -3 is out of range");
+  expect("step.safetensors", {.global_step = -1}, "'train.global_step' = -1");
+  expect("world.safetensors", {.loader_world_size = -2}, "'train.loader_world_size' = -2");
+  expect("batch.safetensors",
+         {.epoch = 1, .global_step = 7, .loader_epoch = 1, .loader_next_batch = 99, .loader_batch_size = 16,
+          .loader_seed = 1, .loader_samples = 96, .loader_world_size = 1},
+         "'train.loader_next_batch' = 99 is out of range: an epoch of 96 samples on 1 rank in batches of 16 has at "
+         "most 6 batches");
+  expect("ahead.safetensors", {.epoch = 1, .loader_epoch = 5}, "'train.loader_epoch' = 5");
+  expect("ranks.safetensors", {}, "'train.ranks' = 0", "\"train.ranks\":\"1\"", "\"train.ranks\":\"0\"");
+  expect("text.safetensors", {}, "'train.epoch' = 'x' is not an integer", "\"train.epoch\":\"0\"",
+         "\"train.epoch\":\"x\"");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Resume at another world size is refused with a message about world size, not batch size",
+          "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string path = (dir / "w2.safetensors").string();
+  {
+    // Rank 0 of 2 with a global batch of 16 (8 per rank).
+    Run first(3, path);
+    DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = 0, .world_size = 2});
+    first.trainer.fit(loader, nullptr, 1);
+  }
+  Run resumed(3);
+  DataLoader<float> one_rank(data(), {.batch_size = 16, .seed = 1});  // the same global batch on 1 rank
+  const std::string msg = error_of<ArgumentError>([&] { resumed.trainer.load(path, one_rank); });
+  CHECK_THAT(msg, Catch::Contains("'" + path + "' was saved by a run at world size 2 (2 ranks) but this run has "
+                                  "world size 1") &&
+                      Catch::Contains("elastic resume across world sizes is not supported yet"));
+  CHECK_THAT(msg, !Catch::Contains("batch size"));
+  Run resumed2(3);
+  resumed2.trainer.load(path);
+  CHECK_THAT(error_of<ArgumentError>([&] { resumed2.trainer.fit(one_rank); }),
+             Catch::Contains("world size 2") && !Catch::Contains("batch size"));
+  fs::remove_all(dir);
+}
+
+// CUT-PER-RANK (the tests below use CheckpointGroup)
+TEST_CASE("Resume under data parallelism is exact when ranks seed their Dropout differently", "[train][checkpoint]") {
+  using TE = CpuThreads;
+  using Net = Sequential<Flatten<TE>, Linear<TE>, ReLU<TE>, Dropout<TE>, Linear<TE>>;
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "dp.safetensors").string();
+  struct Result {
+    std::vector<double> losses;  // per epoch, the global batch's (the mean over ranks)
+    std::vector<Tensor<float>> params;
+  };
+  // 2 ranks, global batch 16; rank r's Dropout is seeded 77 + r.
+  auto run = [&](std::int64_t stop_after, const std::string& save, const std::string& resume) {
+    Result out;
+    ThreadWorld world(2);
+    world.run([&](ThreadComm& comm) {
+      const int rank = comm.rank();
+      Rng rng(4);
+      Net model{Flatten<TE>(), Linear<TE>(100, 32, rng), ReLU<TE>(), Dropout<TE>(0.5, 77 + static_cast<std::uint64_t>(rank)),
+                Linear<TE>(32, 4, rng)};
+      DataParallel dp(model, comm);
+      Sgd<TE> sgd(dp.parameters(), {.lr = 0.05, .momentum = 0.9});
+      DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = rank, .world_size = 2});
+      Trainer trainer(model, sgd, ConstantLr{0.05},
+                      {.epochs = 3, .checkpoint_path = save, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
+      if (!resume.empty()) trainer.load(resume);
+      for (const auto& r : trainer.fit(loader, nullptr, stop_after)) {
+        double loss = r.train_loss;
+        comm.all_reduce(std::span<double>(&loss, 1), ReduceOp::Avg);
+        if (rank == 0) out.losses.push_back(loss);
+      }
+      if (rank == 0) out.params = snapshot(model);
+    });
+    return out;
+  };
+  const Result straight = run(0, "", "");
+  const Result first = run(1, ckpt, "");
+  const Result resumed = run(0, "", ckpt);
+  REQUIRE(straight.losses.size() == 3);
+  REQUIRE(resumed.losses.size() == 2);
+  CHECK(first.losses[0] == straight.losses[0]);
+  char losses[96];
+  std::snprintf(losses, sizeof losses, "epoch 2: straight %.17g, resumed %.17g", straight.losses[1], resumed.losses[0]);
+  INFO(losses);
+  CHECK(resumed.losses[0] == straight.losses[1]);
+  CHECK(resumed.losses[1] == straight.losses[2]);
+  CHECK(identical(straight.params, resumed.params));
+  const auto meta = SafetensorsFile::load(ckpt).metadata();
+  CHECK(meta.at("format") == "tessera-checkpoint-2");
+  CHECK(meta.at("train.ranks") == "2");
+  CHECK(meta.count("3.rng") == 1);
+  CHECK(meta.count("rank1.3.rng") == 1);
+  CHECK(meta.at("3.rng") != meta.at("rank1.3.rng"));
+
+  // The 2-rank file in one process: its generators are for 2 ranks, so it is an elastic resume.
+  Rng rng(4);
+  Sequential<Flatten<E>, Linear<E>, ReLU<E>, Dropout<E>, Linear<E>> single{Flatten<E>(), Linear<E>(100, 32, rng),
+                                                                           ReLU<E>(), Dropout<E>(0.5, 77), Linear<E>(32, 4, rng)};
+  auto named = named_tensors(single);
+  Sgd<E> sgd(named, {.lr = 0.05, .momentum = 0.9});
+  CHECK_THAT(error_of<ArgumentError>([&] { load_checkpoint(ckpt, single, sgd); }),
+             Catch::Contains("world size 2") && Catch::Contains("this run has world size 1"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Checkpoint with a group: a failure on one rank fails every rank", "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string path = (dir / "g.safetensors").string();
+  std::vector<std::string> save_errors(2), load_errors(2);
+  ThreadWorld world(2);
+  world.run([&](ThreadComm& comm) {
+    const int rank = comm.rank();
+    auto model = lenet5<CpuThreads>(1, 28, 10, 1);
+    auto named = named_tensors(model);
+    Sgd<CpuThreads> sgd(named, {.lr = 0.1});
+    // Rank 0 (the writer) holds a NaN: nothing is written and both ranks throw.
+    if (rank == 0) named.parameters[0].second->value.data()[0] = std::numeric_limits<float>::quiet_NaN();
+    try {
+      save_checkpoint(path, model, sgd, TrainState{}, CheckpointGroup(comm));
+    } catch (const Error& e) {
+      save_errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+    named.parameters[0].second->value.data()[0] = 0.0f;
+    save_checkpoint(path, model, sgd, TrainState{}, CheckpointGroup(comm));
+    // Rank 1 cannot read its file: neither rank loads.
+    try {
+      load_checkpoint(rank == 0 ? path : path + ".missing", model, sgd, CheckpointGroup(comm));
+    } catch (const IoError& e) {
+      load_errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  CHECK_THAT(save_errors[0], Catch::Contains("holds NaN at flat index 0"));
+  CHECK_THAT(save_errors[1], Catch::Contains("rank 0 could not write '" + path + "'"));
+  CHECK_THAT(load_errors[0], Catch::Contains("rank(s) 1 could not load it") && Catch::Contains("nothing was loaded on any rank"));
+  CHECK_THAT(load_errors[1], Catch::Contains("cannot open"));
   fs::remove_all(dir);
 }

@@ -8,10 +8,12 @@
 // file size, the JSON itself, dtypes, shape x dtype size == end - begin, offsets inside the buffer
 // and not overlapping. Any violation is an IoError naming the file and the entry, never a crash.
 // SafetensorsWriter::write writes atomically: temporary file, fsync, rename, fsync of the directory,
-// so a crash mid-write leaves the previous file intact.
+// so a crash mid-write leaves the previous file intact. The temporary of a writer killed mid-write
+// (kill -9, power loss) is removed by the next write to the same path (see remove_stale_temporaries).
 #pragma once
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -435,12 +437,29 @@ class SafetensorsWriter {
     header += "}";
     while (header.size() % 8 != 0) header += ' ';  // keeps the data buffer 8-byte aligned, as the reference writer does
 
+    remove_stale_temporaries(path);
     // A unique temporary beside the target (same file system, so rename is atomic); concurrent
-    // writers in one process (thread ranks) never share it.
-    std::string tmp = path + ".tmp.XXXXXX";
-    const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
-    TESSERA_CHECK(fd >= 0, IoError, "safetensors: cannot create a temporary file next to '", path, "': ",
-                  std::strerror(errno));
+    // writers in one process (thread ranks) never share it. It stays locked (flock) from creation
+    // until after the rename, which is how remove_stale_temporaries tells it from a dead writer's.
+    std::string tmp;
+    int fd = -1;
+    for (int attempt = 0; fd < 0; ++attempt) {
+      tmp = path + ".tmp.XXXXXX";
+      fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+      TESSERA_CHECK(fd >= 0, IoError, "safetensors: cannot create a temporary file next to '", path, "': ",
+                    std::strerror(errno));
+      // Blocking: another writer's cleanup may hold the lock for the instant between mkostemp and
+      // here. If it did, it has unlinked the file by the time we get the lock (st_nlink == 0):
+      // start over with a fresh name.
+      struct stat st {};
+      while (::flock(fd, LOCK_EX) != 0 && errno == EINTR) {}
+      if (::fstat(fd, &st) == 0 && st.st_nlink == 0) {
+        ::close(fd);
+        fd = -1;
+        TESSERA_CHECK(attempt < 100, IoError, "safetensors: temporary files next to '", path,
+                      "' keep disappearing (another program deleting them?)");
+      }
+    }
     ::fchmod(fd, 0644);
     auto write_all = [&](const void* p, std::size_t n) {
       const auto* bytes = static_cast<const char*>(p);
@@ -449,8 +468,8 @@ class SafetensorsWriter {
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) {
           const int err = errno;
-          ::close(fd);
           ::unlink(tmp.c_str());
+          ::close(fd);
           throw IoError(detail::cat("safetensors: writing '", tmp, "' failed: ", std::strerror(err)));
         }
         bytes += w;
@@ -461,24 +480,63 @@ class SafetensorsWriter {
     write_all(&header_len, 8);
     write_all(header.data(), header.size());
     for (auto& e : entries_) write_all(e.bytes.data(), e.bytes.size());
-    const int sync_status = ::fsync(fd);
-    const int sync_errno = errno;
-    const int close_status = ::close(fd);
-    if (sync_status != 0 || close_status != 0) {
-      const int err = sync_status != 0 ? sync_errno : errno;
+    if (::fsync(fd) != 0) {
+      const int err = errno;
       ::unlink(tmp.c_str());
+      ::close(fd);
       throw IoError(detail::cat("safetensors: flushing '", tmp, "' failed: ", std::strerror(err)));
     }
+    // Renamed while still open and locked, so no cleanup can take the temporary in between.
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       const int err = errno;
       ::unlink(tmp.c_str());
+      ::close(fd);
       throw IoError(detail::cat("safetensors: renaming '", tmp, "' to '", path, "' failed: ", std::strerror(err)));
     }
+    ::close(fd);  // releases the lock; the data was synced above, so close has nothing left to report
     auto dir = std::filesystem::path(path).parent_path();
     const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
     if (dfd >= 0) {  // makes the rename itself durable; best effort (some file systems refuse)
       ::fsync(dfd);
       ::close(dfd);
+    }
+  }
+
+  // Removes the temporaries <path>.tmp.XXXXXX (exactly mkostemp's six letters or digits) that a
+  // writer killed mid-write left behind: each is as large as the checkpoint, and a job killed at
+  // every epoch would otherwise fill the disk. Called by write() before it creates its own.
+  //
+  // Which temporaries are stale: those whose flock can be taken. A live writer, in this process
+  // (thread ranks) or another, holds the lock on its temporary from mkostemp until after the
+  // rename; the kernel drops it when the writer dies, however it dies. An age threshold instead
+  // would either wait long after a crash or delete a slow writer's file (a large checkpoint on
+  // slow storage), and clocks differ between hosts on a shared file system. The one window, a
+  // writer between mkostemp and its flock, is closed on the writer's side: it takes the lock
+  // blocking and starts over when it finds its file unlinked. Files that are not regular files
+  // (symlinks, directories) and other names are never touched. Best effort: errors are ignored.
+  static void remove_stale_temporaries(const std::string& path) {
+    namespace fs = std::filesystem;
+    const fs::path target(path);
+    const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+    const std::string prefix = target.filename().string() + ".tmp.";
+    std::error_code ec;
+    fs::directory_iterator it(dir, ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name.size() != prefix.size() + 6 || name.compare(0, prefix.size(), prefix) != 0) continue;
+      if (!std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(), [](char c) {
+            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+          }))
+        continue;
+      const std::string full = (dir / name).string();
+      const int fd = ::open(full.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      if (fd < 0) continue;
+      struct stat held {}, now {};
+      // Unlink only if the name still refers to the file we locked (not one renamed into place).
+      if (::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+          ::lstat(full.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev)
+        ::unlink(full.c_str());
+      ::close(fd);
     }
   }
 

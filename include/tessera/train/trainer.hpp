@@ -38,6 +38,10 @@ struct TrainOptions {
   // Optional: forward, backward, the before_step hook and the optimizer step of every training
   // step as spans on the compute lane (see train/timeline.hpp).
   Timeline* timeline = nullptr;
+  // The ranks that checkpoint together (data parallelism: CheckpointGroup(comm)), so that save()
+  // keeps every rank's random generators and load() gives each rank its own. Default: one process.
+  CheckpointGroup checkpoint_group{};
+  CheckpointOptions checkpoint_options{};  // e.g. {.allow_non_finite = true}
 };
 
 struct EpochResult {
@@ -187,8 +191,19 @@ class Trainer {
             seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0};
   }
 
-  void save(const std::string& path) { save_checkpoint(path, model_, optimizer_, state_); }
-  void load(const std::string& path) { state_ = load_checkpoint(path, model_, optimizer_); }
+  void save(const std::string& path) {
+    save_checkpoint(path, model_, optimizer_, state_, options_.checkpoint_group, options_.checkpoint_options);
+  }
+  void load(const std::string& path) {
+    state_ = load_checkpoint(path, model_, optimizer_, options_.checkpoint_group, options_.checkpoint_options);
+    loaded_from_ = path;
+  }
+  // Also checks at once that the checkpoint's data-loader position fits `train` (world size, batch
+  // size, seed, dataset size), so that a mismatch is reported before anything says "resumed".
+  void load(const std::string& path, const DataLoader<S>& train) {
+    load(path);
+    check_loader_matches_state(train);
+  }
 
   const TrainState& state() const { return state_; }
 
@@ -208,17 +223,23 @@ class Trainer {
   }
 
   // A checkpoint's data-loader position only means something for the loader it was taken with.
+  // The world size comes first: with a fixed global batch another world size also changes the
+  // per-rank batch size, and the message must name the cause (check_resume_world_size is the one
+  // place that decides about resuming at another world size).
   void check_loader_matches_state(const DataLoader<S>& loader) {
     const auto& o = loader.options();
+    const std::string file = loaded_from_.empty() ? "the checkpoint" : "'" + loaded_from_ + "'";
+    const bool resuming = state_.global_step != 0;
+    if (resuming && state_.loader_world_size != 0) check_resume_world_size(file, state_.loader_world_size, o.world_size);
     const std::int64_t now[] = {o.batch_size, static_cast<std::int64_t>(o.seed), loader.dataset().size(),
                                 o.world_size};
     std::int64_t* saved[] = {&state_.loader_batch_size, &state_.loader_seed, &state_.loader_samples,
                              &state_.loader_world_size};
     const char* what[] = {"batch size", "seed", "dataset size", "world size"};
     for (int i = 0; i < 4; ++i) {
-      TESSERA_CHECK(*saved[i] == 0 || *saved[i] == now[i] || state_.global_step == 0, ArgumentError,
-                    "Trainer: the checkpoint's data-loader position was taken with ", what[i], " ", *saved[i],
-                    " but this loader has ", now[i], "; resume with the same settings");
+      TESSERA_CHECK(*saved[i] == 0 || *saved[i] == now[i] || !resuming, ArgumentError, "Trainer: ", file,
+                    ": the data-loader position was taken with ", what[i], " ", *saved[i], " but this loader has ",
+                    now[i], "; resume with the same settings");
       *saved[i] = now[i];
     }
   }
@@ -234,6 +255,7 @@ class Trainer {
   Batch<S> batch_, eval_batch_;
   Tensor<S, typename E::Device> device_images_;  // on_device's copy (GPU models only)
   TrainState state_;
+  std::string loaded_from_;  // the checkpoint state_ came from (for messages)
   std::int64_t correct_ = 0;
 };
 
