@@ -9,7 +9,9 @@
 // Flags: --epochs=5 --batch=64 (the GLOBAL batch: each rank takes batch/N) --lr=0.05
 // --threads=1 (OpenMP threads per rank) --seed=1 --limit=N (first N training images)
 // --data-dir=DIR --compression=none|fp16|topk --bucket-kib=1024 --trace=trace.json (a Chrome
-// trace of every step on every rank, for chrome://tracing or ui.perfetto.dev), and for the
+// trace of every step on every rank, for chrome://tracing or ui.perfetto.dev),
+// --checkpoint=ckpt.safetensors (written after every epoch, with every rank's random streams)
+// --resume=ckpt.safetensors --stop-after=N (stop after N epochs, to resume later), and for the
 // threads build --ranks=2.
 //
 // Keeping the global batch fixed makes N ranks compute exactly what one process computes on the
@@ -39,8 +41,8 @@ struct Options {
   double lr = 0.05, weight_decay = 5e-4;
   int threads = 1, ranks = 2;
   std::uint64_t seed = 1;
-  std::string data_dir, compression = "none", trace;
-  std::int64_t bucket_kib = 1024;
+  std::string data_dir, compression = "none", trace, checkpoint, resume;
+  std::int64_t bucket_kib = 1024, stop_after = 0;
 };
 
 double train(Comm& comm, const Options& o) {
@@ -99,9 +101,16 @@ double train(Comm& comm, const Options& o) {
   // checkpoint_group: a checkpoint (save/load) gathers every rank's random generators to rank 0's
   // file and gives each rank its own back, so ranks seeded differently resume exactly.
   Trainer trainer(model, sgd, schedule,
-                  {.epochs = o.epochs, .verbose = rank == 0, .before_step = record,
+                  {.epochs = o.epochs, .checkpoint_path = o.checkpoint, .verbose = rank == 0, .before_step = record,
                    .timeline = timeline ? &*timeline : nullptr, .checkpoint_group = CheckpointGroup(comm)});
-  const auto results = trainer.fit(train_loader, &test_loader);
+  if (!o.resume.empty()) {
+    trainer.load(o.resume, train_loader);  // every rank: each gets its own random streams back
+    if (rank == 0)
+      std::printf("resumed from %s at epoch %lld, step %lld\n", o.resume.c_str(),
+                  static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
+  }
+  const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
+  if (results.empty()) return 0.0;
   if (timeline) {
     timeline->write(comm, o.trace);
     if (rank == 0)
@@ -135,6 +144,9 @@ Options parse(int argc, char** argv) {
   o.compression = flags.choice("compression", o.compression, {"none", "fp16", "topk"});
   o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20});  // 1 KiB .. 1 GiB
   o.trace = flags.output_path("trace", o.trace);
+  o.checkpoint = flags.output_path("checkpoint", o.checkpoint);
+  o.resume = flags.input_path("resume", o.resume);
+  o.stop_after = flags.get("stop-after", o.stop_after, {.min = 0});
   flags.finish();
   return o;
 }

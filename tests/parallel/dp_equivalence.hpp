@@ -4,6 +4,7 @@
 // Returns failures as text (usable from threads and from plain multi-process programs).
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -229,6 +230,68 @@ std::vector<std::string> strategy_equivalence(Comm& comm, Strategy strategy, con
   }
   if (!(worst <= c.tolerance))
     failures.push_back("rank " + std::to_string(r) + ": parameters differ from one process by " + std::to_string(worst));
+  return failures;
+}
+
+// Ranks launched with different settings, on any communicator: rank 1 alone uses another bucket
+// size (which used to crash inside MPI and Gloo), or another learning rate (which used to train on
+// silently, each rank its own model). Each must end in the named AgreementError on every rank,
+// the same text everywhere, and leave the communicator in step. Needs 2 ranks or more.
+enum class Mismatch { BucketSize, LearningRate };
+
+template <class S, class Comm>
+std::vector<std::string> dp_mismatch(Comm& comm, Mismatch what) {
+  using E = Env<Cpu, Comm, S>;
+  const int p = comm.size(), r = comm.rank();
+  std::vector<std::string> failures;
+  if (p < 2) return failures;
+  std::vector<int> others;
+  for (int k = 0; k < p; ++k)
+    if (k != 1) others.push_back(k);
+  std::string error, expected;
+  int steps_done = 0;
+  const int steps = 4, check_every = 2;
+  auto model = MakeLenet::make<E>(7);
+  try {
+    if (what == Mismatch::BucketSize) {
+      expected = "DataParallel: ranks disagree on options.bucket_bytes: " + Disagreement::rank_list(others) +
+                 ": 65536; rank 1: 16384";
+      DataParallel dp(model, comm, {.bucket_bytes = r == 1 ? 16 * 1024u : 64 * 1024u, .first_bucket_bytes = 8 * 1024});
+    } else {
+      // Checks at the start of steps 1, 3: step 1's updates differ, so step 3's check throws.
+      expected = "DataParallel: the replicas' parameters are no longer identical at the start of synchronized step 3 "
+                 "(checked every 2 steps; equal at step 1): parameter conv1.weight: " +
+                 Disagreement::rank_list(others) + ": checksum 0x";
+      const DpData<S> data(4 * p * steps);
+      DataParallel dp(model, comm, {.consistency_check_every = check_every});
+      Sgd<E> sgd(dp.parameters(), {.lr = r == 1 ? 0.1 : 0.05, .momentum = 0.9});
+      for (int step = 0; step < steps; ++step) {
+        sgd.zero_grad();
+        forward_backward<S>(model, data, (step * p + r) * 4, 4);
+        sgd.step();
+        ++steps_done;
+      }
+    }
+  } catch (const AgreementError& e) {
+    error = e.what();
+  }
+  const std::string where = "rank " + std::to_string(r) + ": ";
+  if (error.rfind(expected, 0) != 0)
+    failures.push_back(where + "expected an error starting \"" + expected + "\", got \"" + error + "\"");
+  if (what == Mismatch::LearningRate) {
+    if (steps_done != 2) failures.push_back(where + std::to_string(steps_done) + " steps done before the error, expected 2");
+    if (error.find("; rank 1: checksum 0x") == std::string::npos || error.find("learning rate") == std::string::npos)
+      failures.push_back(where + "the error does not name rank 1's checksum and the learning rate: " + error);
+  }
+  // The same text on every rank (its checksum gathered), and the group still in step.
+  const std::int64_t mine = std::bit_cast<std::int64_t>(checksum64(error.data(), error.size()));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(p));
+  comm.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
+  for (std::int64_t other : all)
+    if (other != mine) {
+      failures.push_back(where + "the error text differs between ranks");
+      break;
+    }
   return failures;
 }
 

@@ -1,7 +1,8 @@
 // DataParallel equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run):
 // every rank checks that its parameters equal one process training on the whole batch and are
 // bit-identical across ranks, in float64, float32, with gradient accumulation, and for ResNet-20
-// with SyncBatchNorm (BatchNorm running statistics included); and the parameter server's
+// with SyncBatchNorm (BatchNorm running statistics included); rank 1 launched with another bucket
+// size or learning rate ending in the named agreement error on every rank; and the parameter server's
 // synchronous mode against one process, its SSP and asynchronous modes against their bounds.
 #include <cstdio>
 #include <exception>
@@ -25,6 +26,10 @@ int main(int argc, char** argv) {
     add("zero1 adam", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Adam, {.per_rank_batch = 4, .steps = 3}));
     add("local sgd k=1", testing::strategy_equivalence<double>(comm, testing::Strategy::LocalSgdPeriod1, {.per_rank_batch = 4, .steps = 3}));
     add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
+    // Ranks launched with different settings end in a named error on every rank, and the
+    // communicator stays usable for what follows.
+    add("rank 1 with another bucket size", testing::dp_mismatch<double>(comm, testing::Mismatch::BucketSize));
+    add("rank 1 with another learning rate", testing::dp_mismatch<double>(comm, testing::Mismatch::LearningRate));
     // Parameter server: synchronous mode equals one process; SSP and asynchronous modes stay
     // within their staleness bound (point-to-point polling on this backend).
     const int servers = comm.size() >= 4 ? 2 : 1;

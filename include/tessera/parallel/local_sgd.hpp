@@ -10,6 +10,11 @@
 // gradient, so averaging parameters equals averaging gradients) this is synchronous data
 // parallelism exactly. Optimizer state (momentum buffers) stays per rank; buffers such as
 // BatchNorm running statistics are averaged with the parameters when average_buffers is set.
+//
+// Agreement: the constructor checks (one all_gather of two int64) that every rank has the same
+// period, average_buffers and parameter and buffer names and shapes (parallel/agreement.hpp): a
+// rank averaging on another period, or over another flat size, would otherwise mismatch the
+// all-reduce. The replicas differ between averages by design, so there is no checksum check.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +25,7 @@
 #include "tessera/core/env.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/device/cpu.hpp"
+#include "tessera/parallel/agreement.hpp"
 
 namespace tessera {
 
@@ -39,6 +45,12 @@ class LocalSgd {
   template <class Model, class C>
   LocalSgd(Model& model, C& comm, LocalSgdOptions options = {})
       : comm_(comm_of_env<E>(comm)), options_(options), named_(parameters_of_env<E>(named_tensors(model))) {
+    AgreementRecord record("LocalSgd");
+    record.add("strategy", "LocalSgd");
+    record.add("options.period", options.period);
+    record.add("options.average_buffers", options.average_buffers);
+    record.add_named_tensors(named_);
+    check_agreement(comm_, record);
     TESSERA_CHECK(options.period >= 1, ArgumentError, "LocalSgd: period=", options.period, " must be >= 1");
     for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);

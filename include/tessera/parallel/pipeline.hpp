@@ -36,6 +36,13 @@
 // backward of each unit on the sample micro-batch passed to rank 0's constructor, broadcast so
 // every rank splits the same way), else each unit's parameter count plus one (a crude estimate).
 //
+// Agreement: before anything else, the constructor checks (one all_gather of two int64) that every
+// stage holds the same micro-batch count, schedule, boundaries and unit costs (if given), and the
+// same model: unit count and names, every parameter's and buffer's name and shape
+// (parallel/agreement.hpp). A stage with another schedule or micro-batch count would otherwise
+// wait for messages that never come, or receive activations of the wrong size. Activation shapes
+// between stages depend on the input and are checked per message (the shape header).
+//
 // Requires: every rank builds the same model (same seed); the model outlives the Pipeline.
 #pragma once
 
@@ -56,6 +63,7 @@
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
+#include "tessera/parallel/agreement.hpp"
 
 namespace tessera {
 
@@ -147,6 +155,7 @@ class Pipeline {
   template <class C>
   Pipeline(Model& model, C& comm, PipelineOptions options, const Tensor* sample = nullptr, Loss loss = Loss())
       : model_(model), comm_(comm_of_env<Env>(comm)), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
+    check_agreement(comm_, agreement_record());
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
                   " must be at least 1");
     const std::size_t units = model_.unit_count();
@@ -337,6 +346,21 @@ class Pipeline {
   }
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+
+  // What every stage must hold alike. The whole model, not only this stage: every rank builds it.
+  AgreementRecord agreement_record() {
+    AgreementRecord record("Pipeline");
+    record.add("strategy", "Pipeline");
+    record.add("options.micro_batches", options_.micro_batches);
+    record.add("options.schedule", schedule_name(options_.schedule));
+    record.add_list("options.boundaries", options_.boundaries);
+    record.add_list("options.unit_costs", options_.unit_costs);
+    const std::size_t units = model_.unit_count();
+    record.add("model.units", units);
+    for (std::size_t u = 0; u < units; ++u) record.add("model.unit[" + std::to_string(u) + "]", model_.unit_name(u));
+    record.add_named_tensors(named_tensors(model_), "model.");
+    return record;
   }
 
   // Per-unit costs for balancing (see the header comment), identical on every rank.

@@ -15,15 +15,22 @@
 //
 // The all-reduces are blocking and happen inside forward and backward on every rank in the same
 // order, so every rank must run the same number of forward/backward passes.
+//
+// Agreement: convert_sync_batch_norm checks (one all_gather of two int64) that every rank
+// converted the same layers, by name and channel count: otherwise the statistics all-reduces
+// would differ in size (a crash inside MPI or Gloo) (parallel/agreement.hpp).
 #pragma once
 
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/layers/batch_norm.hpp"
+#include "tessera/parallel/agreement.hpp"
 
 namespace tessera {
 
@@ -32,10 +39,14 @@ namespace detail {
 struct BatchNormStatsSetter {
   std::function<void(std::span<double>)> hook;
   int converted = 0;
+  std::vector<std::pair<std::string, std::int64_t>> layers;  // name, channels
   template <class E>
-  void batch_norm(const std::string&, BatchNorm2d<E>& bn) {
+  void batch_norm(const std::string& name, BatchNorm2d<E>& bn) {
     bn.set_stats_all_reduce(hook);
     ++converted;
+    // Layers visit with their prefix ("layer1.0.bn1."): the name without the trailing dot.
+    layers.emplace_back(name.ends_with('.') ? name.substr(0, name.size() - 1) : name,
+                        static_cast<std::int64_t>(bn.num_features()));
   }
   template <class P>
   void parameter(const std::string&, P&) {}
@@ -53,6 +64,14 @@ int convert_sync_batch_norm(Model& model, Comm& comm) {
   static_assert(check_comm_of_env<typename Model::Env, Comm>());
   detail::BatchNormStatsSetter setter{[c = &comm](std::span<double> values) { c->all_reduce(values, ReduceOp::Sum); }};
   model.visit(setter, "");
+  AgreementRecord record("convert_sync_batch_norm");
+  record.add("converted", setter.converted);
+  for (std::size_t i = 0; i < setter.layers.size(); ++i) {
+    const std::string key = "batch_norm[" + std::to_string(i) + "]";
+    record.add(key + " name", setter.layers[i].first);
+    record.add(key + " (" + setter.layers[i].first + ") channels", setter.layers[i].second);
+  }
+  check_agreement(comm, record, "every rank must convert the same model");
   return setter.converted;
 }
 

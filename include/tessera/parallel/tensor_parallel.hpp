@@ -18,6 +18,11 @@
 // `rng` exactly as Linear(in, out, rng) draws them and each rank keeps its slice, so a
 // tensor-parallel model built with the same seed equals the dense one. Requires out (column) or
 // in (row) divisible by the number of ranks. The communicator outlives the layer.
+//
+// Agreement: each layer's constructor checks (one all_gather of two int64) that every rank builds
+// it with the same sizes and options and from the same dense values (one checksum per tensor):
+// ranks seeded differently would hold slices of different layers and different replicated biases,
+// and train a model that is none of them, silently (parallel/agreement.hpp).
 #pragma once
 
 #include <span>
@@ -31,6 +36,7 @@
 #include "tessera/kernels/gemm.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/linear.hpp"
+#include "tessera/parallel/agreement.hpp"
 
 namespace tessera {
 
@@ -44,6 +50,22 @@ void blocks_to_rows(const S* blocks, std::int64_t p, std::int64_t n, std::int64_
 template <class D, class S>
 void columns_of(const S* rows, std::int64_t n, std::int64_t total, std::int64_t first, std::int64_t w, S* out) {
   copy_2d(D{}, out, w, rows + first, total, w, n);
+}
+// Every rank of `comm` splits the same dense layer the same way (checked before anything is
+// sliced, so that a split that cannot work fails on every rank alike); returns comm.
+template <class Comm, class E>
+Comm& agreed_split(Comm& comm, const char* layer, Linear<E>& dense, const char* option, bool value) {
+  AgreementRecord record(layer);
+  record.add("layer", layer);
+  record.add("in_features", dense.weight().value.dim(1));
+  record.add("out_features", dense.weight().value.dim(0));
+  record.add(option, value);
+  const auto named = named_tensors(dense);
+  record.add_named_tensors(named, "dense.");
+  record.add_checksums(named, "dense ");
+  check_agreement(comm, record,
+                  "every rank must build the layer with the same sizes and options, from the same seed");
+  return comm;
 }
 inline std::int64_t checked_shard(std::int64_t features, int ranks, const char* layer, const char* what) {
   TESSERA_CHECK(features % ranks == 0, ArgumentError, layer, ": ", what, "=", features,
@@ -70,9 +92,9 @@ class ColumnParallelLinear {
                        bool gather_output = true, bool bias = true)
       : ColumnParallelLinear(Linear<E>(in_features, out_features, rng, bias), comm, gather_output) {}
 
-  // The rank's rows of an existing dense layer.
+  // The rank's rows of an existing dense layer (the same on every rank).
   ColumnParallelLinear(Linear<E> dense, Comm& comm, bool gather_output = true)
-      : comm_(&comm),
+      : comm_(&detail::agreed_split(comm, "ColumnParallelLinear", dense, "gather_output", gather_output)),
         in_(dense.weight().value.dim(1)),
         out_(dense.weight().value.dim(0)),
         local_(detail::checked_shard(out_, comm.size(), "ColumnParallelLinear", "out_features")),
@@ -178,18 +200,22 @@ class RowParallelLinear {
 
   RowParallelLinear(std::int64_t in_features, std::int64_t out_features, Rng& rng, Comm& comm,
                     bool input_is_parallel = false, bool bias = true)
-      : comm_(&comm),
-        in_(in_features),
-        out_(out_features),
-        local_(detail::checked_shard(in_features, comm.size(), "RowParallelLinear", "in_features")),
+      : RowParallelLinear(Linear<E>(in_features, out_features, rng, bias), comm, input_is_parallel) {}
+
+  // The rank's columns of an existing dense layer (the same on every rank); its bias, if any, is
+  // replicated.
+  RowParallelLinear(Linear<E> dense, Comm& comm, bool input_is_parallel = false)
+      : comm_(&detail::agreed_split(comm, "RowParallelLinear", dense, "input_is_parallel", input_is_parallel)),
+        in_(dense.weight().value.dim(1)),
+        out_(dense.weight().value.dim(0)),
+        local_(detail::checked_shard(in_, comm.size(), "RowParallelLinear", "in_features")),
         input_is_parallel_(input_is_parallel),
-        has_bias_(bias),
-        weight_(Shape{out_features, local_}) {
-    Linear<E> dense(in_features, out_features, rng, bias);
+        has_bias_(ColumnParallelLinear<E>::dense_bias(dense) != nullptr),
+        weight_(Shape{out_, local_}) {
     const std::int64_t first = local_ * comm.rank();
     detail::columns_of<D>(dense.weight().value.data(), out_, in_, first, local_, weight_.value.data());
     if (has_bias_) {
-      bias_ = Parameter<S, D>(Shape{out_features}, ParamKind::Bias);
+      bias_ = Parameter<S, D>(Shape{out_}, ParamKind::Bias);
       D::copy(bias_.value.data(), ColumnParallelLinear<E>::dense_bias(dense)->data(), bias_.value.bytes());
     }
   }

@@ -29,6 +29,14 @@
 // the all-reduced dL/dx of the first block, both the same on every rank, so its gradients agree
 // without communication), every block is a TensorParallelBottleneck, the head is global average
 // pooling and a ColumnParallelLinear with gather_output (logits whole on every rank).
+//
+// Agreement: TensorParallelResNet's constructor checks once (one all_gather of two int64, plus
+// the head's ColumnParallelLinear's own check) that every rank splits the same dense model: every
+// parameter's and buffer's name, shape and checksum (parallel/agreement.hpp). Ranks built from
+// different seeds would otherwise hold slices of different models and replicated stems that
+// differ, and train silently on nonsense. The channel-parallel convolutions and the bottleneck,
+// building blocks of it, do not check on their own (a ResNet-50 would pay one collective per
+// convolution); whoever assembles them elsewhere checks the dense model once, as here.
 #pragma once
 
 #include <functional>
@@ -44,6 +52,7 @@
 #include "tessera/layers/conv2d.hpp"
 #include "tessera/layers/pool.hpp"
 #include "tessera/models/resnet.hpp"
+#include "tessera/parallel/agreement.hpp"
 #include "tessera/parallel/tensor_parallel.hpp"
 
 namespace tessera {
@@ -320,7 +329,8 @@ class TensorParallelResNet {
 
   // Splits `dense` (its values at this moment); `dense` may be destroyed afterwards.
   TensorParallelResNet(ResNet<E, Bottleneck>& dense, Comm& comm)
-      : conv1_(dense.stem_conv()), bn1_(dense.stem_bn()), fc_(dense.fc(), comm, /*gather_output=*/true),
+      : agreed_(agree(dense, comm)),
+        conv1_(dense.stem_conv()), bn1_(dense.stem_bn()), fc_(dense.fc(), comm, /*gather_output=*/true),
         block_names_(dense.block_names()), name_(dense.name() + ", tensor-parallel over " + std::to_string(comm.size())) {
     if (auto* pool = dense.stem_pool()) maxpool_.emplace(*pool);
     for (auto& b : dense.blocks()) blocks_.emplace_back(b, comm);
@@ -353,6 +363,19 @@ class TensorParallelResNet {
   const std::string& name() const { return name_; }
 
  private:
+  // Before any slicing (which can throw): every rank splits the same dense model.
+  static bool agree(ResNet<E, Bottleneck>& dense, Comm& comm) {
+    AgreementRecord record("TensorParallelResNet");
+    record.add("layer", "TensorParallelResNet");
+    record.add("blocks", dense.blocks().size());
+    const auto named = named_tensors(dense);
+    record.add_named_tensors(named, "dense.");
+    record.add_checksums(named, "dense ");
+    check_agreement(comm, record, "every rank must split the same dense model: same architecture, same seed");
+    return true;
+  }
+
+  bool agreed_;
   Conv2d<E> conv1_;
   BatchNorm2d<E> bn1_;
   ReLU<E> relu_;

@@ -18,6 +18,14 @@
 // segment, with the model parameter's name and kind, so weight-decay masks work unchanged.
 // Optimizers whose update needs whole-tensor norms (LARS, LAMB) would see partial norms and are
 // rejected at compile time by a static_assert in step().
+//
+// Agreement: the constructor checks (one all_gather of two int64) that every rank holds the same
+// parameter names and shapes, so the flat buffers and shards line up (parallel/agreement.hpp).
+// Replicas cannot drift apart here (every step ends with every rank copying the same gathered
+// values), but a rank can still update its shard with other settings or from other values: at
+// the first and then every options.consistency_check_every steps, step() checks that every rank
+// has the same optimizer learning rate and the same parameter checksums before the update, and
+// throws AgreementError on every rank naming what differs.
 #pragma once
 
 #include <algorithm>
@@ -33,8 +41,15 @@
 #include "tessera/device/cpu.hpp"
 #include "tessera/optim/lamb.hpp"
 #include "tessera/optim/lars.hpp"
+#include "tessera/parallel/agreement.hpp"
 
 namespace tessera {
+
+struct Zero1Options {
+  // The learning rate and parameter checksums compared across ranks at the first and then every
+  // this many steps; 0: never.
+  int consistency_check_every = 100;
+};
 
 template <class E>
 class Zero1 final : UpdateGuard {
@@ -46,8 +61,16 @@ class Zero1 final : UpdateGuard {
   static_assert(D::host_accessible, "Zero1 packs its shards on the host; on a GPU use DataParallel with a full optimizer");
 
   template <class Model, class C>
-  Zero1(Model& model, C& comm) : comm_(comm_of_env<E>(comm)), model_(parameters_of_env<E>(named_tensors(model))) {
+  Zero1(Model& model, C& comm, Zero1Options options = {})
+      : comm_(comm_of_env<E>(comm)), options_(options), model_(parameters_of_env<E>(named_tensors(model))) {
+    AgreementRecord record("Zero1");
+    record.add("strategy", "Zero1");
+    record.add("options.consistency_check_every", options.consistency_check_every);
+    record.add_named_tensors(model_);
+    check_agreement(comm_, record);
     TESSERA_CHECK(!model_.parameters.empty(), ArgumentError, "Zero1: the model has no parameters");
+    TESSERA_CHECK(options.consistency_check_every >= 0, ArgumentError, "Zero1: consistency_check_every=",
+                  options.consistency_check_every, " must be >= 0 (0: no check)");
     for (auto& [name, p] : model_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : model_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
     std::int64_t total = 0;
@@ -74,6 +97,9 @@ class Zero1 final : UpdateGuard {
     static_assert(!std::is_same_v<Optimizer, Lars<typename Optimizer::Env>> &&
                       !std::is_same_v<Optimizer, Lamb<typename Optimizer::Env>>,
                   "Zero1: LARS and LAMB need whole-tensor norms; a shard only has part of a tensor");
+    const int every = options_.consistency_check_every;
+    if (every > 0 && steps_ % every == 0) check_consistency(optimizer);
+    ++steps_;
     // The model is the source of truth for values (a checkpoint may have been loaded into it
     // since the last step): refresh the optimizer's pieces before updating them.
     for (auto& seg : segments_)
@@ -132,6 +158,23 @@ class Zero1 final : UpdateGuard {
     for (auto& seg : segments_) seg.param.update_guard = this;
   }
 
+  // Every rank must update its shard with the same settings from the same values: the
+  // optimizer's learning rate (when it has one) and every parameter's checksum, compared as one
+  // record (one all_gather of two int64 when they agree).
+  template <class Optimizer>
+  void check_consistency(const Optimizer& optimizer) {
+    AgreementRecord record("Zero1");
+    if constexpr (requires { optimizer.lr(); }) record.add("optimizer.lr", static_cast<double>(optimizer.lr()));
+    NamedTensors<E> parameters_only;  // buffers (BatchNorm statistics) may differ per rank
+    parameters_only.parameters = model_.parameters;
+    record.add_checksums(parameters_only);
+    check_agreement(comm_, record,
+                    "at step " + std::to_string(steps_ + 1) +
+                        ": every rank must step with the same optimizer settings (learning rate, schedule) from the "
+                        "same parameters; a checkpoint loaded on one rank only, or settings given per rank, cause "
+                        "this. Zero1Options::consistency_check_every sets how often this is checked (0: never)");
+  }
+
   // The shard's gradients exist only inside step(optimizer), after the reduce-scatter.
   void before_update() override {
     TESSERA_CHECK(in_step_, Error, "Zero1 on rank ", comm_.rank(),
@@ -158,15 +201,17 @@ class Zero1 final : UpdateGuard {
   }
 
   Comm& comm_;
+  Zero1Options options_;
   NamedTensors<E> model_;
   std::int64_t shard_ = 0;
   std::vector<S> flat_grad_, flat_value_, shard_grad_;
   std::vector<Segment> segments_;
   NamedTensors<E> shard_named_;
   bool in_step_ = false;
+  std::int64_t steps_ = 0;
 };
 
 template <class Model, class C>
-Zero1(Model&, C&) -> Zero1<typename Model::Env>;
+Zero1(Model&, C&, Zero1Options = {}) -> Zero1<typename Model::Env>;
 
 }  // namespace tessera
