@@ -9,6 +9,14 @@ then every 16th; TESSERA_COMM_CHECK_EVERY unset) and one with the sampled check 
 (TESSERA_COMM_CHECK_EVERY=0: only the first 32 calls, all of them in the warm-up). Each job
 reports the median time of Tessera's call over its rounds; the script reports the median over
 pairs of (default / off) - 1 as the overhead. Target: <= 15 % at 4 KiB.
+
+  python3 bench/check_overhead.py --dp [--model lenet] [--steps 200] ...
+
+The same for data-parallel training (bench/dp_scaling_<backend>, LeNet-5, 64 images per rank):
+every check on as shipped (the call check, DataParallel's construction-time agreement check and
+its replica checksum every 100 steps, timed steps >= 100 so the checksum is inside the timing)
+against all of them off (TESSERA_COMM_CHECK_EVERY=0, --consistency-check-every=0); the overhead is
+the median over pairs of (images/s off / images/s on) - 1. Target: <= 2 %.
 The JSON (default bench/results/check_overhead_<date>.json) names the CPU model.
 """
 import argparse
@@ -52,6 +60,21 @@ def tessera_us(argv, env):
     return max(times)  # the slowest rank's median: what the job waits for
 
 
+def dp_images_per_second(argv, env):
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, timeout=600)
+    if proc.returncode != 0:
+        sys.exit(f"check_overhead.py: {' '.join(argv)} exited with status {proc.returncode}: {proc.stderr[-2000:]}")
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("[rank"):
+            line = line.split("] ", 1)[1]
+        if line.startswith("{"):
+            row = json.loads(line)
+            if row.get("bench") == "dp_scaling":
+                return row["images_per_second"]
+    sys.exit(f"check_overhead.py: no dp_scaling row from {argv}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -63,7 +86,12 @@ def main():
     parser.add_argument("--only", default="mpi,gloo")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                       f"check_overhead_{datetime.date.today().isoformat()}.json"))
+    parser.add_argument("--dp", action="store_true", help="data-parallel training instead of all_reduce latency")
+    parser.add_argument("--model", default="lenet")
+    parser.add_argument("--steps", default="200")
     args = parser.parse_args()
+    if args.dp and args.out.endswith(f"check_overhead_{datetime.date.today().isoformat()}.json"):
+        args.out = args.out.replace("check_overhead_", "check_overhead_dp_")
     bench = os.path.join(args.build, "bench")
     common = ["--ops", "all_reduce", "--min-bytes", args.bytes, "--max-bytes", args.bytes, "--rounds", args.rounds,
               "--round-seconds", args.round_seconds]
@@ -72,15 +100,20 @@ def main():
         base_env.pop(var, None)
     results = []
     for comm in args.only.split(","):
-        binary = os.path.join(bench, f"collectives_{comm}")
+        binary = os.path.join(bench, f"dp_scaling_{comm}" if args.dp else f"collectives_{comm}")
         if not os.path.exists(binary):
             print(f"skipping {comm}: {binary} not built", file=sys.stderr)
             continue
         for n in args.ranks.split(","):
+            flags = (["--model", args.model, "--steps", args.steps, "--warmup", "5"] if args.dp else common)
             if comm == "mpi":
-                argv = ["mpirun", "--oversubscribe", "-n", n, binary] + common
+                argv = ["mpirun", "--oversubscribe", "-n", n, binary] + flags
             else:
-                argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", n, binary] + common
+                argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", n, binary] + flags
+            if args.dp:
+                results.append(dp_pairs(args, comm, n, argv, base_env))
+                print(json.dumps(results[-1]))
+                continue
             ratios, on, off = [], [], []
             for i in range(args.pairs):
                 # Alternate which goes first, so a drift in machine load does not favour one side.
@@ -100,12 +133,42 @@ def main():
             results.append(row)
             print(json.dumps(row))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if args.dp:
+        with open(args.out, "w") as f:
+            for row in results:
+                f.write(json.dumps(row) + "\n")
+        for row in results:
+            print(f"{row['comm']} {row['ranks']} ranks, {row['model']} training: overhead "
+                  f"{100 * row['overhead_median']:.2f} % (target <= 2 %)", file=sys.stderr)
+        return
     with open(args.out, "w") as f:
         for row in results:
             f.write(json.dumps(row) + "\n")
     for row in results:
         print(f"{row['comm']} {row['ranks']} ranks, {row['bytes']} B all_reduce: overhead "
               f"{100 * row['overhead_median']:.1f} % (target <= 15 %)", file=sys.stderr)
+
+
+def dp_pairs(args, comm, n, argv, base_env):
+    """Alternating pairs of training jobs: every check on (as shipped) vs every check off."""
+    off_env = dict(base_env, TESSERA_COMM_CHECK_EVERY="0")
+    ratios, on, off = [], [], []
+    for i in range(args.pairs):
+        order = [("on", argv, base_env), ("off", argv + ["--consistency-check-every", "0"], off_env)]
+        if i % 2:
+            order.reverse()
+        t = {name: dp_images_per_second(a, env) for name, a, env in order}
+        on.append(t["on"])
+        off.append(t["off"])
+        ratios.append(t["off"] / t["on"])
+        print(f"{comm} n={n} pair {i}: checked {t['on']:.0f} img/s, unchecked {t['off']:.0f} img/s, "
+              f"overhead {100 * (ratios[-1] - 1):.2f} %", file=sys.stderr, flush=True)
+    return {"bench": "check_overhead_dp", "comm": comm, "ranks": int(n), "model": args.model, "batch_per_rank": 64,
+            "timed_steps": int(args.steps), "checked_images_per_second_median": statistics.median(on),
+            "unchecked_images_per_second_median": statistics.median(off),
+            "overhead_median": statistics.median(ratios) - 1, "pairs": args.pairs,
+            "checks": "call check (first 32, then every 16th), construction agreement, replica checksum every 100 steps",
+            "cpu": cpu_model(), "cores": os.cpu_count()}
 
 
 if __name__ == "__main__":

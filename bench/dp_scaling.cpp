@@ -7,7 +7,9 @@
 //   tessera-run -n 2 dp_scaling_gloo ...
 //
 // Flags: --model=lenet|resnet20 --batch=64 (per rank) --steps=40 --warmup=5 --threads=1 (per rank)
-// --bucket-kib=1024. Prints one JSON line (rank 0): images/s over all ranks = ranks x batch x steps
+// --bucket-kib=1024 --consistency-check-every=100 (DataParallel's replica checksum; 0: off, with
+// TESSERA_COMM_CHECK_EVERY=0 the agreement checks' cost is measured: bench/check_overhead.py --dp).
+// Prints one JSON line (rank 0): images/s over all ranks = ranks x batch x steps
 // / the slowest rank's time for the timed steps. bench/dp_scaling.py runs these next to PyTorch DDP.
 #include <algorithm>
 #include <chrono>
@@ -29,6 +31,7 @@ struct Options {
   std::int64_t batch = 64;
   int steps = 40, warmup = 5, threads = 1, ranks = 1;
   std::int64_t bucket_kib = 1024;
+  int consistency_check_every = DataParallelOptions{}.consistency_check_every;
 };
 
 // Runs warmup + timed steps; returns the seconds of the timed steps on this rank.
@@ -42,7 +45,8 @@ double run_steps(Model& model, Comm& comm, const Options& o) {
   loader.next(batch);
   std::optional<DataParallel<E>> dp;
   if (comm.size() > 1) dp.emplace(model, comm, DataParallelOptions{.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
-                                                         .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024)});
+                                                         .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024),
+                                                         .consistency_check_every = o.consistency_check_every});
   auto named = named_tensors(model);
   Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9});
   Trainer trainer(model, sgd, ConstantLr{0.01}, {.verbose = false});  // sgd.step() finishes the all-reduce
@@ -88,6 +92,7 @@ int main(int argc, char** argv) {
     // Ranks of the threads build share this process's cores (a process backend runs one rank here).
     check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
     o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20});  // 1 KiB .. 1 GiB
+    o.consistency_check_every = flags.get("consistency-check-every", o.consistency_check_every, {.min = 0});
     flags.finish();
     launch<E>(
         [&](Comm& comm) {

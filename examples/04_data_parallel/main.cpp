@@ -11,7 +11,8 @@
 // --data-dir=DIR --compression=none|fp16|topk --bucket-kib=1024 --trace=trace.json (a Chrome
 // trace of every step on every rank, for chrome://tracing or ui.perfetto.dev),
 // --checkpoint=ckpt.safetensors (written after every epoch, with every rank's random streams)
-// --resume=ckpt.safetensors --stop-after=N (stop after N epochs, to resume later), and for the
+// --resume=ckpt.safetensors (also at another --ranks with the same --batch: elastic resume)
+// --stop-after=N (stop after N epochs, to resume later), and for the
 // threads build --ranks=2.
 //
 // Keeping the global batch fixed makes N ranks compute exactly what one process computes on the
@@ -108,6 +109,8 @@ double train(Comm& comm, const Options& o) {
     if (rank == 0)
       std::printf("resumed from %s at epoch %lld, step %lld\n", o.resume.c_str(),
                   static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
+    if (rank == 0 && o.compression == "topk")
+      std::printf("note: TopK error-feedback residuals are not in checkpoints; they restart from zero\n");
   }
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
   if (results.empty()) return 0.0;

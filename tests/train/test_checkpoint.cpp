@@ -464,33 +464,67 @@ TEST_CASE("Checkpoint: training metadata out of range names the file and the key
          "'train.loader_next_batch' = 99 is out of range: an epoch of 96 samples on 1 rank in batches of 16 has at "
          "most 6 batches");
   expect("ahead.safetensors", {.epoch = 1, .loader_epoch = 5}, "'train.loader_epoch' = 5");
+  expect("sample.safetensors",
+         {.epoch = 1, .global_step = 8, .loader_epoch = 1, .loader_next_batch = 2, .loader_batch_size = 8,
+          .loader_seed = 1, .loader_samples = 96, .loader_world_size = 2, .loader_next_sample = 33},
+         "'train.loader_next_sample' = 33 is out of range: it must equal train.loader_next_batch x "
+         "train.loader_batch_size x train.loader_world_size = 2 x 8 x 2 = 32");
   expect("ranks.safetensors", {}, "'train.ranks' = 0", "\"train.ranks\":\"1\"", "\"train.ranks\":\"0\"");
   expect("text.safetensors", {}, "'train.epoch' = 'x' is not an integer", "\"train.epoch\":\"0\"",
          "\"train.epoch\":\"x\"");
+  // Files written before "train.loader_next_sample" existed: the position in samples is derived.
+  const std::string old = (dir / "old.safetensors").string();
+  save_checkpoint(old, a.model, a.sgd,
+                  {.epoch = 1, .global_step = 8, .loader_epoch = 1, .loader_next_batch = 2, .loader_batch_size = 8,
+                   .loader_seed = 1, .loader_samples = 96, .loader_world_size = 2});
+  write_bytes(old, edited(read_bytes(old), "\"train.loader_next_sample\"", "\"train.loader_next_sampl_\""));
+  CHECK(load_checkpoint(old, b.model, b.sgd).loader_next_sample == 32);
   fs::remove_all(dir);
 }
 
-TEST_CASE("Resume at another world size is refused with a message about world size, not batch size",
+TEST_CASE("Resume at another world size keeps the global batch: allowed when it divides, else refused by name",
           "[train][checkpoint]") {
   const auto dir = temp_dir();
   const std::string path = (dir / "w2.safetensors").string();
   {
-    // Rank 0 of 2 with a global batch of 16 (8 per rank).
+    // Rank 0 of 2 with a global batch of 16 (8 per rank), stopped mid-epoch 2 (6 steps per epoch).
     Run first(3, path);
     DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = 0, .world_size = 2});
-    first.trainer.fit(loader, nullptr, 1);
+    Trainer<ResNet<E, BasicBlock>, Sgd<E>> stopping(first.model, first.sgd, CosineLr{0.05, 3.0, 0.0},
+                                                    {.epochs = 3, .checkpoint_path = path, .verbose = false,
+                                                     .stop_after_steps = 9});
+    CHECK(stopping.fit(loader).size() == 1);
+    CHECK(stopping.state().loader_next_batch == 3);
+    CHECK(stopping.state().loader_next_sample == 48);
   }
+  // The same global batch on 1 rank: an elastic resume, at batch 48 / 16 = 3 of epoch 2.
   Run resumed(3);
-  DataLoader<float> one_rank(data(), {.batch_size = 16, .seed = 1});  // the same global batch on 1 rank
-  const std::string msg = error_of<ArgumentError>([&] { resumed.trainer.load(path, one_rank); });
-  CHECK_THAT(msg, Catch::Contains("'" + path + "' was saved by a run at world size 2 (2 ranks) but this run has "
-                                  "world size 1") &&
-                      Catch::Contains("elastic resume across world sizes is not supported yet"));
-  CHECK_THAT(msg, !Catch::Contains("batch size"));
-  Run resumed2(3);
-  resumed2.trainer.load(path);
-  CHECK_THAT(error_of<ArgumentError>([&] { resumed2.trainer.fit(one_rank); }),
-             Catch::Contains("world size 2") && !Catch::Contains("batch size"));
+  DataLoader<float> one_rank(data(), {.batch_size = 16, .seed = 1});
+  resumed.trainer.load(path, one_rank);
+  CHECK(resumed.trainer.state().loader_next_batch == 3);
+  CHECK(resumed.trainer.state().loader_world_size == 1);
+  CHECK(resumed.trainer.state().loader_batch_size == 16);
+  const auto epochs = resumed.trainer.fit(one_rank);
+  CHECK(epochs.size() == 2);
+  CHECK(resumed.trainer.state().global_step == 9 + 3 + 6);
+  // 1 rank with 8 per sample would halve the global batch: refused naming what it must be.
+  Run halved(3);
+  DataLoader<float> eight(data(), {.batch_size = 8, .seed = 1});
+  CHECK_THAT(error_of<ArgumentError>([&] { halved.trainer.load(path, eight); }),
+             Catch::Contains("'" + path + "' was saved at world size 2 with a global batch of 16 (2 x 8)") &&
+                 Catch::Contains("at world size 1 the loader's batch_size must be 16, but it is 8"));
+  // 3 ranks cannot split 16.
+  Run three(3);
+  DataLoader<float> rank0_of_3(data(), {.batch_size = 5, .seed = 1, .rank = 0, .world_size = 3});
+  CHECK_THAT(error_of<ArgumentError>([&] { three.trainer.load(path, rank0_of_3); }),
+             Catch::Contains("'" + path + "' was saved by a run at world size 2 (2 ranks) with a global batch of 16 (8 "
+                             "per rank); this run has world size 3, which does not divide the global batch 16") &&
+                 Catch::Contains("resume at a world size that divides it (1, 2, 4, 8, 16)"));
+  CHECK_THROWS_WITH(check_resume_world_size("'x'", 4, 6, 64), Catch::Contains("world size 6, which does not divide"));
+  CHECK_NOTHROW(check_resume_world_size("'x'", 4, 8, 64));
+  CHECK_THROWS_WITH(check_resume_world_size("'x'", 4, 3, 4096),
+                    Catch::Contains("(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, ..., 4096)"));
+  CHECK_NOTHROW(check_resume_world_size("'x'", 4, 6, 0));  // no batch recorded: nothing to re-split
   fs::remove_all(dir);
 }
 
@@ -547,14 +581,34 @@ TEST_CASE("Resume under data parallelism is exact when ranks seed their Dropout 
   CHECK(meta.count("rank1.3.rng") == 1);
   CHECK(meta.at("3.rng") != meta.at("rank1.3.rng"));
 
-  // The 2-rank file in one process: its generators are for 2 ranks, so it is an elastic resume.
+  // Elastic: in one process rank 0 takes rank 0's generators; at 4 ranks, ranks 0 and 1 take
+  // theirs and ranks 2 and 3 keep the ones their program seeded.
   Rng rng(4);
   Sequential<Flatten<E>, Linear<E>, ReLU<E>, Dropout<E>, Linear<E>> single{Flatten<E>(), Linear<E>(100, 32, rng),
                                                                            ReLU<E>(), Dropout<E>(0.5, 77), Linear<E>(32, 4, rng)};
   auto named = named_tensors(single);
   Sgd<E> sgd(named, {.lr = 0.05, .momentum = 0.9});
-  CHECK_THAT(error_of<ArgumentError>([&] { load_checkpoint(ckpt, single, sgd); }),
-             Catch::Contains("world size 2") && Catch::Contains("this run has world size 1"));
+  load_checkpoint(ckpt, single, sgd);
+  REQUIRE(named.rngs.size() == 1);
+  CHECK(detail::rng_to_string(named.rngs[0].second->state()) == meta.at("3.rng"));
+  std::vector<std::string> before(4), after(4);
+  ThreadWorld four(4);
+  four.run([&](ThreadComm& comm) {
+    const int rank = comm.rank();
+    Rng init(4);
+    Net model{Flatten<TE>(), Linear<TE>(100, 32, init), ReLU<TE>(), Dropout<TE>(0.5, 77 + static_cast<std::uint64_t>(rank)),
+              Linear<TE>(32, 4, init)};
+    auto tensors = named_tensors(model);
+    Sgd<TE> opt(tensors, {.lr = 0.05, .momentum = 0.9});
+    before[static_cast<std::size_t>(rank)] = detail::rng_to_string(tensors.rngs[0].second->state());
+    load_checkpoint(ckpt, model, opt, CheckpointGroup(comm));
+    after[static_cast<std::size_t>(rank)] = detail::rng_to_string(tensors.rngs[0].second->state());
+  });
+  CHECK(after[0] == meta.at("3.rng"));
+  CHECK(after[1] == meta.at("rank1.3.rng"));
+  CHECK(after[2] == before[2]);
+  CHECK(after[3] == before[3]);
+  CHECK(before[2] != before[3]);
   fs::remove_all(dir);
 }
 

@@ -13,6 +13,12 @@
 // each epoch). Either way all ranks have equal batch counts and equal last-batch sizes, so
 // data-parallel ranks never wait on a rank that has run out of data. With world_size 1 it is a
 // plain loader.
+// Elastic resume. With a global batch G = batch_size x world_size, batch i of every rank together
+// holds the permutation's entries [i G, (i + 1) G): the same samples at every world size that
+// divides G, only split differently. A position is therefore stored in global samples
+// (TrainState::loader_next_sample = next_batch x G), and a run at another world size with the
+// same G continues at batch next_sample / G (Trainer does this). Where N is not a multiple of the
+// world size, the padding (or drop_tail's dropped samples) at the epoch's end depends on it.
 // Batches. Batch i of an epoch holds this rank's samples [i * B, min((i + 1) * B, samples)):
 // images (n, C, H, W) converted to S, labels (n). drop_last drops a final batch with n < B.
 //

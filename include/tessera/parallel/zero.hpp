@@ -26,13 +26,29 @@
 // the first and then every options.consistency_check_every steps, step() checks that every rank
 // has the same optimizer learning rate and the same parameter checksums before the update, and
 // throws AgreementError on every rank naming what differs.
+//
+// Trainer and checkpoints take the pair as one optimizer, Zero1Optimizer:
+//
+//   Zero1Optimizer opt(zero, sgd);                    // step(): zero.step(sgd); zero_grad(): both
+//   Trainer trainer(model, opt, schedule, {..., .checkpoint_group = CheckpointGroup(comm)});
+//
+// Its checkpoint state is rank-independent: on save the shards of every state tensor are gathered
+// (one all_gather per kind of state: momentum_buffer, exp_avg, ...) into whole tensors with the
+// model's shapes under the names the optimizer would give them unsharded
+// ("optim.momentum_buffer.conv1.weight"), so the file is the one DataParallel with the same
+// optimizer writes; on load every rank takes its own part of each whole tensor. A checkpoint of N
+// ranks therefore resumes on any M (elastic resume, train/checkpoint.hpp), and from or into a run
+// without ZeRO. The whole tensors exist only during a save or load (on every rank: the gather is
+// an all_gather).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
@@ -128,6 +144,9 @@ class Zero1 final : UpdateGuard {
   }
 
  private:
+  template <class, class>
+  friend class Zero1Optimizer;
+
   struct Segment {
     std::size_t model_index;    // which model parameter
     std::int64_t param_offset;  // first element within it
@@ -213,5 +232,141 @@ class Zero1 final : UpdateGuard {
 
 template <class Model, class C>
 Zero1(Model&, C&, Zero1Options = {}) -> Zero1<typename Model::Env>;
+
+// A Zero1 and the optimizer of its shard as one optimizer (the Optimizer concept and visit_state),
+// for Trainer and save_checkpoint / load_checkpoint; see the top of this file. Refers to both (they
+// must outlive it). The optimizer's state names must be "optim.<kind>.<parameter name>" with no dot
+// in <kind> (Sgd, Adam, AdamW).
+template <class E, class Optimizer>
+class Zero1Optimizer {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+
+  Zero1Optimizer(Zero1<E>& zero, Optimizer& optimizer) : zero_(zero), optimizer_(optimizer) {}
+
+  void step() { zero_.step(optimizer_); }
+  void zero_grad() {
+    optimizer_.zero_grad();
+    zero_.zero_grad();
+  }
+  double lr() const { return optimizer_.lr(); }
+  void set_lr(double lr) { optimizer_.set_lr(lr); }
+  std::int64_t steps() const { return optimizer_.steps(); }
+  Optimizer& optimizer() { return optimizer_; }
+
+  // The whole state tensors (allocated as zeros of the model's shapes if no save or load has
+  // filled them) and the optimizer's integers ("optim.step").
+  template <class V>
+  void visit_state(V& v) {
+    const auto kinds = state_kinds();
+    auto& model = zero_.model_.parameters;
+    if (whole_.size() != kinds.size() * model.size()) {
+      whole_.clear();
+      for (std::size_t k = 0; k < kinds.size(); ++k)
+        for (auto& [name, p] : model) whole_.emplace_back(p->value.shape()).zero();
+    }
+    for (std::size_t k = 0; k < kinds.size(); ++k)
+      for (std::size_t i = 0; i < model.size(); ++i)
+        v.buffer("optim." + kinds[k] + "." + model[i].first, whole_[k * model.size() + i]);
+    IntegersOf<V> integers{v};
+    optimizer_.visit_state(integers);
+  }
+
+  // Before a save, on every rank: each kind of state, shard by shard, into whole tensors.
+  void checkpoint_gather() {
+    auto pieces = state_pieces();
+    auto& model = zero_.model_.parameters;
+    const std::int64_t shard = zero_.shard_;
+    std::vector<S> mine(static_cast<std::size_t>(shard)), all(static_cast<std::size_t>(shard * zero_.comm_.size()));
+    whole_.clear();
+    for (auto& [kind, tensors] : pieces) {
+      std::fill(mine.begin(), mine.end(), S(0));
+      for (std::size_t j = 0; j < zero_.segments_.size(); ++j)
+        if (tensors[j]) std::copy_n(tensors[j]->data(), zero_.segments_[j].length, mine.data() + zero_.segments_[j].shard_offset);
+      zero_.comm_.all_gather(std::span<const S>(mine), std::span<S>(all));
+      std::int64_t offset = 0;
+      for (auto& [name, p] : model) {
+        Tensor<S, D>& t = whole_.emplace_back(p->value.shape());
+        std::copy_n(all.data() + offset, p->value.numel(), t.data());
+        offset += p->value.numel();
+      }
+    }
+  }
+  // After a load: this rank's part of each whole tensor into the optimizer's state.
+  void checkpoint_scatter() {
+    auto pieces = state_pieces();
+    auto& model = zero_.model_.parameters;
+    std::size_t k = 0;
+    for (auto& [kind, tensors] : pieces) {
+      for (std::size_t j = 0; j < zero_.segments_.size(); ++j) {
+        const auto& seg = zero_.segments_[j];
+        if (tensors[j])
+          std::copy_n(whole_[k * model.size() + seg.model_index].data() + seg.param_offset, seg.length, tensors[j]->data());
+      }
+      ++k;
+    }
+  }
+  void checkpoint_release() { whole_.clear(); }
+
+ private:
+  // Forwards the optimizer's integers to a checkpoint visitor; its (shard) tensors stay out.
+  template <class V>
+  struct IntegersOf {
+    V& v;
+    template <class T>
+    void buffer(const std::string&, T&) {}
+    void integer(const std::string& name, std::int64_t& x) { v.integer(name, x); }
+  };
+  // The optimizer's state tensors, in visit order.
+  struct Collector {
+    std::vector<std::pair<std::string, Tensor<S, D>*>> tensors;
+    template <class T>
+    void buffer(const std::string& name, T& t) {
+      static_assert(std::is_same_v<T, Tensor<S, D>>, "Zero1Optimizer: optimizer state of another scalar or device");
+      tensors.emplace_back(name, &t);
+    }
+    void integer(const std::string&, std::int64_t&) {}
+  };
+
+  // Kinds of state in first-seen order, each with its tensor per segment (null: the empty piece
+  // of a rank with no elements). The same on every rank (one optimizer type and settings).
+  std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> state_pieces() {
+    Collector c;
+    optimizer_.visit_state(c);
+    std::map<std::string, std::size_t> segment_of;
+    for (std::size_t j = 0; j < zero_.segments_.size(); ++j)
+      segment_of[zero_.shard_named_.parameters[j].first] = j;
+    std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> out;
+    for (auto& [name, t] : c.tensors) {
+      const std::size_t dot = name.find('.', 6);
+      TESSERA_CHECK(name.rfind("optim.", 0) == 0 && dot != std::string::npos && segment_of.count(name.substr(dot + 1)),
+                    ArgumentError, "Zero1Optimizer: optimizer state '", name,
+                    "' is not named optim.<kind>.<parameter of this rank's shard>; its shards cannot be gathered");
+      const std::string kind = name.substr(6, dot - 6);
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == kind; });
+      if (it == out.end()) {
+        out.emplace_back(kind, std::vector<Tensor<S, D>*>(zero_.segments_.size(), nullptr));
+        it = out.end() - 1;
+      }
+      const std::size_t j = segment_of.at(name.substr(dot + 1));
+      if (zero_.segments_[j].length > 0) it->second[j] = t;
+    }
+    return out;
+  }
+  std::vector<std::string> state_kinds() {
+    std::vector<std::string> kinds;
+    for (auto& [kind, tensors] : state_pieces()) kinds.push_back(kind);
+    return kinds;
+  }
+
+  Zero1<E>& zero_;
+  Optimizer& optimizer_;
+  std::vector<Tensor<S, D>> whole_;  // [kind][model parameter], during a save or load only
+};
+
+template <class E, class Optimizer>
+Zero1Optimizer(Zero1<E>&, Optimizer&) -> Zero1Optimizer<E, Optimizer>;
 
 }  // namespace tessera

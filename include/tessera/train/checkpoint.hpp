@@ -22,6 +22,27 @@
 // generators to rank 0, which writes the file; load_checkpoint with the group gives each rank its
 // own streams and fails on every rank if any rank cannot load. Version 1 files hold one set of
 // generators, which every rank loads.
+//
+// Elastic resume. A checkpoint taken by N ranks resumes on M ranks when the global batch (samples
+// per optimizer step, all ranks together: train.loader_batch_size x train.loader_world_size) is a
+// multiple of M; check_resume_world_size decides, and refuses any other M naming the file, both
+// world sizes and the batch. What the file holds is rank-independent: parameters and buffers are
+// replicated; optimizer state is whole tensors (Zero1Optimizer gathers its shards on save through
+// the optional optimizer members below and re-shards them for M ranks on load); the position in
+// the epoch is also stored in global samples ("train.loader_next_sample"), which the Trainer turns
+// into a batch index for M ranks. With a fixed global batch, batch i of the epoch covers the same
+// samples at every world size (DistributedSampler's interleaved split), so a resumed run matches
+// an uninterrupted one up to floating-point summation order. Random generators: ranks
+// 0 .. min(N, M) - 1 take their own streams back; ranks M .. N - 1's streams are dropped; ranks
+// N .. M - 1 keep the generators their program constructed (derived from its seed). A model with
+// Dropout therefore continues with other masks than an uninterrupted run (which had N streams and
+// another split of each batch): statistically equivalent, not equal. Per-rank state that is not
+// in the checkpoint at all (DataParallel's TopK residuals) starts from zero on every resume.
+//
+// Optional optimizer members (Zero1Optimizer has them), called on every rank of the group:
+//   checkpoint_gather()   collective, before a save: make visit_state present whole tensors
+//   checkpoint_scatter()  after a successful load: take this rank's part of what visit_state loaded
+//   checkpoint_release()  after every save and load, also a failed one: free the whole tensors
 #pragma once
 
 #include <algorithm>
@@ -57,6 +78,10 @@ struct TrainState {
   // What the position means: resuming with another batch size, seed, dataset or world size would
   // silently read other samples, so the Trainer checks these against its loader (0 = unknown).
   std::int64_t loader_batch_size = 0, loader_seed = 0, loader_samples = 0, loader_world_size = 0;
+  // The same position in global samples: the epoch's samples consumed by all ranks together
+  // (loader_next_batch x loader_batch_size x loader_world_size), the rank-independent form an
+  // elastic resume re-splits. save_checkpoint fills it in when 0; absent in older files (derived).
+  std::int64_t loader_next_sample = 0;
 };
 
 struct CheckpointOptions {
@@ -93,15 +118,30 @@ class CheckpointGroup {
 };
 
 // The one place that decides whether a run at world size `now` may resume from a checkpoint taken
-// at world size `saved` (`what` names the file, or says "the checkpoint"). Resuming at another
-// world size means re-splitting the data loader's position, the per-rank random generators and any
-// optimizer shards: elastic resume, not supported yet; when it is, it is allowed here.
-inline void check_resume_world_size(const std::string& what, std::int64_t saved, std::int64_t now) {
-  TESSERA_CHECK(saved == now, ArgumentError, "resume: ", what, " was saved by a run at world size ", saved, " (",
-                saved, saved == 1 ? " rank" : " ranks", ") but this run has world size ", now,
-                "; elastic resume across world sizes is not supported yet: resume with ", saved,
-                saved == 1 ? " rank" : " ranks", " (to read only the weights, use load_state_dict(path, model, "
-                "/*strict=*/false))");
+// at world size `saved` (`what` names the file, or says "the checkpoint"). `global_batch` is the
+// saved run's samples per optimizer step over all ranks (0: not recorded). Another world size is
+// an elastic resume, allowed when the global batch splits evenly over `now` ranks (or was not
+// recorded: then there is no data position to re-split); otherwise ArgumentError naming the file,
+// both world sizes, the batch and the world sizes that would work.
+inline void check_resume_world_size(const std::string& what, std::int64_t saved, std::int64_t now,
+                                    std::int64_t global_batch) {
+  TESSERA_CHECK(now >= 1, ArgumentError, "resume: ", what, ": world size ", now, " must be >= 1");
+  if (saved == now || global_batch <= 0 || global_batch % now == 0) return;
+  std::string fits;  // the first 12 divisors, and the batch itself
+  std::int64_t listed = 0, last = 0;
+  for (std::int64_t d = 1; d <= std::min<std::int64_t>(global_batch, 1 << 20) && listed < 12; ++d)
+    if (global_batch % d == 0) {
+      fits += (listed++ ? ", " : "") + std::to_string(d);
+      last = d;
+    }
+  if (last != global_batch) fits += ", ..., " + std::to_string(global_batch);
+  throw ArgumentError(detail::cat("resume: ", what, " was saved by a run at world size ", saved, " (", saved,
+                          saved == 1 ? " rank" : " ranks", ") with a global batch of ", global_batch, " (",
+                          global_batch % saved == 0 ? std::to_string(global_batch / saved) : std::string("?"),
+                          " per rank); this run has world size ", now, ", which does not divide the global batch ",
+                          global_batch, ": an elastic resume keeps the global batch, so resume at a world size "
+                          "that divides it (", fits, "), or read only the weights with load_state_dict(path, model, "
+                          "/*strict=*/false)"));
 }
 
 inline constexpr int kCheckpointVersion = 2;
@@ -199,6 +239,7 @@ struct CheckpointSaver {
     writer.add_raw(name, DType::I64, Shape{}, &v, sizeof v);
   }
   void integer(const std::string& name, std::int64_t& v) { writer.set_metadata(name, std::to_string(v)); }
+  void optional_integer(const std::string& name, std::int64_t& v) { integer(name, v); }
   // Generators are written by save_checkpoint itself (every rank's, under per-rank names).
   void rng(const std::string&, Rng&) {}
 
@@ -223,6 +264,7 @@ struct RngCollector {
   void buffer(const std::string&, T&) {}
   void integer_buffer(const std::string&, std::int64_t&) {}
   void integer(const std::string&, std::int64_t&) {}
+  void optional_integer(const std::string&, std::int64_t&) {}
   void rng(const std::string& name, Rng& r) { rngs.emplace_back(name, &r); }
 };
 
@@ -259,6 +301,7 @@ struct CheckpointLoader {
   const SafetensorsFile& file;
   bool copy = false;
   std::string rng_prefix;  // "" or "rank<r>.": whose generators this rank takes
+  bool keep_rngs = false;  // elastic resume on a rank the saving run did not have: keep its own
   CheckpointOptions options{};
   std::vector<std::string> problems;
   std::set<std::string> seen;
@@ -318,7 +361,12 @@ struct CheckpointLoader {
       problems.push_back("metadata entry '" + name + "' = '" + it->second + "' is not an integer");
     }
   }
+  // Absent in files written before the entry existed: the value stays as it is.
+  void optional_integer(const std::string& name, std::int64_t& v) {
+    if (file.metadata().count(name)) integer(name, v);
+  }
   void rng(const std::string& name, Rng& r) {
+    if (keep_rngs) return;
     const std::string key = rng_prefix + name;
     auto it = file.metadata().find(key);
     Rng::State s;
@@ -343,6 +391,7 @@ void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
   v.integer("train.loader_seed", state.loader_seed);
   v.integer("train.loader_samples", state.loader_samples);
   v.integer("train.loader_world_size", state.loader_world_size);
+  v.optional_integer("train.loader_next_sample", state.loader_next_sample);
 }
 
 // The file's format version: 1 or 2. Anything else is an IoError that says what the file is.
@@ -383,7 +432,8 @@ inline void check_train_metadata(const std::map<std::string, std::int64_t>& ints
   };
   bool ok = true;
   for (const char* key : {"train.epoch", "train.global_step", "train.loader_epoch", "train.loader_next_batch",
-                          "train.loader_batch_size", "train.loader_samples", "train.loader_world_size"})
+                          "train.loader_batch_size", "train.loader_samples", "train.loader_world_size",
+                          "train.loader_next_sample"})
     if (auto v = get(key); v && *v < 0) {
       bad(key, *v, "must be >= 0 (0 = not recorded for the loader settings)");
       ok = false;
@@ -406,7 +456,30 @@ inline void check_train_metadata(const std::map<std::string, std::int64_t>& ints
                                                 *world == 1 ? " rank" : " ranks", " in batches of ", *batch,
                                                 " has at most ", batches, " batches"));
   }
+  // The position in global samples must be the same position (an elastic resume trusts it).
+  if (const auto sample = get("train.loader_next_sample"); sample && next && batch && world && *batch > 0 && *world > 0 &&
+                                                            *sample != *next * *batch * *world)
+    bad("train.loader_next_sample", *sample,
+        cat("it must equal train.loader_next_batch x train.loader_batch_size x train.loader_world_size = ", *next,
+            " x ", *batch, " x ", *world, " = ", *next * *batch * *world));
 }
+
+// Calls the optional optimizer members described at the top of this file.
+template <class Optimizer>
+void optimizer_checkpoint_gather(Optimizer& o) {
+  if constexpr (requires { o.checkpoint_gather(); }) o.checkpoint_gather();
+}
+template <class Optimizer>
+void optimizer_checkpoint_scatter(Optimizer& o) {
+  if constexpr (requires { o.checkpoint_scatter(); }) o.checkpoint_scatter();
+}
+template <class Optimizer>
+struct ReleaseCheckpointState {
+  Optimizer& o;
+  ~ReleaseCheckpointState() {
+    if constexpr (requires { o.checkpoint_release(); }) o.checkpoint_release();
+  }
+};
 
 }  // namespace detail
 
@@ -416,6 +489,10 @@ inline void check_train_metadata(const std::map<std::string, std::int64_t>& ints
 template <class Model, class Optimizer>
 void save_checkpoint(const std::string& path, Model& model, Optimizer& optimizer, TrainState state,
                      const CheckpointGroup& group = {}, const CheckpointOptions& options = {}) {
+  if (state.loader_next_sample == 0)
+    state.loader_next_sample = state.loader_next_batch * state.loader_batch_size * state.loader_world_size;
+  detail::ReleaseCheckpointState<Optimizer> release{optimizer};
+  detail::optimizer_checkpoint_gather(optimizer);  // collective (Zero1Optimizer: the shards to whole tensors)
   detail::RngCollector collected;
   {
     TrainState scratch;
@@ -479,6 +556,8 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
   std::optional<SafetensorsFile> file;
   TrainState state;
   std::string rng_prefix;
+  bool keep_rngs = false;
+  detail::ReleaseCheckpointState<Optimizer> release{optimizer};
   std::exception_ptr failure;
   try {
     file.emplace(SafetensorsFile::load(path));
@@ -487,17 +566,32 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
     detail::visit_all(model, optimizer, state, collected);
     std::vector<std::string> problems;
     if (version >= 2) {
-      // Whose generators: a version-2 file holds every rank's, so it must be this many ranks'.
-      detail::CheckpointLoader ranks_entry{*file};
-      std::int64_t saved_ranks = 0;
+      // Whose generators: a version-2 file holds every rank's. At another world size (an elastic
+      // resume, if check_resume_world_size allows it) ranks the saving run had take theirs and
+      // the others keep their own.
+      detail::CheckpointLoader ranks_entry{*file}, batch_entries{*file};
+      std::int64_t saved_ranks = 0, batch = 0, world = 0;  // (the check pass only parses into .integers)
       ranks_entry.integer("train.ranks", saved_ranks);
       problems = ranks_entry.problems;
       detail::check_train_metadata(ranks_entry.integers, problems);
-      if (problems.empty() && !collected.rngs.empty())
-        check_resume_world_size("'" + path + "'", ranks_entry.integers.at("train.ranks"), group.size());
+      // The global batch, when recorded (problems with these entries are the full check's to report).
+      batch_entries.integer("train.loader_batch_size", batch);
+      batch_entries.integer("train.loader_world_size", world);
+      const bool batch_known = batch_entries.integers.count("train.loader_batch_size") &&
+                               batch_entries.integers.count("train.loader_world_size") &&
+                               batch_entries.integers.at("train.loader_batch_size") > 0 &&
+                               batch_entries.integers.at("train.loader_world_size") > 0;
+      if (problems.empty()) {
+        saved_ranks = ranks_entry.integers.at("train.ranks");
+        check_resume_world_size("'" + path + "'", saved_ranks, group.size(),
+                                batch_known ? batch_entries.integers.at("train.loader_batch_size") *
+                                                  batch_entries.integers.at("train.loader_world_size")
+                                            : 0);
+        keep_rngs = group.rank() >= saved_ranks;
+      }
       if (group.rank() > 0) rng_prefix = "rank" + std::to_string(group.rank()) + ".";
     }
-    detail::CheckpointLoader check{*file, false, rng_prefix, options};
+    detail::CheckpointLoader check{*file, false, rng_prefix, keep_rngs, options};
     detail::visit_all(model, optimizer, state, check);
     for (const auto& name : file->names())
       if (!check.seen.count(name)) check.problems.push_back("unexpected tensor '" + name + "' (not in this model)");
@@ -522,8 +616,11 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
                                 " could not load it (their errors say why); nothing was loaded on any rank"));
   }
   if (failure) std::rethrow_exception(failure);
-  detail::CheckpointLoader copy{*file, true, rng_prefix, options};
+  detail::CheckpointLoader copy{*file, true, rng_prefix, keep_rngs, options};
   detail::visit_all(model, optimizer, state, copy);
+  detail::optimizer_checkpoint_scatter(optimizer);  // local (Zero1Optimizer: this rank's part of each tensor)
+  if (!file->metadata().count("train.loader_next_sample"))
+    state.loader_next_sample = state.loader_next_batch * state.loader_batch_size * state.loader_world_size;
   return state;
 }
 

@@ -3,6 +3,12 @@
 // Per epoch: mean loss, accuracy, images/s, test accuracy; a progress bar or plain lines; one JSON
 // line per epoch in the metrics file; optionally a checkpoint.
 //
+// Resuming: load(path, loader) then fit() continues at the epoch and sample where the checkpoint
+// was taken, also in the middle of an epoch (TrainOptions::stop_after_steps stops there, as a job's
+// time limit would) and also at another world size when the global batch is kept (elastic resume:
+// the loader of each of the M ranks has batch_size = global batch / M; see train/checkpoint.hpp).
+// The EpochResult of a resumed epoch covers the steps taken since the resume.
+//
 // Everything a step touches (the model's activation cache, the loss cache, the batch) lives in
 // the Trainer and is reused, so after the first step a training step allocates nothing.
 #pragma once
@@ -42,12 +48,18 @@ struct TrainOptions {
   // keeps every rank's random generators and load() gives each rank its own. Default: one process.
   CheckpointGroup checkpoint_group{};
   CheckpointOptions checkpoint_options{};  // e.g. {.allow_non_finite = true}
+  // > 0: fit() returns once this many optimizer steps have been taken in all (state().global_step),
+  // also in the middle of an epoch, saving a checkpoint there first when checkpoint_path is set:
+  // what a job stopped by its time limit does; a later load() and fit() continue at the next
+  // sample. 0: no limit.
+  std::int64_t stop_after_steps = 0;
 };
 
 struct EpochResult {
   std::int64_t epoch = 0;
   double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
   double seconds = 0, images_per_second = 0, lr = 0;
+  bool complete = true;  // false: stopped by stop_after_steps before the epoch's end (no test metrics)
 };
 
 template <class Model, class Optimizer>
@@ -95,11 +107,16 @@ class Trainer {
 
   // Trains from the current state until options.epochs epochs are complete (or, with
   // stop_after > 0, until that many: the schedule still spans options.epochs, as when a job's time
-  // limit stops it), evaluating on `test` after each epoch. Resumes where load() left off.
+  // limit stops it), evaluating on `test` after each epoch. Resumes where load() left off. Returns
+  // the completed epochs (an epoch cut short by options.stop_after_steps is not among them).
   std::vector<EpochResult> fit(DataLoader<S>& train, DataLoader<S>* test = nullptr, std::int64_t stop_after = 0) {
     const std::int64_t last = stop_after > 0 ? std::min(stop_after, options_.epochs) : options_.epochs;
     std::vector<EpochResult> results;
-    while (state_.epoch < last) results.push_back(train_epoch(train, test));
+    while (state_.epoch < last && !step_limit_reached()) {
+      EpochResult r = train_epoch(train, test);
+      if (!r.complete) break;
+      results.push_back(r);
+    }
     return results;
   }
 
@@ -129,6 +146,7 @@ class Trainer {
       ++done;
       state_.loader_epoch = epoch;
       state_.loader_next_batch = done;
+      state_.loader_next_sample = done * train.options().batch_size * train.options().world_size;
       if (options_.verbose) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         std::snprintf(stats, sizeof stats, "loss %.4f acc %.2f%% %.0f img/s lr %.4g", loss_sum / static_cast<double>(seen),
@@ -136,6 +154,7 @@ class Trainer {
                       static_cast<double>(seen) / std::max(secs, 1e-9), optimizer_.lr());
         progress.update(done, stats);
       }
+      if (step_limit_reached() && done < batches) break;
     }
     EpochResult r;
     r.epoch = epoch + 1;
@@ -144,6 +163,17 @@ class Trainer {
     r.train_accuracy = seen ? static_cast<double>(correct_) / static_cast<double>(seen) : 0.0;
     r.images_per_second = static_cast<double>(seen) / std::max(r.seconds, 1e-9);
     r.lr = optimizer_.lr();
+    if (done < batches) {  // stopped by stop_after_steps: the position is mid-epoch
+      r.complete = false;
+      if (options_.verbose) {
+        std::printf("stopped after step %lld (epoch %lld, batch %lld of %lld)%s\n", static_cast<long long>(state_.global_step),
+                    static_cast<long long>(epoch + 1), static_cast<long long>(done), static_cast<long long>(batches),
+                    options_.checkpoint_path.empty() ? "" : ("; checkpoint " + options_.checkpoint_path).c_str());
+        std::fflush(stdout);
+      }
+      if (!options_.checkpoint_path.empty()) save(options_.checkpoint_path);
+      return r;
+    }
     if (test) {
       auto [test_loss, test_acc] = evaluate(*test);
       r.test_loss = test_loss;
@@ -152,6 +182,7 @@ class Trainer {
     state_.epoch = epoch + 1;
     state_.loader_epoch = epoch + 1;
     state_.loader_next_batch = 0;
+    state_.loader_next_sample = 0;
     if (options_.verbose) {
       std::printf("epoch %lld: train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%% | %.1f s, %.0f img/s\n",
                   static_cast<long long>(r.epoch), r.train_loss, 100 * r.train_accuracy, r.test_loss,
@@ -222,15 +253,45 @@ class Trainer {
     }
   }
 
+  bool step_limit_reached() const {
+    return options_.stop_after_steps > 0 && state_.global_step >= options_.stop_after_steps;
+  }
+
   // A checkpoint's data-loader position only means something for the loader it was taken with.
-  // The world size comes first: with a fixed global batch another world size also changes the
-  // per-rank batch size, and the message must name the cause (check_resume_world_size is the one
-  // place that decides about resuming at another world size).
+  // The world size comes first: another world size is an elastic resume (check_resume_world_size
+  // is the one place that decides), which keeps the global batch, so the per-rank batch size
+  // changes with it; the position is then re-split from its global-sample form.
   void check_loader_matches_state(const DataLoader<S>& loader) {
     const auto& o = loader.options();
     const std::string file = loaded_from_.empty() ? "the checkpoint" : "'" + loaded_from_ + "'";
     const bool resuming = state_.global_step != 0;
-    if (resuming && state_.loader_world_size != 0) check_resume_world_size(file, state_.loader_world_size, o.world_size);
+    const std::int64_t saved_world = state_.loader_world_size, saved_batch = state_.loader_batch_size;
+    if (resuming && saved_world != 0 && saved_world != o.world_size && saved_batch != 0) {
+      const std::int64_t global = saved_batch * saved_world;
+      check_resume_world_size(file, saved_world, o.world_size, global);
+      TESSERA_CHECK(o.batch_size * o.world_size == global, ArgumentError, "Trainer: ", file,
+                    " was saved at world size ", saved_world, " with a global batch of ", global, " (", saved_world,
+                    " x ", saved_batch, "); an elastic resume keeps the global batch, so at world size ", o.world_size,
+                    " the loader's batch_size must be ", global / o.world_size, ", but it is ", o.batch_size,
+                    " (a global batch of ", o.batch_size * o.world_size, ")");
+      // Batch i of an epoch holds the same samples at every world size with this global batch.
+      const std::int64_t sample = state_.loader_next_sample;
+      TESSERA_CHECK(sample % global == 0, ArgumentError, "Trainer: ", file, ": the position in the epoch, sample ",
+                    sample, ", is not at a global batch boundary (", global, ")");
+      state_.loader_next_batch = sample / global;
+      state_.loader_batch_size = o.batch_size;
+      state_.loader_world_size = o.world_size;
+      if (options_.verbose) {
+        std::printf("elastic resume: %s was saved at world size %lld, continuing at world size %lld (%lld x %lld = "
+                    "global batch %lld) in epoch %lld at sample %lld%s\n",
+                    file.c_str(), static_cast<long long>(saved_world), static_cast<long long>(o.world_size),
+                    static_cast<long long>(o.world_size), static_cast<long long>(o.batch_size),
+                    static_cast<long long>(global), static_cast<long long>(state_.loader_epoch + 1),
+                    static_cast<long long>(sample),
+                    o.world_size > saved_world ? "; the new ranks keep the random generators their program seeded" : "");
+        std::fflush(stdout);
+      }
+    }
     const std::int64_t now[] = {o.batch_size, static_cast<std::int64_t>(o.seed), loader.dataset().size(),
                                 o.world_size};
     std::int64_t* saved[] = {&state_.loader_batch_size, &state_.loader_seed, &state_.loader_samples,
@@ -242,6 +303,7 @@ class Trainer {
                     now[i], "; resume with the same settings");
       *saved[i] = now[i];
     }
+    if (state_.loader_next_sample == 0) state_.loader_next_sample = state_.loader_next_batch * o.batch_size * o.world_size;
   }
 
   Model& model_;
