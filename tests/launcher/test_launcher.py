@@ -255,6 +255,56 @@ def check_rank_bound():
     expect(out == "" and took < 10, f"stdout {out!r}, took {took:.1f} s")
 
 
+# A stand-in for ssh that needs no remote machine: like ssh, it hands the rank a clean
+# environment (env -i) and runs the one command line it is given with a shell; FAKE_HOST shows
+# which host the launcher named.
+FAKE_RSH = "env -i PATH=/usr/bin:/bin FAKE_HOST={host} sh -c"
+
+
+def check_hosts():
+    script = ('echo "host=$FAKE_HOST rank=$TESSERA_RANK size=$TESSERA_WORLD_SIZE '
+              'local=$TESSERA_LOCAL_RANK/$TESSERA_LOCAL_WORLD_SIZE x=$TESSERA_X y=${NOT_TESSERA-unset} '
+              'iface=$TESSERA_GLOO_IFACE pwd=$(pwd) arg=$0"')
+    with tempfile.TemporaryDirectory() as d:
+        done = subprocess.run([str(LAUNCHER), "--hosts", "a,b:2,c", "--rsh", FAKE_RSH, "--iface", "eth0",
+                               "--no-prefix", "--", *sh(script), "it's a \"word\""], capture_output=True,
+                              timeout=TIMEOUT, cwd=d, env=dict(os.environ, TESSERA_X="1 2", NOT_TESSERA="no"))
+        out, err = (t.decode("utf-8", "replace") for t in (done.stdout, done.stderr))
+        expect(done.returncode == 0, f"exit status {done.returncode}, stderr: {err!r}")
+        places = (("a", 0, 0, 1), ("b", 1, 0, 2), ("b", 2, 1, 2), ("c", 3, 0, 1))
+        want = [f"host={h} rank={r} size=4 local={l}/{n} x=1 2 y=unset iface=eth0 pwd={os.path.realpath(d)} "
+                f"arg=it's a \"word\"" for h, r, l, n in places]
+        expect(sorted(out.splitlines()) == want, f"stdout {out!r}, expected {want!r}")
+    # -n below the slot count fills hosts in order; without {host} the host follows the command.
+    rc, out, err, _ = launch("--hosts", "a:2,b", "-n", "2", "--rsh", "sh -c 'echo \"on $0\"; exec sh -c \"$1\"'",
+                             "--", *sh('echo "rank $TESSERA_RANK"'))
+    expect(rc == 0, f"exit status {rc}, stderr: {err!r}")
+    expect(sorted(out.splitlines()) == ["[rank 0] on a", "[rank 0] rank 0", "[rank 1] on a", "[rank 1] rank 1"],
+           f"stdout {out!r}")
+    for args, words in ((["--hosts", "a,b", "-n", "3", "true"], "-n 3: --hosts has only 2 slots (a:1,b:1)"),
+                        (["--hosts", "a;rm", "true"], "bad host 'a;rm'"),
+                        (["--hosts", "a:0", "true"], "bad slot count '0' for host 'a'"),
+                        (["--hosts", "a:x", "true"], "bad slot count 'x' for host 'a'"),
+                        (["true"], "give -n N (the number of ranks) or --hosts")):
+        rc, out, err, _ = launch(*args)
+        expect(rc == 2 and words in err and out == "", f"{args}: exit status {rc}, stderr {err!r} lacks {words!r}")
+
+
+def check_hosts_failure_stops_others():
+    with tempfile.TemporaryDirectory() as d:
+        # Through the remote-exec command the rank's pid is still the program's (sh -c and env exec
+        # it), so stopping the rank stops the program.
+        script = ('D="$TESSERA_D"; if [ "$TESSERA_RANK" = 1 ]; then '
+                  'while [ "$(ls "$D" | grep -c pid)" -lt 2 ]; do sleep 0.05; done; exit 3; fi; '
+                  + WRITE_PID + 'exec sleep 60')
+        rc, _, err, took = launch("--hosts", "a,b,c", "--rsh", FAKE_RSH, *sh(script), env={"TESSERA_D": d})
+        # The clean environment keeps only TESSERA_* variables: the script reads D from TESSERA_D.
+        expect(rc == 3, f"exit status {rc}, expected 3; stderr: {err!r}")
+        expect(took < 10, f"took {took:.1f} s")
+        expect("tessera-run: rank 1 failed with exit status 3; stopping ranks 0, 2" in err, f"stderr {err!r}")
+        expect_gone(wait_for_pids(d, 2, timeout=0))
+
+
 CHECKS = [
     ("ranks get their environment; output is prefixed; temp store removed", check_environment_and_prefixes),
     ("--store/--iface/--timeout/--no-prefix reach the ranks", check_options),
@@ -268,6 +318,8 @@ CHECKS = [
     ("a stopped rank is continued after SIGTERM and handles it", check_sigcont_before_kill),
     ("a program linking MPI is refused (mpirun -n N named); --allow-mpi starts it", check_mpi_program_refused),
     ("more than 64 ranks per CPU is a usage error", check_rank_bound),
+    ("--hosts places ranks by slot through --rsh, with TESSERA_* on the command line", check_hosts),
+    ("--hosts: a failing rank stops the others through the remote-exec command", check_hosts_failure_stops_others),
 ]
 
 

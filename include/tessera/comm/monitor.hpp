@@ -12,11 +12,16 @@
 //   reached call #57: ranks 0, 2; not reached: rank 1 (last entered call #56, broadcast(float32 x
 //   4, root 0), and finished it 31.0 s ago: busy outside this communicator)
 //
-// A peer whose process is stopped (SIGSTOP) or hung in the kernel does not answer within a
-// second; a dead one refuses the connection. Both are reported as such. Peers on this host (same
-// hostname and network namespace) are asked over 127.0.0.1; others at the address they
-// published: TESSERA_MONITOR_HOST, else TESSERA_GLOO_HOSTNAME, else this host's name resolved,
-// else 127.0.0.1.
+// A peer whose process is stopped (SIGSTOP) or hung in the kernel, or whose host the network no
+// longer reaches (a link down), does not answer within a second; a dead one refuses the
+// connection; a peer with no route to it is unreachable. Each is reported as such. Peers on this
+// host (same hostname and network namespace) are asked over 127.0.0.1; others at the address they
+// published: TESSERA_MONITOR_HOST, else the address of TESSERA_GLOO_IFACE, else
+// TESSERA_GLOO_HOSTNAME, else this host's name resolved when that is an address of this host
+// other than loopback, else the first non-loopback IPv4 address of an interface that is up, else
+// 127.0.0.1. (Hostnames that resolve to 127.0.x.x, as Debian's /etc/hosts makes them, and
+// network namespaces, which share the hostname, would otherwise send peers to their own
+// loopback.)
 //
 // The server answers only "what is your state on communicator <label>" with numbers it already
 // holds: nothing is executed on request, and a request is at most 128 bytes.
@@ -24,6 +29,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -36,6 +43,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -126,6 +134,21 @@ inline std::int64_t monitor_host_key() {
   return static_cast<std::int64_t>(h & 0x7fffffffffffffffull);
 }
 
+// IPv4 addresses (host byte order) of this network namespace's interfaces that are up: those of
+// interface `only` when given, else all but loopback, in the kernel's order.
+inline std::vector<std::uint32_t> monitor_interface_ipv4s(const char* only = nullptr) {
+  std::vector<std::uint32_t> out;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return out;
+  for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || !(a->ifa_flags & IFF_UP)) continue;
+    if (only != nullptr ? std::strcmp(a->ifa_name, only) != 0 : (a->ifa_flags & IFF_LOOPBACK) != 0) continue;
+    out.push_back(ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr));
+  }
+  freeifaddrs(list);
+  return out;
+}
+
 inline std::uint32_t monitor_published_ipv4() {
   auto resolve = [](const char* host) -> std::uint32_t {
     addrinfo hints{};
@@ -136,12 +159,16 @@ inline std::uint32_t monitor_published_ipv4() {
     freeaddrinfo(info);
     return ip;
   };
-  for (const char* var : {"TESSERA_MONITOR_HOST", "TESSERA_GLOO_HOSTNAME"})
-    if (const std::uint32_t ip = resolve(std::getenv(var))) return ip;
+  if (const std::uint32_t ip = resolve(std::getenv("TESSERA_MONITOR_HOST"))) return ip;
+  // Where Gloo binds (gloo.hpp's make_gloo_device), so the monitor is reachable wherever Gloo is.
+  if (const char* iface = std::getenv("TESSERA_GLOO_IFACE"); iface != nullptr && *iface != '\0')
+    if (const auto ips = monitor_interface_ipv4s(iface); !ips.empty()) return ips.front();
+  if (const std::uint32_t ip = resolve(std::getenv("TESSERA_GLOO_HOSTNAME"))) return ip;
+  const auto here = monitor_interface_ipv4s();
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) == 0)
-    if (const std::uint32_t ip = resolve(name)) return ip;
-  return INADDR_LOOPBACK;
+    if (const std::uint32_t ip = resolve(name); std::find(here.begin(), here.end(), ip) != here.end()) return ip;
+  return here.empty() ? INADDR_LOOPBACK : here.front();
 }
 
 // The process's status server. Boards are held weakly: a destroyed communicator disappears.
@@ -273,12 +300,20 @@ std::shared_ptr<ProgressBoard> make_progress_board(const char* backend, std::str
 
 // What one peer said about the communicator.
 struct PeerProgress {
-  enum class Status { Answered, NoAnswer, Closed, Refused, Unknown, NoServer } status = Status::NoServer;
+  enum class Status { Answered, NoAnswer, Closed, Refused, Unreachable, Unknown, NoServer } status = Status::NoServer;
+  int error = 0;  // errno of a failed connect (Refused, Unreachable)
   std::int64_t entered = 0, finished = 0;
   CallSignature last;
   std::int64_t entered_ago_ms = -1, finished_ago_ms = -1;
   bool failed = false;
 };
+
+// A refused connection means nothing listens at the peer's address: its process is gone. Any
+// other failure (no route, network or host unreachable: a link down on either side) says
+// nothing about the process.
+inline PeerProgress::Status connect_failure(int error) {
+  return error == ECONNREFUSED ? PeerProgress::Status::Refused : PeerProgress::Status::Unreachable;
+}
 
 // Asks every peer at once, waiting at most `patience` in all.
 inline std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
@@ -300,7 +335,8 @@ inline std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
     const bool local = board.peers[q].host_key == my_key;
     addr.sin_addr.s_addr = htonl(local ? INADDR_LOOPBACK : static_cast<std::uint32_t>(board.peers[q].ipv4));
     if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 && errno != EINPROGRESS) {
-      out[q].status = PeerProgress::Status::Refused;
+      out[q].error = errno;
+      out[q].status = connect_failure(errno);
       ::close(fd);
       continue;
     }
@@ -327,7 +363,8 @@ inline std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
         socklen_t len = sizeof err;
         ::getsockopt(fds[q], SOL_SOCKET, SO_ERROR, &err, &len);
         if (err != 0 || (polls[i].revents & (POLLERR | POLLHUP))) {
-          out[q].status = PeerProgress::Status::Refused;
+          out[q].error = err != 0 ? err : ECONNREFUSED;
+          out[q].status = connect_failure(out[q].error);
           done[q] = true;
           continue;
         }
@@ -391,7 +428,13 @@ inline std::string stall_report(const ProgressBoard& board, std::int64_t call, c
     switch (p.status) {
       case S::NoServer: note(silent, "no status server"); continue;
       case S::Refused: note(silent, "its status server refuses connections: the process is probably dead"); continue;
-      case S::NoAnswer: note(silent, "no answer within 1 s: the process is stopped (SIGSTOP?) or hung"); continue;
+      case S::NoAnswer:
+        note(silent, "no answer within 1 s: the process is stopped (SIGSTOP?) or hung, or the network to it is down");
+        continue;
+      case S::Unreachable:
+        note(silent, cat("its status server cannot be reached: ", std::strerror(p.error),
+                         " (a network link on the way is down)"));
+        continue;
       case S::Closed: note(silent, "closed the connection without answering: the process is probably exiting"); continue;
       case S::Unknown: note(silent, "does not know this communicator: not created yet, or already destroyed"); continue;
       case S::Answered: break;
