@@ -20,7 +20,8 @@ Per trial it records:
                 ("no answer: rank 1", "not reached: rank 1", "(peer: rank 1)", mpirun's "rank 1
                 with PID", tessera-run's "rank 1 ..."; goal: 100 %)
 
-A trial whose fault came after the job ended by itself (too late) is counted apart and redrawn.
+A trial whose fault came after the job ended by itself (too late), or whose victim ended between
+being found and being signalled, is counted apart and redrawn.
 Results go to one JSON line per (backend, ranks, fault) in --out (default
 bench/results/fault_campaign_<date>.json), with the CPU model; a table is printed at the end.
 This is a benchmark-style script, not a test: it runs for a long time (about 8 s per trial).
@@ -124,7 +125,8 @@ def rank_pids(launcher_pid, program_name):
 
 def trial(args, backend, n, fault, rng):
     program = os.path.join(args.build, "examples", f"04_data_parallel_{backend}")
-    flags = ["--epochs=1000", f"--limit={args.limit}", "--batch=64"]
+    batch = 64 if 64 % n == 0 else 96  # a global batch every rank count here divides
+    flags = ["--epochs=1000", f"--limit={args.limit}", f"--batch={batch}"]
     env = dict(os.environ, TESSERA_COMM_TIMEOUT=str(args.timeout), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     if backend == "mpi":
@@ -144,7 +146,12 @@ def trial(args, backend, n, fault, rng):
         text = job.text()
         job.kill_all()
         return {"too_late": True, "text": text[-2000:]}
-    os.kill(pids[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    try:
+        os.kill(pids[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    except ProcessLookupError:  # the rank ended between the look-up and the signal: redraw
+        text = job.text()
+        job.kill_all()
+        return {"too_late": True, "text": text[-2000:]}
     faulted = time.monotonic()
     limit = 2 * args.timeout + args.grace
     while job.proc.poll() is None and time.monotonic() - faulted < limit:
@@ -180,11 +187,23 @@ def main():
     parser.add_argument("--limit", type=int, default=4096, help="training images per epoch")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--failures-dir", help="write the output of every failed trial here")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already in --out and run only the (backend, ranks, fault) not there")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                       f"fault_campaign_{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
     rows = []
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    done = {(r["backend"], r["ranks"], r["fault"]) for r in rows}
+
+    def save():  # after every (backend, ranks, fault): a long campaign keeps what it measured
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
     for backend in args.backends.split(","):
         program = os.path.join(args.build, "examples", f"04_data_parallel_{backend}")
         if not os.path.exists(program):
@@ -192,6 +211,8 @@ def main():
             continue
         for n in (int(r) for r in args.ranks.split(",")):
             for fault in args.faults.split(","):
+                if (backend, n, fault) in done:
+                    continue
                 results, too_late = [], 0
                 while len(results) < args.trials:
                     r = trial(args, backend, n, fault, rng)
@@ -218,11 +239,9 @@ def main():
                        "exit_s_median": statistics.median(took) if took else None, "exit_s_max": max(took) if took else None,
                        "cpu": cpu_model(), "cores": os.cpu_count()}
                 rows.append(row)
+                save()
                 print(json.dumps(row), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    save()
     print(f"\n{'backend':8} {'n':>2} {'fault':6} {'trials':>6} {'hangs':>6} {'<=2xT':>7} {'op':>7} {'peer':>7} {'median s':>9}",
           file=sys.stderr)
     for r in rows:

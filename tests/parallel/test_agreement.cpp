@@ -11,6 +11,10 @@
 #include "parallel/dp_equivalence.hpp"
 #include "parallel/pipeline_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
+#include "tessera/data/synthetic.hpp"
+#include "tessera/optim/schedule.hpp"
+#include "tessera/optim/sgd.hpp"
+#include "tessera/train/trainer.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/parallel/agreement.hpp"
 #include "tessera/parallel/pipeline.hpp"
@@ -329,4 +333,48 @@ TEST_CASE("DataParallel: the no-gradient error lists the likely causes, most lik
     CHECK_THAT(error, Catch::Contains("find_unused_parameters"));
     CHECK_THROWS_WITH(dp.finish(), Catch::Contains("finish() without a backward pass since the last step (this rank skipped backward"));
   });
+}
+
+namespace {
+// A Trainer on each rank of a small data-parallel MLP; `setup(rank, lr, seed)` picks per-rank
+// settings the way flags given to one rank only would.
+template <class Setup>
+std::vector<std::string> trainer_errors(Setup setup) {
+  return agreement_errors(3, [&](ThreadComm& comm) {
+    double lr = 0.05;
+    std::uint64_t seed = 1;
+    std::int64_t epochs = 2;
+    setup(comm.rank(), lr, seed, epochs);
+    Mlp<E> model(100, {16}, 4, 3);
+    const SyntheticImages data(48, 1, 10, 10, 4, 5);
+    DataLoader<double> loader(data, {.batch_size = 4, .seed = seed, .rank = comm.rank(), .world_size = comm.size()});
+    DataParallel dp(model, comm);
+    Sgd<E> sgd(dp.parameters(), {.lr = lr});
+    Trainer trainer(model, sgd, ConstantLr{lr},
+                    {.epochs = epochs, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
+    trainer.fit(loader);
+  });
+}
+}  // namespace
+
+TEST_CASE("Trainer: a learning rate, seed or epoch count given to one rank only is named before any step",
+          "[parallel][agreement]") {
+  CHECK(trainer_errors([](int, double&, std::uint64_t&, std::int64_t&) {}) == std::vector<std::string>(3));
+  auto errors = trainer_errors([](int rank, double& lr, std::uint64_t&, std::int64_t&) {
+    if (rank == 2) lr = 0.1;
+  });
+  check_same_on_every_rank(errors);
+  CHECK_THAT(errors[0], Catch::StartsWith("Trainer: ranks disagree on learning rate schedule at epoch 0: ranks 0, 1: "
+                                          "0.05; rank 2: 0.1"));
+  CHECK_THAT(errors[0], Catch::Contains("same training settings"));
+  errors = trainer_errors([](int rank, double&, std::uint64_t& seed, std::int64_t&) {
+    if (rank == 0) seed = 7;
+  });
+  check_same_on_every_rank(errors);
+  CHECK_THAT(errors[0], Catch::StartsWith("Trainer: ranks disagree on train loader: seed: rank 0: 7; ranks 1, 2: 1"));
+  errors = trainer_errors([](int rank, double&, std::uint64_t&, std::int64_t& epochs) {
+    if (rank == 1) epochs = 3;
+  });
+  check_same_on_every_rank(errors);
+  CHECK_THAT(errors[0], Catch::StartsWith("Trainer: ranks disagree on options.epochs: ranks 0, 2: 2; rank 1: 3"));
 }

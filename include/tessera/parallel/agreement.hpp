@@ -55,6 +55,14 @@ class AgreementError : public ArgumentError {
   using ArgumentError::ArgumentError;
 };
 
+// What the checks need of a group: its size and an all_gather of int64 values. Every
+// Communicator has both, and so does CheckpointGroup (a Trainer's ranks).
+template <class C>
+concept AgreementGroup = requires(C& c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+  { c.size() } -> std::convertible_to<int>;
+  c.all_gather(in, out);
+};
+
 namespace detail {
 inline constexpr std::uint64_t kFnvOffset = 14695981039346656037ull;
 inline constexpr std::uint64_t kFnvPrime = 1099511628211ull;
@@ -265,7 +273,7 @@ struct Disagreement {
 
 namespace detail {
 // all_gather of fixed-size uint64 words (as int64, which every backend moves).
-template <Communicator C>
+template <AgreementGroup C>
 std::vector<std::uint64_t> all_gather_u64(C& comm, const std::vector<std::uint64_t>& mine) {
   std::vector<std::int64_t> in(mine.size()), out(mine.size() * static_cast<std::size_t>(comm.size()));
   for (std::size_t i = 0; i < mine.size(); ++i) in[i] = std::bit_cast<std::int64_t>(mine[i]);
@@ -277,7 +285,7 @@ std::vector<std::uint64_t> all_gather_u64(C& comm, const std::vector<std::uint64
 
 // Every rank's string: the lengths first (one word each), then the bytes padded to the longest,
 // 8 to a word. Strings are cut at `limit` bytes so that one field cannot make a huge message.
-template <Communicator C>
+template <AgreementGroup C>
 std::vector<std::string> all_gather_text(C& comm, std::string mine, std::size_t limit = 4096) {
   if (mine.size() > limit) mine = mine.substr(0, limit) + "...";
   const auto ranks = static_cast<std::size_t>(comm.size());
@@ -299,7 +307,7 @@ std::vector<std::string> all_gather_text(C& comm, std::string mine, std::size_t 
 // The collective core: `count` fields per rank with hashes hash_of(i) (non-zero) and text
 // field_of(i). One all_gather of (total hash, count) when every rank agrees (returns nullopt);
 // otherwise the per-field hashes and the first differing field's text, on every rank alike.
-template <Communicator C, class HashOf, class FieldOf>
+template <AgreementGroup C, class HashOf, class FieldOf>
 std::optional<Disagreement> find_disagreement(C& comm, std::size_t count, HashOf hash_of, FieldOf field_of) {
   if (comm.size() == 1) return std::nullopt;
   const auto ranks = static_cast<std::size_t>(comm.size());
@@ -347,7 +355,7 @@ std::optional<Disagreement> find_disagreement(C& comm, std::size_t count, HashOf
 
 // Throws AgreementError on every rank unless every rank of `comm` holds the same record.
 // hint: what to do about it, appended in parentheses.
-template <Communicator C>
+template <AgreementGroup C>
 void check_agreement(C& comm, const AgreementRecord& record,
                      std::string_view hint = "every rank must be launched with the same settings and build the same model") {
   const auto& fields = record.fields();
@@ -365,7 +373,7 @@ void check_agreement(C& comm, const AgreementRecord& record,
 // AgreementError on every rank naming the first item that differs, the ranks holding each
 // checksum, and `what_then` (likely causes). names[i] names item i; every rank passes the same
 // number of items (a construction-time agreement check guarantees it).
-template <Communicator C>
+template <AgreementGroup C>
 void check_replicas_agree(C& comm, std::span<const std::uint64_t> checksums, std::span<const std::string> names,
                           std::string_view prefix, std::string_view what_then) {
   const auto d = find_disagreement(

@@ -111,6 +111,13 @@ class CheckpointGroup {
     else all_gather_(in, out);
     return out;
   }
+  // The same into `out` (in.size() x size() values), as a Communicator's all_gather.
+  void all_gather(std::span<const std::int64_t> in, std::span<std::int64_t> out) const {
+    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size_), ArgumentError,
+                  "CheckpointGroup::all_gather: out holds ", out.size(), " values, not ", in.size(), " x ", size_);
+    if (size_ == 1) std::copy(in.begin(), in.end(), out.begin());
+    else all_gather_(in, out);
+  }
 
  private:
   int rank_ = 0, size_ = 1;

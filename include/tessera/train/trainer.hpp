@@ -23,6 +23,7 @@
 #include "tessera/core/env.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/losses/cross_entropy.hpp"
+#include "tessera/parallel/agreement.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/progress.hpp"
@@ -111,6 +112,10 @@ class Trainer {
   // the completed epochs (an epoch cut short by options.stop_after_steps is not among them).
   std::vector<EpochResult> fit(DataLoader<S>& train, DataLoader<S>* test = nullptr, std::int64_t stop_after = 0) {
     const std::int64_t last = stop_after > 0 ? std::min(stop_after, options_.epochs) : options_.epochs;
+    if (!settings_checked_) {
+      check_settings_agree(train);
+      settings_checked_ = true;
+    }
     std::vector<EpochResult> results;
     while (state_.epoch < last && !step_limit_reached()) {
       EpochResult r = train_epoch(train, test);
@@ -306,6 +311,43 @@ class Trainer {
     if (state_.loader_next_sample == 0) state_.loader_next_sample = state_.loader_next_batch * o.batch_size * o.world_size;
   }
 
+  // Ranks launched with different training settings (a learning rate, seed, batch or epoch
+  // count given to one rank only) would each train on in silence: a loader seed that differs
+  // makes ranks read overlapping samples and skip others, a learning rate that differs makes the
+  // replicas drift apart (DataParallel's checksum finds that only at its next check, maybe after
+  // the run). With a checkpoint group of more than one rank, the first fit() compares them (one
+  // all_gather of two int64 when they agree) and throws AgreementError on every rank naming the
+  // first setting that differs and the ranks holding each value.
+  void check_settings_agree(const DataLoader<S>& train) {
+    CheckpointGroup group = options_.checkpoint_group;
+    if (group.size() <= 1) return;
+    AgreementRecord record("Trainer");
+    record.add("options.epochs", options_.epochs);
+    record.add("options.label_smoothing", options_.label_smoothing);
+    record.add("options.stop_after_steps", options_.stop_after_steps);
+    const LoaderOptions& lo = train.options();
+    record.add("train loader: dataset samples", static_cast<std::int64_t>(train.dataset().size()));
+    record.add("train loader: batch_size", lo.batch_size);
+    record.add("train loader: shuffle", lo.shuffle);
+    record.add("train loader: seed", lo.seed);
+    record.add("train loader: drop_last", lo.drop_last);
+    record.add("train loader: world_size", lo.world_size);
+    record.add("train loader: drop_tail", lo.drop_tail);
+    // The learning rate at the start and at each quarter of the run: a different base rate,
+    // warm-up or decay shows in one of them.
+    for (int quarter = 0; quarter <= 4; ++quarter) {
+      const double at = static_cast<double>(options_.epochs) * quarter / 4.0 - (quarter == 4 ? 1e-6 : 0.0);
+      char at_text[32];
+      std::snprintf(at_text, sizeof at_text, "%g", at);
+      record.add(std::string("learning rate schedule at epoch ") + at_text, schedule_(at));
+    }
+    record.add("resumed at epoch", state_.epoch);
+    record.add("resumed at global step", state_.global_step);
+    check_agreement(group, record,
+                    "every rank must be launched with the same training settings: learning rate, schedule, epochs, "
+                    "batch, seed and data");
+  }
+
   Model& model_;
   Optimizer& optimizer_;
   Schedule schedule_;
@@ -319,6 +361,7 @@ class Trainer {
   TrainState state_;
   std::string loaded_from_;  // the checkpoint state_ came from (for messages)
   std::int64_t correct_ = 0;
+  bool settings_checked_ = false;
 };
 
 }  // namespace tessera
