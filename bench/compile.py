@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import shlex
 import statistics
 import subprocess
@@ -30,17 +29,12 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import cpu_model  # noqa: E402
+
 GOAL_RESNET50_S = 15.0
 
 
-def cpu_model():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def load_commands(build):

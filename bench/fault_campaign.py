@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -41,19 +40,13 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import cpu_model  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OP_RE = re.compile(r"(MpiComm|GlooComm|NcclComm) (all_reduce|broadcast|all_gather|reduce_scatter|barrier|split)\(")
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Job:
