@@ -84,8 +84,19 @@ class JsonReader {
     at_ += w.size();
     return true;
   }
+  // Nesting is bounded so that a corrupt or hostile line fails with an IoError instead of
+  // overflowing the stack (Tessera's own lines nest 3 deep).
+  static constexpr int kMaxDepth = 256;
   JsonValue value() {
     skip_space();
+    if (at_ >= s_.size() || (s_[at_] != '{' && s_[at_] != '[')) return element();
+    if (depth_ == kMaxDepth) fail("arrays and objects nested deeper than 256");
+    ++depth_;
+    JsonValue v = element();
+    --depth_;
+    return v;
+  }
+  JsonValue element() {
     if (at_ >= s_.size()) fail("unexpected end");
     JsonValue v;
     const char c = s_[at_];
@@ -169,6 +180,7 @@ class JsonReader {
 
   const std::string& s_;
   std::size_t at_ = 0;
+  int depth_ = 0;
 };
 
 inline JsonValue parse_json(const std::string& text) { return JsonReader(text).document(); }

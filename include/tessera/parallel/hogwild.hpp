@@ -36,6 +36,7 @@
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
+#include "tessera/kernels/cpu/optim.hpp"
 #include "tessera/parallel/parameter_server.hpp"
 
 namespace tessera {
@@ -126,7 +127,9 @@ class Hogwild {
       for (std::int64_t i = 0; i < p->grad.numel(); ++i) {
         std::atomic_ref<S> w(store_.values_[offset + static_cast<std::size_t>(i)]);
         const S current = w.load(std::memory_order_relaxed);
-        w.store(current - lr * (g[i] + decay * current), std::memory_order_relaxed);
+        // Rounded as Sgd's kernel rounds (fused where the CPU has FMA), so that one rank is plain
+        // SGD bit for bit at any optimization level, not only where the compiler fuses it too.
+        w.store(detail::mul_add(-lr, detail::mul_add(decay, current, g[i]), current), std::memory_order_relaxed);
       }
       offset += static_cast<std::size_t>(p->grad.numel());
     }

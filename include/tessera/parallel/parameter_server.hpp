@@ -62,6 +62,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <span>
 #include <string>
@@ -76,6 +77,19 @@
 #include "tessera/core/tensor.hpp"
 
 namespace tessera {
+
+namespace detail {
+
+// Keeps an object alive until the process exits, reachable (so leak checkers such as
+// LeakSanitizer do not report it): buffers a posted receive may still complete into.
+inline void keep_until_exit(std::shared_ptr<void> object) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();  // never freed: outlives static destructors
+  std::lock_guard lock(mutex);
+  kept->push_back(std::move(object));
+}
+
+}  // namespace detail
 
 struct ParameterServerOptions {
   static constexpr int kAsynchronous = -1;
@@ -151,7 +165,7 @@ class ParameterServer {
   ~ParameterServer() {
     // A receive still posted (a session that ended in an error) may complete later into these
     // buffers: they are left allocated rather than freed under the communicator.
-    if (session_ && session_open_) new std::shared_ptr<Session>(session_);
+    if (session_ && session_open_) detail::keep_until_exit(session_);
   }
 
   bool is_server() const { return comm_.rank() < options_.num_servers; }
@@ -374,11 +388,13 @@ class ParameterServer {
 
   // Every rank must run with the same settings and model: compare a small fingerprint.
   void check_same_settings() {
-    std::int64_t shapes = 1469598103934665603LL;  // FNV-1a over every parameter's shape
+    // FNV-1a over every parameter's shape, unsigned: it wraps by design (signed overflow is UB).
+    std::uint64_t shapes = 1469598103934665603ULL;
     for (auto& [name, p] : named_.parameters)
-      for (std::int64_t d : p->value.shape()) shapes = (shapes ^ d) * 1099511628211LL;
+      for (std::int64_t d : p->value.shape()) shapes = (shapes ^ static_cast<std::uint64_t>(d)) * 1099511628211ULL;
     std::vector<std::int64_t> mine = {options_.num_servers, options_.staleness_bound,
-                                      static_cast<std::int64_t>(named_.parameters.size()), shapes & 0x7fffffffffffLL};
+                                      static_cast<std::int64_t>(named_.parameters.size()),
+                                      static_cast<std::int64_t>(shapes & 0x7fffffffffffULL)};
     std::vector<std::int64_t> lo = mine, hi = mine;
     comm_.all_reduce(std::span<std::int64_t>(lo), ReduceOp::Min);
     comm_.all_reduce(std::span<std::int64_t>(hi), ReduceOp::Max);

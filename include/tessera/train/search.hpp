@@ -178,6 +178,10 @@ inline std::vector<std::int64_t> pack_string(const std::string& s, std::size_t w
   return out;
 }
 inline std::string unpack_string(std::span<const std::int64_t> words) {
+  // The length word comes from another rank: check it against the buffer before copying.
+  TESSERA_CHECK(!words.empty() && words[0] >= 0 && static_cast<std::uint64_t>(words[0]) <= (words.size() - 1) * 8,
+                CommError, "search: a record exchange buffer of ", words.size() * 8, " bytes claims a record of ",
+                words.empty() ? 0 : words[0], " bytes");
   const auto n = static_cast<std::size_t>(words[0]);
   std::string s(n, '\0');
   std::memcpy(s.data(), words.data() + 1, n);
@@ -211,12 +215,26 @@ inline std::string TrialRecord::json() const {
   return out + "]}";
 }
 
+namespace detail {
+
+// An integer field of a search-log record: a whole number in [lo, hi) (a cast of anything else
+// to an integer type is undefined behaviour, so a corrupt log must fail here, by name).
+inline double json_integral(const JsonValue& v, const char* field, double lo, double hi) {
+  const double x = v.at(field).as_number();
+  TESSERA_CHECK(x == std::floor(x) && x >= lo && x < hi, IoError, "search log: \"", field, "\" is ", x,
+                ", not an integer in [", lo, ", ", hi, ")");
+  return x;
+}
+
+}  // namespace detail
+
 inline TrialRecord TrialRecord::from_json(const detail::JsonValue& v) {
   TrialRecord r;
-  r.id = static_cast<std::int64_t>(v.at("trial").as_number());
-  r.generation = static_cast<std::int64_t>(v.at("generation").as_number());
-  r.group = static_cast<std::int64_t>(v.at("group").as_number());
-  r.seed = static_cast<std::uint64_t>(v.at("seed").as_number());
+  constexpr double two63 = 9223372036854775808.0, two64 = 18446744073709551616.0;
+  r.id = static_cast<std::int64_t>(detail::json_integral(v, "trial", -two63, two63));
+  r.generation = static_cast<std::int64_t>(detail::json_integral(v, "generation", -two63, two63));
+  r.group = static_cast<std::int64_t>(detail::json_integral(v, "group", -two63, two63));
+  r.seed = static_cast<std::uint64_t>(detail::json_integral(v, "seed", 0, two64));
   for (const auto& [k, x] : v.at("config").members) r.config[k] = x.as_number();
   const std::string& status = v.at("status").as_string();
   TESSERA_CHECK(status == "ok" || status == "failed" || status == "carried", IoError, "search log: status '", status,

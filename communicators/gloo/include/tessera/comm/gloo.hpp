@@ -44,6 +44,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -104,9 +105,16 @@ inline std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(const std::strin
       const std::string rest = url.substr(8);
       const auto colon = rest.rfind(':');
       const std::string host = colon == std::string::npos ? rest : rest.substr(0, colon);
-      const int port = colon == std::string::npos ? 6379 : std::atoi(rest.c_str() + colon + 1);
+      // The whole port, digits only, in range: atoi would wrap 4294973375 to 6079 and accept "80abc".
+      long port = 6379;
+      if (colon != std::string::npos) {
+        const std::string digits = rest.substr(colon + 1);
+        const bool all_digits = !digits.empty() && digits.size() <= 5 &&
+                                std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+        port = all_digits ? std::strtol(digits.c_str(), nullptr, 10) : -1;
+      }
       TESSERA_CHECK(!host.empty() && port > 0 && port < 65536, ArgumentError, "GlooComm: store '", url,
-                    "' is not redis://host:port");
+                    "' is not redis://host:port (port 1 to 65535)");
       return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
     }
   } catch (const Error&) {

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds the unit tests (tests/tessera_tests, every Catch2 case) with AddressSanitizer and
+# UndefinedBehaviorSanitizer (-O1 -g, -fno-sanitize-recover=undefined: any report fails the run)
+# in a build directory of their own, and runs them. Exit 0 when every case passes with no
+# sanitizer report, 1 otherwise.
+#
+#   scripts/sanitize.sh                      build-sanitize/, all cases
+#   scripts/sanitize.sh --build DIR [CATCH2 ARGS...]   e.g. '[data]' for one area
+# The compiler is the one meson picks (CXX=clang++ for clang). See tests/fuzz/README.md.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="$root/build-sanitize"
+if [ "${1:-}" = --build ]; then
+  build="$2"
+  shift 2
+fi
+
+# Only what the unit tests need: no communicator libraries, examples or benchmarks.
+options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false
+  "-Dcpp_args=-O1 -g -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+  -Dtests=enabled -Dexamples=disabled -Dbench=disabled -Dmpi=disabled -Dgloo=disabled -Dcuda=disabled -Dnccl=disabled)
+if [ -f "$build/build.ninja" ]; then
+  meson setup --reconfigure "$build" "$root" "${options[@]}" >/dev/null || exit 1
+else
+  setup_log=$(mktemp)
+  meson setup "$build" "$root" "${options[@]}" >"$setup_log" 2>&1 || { cat "$setup_log"; rm -f "$setup_log"; exit 1; }
+  rm -f "$setup_log"
+fi
+jobs="${SANITIZE_JOBS:-$(nproc)}"
+meson compile -C "$build" -j "$jobs" tests/tessera_tests >"$build/compile.log" 2>&1 ||
+  { grep -E "error|Error" "$build/compile.log" | head -30; echo "sanitize.sh: tessera_tests does not compile"; exit 1; }
+
+# halt_on_error/abort_on_error: the first report ends the run with an error, whatever the case
+# was doing; detect_leaks: a leak at exit fails too. Catch2's own result decides the rest.
+export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:abort_on_error=1:strict_string_checks=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+cd "$build" || exit 1
+start=$(date +%s)
+"$build/tests/tessera_tests" --order decl "$@"
+rc=$?
+echo "sanitize.sh: tessera_tests under ASan+UBSan: exit $rc in $(($(date +%s) - start)) s"
+exit $((rc == 0 ? 0 : 1))
