@@ -15,7 +15,8 @@ Per trial it records:
                 killed; goal: 0)
   in_time       the job ended within 2 x timeout of the fault (goal: 100 %)
   op_named      the output names a collective of a Tessera communicator ("MpiComm all_reduce(",
-                "GlooComm barrier()", ...; goal: 100 %)
+                "GlooComm barrier()", ...), or a survivor says it had not called one yet (the fault
+                came during start-up; goal: 100 %)
   peer_named    the output names the faulted rank as the one that died, stopped or is missing
                 ("no answer: rank 1", "not reached: rank 1", "(peer: rank 1)", mpirun's "rank 1
                 with PID", tessera-run's "rank 1 ..."; goal: 100 %)
@@ -44,7 +45,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import cpu_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OP_RE = re.compile(r"(MpiComm|GlooComm|NcclComm) (all_reduce|broadcast|all_gather|reduce_scatter|barrier|split)\(")
+# The operation a survivor was in, or, when the fault came before any collective (a rank killed
+# while the others still load data), the survivor saying so.
+OP_RE = re.compile(r"(MpiComm|GlooComm|NcclComm) (all_reduce|broadcast|all_gather|reduce_scatter|barrier|split)\(|"
+                   r"had not called a collective yet")
 
 
 

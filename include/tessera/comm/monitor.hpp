@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "tessera/comm/call_check.hpp"
+#include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/options.hpp"
 
 namespace tessera::detail {
@@ -238,6 +239,7 @@ class ProgressServer {
       pollfd p{client, POLLIN, 0};
       if (::poll(&p, 1, 100) <= 0) continue;
       const ssize_t n = ::recv(client, request + got, 128 - got, 0);
+      if (n < 0 && errno == EINTR) continue;  // a signal (a profiler's timer), not the peer closing
       if (n <= 0) return;
       got += static_cast<std::size_t>(n);
     }
@@ -374,6 +376,7 @@ inline std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
       }
       char buf[256];
       const ssize_t got = ::recv(fds[q], buf, sizeof buf, 0);
+      if (got < 0 && errno == EINTR) continue;  // interrupted by a signal: poll again
       if (got > 0) replies[q].append(buf, static_cast<std::size_t>(got));
       if (got <= 0 && replies[q].find('\n') == std::string::npos) out[q].status = PeerProgress::Status::Closed;
       if (got <= 0 || replies[q].find('\n') != std::string::npos) done[q] = true;
@@ -538,15 +541,28 @@ inline void install_sigterm_reporter() {
       }
       const LastEntered& last = LastEntered::get();
       const char* backend = last.backend.load();
-      std::string text = cat("tessera: rank ", last.rank.load(), " of ", last.size.load(),
+      // Before its first collective LastEntered holds no rank yet: the launcher's variables do.
+      int rank = last.rank.load(), size = last.size.load();
+      if (backend == nullptr) {
+        try {
+          const LaunchEnv launch = LaunchEnv::from_environment();
+          rank = launch.rank;
+          size = launch.size;
+        } catch (const std::exception&) {  // unreadable launcher variables: say what is known
+        }
+      }
+      std::string text = cat("tessera: rank ", rank, " of ", size,
                              " received SIGTERM (the launcher is ending the job, usually because another rank failed)");
       if (backend != nullptr) {
         std::int64_t sig[4];
         for (int i = 0; i < 4; ++i) sig[i] = last.sig[i].load();
         text += cat("; its last collective was ", backend, " ", CallSignature::decode(sig).describe(), " (call #",
                     last.call.load(), ")");
+      } else {
+        text += "; it had not called a collective yet (still starting: reading data, building the model or meeting "
+                "its peers)";
       }
-      report_fatal(last.rank.load(), text);
+      report_fatal(rank, text);
       std::fflush(stdout);
       signal(SIGTERM, SIG_DFL);
       ::raise(SIGTERM);
