@@ -262,9 +262,11 @@ struct Disagreement {
     for (std::size_t i = 0; i < ranks.size();) {
       std::size_t j = i;
       while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-      out += (i ? ", " : "") + std::to_string(ranks[i]);
-      if (j >= i + 2) out += "-" + std::to_string(ranks[j]);
-      else if (j == i + 1) out += ", " + std::to_string(ranks[j]);
+      // Appended piece by piece: gcc 12 warns (-Wrestrict, a false positive) on "lit" + to_string().
+      if (i) out += ", ";
+      out += std::to_string(ranks[i]);
+      if (j >= i + 2) out.append("-").append(std::to_string(ranks[j]));
+      else if (j == i + 1) out.append(", ").append(std::to_string(ranks[j]));
       i = j + 1;
     }
     return out;
