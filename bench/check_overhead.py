@@ -35,36 +35,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 
-def tessera_us(argv, env):
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, timeout=600)
+def json_rows(argv, env):
+    """Runs one job; returns the JSON lines it printed (any rank, "[rank R] " prefixes removed)."""
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, timeout=600)
     if proc.returncode != 0:
-        sys.exit(f"check_overhead.py: {' '.join(argv)} exited with status {proc.returncode}")
-    times = []
+        sys.exit(f"check_overhead.py: {' '.join(argv)} exited with status {proc.returncode}: {proc.stderr[-2000:]}")
+    rows = []
     for line in proc.stdout.splitlines():
         line = line.strip()
         if line.startswith("[rank"):
             line = line.split("] ", 1)[1]
         if line.startswith("{"):
-            row = json.loads(line)
-            if row.get("impl") == "tessera" and row.get("op") == "all_reduce":
-                times.append(row["time_us"])
+            rows.append(json.loads(line))
+    return rows
+
+
+def tessera_us(argv, env):
+    times = [r["time_us"] for r in json_rows(argv, env) if r.get("impl") == "tessera" and r.get("op") == "all_reduce"]
     if not times:
         sys.exit(f"check_overhead.py: no Tessera all_reduce row from {argv}")
     return max(times)  # the slowest rank's median: what the job waits for
 
 
 def dp_images_per_second(argv, env):
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, timeout=600)
-    if proc.returncode != 0:
-        sys.exit(f"check_overhead.py: {' '.join(argv)} exited with status {proc.returncode}: {proc.stderr[-2000:]}")
-    for line in proc.stdout.splitlines():
-        line = line.strip()
-        if line.startswith("[rank"):
-            line = line.split("] ", 1)[1]
-        if line.startswith("{"):
-            row = json.loads(line)
-            if row.get("bench") == "dp_scaling":
-                return row["images_per_second"]
+    for row in json_rows(argv, env):
+        if row.get("bench") == "dp_scaling":
+            return row["images_per_second"]
     sys.exit(f"check_overhead.py: no dp_scaling row from {argv}")
 
 
