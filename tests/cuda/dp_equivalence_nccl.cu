@@ -1,7 +1,8 @@
 // DataParallel on GPUs over NCCL against one GPU: every rank trains on its shard of each global
 // batch with DataParallel<CudaNccl>; each must end with the parameters of one
 // process (CudaLocal) training on the whole batch, and all ranks with identical parameters.
-// Cases: LeNet-5 with SGD + momentum; LeNet-5 with 4 accumulated micro-steps; a small ResNet with
+// Cases: LeNet-5 with SGD + momentum; LeNet-5 with 4 accumulated micro-steps, both ways DataParallel
+// offers (the loss / k of PyTorch DDP, and average_micro_steps); a small ResNet with
 // SyncBatchNorm (running statistics compared too). One process per GPU, launched by tessera-run
 // (the NCCL id through its file store); exits 77 without a GPU.
 #include <cmath>
@@ -40,7 +41,8 @@ struct Data {
 };
 
 template <class Model>
-void forward_backward(Model& model, const Data& data, const Shape& sample, std::int64_t first, std::int64_t n) {
+void forward_backward(Model& model, const Data& data, const Shape& sample, std::int64_t first, std::int64_t n,
+                      float loss_scale = 1) {
   Shape shape = sample;
   shape[0] = n;
   Tensor<float, Cpu> host(shape);
@@ -51,7 +53,9 @@ void forward_backward(Model& model, const Data& data, const Shape& sample, std::
   CrossEntropyLoss<ModelEnv> loss;
   typename CrossEntropyLoss<ModelEnv>::Cache loss_cache;
   loss.forward(model.forward(x, cache), std::span<const std::int64_t>(data.labels).subspan(first, n), loss_cache);
-  model.backward(loss.backward(loss_cache), cache);
+  auto dy = loss.backward(loss_cache);
+  if (loss_scale != 1) scale_elements(Cuda{}, dy.data(), dy.numel(), loss_scale, dy.data());
+  model.backward(dy, cache);
 }
 
 // Largest relative difference between two lists of device tensors, and the sum of `mine` as a
@@ -72,7 +76,7 @@ double compare(const std::vector<std::pair<std::string, Tensor<float, Cuda>*>>& 
 // Maker::make<Env>(seed) builds the model for an Env: once for the reference, once for the ranks.
 template <class Maker>
 std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t per_rank, int steps,
-                     int micro_steps, bool sync_bn) {
+                     int micro_steps, bool sync_bn, bool average_micro_steps = false) {
   const int p = comm.size(), r = comm.rank();
   const std::int64_t global = per_rank * p, piece = per_rank / micro_steps;
   const Data data(global * steps, sample[1], sample[2]);
@@ -89,7 +93,11 @@ std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t pe
 
   auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));  // the broadcast must fix ranks > 0
   if (sync_bn) convert_sync_batch_norm(model, comm);
-  DataParallel dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024});
+  DataParallel dp(model, comm, {.bucket_bytes = 64 * 1024, .first_bucket_bytes = 8 * 1024,
+                                .average_micro_steps = average_micro_steps});
+  // Gradients of k micro-steps are summed, as with PyTorch DDP: each micro-step's loss is scaled
+  // by 1/k for the gradient of the mean over the whole batch, unless DataParallel averages them.
+  const float loss_scale = average_micro_steps ? 1.0f : 1.0f / static_cast<float>(micro_steps);
   Sgd<E> sgd(dp.parameters(), options);
   for (int s = 0; s < steps; ++s) {
     sgd.zero_grad();
@@ -97,9 +105,9 @@ std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t pe
       const std::int64_t first = s * global + r * per_rank + m * piece;
       if (m + 1 < micro_steps) {
         auto guard = dp.no_sync();
-        forward_backward(model, data, sample, first, piece);
+        forward_backward(model, data, sample, first, piece, loss_scale);
       } else {
-        forward_backward(model, data, sample, first, piece);
+        forward_backward(model, data, sample, first, piece, loss_scale);
       }
     }
     dp.finish();
@@ -162,11 +170,12 @@ int main() {
     std::vector<Case> cases{
         {"lenet sgd", run_case(comm, lenet, {1, 1, 28, 28}, 8, 3, 1, false)},
         {"lenet accumulation x4", run_case(comm, lenet, {1, 1, 28, 28}, 8, 2, 4, false)},
+        {"lenet accumulation x4, averaged", run_case(comm, lenet, {1, 1, 28, 28}, 8, 2, 4, false, true)},
         {"resnet + SyncBatchNorm", run_case(comm, resnet, {1, 3, 16, 16}, 4, 2, 1, true)},
     };
     int failed = 0;
     for (const auto& c : cases) {
-      if (rank == 0) std::printf("%-24s %s%s\n", c.name, c.problem.empty() ? "ok" : "FAILED: ", c.problem.c_str());
+      if (rank == 0) std::printf("%-32s %s%s\n", c.name, c.problem.empty() ? "ok" : "FAILED: ", c.problem.c_str());
       failed += !c.problem.empty();
     }
     comm.barrier();

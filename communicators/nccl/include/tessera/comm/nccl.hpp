@@ -82,10 +82,16 @@ constexpr ncclDataType_t nccl_type() {
 
 // NCCL's ncclAvg is sum/size for every type: floating types multiply by 1/size before summing
 // (so fp16 values near 65504 do not overflow), integers divide the sum, truncating like C++.
-inline ncclRedOp_t nccl_op(ReduceOp op) {
+//
+// One rank: Avg is Sum. NCCL up to 2.29.6 runs a one-rank ncclAvg (any premultiplied op)
+// through its oneRankReduce kernel, whose per-block range rounds nElts / blocks down and so
+// leaves the last nElts % blocks elements unwritten (NVIDIA/nccl#1950, fixed in 2.29.7; seen here
+// on an H200 with 2.28: a reduce_scatter of 65537 doubles lost its last element). A sum over one
+// rank is a copy, which NCCL does with cudaMemcpy, and x / 1 == x exactly for every type.
+inline ncclRedOp_t nccl_op(ReduceOp op, int ranks) {
   switch (op) {
     case ReduceOp::Sum: return ncclSum;
-    case ReduceOp::Avg: return ncclAvg;
+    case ReduceOp::Avg: return ranks == 1 ? ncclSum : ncclAvg;
     case ReduceOp::Max: return ncclMax;
     case ReduceOp::Min: return ncclMin;
   }
@@ -288,10 +294,11 @@ class NcclComm {
   Work all_reduce_async(std::span<T> buf, ReduceOp op) {
     if (!on_device(buf.data(), buf.size_bytes()))
       return through_device<T>(buf, buf, [&](auto, std::span<T> d, auto) { return all_reduce_async(d, op); });
+    const ncclRedOp_t red = detail::nccl_op(op, size());
     return collective(detail::CallSignature{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
                                             static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)}, [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclAllReduce(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(),
-                                             detail::nccl_op(op), nccl, st);
+                                             red, nccl, st);
                       });
   }
   template <CommScalar T>
@@ -324,10 +331,11 @@ class NcclComm {
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
       return through_device<T>(in, out,
                                [&](std::span<const T> a, std::span<T> b, auto) { return reduce_scatter_async(a, b, op); });
+    const ncclRedOp_t red = detail::nccl_op(op, size());
     return collective(detail::CallSignature{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
                                             static_cast<std::int64_t>(out.size()), static_cast<std::int64_t>(op)}, [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_type<T>(),
-                                                 detail::nccl_op(op), nccl, st);
+                                                 red, nccl, st);
                       });
   }
   template <CommScalar T>

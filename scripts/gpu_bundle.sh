@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# scripts/gpu_bundle.sh BUILD_DIR BUNDLE_DIR: copies the CUDA test and example binaries of a build
+# (configured with -Dcuda=enabled -Dnccl=enabled -Dnative=false, so that they run on any x86-64)
+# into BUNDLE_DIR, stripped, with this machine's libgomp and zlib in BUNDLE_DIR/lib as a fallback,
+# for scripts/gpu_check.sh on a GPU machine that has CUDA but none of the Debian packages.
+set -euo pipefail
+build=$1 bundle=$2
+rm -rf "$bundle"
+mkdir -p "$bundle/lib"
+for t in gpu_device_count tests/test_cuda_device tests/test_cuda_layers tests/conformance_nccl \
+         tests/dp_equivalence_nccl examples/08_resnet50_cuda examples/08_resnet50_nccl; do
+  ninja -C "$build" "$t" >/dev/null
+  cp "$build/$t" "$bundle/"
+  strip "$bundle/$(basename "$t")"
+done
+for so in libgomp.so.1 libz.so.1; do
+  cp -L "$(ldconfig -p | grep -m1 "$so (libc6,x86-64)" | sed 's/.*=> //')" "$bundle/lib/"
+done
+du -sh "$bundle"
