@@ -5,8 +5,11 @@ both, and the accuracy gap in points.
 
     /usr/bin/python3 bench/compare_fashion_mnist.py --build build --models lenet,resnet20 --threads 2 --seeds 1,2,3
 
-PyTorch runs with OPENBLAS_NUM_THREADS=1 and OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset (its best
-configuration here, see compare_pytorch.py).
+PyTorch runs with the peer setup of bench/peer.py, as in compare_pytorch.py: on OpenBLAS (refused
+where it is not installed), OPENBLAS_NUM_THREADS=1, OPENBLAS_L2_SIZE unset, and per model the
+OMP_WAIT_POLICY and OPENBLAS_CORETYPE fastest for that model's training steps, probed with short
+runs of torch_throughput.py (a full recipe per trial would take hours). "pytorch_config" in each
+entry records the setup and every trial.
 """
 import argparse
 import json
@@ -15,6 +18,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = {"lenet": "01_fashion_mnist_lenet", "resnet20": "02_fashion_mnist_resnet"}
@@ -33,13 +39,16 @@ def run_tessera(build, model, threads, epochs, seed):
             "images_per_second": images / seconds, "per_epoch_test_accuracy": [e["test_accuracy"] for e in epochs_run]}
 
 
-def run_torch(model, threads, epochs, seed):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    env.pop("OPENBLAS_CORETYPE", None)
-    env.pop("OPENBLAS_L2_SIZE", None)
-    out = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "fashion_mnist_pytorch.py"), "--model", model,
-                          "--threads", str(threads), "--epochs", str(epochs), "--seed", str(seed)], check=True, capture_output=True,
-                         text=True, env=env).stdout
+def probe_torch(setup, model, threads, coretype, policy):
+    """images/s of a short torch_throughput.py run of the model's training steps."""
+    out = json.loads(peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
+                                     "--threads", str(threads)], setup.env(coretype, policy)))
+    return out["results"][0]["images_per_second"], out["peer"]["openblas"].get("corename")
+
+
+def run_torch(env, model, threads, epochs, seed):
+    out = peer.run_child(["/usr/bin/python3", os.path.join(HERE, "fashion_mnist_pytorch.py"), "--model", model,
+                          "--threads", str(threads), "--epochs", str(epochs), "--seed", str(seed)], env)
     lines = out.strip().splitlines()
     print("\n".join(lines[:-1]), file=sys.stderr)
     return json.loads(lines[-1])
@@ -52,13 +61,17 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--seeds", default="1", help="comma-separated; runs alternate Tessera/PyTorch per seed")
+    peer.add_arguments(ap)
     args = ap.parse_args()
+    setup = peer.peer_or_exit(args.coretypes)
     report = []
     for model in args.models.split(","):
+        best, trials = peer.choose_config(lambda c, p: probe_torch(setup, model, args.threads, c, p), setup.candidates)
+        env = setup.env(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
         ours, theirs = [], []
         for seed in [int(s) for s in args.seeds.split(",")]:
             ours.append(run_tessera(args.build, model, args.threads, args.epochs, seed))
-            theirs.append(run_torch(model, args.threads, args.epochs, seed))
+            theirs.append(run_torch(env, model, args.threads, args.epochs, seed))
         summary = lambda runs, key: statistics.mean(r[key] for r in runs)  # noqa: E731
         entry = {"model": model, "epochs": args.epochs, "threads": args.threads, "seeds": args.seeds,
                  "tessera": {"mean_test_accuracy": summary(ours, "test_accuracy"),
@@ -69,7 +82,8 @@ def main():
                              "median_train_seconds": statistics.median(r["train_seconds"] for r in theirs),
                              "median_images_per_second": statistics.median(r["images_per_second"] for r in theirs),
                              "runs": [{k: r[k] for k in ("test_accuracy", "train_seconds", "images_per_second")}
-                                      for r in theirs]}}
+                                      for r in theirs]},
+                 "pytorch_config": setup.record(best, trials, theirs[-1].get("peer"))}
         entry["accuracy_gap_points"] = 100 * (entry["tessera"]["mean_test_accuracy"]
                                               - entry["pytorch"]["mean_test_accuracy"])
         entry["speed_ratio"] = (entry["tessera"]["median_images_per_second"]

@@ -2,11 +2,14 @@
 
     /usr/bin/python3 bench/compare_pytorch.py --tessera build/bench/train_throughput --threads 2 --runs 5
 
-PyTorch is run at its best: threads set explicitly (torch.set_num_threads), OpenBLAS limited to one
-thread so it does not fight OpenMP, OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset for its process only,
-and each OMP_WAIT_POLICY (unset, PASSIVE, ACTIVE) tried once per model; the fastest configuration is
-then used for the measured runs. Tessera and PyTorch runs alternate, so machine noise hits both
-alike; the ratio is of the medians over --runs runs. Prints one JSON object.
+PyTorch is run at its best (bench/peer.py; bench/README.md, "The PyTorch configuration"): on
+OpenBLAS (selected for its process alone when libblas.so.3 is another BLAS; the script refuses
+where OpenBLAS is not installed), threads set explicitly (torch.set_num_threads), OpenBLAS limited to
+one thread so it does not fight OpenMP, OPENBLAS_L2_SIZE unset, and per model each OMP_WAIT_POLICY
+(unset, PASSIVE, ACTIVE) and then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows
+them) tried once; the fastest configuration is used for the measured runs. Tessera and PyTorch runs
+alternate, so machine noise hits both alike; the ratio is of the medians over --runs runs. Prints
+one JSON object, whose "pytorch_config" per model records the whole peer setup and every trial.
 """
 import argparse
 import json
@@ -16,6 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
 from bench_common import cpu_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,25 +31,11 @@ def run_tessera(binary, model, threads):
     return json.loads(out)["results"][0]
 
 
-def torch_env(policy):
-    env = dict(os.environ)
-    env.pop("OPENBLAS_CORETYPE", None)
-    env.pop("OPENBLAS_L2_SIZE", None)
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env.pop("OMP_WAIT_POLICY", None)
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
-    return env
-
-
-def run_torch(model, threads, policy):
-    out = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
-                          "--threads", str(threads)], check=True, capture_output=True, text=True,
-                         env=torch_env(policy)).stdout
+def run_torch(setup, model, threads, coretype, policy):
+    out = peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
+                          "--threads", str(threads)], setup.env(coretype, policy))
     result = json.loads(out)
-    return {**result["results"][0], "blas": result.get("blas")}
-
-
+    return {**result["results"][0], "peer": result["peer"]}
 
 
 def main():
@@ -54,27 +44,34 @@ def main():
     ap.add_argument("--models", default="mlp,lenet,resnet20,resnet50_b8,resnet50_b32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
+    peer.add_arguments(ap)
     args = ap.parse_args()
-    report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "models": []}
+    setup = peer.peer_or_exit(args.coretypes)
+    print(f"PyTorch peer: BLAS {setup.blas['selected']} ({setup.blas['selected_by']}), OPENBLAS_CORETYPE "
+          f"candidates {','.join(setup.candidates)}", file=sys.stderr)
+    report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
+              "models": []}
     for model in args.models.split(","):
-        probes = {p or "unset": run_torch(model, args.threads, p) for p in ("", "PASSIVE", "ACTIVE")}
-        trials = {p: r["images_per_second"] for p, r in probes.items()}
-        report["pytorch_blas"] = probes["unset"]["blas"]
-        best = max(trials, key=trials.get)
-        policy = "" if best == "unset" else best
-        ours, theirs = [], []
+        def probe(coretype, policy):
+            r = run_torch(setup, model, args.threads, coretype, policy)
+            return r["images_per_second"], r["peer"]["openblas"].get("corename")
+
+        best, trials = peer.choose_config(probe, setup.candidates)
+        ours, theirs, child = [], [], None
         for _ in range(args.runs):
             ours.append(run_tessera(args.tessera, model, args.threads)["images_per_second"])
-            theirs.append(run_torch(model, args.threads, policy)["images_per_second"])
+            r = run_torch(setup, model, args.threads, best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+            theirs.append(r["images_per_second"])
+            child = {**r["peer"], "conv_kernels": r.get("conv_kernels", [])}
         entry = {"model": model, "tessera_images_per_second": statistics.median(ours),
                  "pytorch_images_per_second": statistics.median(theirs),
                  "ratio": statistics.median(ours) / statistics.median(theirs),
                  "tessera_runs": ours, "pytorch_runs": theirs,
-                 "pytorch_config": {"OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": best,
-                                    "wait_policy_trials": trials}}
+                 "pytorch_config": setup.record(best, trials, child)}
         print(f"{model:13} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  "
-              f"(torch OMP_WAIT_POLICY={best})", file=sys.stderr)
+              f"(torch OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']}, "
+              f"OpenBLAS core {child['openblas'].get('corename', '?')})", file=sys.stderr)
         report["models"].append(entry)
     print(json.dumps(report, indent=1))
 

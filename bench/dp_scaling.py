@@ -9,6 +9,11 @@ each communicator, PyTorch 1 process (no DDP), PyTorch DDP 2 processes. Reports 
 images/s of each and the scaling efficiency images/s(2 ranks) / (2 x images/s(1 rank)) of each
 framework against its own single rank (target: >= 0.9 and >= PyTorch's). Writes every run to
 bench/results/dp_scaling_<date>.json.
+
+PyTorch runs with the peer setup of bench/peer.py: on OpenBLAS (refused where it is not installed),
+OPENBLAS_NUM_THREADS=1, OPENBLAS_L2_SIZE unset, and per model the OMP_WAIT_POLICY and
+OPENBLAS_CORETYPE that its 1-process run found fastest (probed once each before the rounds; both
+PyTorch runs then use them). Each PyTorch row records that configuration ("pytorch_config").
 """
 import argparse
 import datetime
@@ -18,6 +23,9 @@ import signal
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {"lenet": {"batch": 64, "steps": 60}, "resnet20": {"batch": 32, "steps": 8}}
@@ -59,33 +67,42 @@ def main():
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                  f"dp_scaling_{datetime.date.today().isoformat()}.json"))
+    peer.add_arguments(p)
     args = p.parse_args()
     bench = os.path.join(args.build, "bench")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    # PyTorch at its best here: OpenBLAS single-threaded and with its own core-type detection.
-    torch_env = dict(env, OPENBLAS_NUM_THREADS="1")
-    for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
-        torch_env.pop(k, None)
+    setup = peer.peer_or_exit(args.coretypes, env)
     rows = []
     for model in args.models.split(","):
         d = DEFAULTS[model]
         common = [f"--model={model}", f"--batch={d['batch']}", f"--steps={d['steps']}", "--threads=1"]
         torch_common = ["--model", model, "--batch", str(d["batch"]), "--steps", str(d["steps"]), "--threads", "1"]
+        torch_script = ["/usr/bin/python3", os.path.join(ROOT, "bench", "torch_ddp_scaling.py")]
+        torch_single = torch_script + ["--ranks", "1"] + torch_common
+
+        def probe(coretype, policy):
+            row = run(torch_single, setup.env(coretype, policy))
+            return row["images_per_second"], row["peer"]["openblas"].get("corename")
+
+        best, trials = peer.choose_config(probe, setup.candidates)
+        torch_env = setup.env(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+        print(f"  {model:8} PyTorch peer: OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
+              f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} ({len(trials)} trials)", file=sys.stderr, flush=True)
         configs = [
             ("tessera", "none", 1, [os.path.join(bench, "dp_scaling_threads"), "--ranks=1"] + common, env),
             ("tessera", "threads", 2, [os.path.join(bench, "dp_scaling_threads"), "--ranks=2"] + common, env),
             ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common, env),
             ("tessera", "gloo", 2, [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", "2",
                                     os.path.join(bench, "dp_scaling_gloo")] + common, env),
-            ("pytorch", "none", 1, ["/usr/bin/python3", os.path.join(ROOT, "bench", "torch_ddp_scaling.py"), "--ranks", "1"]
-             + torch_common, torch_env),
-            ("pytorch", "gloo", 2, ["/usr/bin/python3", os.path.join(ROOT, "bench", "torch_ddp_scaling.py"), "--ranks", "2"]
-             + torch_common, torch_env),
+            ("pytorch", "none", 1, torch_single, torch_env),
+            ("pytorch", "gloo", 2, torch_script + ["--ranks", "2"] + torch_common, torch_env),
         ]
         for r in range(args.rounds):
             for framework, comm, ranks, argv, e in configs:
                 row = run(argv, e)
                 row["round"] = r
+                if framework == "pytorch":
+                    row["pytorch_config"] = setup.record(best, trials, row.pop("peer", None))
                 rows.append(row)
                 print(f"  {model:8} round {r}: {framework:8} {comm:8} {ranks} rank(s): {row['images_per_second']:9.1f} img/s",
                       file=sys.stderr, flush=True)

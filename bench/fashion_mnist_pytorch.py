@@ -4,6 +4,9 @@ decay on weights only), per-iteration linear warmup (from 0.1x) into cosine deca
 normalization. Prints per-epoch lines and a final JSON line.
 
     OPENBLAS_NUM_THREADS=1 /usr/bin/python3 bench/fashion_mnist_pytorch.py --model lenet --threads 2
+
+compare_fashion_mnist.py runs it with the peer setup of bench/peer.py; started by hand it selects
+OpenBLAS itself. The final JSON line has a "peer" record (BLAS, OpenBLAS core, threads, oneDNN).
 """
 import argparse
 import gzip
@@ -14,9 +17,14 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
+
+peer.exec_with_openblas()  # started by hand on a machine whose libblas.so.3 is not OpenBLAS
+
+import torch  # noqa: E402
+
 import torch_models  # noqa: E402
 
 RECIPES = {"lenet": dict(batch=64, lr=0.05, weight_decay=5e-4, warmup=0.0, builder=torch_models.lenet5),
@@ -92,9 +100,9 @@ def main():
         final = test_correct / len(y_test)
         print(f"epoch {epoch + 1}: train loss {loss_sum / n:.4f} acc {100 * correct / n:.2f}% | "
               f"test acc {100 * final:.2f}% | {seconds:.1f} s, {n / seconds:.0f} img/s", flush=True)
-    print(json.dumps({"framework": "pytorch", "blas": torch_models.BLAS, "model": args.model, "epochs": args.epochs, "test_accuracy": final,
+    print(json.dumps({"framework": "pytorch", "model": args.model, "epochs": args.epochs, "test_accuracy": final,
                       "train_seconds": total_time, "images_per_second": n * args.epochs / total_time,
-                      "threads": args.threads}))
+                      "threads": args.threads, "peer": peer.torch_record(torch, torch_models.BLAS)}))
 
 
 if __name__ == "__main__":

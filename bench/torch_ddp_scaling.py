@@ -4,8 +4,9 @@ per-rank batch fixed. Prints one JSON line.
 
     /usr/bin/python3 bench/torch_ddp_scaling.py --ranks 2 --model lenet --batch 64 --steps 40
 
-Run it with OPENBLAS_NUM_THREADS=1 and OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset (dp_scaling.py
-does): PyTorch at its best on this machine.
+dp_scaling.py runs it with the peer setup of bench/peer.py (OpenBLAS, OPENBLAS_NUM_THREADS=1,
+OPENBLAS_L2_SIZE unset, the best OPENBLAS_CORETYPE and OMP_WAIT_POLICY it probed): PyTorch at its
+best on this machine. Started by hand it selects OpenBLAS itself; its JSON has a "peer" record.
 """
 import argparse
 import json
@@ -15,11 +16,15 @@ import sys
 import tempfile
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
+
+peer.exec_with_openblas()  # started by hand on a machine whose libblas.so.3 is not OpenBLAS
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
 import torch_models  # noqa: E402
 
 
@@ -59,11 +64,11 @@ def worker(rank, world, args, init_file, out_file):
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"bench": "dp_scaling", "framework": "pytorch", "blas": torch_models.BLAS, "comm": "gloo" if world > 1 else "none",
+            json.dump({"bench": "dp_scaling", "framework": "pytorch", "comm": "gloo" if world > 1 else "none",
                        "model": args.model, "ranks": world, "threads_per_rank": args.threads,
                        "batch_per_rank": args.batch, "steps": args.steps, "seconds": seconds.item(),
                        "images_per_second": world * args.batch * args.steps / seconds.item(),
-                       "torch": torch.__version__}, f)
+                       "torch": torch.__version__, "peer": peer.torch_record(torch, torch_models.BLAS)}, f)
     if world > 1:
         dist.destroy_process_group()
 

@@ -1,33 +1,25 @@
 """The PyTorch twins of Tessera's models, with the same architecture and initialization, used by
 the side-by-side benchmark and the Fashion-MNIST recipe comparison (never by the library or CI)."""
+import os
 import sys
 
 import torch
 import torch.nn as nn
 import torchvision
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
+
 
 def blas_library():
-    """The BLAS this PyTorch process actually loaded (Debian's PyTorch takes it from libblas.so.3,
-    which on a fresh machine is the reference BLAS at ~2 GFLOP/s)."""
-    a = torch.ones(64, 64)
-    torch.mm(a, a)  # make sure the BLAS is loaded
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "blas" in line.lower() and "/" in line}
-    return sorted(paths)
-
-
-def require_openblas():
-    """Refuses to measure a handicapped peer: exits unless OpenBLAS serves libblas.so.3."""
-    libs = blas_library()
-    if not any("openblas" in p for p in libs):
-        sys.exit("the PyTorch peer would run on the reference BLAS (" + (", ".join(libs) or "none loaded") +
-                 "); install libopenblas0-pthread so that update-alternatives selects OpenBLAS, then rerun")
-    return libs
+    """The BLAS this PyTorch process actually uses, as {'sgemm_from', 'libtorch_cpu', 'mapped'}
+    (bench/peer.py); exits unless it is OpenBLAS. Debian's PyTorch takes it from libblas.so.3,
+    which on a fresh machine is the reference BLAS at ~2 GFLOP/s."""
+    return peer.verify_torch_blas(torch)
 
 
 # Every side-by-side script imports this module: none measures PyTorch on the reference BLAS.
-BLAS = require_openblas()
+BLAS = blas_library()
 
 
 def mlp(in_features=784, hidden=(512, 256), classes=10):

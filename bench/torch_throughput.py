@@ -1,6 +1,10 @@
 """PyTorch twin of train_throughput: images/s of the same training steps, as JSON on stdout.
 
     /usr/bin/python3 bench/torch_throughput.py --threads 2 --models mlp,lenet,resnet20,resnet50_b8,resnet50_b32
+
+Its JSON carries a "peer" record (bench/peer.py: the BLAS serving sgemm_, OpenBLAS's core, threads,
+wait policy, oneDNN) and, per model, the convolution kernels one training step ran. Started by
+hand, it selects OpenBLAS itself; compare_pytorch.py also picks OPENBLAS_CORETYPE and OMP_WAIT_POLICY.
 """
 import argparse
 import json
@@ -8,9 +12,13 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
+
+peer.exec_with_openblas()  # started by hand on a machine whose libblas.so.3 is not OpenBLAS
+
+import torch  # noqa: E402
+
 import torch_models  # noqa: E402
 
 CONFIGS = {  # name: (builder, batch, channels, image, classes, default steps)
@@ -49,7 +57,8 @@ def measure(name, steps_flag, warmup):
     times.sort()
     median = times[len(times) // 2]
     return {"model": name, "batch": batch, "image": image, "steps": steps, "median_step_s": median,
-            "images_per_second": batch / median}
+            "images_per_second": batch / median,
+            "conv_kernels": peer.conv_kernels(torch, step) if name != "mlp" else []}
 
 
 def main():
@@ -65,8 +74,8 @@ def main():
         r = measure(name, args.steps, args.warmup)
         print(f"{name:13} batch {r['batch']:3}  {r['images_per_second']:8.1f} img/s", file=sys.stderr)
         results.append(r)
-    print(json.dumps({"framework": "pytorch", "version": torch.__version__, "blas": torch_models.BLAS, "threads": args.threads,
-                      "mkldnn": torch.backends.mkldnn.is_available(), "results": results}))
+    print(json.dumps({"framework": "pytorch", "version": torch.__version__, "threads": args.threads,
+                      "peer": peer.torch_record(torch, torch_models.BLAS), "results": results}))
 
 
 if __name__ == "__main__":

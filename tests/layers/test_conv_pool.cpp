@@ -398,6 +398,18 @@ TEST_CASE("MaxPool2d breaks ties and propagates NaN like PyTorch", "[layers][poo
     CHECK(y[3] == 9.0);
     CHECK(std::vector<std::int32_t>(cache.argmax.begin(), cache.argmax.end()) == std::vector<std::int32_t>{3, 1, 3, 8});
   }
+  SECTION("2x2 windows of stride 2 (their own unrolled kernel) follow the same rules") {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    // Windows {1, nan | nan, 0}, {3, 4 | 5, 9}, {2, 2 | 2, 2}: the last NaN, the max, the first tie.
+    const T64 x = T64::from({1, 1, 2, 6}, {1, nan, 3, 4, 2, 2, nan, 0, 5, 9, 2, 2});
+    MaxPool2d<E64> pool(2, 2, 0);
+    MaxPool2d<E64>::Cache cache;
+    const T64& y = pool.forward(x, cache);
+    CHECK(std::isnan(y[0]));
+    CHECK(y[1] == 9.0);
+    CHECK(y[2] == 2.0);
+    CHECK(std::vector<std::int32_t>(cache.argmax.begin(), cache.argmax.end()) == std::vector<std::int32_t>{6, 9, 4});
+  }
 }
 
 TEST_CASE("Conv2d accumulates parameter gradients and can skip dx", "[layers][conv]") {

@@ -49,7 +49,7 @@ class CrossEntropyLoss {
   }
 
   S forward(const Tensor& logits, std::span<const std::int64_t> labels, Cache& c) {
-    c.counted = detail::checked_class_labels(name(), logits, labels, ignore_index_, c.labels);
+    c.counted = detail::checked_class_labels([this] { return name(); }, logits, labels, ignore_index_, c.labels);
     const std::int64_t n = logits.dim(0), classes = logits.dim(1);
     c.log_probs.resize(logits.shape());
     softmax_forward(D{}, logits.data(), n, classes, 1, /*log=*/true, c.log_probs.data());

@@ -11,6 +11,7 @@
 // so the caller's label buffer may be reused before backward.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -25,20 +26,21 @@ namespace tessera {
 
 namespace detail {
 // Checks N labels for (N, C) scores (each in [0, C) or equal to ignore_index), copies them to the
-// device, and returns how many rows count (are not ignored).
-template <class S, class D>
-std::int64_t checked_class_labels(const std::string& who, const Tensor<S, D>& scores,
+// device, and returns how many rows count (are not ignored). who() names the loss in an error; it
+// is called only then, so a training step builds no string (and allocates nothing) here.
+template <class S, class D, std::invocable Who>
+std::int64_t checked_class_labels(const Who& who, const Tensor<S, D>& scores,
                                   std::span<const std::int64_t> labels, std::int64_t ignore_index,
                                   Tensor<std::int64_t, D>& device_labels) {
-  TESSERA_CHECK(scores.rank() == 2 && scores.dim(0) > 0 && scores.dim(1) > 0, ShapeError, who,
+  TESSERA_CHECK(scores.rank() == 2 && scores.dim(0) > 0 && scores.dim(1) > 0, ShapeError, who(),
                 ": expected input (N, C) with N, C > 0, got ", scores.shape());
   const std::int64_t n = scores.dim(0), classes = scores.dim(1);
-  TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == n, ShapeError, who, ": input ", scores.shape(), " needs ",
+  TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == n, ShapeError, who(), ": input ", scores.shape(), " needs ",
                 n, " labels, got ", labels.size());
   std::int64_t counted = 0;
   for (std::size_t i = 0; i < labels.size(); ++i) {
     if (labels[i] == ignore_index) continue;
-    TESSERA_CHECK(labels[i] >= 0 && labels[i] < classes, ArgumentError, who, ": labels[", i, "] = ", labels[i],
+    TESSERA_CHECK(labels[i] >= 0 && labels[i] < classes, ArgumentError, who(), ": labels[", i, "] = ", labels[i],
                   " is out of range [0, ", classes, ") and is not ignore_index");
     ++counted;
   }
@@ -72,7 +74,7 @@ class NLLLoss {
       : reduction_(reduction), ignore_index_(ignore_index) {}
 
   S forward(const Tensor& log_probs, std::span<const std::int64_t> labels, Cache& c) {
-    c.counted = detail::checked_class_labels(name(), log_probs, labels, ignore_index_, c.labels);
+    c.counted = detail::checked_class_labels([this] { return name(); }, log_probs, labels, ignore_index_, c.labels);
     c.log_probs = &log_probs;
     const double total =
         nll_forward(D{}, log_probs.data(), c.labels.data(), log_probs.dim(0), log_probs.dim(1), 0.0, ignore_index_);
