@@ -410,6 +410,38 @@ TEST_CASE("MaxPool2d breaks ties and propagates NaN like PyTorch", "[layers][poo
     CHECK(y[2] == 2.0);
     CHECK(std::vector<std::int32_t>(cache.argmax.begin(), cache.argmax.end()) == std::vector<std::int32_t>{6, 9, 4});
   }
+  SECTION("float32 2x2 windows, every width up to 34 (the vector path and the loop), ties and NaNs") {
+    // Values from a set of 5 (many ties) with NaNs; the expected max and argmax by the rule itself.
+    Rng rng(5);
+    for (std::int64_t width = 2; width <= 34; ++width) {
+      const std::int64_t height = 4;
+      Tensor<float> x({2, 1, height, width});
+      for (std::int64_t i = 0; i < x.numel(); ++i) {
+        const auto r = static_cast<int>(rng.uniform() * 6);
+        x[i] = r == 5 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(r);
+      }
+      MaxPool2d<E32> pool(2, 2, 0);
+      MaxPool2d<E32>::Cache cache;
+      const Tensor<float>& y = pool.forward(x, cache);
+      const std::int64_t oh_count = height / 2, ow_count = width / 2;
+      for (std::int64_t p = 0; p < 2; ++p)
+        for (std::int64_t oh = 0; oh < oh_count; ++oh)
+          for (std::int64_t ow = 0; ow < ow_count; ++ow) {
+            const std::int64_t taps[4] = {2 * oh * width + 2 * ow, 2 * oh * width + 2 * ow + 1,
+                                          (2 * oh + 1) * width + 2 * ow, (2 * oh + 1) * width + 2 * ow + 1};
+            float best = x[p * height * width + taps[0]];
+            std::int64_t at = taps[0];
+            for (int t = 1; t < 4; ++t) {
+              const float v = x[p * height * width + taps[t]];
+              if (v > best || std::isnan(v)) best = v, at = taps[t];
+            }
+            const std::int64_t o = (p * oh_count + oh) * ow_count + ow;
+            INFO("width " << width << " plane " << p << " window (" << oh << ", " << ow << ")");
+            CHECK(cache.argmax[o] == at);
+            CHECK((std::isnan(best) ? std::isnan(y[o]) : y[o] == best));
+          }
+    }
+  }
 }
 
 TEST_CASE("Conv2d accumulates parameter gradients and can skip dx", "[layers][conv]") {

@@ -22,6 +22,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
@@ -101,6 +106,37 @@ inline bool max_pool_2x2_windows(const Pool2dGeometry& g) {
 // same rule (a later tap wins when greater, or when NaN, as PyTorch's kernel), so values and
 // argmax are identical; written as one branch-free pass per output row that the compiler
 // vectorizes (the generic loop's stride-2 gathers per tap cost ~20% of a LeNet-5 step).
+#if defined(__AVX512F__)
+// One output row of at most 16 windows (an input row of at most 32 values, LeNet's 28 and 10):
+// both input rows loaded, split into even and odd columns by one permute each, the four taps
+// compared lane-wise in scan order. Scalar, such a row cost ~20 cycles per window.
+inline void max_pool_2x2_row16(const float* r0, const float* r1, std::int64_t w, std::int64_t ow_count,
+                               std::int32_t base, float* best, std::int32_t* at) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const auto low = static_cast<__mmask16>(w >= 16 ? 0xffff : (1u << w) - 1u);
+  const auto high = static_cast<__mmask16>(w <= 16 ? 0 : (1u << (w - 16)) - 1u);
+  const __m512 a0 = _mm512_maskz_loadu_ps(low, r0), a1 = _mm512_maskz_loadu_ps(high, r0 + 16);
+  const __m512 b0 = _mm512_maskz_loadu_ps(low, r1), b1 = _mm512_maskz_loadu_ps(high, r1 + 16);
+  const __m512 taps[4] = {_mm512_permutex2var_ps(a0, even, a1), _mm512_permutex2var_ps(a0, odd, a1),
+                          _mm512_permutex2var_ps(b0, even, b1), _mm512_permutex2var_ps(b0, odd, b1)};
+  const __m512i first = _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_slli_epi32(_mm512_setr_epi32(
+      0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1));
+  const std::int32_t offsets[4] = {0, 1, static_cast<std::int32_t>(w), static_cast<std::int32_t>(w) + 1};
+  __m512 m = taps[0];
+  __m512i a = first;
+  for (int t = 1; t < 4; ++t) {
+    // A later tap wins when greater, or when NaN (unordered with itself).
+    const __mmask16 take = _mm512_cmp_ps_mask(taps[t], m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(taps[t], taps[t], _CMP_UNORD_Q);
+    m = _mm512_mask_blend_ps(take, m, taps[t]);
+    a = _mm512_mask_blend_epi32(take, a, _mm512_add_epi32(first, _mm512_set1_epi32(offsets[t])));
+  }
+  const auto out = static_cast<__mmask16>((1u << ow_count) - 1u);
+  _mm512_mask_storeu_ps(best, out, m);
+  _mm512_mask_storeu_epi32(at, out, a);
+}
+#endif
+
 template <class S>
 void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * 4;
@@ -115,6 +151,14 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
       std::int32_t* at = argmax + p * g.out_plane() + oh * ow_count;
       const auto base = static_cast<std::int32_t>(2 * oh * w);
       const auto below = static_cast<std::int32_t>(w);
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<S, float>) {
+        if (w <= 32) {
+          max_pool_2x2_row16(r0, r1, w, ow_count, base, best, at);
+          continue;
+        }
+      }
+#endif
 #pragma omp simd
       for (std::int64_t ow = 0; ow < ow_count; ++ow) {
         const auto i0 = base + static_cast<std::int32_t>(2 * ow);
