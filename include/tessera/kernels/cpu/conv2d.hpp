@@ -302,15 +302,24 @@ template <class S>
 void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
                     const S* bias, S* y, S* workspace) {
   const std::int64_t bands = b.bands(g), blocks = b.groups(batch) * bands;
-  [[maybe_unused]] const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
-#pragma omp parallel if (blocks > 1 && work > detail::kParallelGrain)
-  {
+  const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
+  const auto run = [&] {  // on each thread of a team, or alone (the orphaned `omp for` then runs it all)
     S* col = workspace + Cpu::thread_index() * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < blocks; ++t)
       detail::conv2d_forward_block(g, b, detail::conv_block(g, b, batch, t / bands, t % bands), x, w, bias, y, col,
                                    stage);
+  };
+  // Not `parallel if (...)`: an inactive region of one thread still counts as a level, so the
+  // gemm inside would open a nested team, for which libgomp starts fresh threads every time (and
+  // each new thread rebuilds its thread_local packing buffers: 32 allocations and thread starts
+  // per ResNet-50 forward at batch 1). Outside any region the gemm's own team is the pooled one.
+  if (blocks > 1 && work > detail::kParallelGrain) {
+#pragma omp parallel
+    run();
+  } else {
+    run();
   }
 }
 
@@ -339,8 +348,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
   const std::int64_t bands = b.bands(g), groups = b.groups(batch), in_group = b.samples * g.channels * g.in_plane();
   const std::int64_t weights = g.weight_elements();
   S* partial = workspace + b.threads * b.thread_elements(g);  // (threads - 1) private dw accumulators
-#pragma omp parallel if (b.parallel_backward)
-  {
+  const auto run = [&] {  // as in conv2d_forward: a team's threads, or alone with gemm parallel inside
     const std::int64_t t = Cpu::thread_index();
     S* col = workspace + t * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
@@ -362,6 +370,12 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < weights; ++i)
       for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
+  };
+  if (b.parallel_backward) {
+#pragma omp parallel
+    run();
+  } else {
+    run();
   }
 }
 
