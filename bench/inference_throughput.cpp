@@ -29,37 +29,7 @@
 
 #include "tessera/tessera.hpp"
 
-// ---- allocation counting: every malloc-family call while `g_counting` is set -------------------
-extern "C" void* __libc_malloc(std::size_t);
-extern "C" void* __libc_calloc(std::size_t, std::size_t);
-extern "C" void* __libc_realloc(void*, std::size_t);
-extern "C" void* __libc_memalign(std::size_t, std::size_t);
-static std::atomic<bool> g_counting{false};
-static std::atomic<long> g_allocations{0};
-static inline void note_allocation() {
-  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
-}
-extern "C" void* malloc(std::size_t n) {
-  note_allocation();
-  return __libc_malloc(n);
-}
-extern "C" void* calloc(std::size_t n, std::size_t m) {
-  note_allocation();
-  return __libc_calloc(n, m);
-}
-extern "C" void* realloc(void* p, std::size_t n) {
-  note_allocation();
-  return __libc_realloc(p, n);
-}
-extern "C" void* aligned_alloc(std::size_t a, std::size_t n) {
-  note_allocation();
-  return __libc_memalign(a, n);
-}
-extern "C" int posix_memalign(void** out, std::size_t a, std::size_t n) {
-  note_allocation();
-  *out = __libc_memalign(a, n);
-  return *out ? 0 : 12;
-}
+#include "alloc_counter.hpp"
 
 using namespace tessera;
 using E = CpuLocal;
