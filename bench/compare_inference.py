@@ -71,8 +71,6 @@ def main():
     if args.runs < 1:
         sys.exit("compare_inference.py: --runs must be >= 1")
     setup = peer.peer_or_exit(args.coretypes)
-    print(f"PyTorch peer: BLAS {setup.blas['selected']} ({setup.blas['selected_by']}), OPENBLAS_CORETYPE "
-          f"candidates {','.join(setup.candidates)}", file=sys.stderr)
     threads = str(args.threads)
     report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
               "inference": [], "memory": None}

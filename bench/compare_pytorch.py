@@ -47,8 +47,6 @@ def main():
     peer.add_arguments(ap)
     args = ap.parse_args()
     setup = peer.peer_or_exit(args.coretypes)
-    print(f"PyTorch peer: BLAS {setup.blas['selected']} ({setup.blas['selected_by']}), OPENBLAS_CORETYPE "
-          f"candidates {','.join(setup.candidates)}", file=sys.stderr)
     report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
               "models": []}
     for model in args.models.split(","):

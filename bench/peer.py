@@ -258,11 +258,14 @@ def add_arguments(parser):
 
 
 def peer_or_exit(coretypes=None, env=None):
-    """Peer(coretypes, env), or exit with PeerSetupError's message."""
+    """Peer(coretypes, env), announced on stderr, or exit with PeerSetupError's message."""
     try:
-        return Peer(coretypes, env)
+        setup = Peer(coretypes, env)
     except PeerSetupError as e:
         sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
+    print(f"PyTorch peer: BLAS {setup.blas['selected']} ({setup.blas['selected_by']}), OPENBLAS_CORETYPE "
+          f"candidates {','.join(setup.candidates)}", file=sys.stderr)
+    return setup
 
 
 # ---------------------------------------------------------------- inside the PyTorch process

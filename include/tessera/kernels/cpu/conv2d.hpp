@@ -192,7 +192,7 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
         if (ih < 0 || ih >= g.height) continue;
         S* row = out + ih * g.width;
         if (g.stride_w == 1) {
-          detail::add_row(row + lo + w_offset, in + lo, hi - lo);
+          for (std::int64_t ow = lo; ow < hi; ++ow) row[ow + w_offset] += in[ow];
         } else {
           for (std::int64_t ow = lo; ow < hi; ++ow) row[ow * g.stride_w + w_offset] += in[ow];
         }
@@ -202,6 +202,22 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
 }
 
 namespace detail {
+
+// body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
+// region (its orphaned `omp for` loops then run whole). Not `parallel if (...)`: an inactive
+// region of one thread still counts as a nesting level, so a gemm inside would open a nested
+// team, for which libgomp starts fresh threads every time (each rebuilding its thread_local
+// packing buffers: 32 allocations and thread starts per ResNet-50 forward at batch 1). Outside
+// any region the gemm's own team is the pooled one.
+template <class Body>
+void run_in_team_if(bool parallel, const Body& body) {
+  if (parallel) {
+#pragma omp parallel
+    body();
+  } else {
+    body();
+  }
+}
 
 // One block of work: samples [n0, n0 + count) and, when count == 1, output rows [oh0, oh1).
 struct ConvBlock {
@@ -311,16 +327,7 @@ void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::
       detail::conv2d_forward_block(g, b, detail::conv_block(g, b, batch, t / bands, t % bands), x, w, bias, y, col,
                                    stage);
   };
-  // Not `parallel if (...)`: an inactive region of one thread still counts as a level, so the
-  // gemm inside would open a nested team, for which libgomp starts fresh threads every time (and
-  // each new thread rebuilds its thread_local packing buffers: 32 allocations and thread starts
-  // per ResNet-50 forward at batch 1). Outside any region the gemm's own team is the pooled one.
-  if (blocks > 1 && work > detail::kParallelGrain) {
-#pragma omp parallel
-    run();
-  } else {
-    run();
-  }
+  detail::run_in_team_if(blocks > 1 && work > detail::kParallelGrain, run);
 }
 
 // db (K) += sum over n, oh, ow of dy (N, K, H', W').
@@ -348,7 +355,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
   const std::int64_t bands = b.bands(g), groups = b.groups(batch), in_group = b.samples * g.channels * g.in_plane();
   const std::int64_t weights = g.weight_elements();
   S* partial = workspace + b.threads * b.thread_elements(g);  // (threads - 1) private dw accumulators
-  const auto run = [&] {  // as in conv2d_forward: a team's threads, or alone with gemm parallel inside
+  const auto run = [&] {  // a team's threads, or alone with gemm parallel inside
     const std::int64_t t = Cpu::thread_index();
     S* col = workspace + t * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
@@ -371,12 +378,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
     for (std::int64_t i = 0; i < weights; ++i)
       for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
   };
-  if (b.parallel_backward) {
-#pragma omp parallel
-    run();
-  } else {
-    run();
-  }
+  detail::run_in_team_if(b.parallel_backward, run);
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).

@@ -92,20 +92,12 @@ inline void pool_valid_range(std::int64_t offset, std::int64_t stride, std::int6
   valid_output_range(offset, stride, extent, out, lo, hi);
 }
 
-}  // namespace detail
-
-namespace detail {
-
 // LeNet's and VGG's pooling: 2x2 windows, stride 2, no padding, every window inside the input
 // (floor mode, or an even input with ceil mode).
 inline bool max_pool_2x2_windows(const Pool2dGeometry& g) {
   return g.kernel == 2 && g.stride == 2 && g.pad == 0 && 2 * g.out_height <= g.height && 2 * g.out_width <= g.width;
 }
 
-// The generic loop below, unrolled for 2x2 windows: the four taps in the same scan order with the
-// same rule (a later tap wins when greater, or when NaN, as PyTorch's kernel), so values and
-// argmax are identical; written as one branch-free pass per output row that the compiler
-// vectorizes (the generic loop's stride-2 gathers per tap cost ~20% of a LeNet-5 step).
 #if defined(__AVX512F__)
 // One output row of at most 16 windows (an input row of at most 32 values, LeNet's 28 and 10):
 // both input rows loaded, split into even and odd columns by one permute each, the four taps
@@ -137,6 +129,10 @@ inline void max_pool_2x2_row16(const float* r0, const float* r1, std::int64_t w,
 }
 #endif
 
+// max_pool2d_forward's loop, unrolled for 2x2 windows: the four taps in the same scan order with the
+// same rule (a later tap wins when greater, or when NaN, as PyTorch's kernel), so values and
+// argmax are identical; written as one branch-free pass per output row that the compiler
+// vectorizes (the generic loop's stride-2 gathers per tap cost ~20% of a LeNet-5 step).
 template <class S>
 void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * 4;
@@ -182,7 +178,6 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
 }
 
 }  // namespace detail
-
 
 // y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W).
 // Each output row is built tap by tap over all its columns at once: the inner loop runs along ow

@@ -1,9 +1,10 @@
-// Copies and sums of short rows (a few to a few dozen elements): the inner loops of im2col and
+// Copies of short rows, and col2im's sum of a kernel row's taps (a few to a few dozen elements): the inner loops of im2col and
 // col2im on small images, where a convolution's output rows are 5 to 28 values wide and not
 // adjacent in memory (no padding: W' < W). A plain loop of 10 floats compiles to a vector of 8 and
 // a scalar tail, or to a call to memmove, and costs 15-20 cycles; with AVX-512 one masked load and
 // one masked store move up to 16 floats (measured: im2col + col2im were 30% of a LeNet-5 step).
-// Without AVX-512 (another -march, or nvcc's host pass) the plain loops are used.
+// float only (double serves the gradient checks, where speed does not matter); without AVX-512
+// (another -march, or nvcc's host pass) the plain loops are used.
 #pragma once
 
 #include <algorithm>
@@ -18,7 +19,6 @@ namespace tessera::detail {
 
 #if defined(__AVX512F__)
 inline __mmask16 lanes16(std::int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
-inline __mmask8 lanes8(std::int64_t n) { return static_cast<__mmask8>((1u << n) - 1u); }
 #endif
 
 // dst[0, n) = src[0, n); the ranges do not overlap.
@@ -33,44 +33,9 @@ inline void copy_row(S* dst, const S* src, std::int64_t n) {
       _mm512_mask_storeu_ps(dst + i, m, _mm512_maskz_loadu_ps(m, src + i));
     }
     return;
-  } else if constexpr (std::is_same_v<S, double>) {
-    std::int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm512_storeu_pd(dst + i, _mm512_loadu_pd(src + i));
-    if (i < n) {
-      const __mmask8 m = lanes8(n - i);
-      _mm512_mask_storeu_pd(dst + i, m, _mm512_maskz_loadu_pd(m, src + i));
-    }
-    return;
   }
 #endif
   std::copy(src, src + n, dst);
-}
-
-// dst[0, n) += src[0, n); the ranges do not overlap.
-template <class S>
-inline void add_row(S* dst, const S* src, std::int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<S, float>) {
-    std::int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_add_ps(_mm512_loadu_ps(dst + i), _mm512_loadu_ps(src + i)));
-    if (i < n) {
-      const __mmask16 m = lanes16(n - i);
-      _mm512_mask_storeu_ps(dst + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst + i), _mm512_maskz_loadu_ps(m, src + i)));
-    }
-    return;
-  } else if constexpr (std::is_same_v<S, double>) {
-    std::int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-      _mm512_storeu_pd(dst + i, _mm512_add_pd(_mm512_loadu_pd(dst + i), _mm512_loadu_pd(src + i)));
-    if (i < n) {
-      const __mmask8 m = lanes8(n - i);
-      _mm512_mask_storeu_pd(dst + i, m, _mm512_add_pd(_mm512_maskz_loadu_pd(m, dst + i), _mm512_maskz_loadu_pd(m, src + i)));
-    }
-    return;
-  }
-#endif
-  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
 // dx_row[x] += sum over j in [0, taps) of first[j * ld + x - j], for 0 <= x - j < n: col2im of
