@@ -62,17 +62,50 @@ TEST_CASE("Conv2d gradients match central differences", "[layers][conv]") {
       {"rectangular 3x2 stride 2x1", {2, 3, 3, 2, 2, 1, 1, 0, 1, 1, 1, true}, {2, 2, 6, 5}},
       {"1x1 (pointwise path)", {4, 3, 1, 1, 1, 1, 0, 0, 1, 1, 1, true}, {3, 4, 4, 3}},
       {"1x1 stride 2 no bias", {4, 3, 1, 1, 2, 2, 0, 0, 1, 1, 1, false}, {2, 4, 5, 5}},
+      {"Winograd 3x3 padding 1, odd sizes", {3, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1, true}, {2, 3, 7, 5}},
+      {"Winograd 3x3 padding 0 no bias", {2, 3, 3, 3, 1, 1, 0, 0, 1, 1, 1, false}, {2, 2, 6, 7}},
+      {"Winograd 3x3 padding 2", {2, 2, 3, 3, 1, 1, 2, 2, 1, 1, 1, true}, {1, 2, 4, 5}},
   };
   for (const auto& c : cases) {
-    // Blocks of one output row (bands) and the automatic choice (whole samples here).
+    // Blocks of one output row (bands; for Winograd one tile row) and the automatic choice
+    // (whole samples here).
     for (std::int64_t columns : {std::int64_t{1}, std::int64_t{0}}) {
       DYNAMIC_SECTION(c.what << ", block columns " << columns) {
         Conv2d<E64> conv(c.o, rng);
         conv.set_block_columns(columns);
+        if (std::string(c.what).starts_with("Winograd")) conv.set_algorithm(ConvAlgorithm::Winograd);
         check_gradients(conv, random_tensor(c.x, rng), rng);
       }
     }
   }
+}
+
+TEST_CASE("Conv2d picks Winograd only where it applies", "[layers][conv]") {
+  Rng rng(16);
+  Conv2d<E32> strided(3, 4, 3, rng, 2, 1);
+  CHECK_THROWS_AS(strided.set_algorithm(ConvAlgorithm::Winograd), ArgumentError);
+  CHECK_THROWS_WITH(strided.set_algorithm(ConvAlgorithm::Winograd),
+                    Catch::Matchers::Contains("Conv2d(3, 4, kernel=3, stride=2, padding=1)") &&
+                        Catch::Matchers::Contains("stride 1"));
+  Conv2d<E32> five(3, 4, 5, rng, 1, 2);
+  CHECK_THROWS_AS(five.set_algorithm(ConvAlgorithm::Winograd), ArgumentError);
+  Conv2d<E32> wide_pad(3, 4, 3, rng, 1, 3);
+  CHECK_THROWS_AS(wide_pad.set_algorithm(ConvAlgorithm::Winograd), ArgumentError);
+  // Auto: ResNet-20's 16-channel 28x28 layer at batch 64 takes Winograd; its 1-channel stem, a
+  // stride-2 layer and ResNet-50's 512-channel 7x7 layer at batch 1 (too little to save) do not.
+  const auto geometry = [](std::int64_t c, std::int64_t k, std::int64_t hw, std::int64_t stride) {
+    Conv2dGeometry g;
+    g.channels = c, g.out_channels = k, g.height = g.width = hw, g.kernel_h = g.kernel_w = 3;
+    g.stride_h = g.stride_w = stride, g.pad_h = g.pad_w = 1;
+    g.out_height = g.out_width = conv_output_extent(hw, 3, stride, 1);
+    return g;
+  };
+  CHECK(conv2d_blocking(geometry(16, 16, 28, 1), 64, 4).winograd);
+  CHECK_FALSE(conv2d_blocking(geometry(1, 16, 28, 1), 64, 4).winograd);
+  CHECK_FALSE(conv2d_blocking(geometry(16, 32, 28, 2), 64, 4).winograd);
+  CHECK_FALSE(conv2d_blocking(geometry(512, 512, 7, 1), 1, 4).winograd);
+  CHECK_FALSE(conv2d_blocking(geometry(16, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Im2col).winograd);
+  CHECK(conv2d_blocking(geometry(1, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Winograd).winograd);
 }
 
 TEST_CASE("Pool gradients match central differences", "[layers][pool]") {
@@ -165,6 +198,9 @@ const ConvCase kConvCases[] = {
     {"conv_1x1", 3, 8, 5, 5, 6, 1, 1, 1, 1, 0, 0, 1, 1, 1, true},
     {"conv_1x1_stride2", 2, 6, 7, 7, 4, 1, 1, 2, 2, 0, 0, 1, 1, 1, false},
     {"conv_rect", 3, 3, 9, 8, 4, 3, 2, 2, 1, 1, 0, 1, 1, 1, true},
+    {"conv_3x3_same", 3, 8, 9, 7, 10, 3, 3, 1, 1, 1, 1, 1, 1, 1, true},
+    {"conv_3x3_pad0", 2, 5, 8, 6, 4, 3, 3, 1, 1, 0, 0, 1, 1, 1, false},
+    {"conv_3x3_pad2", 2, 4, 5, 6, 3, 3, 3, 1, 1, 2, 2, 1, 1, 1, true},
 };
 
 // Compares one of our tensors (any scalar) with PyTorch's float64 result. Float64 must agree to
@@ -176,7 +212,8 @@ void expect_matches(const Tensor<S>& ours, const std::string& key) {
 }
 
 template <class E>
-void check_conv_against_torch(const ConvCase& c, std::int64_t block_columns) {
+void check_conv_against_torch(const ConvCase& c, std::int64_t block_columns,
+                              ConvAlgorithm algorithm = ConvAlgorithm::Auto) {
   using S = typename E::Scalar;
   const auto& f = reference();
   REQUIRE(f.metadata().at(c.name) == c.config());
@@ -184,6 +221,7 @@ void check_conv_against_torch(const ConvCase& c, std::int64_t block_columns) {
   Rng rng(1);
   Conv2d<E> conv(c.options(), rng);
   conv.set_block_columns(block_columns);
+  conv.set_algorithm(algorithm);
   conv.weight().value = f.tensor<S>(p + "weight");
   if (c.bias) conv.bias().value = f.tensor<S>(p + "bias");
   const Tensor<S> x = f.tensor<S>(p + "x");
@@ -205,6 +243,60 @@ TEST_CASE("Conv2d matches PyTorch", "[layers][conv][reference]") {
     for (std::int64_t columns : {std::int64_t{1}, std::int64_t{40}, std::int64_t{60}, std::int64_t{0}}) {
       DYNAMIC_SECTION(c.name << " float64, block columns " << columns) { check_conv_against_torch<E64>(c, columns); }
       DYNAMIC_SECTION(c.name << " float32, block columns " << columns) { check_conv_against_torch<E32>(c, columns); }
+      if (c.kh == 3 && c.kw == 3 && c.sh == 1 && c.sw == 1 && c.dh == 1 && c.dw == 1 && c.groups == 1) {
+        // Both algorithms on the 3x3 stride-1 cases (Auto may pick either); for Winograd the
+        // block columns count tiles: 1 gives bands of one tile row.
+        for (ConvAlgorithm a : {ConvAlgorithm::Im2col, ConvAlgorithm::Winograd}) {
+          const char* name = a == ConvAlgorithm::Winograd ? "Winograd" : "im2col";
+          DYNAMIC_SECTION(c.name << " float64 " << name << ", block columns " << columns) {
+            check_conv_against_torch<E64>(c, columns, a);
+          }
+          DYNAMIC_SECTION(c.name << " float32 " << name << ", block columns " << columns) {
+            check_conv_against_torch<E32>(c, columns, a);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Conv2d Winograd F(2x2, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
+  // Larger than the reference cases: several vectors of tiles per sample (28x28: 196 tiles),
+  // bands, whole-sample groups with a short last group, odd widths, more channels than
+  // kWinogradMinChannels; float32 against the im2col result in float64.
+  struct Case {
+    std::int64_t n, c, k, h, w, pad, block_tiles;
+  };
+  const Case cases[] = {{3, 16, 16, 28, 28, 1, 0}, {5, 32, 24, 14, 14, 1, 0}, {4, 64, 64, 7, 7, 1, 0},
+                        {2, 8, 12, 13, 11, 1, 9},  {3, 9, 8, 30, 5, 1, 40},   {2, 8, 8, 9, 33, 0, 0},
+                        {2, 8, 8, 6, 17, 2, 3}};
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.h << "x" << c.w << " -> " << c.k << ", padding " << c.pad
+                        << ", block tiles " << c.block_tiles) {
+      Rng rng(21);
+      const Conv2dOptions o{c.c, c.k, 3, 3, 1, 1, c.pad, c.pad, 1, 1, 1, true};
+      Conv2d<E64> reference_conv(o, rng);
+      Conv2d<E32> winograd(o, rng);
+      reference_conv.set_algorithm(ConvAlgorithm::Im2col);
+      winograd.set_algorithm(ConvAlgorithm::Winograd);
+      winograd.set_block_columns(c.block_tiles);
+      winograd.weight().value = reference_conv.weight().value.template cast<float>();
+      winograd.bias().value = reference_conv.bias().value.template cast<float>();
+      const T64 x = random_tensor({c.n, c.c, c.h, c.w}, rng);
+      Conv2d<E64>::Cache rc;
+      Conv2d<E32>::Cache wc;
+      const T64& y = reference_conv.forward(x, rc);
+      const T64 g = random_tensor(y.shape(), rng);
+      zero_grads(reference_conv);
+      zero_grads(winograd);
+      const T64& dx = reference_conv.backward(g, rc);
+      const Tensor<float> x32 = x.template cast<float>(), g32 = g.template cast<float>();  // forward keeps &x32
+      const Tensor<float>& y32 = winograd.forward(x32, wc);
+      CHECK(relative_error(y32.template cast<double>(), y) <= 2e-6);
+      const Tensor<float>& dx32 = winograd.backward(g32, wc);
+      CHECK(relative_error(dx32.template cast<double>(), dx) <= 2e-6);
+      CHECK(relative_error(winograd.weight().grad.template cast<double>(), reference_conv.weight().grad) <= 2e-6);
+      CHECK(relative_error(winograd.bias().grad.template cast<double>(), reference_conv.bias().grad) <= 2e-6);
     }
   }
 }

@@ -26,6 +26,10 @@ CONVS = {
     "conv_1x1": (3, 8, 5, 5, 6, (1, 1), (1, 1), (0, 0), (1, 1), 1, True),
     "conv_1x1_stride2": (2, 6, 7, 7, 4, (1, 1), (2, 2), (0, 0), (1, 1), 1, False),
     "conv_rect": (3, 3, 9, 8, 4, (3, 2), (2, 1), (1, 0), (1, 1), 1, True),
+    # 3x3 stride 1: the shapes Winograd F(2x2, 3x3) takes (odd sizes: clipped edge tiles).
+    "conv_3x3_same": (3, 8, 9, 7, 10, (3, 3), (1, 1), (1, 1), (1, 1), 1, True),
+    "conv_3x3_pad0": (2, 5, 8, 6, 4, (3, 3), (1, 1), (0, 0), (1, 1), 1, False),
+    "conv_3x3_pad2": (2, 4, 5, 6, 3, (3, 3), (1, 1), (2, 2), (1, 1), 1, True),
 }
 # name: (kind, N, C, H, W, kernel, stride, padding)
 POOLS = {

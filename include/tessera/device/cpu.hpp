@@ -73,6 +73,26 @@ struct Cpu {
   }
 };
 
+namespace detail {
+
+// body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
+// region (its orphaned `omp for` loops then run whole). Not `parallel if (...)`: an inactive
+// region of one thread still counts as a nesting level, so a gemm inside would open a nested
+// team, for which libgomp starts fresh threads every time (each rebuilding its thread_local
+// packing buffers: 32 allocations and thread starts per ResNet-50 forward at batch 1). Outside
+// any region the gemm's own team is the pooled one.
+template <class Body>
+void run_in_team_if(bool parallel, const Body& body) {
+  if (parallel) {
+#pragma omp parallel
+    body();
+  } else {
+    body();
+  }
+}
+
+}  // namespace detail
+
 // The one kernel every device must have: Tensor::fill goes through it (a GPU launches a kernel).
 // Large fills (a ResNet-50's gradients: 25M elements) are split over the OpenMP team.
 template <class S>

@@ -38,12 +38,24 @@ struct Conv2dGeometry {
   }
 };
 
+// How a CPU convolution is computed: im2col + gemm (any geometry), or Winograd F(2x2, 3x3)
+// (kernels/cpu/winograd.hpp: 3x3, stride 1, no dilation, no groups, padding up to 2). Auto picks
+// Winograd where it applies and saves enough multiply-adds (see conv2d_blocking).
+enum class ConvAlgorithm { Auto, Im2col, Winograd };
+
+// The geometries F(2x2, 3x3) handles.
+inline bool winograd_applies(const Conv2dGeometry& g) {
+  return g.kernel_h == 3 && g.kernel_w == 3 && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 &&
+         g.dilation_w == 1 && g.groups == 1 && g.pad_h <= 2 && g.pad_w <= 2;
+}
+
 // How the output positions are cut into per-thread blocks (see the header comment).
 struct Conv2dBlocking {
   std::int64_t samples = 1;  // whole samples per block; when 1, a block may be a band of rows
-  std::int64_t rows = 1;     // output rows per band (out_height when blocks are whole samples)
+  std::int64_t rows = 1;     // output rows per band (out_height when blocks are whole samples; even for Winograd)
   std::int64_t threads = 1;  // threads the workspace was sized for
   bool parallel_backward = false;  // sample groups split over threads, each with a private dw
+  bool winograd = false;           // F(2x2, 3x3) instead of im2col (kernels/cpu/winograd.hpp)
 
   std::int64_t bands(const Conv2dGeometry& g) const { return (g.out_height + rows - 1) / rows; }
   std::int64_t groups(std::int64_t batch) const { return (batch + samples - 1) / samples; }
@@ -58,9 +70,35 @@ struct Conv2dBlocking {
   std::int64_t stage_elements(const Conv2dGeometry& g) const {
     return samples == 1 ? 0 : g.out_channels * max_columns(g);
   }
-  std::int64_t thread_elements(const Conv2dGeometry& g) const { return col_elements(g) + stage_elements(g); }
+  std::int64_t thread_elements(const Conv2dGeometry& g) const {
+    if (winograd) return 2 * winograd_tile_matrix_elements(g) + winograd_band_elements(g);
+    return col_elements(g) + stage_elements(g);
+  }
+  // Winograd: the transformed filters U (16, K, C), shared by the team, before the threads' buffers.
+  std::int64_t shared_elements(const Conv2dGeometry& g) const {
+    return winograd ? 16 * g.out_channels * g.channels : 0;
+  }
   std::int64_t workspace_elements(const Conv2dGeometry& g, bool backward) const {
-    return threads * thread_elements(g) + (backward && parallel_backward ? (threads - 1) * g.weight_elements() : 0);
+    std::int64_t private_gradients = 0;  // per thread but the first (im2col) or every thread (Winograd's dU)
+    if (backward && winograd) private_gradients = threads * 16 * g.out_channels * g.channels;
+    if (backward && !winograd && parallel_backward) private_gradients = (threads - 1) * g.weight_elements();
+    return shared_elements(g) + threads * thread_elements(g) + private_gradients;
+  }
+
+  // Winograd's tiles: 2x2 outputs each, over the forward pass (H' x W') and the dx pass (H x W).
+  static std::int64_t winograd_tiles_w(const Conv2dGeometry& g) { return (std::max(g.out_width, g.width) + 1) / 2; }
+  std::int64_t winograd_max_tiles(const Conv2dGeometry& g) const {
+    return samples * ((rows + 1) / 2) * winograd_tiles_w(g);
+  }
+  // V (16, channels, tiles) or M (16, channels, tiles), channels the larger of C and K.
+  std::int64_t winograd_tile_matrix_elements(const Conv2dGeometry& g) const {
+    return 16 * std::max(g.channels, g.out_channels) * winograd_max_tiles(g);
+  }
+  // One channel's band for the input transform: 8 column arrays of (tile rows + 1) tiles_w, each
+  // with 16 elements of slack for whole-vector loads; also the transforms' 4 (tile rows) tiles_w
+  // temporaries.
+  std::int64_t winograd_band_elements(const Conv2dGeometry& g) const {
+    return 8 * (((rows + 1) / 2 + 1) * winograd_tiles_w(g) + 16);
   }
 };
 
@@ -75,6 +113,14 @@ constexpr std::int64_t kMinBlockColumns = 256;
 constexpr std::int64_t kMaxPrivateGradientBytes = std::int64_t{32} << 20;
 // Below this many elements of work a loop runs on one thread: waking the team would cost more.
 constexpr std::int64_t kParallelGrain = 32768;
+// Winograd pays for transforming the filters (25 values moved per 3x3 filter, each call) with the
+// multiply-adds it saves per filter over the batch, 9 H' W' - 16 tiles per sample; below this
+// saving (ResNet-50's 7x7 stage at batch 1: 185) im2col is as fast. Measured by
+// bench/inference_throughput at batch 1 and 8.
+constexpr std::int64_t kWinogradMinSaving = 2048;
+// Fewer input channels than this make 16 products of depth C too shallow for the gemm kernel
+// (ResNet-20's 1-channel stem); im2col's single product has depth 9 C.
+constexpr std::int64_t kWinogradMinChannels = 8;
 
 // Range [lo, hi) of output columns ow whose tap ow * stride + offset lies inside [0, extent).
 inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
@@ -85,6 +131,27 @@ inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::in
   hi = std::clamp(hi, lo, out);
 }
 
+// The group size of whole-sample blocks: the largest up to `most` whose number of groups divides
+// evenly among the threads (64 samples in groups of 5 make 13 groups: one thread would do 7, the
+// other 6), else one that spreads the batch over a multiple of the threads.
+inline std::int64_t balanced_group_size(std::int64_t most, std::int64_t batch, std::int64_t threads) {
+  for (std::int64_t s = most; s >= 1; --s)
+    if (((batch + s - 1) / s) % threads == 0) return s;
+  std::int64_t groups = (batch + most - 1) / most;
+  groups = (groups + threads - 1) / threads * threads;
+  return std::max<std::int64_t>(1, (batch + groups - 1) / groups);
+}
+
+// Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
+// every thread's private dU (16 K C) must also fit kMaxPrivateGradientBytes).
+inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+                          std::int64_t threads) {
+  const std::int64_t tiles = ((g.out_height + 1) / 2) * ((g.out_width + 1) / 2);
+  return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels &&
+         batch * (9 * g.out_plane() - 16 * tiles) >= kWinogradMinSaving &&
+         threads * 16 * g.out_channels * g.channels * scalar_bytes <= kMaxPrivateGradientBytes;
+}
+
 }  // namespace detail
 
 // Blocking for a batch: blocks of about kBlockBytes of columns (or `block_columns` columns when
@@ -92,10 +159,34 @@ inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::in
 // whose number is rounded to a multiple of the threads so that backward (one group per thread at
 // a time) stays balanced. Backward splits the groups over the threads when there are enough of
 // them and the private dw copies fit in kMaxPrivateGradientBytes.
+// Winograd (where `algorithm` asks for it, or Auto finds it pays) blocks tiles the same way: its
+// V and M matrices take the L2 budget, `block_columns` counts tiles, and bands are an even number
+// of rows (whole tiles); its backward blocks are all independent (private dU), so it runs them
+// over the team whenever there are enough blocks.
 inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
-                                      std::int64_t block_columns = 0) {
+                                      std::int64_t block_columns = 0, ConvAlgorithm algorithm = ConvAlgorithm::Auto) {
   Conv2dBlocking b;
   b.threads = Cpu::num_threads();
+  b.winograd = winograd_applies(g) &&
+               (algorithm == ConvAlgorithm::Winograd ||
+                (algorithm == ConvAlgorithm::Auto && detail::winograd_pays(g, batch, scalar_bytes, b.threads)));
+  if (b.winograd) {
+    const std::int64_t tiles_w = Conv2dBlocking::winograd_tiles_w(g);
+    const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 1) / 2;
+    const std::int64_t tile_bytes = 2 * 16 * std::max(g.channels, g.out_channels) * scalar_bytes;  // V and M
+    const std::int64_t target =
+        block_columns > 0 ? block_columns : std::max<std::int64_t>(32, detail::kBlockBytes / tile_bytes);
+    const std::int64_t per_sample = tiles_h * tiles_w;
+    if (per_sample > target) {
+      b.rows = 2 * std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
+    } else {
+      b.rows = 2 * tiles_h;
+      b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / per_sample, 1, std::max<std::int64_t>(batch, 1)),
+                                              std::max<std::int64_t>(batch, 1), b.threads);
+    }
+    b.parallel_backward = b.threads > 1 && b.groups(batch) * b.bands(g) >= b.threads;
+    return b;
+  }
   const std::int64_t target =
       block_columns > 0
           ? block_columns
@@ -105,20 +196,8 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
   if (plane > target) {
     b.rows = std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows);
   } else {
-    // The largest group size up to target / plane whose number of groups divides evenly among the
-    // threads (64 samples in groups of 5 make 13 groups: one thread would do 7, the other 6).
-    const std::int64_t most = std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1));
-    b.samples = most;
-    for (std::int64_t s = most; s >= 1; --s)
-      if (((batch + s - 1) / s) % b.threads == 0) {
-        b.samples = s;
-        break;
-      }
-    if (b.samples == most && ((batch + most - 1) / most) % b.threads != 0) {
-      std::int64_t groups = (batch + most - 1) / most;
-      groups = (groups + b.threads - 1) / b.threads * b.threads;
-      b.samples = std::max<std::int64_t>(1, (batch + groups - 1) / groups);
-    }
+    b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1)),
+                                            std::max<std::int64_t>(batch, 1), b.threads);
   }
   b.parallel_backward = b.threads > 1 && b.groups(batch) >= b.threads &&
                         (b.threads - 1) * g.weight_elements() * scalar_bytes <= detail::kMaxPrivateGradientBytes;

@@ -32,6 +32,7 @@
 #include "tessera/kernels/cpu/compiled.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
+#include "tessera/kernels/cpu/winograd.hpp"
 
 namespace tessera {
 
@@ -203,22 +204,6 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
 
 namespace detail {
 
-// body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
-// region (its orphaned `omp for` loops then run whole). Not `parallel if (...)`: an inactive
-// region of one thread still counts as a nesting level, so a gemm inside would open a nested
-// team, for which libgomp starts fresh threads every time (each rebuilding its thread_local
-// packing buffers: 32 allocations and thread starts per ResNet-50 forward at batch 1). Outside
-// any region the gemm's own team is the pooled one.
-template <class Body>
-void run_in_team_if(bool parallel, const Body& body) {
-  if (parallel) {
-#pragma omp parallel
-    body();
-  } else {
-    body();
-  }
-}
-
 // One block of work: samples [n0, n0 + count) and, when count == 1, output rows [oh0, oh1).
 struct ConvBlock {
   std::int64_t n0, count, oh0, oh1;
@@ -317,6 +302,7 @@ void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, con
 template <class S>
 void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
                     const S* bias, S* y, S* workspace) {
+  if (b.winograd) return winograd_conv2d_forward(g, b, batch, x, w, bias, y, workspace);
   const std::int64_t bands = b.bands(g), blocks = b.groups(batch) * bands;
   const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
   const auto run = [&] {  // on each thread of a team, or alone (the orphaned `omp for` then runs it all)
@@ -352,6 +338,7 @@ void conv2d_bias_backward(Cpu, std::int64_t batch, std::int64_t channels, std::i
 template <class S>
 void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                      const S* w, const S* dy, S* dw, S* dx, S* workspace) {
+  if (b.winograd) return winograd_conv2d_backward(g, b, batch, x, w, dy, dw, dx, workspace);
   const std::int64_t bands = b.bands(g), groups = b.groups(batch), in_group = b.samples * g.channels * g.in_plane();
   const std::int64_t weights = g.weight_elements();
   S* partial = workspace + b.threads * b.thread_elements(g);  // (threads - 1) private dw accumulators

@@ -45,9 +45,9 @@ inline void copy_row(S* dst, const S* src, std::int64_t n) {
 // which defeats store-to-load forwarding (measured on Zen 4: 73% of col2im's time in that stall).
 template <class S>
 inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::int64_t taps, std::int64_t n) {
-  const std::int64_t width = n + taps - 1;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<S, float>) {
+    const std::int64_t width = n + taps - 1;
     for (std::int64_t x0 = 0; x0 < width; x0 += 16) {
       const std::int64_t lanes = std::min<std::int64_t>(16, width - x0);
       const __mmask16 m = lanes16(lanes);
