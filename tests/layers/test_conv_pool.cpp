@@ -260,8 +260,8 @@ TEST_CASE("Conv2d matches PyTorch", "[layers][conv][reference]") {
   }
 }
 
-TEST_CASE("Conv2d Winograd F(2x2, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
-  // Larger than the reference cases: several vectors of tiles per sample (28x28: 196 tiles),
+TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
+  // Larger than the reference cases: several vectors of tiles per block (28x28: 49 tiles a sample),
   // bands, whole-sample groups with a short last group, odd widths, more channels than
   // kWinogradMinChannels; float32 against the im2col result in float64.
   struct Case {

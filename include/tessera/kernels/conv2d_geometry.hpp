@@ -38,12 +38,12 @@ struct Conv2dGeometry {
   }
 };
 
-// How a CPU convolution is computed: im2col + gemm (any geometry), or Winograd F(2x2, 3x3)
+// How a CPU convolution is computed: im2col + gemm (any geometry), or Winograd F(4x4, 3x3)
 // (kernels/cpu/winograd.hpp: 3x3, stride 1, no dilation, no groups, padding up to 2). Auto picks
 // Winograd where it applies and saves enough multiply-adds (see conv2d_blocking).
 enum class ConvAlgorithm { Auto, Im2col, Winograd };
 
-// The geometries F(2x2, 3x3) handles.
+// The geometries F(4x4, 3x3) handles.
 inline bool winograd_applies(const Conv2dGeometry& g) {
   return g.kernel_h == 3 && g.kernel_w == 3 && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 &&
          g.dilation_w == 1 && g.groups == 1 && g.pad_h <= 2 && g.pad_w <= 2;
@@ -52,10 +52,10 @@ inline bool winograd_applies(const Conv2dGeometry& g) {
 // How the output positions are cut into per-thread blocks (see the header comment).
 struct Conv2dBlocking {
   std::int64_t samples = 1;  // whole samples per block; when 1, a block may be a band of rows
-  std::int64_t rows = 1;     // output rows per band (out_height when blocks are whole samples; even for Winograd)
+  std::int64_t rows = 1;     // output rows per band (out_height when blocks are whole samples; Winograd: 4k)
   std::int64_t threads = 1;  // threads the workspace was sized for
   bool parallel_backward = false;  // sample groups split over threads, each with a private dw
-  bool winograd = false;           // F(2x2, 3x3) instead of im2col (kernels/cpu/winograd.hpp)
+  bool winograd = false;           // F(4x4, 3x3) instead of im2col (kernels/cpu/winograd.hpp)
 
   std::int64_t bands(const Conv2dGeometry& g) const { return (g.out_height + rows - 1) / rows; }
   std::int64_t groups(std::int64_t batch) const { return (batch + samples - 1) / samples; }
@@ -74,32 +74,31 @@ struct Conv2dBlocking {
     if (winograd) return 2 * winograd_tile_matrix_elements(g) + winograd_band_elements(g);
     return col_elements(g) + stage_elements(g);
   }
-  // Winograd: the transformed filters U (16, K, C), shared by the team, before the threads' buffers.
+  // Winograd: the transformed filters U (36, K, C), shared by the team, before the threads' buffers.
   std::int64_t shared_elements(const Conv2dGeometry& g) const {
-    return winograd ? 16 * g.out_channels * g.channels : 0;
+    return winograd ? 36 * g.out_channels * g.channels : 0;
   }
   std::int64_t workspace_elements(const Conv2dGeometry& g, bool backward) const {
     std::int64_t private_gradients = 0;  // per thread but the first (im2col) or every thread (Winograd's dU)
-    if (backward && winograd) private_gradients = threads * 16 * g.out_channels * g.channels;
+    // (+ 16: whole-vector loads of the last dU row may read past it.)
+    if (backward && winograd) private_gradients = threads * 36 * g.out_channels * g.channels + 16;
     if (backward && !winograd && parallel_backward) private_gradients = (threads - 1) * g.weight_elements();
     return shared_elements(g) + threads * thread_elements(g) + private_gradients;
   }
 
-  // Winograd's tiles: 2x2 outputs each, over the forward pass (H' x W') and the dx pass (H x W).
-  static std::int64_t winograd_tiles_w(const Conv2dGeometry& g) { return (std::max(g.out_width, g.width) + 1) / 2; }
+  // Winograd's tiles: 4x4 outputs each, over the forward pass (H' x W') and the dx pass (H x W).
+  static std::int64_t winograd_tiles_w(const Conv2dGeometry& g) { return (std::max(g.out_width, g.width) + 3) / 4; }
   std::int64_t winograd_max_tiles(const Conv2dGeometry& g) const {
-    return samples * ((rows + 1) / 2) * winograd_tiles_w(g);
+    return samples * ((rows + 3) / 4) * winograd_tiles_w(g);
   }
-  // V (16, channels, tiles) or M (16, channels, tiles), channels the larger of C and K.
+  // V (36, channels, tiles) or M (36, channels, tiles), channels the larger of C and K.
   std::int64_t winograd_tile_matrix_elements(const Conv2dGeometry& g) const {
-    return 16 * std::max(g.channels, g.out_channels) * winograd_max_tiles(g);
+    return 36 * std::max(g.channels, g.out_channels) * winograd_max_tiles(g);
   }
-  // One channel's band for the input transform: 8 column arrays of (tile rows + 1) tiles_w, each
-  // with 16 elements of slack for whole-vector loads; also the transforms' 4 (tile rows) tiles_w
-  // temporaries.
-  std::int64_t winograd_band_elements(const Conv2dGeometry& g) const {
-    return 8 * (((rows + 1) / 2 + 1) * winograd_tiles_w(g) + 16);
-  }
+  // One channel's input rows of a block for the input transform: 36 column arrays of the block's
+  // tiles, each with 16 elements of slack for whole-vector loads; also the output transforms' 16
+  // arrays of tiles.
+  std::int64_t winograd_band_elements(const Conv2dGeometry& g) const { return 36 * (winograd_max_tiles(g) + 16); }
 };
 
 namespace detail {
@@ -113,12 +112,12 @@ constexpr std::int64_t kMinBlockColumns = 256;
 constexpr std::int64_t kMaxPrivateGradientBytes = std::int64_t{32} << 20;
 // Below this many elements of work a loop runs on one thread: waking the team would cost more.
 constexpr std::int64_t kParallelGrain = 32768;
-// Winograd pays for transforming the filters (25 values moved per 3x3 filter, each call) with the
-// multiply-adds it saves per filter over the batch, 9 H' W' - 16 tiles per sample; below this
-// saving (ResNet-50's 7x7 stage at batch 1: 185) im2col is as fast. Measured by
-// bench/inference_throughput at batch 1 and 8.
+// Winograd pays for transforming the filters (45 values moved per 3x3 filter, each call; twice that
+// in backward) with the multiply-adds it saves per filter over the batch, 9 H' W' - 36 tiles per
+// sample; below this saving im2col is faster (measured per layer: ResNet-50's 256-channel 14x14
+// layer at batch 1, saving 1188, 1.7x slower; its 128-channel 28x28 layer, 5292, 2x faster).
 constexpr std::int64_t kWinogradMinSaving = 2048;
-// Fewer input channels than this make 16 products of depth C too shallow for the gemm kernel
+// Fewer input channels than this make 36 products of depth C too shallow for the gemm kernel
 // (ResNet-20's 1-channel stem); im2col's single product has depth 9 C.
 constexpr std::int64_t kWinogradMinChannels = 8;
 
@@ -143,13 +142,13 @@ inline std::int64_t balanced_group_size(std::int64_t most, std::int64_t batch, s
 }
 
 // Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
-// every thread's private dU (16 K C) must also fit kMaxPrivateGradientBytes).
+// every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                           std::int64_t threads) {
-  const std::int64_t tiles = ((g.out_height + 1) / 2) * ((g.out_width + 1) / 2);
+  const std::int64_t tiles = ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
   return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels &&
-         batch * (9 * g.out_plane() - 16 * tiles) >= kWinogradMinSaving &&
-         threads * 16 * g.out_channels * g.channels * scalar_bytes <= kMaxPrivateGradientBytes;
+         batch * (9 * g.out_plane() - 36 * tiles) >= kWinogradMinSaving &&
+         threads * 36 * g.out_channels * g.channels * scalar_bytes <= kMaxPrivateGradientBytes;
 }
 
 }  // namespace detail
@@ -172,15 +171,15 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
                 (algorithm == ConvAlgorithm::Auto && detail::winograd_pays(g, batch, scalar_bytes, b.threads)));
   if (b.winograd) {
     const std::int64_t tiles_w = Conv2dBlocking::winograd_tiles_w(g);
-    const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 1) / 2;
-    const std::int64_t tile_bytes = 2 * 16 * std::max(g.channels, g.out_channels) * scalar_bytes;  // V and M
+    const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 3) / 4;
+    const std::int64_t tile_bytes = 2 * 36 * std::max(g.channels, g.out_channels) * scalar_bytes;  // V and M
     const std::int64_t target =
         block_columns > 0 ? block_columns : std::max<std::int64_t>(32, detail::kBlockBytes / tile_bytes);
     const std::int64_t per_sample = tiles_h * tiles_w;
     if (per_sample > target) {
-      b.rows = 2 * std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
+      b.rows = 4 * std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
     } else {
-      b.rows = 2 * tiles_h;
+      b.rows = 4 * tiles_h;
       b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / per_sample, 1, std::max<std::int64_t>(batch, 1)),
                                               std::max<std::int64_t>(batch, 1), b.threads);
     }

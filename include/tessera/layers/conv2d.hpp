@@ -113,7 +113,7 @@ class Conv2d {
   // Output positions per block (one im2col buffer, one gemm; see kernels/cpu/conv2d.hpp): 0
   // (default) sizes blocks to the L2 cache; n > 0 asks for about n columns. For tests and tuning.
   void set_block_columns(std::int64_t n) { block_columns_ = n; }
-  // Auto (default): Winograd F(2x2, 3x3) for 3x3 stride-1 layers where it saves enough work, else
+  // Auto (default): Winograd F(4x4, 3x3) for 3x3 stride-1 layers where it saves enough work, else
   // im2col (kernels/conv2d_geometry.hpp). Im2col or Winograd force one; Winograd only where it
   // applies (3x3, stride 1, dilation 1, groups 1, padding <= 2). CPU only: cuDNN picks its own.
   void set_algorithm(ConvAlgorithm a) {
@@ -123,7 +123,7 @@ class Conv2d {
       g.dilation_h = o_.dilation_h, g.dilation_w = o_.dilation_w, g.groups = o_.groups, g.pad_h = o_.pad_h;
       g.pad_w = o_.pad_w;
       TESSERA_CHECK(winograd_applies(g), ArgumentError, name_,
-                    ": Winograd F(2x2, 3x3) needs a 3x3 kernel, stride 1, dilation 1, groups 1 and padding <= 2");
+                    ": Winograd F(4x4, 3x3) needs a 3x3 kernel, stride 1, dilation 1, groups 1 and padding <= 2");
     }
     algorithm_ = a;
   }

@@ -1,36 +1,38 @@
-// 3x3 stride-1 convolution by Winograd's minimal filtering F(2x2, 3x3) (Lavin & Gray, "Fast
+// 3x3 stride-1 convolution by Winograd's minimal filtering F(4x4, 3x3) (Lavin & Gray, "Fast
 // Algorithms for Convolutional Neural Networks", 2016), NCHW, forward and both gradients.
 //
-// One 4x4 input tile d of a channel and one 3x3 filter g give a 2x2 output tile
-//   Y = A^T [ (G g G^T) (.) (B^T d B) ] A          (.) elementwise over the 16 positions xi
-//   B^T = | 1  0 -1  0 |    G = | 1    0    0  |    A^T = | 1  1  1  0 |
-//         | 0  1  1  0 |        | 1/2  1/2  1/2|          | 0  1 -1 -1 |
-//         | 0 -1  1  0 |        | 1/2 -1/2  1/2|
-//         | 0  1  0 -1 |        | 0    0    1  |
-// Summed over input channels, position by position, that is 16 matrix products per block of tiles:
+// One 6x6 input tile d of a channel and one 3x3 filter g give a 4x4 output tile
+//   Y = A^T [ (G g G^T) (.) (B^T d B) ] A          (.) elementwise over the 36 positions xi
+//   B^T = | 4  0 -5  0  1  0 |   G = |  1/4     0     0  |   A^T = | 1  1  1  1  1  0 |
+//         | 0 -4 -4  1  1  0 |       | -1/6  -1/6  -1/6  |         | 0  1 -1  2 -2  0 |
+//         | 0  4 -4 -1  1  0 |       | -1/6   1/6  -1/6  |         | 0  1  1  4  4  0 |
+//         | 0 -2 -1  2  1  0 |       |  1/24  1/12  1/6  |         | 0  1 -1  8 -8  1 |
+//         | 0  2 -1 -2  1  0 |       |  1/24 -1/12  1/6  |
+//         | 0  4  0 -5  0  1 |       |  0     0     1    |
+// Summed over input channels, position by position, that is 36 matrix products per block of tiles:
 //   U[xi] (K, C) = (G w[k, c] G^T)[xi]      V[xi] (C, T) = (B^T d[c, t] B)[xi]
 //   M[xi] (K, T) = U[xi] V[xi]              y[k, tile t] = A^T M[., k, t] A
-// 16 C K multiply-adds per 4 outputs instead of 36 C K (im2col's 9 C K per output): 2.25x fewer,
-// for 3 additions-only transforms that cost O(C + K) per tile, not O(C K).
+// 36 C K multiply-adds per 16 outputs instead of 144 C K (im2col's 9 C K per output): 4x fewer
+// (less where the image is not a multiple of 4 wide: 7x7 takes 2x2 tiles, 2.9 C K per output),
+// for additions-mostly transforms that cost O(C + K) per tile, not O(C K).
+// (F(2x2, 3x3), 16 positions for 4 outputs, saves 2.25x; measured here on a ResNet-20 training
+// step it gave 1.15x over im2col where F(4x4, 3x3) gives 1.27x.)
 //
 // Backward, both exact adjoints of the same arithmetic:
 //   dx: correlating dy with the filter flipped in space and transposed in channels,
 //       w'[c, k, i, j] = w[k, c, 2 - i, 2 - j], with padding 2 - p gives dx; it is this same
 //       forward algorithm (a gather: no two tiles write the same dx, so blocks run in parallel).
 //   dw: y is linear in U, so dU[xi] (K, C) = sum over tiles of dM[xi] V[xi]^T with
-//       dM = A dY A^T (the 2x2 dy tile, zero past the edge), and dw = G^T dU G.
-// The entries of A, B, G are 0, +-1 and +-1/2: the transforms round no worse than the sums of an
-// im2col product, and float64 gradient checks still agree with central differences.
+//       dM = A dY A^T (the 4x4 dy tile, zero past the edge), and dw = G^T dU G.
+// Rounding: the transforms scale by up to 8 and 1/24, so float32 results carry a few times the
+// error of im2col's (tests: within 2e-6 of the float64 result in norm, and within PyTorch's
+// float32 tolerance); float64 gradient checks agree with central differences.
 //
 // Work: blocks of whole samples or bands of tile rows (Conv2dBlocking, chosen in
 // kernels/conv2d_geometry.hpp), each transformed into a per-thread V and M that stay in the L2
-// cache, multiplied with the single-threaded gemm. A block's input rows are first split into their
-// even and odd columns (`band`, zero in the padding), so the tile loops read whole vectors of
-// tiles without bounds checks.
-// Measured (bench/train_throughput, 2 threads, AMD EPYC Zen 4): a ResNet-20 step 1.2x faster, a
-// 64-channel 56x56 layer's forward + backward 1.5-1.7x; at batch 1 a 512-channel 7x7 layer is 3x
-// slower (transforming 512 x 512 filters costs more than its 16 tiles save), hence
-// kWinogradMinSaving.
+// cache, multiplied with the single-threaded gemm. A block's input rows are first split into the
+// columns 4t + j of every tile t (`band`, zero in the padding), so the tile loops read whole
+// vectors of tiles without bounds checks.
 #pragma once
 
 #include <algorithm>
@@ -88,74 +90,141 @@ struct WinogradVector {
   }
 };
 
-// even[q] = src[2 q], odd[q] = src[2 q + 1] for q < pairs; entries of src outside [lo, hi) read
-// as 0 and are not touched (src may point before an input row: its zero border). The tile loops
-// then read each tile column as a contiguous vector: a tile starts every second column, and
-// strided loads kept the compiler from vectorizing the transforms.
+// out[j][t] = row[4 t + j] for t < count and each j < 6 whose out[j] is not null; entries of row
+// outside [lo, hi) read as 0 and are not touched (row may point before an input row: its zero
+// border). The tile loops then read each tile column as a contiguous vector: a tile starts every
+// fourth column, and strided loads kept the compiler from vectorizing the transforms. With
+// AVX-512, 16 tiles' columns come from four masked loads and two rounds of permutes, all in
+// registers (splitting through memory in two passes stalled on store-to-load forwarding, which
+// masked stores do not get on Zen 4: 37% of a forward pass).
 template <class S>
-void deinterleave(const S* src, std::int64_t lo, std::int64_t hi, std::int64_t pairs, S* even, S* odd) {
-  std::int64_t q = 0;
+void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t count, S* const (&out)[6]) {
+  std::int64_t t = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<S, float>) {
-    const __m512i even_lanes = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd_lanes = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const auto below = [](std::int64_t k) {  // lanes [0, k) of 16
       return static_cast<__mmask16>(k >= 16 ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1u);
     };
-    for (; q < pairs; q += 16) {
-      const std::int64_t i = 2 * q;
-      const __mmask16 first = below(hi - i) & static_cast<__mmask16>(~below(lo - i));
-      const __mmask16 second = below(hi - i - 16) & static_cast<__mmask16>(~below(lo - i - 16));
-      const __m512 a = _mm512_maskz_loadu_ps(first, src + i);
-      const __m512 b = _mm512_maskz_loadu_ps(second, src + i + 16);
-      const __mmask16 out = below(pairs - q);
-      _mm512_mask_storeu_ps(even + q, out, _mm512_permutex2var_ps(a, even_lanes, b));
-      _mm512_mask_storeu_ps(odd + q, out, _mm512_permutex2var_ps(a, odd_lanes, b));
+    const auto load = [&](std::int64_t i) {  // row[i, i + 16), zero outside [lo, hi)
+      return _mm512_maskz_loadu_ps(below(hi - i) & static_cast<__mmask16>(~below(lo - i)), row + i);
+    };
+    // The columns 4t + j0 and 4t + j0 + 2, and 4t + j0 + 1 and 4t + j0 + 3, of 16 tiles from t0.
+    const auto split = [&](std::int64_t i, __m512& c0, __m512& c1, __m512& c2, __m512& c3) {
+      const __m512 a = load(i), b = load(i + 16), c = load(i + 32), d = load(i + 48);
+      const __m512 even_ab = _mm512_permutex2var_ps(a, even, b), odd_ab = _mm512_permutex2var_ps(a, odd, b);
+      const __m512 even_cd = _mm512_permutex2var_ps(c, even, d), odd_cd = _mm512_permutex2var_ps(c, odd, d);
+      c0 = _mm512_permutex2var_ps(even_ab, even, even_cd);
+      c2 = _mm512_permutex2var_ps(even_ab, odd, even_cd);
+      c1 = _mm512_permutex2var_ps(odd_ab, even, odd_cd);
+      c3 = _mm512_permutex2var_ps(odd_ab, odd, odd_cd);
+    };
+    for (; t < count; t += 16) {
+      const __mmask16 lanes = below(count - t);
+      __m512 c[6], unused_a, unused_b;
+      split(4 * t, c[0], c[1], c[2], c[3]);
+      if (out[4] || out[5]) split(4 * t + 4, c[4], c[5], unused_a, unused_b);
+      for (int j = 0; j < 6; ++j)
+        if (out[j]) _mm512_mask_storeu_ps(out[j] + t, lanes, c[j]);
     }
     return;
   }
 #endif
-  for (; q < pairs; ++q) {
-    even[q] = 2 * q >= lo && 2 * q < hi ? src[2 * q] : S(0);
-    odd[q] = 2 * q + 1 >= lo && 2 * q + 1 < hi ? src[2 * q + 1] : S(0);
-  }
+  for (; t < count; ++t)
+    for (int j = 0; j < 6; ++j) {
+      const std::int64_t i = 4 * t + j;
+      if (out[j]) out[j][t] = i >= lo && i < hi ? row[i] : S(0);
+    }
 }
 
-// dst[2 q] = even[q], dst[2 q + 1] = odd[q], for the n entries of dst only.
+// dst[4 t + j] = in[j][t] for the n entries of dst only: split_columns4 backwards, for output rows.
 template <class S>
-void interleave(const S* even, const S* odd, std::int64_t n, S* dst) {
+void merge_columns4(const S* const (&in)[4], std::int64_t n, S* dst) {
   std::int64_t i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<S, float>) {
     const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const auto lanes = [](std::int64_t k) {
+    const auto below = [](std::int64_t k) {
       return static_cast<__mmask16>(k >= 16 ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1u);
     };
-    for (; i < n; i += 32) {
-      const std::int64_t left = n - i;
-      const __mmask16 in = lanes((left + 1) / 2);
-      const __m512 e = _mm512_maskz_loadu_ps(in, even + i / 2);
-      const __m512 o = _mm512_maskz_loadu_ps(in, odd + i / 2);
-      _mm512_mask_storeu_ps(dst + i, lanes(left), _mm512_permutex2var_ps(e, low, o));
-      _mm512_mask_storeu_ps(dst + i + 16, lanes(left - 16), _mm512_permutex2var_ps(e, high, o));
+    for (; i < n; i += 64) {
+      const __mmask16 lanes = below((n - i + 3) / 4);
+      const std::int64_t t = i / 4;
+      const __m512 c0 = _mm512_maskz_loadu_ps(lanes, in[0] + t), c1 = _mm512_maskz_loadu_ps(lanes, in[1] + t);
+      const __m512 c2 = _mm512_maskz_loadu_ps(lanes, in[2] + t), c3 = _mm512_maskz_loadu_ps(lanes, in[3] + t);
+      // p = columns 4t and 4t + 2 interleaved, q = 4t + 1 and 4t + 3; then p and q interleaved.
+      const __m512 p_lo = _mm512_permutex2var_ps(c0, low, c2), p_hi = _mm512_permutex2var_ps(c0, high, c2);
+      const __m512 q_lo = _mm512_permutex2var_ps(c1, low, c3), q_hi = _mm512_permutex2var_ps(c1, high, c3);
+      _mm512_mask_storeu_ps(dst + i, below(n - i), _mm512_permutex2var_ps(p_lo, low, q_lo));
+      _mm512_mask_storeu_ps(dst + i + 16, below(n - i - 16), _mm512_permutex2var_ps(p_lo, high, q_lo));
+      _mm512_mask_storeu_ps(dst + i + 32, below(n - i - 32), _mm512_permutex2var_ps(p_hi, low, q_hi));
+      _mm512_mask_storeu_ps(dst + i + 48, below(n - i - 48), _mm512_permutex2var_ps(p_hi, high, q_hi));
     }
     return;
   }
 #endif
-  for (; i < n; ++i) dst[i] = i % 2 == 0 ? even[i / 2] : odd[i / 2];
+  for (; i < n; ++i) dst[i] = in[i % 4][i / 4];
 }
 
-constexpr std::int64_t kWinogradPositions = 16;  // the 4x4 xi of F(2x2, 3x3)
+constexpr std::int64_t kWinogradTile = 4;        // m: a tile's outputs per side
+constexpr std::int64_t kWinogradPositions = 36;  // the 6x6 xi of F(4x4, 3x3)
 // Elements after each buffer that whole-vector loads may read past its end (never used).
 constexpr std::int64_t kWinogradSlack = 16;
 
+// The 1-D transforms, applied down the columns of a tile and then along its rows (or the other
+// way: they commute), on scalars or on vectors of tiles (V); factored to share sums.
+template <class S, class V>
+inline void winograd_input_1d(const V (&x)[6], V (&t)[6]) {  // t = B^T x
+  const V x42 = x[4] - x[2], x31 = x[3] - x[1];
+  t[0] = S(4) * x[0] - S(5) * x[2] + x[4];
+  t[1] = (x[3] + x[4]) - S(4) * (x[1] + x[2]);
+  t[2] = (x[4] - x[3]) + S(4) * (x[1] - x[2]);
+  t[3] = x42 + S(2) * x31;
+  t[4] = x42 - S(2) * x31;
+  t[5] = S(4) * x[1] - S(5) * x[3] + x[5];
+}
+template <class S, class V>
+inline void winograd_output_1d(const V (&m)[6], V (&y)[4]) {  // y = A^T m
+  const V s12 = m[1] + m[2], d12 = m[1] - m[2], s34 = m[3] + m[4], d34 = m[3] - m[4];
+  y[0] = m[0] + s12 + s34;
+  y[1] = d12 + S(2) * d34;
+  y[2] = s12 + S(4) * s34;
+  y[3] = d12 + S(8) * d34 + m[5];
+}
+template <class S, class V>
+inline void winograd_output_gradient_1d(const V (&dy)[4], V (&e)[6]) {  // e = A dy
+  const V s02 = dy[0] + dy[2], s13 = dy[1] + dy[3], a = dy[0] + S(4) * dy[2], b = S(2) * dy[1] + S(8) * dy[3];
+  e[0] = dy[0];
+  e[1] = s02 + s13;
+  e[2] = s02 - s13;
+  e[3] = a + b;
+  e[4] = a - b;
+  e[5] = dy[3];
+}
+template <class S, class V>
+inline void winograd_filter_1d(const V (&g)[3], V (&u)[6]) {  // u = G g
+  u[0] = g[0] / S(4);
+  u[1] = -(g[0] + g[1] + g[2]) / S(6);
+  u[2] = -(g[0] - g[1] + g[2]) / S(6);
+  u[3] = g[0] / S(24) + g[1] / S(12) + g[2] / S(6);
+  u[4] = g[0] / S(24) - g[1] / S(12) + g[2] / S(6);
+  u[5] = g[2];
+}
+template <class S, class V>
+inline void winograd_filter_gradient_1d(const V (&x)[6], V (&g)[3]) {  // g = G^T x
+  g[0] = x[0] / S(4) - (x[1] + x[2]) / S(6) + (x[3] + x[4]) / S(24);
+  g[1] = (x[2] - x[1]) / S(6) + (x[3] - x[4]) / S(12);
+  g[2] = (x[3] + x[4] - x[1] - x[2]) / S(6) + x[5];
+}
+
 // One pass of the tiled algorithm: `in` (channels_in, in_h, in_w) planes to `out` (channels_out,
-// out_h, out_w) planes, tile (tr, tc) reading input rows 2 tr - pad_h ... + 3.
+// out_h, out_w) planes, tile (tr, tc) reading input rows 4 tr - pad_h ... + 5.
 struct WinogradPass {
   std::int64_t in_h, in_w, out_h, out_w, pad_h, pad_w;
-  std::int64_t tiles_h() const { return (out_h + 1) / 2; }
-  std::int64_t tiles_w() const { return (out_w + 1) / 2; }
+  std::int64_t tiles_h() const { return (out_h + kWinogradTile - 1) / kWinogradTile; }
+  std::int64_t tiles_w() const { return (out_w + kWinogradTile - 1) / kWinogradTile; }
   std::int64_t bands(std::int64_t rows) const { return (out_h + rows - 1) / rows; }
 };
 
@@ -177,205 +246,227 @@ inline WinogradBlock winograd_block(const WinogradPass& p, const Conv2dBlocking&
                                     std::int64_t index) {
   const std::int64_t bands = p.bands(b.rows), group = index / bands, band = index % bands;
   const std::int64_t n0 = group * b.samples, oh0 = band * b.rows, oh1 = std::min(oh0 + b.rows, p.out_h);
-  return {n0, std::min(b.samples, batch - n0), oh0 / 2, (oh1 + 1) / 2};
+  return {n0, std::min(b.samples, batch - n0), oh0 / kWinogradTile, (oh1 + kWinogradTile - 1) / kWinogradTile};
 }
 
 // U[xi] (rows, cols) from 3x3 filters: U[xi][r][q] = (G f G^T)[xi] with f = w[r, q] or, when
 // `flipped`, the dx filter w'[r, q] = w[q, r] rotated by 180 degrees (w is (cols, rows, 3, 3) then).
-// Rows r in [r0, r1) only, so that a team can split them.
+// Rows r in [r0, r1) only, so that a team can split them. A vector of consecutive q at a time, so
+// that each of the 36 planes of U is written in whole vectors (one float at a time, 36 planes
+// apart, was slower than the convolution it served on ResNet-50's 512-channel layers).
 template <class S>
 void winograd_filter_transform(const S* w, std::int64_t rows, std::int64_t cols, bool flipped, std::int64_t r0,
                                std::int64_t r1, S* u) {
+  using P = WinogradVector<S>;
+  using V = typename P::V;
   const std::int64_t plane = rows * cols;
-  for (std::int64_t r = r0; r < r1; ++r) {
-#pragma omp simd
-    for (std::int64_t q = 0; q < cols; ++q) {
-      const S* f = flipped ? w + (q * rows + r) * 9 : w + (r * cols + q) * 9;
-      S g[3][3];
-      for (int i = 0; i < 3; ++i)
-        for (int j = 0; j < 3; ++j) g[i][j] = flipped ? f[(2 - i) * 3 + (2 - j)] : f[i * 3 + j];
-      S h[4][3];  // G g
-      for (int j = 0; j < 3; ++j) {
-        h[0][j] = g[0][j];
-        h[1][j] = S(0.5) * (g[0][j] + g[1][j] + g[2][j]);
-        h[2][j] = S(0.5) * (g[0][j] - g[1][j] + g[2][j]);
-        h[3][j] = g[2][j];
+  for (std::int64_t r = r0; r < r1; ++r)
+    for (std::int64_t q0 = 0; q0 < cols; q0 += P::width) {
+      const std::int64_t n = std::min(P::width, cols - q0);
+      S taps[3][3][P::width] = {};  // the filters' taps, lane = q - q0
+      for (std::int64_t l = 0; l < n; ++l) {
+        const std::int64_t q = q0 + l;
+        const S* f = flipped ? w + (q * rows + r) * 9 : w + (r * cols + q) * 9;
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 3; ++j) taps[i][j][l] = flipped ? f[(2 - i) * 3 + (2 - j)] : f[i * 3 + j];
       }
-      S* out = u + r * cols + q;
-      for (int i = 0; i < 4; ++i) {  // (G g) G^T
-        out[(i * 4 + 0) * plane] = h[i][0];
-        out[(i * 4 + 1) * plane] = S(0.5) * (h[i][0] + h[i][1] + h[i][2]);
-        out[(i * 4 + 2) * plane] = S(0.5) * (h[i][0] - h[i][1] + h[i][2]);
-        out[(i * 4 + 3) * plane] = h[i][2];
+      V h[6][3];  // G f, column by column ...
+      for (int j = 0; j < 3; ++j) {
+        V column[3], out[6];
+        for (int i = 0; i < 3; ++i) column[i] = P::load(taps[i][j]);
+        winograd_filter_1d<S>(column, out);
+        for (int i = 0; i < 6; ++i) h[i][j] = out[i];
+      }
+      S* dst = u + r * cols + q0;
+      for (int i = 0; i < 6; ++i) {  // ... then (G f) G^T, row by row
+        V out[6];
+        winograd_filter_1d<S>(h[i], out);
+        for (int j = 0; j < 6; ++j) P::store(dst + (i * 6 + j) * plane, out[j], n);
       }
     }
-  }
 }
 
 // dw[k, c] (+)= G^T (sum over `copies` of du[xi][k][c]) G for k in [k0, k1): the team's private
-// dU accumulators, `stride` elements apart, reduced and mapped back to 3x3 filters.
+// dU accumulators, `stride` elements apart, reduced and mapped back to 3x3 filters; a vector of
+// consecutive c at a time.
 template <class S>
 void winograd_filter_gradient(const S* du, std::int64_t copies, std::int64_t stride, std::int64_t filters_k,
                               std::int64_t filters_c, std::int64_t k0, std::int64_t k1, S* dw) {
+  using P = WinogradVector<S>;
+  using V = typename P::V;
   const std::int64_t plane = filters_k * filters_c;
-  for (std::int64_t k = k0; k < k1; ++k) {
-#pragma omp simd
-    for (std::int64_t c = 0; c < filters_c; ++c) {
-      S x[4][4];
-      for (int xi = 0; xi < 16; ++xi) {
-        S sum = 0;
-        for (std::int64_t t = 0; t < copies; ++t) sum += du[t * stride + xi * plane + k * filters_c + c];
-        x[xi / 4][xi % 4] = sum;
+  for (std::int64_t k = k0; k < k1; ++k)
+    for (std::int64_t c0 = 0; c0 < filters_c; c0 += P::width) {
+      const std::int64_t n = std::min(P::width, filters_c - c0);
+      const S* at = du + k * filters_c + c0;
+      V z[3][6];  // G^T x, column by column ...
+      for (int j = 0; j < 6; ++j) {
+        V column[6], out[3];
+        for (int i = 0; i < 6; ++i) {
+          column[i] = P::load(at + (i * 6 + j) * plane);
+          for (std::int64_t t = 1; t < copies; ++t) column[i] += P::load(at + t * stride + (i * 6 + j) * plane);
+        }
+        winograd_filter_gradient_1d<S>(column, out);
+        for (int i = 0; i < 3; ++i) z[i][j] = out[i];
       }
-      S z[3][4];  // G^T x
-      for (int j = 0; j < 4; ++j) {
-        const S half_sum = S(0.5) * (x[1][j] + x[2][j]);
-        z[0][j] = x[0][j] + half_sum;
-        z[1][j] = S(0.5) * (x[1][j] - x[2][j]);
-        z[2][j] = half_sum + x[3][j];
+      S taps[3][3][P::width];
+      for (int i = 0; i < 3; ++i) {  // ... then (G^T x) G, row by row
+        V out[3];
+        winograd_filter_gradient_1d<S>(z[i], out);
+        for (int j = 0; j < 3; ++j) P::store(taps[i][j], out[j], P::width);
       }
-      S* out = dw + (k * filters_c + c) * 9;
-      for (int i = 0; i < 3; ++i) {  // (G^T x) G
-        const S half_sum = S(0.5) * (z[i][1] + z[i][2]);
-        out[i * 3 + 0] += z[i][0] + half_sum;
-        out[i * 3 + 1] += S(0.5) * (z[i][1] - z[i][2]);
-        out[i * 3 + 2] += half_sum + z[i][3];
+      for (std::int64_t l = 0; l < n; ++l) {
+        S* dst = dw + (k * filters_c + c0 + l) * 9;
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 3; ++j) dst[i * 3 + j] += taps[i][j][l];
+      }
+    }
+}
+
+// The transforms run over all tiles of a block at once, tile f = (s rows + tr) tw + t (sample s,
+// tile row tr of the band, column t), as vectors: on ResNet's 7- and 14-wide images a tile row
+// alone is 2 or 4 tiles, an eighth or a quarter of a vector, and a sample 4 or 16 tiles.
+
+// V[xi] (channels, T) of a block (T = blk.tiles(p), row stride T): B^T d B for each 6x6 input
+// tile d. `band` holds, for one channel, the columns 4t + j (j = 0..5) of the block's input rows:
+//   rows[phase][j][(s rows + r) tw + t]  = x[sample s, row 4 r + phase,       column 4 t + j]
+//   next[phase][j][(s rows + r) tw + t]  = x[sample s, row 4 (r + 1) + phase, column 4 t + j]
+// (zero in the padding), so that tile f reads its input row i < 4 from rows[i][.][f] and row
+// 4 + i from next[i][.][f]: every load of the transform is one vector of consecutive tiles.
+template <class S>
+void winograd_input_transform(const WinogradPass& p, const WinogradBlock& blk, std::int64_t channels, const S* in,
+                              S* v, S* band) {
+  const std::int64_t tw = p.tiles_w(), tiles = blk.tiles(p), rows = blk.tr1 - blk.tr0;
+  const std::int64_t plane = channels * tiles, first_row = kWinogradTile * blk.tr0 - p.pad_h;
+  const std::int64_t column_elements = tiles + kWinogradSlack;
+  S* columns[6][6];  // [row i of the tile][column j]: rows[i] for i < 4, next[i - 4] for i = 4, 5
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 6; ++j) columns[i][j] = band + (i * 6 + j) * column_elements;
+  for (std::int64_t c = 0; c < channels; ++c) {
+    for (std::int64_t s = 0; s < blk.count; ++s) {
+      const S* src = in + ((blk.n0 + s) * channels + c) * p.in_h * p.in_w;
+      // Band row q = 4 r + phase is row `phase` of tile row r and, for phase 0 and 1, row
+      // 4 + phase of tile row r - 1.
+      for (std::int64_t q = 0; q < 4 * rows + 2; ++q) {
+        const std::int64_t ih = first_row + q, r = q / 4, phase = q % 4;
+        for (int role = 0; role < 2; ++role) {
+          const std::int64_t tile_row = role == 0 ? r : r - 1, i = role == 0 ? phase : 4 + phase;
+          if (tile_row < 0 || tile_row >= rows || i >= 6) continue;
+          const std::int64_t at = (s * rows + tile_row) * tw;
+          S* const out[6] = {columns[i][0] + at, columns[i][1] + at, columns[i][2] + at,
+                             columns[i][3] + at, columns[i][4] + at, columns[i][5] + at};
+          if (ih < 0 || ih >= p.in_h) {
+            for (int j = 0; j < 6; ++j) std::fill(out[j], out[j] + tw, S(0));
+          } else {  // band column b is input column b - pad_w
+            split_columns4(src + ih * p.in_w - p.pad_w, p.pad_w, p.pad_w + p.in_w, tw, out);
+          }
+        }
+      }
+    }
+    using P = WinogradVector<S>;
+    using V = typename P::V;
+    S* dst = v + c * tiles;
+    for (std::int64_t f = 0; f < tiles; f += P::width) {
+      const std::int64_t n = std::min(P::width, tiles - f);
+      V d[6][6];  // B^T d, column by column ...
+      for (int j = 0; j < 6; ++j) {
+        V x[6], t[6];
+        for (int i = 0; i < 6; ++i) x[i] = P::load(columns[i][j] + f);
+        winograd_input_1d<S>(x, t);
+        for (int i = 0; i < 6; ++i) d[i][j] = t[i];
+      }
+      for (int i = 0; i < 6; ++i) {  // ... then (B^T d) B, row by row
+        V t[6];
+        winograd_input_1d<S>(d[i], t);
+        for (int j = 0; j < 6; ++j) P::store(dst + (i * 6 + j) * plane + f, t[j], n);
       }
     }
   }
 }
 
-// The transforms run over all tiles of one sample's band at once, tile f = tr tw + t (tile row
-// tr of the band, column t), as 64-byte vectors: on ResNet's 7- and 14-wide images a tile row
-// alone is 4 or 7 tiles, a quarter or half of a vector.
-
-// V[xi] (channels, T) of a block (T = blk.tiles(p), row stride T): B^T d B for each 4x4 input
-// tile d. `band` holds, for one channel, the columns 2t + j (j = 0..3) of the band's even and of
-// its odd input rows: cols[parity][j][r tw + t] = x[row 2 r + parity, column 2 t + j] (zero in the
-// padding). Tile row tr's input row i is then parity i % 2 at offset (tr + i / 2) tw.
-template <class S>
-void winograd_input_transform(const WinogradPass& p, const WinogradBlock& blk, std::int64_t channels, const S* in,
-                              S* v, S* band) {
-  const std::int64_t tw = p.tiles_w(), tiles = blk.tiles(p), rows = blk.tr1 - blk.tr0, flat = rows * tw;
-  const std::int64_t plane = channels * tiles, first_row = 2 * blk.tr0 - p.pad_h;
-  const std::int64_t column_elements = (rows + 1) * tw + kWinogradSlack;
-  S* cols[2][4];
-  for (int parity = 0; parity < 2; ++parity)
-    for (int j = 0; j < 4; ++j) cols[parity][j] = band + (parity * 4 + j) * column_elements;
-  for (std::int64_t s = 0; s < blk.count; ++s)
-    for (std::int64_t c = 0; c < channels; ++c) {
-      const S* src = in + ((blk.n0 + s) * channels + c) * p.in_h * p.in_w;
-      for (std::int64_t r = 0; r < 2 * rows + 2; ++r) {
-        const std::int64_t ih = first_row + r, at = r / 2 * tw;
-        S* const* out = cols[r % 2];
-        if (ih < 0 || ih >= p.in_h) {
-          for (int j = 0; j < 4; ++j) std::fill(out[j] + at, out[j] + at + tw, S(0));
-          continue;
-        }
-        // Band column b is input column b - pad_w; columns 2t, 2t + 1, then 2t + 2, 2t + 3.
-        const S* row = src + ih * p.in_w - p.pad_w;
-        deinterleave(row, p.pad_w, p.pad_w + p.in_w, tw, out[0] + at, out[1] + at);
-        deinterleave(row + 2, p.pad_w - 2, p.pad_w + p.in_w - 2, tw, out[2] + at, out[3] + at);
-      }
-      using P = WinogradVector<S>;
-      using V = typename P::V;
-      S* dst = v + c * tiles + s * flat;
-      for (std::int64_t f = 0; f < flat; f += P::width) {
-        const std::int64_t n = std::min(P::width, flat - f);
-        V a[4][4];  // a[i][j]: row i, column j of the tiles
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) a[i][j] = P::load(cols[i % 2][j] + i / 2 * tw + f);
-        V d[4][4];  // B^T d down each column ...
-        for (int j = 0; j < 4; ++j) {
-          d[0][j] = a[0][j] - a[2][j];
-          d[1][j] = a[1][j] + a[2][j];
-          d[2][j] = a[2][j] - a[1][j];
-          d[3][j] = a[1][j] - a[3][j];
-        }
-        for (int i = 0; i < 4; ++i) {  // ... then (B^T d) B along each row
-          P::store(dst + (i * 4 + 0) * plane + f, d[i][0] - d[i][2], n);
-          P::store(dst + (i * 4 + 1) * plane + f, d[i][1] + d[i][2], n);
-          P::store(dst + (i * 4 + 2) * plane + f, d[i][2] - d[i][1], n);
-          P::store(dst + (i * 4 + 3) * plane + f, d[i][1] - d[i][3], n);
-        }
-      }
-    }
-}
-
-// out (count, channels, out_h, out_w) tiles of the block = A^T M A (+ bias[k]); the second row or
-// column of an edge tile is dropped when out_h or out_w is odd. `temp` holds 4 rows tw elements.
+// out (count, channels, out_h, out_w) tiles of the block = A^T M A (+ bias[k]); the rows and
+// columns of edge tiles past out_h, out_w are dropped. `temp` holds the 16 output positions of
+// the block's tiles (16 T).
 template <class S>
 void winograd_output_transform(const WinogradPass& p, const WinogradBlock& blk, std::int64_t channels, const S* m,
                                const S* bias, S* out, S* temp) {
-  const std::int64_t tw = p.tiles_w(), tiles = blk.tiles(p), plane = channels * tiles;
-  const std::int64_t rows = blk.tr1 - blk.tr0, flat = rows * tw;
-  S *y00 = temp, *y01 = temp + flat, *y10 = temp + 2 * flat, *y11 = temp + 3 * flat;
+  const std::int64_t tw = p.tiles_w(), tiles = blk.tiles(p), plane = channels * tiles, rows = blk.tr1 - blk.tr0;
+  S* y = temp;  // y[(i * 4 + j) T + f]: output row i, column j of tile f
   using P = WinogradVector<S>;
   using V = typename P::V;
-  for (std::int64_t s = 0; s < blk.count; ++s)
-    for (std::int64_t k = 0; k < channels; ++k) {
-      const S add = bias ? bias[k] : S(0);
-      const S* src = m + k * tiles + s * flat;
-      for (std::int64_t f = 0; f < flat; f += P::width) {
-        const std::int64_t n = std::min(P::width, flat - f);
-        V a[2][4];  // A^T M
-        for (int j = 0; j < 4; ++j) {
-          const V m0 = P::load(src + (0 + j) * plane + f), m1 = P::load(src + (4 + j) * plane + f),
-                  m2 = P::load(src + (8 + j) * plane + f), m3 = P::load(src + (12 + j) * plane + f);
-          a[0][j] = m0 + m1 + m2;
-          a[1][j] = m1 - m2 - m3;
-        }
-        P::store(y00 + f, a[0][0] + a[0][1] + a[0][2] + add, n);  // (A^T M) A
-        P::store(y01 + f, a[0][1] - a[0][2] - a[0][3] + add, n);
-        P::store(y10 + f, a[1][0] + a[1][1] + a[1][2] + add, n);
-        P::store(y11 + f, a[1][1] - a[1][2] - a[1][3] + add, n);
+  for (std::int64_t k = 0; k < channels; ++k) {
+    const S add = bias ? bias[k] : S(0);
+    const S* src = m + k * tiles;
+    for (std::int64_t f = 0; f < tiles; f += P::width) {
+      const std::int64_t n = std::min(P::width, tiles - f);
+      V a[4][6];  // A^T M, column by column ...
+      for (int j = 0; j < 6; ++j) {
+        V x[6], t[4];
+        for (int i = 0; i < 6; ++i) x[i] = P::load(src + (i * 6 + j) * plane + f);
+        winograd_output_1d<S>(x, t);
+        for (int i = 0; i < 4; ++i) a[i][j] = t[i];
       }
-      S* dst = out + ((blk.n0 + s) * channels + k) * p.out_h * p.out_w;
-      for (std::int64_t tr = 0; tr < rows; ++tr) {
-        S* y0 = dst + 2 * (blk.tr0 + tr) * p.out_w;
-        interleave(y00 + tr * tw, y01 + tr * tw, p.out_w, y0);
-        if (2 * (blk.tr0 + tr) + 1 < p.out_h) interleave(y10 + tr * tw, y11 + tr * tw, p.out_w, y0 + p.out_w);
+      for (int i = 0; i < 4; ++i) {  // ... then (A^T M) A, row by row
+        V t[4];
+        winograd_output_1d<S>(a[i], t);
+        for (int j = 0; j < 4; ++j) P::store(y + (i * 4 + j) * tiles + f, t[j] + add, n);
       }
     }
+    for (std::int64_t s = 0; s < blk.count; ++s) {
+      S* dst = out + ((blk.n0 + s) * channels + k) * p.out_h * p.out_w;
+      for (std::int64_t tr = 0; tr < rows; ++tr)
+        for (int i = 0; i < 4; ++i) {
+          const std::int64_t oh = kWinogradTile * (blk.tr0 + tr) + i;
+          if (oh >= p.out_h) break;
+          const S* yi = y + i * 4 * tiles + (s * rows + tr) * tw;
+          const S* const columns[4] = {yi, yi + tiles, yi + 2 * tiles, yi + 3 * tiles};
+          merge_columns4(columns, p.out_w, dst + oh * p.out_w);
+        }
+    }
+  }
 }
 
-// dM[xi] (channels, T) of a block from the 2x2 dy tiles: A dY A^T, dy taken as 0 past the edge.
-// `temp` holds 4 rows tw elements.
+// dM[xi] (channels, T) of a block from the 4x4 dy tiles: A dY A^T, dy taken as 0 past the edge.
+// `temp` as for winograd_output_transform.
 template <class S>
 void winograd_output_gradient_transform(const WinogradPass& p, const WinogradBlock& blk, std::int64_t channels,
                                         const S* dy, S* dm, S* temp) {
-  const std::int64_t tw = p.tiles_w(), tiles = blk.tiles(p), plane = channels * tiles;
-  const std::int64_t rows = blk.tr1 - blk.tr0, flat = rows * tw;
-  S *g00 = temp, *g01 = temp + flat, *g10 = temp + 2 * flat, *g11 = temp + 3 * flat;
+  const std::int64_t tw = p.tiles_w(), tiles = blk.tiles(p), plane = channels * tiles, rows = blk.tr1 - blk.tr0;
+  S* g = temp;  // g[(i * 4 + j) T + f] = dy[row 4 tr + i, column 4 t + j] of tile f = (s rows + tr) tw + t
   using P = WinogradVector<S>;
   using V = typename P::V;
-  for (std::int64_t s = 0; s < blk.count; ++s)
-    for (std::int64_t k = 0; k < channels; ++k) {
+  for (std::int64_t k = 0; k < channels; ++k) {
+    for (std::int64_t s = 0; s < blk.count; ++s) {
       const S* src = dy + ((blk.n0 + s) * channels + k) * p.out_h * p.out_w;
-      for (std::int64_t tr = 0; tr < rows; ++tr) {
-        const std::int64_t oh = 2 * (blk.tr0 + tr);
-        deinterleave(src + oh * p.out_w, 0, p.out_w, tw, g00 + tr * tw, g01 + tr * tw);
-        if (oh + 1 < p.out_h) {
-          deinterleave(src + (oh + 1) * p.out_w, 0, p.out_w, tw, g10 + tr * tw, g11 + tr * tw);
-        } else {
-          std::fill(g10 + tr * tw, g10 + tr * tw + tw, S(0));
-          std::fill(g11 + tr * tw, g11 + tr * tw + tw, S(0));
-        }
-      }
-      S* dst = dm + k * tiles + s * flat;
-      for (std::int64_t f = 0; f < flat; f += P::width) {
-        const std::int64_t n = std::min(P::width, flat - f);
-        const V a00 = P::load(g00 + f), a01 = P::load(g01 + f), a10 = P::load(g10 + f), a11 = P::load(g11 + f);
-        // e = A dY (4x2): rows dY0, dY0 + dY1, dY0 - dY1, -dY1; then e A^T likewise by columns.
-        const V e[4][2] = {{a00, a01}, {a00 + a10, a01 + a11}, {a00 - a10, a01 - a11}, {-a10, -a11}};
+      for (std::int64_t tr = 0; tr < rows; ++tr)
         for (int i = 0; i < 4; ++i) {
-          P::store(dst + (i * 4 + 0) * plane + f, e[i][0], n);
-          P::store(dst + (i * 4 + 1) * plane + f, e[i][0] + e[i][1], n);
-          P::store(dst + (i * 4 + 2) * plane + f, e[i][0] - e[i][1], n);
-          P::store(dst + (i * 4 + 3) * plane + f, -e[i][1], n);
+          S* gi = g + i * 4 * tiles + (s * rows + tr) * tw;
+          const std::int64_t oh = kWinogradTile * (blk.tr0 + tr) + i;
+          if (oh >= p.out_h) {
+            for (int j = 0; j < 4; ++j) std::fill(gi + j * tiles, gi + j * tiles + tw, S(0));
+            continue;
+          }
+          S* const out[6] = {gi, gi + tiles, gi + 2 * tiles, gi + 3 * tiles, nullptr, nullptr};
+          split_columns4(src + oh * p.out_w, 0, p.out_w, tw, out);
         }
+    }
+    S* dst = dm + k * tiles;
+    for (std::int64_t f = 0; f < tiles; f += P::width) {
+      const std::int64_t n = std::min(P::width, tiles - f);
+      V e[6][4];  // A dY, column by column ...
+      for (int j = 0; j < 4; ++j) {
+        V x[4], t[6];
+        for (int i = 0; i < 4; ++i) x[i] = P::load(g + (i * 4 + j) * tiles + f);
+        winograd_output_gradient_1d<S>(x, t);
+        for (int i = 0; i < 6; ++i) e[i][j] = t[i];
+      }
+      for (int i = 0; i < 6; ++i) {  // ... then (A dY) A^T, row by row
+        V t[6];
+        winograd_output_gradient_1d<S>(e[i], t);
+        for (int j = 0; j < 6; ++j) P::store(dst + (i * 6 + j) * plane + f, t[j], n);
       }
     }
+  }
 }
 
 // The per-thread buffers of Conv2dBlocking::thread_elements: V, M, then the padded band.
@@ -390,7 +481,7 @@ struct WinogradBuffers {
   }
 };
 
-// out = the convolution of a pass on one block: V from `in`, 16 products with u (out_ch, in_ch),
+// out = the convolution of a pass on one block: V from `in`, 36 products with u (out_ch, in_ch),
 // then the output transform.
 template <class S>
 void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std::int64_t in_ch, std::int64_t out_ch,
@@ -412,7 +503,7 @@ inline void team_share(std::int64_t n, std::int64_t& begin, std::int64_t& end) {
 
 }  // namespace detail
 
-// y = conv3x3(x, w) + bias by F(2x2, 3x3); b.winograd is set (conv2d_blocking chose it for g).
+// y = conv3x3(x, w) + bias by F(4x4, 3x3); b.winograd is set (conv2d_blocking chose it for g).
 template <class S>
 void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                              const S* w, const S* bias, S* y, S* workspace) {
@@ -433,7 +524,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   detail::run_in_team_if(blocks > 1 && batch * g.out_plane() * k * c * 9 > detail::kParallelGrain, run);
 }
 
-// dw (K, C, 3, 3) += dL/dw and, unless dx is null, dx = dL/dx, by F(2x2, 3x3) (header comment).
+// dw (K, C, 3, 3) += dL/dw and, unless dx is null, dx = dL/dx, by F(4x4, 3x3) (header comment).
 template <class S>
 void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                               const S* w, const S* dy, S* dw, S* dx, S* workspace) {
@@ -441,8 +532,8 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   const detail::WinogradPass fwd = detail::winograd_forward_pass(g), back = detail::winograd_input_grad_pass(g);
   const std::int64_t weight_blocks = b.groups(batch) * fwd.bands(b.rows);
   const std::int64_t input_blocks = dx ? b.groups(batch) * back.bands(b.rows) : 0;
-  S* u_flipped = workspace;                                                     // (16, C, K)
-  S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 16, K, C)
+  S* u_flipped = workspace;                                                     // (36, C, K)
+  S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 36, K, C)
   const auto run = [&] {
     const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
     S* my_du = du + me * filters;
