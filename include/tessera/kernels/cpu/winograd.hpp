@@ -90,15 +90,16 @@ struct WinogradVector {
   }
 };
 
-// out[j][t] = row[4 t + j] for t < count and each j < 6 whose out[j] is not null; entries of row
-// outside [lo, hi) read as 0 and are not touched (row may point before an input row: its zero
+// out[j][t] = row[4 t + j] for t < count and each j < 6 whose out[j] is not null, and the same
+// into also[j] where not null; entries of row outside [lo, hi) read as 0 and are not touched (row may point before an input row: its zero
 // border). The tile loops then read each tile column as a contiguous vector: a tile starts every
 // fourth column, and strided loads kept the compiler from vectorizing the transforms. With
 // AVX-512, 16 tiles' columns come from four masked loads and two rounds of permutes, all in
 // registers (splitting through memory in two passes stalled on store-to-load forwarding, which
 // masked stores do not get on Zen 4: 37% of a forward pass).
 template <class S>
-void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t count, S* const (&out)[6]) {
+void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t count, S* const (&out)[6],
+                    S* const (&also)[6]) {
   std::int64_t t = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<S, float>) {
@@ -124,9 +125,11 @@ void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t
       const __mmask16 lanes = below(count - t);
       __m512 c[6], unused_a, unused_b;
       split(4 * t, c[0], c[1], c[2], c[3]);
-      if (out[4] || out[5]) split(4 * t + 4, c[4], c[5], unused_a, unused_b);
-      for (int j = 0; j < 6; ++j)
+      if (out[4] || out[5] || also[4] || also[5]) split(4 * t + 4, c[4], c[5], unused_a, unused_b);
+      for (int j = 0; j < 6; ++j) {
         if (out[j]) _mm512_mask_storeu_ps(out[j] + t, lanes, c[j]);
+        if (also[j]) _mm512_mask_storeu_ps(also[j] + t, lanes, c[j]);
+      }
     }
     return;
   }
@@ -134,7 +137,9 @@ void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t
   for (; t < count; ++t)
     for (int j = 0; j < 6; ++j) {
       const std::int64_t i = 4 * t + j;
-      if (out[j]) out[j][t] = i >= lo && i < hi ? row[i] : S(0);
+      const S value = i >= lo && i < hi ? row[i] : S(0);
+      if (out[j]) out[j][t] = value;
+      if (also[j]) also[j][t] = value;
     }
 }
 
@@ -349,17 +354,19 @@ void winograd_input_transform(const WinogradPass& p, const WinogradBlock& blk, s
       // 4 + phase of tile row r - 1.
       for (std::int64_t q = 0; q < 4 * rows + 2; ++q) {
         const std::int64_t ih = first_row + q, r = q / 4, phase = q % 4;
+        S* targets[2][6] = {};  // (tile row r, row phase) and, for phase 0 and 1, (r - 1, row 4 + phase)
         for (int role = 0; role < 2; ++role) {
           const std::int64_t tile_row = role == 0 ? r : r - 1, i = role == 0 ? phase : 4 + phase;
           if (tile_row < 0 || tile_row >= rows || i >= 6) continue;
           const std::int64_t at = (s * rows + tile_row) * tw;
-          S* const out[6] = {columns[i][0] + at, columns[i][1] + at, columns[i][2] + at,
-                             columns[i][3] + at, columns[i][4] + at, columns[i][5] + at};
-          if (ih < 0 || ih >= p.in_h) {
-            for (int j = 0; j < 6; ++j) std::fill(out[j], out[j] + tw, S(0));
-          } else {  // band column b is input column b - pad_w
-            split_columns4(src + ih * p.in_w - p.pad_w, p.pad_w, p.pad_w + p.in_w, tw, out);
-          }
+          for (int j = 0; j < 6; ++j) targets[role][j] = columns[i][j] + at;
+        }
+        if (ih < 0 || ih >= p.in_h) {
+          for (const auto& out : targets)
+            for (S* o : out)
+              if (o) std::fill(o, o + tw, S(0));
+        } else {  // band column b is input column b - pad_w
+          split_columns4(src + ih * p.in_w - p.pad_w, p.pad_w, p.pad_w + p.in_w, tw, targets[0], targets[1]);
         }
       }
     }
@@ -447,7 +454,8 @@ void winograd_output_gradient_transform(const WinogradPass& p, const WinogradBlo
             continue;
           }
           S* const out[6] = {gi, gi + tiles, gi + 2 * tiles, gi + 3 * tiles, nullptr, nullptr};
-          split_columns4(src + oh * p.out_w, 0, p.out_w, tw, out);
+          S* const none[6] = {};
+          split_columns4(src + oh * p.out_w, 0, p.out_w, tw, out, none);
         }
     }
     S* dst = dm + k * tiles;
