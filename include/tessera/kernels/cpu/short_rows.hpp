@@ -18,7 +18,10 @@
 namespace tessera::detail {
 
 #if defined(__AVX512F__)
-inline __mmask16 lanes16(std::int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+// Lanes [0, n) of 16, n clamped to [0, 16].
+inline __mmask16 lanes16(std::int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
+}
 #endif
 
 // dst[0, n) = src[0, n); the ranges do not overlap.

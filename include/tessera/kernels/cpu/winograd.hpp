@@ -43,6 +43,7 @@
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/cpu/short_rows.hpp"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -82,7 +83,7 @@ struct WinogradVector {
     }
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<S, float>) {
-      _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), reinterpret_cast<__m512>(v));
+      _mm512_mask_storeu_ps(p, lanes16(n), reinterpret_cast<__m512>(v));
       return;
     }
 #endif
@@ -105,11 +106,8 @@ void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t
   if constexpr (std::is_same_v<S, float>) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    const auto below = [](std::int64_t k) {  // lanes [0, k) of 16
-      return static_cast<__mmask16>(k >= 16 ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1u);
-    };
     const auto load = [&](std::int64_t i) {  // row[i, i + 16), zero outside [lo, hi)
-      return _mm512_maskz_loadu_ps(below(hi - i) & static_cast<__mmask16>(~below(lo - i)), row + i);
+      return _mm512_maskz_loadu_ps(lanes16(hi - i) & static_cast<__mmask16>(~lanes16(lo - i)), row + i);
     };
     // The columns 4t + j0 and 4t + j0 + 2, and 4t + j0 + 1 and 4t + j0 + 3, of 16 tiles from t0.
     const auto split = [&](std::int64_t i, __m512& c0, __m512& c1, __m512& c2, __m512& c3) {
@@ -122,10 +120,10 @@ void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t
       c3 = _mm512_permutex2var_ps(odd_ab, odd, odd_cd);
     };
     for (; t < count; t += 16) {
-      const __mmask16 lanes = below(count - t);
-      __m512 c[6], unused_a, unused_b;
+      const __mmask16 lanes = lanes16(count - t);
+      __m512 c[6], unused_c6, unused_c7;  // the second split's 4t + 6 and 4t + 7 columns
       split(4 * t, c[0], c[1], c[2], c[3]);
-      if (out[4] || out[5] || also[4] || also[5]) split(4 * t + 4, c[4], c[5], unused_a, unused_b);
+      if (out[4] || out[5] || also[4] || also[5]) split(4 * t + 4, c[4], c[5], unused_c6, unused_c7);
       for (int j = 0; j < 6; ++j) {
         if (out[j]) _mm512_mask_storeu_ps(out[j] + t, lanes, c[j]);
         if (also[j]) _mm512_mask_storeu_ps(also[j] + t, lanes, c[j]);
@@ -151,21 +149,18 @@ void merge_columns4(const S* const (&in)[4], std::int64_t n, S* dst) {
   if constexpr (std::is_same_v<S, float>) {
     const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const auto below = [](std::int64_t k) {
-      return static_cast<__mmask16>(k >= 16 ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1u);
-    };
     for (; i < n; i += 64) {
-      const __mmask16 lanes = below((n - i + 3) / 4);
+      const __mmask16 lanes = lanes16((n - i + 3) / 4);
       const std::int64_t t = i / 4;
       const __m512 c0 = _mm512_maskz_loadu_ps(lanes, in[0] + t), c1 = _mm512_maskz_loadu_ps(lanes, in[1] + t);
       const __m512 c2 = _mm512_maskz_loadu_ps(lanes, in[2] + t), c3 = _mm512_maskz_loadu_ps(lanes, in[3] + t);
       // p = columns 4t and 4t + 2 interleaved, q = 4t + 1 and 4t + 3; then p and q interleaved.
       const __m512 p_lo = _mm512_permutex2var_ps(c0, low, c2), p_hi = _mm512_permutex2var_ps(c0, high, c2);
       const __m512 q_lo = _mm512_permutex2var_ps(c1, low, c3), q_hi = _mm512_permutex2var_ps(c1, high, c3);
-      _mm512_mask_storeu_ps(dst + i, below(n - i), _mm512_permutex2var_ps(p_lo, low, q_lo));
-      _mm512_mask_storeu_ps(dst + i + 16, below(n - i - 16), _mm512_permutex2var_ps(p_lo, high, q_lo));
-      _mm512_mask_storeu_ps(dst + i + 32, below(n - i - 32), _mm512_permutex2var_ps(p_hi, low, q_hi));
-      _mm512_mask_storeu_ps(dst + i + 48, below(n - i - 48), _mm512_permutex2var_ps(p_hi, high, q_hi));
+      _mm512_mask_storeu_ps(dst + i, lanes16(n - i), _mm512_permutex2var_ps(p_lo, low, q_lo));
+      _mm512_mask_storeu_ps(dst + i + 16, lanes16(n - i - 16), _mm512_permutex2var_ps(p_lo, high, q_lo));
+      _mm512_mask_storeu_ps(dst + i + 32, lanes16(n - i - 32), _mm512_permutex2var_ps(p_hi, low, q_hi));
+      _mm512_mask_storeu_ps(dst + i + 48, lanes16(n - i - 48), _mm512_permutex2var_ps(p_hi, high, q_hi));
     }
     return;
   }
@@ -477,7 +472,7 @@ void winograd_output_gradient_transform(const WinogradPass& p, const WinogradBlo
   }
 }
 
-// The per-thread buffers of Conv2dBlocking::thread_elements: V, M, then the padded band.
+// The per-thread buffers of Conv2dBlocking::thread_elements: V, M, then the band (and temporaries).
 template <class S>
 struct WinogradBuffers {
   S *v, *m, *pad;
