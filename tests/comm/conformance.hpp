@@ -74,6 +74,13 @@ class Conformance {
         for (std::size_t n : kSizes) reduce_scatter<T>(n, op);
     });
     if (o_.large_bytes > 0) {
+      // Many distinct sizes of a few MiB, then the first ones again: a backend that keeps state
+      // per size (GlooComm's staged algorithms, evicted past 32 MiB) must recreate it identically
+      // on every rank.
+      section("all_reduce size sweep (2-4 MiB)");
+      for (int pass = 0; pass < 2; ++pass)
+        for (std::size_t k = 0; k < (pass == 0 ? 16u : 4u); ++k)
+          all_reduce<float>(524288 + 32768 * k, k % 2 ? ReduceOp::Avg : ReduceOp::Max);
       section("large (>= 64 MiB)");
       const std::size_t n = o_.large_bytes / sizeof(float);
       all_reduce<float>(n, ReduceOp::Sum);
