@@ -15,9 +15,11 @@
 // all others, so a rank that never starts is named ("rank 3 never joined") instead of leaving a
 // bare store timeout.
 //
-// Collectives are Gloo's own (allreduce, allgather, broadcast, barrier; ring or bcube allreduce
-// chosen by size, see kBcubeMaxBytes); reduce_scatter is a ring over Gloo's unbound buffers
-// (this Gloo has no new-style reduce_scatter). Asynchronous collectives run in issue order on a
+// Collectives are Gloo's own (allreduce, allgather, broadcast, barrier); reduce_scatter is a ring
+// over Gloo's unbound buffers (this Gloo has no new-style reduce_scatter). all_reduce up to
+// kSyncMaxBytes runs Gloo's halving-doubling on a second mesh of sync-mode pairs, read by the
+// calling thread (see GlooState::sync_context: 0.2 ms instead of 4 ms between compute phases);
+// larger ones use Gloo's ring. Asynchronous collectives run in issue order on a
 // worker thread (what ProcessGroupGloo does); send/recv are posted at once from the caller's
 // thread on their own slot, so a ring of send_async + recv cannot deadlock behind the worker
 // (a helper thread per transfer reports its completion).
@@ -245,15 +247,13 @@ struct GlooState {
 class GlooComm {
  public:
   static constexpr const char* backend_name = "gloo";
-  // Up to this many bytes all_reduce uses Gloo's bcube (log2(p) rounds of pairwise exchange:
-  // fewer, larger messages); above it the ring (2(p-1) steps, bandwidth-optimal). Measured with
-  // bench/collectives.py on this machine, medians of 7 rounds: at 1 MiB bcube took 608 us vs
-  // ring 793 us on 2 ranks and 4.9 ms vs 5.2 ms on 4; at 4 MiB on 4 ranks the ring won (8.9 ms
-  // vs 10.7 ms), as it did at 64 MiB on 2 ranks (52 ms vs 64 ms).
-  static constexpr std::size_t kBcubeMaxBytes = 1024 * 1024;
   // all_reduce up to this many bytes runs on the sync pairs (see GlooState::sync_context), larger
   // ones on Gloo's ring over the async pairs (no staging copy; a 4 ms stall is small next to the
-  // transfer there). Cached staging buffers are evicted past kSyncCacheBytes in all.
+  // transfer there; the ring beat bcube from 4 MiB on 4 ranks, 8.9 vs 10.7 ms, and at 64 MiB on
+  // 2, 52 vs 64 ms). Measured with bench/collectives.py, 2 ranks, no compute between calls: the
+  // sync path took 164 us at 4 KiB (best raw gloo::allreduce 345), 282 us at 256 KiB (461),
+  // 494 us at 1 MiB (720), 3.2 ms at 4 MiB (4.0). Cached staging buffers are evicted past
+  // kSyncCacheBytes in all.
   static constexpr std::size_t kSyncMaxBytes = 4u << 20;
   static constexpr std::size_t kSyncCacheBytes = 32u << 20;
 
@@ -612,8 +612,7 @@ class GlooComm {
       gloo::AllreduceOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
       opts.setReduceFunction(detail::gloo_reduce_function<T>(op));
-      opts.setAlgorithm(buf.size_bytes() <= kBcubeMaxBytes ? gloo::AllreduceOptions::Algorithm::BCUBE
-                                                           : gloo::AllreduceOptions::Algorithm::RING);
+      opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
       opts.setTag(tag);
       opts.setTimeout(s->options.timeout);
       gloo::allreduce(opts);
