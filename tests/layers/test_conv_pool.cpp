@@ -269,7 +269,7 @@ TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "
   };
   const Case cases[] = {{3, 16, 16, 28, 28, 1, 0}, {5, 32, 24, 14, 14, 1, 0}, {4, 64, 64, 7, 7, 1, 0},
                         {2, 8, 12, 13, 11, 1, 9},  {3, 9, 8, 30, 5, 1, 40},   {2, 8, 8, 9, 33, 0, 0},
-                        {2, 8, 8, 6, 17, 2, 3}};
+                        {2, 8, 8, 6, 17, 2, 3},    {3, 8, 8, 10, 4, 1, 0},   {2, 8, 9, 9, 22, 1, 0}};
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.h << "x" << c.w << " -> " << c.k << ", padding " << c.pad
                         << ", block tiles " << c.block_tiles) {
