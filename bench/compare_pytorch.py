@@ -28,7 +28,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_tessera(binary, model, threads):
     out = subprocess.run([binary, f"--models={model}", f"--threads={threads}"], check=True, capture_output=True,
                          text=True).stdout
-    return json.loads(out)["results"][0]
+    report = json.loads(out)
+    # Which gemm kernel Tessera ran ("OpenBLAS <core>" or "Eigen gebp") and the OpenBLAS core
+    # setting it inherited (the machine may set OPENBLAS_CORETYPE; the peer's is chosen below).
+    return {**report["results"][0], "gemm": report.get("gemm", "?"),
+            "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset")}
 
 
 def run_torch(setup, model, threads, coretype, policy):
@@ -55,16 +59,18 @@ def main():
             return r["images_per_second"], r["peer"]["openblas"].get("corename")
 
         best, trials = peer.choose_config(probe, setup.candidates)
-        ours, theirs, child = [], [], None
+        ours, theirs, child, tessera_config = [], [], None, None
         for _ in range(args.runs):
-            ours.append(run_tessera(args.tessera, model, args.threads)["images_per_second"])
+            t = run_tessera(args.tessera, model, args.threads)
+            ours.append(t["images_per_second"])
+            tessera_config = {"gemm": t["gemm"], "OPENBLAS_CORETYPE": t["OPENBLAS_CORETYPE"]}
             r = run_torch(setup, model, args.threads, best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
             theirs.append(r["images_per_second"])
             child = {**r["peer"], "conv_kernels": r.get("conv_kernels", [])}
         entry = {"model": model, "tessera_images_per_second": statistics.median(ours),
                  "pytorch_images_per_second": statistics.median(theirs),
                  "ratio": statistics.median(ours) / statistics.median(theirs),
-                 "tessera_runs": ours, "pytorch_runs": theirs,
+                 "tessera_runs": ours, "pytorch_runs": theirs, "tessera_config": tessera_config,
                  "pytorch_config": setup.record(best, trials, child)}
         print(f"{model:13} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  "

@@ -162,7 +162,8 @@ int main(int argc, char** argv) {
                    static_cast<long long>(r.batch), r.images_per_second, r.median_forward_s,
                    r.first_forward_allocations, r.allocations, r.finite ? "" : "  NON-FINITE LOGITS");
     }
-    std::printf("{\"framework\": \"tessera\", \"mode\": \"inference\", \"threads\": %d, \"results\": [", threads);
+    std::printf("{\"framework\": \"tessera\", \"mode\": \"inference\", \"threads\": %d, \"gemm\": \"%s\", \"results\": [",
+                threads, cpu_gemm_kernel().c_str());
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       std::printf("%s{\"model\": \"resnet50\", \"batch\": %lld, \"image\": 224, \"steps\": %d, \"median_forward_s\": %.6f, "

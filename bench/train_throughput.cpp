@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%-13s batch %3lld  %8.1f img/s  median step %.4f s  allocations: first step %ld, timed %ld\n", r.model.c_str(),
                    static_cast<long long>(r.batch), r.images_per_second, r.median_step_s, r.first_step_allocations, r.allocations);
     }
-    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"results\": [", threads);
+    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"gemm\": \"%s\", \"results\": [", threads,
+                cpu_gemm_kernel().c_str());
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       std::printf("%s{\"model\": \"%s\", \"batch\": %lld, \"image\": %lld, \"steps\": %d, \"median_step_s\": %.6f, "

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # Communicators: Open MPI (MpiComm, mpirun), Gloo with hiredis (GlooComm and its Redis store) and
 # redis-server, which the Gloo Redis tests start on a private port themselves.
 # clang with its runtime (libFuzzer): the fuzz-smoke test (scripts/fuzz.sh, tests/fuzz/README.md).
-packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev catch2 zlib1g-dev dataset-fashion-mnist
+packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev libopenblas-dev catch2 zlib1g-dev dataset-fashion-mnist
   libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do

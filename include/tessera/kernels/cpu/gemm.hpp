@@ -11,8 +11,14 @@
 // Threads: called from outside a parallel region, a large product is split over the OpenMP team
 // by rows or columns of C (whichever is longer); from inside one (Conv2d's per-thread blocks) it
 // runs on the calling thread. Do not compile with EIGEN_USE_BLAS: Eigen would then route this call
-// to the system BLAS, whose own threads fight the OpenMP team (measured here: Eigen's kernel with
-// these buffers is as fast as Debian's OpenBLAS on 2 cores).
+// to the system BLAS with its own threads, which fight the OpenMP team (Debian's OpenBLAS on 2
+// threads: 24 GF/s against Eigen's 107 on a (2048, 512) x (512, 49) product).
+//
+// With TESSERA_OPENBLAS (the meson option openblas, on when libopenblas-dev is installed) the
+// per-thread product is OpenBLAS's sgemm/dgemm, run on one thread: its AVX-512 kernels
+// (Cooperlake/SkylakeX/SapphireRapids, picked at run time) beat Eigen's gebp by 1.13-1.25x on one
+// Zen 4 core on ResNet's shapes (bench/README.md, "GEMM"). The splitting over the team stays
+// Tessera's; OpenBLAS's thread count is set to 1 once, on first use.
 //
 // With TESSERA_COMPILED_KERNELS (kernels/cpu/compiled.hpp) only the declaration below is visible:
 // the float and double instances come from src/kernels_cpu.cpp, and Eigen is not parsed here.
@@ -20,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "tessera/kernels/cpu/compiled.hpp"
@@ -29,6 +36,20 @@
 
 #if defined(_OPENMP)
 #include <omp.h>
+#endif
+#if defined(TESSERA_OPENBLAS) && !TESSERA_CPU_KERNELS_EXTERN
+#include <climits>
+extern "C" {
+// The Fortran interface (column-major), declared here rather than through cblas.h, whose
+// location differs between OpenBLAS's pthread/openmp/serial flavours.
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc);
+void openblas_set_num_threads(int threads);
+}
 #endif
 
 #include "tessera/core/tensor.hpp"
@@ -88,10 +109,42 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
                                                  1>::run(m, n, k, a, lda, b, ldb, c, 1, ldc, alpha, blocking, nullptr);
 }
 
+#if defined(TESSERA_OPENBLAS)
+// C += alpha op(A) op(B) by OpenBLAS on the calling thread; false when a size does not fit its int.
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a row-major matrix read
+// column-major is its transpose: so B goes first, each with its own transpose flag.
+template <class S>
+bool gemm_openblas(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
+                   std::int64_t lda, const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
+  // Small products stay on Eigen: OpenBLAS 0.3.21 sends products of up to 100^3 multiply-adds
+  // to its AVX-512 "small matrix" kernels, which malloc a buffer on every call (a steady training
+  // step must not allocate), and Eigen with the buffers above is as fast there.
+  if (m * n * k <= (std::int64_t{1} << 20)) return false;
+  for (std::int64_t v : {m, n, k, lda, ldb, ldc})
+    if (v > INT_MAX) return false;
+  // BLAS wants each stride to be at least the stored row's length; Eigen takes any stride.
+  if (lda < std::max<std::int64_t>(1, trans_a ? m : k) || ldb < std::max<std::int64_t>(1, trans_b ? k : n) ||
+      ldc < std::max<std::int64_t>(1, n))
+    return false;
+  static const bool one_thread = (openblas_set_num_threads(1), true);  // Tessera's team does the splitting
+  (void)one_thread;
+  const int mm = static_cast<int>(n), nn = static_cast<int>(m), kk = static_cast<int>(k);
+  const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const S one = 1;
+  if constexpr (std::is_same_v<S, float>) sgemm_(&tb, &ta, &mm, &nn, &kk, &alpha, b, &lb, a, &la, &one, c, &lc);
+  else dgemm_(&tb, &ta, &mm, &nn, &kk, &alpha, b, &lb, a, &la, &one, c, &lc);
+  return true;
+}
+#endif
+
 // C += alpha op(A) op(B) on the calling thread.
 template <class S>
 void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
                  std::int64_t lda, const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
+#if defined(TESSERA_OPENBLAS)
+  if (gemm_openblas(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc)) return;
+#endif
   // A row-major (m, k) is RowMajor; stored transposed, i.e. (k, m) row-major, it is (m, k) ColMajor.
   constexpr int R = Eigen::RowMajor, C = Eigen::ColMajor;
   if (!trans_a && !trans_b) gemm_serial_ordered<S, R, R>(m, n, k, alpha, a, lda, b, ldb, c, ldc);
@@ -151,6 +204,18 @@ void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
 #endif
 }
 #endif  // TESSERA_CPU_KERNELS_EXTERN
+
+// What runs the CPU gemm, for benchmark reports: "Eigen gebp" or "OpenBLAS <core>".
+#if defined(TESSERA_OPENBLAS)
+extern "C" char* openblas_get_corename(void);
+#endif
+inline std::string cpu_gemm_kernel() {
+#if defined(TESSERA_OPENBLAS)
+  return std::string("OpenBLAS ") + openblas_get_corename() + ", one thread per call (Eigen gebp below 2^20 multiply-adds)";
+#else
+  return "Eigen gebp";
+#endif
+}
 
 #define TESSERA_CPU_GEMM_INSTANCES(PREFIX, S)                                                                   \
   PREFIX template void gemm<S>(Cpu, bool, bool, std::int64_t, std::int64_t, std::int64_t, S, const S*, std::int64_t, \
