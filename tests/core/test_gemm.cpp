@@ -1,0 +1,94 @@
+// gemm(Cpu, ...), the one CPU matrix product: every transpose combination, alpha and beta, row
+// strides wider than the rows, on products below and above 2^20 multiply-adds (where a build with
+// OpenBLAS hands each thread's product to it; Eigen below), called from outside a parallel region
+// (split over the team) and from inside one (each thread its own product), against a float64 loop.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "tessera/kernels/gemm.hpp"
+
+using namespace tessera;
+
+namespace {
+
+struct GemmCase {
+  std::int64_t m, n, k;
+};
+
+// Deterministic values in [-1, 1).
+double pseudo_random(std::uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  return static_cast<double>(state >> 11) / static_cast<double>(1ull << 53) * 2.0 - 1.0;
+}
+
+// Max over C's entries of |got - want| / (1 + sum over p of |alpha a b| + |beta c|): the error
+// relative to the magnitudes the entry was summed from.
+template <class S>
+double worst_relative_error(bool ta, bool tb, const GemmCase& g, double alpha, double beta, const std::vector<S>& a,
+                            std::int64_t lda, const std::vector<S>& b, std::int64_t ldb, const std::vector<S>& c0,
+                            const std::vector<S>& c, std::int64_t ldc) {
+  double worst = 0;
+  for (std::int64_t i = 0; i < g.m; ++i)
+    for (std::int64_t j = 0; j < g.n; ++j) {
+      double sum = 0, scale = 1;
+      for (std::int64_t p = 0; p < g.k; ++p) {
+        const double av = ta ? a[p * lda + i] : a[i * lda + p], bv = tb ? b[j * ldb + p] : b[p * ldb + j];
+        sum += av * bv;
+        scale += std::abs(alpha * av * bv);
+      }
+      const double want = alpha * sum + beta * c0[i * ldc + j];
+      scale += std::abs(beta * c0[i * ldc + j]);
+      worst = std::max(worst, std::abs(static_cast<double>(c[i * ldc + j]) - want) / scale);
+    }
+  return worst;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta and stride", "[core]", float, double) {
+  using S = TestType;
+  // Rounding of k products: far below what a wrong transpose, stride or scalar gives (order 1).
+  const double tolerance = std::is_same_v<S, float> ? 2e-5 : 1e-12;
+  // Below and above 2^20 multiply-adds; a single row and a single column among the large ones.
+  const GemmCase cases[] = {{3, 5, 7}, {130, 97, 100}, {64, 300, 70}, {1, 1200, 1000}, {1500, 1, 800}};
+  const double scalars[][2] = {{1, 0}, {0.5, 1}, {-2, 0.25}};
+  std::uint64_t state = 42;
+  INFO("gemm kernel: " << cpu_gemm_kernel());
+  for (const auto& g : cases)
+    for (int t = 0; t < 4; ++t)
+      for (const auto& ab : scalars) {
+        const bool ta = t & 1, tb = t & 2;
+        const double alpha = ab[0], beta = ab[1];
+        // Strides wider than the stored rows (a BLAS needs them at least as wide).
+        const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = (tb ? g.k : g.n) + 5, ldc = g.n + 2;
+        std::vector<S> a((ta ? g.k : g.m) * lda), b((tb ? g.n : g.k) * ldb), c0(g.m * ldc);
+        for (auto& v : a) v = static_cast<S>(pseudo_random(state));
+        for (auto& v : b) v = static_cast<S>(pseudo_random(state));
+        for (auto& v : c0) v = static_cast<S>(pseudo_random(state));
+        INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " trans_b " << tb << " alpha " << alpha
+                  << " beta " << beta);
+
+        std::vector<S> c = c0;  // from outside a parallel region: split over the team
+        gemm(Cpu{}, ta, tb, g.m, g.n, g.k, static_cast<S>(alpha), a.data(), lda, b.data(), ldb, static_cast<S>(beta),
+             c.data(), ldc);
+        CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, c, ldc) <= tolerance);
+        bool padding_kept = true;  // entries past n in each row of C are not C's
+        for (std::int64_t i = 0; i < g.m; ++i)
+          for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
+        CHECK(padding_kept);
+
+        // From inside a parallel region: each thread runs the whole product on its own C.
+        std::vector<std::vector<S>> per_thread(2, c0);
+#pragma omp parallel num_threads(2)
+        {
+          const int me = Cpu::thread_index();
+          if (me < 2)
+            gemm(Cpu{}, ta, tb, g.m, g.n, g.k, static_cast<S>(alpha), a.data(), lda, b.data(), ldb,
+                 static_cast<S>(beta), per_thread[me].data(), ldc);
+        }
+        for (const auto& mine : per_thread)
+          CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, mine, ldc) <= tolerance);
+      }
+}
