@@ -116,9 +116,9 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
 template <class S>
 bool gemm_openblas(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
                    std::int64_t lda, const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
-  // Small products stay on Eigen: OpenBLAS 0.3.21 sends products of up to 100^3 multiply-adds
-  // to its AVX-512 "small matrix" kernels, which malloc a buffer on every call (a steady training
-  // step must not allocate), and Eigen with the buffers above is as fast there.
+  // Small products stay on Eigen: OpenBLAS 0.3.21 sends them to its AVX-512 "small matrix"
+  // kernels, which malloc on every call (seen as 2 allocations per LeNet-5 step, from
+  // sgemm_small_kernel_nn; none above this cut), and a steady training step must not allocate.
   if (m * n * k <= (std::int64_t{1} << 20)) return false;
   for (std::int64_t v : {m, n, k, lda, ldb, ldc})
     if (v > INT_MAX) return false;

@@ -417,32 +417,16 @@ class GlooComm {
       s_->context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
       s_->context->setTimeout(s_->options.timeout);
       s_->context->connectFullMesh(store, s_->device);
-      // Gloo's errors name a pair's socket address, not a rank; keep every pair's address on
-      // both sides so an error can be translated into "peer rank q" (see peer_named_in).
-      std::string joined;
-      s_->pair_addresses.assign(static_cast<std::size_t>(size()), std::string());
-      for (int q = 0; q < size(); ++q) {
-        if (q != rank()) s_->pair_addresses[q] = s_->context->getPair(q)->address().str();
-        joined += s_->pair_addresses[q] + "|";
-      }
-      store.set(detail::cat("pairs.", rank()), std::vector<char>(joined.begin(), joined.end()));
+      s_->pair_addresses = publish_pair_addresses(*s_->context, store, "pairs.");
       if (size() > 1) {
         // The second mesh, for the sync all_reduce; its keys under their own prefix.
         auto sync_store = std::make_shared<detail::PrefixedStore>(s_->store, "sync");
         s_->sync_context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
         s_->sync_context->setTimeout(s_->options.timeout);  // each pair's socket read/write timeout
         s_->sync_context->connectFullMesh(*sync_store, s_->device);
-        std::string sync_joined;
-        s_->sync_pair_addresses.assign(static_cast<std::size_t>(size()), std::string());
-        for (int q = 0; q < size(); ++q) {
-          if (q != rank()) {
-            auto& pair = s_->sync_context->getPair(q);
-            pair->setSync(true, /*busyPoll=*/false);  // blocking reads: no core spent spinning
-            s_->sync_pair_addresses[q] = pair->address().str();
-          }
-          sync_joined += s_->sync_pair_addresses[q] + "|";
-        }
-        store.set(detail::cat("syncpairs.", rank()), std::vector<char>(sync_joined.begin(), sync_joined.end()));
+        for (int q = 0; q < size(); ++q)
+          if (q != rank()) s_->sync_context->getPair(q)->setSync(true, /*busyPoll=*/false);  // blocking reads
+        s_->sync_pair_addresses = publish_pair_addresses(*s_->sync_context, store, "syncpairs.");
       }
       // Tag 0 is never an operation's (next_tag starts at 1).
       s_->board = detail::make_progress_board("GlooComm", s_->label, rank(), size(),
@@ -458,6 +442,21 @@ class GlooComm {
       throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
                                   s_->store_url, ": connecting the full mesh failed: ", e.what()));
     }
+  }
+
+  // Gloo's errors name a pair's socket address, not a rank; every pair's address is kept on both
+  // sides (here and under "<key><rank>" in the store) so that an error can be translated into
+  // "peer rank q" (see peer_named_in). Returns this rank's address per peer ("" for itself).
+  std::vector<std::string> publish_pair_addresses(gloo::rendezvous::Context& context, gloo::rendezvous::Store& store,
+                                                  const char* key) {
+    std::vector<std::string> addresses(static_cast<std::size_t>(size()));
+    std::string joined;
+    for (int q = 0; q < size(); ++q) {
+      if (q != rank()) addresses[q] = context.getPair(q)->address().str();
+      joined += addresses[q] + "|";
+    }
+    store.set(detail::cat(key, rank()), std::vector<char>(joined.begin(), joined.end()));
+    return addresses;
   }
 
   std::uint32_t take_tag() { return s_->next_tag++; }
@@ -603,12 +602,8 @@ class GlooComm {
     const auto in_call = debug_check(s, sig, tag);
     if (s->size == 1 || buf.empty()) return check_usable(s, sig);
     if (detail::prescale_half_avg(buf.data(), buf.size(), op, s->size)) op = ReduceOp::Sum;
-    if (s->sync_context && buf.size_bytes() <= kSyncMaxBytes) {
-      guarded(s, sig, [&] { run_sync_all_reduce(*s, buf, op); });
-      detail::finish_avg(buf.data(), buf.size(), op, s->size);
-      return;
-    }
     guarded(s, sig, [&] {
+      if (s->sync_context && buf.size_bytes() <= kSyncMaxBytes) return run_sync_all_reduce(*s, buf, op);
       gloo::AllreduceOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
       opts.setReduceFunction(detail::gloo_reduce_function<T>(op));
