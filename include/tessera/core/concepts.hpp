@@ -103,6 +103,49 @@ consteval bool check_layer() {
   return Layer<L>;
 }
 
+// Activation memory (docs/design.md, "Activation memory"). A layer's Cache keeps its output y for
+// the next layer and its input gradient dx for the layer before; both are dead long before the
+// next step reuses them, and holding every one of them doubles a network's footprint. Composite
+// layers (Sequential, Residual, models) therefore release buffers as soon as they are consumed,
+// back to the caching allocator, which hands the same blocks to the next layer: the footprint
+// falls and a steady step still makes no system allocation.
+//
+// What a layer may declare, all optional (the defaults are the safe ones):
+//   static constexpr bool kBackwardReadsInput = false;   backward never reads the x forward saw
+//   static constexpr bool kBackwardReadsOutput = false;  backward never reads its own output y
+//   void release_output(Cache&);      frees y (called only when the layer after has consumed it)
+//   void release_input_grad(Cache&);  frees what backward returned (after the caller consumed it)
+// Without release_input_grad, a Cache member `dx` is released; without release_output, `y`.
+template <class L>
+consteval bool backward_reads_input() {
+  if constexpr (requires { L::kBackwardReadsInput; }) return L::kBackwardReadsInput;
+  else return true;
+}
+template <class L>
+consteval bool backward_reads_output() {
+  if constexpr (requires { L::kBackwardReadsOutput; }) return L::kBackwardReadsOutput;
+  else return true;
+}
+template <class L, class C>
+void release_input_grad(L& layer, C& cache) {
+  if constexpr (requires { layer.release_input_grad(cache); }) layer.release_input_grad(cache);
+  else if constexpr (requires { cache.dx.release(); }) cache.dx.release();
+}
+template <class L, class C>
+void release_output(L& layer, C& cache) {
+  if constexpr (requires { layer.release_output(cache); }) layer.release_output(cache);
+  else if constexpr (requires { cache.y.release(); }) cache.y.release();
+}
+// y_prev = prev.forward(...), then next.forward(y_prev): once next has run, y_prev is dead when
+// neither prev's backward nor next's backward reads it. `next_output` guards layers that return
+// their input itself (an identity Flatten or Dropout): then y_prev lives on as next's output.
+template <class Next, class Prev, class C, class T>
+void release_dead_output(Prev& prev, C& prev_cache, const T& prev_output, const T& next_output) {
+  if constexpr (!backward_reads_output<Prev>() && !backward_reads_input<Next>()) {
+    if (&prev_output != &next_output) release_output(prev, prev_cache);
+  }
+}
+
 // What checkpoints, optimizers and strategies need of a model: visit (parameters by name).
 template <class M>
 consteval bool check_visitable() {

@@ -81,6 +81,14 @@ class Tensor {
     }
     shape_ = shape;
   }
+  // Gives the buffer back to the device's allocator (its cache) and leaves an empty tensor of
+  // shape (0): for activations and gradients whose consumer has run (core/concepts.hpp).
+  void release() noexcept {
+    D::deallocate(data_, capacity_ * sizeof(S));
+    data_ = nullptr;
+    capacity_ = 0;
+    shape_ = Shape{0};
+  }
   // Same data, new shape with the same number of elements (like torch.Tensor.view).
   void reshape(const Shape& shape) {
     TESSERA_CHECK(shape.numel() == shape_.numel(), ShapeError, "Tensor::reshape: cannot view ", shape_,

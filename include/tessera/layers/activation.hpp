@@ -43,6 +43,12 @@ class Pointwise : public ParameterFree {
     const Tensor* x = nullptr;
     Tensor y, dx;
   };
+  // An Op whose backward needs only y (ReLU: y > 0 exactly where x > 0) says so with
+  // kBackwardReadsInput = false; then the layer before may free x once this forward ran.
+  static constexpr bool kBackwardReadsInput = [] {
+    if constexpr (requires { Op::kBackwardReadsInput; }) return Op::kBackwardReadsInput;
+    else return true;
+  }();
   static constexpr bool kPerElement = requires(const Op& op, S v) {
     { op.value(v) } -> std::convertible_to<S>;
     { op.derivative(v, v) } -> std::convertible_to<S>;
@@ -65,8 +71,10 @@ class Pointwise : public ParameterFree {
                   " does not match output ", c.y.shape());
     if (needs_input_grad_) {
       c.dx.resize(dy.shape());
-      if constexpr (kPerElement) map_backward(D{}, op_, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
-      else op_.backward(D{}, dy.data(), c.x->data(), c.y.data(), dy.numel(), c.dx.data());
+      // x may have been released (kBackwardReadsInput false): then the Op does not read it.
+      const S* x = kBackwardReadsInput ? c.x->data() : nullptr;
+      if constexpr (kPerElement) map_backward(D{}, op_, dy.data(), x, c.y.data(), dy.numel(), c.dx.data());
+      else op_.backward(D{}, dy.data(), x, c.y.data(), dy.numel(), c.dx.data());
     }
     return c.dx;
   }
@@ -97,6 +105,7 @@ struct LeakyReluOp {
 
 struct ReluOp {
   static constexpr const char* name = "ReLU";
+  static constexpr bool kBackwardReadsInput = false;  // backward reads y only
   template <class Dev, class S>
   static void forward(Dev d, const S* x, std::int64_t n, S* y) {
     relu_forward(d, x, n, y);

@@ -49,6 +49,9 @@ class BatchNorm2d {
   // Sums its argument element-wise over the ranks of a group, in place.
   using StatsAllReduce = std::function<void(std::span<double>)>;
 
+  // Backward reads x (the batch statistics' input) and the saved statistics, never y: a ReLU
+  // or a residual add after this layer lets its y go (core/concepts.hpp).
+  static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;

@@ -38,9 +38,12 @@ class Conv2d {
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
+  // Backward reads x and dy, never y (its shape is kept apart): the layer after may free y.
+  static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;
+    Shape y_shape;  // y's shape, still known once y is released
   };
 
   Conv2d(Conv2dOptions o, Rng& rng) : o_(o), name_(describe(o)) {
@@ -72,7 +75,8 @@ class Conv2d {
   const Tensor& forward(const Tensor& x, Cache& c) {
     const Conv2dGeometry g = geometry(x);
     c.x = &x;
-    c.y.resize({x.dim(0), o_.out_channels, g.out_height, g.out_width});
+    c.y_shape = Shape{x.dim(0), o_.out_channels, g.out_height, g.out_width};
+    c.y.resize(c.y_shape);
     const Conv2dBlocking b = blocking(g, x.dim(0));
     conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), o_.bias ? bias_.value.data() : nullptr,
                    c.y.data(), scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0));
@@ -83,11 +87,11 @@ class Conv2d {
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, name_, "::backward called before forward on this cache");
     const Tensor& x = *c.x;
-    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, name_, "::backward: dy ", dy.shape(),
-                  " does not match the output ", c.y.shape());
+    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, name_, "::backward: dy ", dy.shape(),
+                  " does not match the output ", c.y_shape);
     const Conv2dGeometry g = geometry(x);
     const std::int64_t n = x.dim(0);
-    TESSERA_CHECK((Shape{n, o_.out_channels, g.out_height, g.out_width}) == c.y.shape(), ShapeError, name_,
+    TESSERA_CHECK((Shape{n, o_.out_channels, g.out_height, g.out_width}) == c.y_shape, ShapeError, name_,
                   "::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
     if (o_.bias) {
       conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dy.data(), bias_.grad.data());

@@ -40,9 +40,12 @@ class Linear {
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
+  // Backward reads x and dy, never y (its shape is kept apart): the layer after may free y.
+  static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;
+    Shape y_shape;  // y's shape, still known once y is released
   };
 
   Linear(std::int64_t in_features, std::int64_t out_features, Rng& rng, bool bias = true)
@@ -61,6 +64,7 @@ class Linear {
     c.x = &x;
     Shape y_shape = x.shape();
     y_shape[y_shape.rank() - 1] = out_;
+    c.y_shape = y_shape;
     c.y.resize(y_shape);
     if (has_bias_) broadcast_rows(D{}, bias_.value.data(), n, out_, c.y.data());
     gemm(D{}, false, true, n, out_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
@@ -71,10 +75,10 @@ class Linear {
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, "Linear::backward called before forward on this cache");
     const Tensor& x = *c.x;
-    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Linear(", in_, ", ", out_, ")::backward: dy ",
-                  dy.shape(), " does not match output ", c.y.shape());
-    const auto n = c.y.numel() / out_;
-    TESSERA_CHECK(x.rank() == c.y.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
+    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, "Linear(", in_, ", ", out_, ")::backward: dy ",
+                  dy.shape(), " does not match output ", c.y_shape);
+    const auto n = c.y_shape.numel() / out_;
+    TESSERA_CHECK(x.rank() == c.y_shape.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
                   in_, ", ", out_, ")::backward: the input changed shape to ", x.shape(),
                   " since forward (keep it alive and unchanged)");
     detail::linear_parameter_grads(dy.data(), x.data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);

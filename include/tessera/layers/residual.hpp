@@ -27,6 +27,11 @@ class Residual {
   using Tensor = typename Main::Tensor;
   using S = typename Env::Scalar;
   using D = typename Env::Device;
+  // Activation memory (core/concepts.hpp): backward reads y (the ReLU mask); x only through the
+  // branches' first layers. The branches' outputs are dead once added (unless their backward
+  // reads them) and the branches' input gradients once summed.
+  static constexpr bool kBackwardReadsInput = backward_reads_input<Main>() || backward_reads_input<Projection>();
+  static constexpr bool kBackwardReadsOutput = true;
   struct Cache {
     typename Main::Cache main;
     typename Projection::Cache projection;
@@ -43,6 +48,10 @@ class Residual {
                   " but the shortcut gives ", s.shape(), " (a block that changes shape needs a projection)");
     c.y.resize(m.shape());
     add_relu_forward(D{}, m.data(), s.data(), m.numel(), c.y.data());  // y = max(m + s, 0)
+    if constexpr (!backward_reads_output<Main>()) release_output(main_, c.main);
+    if constexpr (!backward_reads_output<Projection>()) {
+      if (projection_) release_output(*projection_, c.projection);
+    }
     return c.y;
   }
 
@@ -55,6 +64,9 @@ class Residual {
     const Tensor& dshortcut = projection_ ? projection_->backward(c.dsum, c.projection) : c.dsum;
     c.dx.resize(dmain.shape());
     add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
+    if (&dmain != &c.dsum) release_input_grad(main_, c.main);
+    if (projection_ && &dshortcut != &c.dsum) release_input_grad(*projection_, c.projection);
+    c.dsum.release();
     return c.dx;
   }
 

@@ -62,6 +62,12 @@ class Sequential {
   using Tensor = typename First::Tensor;
   using Cache = std::tuple<typename detail::LayerSlot<Ls>::Cache...>;
   static constexpr std::size_t kSize = sizeof...(Ls);
+  using FirstSlot = detail::LayerSlot<std::tuple_element_t<0, std::tuple<Ls...>>>;
+  using LastSlot = detail::LayerSlot<std::tuple_element_t<kSize - 1, std::tuple<Ls...>>>;
+  // Activation memory (core/concepts.hpp): x is read back by the first layer only, y is the last
+  // layer's; inside, each output is released once it is dead and each gradient once consumed.
+  static constexpr bool kBackwardReadsInput = backward_reads_input<FirstSlot>();
+  static constexpr bool kBackwardReadsOutput = backward_reads_output<LastSlot>();
 
   explicit Sequential(Ls... layers) : layers_(detail::LayerSlot<Ls>(std::move(layers))...) {
     for (std::size_t i = 0; i < kSize; ++i) names_[i] = std::to_string(i);
@@ -78,8 +84,7 @@ class Sequential {
   const Tensor& forward_units(const Tensor& x, Cache& cache, std::size_t begin, std::size_t end) {
     const Tensor* current = &x;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((I >= begin && I < end ? void(current = &std::get<I>(layers_).forward(*current, std::get<I>(cache))) : void()),
-       ...);
+      ((I >= begin && I < end ? forward_one<I>(current, cache, begin) : void()), ...);
     }(std::index_sequence_for<Ls...>{});
     return *current;
   }
@@ -87,13 +92,14 @@ class Sequential {
     const Tensor* current = &dy;
     constexpr std::size_t last = kSize - 1;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((last - I >= begin && last - I < end
-            ? void(current = &std::get<last - I>(layers_).backward(*current, std::get<last - I>(cache)))
-            : void()),
-       ...);
+      ((last - I >= begin && last - I < end ? backward_one<last - I>(current, cache, end) : void()), ...);
     }(std::index_sequence_for<Ls...>{});
     return *current;
   }
+  // The output of the last layer and the input gradient of the first, for the caller to release
+  // once it has consumed them.
+  void release_output(Cache& cache) { tessera::release_output(std::get<kSize - 1>(layers_), std::get<kSize - 1>(cache)); }
+  void release_input_grad(Cache& cache) { tessera::release_input_grad(std::get<0>(layers_), std::get<0>(cache)); }
   template <class V>
   void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -125,15 +131,36 @@ class Sequential {
   template <std::size_t... I>
   const Tensor& forward_impl(const Tensor& x, Cache& cache, std::index_sequence<I...>) {
     const Tensor* current = &x;
-    ((current = &std::get<I>(layers_).forward(*current, std::get<I>(cache))), ...);
+    (forward_one<I>(current, cache, 0), ...);
     return *current;
   }
   template <std::size_t... I>
   const Tensor& backward_impl(const Tensor& dy, Cache& cache, std::index_sequence<I...>) {
     const Tensor* current = &dy;
     constexpr std::size_t last = kSize - 1;
-    ((current = &std::get<last - I>(layers_).backward(*current, std::get<last - I>(cache))), ...);
+    (backward_one<last - I>(current, cache, kSize), ...);
     return *current;
+  }
+  // Layer I's forward on *current; then layer I-1's output (when layer I-1 ran in this call,
+  // I > begin) is released if neither of the two reads it back in backward.
+  template <std::size_t I>
+  void forward_one(const Tensor*& current, Cache& cache, std::size_t begin) {
+    const Tensor& out = std::get<I>(layers_).forward(*current, std::get<I>(cache));
+    if constexpr (I > 0) {
+      if (I > begin) release_dead_output<std::tuple_element_t<I, std::tuple<detail::LayerSlot<Ls>...>>>(
+                         std::get<I - 1>(layers_), std::get<I - 1>(cache), *current, out);
+    }
+    current = &out;
+  }
+  // Layer I's backward on *current, which layer I+1 returned when it ran in this call (I + 1 <
+  // end): consumed now, so layer I+1 releases it (unless layer I handed that same tensor on).
+  template <std::size_t I>
+  void backward_one(const Tensor*& current, Cache& cache, std::size_t end) {
+    const Tensor* in = current;
+    current = &std::get<I>(layers_).backward(*in, std::get<I>(cache));
+    if constexpr (I + 1 < kSize) {
+      if (I + 1 < end && current != in) tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));
+    }
   }
   template <class V, std::size_t... I>
   void visit_impl(V& v, const std::string& prefix, std::index_sequence<I...>) {

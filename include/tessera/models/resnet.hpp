@@ -140,7 +140,9 @@ class ResNet {
       if (u == 0) {
         TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
                       in_channels_, ", H, W), got ", x.shape());
-        h = &relu_.forward(bn1_.forward(conv1_.forward(*h, c.conv1), c.bn1), c.relu);
+        const Tensor& normalized = bn1_.forward(conv1_.forward(*h, c.conv1), c.bn1);
+        h = &relu_.forward(normalized, c.relu);
+        release_dead_output<ReLU<E>>(bn1_, c.bn1, normalized, *h);  // ReLU's backward reads only its y
         if (maxpool_) h = &maxpool_->forward(*h, c.maxpool);
       } else if (u <= blocks_.size()) {
         h = &blocks_[u - 1].forward(*h, c.blocks[u - 1]);
@@ -151,18 +153,32 @@ class ResNet {
     return *h;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    // Each gradient is released once the unit before has consumed it (core/concepts.hpp).
     const Tensor* g = &dy;
     for (std::size_t u = end; u-- > begin;) {
       if (u == blocks_.size() + 1) {
-        g = &avgpool_.backward(fc_.backward(*g, c.fc), c.avgpool);
+        const Tensor& dpooled = fc_.backward(*g, c.fc);
+        g = &avgpool_.backward(dpooled, c.avgpool);
+        release_input_grad(fc_, c.fc);
       } else if (u >= 1) {
         g = &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
       } else {
         if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
-        g = &conv1_.backward(bn1_.backward(relu_.backward(*g, c.relu), c.bn1), c.conv1);
+        const Tensor& dnormalized = relu_.backward(*g, c.relu);
+        if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
+        const Tensor& dconv = bn1_.backward(dnormalized, c.bn1);
+        release_input_grad(relu_, c.relu);
+        g = &conv1_.backward(dconv, c.conv1);
+        release_input_grad(bn1_, c.bn1);
       }
+      if (u + 1 < end) release_unit_input_grad(u + 1, c);  // *g's producer ran in this call
     }
     return *g;
+  }
+  // Frees the input gradient unit u returned, once unit u - 1 has consumed it.
+  void release_unit_input_grad(std::size_t u, Cache& c) {
+    if (u == blocks_.size() + 1) release_input_grad(avgpool_, c.avgpool);
+    else if (u >= 1) release_input_grad(blocks_[u - 1], c.blocks[u - 1]);
   }
   template <class V>
   void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
