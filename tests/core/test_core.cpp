@@ -1,5 +1,7 @@
 // Core: Shape, Tensor, CachingAllocator, Rng, LocalComm.
 #include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdlib>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -63,6 +65,71 @@ TEST_CASE("CachingAllocator: freed blocks are reused, no system allocation in st
   CHECK(after.bytes_in_use == 0);
   alloc.release_cached();
   CHECK(alloc.stats().bytes_cached == 0);
+}
+
+// 8 MiB segments, counted, so the test sees each one.
+struct SmallSegments {
+  static constexpr const char* kName = "test";
+  static constexpr std::size_t kSegmentBytes = std::size_t{8} << 20;
+  static inline int live = 0;
+  static void* allocate(std::size_t bytes) noexcept {
+    ++live;
+    return std::aligned_alloc(64, bytes);
+  }
+  static void release(void* p) noexcept {
+    --live;
+    std::free(p);
+  }
+};
+
+// Large requests: best fit within a segment, split and merged again, so memory freed in one size
+// serves a request of another (activations freed, gradients of other shapes asked for).
+TEST_CASE("CachingAllocator: large blocks are carved from one segment and merge when freed", "[core]") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  {
+    BasicCachingAllocator<SmallSegments> alloc;
+    char* a = static_cast<char*>(alloc.allocate(3 * MiB));
+    char* b = static_cast<char*>(alloc.allocate(3 * MiB + 1));  // rounded to 64 KiB
+    CHECK(SmallSegments::live == 1);                            // both in the first segment
+    CHECK(b == a + 3 * MiB);
+    CHECK(alloc.stats().bytes_in_use == 6 * MiB + 64 * 1024);
+    CHECK(reinterpret_cast<std::uintptr_t>(b) % 64 == 0);
+    alloc.deallocate(a, 3 * MiB);
+    alloc.deallocate(b, 3 * MiB + 1);
+    // a and b merged back with the segment's tail: 8 MiB in one piece, no new segment.
+    const auto before = alloc.stats();
+    char* c = static_cast<char*>(alloc.allocate(7 * MiB));
+    CHECK(c == a);
+    CHECK(alloc.stats().system_allocations == before.system_allocations);
+    // Best fit: a 1 MiB hole between two blocks is taken before the larger tail.
+    alloc.deallocate(c, 7 * MiB);
+    char* d = static_cast<char*>(alloc.allocate(2 * MiB));
+    char* e = static_cast<char*>(alloc.allocate(1 * MiB));
+    char* f = static_cast<char*>(alloc.allocate(2 * MiB));
+    alloc.deallocate(e, 1 * MiB);
+    CHECK(alloc.allocate(1 * MiB) == e);
+    // A request larger than a segment gets a segment of its own.
+    void* big = alloc.allocate(20 * MiB);
+    CHECK(SmallSegments::live == 2);
+    alloc.deallocate(big, 20 * MiB);
+    alloc.release_cached();  // the big segment is wholly free and goes back; the first is in use
+    CHECK(SmallSegments::live == 1);
+    // Steady state: the same sequence again allocates nothing.
+    const auto steady = alloc.stats();
+    for (int i = 0; i < 5; ++i) {
+      void* x = alloc.allocate(MiB);  // with y, fits in the segment's free 3 MiB
+      void* y = alloc.allocate(MiB + 5);
+      alloc.deallocate(x, MiB);
+      alloc.deallocate(y, MiB + 5);
+    }
+    CHECK(alloc.stats().system_allocations == steady.system_allocations);
+    alloc.deallocate(d, 2 * MiB);
+    alloc.deallocate(e, 1 * MiB);
+    alloc.deallocate(f, 2 * MiB);
+    CHECK(alloc.stats().bytes_in_use == 0);
+    CHECK(alloc.stats().bytes_cached == 8 * MiB);
+  }
+  CHECK(SmallSegments::live == 0);  // the destructor returned the rest
 }
 
 TEST_CASE("Rng: reproducible, uniform range, normal moments, state round-trip", "[core]") {

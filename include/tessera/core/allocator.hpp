@@ -1,12 +1,24 @@
-// CachingAllocator: keeps freed blocks in size classes and hands them out again, so that a
-// training step that frees and re-requests the same sizes as the step before touches the system
-// allocator zero times (the same idea as PyTorch's CUDA caching allocator, here for host memory).
+// CachingAllocator: keeps freed memory and hands it out again, so that a training step that frees
+// and re-requests the same sizes as the step before touches the system allocator zero times (the
+// same idea as PyTorch's CUDA caching allocator, here for host memory too).
 //
-// Size classes are powers of two from 64 bytes up, so a request wastes at most half its block;
-// blocks are 64-byte aligned (one cache line, enough for AVX-512 loads).
+// Two pools:
+//  - Small requests (< kLargeBytes, 1 MiB) come in power-of-two size classes from 64 bytes up: a
+//    request wastes at most half its block, and a free list per class makes reuse O(1).
+//  - Large requests (activations, gradients, workspaces) are rounded to 64 KiB and carved
+//    best-fit out of segments; a freed range merges with free neighbours of the same segment.
+//    Size classes would not do here: a network frees its activations in one set of sizes while
+//    its backward asks for gradients in others, and memory parked in one class cannot serve
+//    another, so the footprint becomes the sum of each class's high-water mark instead of the
+//    high-water mark of the sum (measured on ResNet-50 b32: 3086 MiB resident against about
+//    2640 MiB live). A segment is Backing::kSegmentBytes or the request, if larger: host memory
+//    takes 1 GiB segments, whose pages the kernel commits only when touched, so one segment
+//    serves a whole network and reuse stays in pages already resident; device memory is committed
+//    by cudaMalloc, so its segments are exactly the request (0).
+// Blocks are 64-byte aligned (one cache line, enough for AVX-512 loads).
 // Thread-safe: the data loader's prefetch thread allocates while the training thread does.
-// The memory behind it is a policy (Backing: allocate(bytes) -> pointer or nullptr, release(p)),
-// so the same caching serves host memory here and device memory in device/cuda.cuh.
+// The memory behind it is a policy (Backing: allocate(bytes) -> pointer or nullptr, release(p),
+// kSegmentBytes), so the same caching serves host memory here and device memory in device/cuda.cuh.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +26,8 @@
 #include <bit>
 #include <cstddef>
 #include <cstdlib>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <new>
 #include <vector>
@@ -33,6 +47,7 @@ struct AllocatorStats {
 // Host memory, 64-byte aligned.
 struct HostMemory {
   static constexpr const char* kName = "host";
+  static constexpr std::size_t kSegmentBytes = std::size_t{1} << 30;  // address space; pages commit on touch
   static void* allocate(std::size_t bytes) noexcept { return std::aligned_alloc(64, bytes); }
   static void release(void* p) noexcept { std::free(p); }
 };
@@ -41,6 +56,8 @@ template <class Backing>
 class BasicCachingAllocator {
  public:
   static constexpr std::size_t kAlignment = 64;
+  static constexpr std::size_t kLargeBytes = std::size_t{1} << 20;  // from here on: the segment pool
+  static constexpr std::size_t kLargeGranule = std::size_t{1} << 16;
 
   BasicCachingAllocator() = default;
   BasicCachingAllocator(const BasicCachingAllocator&) = delete;
@@ -51,21 +68,22 @@ class BasicCachingAllocator {
     if (bytes == 0) return nullptr;
     TESSERA_CHECK(bytes <= (std::size_t{1} << 62), Error, "CachingAllocator: request of ", bytes,
                   " bytes is larger than any machine's memory (corrupt shape?)");
+    if (bytes >= kLargeBytes) return allocate_large(round_large(bytes));
     const int cls = size_class(bytes);
     const std::size_t block = std::size_t{1} << cls;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& list = free_[static_cast<std::size_t>(cls)];
-      stats_.bytes_in_use += block;
-      stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
       if (!list.empty()) {
         void* p = list.back();
         list.pop_back();
         stats_.cache_hits++;
         stats_.bytes_cached -= block;
+        add_in_use(block);
         return p;
       }
       stats_.system_allocations++;
+      add_in_use(block);
     }
     void* p = Backing::allocate(block);
     if (p == nullptr) {
@@ -75,8 +93,7 @@ class BasicCachingAllocator {
     if (p == nullptr) {
       std::lock_guard<std::mutex> lock(mutex_);
       stats_.bytes_in_use -= block;
-      throw Error(detail::cat("CachingAllocator: out of ", Backing::kName, " memory allocating ", block, " bytes (",
-                              stats_.bytes_in_use, " bytes in use)"));
+      throw_out_of_memory(block);
     }
     return p;
   }
@@ -84,6 +101,7 @@ class BasicCachingAllocator {
   // `bytes` must be the size passed to allocate() for p.
   void deallocate(void* p, std::size_t bytes) noexcept {
     if (p == nullptr) return;
+    if (bytes >= kLargeBytes) return deallocate_large(static_cast<char*>(p));
     const int cls = size_class(bytes);
     const std::size_t block = std::size_t{1} << cls;
     std::lock_guard<std::mutex> lock(mutex_);
@@ -97,14 +115,11 @@ class BasicCachingAllocator {
     }
   }
 
-  // Returns every cached block to the system (e.g. between phases with different shapes).
+  // Returns every cached small block and every segment with nothing in use to the system (e.g.
+  // between phases with different shapes).
   void release_cached() noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& list : free_) {
-      for (void* p : list) Backing::release(p);
-      list.clear();
-    }
-    stats_.bytes_cached = 0;
+    release_cached_locked();
   }
 
   // Starts a new high-water mark at the current use (to measure one phase, e.g. a training step).
@@ -119,13 +134,143 @@ class BasicCachingAllocator {
   }
 
  private:
+  // A range of a segment, in use or free; ranges_ holds every range by address, so a segment's
+  // ranges are neighbours there, and free_ranges_ the free ones by size (best fit: the smallest
+  // free range that holds the request).
+  struct Range {
+    std::size_t bytes = 0;
+    char* segment = nullptr;  // base of the segment it belongs to (ranges merge within one only)
+    bool free = false;
+  };
+  using RangeMap = std::map<char*, Range>;
+
   static int size_class(std::size_t bytes) {
     const std::size_t rounded = std::bit_ceil(bytes < kAlignment ? kAlignment : bytes);
     return std::countr_zero(rounded);
   }
+  static std::size_t round_large(std::size_t bytes) { return (bytes + kLargeGranule - 1) / kLargeGranule * kLargeGranule; }
+
+  void add_in_use(std::size_t bytes) {
+    stats_.bytes_in_use += bytes;
+    stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+  }
+  [[noreturn]] void throw_out_of_memory(std::size_t bytes) {
+    throw Error(detail::cat("CachingAllocator: out of ", Backing::kName, " memory allocating ", bytes, " bytes (",
+                            stats_.bytes_in_use, " bytes in use)"));
+  }
+
+  void* allocate_large(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto fit = free_ranges_.lower_bound(bytes);
+    if (fit != free_ranges_.end()) {
+      stats_.cache_hits++;
+      return take(fit, bytes);
+    }
+    // A new segment: the request, or Backing's segment size where that is larger.
+    const std::size_t segment_bytes = std::max(bytes, Backing::kSegmentBytes);
+    char* base = static_cast<char*>(Backing::allocate(segment_bytes));
+    if (base == nullptr) {
+      release_cached_locked();
+      base = static_cast<char*>(Backing::allocate(segment_bytes));
+    }
+    if (base == nullptr) throw_out_of_memory(segment_bytes);
+    stats_.system_allocations++;
+    stats_.bytes_cached += segment_bytes;
+    try {
+      auto range = ranges_.emplace(base, Range{segment_bytes, base, true}).first;
+      return take(free_ranges_.emplace(segment_bytes, range->first), bytes);
+    } catch (...) {  // the maps could not grow: nothing was handed out
+      ranges_.erase(base);
+      stats_.bytes_cached -= segment_bytes;
+      Backing::release(base);
+      throw;
+    }
+  }
+  // Hands out the first `bytes` of a free range, leaving the rest free.
+  void* take(typename std::multimap<std::size_t, char*>::iterator fit, std::size_t bytes) {
+    char* p = fit->second;
+    Range& r = ranges_.at(p);
+    const std::size_t rest = r.bytes - bytes;
+    if (rest > 0) ranges_.emplace(p + bytes, Range{rest, r.segment, true});  // may throw: nothing changed yet
+    if (rest > 0) {
+      try {
+        free_ranges_.emplace(rest, p + bytes);
+      } catch (...) {
+        ranges_.erase(p + bytes);
+        throw;
+      }
+    }
+    free_ranges_.erase(fit);
+    r.bytes = bytes;
+    r.free = false;
+    stats_.bytes_cached -= bytes;
+    add_in_use(bytes);
+    return p;
+  }
+  void deallocate_large(char* p) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = ranges_.find(p);
+    if (it == ranges_.end() || it->second.free) return;  // not ours, or freed twice: nothing to undo
+    stats_.bytes_in_use -= it->second.bytes;
+    stats_.bytes_cached += it->second.bytes;
+    it->second.free = true;
+    // Merge with the free neighbours of the same segment (they leave free_ranges_ first).
+    auto next = std::next(it);
+    if (next != ranges_.end() && next->second.free && next->second.segment == it->second.segment) {
+      erase_free(next);
+      it->second.bytes += next->second.bytes;
+      ranges_.erase(next);
+    }
+    if (it != ranges_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->second.free && prev->second.segment == it->second.segment) {
+        erase_free(prev);
+        prev->second.bytes += it->second.bytes;
+        ranges_.erase(it);
+        it = prev;
+      }
+    }
+    try {
+      free_ranges_.emplace(it->second.bytes, it->first);
+    } catch (...) {  // cannot index it: the range stays free but unused until its segment goes back
+    }
+  }
+  void erase_free(typename RangeMap::iterator range) noexcept {
+    auto [first, last] = free_ranges_.equal_range(range->second.bytes);
+    for (auto f = first; f != last; ++f) {
+      if (f->second == range->first) {
+        free_ranges_.erase(f);
+        return;
+      }
+    }
+  }
+  void release_cached_locked() noexcept {
+    for (auto& list : free_) {
+      for (void* p : list) Backing::release(p);
+      list.clear();
+    }
+    // A segment with nothing in use is one free range starting at its base.
+    for (auto it = ranges_.begin(); it != ranges_.end();) {
+      auto next = std::next(it);
+      const bool whole = it->second.free && it->first == it->second.segment &&
+                         (next == ranges_.end() || next->second.segment != it->second.segment);
+      if (whole) {
+        erase_free(it);
+        Backing::release(it->first);
+        ranges_.erase(it);
+      }
+      it = next;
+    }
+    std::size_t cached = 0;
+    for (const auto& [base, r] : ranges_)
+      if (r.free) cached += r.bytes;
+    stats_.bytes_cached = cached;
+  }
 
   mutable std::mutex mutex_;
   std::array<std::vector<void*>, 64> free_{};
+  RangeMap ranges_;
+  std::multimap<std::size_t, char*> free_ranges_;
   AllocatorStats stats_{};
 };
 

@@ -136,6 +136,16 @@ void release_output(L& layer, C& cache) {
   if constexpr (requires { layer.release_output(cache); }) layer.release_output(cache);
   else if constexpr (requires { cache.y.release(); }) cache.y.release();
 }
+// A layer that can compute its output again from its input and what its Cache saved, bit for
+// bit: void recompute_output(Cache&) (BatchNorm2d, the pointwise activations).
+template <class L>
+concept RecomputesOutput = requires(L& layer, typename L::Cache& cache) { layer.recompute_output(cache); };
+// Whether a layer's output was released (its storage is gone).
+template <class C>
+bool output_released(const C& cache) {
+  if constexpr (requires { cache.y.data(); }) return cache.y.data() == nullptr;
+  else return false;
+}
 // y_prev = prev.forward(...), then next.forward(y_prev): once next has run, y_prev is dead when
 // neither prev's backward nor next's backward reads it. `next_output` guards layers that return
 // their input itself (an identity Flatten or Dropout): then y_prev lives on as next's output.

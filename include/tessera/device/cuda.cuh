@@ -70,6 +70,7 @@ inline void cudnn_check(cudnnStatus_t status, const char* call, const char* file
 // nullptr (the allocator then empties its cache and tries once more, then reports).
 struct CudaMemory {
   static constexpr const char* kName = "GPU";
+  static constexpr std::size_t kSegmentBytes = 0;  // cudaMalloc commits: a segment is the request alone
   static void* allocate(std::size_t bytes) noexcept {
     void* p = nullptr;
     if (cudaMalloc(&p, bytes) != cudaSuccess) {

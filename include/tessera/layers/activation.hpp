@@ -64,6 +64,8 @@ class Pointwise : public ParameterFree {
     else op_.forward(D{}, x.data(), x.numel(), c.y.data());
     return c.y;
   }
+  // y again from x, which the caller has made whole again (see Sequential's recomputation).
+  void recompute_output(Cache& c) { forward(*c.x, c); }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, Op::name, "::backward called before forward on this cache");

@@ -103,6 +103,16 @@ class BatchNorm2d {
     return c.y;
   }
 
+  // y again, bit for bit, from the x and the statistics forward saved (the parameters have not
+  // moved between forward and backward): lets a Sequential drop y and what is computed from it.
+  void recompute_output(Cache& c) {
+    TESSERA_CHECK(c.x != nullptr, Error, name(), "::recompute_output called before forward on this cache");
+    const Tensor& x = *c.x;
+    c.y.resize(x.shape());
+    batch_norm_normalize(D{}, x.data(), shape_of(x), c.mean.data(), c.invstd.data(), weight_.value.data(),
+                         bias_.value.data(), c.y.data());
+  }
+
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
     const Tensor& x = *c.x;

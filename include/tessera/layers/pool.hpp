@@ -77,11 +77,14 @@ class Pool2dConfig {
 
   template <class S, class D>
   Pool2dGeometry geometry(const Tensor<S, D>& x) const {
-    TESSERA_CHECK(x.rank() == 4, ShapeError, name_, ": expected input (N, C, H, W), got ", x.shape());
+    return geometry(x.shape());
+  }
+  Pool2dGeometry geometry(const Shape& x) const {
+    TESSERA_CHECK(x.rank() == 4, ShapeError, name_, ": expected input (N, C, H, W), got ", x);
     // Smallest H giving one window: H + 2 padding >= kernel, or in ceil mode a window may start
     // inside the image and run past its padded end (ceil((H + 2p - k) / s) >= 0).
     const std::int64_t least = std::max<std::int64_t>(1, kernel_ - 2 * pad_ - (ceil_mode_ ? stride_ - 1 : 0));
-    TESSERA_CHECK(x.dim(2) >= least && x.dim(3) >= least, ShapeError, name_, ": input ", x.shape(),
+    TESSERA_CHECK(x.dim(2) >= least && x.dim(3) >= least, ShapeError, name_, ": input ", x,
                   " is smaller than the window; expected (N, C, H, W) with H >= ", least, " and W >= ", least);
     Pool2dGeometry g;
     g.height = x.dim(2);
@@ -121,10 +124,15 @@ class MaxPool2d {
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
+  // Backward routes dy through argmax: it reads neither x nor y (their shapes are kept apart),
+  // so both may be released (core/concepts.hpp).
+  static constexpr bool kBackwardReadsInput = false;
+  static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;
     tessera::Tensor<std::int32_t, D> argmax;  // (N, C, H', W'): flat index h W + w of each window's maximum
+    Shape x_shape, y_shape;
   };
 
   explicit MaxPool2d(MaxPool2dOptions o) : config_("MaxPool2d", o.kernel, o.stride, o.padding, o.ceil_mode) {}
@@ -140,18 +148,20 @@ class MaxPool2d {
     TESSERA_CHECK(g.in_plane() <= INT32_MAX, ShapeError, config_.name(), ": input plane ", x.shape(),
                   " has more than 2^31 elements");
     max_pool2d_forward(D{}, g, x.dim(0) * x.dim(1), x.data(), c.y.data(), c.argmax.data());
+    c.x_shape = x.shape();
+    c.y_shape = c.y.shape();
     return c.y;
   }
 
   // dy (N, C, H', W') -> dx (N, C, H, W), nonzero only at each window's argmax
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, config_.name(), "::backward called before forward on this cache");
-    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, config_.name(), "::backward: dy ", dy.shape(),
-                  " does not match the output ", c.y.shape());
+    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, config_.name(), "::backward: dy ", dy.shape(),
+                  " does not match the output ", c.y_shape);
     if (!needs_input_grad_) return c.dx;
-    const Pool2dGeometry g = config_.geometry(*c.x);
-    c.dx.resize(c.x->shape());
-    max_pool2d_backward(D{}, g, c.x->dim(0) * c.x->dim(1), dy.data(), c.argmax.data(), c.dx.data());
+    const Pool2dGeometry g = config_.geometry(c.x_shape);
+    c.dx.resize(c.x_shape);
+    max_pool2d_backward(D{}, g, c.x_shape.dim(0) * c.x_shape.dim(1), dy.data(), c.argmax.data(), c.dx.data());
     return c.dx;
   }
 

@@ -144,22 +144,62 @@ class Sequential {
   // Layer I's forward on *current; then layer I-1's output (when layer I-1 ran in this call,
   // I > begin) is released if neither of the two reads it back in backward.
   template <std::size_t I>
+  using Slot = std::tuple_element_t<I, std::tuple<detail::LayerSlot<Ls>...>>;
+  // Recomputation: layer I's output (a ReLU after a BatchNorm) is dropped once layer I+1's
+  // forward has read it, and computed again just before layer I+1's backward reads it back:
+  // from layer I-1's output, itself recomputed from the input layer I-1 keeps for its own
+  // backward (BatchNorm keeps the convolution output). Two pointwise passes in backward instead
+  // of holding one activation per ReLU from forward to backward, as torch.utils.checkpoint would
+  // do for a BatchNorm-ReLU segment. Layer I-1's output is dead already (the first rule).
+  template <std::size_t I>
+  static consteval bool recomputed() {
+    if constexpr (I == 0 || I + 1 >= kSize) {
+      return false;
+    } else {
+      return RecomputesOutput<Slot<I>> && RecomputesOutput<Slot<I - 1>> && backward_reads_input<Slot<I - 1>>() &&
+             !backward_reads_output<Slot<I - 1>>() && !backward_reads_input<Slot<I>>();
+    }
+  }
+
+  // Layer I's forward on *current; then layer I-1's output (when layer I-1 ran in this call,
+  // I > begin) is released if neither of the two reads it back in backward, or if it is
+  // recomputed (above; then layer I-2 ran in this call too).
+  template <std::size_t I>
   void forward_one(const Tensor*& current, Cache& cache, std::size_t begin) {
     const Tensor& out = std::get<I>(layers_).forward(*current, std::get<I>(cache));
     if constexpr (I > 0) {
-      if (I > begin) release_dead_output<std::tuple_element_t<I, std::tuple<detail::LayerSlot<Ls>...>>>(
-                         std::get<I - 1>(layers_), std::get<I - 1>(cache), *current, out);
+      if (I > begin) release_dead_output<Slot<I>>(std::get<I - 1>(layers_), std::get<I - 1>(cache), *current, out);
+    }
+    if constexpr (I >= 2) {
+      if constexpr (recomputed<I - 1>()) {
+        if (I - 2 >= begin && current != &out) tessera::release_output(std::get<I - 1>(layers_), std::get<I - 1>(cache));
+      }
     }
     current = &out;
   }
   // Layer I's backward on *current, which layer I+1 returned when it ran in this call (I + 1 <
   // end): consumed now, so layer I+1 releases it (unless layer I handed that same tensor on).
+  // Layer I's input, if recomputation dropped it, is rebuilt first; layer I's own output is
+  // dead after its backward (layer I+1's backward ran before) and released too, as PyTorch frees
+  // saved tensors as its backward passes them.
   template <std::size_t I>
   void backward_one(const Tensor*& current, Cache& cache, std::size_t end) {
+    if constexpr (I >= 2) {
+      if constexpr (recomputed<I - 1>()) {
+        if (output_released(std::get<I - 1>(cache))) {
+          std::get<I - 2>(layers_).recompute_output(std::get<I - 2>(cache));
+          std::get<I - 1>(layers_).recompute_output(std::get<I - 1>(cache));
+          tessera::release_output(std::get<I - 2>(layers_), std::get<I - 2>(cache));
+        }
+      }
+    }
     const Tensor* in = current;
     current = &std::get<I>(layers_).backward(*in, std::get<I>(cache));
     if constexpr (I + 1 < kSize) {
-      if (I + 1 < end && current != in) tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));
+      if (I + 1 < end) {
+        if (current != in) tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));
+        tessera::release_output(std::get<I>(layers_), std::get<I>(cache));
+      }
     }
   }
   template <class V, std::size_t... I>

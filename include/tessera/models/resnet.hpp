@@ -143,7 +143,13 @@ class ResNet {
         const Tensor& normalized = bn1_.forward(conv1_.forward(*h, c.conv1), c.bn1);
         h = &relu_.forward(normalized, c.relu);
         release_dead_output<ReLU<E>>(bn1_, c.bn1, normalized, *h);  // ReLU's backward reads only its y
-        if (maxpool_) h = &maxpool_->forward(*h, c.maxpool);
+        if (maxpool_) {
+          // The max-pool's backward reads only its argmax: the ReLU's output (the largest
+          // activation of the network) is recomputed from conv1's for the ReLU's backward, as
+          // Sequential does for its BatchNorm-ReLU pairs.
+          h = &maxpool_->forward(*h, c.maxpool);
+          release_output(relu_, c.relu);
+        }
       } else if (u <= blocks_.size()) {
         h = &blocks_[u - 1].forward(*h, c.blocks[u - 1]);
       } else {
@@ -163,17 +169,38 @@ class ResNet {
       } else if (u >= 1) {
         g = &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
       } else {
-        if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
+        if (maxpool_) {
+          g = &maxpool_->backward(*g, c.maxpool);
+          if (output_released(c.relu)) {
+            bn1_.recompute_output(c.bn1);
+            relu_.recompute_output(c.relu);
+            release_output(bn1_, c.bn1);
+          }
+        }
         const Tensor& dnormalized = relu_.backward(*g, c.relu);
         if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
         const Tensor& dconv = bn1_.backward(dnormalized, c.bn1);
         release_input_grad(relu_, c.relu);
         g = &conv1_.backward(dconv, c.conv1);
         release_input_grad(bn1_, c.bn1);
+        release_output(conv1_, c.conv1);
+        if (maxpool_) release_output(relu_, c.relu);  // else the stem's output: released below
       }
-      if (u + 1 < end) release_unit_input_grad(u + 1, c);  // *g's producer ran in this call
+      if (u + 1 < end) {  // *g's producer and the consumer of unit u's output ran in this call:
+        release_unit_input_grad(u + 1, c);  // both are dead now
+        release_unit_output(u, c);
+      }
     }
     return *g;
+  }
+  // Frees unit u's output once the unit after it and unit u itself have run backward.
+  void release_unit_output(std::size_t u, Cache& c) {
+    if (u == 0) {
+      if (maxpool_) release_output(*maxpool_, c.maxpool);
+      else release_output(relu_, c.relu);
+    } else if (u <= blocks_.size()) {
+      release_output(blocks_[u - 1], c.blocks[u - 1]);
+    }
   }
   // Frees the input gradient unit u returned, once unit u - 1 has consumed it.
   void release_unit_input_grad(std::size_t u, Cache& c) {
