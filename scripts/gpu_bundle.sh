@@ -7,6 +7,10 @@ set -euo pipefail
 build=$1 bundle=$2
 rm -rf "$bundle"
 mkdir -p "$bundle/lib"
+# Meson 1.0 records no header dependencies for nvcc's objects (ninja -t deps: "#deps 0"), so after
+# a header change an incremental build would link stale CUDA objects against fresh host ones (two
+# layouts of one class: a crash). Every CUDA object is compiled again.
+find "$build" -name '*.cu.o' -delete
 for t in gpu_device_count tests/test_cuda_device tests/test_cuda_layers tests/conformance_nccl \
          tests/dp_equivalence_nccl examples/08_resnet50_cuda examples/08_resnet50_nccl; do
   ninja -C "$build" "$t" >/dev/null
