@@ -27,7 +27,6 @@
 #include <cstddef>
 #include <cstdlib>
 #include <iterator>
-#include <map>
 #include <mutex>
 #include <new>
 #include <vector>
@@ -134,15 +133,17 @@ class BasicCachingAllocator {
   }
 
  private:
-  // A range of a segment, in use or free; ranges_ holds every range by address, so a segment's
-  // ranges are neighbours there, and free_ranges_ the free ones by size (best fit: the smallest
-  // free range that holds the request).
+  // A range of a segment, in use or free. ranges_ holds them all, sorted by address, so a
+  // segment's ranges are neighbours; a vector rather than a tree, so that a steady step, whose
+  // ranges number no more than the step before, never calls malloc (a map allocates a node per
+  // insert). Best fit is a linear scan: a network has a few hundred large tensors at most.
   struct Range {
+    char* base = nullptr;
     std::size_t bytes = 0;
-    char* segment = nullptr;  // base of the segment it belongs to (ranges merge within one only)
+    char* segment = nullptr;         // base of its segment (ranges merge within one only)
+    std::size_t segment_bytes = 0;
     bool free = false;
   };
-  using RangeMap = std::map<char*, Range>;
 
   static int size_class(std::size_t bytes) {
     const std::size_t rounded = std::bit_ceil(bytes < kAlignment ? kAlignment : bytes);
@@ -161,10 +162,14 @@ class BasicCachingAllocator {
 
   void* allocate_large(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto fit = free_ranges_.lower_bound(bytes);
-    if (fit != free_ranges_.end()) {
+    std::size_t best = ranges_.size();
+    for (std::size_t i = 0; i < ranges_.size(); ++i) {
+      const Range& r = ranges_[i];
+      if (r.free && r.bytes >= bytes && (best == ranges_.size() || r.bytes < ranges_[best].bytes)) best = i;
+    }
+    if (best != ranges_.size()) {
       stats_.cache_hits++;
-      return take(fit, bytes);
+      return take(best, bytes);
     }
     // A new segment: the request, or Backing's segment size where that is larger.
     const std::size_t segment_bytes = std::max(bytes, Backing::kSegmentBytes);
@@ -174,73 +179,49 @@ class BasicCachingAllocator {
       base = static_cast<char*>(Backing::allocate(segment_bytes));
     }
     if (base == nullptr) throw_out_of_memory(segment_bytes);
-    stats_.system_allocations++;
-    stats_.bytes_cached += segment_bytes;
+    auto at = std::lower_bound(ranges_.begin(), ranges_.end(), base,
+                               [](const Range& r, const char* p) { return r.base < p; });
     try {
-      auto range = ranges_.emplace(base, Range{segment_bytes, base, true}).first;
-      return take(free_ranges_.emplace(segment_bytes, range->first), bytes);
-    } catch (...) {  // the maps could not grow: nothing was handed out
-      ranges_.erase(base);
-      stats_.bytes_cached -= segment_bytes;
+      at = ranges_.insert(at, Range{base, segment_bytes, base, segment_bytes, true});
+    } catch (...) {  // the vector could not grow: nothing was handed out
       Backing::release(base);
       throw;
     }
+    stats_.system_allocations++;
+    stats_.bytes_cached += segment_bytes;
+    return take(static_cast<std::size_t>(at - ranges_.begin()), bytes);
   }
-  // Hands out the first `bytes` of a free range, leaving the rest free.
-  void* take(typename std::multimap<std::size_t, char*>::iterator fit, std::size_t bytes) {
-    char* p = fit->second;
-    Range& r = ranges_.at(p);
-    const std::size_t rest = r.bytes - bytes;
-    if (rest > 0) ranges_.emplace(p + bytes, Range{rest, r.segment, true});  // may throw: nothing changed yet
-    if (rest > 0) {
-      try {
-        free_ranges_.emplace(rest, p + bytes);
-      } catch (...) {
-        ranges_.erase(p + bytes);
-        throw;
-      }
-    }
-    free_ranges_.erase(fit);
-    r.bytes = bytes;
-    r.free = false;
+  // Hands out the first `bytes` of free range i, leaving the rest free (a new range after it).
+  void* take(std::size_t i, std::size_t bytes) {
+    const Range r = ranges_[i];
+    if (r.bytes > bytes)  // may throw (the vector grows): then nothing has changed
+      ranges_.insert(ranges_.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                     Range{r.base + bytes, r.bytes - bytes, r.segment, r.segment_bytes, true});
+    ranges_[i].bytes = bytes;
+    ranges_[i].free = false;
     stats_.bytes_cached -= bytes;
     add_in_use(bytes);
-    return p;
+    return r.base;
   }
   void deallocate_large(char* p) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = ranges_.find(p);
-    if (it == ranges_.end() || it->second.free) return;  // not ours, or freed twice: nothing to undo
-    stats_.bytes_in_use -= it->second.bytes;
-    stats_.bytes_cached += it->second.bytes;
-    it->second.free = true;
-    // Merge with the free neighbours of the same segment (they leave free_ranges_ first).
+    auto it = std::lower_bound(ranges_.begin(), ranges_.end(), p,
+                               [](const Range& r, const char* q) { return r.base < q; });
+    if (it == ranges_.end() || it->base != p || it->free) return;  // not ours, or freed twice
+    stats_.bytes_in_use -= it->bytes;
+    stats_.bytes_cached += it->bytes;
+    it->free = true;
+    // Merge with the free neighbours of the same segment (erasing never allocates).
     auto next = std::next(it);
-    if (next != ranges_.end() && next->second.free && next->second.segment == it->second.segment) {
-      erase_free(next);
-      it->second.bytes += next->second.bytes;
-      ranges_.erase(next);
+    if (next != ranges_.end() && next->free && next->segment == it->segment) {
+      it->bytes += next->bytes;
+      it = std::prev(ranges_.erase(next));
     }
     if (it != ranges_.begin()) {
       auto prev = std::prev(it);
-      if (prev->second.free && prev->second.segment == it->second.segment) {
-        erase_free(prev);
-        prev->second.bytes += it->second.bytes;
+      if (prev->free && prev->segment == it->segment) {
+        prev->bytes += it->bytes;
         ranges_.erase(it);
-        it = prev;
-      }
-    }
-    try {
-      free_ranges_.emplace(it->second.bytes, it->first);
-    } catch (...) {  // cannot index it: the range stays free but unused until its segment goes back
-    }
-  }
-  void erase_free(typename RangeMap::iterator range) noexcept {
-    auto [first, last] = free_ranges_.equal_range(range->second.bytes);
-    for (auto f = first; f != last; ++f) {
-      if (f->second == range->first) {
-        free_ranges_.erase(f);
-        return;
       }
     }
   }
@@ -249,28 +230,20 @@ class BasicCachingAllocator {
       for (void* p : list) Backing::release(p);
       list.clear();
     }
-    // A segment with nothing in use is one free range starting at its base.
-    for (auto it = ranges_.begin(); it != ranges_.end();) {
-      auto next = std::next(it);
-      const bool whole = it->second.free && it->first == it->second.segment &&
-                         (next == ranges_.end() || next->second.segment != it->second.segment);
-      if (whole) {
-        erase_free(it);
-        Backing::release(it->first);
-        ranges_.erase(it);
-      }
-      it = next;
-    }
+    // A segment with nothing in use is one free range spanning all of it.
     std::size_t cached = 0;
-    for (const auto& [base, r] : ranges_)
-      if (r.free) cached += r.bytes;
+    std::erase_if(ranges_, [&](const Range& r) {
+      const bool whole = r.free && r.base == r.segment && r.bytes == r.segment_bytes;
+      if (whole) Backing::release(r.base);
+      else if (r.free) cached += r.bytes;
+      return whole;
+    });
     stats_.bytes_cached = cached;
   }
 
   mutable std::mutex mutex_;
   std::array<std::vector<void*>, 64> free_{};
-  RangeMap ranges_;
-  std::multimap<std::size_t, char*> free_ranges_;
+  std::vector<Range> ranges_;
   AllocatorStats stats_{};
 };
 
