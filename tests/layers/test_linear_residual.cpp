@@ -1,5 +1,7 @@
 // Linear, Sequential and Residual: gradient checks, PyTorch reference, shape errors, hooks.
 #include <catch2/catch.hpp>
+#include <algorithm>
+#include <tuple>
 
 #include "support/gradcheck.hpp"
 #include "support/reference.hpp"
@@ -196,4 +198,62 @@ TEST_CASE("Per-micro-batch caches: two forwards in flight, backwards in any orde
   CHECK(testing::relative_error(dxa, dxa_ref) < 1e-12);
   CHECK(testing::relative_error(dxb, dxb_ref) < 1e-12);
   for (std::size_t i = 0; i < sequential.size(); ++i) CHECK(testing::relative_error(interleaved[i], sequential[i]) < 1e-12);
+}
+
+// Activation memory (core/concepts.hpp): Sequential releases what no backward reads, recomputes a
+// ReLU after a BatchNorm, and frees gradients once consumed; the results must be bit for bit those
+// of the same layers run one by one with every buffer kept.
+TEST_CASE("Sequential: released and recomputed activations give bit-identical gradients", "[layers]") {
+  Rng rng(9);
+  Sequential seq{Conv2d<E64>(2, 3, 3, rng, 1, 1), BatchNorm2d<E64>(3), ReLU<E64>(), Conv2d<E64>(3, 4, 3, rng, 1, 1),
+                 BatchNorm2d<E64>(4), ReLU<E64>(), Conv2d<E64>(4, 2, 1, rng)};
+  auto manual = seq;  // the same parameters, run layer by layer below
+  const auto x = testing::random_tensor({2, 2, 5, 5}, rng);
+  const auto dy = testing::random_tensor({2, 2, 5, 5}, rng);
+
+  decltype(seq)::Cache cache;
+  const auto& y = seq.forward(x, cache);
+  // Dead after the next forward: BatchNorm outputs (the ReLU reads only its own output) and the
+  // ReLUs' outputs (recomputed); kept: the convolutions' outputs, which BatchNorm reads back.
+  CHECK(output_released(std::get<1>(cache)));
+  CHECK(output_released(std::get<2>(cache)));
+  CHECK(output_released(std::get<4>(cache)));
+  CHECK(output_released(std::get<5>(cache)));
+  CHECK_FALSE(output_released(std::get<0>(cache)));
+  CHECK_FALSE(output_released(std::get<3>(cache)));
+  const Tensor<double> y_seq = y;
+  const Tensor<double> dx_seq = seq.backward(dy, cache);
+  CHECK(std::get<3>(cache).dx.empty());  // consumed by the ReLU before it
+  CHECK(output_released(std::get<3>(cache)));
+  CHECK_FALSE(output_released(std::get<6>(cache)));  // the Sequential's own output outlives backward
+
+  std::tuple<Conv2d<E64>::Cache, BatchNorm2d<E64>::Cache, ReLU<E64>::Cache, Conv2d<E64>::Cache,
+             BatchNorm2d<E64>::Cache, ReLU<E64>::Cache, Conv2d<E64>::Cache>
+      c;
+  const auto& h1 = manual.get<2>().forward(manual.get<1>().forward(manual.get<0>().forward(x, std::get<0>(c)), std::get<1>(c)),
+                                           std::get<2>(c));
+  const auto& h2 = manual.get<5>().forward(manual.get<4>().forward(manual.get<3>().forward(h1, std::get<3>(c)), std::get<4>(c)),
+                                           std::get<5>(c));
+  const auto& y_manual = manual.get<6>().forward(h2, std::get<6>(c));
+  CHECK(std::equal(y_manual.begin(), y_manual.end(), y_seq.begin(), y_seq.end()));
+  const auto& g2 = manual.get<3>().backward(
+      manual.get<4>().backward(manual.get<5>().backward(manual.get<6>().backward(dy, std::get<6>(c)), std::get<5>(c)),
+                               std::get<4>(c)),
+      std::get<3>(c));
+  const auto& dx_manual = manual.get<0>().backward(
+      manual.get<1>().backward(manual.get<2>().backward(g2, std::get<2>(c)), std::get<1>(c)), std::get<0>(c));
+  CHECK(std::equal(dx_manual.begin(), dx_manual.end(), dx_seq.begin(), dx_seq.end()));
+  auto a = named_tensors(seq), b = named_tensors(manual);
+  REQUIRE(a.parameters.size() == b.parameters.size());
+  for (std::size_t i = 0; i < a.parameters.size(); ++i) {
+    const auto& ga = a.parameters[i].second->grad;
+    const auto& gb = b.parameters[i].second->grad;
+    INFO(a.parameters[i].first);
+    CHECK(std::equal(ga.begin(), ga.end(), gb.begin(), gb.end()));
+  }
+
+  // A second step on the same cache: released buffers are allocated again, recomputation repeats.
+  seq.forward(x, cache);
+  const Tensor<double> dx_again = seq.backward(dy, cache);
+  CHECK(std::equal(dx_again.begin(), dx_again.end(), dx_seq.begin(), dx_seq.end()));
 }
