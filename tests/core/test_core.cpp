@@ -132,6 +132,55 @@ TEST_CASE("CachingAllocator: large blocks are carved from one segment and merge 
   CHECK(SmallSegments::live == 0);  // the destructor returned the rest
 }
 
+// Committed memory (a GPU's): a segment is the request, and a free range is not split into a piece
+// much smaller than itself. A Backing that cannot give a whole segment gets asked for the request.
+struct CommittedSegments {
+  static constexpr const char* kName = "test";
+  static constexpr std::size_t kSegmentBytes = 0;
+  static inline int live = 0;
+  static void* allocate(std::size_t bytes) noexcept {
+    ++live;
+    return std::aligned_alloc(64, bytes);
+  }
+  static void release(void* p) noexcept {
+    --live;
+    std::free(p);
+  }
+};
+struct NoRoomForSegments {  // refuses anything above 16 MiB, as under ulimit -v
+  static constexpr const char* kName = "test";
+  static constexpr std::size_t kSegmentBytes = std::size_t{1} << 30;
+  static void* allocate(std::size_t bytes) noexcept {
+    return bytes > (std::size_t{16} << 20) ? nullptr : std::aligned_alloc(64, bytes);
+  }
+  static void release(void* p) noexcept { std::free(p); }
+};
+
+TEST_CASE("CachingAllocator: committed segments split only into large pieces; fallback to the request", "[core]") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  {
+    BasicCachingAllocator<CommittedSegments> alloc;
+    void* a = alloc.allocate(8 * MiB);
+    alloc.deallocate(a, 8 * MiB);
+    void* small = alloc.allocate(MiB);  // would pin 7 MiB of the free 8: a segment of its own
+    CHECK(small != a);
+    CHECK(CommittedSegments::live == 2);
+    void* half = alloc.allocate(5 * MiB);  // leaves 3 MiB, less than it takes: served from the 8 MiB range
+    CHECK(half == a);
+    CHECK(CommittedSegments::live == 2);
+    alloc.deallocate(half, 5 * MiB);
+    alloc.deallocate(small, MiB);
+    alloc.release_cached();
+    CHECK(CommittedSegments::live == 0);
+  }
+  BasicCachingAllocator<NoRoomForSegments> alloc;
+  void* p = alloc.allocate(3 * MiB);
+  CHECK(p != nullptr);
+  CHECK(alloc.stats().bytes_cached == 0);  // the segment is the request itself
+  alloc.deallocate(p, 3 * MiB);
+  CHECK_THROWS_WITH(alloc.allocate(32 * MiB), Catch::Contains("out of test memory allocating 33554432 bytes"));
+}
+
 TEST_CASE("Rng: reproducible, uniform range, normal moments, state round-trip", "[core]") {
   Rng a(7), b(7), c(8);
   CHECK(a.next_u64() == b.next_u64());

@@ -25,11 +25,15 @@
 #include <array>
 #include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <iterator>
 #include <mutex>
 #include <new>
 #include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "tessera/core/error.hpp"
 
@@ -39,7 +43,7 @@ struct AllocatorStats {
   std::size_t system_allocations = 0;  // calls that reached the backing memory (aligned_alloc, cudaMalloc)
   std::size_t cache_hits = 0;          // requests served from a free list
   std::size_t bytes_in_use = 0;        // handed out and not yet returned
-  std::size_t bytes_cached = 0;        // held in free lists
+  std::size_t bytes_cached = 0;        // held and not in use (a host segment's untouched rest included)
   std::size_t peak_bytes_in_use = 0;   // the most bytes_in_use since construction or reset_peak()
 };
 
@@ -49,6 +53,14 @@ struct HostMemory {
   static constexpr std::size_t kSegmentBytes = std::size_t{1} << 30;  // address space; pages commit on touch
   static void* allocate(std::size_t bytes) noexcept { return std::aligned_alloc(64, bytes); }
   static void release(void* p) noexcept { std::free(p); }
+  // Gives the whole pages inside [p, p + bytes) back to the kernel; the range stays mapped and
+  // reads as zeros when next touched (release_cached on a segment that is partly in use).
+  static void decommit(void* p, std::size_t bytes) noexcept {
+    const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+    const auto begin = (reinterpret_cast<std::uintptr_t>(p) + page - 1) / page * page;
+    const auto end = (reinterpret_cast<std::uintptr_t>(p) + bytes) / page * page;
+    if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
 };
 
 template <class Backing>
@@ -114,8 +126,8 @@ class BasicCachingAllocator {
     }
   }
 
-  // Returns every cached small block and every segment with nothing in use to the system (e.g.
-  // between phases with different shapes).
+  // Returns every cached small block and every segment with nothing in use to the system, and
+  // the pages of the other segments' free ranges (e.g. between phases with different shapes).
   void release_cached() noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     release_cached_locked();
@@ -165,20 +177,25 @@ class BasicCachingAllocator {
     std::size_t best = ranges_.size();
     for (std::size_t i = 0; i < ranges_.size(); ++i) {
       const Range& r = ranges_[i];
-      if (r.free && r.bytes >= bytes && (best == ranges_.size() || r.bytes < ranges_[best].bytes)) best = i;
+      if (r.free && r.bytes >= bytes && usable(r, bytes) && (best == ranges_.size() || r.bytes < ranges_[best].bytes))
+        best = i;
     }
     if (best != ranges_.size()) {
       stats_.cache_hits++;
       return take(best, bytes);
     }
     // A new segment: the request, or Backing's segment size where that is larger.
-    const std::size_t segment_bytes = std::max(bytes, Backing::kSegmentBytes);
+    std::size_t segment_bytes = std::max(bytes, Backing::kSegmentBytes);
     char* base = static_cast<char*>(Backing::allocate(segment_bytes));
     if (base == nullptr) {
       release_cached_locked();
       base = static_cast<char*>(Backing::allocate(segment_bytes));
     }
-    if (base == nullptr) throw_out_of_memory(segment_bytes);
+    if (base == nullptr && segment_bytes > bytes) {  // no room for a whole segment (ulimit -v): the request alone
+      segment_bytes = bytes;
+      base = static_cast<char*>(Backing::allocate(segment_bytes));
+    }
+    if (base == nullptr) throw_out_of_memory(bytes);
     auto at = std::lower_bound(ranges_.begin(), ranges_.end(), base,
                                [](const Range& r, const char* p) { return r.base < p; });
     try {
@@ -190,6 +207,15 @@ class BasicCachingAllocator {
     stats_.system_allocations++;
     stats_.bytes_cached += segment_bytes;
     return take(static_cast<std::size_t>(at - ranges_.begin()), bytes);
+  }
+  // Whether free range r may serve `bytes`. Memory committed when allocated (a GPU's, whose
+  // segments are each one request) is not split into a piece much smaller than the range: the
+  // piece in use would pin the rest, which release_cached could then not give back (PyTorch caps
+  // splitting with max_split_size for the same reason). Host segments are split freely: their
+  // free pages cost nothing until touched, and release_cached decommits them.
+  static bool usable(const Range& r, std::size_t bytes) {
+    if constexpr (Backing::kSegmentBytes > 0) return true;
+    else return r.bytes - bytes < bytes;
   }
   // Hands out the first `bytes` of free range i, leaving the rest free (a new range after it).
   void* take(std::size_t i, std::size_t bytes) {
@@ -230,12 +256,17 @@ class BasicCachingAllocator {
       for (void* p : list) Backing::release(p);
       list.clear();
     }
-    // A segment with nothing in use is one free range spanning all of it.
+    // A segment with nothing in use is one free range spanning all of it: it goes back. The free
+    // ranges of segments partly in use give their pages back where the Backing can.
     std::size_t cached = 0;
     std::erase_if(ranges_, [&](const Range& r) {
       const bool whole = r.free && r.base == r.segment && r.bytes == r.segment_bytes;
-      if (whole) Backing::release(r.base);
-      else if (r.free) cached += r.bytes;
+      if (whole) {
+        Backing::release(r.base);
+      } else if (r.free) {
+        cached += r.bytes;
+        if constexpr (requires { Backing::decommit(r.base, r.bytes); }) Backing::decommit(r.base, r.bytes);
+      }
       return whole;
     });
     stats_.bytes_cached = cached;

@@ -9,9 +9,9 @@
 //
 // One stream per device (created non-blocking on first use, so work on it never serializes with
 // the legacy default stream), one cuBLAS and one cuDNN handle per device bound to that stream, and
-// one caching allocator per device, the host allocator's size classes over cudaMalloc (like
-// PyTorch's CUDA caching allocator: freed blocks are kept and handed out again, so a steady-state
-// training step calls cudaMalloc zero times). Blocks are freed to the cache without waiting: every
+// one caching allocator per device, the host allocator's size classes and segment pool over
+// cudaMalloc (like PyTorch's CUDA caching allocator: freed blocks are kept and handed out again,
+// so a steady-state training step calls cudaMalloc zero times; core/allocator.hpp). Blocks are freed to the cache without waiting: every
 // kernel of this device runs on its one stream, so a later user of the block is ordered after
 // the earlier one.
 //
