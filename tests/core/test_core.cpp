@@ -67,10 +67,12 @@ TEST_CASE("CachingAllocator: freed blocks are reused, no system allocation in st
   CHECK(alloc.stats().bytes_cached == 0);
 }
 
-// 8 MiB segments, counted, so the test sees each one.
-struct SmallSegments {
+// A Backing with segments of kSegment bytes (0: each one the request) that counts its live blocks,
+// so the tests see every segment come and go.
+template <std::size_t kSegment>
+struct CountedSegments {
   static constexpr const char* kName = "test";
-  static constexpr std::size_t kSegmentBytes = std::size_t{8} << 20;
+  static constexpr std::size_t kSegmentBytes = kSegment;
   static inline int live = 0;
   static void* allocate(std::size_t bytes) noexcept {
     ++live;
@@ -81,6 +83,7 @@ struct SmallSegments {
     std::free(p);
   }
 };
+using SmallSegments = CountedSegments<std::size_t{8} << 20>;  // 8 MiB segments
 
 // Large requests: best fit within a segment, split and merged again, so memory freed in one size
 // serves a request of another (activations freed, gradients of other shapes asked for).
@@ -134,19 +137,7 @@ TEST_CASE("CachingAllocator: large blocks are carved from one segment and merge 
 
 // Committed memory (a GPU's): a segment is the request, and a free range is not split into a piece
 // much smaller than itself. A Backing that cannot give a whole segment gets asked for the request.
-struct CommittedSegments {
-  static constexpr const char* kName = "test";
-  static constexpr std::size_t kSegmentBytes = 0;
-  static inline int live = 0;
-  static void* allocate(std::size_t bytes) noexcept {
-    ++live;
-    return std::aligned_alloc(64, bytes);
-  }
-  static void release(void* p) noexcept {
-    --live;
-    std::free(p);
-  }
-};
+using CommittedSegments = CountedSegments<0>;
 struct NoRoomForSegments {  // refuses anything above 16 MiB, as under ulimit -v
   static constexpr const char* kName = "test";
   static constexpr std::size_t kSegmentBytes = std::size_t{1} << 30;
