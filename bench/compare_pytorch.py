@@ -25,19 +25,19 @@ from bench_common import cpu_model  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_tessera(binary, model, threads):
-    out = subprocess.run([binary, f"--models={model}", f"--threads={threads}"], check=True, capture_output=True,
-                         text=True).stdout
+def run_tessera(binary, model, threads, precision="float32"):
+    out = subprocess.run([binary, f"--models={model}", f"--threads={threads}", f"--precision={precision}"],
+                         check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
     # Which gemm kernel Tessera ran ("OpenBLAS <core>" or "Eigen gebp") and the OpenBLAS core
     # setting it inherited (the machine may set OPENBLAS_CORETYPE; the peer's is chosen below).
-    return {**report["results"][0], "gemm": report.get("gemm", "?"),
+    return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", ""),
             "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset")}
 
 
-def run_torch(setup, model, threads, coretype, policy):
+def run_torch(setup, model, threads, coretype, policy, precision="float32"):
     out = peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
-                          "--threads", str(threads)], setup.env(coretype, policy))
+                          "--threads", str(threads), "--precision", precision], setup.env(coretype, policy))
     result = json.loads(out)
     return {**result["results"][0], "peer": result["peer"]}
 

@@ -1,6 +1,11 @@
 """PyTorch twin of train_throughput: images/s of the same training steps, as JSON on stdout.
 
     /usr/bin/python3 bench/torch_throughput.py --threads 2 --models mlp,lenet,resnet20,resnet50_b8,resnet50_b32
+                                                [--precision float32|bfloat16]
+
+--precision bfloat16 runs forward and loss under torch.autocast("cpu", dtype=torch.bfloat16), PyTorch's
+CPU mixed precision (float parameters; convolutions and linears in bfloat16 through oneDNN), the
+peer of Tessera's CpuLocalBf16.
 
 Its JSON carries a "peer" record (bench/peer.py: the BLAS serving sgemm_, OpenBLAS's core, threads,
 wait policy, oneDNN) and, per model, the convolution kernels one training step ran. Started by
@@ -30,7 +35,7 @@ CONFIGS = {  # name: (builder, batch, channels, image, classes, default steps)
 }
 
 
-def measure(name, steps_flag, warmup):
+def measure(name, steps_flag, warmup, precision="float32"):
     build, batch, channels, image, classes, default_steps = CONFIGS[name]
     steps = steps_flag or default_steps
     torch.manual_seed(1)
@@ -43,7 +48,8 @@ def measure(name, steps_flag, warmup):
 
     def step():
         opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
 
@@ -67,14 +73,16 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
     for name in args.models.split(","):
-        r = measure(name, args.steps, args.warmup)
+        r = measure(name, args.steps, args.warmup, args.precision)
         print(f"{name:13} batch {r['batch']:3}  {r['images_per_second']:8.1f} img/s", file=sys.stderr)
         results.append(r)
     print(json.dumps({"framework": "pytorch", "version": torch.__version__, "threads": args.threads,
+                      "precision": args.precision,
                       "peer": peer.torch_record(torch, torch_models.BLAS), "results": results}))
 
 

@@ -1,7 +1,9 @@
 // Training-step throughput (images/s) of Tessera models on synthetic data, as JSON.
 //
 //   ./train_throughput [--models=mlp,lenet,resnet20,resnet50_b8,resnet50_b32] [--threads=2]
-//                      [--steps=N] [--warmup=2]
+//                      [--steps=N] [--warmup=2] [--precision=float32|bfloat16]
+//
+// --precision=bfloat16 trains with CpuLocalBf16: float weights, bfloat16 products (core/env.hpp).
 //
 // Each model: `warmup` steps (caches and workspaces settle; at least 1), then `steps` timed steps; reports the
 // median step time, images/s, and the heap allocations made during the timed steps, counted by
@@ -21,7 +23,6 @@
 #include "alloc_counter.hpp"
 
 using namespace tessera;
-using E = CpuLocal;
 
 struct Result {
   std::string model;
@@ -31,7 +32,7 @@ struct Result {
   int steps;
 };
 
-template <class Model>
+template <class E, class Model>
 Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
                std::int64_t classes, int warmup, int steps) {
   auto named = named_tensors(model);
@@ -66,6 +67,29 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
           steps};
 }
 
+template <class E>
+Result measure_model(const std::string& m, int warmup, int steps_flag) {
+  auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
+  if (m == "mlp") {
+    Mlp<E> net(784, {512, 256}, 10, 1);
+    return measure<E>(m, net, 128, 1, 28, 10, warmup, steps(50));
+  }
+  if (m == "lenet") {
+    auto net = lenet5<E>(1, 28, 10, 1);
+    return measure<E>(m, net, 64, 1, 28, 10, warmup, steps(50));
+  }
+  if (m == "resnet20") {
+    auto net = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
+    return measure<E>(m, net, 64, 1, 28, 10, warmup, steps(10));
+  }
+  if (m == "resnet50_b8" || m == "resnet50_b32") {
+    auto net = resnet50<E>({.in_channels = 3, .num_classes = 1000, .seed = 1});
+    const std::int64_t batch = m == "resnet50_b8" ? 8 : 32;
+    return measure<E>(m, net, batch, 3, 224, 1000, std::min(warmup, 2), steps(3));
+  }
+  throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32)");
+}
+
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
@@ -74,35 +98,23 @@ int main(int argc, char** argv) {
     const int threads = flags.threads("threads", 2);
     const int steps_flag = flags.get("steps", 0, {.min = 0});  // 0: each model's own count
     const int warmup = flags.get("warmup", 2, {.min = 1});     // the first step is never timed
+    const std::string precision = flags.choice("precision", "float32", {"float32", "bfloat16"});
+    const bool bf16 = precision == "bfloat16";
     flags.finish();
     Cpu::set_num_threads(threads);
 
     std::vector<Result> results;
     for (const std::string& m : models) {
-      auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
-      if (m == "mlp") {
-        Mlp<E> net(784, {512, 256}, 10, 1);
-        results.push_back(measure(m, net, 128, 1, 28, 10, warmup, steps(50)));
-      } else if (m == "lenet") {
-        auto net = lenet5<E>(1, 28, 10, 1);
-        results.push_back(measure(m, net, 64, 1, 28, 10, warmup, steps(50)));
-      } else if (m == "resnet20") {
-        auto net = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
-        results.push_back(measure(m, net, 64, 1, 28, 10, warmup, steps(10)));
-      } else if (m == "resnet50_b8" || m == "resnet50_b32") {
-        auto net = resnet50<E>({.in_channels = 3, .num_classes = 1000, .seed = 1});
-        const std::int64_t batch = m == "resnet50_b8" ? 8 : 32;
-        results.push_back(measure(m, net, batch, 3, 224, 1000, std::min(warmup, 2), steps(3)));
-      } else {
-        throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32)");
-      }
+      results.push_back(bf16 ? measure_model<CpuLocalBf16>(m, warmup, steps_flag)
+                             : measure_model<CpuLocal>(m, warmup, steps_flag));
       Cpu::allocator().release_cached();  // the next model starts from a clean host heap
       const auto& r = results.back();
       std::fprintf(stderr, "%-13s batch %3lld  %8.1f img/s  median step %.4f s  allocations: first step %ld, timed %ld\n", r.model.c_str(),
                    static_cast<long long>(r.batch), r.images_per_second, r.median_step_s, r.first_step_allocations, r.allocations);
     }
-    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"gemm\": \"%s\", \"results\": [", threads,
-                cpu_gemm_kernel().c_str());
+    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"gemm\": \"%s\", \"precision\": \"%s\", "
+                "\"bf16_kernel\": \"%s\", \"results\": [",
+                threads, cpu_gemm_kernel().c_str(), precision.c_str(), bf16 ? cpu_bf16_kernel().c_str() : "");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       std::printf("%s{\"model\": \"%s\", \"batch\": %lld, \"image\": %lld, \"steps\": %d, \"median_step_s\": %.6f, "

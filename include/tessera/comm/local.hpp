@@ -106,5 +106,6 @@ static_assert(check_communicator<LocalComm>());
 // The single-process bundles: float32 for training, float64 for gradient checks.
 using CpuLocal = Env<Cpu, LocalComm, float>;
 using CpuLocal64 = Env<Cpu, LocalComm, double>;
+using CpuLocalBf16 = Env<Cpu, LocalComm, float, BFloat16>;  // float weights, bfloat16 products (core/env.hpp)
 
 }  // namespace tessera

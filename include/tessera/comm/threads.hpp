@@ -583,5 +583,6 @@ void ThreadComm::launch(const LaunchOptions& options, Fn&& fn) {
 // The in-process multi-rank bundles.
 using CpuThreads = Env<Cpu, ThreadComm, float>;
 using CpuThreads64 = Env<Cpu, ThreadComm, double>;
+using CpuThreadsBf16 = Env<Cpu, ThreadComm, float, BFloat16>;  // float weights, bfloat16 products (core/env.hpp)
 
 }  // namespace tessera

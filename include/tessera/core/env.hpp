@@ -1,9 +1,16 @@
-// Env<Device, Comm, Scalar>: the one policy bundle every layer, loss, optimizer, model and strategy
-// takes. Plain layers read Device and Scalar; the strategies (DataParallel, Zero1, LocalSgd,
+// Env<Device, Comm, Scalar, Compute>: the one policy bundle every layer, loss, optimizer, model and
+// strategy takes. Plain layers read Device and Scalar; the strategies (DataParallel, Zero1, LocalSgd,
 // Pipeline) and the comm-aware layers (tensor-parallel linears and convolutions) take their
 // communicator *type* from Comm, so a program switches backend by changing its Env alias and
 // nothing else. Named aliases (CpuLocal, CpuThreads, CpuMpi, CpuGloo, CudaLocal, CudaNccl, and
 // their float64 twins) live next to each communicator, so a backend stays in its own header.
+//
+// Compute is the precision of the matrix products (Linear, Conv2d): the Scalar itself (default),
+// or BFloat16 for mixed precision on the CPU, as PyTorch's CPU autocast to bfloat16: parameters,
+// gradients, optimizer state and activations stay float (the "master" copies), each product rounds
+// its operands to bfloat16 and accumulates in float (kernels/cpu/gemm_bf16.hpp; AVX512-BF16 where
+// the CPU has it, detected at run time, else the float product). Aliases CpuLocalBf16 and
+// CpuThreadsBf16; any other communicator as Env<Cpu, MpiComm, float, BFloat16>.
 //
 // Impossible bundles fail where the Env is first used, with a sentence naming the fix:
 // a Device that is not a device, a Scalar that is not float/double, or a communicator that
@@ -27,7 +34,10 @@ consteval bool comm_accepts_device() {
 }
 }  // namespace detail
 
-template <class D, class C, class S = float>
+// Compute type tag: matrix products in bfloat16 with float accumulation (see above).
+struct BFloat16 {};
+
+template <class D, class C, class S = float, class P = S>
 struct Env {
   static_assert(Device<D>, "Env<Device, Comm, Scalar>: the first argument is not a device (it needs allocate, "
                            "deallocate, copy, copy_to_device, copy_to_host, synchronize, host_accessible): use Cpu "
@@ -35,15 +45,21 @@ struct Env {
   static_assert(std::is_floating_point_v<S>, "Env<Device, Comm, Scalar>: Scalar must be float or double");
   static_assert(detail::comm_accepts_device<C, D>(), "Env<Device, Comm, Scalar>: this communicator cannot move "
                                                      "this device's memory");
+  static_assert(std::is_same_v<P, S> || (std::is_same_v<P, BFloat16> && std::is_same_v<S, float>),
+                "Env<Device, Comm, Scalar, Compute>: Compute is the Scalar itself, or BFloat16 with Scalar float "
+                "(float master weights, bfloat16 products)");
   using Device = D;
   using Comm = C;
   using Scalar = S;
+  using Compute = P;
+  // Whether Linear and Conv2d round their products' operands to bfloat16.
+  static constexpr bool bf16_compute = std::is_same_v<P, BFloat16>;
 };
 
 template <class T>
 inline constexpr bool is_env_v = false;
-template <class D, class C, class S>
-inline constexpr bool is_env_v<Env<D, C, S>> = true;
+template <class D, class C, class S, class P>
+inline constexpr bool is_env_v<Env<D, C, S, P>> = true;
 
 // Two parts of one program that must agree on their bundle (a model and its optimizer, a model
 // and its strategy). The assertion reads as one sentence in the compiler's output; the

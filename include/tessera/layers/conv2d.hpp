@@ -182,7 +182,7 @@ class Conv2d {
   }
 
   Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch) const {
-    return conv2d_blocking(g, batch, sizeof(S), block_columns_, algorithm_);
+    return conv2d_blocking(g, batch, sizeof(S), block_columns_, algorithm_, E::bf16_compute);
   }
 
   Conv2dOptions o_;

@@ -22,10 +22,10 @@ namespace tessera {
 namespace detail {
 // A linear layer's parameter gradients from dy (n, out) and its input x (n, in):
 // dW += dy^T x (out, in), db += the column sums of dy (out); then each parameter's grad-ready hook.
-template <class S, class D>
+template <class Compute, class S, class D>
 void linear_parameter_grads(const S* dy, const S* x, std::int64_t n, std::int64_t out, std::int64_t in,
                             Parameter<S, D>& weight, Parameter<S, D>* bias) {
-  gemm(D{}, true, false, out, in, n, S(1), dy, out, x, in, S(1), weight.grad.data(), in);
+  gemm_in<Compute>(D{}, true, false, out, in, n, S(1), dy, out, x, in, S(1), weight.grad.data(), in);
   weight.grad_ready();
   if (bias == nullptr) return;
   add_column_sums(D{}, dy, n, out, bias->grad.data());
@@ -67,7 +67,7 @@ class Linear {
     c.y_shape = y_shape;
     c.y.resize(y_shape);
     if (has_bias_) broadcast_rows(D{}, bias_.value.data(), n, out_, c.y.data());
-    gemm(D{}, false, true, n, out_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
+    gemm_in<typename E::Compute>(D{}, false, true, n, out_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
          c.y.data(), out_);  // (N, in) x (in, out)
     return c.y;
   }
@@ -81,10 +81,10 @@ class Linear {
     TESSERA_CHECK(x.rank() == c.y_shape.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
                   in_, ", ", out_, ")::backward: the input changed shape to ", x.shape(),
                   " since forward (keep it alive and unchanged)");
-    detail::linear_parameter_grads(dy.data(), x.data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);
+    detail::linear_parameter_grads<typename E::Compute>(dy.data(), x.data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);
     if (needs_input_grad_) {
       c.dx.resize(x.shape());
-      gemm(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
+      gemm_in<typename E::Compute>(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
     }
     return c.dx;
   }

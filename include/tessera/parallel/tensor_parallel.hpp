@@ -116,7 +116,7 @@ class ColumnParallelLinear {
     c.x = &x;
     c.y_local.resize({n, local_});
     if (has_bias_) broadcast_rows(D{}, bias_.value.data(), n, local_, c.y_local.data());
-    gemm(D{}, false, true, n, local_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
+    gemm_in<typename E::Compute>(D{}, false, true, n, local_, in_, S(1), x.data(), in_, weight_.value.data(), in_, has_bias_ ? S(1) : S(0),
          c.y_local.data(), local_);
     if (!gather_output_) return c.y_local;
     const auto p = static_cast<std::int64_t>(comm_->size());
@@ -142,11 +142,11 @@ class ColumnParallelLinear {
       TESSERA_CHECK(dy.shape() == c.y_local.shape(), ShapeError, "ColumnParallelLinear::backward: dy ", dy.shape(),
                     " does not match this rank's output ", c.y_local.shape());
     }
-    detail::linear_parameter_grads(dy_local->data(), x.data(), n, local_, in_, weight_, has_bias_ ? &bias_ : nullptr);
+    detail::linear_parameter_grads<typename E::Compute>(dy_local->data(), x.data(), n, local_, in_, weight_, has_bias_ ? &bias_ : nullptr);
     if (!needs_input_grad_) return c.dx;  // the first layer: nobody consumes dL/dx, skip f's all-reduce
     // f's backward: each rank has its output slice's share of dL/dx; the sum is dL/dx.
     c.dx.resize({n, in_});
-    gemm(D{}, false, false, n, in_, local_, S(1), dy_local->data(), local_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
+    gemm_in<typename E::Compute>(D{}, false, false, n, in_, local_, S(1), dy_local->data(), local_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
     comm_->all_reduce(std::span<S>(c.dx.data(), static_cast<std::size_t>(c.dx.numel())), ReduceOp::Sum);
     return c.dx;
   }
@@ -234,7 +234,7 @@ class RowParallelLinear {
       c.x = &c.x_local;
     }
     c.y.resize({n, out_});
-    gemm(D{}, false, true, n, out_, local_, S(1), c.x->data(), local_, weight_.value.data(), local_, S(0), c.y.data(), out_);
+    gemm_in<typename E::Compute>(D{}, false, true, n, out_, local_, S(1), c.x->data(), local_, weight_.value.data(), local_, S(0), c.y.data(), out_);
     comm_->all_reduce(std::span<S>(c.y.data(), static_cast<std::size_t>(c.y.numel())), ReduceOp::Sum);  // g
     if (has_bias_)  // after the sum: the bias is added once, not p times
       add_broadcast_rows(D{}, bias_.value.data(), n, out_, c.y.data());
@@ -246,9 +246,9 @@ class RowParallelLinear {
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "RowParallelLinear::backward: dy ", dy.shape(),
                   " does not match output ", c.y.shape());
     const auto n = dy.dim(0);
-    detail::linear_parameter_grads(dy.data(), c.x->data(), n, out_, local_, weight_, has_bias_ ? &bias_ : nullptr);
+    detail::linear_parameter_grads<typename E::Compute>(dy.data(), c.x->data(), n, out_, local_, weight_, has_bias_ ? &bias_ : nullptr);
     c.dx_local.resize({n, local_});
-    gemm(D{}, false, false, n, local_, out_, S(1), dy.data(), out_, weight_.value.data(), local_, S(0), c.dx_local.data(), local_);
+    gemm_in<typename E::Compute>(D{}, false, false, n, local_, out_, S(1), dy.data(), out_, weight_.value.data(), local_, S(0), c.dx_local.data(), local_);
     if (input_is_parallel_) return c.dx_local;
     const auto p = static_cast<std::int64_t>(comm_->size());
     c.gathered.resize({p * n * local_});

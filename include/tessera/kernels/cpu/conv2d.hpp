@@ -31,6 +31,7 @@
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/cpu/gemm_bf16.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 #include "tessera/kernels/cpu/winograd.hpp"
 
@@ -223,6 +224,15 @@ inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, st
   return {n0, std::min(b.samples, batch - n0), oh0, std::min(oh0 + b.rows, g.out_height)};
 }
 
+// The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only).
+template <class S>
+void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+               const S* a, std::int64_t lda, const S* x, std::int64_t ldx, S beta, S* c, std::int64_t ldc) {
+  if constexpr (std::is_same_v<S, float>)
+    if (b.bf16) return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
+  gemm(Cpu{}, trans_a, trans_b, m, n, k, S(1), a, lda, x, ldx, beta, c, ldc);
+}
+
 template <class S>
 void conv2d_forward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, const ConvBlock& blk, const S* x,
                           const S* w, const S* bias, S* y, S* col, S* stage) {
@@ -244,8 +254,8 @@ void conv2d_forward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, cons
     for (std::int64_t ch = 0; ch < k; ++ch) std::fill(out + ch * ldo, out + ch * ldo + cols, bias[ch]);
   const S beta = band && bias != nullptr ? S(1) : S(0);
   for (std::int64_t grp = 0; grp < g.groups; ++grp)
-    gemm(Cpu{}, false, false, kg, cols, rows_g, S(1), w + grp * kg * rows_g, rows_g, cm + grp * rows_g * ldc, ldc,
-         beta, out + grp * kg * ldo, ldo);
+    conv_gemm(b, false, false, kg, cols, rows_g, w + grp * kg * rows_g, rows_g, cm + grp * rows_g * ldc, ldc, beta,
+              out + grp * kg * ldo, ldo);
   if (band) return;
   for (std::int64_t s = 0; s < blk.count; ++s)
     for (std::int64_t ch = 0; ch < k; ++ch) {
@@ -283,14 +293,14 @@ void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, con
     lddy = cols;
   }
   for (std::int64_t grp = 0; grp < g.groups; ++grp)
-    gemm(Cpu{}, false, true, kg, rows_g, cols, S(1), dym + grp * kg * lddy, lddy, cm + grp * rows_g * ldc, ldc, S(1),
-         dw_acc + grp * kg * rows_g, rows_g);
+    conv_gemm(b, false, true, kg, rows_g, cols, dym + grp * kg * lddy, lddy, cm + grp * rows_g * ldc, ldc, S(1),
+              dw_acc + grp * kg * rows_g, rows_g);
   if (dx == nullptr) return;
   // w^T dy goes straight into dx on the direct path, else into col (no longer needed) for col2im.
   S* dcol = direct ? dx + blk.n0 * in_sample + first : col;
   for (std::int64_t grp = 0; grp < g.groups; ++grp)
-    gemm(Cpu{}, true, false, rows_g, cols, kg, S(1), w + grp * kg * rows_g, rows_g, dym + grp * kg * lddy, lddy, S(0),
-         dcol + grp * rows_g * ldc, ldc);
+    conv_gemm(b, true, false, rows_g, cols, kg, w + grp * kg * rows_g, rows_g, dym + grp * kg * lddy, lddy, S(0),
+              dcol + grp * rows_g * ldc, ldc);
   if (!direct)
     col2im_add(Cpu{}, g, col, cols, blk.count, blk.oh0, blk.oh1, dx + blk.n0 * in_sample, col2im_assigns(g, b));
 }

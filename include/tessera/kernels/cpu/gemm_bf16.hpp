@@ -1,0 +1,268 @@
+// gemm_bf16: C = alpha * op(A) * op(B) + beta * C on float matrices, computed as PyTorch's CPU
+// autocast computes a bfloat16 matmul: each element of A and B is rounded to bfloat16 (round to
+// nearest even; 8 significant bits, float's exponent range), every product of two bfloat16 values
+// is exact in float, and the sums are accumulated in float. C stays float. Same shapes and
+// conventions as gemm (kernels/cpu/gemm.hpp): row-major, op(A) (m, k), op(B) (k, n), C (m, n).
+//
+// The kernel is VDPBF16PS (AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids), which multiplies
+// pairs of bfloat16 and adds both products into one float lane:
+//   acc[j] += a[2j] b[2j] + a[2j+1] b[2j+1]          (16 float lanes per 512-bit register)
+// i.e. twice the multiply-adds of an FMA per instruction. So both operands are packed as pairs
+// along k, one 32-bit word (low half: even k, high half: odd k) per (row, pair):
+//   A panel:  [pair p][row i of kMr]      a word is broadcast to all lanes
+//   B panel:  [pair p][column j of kNr]   kNr / 16 registers per pair
+// The micro-kernel keeps a kMr x kNr tile of C in 24 registers. Blocking follows Goto's scheme:
+// a (kKcPairs x kNc) block of B is packed once and stays in L2; a (kMc x kKcPairs) block of A is
+// packed per row block; one B micro-panel (kKcPairs x kNr words = 24 KiB) stays in L1 while the
+// A micro-panels stream past it. Odd k and partial tiles are padded with zeros when packing
+// (a zero pair adds nothing) and masked when C is written.
+//
+// Where the CPU lacks AVX512-BF16 (detected at run time, cpu_has_avx512_bf16()), or where
+// set_cpu_bf16_enabled(false) turned it off, gemm_bf16 is the float gemm: the fp32 fallback.
+// Threads: as gemm, split over the OpenMP team outside a parallel region, one thread inside one.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define TESSERA_HAVE_BF16_KERNEL 1
+#else
+#define TESSERA_HAVE_BF16_KERNEL 0
+#endif
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/gemm.hpp"
+
+namespace tessera {
+
+// Whether this CPU (and the OS, which must save the 512-bit registers) runs AVX512-BF16.
+inline bool cpu_has_avx512_bf16() {
+#if TESSERA_HAVE_BF16_KERNEL
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+namespace detail {
+inline std::atomic<bool>& cpu_bf16_enabled_flag() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+}  // namespace detail
+
+// Process-wide switch, on by default: off makes every gemm_bf16 take the fp32 fallback (tests use
+// it to run the fallback on a CPU that has the instructions).
+inline void set_cpu_bf16_enabled(bool enabled) { detail::cpu_bf16_enabled_flag() = enabled; }
+
+// True when gemm_bf16 computes in bfloat16 now, false when it falls back to float.
+inline bool cpu_bf16_active() { return cpu_has_avx512_bf16() && detail::cpu_bf16_enabled_flag().load(); }
+
+// What gemm_bf16 runs, for benchmark reports.
+inline std::string cpu_bf16_kernel() {
+  if (cpu_bf16_active()) return "AVX512-BF16 VDPBF16PS, float accumulation";
+  return cpu_has_avx512_bf16() ? "float gemm (bf16 turned off)" : "float gemm (this CPU has no AVX512-BF16)";
+}
+
+// float -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar reference of
+// what VCVTNEPS2BF16 does, for tests and tails.
+inline std::uint16_t float_to_bf16_bits(float value) {
+  std::uint32_t u;
+  std::memcpy(&u, &value, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+inline float bf16_bits_to_float(std::uint16_t bits) {
+  const std::uint32_t u = std::uint32_t{bits} << 16;
+  float value;
+  std::memcpy(&value, &u, 4);
+  return value;
+}
+// The float a value becomes when rounded to bfloat16.
+inline float round_to_bf16(float value) { return bf16_bits_to_float(float_to_bf16_bits(value)); }
+
+#if TESSERA_HAVE_BF16_KERNEL
+namespace detail {
+
+#define TESSERA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+inline constexpr std::int64_t kBf16Mr = 8;         // rows of C per micro-tile
+inline constexpr std::int64_t kBf16Nr = 48;        // columns of C per micro-tile: 3 registers
+inline constexpr std::int64_t kBf16KcPairs = 128;  // k pairs per block: B micro-panel 24 KiB (L1)
+inline constexpr std::int64_t kBf16Mc = 96;        // rows of A per block: 48 KiB packed (L2)
+inline constexpr std::int64_t kBf16Nc = 1536;      // columns of B per block: 768 KiB packed (L2)
+
+// Element (r, kk) of a matrix read through strides: r is the row of A / the column of B.
+struct Bf16Source {
+  const float* p;
+  std::int64_t stride_r, stride_k;
+};
+
+// Packs rows [r0, r0 + rows) x k-range [k0, k0 + kk) of src into panels of `width` rows:
+// out[panel][pair][width] words, zero-padded to whole panels and an even k.
+TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0, std::int64_t rows, std::int64_t k0,
+                                          std::int64_t kk, std::int64_t width, std::uint32_t* out) {
+  const std::int64_t pairs = (kk + 1) / 2, panels = (rows + width - 1) / width;
+  if (src.stride_r == 1) {
+    // Rows contiguous (B stored (k, n), or A stored transposed): 16 rows of one k at a time,
+    // rounded by VCVTNEPS2BF16 and interleaved with the next k as (low, high) halves.
+    for (std::int64_t panel = 0; panel < panels; ++panel) {
+      const std::int64_t pr = panel * width, live = std::min(width, rows - pr);
+      std::uint32_t* dst = out + panel * pairs * width;
+      for (std::int64_t p = 0; p < pairs; ++p) {
+        const float* even = src.p + (k0 + 2 * p) * src.stride_k + r0 + pr;
+        const bool has_odd = 2 * p + 1 < kk;
+        for (std::int64_t v = 0; v < width; v += 16) {  // width: 48 (B) or 8 (A), so a store may be partial
+          const std::int64_t n = std::clamp<std::int64_t>(live - v, 0, 16);
+          const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
+          const __mmask16 slots = static_cast<__mmask16>((1u << std::min<std::int64_t>(16, width - v)) - 1u);
+          const __m512 lo = _mm512_maskz_loadu_ps(m, even + v);
+          const __m512 hi = has_odd ? _mm512_maskz_loadu_ps(m, even + src.stride_k + v) : _mm512_setzero_ps();
+          const __m512i lo16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+          const __m512i hi16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+          _mm512_mask_storeu_epi32(dst + p * width + v, slots, _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16)));
+        }
+      }
+    }
+    return;
+  }
+  // k contiguous per row (A stored (m, k), or B stored transposed): a row's pairs are adjacent
+  // already; 32 values of a row round to 16 words, which go to the row's slot of 16 pairs.
+  alignas(64) std::uint32_t words[16];
+  for (std::int64_t panel = 0; panel < panels; ++panel) {
+    const std::int64_t pr = panel * width, live = std::min(width, rows - pr);
+    std::uint32_t* dst = out + panel * pairs * width;
+    for (std::int64_t i = 0; i < width; ++i) {
+      if (i >= live) {
+        for (std::int64_t p = 0; p < pairs; ++p) dst[p * width + i] = 0;
+        continue;
+      }
+      const float* row = src.p + (r0 + pr + i) * src.stride_r + k0 * src.stride_k;
+      for (std::int64_t p0 = 0; p0 < pairs; p0 += 16) {
+        const std::int64_t left = kk - 2 * p0;  // values of this row still to read (> 0)
+        const std::int64_t n0 = std::clamp<std::int64_t>(left, 0, 16), n1 = std::clamp<std::int64_t>(left - 16, 0, 16);
+        const __m512 x0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n0) - 1u), row + 2 * p0);
+        const __m512 x1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n1) - 1u), row + 2 * p0 + 16);
+        _mm512_store_si512(words, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0)));
+        const std::int64_t count = std::min<std::int64_t>(16, pairs - p0);
+        for (std::int64_t j = 0; j < count; ++j) dst[(p0 + j) * width + i] = words[j];
+      }
+    }
+  }
+}
+
+// C tile (mr <= kMr rows, nr <= kNr columns, row stride ldc) += alpha * A panel x B panel.
+TESSERA_BF16_TARGET inline void bf16_micro_kernel(std::int64_t pairs, const std::uint32_t* a, const std::uint32_t* b,
+                                                  float alpha, float* c, std::int64_t ldc, std::int64_t mr,
+                                                  std::int64_t nr) {
+  __m512 acc[kBf16Mr][3];
+#pragma GCC unroll 8
+  for (int i = 0; i < kBf16Mr; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (std::int64_t p = 0; p < pairs; ++p) {
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr + 16));
+    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr + 32));
+#pragma GCC unroll 8
+    for (int i = 0; i < kBf16Mr; ++i) {
+      const __m512bh ai = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[p * kBf16Mr + i])));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], ai, b2);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha);
+  __mmask16 masks[3];
+  for (int j = 0; j < 3; ++j) {
+    const std::int64_t n = std::clamp<std::int64_t>(nr - 16 * j, 0, 16);
+    masks[j] = static_cast<__mmask16>((1u << n) - 1u);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kBf16Mr; ++i) {
+    if (i >= mr) break;
+    float* row = c + i * ldc;
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) {
+      const __m512 old = _mm512_maskz_loadu_ps(masks[j], row + 16 * j);
+      _mm512_mask_storeu_ps(row + 16 * j, masks[j], _mm512_fmadd_ps(va, acc[i][j], old));
+    }
+  }
+}
+
+// One thread's packing buffers; they only grow, so a steady state allocates nothing.
+struct Bf16Workspace {
+  Tensor<float> packed_a, packed_b;  // raw 32-bit words, stored in float tensors (same size and alignment)
+  static Bf16Workspace& local() {
+    thread_local Bf16Workspace workspace;
+    return workspace;
+  }
+};
+
+// C += alpha op(A) op(B) on the calling thread.
+TESSERA_BF16_TARGET inline void gemm_bf16_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                                 std::int64_t k, float alpha, const float* a, std::int64_t lda,
+                                                 const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  const Bf16Source sa{a, trans_a ? 1 : lda, trans_a ? lda : 1};
+  const Bf16Source sb{b, trans_b ? ldb : 1, trans_b ? 1 : ldb};
+  auto& ws = Bf16Workspace::local();
+  const std::int64_t nc_max = std::min(kBf16Nc, (n + kBf16Nr - 1) / kBf16Nr * kBf16Nr);
+  const std::int64_t mc_max = std::min(kBf16Mc, (m + kBf16Mr - 1) / kBf16Mr * kBf16Mr);
+  const std::int64_t kc_pairs_max = std::min(kBf16KcPairs, (k + 1) / 2);
+  if (ws.packed_b.numel() < nc_max * kc_pairs_max) ws.packed_b.resize({nc_max * kc_pairs_max});
+  if (ws.packed_a.numel() < mc_max * kc_pairs_max) ws.packed_a.resize({mc_max * kc_pairs_max});
+  auto* pb = reinterpret_cast<std::uint32_t*>(ws.packed_b.data());
+  auto* pa = reinterpret_cast<std::uint32_t*>(ws.packed_a.data());
+  for (std::int64_t jc = 0; jc < n; jc += kBf16Nc) {
+    const std::int64_t nc = std::min(kBf16Nc, n - jc);
+    for (std::int64_t pc = 0; pc < k; pc += 2 * kBf16KcPairs) {
+      const std::int64_t kc = std::min(2 * kBf16KcPairs, k - pc), pairs = (kc + 1) / 2;
+      bf16_pack(sb, jc, nc, pc, kc, kBf16Nr, pb);
+      for (std::int64_t ic = 0; ic < m; ic += kBf16Mc) {
+        const std::int64_t mc = std::min(kBf16Mc, m - ic);
+        bf16_pack(sa, ic, mc, pc, kc, kBf16Mr, pa);
+        for (std::int64_t jr = 0; jr < nc; jr += kBf16Nr)
+          for (std::int64_t ir = 0; ir < mc; ir += kBf16Mr)
+            bf16_micro_kernel(pairs, pa + ir * pairs, pb + jr * pairs, alpha, c + (ic + ir) * ldc + jc + jr, ldc,
+                              std::min(kBf16Mr, mc - ir), std::min(kBf16Nr, nc - jr));
+      }
+    }
+  }
+}
+
+#undef TESSERA_BF16_TARGET
+
+}  // namespace detail
+#endif  // TESSERA_HAVE_BF16_KERNEL
+
+inline void gemm_bf16(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                      const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+                      std::int64_t ldc) {
+#if TESSERA_HAVE_BF16_KERNEL
+  if (cpu_bf16_active()) {
+    detail::gemm_split(m, n, k, beta, c, ldc, [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+      const float* a_part = trans_a ? a + r0 : a + r0 * lda;  // rows of op(A)
+      const float* b_part = trans_b ? b + c0 * ldb : b + c0;  // columns of op(B)
+      detail::gemm_bf16_serial(trans_a, trans_b, r1 - r0, c1 - c0, k, alpha, a_part, lda, b_part, ldb,
+                               c + r0 * ldc + c0, ldc);
+    });
+    return;
+  }
+#endif
+  gemm(Cpu{}, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // namespace tessera

@@ -1,0 +1,260 @@
+// bfloat16 compute (Env<Cpu, Comm, float, BFloat16>): the rounding of one value, gemm_bf16 against a
+// float64 product of bfloat16-rounded operands (every transpose, edges of the micro-tiles, alpha,
+// beta, strides, inside and outside a parallel region), the fp32 fallback, and Linear and Conv2d of
+// a bfloat16 Env against float64 layers fed the same rounded operands, forward and backward.
+//
+// Where this CPU has no AVX512-BF16, gemm_bf16 is the float gemm: the tests then check that
+// fallback instead of the bfloat16 rounding, and say so.
+#include <catch2/catch.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "tessera/tessera.hpp"
+
+using namespace tessera;
+
+namespace {
+
+double pseudo_random(std::uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  return static_cast<double>(state >> 11) / static_cast<double>(1ull << 53) * 2.0 - 1.0;
+}
+
+float float_of(std::uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// What a bfloat16 product sees of v: v rounded when the kernel runs, v itself on the fallback.
+float operand(float v) { return cpu_bf16_active() ? round_to_bf16(v) : v; }
+
+}  // namespace
+
+TEST_CASE("float_to_bf16_bits rounds to nearest even, keeps NaN and overflows to infinity", "[core][bf16]") {
+  CHECK(float_to_bf16_bits(1.0f) == 0x3f80);
+  CHECK(float_to_bf16_bits(-1.5f) == 0xbfc0);
+  CHECK(float_to_bf16_bits(float_of(0x3f808000u)) == 0x3f80);  // 1 + 2^-8: a tie, to the even 1
+  CHECK(float_to_bf16_bits(float_of(0x3f818000u)) == 0x3f82);  // 1 + 3 2^-8: a tie, to the even 1 + 2^-6
+  CHECK(float_to_bf16_bits(float_of(0x3f808001u)) == 0x3f81);  // just above the tie: up
+  CHECK(float_to_bf16_bits(float_of(0x3f807fffu)) == 0x3f80);  // just below: down
+  CHECK(float_to_bf16_bits(std::numeric_limits<float>::infinity()) == 0x7f80);
+  CHECK(float_to_bf16_bits(std::numeric_limits<float>::max()) == 0x7f80);  // as torch: rounds to inf
+  CHECK(float_to_bf16_bits(float_of(0x00000001u)) == 0x0000);              // the smallest subnormal: to 0
+  const std::uint16_t nan = float_to_bf16_bits(float_of(0x7f800001u));      // a NaN whose payload is all low
+  CHECK((nan & 0x7f80) == 0x7f80);
+  CHECK((nan & 0x007f) != 0);
+  CHECK(std::isnan(bf16_bits_to_float(nan)));
+  CHECK(round_to_bf16(3.14159265f) == 3.140625f);
+}
+
+TEST_CASE("gemm_bf16 is a float-accumulated product of bfloat16-rounded operands", "[core][bf16]") {
+  INFO("bf16 kernel: " << cpu_bf16_kernel());
+  if (!cpu_bf16_active()) WARN("this CPU has no AVX512-BF16: checking the float fallback instead");
+  struct Case {
+    std::int64_t m, n, k;
+  };
+  // Micro-tiles are 8 x 48 over k pairs, blocks 96 rows x 1536 columns x 256 k: one of each
+  // edge, an odd k, k = 1, a block boundary in every dimension, and products above 2^20
+  // multiply-adds (split over the team when called outside a parallel region).
+  const Case cases[] = {{1, 1, 1}, {7, 50, 3}, {8, 48, 2}, {9, 49, 257}, {97, 1537, 5}, {130, 300, 600}, {3, 17, 1}};
+  const double scalars[][2] = {{1, 0}, {0.5, 1}, {-2, 0.25}};
+  std::uint64_t state = 7;
+  for (const auto& g : cases)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (const auto& s : scalars)
+          for (bool inside_team : {false, true}) {
+            // Row strides wider than the rows, by 3.
+            const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = (tb ? g.k : g.n) + 3, ldc = g.n + 3;
+            std::vector<float> a((ta ? g.k : g.m) * lda), b((tb ? g.n : g.k) * ldb), c0(g.m * ldc);
+            for (auto& v : a) v = static_cast<float>(pseudo_random(state));
+            for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+            for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
+            std::vector<float> c = c0;
+            const auto alpha = static_cast<float>(s[0]), beta = static_cast<float>(s[1]);
+            if (inside_team) {
+#pragma omp parallel num_threads(2)
+              {
+#pragma omp single
+                gemm_bf16(Cpu{}, ta, tb, g.m, g.n, g.k, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+              }
+            } else {
+              gemm_bf16(Cpu{}, ta, tb, g.m, g.n, g.k, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+            }
+            // Against the float64 sum of the rounded operands' products (exact in float: 8 x 8
+            // significant bits), relative to the magnitudes summed; and against the unrounded one.
+            double worst = 0, worst_unrounded = 0;
+            for (std::int64_t i = 0; i < g.m; ++i)
+              for (std::int64_t j = 0; j < g.n; ++j) {
+                double sum = 0, exact = 0, scale = 1;
+                for (std::int64_t p = 0; p < g.k; ++p) {
+                  const float av = ta ? a[p * lda + i] : a[i * lda + p], bv = tb ? b[j * ldb + p] : b[p * ldb + j];
+                  sum += static_cast<double>(operand(av)) * operand(bv);
+                  exact += static_cast<double>(av) * bv;
+                  scale += std::abs(alpha * av * bv);
+                }
+                const double base = beta * static_cast<double>(c0[i * ldc + j]);
+                scale += std::abs(base);
+                const double got = c[i * ldc + j];
+                worst = std::max(worst, std::abs(got - (alpha * sum + base)) / scale);
+                worst_unrounded = std::max(worst_unrounded, std::abs(got - (alpha * exact + base)) / scale);
+              }
+            INFO(g.m << "x" << g.n << "x" << g.k << " trans " << ta << tb << " alpha " << alpha << " beta " << beta
+                     << (inside_team ? " inside a team" : ""));
+            CHECK(worst < 2e-5);
+            // Rounding to 8 significant bits moves a sum of a few products by ~2^-9 of its terms:
+            // the kernel really multiplied bfloat16 values (on the fallback it must not have).
+            if (cpu_bf16_active() && g.k >= 2) CHECK(worst_unrounded > 1e-4);
+            if (!cpu_bf16_active()) CHECK(worst_unrounded < 2e-5);
+          }
+}
+
+TEST_CASE("gemm_bf16 turned off is exactly the float gemm", "[core][bf16]") {
+  const std::int64_t m = 33, n = 70, k = 65;
+  std::uint64_t state = 3;
+  std::vector<float> a(m * k), b(k * n), want(m * n), got(m * n);
+  for (auto& v : a) v = static_cast<float>(pseudo_random(state));
+  for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+  gemm(Cpu{}, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, want.data(), n);
+  set_cpu_bf16_enabled(false);
+  CHECK_FALSE(cpu_bf16_active());
+  CHECK(cpu_bf16_kernel().starts_with("float gemm"));
+  gemm_bf16(Cpu{}, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, got.data(), n);
+  set_cpu_bf16_enabled(true);
+  CHECK(got == want);
+  CHECK(cpu_bf16_active() == cpu_has_avx512_bf16());
+}
+
+namespace {
+
+template <class S>
+void copy_rounded(const Tensor<float>& from, Tensor<S>& to) {
+  to.resize(from.shape());
+  for (std::int64_t i = 0; i < from.numel(); ++i) to.data()[i] = static_cast<S>(operand(from.data()[i]));
+}
+
+Tensor<float> random_float(Shape shape, std::uint64_t& state) {
+  Tensor<float> t(shape);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<float>(pseudo_random(state));
+  return t;
+}
+
+// max |got - want| / (1 + max |want|) over the elements.
+double relative_gap(const Tensor<float>& got, const Tensor<double>& want) {
+  REQUIRE(got.shape() == want.shape());
+  double gap = 0, scale = 1;
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    gap = std::max(gap, std::abs(got.data()[i] - want.data()[i]));
+    scale = std::max(scale, std::abs(want.data()[i]));
+  }
+  return gap / scale;
+}
+
+// A layer of CpuLocalBf16 against its float64 twin with the same weights and rounded operands:
+// forward y = f(round(x), round(w)); backward dx and dw from round(dy) with round(w), round(x).
+// (The bias is added in float, never rounded.) The layers' products round their operands, so
+// the float64 twin sees the rounded values and must agree to float accumulation.
+template <class Layer32, class Layer64>
+void check_against_rounded_twin(Layer32& layer, Layer64& twin, Shape x_shape, std::uint64_t& state) {
+  copy_rounded(layer.weight().value, twin.weight().value);
+  for (std::int64_t i = 0; i < layer.bias().value.numel(); ++i) twin.bias().value.data()[i] = layer.bias().value.data()[i];
+  const Tensor<float> x = random_float(x_shape, state);
+  Tensor<double> x64;
+  copy_rounded(x, x64);
+  typename Layer32::Cache c;
+  typename Layer64::Cache c64;
+  const Tensor<float>& y = layer.forward(x, c);
+  const Tensor<double>& y64 = twin.forward(x64, c64);
+  CHECK(relative_gap(y, y64) < 1e-5);
+  const Tensor<float> dy = random_float(y.shape(), state);
+  Tensor<double> dy64;
+  copy_rounded(dy, dy64);
+  layer.weight().grad.fill(0.0f);
+  twin.weight().grad.fill(0.0);
+  const Tensor<float>& dx = layer.backward(dy, c);
+  const Tensor<double>& dx64 = twin.backward(dy64, c64);
+  CHECK(relative_gap(dx, dx64) < 1e-5);
+  CHECK(relative_gap(layer.weight().grad, twin.weight().grad) < 1e-5);
+  // And the plain float layer differs by bfloat16's rounding: the policy is really in effect.
+  if (cpu_bf16_active()) {
+    Tensor<double> unrounded_w;
+    unrounded_w.resize(layer.weight().value.shape());
+    for (std::int64_t i = 0; i < unrounded_w.numel(); ++i) unrounded_w.data()[i] = layer.weight().value.data()[i];
+    twin.weight().value = unrounded_w;
+    Tensor<double> x_exact(x.shape());
+    for (std::int64_t i = 0; i < x.numel(); ++i) x_exact.data()[i] = x.data()[i];
+    typename Layer64::Cache exact_cache;
+    CHECK(relative_gap(y, twin.forward(x_exact, exact_cache)) > 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Linear with bfloat16 compute equals float64 on bfloat16-rounded operands", "[layers][bf16]") {
+  INFO("bf16 kernel: " << cpu_bf16_kernel());
+  std::uint64_t state = 11;
+  Rng rng(5);
+  for (bool enabled : {true, false}) {  // and the float fallback
+    INFO("bf16 enabled: " << enabled);
+    set_cpu_bf16_enabled(enabled);
+    Linear<CpuLocalBf16> layer(300, 70, rng);
+    Linear<CpuLocal64> twin(300, 70, rng);
+    check_against_rounded_twin(layer, twin, Shape{33, 300}, state);
+  }
+  set_cpu_bf16_enabled(true);
+}
+
+TEST_CASE("Conv2d with bfloat16 compute equals float64 on bfloat16-rounded operands", "[layers][bf16]") {
+  INFO("bf16 kernel: " << cpu_bf16_kernel());
+  std::uint64_t state = 13;
+  Rng rng(6);
+  struct Case {
+    const char* what;
+    Conv2dOptions o;
+    Shape x;
+  };
+  const Case cases[] = {
+      {"3x3 stride 2 padding 1 (im2col)", {16, 24, 3, 3, 2, 2, 1, 1, 1, 1, 1, true}, {3, 16, 15, 14}},
+      {"1x1 (pointwise, no im2col)", {32, 16, 1, 1, 1, 1, 0, 0, 1, 1, 1, true}, {2, 32, 9, 9}},
+      {"7x7 stride 2 (a ResNet stem)", {3, 8, 7, 7, 2, 2, 3, 3, 1, 1, 1, false}, {2, 3, 32, 32}},
+  };
+  for (const auto& c : cases) {
+    for (bool enabled : {true, false}) {  // and the float fallback
+      DYNAMIC_SECTION(c.what << (enabled ? "" : ", bf16 turned off")) {
+        set_cpu_bf16_enabled(enabled);
+        Conv2d<CpuLocalBf16> layer(c.o, rng);
+        Conv2d<CpuLocal64> twin(c.o, rng);
+        layer.set_algorithm(ConvAlgorithm::Im2col);
+        twin.set_algorithm(ConvAlgorithm::Im2col);
+        check_against_rounded_twin(layer, twin, c.x, state);
+        set_cpu_bf16_enabled(true);
+      }
+    }
+  }
+}
+
+TEST_CASE("Conv2d with bfloat16 compute keeps Winograd layers in float", "[layers][bf16]") {
+  // Winograd's small products would gain nothing from bfloat16 (conv2d_geometry.hpp): such a layer
+  // gives exactly the float layer's result.
+  Rng rng(8);
+  const Conv2dOptions o{16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, true};
+  Conv2d<CpuLocalBf16> layer(o, rng);
+  Conv2d<CpuLocal> plain(o, rng);
+  plain.weight().value = layer.weight().value;
+  plain.bias().value = layer.bias().value;
+  layer.set_algorithm(ConvAlgorithm::Winograd);
+  plain.set_algorithm(ConvAlgorithm::Winograd);
+  std::uint64_t state = 17;
+  const Tensor<float> x = random_float({2, 16, 12, 12}, state);
+  Conv2d<CpuLocalBf16>::Cache c1;
+  Conv2d<CpuLocal>::Cache c2;
+  const Tensor<float>& y1 = layer.forward(x, c1);
+  const Tensor<float>& y2 = plain.forward(x, c2);
+  REQUIRE(y1.shape() == y2.shape());
+  CHECK(std::equal(y1.data(), y1.data() + y1.numel(), y2.data()));
+}
