@@ -11,7 +11,7 @@
 // along k, one 32-bit word (low half: even k, high half: odd k) per (row, pair):
 //   A panel:  [pair p][row i of kMr]      a word is broadcast to all lanes
 //   B panel:  [pair p][column j of kNr]   kNr / 16 registers per pair
-// The micro-kernel keeps a kMr x kNr tile of C in 24 registers. Blocking follows Goto's scheme:
+// The micro-kernel keeps a kMr x kNr tile of C in 24 registers (fewer on the last panel). Blocking follows Goto's scheme:
 // a (kKcPairs x kNc) block of B is packed once and stays in L2; a (kMc x kKcPairs) block of A is
 // packed per row block; one B micro-panel (kKcPairs x kNr words = 24 KiB) stays in L1 while the
 // A micro-panels stream past it. Odd k and partial tiles are padded with zeros when packing
@@ -164,30 +164,32 @@ TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0
   }
 }
 
-// C tile (mr <= kMr rows, nr <= kNr columns, row stride ldc) += alpha * A panel x B panel.
+// C tile (mr <= kMr rows, nr <= 16 NV columns, row stride ldc) += alpha * A panel x B panel.
+// NV < 3 for the last, narrower panel of C: a 49-column C is one full tile and one of NV = 1,
+// rather than two full ones (which made 512 x 49 products slower than float).
+template <int NV>
 TESSERA_BF16_TARGET inline void bf16_micro_kernel(std::int64_t pairs, const std::uint32_t* a, const std::uint32_t* b,
                                                   float alpha, float* c, std::int64_t ldc, std::int64_t mr,
                                                   std::int64_t nr) {
-  __m512 acc[kBf16Mr][3];
+  __m512 acc[kBf16Mr][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < kBf16Mr; ++i)
 #pragma GCC unroll 3
-    for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
   for (std::int64_t p = 0; p < pairs; ++p) {
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr + 16));
-    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr + 32));
+    __m512bh bv[NV];
+#pragma GCC unroll 3
+    for (int j = 0; j < NV; ++j) bv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kBf16Nr + 16 * j));
 #pragma GCC unroll 8
     for (int i = 0; i < kBf16Mr; ++i) {
       const __m512bh ai = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[p * kBf16Mr + i])));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], ai, b2);
+#pragma GCC unroll 3
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], ai, bv[j]);
     }
   }
   const __m512 va = _mm512_set1_ps(alpha);
-  __mmask16 masks[3];
-  for (int j = 0; j < 3; ++j) {
+  __mmask16 masks[NV];
+  for (int j = 0; j < NV; ++j) {
     const std::int64_t n = std::clamp<std::int64_t>(nr - 16 * j, 0, 16);
     masks[j] = static_cast<__mmask16>((1u << n) - 1u);
   }
@@ -196,7 +198,7 @@ TESSERA_BF16_TARGET inline void bf16_micro_kernel(std::int64_t pairs, const std:
     if (i >= mr) break;
     float* row = c + i * ldc;
 #pragma GCC unroll 3
-    for (int j = 0; j < 3; ++j) {
+    for (int j = 0; j < NV; ++j) {
       const __m512 old = _mm512_maskz_loadu_ps(masks[j], row + 16 * j);
       _mm512_mask_storeu_ps(row + 16 * j, masks[j], _mm512_fmadd_ps(va, acc[i][j], old));
     }
@@ -234,10 +236,13 @@ TESSERA_BF16_TARGET inline void gemm_bf16_serial(bool trans_a, bool trans_b, std
       for (std::int64_t ic = 0; ic < m; ic += kBf16Mc) {
         const std::int64_t mc = std::min(kBf16Mc, m - ic);
         bf16_pack(sa, ic, mc, pc, kc, kBf16Mr, pa);
-        for (std::int64_t jr = 0; jr < nc; jr += kBf16Nr)
+        for (std::int64_t jr = 0; jr < nc; jr += kBf16Nr) {
+          const std::int64_t nr = std::min(kBf16Nr, nc - jr);
+          const auto kernel = nr > 32 ? bf16_micro_kernel<3> : nr > 16 ? bf16_micro_kernel<2> : bf16_micro_kernel<1>;
           for (std::int64_t ir = 0; ir < mc; ir += kBf16Mr)
-            bf16_micro_kernel(pairs, pa + ir * pairs, pb + jr * pairs, alpha, c + (ic + ir) * ldc + jc + jr, ldc,
-                              std::min(kBf16Mr, mc - ir), std::min(kBf16Nr, nc - jr));
+            kernel(pairs, pa + ir * pairs, pb + jr * pairs, alpha, c + (ic + ir) * ldc + jc + jr, ldc,
+                   std::min(kBf16Mr, mc - ir), nr);
+        }
       }
     }
   }
