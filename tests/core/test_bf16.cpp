@@ -238,9 +238,15 @@ TEST_CASE("Conv2d with bfloat16 compute equals float64 on bfloat16-rounded opera
   }
 }
 
-TEST_CASE("Conv2d with bfloat16 compute keeps Winograd layers in float", "[layers][bf16]") {
-  // Winograd's small products would gain nothing from bfloat16 (conv2d_geometry.hpp): such a layer
-  // gives exactly the float layer's result.
+TEST_CASE("Conv2d with bfloat16 compute: Auto picks im2col, an explicit Winograd stays float", "[layers][bf16]") {
+  // bfloat16 im2col beats float Winograd (conv2d_geometry.hpp), so Auto never picks Winograd; a
+  // layer set to Winograd runs it in float and gives exactly the float layer's result.
+  // ResNet-20's first stage: 16 -> 16 channels, 3x3, 28x28.
+  const Conv2dGeometry g{.channels = 16, .height = 28, .width = 28, .out_channels = 16, .kernel_h = 3, .kernel_w = 3,
+                         .pad_h = 1, .pad_w = 1, .out_height = 28, .out_width = 28};
+  CHECK(conv2d_blocking(g, 64, 4).winograd);
+  CHECK_FALSE(conv2d_blocking(g, 64, 4, 0, ConvAlgorithm::Auto, /*bf16=*/true).winograd);
+  CHECK(conv2d_blocking(g, 64, 4, 0, ConvAlgorithm::Winograd, /*bf16=*/true).winograd);
   Rng rng(8);
   const Conv2dOptions o{16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, true};
   Conv2d<CpuLocalBf16> layer(o, rng);

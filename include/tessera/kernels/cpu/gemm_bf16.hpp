@@ -111,6 +111,32 @@ struct Bf16Source {
   std::int64_t stride_r, stride_k;
 };
 
+// w[i][j] -> w[j][i] for a 16 x 16 matrix of 32-bit words, one row per register: pairs of rows
+// interleaved by 32 bits, then by 64, then 128-bit lanes exchanged twice.
+TESSERA_BF16_TARGET inline void transpose16(__m512i (&w)[16]) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(w[2 * k], w[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(w[2 * k], w[2 * k + 1]);
+  }
+  // u[4 k + q], 128-bit lane L: column 4 L + q of rows 4 k .. 4 k + 3.
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), x1 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
+    w[q] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    w[8 + q] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+    w[4 + q] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    w[12 + q] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+  }
+}
+
 // Packs rows [r0, r0 + rows) x k-range [k0, k0 + kk) of src into panels of `width` rows:
 // out[panel][pair][width] words, zero-padded to whole panels and an even k.
 TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0, std::int64_t rows, std::int64_t k0,
@@ -140,25 +166,38 @@ TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0
     return;
   }
   // k contiguous per row (A stored (m, k), or B stored transposed): a row's pairs are adjacent
-  // already; 32 values of a row round to 16 words, which go to the row's slot of 16 pairs.
-  alignas(64) std::uint32_t words[16];
-  for (std::int64_t panel = 0; panel < panels; ++panel) {
-    const std::int64_t pr = panel * width, live = std::min(width, rows - pr);
-    std::uint32_t* dst = out + panel * pairs * width;
-    for (std::int64_t i = 0; i < width; ++i) {
-      if (i >= live) {
-        for (std::int64_t p = 0; p < pairs; ++p) dst[p * width + i] = 0;
-        continue;
+  // already; 32 values of a row round to 16 words (VCVTNE2PS2BF16). 16 rows x 16 pairs are
+  // turned in registers (transpose16) into 16 pairs x 16 rows, stored whole: one 16-row store in a
+  // B panel (width 48), two 8-row halves into two A panels (width 8).
+  const std::int64_t padded_rows = panels * width;
+  for (std::int64_t q0 = 0; q0 < padded_rows; q0 += 16) {
+    for (std::int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const std::int64_t left = kk - 2 * p0;  // values of each row still to read (> 0)
+      const __mmask16 m0 = static_cast<__mmask16>((1u << std::clamp<std::int64_t>(left, 0, 16)) - 1u);
+      const __mmask16 m1 = static_cast<__mmask16>((1u << std::clamp<std::int64_t>(left - 16, 0, 16)) - 1u);
+      __m512i w[16];
+      for (int i = 0; i < 16; ++i) {
+        if (q0 + i >= rows) {
+          w[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const float* row = src.p + (r0 + q0 + i) * src.stride_r + k0 + 2 * p0;
+        const __m512 x0 = _mm512_maskz_loadu_ps(m0, row), x1 = _mm512_maskz_loadu_ps(m1, row + 16);
+        w[i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0));
       }
-      const float* row = src.p + (r0 + pr + i) * src.stride_r + k0 * src.stride_k;
-      for (std::int64_t p0 = 0; p0 < pairs; p0 += 16) {
-        const std::int64_t left = kk - 2 * p0;  // values of this row still to read (> 0)
-        const std::int64_t n0 = std::clamp<std::int64_t>(left, 0, 16), n1 = std::clamp<std::int64_t>(left - 16, 0, 16);
-        const __m512 x0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n0) - 1u), row + 2 * p0);
-        const __m512 x1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n1) - 1u), row + 2 * p0 + 16);
-        _mm512_store_si512(words, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0)));
-        const std::int64_t count = std::min<std::int64_t>(16, pairs - p0);
-        for (std::int64_t j = 0; j < count; ++j) dst[(p0 + j) * width + i] = words[j];
+      transpose16(w);  // w[j]: pair p0 + j of rows q0 .. q0 + 15
+      const std::int64_t count = std::min<std::int64_t>(16, pairs - p0);
+      for (std::int64_t j = 0; j < count; ++j) {
+        const std::int64_t p = p0 + j;
+        if (width % 16 == 0) {
+          _mm512_storeu_si512(out + (q0 / width) * pairs * width + p * width + q0 % width, w[j]);
+        } else {  // width 8: rows q0 .. q0 + 7 and q0 + 8 .. q0 + 15 are two panels
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q0 / 8) * pairs * 8 + p * 8),
+                              _mm512_castsi512_si256(w[j]));
+          if (q0 + 8 < padded_rows)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q0 / 8 + 1) * pairs * 8 + p * 8),
+                                _mm512_extracti64x4_epi64(w[j], 1));
+        }
       }
     }
   }
