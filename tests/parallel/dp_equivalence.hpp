@@ -92,10 +92,11 @@ struct MakeResnet20 {
 // Maker builds the model; prepare(model, comm) runs on the data-parallel copy before training
 // (e.g. convert_sync_batch_norm). The reference model's BatchNorms (if any) see the whole global
 // batch, so models with BN match only with SyncBatchNorm.
-template <class S, class Comm, class Maker = MakeLenet, class Prepare = void (*)(void*, void*)>
+// Compute: the Envs' compute type (S, or BFloat16 for the mixed-precision policy).
+template <class S, class Comm, class Maker = MakeLenet, class Prepare = void (*)(void*, void*), class Compute = S>
 std::vector<std::string> dp_equivalence(Comm& comm, const DpCase& c, Maker = {}, Prepare prepare = nullptr) {
-  using Reference = Env<Cpu, LocalComm, S>;
-  using E = Env<Cpu, Comm, S>;
+  using Reference = Env<Cpu, LocalComm, S, Compute>;
+  using E = Env<Cpu, Comm, S, Compute>;
   std::vector<std::string> failures;
   const int p = comm.size(), r = comm.rank();
   const std::int64_t b = c.per_rank_batch, global = b * p, piece = b / c.micro_steps;

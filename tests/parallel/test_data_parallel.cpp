@@ -47,6 +47,22 @@ TEST_CASE("DataParallel: float32 agrees with one process to ~1e-5", "[parallel]"
   run_equivalence<float>(2, {.per_rank_batch = 8, .steps = 3, .tolerance = 1e-5});
 }
 
+TEST_CASE("DataParallel: bfloat16 compute (CpuThreadsBf16) agrees with one process of CpuLocalBf16", "[parallel][bf16]") {
+  // Each rank's loss gradient is 2x the one-process one (batch b, not 2b), which bfloat16 rounds
+  // exactly like the unscaled one: the two differ by float summation order, and later steps by
+  // the rare operand that then rounds the other way (2^-8 of it), hence 1e-4.
+  ThreadWorld world(2);
+  std::vector<std::vector<std::string>> failures(2);
+  world.run([&](ThreadComm& comm) {
+    failures[comm.rank()] = testing::dp_equivalence<float, ThreadComm, testing::MakeLenet, void (*)(void*, void*),
+                                                    BFloat16>(comm, {.per_rank_batch = 8, .steps = 3, .tolerance = 1e-4});
+  });
+  for (const auto& f : failures) {
+    INFO(joined(f));
+    CHECK(f.empty());
+  }
+}
+
 TEST_CASE("DataParallel: k accumulated micro-steps equal one step on the k-times batch", "[parallel]") {
   run_equivalence<double>(2, {.per_rank_batch = 8, .steps = 2, .micro_steps = 4});
   run_equivalence<double>(1, {.per_rank_batch = 6, .steps = 2, .micro_steps = 3});
