@@ -63,15 +63,15 @@ concept GemmScalar = std::is_same_v<S, float> || std::is_same_v<S, double>;
 
 namespace detail {
 
-// The threading of every CPU matrix product: C = beta C first, then `product(r0, r1, c0, c1)`
-// adds the block rows [r0, r1) x columns [c0, c1) of alpha op(A) op(B), on one thread. Called
+// The threading of every CPU matrix product: C = beta C first, then C += alpha op(A) op(B) by
+// `serial` (same arguments as gemm, minus the device and beta), which runs on one thread. Called
 // from outside a parallel region, a large product is split over the OpenMP team by rows of C
 // when it is taller than wide, else by columns (in multiples of 16, one AVX-512 register of
 // floats, so each thread's panel stays vector-aligned); inside one, or below ~2^20 multiply-adds
 // (where the fork/join costs more than the second core gains), it runs whole on this thread.
-template <class S, class Product>
-void gemm_split(std::int64_t m, std::int64_t n, std::int64_t k, S beta, S* c, std::int64_t ldc,
-                const Product& product) {
+template <class S, class Serial>
+void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
+                std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc, const Serial& serial) {
   if (m == 0 || n == 0) return;
   if (beta != S(1)) {
     for (std::int64_t i = 0; i < m; ++i) {
@@ -88,7 +88,7 @@ void gemm_split(std::int64_t m, std::int64_t n, std::int64_t k, S beta, S* c, st
   if (!omp_in_parallel() && m * n * k >= (1 << 20)) threads = omp_get_max_threads();
 #endif
   if (threads <= 1) {
-    product(std::int64_t{0}, m, std::int64_t{0}, n);
+    serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc);
     return;
   }
 #if defined(_OPENMP)
@@ -102,8 +102,13 @@ void gemm_split(std::int64_t m, std::int64_t n, std::int64_t k, S beta, S* c, st
     chunk = (chunk + grain - 1) / grain * grain;
     const std::int64_t begin = std::min(extent, t * chunk), end = std::min(extent, begin + chunk);
     if (begin < end) {
-      if (split_rows) product(begin, end, std::int64_t{0}, n);
-      else product(std::int64_t{0}, m, begin, end);
+      if (split_rows) {
+        const S* a_part = trans_a ? a + begin : a + begin * lda;  // rows of op(A)
+        serial(trans_a, trans_b, end - begin, n, k, alpha, a_part, lda, b, ldb, c + begin * ldc, ldc);
+      } else {
+        const S* b_part = trans_b ? b + begin * ldb : b + begin;  // columns of op(B)
+        serial(trans_a, trans_b, m, end - begin, k, alpha, a, lda, b_part, ldb, c + begin, ldc);
+      }
     }
   }
 #endif
@@ -208,11 +213,7 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
 template <GemmScalar S>
 void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
           std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
-  detail::gemm_split(m, n, k, beta, c, ldc, [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
-    const S* a_part = trans_a ? a + r0 : a + r0 * lda;  // rows of op(A)
-    const S* b_part = trans_b ? b + c0 * ldb : b + c0;  // columns of op(B)
-    detail::gemm_serial(trans_a, trans_b, r1 - r0, c1 - c0, k, alpha, a_part, lda, b_part, ldb, c + r0 * ldc + c0, ldc);
-  });
+  detail::gemm_split(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, detail::gemm_serial<S>);
 }
 #endif  // TESSERA_CPU_KERNELS_EXTERN
 

@@ -11,9 +11,9 @@
 // along k, one 32-bit word (low half: even k, high half: odd k) per (row, pair):
 //   A panel:  [pair p][row i of kMr]      a word is broadcast to all lanes
 //   B panel:  [pair p][column j of kNr]   kNr / 16 registers per pair
-// The micro-kernel keeps a kMr x kNr tile of C in 24 registers (fewer on the last panel). Blocking follows Goto's scheme:
-// a (kKcPairs x kNc) block of B is packed once and stays in L2; a (kMc x kKcPairs) block of A is
-// packed per row block; one B micro-panel (kKcPairs x kNr words = 24 KiB) stays in L1 while the
+// The micro-kernel keeps a kMr x kNr tile of C in 24 registers (fewer on the last panel).
+// Blocking follows Goto's scheme: a (kKcPairs x kNc) block of B is packed once and stays in L2; a
+// (kMc x kKcPairs) block of A is packed per row block; one B micro-panel (kKcPairs x kNr words = 24 KiB) stays in L1 while the
 // A micro-panels stream past it. Odd k and partial tiles are padded with zeros when packing
 // (a zero pair adds nothing) and masked when C is written.
 //
@@ -42,6 +42,7 @@
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/cpu/short_rows.hpp"
 
 namespace tessera {
 
@@ -152,9 +153,7 @@ TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0
         const float* even = src.p + (k0 + 2 * p) * src.stride_k + r0 + pr;
         const bool has_odd = 2 * p + 1 < kk;
         for (std::int64_t v = 0; v < width; v += 16) {  // width: 48 (B) or 8 (A), so a store may be partial
-          const std::int64_t n = std::clamp<std::int64_t>(live - v, 0, 16);
-          const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
-          const __mmask16 slots = static_cast<__mmask16>((1u << std::min<std::int64_t>(16, width - v)) - 1u);
+          const __mmask16 m = lanes16(live - v), slots = lanes16(width - v);
           const __m512 lo = _mm512_maskz_loadu_ps(m, even + v);
           const __m512 hi = has_odd ? _mm512_maskz_loadu_ps(m, even + src.stride_k + v) : _mm512_setzero_ps();
           const __m512i lo16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
@@ -173,8 +172,7 @@ TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0
   for (std::int64_t q0 = 0; q0 < padded_rows; q0 += 16) {
     for (std::int64_t p0 = 0; p0 < pairs; p0 += 16) {
       const std::int64_t left = kk - 2 * p0;  // values of each row still to read (> 0)
-      const __mmask16 m0 = static_cast<__mmask16>((1u << std::clamp<std::int64_t>(left, 0, 16)) - 1u);
-      const __mmask16 m1 = static_cast<__mmask16>((1u << std::clamp<std::int64_t>(left - 16, 0, 16)) - 1u);
+      const __mmask16 m0 = lanes16(left), m1 = lanes16(left - 16);
       __m512i w[16];
       for (int i = 0; i < 16; ++i) {
         if (q0 + i >= rows) {
@@ -228,10 +226,7 @@ TESSERA_BF16_TARGET inline void bf16_micro_kernel(std::int64_t pairs, const std:
   }
   const __m512 va = _mm512_set1_ps(alpha);
   __mmask16 masks[NV];
-  for (int j = 0; j < NV; ++j) {
-    const std::int64_t n = std::clamp<std::int64_t>(nr - 16 * j, 0, 16);
-    masks[j] = static_cast<__mmask16>((1u << n) - 1u);
-  }
+  for (int j = 0; j < NV; ++j) masks[j] = lanes16(nr - 16 * j);
 #pragma GCC unroll 8
   for (int i = 0; i < kBf16Mr; ++i) {
     if (i >= mr) break;
@@ -297,12 +292,7 @@ inline void gemm_bf16(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int6
                       std::int64_t ldc) {
 #if TESSERA_HAVE_BF16_KERNEL
   if (cpu_bf16_active()) {
-    detail::gemm_split(m, n, k, beta, c, ldc, [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
-      const float* a_part = trans_a ? a + r0 : a + r0 * lda;  // rows of op(A)
-      const float* b_part = trans_b ? b + c0 * ldb : b + c0;  // columns of op(B)
-      detail::gemm_bf16_serial(trans_a, trans_b, r1 - r0, c1 - c0, k, alpha, a_part, lda, b_part, ldb,
-                               c + r0 * ldc + c0, ldc);
-    });
+    detail::gemm_split(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, detail::gemm_bf16_serial);
     return;
   }
 #endif

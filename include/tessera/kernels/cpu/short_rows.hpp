@@ -11,14 +11,15 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #endif
 
 namespace tessera::detail {
 
-#if defined(__AVX512F__)
-// Lanes [0, n) of 16, n clamped to [0, 16].
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// Lanes [0, n) of 16, n clamped to [0, 16]. Plain integer maths on the mask type, so it is also
+// there for kernels compiled for AVX-512 by a target attribute (kernels/cpu/gemm_bf16.hpp).
 inline __mmask16 lanes16(std::int64_t n) {
   return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
 }
