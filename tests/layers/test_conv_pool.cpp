@@ -65,6 +65,10 @@ TEST_CASE("Conv2d gradients match central differences", "[layers][conv]") {
       {"Winograd 3x3 padding 1, odd sizes", {3, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1, true}, {2, 3, 7, 5}},
       {"Winograd 3x3 padding 0 no bias", {2, 3, 3, 3, 1, 1, 0, 0, 1, 1, 1, false}, {2, 2, 6, 7}},
       {"Winograd 3x3 padding 2", {2, 2, 3, 3, 1, 1, 2, 2, 1, 1, 1, true}, {1, 2, 4, 5}},
+      // 8 channels in and out: a multiple of the float64 vector width with AVX-512 or AVX2, so the
+      // channel-blocked Winograd path (kernels/cpu/winograd.hpp) is the one checked.
+      {"Winograd 3x3 padding 1, 8 channels", {8, 8, 3, 3, 1, 1, 1, 1, 1, 1, 1, true}, {2, 8, 6, 5}},
+      {"Winograd 3x3 padding 0, 8 channels", {8, 16, 3, 3, 1, 1, 0, 0, 1, 1, 1, false}, {1, 8, 7, 6}},
   };
   for (const auto& c : cases) {
     // Blocks of one output row (bands; for Winograd one tile row) and the automatic choice
@@ -267,9 +271,13 @@ TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "
   struct Case {
     std::int64_t n, c, k, h, w, pad, block_tiles;
   };
+  // Channel counts that are multiples of 16 run the channel-blocked path (kernels/cpu/winograd.hpp)
+  // in float, the others the tile-vector path.
   const Case cases[] = {{3, 16, 16, 28, 28, 1, 0}, {5, 32, 24, 14, 14, 1, 0}, {4, 64, 64, 7, 7, 1, 0},
                         {2, 8, 12, 13, 11, 1, 9},  {3, 9, 8, 30, 5, 1, 40},   {2, 8, 8, 9, 33, 0, 0},
-                        {2, 8, 8, 6, 17, 2, 3},    {3, 8, 8, 10, 4, 1, 0},   {2, 8, 9, 9, 22, 1, 0}};
+                        {2, 8, 8, 6, 17, 2, 3},    {3, 8, 8, 10, 4, 1, 0},   {2, 8, 9, 9, 22, 1, 0},
+                        {2, 16, 32, 13, 11, 1, 9}, {3, 32, 16, 30, 5, 1, 40}, {2, 16, 16, 9, 33, 0, 0},
+                        {2, 16, 48, 6, 17, 2, 3},  {3, 16, 16, 10, 4, 1, 0}, {5, 16, 16, 3, 3, 1, 0}};
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.h << "x" << c.w << " -> " << c.k << ", padding " << c.pad
                         << ", block tiles " << c.block_tiles) {

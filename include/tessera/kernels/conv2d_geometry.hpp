@@ -102,8 +102,12 @@ struct Conv2dBlocking {
   }
   // One channel's input rows of a block for the input transform: 36 column arrays of the block's
   // tiles, each with 16 elements of slack for whole-vector loads; also the output transforms' 16
-  // arrays of tiles.
-  std::int64_t winograd_band_elements(const Conv2dGeometry& g) const { return 36 * (winograd_max_tiles(g) + 16); }
+  // arrays of tiles. The channel-blocked path instead needs a frame of the block's padded input
+  // rows, (samples, 4 tile rows + 2, 4 tiles_w + 2) pixels of up to 16 channels.
+  std::int64_t winograd_band_elements(const Conv2dGeometry& g) const {
+    const std::int64_t frame = samples * (4 * ((rows + 3) / 4) + 2) * (4 * winograd_tiles_w(g) + 2) * 16;
+    return std::max(36 * (winograd_max_tiles(g) + 16), frame);
+  }
 };
 
 namespace detail {

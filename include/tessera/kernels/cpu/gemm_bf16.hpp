@@ -112,32 +112,6 @@ struct Bf16Source {
   std::int64_t stride_r, stride_k;
 };
 
-// w[i][j] -> w[j][i] for a 16 x 16 matrix of 32-bit words, one row per register: pairs of rows
-// interleaved by 32 bits, then by 64, then 128-bit lanes exchanged twice.
-TESSERA_BF16_TARGET inline void transpose16(__m512i (&w)[16]) {
-  __m512i t[16], u[16];
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_epi32(w[2 * k], w[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_epi32(w[2 * k], w[2 * k + 1]);
-  }
-  // u[4 k + q], 128-bit lane L: column 4 L + q of rows 4 k .. 4 k + 3.
-  for (int k = 0; k < 4; ++k) {
-    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), x1 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
-    w[q] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    w[8 + q] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
-    w[4 + q] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    w[12 + q] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
-  }
-}
-
 // Packs rows [r0, r0 + rows) x k-range [k0, k0 + kk) of src into panels of `width` rows:
 // out[panel][pair][width] words, zero-padded to whole panels and an even k.
 TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0, std::int64_t rows, std::int64_t k0,
