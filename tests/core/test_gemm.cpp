@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tessera/kernels/cpu/winograd.hpp"
 #include "tessera/kernels/gemm.hpp"
 
 using namespace tessera;
@@ -94,5 +95,35 @@ TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta
         }
         for (int me = 0; me < std::min(team, 2); ++me)
           CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, per_thread[me], ldc) <= tolerance);
+      }
+}
+
+TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core][conv]", float, double) {
+  // detail::winograd_product (kernels/cpu/winograd.hpp): the channel-blocked Winograd path's 36
+  // products, c = beta c + op(a) b with n a multiple of 16. Rows that are not a whole micro-tile
+  // (6 or 8), 1 to 5 vectors of columns (the 4-wide panel and each narrower one), depths across
+  // its 16 KiB pieces of b (64 to 256 rows), both layouts of a, beta 0 and 1, strides wider than rows.
+  using S = TestType;
+  const double tolerance = std::is_same_v<S, float> ? 2e-5 : 1e-12;
+  const GemmCase cases[] = {{1, 16, 1},  {5, 32, 16},   {6, 64, 64},  {7, 48, 65},
+                            {49, 80, 300}, {100, 16, 257}, {13, 128, 9}, {9, 64, 0}};
+  std::uint64_t state = 7;
+  for (const auto& g : cases)
+    for (bool ta : {false, true})
+      for (double beta : {0.0, 1.0}) {
+        const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = g.n + 16, ldc = g.n + 2;
+        std::vector<S> a(std::max<std::int64_t>(1, (ta ? g.k : g.m) * lda)), b(std::max<std::int64_t>(1, g.k * ldb));
+        std::vector<S> c0(g.m * ldc);
+        for (auto& v : a) v = static_cast<S>(pseudo_random(state));
+        for (auto& v : b) v = static_cast<S>(pseudo_random(state));
+        for (auto& v : c0) v = static_cast<S>(pseudo_random(state));
+        INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " beta " << beta);
+        std::vector<S> c = c0;
+        detail::winograd_product(ta, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, static_cast<S>(beta), c.data(), ldc);
+        CHECK(worst_relative_error(ta, false, g, 1.0, beta, a, lda, b, ldb, c0, c, ldc) <= tolerance);
+        bool padding_kept = true;
+        for (std::int64_t i = 0; i < g.m; ++i)
+          for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
+        CHECK(padding_kept);
       }
 }

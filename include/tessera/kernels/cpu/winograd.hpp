@@ -32,7 +32,9 @@
 // kernels/conv2d_geometry.hpp), each transformed into a per-thread V and M that stay in the L2
 // cache, multiplied with the single-threaded gemm. A block's input rows are first split into the
 // columns 4t + j of every tile t (`band`, zero in the padding), so the tile loops read whole
-// vectors of tiles without bounds checks.
+// vectors of tiles without bounds checks. When C and K are multiples of the vector width, the
+// channel-blocked path below replaces that split (vectors of channels, tile-major V and M, and its
+// own unpacked product); the results are the same up to rounding.
 #pragma once
 
 #include <algorithm>
@@ -249,14 +251,14 @@ inline WinogradBlock winograd_block(const WinogradPass& p, const Conv2dBlocking&
   return {n0, std::min(b.samples, batch - n0), oh0 / kWinogradTile, (oh1 + kWinogradTile - 1) / kWinogradTile};
 }
 
-// U[xi] (rows, cols) from 3x3 filters: U[xi][r][q] = (G f G^T)[xi] with f = w[r, q] or, when
-// `flipped`, the dx filter w'[r, q] = w[q, r] rotated by 180 degrees (w is (cols, rows, 3, 3) then).
-// Rows r in [r0, r1) only, so that a team can split them. A vector of consecutive q at a time, so
-// that each of the 36 planes of U is written in whole vectors (one float at a time, 36 planes
-// apart, was slower than the convolution it served on ResNet-50's 512-channel layers).
+// U[xi] (rows, cols) from 3x3 filters: U[xi][r][q] = (G f G^T)[xi] with f = w[r, q], or w[q, r]
+// when `transposed` (w is (cols, rows, 3, 3) then), rotated by 180 degrees when `rotated` (the dx
+// filter). Rows r in [r0, r1) only, so that a team can split them. A vector of consecutive q at a
+// time, so that each of the 36 planes of U is written in whole vectors (one float at a time, 36
+// planes apart, was slower than the convolution it served on ResNet-50's 512-channel layers).
 template <class S>
-void winograd_filter_transform(const S* w, std::int64_t rows, std::int64_t cols, bool flipped, std::int64_t r0,
-                               std::int64_t r1, S* u) {
+void winograd_filter_transform(const S* w, std::int64_t rows, std::int64_t cols, bool transposed, bool rotated,
+                               std::int64_t r0, std::int64_t r1, S* u) {
   using P = WinogradVector<S>;
   using V = typename P::V;
   const std::int64_t plane = rows * cols;
@@ -266,9 +268,9 @@ void winograd_filter_transform(const S* w, std::int64_t rows, std::int64_t cols,
       S taps[3][3][P::width] = {};  // the filters' taps, lane = q - q0
       for (std::int64_t l = 0; l < n; ++l) {
         const std::int64_t q = q0 + l;
-        const S* f = flipped ? w + (q * rows + r) * 9 : w + (r * cols + q) * 9;
+        const S* f = transposed ? w + (q * rows + r) * 9 : w + (r * cols + q) * 9;
         for (int i = 0; i < 3; ++i)
-          for (int j = 0; j < 3; ++j) taps[i][j][l] = flipped ? f[(2 - i) * 3 + (2 - j)] : f[i * 3 + j];
+          for (int j = 0; j < 3; ++j) taps[i][j][l] = rotated ? f[(2 - i) * 3 + (2 - j)] : f[i * 3 + j];
       }
       V h[6][3];  // G f, column by column ...
       for (int j = 0; j < 3; ++j) {
@@ -590,6 +592,91 @@ bool winograd_channel_blocked(const Conv2dGeometry& g) {
   return g.channels % L == 0 && g.out_channels % L == 0;
 }
 
+// c (m, n) = beta c + op(a) b for the blocked path's 36 products, beta 0 or 1, n a multiple of 16:
+// op(a)(i, p) = a[i lda + p], or a[p lda + i] when trans_a; b and c row-major. On the calling thread.
+// With AVX-512 (float) a kernel that reads both operands where they lie, with no packing: an R x NV
+// block of c (R rows, NV vectors of 16 columns) stays in registers while p runs, each step one
+// vector load per column vector and one broadcast per row; b's k x 16 NV panel is cut into pieces
+// of about 16 KiB, which stay in the L1 cache while the row blocks pass. Eigen's gebp (the gemm
+// below) packs both operands on every call, and zeroes c first when beta is 0: on these products
+// (depth and width 16-64 on ResNet-20) that was a third of their time.
+#if defined(__AVX512F__)
+template <int R, int NV>
+inline void winograd_product_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
+                                  std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
+                                  std::int64_t ldc) {
+  const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
+  for (int r = 0; r < R; ++r) row[r] = a + std::min<std::int64_t>(r, rows - 1) * a_rs;
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (std::int64_t p = 0; p < k; ++p) {
+    const std::int64_t at = p * a_cs;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + p * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(row[r][at]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* out = c + r * ldc + 16 * v;
+      _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
+    }
+  }
+}
+
+template <int NV>
+void winograd_product_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs, std::int64_t a_cs,
+                            const float* b, std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc) {
+  constexpr int R = NV == 4 ? 6 : 8;          // R NV accumulators + NV + 1 of the 32 registers
+  constexpr std::int64_t kc = 256 / NV;       // b's piece: kc x 16 NV floats = 16 KiB
+  for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
+    const std::int64_t depth = std::min(kc, k - k0);
+    for (std::int64_t i0 = 0; i0 < m; i0 += R)
+      winograd_product_tile<R, NV>(std::min<std::int64_t>(R, m - i0), depth, a + i0 * a_rs + k0 * a_cs, a_rs, a_cs,
+                                   b + k0 * ldb, ldb, accumulate || k0 > 0, c + i0 * ldc, ldc);
+  }
+}
+#endif
+
+template <class S>
+void winograd_product(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k, const S* a, std::int64_t lda,
+                      const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<S, float>) {
+    if (k == 0 || m == 0) {
+      if (beta == 0)
+        for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+      return;
+    }
+    const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
+    const bool accumulate = beta != 0;
+    for (std::int64_t j0 = 0; j0 < n;) {
+      const std::int64_t vectors = std::min<std::int64_t>(4, (n - j0) / 16);
+      switch (vectors) {
+        case 4: winograd_product_panel<4>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+        case 3: winograd_product_panel<3>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+        case 2: winograd_product_panel<2>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+        default: winograd_product_panel<1>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+      }
+      j0 += 16 * std::max<std::int64_t>(vectors, 1);
+    }
+    return;
+  }
+#endif
+  gemm(Cpu{}, trans_a, false, m, n, k, S(1), a, lda, b, ldb, beta, c, ldc);
+}
+
 // V^T[xi] (T, channels) of a block, row stride `channels`: B^T d B of each tile, L channels at a
 // time from the block's frame (tile (s, r, t) reads frame rows 4 r .. 4 r + 5, columns 4 t .. 4 t + 5).
 template <class S>
@@ -714,11 +801,11 @@ template <class S>
 void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std::int64_t in_ch, std::int64_t out_ch,
                             const S* in, const S* u, const S* bias, S* out, const WinogradBuffers<S>& buf) {
   const std::int64_t tiles = blk.tiles(p);
-  if (in_ch % WinogradVector<S>::width == 0 && out_ch % WinogradVector<S>::width == 0) {
+  if (in_ch % WinogradVector<S>::width == 0 && out_ch % WinogradVector<S>::width == 0) {  // u is U^T: (36, in, out)
     winograd_input_transform_blocked(p, blk, in_ch, in, buf.v, buf.pad);
     for (std::int64_t xi = 0; xi < kWinogradPositions; ++xi)
-      gemm(Cpu{}, false, true, tiles, out_ch, in_ch, S(1), buf.v + xi * tiles * in_ch, in_ch, u + xi * out_ch * in_ch,
-           in_ch, S(0), buf.m + xi * tiles * out_ch, out_ch);
+      winograd_product(false, tiles, out_ch, in_ch, buf.v + xi * tiles * in_ch, in_ch, u + xi * in_ch * out_ch, out_ch,
+                       S(0), buf.m + xi * tiles * out_ch, out_ch);
     winograd_output_transform_blocked(p, blk, out_ch, buf.m, bias, out, buf.pad);
     return;
   }
@@ -745,11 +832,13 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   const std::int64_t k = g.out_channels, c = g.channels;
   const detail::WinogradPass pass = detail::winograd_forward_pass(g);
   const std::int64_t blocks = b.groups(batch) * pass.bands(b.rows);
-  S* u = workspace;
+  const bool blocked = detail::winograd_channel_blocked<S>(g);
+  S* u = workspace;  // U (36, K, C), or U^T (36, C, K) for the channel-blocked path
   const auto run = [&] {
     std::int64_t r0, r1;
-    detail::team_share(k, r0, r1);
-    detail::winograd_filter_transform(w, k, c, false, r0, r1, u);
+    const std::int64_t rows = blocked ? c : k;
+    detail::team_share(rows, r0, r1);
+    detail::winograd_filter_transform(w, rows, blocked ? k : c, blocked, false, r0, r1, u);
 #pragma omp barrier
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + Cpu::thread_index() * b.thread_elements(g));
 #pragma omp for schedule(static)
@@ -768,16 +857,17 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   const std::int64_t weight_blocks = b.groups(batch) * fwd.bands(b.rows);
   const std::int64_t input_blocks = dx ? b.groups(batch) * back.bands(b.rows) : 0;
   const bool blocked = detail::winograd_channel_blocked<S>(g);
-  S* u_flipped = workspace;                                                     // (36, C, K)
+  S* u_flipped = workspace;                                                     // see below
   S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 36, K, C)
   const auto run = [&] {
     const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
     S* my_du = du + me * filters;
     std::fill(my_du, my_du + filters, S(0));
-    if (dx) {
+    if (dx) {  // the flipped filter (36, C, K), or its transpose (36, K, C) for the channel-blocked path
       std::int64_t r0, r1;
-      detail::team_share(c, r0, r1);
-      detail::winograd_filter_transform(w, c, k, true, r0, r1, u_flipped);
+      const std::int64_t rows = blocked ? k : c;
+      detail::team_share(rows, r0, r1);
+      detail::winograd_filter_transform(w, rows, blocked ? c : k, !blocked, true, r0, r1, u_flipped);
     }
 #pragma omp barrier
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + me * b.thread_elements(g));
@@ -793,8 +883,8 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
         detail::winograd_input_transform_blocked(fwd, blk, c, x, buf.v, buf.pad);
         detail::winograd_output_gradient_transform_blocked(fwd, blk, k, dy, buf.m, buf.pad);
         for (std::int64_t xi = 0; xi < detail::kWinogradPositions; ++xi)
-          gemm(Cpu{}, true, false, k, c, tiles, S(1), buf.m + xi * tiles * k, k, buf.v + xi * tiles * c, c, S(1),
-               my_du + xi * k * c, c);
+          detail::winograd_product(true, k, c, tiles, buf.m + xi * tiles * k, k, buf.v + xi * tiles * c, c, S(1),
+                                   my_du + xi * k * c, c);
         continue;
       }
       detail::winograd_input_transform(fwd, blk, c, x, buf.v, buf.pad);
