@@ -238,15 +238,19 @@ TEST_CASE("Conv2d with bfloat16 compute equals float64 on bfloat16-rounded opera
   }
 }
 
-TEST_CASE("Conv2d with bfloat16 compute: Auto picks im2col, an explicit Winograd stays float", "[layers][bf16]") {
-  // bfloat16 im2col beats float Winograd (conv2d_geometry.hpp), so Auto never picks Winograd; a
-  // layer set to Winograd runs it in float and gives exactly the float layer's result.
+TEST_CASE("Conv2d with bfloat16 compute: Winograd stays float", "[layers][bf16]") {
+  // Auto picks Winograd with bfloat16 where it picks it in float (conv2d_geometry.hpp: float
+  // Winograd beats bfloat16 im2col); it runs in float and gives exactly the float layer's result.
   // ResNet-20's first stage: 16 -> 16 channels, 3x3, 28x28.
   const Conv2dGeometry g{.channels = 16, .height = 28, .width = 28, .out_channels = 16, .kernel_h = 3, .kernel_w = 3,
                          .pad_h = 1, .pad_w = 1, .out_height = 28, .out_width = 28};
   CHECK(conv2d_blocking(g, 64, 4).winograd);
-  CHECK_FALSE(conv2d_blocking(g, 64, 4, 0, ConvAlgorithm::Auto, /*bf16=*/true).winograd);
+  CHECK(conv2d_blocking(g, 64, 4, 0, ConvAlgorithm::Auto, /*bf16=*/true).winograd);
   CHECK(conv2d_blocking(g, 64, 4, 0, ConvAlgorithm::Winograd, /*bf16=*/true).winograd);
+  const Conv2dGeometry strided{.channels = 16, .height = 28, .width = 28, .out_channels = 32, .kernel_h = 3,
+                               .kernel_w = 3, .stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1,
+                               .out_height = 14, .out_width = 14};
+  CHECK_FALSE(conv2d_blocking(strided, 64, 4, 0, ConvAlgorithm::Auto, /*bf16=*/true).winograd);
   Rng rng(8);
   const Conv2dOptions o{16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, true};
   Conv2d<CpuLocalBf16> layer(o, rng);

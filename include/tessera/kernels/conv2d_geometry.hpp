@@ -56,8 +56,7 @@ struct Conv2dBlocking {
   std::int64_t threads = 1;  // threads the workspace was sized for
   bool parallel_backward = false;  // sample groups split over threads, each with a private dw
   bool winograd = false;           // F(4x4, 3x3) instead of im2col (kernels/cpu/winograd.hpp)
-  // im2col products in bfloat16 (Env<..., BFloat16>). Winograd's 36 products stay float (when
-  // asked for explicitly): they are small (channels x tiles), so packing to bfloat16 eats the gain
+  // im2col products in bfloat16 (Env<..., BFloat16>). Winograd's 36 products stay float: they are small (channels x tiles), so packing to bfloat16 eats the gain
   // (measured: ResNet-20 and ResNet-50 b8 no faster), and F(4x4, 3x3)'s transforms would amplify
   // bfloat16's rounding.
   bool bf16 = false;
@@ -170,10 +169,11 @@ inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int6
 // Winograd (where `algorithm` asks for it, or Auto finds it pays) blocks tiles the same way: its
 // V and M matrices take the L2 budget, `block_columns` counts tiles, and bands are an even number
 // of rows (whole tiles); its backward blocks are all independent (private dU), so it runs them
-// over the team whenever there are enough blocks. `bf16`: the im2col products in bfloat16, and
-// Auto never picks Winograd: bfloat16 im2col runs its products at twice float's rate, which beats
-// float Winograd's 4x fewer multiply-adds plus its transforms on ResNet-20 (840 against 755
-// images/s on Zen 4) and ties on ResNet-50 b8 (9.4 against 9.5).
+// over the team whenever there are enough blocks. `bf16`: the im2col products in bfloat16; Auto
+// still picks (float) Winograd where it pays: since the channel-blocked path, float Winograd's 4x
+// fewer multiply-adds beat bfloat16 im2col's twice-as-fast ones (ResNet-20 under CpuLocalBf16 on
+// Zen 4: 1210 images/s against 820; ResNet-50 b8 9.5 against 9.1). Before it, bfloat16 im2col won
+// (840 against 755), and Auto did not pick Winograd with bfloat16.
 inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                                       std::int64_t block_columns = 0, ConvAlgorithm algorithm = ConvAlgorithm::Auto,
                                       bool bf16 = false) {
@@ -182,7 +182,7 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
   b.bf16 = bf16;
   b.winograd = winograd_applies(g) &&
                (algorithm == ConvAlgorithm::Winograd ||
-                (algorithm == ConvAlgorithm::Auto && !bf16 && detail::winograd_pays(g, batch, scalar_bytes, b.threads)));
+                (algorithm == ConvAlgorithm::Auto && detail::winograd_pays(g, batch, scalar_bytes, b.threads)));
   if (b.winograd) {
     const std::int64_t tiles_w = Conv2dBlocking::winograd_tiles_w(g);
     const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 3) / 4;
