@@ -56,9 +56,9 @@ struct Conv2dBlocking {
   std::int64_t threads = 1;  // threads the workspace was sized for
   bool parallel_backward = false;  // sample groups split over threads, each with a private dw
   bool winograd = false;           // F(4x4, 3x3) instead of im2col (kernels/cpu/winograd.hpp)
-  // im2col products in bfloat16 (Env<..., BFloat16>). Winograd's 36 products stay float: they are small (channels x tiles), so packing to bfloat16 eats the gain
-  // (measured: ResNet-20 and ResNet-50 b8 no faster), and F(4x4, 3x3)'s transforms would amplify
-  // bfloat16's rounding.
+  // im2col products in bfloat16 (Env<..., BFloat16>). Winograd's 36 products stay float: they are
+  // small (channels x tiles), so packing to bfloat16 eats the gain (measured: ResNet-20 and
+  // ResNet-50 b8 no faster), and F(4x4, 3x3)'s transforms would amplify bfloat16's rounding.
   bool bf16 = false;
 
   std::int64_t bands(const Conv2dGeometry& g) const { return (g.out_height + rows - 1) / rows; }

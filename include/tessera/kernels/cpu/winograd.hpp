@@ -486,7 +486,7 @@ void winograd_output_gradient_transform(const WinogradPass& p, const WinogradBlo
 //   M^T[xi] (T, K) = V^T[xi] (T, C) U[xi]^T        dU[xi] (K, C) += dM^T[xi]^T (K, T) V^T[xi] (T, C)
 // and the output pixels go back to NCHW by the inverse transposition.
 
-// The L channels [c0, c0 + L) of n < = L consecutive pixels (channel rows `stride` apart), one
+// The L channels [c0, c0 + L) of n <= L consecutive pixels (channel rows `stride` apart), one
 // vector of channels per pixel: to[j][l] = from[l stride + j]; pixels whose to[j] is null are
 // skipped.
 template <class S>
@@ -585,11 +585,20 @@ void from_channel_block(const S* frame, std::int64_t count, std::int64_t hb, std
   }
 }
 
-// Whether a convolution runs the channel-blocked path: both channel counts multiples of L.
+// Whether a convolution (or one pass of it) runs the channel-blocked path: both channel counts
+// multiples of L.
 template <class S>
-bool winograd_channel_blocked(const Conv2dGeometry& g) {
+bool winograd_channel_blocked(std::int64_t channels, std::int64_t out_channels) {
   constexpr std::int64_t L = WinogradVector<S>::width;
-  return g.channels % L == 0 && g.out_channels % L == 0;
+  return channels % L == 0 && out_channels % L == 0;
+}
+
+// Offset, in pixels of a frame of hb x wb per sample, of tile f = (s rows + r) tw + t: frame row
+// 4 r of sample s, column 4 t.
+inline std::int64_t tile_origin(std::int64_t f, std::int64_t tw, std::int64_t rows, std::int64_t hb,
+                                std::int64_t wb) {
+  const std::int64_t t = f % tw, sr = f / tw;
+  return ((sr / rows) * hb + kWinogradTile * (sr % rows)) * wb + kWinogradTile * t;
 }
 
 // c (m, n) = beta c + op(a) b for the blocked path's 36 products, beta 0 or 1, n a multiple of 16:
@@ -692,9 +701,7 @@ void winograd_input_transform_blocked(const WinogradPass& p, const WinogradBlock
     to_channel_block(first, blk.count, channels, p.in_h, p.in_w, c0, kWinogradTile * blk.tr0 - p.pad_h, p.pad_w, hb, wb,
                      frame);
     for (std::int64_t f = 0; f < tiles; ++f) {
-      const std::int64_t t = f % tw, sr = f / tw;  // sr = s rows + r
-      const std::int64_t s = sr / rows, r = sr % rows;
-      const S* base = frame + ((s * hb + 4 * r) * wb + 4 * t) * L;
+      const S* base = frame + tile_origin(f, tw, rows, hb, wb) * L;
       V d[6][6];  // B^T d, column by column ...
       for (int j = 0; j < 6; ++j) {
         V x[6], u[6];
@@ -727,8 +734,6 @@ void winograd_output_transform_blocked(const WinogradPass& p, const WinogradBloc
     V add{};
     if (bias) add = P::load(bias + k0);
     for (std::int64_t f = 0; f < tiles; ++f) {
-      const std::int64_t t = f % tw, sr = f / tw;
-      const std::int64_t s = sr / rows, r = sr % rows;
       const S* src = mt + f * channels + k0;
       V a[4][6];  // A^T M, column by column ...
       for (int j = 0; j < 6; ++j) {
@@ -737,7 +742,7 @@ void winograd_output_transform_blocked(const WinogradPass& p, const WinogradBloc
         winograd_output_1d<S>(x, y);
         for (int i = 0; i < 4; ++i) a[i][j] = y[i];
       }
-      S* base = frame + ((s * hq + 4 * r) * wq + 4 * t) * L;
+      S* base = frame + tile_origin(f, tw, rows, hq, wq) * L;
       for (int i = 0; i < 4; ++i) {  // ... then (A^T M) A, row by row
         V y[4];
         winograd_output_1d<S>(a[i], y);
@@ -763,9 +768,7 @@ void winograd_output_gradient_transform_blocked(const WinogradPass& p, const Win
     to_channel_block(first, blk.count, channels, p.out_h, p.out_w, k0, kWinogradTile * blk.tr0, std::int64_t{0}, hq,
                      wq, frame);
     for (std::int64_t f = 0; f < tiles; ++f) {
-      const std::int64_t t = f % tw, sr = f / tw;
-      const std::int64_t s = sr / rows, r = sr % rows;
-      const S* base = frame + ((s * hq + 4 * r) * wq + 4 * t) * L;
+      const S* base = frame + tile_origin(f, tw, rows, hq, wq) * L;
       V e[6][4];  // A dY, column by column ...
       for (int j = 0; j < 4; ++j) {
         V x[4], u[6];
@@ -801,7 +804,7 @@ template <class S>
 void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std::int64_t in_ch, std::int64_t out_ch,
                             const S* in, const S* u, const S* bias, S* out, const WinogradBuffers<S>& buf) {
   const std::int64_t tiles = blk.tiles(p);
-  if (in_ch % WinogradVector<S>::width == 0 && out_ch % WinogradVector<S>::width == 0) {  // u is U^T: (36, in, out)
+  if (winograd_channel_blocked<S>(in_ch, out_ch)) {  // u is U^T: (36, in, out)
     winograd_input_transform_blocked(p, blk, in_ch, in, buf.v, buf.pad);
     for (std::int64_t xi = 0; xi < kWinogradPositions; ++xi)
       winograd_product(false, tiles, out_ch, in_ch, buf.v + xi * tiles * in_ch, in_ch, u + xi * in_ch * out_ch, out_ch,
@@ -832,7 +835,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   const std::int64_t k = g.out_channels, c = g.channels;
   const detail::WinogradPass pass = detail::winograd_forward_pass(g);
   const std::int64_t blocks = b.groups(batch) * pass.bands(b.rows);
-  const bool blocked = detail::winograd_channel_blocked<S>(g);
+  const bool blocked = detail::winograd_channel_blocked<S>(c, k);
   S* u = workspace;  // U (36, K, C), or U^T (36, C, K) for the channel-blocked path
   const auto run = [&] {
     std::int64_t r0, r1;
@@ -856,7 +859,7 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   const detail::WinogradPass fwd = detail::winograd_forward_pass(g), back = detail::winograd_input_grad_pass(g);
   const std::int64_t weight_blocks = b.groups(batch) * fwd.bands(b.rows);
   const std::int64_t input_blocks = dx ? b.groups(batch) * back.bands(b.rows) : 0;
-  const bool blocked = detail::winograd_channel_blocked<S>(g);
+  const bool blocked = detail::winograd_channel_blocked<S>(c, k);
   S* u_flipped = workspace;                                                     // see below
   S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 36, K, C)
   const auto run = [&] {
