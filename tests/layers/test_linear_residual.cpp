@@ -257,3 +257,54 @@ TEST_CASE("Sequential: released and recomputed activations give bit-identical gr
   const Tensor<double> dx_again = seq.backward(dy, cache);
   CHECK(std::equal(dx_again.begin(), dx_again.end(), dx_seq.begin(), dx_seq.end()));
 }
+
+// BatchNorm2d-ReLU fusion (layers/batch_norm.hpp): one call over the pair, or the pair cut between
+// two calls as a pipeline stage boundary would cut it (each half then runs unfused), in training
+// and in eval mode, gives bit for bit the numbers of the layers run one by one.
+TEST_CASE("Sequential: fused BatchNorm-ReLU equals the layers one by one, whole or cut between them", "[layers]") {
+  for (const Mode mode : {Mode::Train, Mode::Eval}) {
+    INFO((mode == Mode::Train ? "train" : "eval"));
+    Rng rng(21);
+    Sequential seq{Conv2d<E64>(2, 3, 3, rng, 1, 1), BatchNorm2d<E64>(3), ReLU<E64>(), Conv2d<E64>(3, 2, 1, rng)};
+    // Running statistics away from (0, 1), so that eval mode's mask differs from training's.
+    seq.get<1>().running_mean().fill(0.3);
+    seq.get<1>().running_var().fill(2.0);
+    seq.set_mode(mode);
+    auto cut = seq, manual = seq;
+    const auto x = testing::random_tensor({2, 2, 4, 4}, rng);
+    const auto dy = testing::random_tensor({2, 2, 4, 4}, rng);
+
+    decltype(seq)::Cache whole_cache, cut_cache;
+    const Tensor<double> y_whole = seq.forward(x, whole_cache);
+    const Tensor<double> dx_whole = seq.backward(dy, whole_cache);
+    const auto& h = cut.forward_units(x, cut_cache, 0, 2);  // conv, BatchNorm | ReLU, conv
+    const Tensor<double> y_cut = cut.forward_units(h, cut_cache, 2, 4);
+    const auto& dh = cut.backward_units(dy, cut_cache, 2, 4);
+    const Tensor<double> dx_cut = cut.backward_units(dh, cut_cache, 0, 2);
+
+    std::tuple<Conv2d<E64>::Cache, BatchNorm2d<E64>::Cache, ReLU<E64>::Cache, Conv2d<E64>::Cache> c;
+    const auto& y_manual = manual.get<3>().forward(
+        manual.get<2>().forward(manual.get<1>().forward(manual.get<0>().forward(x, std::get<0>(c)), std::get<1>(c)),
+                                std::get<2>(c)),
+        std::get<3>(c));
+    CHECK(std::equal(y_manual.begin(), y_manual.end(), y_whole.begin(), y_whole.end()));
+    CHECK(std::equal(y_manual.begin(), y_manual.end(), y_cut.begin(), y_cut.end()));
+    const auto& dx_manual = manual.get<0>().backward(
+        manual.get<1>().backward(manual.get<2>().backward(manual.get<3>().backward(dy, std::get<3>(c)), std::get<2>(c)),
+                                 std::get<1>(c)),
+        std::get<0>(c));
+    CHECK(std::equal(dx_manual.begin(), dx_manual.end(), dx_whole.begin(), dx_whole.end()));
+    CHECK(std::equal(dx_manual.begin(), dx_manual.end(), dx_cut.begin(), dx_cut.end()));
+    auto a = named_tensors(seq), b = named_tensors(cut), m = named_tensors(manual);
+    for (std::size_t i = 0; i < m.parameters.size(); ++i) {
+      INFO(m.parameters[i].first);
+      const auto& gm = m.parameters[i].second->grad;
+      CHECK(std::equal(gm.begin(), gm.end(), a.parameters[i].second->grad.begin(), a.parameters[i].second->grad.end()));
+      CHECK(std::equal(gm.begin(), gm.end(), b.parameters[i].second->grad.begin(), b.parameters[i].second->grad.end()));
+    }
+    // The mask really cut something: some of the ReLU's inputs were negative, some positive.
+    const auto& relu_out = std::get<2>(c).y;
+    CHECK(std::count(relu_out.begin(), relu_out.end(), 0.0) > 0);
+    CHECK(std::count(relu_out.begin(), relu_out.end(), 0.0) < relu_out.numel());
+  }
+}

@@ -20,6 +20,12 @@
 // the hook is a function that sums a span of doubles over the group. dgamma and dbeta stay the
 // local sums, which data parallelism then averages, as in torch.nn.SyncBatchNorm.
 //
+// Fused with a following ReLU (forward_relu, recompute_output_relu, backward_relu; Sequential and
+// the ResNet stem use them for every BatchNorm2d-ReLU pair): forward writes max(y, 0) straight
+// into the ReLU's cache and never forms this layer's y; backward takes dL/d(ReLU output) and masks
+// it with y > 0, y formed again from x (kernels/cpu/batch_norm.hpp). The numbers are the unfused
+// pair's, bit for bit; the ReLU's own forward and backward are skipped.
+//
 // num_batches_tracked: counted as torch counts it (+1 per training-mode forward) and visited as
 // v.integer_buffer(prefix + "num_batches_tracked", std::int64_t&) for visitors that have that member
 // (state_dict and checkpoint I/O, where it is torch's int64 scalar tensor); visitors without it
@@ -36,6 +42,7 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/kernels/batch_norm.hpp"
+#include "tessera/layers/activation.hpp"
 
 namespace tessera {
 
@@ -75,71 +82,27 @@ class BatchNorm2d {
   }
 
   const Tensor& forward(const Tensor& x, Cache& c) {
-    const BatchNormShape s = shape_of(x);
-    c.x = &x;
-    c.train = mode_ == Mode::Train;
     c.y.resize(x.shape());
-    c.mean.resize({channels_});
-    c.invstd.resize({channels_});
-    if (c.train) {
-      TESSERA_CHECK(s.count() > 1, ShapeError, name(), ": expected more than 1 value per channel when training, got ",
-                    "input ", x.shape());
-      c.sum.resize({channels_});
-      c.sum2.resize({channels_});
-      batch_norm_local_stats(D{}, x.data(), s, c.sum.data(), c.sum2.data());
-      c.count = s.count();
-      if (stats_all_reduce_) c.count = all_reduce_stats(c.sum.data(), c.sum2.data(), s.count());
-      batch_norm_finalize_stats(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, eps_, c.mean.data(),
-                                c.invstd.data());
-      batch_norm_update_running(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, momentum_,
-                                running_mean_.data(), running_var_.data());
-      ++num_batches_tracked_;
-    } else {
-      D::copy(c.mean.data(), running_mean_.data(), running_mean_.bytes());
-      batch_norm_invstd(D{}, channels_, running_var_.data(), eps_, c.invstd.data());
-    }
-    batch_norm_normalize(D{}, x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
-                         bias_.value.data(), c.y.data());
+    normalize(x, c, c.y, false);
     return c.y;
   }
-
   // y again, bit for bit, from the x and the statistics forward saved (the parameters have not
   // moved between forward and backward): lets a Sequential drop y and what is computed from it.
-  void recompute_output(Cache& c) {
-    TESSERA_CHECK(c.x != nullptr, Error, name(), "::recompute_output called before forward on this cache");
-    const Tensor& x = *c.x;
-    c.y.resize(x.shape());
-    batch_norm_normalize(D{}, x.data(), shape_of(x), c.mean.data(), c.invstd.data(), weight_.value.data(),
-                         bias_.value.data(), c.y.data());
-  }
+  void recompute_output(Cache& c) { renormalize(c, c.y, false); }
+  const Tensor& backward(const Tensor& dy, Cache& c) { return backward_impl(dy, c, false); }
 
-  const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
-    const Tensor& x = *c.x;
-    TESSERA_CHECK(dy.shape() == x.shape(), ShapeError, name(), "::backward: dy ", dy.shape(),
-                  " does not match the input ", x.shape());
-    const BatchNormShape s = shape_of(x);
-    c.sum.resize({channels_});
-    c.sum2.resize({channels_});
-    double* sum_dy = c.sum.data();
-    double* sum_dy_xhat = c.sum2.data();
-    batch_norm_backward_local_sums(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), sum_dy,
-                                   sum_dy_xhat);
-    batch_norm_accumulate_affine_grads(D{}, channels_, sum_dy, sum_dy_xhat, weight_.grad.data(), bias_.grad.data());
-    weight_.grad_ready();
-    bias_.grad_ready();
-    if (needs_input_grad_) {
-      c.dx.resize(x.shape());
-      // Synchronized: dx needs the group's sums (every rank must run this backward, as it ran forward).
-      if (c.train && stats_all_reduce_) all_reduce_stats(sum_dy, sum_dy_xhat, -1);
-      if (c.train)
-        batch_norm_backward_input(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
-                                  sum_dy, sum_dy_xhat, c.count, c.dx.data());
-      else
-        batch_norm_backward_input_affine(D{}, dy.data(), s, c.invstd.data(), weight_.value.data(), c.dx.data());
-    }
-    return c.dx;
+  // The ReLU after this layer, fused (see the top): relu(forward(x)) into the ReLU's cache r, which
+  // then holds what relu.forward would have left there (its input pointer is this layer's y, which
+  // stays unformed); its output again, bit for bit; and the pair's backward from dy = dL/d(ReLU
+  // output).
+  const Tensor& forward_relu(const Tensor& x, Cache& c, typename ReLU<E>::Cache& r) {
+    r.x = &c.y;
+    r.y.resize(x.shape());
+    normalize(x, c, r.y, true);
+    return r.y;
   }
+  void recompute_output_relu(Cache& c, typename ReLU<E>::Cache& r) { renormalize(c, r.y, true); }
+  const Tensor& backward_relu(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true); }
 
   template <class V>
   void visit(V& v, const std::string& prefix) {
@@ -173,6 +136,73 @@ class BatchNorm2d {
   std::int64_t num_batches_tracked() const { return num_batches_tracked_; }
 
  private:
+  // The statistics (train) or the running ones (eval) into c, then y (c.y or a fused ReLU's).
+  void normalize(const Tensor& x, Cache& c, Tensor& y, bool relu) {
+    const BatchNormShape s = shape_of(x);
+    c.x = &x;
+    c.train = mode_ == Mode::Train;
+    c.mean.resize({channels_});
+    c.invstd.resize({channels_});
+    if (c.train) {
+      TESSERA_CHECK(s.count() > 1, ShapeError, name(), ": expected more than 1 value per channel when training, got ",
+                    "input ", x.shape());
+      c.sum.resize({channels_});
+      c.sum2.resize({channels_});
+      batch_norm_local_stats(D{}, x.data(), s, c.sum.data(), c.sum2.data());
+      c.count = s.count();
+      if (stats_all_reduce_) c.count = all_reduce_stats(c.sum.data(), c.sum2.data(), s.count());
+      batch_norm_finalize_stats(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, eps_, c.mean.data(),
+                                c.invstd.data());
+      batch_norm_update_running(D{}, channels_, c.sum.data(), c.sum2.data(), c.count, momentum_,
+                                running_mean_.data(), running_var_.data());
+      ++num_batches_tracked_;
+    } else {
+      D::copy(c.mean.data(), running_mean_.data(), running_mean_.bytes());
+      batch_norm_invstd(D{}, channels_, running_var_.data(), eps_, c.invstd.data());
+    }
+    batch_norm_normalize(D{}, x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
+                         bias_.value.data(), y.data(), relu);
+  }
+
+  void renormalize(Cache& c, Tensor& y, bool relu) {
+    TESSERA_CHECK(c.x != nullptr, Error, name(), "::recompute_output called before forward on this cache");
+    const Tensor& x = *c.x;
+    y.resize(x.shape());
+    batch_norm_normalize(D{}, x.data(), shape_of(x), c.mean.data(), c.invstd.data(), weight_.value.data(),
+                         bias_.value.data(), y.data(), relu);
+  }
+
+  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool relu) {
+    TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
+    const Tensor& x = *c.x;
+    TESSERA_CHECK(dy.shape() == x.shape(), ShapeError, name(), "::backward: dy ", dy.shape(),
+                  " does not match the input ", x.shape());
+    const BatchNormShape s = shape_of(x);
+    c.sum.resize({channels_});
+    c.sum2.resize({channels_});
+    double* sum_dy = c.sum.data();
+    double* sum_dy_xhat = c.sum2.data();
+    const S* gamma = weight_.value.data();
+    const S* beta = bias_.value.data();
+    batch_norm_backward_local_sums(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), sum_dy,
+                                   sum_dy_xhat, relu, gamma, beta);
+    batch_norm_accumulate_affine_grads(D{}, channels_, sum_dy, sum_dy_xhat, weight_.grad.data(), bias_.grad.data());
+    weight_.grad_ready();
+    bias_.grad_ready();
+    if (needs_input_grad_) {
+      c.dx.resize(x.shape());
+      // Synchronized: dx needs the group's sums (every rank must run this backward, as it ran forward).
+      if (c.train && stats_all_reduce_) all_reduce_stats(sum_dy, sum_dy_xhat, -1);
+      if (c.train)
+        batch_norm_backward_input(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), gamma, sum_dy,
+                                  sum_dy_xhat, c.count, c.dx.data(), relu, beta);
+      else
+        batch_norm_backward_input_affine(D{}, dy.data(), s, c.invstd.data(), gamma, c.dx.data(), relu, x.data(),
+                                         c.mean.data(), beta);
+    }
+    return c.dx;
+  }
+
   std::string name() const { return detail::cat("BatchNorm2d(", channels_, ", eps=", eps_, ", momentum=", momentum_, ")"); }
 
   BatchNormShape shape_of(const Tensor& x) const {

@@ -5,6 +5,8 @@
 // Cache is the tuple of the layers' caches: one Cache per micro-batch in flight.
 // Units: every layer is one unit of a pipeline stage (forward_units/backward_units/visit_units
 // run the layers [begin, end) only; see parallel/pipeline.hpp).
+// Fusion: a BatchNorm2d followed by a ReLU runs as one layer whenever both run in the same call
+// (layers/batch_norm.hpp: one pass less forward, one backward; the numbers are the unfused ones).
 // Parameter names follow torch.nn.Sequential ("0.weight", "2.bias"), or names given with
 // set_names() so that models match torchvision's state_dict ("conv1.weight", "bn1.running_mean").
 #pragma once
@@ -50,6 +52,14 @@ template <class L, class... Rest>
 struct FirstLayer<L, Rest...> {
   using type = std::conditional_t<Layer<L>, L, typename FirstLayer<Rest...>::type>;
 };
+// A layer that can run fused with the layer after it: BatchNorm2d with a ReLU (the ReLU's Cache is
+// the only one forward_relu takes).
+template <class A, class B>
+concept FusesWithNext = requires(A& a, const typename A::Tensor& x, typename A::Cache& ca, typename B::Cache& cb) {
+  a.forward_relu(x, ca, cb);
+  a.recompute_output_relu(ca, cb);
+  a.backward_relu(x, ca);
+};
 }  // namespace detail
 
 template <class... Ls>
@@ -84,7 +94,7 @@ class Sequential {
   const Tensor& forward_units(const Tensor& x, Cache& cache, std::size_t begin, std::size_t end) {
     const Tensor* current = &x;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((I >= begin && I < end ? forward_one<I>(current, cache, begin) : void()), ...);
+      ((I >= begin && I < end ? forward_one<I>(current, cache, begin, end) : void()), ...);
     }(std::index_sequence_for<Ls...>{});
     return *current;
   }
@@ -92,7 +102,7 @@ class Sequential {
     const Tensor* current = &dy;
     constexpr std::size_t last = kSize - 1;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((last - I >= begin && last - I < end ? backward_one<last - I>(current, cache, end) : void()), ...);
+      ((last - I >= begin && last - I < end ? backward_one<last - I>(current, cache, begin, end) : void()), ...);
     }(std::index_sequence_for<Ls...>{});
     return *current;
   }
@@ -131,14 +141,14 @@ class Sequential {
   template <std::size_t... I>
   const Tensor& forward_impl(const Tensor& x, Cache& cache, std::index_sequence<I...>) {
     const Tensor* current = &x;
-    (forward_one<I>(current, cache, 0), ...);
+    (forward_one<I>(current, cache, 0, kSize), ...);
     return *current;
   }
   template <std::size_t... I>
   const Tensor& backward_impl(const Tensor& dy, Cache& cache, std::index_sequence<I...>) {
     const Tensor* current = &dy;
     constexpr std::size_t last = kSize - 1;
-    (backward_one<last - I>(current, cache, kSize), ...);
+    (backward_one<last - I>(current, cache, 0, kSize), ...);
     return *current;
   }
   // Layer I's forward on *current; then layer I-1's output (when layer I-1 ran in this call,
@@ -161,12 +171,48 @@ class Sequential {
     }
   }
 
+  // Layer I fuses with layer I+1 (detail::FusesWithNext) when both run in the same call.
+  template <std::size_t I>
+  static consteval bool fuses_with_next() {
+    if constexpr (I + 1 >= kSize) return false;
+    else return detail::FusesWithNext<Slot<I>, Slot<I + 1>>;
+  }
+  template <std::size_t I>
+  static consteval bool fuses_with_previous() {
+    if constexpr (I == 0) return false;
+    else return fuses_with_next<I - 1>();
+  }
+
+  // Layer I's forward, or its share of a fused pair: the first layer computes both outputs, and
+  // the second's is then already *current.
+  template <std::size_t I>
+  const Tensor& forward_layer(const Tensor& x, Cache& cache, std::size_t begin, std::size_t end) {
+    if constexpr (fuses_with_next<I>()) {
+      if (I + 1 < end) return std::get<I>(layers_).forward_relu(x, std::get<I>(cache), std::get<I + 1>(cache));
+    }
+    if constexpr (fuses_with_previous<I>()) {
+      if (I - 1 >= begin) return x;
+    }
+    return std::get<I>(layers_).forward(x, std::get<I>(cache));
+  }
+  // Likewise backward: the first layer of a fused pair takes dy through both, the second passes it on.
+  template <std::size_t I>
+  const Tensor& backward_layer(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
+    if constexpr (fuses_with_next<I>()) {
+      if (I + 1 < end) return std::get<I>(layers_).backward_relu(dy, std::get<I>(cache));
+    }
+    if constexpr (fuses_with_previous<I>()) {
+      if (I - 1 >= begin) return dy;
+    }
+    return std::get<I>(layers_).backward(dy, std::get<I>(cache));
+  }
+
   // Layer I's forward on *current; then layer I-1's output (when layer I-1 ran in this call,
   // I > begin) is released if neither of the two reads it back in backward, or if it is
   // recomputed (above; then layer I-2 ran in this call too).
   template <std::size_t I>
-  void forward_one(const Tensor*& current, Cache& cache, std::size_t begin) {
-    const Tensor& out = std::get<I>(layers_).forward(*current, std::get<I>(cache));
+  void forward_one(const Tensor*& current, Cache& cache, std::size_t begin, std::size_t end) {
+    const Tensor& out = forward_layer<I>(*current, cache, begin, end);
     if constexpr (I > 0) {
       if (I > begin) release_dead_output<Slot<I>>(std::get<I - 1>(layers_), std::get<I - 1>(cache), *current, out);
     }
@@ -182,24 +228,32 @@ class Sequential {
   // Layer I's input, if recomputation dropped it, is rebuilt first; layer I's own output is
   // dead after its backward (layer I+1's backward ran before) and released too, as PyTorch frees
   // saved tensors as its backward passes them.
+  // A fused pair's first layer consumes the gradient layer I+2 returned: that one it releases.
   template <std::size_t I>
-  void backward_one(const Tensor*& current, Cache& cache, std::size_t end) {
+  void backward_one(const Tensor*& current, Cache& cache, std::size_t begin, std::size_t end) {
     if constexpr (I >= 2) {
       if constexpr (recomputed<I - 1>()) {
         if (output_released(std::get<I - 1>(cache))) {
-          std::get<I - 2>(layers_).recompute_output(std::get<I - 2>(cache));
-          std::get<I - 1>(layers_).recompute_output(std::get<I - 1>(cache));
-          tessera::release_output(std::get<I - 2>(layers_), std::get<I - 2>(cache));
+          if constexpr (fuses_with_next<I - 2>()) {
+            std::get<I - 2>(layers_).recompute_output_relu(std::get<I - 2>(cache), std::get<I - 1>(cache));
+          } else {
+            std::get<I - 2>(layers_).recompute_output(std::get<I - 2>(cache));
+            std::get<I - 1>(layers_).recompute_output(std::get<I - 1>(cache));
+            tessera::release_output(std::get<I - 2>(layers_), std::get<I - 2>(cache));
+          }
         }
       }
     }
     const Tensor* in = current;
-    current = &std::get<I>(layers_).backward(*in, std::get<I>(cache));
+    current = &backward_layer<I>(*in, cache, begin, end);
     if constexpr (I + 1 < kSize) {
       if (I + 1 < end) {
         if (current != in) tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));
         tessera::release_output(std::get<I>(layers_), std::get<I>(cache));
       }
+    }
+    if constexpr (fuses_with_next<I>() && I + 2 < kSize) {
+      if (I + 2 < end && current != in) tessera::release_input_grad(std::get<I + 2>(layers_), std::get<I + 2>(cache));
     }
   }
   template <class V, std::size_t... I>

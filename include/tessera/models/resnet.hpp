@@ -140,13 +140,12 @@ class ResNet {
       if (u == 0) {
         TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
                       in_channels_, ", H, W), got ", x.shape());
-        const Tensor& normalized = bn1_.forward(conv1_.forward(*h, c.conv1), c.bn1);
-        h = &relu_.forward(normalized, c.relu);
-        release_dead_output<ReLU<E>>(bn1_, c.bn1, normalized, *h);  // ReLU's backward reads only its y
+        // BatchNorm and ReLU fused (layers/batch_norm.hpp): bn1's own output is never formed.
+        h = &bn1_.forward_relu(conv1_.forward(*h, c.conv1), c.bn1, c.relu);
         if (maxpool_) {
-          // The max-pool's backward reads only its argmax: the ReLU's output (the largest
-          // activation of the network) is recomputed from conv1's for the ReLU's backward, as
-          // Sequential does for its BatchNorm-ReLU pairs.
+          // The max-pool's backward reads only its argmax, and the fused backward of bn1 and the
+          // ReLU reads conv1's output: the ReLU's output (the largest activation of the network)
+          // dies here.
           h = &maxpool_->forward(*h, c.maxpool);
           release_output(relu_, c.relu);
         }
@@ -169,18 +168,9 @@ class ResNet {
       } else if (u >= 1) {
         g = &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
       } else {
-        if (maxpool_) {
-          g = &maxpool_->backward(*g, c.maxpool);
-          if (output_released(c.relu)) {
-            bn1_.recompute_output(c.bn1);
-            relu_.recompute_output(c.relu);
-            release_output(bn1_, c.bn1);
-          }
-        }
-        const Tensor& dnormalized = relu_.backward(*g, c.relu);
+        if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
+        const Tensor& dconv = bn1_.backward_relu(*g, c.bn1);
         if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
-        const Tensor& dconv = bn1_.backward(dnormalized, c.bn1);
-        release_input_grad(relu_, c.relu);
         g = &conv1_.backward(dconv, c.conv1);
         release_input_grad(bn1_, c.bn1);
         release_output(conv1_, c.conv1);

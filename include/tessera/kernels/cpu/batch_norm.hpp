@@ -13,14 +13,23 @@
 //              batch_norm_backward_input_affine (eval mode: mean and invstd are constants) dx = gamma invstd dy
 //
 // M is the number of values per channel over the whole (possibly distributed) batch.
+//
+// A ReLU after the normalization can be fused in (`relu`, as Sequential does for every
+// BatchNorm2d-ReLU pair): normalize writes max(y, 0) in the same pass, and backward takes the
+// gradient through the ReLU as well, dy_bn = dy where y > 0 and 0 elsewhere, with y formed again
+// from x by the same expression (batch_norm_value), so neither y nor the ReLU's output is read:
+// three passes over the activation instead of five forward, and two instead of three backward.
 // Sums are accumulated and exchanged in double: var = E[x^2] - mean^2 cancels, and float sums of
 // 10^5 values per channel would lose the digits the difference needs. Channels run in parallel.
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "tessera/core/host_device.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
 
@@ -38,6 +47,31 @@ namespace detail {
 // Below this many elements the OpenMP fork costs more than it saves.
 inline constexpr std::int64_t kBatchNormParallelThreshold = 1 << 14;
 }
+
+// One element of the normalization, y = (x - mean) scale + shift with scale = gamma invstd, shift =
+// beta. Every kernel that needs y (normalize, and a fused ReLU's mask in backward) forms it with
+// this one expression, so the mask agrees bit for bit with the y forward produced.
+template <class S>
+TESSERA_HOST_DEVICE inline S batch_norm_value(S x, S mean, S scale, S shift) {
+  return (x - mean) * scale + shift;
+}
+// The gradient a ReLU lets through at output y: none where y <= 0, dy where y > 0 or y is NaN
+// (torch's threshold_backward, as relu_backward).
+template <class S>
+TESSERA_HOST_DEVICE inline S relu_pass(S y, S dy) {
+  return y <= S(0) ? S(0) : dy;
+}
+namespace detail {
+// relu_pass as a bit mask on dy: the same value, but GCC vectorizes it where the select would not be
+// (widened to double for the local sums, the select's comparison may trap: -ftrapping-math).
+template <class S>
+inline S relu_pass_masked(S y, S dy) {
+  using Bits = std::conditional_t<sizeof(S) == 4, std::uint32_t, std::uint64_t>;
+  static_assert(sizeof(S) == sizeof(Bits));
+  const Bits keep = Bits(0) - static_cast<Bits>(!(y <= S(0)));
+  return std::bit_cast<S>(static_cast<Bits>(std::bit_cast<Bits>(dy) & keep));
+}
+}  // namespace detail
 
 template <class S>
 void batch_norm_local_stats(Cpu, const S* x, BatchNormShape s, double* sum, double* sumsq) {
@@ -92,11 +126,12 @@ void batch_norm_invstd(Cpu, std::int64_t channels, const S* var, double eps, S* 
     invstd[ch] = static_cast<S>(1.0 / std::sqrt(static_cast<double>(var[ch]) + eps));
 }
 
-// y = (x - mean) scale + beta with scale = gamma invstd. Centring first (rather than folding mean
-// into the shift) keeps float32 accurate when a channel's mean is large against its spread.
+// y = (x - mean) scale + beta with scale = gamma invstd, then max(y, 0) when `relu` (NaN passes, as
+// in torch.relu). Centring first (rather than folding mean into the shift) keeps float32 accurate
+// when a channel's mean is large against its spread.
 template <class S>
 void batch_norm_normalize(Cpu, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
-                          const S* beta, S* y) {
+                          const S* beta, S* y, bool relu = false) {
 #pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
   for (std::int64_t ch = 0; ch < s.c; ++ch) {
     const S scale = gamma[ch] * invstd[ch];
@@ -106,29 +141,50 @@ void batch_norm_normalize(Cpu, const S* x, BatchNormShape s, const S* mean, cons
       const std::int64_t off = (i * s.c + ch) * s.hw;
       const S* xr = x + off;
       S* yr = y + off;
+      if (relu) {
 #pragma omp simd
-      for (std::int64_t k = 0; k < s.hw; ++k) yr[k] = (xr[k] - mu) * scale + shift;
+        for (std::int64_t k = 0; k < s.hw; ++k) {
+          const S v = batch_norm_value(xr[k], mu, scale, shift);
+          yr[k] = v < S(0) ? S(0) : v;
+        }
+      } else {
+#pragma omp simd
+        for (std::int64_t k = 0; k < s.hw; ++k) yr[k] = batch_norm_value(xr[k], mu, scale, shift);
+      }
     }
   }
 }
 
 // sum_dy[c] = sum dy;  sum_dy_xhat[c] = sum dy * (x - mean) * invstd   (the local dbeta and dgamma).
+// With `relu`, dy is the fused ReLU's output gradient and what is summed is dy_bn (see the top);
+// gamma and beta are read only then.
 template <class S>
 void batch_norm_backward_local_sums(Cpu, const S* dy, const S* x, BatchNormShape s, const S* mean,
-                                    const S* invstd, double* sum_dy, double* sum_dy_xhat) {
+                                    const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu = false,
+                                    const S* gamma = nullptr, const S* beta = nullptr) {
 #pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
   for (std::int64_t ch = 0; ch < s.c; ++ch) {
     const double mu = mean[ch];
+    const S mu_s = mean[ch], scale = relu ? gamma[ch] * invstd[ch] : S(0), shift = relu ? beta[ch] : S(0);
     double acc = 0, acc_xmu = 0;
     for (std::int64_t i = 0; i < s.n; ++i) {
       const std::int64_t off = (i * s.c + ch) * s.hw;
       const S* dyr = dy + off;
       const S* xr = x + off;
+      if (relu) {
 #pragma omp simd reduction(+ : acc, acc_xmu)
-      for (std::int64_t k = 0; k < s.hw; ++k) {
-        const double g = dyr[k];
-        acc += g;
-        acc_xmu += g * (static_cast<double>(xr[k]) - mu);
+        for (std::int64_t k = 0; k < s.hw; ++k) {
+          const double g = detail::relu_pass_masked(batch_norm_value(xr[k], mu_s, scale, shift), dyr[k]);
+          acc += g;
+          acc_xmu += g * (static_cast<double>(xr[k]) - mu);
+        }
+      } else {
+#pragma omp simd reduction(+ : acc, acc_xmu)
+        for (std::int64_t k = 0; k < s.hw; ++k) {
+          const double g = dyr[k];
+          acc += g;
+          acc_xmu += g * (static_cast<double>(xr[k]) - mu);
+        }
       }
     }
     sum_dy[ch] = acc;
@@ -138,11 +194,12 @@ void batch_norm_backward_local_sums(Cpu, const S* dy, const S* x, BatchNormShape
 
 // Train-mode dx, with mean and invstd functions of the batch:
 //   dx = gamma invstd (dy - sum_dy/M - xhat sum_dy_xhat/M),  xhat = (x - mean) invstd,
-// evaluated per element as a dy + b (x - mean) + c with per-channel a, b, c.
+// evaluated per element as a dy + b (x - mean) + c with per-channel a, b, c; with `relu`, dy_bn in
+// place of dy (the sums are dy_bn's too; beta is read only then).
 template <class S>
 void batch_norm_backward_input(Cpu, const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
-                               S* dx) {
+                               S* dx, bool relu = false, const S* beta = nullptr) {
   const double m = static_cast<double>(count);
 #pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
   for (std::int64_t ch = 0; ch < s.c; ++ch) {
@@ -152,29 +209,47 @@ void batch_norm_backward_input(Cpu, const S* dy, const S* x, BatchNormShape s, c
     const S b = static_cast<S>(-k * is * sum_dy_xhat[ch] / m);
     const S c = static_cast<S>(-k * sum_dy[ch] / m);
     const S mu = mean[ch];
+    const S scale = relu ? gamma[ch] * invstd[ch] : S(0), shift = relu ? beta[ch] : S(0);
     for (std::int64_t i = 0; i < s.n; ++i) {
       const std::int64_t off = (i * s.c + ch) * s.hw;
       const S* dyr = dy + off;
       const S* xr = x + off;
       S* dxr = dx + off;
+      if (relu) {
 #pragma omp simd
-      for (std::int64_t k2 = 0; k2 < s.hw; ++k2) dxr[k2] = a * dyr[k2] + b * (xr[k2] - mu) + c;
+        for (std::int64_t k2 = 0; k2 < s.hw; ++k2)
+          dxr[k2] = a * detail::relu_pass_masked(batch_norm_value(xr[k2], mu, scale, shift), dyr[k2]) + b * (xr[k2] - mu) + c;
+      } else {
+#pragma omp simd
+        for (std::int64_t k2 = 0; k2 < s.hw; ++k2) dxr[k2] = a * dyr[k2] + b * (xr[k2] - mu) + c;
+      }
     }
   }
 }
 
-// Eval-mode dx: the statistics are constants, so dx = gamma invstd dy.
+// Eval-mode dx: the statistics are constants, so dx = gamma invstd dy; with `relu`, dy_bn in place
+// of dy (x, mean and beta are read only then).
 template <class S>
-void batch_norm_backward_input_affine(Cpu, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx) {
+void batch_norm_backward_input_affine(Cpu, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
+                                      bool relu = false, const S* x = nullptr, const S* mean = nullptr,
+                                      const S* beta = nullptr) {
 #pragma omp parallel for schedule(static) if (s.numel() >= detail::kBatchNormParallelThreshold)
   for (std::int64_t ch = 0; ch < s.c; ++ch) {
     const S a = gamma[ch] * invstd[ch];
+    const S mu = relu ? mean[ch] : S(0), shift = relu ? beta[ch] : S(0);
     for (std::int64_t i = 0; i < s.n; ++i) {
       const std::int64_t off = (i * s.c + ch) * s.hw;
       const S* dyr = dy + off;
       S* dxr = dx + off;
+      if (relu) {
+        const S* xr = x + off;
 #pragma omp simd
-      for (std::int64_t k = 0; k < s.hw; ++k) dxr[k] = a * dyr[k];
+        for (std::int64_t k = 0; k < s.hw; ++k)
+          dxr[k] = a * detail::relu_pass_masked(batch_norm_value(xr[k], mu, a, shift), dyr[k]);
+      } else {
+#pragma omp simd
+        for (std::int64_t k = 0; k < s.hw; ++k) dxr[k] = a * dyr[k];
+      }
     }
   }
 }
@@ -198,12 +273,14 @@ void batch_norm_accumulate_affine_grads(Cpu, std::int64_t channels, const double
                                                     double, S*, S*);                                                \
   PREFIX template void batch_norm_invstd<S>(Cpu, std::int64_t, const S*, double, S*);                               \
   PREFIX template void batch_norm_normalize<S>(Cpu, const S*, BatchNormShape, const S*, const S*, const S*,         \
-                                               const S*, S*);                                                       \
+                                               const S*, S*, bool);                                                 \
   PREFIX template void batch_norm_backward_local_sums<S>(Cpu, const S*, const S*, BatchNormShape, const S*,         \
-                                                         const S*, double*, double*);                               \
+                                                         const S*, double*, double*, bool, const S*, const S*);     \
   PREFIX template void batch_norm_backward_input<S>(Cpu, const S*, const S*, BatchNormShape, const S*, const S*,    \
-                                                    const S*, const double*, const double*, std::int64_t, S*);      \
-  PREFIX template void batch_norm_backward_input_affine<S>(Cpu, const S*, BatchNormShape, const S*, const S*, S*);  \
+                                                    const S*, const double*, const double*, std::int64_t, S*, bool, \
+                                                    const S*);                                                      \
+  PREFIX template void batch_norm_backward_input_affine<S>(Cpu, const S*, BatchNormShape, const S*, const S*, S*,   \
+                                                           bool, const S*, const S*, const S*);                     \
   PREFIX template void batch_norm_accumulate_affine_grads<S>(Cpu, std::int64_t, const double*, const double*, S*,   \
                                                              S*);
 TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_BATCH_NORM_INSTANCES)

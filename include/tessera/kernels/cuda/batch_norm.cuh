@@ -61,23 +61,26 @@ __global__ void bn_invstd_kernel(std::int64_t channels, const S* var, double eps
 
 template <class S>
 __global__ void bn_normalize_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
-                                    const S* beta, S* y) {
+                                    const S* beta, S* y, bool relu) {
   TESSERA_CUDA_FOR(e, s.numel()) {
     const std::int64_t ch = (e / s.hw) % s.c;
-    y[e] = (x[e] - mean[ch]) * (gamma[ch] * invstd[ch]) + beta[ch];
+    const S v = batch_norm_value(x[e], mean[ch], gamma[ch] * invstd[ch], beta[ch]);
+    y[e] = relu && v < S(0) ? S(0) : v;
   }
 }
 
 template <class S>
 __global__ void bn_backward_local_sums_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
-                                              const S* invstd, double* sum_dy, double* sum_dy_xhat) {
+                                              const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu,
+                                              const S* gamma, const S* beta) {
   __shared__ double scratch[32];
   const std::int64_t ch = blockIdx.x;
   const double mu = mean[ch];
+  const S scale = relu ? gamma[ch] * invstd[ch] : S(0), shift = relu ? beta[ch] : S(0);
   double acc = 0, acc_xmu = 0;
   for (std::int64_t k = threadIdx.x; k < s.count(); k += blockDim.x) {
     const std::int64_t e = ((k / s.hw) * s.c + ch) * s.hw + k % s.hw;
-    const double g = dy[e];
+    const double g = relu ? relu_pass(batch_norm_value(x[e], mean[ch], scale, shift), dy[e]) : dy[e];
     acc += g;
     acc_xmu += g * (double(x[e]) - mu);
   }
@@ -92,21 +95,24 @@ __global__ void bn_backward_local_sums_kernel(const S* dy, const S* x, BatchNorm
 template <class S>
 __global__ void bn_backward_input_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                          const S* gamma, const double* sum_dy, const double* sum_dy_xhat,
-                                         std::int64_t count, S* dx) {
+                                         std::int64_t count, S* dx, bool relu, const S* beta) {
   const double m = double(count);
   TESSERA_CUDA_FOR(e, s.numel()) {
     const std::int64_t ch = (e / s.hw) % s.c;
     const double is = invstd[ch], k = double(gamma[ch]) * is;
     const S a = S(k), b = S(-k * is * sum_dy_xhat[ch] / m), c = S(-k * sum_dy[ch] / m);
-    dx[e] = a * dy[e] + b * (x[e] - mean[ch]) + c;
+    const S g = relu ? relu_pass(batch_norm_value(x[e], mean[ch], gamma[ch] * invstd[ch], beta[ch]), dy[e]) : dy[e];
+    dx[e] = a * g + b * (x[e] - mean[ch]) + c;
   }
 }
 
 template <class S>
-__global__ void bn_backward_input_affine_kernel(const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx) {
+__global__ void bn_backward_input_affine_kernel(const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
+                                                bool relu, const S* x, const S* mean, const S* beta) {
   TESSERA_CUDA_FOR(e, s.numel()) {
     const std::int64_t ch = (e / s.hw) % s.c;
-    dx[e] = gamma[ch] * invstd[ch] * dy[e];
+    const S a = gamma[ch] * invstd[ch];
+    dx[e] = a * (relu ? relu_pass(batch_norm_value(x[e], mean[ch], a, beta[ch]), dy[e]) : dy[e]);
   }
 }
 
@@ -148,28 +154,32 @@ void batch_norm_invstd(Cuda, std::int64_t channels, const S* var, double eps, S*
 }
 template <class S>
 void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
-                          const S* beta, S* y) {
-  TESSERA_CUDA_LAUNCH(cuda_detail::bn_normalize_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta, y);
+                          const S* beta, S* y, bool relu = false) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_normalize_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta, y, relu);
 }
 template <class S>
 void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean,
-                                    const S* invstd, double* sum_dy, double* sum_dy_xhat) {
+                                    const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu = false,
+                                    const S* gamma = nullptr, const S* beta = nullptr) {
   if (s.c == 0) return;
   cuda_detail::bn_backward_local_sums_kernel<S>
       <<<cuda_detail::channel_blocks(s.c), cuda_detail::kThreads, 0, Cuda::stream()>>>(dy, x, s, mean, invstd, sum_dy,
-                                                                                       sum_dy_xhat);
+                                                                                       sum_dy_xhat, relu, gamma, beta);
   TESSERA_CUDA_CHECK(cudaGetLastError());
 }
 template <class S>
 void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
-                               S* dx) {
+                               S* dx, bool relu = false, const S* beta = nullptr) {
   TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_kernel<S>, s.numel(), dy, x, s, mean, invstd, gamma, sum_dy,
-                      sum_dy_xhat, count, dx);
+                      sum_dy_xhat, count, dx, relu, beta);
 }
 template <class S>
-void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx) {
-  TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_affine_kernel<S>, s.numel(), dy, s, invstd, gamma, dx);
+void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
+                                      bool relu = false, const S* x = nullptr, const S* mean = nullptr,
+                                      const S* beta = nullptr) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_affine_kernel<S>, s.numel(), dy, s, invstd, gamma, dx, relu, x,
+                      mean, beta);
 }
 template <class S>
 void batch_norm_accumulate_affine_grads(Cuda, std::int64_t channels, const double* sum_dy, const double* sum_dy_xhat,
