@@ -644,16 +644,36 @@ inline void winograd_product_tile(std::int64_t rows, std::int64_t k, const float
   }
 }
 
+// A tile of exactly `rows` (1 .. H) rows.
+template <int H, int NV>
+inline void winograd_product_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
+                                  std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
+                                  std::int64_t ldc) {
+  if constexpr (H > 1) {
+    if (rows < H) return winograd_product_rows<H - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc);
+  }
+  winograd_product_tile<H, NV>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc);
+}
+
 template <int NV>
 void winograd_product_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs, std::int64_t a_cs,
                             const float* b, std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc) {
   constexpr int R = NV == 4 ? 6 : 8;          // R NV accumulators + NV + 1 of the 32 registers
   constexpr std::int64_t kc = 256 / NV;       // b's piece: kc x 16 NV floats = 16 KiB
+  // The rows split evenly into tiles of R or R - 1 rows (m = 28: 6, 6, 6, 5, 5): a full-height
+  // tile over the last m % R rows would compute rows it does not store (ResNet-50's 28x28 layers
+  // make blocks of 14 tiles: 18 rows computed for 14), and one short tile runs below the kernel's
+  // best ratio of multiply-adds to loads.
+  const std::int64_t tiles = (m + R - 1) / R, base = m / tiles, taller = m % tiles;
   for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
     const std::int64_t depth = std::min(kc, k - k0);
-    for (std::int64_t i0 = 0; i0 < m; i0 += R)
-      winograd_product_tile<R, NV>(std::min<std::int64_t>(R, m - i0), depth, a + i0 * a_rs + k0 * a_cs, a_rs, a_cs,
-                                   b + k0 * ldb, ldb, accumulate || k0 > 0, c + i0 * ldc, ldc);
+    const bool acc = accumulate || k0 > 0;
+    for (std::int64_t t = 0, i0 = 0; t < tiles; ++t) {
+      const std::int64_t rows = base + (t < taller ? 1 : 0);
+      winograd_product_rows<R, NV>(rows, depth, a + i0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc,
+                                   c + i0 * ldc, ldc);
+      i0 += rows;
+    }
   }
 }
 #endif
