@@ -120,13 +120,14 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
           continue;
         }
         const S* row = in + ih * g.width;
-        std::fill(out, out + lo, S(0));
+        // Guarded: most taps have no padding on either side, and each fill is a call to memset.
+        if (lo > 0) std::fill(out, out + lo, S(0));
         if (g.stride_w == 1) {
           detail::copy_row(out + lo, row + lo + w_offset, hi - lo);
         } else {
           for (std::int64_t ow = lo; ow < hi; ++ow) out[ow] = row[ow * g.stride_w + w_offset];
         }
-        std::fill(out + hi, out + g.out_width, S(0));
+        if (hi < g.out_width) std::fill(out + hi, out + g.out_width, S(0));
       }
     }
   }
