@@ -217,8 +217,10 @@ void batch_norm_backward_input(Cpu, const S* dy, const S* x, BatchNormShape s, c
       S* dxr = dx + off;
       if (relu) {
 #pragma omp simd
-        for (std::int64_t k2 = 0; k2 < s.hw; ++k2)
-          dxr[k2] = a * detail::relu_pass_masked(batch_norm_value(xr[k2], mu, scale, shift), dyr[k2]) + b * (xr[k2] - mu) + c;
+        for (std::int64_t k2 = 0; k2 < s.hw; ++k2) {
+          const S g = detail::relu_pass_masked(batch_norm_value(xr[k2], mu, scale, shift), dyr[k2]);
+          dxr[k2] = a * g + b * (xr[k2] - mu) + c;
+        }
       } else {
 #pragma omp simd
         for (std::int64_t k2 = 0; k2 < s.hw; ++k2) dxr[k2] = a * dyr[k2] + b * (xr[k2] - mu) + c;
