@@ -10,7 +10,9 @@
 // --bucket-kib=1024 --consistency-check-every=100 (DataParallel's replica checksum; 0: off, with
 // TESSERA_COMM_CHECK_EVERY=0 the agreement checks' cost is measured: bench/check_overhead.py --dp).
 // Prints one JSON line (rank 0): images/s over all ranks = ranks x batch x steps
-// / the slowest rank's time for the timed steps. bench/dp_scaling.py runs these next to PyTorch DDP.
+// / the slowest rank's time for the timed steps, and the exposed communication per step (from
+// finish() starting to wait until the last bucket is reduced: the all-reduce time backward did not
+// hide plus waiting for the slower rank; the largest of the ranks' means). bench/dp_scaling.py runs these next to PyTorch DDP.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -34,10 +36,14 @@ struct Options {
   int consistency_check_every = DataParallelOptions{}.consistency_check_every;
 };
 
+struct Timing {
+  double seconds = 0, exposed_seconds_per_step = 0;
+};
+
 // Runs warmup + timed steps; returns the seconds of the timed steps on this rank.
 // One rank: plain training, no DataParallel at all (the baseline of the scaling efficiency).
 template <class Model>
-double run_steps(Model& model, Comm& comm, const Options& o) {
+Timing run_steps(Model& model, Comm& comm, const Options& o) {
   const SyntheticImages data(o.batch * 4, 1, 28, 28, 10, 7);
   DataLoader<float> loader(data, {.batch_size = o.batch, .shuffle = false, .prefetch = false});
   Batch<float> batch;
@@ -52,12 +58,16 @@ double run_steps(Model& model, Comm& comm, const Options& o) {
   Trainer trainer(model, sgd, ConstantLr{0.01}, {.verbose = false});  // sgd.step() finishes the all-reduce
   for (int i = 0; i < o.warmup; ++i) trainer.train_step(batch);
   comm.barrier();
+  double exposed = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < o.steps; ++i) trainer.train_step(batch);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 0; i < o.steps; ++i) {
+    trainer.train_step(batch);
+    if (dp) exposed += std::chrono::duration<double>(dp->buckets().back().completed_at - dp->last_wait_began()).count();
+  }
+  return {std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), exposed / o.steps};
 }
 
-double run(Comm& comm, const Options& o) {
+Timing run(Comm& comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
   if (o.model == "resnet20") {
     auto model = resnet20<E>({.in_channels = 1, .num_classes = 10});
@@ -68,12 +78,12 @@ double run(Comm& comm, const Options& o) {
   return run_steps(model, comm, o);
 }
 
-void report(const char* comm, int ranks, const Options& o, double seconds) {
+void report(const char* comm, int ranks, const Options& o, double seconds, double exposed_seconds_per_step) {
   std::printf("{\"bench\": \"dp_scaling\", \"framework\": \"tessera\", \"comm\": \"%s\", \"model\": \"%s\", \"ranks\": %d, "
               "\"threads_per_rank\": %d, \"batch_per_rank\": %lld, \"steps\": %d, \"seconds\": %.6f, "
-              "\"images_per_second\": %.2f}\n",
+              "\"images_per_second\": %.2f, \"exposed_comm_us_per_step\": %.1f}\n",
               comm, o.model.c_str(), ranks, o.threads, static_cast<long long>(o.batch), o.steps, seconds,
-              static_cast<double>(ranks) * static_cast<double>(o.batch) * o.steps / seconds);
+              static_cast<double>(ranks) * static_cast<double>(o.batch) * o.steps / seconds, exposed_seconds_per_step * 1e6);
   std::fflush(stdout);
 }
 
@@ -96,9 +106,10 @@ int main(int argc, char** argv) {
     flags.finish();
     launch<E>(
         [&](Comm& comm) {
-          std::vector<double> seconds = {run(comm, o)};
-          comm.all_reduce(std::span<double>(seconds), ReduceOp::Max);  // the slowest rank's time
-          if (comm.rank() == 0) report(comm.size() > 1 ? Comm::backend_name : "none", comm.size(), o, seconds[0]);
+          const Timing timing = run(comm, o);
+          std::vector<double> worst = {timing.seconds, timing.exposed_seconds_per_step};
+          comm.all_reduce(std::span<double>(worst), ReduceOp::Max);  // the slowest rank's time
+          if (comm.rank() == 0) report(comm.size() > 1 ? Comm::backend_name : "none", comm.size(), o, worst[0], worst[1]);
         },
         {.ranks = o.ranks});  // --ranks: threads build only
     return 0;

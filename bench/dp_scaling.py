@@ -7,7 +7,8 @@ over Gloo, same model, same per-rank batch, 1 thread per rank, in alternating ro
 Per model and round it runs: Tessera 1 rank (plain training, no DataParallel), Tessera 2 ranks on
 each communicator, PyTorch 1 process (no DDP), PyTorch DDP 2 processes. Reports the median
 images/s of each and the scaling efficiency images/s(2 ranks) / (2 x images/s(1 rank)) of each
-framework against its own single rank (target: >= 0.9 and >= PyTorch's). Writes every run to
+framework against its own single rank (target: >= 0.9 and >= PyTorch's), and for Tessera's 2-rank
+runs the exposed communication per step (median of the runs). Writes every run to
 bench/results/dp_scaling_<date>.json.
 
 PyTorch runs with the peer setup of bench/peer.py: on OpenBLAS (refused where it is not installed),
@@ -110,17 +111,22 @@ def main():
     with open(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"\n{'model':9} {'framework':9} {'comm':8} {'ranks':>5} {'img/s (median)':>15} {'efficiency':>11}")
+    print(f"\n{'model':9} {'framework':9} {'comm':8} {'ranks':>5} {'img/s (median)':>15} {'efficiency':>11} "
+          f"{'exposed comm us/step':>21}")
     for model in args.models.split(","):
-        medians = {}
+        medians, exposed = {}, {}
         for row in rows:
             if row["model"] == model:
-                medians.setdefault((row["framework"], row["comm"], row["ranks"]), []).append(row["images_per_second"])
+                key = (row["framework"], row["comm"], row["ranks"])
+                medians.setdefault(key, []).append(row["images_per_second"])
+                if "exposed_comm_us_per_step" in row and row["ranks"] > 1:  # Tessera's DataParallel only
+                    exposed.setdefault(key, []).append(row["exposed_comm_us_per_step"])
         for (framework, comm, ranks), values in medians.items():
             m = statistics.median(values)
             base = statistics.median(medians[(framework, "none", 1)])
             eff = f"{m / (ranks * base):.3f}" if ranks > 1 else ""
-            print(f"{model:9} {framework:9} {comm:8} {ranks:>5} {m:>15.1f} {eff:>11}")
+            wait = f"{statistics.median(exposed[(framework, comm, ranks)]):.0f}" if (framework, comm, ranks) in exposed else ""
+            print(f"{model:9} {framework:9} {comm:8} {ranks:>5} {m:>15.1f} {eff:>11} {wait:>21}")
     print(f"\nwrote {args.out}")
 
 
