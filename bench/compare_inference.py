@@ -7,7 +7,8 @@ Inference, per batch size (--batches, default 1,8): the PyTorch configuration is
 compare_pytorch.py does (bench/peer.py: OpenBLAS selected, one OpenBLAS thread, each OMP_WAIT_POLICY
 and OPENBLAS_CORETYPE tried once, the fastest kept); PyTorch reports the faster of torch.no_grad()
 and torch.inference_mode() and which one it was. Then Tessera and PyTorch runs alternate --runs
-times; the ratio is of the medians (goal >= 1.3).
+times; the ratio is of the medians (goal >= 1.3). Tessera's OpenBLAS core type is chosen per batch the
+same way (the shell's, 'unset', then each other candidate, once; peer.choose_tessera_coretype).
 
 Memory (--memory-batch, default 32): each run is one SGD training step in a fresh process of each
 framework, alternating, --runs times, PyTorch with the configuration chosen for the largest
@@ -39,8 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 2 ** 20
 
 
-def run_tessera(binary, args):
-    out = subprocess.run([binary] + args, capture_output=True, text=True)
+def run_tessera(binary, args, env=None):
+    out = subprocess.run([binary] + args, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         sys.exit(f"{binary} {' '.join(args)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)
@@ -76,6 +77,7 @@ def main():
               "inference": [], "memory": None}
 
     best = {"OPENBLAS_CORETYPE": peer.UNSET, "OMP_WAIT_POLICY": peer.UNSET}
+    tessera_env = None  # the memory runs use the last batch's choice, as the peer does
     for batch in (int(b) for b in args.batches.split(",")):
         torch_args = ["--batches", str(batch), "--threads", threads]
 
@@ -84,9 +86,16 @@ def main():
             return r["results"][0]["images_per_second"], r["peer"]["openblas"].get("corename")
 
         best, trials = peer.choose_config(probe, setup.candidates)
+        tessera_args = [f"--batches={batch}", f"--threads={threads}"]
+
+        def probe_tessera(env):
+            t = run_tessera(args.tessera, tessera_args, env)
+            return t["results"][0]["images_per_second"], t.get("gemm", "?")
+
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
         ours, theirs, contexts, child, tessera_last, torch_last = [], [], [], None, None, None
         for _ in range(args.runs):
-            tessera_last = run_tessera(args.tessera, [f"--batches={batch}", f"--threads={threads}"])["results"][0]
+            tessera_last = run_tessera(args.tessera, tessera_args, tessera_env)["results"][0]
             ours.append(tessera_last["images_per_second"])
             r = run_torch(setup, torch_args, best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
             torch_last = r["results"][0]
@@ -101,10 +110,12 @@ def main():
                  "pytorch_contexts_last_run": torch_last["contexts"],
                  "tessera_allocations_in_timed_forwards_last_run": tessera_last["allocations_in_timed_forwards"],
                  "logits_finite": {"tessera": tessera_last["logits_finite"], "pytorch": torch_last["logits_finite"]},
+                 "tessera_config": peer.tessera_record(tessera_best, tessera_trials),
                  "pytorch_config": setup.record(best, trials, child)}
         entry["meets_goal"] = entry["ratio"] >= 1.3
         print(f"resnet50 eval b{batch:<3} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
-              f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  (torch "
+              f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  (tessera "
+              f"OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; torch "
               f"{'/'.join(sorted(set(contexts)))}, OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
               f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']})", file=sys.stderr)
         report["inference"].append(entry)
@@ -112,7 +123,8 @@ def main():
     if args.memory_batch > 0:
         ours, theirs, child, tessera_runs = [], [], None, []
         for _ in range(args.runs):
-            t = run_tessera(args.tessera, ["--memory", f"--batch={args.memory_batch}", f"--threads={threads}"])
+            t = run_tessera(args.tessera, ["--memory", f"--batch={args.memory_batch}", f"--threads={threads}"],
+                            tessera_env)
             tessera_runs.append(t)
             ours.append(memory_metrics(t))
             r = run_torch(setup, ["--memory", "--batch", str(args.memory_batch), "--threads", threads],

@@ -7,9 +7,12 @@ OpenBLAS (selected for its process alone when libblas.so.3 is another BLAS; the 
 where OpenBLAS is not installed), threads set explicitly (torch.set_num_threads), OpenBLAS limited to
 one thread so it does not fight OpenMP, OPENBLAS_L2_SIZE unset, and per model each OMP_WAIT_POLICY
 (unset, PASSIVE, ACTIVE) and then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows
-them) tried once; the fastest configuration is used for the measured runs. Tessera and PyTorch runs
+them) tried once; the fastest configuration is used for the measured runs. Tessera is run at its best
+the same way: its OpenBLAS core type (the shell's, 'unset', then each other candidate) tried once per
+model, the fastest kept (bench/peer.py, choose_tessera_coretype). Tessera and PyTorch runs
 alternate, so machine noise hits both alike; the ratio is of the medians over --runs runs. Prints
-one JSON object, whose "pytorch_config" per model records the whole peer setup and every trial.
+one JSON object, whose "pytorch_config" and "tessera_config" per model record each side's setup and
+every trial.
 """
 import argparse
 import json
@@ -25,14 +28,13 @@ from bench_common import cpu_model  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_tessera(binary, model, threads, precision="float32"):
+def run_tessera(binary, model, threads, precision="float32", env=None):
     out = subprocess.run([binary, f"--models={model}", f"--threads={threads}", f"--precision={precision}"],
-                         check=True, capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True, env=env).stdout
     report = json.loads(out)
-    # Which gemm kernel Tessera ran ("OpenBLAS <core>" or "Eigen gebp") and the OpenBLAS core
-    # setting it inherited (the machine may set OPENBLAS_CORETYPE; the peer's is chosen below).
-    return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", ""),
-            "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset")}
+    # Which gemm kernel Tessera ran ("OpenBLAS <core>" or "Eigen gebp"); its OpenBLAS core type is
+    # chosen by peer.choose_tessera_coretype, as the peer's is.
+    return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", "")}
 
 
 def run_torch(setup, model, threads, coretype, policy, precision="float32"):
@@ -59,11 +61,17 @@ def main():
             return r["images_per_second"], r["peer"]["openblas"].get("corename")
 
         best, trials = peer.choose_config(probe, setup.candidates)
-        ours, theirs, child, tessera_config = [], [], None, None
+
+        def probe_tessera(env):
+            t = run_tessera(args.tessera, model, args.threads, env=env)
+            return t["images_per_second"], t["gemm"]
+
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
+        tessera_config = peer.tessera_record(tessera_best, tessera_trials)
+        ours, theirs, child = [], [], None
         for _ in range(args.runs):
-            t = run_tessera(args.tessera, model, args.threads)
+            t = run_tessera(args.tessera, model, args.threads, env=tessera_env)
             ours.append(t["images_per_second"])
-            tessera_config = {"gemm": t["gemm"], "OPENBLAS_CORETYPE": t["OPENBLAS_CORETYPE"]}
             r = run_torch(setup, model, args.threads, best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
             theirs.append(r["images_per_second"])
             child = {**r["peer"], "conv_kernels": r.get("conv_kernels", [])}
@@ -74,7 +82,8 @@ def main():
                  "pytorch_config": setup.record(best, trials, child)}
         print(f"{model:13} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  "
-              f"(torch OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']}, "
+              f"(tessera OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; "
+              f"torch OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']}, "
               f"OpenBLAS core {child['openblas'].get('corename', '?')})", file=sys.stderr)
         report["models"].append(entry)
     print(json.dumps(report, indent=1))

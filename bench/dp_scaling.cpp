@@ -81,9 +81,10 @@ Timing run(Comm& comm, const Options& o) {
 void report(const char* comm, int ranks, const Options& o, double seconds, double exposed_seconds_per_step) {
   std::printf("{\"bench\": \"dp_scaling\", \"framework\": \"tessera\", \"comm\": \"%s\", \"model\": \"%s\", \"ranks\": %d, "
               "\"threads_per_rank\": %d, \"batch_per_rank\": %lld, \"steps\": %d, \"seconds\": %.6f, "
-              "\"images_per_second\": %.2f, \"exposed_comm_us_per_step\": %.1f}\n",
+              "\"images_per_second\": %.2f, \"exposed_comm_us_per_step\": %.1f, \"gemm\": \"%s\"}\n",
               comm, o.model.c_str(), ranks, o.threads, static_cast<long long>(o.batch), o.steps, seconds,
-              static_cast<double>(ranks) * static_cast<double>(o.batch) * o.steps / seconds, exposed_seconds_per_step * 1e6);
+              static_cast<double>(ranks) * static_cast<double>(o.batch) * o.steps / seconds, exposed_seconds_per_step * 1e6,
+              cpu_gemm_kernel().c_str());
   std::fflush(stdout);
 }
 

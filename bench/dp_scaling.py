@@ -11,6 +11,8 @@ framework against its own single rank (target: >= 0.9 and >= PyTorch's), and for
 runs the exposed communication per step (median of the runs). Writes every run to
 bench/results/dp_scaling_<date>.json.
 
+Tessera runs with the OpenBLAS core type its 1-rank run found fastest (the shell's, 'unset', then each
+other candidate, once; peer.choose_tessera_coretype), recorded in each row's "tessera_config".
 PyTorch runs with the peer setup of bench/peer.py: on OpenBLAS (refused where it is not installed),
 OPENBLAS_NUM_THREADS=1, OPENBLAS_L2_SIZE unset, and per model the OMP_WAIT_POLICY and
 OPENBLAS_CORETYPE that its 1-process run found fastest (probed once each before the rounds; both
@@ -87,14 +89,25 @@ def main():
 
         best, trials = peer.choose_config(probe, setup.candidates)
         torch_env = setup.env(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+        tessera_single = [os.path.join(bench, "dp_scaling_threads"), "--ranks=1"] + common
+
+        def probe_tessera(e):
+            row = run(tessera_single, e)
+            return row["images_per_second"], row.get("gemm", "?")
+
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates, env)
+        tessera_config = peer.tessera_record(tessera_best, tessera_trials, env)
+        print(f"  {model:8} Tessera: OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']} "
+              f"({len(tessera_trials)} trials)", file=sys.stderr, flush=True)
         print(f"  {model:8} PyTorch peer: OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
               f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} ({len(trials)} trials)", file=sys.stderr, flush=True)
         configs = [
-            ("tessera", "none", 1, [os.path.join(bench, "dp_scaling_threads"), "--ranks=1"] + common, env),
-            ("tessera", "threads", 2, [os.path.join(bench, "dp_scaling_threads"), "--ranks=2"] + common, env),
-            ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common, env),
+            ("tessera", "none", 1, tessera_single, tessera_env),
+            ("tessera", "threads", 2, [os.path.join(bench, "dp_scaling_threads"), "--ranks=2"] + common, tessera_env),
+            ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common,
+             tessera_env),
             ("tessera", "gloo", 2, [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", "2",
-                                    os.path.join(bench, "dp_scaling_gloo")] + common, env),
+                                    os.path.join(bench, "dp_scaling_gloo")] + common, tessera_env),
             ("pytorch", "none", 1, torch_single, torch_env),
             ("pytorch", "gloo", 2, torch_script + ["--ranks", "2"] + torch_common, torch_env),
         ]
@@ -104,6 +117,8 @@ def main():
                 row["round"] = r
                 if framework == "pytorch":
                     row["pytorch_config"] = setup.record(best, trials, row.pop("peer", None))
+                else:
+                    row["tessera_config"] = tessera_config
                 rows.append(row)
                 print(f"  {model:8} round {r}: {framework:8} {comm:8} {ranks} rank(s): {row['images_per_second']:9.1f} img/s",
                       file=sys.stderr, flush=True)

@@ -243,6 +243,62 @@ def choose_config(run, coretypes, wait_policies=WAIT_POLICIES):
     return max(trials, key=lambda t: t["images_per_second"]), trials
 
 
+# ---------------------------------------------------------------- Tessera's own core type
+
+INHERITED = "inherited"
+
+
+def tessera_env(base_env, coretype):
+    """Tessera's environment for one OpenBLAS core type. 'inherited' keeps what the shell sets (a
+    machine may force OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE for every process: here Haswell, whose
+    AVX2 kernels ran Tessera's MLP and ResNet-50 about 1.4x slower than the AVX-512 ones OpenBLAS
+    picks by itself on the EPYC); 'unset' lets OpenBLAS detect the core; a name forces that core.
+    Overriding the core drops the inherited OPENBLAS_L2_SIZE too (it was set for the forced core)."""
+    env = dict(base_env)
+    if coretype != INHERITED:
+        env.pop("OPENBLAS_CORETYPE", None)
+        env.pop("OPENBLAS_L2_SIZE", None)
+        if coretype != UNSET:
+            env["OPENBLAS_CORETYPE"] = coretype
+    return env
+
+
+def gemm_core(gemm):
+    """The OpenBLAS core named in a Tessera report's "gemm" ("OpenBLAS Cooperlake, one thread
+    ...": "Cooperlake"), or None for another provider."""
+    words = (gemm or "").replace(",", " ").split()
+    return words[1] if len(words) > 1 and words[0] == "OpenBLAS" else None
+
+
+def choose_tessera_coretype(run, coretypes, base_env=None):
+    """Tessera at its best, as the peer is: run(env) -> (images/s, the "gemm" string Tessera
+    reports) once with the inherited setting (when the shell sets a core type), once with 'unset',
+    then with each other candidate whose core no earlier trial ran. Returns (best trial, trials,
+    its environment); every trial is recorded."""
+    base_env = dict(os.environ if base_env is None else base_env)
+    order = ([INHERITED] if "OPENBLAS_CORETYPE" in base_env else []) + [UNSET] + [c for c in coretypes if c != UNSET]
+    trials, seen = [], set()
+    for coretype in order:
+        if coretype not in (INHERITED, UNSET) and coretype.lower() in seen:
+            continue
+        ips, gemm = run(tessera_env(base_env, coretype))
+        core = gemm_core(gemm)
+        seen.add((core or "").lower())
+        trials.append({"OPENBLAS_CORETYPE": coretype, "images_per_second": ips, "openblas_corename": core,
+                       "gemm": gemm})
+    best = max(trials, key=lambda t: t["images_per_second"])
+    return best, trials, tessera_env(base_env, best["OPENBLAS_CORETYPE"])
+
+
+def tessera_record(best, trials, base_env=None):
+    """The JSON record of Tessera's configuration: the chosen core type and every trial."""
+    base_env = os.environ if base_env is None else base_env
+    return {"OPENBLAS_CORETYPE": best["OPENBLAS_CORETYPE"], "openblas_corename": best["openblas_corename"],
+            "gemm": best["gemm"], "inherited": {k: base_env[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+                                                if k in base_env},
+            "trials": trials}
+
+
 def run_child(argv, env):
     """stdout of a PyTorch process; its stderr (a refusal, a traceback) shown when it fails."""
     out = subprocess.run(argv, capture_output=True, text=True, env=env)

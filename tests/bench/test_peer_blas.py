@@ -157,6 +157,50 @@ class Coretypes(unittest.TestCase):
 @unittest.skipUnless(os.path.exists(REFERENCE) and os.path.exists("/usr/bin/python3") and subprocess.run(
     ["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
     "needs /usr/bin/python3 with torch and Debian's reference BLAS")
+class TesseraCoretype(unittest.TestCase):
+    """Tessera is benchmarked at its best too: a core type the shell forces (this machine sets
+    OPENBLAS_CORETYPE=Haswell) is one trial, not a handicap."""
+
+    SPEED = {"Haswell": 20.0, "Cooperlake": 30.0, "SkylakeX": 31.0, "Zen": 15.0}
+
+    def fake_run(self, seen):
+        def run(env):
+            core = env.get("OPENBLAS_CORETYPE", "Cooperlake")  # 'unset': OpenBLAS detects Cooperlake
+            seen.append((env.get("OPENBLAS_CORETYPE"), env.get("OPENBLAS_L2_SIZE")))
+            return self.SPEED[core], f"OpenBLAS {core}, one thread per call"
+        return run
+
+    def test_inherited_then_unset_then_cores_not_yet_run(self):
+        seen = []
+        base = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512", "PATH": "/bin"}
+        best, trials, env = peer.choose_tessera_coretype(
+            self.fake_run(seen), ["unset", "Haswell", "Zen", "SkylakeX", "Cooperlake"], base)
+        # inherited (Haswell, L2 kept), unset (detects Cooperlake, L2 dropped), Zen, SkylakeX;
+        # Haswell and Cooperlake already ran, so they are not run again.
+        self.assertEqual(seen, [("Haswell", "512"), (None, None), ("Zen", None), ("SkylakeX", None)])
+        self.assertEqual([t["OPENBLAS_CORETYPE"] for t in trials], ["inherited", "unset", "Zen", "SkylakeX"])
+        self.assertEqual(best["OPENBLAS_CORETYPE"], "SkylakeX")
+        self.assertEqual(env["OPENBLAS_CORETYPE"], "SkylakeX")
+        self.assertNotIn("OPENBLAS_L2_SIZE", env)
+        self.assertEqual(env["PATH"], "/bin")
+        record = peer.tessera_record(best, trials, base)
+        self.assertEqual(record["inherited"], {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"})
+        self.assertEqual(record["openblas_corename"], "SkylakeX")
+
+    def test_nothing_inherited_starts_with_unset(self):
+        seen = []
+        best, trials, env = peer.choose_tessera_coretype(self.fake_run(seen), ["unset", "Haswell"], {})
+        self.assertEqual([t["OPENBLAS_CORETYPE"] for t in trials], ["unset", "Haswell"])
+        self.assertEqual(best["OPENBLAS_CORETYPE"], "unset")
+        self.assertNotIn("OPENBLAS_CORETYPE", env)
+
+    def test_gemm_core(self):
+        self.assertEqual(peer.gemm_core("OpenBLAS Cooperlake, one thread per call (Eigen gebp below 2^20)"),
+                         "Cooperlake")
+        self.assertIsNone(peer.gemm_core("Eigen gebp"))
+        self.assertIsNone(peer.gemm_core(None))
+
+
 class InsideThePeer(unittest.TestCase):
     def test_torch_on_the_reference_blas_refuses(self):
         # LD_LIBRARY_PATH puts the reference BLAS first for this process alone; TESSERA_PEER_REEXEC
