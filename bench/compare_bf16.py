@@ -37,8 +37,8 @@ def speed(args, setup):
     for model in args.models.split(","):
         best = {}
         for precision in PRECISIONS:
-            def probe(coretype, policy, precision=precision):
-                r = run_torch(setup, model, args.threads, coretype, policy, precision)
+            def probe(coretype, policy, malloc, precision=precision):
+                r = run_torch(setup.env(coretype, policy, malloc), model, args.threads, precision)
                 return r["images_per_second"], r["peer"]["openblas"].get("corename")
 
             best[precision] = peer.choose_config(probe, setup.candidates)
@@ -51,7 +51,7 @@ def speed(args, setup):
                 tessera_config[p] = {"gemm": t["gemm"], "bf16_kernel": t["bf16_kernel"]}
             for p in PRECISIONS:
                 b = best[p][0]
-                r = run_torch(setup, model, args.threads, b["OPENBLAS_CORETYPE"], b["OMP_WAIT_POLICY"], p)
+                r = run_torch(setup.env_of(b), model, args.threads, p)
                 runs[f"pytorch_{p}"].append(r["images_per_second"])
                 child[p] = {**r["peer"], "conv_kernels": r.get("conv_kernels", [])}
         med = {k: statistics.median(v) for k, v in runs.items()}

@@ -39,10 +39,10 @@ def run_tessera(build, model, threads, epochs, seed):
             "images_per_second": images / seconds, "per_epoch_test_accuracy": [e["test_accuracy"] for e in epochs_run]}
 
 
-def probe_torch(setup, model, threads, coretype, policy):
+def probe_torch(setup, model, threads, coretype, policy, malloc):
     """images/s of a short torch_throughput.py run of the model's training steps."""
     out = json.loads(peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
-                                     "--threads", str(threads)], setup.env(coretype, policy)))
+                                     "--threads", str(threads)], setup.env(coretype, policy, malloc)))
     return out["results"][0]["images_per_second"], out["peer"]["openblas"].get("corename")
 
 
@@ -66,8 +66,9 @@ def main():
     setup = peer.peer_or_exit(args.coretypes)
     report = []
     for model in args.models.split(","):
-        best, trials = peer.choose_config(lambda c, p: probe_torch(setup, model, args.threads, c, p), setup.candidates)
-        env = setup.env(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+        best, trials = peer.choose_config(lambda c, p, m: probe_torch(setup, model, args.threads, c, p, m),
+                                          setup.candidates)
+        env = setup.env_of(best)
         ours, theirs = [], []
         for seed in [int(s) for s in args.seeds.split(",")]:
             ours.append(run_tessera(args.build, model, args.threads, args.epochs, seed))

@@ -47,9 +47,8 @@ def run_tessera(binary, args, env=None):
     return json.loads(out.stdout)
 
 
-def run_torch(setup, args, coretype, policy):
-    out = peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_inference.py")] + args,
-                         setup.env(coretype, policy))
+def run_torch(env, args):
+    out = peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_inference.py")] + args, env)
     return json.loads(out)
 
 
@@ -81,8 +80,8 @@ def main():
     for batch in (int(b) for b in args.batches.split(",")):
         torch_args = ["--batches", str(batch), "--threads", threads]
 
-        def probe(coretype, policy):
-            r = run_torch(setup, torch_args, coretype, policy)
+        def probe(coretype, policy, malloc):
+            r = run_torch(setup.env(coretype, policy, malloc), torch_args)
             return r["results"][0]["images_per_second"], r["peer"]["openblas"].get("corename")
 
         best, trials = peer.choose_config(probe, setup.candidates)
@@ -97,7 +96,7 @@ def main():
         for _ in range(args.runs):
             tessera_last = run_tessera(args.tessera, tessera_args, tessera_env)["results"][0]
             ours.append(tessera_last["images_per_second"])
-            r = run_torch(setup, torch_args, best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+            r = run_torch(setup.env_of(best), torch_args)
             torch_last = r["results"][0]
             theirs.append(torch_last["images_per_second"])
             contexts.append(torch_last["context"])
@@ -117,7 +116,7 @@ def main():
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  (tessera "
               f"OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; torch "
               f"{'/'.join(sorted(set(contexts)))}, OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
-              f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']})", file=sys.stderr)
+              f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} malloc={best['malloc']})", file=sys.stderr)
         report["inference"].append(entry)
 
     if args.memory_batch > 0:
@@ -127,8 +126,9 @@ def main():
                             tessera_env)
             tessera_runs.append(t)
             ours.append(memory_metrics(t))
-            r = run_torch(setup, ["--memory", "--batch", str(args.memory_batch), "--threads", threads],
-                          best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+            # glibc's default malloc: retaining freed memory (a timing setting) could only raise the peak.
+            r = run_torch(setup.env(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"]),
+                          ["--memory", "--batch", str(args.memory_batch), "--threads", threads])
             child = r.pop("peer")
             theirs.append({**memory_metrics(r), "raw": r})
         metrics = {}
@@ -144,7 +144,7 @@ def main():
             "headline": "training_footprint", "metrics": metrics,
             "tessera_allocator_peak_bytes_median": statistics.median(t["allocator_peak_bytes"] for t in tessera_runs),
             "tessera_runs": tessera_runs, "pytorch_runs": [t["raw"] for t in theirs],
-            "pytorch_config": setup.record(best, [], child)}
+            "pytorch_config": setup.record({**best, "malloc": peer.MALLOC_DEFAULT}, [], child)}
 
     text = json.dumps(report, indent=1)
     if args.output:

@@ -6,8 +6,8 @@ PyTorch is run at its best (bench/peer.py; bench/README.md, "The PyTorch configu
 OpenBLAS (selected for its process alone when libblas.so.3 is another BLAS; the script refuses
 where OpenBLAS is not installed), threads set explicitly (torch.set_num_threads), OpenBLAS limited to
 one thread so it does not fight OpenMP, OPENBLAS_L2_SIZE unset, and per model each OMP_WAIT_POLICY
-(unset, PASSIVE, ACTIVE) and then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows
-them) tried once; the fastest configuration is used for the measured runs. Tessera is run at its best
+(unset, PASSIVE, ACTIVE), then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows
+them), then glibc malloc retaining freed memory (peer.MALLOCS) tried once; the fastest configuration is used for the measured runs. Tessera is run at its best
 the same way: its OpenBLAS core type (the shell's, 'unset', then each other candidate) tried once per
 model, the fastest kept (bench/peer.py, choose_tessera_coretype). Tessera and PyTorch runs
 alternate, so machine noise hits both alike; the ratio is of the medians over --runs runs. Prints
@@ -37,9 +37,9 @@ def run_tessera(binary, model, threads, precision="float32", env=None):
     return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", "")}
 
 
-def run_torch(setup, model, threads, coretype, policy, precision="float32"):
+def run_torch(env, model, threads, precision="float32"):
     out = peer.run_child(["/usr/bin/python3", os.path.join(HERE, "torch_throughput.py"), "--models", model,
-                          "--threads", str(threads), "--precision", precision], setup.env(coretype, policy))
+                          "--threads", str(threads), "--precision", precision], env)
     result = json.loads(out)
     return {**result["results"][0], "peer": result["peer"]}
 
@@ -56,8 +56,8 @@ def main():
     report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
               "models": []}
     for model in args.models.split(","):
-        def probe(coretype, policy):
-            r = run_torch(setup, model, args.threads, coretype, policy)
+        def probe(coretype, policy, malloc):
+            r = run_torch(setup.env(coretype, policy, malloc), model, args.threads)
             return r["images_per_second"], r["peer"]["openblas"].get("corename")
 
         best, trials = peer.choose_config(probe, setup.candidates)
@@ -72,7 +72,7 @@ def main():
         for _ in range(args.runs):
             t = run_tessera(args.tessera, model, args.threads, env=tessera_env)
             ours.append(t["images_per_second"])
-            r = run_torch(setup, model, args.threads, best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+            r = run_torch(setup.env_of(best), model, args.threads)
             theirs.append(r["images_per_second"])
             child = {**r["peer"], "conv_kernels": r.get("conv_kernels", [])}
         entry = {"model": model, "tessera_images_per_second": statistics.median(ours),
@@ -83,7 +83,8 @@ def main():
         print(f"{model:13} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  "
               f"(tessera OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; "
-              f"torch OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']}, "
+              f"torch OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} "
+              f"malloc={best['malloc']}, "
               f"OpenBLAS core {child['openblas'].get('corename', '?')})", file=sys.stderr)
         report["models"].append(entry)
     print(json.dumps(report, indent=1))

@@ -83,12 +83,12 @@ def main():
         torch_script = ["/usr/bin/python3", os.path.join(ROOT, "bench", "torch_ddp_scaling.py")]
         torch_single = torch_script + ["--ranks", "1"] + torch_common
 
-        def probe(coretype, policy):
-            row = run(torch_single, setup.env(coretype, policy))
+        def probe(coretype, policy, malloc):
+            row = run(torch_single, setup.env(coretype, policy, malloc))
             return row["images_per_second"], row["peer"]["openblas"].get("corename")
 
         best, trials = peer.choose_config(probe, setup.candidates)
-        torch_env = setup.env(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"])
+        torch_env = setup.env_of(best)
         tessera_single = [os.path.join(bench, "dp_scaling_threads"), "--ranks=1"] + common
 
         def probe_tessera(e):

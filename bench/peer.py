@@ -14,7 +14,8 @@ PyTorch MLP measured on it ran at 2.5k img/s instead of ~70k: a fake 40x win for
   OpenBLAS in /proc/self/maps proves nothing: libtorch_cpu also links libopenblas.so.0 directly, so
   OpenBLAS is mapped even when sgemm_ comes from the reference BLAS;
 - `coretype_candidates()` lists OPENBLAS_CORETYPE values this CPU can run (from /proc/cpuinfo flags)
-  and this OpenBLAS accepts; `choose_config()` probes them together with OMP_WAIT_POLICY.
+  and this OpenBLAS accepts; `choose_config()` probes them together with OMP_WAIT_POLICY and the
+  malloc setting (MALLOCS).
 
 Standard library only: the decision functions are tested without PyTorch (tests/bench/test_peer_blas.py).
 """
@@ -47,6 +48,17 @@ CORETYPES = [
 ]
 UNSET = "unset"
 WAIT_POLICIES = (UNSET, "PASSIVE", "ACTIVE")
+# glibc malloc for the peer: "default", or "retain": freed blocks stay in the heap instead of going
+# back to the kernel (no mmap per large block, no trimming), so a tensor allocated every step
+# reuses pages instead of faulting fresh zeroed ones in. PyTorch (its CPU allocator is malloc)
+# allocates every activation anew each step; where page faults are dear (this VM: ResNet-50
+# inference b8 ran 10 img/s with glibc's defaults, 26 retaining) that handicap is the machine's,
+# not PyTorch's, and its guides give the same remedy (jemalloc or tcmalloc preloaded). Tessera's
+# caching allocator makes no allocation in a steady step, so it is not affected.
+MALLOC_DEFAULT = "default"
+MALLOC_RETAIN = "retain"
+MALLOCS = (MALLOC_DEFAULT, MALLOC_RETAIN)
+RETAIN_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
 class PeerSetupError(RuntimeError):
@@ -190,12 +202,12 @@ class Peer:
         self.inherited = {k: self.base_env[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_WAIT_POLICY",
                                                          "OPENBLAS_NUM_THREADS") if k in self.base_env}
 
-    def env(self, coretype=UNSET, wait_policy=UNSET):
+    def env(self, coretype=UNSET, wait_policy=UNSET, malloc=MALLOC_DEFAULT):
         """The peer's environment: OpenBLAS selected, one OpenBLAS thread (its own threads fight
         PyTorch's OpenMP threads on 2 cores), OPENBLAS_L2_SIZE never inherited (the machine sets it
-        for Tessera's sake), and the given core type and OpenMP wait policy."""
+        for Tessera's sake), and the given core type, OpenMP wait policy and malloc setting."""
         env = dict(self.base_env)
-        for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_WAIT_POLICY"):
+        for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_WAIT_POLICY", "GLIBC_TUNABLES"):
             env.pop(k, None)
         env.update(self.blas_env)
         env["OPENBLAS_NUM_THREADS"] = "1"
@@ -203,35 +215,44 @@ class Peer:
             env["OPENBLAS_CORETYPE"] = coretype
         if wait_policy != UNSET:
             env["OMP_WAIT_POLICY"] = wait_policy
+        if malloc == MALLOC_RETAIN:
+            env["GLIBC_TUNABLES"] = RETAIN_TUNABLES
         return env
+
+    def env_of(self, trial):
+        """The environment of a trial that choose_config returned."""
+        return self.env(trial["OPENBLAS_CORETYPE"], trial["OMP_WAIT_POLICY"], trial.get("malloc", MALLOC_DEFAULT))
 
     def record(self, best, trials, child=None):
         """The JSON record of the configuration measured: best is the chosen trial, trials all of
         them, child the 'peer' record the PyTorch process wrote about itself."""
         return {"cpu": cpu_model(), "candidates": self.candidates, "blas_selection": self.blas,
                 "openblas_library": self.openblas, "OPENBLAS_CORETYPE": best["OPENBLAS_CORETYPE"],
-                "OMP_WAIT_POLICY": best["OMP_WAIT_POLICY"], "OPENBLAS_NUM_THREADS": "1",
+                "OMP_WAIT_POLICY": best["OMP_WAIT_POLICY"], "malloc": best.get("malloc", MALLOC_DEFAULT),
+                "GLIBC_TUNABLES": RETAIN_TUNABLES if best.get("malloc") == MALLOC_RETAIN else UNSET,
+                "OPENBLAS_NUM_THREADS": "1",
                 "OPENBLAS_L2_SIZE": UNSET, "inherited_and_overridden": self.inherited, "trials": trials,
                 "process": child}
 
 
-def choose_config(run, coretypes, wait_policies=WAIT_POLICIES):
-    """Probes configurations with run(coretype, wait_policy) -> (images/s, the core OpenBLAS
-    reports it runs, or None) and returns (best trial, all trials).
+def choose_config(run, coretypes, wait_policies=WAIT_POLICIES, mallocs=MALLOCS):
+    """Probes configurations with run(coretype, wait_policy, malloc) -> (images/s, the core
+    OpenBLAS reports it runs, or None) and returns (best trial, all trials).
 
     Wait policy first (with the first core type, 'unset': the one OpenBLAS detects), then each
     other core type with the fastest policy: 2 + len(coretypes) runs rather than the
     3 x len(coretypes) of a full grid. The two are nearly independent: the policy decides how
     PyTorch's OpenMP threads wait between parallel regions, the core type which kernels OpenBLAS
     runs inside one thread (OPENBLAS_NUM_THREADS=1). A core type equal to the one OpenBLAS detected
-    by itself is the same configuration and is not run again. Each trial is one run, so on a noisy
-    machine the choice is only as good as the noise allows; every trial is recorded."""
+    by itself is the same configuration and is not run again. Then the fastest so far once more with
+    each other malloc setting (MALLOCS). Each trial is one run, so on a noisy machine the choice is
+    only as good as the noise allows; every trial is recorded."""
     trials = []
 
-    def trial(coretype, policy):
-        ips, corename = run(coretype, policy)
-        trials.append({"OPENBLAS_CORETYPE": coretype, "OMP_WAIT_POLICY": policy, "images_per_second": ips,
-                       "openblas_corename": corename})
+    def trial(coretype, policy, malloc=mallocs[0]):
+        ips, corename = run(coretype, policy, malloc)
+        trials.append({"OPENBLAS_CORETYPE": coretype, "OMP_WAIT_POLICY": policy, "malloc": malloc,
+                       "images_per_second": ips, "openblas_corename": corename})
         return trials[-1]
 
     first = [trial(coretypes[0], p) for p in wait_policies]
@@ -240,6 +261,9 @@ def choose_config(run, coretypes, wait_policies=WAIT_POLICIES):
     for c in coretypes[1:]:
         if c.lower() not in detected:
             trial(c, best_first["OMP_WAIT_POLICY"])
+    best = max(trials, key=lambda t: t["images_per_second"])
+    for m in mallocs[1:]:
+        trial(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"], m)
     return max(trials, key=lambda t: t["images_per_second"]), trials
 
 
@@ -409,6 +433,7 @@ def torch_record(torch, blas):
             "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", UNSET),
             "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE", UNSET),
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", UNSET),
+            "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", UNSET),
             "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", ""),
             "mkldnn_available": torch.backends.mkldnn.is_available(),
             "mkldnn_enabled": torch.backends.mkldnn.enabled}

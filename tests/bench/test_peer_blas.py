@@ -112,6 +112,10 @@ class BlasDecision(unittest.TestCase):
         env = setup.env("SkylakeX", "PASSIVE")
         self.assertEqual((env["OPENBLAS_CORETYPE"], env["OMP_WAIT_POLICY"]), ("SkylakeX", "PASSIVE"))
         self.assertNotIn("OPENBLAS_L2_SIZE", env)
+        self.assertNotIn("GLIBC_TUNABLES", env)
+        env = setup.env_of({"OPENBLAS_CORETYPE": "unset", "OMP_WAIT_POLICY": "unset", "malloc": "retain"})
+        self.assertEqual(env["GLIBC_TUNABLES"], peer.RETAIN_TUNABLES)
+        self.assertNotIn("OPENBLAS_CORETYPE", env)
 
 
 class Coretypes(unittest.TestCase):
@@ -141,22 +145,29 @@ class Coretypes(unittest.TestCase):
                  ("Haswell", "PASSIVE"): 42.0, ("Zen", "PASSIVE"): 39.5, ("SkylakeX", "PASSIVE"): 72.6}
         calls = []
 
-        def run(coretype, policy):
-            calls.append((coretype, policy))
-            return speed[(coretype, policy)], "Cooperlake" if coretype == "unset" else coretype
+        def run(coretype, policy, malloc):
+            calls.append((coretype, policy, malloc))
+            retained = 1.5 if malloc == "retain" else 1.0  # page faults avoided
+            return speed[(coretype, policy)] * retained, "Cooperlake" if coretype == "unset" else coretype
 
         best, trials = peer.choose_config(run, ["unset", "Haswell", "Zen", "SkylakeX", "Cooperlake"])
         # Cooperlake is what OpenBLAS detected by itself: the same configuration, not run again.
-        self.assertEqual(calls, [("unset", "unset"), ("unset", "PASSIVE"), ("unset", "ACTIVE"), ("Haswell", "PASSIVE"),
-                                 ("Zen", "PASSIVE"), ("SkylakeX", "PASSIVE")])
-        self.assertEqual((best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"]), ("SkylakeX", "PASSIVE"))
-        self.assertEqual(len(trials), 6)
+        # The fastest (SkylakeX, PASSIVE) is then run once more retaining freed memory.
+        self.assertEqual(calls, [("unset", "unset", "default"), ("unset", "PASSIVE", "default"),
+                                 ("unset", "ACTIVE", "default"), ("Haswell", "PASSIVE", "default"),
+                                 ("Zen", "PASSIVE", "default"), ("SkylakeX", "PASSIVE", "default"),
+                                 ("SkylakeX", "PASSIVE", "retain")])
+        self.assertEqual((best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"], best["malloc"]),
+                         ("SkylakeX", "PASSIVE", "retain"))
+        self.assertEqual(len(trials), 7)
         self.assertEqual(trials[0]["openblas_corename"], "Cooperlake")
 
+    def test_retaining_malloc_kept_only_when_faster(self):
+        best, trials = peer.choose_config(lambda c, p, m: (10.0 if m == "default" else 9.0, "Cooperlake"), ["unset"])
+        self.assertEqual(best["malloc"], "default")
+        self.assertEqual([t["malloc"] for t in trials], ["default"] * 3 + ["retain"])
 
-@unittest.skipUnless(os.path.exists(REFERENCE) and os.path.exists("/usr/bin/python3") and subprocess.run(
-    ["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
-    "needs /usr/bin/python3 with torch and Debian's reference BLAS")
+
 class TesseraCoretype(unittest.TestCase):
     """Tessera is benchmarked at its best too: a core type the shell forces (this machine sets
     OPENBLAS_CORETYPE=Haswell) is one trial, not a handicap."""
@@ -201,6 +212,9 @@ class TesseraCoretype(unittest.TestCase):
         self.assertIsNone(peer.gemm_core(None))
 
 
+@unittest.skipUnless(os.path.exists(REFERENCE) and os.path.exists("/usr/bin/python3") and subprocess.run(
+    ["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
+    "needs /usr/bin/python3 with torch and Debian's reference BLAS")
 class InsideThePeer(unittest.TestCase):
     def test_torch_on_the_reference_blas_refuses(self):
         # LD_LIBRARY_PATH puts the reference BLAS first for this process alone; TESSERA_PEER_REEXEC
