@@ -239,32 +239,38 @@ def choose_config(run, coretypes, wait_policies=WAIT_POLICIES, mallocs=MALLOCS):
     """Probes configurations with run(coretype, wait_policy, malloc) -> (images/s, the core
     OpenBLAS reports it runs, or None) and returns (best trial, all trials).
 
-    Wait policy first (with the first core type, 'unset': the one OpenBLAS detects), then each
-    other core type with the fastest policy: 2 + len(coretypes) runs rather than the
-    3 x len(coretypes) of a full grid. The two are nearly independent: the policy decides how
-    PyTorch's OpenMP threads wait between parallel regions, the core type which kernels OpenBLAS
-    runs inside one thread (OPENBLAS_NUM_THREADS=1). A core type equal to the one OpenBLAS detected
-    by itself is the same configuration and is not run again. Then the fastest so far once more with
-    each other malloc setting (MALLOCS). Each trial is one run, so on a noisy machine the choice is
-    only as good as the noise allows; every trial is recorded."""
+    The malloc setting first (with the first core type, 'unset': the one OpenBLAS detects, and the
+    first policy): where page faults are dear it outweighs the rest, and the other trials would
+    otherwise be ranked by noise on top of it. Then each other wait policy with the fastest malloc,
+    then each other core type with the fastest policy: len(mallocs) + 2 + len(coretypes) - 1 runs
+    rather than a full grid. They are nearly independent: malloc decides what a fresh tensor costs,
+    the policy how PyTorch's OpenMP threads wait between parallel regions, the core type which
+    kernels OpenBLAS runs inside one thread (OPENBLAS_NUM_THREADS=1). A core type equal to the one
+    OpenBLAS detected by itself is the same configuration and is not run again. Each trial is one
+    run, so on a noisy machine the choice is only as good as the noise allows; every trial is
+    recorded."""
     trials = []
 
-    def trial(coretype, policy, malloc=mallocs[0]):
+    def trial(coretype, policy, malloc):
         ips, corename = run(coretype, policy, malloc)
         trials.append({"OPENBLAS_CORETYPE": coretype, "OMP_WAIT_POLICY": policy, "malloc": malloc,
                        "images_per_second": ips, "openblas_corename": corename})
         return trials[-1]
 
-    first = [trial(coretypes[0], p) for p in wait_policies]
-    best_first = max(first, key=lambda t: t["images_per_second"])
-    detected = {(t["openblas_corename"] or "").lower() for t in first} if coretypes[0] == UNSET else set()
+    def fastest():
+        return max(trials, key=lambda t: t["images_per_second"])
+
+    for m in mallocs:
+        trial(coretypes[0], wait_policies[0], m)
+    malloc = fastest()["malloc"]
+    for p in wait_policies[1:]:
+        trial(coretypes[0], p, malloc)
+    policy = fastest()["OMP_WAIT_POLICY"]
+    detected = {(t["openblas_corename"] or "").lower() for t in trials} if coretypes[0] == UNSET else set()
     for c in coretypes[1:]:
         if c.lower() not in detected:
-            trial(c, best_first["OMP_WAIT_POLICY"])
-    best = max(trials, key=lambda t: t["images_per_second"])
-    for m in mallocs[1:]:
-        trial(best["OPENBLAS_CORETYPE"], best["OMP_WAIT_POLICY"], m)
-    return max(trials, key=lambda t: t["images_per_second"]), trials
+            trial(c, policy, malloc)
+    return fastest(), trials
 
 
 # ---------------------------------------------------------------- Tessera's own core type
