@@ -4,8 +4,8 @@ ResNet-50 training step (issue 17, item 4).
     /usr/bin/python3 bench/compare_inference.py --tessera build/bench/inference_throughput --threads 2 --runs 3
 
 Inference, per batch size (--batches, default 1,8): the PyTorch configuration is probed as
-compare_pytorch.py does (bench/peer.py: OpenBLAS selected, one OpenBLAS thread, each OMP_WAIT_POLICY
-and OPENBLAS_CORETYPE tried once, the fastest kept); PyTorch reports the faster of torch.no_grad()
+compare_pytorch.py does (bench/peer.py: OpenBLAS selected, one OpenBLAS thread, each malloc setting,
+OMP_WAIT_POLICY and OPENBLAS_CORETYPE tried once, the fastest kept); PyTorch reports the faster of torch.no_grad()
 and torch.inference_mode() and which one it was. Then Tessera and PyTorch runs alternate --runs
 times; the ratio is of the medians (goal >= 1.3). Tessera's OpenBLAS core type is chosen per batch the
 same way (the shell's, 'unset', then each other candidate, once; peer.choose_tessera_coretype).

@@ -5,10 +5,11 @@
 PyTorch is run at its best (bench/peer.py; bench/README.md, "The PyTorch configuration"): on
 OpenBLAS (selected for its process alone when libblas.so.3 is another BLAS; the script refuses
 where OpenBLAS is not installed), threads set explicitly (torch.set_num_threads), OpenBLAS limited to
-one thread so it does not fight OpenMP, OPENBLAS_L2_SIZE unset, and per model each OMP_WAIT_POLICY
-(unset, PASSIVE, ACTIVE), then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows
-them), then glibc malloc retaining freed memory (peer.MALLOCS) tried once; the fastest configuration is used for the measured runs. Tessera is run at its best
-the same way: its OpenBLAS core type (the shell's, 'unset', then each other candidate) tried once per
+one thread so it does not fight OpenMP, OPENBLAS_L2_SIZE unset, and per model glibc's default
+malloc and one retaining freed memory (peer.MALLOCS), then each OMP_WAIT_POLICY (unset, PASSIVE,
+ACTIVE), then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows them) tried once
+(peer.choose_config); the fastest configuration is used for the measured runs. Tessera is run at
+its best the same way: its OpenBLAS core type (the shell's, 'unset', then each other candidate) tried once per
 model, the fastest kept (bench/peer.py, choose_tessera_coretype). Tessera and PyTorch runs
 alternate, so machine noise hits both alike; the ratio is of the medians over --runs runs. Prints
 one JSON object, whose "pytorch_config" and "tessera_config" per model record each side's setup and

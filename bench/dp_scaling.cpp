@@ -12,7 +12,8 @@
 // Prints one JSON line (rank 0): images/s over all ranks = ranks x batch x steps
 // / the slowest rank's time for the timed steps, and the exposed communication per step (from
 // finish() starting to wait until the last bucket is reduced: the all-reduce time backward did not
-// hide plus waiting for the slower rank; the largest of the ranks' means). bench/dp_scaling.py runs these next to PyTorch DDP.
+// hide plus waiting for the slower rank; the largest of the ranks' means). bench/dp_scaling.py runs
+// these next to PyTorch DDP.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

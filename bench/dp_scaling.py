@@ -14,7 +14,7 @@ bench/results/dp_scaling_<date>.json.
 Tessera runs with the OpenBLAS core type its 1-rank run found fastest (the shell's, 'unset', then each
 other candidate, once; peer.choose_tessera_coretype), recorded in each row's "tessera_config".
 PyTorch runs with the peer setup of bench/peer.py: on OpenBLAS (refused where it is not installed),
-OPENBLAS_NUM_THREADS=1, OPENBLAS_L2_SIZE unset, and per model the OMP_WAIT_POLICY and
+OPENBLAS_NUM_THREADS=1, OPENBLAS_L2_SIZE unset, and per model the malloc setting, OMP_WAIT_POLICY and
 OPENBLAS_CORETYPE that its 1-process run found fastest (probed once each before the rounds; both
 PyTorch runs then use them). Each PyTorch row records that configuration ("pytorch_config").
 """
@@ -89,7 +89,8 @@ def main():
 
         best, trials = peer.choose_config(probe, setup.candidates)
         torch_env = setup.env_of(best)
-        tessera_single = [os.path.join(bench, "dp_scaling_threads"), "--ranks=1"] + common
+        tessera_threads = os.path.join(bench, "dp_scaling_threads")
+        tessera_single = [tessera_threads, "--ranks=1"] + common
 
         def probe_tessera(e):
             row = run(tessera_single, e)
@@ -100,10 +101,11 @@ def main():
         print(f"  {model:8} Tessera: OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']} "
               f"({len(tessera_trials)} trials)", file=sys.stderr, flush=True)
         print(f"  {model:8} PyTorch peer: OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
-              f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} ({len(trials)} trials)", file=sys.stderr, flush=True)
+              f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} malloc={best['malloc']} ({len(trials)} trials)",
+              file=sys.stderr, flush=True)
         configs = [
             ("tessera", "none", 1, tessera_single, tessera_env),
-            ("tessera", "threads", 2, [os.path.join(bench, "dp_scaling_threads"), "--ranks=2"] + common, tessera_env),
+            ("tessera", "threads", 2, [tessera_threads, "--ranks=2"] + common, tessera_env),
             ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common,
              tessera_env),
             ("tessera", "gloo", 2, [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", "2",
