@@ -15,6 +15,9 @@ from the host), both memory formats (NCHW and channels_last) tried, the faster k
 with PyTorch's default TF32 convolutions (cudnn.allow_tf32 = True: tensor cores, 10-bit mantissa
 products), and with TF32 off, the math Tessera uses in float32 (CUDNN_FMA_MATH, full fp32 products,
 kernels/cuda/conv2d.cuh), so the JSON separates the cost of the precision choice from the rest.
+Tessera runs twice as well: with its default cuDNN algorithms (heuristics, deterministic first) and
+with TESSERA_CUDNN_BENCHMARK=1 (algorithms timed once per shape, the fastest kept: the peer's
+setting), tessera_* and tessera_cudnn_benchmark_* in the JSON.
 The JSON records the peer's configuration. No GPU bench is a timed test: this prints JSON.
 """
 import argparse
@@ -30,10 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import cpu_model, default_result  # noqa: E402
 
 
-def tessera_images_per_second(binary, batch, steps):
-    """Runs example 08 and reads its 'steady state: X img/s' line (the first step is warm-up)."""
+def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False):
+    """Runs example 08 and reads its 'steady state: X img/s' line (the first step is warm-up, and
+    with cudnn_benchmark it is also where cuDNN's algorithms are timed, as in PyTorch)."""
+    env = dict(os.environ, TESSERA_CUDNN_BENCHMARK="1" if cudnn_benchmark else "0")
     out = subprocess.run([binary, f"--batch={batch}", f"--steps={steps}"], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{binary} --batch={batch} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
     m = re.search(r"steady state: ([0-9.]+) img/s", out.stdout)
@@ -95,22 +100,28 @@ def main():
 
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        tessera = []
+        tessera, tessera_bench = [], []
         configs = [(tf32, cl) for tf32 in (True, False) for cl in (False, True)]
         peer = {c: [] for c in configs}
         for run in range(args.runs):  # alternate Tessera and PyTorch so drift hits both alike
             tessera.append(tessera_images_per_second(args.tessera, batch, args.steps + 1))
+            tessera_bench.append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=True))
             for c in configs:
                 peer[c].append(torch_images_per_second(torch, torchvision, batch, args.steps, c[1], c[0]))
-            print(f"batch {batch} run {run + 1}: tessera {tessera[-1]:.1f}; pytorch " +
+            print(f"batch {batch} run {run + 1}: tessera {tessera[-1]:.1f}, cudnn benchmark {tessera_bench[-1]:.1f}; "
+                  "pytorch " +
                   ", ".join(f"{'tf32' if c[0] else 'fp32'} {'channels_last' if c[1] else 'NCHW'} {peer[c][-1]:.1f}"
                             for c in configs) + " img/s", file=sys.stderr, flush=True)
-        t = statistics.median(tessera)
-        row = {"model": "resnet50", "batch": batch, "tessera_img_s": round(t, 1), "tessera_runs": tessera}
+        t, tb = statistics.median(tessera), statistics.median(tessera_bench)
+        # tessera_*: cuDNN's heuristics (the default); tessera_cudnn_benchmark_*: algorithms timed
+        # once per shape (TESSERA_CUDNN_BENCHMARK=1), the setting the peer runs with.
+        row = {"model": "resnet50", "batch": batch, "tessera_img_s": round(t, 1), "tessera_runs": tessera,
+               "tessera_cudnn_benchmark_img_s": round(tb, 1), "tessera_cudnn_benchmark_runs": tessera_bench}
         for tf32, key in ((True, "pytorch_tf32"), (False, "pytorch_fp32")):
             best_cl = statistics.median(peer[(tf32, True)]) > statistics.median(peer[(tf32, False)])
             p = statistics.median(peer[(tf32, best_cl)])
-            row.update({key + "_img_s": round(p, 1), key + "_ratio": round(t / p, 3), key + "_runs": peer[(tf32, best_cl)],
+            row.update({key + "_img_s": round(p, 1), key + "_ratio": round(t / p, 3),
+                        key + "_cudnn_benchmark_ratio": round(tb / p, 3), key + "_runs": peer[(tf32, best_cl)],
                         key + "_memory_format": "channels_last" if best_cl else "NCHW",
                         key + "_other_format_img_s": round(statistics.median(peer[(tf32, not best_cl)]), 1)})
         rows.append(row)
@@ -130,9 +141,12 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    print("\n".join(f"resnet50 b{r['batch']}: tessera {r['tessera_img_s']} img/s; pytorch tf32 {r['pytorch_tf32_img_s']} "
-                    f"({r['pytorch_tf32_memory_format']}), ratio {r['pytorch_tf32_ratio']}; pytorch fp32 "
-                    f"{r['pytorch_fp32_img_s']} ({r['pytorch_fp32_memory_format']}), ratio {r['pytorch_fp32_ratio']}"
+    print("\n".join(f"resnet50 b{r['batch']}: tessera {r['tessera_img_s']} img/s (cudnn benchmark "
+                    f"{r['tessera_cudnn_benchmark_img_s']}); pytorch tf32 {r['pytorch_tf32_img_s']} "
+                    f"({r['pytorch_tf32_memory_format']}), ratio {r['pytorch_tf32_ratio']} "
+                    f"({r['pytorch_tf32_cudnn_benchmark_ratio']}); pytorch fp32 {r['pytorch_fp32_img_s']} "
+                    f"({r['pytorch_fp32_memory_format']}), ratio {r['pytorch_fp32_ratio']} "
+                    f"({r['pytorch_fp32_cudnn_benchmark_ratio']})"
                     for r in rows), file=sys.stderr)
 
 

@@ -260,5 +260,6 @@ std::string cuda_dropout_check();  // each: empty when right, else what is wrong
 std::string cuda_mixed_precision_check();
 std::string cuda_steady_state_allocation_check();
 int cuda_device_count();
+void cuda_set_cudnn_benchmark(bool on);  // Cuda::set_cudnn_benchmark, for the host half
 
 }  // namespace tessera::testing

@@ -14,6 +14,8 @@ Outputs cuda_equivalence_case(std::string_view name) { return run_equivalence_ca
 
 int cuda_device_count() { return Cuda::device_count(); }
 
+void cuda_set_cudnn_benchmark(bool on) { Cuda::set_cudnn_benchmark(on); }
+
 // Dropout(p) on the GPU: every output is 0 or x / (1 - p), the kept fraction is 1 - p within
 // 5 standard deviations, backward applies the same mask, and the same seed repeats the mask.
 std::string cuda_dropout_check() {

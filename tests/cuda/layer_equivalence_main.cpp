@@ -24,7 +24,7 @@ int main() {
     return 77;
   }
   int failed = 0;
-  for (std::string_view name : kEquivalenceCases) {
+  const auto compare = [&](std::string_view name, const char* label) {
     std::string problem;
     double worst = 0;
     try {
@@ -47,10 +47,18 @@ int main() {
     } catch (const std::exception& e) {
       problem = std::string("threw: ") + e.what();
     }
-    std::printf("%-26s %s (max rel diff %.2e)%s%s\n", std::string(name).c_str(), problem.empty() ? "ok" : "FAILED",
-                worst, problem.empty() ? "" : ": ", problem.c_str());
+    std::printf("%-26s %s (max rel diff %.2e)%s%s\n", (std::string(name) + label).c_str(),
+                problem.empty() ? "ok" : "FAILED", worst, problem.empty() ? "" : ": ", problem.c_str());
     failed += !problem.empty();
-  }
+  };
+  // The default plans (cuDNN's heuristics); then the convolutions again with the algorithms that
+  // cudnn.benchmark-style timing picks, which are other kernels (FFT, Winograd, non-deterministic
+  // backward-filter sums) and must give the same answers.
+  for (std::string_view name : kEquivalenceCases) compare(name, "");
+  cuda_set_cudnn_benchmark(true);
+  for (std::string_view name : kEquivalenceCases)
+    if (name.starts_with("conv2d") || name.starts_with("resnet")) compare(name, " (benchmark)");
+  cuda_set_cudnn_benchmark(false);
   const std::pair<const char*, std::string (*)()> checks[] = {
       {"dropout (distribution)", cuda_dropout_check},
       {"mixed precision", cuda_mixed_precision_check},

@@ -26,6 +26,7 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -150,6 +151,28 @@ class Cuda {
   static void set_math_precision(MathPrecision p) { precision_slot().store(p); }
   static MathPrecision math_precision() { return precision_slot().load(); }
 
+  // PyTorch's torch.backends.cudnn.benchmark: when on, each new convolution shape times cuDNN's
+  // algorithms once (cudnnFind*, on the first call with that shape) and keeps the fastest, in
+  // place of the first fit among cuDNN's heuristics, which prefers deterministic algorithms. Off
+  // by default, as in PyTorch; the environment variable TESSERA_CUDNN_BENCHMARK=1 turns it on
+  // without a code change. Plans are cached per setting (kernels/cuda/conv2d.cuh).
+  static void set_cudnn_benchmark(bool on) { benchmark_slot().store(on ? 1 : 0); }
+  static bool cudnn_benchmark() {
+    int v = benchmark_slot().load();
+    if (v < 0) {  // first read: the environment's default
+      int from_env = 0;
+      if (const char* text = std::getenv("TESSERA_CUDNN_BENCHMARK"); text != nullptr && *text != '\0') {
+        const std::string_view t(text);
+        TESSERA_CHECK(t == "0" || t == "1", ArgumentError, "TESSERA_CUDNN_BENCHMARK='", t,
+                      "': expected 1 (time cuDNN's algorithms) or 0 (cuDNN's heuristics)");
+        from_env = t == "1";
+      }
+      benchmark_slot().compare_exchange_strong(v, from_env);
+      v = benchmark_slot().load();
+    }
+    return v == 1;
+  }
+
   // Host -> device for the data loader's batches, from ordinary (pageable) host memory: the bytes
   // are copied into one of two page-locked staging buffers and sent from there asynchronously,
   // so the call returns before the transfer ends and the next batch can be prepared meanwhile.
@@ -183,6 +206,10 @@ class Cuda {
   static std::atomic<MathPrecision>& precision_slot() {
     static std::atomic<MathPrecision> precision{MathPrecision::Float32};
     return precision;
+  }
+  static std::atomic<int>& benchmark_slot() {  // -1 until read or set
+    static std::atomic<int> benchmark{-1};
+    return benchmark;
   }
   // Everything per device, created on the first use of that device and kept for the process's
   // life (like PyTorch's: freeing CUDA objects during static destruction races the driver).

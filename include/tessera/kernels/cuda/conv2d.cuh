@@ -3,9 +3,12 @@
 // workspace arguments are unused here, cuDNN brings its own).
 //
 // Plans. Per device, data type, batch size and geometry, a plan holds the cuDNN descriptors and
-// the three algorithms (forward, backward data, backward filter), chosen once from cuDNN's
-// heuristics (cudnnGet*Algorithm_v7: the first that runs within kMaxWorkspaceBytes) and cached
-// for the process, like PyTorch with cudnn.benchmark off. cuDNN runs an algorithm in the math
+// the three algorithms (forward, backward data, backward filter), chosen once and cached for the
+// process. By default from cuDNN's heuristics (cudnnGet*Algorithm_v7: the first deterministic one
+// that runs within kMaxWorkspaceBytes), like PyTorch with cudnn.benchmark off; under
+// Cuda::set_cudnn_benchmark(true) (or TESSERA_CUDNN_BENCHMARK=1) from timing them
+// (cudnnFind*Algorithm, which allocates its own scratch with cudaMalloc, once per shape): the
+// fastest that fits, deterministic or not, like PyTorch with cudnn.benchmark on. cuDNN runs an algorithm in the math
 // type of the convolution descriptor it is given, so each direction has its own descriptor set to
 // the chosen entry's math type, and its workspace is asked for with that descriptor (the
 // heuristic's perf.memory may be for another math type).
@@ -67,12 +70,13 @@ inline int cudnn_dim(std::int64_t v, const char* what) {
 // (FMA only, unless tensor_ops), and a workspace - asked for with the descriptor set to that
 // math type - within the cap; deterministic algorithms first (some backward ones sum with
 // atomics, in a varying order), so a seed reproduces a run when cuDNN offers a deterministic one.
+// Timed entries (benchmark) come fastest first and are taken in that order, determinism aside.
 // workspace_of(algo, &bytes) queries cudnnGet*WorkspaceSize with `conv`.
 template <class Perf, class WorkspaceOf>
 auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t conv, bool tensor_ops,
-                    WorkspaceOf&& workspace_of, std::size_t& workspace_bytes, const char* what,
-                    const Conv2dGeometry& g) {
-  for (bool need_deterministic : {true, false})
+                    bool prefer_deterministic, WorkspaceOf&& workspace_of, std::size_t& workspace_bytes,
+                    const char* what, const Conv2dGeometry& g) {
+  for (bool need_deterministic : {prefer_deterministic, false})
     for (int i = 0; i < count; ++i) {
       const Perf& entry = perf[i];
       if (entry.status != CUDNN_STATUS_SUCCESS) continue;
@@ -95,13 +99,14 @@ auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t co
 
 template <class S>
 ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
-  using Key = std::array<std::int64_t, 17>;
+  using Key = std::array<std::int64_t, 18>;
   // Reduced precision applies to float data under Float16 only (see the header); double always
   // computes in double.
   const bool tensor_ops = std::is_same_v<S, float> && Cuda::math_precision() == MathPrecision::Float16;
+  const bool benchmark = Cuda::cudnn_benchmark();
   const Key key{Cuda::current_device(), static_cast<std::int64_t>(sizeof(S)), batch, g.channels, g.height, g.width,
                 g.out_channels, g.groups, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w,
-                g.dilation_h, g.dilation_w, tensor_ops};
+                g.dilation_h, g.dilation_w, tensor_ops, benchmark};
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<ConvPlan>> plans;  // kept for the process, like the handles
   std::lock_guard lock(mutex);
@@ -144,33 +149,49 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
   cudnnHandle_t handle = Cuda::cudnn();
   int returned = 0;
   std::array<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT> forward{};
-  TESSERA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x, plan->w, plan->conv_forward, plan->y,
+  if (benchmark)
+    TESSERA_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithm(handle, plan->x, plan->w, plan->conv_forward, plan->y,
                                                              static_cast<int>(forward.size()), &returned, forward.data()));
+  else
+    TESSERA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x, plan->w, plan->conv_forward, plan->y,
+                                                               static_cast<int>(forward.size()), &returned,
+                                                               forward.data()));
   plan->forward = pick_algorithm(
-      forward.data(), returned, plan->conv_forward, tensor_ops,
+      forward.data(), returned, plan->conv_forward, tensor_ops, !benchmark,
       [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* bytes) {
         return cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x, plan->w, plan->conv_forward, plan->y, algo,
                                                        bytes);
       },
       plan->workspace_bytes, "forward", g);
   std::array<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT> data{};
-  TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w, plan->y, plan->conv_backward_data,
+  if (benchmark)
+    TESSERA_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(handle, plan->w, plan->y, plan->conv_backward_data,
                                                                   plan->x, static_cast<int>(data.size()), &returned,
                                                                   data.data()));
+  else
+    TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w, plan->y, plan->conv_backward_data,
+                                                                    plan->x, static_cast<int>(data.size()), &returned,
+                                                                    data.data()));
   plan->backward_data = pick_algorithm(
-      data.data(), returned, plan->conv_backward_data, tensor_ops,
+      data.data(), returned, plan->conv_backward_data, tensor_ops, !benchmark,
       [&](cudnnConvolutionBwdDataAlgo_t algo, std::size_t* bytes) {
         return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w, plan->y, plan->conv_backward_data,
                                                             plan->x, algo, bytes);
       },
       plan->workspace_bytes, "backward-data", g);
   std::array<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT> filter{};
-  TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x, plan->y,
+  if (benchmark)
+    TESSERA_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(handle, plan->x, plan->y,
                                                                     plan->conv_backward_filter, plan->w,
                                                                     static_cast<int>(filter.size()), &returned,
                                                                     filter.data()));
+  else
+    TESSERA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x, plan->y,
+                                                                      plan->conv_backward_filter, plan->w,
+                                                                      static_cast<int>(filter.size()), &returned,
+                                                                      filter.data()));
   plan->backward_filter = pick_algorithm(
-      filter.data(), returned, plan->conv_backward_filter, tensor_ops,
+      filter.data(), returned, plan->conv_backward_filter, tensor_ops, !benchmark,
       [&](cudnnConvolutionBwdFilterAlgo_t algo, std::size_t* bytes) {
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x, plan->y, plan->conv_backward_filter,
                                                               plan->w, algo, bytes);
