@@ -15,9 +15,11 @@ from the host), both memory formats (NCHW and channels_last) tried, the faster k
 with PyTorch's default TF32 convolutions (cudnn.allow_tf32 = True: tensor cores, 10-bit mantissa
 products), and with TF32 off, the math Tessera uses in float32 (CUDNN_FMA_MATH, full fp32 products,
 kernels/cuda/conv2d.cuh), so the JSON separates the cost of the precision choice from the rest.
-Tessera runs twice as well: with its default cuDNN algorithms (heuristics, deterministic first) and
-with TESSERA_CUDNN_BENCHMARK=1 (algorithms timed once per shape, the fastest kept: the peer's
-setting), tessera_* and tessera_cudnn_benchmark_* in the JSON.
+Tessera runs three times: with its default cuDNN algorithms (heuristics, deterministic first), with
+TESSERA_CUDNN_BENCHMARK=1 (algorithms timed once per shape, the fastest kept: the peer's setting),
+tessera_* and tessera_cudnn_benchmark_* in the JSON, both in float32 math; and with that and
+TESSERA_MATH_PRECISION=tf32 (TF32 tensor cores in convolutions and GEMMs), tessera_tf32_*, which
+is compared with the peer's default TF32 run (pytorch_tf32_tessera_tf32_ratio).
 The JSON records the peer's configuration. No GPU bench is a timed test: this prints JSON.
 """
 import argparse
@@ -33,10 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import cpu_model, default_result  # noqa: E402
 
 
-def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False):
+def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False, precision="float32"):
     """Runs example 08 and reads its 'steady state: X img/s' line (the first step is warm-up, and
     with cudnn_benchmark it is also where cuDNN's algorithms are timed, as in PyTorch)."""
-    env = dict(os.environ, TESSERA_CUDNN_BENCHMARK="1" if cudnn_benchmark else "0")
+    env = dict(os.environ, TESSERA_CUDNN_BENCHMARK="1" if cudnn_benchmark else "0", TESSERA_MATH_PRECISION=precision)
     out = subprocess.run([binary, f"--batch={batch}", f"--steps={steps}"], capture_output=True, text=True,
                          timeout=600, env=env)
     if out.returncode != 0:
@@ -100,23 +102,27 @@ def main():
 
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        tessera, tessera_bench = [], []
+        tessera, tessera_bench, tessera_tf32 = [], [], []
         configs = [(tf32, cl) for tf32 in (True, False) for cl in (False, True)]
         peer = {c: [] for c in configs}
         for run in range(args.runs):  # alternate Tessera and PyTorch so drift hits both alike
             tessera.append(tessera_images_per_second(args.tessera, batch, args.steps + 1))
             tessera_bench.append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=True))
+            tessera_tf32.append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=True,
+                                                          precision="tf32"))
             for c in configs:
                 peer[c].append(torch_images_per_second(torch, torchvision, batch, args.steps, c[1], c[0]))
-            print(f"batch {batch} run {run + 1}: tessera {tessera[-1]:.1f}, cudnn benchmark {tessera_bench[-1]:.1f}; "
+            print(f"batch {batch} run {run + 1}: tessera {tessera[-1]:.1f}, cudnn benchmark {tessera_bench[-1]:.1f}, "
+                  f"tf32 {tessera_tf32[-1]:.1f}; "
                   "pytorch " +
                   ", ".join(f"{'tf32' if c[0] else 'fp32'} {'channels_last' if c[1] else 'NCHW'} {peer[c][-1]:.1f}"
                             for c in configs) + " img/s", file=sys.stderr, flush=True)
-        t, tb = statistics.median(tessera), statistics.median(tessera_bench)
+        t, tb, tt = statistics.median(tessera), statistics.median(tessera_bench), statistics.median(tessera_tf32)
         # tessera_*: cuDNN's heuristics (the default); tessera_cudnn_benchmark_*: algorithms timed
         # once per shape (TESSERA_CUDNN_BENCHMARK=1), the setting the peer runs with.
         row = {"model": "resnet50", "batch": batch, "tessera_img_s": round(t, 1), "tessera_runs": tessera,
-               "tessera_cudnn_benchmark_img_s": round(tb, 1), "tessera_cudnn_benchmark_runs": tessera_bench}
+               "tessera_cudnn_benchmark_img_s": round(tb, 1), "tessera_cudnn_benchmark_runs": tessera_bench,
+               "tessera_tf32_img_s": round(tt, 1), "tessera_tf32_runs": tessera_tf32}
         for tf32, key in ((True, "pytorch_tf32"), (False, "pytorch_fp32")):
             best_cl = statistics.median(peer[(tf32, True)]) > statistics.median(peer[(tf32, False)])
             p = statistics.median(peer[(tf32, best_cl)])
@@ -124,6 +130,7 @@ def main():
                         key + "_cudnn_benchmark_ratio": round(tb / p, 3), key + "_runs": peer[(tf32, best_cl)],
                         key + "_memory_format": "channels_last" if best_cl else "NCHW",
                         key + "_other_format_img_s": round(statistics.median(peer[(tf32, not best_cl)]), 1)})
+        row["pytorch_tf32_tessera_tf32_ratio"] = round(tt / row["pytorch_tf32_img_s"], 3)
         rows.append(row)
     result = {
         "benchmark": "gpu_resnet50", "gpu": gpu, "cpu": cpu_model(), "dtype": "float32",
@@ -144,7 +151,8 @@ def main():
     print("\n".join(f"resnet50 b{r['batch']}: tessera {r['tessera_img_s']} img/s (cudnn benchmark "
                     f"{r['tessera_cudnn_benchmark_img_s']}); pytorch tf32 {r['pytorch_tf32_img_s']} "
                     f"({r['pytorch_tf32_memory_format']}), ratio {r['pytorch_tf32_ratio']} "
-                    f"({r['pytorch_tf32_cudnn_benchmark_ratio']}); pytorch fp32 {r['pytorch_fp32_img_s']} "
+                    f"({r['pytorch_tf32_cudnn_benchmark_ratio']}; tessera tf32 {r['tessera_tf32_img_s']}, "
+                    f"{r['pytorch_tf32_tessera_tf32_ratio']}); pytorch fp32 {r['pytorch_fp32_img_s']} "
                     f"({r['pytorch_fp32_memory_format']}), ratio {r['pytorch_fp32_ratio']} "
                     f"({r['pytorch_fp32_cudnn_benchmark_ratio']})"
                     for r in rows), file=sys.stderr)

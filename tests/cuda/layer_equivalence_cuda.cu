@@ -2,6 +2,8 @@
 // nvcc: every case on Env<Cuda, LocalComm>, plus the dropout mask's own check.
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "cuda/layer_equivalence.hpp"
 #include "tessera/comm/local_cuda.cuh"
@@ -83,21 +85,40 @@ std::string cuda_mixed_precision_check() {
   } reset;
   Rng init(1), rng(2);
   Linear<CudaLocal> layer(256, 128, init);
+  Conv2d<CudaLocal> conv(32, 32, 3, init, 1, 1);
   const auto x = seeded<float, Cuda>({64, 256}, rng);
+  const auto image = seeded<float, Cuda>({8, 32, 12, 12}, rng);
   typename Linear<CudaLocal>::Cache cache;
+  typename Conv2d<CudaLocal>::Cache conv_cache;
+  // Largest difference from float32, as a fraction of float32's largest |output|.
+  const auto relative_error = [](const std::vector<double>& exact, const std::vector<double>& reduced) {
+    double scale = 0, worst = 0;
+    for (double v : exact) scale = std::max(scale, std::abs(v));
+    for (std::size_t i = 0; i < exact.size(); ++i) worst = std::max(worst, std::abs(reduced[i] - exact[i]));
+    return worst / scale;
+  };
+  Cuda::set_math_precision(MathPrecision::Float32);
   const auto exact = host_values(layer.forward(x, cache));
-  double scale = 0;
-  for (double v : exact) scale = std::max(scale, std::abs(v));
-  for (MathPrecision p : {MathPrecision::Float16, MathPrecision::BFloat16}) {
+  const auto conv_exact = host_values(conv.forward(image, conv_cache));
+  const std::pair<MathPrecision, const char*> precisions[] = {
+      {MathPrecision::Float16, "Float16"}, {MathPrecision::BFloat16, "BFloat16"}, {MathPrecision::TensorFloat32, "TensorFloat32"}};
+  for (const auto& [p, name] : precisions) {
     Cuda::set_math_precision(p);
-    const auto reduced = host_values(layer.forward(x, cache));
-    double worst = 0;
-    for (std::size_t i = 0; i < exact.size(); ++i) worst = std::max(worst, std::abs(reduced[i] - exact[i]) / scale);
-    const double bound = p == MathPrecision::Float16 ? 5e-3 : 3e-2;  // 11 vs 8 significant bits
-    if (!(worst <= bound))
-      return detail::cat("Linear under ", p == MathPrecision::Float16 ? "Float16" : "BFloat16", " differs from float32 by ",
-                         worst, " of the output's range (bound ", bound, ")");
+    const double bound = p == MathPrecision::BFloat16 ? 3e-2 : 5e-3;  // 8 vs 11 significant bits (fp16, TF32)
+    const double linear_error = relative_error(exact, host_values(layer.forward(x, cache)));
+    if (!(linear_error <= bound))
+      return detail::cat("Linear under ", name, " differs from float32 by ", linear_error, " of the output's range (bound ",
+                         bound, ")");
+    const double conv_error = relative_error(conv_exact, host_values(conv.forward(image, conv_cache)));
+    if (!(conv_error <= bound))
+      return detail::cat("Conv2d under ", name, " differs from float32 by ", conv_error, " of the output's range (bound ",
+                         bound, ")");
   }
+  // A precision that really reduces: TF32 products must differ from FMA float32 somewhere (else the
+  // setting did not reach cuBLAS), yet stay within the bound above.
+  Cuda::set_math_precision(MathPrecision::TensorFloat32);
+  if (relative_error(exact, host_values(layer.forward(x, cache))) == 0)
+    return "Linear under TensorFloat32 equals float32 exactly: TF32 did not reach cuBLAS";
   Cuda::set_math_precision(MathPrecision::BFloat16);
   auto model = small_resnet();
   auto named = named_tensors(model);

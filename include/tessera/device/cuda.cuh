@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -32,6 +33,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "tessera/core/allocator.hpp"
 #include "tessera/core/error.hpp"
@@ -86,11 +88,15 @@ struct CudaMemory {
 using CudaCachingAllocator = BasicCachingAllocator<CudaMemory>;
 
 // The precision of the GPU's matrix products and convolutions (storage stays Env's Scalar):
-// Float32 computes in fp32 (no TF32); Float16 and BFloat16 let cuBLAS round the fp32 inputs of
-// every product to fp16 / bf16 on tensor cores, accumulating in fp32 (CUBLAS_COMPUTE_32F_FAST_16F
-// / _16BF), and let cuDNN's convolutions do the same (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; its
-// legacy API converts to fp16 in both cases). Pair with GradScaler (train/grad_scaler.hpp).
-enum class MathPrecision { Float32, Float16, BFloat16 };
+// Float32 computes in fp32 (no TF32); TensorFloat32 lets cuBLAS and cuDNN run fp32 products on
+// tensor cores with the inputs rounded to TF32 (10-bit mantissa, fp32 range; fp32 sums), which is
+// PyTorch's default for convolutions (torch.backends.cudnn.allow_tf32) and what
+// torch.backends.cuda.matmul.allow_tf32 = True adds for matrix products; Float16 and BFloat16 let
+// cuBLAS round the fp32 inputs of every product to fp16 / bf16 on tensor cores, accumulating in
+// fp32 (CUBLAS_COMPUTE_32F_FAST_16F / _16BF), and let cuDNN's convolutions do the same
+// (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; its legacy API converts to fp16 in both cases). Pair the
+// 16-bit ones with GradScaler (train/grad_scaler.hpp); TF32's range needs no loss scaling.
+enum class MathPrecision { Float32, Float16, BFloat16, TensorFloat32 };
 
 class Cuda {
  public:
@@ -147,9 +153,30 @@ class Cuda {
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream()));
   }
 
-  // Process-wide, read at each product (convolution plans are cached per precision).
-  static void set_math_precision(MathPrecision p) { precision_slot().store(p); }
-  static MathPrecision math_precision() { return precision_slot().load(); }
+  // Process-wide, read at each product (convolution plans are cached per precision). The default
+  // is Float32, or what the environment variable TESSERA_MATH_PRECISION names (float32, tf32,
+  // float16, bfloat16), so a program's precision can change without a code change.
+  static void set_math_precision(MathPrecision p) { precision_slot().store(static_cast<int>(p)); }
+  static MathPrecision math_precision() {
+    int v = precision_slot().load();
+    if (v < 0) {  // first read: the environment's default
+      int from_env = static_cast<int>(MathPrecision::Float32);
+      if (const char* text = std::getenv("TESSERA_MATH_PRECISION"); text != nullptr && *text != '\0') {
+        const std::string_view t(text);
+        const std::pair<std::string_view, MathPrecision> names[] = {{"float32", MathPrecision::Float32},
+                                                                    {"tf32", MathPrecision::TensorFloat32},
+                                                                    {"float16", MathPrecision::Float16},
+                                                                    {"bfloat16", MathPrecision::BFloat16}};
+        const auto* it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return n.first == t; });
+        TESSERA_CHECK(it != std::end(names), ArgumentError, "TESSERA_MATH_PRECISION='", t,
+                      "': expected float32, tf32, float16 or bfloat16");
+        from_env = static_cast<int>(it->second);
+      }
+      precision_slot().compare_exchange_strong(v, from_env);
+      v = precision_slot().load();
+    }
+    return static_cast<MathPrecision>(v);
+  }
 
   // PyTorch's torch.backends.cudnn.benchmark: when on, each new convolution shape times cuDNN's
   // algorithms once (cudnnFind*, on the first call with that shape) and keeps the fastest, in
@@ -203,8 +230,8 @@ class Cuda {
   static CudaCachingAllocator& allocator() { return state().allocator; }
 
  private:
-  static std::atomic<MathPrecision>& precision_slot() {
-    static std::atomic<MathPrecision> precision{MathPrecision::Float32};
+  static std::atomic<int>& precision_slot() {  // a MathPrecision; -1 until read or set
+    static std::atomic<int> precision{-1};
     return precision;
   }
   static std::atomic<int>& benchmark_slot() {  // -1 until read or set

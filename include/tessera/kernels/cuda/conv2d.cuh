@@ -14,8 +14,9 @@
 // heuristic's perf.memory may be for another math type).
 //
 // Math. CUDNN_FMA_MATH under MathPrecision::Float32 and BFloat16 (no TF32 rounding: results match
-// the CPU to float precision); under Float16, tensor-core entries too, with
-// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (fp32 data rounded to fp16 for the products). BFloat16
+// the CPU to float precision); under TensorFloat32, tensor-core entries too, with
+// CUDNN_TENSOR_OP_MATH (fp32 data, TF32 products: PyTorch's default cudnn.allow_tf32); under
+// Float16, with CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (fp32 data rounded to fp16). BFloat16
 // stays in fp32 here because the legacy API's conversion is to fp16 only, whose range (65504)
 // activations and scaled gradients can exceed; BFloat16 changes only cuBLAS's products.
 //
@@ -66,14 +67,14 @@ inline int cudnn_dim(std::int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-// The first heuristic entry that runs: status success, a math type this precision allows
-// (FMA only, unless tensor_ops), and a workspace - asked for with the descriptor set to that
+// The first heuristic entry that runs: status success, a math type within `widest` (FMA <
+// TENSOR_OP (TF32 for float data) < TENSOR_OP_ALLOW_CONVERSION (fp16)), and a workspace - asked for with the descriptor set to that
 // math type - within the cap; deterministic algorithms first (some backward ones sum with
 // atomics, in a varying order), so a seed reproduces a run when cuDNN offers a deterministic one.
 // Timed entries (benchmark) come fastest first and are taken in that order, determinism aside.
 // workspace_of(algo, &bytes) queries cudnnGet*WorkspaceSize with `conv`.
 template <class Perf, class WorkspaceOf>
-auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t conv, bool tensor_ops,
+auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t conv, cudnnMathType_t widest,
                     bool prefer_deterministic, WorkspaceOf&& workspace_of, std::size_t& workspace_bytes,
                     const char* what, const Conv2dGeometry& g) {
   for (bool need_deterministic : {prefer_deterministic, false})
@@ -81,10 +82,13 @@ auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t co
       const Perf& entry = perf[i];
       if (entry.status != CUDNN_STATUS_SUCCESS) continue;
       if (need_deterministic && entry.determinism != CUDNN_DETERMINISTIC) continue;
-      // The entry's status holds for its own math type: without tensor ops, only entries that
-      // run in FMA already (FMA, or DEFAULT for algorithms without tensor-core variants).
-      if (!tensor_ops && entry.mathType != CUDNN_FMA_MATH && entry.mathType != CUDNN_DEFAULT_MATH) continue;
-      const cudnnMathType_t math = tensor_ops ? entry.mathType : CUDNN_FMA_MATH;
+      // The entry's status holds for its own math type: in FMA, only entries that run in FMA
+      // already (FMA, or DEFAULT for algorithms without tensor-core variants); in TF32, none
+      // that converts to fp16.
+      const bool fma = widest == CUDNN_FMA_MATH;
+      if (fma && entry.mathType != CUDNN_FMA_MATH && entry.mathType != CUDNN_DEFAULT_MATH) continue;
+      if (widest == CUDNN_TENSOR_OP_MATH && entry.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+      const cudnnMathType_t math = fma ? CUDNN_FMA_MATH : entry.mathType;
       if (cudnnSetConvolutionMathType(conv, math) != CUDNN_STATUS_SUCCESS) continue;
       std::size_t bytes = 0;
       if (workspace_of(entry.algo, &bytes) != CUDNN_STATUS_SUCCESS || bytes > kMaxWorkspaceBytes) continue;
@@ -93,20 +97,24 @@ auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t co
     }
   throw CudaError(detail::cat("cuDNN has no ", what, " algorithm for a convolution of ", g.channels, "x", g.height, "x",
                               g.width, " to ", g.out_channels, " channels with kernel ", g.kernel_h, "x", g.kernel_w,
-                              tensor_ops ? "" : " in FMA math", " within ", kMaxWorkspaceBytes >> 20,
+                              widest == CUDNN_FMA_MATH ? " in FMA math" : "", " within ", kMaxWorkspaceBytes >> 20,
                               " MiB of workspace"));
 }
 
 template <class S>
 ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
   using Key = std::array<std::int64_t, 18>;
-  // Reduced precision applies to float data under Float16 only (see the header); double always
-  // computes in double.
-  const bool tensor_ops = std::is_same_v<S, float> && Cuda::math_precision() == MathPrecision::Float16;
+  // Reduced precision applies to float data under Float16 and TensorFloat32 only (see the header);
+  // double always computes in double.
+  const MathPrecision precision = Cuda::math_precision();
+  const cudnnMathType_t widest = !std::is_same_v<S, float>                      ? CUDNN_FMA_MATH
+                                 : precision == MathPrecision::Float16        ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION
+                                 : precision == MathPrecision::TensorFloat32 ? CUDNN_TENSOR_OP_MATH
+                                                                              : CUDNN_FMA_MATH;
   const bool benchmark = Cuda::cudnn_benchmark();
   const Key key{Cuda::current_device(), static_cast<std::int64_t>(sizeof(S)), batch, g.channels, g.height, g.width,
                 g.out_channels, g.groups, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w,
-                g.dilation_h, g.dilation_w, tensor_ops, benchmark};
+                g.dilation_h, g.dilation_w, widest, benchmark};
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<ConvPlan>> plans;  // kept for the process, like the handles
   std::lock_guard lock(mutex);
@@ -139,8 +147,7 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
         CUDNN_CROSS_CORRELATION, type));
     TESSERA_CUDNN_CHECK(cudnnSetConvolutionGroupCount(conv, static_cast<int>(g.groups)));
     // The heuristics are asked under the widest math type allowed; pick_algorithm then sets it.
-    TESSERA_CUDNN_CHECK(
-        cudnnSetConvolutionMathType(conv, tensor_ops ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION : CUDNN_FMA_MATH));
+    TESSERA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, widest));
   };
   make_conv(plan->conv_forward);
   make_conv(plan->conv_backward_data);
@@ -157,7 +164,7 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
                                                                static_cast<int>(forward.size()), &returned,
                                                                forward.data()));
   plan->forward = pick_algorithm(
-      forward.data(), returned, plan->conv_forward, tensor_ops, !benchmark,
+      forward.data(), returned, plan->conv_forward, widest, !benchmark,
       [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* bytes) {
         return cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x, plan->w, plan->conv_forward, plan->y, algo,
                                                        bytes);
@@ -173,7 +180,7 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
                                                                     plan->x, static_cast<int>(data.size()), &returned,
                                                                     data.data()));
   plan->backward_data = pick_algorithm(
-      data.data(), returned, plan->conv_backward_data, tensor_ops, !benchmark,
+      data.data(), returned, plan->conv_backward_data, widest, !benchmark,
       [&](cudnnConvolutionBwdDataAlgo_t algo, std::size_t* bytes) {
         return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w, plan->y, plan->conv_backward_data,
                                                             plan->x, algo, bytes);
@@ -191,7 +198,7 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
                                                                       static_cast<int>(filter.size()), &returned,
                                                                       filter.data()));
   plan->backward_filter = pick_algorithm(
-      filter.data(), returned, plan->conv_backward_filter, tensor_ops, !benchmark,
+      filter.data(), returned, plan->conv_backward_filter, widest, !benchmark,
       [&](cudnnConvolutionBwdFilterAlgo_t algo, std::size_t* bytes) {
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x, plan->y, plan->conv_backward_filter,
                                                               plan->w, algo, bytes);

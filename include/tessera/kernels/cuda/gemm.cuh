@@ -34,9 +34,10 @@ void gemm(Cuda, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
       TESSERA_CUBLAS_CHECK(cublasSgemm(Cuda::cublas(), op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda),
                                        &beta, c, i(ldc)));
     } else {
-      // fp32 in and out, products on tensor cores from 16-bit copies of the inputs, fp32 sums.
-      const cublasComputeType_t compute =
-          precision == MathPrecision::Float16 ? CUBLAS_COMPUTE_32F_FAST_16F : CUBLAS_COMPUTE_32F_FAST_16BF;
+      // fp32 in and out, products on tensor cores from TF32 / 16-bit roundings of the inputs, fp32 sums.
+      const cublasComputeType_t compute = precision == MathPrecision::TensorFloat32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                          : precision == MathPrecision::Float16     ? CUBLAS_COMPUTE_32F_FAST_16F
+                                                                                    : CUBLAS_COMPUTE_32F_FAST_16BF;
       TESSERA_CUBLAS_CHECK(cublasGemmEx(Cuda::cublas(), op_b, op_a, i(n), i(m), i(k), &alpha, b, CUDA_R_32F, i(ldb), a,
                                         CUDA_R_32F, i(lda), &beta, c, CUDA_R_32F, i(ldc), compute,
                                         CUBLAS_GEMM_DEFAULT));
