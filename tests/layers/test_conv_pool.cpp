@@ -264,6 +264,59 @@ TEST_CASE("Conv2d matches PyTorch", "[layers][conv][reference]") {
   }
 }
 
+TEST_CASE("Conv2d's one-block forward fills im2col as a team", "[layers][conv]") {
+  // Layers whose whole batch is one block (ResNet-50's 14x14 and 7x7 layers at batch 1) fill col
+  // over the team by rows, then split the gemm (kernels/cpu/conv2d.hpp); checked at 2 threads
+  // against a direct sum in float64 (at 2 threads a batch of 2 or more makes several blocks).
+  struct Case {
+    std::int64_t n, c, k, hw, kernel, stride, pad;
+  };
+  const Case cases[] = {{1, 64, 96, 14, 3, 1, 1}, {1, 48, 64, 14, 3, 2, 1}, {1, 40, 72, 7, 3, 1, 1},
+                        {1, 96, 128, 14, 1, 2, 0}};
+  const int threads_before = Cpu::num_threads();
+  Cpu::set_num_threads(2);
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.hw << "x" << c.hw << " -> " << c.k << ", kernel " << c.kernel
+                        << ", stride " << c.stride) {
+      Rng rng(31);
+      Conv2d<E32> conv(Conv2dOptions{c.c, c.k, c.kernel, c.kernel, c.stride, c.stride, c.pad, c.pad, 1, 1, 1, true},
+                       rng);
+      conv.set_algorithm(ConvAlgorithm::Im2col);
+      const std::int64_t out = conv_output_extent(c.hw, c.kernel, c.stride, c.pad);
+      Conv2dGeometry g;
+      g.channels = c.c, g.out_channels = c.k, g.height = g.width = c.hw, g.kernel_h = g.kernel_w = c.kernel;
+      g.stride_h = g.stride_w = c.stride, g.pad_h = g.pad_w = c.pad, g.out_height = g.out_width = out;
+      const Conv2dBlocking b = conv2d_blocking(g, c.n, 4, 0, ConvAlgorithm::Im2col);
+      REQUIRE(b.groups(c.n) * b.bands(g) == 1);  // the path under test
+      REQUIRE(b.threads == 2);
+      const T64 x = random_tensor({c.n, c.c, c.hw, c.hw}, rng);
+      Conv2d<E32>::Cache cache;
+      const Tensor<float> x32 = x.template cast<float>();
+      const Tensor<float>& y = conv.forward(x32, cache);
+      const Tensor<float>& w = conv.weight().value;
+      const Tensor<float>& bias = conv.bias().value;
+      double worst = 0;
+      for (std::int64_t n = 0; n < c.n; ++n)
+        for (std::int64_t k = 0; k < c.k; ++k)
+          for (std::int64_t oh = 0; oh < out; ++oh)
+            for (std::int64_t ow = 0; ow < out; ++ow) {
+              double sum = bias[k];
+              for (std::int64_t ch = 0; ch < c.c; ++ch)
+                for (std::int64_t i = 0; i < c.kernel; ++i)
+                  for (std::int64_t j = 0; j < c.kernel; ++j) {
+                    const std::int64_t ih = oh * c.stride - c.pad + i, iw = ow * c.stride - c.pad + j;
+                    if (ih >= 0 && ih < c.hw && iw >= 0 && iw < c.hw)
+                      sum += double(w[((k * c.c + ch) * c.kernel + i) * c.kernel + j]) *
+                             double(x32[((n * c.c + ch) * c.hw + ih) * c.hw + iw]);
+                  }
+              worst = std::max(worst, std::abs(y[((n * c.k + k) * out + oh) * out + ow] - sum));
+            }
+      CHECK(worst <= 1e-4);
+    }
+  }
+  Cpu::set_num_threads(threads_before);
+}
+
 TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
   // Larger than the reference cases: several vectors of tiles per block (28x28: 49 tiles a sample),
   // bands, whole-sample groups with a short last group, odd widths, more channels than

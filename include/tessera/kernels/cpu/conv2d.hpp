@@ -80,15 +80,16 @@ inline std::int64_t covering_tap(const Conv2dGeometry& g) {
 }  // namespace detail
 
 // col (C kh kw, ldcol) <- patches of output rows [oh0, oh1) of `samples` consecutive inputs
-// x (samples, C, H, W); sample s fills columns [s (oh1 - oh0) W', (s + 1) (oh1 - oh0) W'). Serial:
+// x (samples, C, H, W); sample s fills columns [s (oh1 - oh0) W', (s + 1) (oh1 - oh0) W'). Only
+// col rows [row_begin, row_end) when row_end >= 0 (a team fills one block's col together). Serial:
 // the callers run one block per thread.
 template <class S>
 void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std::int64_t oh0, std::int64_t oh1, S* col,
-            std::int64_t ldcol) {
-  const std::int64_t taps = g.taps(), rows = g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
+            std::int64_t ldcol, std::int64_t row_begin = 0, std::int64_t row_end = -1) {
+  const std::int64_t taps = g.taps(), rows = row_end >= 0 ? row_end : g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
   const bool contiguous = detail::contiguous_taps(g);
   for (std::int64_t s = 0; s < samples; ++s) {
-    for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t r = row_begin; r < rows; ++r) {
       const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
       const S* in = x + (s * g.channels + c) * g.in_plane();
       S* out = col + r * ldcol + s * sample_cols;
@@ -234,16 +235,17 @@ void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t
   gemm(Cpu{}, trans_a, trans_b, m, n, k, S(1), a, lda, x, ldx, beta, c, ldc);
 }
 
+// `col_filled`: col already holds the block's im2col (the single-block path fills it as a team).
 template <class S>
 void conv2d_forward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, const ConvBlock& blk, const S* x,
-                          const S* w, const S* bias, S* y, S* col, S* stage) {
+                          const S* w, const S* bias, S* y, S* col, S* stage, bool col_filled = false) {
   const std::int64_t plane = g.out_plane(), k = g.out_channels, kg = g.group_out_channels();
   const std::int64_t rows_g = g.group_col_rows(), cols = blk.columns(g), first = blk.oh0 * g.out_width;
   const S* in = x + blk.n0 * g.channels * g.in_plane();
   const S* cm = in + first;  // (C kh kw, cols), row stride ldc
   std::int64_t ldc = plane;
   if (!b.direct(g)) {
-    im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, col, cols);
+    if (!col_filled) im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, col, cols);
     cm = col;
     ldc = cols;
   }
@@ -316,6 +318,21 @@ void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::
   if (b.winograd) return winograd_conv2d_forward(g, b, batch, x, w, bias, y, workspace);
   const std::int64_t bands = b.bands(g), blocks = b.groups(batch) * bands;
   const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
+  if (blocks == 1 && !b.direct(g) && b.threads > 1 && work > detail::kParallelGrain) {
+    // One block (ResNet-50's 14x14 and 7x7 layers at batch 1): its gemm splits over the team
+    // (detail::gemm_split), and im2col, which would leave the other threads idle meanwhile, is
+    // cut over the team by col rows first (about 10% of such a layer's time).
+    const detail::ConvBlock blk = detail::conv_block(g, b, batch, 0, 0);
+    const S* in = x + blk.n0 * g.channels * g.in_plane();
+    const std::int64_t rows = g.col_rows(), cols = blk.columns(g);
+#pragma omp parallel
+    {
+      const std::int64_t team = Cpu::team_size(), t = Cpu::thread_index();
+      const std::int64_t r0 = rows * t / team, r1 = rows * (t + 1) / team;
+      im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, workspace, cols, r0, r1);
+    }
+    return detail::conv2d_forward_block(g, b, blk, x, w, bias, y, workspace, workspace + b.col_elements(g), true);
+  }
   const auto run = [&] {  // on each thread of a team, or alone (the orphaned `omp for` then runs it all)
     S* col = workspace + Cpu::thread_index() * b.thread_elements(g);
     S* stage = col + b.col_elements(g);

