@@ -4,6 +4,7 @@
 // Exits 77 (Meson: skipped) when no GPU is visible, after checking that this is reported cleanly.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <string>
@@ -24,6 +25,20 @@ void check(bool ok, const std::string& what) {
 }  // namespace
 
 int main() {
+  // The process-wide settings take their defaults from the environment on first read (no device
+  // needed), and a set_* call overrides them. Set here before anything reads them.
+  setenv("TESSERA_MATH_PRECISION", "tf32", 1);
+  setenv("TESSERA_CUDNN_BENCHMARK", "1", 1);
+  if (Cuda::math_precision() != MathPrecision::TensorFloat32 || !Cuda::cudnn_benchmark()) {
+    std::fprintf(stderr, "FAILED: TESSERA_MATH_PRECISION=tf32 / TESSERA_CUDNN_BENCHMARK=1 not taken as defaults\n");
+    return 1;
+  }
+  Cuda::set_math_precision(MathPrecision::Float32);
+  Cuda::set_cudnn_benchmark(false);
+  if (Cuda::math_precision() != MathPrecision::Float32 || Cuda::cudnn_benchmark()) {
+    std::fprintf(stderr, "FAILED: set_math_precision / set_cudnn_benchmark did not override the environment\n");
+    return 1;
+  }
   if (Cuda::device_count() == 0) {
     // Without a GPU, selecting one must be an error that says so, not a crash.
     try {

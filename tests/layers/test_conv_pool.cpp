@@ -273,8 +273,11 @@ TEST_CASE("Conv2d's one-block forward fills im2col as a team", "[layers][conv]")
   };
   const Case cases[] = {{1, 64, 96, 14, 3, 1, 1}, {1, 48, 64, 14, 3, 2, 1}, {1, 40, 72, 7, 3, 1, 1},
                         {1, 96, 128, 14, 1, 2, 0}};
-  const int threads_before = Cpu::num_threads();
-  Cpu::set_num_threads(2);
+  struct TwoThreads {  // restored even when a REQUIRE below throws
+    int before = Cpu::num_threads();
+    TwoThreads() { Cpu::set_num_threads(2); }
+    ~TwoThreads() { Cpu::set_num_threads(before); }
+  } two_threads;
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.hw << "x" << c.hw << " -> " << c.k << ", kernel " << c.kernel
                         << ", stride " << c.stride) {
@@ -314,7 +317,6 @@ TEST_CASE("Conv2d's one-block forward fills im2col as a team", "[layers][conv]")
       CHECK(worst <= 1e-4);
     }
   }
-  Cpu::set_num_threads(threads_before);
 }
 
 TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {

@@ -97,6 +97,7 @@ using CudaCachingAllocator = BasicCachingAllocator<CudaMemory>;
 // (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; its legacy API converts to fp16 in both cases). Pair the
 // 16-bit ones with GradScaler (train/grad_scaler.hpp); TF32's range needs no loss scaling.
 enum class MathPrecision { Float32, Float16, BFloat16, TensorFloat32 };
+static_assert(static_cast<int>(MathPrecision::Float32) == 0, "Cuda::setting defaults to 0: Float32");
 
 class Cuda {
  public:
@@ -158,24 +159,16 @@ class Cuda {
   // float16, bfloat16), so a program's precision can change without a code change.
   static void set_math_precision(MathPrecision p) { precision_slot().store(static_cast<int>(p)); }
   static MathPrecision math_precision() {
-    int v = precision_slot().load();
-    if (v < 0) {  // first read: the environment's default
-      int from_env = static_cast<int>(MathPrecision::Float32);
-      if (const char* text = std::getenv("TESSERA_MATH_PRECISION"); text != nullptr && *text != '\0') {
-        const std::string_view t(text);
-        const std::pair<std::string_view, MathPrecision> names[] = {{"float32", MathPrecision::Float32},
-                                                                    {"tf32", MathPrecision::TensorFloat32},
-                                                                    {"float16", MathPrecision::Float16},
-                                                                    {"bfloat16", MathPrecision::BFloat16}};
-        const auto* it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return n.first == t; });
-        TESSERA_CHECK(it != std::end(names), ArgumentError, "TESSERA_MATH_PRECISION='", t,
-                      "': expected float32, tf32, float16 or bfloat16");
-        from_env = static_cast<int>(it->second);
-      }
-      precision_slot().compare_exchange_strong(v, from_env);
-      v = precision_slot().load();
-    }
-    return static_cast<MathPrecision>(v);
+    return static_cast<MathPrecision>(setting(precision_slot(), "TESSERA_MATH_PRECISION", [](std::string_view t) {
+      const std::pair<std::string_view, MathPrecision> names[] = {{"float32", MathPrecision::Float32},
+                                                                  {"tf32", MathPrecision::TensorFloat32},
+                                                                  {"float16", MathPrecision::Float16},
+                                                                  {"bfloat16", MathPrecision::BFloat16}};
+      const auto* it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return n.first == t; });
+      TESSERA_CHECK(it != std::end(names), ArgumentError, "TESSERA_MATH_PRECISION='", t,
+                    "': expected float32, tf32, float16 or bfloat16");
+      return static_cast<int>(it->second);
+    }));
   }
 
   // PyTorch's torch.backends.cudnn.benchmark: when on, each new convolution shape times cuDNN's
@@ -185,19 +178,11 @@ class Cuda {
   // without a code change. Plans are cached per setting (kernels/cuda/conv2d.cuh).
   static void set_cudnn_benchmark(bool on) { benchmark_slot().store(on ? 1 : 0); }
   static bool cudnn_benchmark() {
-    int v = benchmark_slot().load();
-    if (v < 0) {  // first read: the environment's default
-      int from_env = 0;
-      if (const char* text = std::getenv("TESSERA_CUDNN_BENCHMARK"); text != nullptr && *text != '\0') {
-        const std::string_view t(text);
-        TESSERA_CHECK(t == "0" || t == "1", ArgumentError, "TESSERA_CUDNN_BENCHMARK='", t,
-                      "': expected 1 (time cuDNN's algorithms) or 0 (cuDNN's heuristics)");
-        from_env = t == "1";
-      }
-      benchmark_slot().compare_exchange_strong(v, from_env);
-      v = benchmark_slot().load();
-    }
-    return v == 1;
+    return setting(benchmark_slot(), "TESSERA_CUDNN_BENCHMARK", [](std::string_view t) {
+             TESSERA_CHECK(t == "0" || t == "1", ArgumentError, "TESSERA_CUDNN_BENCHMARK='", t,
+                           "': expected 1 (time cuDNN's algorithms) or 0 (cuDNN's heuristics)");
+             return t == "1" ? 1 : 0;
+           }) == 1;
   }
 
   // Host -> device for the data loader's batches, from ordinary (pageable) host memory: the bytes
@@ -230,6 +215,18 @@ class Cuda {
   static CudaCachingAllocator& allocator() { return state().allocator; }
 
  private:
+  // A process-wide setting held in `slot` (-1 until read or set): on the first read, parse(value)
+  // of the environment variable `var` when it is set and not empty, else 0 (the default: Float32,
+  // benchmark off). Later reads are one atomic load; set_* stores over it.
+  template <class Parse>
+  static int setting(std::atomic<int>& slot, const char* var, const Parse& parse) {
+    int v = slot.load();
+    if (v >= 0) return v;
+    const char* text = std::getenv(var);
+    const int from_env = text != nullptr && *text != '\0' ? parse(std::string_view(text)) : 0;
+    slot.compare_exchange_strong(v, from_env);  // a concurrent set_* wins
+    return slot.load();
+  }
   static std::atomic<int>& precision_slot() {  // a MathPrecision; -1 until read or set
     static std::atomic<int> precision{-1};
     return precision;
