@@ -1,10 +1,13 @@
 // ResNet-50 inference throughput (images/s) and the peak memory of one ResNet-50 training step, as JSON.
 //
-//   ./inference_throughput [--batches=1,8] [--threads=2] [--steps=N] [--warmup=3]
+//   ./inference_throughput [--batches=1,8] [--threads=2] [--steps=N] [--warmup=3] [--mode=inference|eval]
 //   ./inference_throughput --memory [--batch=32] [--threads=2]
 //
-// Inference: resnet50 (3x224x224, 1000 classes) in eval mode (BatchNorm normalizes with its running
-// statistics, as torch's model.eval()), forward only: no backward, no optimizer. Per batch size:
+// Inference: resnet50 (3x224x224, 1000 classes) in Mode::Inference (BatchNorm normalizes with its
+// running statistics, as torch's model.eval(); forward only, as torch.inference_mode(), so each
+// convolution finishes its output with the BatchNorm, ReLU and residual add after it while the
+// output is in cache), or with --mode=eval in Mode::Eval (the same numbers, layer by layer). No
+// backward, no optimizer. Per batch size:
 // `warmup` forwards (workspaces and caches settle; at least 1), then `steps` timed forwards; reports
 // the median forward time, images/s, and the heap allocations made during the timed forwards,
 // counted by interposing malloc as train_throughput.cpp does.
@@ -135,7 +138,13 @@ int main(int argc, char** argv) {
     const int threads = flags.threads("threads", 2);
     const int steps_flag = flags.get("steps", 0, {.min = 0});  // 0: by batch size (20 at b1, 10 at b8)
     const int warmup = flags.get("warmup", 3, {.min = 1});     // the first forward is never timed
+    // inference (default): Mode::Inference, forward only, convolutions fused with the eval
+    // BatchNorm, ReLU and residual add after them; eval: Mode::Eval, every layer on its own.
+    const std::string mode_flag = flags.get("mode", std::string("inference"));
     flags.finish();
+    if (mode_flag != "inference" && mode_flag != "eval")
+      throw ArgumentError("--mode=" + mode_flag + ": expected inference or eval");
+    const Mode mode = mode_flag == "eval" ? Mode::Eval : Mode::Inference;
     Cpu::set_num_threads(threads);
     if (memory) return run_memory(memory_batch, threads);
 
@@ -151,19 +160,20 @@ int main(int argc, char** argv) {
     }
 
     auto net = resnet50<E>({.in_channels = 3, .num_classes = 1000, .seed = 1});
-    net.set_mode(Mode::Eval);
+    net.set_mode(mode);
     std::vector<InferenceResult> results;
     for (const std::int64_t batch : batches) {
       const int steps = steps_flag > 0 ? steps_flag : (batch < 8 ? 20 : 10);
       results.push_back(measure_inference(net, batch, warmup, steps));
       Cpu::allocator().release_cached();  // the next batch size starts from a clean host heap
       const auto& r = results.back();
-      std::fprintf(stderr, "resnet50 eval batch %3lld  %8.1f img/s  median forward %.4f s  allocations: first %ld, timed %ld%s\n",
-                   static_cast<long long>(r.batch), r.images_per_second, r.median_forward_s,
+      std::fprintf(stderr, "resnet50 %s batch %3lld  %8.1f img/s  median forward %.4f s  allocations: first %ld, timed %ld%s\n",
+                   mode_flag.c_str(), static_cast<long long>(r.batch), r.images_per_second, r.median_forward_s,
                    r.first_forward_allocations, r.allocations, r.finite ? "" : "  NON-FINITE LOGITS");
     }
-    std::printf("{\"framework\": \"tessera\", \"mode\": \"inference\", \"threads\": %d, \"gemm\": \"%s\", \"results\": [",
-                threads, cpu_gemm_kernel().c_str());
+    std::printf("{\"framework\": \"tessera\", \"mode\": \"inference\", \"tessera_mode\": \"%s\", \"threads\": %d, "
+                "\"gemm\": \"%s\", \"results\": [",
+                mode_flag.c_str(), threads, cpu_gemm_kernel().c_str());
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       std::printf("%s{\"model\": \"resnet50\", \"batch\": %lld, \"image\": 224, \"steps\": %d, \"median_forward_s\": %.6f, "

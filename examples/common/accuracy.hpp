@@ -1,5 +1,6 @@
 // Top-1 accuracy of a model over a whole loader, in eval mode (BatchNorm uses its running
-// statistics), for the examples that measure accuracy outside a Trainer.
+// statistics) and forward only (Mode::Inference), for the examples that measure accuracy outside a
+// Trainer.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +13,7 @@ namespace examples {
 
 template <class Model>
 double accuracy(Model& model, tessera::DataLoader<float>& loader) {
-  model.set_mode(tessera::Mode::Eval);
+  model.set_mode(tessera::Mode::Inference);
   typename Model::Cache cache;
   tessera::Batch<float> batch;
   loader.start_epoch(0);

@@ -21,7 +21,11 @@ concept Device = requires(void* dst, const void* src, std::size_t n) {
   { D::host_accessible } -> std::convertible_to<bool>;
 };
 
-enum class Mode { Train, Eval };
+// Train: batch statistics, dropout on. Eval: running statistics, dropout off, backward still
+// allowed (fine-tuning with frozen statistics, saliency). Inference: Eval's numbers, forward only
+// (torch.inference_mode): composite layers may then fuse a convolution with the eval BatchNorm,
+// ReLU and residual add after it (kernels/conv2d_geometry.hpp: ConvEpilogue), and refuse backward.
+enum class Mode { Train, Eval, Inference };
 
 // The visit protocol (see core/parameter.hpp) with nothing behind it: what a layer's visit must
 // accept. v.parameter(name, Parameter&), v.buffer(name, Tensor&), v.rng(name, Rng&).

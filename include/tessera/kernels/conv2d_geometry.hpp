@@ -41,6 +41,24 @@ struct Conv2dGeometry {
 // How a CPU convolution is computed: im2col + gemm (any geometry), or Winograd F(4x4, 3x3)
 // (kernels/cpu/winograd.hpp: 3x3, stride 1, no dilation, no groups, padding up to 2). Auto picks
 // Winograd where it applies and saves enough multiply-adds (see conv2d_blocking).
+// What a forward-only (Mode::Inference) convolution applies to each output value before it is
+// stored, while the block's output is still in cache: an eval-mode BatchNorm, then optionally a
+// residual addend, then optionally a ReLU,
+//   y = relu(((conv(x) + bias) - mean) gamma invstd + beta + addend)
+// with the BatchNorm's own expression (kernels/cpu/batch_norm.hpp: batch_norm_value), so the value
+// is the unfused layers' (pass by pass: one rounding per step, in their order). Per-channel arrays
+// are (K); addend is (N, K, H', W') like y. Null bias or addend: none.
+template <class S>
+struct ConvEpilogue {
+  const S* bias = nullptr;
+  const S* mean = nullptr;
+  const S* invstd = nullptr;
+  const S* gamma = nullptr;
+  const S* beta = nullptr;
+  const S* addend = nullptr;
+  bool relu = false;
+};
+
 enum class ConvAlgorithm { Auto, Im2col, Winograd };
 
 // The geometries F(4x4, 3x3) handles.

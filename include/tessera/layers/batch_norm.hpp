@@ -42,6 +42,7 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/kernels/batch_norm.hpp"
+#include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/layers/activation.hpp"
 
 namespace tessera {
@@ -65,6 +66,7 @@ class BatchNorm2d {
     Tensor mean, invstd;                   // (C): the statistics the forward normalized with
     tessera::Tensor<double, D> sum, sum2;  // (C): per-channel sums, scratch for forward and backward
     bool train = false;
+    bool forward_only = false;  // fused into the convolution before it (Mode::Inference): no backward
     std::int64_t count = 0;  // M: values per channel the statistics were taken over (all ranks)
   };
 
@@ -104,6 +106,28 @@ class BatchNorm2d {
   void recompute_output_relu(Cache& c, typename ReLU<E>::Cache& r) { renormalize(c, r.y, true); }
   const Tensor& backward_relu(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true); }
 
+  // Forward only (Mode::Inference), fused into the convolution before it (Sequential, Residual,
+  // the ResNet stem): the running statistics as that convolution's epilogue (ConvEpilogue; the
+  // caller adds the addend and the ReLU). This layer's y is never formed and c refuses backward.
+  // `channels`: the convolution's output channels.
+  ConvEpilogue<S> inference_epilogue(Cache& c, std::int64_t channels) {
+    TESSERA_CHECK(mode_ == Mode::Inference, Error, name(), ": a forward fused into the convolution before it needs ",
+                  "Mode::Inference");
+    TESSERA_CHECK(channels == channels_, ShapeError, name(), ": expected input (N, ", channels_,
+                  ", H, W), got ", channels, " channels from the convolution before it");
+    c.x = nullptr;
+    c.train = false;
+    c.forward_only = true;
+    c.invstd.resize({channels_});
+    batch_norm_invstd(D{}, channels_, running_var_.data(), eps_, c.invstd.data());
+    ConvEpilogue<S> e;
+    e.mean = running_mean_.data();
+    e.invstd = c.invstd.data();
+    e.gamma = weight_.value.data();
+    e.beta = bias_.value.data();
+    return e;
+  }
+
   template <class V>
   void visit(V& v, const std::string& prefix) {
     if constexpr (requires { v.batch_norm(prefix, *this); }) v.batch_norm(prefix, *this);  // e.g. to synchronize
@@ -141,6 +165,7 @@ class BatchNorm2d {
     const BatchNormShape s = shape_of(x);
     c.x = &x;
     c.train = mode_ == Mode::Train;
+    c.forward_only = false;
     c.mean.resize({channels_});
     c.invstd.resize({channels_});
     if (c.train) {
@@ -164,7 +189,14 @@ class BatchNorm2d {
                          bias_.value.data(), y.data(), relu);
   }
 
+  void check_differentiable(const Cache& c) const {
+    TESSERA_CHECK(!c.forward_only, Error, name(), ": backward after a forward in Mode::Inference, which fused ",
+                  "this layer into the convolution before it (forward only; run forward in Mode::Eval or ",
+                  "Mode::Train to differentiate)");
+  }
+
   void renormalize(Cache& c, Tensor& y, bool relu) {
+    check_differentiable(c);
     TESSERA_CHECK(c.x != nullptr, Error, name(), "::recompute_output called before forward on this cache");
     const Tensor& x = *c.x;
     y.resize(x.shape());
@@ -173,6 +205,7 @@ class BatchNorm2d {
   }
 
   const Tensor& backward_impl(const Tensor& dy, Cache& c, bool relu) {
+    check_differentiable(c);
     TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
     const Tensor& x = *c.x;
     TESSERA_CHECK(dy.shape() == x.shape(), ShapeError, name(), "::backward: dy ", dy.shape(),

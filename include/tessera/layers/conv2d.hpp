@@ -83,6 +83,27 @@ class Conv2d {
     return c.y;
   }
 
+  // Forward only (Mode::Inference): y = relu(bn(conv(x)) + addend) in one pass, with e from the
+  // eval BatchNorm after this layer (BatchNorm2d::inference_epilogue), e.addend and e.relu set by
+  // the caller (addend: a tensor shaped like y). y is the caller's (the fused group's last
+  // layer's output); this layer's cache then refuses backward.
+  const Tensor& forward_epilogue(const Tensor& x, Cache& c, Tensor& y, ConvEpilogue<S> e,
+                                 const Tensor* addend = nullptr) {
+    const Conv2dGeometry g = geometry(x);
+    c.x = nullptr;  // backward would need this layer's output gradient through the fused layers
+    c.y_shape = Shape{x.dim(0), o_.out_channels, g.out_height, g.out_width};
+    if (addend != nullptr)
+      TESSERA_CHECK(addend->shape() == c.y_shape, ShapeError, name_, ": the residual addend ", addend->shape(),
+                    " does not match the output ", c.y_shape, " (a block that changes shape needs a projection)");
+    e.bias = o_.bias ? bias_.value.data() : nullptr;
+    e.addend = addend != nullptr ? addend->data() : nullptr;
+    y.resize(c.y_shape);
+    const Conv2dBlocking b = blocking(g, x.dim(0));
+    conv2d_forward_epilogue(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), e, y.data(),
+                            scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0));
+    return y;
+  }
+
   // dy (N, C_out, H', W') -> dx (N, C_in, H, W); weight.grad and bias.grad accumulate.
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, name_, "::backward called before forward on this cache");
@@ -112,6 +133,7 @@ class Conv2d {
     if (o_.bias) v.parameter(prefix + "bias", bias_);
   }
   void set_mode(Mode) {}
+  std::int64_t out_channels() const { return o_.out_channels; }
   // The stem of a network need not compute dL/dx: saves the w^T dy product and col2im.
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
   // Output positions per block (one im2col buffer, one gemm; see kernels/cpu/conv2d.hpp): 0

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 
@@ -42,6 +43,17 @@ class Residual {
       : main_(std::move(main)), projection_(std::move(projection)) {}
 
   const Tensor& forward(const Tensor& x, Cache& c) {
+    // Forward only: the shortcut first, then the main branch's last convolution adds it and
+    // applies the ReLU as it writes y (Sequential::forward_add_relu), so neither the branch's
+    // output nor the sum is ever stored apart.
+    if constexpr (requires(Tensor& y) { main_.forward_add_relu(x, c.main, x, y); }) {
+      if (mode_ == Mode::Inference) {
+        const Tensor& s = projection_ ? projection_->forward(x, c.projection) : x;
+        main_.forward_add_relu(x, c.main, s, c.y);
+        if (projection_) release_output(*projection_, c.projection);
+        return c.y;
+      }
+    }
     const Tensor& m = main_.forward(x, c.main);
     const Tensor& s = projection_ ? projection_->forward(x, c.projection) : x;
     TESSERA_CHECK(m.shape() == s.shape(), ShapeError, "Residual: main branch gives ", m.shape(),
@@ -56,6 +68,8 @@ class Residual {
   }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(mode_ != Mode::Inference, Error, "Residual: backward in Mode::Inference, which is forward only ",
+                  "(set Mode::Train or Mode::Eval before the forward to differentiate)");
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Residual::backward: dy ", dy.shape(),
                   " does not match the output ", c.y.shape());
     c.dsum.resize(dy.shape());
@@ -71,6 +85,7 @@ class Residual {
   }
 
   void set_mode(Mode mode) {
+    mode_ = mode;
     main_.set_mode(mode);
     if (projection_) projection_->set_mode(mode);
   }
@@ -90,6 +105,7 @@ class Residual {
  private:
   Main main_;
   std::optional<Projection> projection_;
+  Mode mode_ = Mode::Train;
 };
 
 }  // namespace tessera

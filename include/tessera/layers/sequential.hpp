@@ -7,6 +7,9 @@
 // run the layers [begin, end) only; see parallel/pipeline.hpp).
 // Fusion: a BatchNorm2d followed by a ReLU runs as one layer whenever both run in the same call
 // (layers/batch_norm.hpp: one pass less forward, one backward; the numbers are the unfused ones).
+// In Mode::Inference (forward only) a Conv2d followed by a BatchNorm2d, and the ReLU after it,
+// run as one convolution whose blocks finish their output in cache (ConvEpilogue); backward is
+// then refused.
 // Parameter names follow torch.nn.Sequential ("0.weight", "2.bias"), or names given with
 // set_names() so that models match torchvision's state_dict ("conv1.weight", "bn1.running_mean").
 #pragma once
@@ -18,6 +21,7 @@
 #include <utility>
 
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
 
 namespace tessera {
@@ -60,6 +64,13 @@ concept FusesWithNext = requires(A& a, const typename A::Tensor& x, typename A::
   a.recompute_output_relu(ca, cb);
   a.backward_relu(x, ca);
 };
+// A convolution that can finish its output with the eval BatchNorm after it in Mode::Inference
+// (Conv2d's forward_epilogue with BatchNorm2d's inference_epilogue).
+template <class A, class B>
+concept FusesInference = requires(A& a, B& b, const typename A::Tensor& x, typename A::Tensor& y,
+                                  typename A::Cache& ca, typename B::Cache& cb) {
+  a.forward_epilogue(x, ca, y, b.inference_epilogue(cb, a.out_channels()));
+};
 }  // namespace detail
 
 template <class... Ls>
@@ -87,6 +98,7 @@ class Sequential {
     return forward_impl(x, cache, std::index_sequence_for<Ls...>{});
   }
   const Tensor& backward(const Tensor& dy, Cache& cache) {
+    check_differentiable();
     return backward_impl(dy, cache, std::index_sequence_for<Ls...>{});
   }
 
@@ -99,6 +111,7 @@ class Sequential {
     return *current;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
+    check_differentiable();
     const Tensor* current = &dy;
     constexpr std::size_t last = kSize - 1;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -119,7 +132,26 @@ class Sequential {
   std::string unit_name(std::size_t i) const { return names_.at(i); }
 
   void set_mode(Mode mode) {
+    mode_ = mode;
     std::apply([mode](auto&... layer) { (layer.set_mode(mode), ...); }, layers_);
+  }
+
+  // Forward only (Mode::Inference), for a residual block whose branch ends in a convolution and
+  // its BatchNorm: y = relu(forward(x) + addend), the last convolution finishing its output with
+  // the BatchNorm, the addend and the ReLU in one pass (layers/residual.hpp).
+  const Tensor& forward_add_relu(const Tensor& x, Cache& cache, const Tensor& addend, Tensor& y)
+    requires(kSize >= 2 && detail::FusesInference<detail::LayerSlot<std::tuple_element_t<kSize - 2, std::tuple<Ls...>>>,
+                                                  detail::LayerSlot<std::tuple_element_t<kSize - 1, std::tuple<Ls...>>>>)
+  {
+    constexpr std::size_t conv = kSize - 2;
+    TESSERA_CHECK(mode_ == Mode::Inference, Error, "Sequential::forward_add_relu needs Mode::Inference");
+    const Tensor& h = forward_units(x, cache, 0, conv);
+    auto e = std::get<conv + 1>(layers_).inference_epilogue(std::get<conv + 1>(cache),
+                                                            std::get<conv>(layers_).out_channels());
+    e.relu = true;
+    const Tensor& out = std::get<conv>(layers_).forward_epilogue(h, std::get<conv>(cache), y, e, &addend);
+    if constexpr (conv > 0) tessera::release_output(std::get<conv - 1>(layers_), std::get<conv - 1>(cache));
+    return out;
   }
   void set_needs_input_grad(bool needed) {
     if constexpr (requires { std::get<0>(layers_).set_needs_input_grad(needed); })
@@ -183,10 +215,51 @@ class Sequential {
     else return fuses_with_next<I - 1>();
   }
 
+  // Layer I is a convolution that takes the eval BatchNorm at I + 1 as its epilogue in
+  // Mode::Inference (detail::FusesInference), with the ReLU at I + 2 when there is one.
+  template <std::size_t I>
+  static consteval bool conv_bn() {
+    if constexpr (I + 1 >= kSize) return false;
+    else return detail::FusesInference<Slot<I>, Slot<I + 1>>;
+  }
+  template <std::size_t I>
+  static consteval bool bn_after_conv() {
+    if constexpr (I == 0) return false;
+    else return conv_bn<I - 1>();
+  }
+  void check_differentiable() const {
+    TESSERA_CHECK(mode_ != Mode::Inference, Error, "Sequential: backward in Mode::Inference, which is forward ",
+                  "only (set Mode::Train or Mode::Eval before the forward to differentiate)");
+  }
+
+  // Layers I (convolution), I + 1 (BatchNorm) and the ReLU at I + 2 when it runs in this call, as
+  // one forward in Mode::Inference: the output lands where the group's last layer keeps its own
+  // (the ReLU then passes it on as after a fused BatchNorm-ReLU pair; a lone BatchNorm likewise).
+  template <std::size_t I>
+  const Tensor& forward_conv_bn(const Tensor& x, Cache& cache, std::size_t end) {
+    auto& conv = std::get<I>(layers_);
+    auto e = std::get<I + 1>(layers_).inference_epilogue(std::get<I + 1>(cache), conv.out_channels());
+    if constexpr (fuses_with_next<I + 1>()) {
+      if (I + 2 < end) {
+        auto& relu = std::get<I + 2>(cache);
+        relu.x = nullptr;
+        e.relu = true;
+        return conv.forward_epilogue(x, std::get<I>(cache), relu.y, e);
+      }
+    }
+    return conv.forward_epilogue(x, std::get<I>(cache), std::get<I + 1>(cache).y, e);
+  }
+
   // Layer I's forward, or its share of a fused pair: the first layer computes both outputs, and
   // the second's is then already *current.
   template <std::size_t I>
   const Tensor& forward_layer(const Tensor& x, Cache& cache, std::size_t begin, std::size_t end) {
+    if constexpr (conv_bn<I>()) {
+      if (mode_ == Mode::Inference && I + 1 < end) return forward_conv_bn<I>(x, cache, end);
+    }
+    if constexpr (bn_after_conv<I>()) {
+      if (mode_ == Mode::Inference && I - 1 >= begin) return x;
+    }
     if constexpr (fuses_with_next<I>()) {
       if (I + 1 < end) return std::get<I>(layers_).forward_relu(x, std::get<I>(cache), std::get<I + 1>(cache));
     }
@@ -267,6 +340,7 @@ class Sequential {
 
   std::tuple<detail::LayerSlot<Ls>...> layers_;
   std::array<std::string, kSize> names_;
+  Mode mode_ = Mode::Train;
 };
 
 }  // namespace tessera

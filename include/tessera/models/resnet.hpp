@@ -140,8 +140,16 @@ class ResNet {
       if (u == 0) {
         TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
                       in_channels_, ", H, W), got ", x.shape());
-        // BatchNorm and ReLU fused (layers/batch_norm.hpp): bn1's own output is never formed.
-        h = &bn1_.forward_relu(conv1_.forward(*h, c.conv1), c.bn1, c.relu);
+        // BatchNorm and ReLU fused (layers/batch_norm.hpp): bn1's own output is never formed;
+        // forward only, into conv1's epilogue as well (layers/sequential.hpp).
+        if (mode_ == Mode::Inference) {
+          auto e = bn1_.inference_epilogue(c.bn1, conv1_.out_channels());
+          e.relu = true;
+          c.relu.x = nullptr;
+          h = &conv1_.forward_epilogue(*h, c.conv1, c.relu.y, e);
+        } else {
+          h = &bn1_.forward_relu(conv1_.forward(*h, c.conv1), c.bn1, c.relu);
+        }
         if (maxpool_) {
           // The max-pool's backward reads only its argmax, and the fused backward of bn1 and the
           // ReLU reads conv1's output: the ReLU's output (the largest activation of the network)
@@ -158,6 +166,8 @@ class ResNet {
     return *h;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    TESSERA_CHECK(mode_ != Mode::Inference, Error, name_, ": backward in Mode::Inference, which is forward only ",
+                  "(set Mode::Train or Mode::Eval before the forward to differentiate)");
     // Each gradient is released once the unit before has consumed it (core/concepts.hpp).
     const Tensor* g = &dy;
     for (std::size_t u = end; u-- > begin;) {
@@ -217,6 +227,7 @@ class ResNet {
   }
 
   void set_mode(Mode mode) {
+    mode_ = mode;
     conv1_.set_mode(mode);
     bn1_.set_mode(mode);
     relu_.set_mode(mode);
@@ -284,6 +295,7 @@ class ResNet {
   std::vector<std::string> block_names_;
   GlobalAvgPool<E> avgpool_;
   Linear<E> fc_;
+  Mode mode_ = Mode::Train;
 };
 
 template <class E>

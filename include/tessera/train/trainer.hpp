@@ -209,9 +209,10 @@ class Trainer {
     return r;
   }
 
-  // Mean loss and accuracy over a whole loader, in eval mode (BN uses running statistics).
+  // Mean loss and accuracy over a whole loader, in eval mode (BN uses running statistics), forward
+  // only (Mode::Inference: convolutions fused with the BatchNorm, ReLU and residual add after them).
   std::pair<double, double> evaluate(DataLoader<S>& loader) {
-    model_.set_mode(Mode::Eval);
+    model_.set_mode(Mode::Inference);
     loader.start_epoch(0);
     double loss_sum = 0;
     std::int64_t correct = 0, seen = 0;

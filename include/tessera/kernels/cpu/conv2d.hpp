@@ -30,6 +30,7 @@
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/cpu/conv_epilogue.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/gemm_bf16.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
@@ -236,9 +237,13 @@ void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t
 }
 
 // `col_filled`: col already holds the block's im2col (the single-block path fills it as a team).
+// With an epilogue e (bias then null), the block's output gets it while still in cache; `team`:
+// this block is the whole layer, called outside a parallel region, so the epilogue (or the copy
+// out of stage) splits its channels over the threads.
 template <class S>
 void conv2d_forward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, const ConvBlock& blk, const S* x,
-                          const S* w, const S* bias, S* y, S* col, S* stage, bool col_filled = false) {
+                          const S* w, const S* bias, S* y, S* col, S* stage, bool col_filled = false,
+                          const ConvEpilogue<S>* e = nullptr, bool team = false) {
   const std::int64_t plane = g.out_plane(), k = g.out_channels, kg = g.group_out_channels();
   const std::int64_t rows_g = g.group_col_rows(), cols = blk.columns(g), first = blk.oh0 * g.out_width;
   const S* in = x + blk.n0 * g.channels * g.in_plane();
@@ -259,14 +264,23 @@ void conv2d_forward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, cons
   for (std::int64_t grp = 0; grp < g.groups; ++grp)
     conv_gemm(b, false, false, kg, cols, rows_g, w + grp * kg * rows_g, rows_g, cm + grp * rows_g * ldc, ldc, beta,
               out + grp * kg * ldo, ldo);
-  if (band) return;
-  for (std::int64_t s = 0; s < blk.count; ++s)
-    for (std::int64_t ch = 0; ch < k; ++ch) {
-      S* dst = y + ((blk.n0 + s) * k + ch) * plane;
+  if (band) {
+    if (e) conv_epilogue_planes(*e, y, blk.n0, 1, k, plane, first, cols, team);
+    return;
+  }
+  for_each_channel(team, k, [&](std::int64_t ch) {
+    for (std::int64_t s = 0; s < blk.count; ++s) {
+      const std::int64_t offset = ((blk.n0 + s) * k + ch) * plane;
       const S* src = stage + ch * cols + s * plane;
+      if (e) {
+        conv_epilogue_run(*e, ch, src, y + offset, e->addend ? e->addend + offset : nullptr, plane);
+        continue;
+      }
+      S* dst = y + offset;
       const S add = bias ? bias[ch] : S(0);
       for (std::int64_t p = 0; p < plane; ++p) dst[p] = src[p] + add;
     }
+  });
 }
 
 // dw_acc += this block's dL/dw; dx block (when non-null) += its dL/dx (the samples' dx must have
@@ -310,19 +324,20 @@ void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, con
 
 }  // namespace detail
 
-// y (N, K, H', W') = conv(x (N, C, H, W), w) + b; b may be null. `workspace` holds
-// b.workspace_elements(g, false) elements (b from conv2d_blocking for this batch).
+namespace detail {
+
+// conv2d_forward, and with an epilogue (bias then null) conv2d_forward_epilogue.
 template <class S>
-void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
-                    const S* bias, S* y, S* workspace) {
-  if (b.winograd) return winograd_conv2d_forward(g, b, batch, x, w, bias, y, workspace);
+void conv2d_forward_impl(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
+                         const S* bias, const ConvEpilogue<S>* e, S* y, S* workspace) {
+  if (b.winograd) return winograd_conv2d_forward(g, b, batch, x, w, bias, y, workspace, e);
   const std::int64_t bands = b.bands(g), blocks = b.groups(batch) * bands;
   const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
-  if (blocks == 1 && !b.direct(g) && b.threads > 1 && work > detail::kParallelGrain) {
+  if (blocks == 1 && !b.direct(g) && b.threads > 1 && work > kParallelGrain) {
     // One block (ResNet-50's 14x14 and 7x7 layers at batch 1): its gemm splits over the team
     // (detail::gemm_split), and im2col, which would leave the other threads idle meanwhile, is
     // cut over the team by col rows first (such layers ran 1.04-1.14x faster at 2 threads).
-    const detail::ConvBlock blk = detail::conv_block(g, b, batch, 0, 0);
+    const ConvBlock blk = conv_block(g, b, batch, 0, 0);
     const S* in = x + blk.n0 * g.channels * g.in_plane();
     const std::int64_t rows = g.col_rows(), cols = blk.columns(g);
 #pragma omp parallel
@@ -331,17 +346,34 @@ void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::
       const std::int64_t r0 = rows * t / team, r1 = rows * (t + 1) / team;
       im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, workspace, cols, r0, r1);
     }
-    return detail::conv2d_forward_block(g, b, blk, x, w, bias, y, workspace, workspace + b.col_elements(g), true);
+    return conv2d_forward_block(g, b, blk, x, w, bias, y, workspace, workspace + b.col_elements(g), true, e, true);
   }
   const auto run = [&] {  // on each thread of a team, or alone (the orphaned `omp for` then runs it all)
     S* col = workspace + Cpu::thread_index() * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < blocks; ++t)
-      detail::conv2d_forward_block(g, b, detail::conv_block(g, b, batch, t / bands, t % bands), x, w, bias, y, col,
-                                   stage);
+      conv2d_forward_block(g, b, conv_block(g, b, batch, t / bands, t % bands), x, w, bias, y, col, stage, false, e);
   };
-  detail::run_in_team_if(blocks > 1 && work > detail::kParallelGrain, run);
+  run_in_team_if(blocks > 1 && work > kParallelGrain, run);
+}
+
+}  // namespace detail
+
+// y (N, K, H', W') = conv(x (N, C, H, W), w) + b; b may be null. `workspace` holds
+// b.workspace_elements(g, false) elements (b from conv2d_blocking for this batch).
+template <class S>
+void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
+                    const S* bias, S* y, S* workspace) {
+  detail::conv2d_forward_impl(g, b, batch, x, w, bias, static_cast<const ConvEpilogue<S>*>(nullptr), y, workspace);
+}
+
+// Forward only (Mode::Inference): y = the epilogue e of conv(x, w) (ConvEpilogue: the next eval
+// BatchNorm, a residual addend, a ReLU), each block's output finished while still in cache.
+template <class S>
+void conv2d_forward_epilogue(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
+                             const S* w, const ConvEpilogue<S>& e, S* y, S* workspace) {
+  detail::conv2d_forward_impl(g, b, batch, x, w, static_cast<const S*>(nullptr), &e, y, workspace);
 }
 
 // db (K) += sum over n, oh, ow of dy (N, K, H', W').
@@ -400,6 +432,8 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
 #define TESSERA_CPU_CONV2D_INSTANCES(PREFIX, S)                                                                   \
   PREFIX template void conv2d_forward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t, const S*, \
                                          const S*, const S*, S*, S*);                                              \
+  PREFIX template void conv2d_forward_epilogue<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,   \
+                                                  const S*, const S*, const ConvEpilogue<S>&, S*, S*);             \
   PREFIX template void conv2d_bias_backward<S>(Cpu, std::int64_t, std::int64_t, std::int64_t, const S*, S*);       \
   PREFIX template void conv2d_backward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,          \
                                           const S*, const S*, const S*, S*, S*, S*);

@@ -44,6 +44,7 @@
 
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cpu/conv_epilogue.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
@@ -849,9 +850,11 @@ inline void team_share(std::int64_t n, std::int64_t& begin, std::int64_t& end) {
 }  // namespace detail
 
 // y = conv3x3(x, w) + bias by F(4x4, 3x3); b.winograd is set (conv2d_blocking chose it for g).
+// With an epilogue e (bias then null), each block's output rows get it right after the output
+// transform wrote them.
 template <class S>
 void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
-                             const S* w, const S* bias, S* y, S* workspace) {
+                             const S* w, const S* bias, S* y, S* workspace, const ConvEpilogue<S>* e = nullptr) {
   const std::int64_t k = g.out_channels, c = g.channels;
   const detail::WinogradPass pass = detail::winograd_forward_pass(g);
   const std::int64_t blocks = b.groups(batch) * pass.bands(b.rows);
@@ -865,8 +868,16 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
 #pragma omp barrier
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + Cpu::thread_index() * b.thread_elements(g));
 #pragma omp for schedule(static)
-    for (std::int64_t i = 0; i < blocks; ++i)
-      detail::winograd_block_product(pass, detail::winograd_block(pass, b, batch, i), c, k, x, u, bias, y, buf);
+    for (std::int64_t i = 0; i < blocks; ++i) {
+      const detail::WinogradBlock blk = detail::winograd_block(pass, b, batch, i);
+      detail::winograd_block_product(pass, blk, c, k, x, u, bias, y, buf);
+      if (e) {
+        const std::int64_t oh0 = detail::kWinogradTile * blk.tr0;
+        const std::int64_t oh1 = std::min(pass.out_h, detail::kWinogradTile * blk.tr1);
+        detail::conv_epilogue_planes(*e, y, blk.n0, blk.count, k, pass.out_h * pass.out_w, oh0 * pass.out_w,
+                                     (oh1 - oh0) * pass.out_w);
+      }
+    }
   };
   detail::run_in_team_if(blocks > 1 && batch * g.out_plane() * k * c * 9 > detail::kParallelGrain, run);
 }

@@ -34,6 +34,8 @@
 #include <type_traits>
 
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cuda/batch_norm.cuh"
+#include "tessera/kernels/cuda/elementwise.cuh"
 #include "tessera/kernels/cuda/launch.cuh"
 #include "tessera/kernels/cuda/reduce.cuh"
 
@@ -281,6 +283,21 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& /*cpu_
     TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, w, plan.y, dy, plan.conv_backward_data,
                                                      plan.backward_data, workspace, plan.workspace_bytes, &zero, plan.x,
                                                      dx));
+}
+
+// Forward only (Mode::Inference; ConvEpilogue): cuDNN's convolution, then the eval BatchNorm
+// (with the ReLU unless an addend follows) and the residual add(+ReLU) in place, the kernels the
+// unfused layers run, so the numbers are theirs. Fusing these into cuDNN's epilogue is left to
+// a measurement on a GPU.
+template <class S>
+void conv2d_forward_epilogue(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
+                             const S* w, const ConvEpilogue<S>& e, S* y, S* workspace) {
+  conv2d_forward(Cuda{}, g, b, batch, x, w, e.bias, y, workspace);
+  const BatchNormShape shape{batch, g.out_channels, g.out_plane()};
+  batch_norm_normalize(Cuda{}, y, shape, e.mean, e.invstd, e.gamma, e.beta, y, e.relu && e.addend == nullptr);
+  if (e.addend == nullptr) return;
+  if (e.relu) add_relu_forward(Cuda{}, y, e.addend, shape.numel(), y);
+  else add(Cuda{}, y, e.addend, shape.numel(), y);
 }
 
 }  // namespace tessera
