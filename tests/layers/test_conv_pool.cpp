@@ -264,15 +264,16 @@ TEST_CASE("Conv2d matches PyTorch", "[layers][conv][reference]") {
   }
 }
 
-TEST_CASE("Conv2d's one-block forward fills im2col as a team", "[layers][conv]") {
-  // Layers whose whole batch is one block (ResNet-50's 14x14 and 7x7 layers at batch 1) fill col
-  // over the team by rows, then split the gemm (kernels/cpu/conv2d.hpp); checked at 2 threads
-  // against a direct sum in float64 (at 2 threads a batch of 2 or more makes several blocks).
+TEST_CASE("Conv2d's one-block forward runs as one team", "[layers][conv]") {
+  // Layers whose whole batch is one block (ResNet-50's 14x14 and 7x7 layers at batch 1) run in one
+  // parallel region: col filled over the team by rows (none on the 1x1 direct path), then each
+  // thread's output channels (kernels/cpu/conv2d.hpp); checked at 2 threads against a direct sum
+  // in float64 (at 2 threads a batch of 2 or more makes several blocks).
   struct Case {
     std::int64_t n, c, k, hw, kernel, stride, pad;
   };
   const Case cases[] = {{1, 64, 96, 14, 3, 1, 1}, {1, 48, 64, 14, 3, 2, 1}, {1, 40, 72, 7, 3, 1, 1},
-                        {1, 96, 128, 14, 1, 2, 0}};
+                        {1, 96, 128, 14, 1, 2, 0}, {1, 64, 80, 14, 1, 1, 0}};
   struct TwoThreads {  // restored even when a REQUIRE below throws
     int before = Cpu::num_threads();
     TwoThreads() { Cpu::set_num_threads(2); }

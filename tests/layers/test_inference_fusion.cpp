@@ -112,6 +112,8 @@ TEST_CASE("Conv2d's inference epilogue equals the eval BatchNorm, add and ReLU o
       {"1x1 direct", 3, 32, 16, 9, 1, 1, 0, false, ConvAlgorithm::Im2col, 0},
       {"1x1 stride 2", 2, 16, 32, 10, 1, 2, 0, true, ConvAlgorithm::Im2col, 0},
       {"one block split over the team", 1, 64, 96, 14, 3, 1, 1, false, ConvAlgorithm::Im2col, 0},
+      {"1x1 direct, one block split over the team, conv bias", 1, 256, 128, 14, 1, 1, 0, true, ConvAlgorithm::Im2col,
+       0},
       {"7x7 whole-sample groups", 4, 64, 64, 7, 3, 1, 1, false, ConvAlgorithm::Im2col, 0},
       {"Winograd tile vectors", 2, 8, 12, 12, 3, 1, 1, true, ConvAlgorithm::Winograd, 0},
       {"Winograd channel blocks, odd size", 2, 32, 32, 13, 3, 1, 1, false, ConvAlgorithm::Winograd, 0},

@@ -174,6 +174,18 @@ inline std::int64_t balanced_group_size(std::int64_t most, std::int64_t batch, s
   return 1;
 }
 
+// Rows per band when `extent` rows (or Winograd tile rows) are cut into bands of at most `most`:
+// bands of equal height, and as many as make the batch's blocks (batch x bands, one per thread at
+// a time under OpenMP's static schedule) a multiple of the threads when the batch alone is not
+// (batch 1 at 2 threads: 2 bands, not one of 36 rows and one of 20, which left a thread idle a
+// quarter of ResNet-50's 56x56 1x1 layers).
+inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, std::int64_t batch,
+                                       std::int64_t threads) {
+  std::int64_t bands = (extent + most - 1) / most;
+  while (threads > 1 && batch * bands % threads != 0 && bands < extent) ++bands;
+  return (extent + bands - 1) / bands;
+}
+
 // Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
 // every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
@@ -216,7 +228,8 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
         block_columns > 0 ? block_columns : std::max<std::int64_t>(32, detail::kBlockBytes / tile_bytes);
     const std::int64_t per_sample = tiles_h * tiles_w;
     if (per_sample > target) {
-      b.rows = 4 * std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
+      b.rows = 4 * detail::balanced_band_rows(tiles_h, std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h),
+                                              std::max<std::int64_t>(batch, 1), b.threads);
     } else {
       b.rows = 4 * tiles_h;
       b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / per_sample, 1, std::max<std::int64_t>(batch, 1)),
@@ -232,7 +245,8 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
   const std::int64_t plane = std::max<std::int64_t>(g.out_plane(), 1);
   b.rows = std::max<std::int64_t>(g.out_height, 1);
   if (plane > target) {
-    b.rows = std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows);
+    b.rows = detail::balanced_band_rows(b.rows, std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows),
+                                        std::max<std::int64_t>(batch, 1), b.threads);
   } else {
     b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1)),
                                             std::max<std::int64_t>(batch, 1), b.threads);

@@ -26,6 +26,11 @@
 // it with y > 0, y formed again from x (kernels/cpu/batch_norm.hpp). The numbers are the unfused
 // pair's, bit for bit; the ReLU's own forward and backward are skipped.
 //
+// Fused into the convolution before it (Mode::Inference, forward only; inference_epilogue): the
+// running statistics become that convolution's epilogue (ConvEpilogue), the same expression applied
+// while each block of its output is in cache; this layer's y is never formed, and backward on that
+// cache throws.
+//
 // num_batches_tracked: counted as torch counts it (+1 per training-mode forward) and visited as
 // v.integer_buffer(prefix + "num_batches_tracked", std::int64_t&) for visitors that have that member
 // (state_dict and checkpoint I/O, where it is torch's int64 scalar tensor); visitors without it

@@ -7,6 +7,8 @@
 //
 // Default initialization is PyTorch's (U(+-1/sqrt(fan_in)) for weight and bias); models that want
 // He initialization call kaiming_normal_(conv.weight().value, rng) themselves.
+// Forward only (Mode::Inference), forward_epilogue also applies the eval BatchNorm, residual add
+// and ReLU after the layer (ConvEpilogue) to each block of its output while that is in cache.
 // The im2col column buffers hold nothing between forward and backward, so they come from the
 // calling thread's scratch memory (core/scratch.hpp), shared with every other layer.
 #pragma once
