@@ -174,15 +174,35 @@ inline std::int64_t balanced_group_size(std::int64_t most, std::int64_t batch, s
   return 1;
 }
 
-// Rows per band when `extent` rows (or Winograd tile rows) are cut into bands of at most `most`:
-// bands of equal height, and as many as make the batch's blocks (batch x bands, one per thread at
-// a time under OpenMP's static schedule) a multiple of the threads when the batch alone is not
-// (batch 1 at 2 threads: 2 bands, not one of 36 rows and one of 20, which left a thread idle a
-// quarter of ResNet-50's 56x56 1x1 layers).
-inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, std::int64_t batch,
+// Rows of the most loaded thread when `batch` samples of `extent` rows are cut into bands of
+// `rows` (the last one shorter) and the batch x bands blocks, sample by sample, are dealt to the
+// threads in contiguous runs (OpenMP's static schedule).
+inline std::int64_t busiest_thread_rows(std::int64_t extent, std::int64_t rows, std::int64_t batch,
+                                        std::int64_t threads) {
+  const std::int64_t bands = (extent + rows - 1) / rows, last = extent - (bands - 1) * rows;
+  const std::int64_t blocks = batch * bands, per_thread = (blocks + threads - 1) / threads;
+  std::int64_t busiest = 0;
+  for (std::int64_t t = 0; t < threads; ++t) {
+    const std::int64_t a = std::min(blocks, t * per_thread), b = std::min(blocks, a + per_thread);
+    // Blocks i in [a, b) with i % bands == bands - 1 are a sample's last, shorter band.
+    busiest = std::max(busiest, (b - a) * rows - (b / bands - a / bands) * (rows - last));
+  }
+  return busiest;
+}
+
+// Rows per band for `extent` rows (or Winograd tile rows) and a cache budget of `most`: the height
+// in [least, most] whose busiest thread has the fewest rows, the tallest of those (fewer, larger
+// blocks), then evened out over its number of bands. Batch 1 at 2 threads: 2 bands of 28 rows, not
+// one of 36 and one of 20, which had left a thread idle for a quarter of ResNet-50's 56x56 1x1
+// layers.
+inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, std::int64_t least, std::int64_t batch,
                                        std::int64_t threads) {
-  std::int64_t bands = (extent + most - 1) / most;
-  while (threads > 1 && batch * bands % threads != 0 && bands < extent) ++bands;
+  std::int64_t best = most, best_load = busiest_thread_rows(extent, most, batch, threads);
+  for (std::int64_t rows = most - 1; rows >= std::max<std::int64_t>(least, 1); --rows) {
+    const std::int64_t load = busiest_thread_rows(extent, rows, batch, threads);
+    if (load < best_load) best = rows, best_load = load;
+  }
+  const std::int64_t bands = (extent + best - 1) / best;
   return (extent + bands - 1) / bands;
 }
 
@@ -228,7 +248,9 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
         block_columns > 0 ? block_columns : std::max<std::int64_t>(32, detail::kBlockBytes / tile_bytes);
     const std::int64_t per_sample = tiles_h * tiles_w;
     if (per_sample > target) {
-      b.rows = 4 * detail::balanced_band_rows(tiles_h, std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h),
+      // Not below 2 tile rows: thinner blocks re-read the transformed filters U too often.
+      const std::int64_t most = std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
+      b.rows = 4 * detail::balanced_band_rows(tiles_h, most, std::min<std::int64_t>(2, most),
                                               std::max<std::int64_t>(batch, 1), b.threads);
     } else {
       b.rows = 4 * tiles_h;
@@ -245,8 +267,8 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
   const std::int64_t plane = std::max<std::int64_t>(g.out_plane(), 1);
   b.rows = std::max<std::int64_t>(g.out_height, 1);
   if (plane > target) {
-    b.rows = detail::balanced_band_rows(b.rows, std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows),
-                                        std::max<std::int64_t>(batch, 1), b.threads);
+    const std::int64_t most = std::clamp<std::int64_t>(target / std::max<std::int64_t>(g.out_width, 1), 1, b.rows);
+    b.rows = detail::balanced_band_rows(b.rows, most, (most + 1) / 2, std::max<std::int64_t>(batch, 1), b.threads);
   } else {
     b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / plane, 1, std::max<std::int64_t>(batch, 1)),
                                             std::max<std::int64_t>(batch, 1), b.threads);
