@@ -320,6 +320,43 @@ TEST_CASE("Conv2d's one-block forward runs as one team", "[layers][conv]") {
   }
 }
 
+TEST_CASE("Conv2d's stride-2 rows match a direct sum on wide images", "[layers][conv]") {
+  // im2col copies stride-2 rows by picking even lanes (detail::copy_row_stride2): output widths of
+  // one vector plus a tail, two vectors plus a tail, with padding on both sides and without.
+  struct Case {
+    std::int64_t n, c, k, h, w, kernel, pad;
+  };
+  const Case cases[] = {{1, 3, 8, 45, 45, 7, 3}, {2, 4, 6, 69, 70, 3, 1}, {2, 5, 4, 66, 33, 1, 0}, {1, 2, 3, 9, 9, 3, 1}};
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kernel) {
+      Rng rng(41);
+      Conv2d<E32> conv(Conv2dOptions{c.c, c.k, c.kernel, c.kernel, 2, 2, c.pad, c.pad, 1, 1, 1, true}, rng);
+      const Tensor<float> x = random_tensor({c.n, c.c, c.h, c.w}, rng).cast<float>();
+      Conv2d<E32>::Cache cache;
+      const Tensor<float>& y = conv.forward(x, cache);
+      const std::int64_t oh_n = y.dim(2), ow_n = y.dim(3);
+      const Tensor<float>& w = conv.weight().value;
+      double worst = 0;
+      for (std::int64_t n = 0; n < c.n; ++n)
+        for (std::int64_t k = 0; k < c.k; ++k)
+          for (std::int64_t oh = 0; oh < oh_n; ++oh)
+            for (std::int64_t ow = 0; ow < ow_n; ++ow) {
+              double sum = conv.bias().value[k];
+              for (std::int64_t ch = 0; ch < c.c; ++ch)
+                for (std::int64_t i = 0; i < c.kernel; ++i)
+                  for (std::int64_t j = 0; j < c.kernel; ++j) {
+                    const std::int64_t ih = 2 * oh - c.pad + i, iw = 2 * ow - c.pad + j;
+                    if (ih >= 0 && ih < c.h && iw >= 0 && iw < c.w)
+                      sum += double(w[((k * c.c + ch) * c.kernel + i) * c.kernel + j]) *
+                             double(x[((n * c.c + ch) * c.h + ih) * c.w + iw]);
+                  }
+              worst = std::max(worst, std::abs(y[((n * c.k + k) * oh_n + oh) * ow_n + ow] - sum));
+            }
+      CHECK(worst <= 1e-4);
+    }
+  }
+}
+
 TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
   // Larger than the reference cases: several vectors of tiles per block (28x28: 49 tiles a sample),
   // bands, whole-sample groups with a short last group, odd widths, more channels than

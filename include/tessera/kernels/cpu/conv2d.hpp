@@ -126,6 +126,8 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
         if (lo > 0) std::fill(out, out + lo, S(0));
         if (g.stride_w == 1) {
           detail::copy_row(out + lo, row + lo + w_offset, hi - lo);
+        } else if (g.stride_w == 2) {
+          detail::copy_row_stride2(out + lo, row + 2 * lo + w_offset, hi - lo);
         } else {
           for (std::int64_t ow = lo; ow < hi; ++ow) out[ow] = row[ow * g.stride_w + w_offset];
         }
