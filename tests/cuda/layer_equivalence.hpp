@@ -42,7 +42,7 @@ inline constexpr std::string_view kEquivalenceCases[] = {
     "linear", "linear_no_bias", "relu", "gelu", "gelu_tanh", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
     "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",
     "global_avg_pool", "max_pool_ceil", "avg_pool_ceil_exclude_pad", "avg_pool_divisor_override",
-    "adaptive_avg_pool", "adaptive_avg_pool_upsample", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "cross_entropy",
+    "adaptive_avg_pool", "adaptive_avg_pool_upsample", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "resnet_bottleneck_inference", "cross_entropy",
     "cross_entropy_smoothing", "cross_entropy_ignore", "nll", "softmax_channels", "log_softmax_last",
     "linear_rank3", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
 };
@@ -234,6 +234,20 @@ Outputs run_equivalence_case(std::string_view name) {
   if (name == "resnet_bottleneck_imagenet_stem") {
     ResNet<E, Bottleneck> model({1, 1}, {4, 8}, true, ResNetOptions{.in_channels = 3, .num_classes = 7, .seed = 22});
     return layer_outputs(model, {2, 3, 32, 32}, 23);
+  }
+  if (name == "resnet_bottleneck_inference") {
+    // Mode::Inference after one training forward (running statistics away from 0 and 1): the
+    // convolutions fused with the BatchNorm, ReLU and residual add (CPU: in each block's epilogue;
+    // CUDA: cuDNN, then the BatchNorm and add kernels in place).
+    using S = typename E::Scalar;
+    using D = typename E::Device;
+    ResNet<E, Bottleneck> model({1, 1}, {4, 8}, true, ResNetOptions{.in_channels = 3, .num_classes = 7, .seed = 24});
+    Rng rng(25);
+    const auto x = seeded<S, D>({2, 3, 32, 32}, rng);
+    typename ResNet<E, Bottleneck>::Cache cache;
+    model.forward(x, cache);
+    model.set_mode(Mode::Inference);
+    return {{"y", host_values(model.forward(x, cache))}};
   }
   if (name == "mlp") {
     Mlp<E> model(3 * 8 * 8, {64, 32}, 10, 9);
