@@ -7,6 +7,8 @@
 #include <string>
 #include <type_traits>
 
+#include "tessera/core/error.hpp"
+
 namespace tessera {
 
 // A device: raw memory, copies to and from the host, synchronization. Cpu and Cuda.
@@ -26,6 +28,13 @@ concept Device = requires(void* dst, const void* src, std::size_t n) {
 // (torch.inference_mode): composite layers may then fuse a convolution with the eval BatchNorm,
 // ReLU and residual add after it (kernels/conv2d_geometry.hpp: ConvEpilogue), and refuse backward.
 enum class Mode { Train, Eval, Inference };
+
+// What a composite layer's backward checks first: its forward may have fused layers whose inputs
+// a backward would need. `who` names the layer in the message.
+inline void check_backward_allowed(Mode mode, const std::string& who) {
+  TESSERA_CHECK(mode != Mode::Inference, Error, who, ": backward in Mode::Inference, which is forward only ",
+                "(set Mode::Train or Mode::Eval before the forward to differentiate)");
+}
 
 // The visit protocol (see core/parameter.hpp) with nothing behind it: what a layer's visit must
 // accept. v.parameter(name, Parameter&), v.buffer(name, Tensor&), v.rng(name, Rng&).

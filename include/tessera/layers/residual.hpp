@@ -68,8 +68,7 @@ class Residual {
   }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(mode_ != Mode::Inference, Error, "Residual: backward in Mode::Inference, which is forward only ",
-                  "(set Mode::Train or Mode::Eval before the forward to differentiate)");
+    check_backward_allowed(mode_, "Residual");
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Residual::backward: dy ", dy.shape(),
                   " does not match the output ", c.y.shape());
     c.dsum.resize(dy.shape());

@@ -98,7 +98,7 @@ class Sequential {
     return forward_impl(x, cache, std::index_sequence_for<Ls...>{});
   }
   const Tensor& backward(const Tensor& dy, Cache& cache) {
-    check_differentiable();
+    check_backward_allowed(mode_, "Sequential");
     return backward_impl(dy, cache, std::index_sequence_for<Ls...>{});
   }
 
@@ -111,7 +111,7 @@ class Sequential {
     return *current;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
-    check_differentiable();
+    check_backward_allowed(mode_, "Sequential");
     const Tensor* current = &dy;
     constexpr std::size_t last = kSize - 1;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -226,10 +226,6 @@ class Sequential {
   static consteval bool bn_after_conv() {
     if constexpr (I == 0) return false;
     else return conv_bn<I - 1>();
-  }
-  void check_differentiable() const {
-    TESSERA_CHECK(mode_ != Mode::Inference, Error, "Sequential: backward in Mode::Inference, which is forward ",
-                  "only (set Mode::Train or Mode::Eval before the forward to differentiate)");
   }
 
   // Layers I (convolution), I + 1 (BatchNorm) and the ReLU at I + 2 when it runs in this call, as

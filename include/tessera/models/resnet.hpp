@@ -166,8 +166,7 @@ class ResNet {
     return *h;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
-    TESSERA_CHECK(mode_ != Mode::Inference, Error, name_, ": backward in Mode::Inference, which is forward only ",
-                  "(set Mode::Train or Mode::Eval before the forward to differentiate)");
+    check_backward_allowed(mode_, name_);
     // Each gradient is released once the unit before has consumed it (core/concepts.hpp).
     const Tensor* g = &dy;
     for (std::size_t u = end; u-- > begin;) {
