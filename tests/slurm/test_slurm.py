@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""tools/tessera-sbatch against a real Slurm started for the test (tests/slurm/local_slurm.py).
+
+    test_slurm.py --mpi-program conformance_mpi --gloo-program conformance_gloo \\
+                  --example 04_data_parallel_gloo
+
+First the generated scripts without Slurm (flags, per-backend launch lines, bad input), then jobs
+of 2 and 4 tasks over MPI (srun --mpi=pmix) and Gloo (file and Redis stores), a job whose rank 1
+fails (its error in the summary, the others stopped), and a job requeued mid-training that
+resumes from its checkpoint. Exits 77 (skipped) when Slurm cannot be started here; every wait is
+bounded.
+"""
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from local_slurm import LocalSlurm, Unavailable  # noqa: E402
+
+TOOL = HERE.parent.parent / "tools" / "tessera-sbatch"
+JOB_TIMEOUT = 180  # seconds any one job may take, queueing included
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def expect(condition, message):
+    if not condition:
+        raise CheckFailed(message)
+
+
+def tool(*args, env=None, timeout=JOB_TIMEOUT):
+    done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
+
+
+# --- without Slurm: the scripts ---------------------------------------------------------------
+
+def check_scripts(programs, work):
+    mpi, gloo = programs["mpi"], programs["gloo"]
+    rc, script, err = tool("--dry-run", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=3", "--time=10",
+                           "--", mpi, "--no-large")
+    expect(rc == 0, f"dry run for mpi failed: {err}")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=3",
+                 "#SBATCH --time=10", "#SBATCH --requeue", "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"):
+        expect(line in script, f"mpi script lacks '{line}':\n{script}")
+    expect("srun --mpi=pmix --kill-on-bad-exit=1" in script, f"mpi script does not launch with srun --mpi=pmix:\n{script}")
+    expect("TESSERA_STORE" not in script, "an mpi job needs no rendezvous store")
+    expect(f"PROGRAM=({mpi} --no-large)" in script, f"mpi script does not run the program by absolute path:\n{script}")
+    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    expect(syntax.returncode == 0, f"the generated script is not valid bash: {syntax.stderr}")
+
+    rc, script, err = tool("--dry-run", "--mpi=pmi2", "--backend=mpi", "--", mpi)
+    expect(rc == 0 and "srun --mpi=pmi2" in script, "--mpi=pmi2 is not passed to srun")
+
+    rc, script, err = tool("--dry-run", "--ntasks-per-node=2", "--", gloo)
+    expect(rc == 0, f"dry run for gloo failed: {err}")
+    expect('export TESSERA_STORE="file://$LOG_DIR/store-$START"' in script, f"gloo script has no file store:\n{script}")
+    expect("--mpi=" not in script, "a gloo job must not ask srun for an MPI plugin")
+    rc, script, err = tool("--dry-run", "--store=redis", "--iface=eth0", "--comm-timeout=60", "--", gloo)
+    expect(rc == 0 and "redis-server --port" in script and 'TESSERA_STORE="redis://$(hostname):$REDIS_PORT"' in script,
+           f"--store=redis does not start a server on the host of task 0:\n{script}")
+    expect("export TESSERA_GLOO_IFACE=eth0" in script and "export TESSERA_COMM_TIMEOUT=60" in script,
+           "--iface/--comm-timeout not exported")
+    rc, script, err = tool("--dry-run", "--store=redis://10.1.2.3:6379", "--", gloo)
+    expect(rc == 0 and "export TESSERA_STORE=redis://10.1.2.3:6379" in script, "a store URL is not used as given")
+
+    rc, script, err = tool("--dry-run", "--backend=nccl", "--ntasks-per-node=4", "--", gloo)
+    expect(rc == 0 and "#SBATCH --gpus-per-task=1" in script, f"nccl asks for no GPU per task:\n{script}")
+    ckpt = work / "ck.safetensors"
+    rc, script, err = tool("--dry-run", f"--checkpoint={ckpt}", "--", gloo)
+    expect(rc == 0 and f"CHECKPOINT={ckpt}" in script and 'RESUME=(--resume="$CHECKPOINT")' in script,
+           f"--checkpoint does not resume:\n{script}")
+    rc, script, err = tool("--dry-run", "--no-requeue", "--", gloo)
+    expect(rc == 0 and "#SBATCH --no-requeue" in script, "--no-requeue is not kept")
+    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint)")
+
+    bad = [
+        (["--", "/bin/true"], "cannot tell the backend"),
+        (["--backend=threads", "--ntasks-per-node=2", "--", gloo], "one task per node"),
+        (["--backend=mpi", "--gpus-per-task=1", "--", mpi], "for the nccl backend"),
+        (["--time=soon", "--", mpi], "not a Slurm time limit"),
+        (["--nodes=0", "--", mpi], "must be at least 1"),
+        (["--store=tcp://x", "--", gloo], "--store=tcp://x"),
+        (["--env=1X=2", "--", gloo], "is not NAME=VALUE"),
+        (["--backend=mpi"], "no program given"),
+        (["--backend=mpi", "--", str(work / "no-such-program")], "does not exist"),
+    ]
+    for args, message in bad:
+        rc, out, err = tool(*args)
+        expect(rc != 0 and message in err, f"tessera-sbatch {' '.join(args)}: expected an error with '{message}', "
+                                           f"got exit {rc}: {err.strip()}")
+    print(f"ok: {len(bad)} kinds of bad input refused with a message")
+
+
+# --- with Slurm: jobs -------------------------------------------------------------------------
+
+def submit_and_wait(slurm, log_dir, *args):
+    start = time.monotonic()
+    rc, out, err = tool("--wait", f"--log-dir={log_dir}", *args, env=slurm.env())
+    match = re.search(r"submitted job (\d+)", out)
+    expect(match, f"no job submitted: {out}{err}")
+    return rc, out, err, match.group(1), time.monotonic() - start
+
+
+def check_job(slurm, log_dir, backend, program, tasks, extra=()):
+    rc, out, err, job, seconds = submit_and_wait(slurm, log_dir, f"--ntasks-per-node={tasks}", "--comm-timeout=60",
+                                                 *extra, "--", program, "--no-large")
+    logs = pathlib.Path(log_dir) / f"job-{job}"
+    expect(rc == 0, f"{backend} job of {tasks} tasks exited {rc}:\n{out}{err}\n"
+                    f"{(pathlib.Path(log_dir) / f'job-{job}.out').read_text() if rc else ''}")
+    for r in range(tasks):
+        expect(f"rank {r}: exit 0" in out, f"summary lacks rank {r}: {out}")
+        text = (logs / f"rank-{r}.log").read_text()
+        expect(re.search(rf"rank {r}: \d+ checks, 0 failed", text), f"rank {r}'s log has no passed checks:\n{text}")
+    batch = (pathlib.Path(log_dir) / f"job-{job}.out").read_text()
+    launch = next(line for line in batch.splitlines() if line.startswith("launch: "))
+    print(f"ok: {backend} {' '.join(extra)} {tasks} tasks in {seconds:.1f} s; {launch}")
+
+
+def check_failure(slurm, log_dir, work):
+    failing = work / "fail_on_rank_1.sh"
+    failing.write_text("#!/bin/sh\n"
+                       'if [ "$SLURM_PROCID" = 1 ]; then echo "error: rank 1 cannot read its shard" >&2; exit 3; fi\n'
+                       "sleep 60\n")
+    failing.chmod(0o755)
+    rc, out, err, job, seconds = submit_and_wait(slurm, log_dir, "--backend=gloo", "--ntasks-per-node=3", "--",
+                                                 str(failing))
+    expect(rc != 0, f"a job whose rank 1 failed exited 0:\n{out}")
+    expect("rank 1: exit 3" in out and "error: rank 1 cannot read its shard" in out,
+           f"the summary does not show rank 1's failure and error:\n{out}")
+    expect("rank 0: exit none (stopped by Slurm" in out, f"the summary does not say rank 0 was stopped:\n{out}")
+    expect(seconds < 45, f"the other ranks were not stopped: the job took {seconds:.0f} s (they sleep 60 s)")
+    print(f"ok: rank 1 failed: job exit {rc} after {seconds:.1f} s, its error in the summary")
+
+
+def job_state(slurm, job):
+    done = subprocess.run(["scontrol", "show", "job", job], env=slurm.env(), capture_output=True, text=True,
+                          timeout=10)
+    fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+    return fields.get("JobState", "?"), fields.get("ExitCode", "?"), fields.get("Restarts", "?")
+
+
+def check_requeue(slurm, log_dir, example, work):
+    checkpoint = work / "requeue.safetensors"
+    rc, out, err = tool(f"--log-dir={log_dir}", "--ntasks-per-node=2", f"--checkpoint={checkpoint}",
+                        "--comm-timeout=60", "--", example, "--epochs=4", "--limit=2048", env=slurm.env(), timeout=30)
+    match = re.search(r"submitted job (\d+)", out)
+    expect(rc == 0 and match, f"requeue job not submitted: {out}{err}")
+    job = match.group(1)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not checkpoint.exists():
+        state = job_state(slurm, job)[0]
+        expect(state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job} is {state} before its first checkpoint")
+        expect(time.monotonic() < deadline, f"no checkpoint from job {job} after {JOB_TIMEOUT} s")
+        time.sleep(0.2)
+    requeue = subprocess.run(["scontrol", "requeue", job], env=slurm.env(), capture_output=True, text=True, timeout=10)
+    expect(requeue.returncode == 0, f"scontrol requeue {job}: {requeue.stderr}")
+    while True:
+        state, exit_code, restarts = job_state(slurm, job)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        expect(time.monotonic() < deadline, f"job {job} still {state} {JOB_TIMEOUT} s after it started")
+        time.sleep(0.5)
+    batch = (pathlib.Path(log_dir) / f"job-{job}.out").read_text()
+    expect(state == "COMPLETED" and exit_code == "0:0", f"requeued job ended {state} {exit_code}:\n{batch}")
+    expect(restarts == "1" and "=== start 2 of job" in batch, f"the job did not start twice (Restarts={restarts}):\n{batch}")
+    rank0 = (pathlib.Path(log_dir) / f"job-{job}" / "rank-0.log").read_text()
+    second = rank0.split("=== start 2 ===", 1)
+    expect(len(second) == 2, f"rank 0's log has no second start:\n{rank0}")
+    resumed = re.search(r"resumed from \S+ at epoch (\d+)", second[1])
+    expect(resumed and int(resumed.group(1)) >= 1, f"the second start did not resume from a checkpoint:\n{second[1]}")
+    accuracy = re.search(r"final test accuracy: ([\d.]+)%", second[1])
+    expect(accuracy and float(accuracy.group(1)) > 50, f"the resumed run did not finish training:\n{second[1]}")
+    print(f"ok: requeued job {job} resumed at epoch {resumed.group(1)} and reached {accuracy.group(1)}% "
+          f"(Restarts={restarts})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mpi-program", required=True, help="the MPI conformance suite (tests/conformance_mpi)")
+    parser.add_argument("--gloo-program", required=True, help="the Gloo conformance suite (tests/conformance_gloo)")
+    parser.add_argument("--example", required=True, help="examples/04_data_parallel_gloo, for the requeue test")
+    args = parser.parse_args()
+    programs = {"mpi": str(pathlib.Path(args.mpi_program).resolve()),
+                "gloo": str(pathlib.Path(args.gloo_program).resolve())}
+    work = pathlib.Path(tempfile.mkdtemp(prefix="tessera-slurm-test-"))
+    try:
+        check_scripts(programs, work)
+        try:
+            slurm = LocalSlurm(work / "slurm").__enter__()
+        except Unavailable as e:
+            print(f"skipped: cannot start a local Slurm: {e}")
+            return 77
+        try:
+            log_dir = work / "jobs"
+            for tasks in (2, 4):
+                check_job(slurm, log_dir, "mpi", programs["mpi"], tasks)
+                check_job(slurm, log_dir, "gloo", programs["gloo"], tasks)
+            if shutil.which("redis-server") and shutil.which("redis-cli"):
+                check_job(slurm, log_dir, "gloo", programs["gloo"], 2, extra=("--store=redis",))
+            else:
+                print("note: redis-server/redis-cli not installed; the Redis store job is not run")
+            check_failure(slurm, log_dir, work)
+            check_requeue(slurm, log_dir, str(pathlib.Path(args.example).resolve()), work)
+        finally:
+            slurm.stop()
+    except CheckFailed as e:
+        print(f"FAILED: {e}")
+        print(f"(files kept in {work})")
+        return 1
+    except subprocess.TimeoutExpired as e:
+        print(f"FAILED: timed out: {e}")
+        print(f"(files kept in {work})")
+        return 1
+    shutil.rmtree(work, ignore_errors=True)
+    print("all Slurm checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
