@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -109,6 +111,46 @@ TEST_CASE("Flags threads: bounded by 4 x the hardware threads; the thread budget
   // threads 0 means all cores: counted as hardware_threads() each.
   CHECK_THROWS_WITH(check_thread_budget(5, "--ranks", 0, "--threads"), Catch::Contains("--threads=0 (all cores)"));
   CHECK_NOTHROW(check_thread_budget(4, "--ranks", 0, "--threads"));
+}
+
+// OMP_NUM_THREADS set by the launcher (srun, tools/tessera-sbatch) for one case, and put back.
+struct ScopedOmpNumThreads {
+  std::optional<std::string> saved;
+  explicit ScopedOmpNumThreads(const char* value) {
+    if (const char* old = std::getenv("OMP_NUM_THREADS")) saved = old;
+    if (value) ::setenv("OMP_NUM_THREADS", value, 1);
+    else ::unsetenv("OMP_NUM_THREADS");
+  }
+  ~ScopedOmpNumThreads() {
+    if (saved) ::setenv("OMP_NUM_THREADS", saved->c_str(), 1);
+    else ::unsetenv("OMP_NUM_THREADS");
+  }
+};
+
+TEST_CASE("Flags threads: OMP_NUM_THREADS is the default when the flag is not given", "[core][flags]") {
+  Args a({"--given=2"});
+  {
+    ScopedOmpNumThreads omp(nullptr);
+    Flags f = a.flags();
+    CHECK(f.threads("threads", 1) == 1);  // unset: the program's default
+  }
+  {
+    ScopedOmpNumThreads omp("3");
+    Flags f = a.flags();
+    CHECK(f.threads("threads", 1) == 3);  // set by srun from SLURM_CPUS_PER_TASK, say
+    CHECK(f.threads("given", 1) == 2);    // the command line wins
+  }
+  {
+    ScopedOmpNumThreads omp("4,2");  // nested levels: the first is this process's team
+    Flags f = a.flags();
+    CHECK(f.threads("threads", 1) == 4);
+  }
+  for (const char* bad : {"0", "two", "-1", "3x"}) {
+    ScopedOmpNumThreads omp(bad);
+    Flags f = a.flags();
+    CHECK_THROWS_WITH(f.threads("threads", 1), "environment variable OMP_NUM_THREADS='" + std::string(bad) +
+                                                   "' is not a thread count (a positive integer)");
+  }
 }
 
 TEST_CASE("Flags output paths: directory must exist and be writable; nothing created", "[core][flags]") {

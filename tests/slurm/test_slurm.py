@@ -130,16 +130,19 @@ def check_job(slurm, log_dir, backend, program, tasks, extra=()):
 def check_failure(slurm, log_dir, work):
     failing = work / "fail_on_rank_1.sh"
     failing.write_text("#!/bin/sh\n"
-                       'if [ "$SLURM_PROCID" = 1 ]; then echo "error: rank 1 cannot read its shard" >&2; exit 3; fi\n'
+                       'if [ "$SLURM_PROCID" = 1 ]; then sleep 1; echo "error: rank 1 cannot read its shard" >&2; exit 3; fi\n'
+                       'echo "rank $SLURM_PROCID: OMP_NUM_THREADS=$OMP_NUM_THREADS"\n'
                        "sleep 60\n")
     failing.chmod(0o755)
-    rc, out, err, job, seconds = submit_and_wait(slurm, log_dir, "--backend=gloo", "--ntasks-per-node=3", "--",
-                                                 str(failing))
+    rc, out, err, job, seconds = submit_and_wait(slurm, log_dir, "--backend=gloo", "--ntasks-per-node=2",
+                                                 "--cpus-per-task=2", "--", str(failing))
     expect(rc != 0, f"a job whose rank 1 failed exited 0:\n{out}")
     expect("rank 1: exit 3" in out and "error: rank 1 cannot read its shard" in out,
            f"the summary does not show rank 1's failure and error:\n{out}")
     expect("rank 0: exit none (stopped by Slurm" in out, f"the summary does not say rank 0 was stopped:\n{out}")
     expect(seconds < 45, f"the other ranks were not stopped: the job took {seconds:.0f} s (they sleep 60 s)")
+    rank0 = (pathlib.Path(log_dir) / f"job-{job}" / "rank-0.log").read_text()
+    expect("rank 0: OMP_NUM_THREADS=2" in rank0, f"--cpus-per-task=2 did not give OMP_NUM_THREADS=2:\n{rank0}")
     print(f"ok: rank 1 failed: job exit {rc} after {seconds:.1f} s, its error in the summary")
 
 

@@ -20,6 +20,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
 #include <limits>
@@ -81,6 +82,20 @@ inline int hardware_threads() {
 // 2 threads to test oversubscription. Far beyond it, libgomp runs out of stacks and crashes
 // (--threads=100000 was a segfault), and every thread-rank holds its own copy of the data set.
 inline int max_threads() { return 4 * hardware_threads(); }
+
+// OMP_NUM_THREADS as a thread count: its first entry ("4" or "4,2" for nested levels), or none
+// when unset or empty. A value that is not a positive count is an error naming the variable.
+inline std::optional<int> omp_num_threads() {
+  const char* text = std::getenv("OMP_NUM_THREADS");
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  const std::string value(text);
+  const std::string first = value.substr(0, value.find(','));
+  int count = 0;
+  const auto [end, error] = std::from_chars(first.data(), first.data() + first.size(), count);
+  TESSERA_CHECK(error == std::errc() && end == first.data() + first.size() && count >= 1, ArgumentError,
+                "environment variable OMP_NUM_THREADS='", value, "' is not a thread count (a positive integer)");
+  return count;
+}
 
 // Refuses `ranks` ranks (threads of this process) x `threads` OpenMP threads each when the total
 // exceeds max_threads(). threads <= 0 ("all cores") counts as hardware_threads().
@@ -234,8 +249,10 @@ class Flags {
   }
 
   // OpenMP threads: 1 .. max_threads(), or 0 ("all cores") where `zero_is_all_cores`.
+  // Not given on the command line, the count is OMP_NUM_THREADS when that is set (srun and
+  // tools/tessera-sbatch set it from SLURM_CPUS_PER_TASK; PyTorch honours it too), else `fallback`.
   int threads(const std::string& name, int fallback, bool zero_is_all_cores = false) {
-    const int v = get(name, fallback);
+    const int v = get(name, omp_num_threads().value_or(fallback));
     TESSERA_CHECK(v >= (zero_is_all_cores ? 0 : 1), ArgumentError, where(name, std::to_string(v)), ": must be >= ",
                   zero_is_all_cores ? "0 (0: all cores)" : "1");
     TESSERA_CHECK(v <= max_threads(), ArgumentError, where(name, std::to_string(v)), ": must be <= ", max_threads(),

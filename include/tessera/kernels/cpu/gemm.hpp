@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"  // before Eigen: its <immintrin.h> warnings
 #if !TESSERA_CPU_KERNELS_EXTERN
 #include <Eigen/Core>
 #endif

@@ -44,6 +44,10 @@
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
 namespace tessera {
 
 // Whether this CPU (and the OS, which must save the 512-bit registers) runs AVX512-BF16.
@@ -274,3 +278,5 @@ inline void gemm_bf16(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int6
 }
 
 }  // namespace tessera
+
+TESSERA_SIMD_CODE_END

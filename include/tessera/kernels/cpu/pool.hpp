@@ -32,6 +32,10 @@
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
 
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
 namespace tessera {
 
 struct Pool2dGeometry {
@@ -390,3 +394,5 @@ void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, cons
 TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_POOL_INSTANCES)
 
 }  // namespace tessera
+
+TESSERA_SIMD_CODE_END

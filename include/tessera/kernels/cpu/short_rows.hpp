@@ -15,6 +15,10 @@
 #include <immintrin.h>
 #endif
 
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
 namespace tessera::detail {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -121,3 +125,5 @@ inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::in
 }
 
 }  // namespace tessera::detail
+
+TESSERA_SIMD_CODE_END

@@ -52,6 +52,10 @@
 #include <immintrin.h>
 #endif
 
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
 namespace tessera {
 
 namespace detail {
@@ -936,3 +940,5 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
 }
 
 }  // namespace tessera
+
+TESSERA_SIMD_CODE_END
