@@ -149,6 +149,19 @@ for trial in range(100):
         if any(e2 > e1 * (1 + 1e-12) for e1, e2 in zip(eff, eff[1:])):
             ok, detail = False, f"{alg}: {eff}"
 check(ok, "efficiency is non-increasing in P = 1, 2, 4, ..., 1024 (100 random networks, every algorithm)", detail)
+# A measured co-run slowdown replaces the time-sharing estimate for that many workers on a node.
+p_ = profile([{"name": "a", "backward_s": 0.01, "grad_bytes": 4096}], threads_per_worker=1)
+net = network(g=4, cpu_cores_per_node=2, compute_slowdown={"2": 1.1, "4": 2.3})
+check(close(sim.compute_scale(p_, net, 2), 1.1) and close(sim.compute_scale(p_, net, 4), 2.3)
+      and close(sim.compute_scale(p_, network(g=4, cpu_cores_per_node=2), 4), 2.0),
+      "compute_slowdown (measured) replaces p x threads / cores for its worker counts",
+      f"{sim.compute_scale(p_, net, 2)}, {sim.compute_scale(p_, net, 4)}")
+check(close(sim.simulate_dp(p_, net, 4, "ring")["compute_s"], (0.5 + 0.01 + 0.25) * 2.3),
+      "compute_slowdown scales a step's compute")
+expect_error(lambda: network(compute_slowdown={"two": 1.1}), "net.json", "compute_slowdown", "'two'",
+             what="bad input: a compute_slowdown key that is not a worker count")
+expect_error(lambda: network(compute_slowdown={"2": -1}), "net.json", "compute_slowdown.2",
+             what="bad input: a negative compute_slowdown")
 for f in ("goyal_bigbasin_50gbe", "horovod_pascal_25gbe", "loopback_gloo", "loopback_mpi", "loopback_threads",
           "netns_tbf_100mbit"):
     path = os.path.join(ROOT, "tools", "simulator", f + ".json")
