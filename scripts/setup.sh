@@ -10,9 +10,10 @@ cd "$(dirname "$0")/.."
 # clang with its runtime (libFuzzer): the fuzz-smoke test (scripts/fuzz.sh, tests/fuzz/README.md).
 # slurm-wlm and munge: a private local Slurm for the tessera-sbatch test (tests/slurm/); matplotlib:
 # tools/tessera-report's plots; cmake: the CMake consumer test (tests/consumer/).
+# libturbojpeg0-dev and libpng-dev: ImageFolder's JPEG and PNG decoders (optional to the build).
 packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev libopenblas-dev catch2 zlib1g-dev dataset-fashion-mnist
   libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server clang libclang-rt-14-dev
-  slurm-wlm munge python3-matplotlib cmake)
+  slurm-wlm munge python3-matplotlib cmake libturbojpeg0-dev libpng-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

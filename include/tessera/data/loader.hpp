@@ -1,5 +1,6 @@
-// DataLoader<S>: batches of a Dataset in a per-epoch random order, split across data-parallel
-// ranks, optionally prepared one step ahead on a background thread.
+// DataLoader<S>: batches of a Dataset (in memory) or of a SampleSource (e.g. an ImageFolder that
+// decodes and augments files) in a per-epoch random order, split across data-parallel ranks,
+// optionally prepared ahead on a pool of background worker threads.
 //
 // Order. Epoch e visits the permutation epoch_permutation(N, seed, e) (identity when shuffle is
 // off): a pure function of (seed, e), so runs are reproducible and a checkpointed LoaderState
@@ -12,7 +13,7 @@
 // floor(N / W) samples per rank, no duplicates, a few samples unseen per epoch (a different few
 // each epoch). Either way all ranks have equal batch counts and equal last-batch sizes, so
 // data-parallel ranks never wait on a rank that has run out of data. With world_size 1 it is a
-// plain loader.
+// plain loader. A rank reads (decodes) only its own share.
 // Elastic resume. With a global batch G = batch_size x world_size, batch i of every rank together
 // holds the permutation's entries [i G, (i + 1) G): the same samples at every world size that
 // divides G, only split differently. A position is therefore stored in global samples
@@ -21,17 +22,23 @@
 // world size, the padding (or drop_tail's dropped samples) at the epoch's end depends on it.
 // Batches. Batch i of an epoch holds this rank's samples [i * B, min((i + 1) * B, samples)):
 // images (n, C, H, W) converted to S, labels (n). drop_last drops a final batch with n < B.
+// A SampleSource writes sample k of epoch e as a function of (k, e) only (its augmentation is
+// seeded by them), so the batches do not depend on the worker count, on prefetch, on resuming,
+// or on how the samples are split across ranks.
 //
 // next(out) fills `out`, recycling its buffers: without prefetch it converts in place; with
-// prefetch a background thread fills a ring of kSlots preallocated batches and next() swaps `out`
-// with the ready slot (O(1)). After the first few batches neither allocates. The results are
-// identical either way. An exception thrown while preparing batch i (e.g. by the transform) is
-// rethrown from the next() that would have returned batch i; calling next() again retries it.
-// The background thread uses one core and no OpenMP team, so it does not compete with the
-// training step's threads; the destructor stops and joins it, also mid-epoch.
+// prefetch, `workers` background threads (torch's num_workers) fill a ring of
+// max(3, 2 x workers) preallocated batches (torch's prefetch_factor 2), each worker a whole batch,
+// and next() swaps `out` with the ready slot (O(1)); batches are returned in order whichever
+// worker finishes first. After the first few batches neither allocates. The results are
+// identical either way. An exception thrown while preparing batch i (e.g. by the transform, or a
+// corrupt file) is rethrown from the next() that would have returned batch i; calling next()
+// again retries it. The worker threads use no OpenMP team, so they do not compete with the
+// training step's threads beyond their own cores; the destructor stops and joins them, also
+// mid-epoch.
 //
-// Requires: the Dataset outlives the loader and is not modified while it exists. One thread
-// calls the loader's methods (the background thread is internal).
+// Requires: the Dataset or SampleSource outlives the loader and is not modified while it exists.
+// One thread calls the loader's methods (the worker threads are internal).
 #pragma once
 
 #include <algorithm>
@@ -43,7 +50,9 @@
 #include <mutex>
 #include <numeric>
 #include <span>
+#include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -64,6 +73,22 @@ struct LoaderOptions {
   int rank = 0;
   int world_size = 1;
   bool drop_tail = false;  // ranks: drop N mod world_size samples instead of padding (see above)
+  int workers = 1;         // background threads preparing batches when prefetching (torch's num_workers)
+};
+
+// Samples that are made on demand rather than held in a Dataset: decoded files, augmented crops.
+// read(k, epoch, out) writes sample k (C * H * W floats, shape sample_shape()) and returns its
+// label. It must depend on (k, epoch) only and be safe to call from several threads at once; it
+// may return another sample's image and label in place of an unreadable one (see ImageFolder's
+// skip_corrupt), as long as that too depends on k only.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual std::int64_t size() const = 0;
+  virtual std::array<std::int64_t, 3> sample_shape() const = 0;  // (C, H, W)
+  virtual std::int64_t num_classes() const = 0;
+  virtual std::string name() const = 0;
+  virtual std::int64_t read(std::int64_t index, std::int64_t epoch, float* out) const = 0;
 };
 
 // Where a loader stands: the next call to next() returns batch `next_batch` of epoch `epoch`.
@@ -108,47 +133,41 @@ inline std::vector<std::int64_t> epoch_permutation(std::int64_t n, std::uint64_t
 template <class S>
 class DataLoader {
  public:
-  static constexpr int kSlots = 3;
-  // Runs after a batch is assembled (on the prefetch thread when prefetching), e.g. for data
+  static constexpr int kSlots = 3;  // the ring's size with one worker
+  // Runs after a batch is assembled (on a worker thread when prefetching), e.g. for data
   // augmentation. It must be a function of (batch contents, batch.index, epoch) only, so that
   // prefetch on and off, and resumed runs, give the same batches.
   using Transform = std::function<void(Batch<S>& batch, std::int64_t epoch)>;
 
   DataLoader(const Dataset& dataset, LoaderOptions options, Transform transform = {})
-      : ds_(dataset), opt_(options), transform_(std::move(transform)) {
-    check_dataset(ds_);
-    TESSERA_CHECK(ds_.size() > 0, ArgumentError, "DataLoader(", ds_.name, "): the dataset is empty");
-    TESSERA_CHECK(opt_.batch_size > 0, ArgumentError, "DataLoader(", ds_.name, "): batch_size=", opt_.batch_size,
-                  " must be positive");
-    TESSERA_CHECK(opt_.world_size >= 1 && opt_.rank >= 0 && opt_.rank < opt_.world_size, ArgumentError,
-                  "DataLoader(", ds_.name, "): rank=", opt_.rank, " world_size=", opt_.world_size,
-                  " need 0 <= rank < world_size");
-    const std::int64_t n = ds_.size();
-    samples_ = opt_.drop_tail ? n / opt_.world_size : (n + opt_.world_size - 1) / opt_.world_size;
-    TESSERA_CHECK(samples_ > 0, ArgumentError, "DataLoader(", ds_.name, "): drop_tail leaves no samples for ",
-                  opt_.world_size, " ranks out of ", n);
-    batches_ = opt_.drop_last ? samples_ / opt_.batch_size : (samples_ + opt_.batch_size - 1) / opt_.batch_size;
-    perm_.resize(static_cast<std::size_t>(n));
-    indices_.resize(static_cast<std::size_t>(samples_));
-    reset(0, 0);
-    if (opt_.prefetch) {
-      const std::int64_t rows = std::min(opt_.batch_size, samples_);
-      for (auto& slot : ring_) {
-        slot.images.resize({rows, ds_.channels(), ds_.height(), ds_.width()});
-        slot.labels.reserve(static_cast<std::size_t>(rows));
-      }
-      worker_ = std::thread([this] { worker_loop(); });
-    }
+      : ds_(&dataset), opt_(options), transform_(std::move(transform)) {
+    check_dataset(dataset);
+    name_ = dataset.name;
+    size_ = dataset.size();
+    shape_ = {dataset.channels(), dataset.height(), dataset.width()};
+    init();
+  }
+  DataLoader(const SampleSource& source, LoaderOptions options, Transform transform = {})
+      : source_(&source), opt_(options), transform_(std::move(transform)) {
+    name_ = source.name();
+    size_ = source.size();
+    shape_ = source.sample_shape();
+    TESSERA_CHECK(shape_[0] > 0 && shape_[1] > 0 && shape_[2] > 0, ArgumentError, "DataLoader(", name_,
+                  "): the source's samples have shape (", shape_[0], ", ", shape_[1], ", ", shape_[2],
+                  "), need positive (C, H, W)");
+    TESSERA_CHECK(source.num_classes() > 0, ArgumentError, "DataLoader(", name_, "): num_classes=",
+                  source.num_classes(), " must be positive");
+    init();
   }
 
   ~DataLoader() {
-    if (!worker_.joinable()) return;
+    if (workers_.empty()) return;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
     }
     work_cv_.notify_all();
-    worker_.join();
+    for (auto& worker : workers_) worker.join();
   }
   // The loader reads the dataset it was given until it is destroyed: never a temporary.
   DataLoader(Dataset&&, LoaderOptions, Transform = {}) = delete;
@@ -171,20 +190,24 @@ class DataLoader {
     }
     std::unique_lock<std::mutex> lock(mutex_);
     if (next_ >= batches_) return false;
-    ready_cv_.wait(lock, [&] { return produced_ > next_ || error_; });
-    if (produced_ <= next_) {
-      std::exception_ptr error = std::exchange(error_, nullptr);  // the worker retries on the next call
+    const auto slot = static_cast<std::size_t>(next_ % static_cast<std::int64_t>(ring_.size()));
+    ready_cv_.wait(lock, [&] { return ready_[slot] == next_; });
+    if (errors_[slot]) {
+      // Discard what the workers prepared after it; the next call retries batch next_.
+      std::exception_ptr error = std::exchange(errors_[slot], nullptr);
+      restart_locked(lock, epoch_, next_);
       lock.unlock();
-      work_cv_.notify_one();
+      work_cv_.notify_all();
       std::rethrow_exception(error);
     }
-    Batch<S>& slot = ring_[static_cast<std::size_t>(next_ % kSlots)];
-    out.images.swap(slot.images);
-    out.labels.swap(slot.labels);
-    out.index = slot.index;
+    Batch<S>& ready = ring_[slot];
+    out.images.swap(ready.images);
+    out.labels.swap(ready.labels);
+    out.index = ready.index;
+    ready_[slot] = -1;
     ++next_;
     lock.unlock();
-    work_cv_.notify_one();
+    work_cv_.notify_all();
     return true;
   }
 
@@ -193,6 +216,9 @@ class DataLoader {
   std::int64_t samples_per_epoch() const { return samples_; }
   // This rank's sample order in the current epoch (dataset indices, padding included).
   std::span<const std::int64_t> epoch_indices() const { return indices_; }
+  // Samples in the whole data set (every rank's share), and its name.
+  std::int64_t dataset_size() const { return size_; }
+  const std::string& dataset_name() const { return name_; }
 
   LoaderState state() const { return {epoch_, next_}; }
   void set_state(const LoaderState& s) {
@@ -203,36 +229,73 @@ class DataLoader {
   }
 
   const LoaderOptions& options() const { return opt_; }
-  const Dataset& dataset() const { return ds_; }
 
  private:
-  // Moves to (epoch, batch). A no-op when already there, so start_epoch(0) right after
-  // construction keeps the batches already prefetched.
-  void reset(std::int64_t epoch, std::int64_t batch) {
-    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+  void init() {
+    TESSERA_CHECK(size_ > 0, ArgumentError, "DataLoader(", name_, "): the dataset is empty");
+    TESSERA_CHECK(opt_.batch_size > 0, ArgumentError, "DataLoader(", name_, "): batch_size=", opt_.batch_size,
+                  " must be positive");
+    TESSERA_CHECK(opt_.world_size >= 1 && opt_.rank >= 0 && opt_.rank < opt_.world_size, ArgumentError,
+                  "DataLoader(", name_, "): rank=", opt_.rank, " world_size=", opt_.world_size,
+                  " need 0 <= rank < world_size");
+    TESSERA_CHECK(opt_.workers >= 1 && opt_.workers <= 256, ArgumentError, "DataLoader(", name_, "): workers=",
+                  opt_.workers, " must be in [1, 256]");
+    const std::int64_t n = size_;
+    samples_ = opt_.drop_tail ? n / opt_.world_size : (n + opt_.world_size - 1) / opt_.world_size;
+    TESSERA_CHECK(samples_ > 0, ArgumentError, "DataLoader(", name_, "): drop_tail leaves no samples for ",
+                  opt_.world_size, " ranks out of ", n);
+    batches_ = opt_.drop_last ? samples_ / opt_.batch_size : (samples_ + opt_.batch_size - 1) / opt_.batch_size;
+    perm_.resize(static_cast<std::size_t>(n));
+    indices_.resize(static_cast<std::size_t>(samples_));
+    reset(0, 0);
     if (opt_.prefetch) {
-      lock.lock();
-      if (initialized_ && epoch == epoch_ && batch == next_ && !error_) return;
-      ++generation_;  // a batch being filled now is for the old position: it will be discarded
-      resetting_ = true;
-      ready_cv_.wait(lock, [&] { return !busy_; });
-      resetting_ = false;
-    } else if (initialized_ && epoch == epoch_ && batch == next_) {
-      return;
-    }
-    if (!initialized_ || epoch != epoch_) fill_indices(epoch);
-    initialized_ = true;
-    epoch_ = epoch;
-    next_ = produced_ = batch;
-    error_ = nullptr;
-    if (lock.owns_lock()) {
-      lock.unlock();
-      work_cv_.notify_one();
+      const std::int64_t rows = std::min(opt_.batch_size, samples_);
+      ring_.resize(static_cast<std::size_t>(std::max(kSlots, 2 * opt_.workers)));
+      ready_.assign(ring_.size(), -1);
+      errors_.resize(ring_.size());
+      for (auto& slot : ring_) {
+        slot.images.resize({rows, shape_[0], shape_[1], shape_[2]});
+        slot.labels.reserve(static_cast<std::size_t>(rows));
+      }
+      for (int w = 0; w < opt_.workers; ++w) workers_.emplace_back([this] { worker_loop(); });
     }
   }
 
+  // Moves to (epoch, batch). A no-op when already there, so start_epoch(0) right after
+  // construction keeps the batches already prefetched.
+  void reset(std::int64_t epoch, std::int64_t batch) {
+    if (!opt_.prefetch) {
+      if (initialized_ && epoch == epoch_ && batch == next_) return;
+      if (!initialized_ || epoch != epoch_) fill_indices(epoch);
+      initialized_ = true;
+      epoch_ = epoch;
+      next_ = batch;
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (initialized_ && epoch == epoch_ && batch == next_) return;
+    restart_locked(lock, epoch, batch);
+    lock.unlock();
+    work_cv_.notify_all();
+  }
+
+  // With mutex_ held: waits until no worker is filling a slot, drops every prepared batch and
+  // makes batch `batch` of `epoch` the next one the workers take.
+  void restart_locked(std::unique_lock<std::mutex>& lock, std::int64_t epoch, std::int64_t batch) {
+    ++generation_;  // a batch being filled now is for the old position: it will be discarded
+    resetting_ = true;
+    ready_cv_.wait(lock, [&] { return busy_ == 0; });
+    resetting_ = false;
+    if (!initialized_ || epoch != epoch_) fill_indices(epoch);
+    initialized_ = true;
+    epoch_ = epoch;
+    next_ = claimed_ = batch;
+    std::fill(ready_.begin(), ready_.end(), -1);
+    for (auto& e : errors_) e = nullptr;
+  }
+
   void fill_indices(std::int64_t epoch) {
-    const std::int64_t n = ds_.size();
+    const std::int64_t n = size_;
     if (opt_.shuffle) {
       epoch_permutation(std::span<std::int64_t>(perm_), opt_.seed, epoch);
     } else {
@@ -246,55 +309,93 @@ class DataLoader {
   void fill(Batch<S>& out, std::int64_t b, std::int64_t epoch, bool parallel) const {
     const std::int64_t first = b * opt_.batch_size;
     const std::int64_t rows = std::min(opt_.batch_size, samples_ - first);
-    const std::int64_t per = ds_.sample_numel();
-    out.images.resize({rows, ds_.channels(), ds_.height(), ds_.width()});  // (n, C, H, W)
+    const std::int64_t per = shape_[0] * shape_[1] * shape_[2];
+    out.images.resize({rows, shape_[0], shape_[1], shape_[2]});  // (n, C, H, W)
     out.labels.resize(static_cast<std::size_t>(rows));
     out.index = b;
-    const float* src = ds_.images.data();
     S* dst = out.images.data();
     const std::int64_t* order = indices_.data() + first;
+    if (ds_ != nullptr) {
+      const float* src = ds_->images.data();
 #pragma omp parallel for schedule(static) if (parallel && rows * per > (1 << 18))
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const std::int64_t sample = order[i];
-      const float* from = src + sample * per;
-      S* to = dst + i * per;
-      for (std::int64_t k = 0; k < per; ++k) to[k] = static_cast<S>(from[k]);
-      out.labels[static_cast<std::size_t>(i)] = ds_.labels[static_cast<std::size_t>(sample)];
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int64_t sample = order[i];
+        const float* from = src + sample * per;
+        S* to = dst + i * per;
+        for (std::int64_t k = 0; k < per; ++k) to[k] = static_cast<S>(from[k]);
+        out.labels[static_cast<std::size_t>(i)] = ds_->labels[static_cast<std::size_t>(sample)];
+      }
+    } else {
+      const auto read_one = [&](std::int64_t i) {
+        S* to = dst + i * per;
+        std::int64_t label;
+        if constexpr (std::is_same_v<S, float>) {
+          label = source_->read(order[i], epoch, to);
+        } else {
+          thread_local std::vector<float> scratch;  // reused: no allocation after the first sample
+          scratch.resize(static_cast<std::size_t>(per));
+          label = source_->read(order[i], epoch, scratch.data());
+          for (std::int64_t k = 0; k < per; ++k) to[k] = static_cast<S>(scratch[static_cast<std::size_t>(k)]);
+        }
+        TESSERA_CHECK(label >= 0 && label < source_->num_classes(), ArgumentError, "DataLoader(", name_,
+                      "): sample ", order[i], " has label ", label, " outside [0, ", source_->num_classes(), ")");
+        out.labels[static_cast<std::size_t>(i)] = label;
+      };
+      if (parallel && rows > 1) {
+        // Decoding dominates here, so even a small batch is worth the threads (without prefetch).
+        // An exception must not leave an OpenMP region: the first one is kept and rethrown.
+        std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (std::int64_t i = 0; i < rows; ++i) {
+          try {
+            read_one(i);
+          } catch (...) {
+#pragma omp critical(tessera_loader_error)
+            if (!error) error = std::current_exception();
+          }
+        }
+        if (error) std::rethrow_exception(error);
+      } else {
+        for (std::int64_t i = 0; i < rows; ++i) read_one(i);
+      }
     }
     if (transform_) transform_(out, epoch);
   }
 
   void worker_loop() {
     std::unique_lock<std::mutex> lock(mutex_);
+    const auto slots = static_cast<std::int64_t>(ring_.size());
     while (true) {
-      work_cv_.wait(lock, [&] { return stop_ || (!error_ && !resetting_ && produced_ < batches_ && produced_ - next_ < kSlots); });
+      work_cv_.wait(lock, [&] { return stop_ || (!resetting_ && claimed_ < batches_ && claimed_ - next_ < slots); });
       if (stop_) return;
-      const std::int64_t b = produced_, epoch = epoch_;
+      const std::int64_t b = claimed_++, epoch = epoch_;
       const std::uint64_t generation = generation_;
-      busy_ = true;
+      const auto slot = static_cast<std::size_t>(b % slots);
+      ++busy_;
       lock.unlock();
       std::exception_ptr error;
       try {
-        fill(ring_[static_cast<std::size_t>(b % kSlots)], b, epoch, false);
+        fill(ring_[slot], b, epoch, false);
       } catch (...) {
         error = std::current_exception();
       }
       lock.lock();
-      busy_ = false;
+      --busy_;
       if (generation == generation_) {
-        if (error) {
-          error_ = error;
-        } else {
-          ++produced_;
-        }
+        ready_[slot] = b;
+        errors_[slot] = error;
       }
       ready_cv_.notify_all();
     }
   }
 
-  const Dataset& ds_;
+  const Dataset* ds_ = nullptr;           // the samples, when given a Dataset ...
+  const SampleSource* source_ = nullptr;  // ... or made by a source
   LoaderOptions opt_;
   Transform transform_;
+  std::string name_;
+  std::int64_t size_ = 0;                   // N
+  std::array<std::int64_t, 3> shape_{};     // (C, H, W)
   std::int64_t samples_ = 0;  // per rank, padding included
   std::int64_t batches_ = 0;
   std::vector<std::int64_t> perm_;     // (N) the epoch's permutation of the dataset
@@ -305,19 +406,22 @@ class DataLoader {
   std::int64_t epoch_ = 0;
   std::int64_t next_ = 0;
 
-  // Prefetch: batches next_ .. produced_-1 are ready in ring_[i % kSlots]; the worker fills
-  // batch produced_ while it is fewer than kSlots ahead of next_.
-  std::array<Batch<S>, kSlots> ring_;
+  // Prefetch: batch b is prepared in ring_[b % slots]; ready_[slot] == b once it is (with
+  // errors_[slot] set if preparing it threw). Workers take batches claimed_, claimed_ + 1, ...
+  // while they are fewer than `slots` ahead of next_, so a slot is reused only after next()
+  // has handed its batch out.
+  std::vector<Batch<S>> ring_;
+  std::vector<std::int64_t> ready_;
+  std::vector<std::exception_ptr> errors_;
   std::mutex mutex_;
-  std::condition_variable work_cv_;   // wakes the worker: a slot freed, a reset, or stop
-  std::condition_variable ready_cv_;  // wakes the consumer: a batch ready, an error, or the worker idle
-  std::int64_t produced_ = 0;
+  std::condition_variable work_cv_;   // wakes the workers: a slot freed, a reset, or stop
+  std::condition_variable ready_cv_;  // wakes the consumer: a batch ready, or the workers idle
+  std::int64_t claimed_ = 0;
   std::uint64_t generation_ = 0;
-  bool busy_ = false;       // the worker is filling a slot (outside the lock)
-  bool resetting_ = false;  // reset() waits for the worker: it must not start another batch
+  int busy_ = 0;            // workers filling a slot (outside the lock)
+  bool resetting_ = false;  // a restart waits for the workers: they must not start another batch
   bool stop_ = false;
-  std::exception_ptr error_;
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace tessera

@@ -298,7 +298,7 @@ class Trainer {
         std::fflush(stdout);
       }
     }
-    const std::int64_t now[] = {o.batch_size, static_cast<std::int64_t>(o.seed), loader.dataset().size(),
+    const std::int64_t now[] = {o.batch_size, static_cast<std::int64_t>(o.seed), loader.dataset_size(),
                                 o.world_size};
     std::int64_t* saved[] = {&state_.loader_batch_size, &state_.loader_seed, &state_.loader_samples,
                              &state_.loader_world_size};
@@ -327,7 +327,7 @@ class Trainer {
     record.add("options.label_smoothing", options_.label_smoothing);
     record.add("options.stop_after_steps", options_.stop_after_steps);
     const LoaderOptions& lo = train.options();
-    record.add("train loader: dataset samples", static_cast<std::int64_t>(train.dataset().size()));
+    record.add("train loader: dataset samples", static_cast<std::int64_t>(train.dataset_size()));
     record.add("train loader: batch_size", lo.batch_size);
     record.add("train loader: shuffle", lo.shuffle);
     record.add("train loader: seed", lo.seed);

@@ -1,0 +1,301 @@
+// ImageFolder: a labelled image set stored as files, torchvision's convention
+//
+//   root/<class>/<...>/<file>.{jpg,jpeg,png}     classes sorted by name, class i = the i-th name
+//
+// or an index file (ImageFolderOptions::index): one sample per line, "path" or "path,class", with
+// paths relative to root (or absolute); the class is a name (classes = the sorted distinct names)
+// or, without a second column, the path's first directory. Lines starting with '#' and a first
+// line "path,class" / "path,label" are skipped. Samples are in torchvision's order (directories
+// walked depth-first, each sorted by name, files sorted by name), so sample k is the same file
+// here and in torchvision.datasets.ImageFolder.
+//
+// It is a SampleSource: read(k, epoch, out) decodes file k (image.hpp), applies the transform
+// (transforms.hpp) with an Rng seeded by (seed, epoch, k), and writes (C, H, W) floats; a
+// DataLoader batches, shuffles and shards it, decoding on its worker threads. Only the samples a
+// rank's DataLoader asks for are ever read, so each rank decodes only its shard.
+//
+// Bad files. Files whose extension is an image format Tessera does not decode (.bmp, .tif, .webp,
+// ...; torchvision would list them) make the constructor throw, naming one, unless skip_corrupt.
+// Empty, truncated, corrupt or mislabelled-format files throw from read() with the file's path
+// (the DataLoader rethrows it from next()). With skip_corrupt, such a file is replaced by the next
+// readable sample (k + 1, k + 2, ... wrapping around), the same one every time, and is counted:
+// skipped() lists each bad file once with its reason. Other extensions (.txt, .csv) are ignored,
+// as torchvision does.
+//
+// Cache (cache = true): each decoded image is kept in memory the first time it is read, so later
+// epochs skip reading and decoding (the transform still runs: crops differ per epoch). It costs
+// the decoded bytes (H x W x C per image); cache_bytes() says how many are held. Workers fill it
+// concurrently without a lock: a sample is claimed by one atomic exchange, written once and
+// published with release ordering.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tessera/core/error.hpp"
+#include "tessera/core/random.hpp"
+#include "tessera/data/image.hpp"
+#include "tessera/data/loader.hpp"
+#include "tessera/data/transforms.hpp"
+
+namespace tessera {
+
+struct ImageFolderOptions {
+  ImageTransform transform;   // what read() makes of each image (its channels decide RGB or grey)
+  std::uint64_t seed = 0;     // of the random crops and flips
+  std::string index;          // optional file list / CSV (see above); empty: walk root
+  bool skip_corrupt = false;  // replace unreadable files by the next readable sample, and count them
+  bool cache = false;         // keep decoded images in memory
+};
+
+struct ImageSample {
+  std::string path;
+  std::int64_t label = 0;
+};
+
+struct SkippedFile {
+  std::string path, reason;
+};
+
+namespace detail {
+
+inline std::string lower_extension(const std::filesystem::path& p) {
+  std::string ext = p.extension().string();
+  for (char& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return ext;
+}
+inline bool decodable_extension(const std::string& ext) { return ext == ".jpg" || ext == ".jpeg" || ext == ".png"; }
+// torchvision's IMG_EXTENSIONS that Tessera does not decode.
+inline bool other_image_extension(const std::string& ext) {
+  return ext == ".ppm" || ext == ".bmp" || ext == ".pgm" || ext == ".tif" || ext == ".tiff" || ext == ".webp";
+}
+
+inline std::string trim(std::string s) {
+  const auto not_space = [](unsigned char ch) { return !std::isspace(ch); };
+  s.erase(s.begin(), std::find_if(s.begin(), s.end(), not_space));
+  s.erase(std::find_if(s.rbegin(), s.rend(), not_space).base(), s.end());
+  return s;
+}
+
+}  // namespace detail
+
+class ImageFolder final : public SampleSource {
+ public:
+  ImageFolder(std::string root, ImageFolderOptions options) : root_(std::move(root)), opt_(std::move(options)) {
+    namespace fs = std::filesystem;
+    opt_.transform.check(detail::cat("ImageFolder(", root_, ")"));
+    table_ = normalize_table(opt_.transform);
+    std::error_code ec;
+    TESSERA_CHECK(fs::is_directory(root_, ec), IoError, "ImageFolder: ", root_,
+                  fs::exists(root_, ec) ? " is not a directory" : " does not exist");
+    if (opt_.index.empty()) {
+      scan();
+    } else {
+      read_index();
+    }
+    TESSERA_CHECK(!samples_.empty(), IoError, "ImageFolder(", root_, "): no .jpg, .jpeg or .png files found",
+                  opt_.index.empty() ? " in its class directories" : detail::cat(" in the index ", opt_.index));
+    if (opt_.cache) {
+      cache_ = std::make_unique<CacheEntry[]>(samples_.size());
+    }
+    bad_ = std::make_unique<std::atomic<std::uint8_t>[]>(samples_.size());
+    for (std::size_t i = 0; i < samples_.size(); ++i) bad_[i].store(0, std::memory_order_relaxed);
+  }
+
+  // SampleSource
+  std::int64_t size() const override { return static_cast<std::int64_t>(samples_.size()); }
+  std::array<std::int64_t, 3> sample_shape() const override {
+    return {opt_.transform.channels, opt_.transform.height, opt_.transform.width};
+  }
+  std::int64_t num_classes() const override { return static_cast<std::int64_t>(classes_.size()); }
+  std::string name() const override { return "ImageFolder(" + root_ + ")"; }
+
+  std::int64_t read(std::int64_t index, std::int64_t epoch, float* out) const override {
+    TESSERA_CHECK(index >= 0 && index < size(), ArgumentError, name(), ": sample ", index, " outside [0, ", size(),
+                  ")");
+    thread_local Scratch scratch;
+    const std::int64_t n = size();
+    for (std::int64_t tries = 0; tries < n; ++tries) {
+      const std::int64_t k = (index + tries) % n;
+      if (bad_[static_cast<std::size_t>(k)].load(std::memory_order_relaxed)) continue;
+      const Image* image = nullptr;
+      try {
+        image = &decoded(k, scratch);
+      } catch (const IoError& e) {
+        if (!opt_.skip_corrupt) throw;
+        mark_bad(k, e.what());
+        continue;
+      }
+      Rng rng(epoch_seed(epoch_seed(opt_.seed, epoch), static_cast<std::int64_t>(k)));
+      apply_transform(*image, opt_.transform, table_, rng, out, scratch.resample);
+      return samples_[static_cast<std::size_t>(k)].label;
+    }
+    throw IoError(detail::cat(name(), ": none of its ", n, " files can be read (skip_corrupt found every one bad; ",
+                              "the first: ", skipped().empty() ? std::string("?") : skipped().front().path, ": ",
+                              skipped().empty() ? std::string("?") : skipped().front().reason, ")"));
+  }
+
+  const std::vector<std::string>& classes() const { return classes_; }
+  const std::vector<ImageSample>& samples() const { return samples_; }
+  const std::string& root() const { return root_; }
+  const ImageFolderOptions& options() const { return opt_; }
+  // Files skipped so far (skip_corrupt), each once, with why; and files of image formats not
+  // decoded here that skip_corrupt left out of samples().
+  std::vector<SkippedFile> skipped() const {
+    std::lock_guard<std::mutex> lock(skipped_mutex_);
+    return skipped_;
+  }
+  std::size_t skipped_count() const {
+    std::lock_guard<std::mutex> lock(skipped_mutex_);
+    return skipped_.size();
+  }
+  // Decoded bytes held by the cache.
+  std::size_t cache_bytes() const { return cache_bytes_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Scratch {
+    std::vector<std::uint8_t> bytes, convert;
+    Image image;
+    detail::ResampleScratch resample;
+  };
+  struct CacheEntry {
+    std::atomic<int> state{0};  // 0 empty, 1 being written, 2 ready
+    Image image;
+  };
+
+  // Sample k's decoded image: from the cache, or read and decoded into the scratch (and cached).
+  const Image& decoded(std::int64_t k, Scratch& s) const {
+    const auto i = static_cast<std::size_t>(k);
+    if (cache_ && cache_[i].state.load(std::memory_order_acquire) == 2) return cache_[i].image;
+    const std::string& path = samples_[i].path;
+    read_file_bytes(path, s.bytes);
+    decode_image(s.bytes, opt_.transform.channels, path, s.image, s.convert);
+    if (cache_) {
+      int expected = 0;
+      if (cache_[i].state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+        cache_[i].image = s.image;
+        cache_bytes_.fetch_add(s.image.pixels.size(), std::memory_order_relaxed);
+        cache_[i].state.store(2, std::memory_order_release);
+      }
+    }
+    return s.image;
+  }
+
+  void mark_bad(std::int64_t k, const std::string& reason) const {
+    if (bad_[static_cast<std::size_t>(k)].exchange(1) != 0) return;
+    std::lock_guard<std::mutex> lock(skipped_mutex_);
+    skipped_.push_back({samples_[static_cast<std::size_t>(k)].path, reason});
+  }
+
+  void refuse_or_skip(const std::string& path, const std::string& ext) {
+    TESSERA_CHECK(opt_.skip_corrupt, IoError, "ImageFolder(", root_, "): ", path, " is a ", ext,
+                  " image, which Tessera does not decode (only JPEG and PNG); convert it, remove it, or set "
+                  "skip_corrupt to skip such files");
+    skipped_.push_back({path, "unsupported format " + ext});
+  }
+
+  // torchvision's find_classes + make_dataset.
+  void scan() {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(root_, fs::directory_options::follow_directory_symlink, ec)) {
+      if (entry.is_directory(ec)) classes_.push_back(entry.path().filename().string());
+    }
+    TESSERA_CHECK(!ec, IoError, "ImageFolder: cannot list ", root_, ": ", ec.message());
+    std::sort(classes_.begin(), classes_.end());
+    TESSERA_CHECK(!classes_.empty(), IoError, "ImageFolder(", root_,
+                  "): no class directories in it (expected root/<class>/<image files>)");
+    for (std::size_t c = 0; c < classes_.size(); ++c) {
+      const fs::path dir = fs::path(root_) / classes_[c];
+      std::vector<std::pair<std::string, std::string>> files;  // (directory, file name): os.walk sorted
+      for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink, ec);
+           !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->is_regular_file(ec)) {
+          files.emplace_back(it->path().parent_path().string(), it->path().filename().string());
+        }
+      }
+      TESSERA_CHECK(!ec, IoError, "ImageFolder: cannot list ", dir.string(), ": ", ec.message());
+      std::sort(files.begin(), files.end());
+      const std::size_t before = samples_.size();
+      for (const auto& [parent, file] : files) {
+        const fs::path path = fs::path(parent) / file;
+        const std::string ext = detail::lower_extension(path);
+        if (detail::decodable_extension(ext)) {
+          samples_.push_back({path.string(), static_cast<std::int64_t>(c)});
+        } else if (detail::other_image_extension(ext)) {
+          refuse_or_skip(path.string(), ext);
+        }
+      }
+      TESSERA_CHECK(samples_.size() > before || opt_.skip_corrupt, IoError, "ImageFolder(", root_,
+                    "): class directory ", classes_[c], " holds no .jpg, .jpeg or .png file");
+    }
+  }
+
+  void read_index() {
+    namespace fs = std::filesystem;
+    std::ifstream in(opt_.index);
+    TESSERA_CHECK(in.good(), IoError, "ImageFolder: cannot open the index ", opt_.index);
+    std::vector<std::pair<std::string, std::string>> rows;  // (path, class name)
+    std::string line;
+    for (std::int64_t number = 1; std::getline(in, line); ++number) {
+      line = detail::trim(line);
+      if (line.empty() || line[0] == '#') continue;
+      if (number == 1 && (line == "path,class" || line == "path,label")) continue;
+      const auto comma = line.find(',');
+      std::string path = detail::trim(line.substr(0, comma));
+      std::string cls = comma == std::string::npos ? "" : detail::trim(line.substr(comma + 1));
+      TESSERA_CHECK(!path.empty(), IoError, opt_.index, ":", number, ": empty path");
+      if (cls.empty()) {
+        const fs::path rel(path);
+        TESSERA_CHECK(rel.is_relative() && std::distance(rel.begin(), rel.end()) >= 2, IoError, opt_.index, ":",
+                      number, ": '", path, "' has no class column and no class directory (write path,class)");
+        cls = rel.begin()->string();
+      }
+      const fs::path full = fs::path(path).is_absolute() ? fs::path(path) : fs::path(root_) / path;
+      const std::string ext = detail::lower_extension(full);
+      if (!detail::decodable_extension(ext)) {
+        TESSERA_CHECK(opt_.skip_corrupt, IoError, opt_.index, ":", number, ": ", full.string(),
+                      " is not a .jpg, .jpeg or .png file (set skip_corrupt to skip such lines)");
+        skipped_.push_back({full.string(), "unsupported extension " + ext});
+        continue;
+      }
+      std::error_code ec;
+      if (!fs::is_regular_file(full, ec)) {
+        TESSERA_CHECK(opt_.skip_corrupt, IoError, opt_.index, ":", number, ": ", full.string(), " does not exist");
+        skipped_.push_back({full.string(), "missing"});
+        continue;
+      }
+      rows.emplace_back(full.string(), std::move(cls));
+    }
+    std::map<std::string, std::int64_t> ids;
+    for (const auto& row : rows) ids.emplace(row.second, 0);
+    for (auto& [name, id] : ids) {
+      id = static_cast<std::int64_t>(classes_.size());
+      classes_.push_back(name);
+    }
+    for (auto& row : rows) samples_.push_back({std::move(row.first), ids.at(row.second)});
+  }
+
+  std::string root_;
+  ImageFolderOptions opt_;
+  std::vector<float> table_;  // normalize_table(transform)
+  std::vector<std::string> classes_;
+  std::vector<ImageSample> samples_;
+  std::unique_ptr<std::atomic<std::uint8_t>[]> bad_;  // per sample: found unreadable (skip_corrupt)
+  mutable std::mutex skipped_mutex_;
+  mutable std::vector<SkippedFile> skipped_;
+  std::unique_ptr<CacheEntry[]> cache_;
+  mutable std::atomic<std::size_t> cache_bytes_{0};
+};
+
+}  // namespace tessera
