@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cctype>
 #include <cstdint>
 #include <filesystem>
@@ -44,6 +45,7 @@
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/random.hpp"
+#include "tessera/data/dataset.hpp"
 #include "tessera/data/image.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/transforms.hpp"
@@ -88,6 +90,11 @@ inline std::string trim(std::string s) {
 }
 
 }  // namespace detail
+
+// The Rng seed of sample k's augmentation in epoch e: the same wherever and whenever it is read.
+inline std::uint64_t sample_seed(std::uint64_t seed, std::int64_t epoch, std::int64_t k) {
+  return epoch_seed(epoch_seed(seed, epoch), k);
+}
 
 class ImageFolder final : public SampleSource {
  public:
@@ -136,7 +143,7 @@ class ImageFolder final : public SampleSource {
         mark_bad(k, e.what());
         continue;
       }
-      Rng rng(epoch_seed(epoch_seed(opt_.seed, epoch), static_cast<std::int64_t>(k)));
+      Rng rng(sample_seed(opt_.seed, epoch, k));
       apply_transform(*image, opt_.transform, table_, rng, out, scratch.resample);
       return samples_[static_cast<std::size_t>(k)].label;
     }
@@ -296,6 +303,55 @@ class ImageFolder final : public SampleSource {
   mutable std::vector<SkippedFile> skipped_;
   std::unique_ptr<CacheEntry[]> cache_;
   mutable std::atomic<std::size_t> cache_bytes_{0};
+};
+
+// ImageArray: images already in memory (a Dataset with pixels in [0, 1], such as an IDX set)
+// through the same transforms and seeding as ImageFolder: sample k of epoch e gets the crop and
+// flip it would get from files, so a run from files and one from memory see the same samples
+// (the same pixels too, from PNG files holding the same bytes).
+class ImageArray final : public SampleSource {
+ public:
+  ImageArray(const Dataset& ds, ImageTransform transform, std::uint64_t seed = 0)
+      : transform_(std::move(transform)), seed_(seed), labels_(ds.labels), classes_(ds.num_classes), name_(ds.name) {
+    check_dataset(ds);
+    transform_.check("ImageArray(" + ds.name + ")");
+    TESSERA_CHECK(ds.channels() == transform_.channels, ArgumentError, "ImageArray(", ds.name, "): images have ",
+                  ds.channels(), " channels but the transform makes ", transform_.channels);
+    table_ = normalize_table(transform_);
+    images_.resize(static_cast<std::size_t>(ds.size()));
+    const std::int64_t c = ds.channels(), h = ds.height(), w = ds.width();
+    for (std::int64_t n = 0; n < ds.size(); ++n) {
+      Image& im = images_[static_cast<std::size_t>(n)];
+      im.resize(h, w, c);
+      const float* src = ds.images.data() + n * c * h * w;  // (C, H, W) -> (H, W, C) bytes
+      for (std::int64_t ch = 0; ch < c; ++ch)
+        for (std::int64_t p = 0; p < h * w; ++p)
+          im.pixels[static_cast<std::size_t>(p * c + ch)] =
+              static_cast<std::uint8_t>(std::lround(std::clamp(src[ch * h * w + p], 0.0f, 1.0f) * 255.0f));
+    }
+  }
+  std::int64_t size() const override { return static_cast<std::int64_t>(images_.size()); }
+  std::array<std::int64_t, 3> sample_shape() const override {
+    return {transform_.channels, transform_.height, transform_.width};
+  }
+  std::int64_t num_classes() const override { return classes_; }
+  std::string name() const override { return "ImageArray(" + name_ + ")"; }
+  std::int64_t read(std::int64_t index, std::int64_t epoch, float* out) const override {
+    TESSERA_CHECK(index >= 0 && index < size(), ArgumentError, name(), ": sample ", index, " outside [0, ", size(), ")");
+    thread_local detail::ResampleScratch scratch;
+    Rng rng(sample_seed(seed_, epoch, index));
+    apply_transform(images_[static_cast<std::size_t>(index)], transform_, table_, rng, out, scratch);
+    return labels_[static_cast<std::size_t>(index)];
+  }
+
+ private:
+  ImageTransform transform_;
+  std::uint64_t seed_;
+  std::vector<float> table_;
+  std::vector<Image> images_;
+  std::vector<std::int64_t> labels_;
+  std::int64_t classes_;
+  std::string name_;
 };
 
 }  // namespace tessera

@@ -60,6 +60,9 @@ struct EpochResult {
   std::int64_t epoch = 0;
   double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
   double seconds = 0, images_per_second = 0, lr = 0;
+  // Time the step loop spent in train.next(), waiting for the loader's workers (0 when they keep
+  // ahead), and its share of the epoch's training time.
+  double data_wait_seconds = 0, data_wait_fraction = 0;
   bool complete = true;  // false: stopped by stop_after_steps before the epoch's end (no test metrics)
 };
 
@@ -142,7 +145,12 @@ class Trainer {
     std::int64_t seen = 0, done = train.state().next_batch;
     correct_ = 0;
     char stats[128];
-    while (train.next(batch_)) {
+    double waited = 0;
+    while (true) {
+      const auto asked = std::chrono::steady_clock::now();
+      const bool more = train.next(batch_);
+      waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+      if (!more) break;
       optimizer_.set_lr(schedule_(static_cast<double>(epoch) + static_cast<double>(done) / static_cast<double>(batches)));
       const S loss = train_step(batch_);
       const auto n = static_cast<std::int64_t>(batch_.labels.size());
@@ -167,6 +175,8 @@ class Trainer {
     r.train_loss = seen ? loss_sum / static_cast<double>(seen) : 0.0;
     r.train_accuracy = seen ? static_cast<double>(correct_) / static_cast<double>(seen) : 0.0;
     r.images_per_second = static_cast<double>(seen) / std::max(r.seconds, 1e-9);
+    r.data_wait_seconds = waited;
+    r.data_wait_fraction = waited / std::max(r.seconds, 1e-9);
     r.lr = optimizer_.lr();
     if (done < batches) {  // stopped by stop_after_steps: the position is mid-epoch
       r.complete = false;
@@ -205,6 +215,7 @@ class Trainer {
                        .add("test_accuracy", r.test_accuracy)
                        .add("seconds", r.seconds)
                        .add("images_per_second", r.images_per_second)
+                       .add("data_wait_fraction", r.data_wait_fraction)
                        .add("lr", r.lr));
     return r;
   }
