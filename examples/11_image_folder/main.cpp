@@ -20,7 +20,8 @@
 // --model=resnet20|resnet50 --size=28 (training and test resolution) --eval-resize=0 (shorter side
 // before the test's centre crop; 0: --size) --channels=1|3 --augment=standard|none
 // --crop-scale=0.35 (RandomResizedCrop's smallest area fraction) --flip=0.5 --cache (keep decoded
-// images in memory) --skip-corrupt (skip unreadable files, and count them) --compare-idx
+// images in memory) --cache-file=PATH (decoded images in PATH.train / PATH.test, memory-mapped,
+// built by the first run and reused by the next) --skip-corrupt (skip unreadable files, and count them) --compare-idx
 // --data-dir=DIR (the IDX files, for --compare-idx) --min-accuracy=0 (exit 1 below it, percent)
 #include <algorithm>
 #include <atomic>
@@ -40,7 +41,7 @@ using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the b
 using Comm = E::Comm;
 
 struct Options {
-  std::string image_folder, model = "resnet20", augment = "standard", data_dir;
+  std::string image_folder, model = "resnet20", augment = "standard", data_dir, cache_file;
   std::int64_t epochs = 3, batch = 128, size = 28, eval_resize = 0, channels = 1;
   double lr = 0.1, warmup = 0.5, crop_scale = 0.35, flip = 0.5, min_accuracy = 0;
   int threads = 1, ranks = 2, workers = 1;
@@ -147,9 +148,13 @@ int run(Comm& comm, const Options& o) {
                   " (built as build/idx-to-image-folder)");
   }
   const Transforms t = make_transforms(o);
-  ImageFolder train_set((root / "train").string(),
-                        {.transform = t.train, .seed = o.seed, .skip_corrupt = o.skip_corrupt, .cache = o.cache});
-  ImageFolder test_set((root / "test").string(), {.transform = t.test, .skip_corrupt = o.skip_corrupt, .cache = o.cache});
+  // --cache-file=PATH: PATH.train and PATH.test (each rank maps the same files; the first builds them).
+  const std::string train_cache = o.cache_file.empty() ? "" : o.cache_file + ".train";
+  const std::string test_cache = o.cache_file.empty() ? "" : o.cache_file + ".test";
+  ImageFolder train_set((root / "train").string(), {.transform = t.train, .seed = o.seed, .skip_corrupt = o.skip_corrupt,
+                                                    .cache = o.cache, .cache_file = train_cache});
+  ImageFolder test_set((root / "test").string(),
+                       {.transform = t.test, .skip_corrupt = o.skip_corrupt, .cache = o.cache, .cache_file = test_cache});
   TESSERA_CHECK(train_set.classes() == test_set.classes(), ArgumentError, "--image-folder=", o.image_folder,
                 ": train/ has ", train_set.num_classes(), " classes and test/ ", test_set.num_classes(),
                 "; they must be the same names");
@@ -211,6 +216,7 @@ Options parse(int argc, char** argv) {
   o.crop_scale = flags.get("crop-scale", o.crop_scale, {.above = 0, .max = 1});
   o.flip = flags.get("flip", o.flip, {.min = 0, .max = 1});
   o.cache = flags.get("cache", o.cache);
+  o.cache_file = flags.output_path("cache-file", o.cache_file);
   o.skip_corrupt = flags.get("skip-corrupt", o.skip_corrupt);
   o.compare_idx = flags.get("compare-idx", o.compare_idx);
   o.data_dir = flags.get("data-dir", o.data_dir);

@@ -463,3 +463,64 @@ TEST_CASE("DataLoader over a SampleSource: an error is rethrown in order and ret
   std::iota(expected.begin(), expected.end(), 0);
   CHECK(got == expected);
 }
+
+TEST_CASE("ImageFolder: cache_file is built once, reused by a matching folder, rebuilt when a file changes",
+          "[data][image_folder]") {
+  if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
+  ImageTempDir dir;
+  make_folder(dir.path / "images", 3, 5);
+  const std::string cache = (dir.path / "decoded.cache").string();
+  ImageTransform t = ImageTransform::train(12, {0.4, 1.0});
+  t.normalize({0.5f, 0.5f, 0.5f}, {0.25f, 0.25f, 0.25f});
+  const std::string root = (dir.path / "images").string();
+  ImageFolder plain(root, {.transform = t, .seed = 4});
+  DataLoader<float> plain_loader(plain, {.batch_size = 4, .shuffle = true, .seed = 9});
+  const auto want = drain(plain_loader, 2);
+  {
+    ImageFolder first(root, {.transform = t, .seed = 4, .cache_file = cache});
+    CHECK(first.cache_file_built());
+    CHECK(fs::exists(cache));
+    CHECK(first.cache_bytes() > 0);
+    DataLoader<float> loader(first, {.batch_size = 4, .shuffle = true, .seed = 9, .workers = 2});
+    CHECK(drain(loader, 2) == want);
+  }
+  {
+    ImageFolder again(root, {.transform = t, .seed = 4, .cache_file = cache});
+    CHECK_FALSE(again.cache_file_built());  // mapped, not rebuilt
+    DataLoader<float> loader(again, {.batch_size = 4, .shuffle = true, .seed = 9});
+    CHECK(drain(loader, 2) == want);
+  }
+  // A changed file (new contents, new modification time) invalidates the cache.
+  const fs::path changed = dir.path / "images" / "class_2" / "3.jpg";
+  fs::remove(changed);
+  write_file_bytes(changed.string(), encode_png(pattern(22, 26, 3, 77)));  // a PNG with a .jpg name
+  {
+    ImageFolder rebuilt(root, {.transform = t, .seed = 4, .cache_file = cache});
+    CHECK(rebuilt.cache_file_built());
+  }
+  // A damaged cache file is rebuilt, not trusted.
+  { std::ofstream(cache, std::ios::binary | std::ios::trunc) << "garbage"; }
+  {
+    ImageFolder repaired(root, {.transform = t, .seed = 4, .cache_file = cache});
+    CHECK(repaired.cache_file_built());
+    std::vector<float> a(3 * 12 * 12), b(3 * 12 * 12);
+    ImageFolder direct(root, {.transform = t, .seed = 4});
+    for (std::int64_t k = 0; k < direct.size(); ++k) {
+      repaired.read(k, 5, a.data());
+      direct.read(k, 5, b.data());
+      CHECK(a == b);
+    }
+  }
+  // An unreadable file is recorded in the cache and named at read time, or skipped.
+  fs::remove(changed);
+  write_file_bytes(changed.string(), std::vector<std::uint8_t>{0xff, 0xd8, 0xff, 0x00});
+  ImageFolder strict(root, {.transform = t, .seed = 4, .cache_file = cache});
+  std::vector<float> out(3 * 12 * 12);
+  CHECK_THAT(error_of([&] { strict.read(13, 0, out.data()); }),
+             Catch::Contains(changed.string()) && Catch::Contains("cache file"));
+  ImageFolder lenient(root, {.transform = t, .seed = 4, .skip_corrupt = true, .cache_file = cache});
+  CHECK_FALSE(lenient.cache_file_built());
+  CHECK(lenient.read(13, 0, out.data()) == 2);  // sample 14, the next one
+  CHECK(lenient.skipped_count() == 1);
+  CHECK_THROWS_AS(ImageFolder(root, {.cache = true, .cache_file = cache}), ArgumentError);
+}

@@ -46,6 +46,13 @@
 
 namespace tessera {
 
+// A read-only view of HWC bytes that live elsewhere (an Image, a memory-mapped cache file).
+struct ImageView {
+  const std::uint8_t* data = nullptr;
+  std::int64_t height = 0, width = 0, channels = 0;
+  const std::uint8_t* row(std::int64_t y) const { return data + y * width * channels; }
+};
+
 struct Image {
   std::int64_t height = 0, width = 0, channels = 0;
   std::vector<std::uint8_t> pixels;  // (height, width, channels)
@@ -58,6 +65,7 @@ struct Image {
   }
   std::uint8_t* row(std::int64_t y) { return pixels.data() + y * width * channels; }
   const std::uint8_t* row(std::int64_t y) const { return pixels.data() + y * width * channels; }
+  operator ImageView() const { return {pixels.data(), height, width, channels}; }  // NOLINT: a view of it
 };
 
 enum class ImageFormat { Unknown, Jpeg, Png };

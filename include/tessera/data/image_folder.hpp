@@ -22,17 +22,29 @@
 // skipped() lists each bad file once with its reason. Other extensions (.txt, .csv) are ignored,
 // as torchvision does.
 //
-// Cache (cache = true): each decoded image is kept in memory the first time it is read, so later
-// epochs skip reading and decoding (the transform still runs: crops differ per epoch). It costs
-// the decoded bytes (H x W x C per image); cache_bytes() says how many are held. Workers fill it
-// concurrently without a lock: a sample is claimed by one atomic exchange, written once and
-// published with release ordering.
+// Caches, for data sets small enough to hold decoded (the transform still runs on every read:
+// crops differ per epoch):
+//  - cache = true: each decoded image is kept in memory the first time it is read, so later
+//    epochs skip reading and decoding. It costs the decoded bytes (H x W x C per image);
+//    cache_bytes() says how many are held. Workers fill it concurrently without a lock: a sample
+//    is claimed by one atomic exchange, written once and published with release ordering.
+//  - cache_file = PATH: every image decoded once into one file, memory-mapped read-only. The
+//    constructor builds it (decoding on all OpenMP threads, into PATH.<pid>.tmp, then renamed, so
+//    ranks building it at once never see a partial file) unless PATH already holds the cache of
+//    this exact file list: its header carries a fingerprint of every sample's path, size and
+//    modification time, and of the channel count. A later run, or another rank or process on the
+//    machine, maps it and shares its pages through the kernel's page cache. Unreadable files are
+//    recorded in it as such (skip_corrupt decides, at read time, as without the cache).
+//    Layout: "TSIMGC01", u64 count, channels, fingerprint; count x {u64 offset, u32 height,
+//    u32 width} (0 x 0: unreadable); the pixels.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -42,6 +54,11 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/random.hpp"
@@ -58,6 +75,7 @@ struct ImageFolderOptions {
   std::string index;          // optional file list / CSV (see above); empty: walk root
   bool skip_corrupt = false;  // replace unreadable files by the next readable sample, and count them
   bool cache = false;         // keep decoded images in memory
+  std::string cache_file;     // or: decoded images in one memory-mapped file (built once, reused)
 };
 
 struct ImageSample {
@@ -112,12 +130,21 @@ class ImageFolder final : public SampleSource {
     }
     TESSERA_CHECK(!samples_.empty(), IoError, "ImageFolder(", root_, "): no .jpg, .jpeg or .png files found",
                   opt_.index.empty() ? " in its class directories" : detail::cat(" in the index ", opt_.index));
+    TESSERA_CHECK(!(opt_.cache && !opt_.cache_file.empty()), ArgumentError, "ImageFolder(", root_,
+                  "): choose cache (memory) or cache_file, not both");
     if (opt_.cache) {
       cache_ = std::make_unique<CacheEntry[]>(samples_.size());
     }
+    if (!opt_.cache_file.empty()) open_or_build_cache_file();
     bad_ = std::make_unique<std::atomic<std::uint8_t>[]>(samples_.size());
     for (std::size_t i = 0; i < samples_.size(); ++i) bad_[i].store(0, std::memory_order_relaxed);
   }
+
+  ~ImageFolder() override {
+    if (mapped_ != nullptr) ::munmap(mapped_, mapped_bytes_);
+  }
+  ImageFolder(const ImageFolder&) = delete;
+  ImageFolder& operator=(const ImageFolder&) = delete;
 
   // SampleSource
   std::int64_t size() const override { return static_cast<std::int64_t>(samples_.size()); }
@@ -135,16 +162,16 @@ class ImageFolder final : public SampleSource {
     for (std::int64_t tries = 0; tries < n; ++tries) {
       const std::int64_t k = (index + tries) % n;
       if (bad_[static_cast<std::size_t>(k)].load(std::memory_order_relaxed)) continue;
-      const Image* image = nullptr;
+      ImageView image;
       try {
-        image = &decoded(k, scratch);
+        image = decoded(k, scratch);
       } catch (const IoError& e) {
         if (!opt_.skip_corrupt) throw;
         mark_bad(k, e.what());
         continue;
       }
       Rng rng(sample_seed(opt_.seed, epoch, k));
-      apply_transform(*image, opt_.transform, table_, rng, out, scratch.resample);
+      apply_transform(image, opt_.transform, table_, rng, out, scratch.resample);
       return samples_[static_cast<std::size_t>(k)].label;
     }
     throw IoError(detail::cat(name(), ": none of its ", n, " files can be read (skip_corrupt found every one bad; ",
@@ -166,8 +193,10 @@ class ImageFolder final : public SampleSource {
     std::lock_guard<std::mutex> lock(skipped_mutex_);
     return skipped_.size();
   }
-  // Decoded bytes held by the cache.
+  // Decoded bytes held by the cache (in memory, or mapped from cache_file).
   std::size_t cache_bytes() const { return cache_bytes_.load(std::memory_order_relaxed); }
+  // Whether cache_file was built by this constructor (false: an existing one was reused, or none).
+  bool cache_file_built() const { return cache_file_built_; }
 
  private:
   struct Scratch {
@@ -180,9 +209,15 @@ class ImageFolder final : public SampleSource {
     Image image;
   };
 
-  // Sample k's decoded image: from the cache, or read and decoded into the scratch (and cached).
-  const Image& decoded(std::int64_t k, Scratch& s) const {
+  // Sample k's decoded image: from a cache, or read and decoded into the scratch (and cached).
+  ImageView decoded(std::int64_t k, Scratch& s) const {
     const auto i = static_cast<std::size_t>(k);
+    if (mapped_ != nullptr) {
+      const CacheFileEntry& e = file_entries_[i];
+      TESSERA_CHECK(e.height > 0, IoError, samples_[i].path, ": unreadable (recorded so in the cache file ",
+                    opt_.cache_file, " when it was built)");
+      return {static_cast<const std::uint8_t*>(mapped_) + e.offset, e.height, e.width, opt_.transform.channels};
+    }
     if (cache_ && cache_[i].state.load(std::memory_order_acquire) == 2) return cache_[i].image;
     const std::string& path = samples_[i].path;
     read_file_bytes(path, s.bytes);
@@ -196,6 +231,114 @@ class ImageFolder final : public SampleSource {
       }
     }
     return s.image;
+  }
+
+  struct CacheFileEntry {
+    std::uint64_t offset = 0;
+    std::uint32_t height = 0, width = 0;
+  };
+  static constexpr char kCacheMagic[8] = {'T', 'S', 'I', 'M', 'G', 'C', '0', '1'};
+
+  // FNV-1a over every sample's path, size and modification time, and the channel count.
+  std::uint64_t fingerprint() const {
+    std::uint64_t h = 1469598103934665603ULL;
+    const auto mix = [&](const void* p, std::size_t n) {
+      for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ULL;
+    };
+    for (const auto& sample : samples_) {
+      struct stat st {};
+      if (::stat(sample.path.c_str(), &st) != 0) st = {};
+      const std::int64_t stamp[3] = {static_cast<std::int64_t>(st.st_size), static_cast<std::int64_t>(st.st_mtim.tv_sec),
+                                     static_cast<std::int64_t>(st.st_mtim.tv_nsec)};
+      mix(sample.path.data(), sample.path.size() + 1);
+      mix(stamp, sizeof stamp);
+    }
+    mix(&opt_.transform.channels, sizeof opt_.transform.channels);
+    return h;
+  }
+
+  // Maps cache_file if it holds this folder's cache; false if it is missing or of another file list.
+  bool map_cache_file(std::uint64_t want) {
+    const int fd = ::open(opt_.cache_file.c_str(), O_RDONLY);
+    if (fd < 0) return false;
+    struct stat st {};
+    const std::size_t n = samples_.size();
+    const std::size_t header = 8 + 3 * 8 + n * sizeof(CacheFileEntry);
+    void* p = MAP_FAILED;
+    if (::fstat(fd, &st) == 0 && static_cast<std::size_t>(st.st_size) >= header) {
+      p = ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+    }
+    ::close(fd);
+    if (p == MAP_FAILED) return false;
+    const auto* bytes = static_cast<const std::uint8_t*>(p);
+    std::uint64_t fields[3];
+    std::memcpy(fields, bytes + 8, sizeof fields);
+    bool ok = std::memcmp(bytes, kCacheMagic, 8) == 0 && fields[0] == n &&
+              fields[1] == static_cast<std::uint64_t>(opt_.transform.channels) && fields[2] == want;
+    if (ok) {
+      file_entries_.resize(n);
+      std::memcpy(file_entries_.data(), bytes + 32, n * sizeof(CacheFileEntry));
+      std::size_t total = 0;
+      for (const auto& e : file_entries_) {
+        const std::size_t size = std::size_t{e.height} * e.width * static_cast<std::size_t>(opt_.transform.channels);
+        ok = ok && e.offset >= header && e.offset + size <= static_cast<std::size_t>(st.st_size);
+        total += size;
+      }
+      cache_bytes_.store(total);
+    }
+    if (!ok) {
+      ::munmap(p, static_cast<std::size_t>(st.st_size));
+      file_entries_.clear();
+      return false;
+    }
+    mapped_ = p;
+    mapped_bytes_ = static_cast<std::size_t>(st.st_size);
+    return true;
+  }
+
+  void open_or_build_cache_file() {
+    const std::uint64_t want = fingerprint();
+    if (map_cache_file(want)) return;
+    // Decode every sample once, on all threads; an unreadable one is recorded as 0 x 0.
+    const std::size_t n = samples_.size();
+    std::vector<Image> images(n);
+#pragma omp parallel for schedule(dynamic, 16)
+    for (std::size_t i = 0; i < n; ++i) {
+      thread_local std::vector<std::uint8_t> bytes, convert;
+      try {
+        read_file_bytes(samples_[i].path, bytes);
+        decode_image(bytes, opt_.transform.channels, samples_[i].path, images[i], convert);
+      } catch (const std::exception&) {
+        images[i] = Image{};  // decoded() reports it when (and if) it is read
+      }
+    }
+    std::vector<CacheFileEntry> entries(n);
+    std::uint64_t offset = 8 + 3 * 8 + n * sizeof(CacheFileEntry);
+    for (std::size_t i = 0; i < n; ++i) {
+      entries[i] = {offset, static_cast<std::uint32_t>(images[i].height), static_cast<std::uint32_t>(images[i].width)};
+      offset += images[i].pixels.size();
+    }
+    const std::string tmp = opt_.cache_file + "." + std::to_string(::getpid()) + "." +
+                            std::to_string(reinterpret_cast<std::uintptr_t>(this)) + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      TESSERA_CHECK(out.good(), IoError, "ImageFolder(", root_, "): cannot create the cache file ", tmp, ": ",
+                    std::strerror(errno));
+      const std::uint64_t fields[3] = {n, static_cast<std::uint64_t>(opt_.transform.channels), want};
+      out.write(kCacheMagic, 8);
+      out.write(reinterpret_cast<const char*>(fields), sizeof fields);
+      out.write(reinterpret_cast<const char*>(entries.data()), static_cast<std::streamsize>(n * sizeof(CacheFileEntry)));
+      for (const auto& im : images)
+        out.write(reinterpret_cast<const char*>(im.pixels.data()), static_cast<std::streamsize>(im.pixels.size()));
+      out.flush();
+      TESSERA_CHECK(out.good(), IoError, "ImageFolder(", root_, "): writing the cache file ", tmp, " failed (disk full?)");
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, opt_.cache_file, ec);
+    if (ec) std::filesystem::remove(tmp, ec);
+    TESSERA_CHECK(map_cache_file(want), IoError, "ImageFolder(", root_, "): cannot map the cache file ",
+                  opt_.cache_file, " it has just written");
+    cache_file_built_ = true;
   }
 
   void mark_bad(std::int64_t k, const std::string& reason) const {
@@ -303,6 +446,10 @@ class ImageFolder final : public SampleSource {
   mutable std::vector<SkippedFile> skipped_;
   std::unique_ptr<CacheEntry[]> cache_;
   mutable std::atomic<std::size_t> cache_bytes_{0};
+  void* mapped_ = nullptr;  // cache_file, mapped read-only
+  std::size_t mapped_bytes_ = 0;
+  std::vector<CacheFileEntry> file_entries_;
+  bool cache_file_built_ = false;
 };
 
 // ImageArray: images already in memory (a Dataset with pixels in [0, 1], such as an IDX set)

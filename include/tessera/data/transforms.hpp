@@ -166,7 +166,7 @@ struct ResampleScratch {
 
 // The output of PIL's img.crop(box).resize((out_w, out_h), BILINEAR), restricted to its window
 // rows [wy, wy + wh) and columns [wx, wx + ww), as bytes (wh, ww, channels) in `dst`.
-inline void resize_crop_window(const Image& img, const CropBox& box, std::int64_t out_h, std::int64_t out_w,
+inline void resize_crop_window(const ImageView& img, const CropBox& box, std::int64_t out_h, std::int64_t out_w,
                                std::int64_t wy, std::int64_t wx, std::int64_t wh, std::int64_t ww, std::uint8_t* dst,
                                detail::ResampleScratch& s) {
   using detail::clip8;
@@ -318,7 +318,7 @@ inline void window_to_tensor(const std::uint8_t* window, std::int64_t wh, std::i
 }
 
 // F.resized_crop(img, box, [oh, ow]) -> hflip when `flip` -> ToTensor/Normalize (`table`): (C, oh, ow).
-inline void resized_crop_to_tensor(const Image& img, const CropBox& box, std::int64_t oh, std::int64_t ow, bool flip,
+inline void resized_crop_to_tensor(const ImageView& img, const CropBox& box, std::int64_t oh, std::int64_t ow, bool flip,
                                    const std::vector<float>& table, float* out, detail::ResampleScratch& s) {
   TESSERA_CHECK(box.top >= 0 && box.left >= 0 && box.height > 0 && box.width > 0 &&
                     box.top + box.height <= img.height && box.left + box.width <= img.width,
@@ -331,7 +331,7 @@ inline void resized_crop_to_tensor(const Image& img, const CropBox& box, std::in
 
 // Applies `t` to `img` (whose channels must be t.channels) and writes (C, H, W) floats to `out`.
 // `table` is normalize_table(t); `rng` is used by the train mode only.
-inline void apply_transform(const Image& img, const ImageTransform& t, const std::vector<float>& table, Rng& rng,
+inline void apply_transform(const ImageView& img, const ImageTransform& t, const std::vector<float>& table, Rng& rng,
                             float* out, detail::ResampleScratch& s) {
   const std::int64_t oh = t.height, ow = t.width;
   if (t.mode == ImageTransform::Mode::Train) {
