@@ -24,7 +24,6 @@
 // built by the first run and reused by the next) --skip-corrupt (skip unreadable files, and count them) --compare-idx
 // --data-dir=DIR (the IDX files, for --compare-idx) --min-accuracy=0 (exit 1 below it, percent)
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -32,6 +31,7 @@
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
+#include "common/rank_status.hpp"
 
 using namespace tessera;
 
@@ -232,19 +232,12 @@ Options parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Options o;
   try {
-    const Options o = parse(argc, argv);
-    // Rank 0's verdict: the other ranks test the same weights but with their own BatchNorm running
-    // statistics (from their shards), so their accuracies differ slightly. A process backend's
-    // launcher (mpirun, tessera-run) fails when rank 0's process does.
-    std::atomic<int> status{0};
-    launch<E>([&](Comm& comm) {
-      const int s = run(comm, o);
-      if (comm.rank() == 0) status.store(s);
-    }, {.ranks = o.ranks});  // --ranks: threads build only
-    return status.load();
+    o = parse(argc, argv);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "11_image_folder: %s\n", e.what());
+    std::fprintf(stderr, "%s: %s\n", "11_image_folder", e.what());
     return 1;
   }
+  return examples::run_checked<E>("11_image_folder", o.ranks, [&](Comm& comm) { return run(comm, o); });
 }

@@ -14,13 +14,13 @@
 //
 // Flags: --epochs=1 --batch=64 (global) --lr=0.001 --threads=1 (per rank) --ranks=2 (threads
 // build) --seed=1 --limit=N (first N training images) --data-dir=DIR --tolerance=0.5 (points)
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <string>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
+#include "common/rank_status.hpp"
 #include "common/fashion_mnist_data.hpp"
 
 using namespace tessera;
@@ -155,16 +155,12 @@ Options parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Options o;
   try {
-    const Options o = parse(argc, argv);
-    std::atomic<int> status{0};
-    launch<E>([&](Comm& comm) {
-      const int s = run(comm, o);
-      if (comm.rank() == 0) status.store(s);
-    }, {.ranks = o.ranks});  // --ranks: threads build only
-    return status.load();
+    o = parse(argc, argv);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "12_zero: %s\n", e.what());
+    std::fprintf(stderr, "%s: %s\n", "12_zero", e.what());
     return 1;
   }
+  return examples::run_checked<E>("12_zero", o.ranks, [&](Comm& comm) { return run(comm, o); });
 }
