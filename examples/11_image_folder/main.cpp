@@ -24,6 +24,7 @@
 // built by the first run and reused by the next) --skip-corrupt (skip unreadable files, and count them) --compare-idx
 // --data-dir=DIR (the IDX files, for --compare-idx) --min-accuracy=0 (exit 1 below it, percent)
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -120,11 +121,8 @@ ImageArray idx_in_folder_order(const ImageFolder& folder, const Dataset& idx, co
     const std::string& path = folder.samples()[static_cast<std::size_t>(k)].path;
     const std::string stem = std::filesystem::path(path).stem().string();
     std::int64_t i = -1;
-    try {
-      i = std::stoll(stem);
-    } catch (const std::exception&) {
-    }
-    TESSERA_CHECK(i >= 0 && i < idx.size() && std::to_string(i).size() <= stem.size(), ArgumentError,
+    const auto [end, error] = std::from_chars(stem.data(), stem.data() + stem.size(), i);
+    TESSERA_CHECK(error == std::errc() && end == stem.data() + stem.size() && i >= 0 && i < idx.size(), ArgumentError,
                   "--compare-idx: ", path, " is not named by an IDX sample index (as idx-to-image-folder names them)");
     TESSERA_CHECK(idx.labels[static_cast<std::size_t>(i)] == folder.samples()[static_cast<std::size_t>(k)].label,
                   ArgumentError, "--compare-idx: ", path, " is in class ", folder.samples()[static_cast<std::size_t>(k)].label,
@@ -231,13 +229,4 @@ Options parse(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", "11_image_folder", e.what());
-    return 1;
-  }
-  return examples::run_checked<E>("11_image_folder", o.ranks, [&](Comm& comm) { return run(comm, o); });
-}
+int main(int argc, char** argv) { return examples::run_checked<E>("11_image_folder", argc, argv, parse, run); }

@@ -154,13 +154,4 @@ Options parse(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", "12_zero", e.what());
-    return 1;
-  }
-  return examples::run_checked<E>("12_zero", o.ranks, [&](Comm& comm) { return run(comm, o); });
-}
+int main(int argc, char** argv) { return examples::run_checked<E>("12_zero", argc, argv, parse, run); }

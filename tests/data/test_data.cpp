@@ -27,30 +27,15 @@
 #include "tessera/data/idx.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
+#include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace tessera;
+using tessera::testing::TempDir;
 
 namespace {
 
 using Bytes = std::vector<std::uint8_t>;
-
-// A fresh directory under the system temp dir, removed with its contents at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("tessera_data_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
 
 Bytes idx_bytes(std::uint8_t type, const std::vector<std::uint32_t>& dims, const Bytes& payload) {
   Bytes out = {0, 0, type, static_cast<std::uint8_t>(dims.size())};

@@ -13,7 +13,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "tessera/data/fashion_mnist.hpp"
@@ -22,28 +21,15 @@
 #include "tessera/data/loader.hpp"
 #include "tessera/data/transforms.hpp"
 #include "tessera/io/safetensors.hpp"
+#include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace tessera;
+using tessera::testing::TempDir;
 
 namespace {
 
 const std::string kImages = std::string(TESSERA_REFERENCE_DATA_DIR) + "/images/";
-
-struct ImageTempDir {
-  fs::path path;
-  ImageTempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("tessera_image_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ImageTempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 const SafetensorsFile& reference() {
   static const SafetensorsFile file = SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/images.safetensors");
@@ -259,7 +245,7 @@ TEST_CASE("random_resized_crop_box: torchvision's get_params (area and ratio ran
 
 TEST_CASE("ImageFolder: classes sorted, torchvision's file order, labels, index files", "[data][image_folder]") {
   if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
-  ImageTempDir dir;
+  TempDir dir;
   make_folder(dir.path, 3, 4);
   fs::create_directories(dir.path / "class_1" / "nested");
   write_file_bytes((dir.path / "class_1" / "nested" / "a.PNG").string(), encode_png(pattern(20, 25, 3, 9)));
@@ -308,7 +294,7 @@ TEST_CASE("ImageFolder: PNG files give back the IDX bytes exactly (Fashion-MNIST
   } catch (const IoError&) {
     { WARN("Fashion-MNIST is not installed"); return; }
   }
-  ImageTempDir dir;
+  TempDir dir;
   const int n = 60;
   for (int i = 0; i < n; ++i) {
     Image im;
@@ -337,7 +323,7 @@ TEST_CASE("ImageFolder: PNG files give back the IDX bytes exactly (Fashion-MNIST
 TEST_CASE("DataLoader over ImageFolder: same batches for any worker count, prefetch, cache; ranks are disjoint shards",
           "[data][image_folder]") {
   if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
-  ImageTempDir dir;
+  TempDir dir;
   make_folder(dir.path, 4, 9);
   ImageTransform t = ImageTransform::train(16, {0.3, 1.0});
   t.normalize({0.5f, 0.4f, 0.3f}, {0.2f, 0.25f, 0.3f});
@@ -391,7 +377,7 @@ TEST_CASE("DataLoader over ImageFolder: same batches for any worker count, prefe
 TEST_CASE("ImageFolder: a corrupt file is an error naming it, or skipped and counted with skip_corrupt",
           "[data][image_folder]") {
   if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
-  ImageTempDir dir;
+  TempDir dir;
   make_folder(dir.path, 2, 5);
   const fs::path bad = dir.path / "class_1" / "2.png";
   {
@@ -467,7 +453,7 @@ TEST_CASE("DataLoader over a SampleSource: an error is rethrown in order and ret
 TEST_CASE("ImageFolder: cache_file is built once, reused by a matching folder, rebuilt when a file changes",
           "[data][image_folder]") {
   if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
-  ImageTempDir dir;
+  TempDir dir;
   make_folder(dir.path / "images", 3, 5);
   const std::string cache = (dir.path / "decoded.cache").string();
   ImageTransform t = ImageTransform::train(12, {0.4, 1.0});
