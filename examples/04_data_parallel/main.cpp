@@ -18,11 +18,15 @@
 // Keeping the global batch fixed makes N ranks compute exactly what one process computes on the
 // same batches (up to floating-point summation order), so the accuracy must match one rank's.
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <optional>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
@@ -45,6 +49,117 @@ struct Options {
   std::string data_dir, compression = "none", trace, checkpoint, resume;
   std::int64_t bucket_kib = 1024, stop_after = 0;
 };
+
+// Bytes received on the loopback interface since boot (/proc/net/dev), or -1 where unreadable. All
+// ranks of a job on this host that talk over TCP (Gloo) pass their bytes through it.
+double loopback_bytes() {
+  std::FILE* f = std::fopen("/proc/net/dev", "r");
+  if (!f) return -1;
+  char line[512];
+  double bytes = -1;
+  while (std::fgets(line, sizeof line, f)) {
+    const char* p = line;
+    while (*p == ' ') ++p;
+    if (std::strncmp(p, "lo:", 3) == 0) bytes = std::strtod(p + 3, nullptr);
+  }
+  std::fclose(f);
+  return bytes;
+}
+
+// FNV-1a over the bytes of every parameter: equal on two ranks only if their replicas are
+// bit-identical (a sum could hide a difference; a hash of the exact bits cannot, short of a
+// 1-in-2^64 collision).
+template <class Model>
+std::uint64_t parameter_checksum(Model& model) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (auto& [name, p] : named_tensors(model).parameters) {
+    const auto host = to_host(p->value);
+    const auto* bytes = reinterpret_cast<const unsigned char*>(host.data());
+    for (std::size_t k = 0; k < static_cast<std::size_t>(host.numel()) * sizeof(float); ++k)
+      h = (h ^ bytes[k]) * 1099511628211ull;
+  }
+  return h;
+}
+
+// Every rank's checksum, gathered; prints them (rank 0) and says whether all are equal.
+template <class Model>
+bool replicas_identical(Comm& comm, Model& model, const char* when) {
+  const std::array<std::int64_t, 1> mine{static_cast<std::int64_t>(parameter_checksum(model))};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+  const bool same = std::all_of(all.begin(), all.end(), [&](std::int64_t h) { return h == all[0]; });
+  if (comm.rank() == 0) {
+    std::printf("check: parameter checksum per rank %s:", when);
+    for (auto h : all) std::printf(" %016llx", static_cast<unsigned long long>(h));
+    std::printf(" (%s)\n", comm.size() == 1 ? "one replica" : same ? "bit-identical replicas" : "REPLICAS DIFFER");
+  }
+  return same;
+}
+
+// The claim of this example, checked on its first steps: N ranks, each on its shard of every
+// global batch, with gradients averaged, compute what one process computes on the whole global
+// batches. Both run kCheckSteps SGD steps from rank 0's initial weights (separate models, so the
+// training below starts as if this had not run); every rank compares its replica with the
+// one-process reference. They differ only in summation order (a sum over 64 samples against two
+// of 32 then an average): the stated tolerance is 1e-5 on every parameter.
+constexpr int kCheckSteps = 3;
+constexpr double kCheckTolerance = 1e-5;
+
+void check_against_one_process(Comm& comm, const Options& o, const Dataset& train_set) {
+  const int rank = comm.rank(), ranks = comm.size();
+  auto replica = lenet5<E>(1, 28, 10, o.seed + static_cast<std::uint64_t>(rank));  // DataParallel broadcasts rank 0's
+  auto reference = lenet5<E>(1, 28, 10, o.seed);                                   // = rank 0's initial weights
+  DataParallel dp(replica, comm);
+  const SgdOptions sgd_options{.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay, .decay_norm_and_bias = false};
+  Sgd<E> replica_sgd(dp.parameters(), sgd_options);
+  Sgd<E> reference_sgd(named_tensors(reference), sgd_options);
+  DataLoader<float> shard(train_set, {.batch_size = o.batch / ranks, .shuffle = true, .seed = o.seed, .rank = rank,
+                                      .world_size = ranks});
+  DataLoader<float> whole(train_set, {.batch_size = o.batch, .shuffle = true, .seed = o.seed});
+  shard.start_epoch(0);
+  whole.start_epoch(0);
+  LeNet5<E>::Cache replica_cache{}, reference_cache{};
+  CrossEntropyLoss<E> loss;
+  CrossEntropyLoss<E>::Cache replica_loss_cache, reference_loss_cache;
+  examples::DeviceBatch<Device> replica_images, reference_images;
+  Batch<float> mine, global;
+  for (int step = 0; step < kCheckSteps; ++step) {
+    TESSERA_CHECK(shard.next(mine) && whole.next(global), Error, "04_data_parallel: fewer than ", kCheckSteps,
+                  " batches to check with (--limit too small)");
+    replica_sgd.zero_grad();
+    std::array<double, 1> replica_loss{
+        loss.forward(replica.forward(replica_images(mine.images), replica_cache), mine.labels, replica_loss_cache)};
+    replica.backward(loss.backward(replica_loss_cache), replica_cache);
+    replica_sgd.step();
+    comm.all_reduce(std::span<double>(replica_loss), ReduceOp::Avg);  // the mean over equal shards
+    reference_sgd.zero_grad();
+    const float reference_loss =
+        loss.forward(reference.forward(reference_images(global.images), reference_cache), global.labels,
+                     reference_loss_cache);
+    reference.backward(loss.backward(reference_loss_cache), reference_cache);
+    reference_sgd.step();
+    if (rank == 0)
+      std::printf("check: step %d loss %.6f on %d rank(s), averaged; %.6f in one process on the global batch\n",
+                  step + 1, replica_loss[0], ranks, static_cast<double>(reference_loss));
+  }
+  std::array<double, 1> worst{0};
+  auto want = named_tensors(reference).parameters;
+  auto got = named_tensors(replica).parameters;
+  for (std::size_t k = 0; k < got.size(); ++k) {
+    const auto a = to_host(got[k].second->value), b = to_host(want[k].second->value);
+    for (std::int64_t i = 0; i < a.numel(); ++i)
+      worst[0] = std::max(worst[0], static_cast<double>(std::abs(a[i] - b[i])));
+  }
+  comm.all_reduce(std::span<double>(worst), ReduceOp::Max);
+  if (rank == 0)
+    std::printf("check: after %d steps every rank's parameters are within %.1e of the one-process run's "
+                "(tolerance %.0e)\n", kCheckSteps, worst[0], kCheckTolerance);
+  TESSERA_CHECK(worst[0] <= kCheckTolerance, Error, "04_data_parallel: after ", kCheckSteps, " steps the ", ranks,
+                "-rank replicas differ from one process on the same global batches by ", worst[0],
+                " (tolerance ", kCheckTolerance, "): data parallelism did not compute the global batch's gradient");
+  TESSERA_CHECK(replicas_identical(comm, replica, "after the check's steps"), Error,
+                "04_data_parallel: the replicas differ after ", kCheckSteps, " steps (see the checksums)");
+}
 
 double train(Comm& comm, const Options& o) {
   const int rank = comm.rank(), ranks = comm.size();
@@ -79,6 +194,13 @@ double train(Comm& comm, const Options& o) {
                 "compression %s\n",
                 ranks, static_cast<long long>(o.batch / ranks), static_cast<long long>(o.batch),
                 static_cast<long long>(o.epochs), dp.buckets().size(), o.compression.c_str());
+  // Lossy compression changes the averaged gradient by design, and a resumed run starts elsewhere:
+  // the one-process comparison holds for plain averaging from the start.
+  if (o.compression == "none" && o.resume.empty())
+    check_against_one_process(comm, o, train_set);
+  else if (rank == 0)
+    std::printf("check: one-process comparison skipped (%s)\n",
+                o.resume.empty() ? "--compression changes the gradients by design" : "resumed run");
   // Optional timeline: compute spans from the Trainer, one span per bucket all-reduce from
   // DataParallel, and the overlap: how much of the all-reduce time ran while backward still did.
   std::optional<Timeline> timeline;
@@ -89,14 +211,20 @@ double train(Comm& comm, const Options& o) {
     if (!timeline) return;
     dp.finish();
     auto last_done = dp.last_wait_began();
+    double step_comm_us = 0;
     for (std::size_t k = 0; k < dp.buckets().size(); ++k) {
       const auto& b = dp.buckets()[k];
       timeline->add("all_reduce bucket " + std::to_string(k) + " (" + std::to_string(b.flat.numel() * 4 / 1024) + " KiB)",
                     "communication", b.launched_at, b.completed_at, Timeline::kCommunication);
-      comm_us += std::chrono::duration<double, std::micro>(b.completed_at - b.launched_at).count();
+      step_comm_us += std::chrono::duration<double, std::micro>(b.completed_at - b.launched_at).count();
       last_done = std::max(last_done, b.completed_at);
     }
-    exposed_us += std::chrono::duration<double, std::micro>(last_done - dp.last_wait_began()).count();
+    // Exposed: from the end of backward to the last bucket's completion; none when the buckets were
+    // all done before backward ended (a bucket's span can also start after backward's end, so cap
+    // it at the step's all-reduce time).
+    const double step_us = std::chrono::duration<double, std::micro>(last_done - dp.last_wait_began()).count();
+    exposed_us += std::clamp(step_us, 0.0, step_comm_us);
+    comm_us += step_comm_us;
   };
   // Rank 0 reports; every rank trains (and evaluates: the replicas are identical).
   // checkpoint_group: a checkpoint (save/load) gathers every rank's random generators to rank 0's
@@ -112,8 +240,26 @@ double train(Comm& comm, const Options& o) {
     if (rank == 0 && o.compression == "topk")
       std::printf("note: TopK error-feedback residuals are not in checkpoints; they restart from zero\n");
   }
+  const double lo_before = rank == 0 ? loopback_bytes() : -1;
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
   if (results.empty()) return 0.0;
+  // The cost model: a bandwidth-optimal all-reduce (ring, or halving-doubling) of G bytes sends
+  // (p-1)/p x G per rank to reduce-scatter and as much again to all-gather: 2(p-1)/p x G per rank
+  // and step, whatever p is. G = parameters x bytes per value sent.
+  if (rank == 0 && ranks > 1 && o.compression != "topk") {
+    const double g = static_cast<double>(count_parameters(dp.parameters())) * (o.compression == "fp16" ? 2.0 : 4.0);
+    const double per_step = 2.0 * (ranks - 1) / ranks * g;
+    const double steps = static_cast<double>(results.size() * static_cast<std::size_t>(train_loader.batches_per_epoch()));
+    std::printf("cost: all-reduce per rank and step = 2(p-1)/p x G = 2 x %d/%d x %.1f KiB = %.1f KiB\n", ranks - 1, ranks,
+                g / 1024, per_step / 1024);
+    const double lo_after = loopback_bytes();
+    if (SharedMemoryCommunicator<Comm>)
+      std::printf("cost: measured: nothing to measure, the ranks are threads and the bytes move by memory copy\n");
+    else if (lo_before >= 0 && lo_after >= 0)
+      std::printf("cost: measured on the loopback interface: %.1f KiB per rank and step over %.0f steps (%.2fx the "
+                  "formula; 0 where the backend moves bytes through shared memory)\n",
+                  (lo_after - lo_before) / ranks / steps / 1024, steps, (lo_after - lo_before) / ranks / steps / per_step);
+  }
   if (timeline) {
     timeline->write(comm, o.trace);
     if (rank == 0)
@@ -122,11 +268,13 @@ double train(Comm& comm, const Options& o) {
                   o.trace.c_str(), comm_us / 1000, exposed_us / 1000, 100.0 * (1.0 - exposed_us / std::max(comm_us, 1e-9)));
   }
   double seconds = 0;
-  for (const auto& r : results) seconds += r.seconds;
+  for (const auto& r : results) seconds += r.seconds;  // the slowest rank's (EpochResult)
   const double accuracy = results.back().test_accuracy;
+  TESSERA_CHECK(replicas_identical(comm, model, "after training"), Error,
+                "04_data_parallel: the replicas differ after training (see the checksums)");
   if (rank == 0)
-    std::printf("final test accuracy: %.2f%% (%d ranks, %.1f s training, %.0f img/s)\n", 100 * accuracy, ranks, seconds,
-                static_cast<double>(train_set.labels.size()) * static_cast<double>(results.size()) / seconds);
+    std::printf("final test accuracy: %.2f%% (%d rank(s), %.1f s training, %.0f img/s over all ranks)\n", 100 * accuracy,
+                ranks, seconds, static_cast<double>(train_set.labels.size()) * static_cast<double>(results.size()) / seconds);
   return accuracy;
 }
 

@@ -192,16 +192,36 @@ void train(Comm& world, const Options& o, int stages) {
     for (int s = 0; s < stages; ++s) std::printf(" %.0f", all[static_cast<std::size_t>(2 * s + 1)]);
     std::printf(" (%s)\n", schedule == PipelineSchedule::GPipe ? "GPipe: all M" : "1F1B: at most P - s");
   }
-  // One more step with the timeline on, written as a Chrome trace.
+  // One more step, of the pipeline just trained (same split, same schedule), with the timeline on:
+  // written as a Chrome trace, with this step's idle fractions printed to compare with it.
   if (!o.trace.empty()) {
-    Pipeline traced(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = schedule, .timeline = &timeline});
+    pipe.set_timeline(&timeline);
     model.set_mode(Mode::Train);
     loader.start_epoch(0);
     loader.next(batch);
     sgd.zero_grad();
-    traced.train_step(images(batch.images), batch.labels);
+    if (dp) {
+      {
+        auto guard = dp->no_sync();
+        pipe.train_step(images(batch.images), batch.labels);
+      }
+      dp->finish();
+    } else {
+      pipe.train_step(images(batch.images), batch.labels);
+    }
+    pipe.set_timeline(nullptr);
+    std::array<double, 1> step_time{pipe.last_step().step_seconds};
+    pipe_comm.all_reduce(std::span<double>(step_time), ReduceOp::Max);
+    std::vector<double> idle{1.0 - pipe.last_step().busy_seconds / step_time[0]};
+    std::vector<double> idles(static_cast<std::size_t>(pipe_comm.size()));
+    pipe_comm.all_gather(std::span<const double>(idle), std::span<double>(idles));
     timeline.write(world, o.trace);
-    if (world.rank() == 0) std::printf("timeline of one step: %s\n", o.trace.c_str());
+    if (world.rank() == 0) {
+      std::printf("timeline of one step: %s; that step's idle fraction per stage (1 - F/B time / slowest stage's step):",
+                  o.trace.c_str());
+      for (double f : idles) std::printf(" %.3f", f);
+      std::printf("\n");
+    }
   }
 }
 

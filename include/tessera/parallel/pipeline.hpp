@@ -43,6 +43,13 @@
 // wait for messages that never come, or receive activations of the wrong size. Activation shapes
 // between stages depend on the input and are checked per message (the shape header).
 //
+// Timeline (options.timeline or set_timeline, e.g. for one step after training): per stage, the
+// compute lane holds one span per train_step, named with the stage's units ("train_step
+// [conv2..fc1]"), and inside it every F_i / B_i; the communication lane holds every blocking
+// receive ("recv A3 from stage 0": waiting for micro-batch 3's activations; "recv G3 from stage
+// 2": its gradient) and every send as issued ("send A3 to stage 1, 12.5 KiB"). The stage's idle
+// time is the step span minus its F/B spans: mostly the receive waits, the bubble.
+//
 // Requires: every rank builds the same model (same seed); the model outlives the Pipeline.
 #pragma once
 
@@ -50,6 +57,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <span>
 #include <string>
@@ -85,7 +93,7 @@ struct PipelineOptions {
   PipelineSchedule schedule = PipelineSchedule::OneFOneB;
   std::vector<std::size_t> boundaries;  // P + 1 unit indices, 0 = b_0 < b_1 < ... < b_P = units
   std::vector<double> unit_costs;       // one per unit: relative cost used for balancing
-  SpanSink* timeline = nullptr;         // optional (a Timeline): every F_i / B_i as a span on the compute lane
+  SpanSink* timeline = nullptr;         // optional (a Timeline): see "Timeline" in the header comment
 };
 
 // What the last train_step did on this rank.
@@ -179,6 +187,8 @@ class Pipeline {
   const PipelineStepStats& last_step() const { return stats_; }
   // Micro-batch activation sets this stage keeps allocated (M for GPipe, min(M, P - s) for 1F1B).
   int activation_slots() const { return slots_; }
+  // Records later steps into `timeline` (nullptr: stop recording); the split stays as it is.
+  void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
   // One training step on the global batch x (N, ...) with labels (N): x is read on stage 0 and
   // labels on the last stage only (other ranks may pass empty ones). Accumulates this stage's
@@ -232,11 +242,21 @@ class Pipeline {
       }
       for (int i = m - warmup; i < m; ++i) bwd(i);
     }
-    for (auto& sl : slot_) sl.wait_sends();
+    {
+      const auto waiting = std::chrono::steady_clock::now();
+      for (auto& sl : slot_) sl.wait_sends();
+      note_communication("wait for sends", waiting);
+    }
     // The mean loss lives on the last stage; every rank returns it.
     std::array<S, 1> mean{loss_sum_ / static_cast<S>(m)};
+    const auto broadcasting = std::chrono::steady_clock::now();
     comm_.broadcast(std::span<S>(mean), p - 1);
-    stats_.step_seconds = seconds_since(started);
+    note_communication("broadcast loss", broadcasting);
+    const auto ended = std::chrono::steady_clock::now();
+    stats_.step_seconds = std::chrono::duration<double>(ended - started).count();
+    if (options_.timeline)
+      options_.timeline->add("train_step [" + model_.unit_name(begin_) + ".." + model_.unit_name(end_ - 1) + "]",
+                             "step", started, ended, SpanSink::kCompute);
     return mean[0];
   }
 
@@ -269,10 +289,12 @@ class Pipeline {
       const std::int64_t row = x_->numel() / x_->dim(0);
       D::copy(sl.input.data(), x_->data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
     } else {
+      const auto waiting = std::chrono::steady_clock::now();
       std::array<std::int64_t, 8> header{};
       comm_.recv(std::span<std::int64_t>(header), s - 1);
       sl.input.resize(shape_from_header(header, s - 1));
       comm_.recv(std::span<S>(sl.input.data(), static_cast<std::size_t>(sl.input.numel())), s - 1);
+      note_message("recv A", i, " from stage ", s - 1, 0, waiting);
     }
     const auto began = std::chrono::steady_clock::now();
     const Tensor& out = model_.forward_units(sl.input, sl.cache, begin_, end_);
@@ -286,7 +308,7 @@ class Pipeline {
                                  loss_caches_[static_cast<std::size_t>(i % slots_)]);
     }
     note_busy('F', i, began);
-    if (s < p - 1) send_activation(sl, out);
+    if (s < p - 1) send_activation(sl, out, i);
     stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight_);
   }
 
@@ -300,8 +322,10 @@ class Pipeline {
       sl.output_grad.resize(g.shape());
       scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(m), sl.output_grad.data());
     } else {
+      const auto waiting = std::chrono::steady_clock::now();
       sl.output_grad.resize(sl.output_shape);
       comm_.recv(std::span<S>(sl.output_grad.data(), static_cast<std::size_t>(sl.output_grad.numel())), s + 1);
+      note_message("recv G", i, " from stage ", s + 1, 0, waiting);
     }
     const auto began = std::chrono::steady_clock::now();
     const Tensor& dx = model_.backward_units(sl.output_grad, sl.cache, begin_, end_);
@@ -309,20 +333,25 @@ class Pipeline {
     if (s > 0) {
       TESSERA_CHECK(dx.shape() == sl.input.shape(), ShapeError, "Pipeline: stage ", s, " produced dL/dx ", dx.shape(),
                     " for an input of ", sl.input.shape(), " (does its first unit compute input gradients?)");
+      const auto sending = std::chrono::steady_clock::now();
       sl.send_grad = comm_.send_async(std::span<const S>(dx.data(), static_cast<std::size_t>(dx.numel())), s - 1);
+      note_message("send G", i, " to stage ", s - 1, dx.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
     }
     --in_flight_;
   }
 
   // Activations to the next stage: their shape (rank, dims) first, then the values.
-  void send_activation(Slot& sl, const Tensor& out) {
+  // i: the micro-batch, for the timeline; predict() sends with i = -1 (not recorded).
+  void send_activation(Slot& sl, const Tensor& out, int i = -1) {
     TESSERA_CHECK(out.rank() <= 7, ShapeError, "Pipeline: activations of rank ", out.rank(), " (at most 7)");
     sl.header.fill(0);
     sl.header[0] = out.rank();
     for (std::int64_t d = 0; d < out.rank(); ++d) sl.header[static_cast<std::size_t>(d + 1)] = out.dim(d);
     const int next = comm_.rank() + 1;
+    const auto sending = std::chrono::steady_clock::now();
     sl.send_activation_header = comm_.send_async(std::span<const std::int64_t>(sl.header), next);
     sl.send_activation = comm_.send_async(std::span<const S>(out.data(), static_cast<std::size_t>(out.numel())), next);
+    if (i >= 0) note_message("send A", i, " to stage ", next, out.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
   }
 
   Shape shape_from_header(const std::array<std::int64_t, 8>& h, int from) const {
@@ -343,6 +372,23 @@ class Pipeline {
     stats_.busy_seconds += std::chrono::duration<double>(ended - began).count();
     if (options_.timeline)
       options_.timeline->add(kind + std::to_string(i), "compute", began, ended, SpanSink::kCompute);
+  }
+  // A point-to-point message of micro-batch i on the communication lane, from `began` to now:
+  // "recv A3 from stage 0", "send G3 to stage 1, 12.5 KiB" (bytes > 0 for sends).
+  void note_message(const char* what, int i, const char* direction, int peer, std::int64_t bytes,
+                    std::chrono::steady_clock::time_point began) {
+    if (!options_.timeline) return;
+    std::string name = what + std::to_string(i) + direction + std::to_string(peer);
+    if (bytes > 0) {
+      char kib[32];
+      std::snprintf(kib, sizeof kib, ", %.1f KiB", static_cast<double>(bytes) / 1024.0);
+      name += kib;
+    }
+    options_.timeline->add(std::move(name), "p2p", began, std::chrono::steady_clock::now(), SpanSink::kCommunication);
+  }
+  void note_communication(const char* name, std::chrono::steady_clock::time_point began) {
+    if (options_.timeline)
+      options_.timeline->add(name, "p2p", began, std::chrono::steady_clock::now(), SpanSink::kCommunication);
   }
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();

@@ -13,6 +13,8 @@
 // the Trainer and is reused, so after the first step a training step allocates nothing.
 #pragma once
 
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -45,8 +47,10 @@ struct TrainOptions {
   // Optional: forward, backward, the before_step hook and the optimizer step of every training
   // step as spans on the compute lane (see train/timeline.hpp).
   Timeline* timeline = nullptr;
-  // The ranks that checkpoint together (data parallelism: CheckpointGroup(comm)), so that save()
-  // keeps every rank's random generators and load() gives each rank its own. Default: one process.
+  // The ranks that train together (data parallelism: CheckpointGroup(comm)), so that save()
+  // keeps every rank's random generators and load() gives each rank its own, and so that each
+  // epoch's train loss, accuracy and images/s are those of all ranks (see EpochResult).
+  // Default: one process.
   CheckpointGroup checkpoint_group{};
   CheckpointOptions checkpoint_options{};  // e.g. {.allow_non_finite = true}
   // > 0: fit() returns once this many optimizer steps have been taken in all (state().global_step),
@@ -56,10 +60,17 @@ struct TrainOptions {
   std::int64_t stop_after_steps = 0;
 };
 
+// With a checkpoint_group of N ranks, the training figures are global, the same on every rank:
+// train_loss and train_accuracy over the samples of all ranks (what one process training on the
+// global batches reports), seconds the slowest rank's, images_per_second all ranks' samples over
+// those seconds; rank_images_per_second is this rank's own. Test figures are this rank's
+// evaluation of the whole test set (identical on data-parallel replicas).
 struct EpochResult {
   std::int64_t epoch = 0;
   double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
   double seconds = 0, images_per_second = 0, lr = 0;
+  double rank_images_per_second = 0;
+  int ranks = 1;
   // Time the step loop spent in train.next(), waiting for the loader's workers (0 when they keep
   // ahead), and its share of the epoch's training time.
   double data_wait_seconds = 0, data_wait_fraction = 0;
@@ -162,7 +173,9 @@ class Trainer {
       state_.loader_next_sample = done * train.options().batch_size * train.options().world_size;
       if (options_.verbose) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        std::snprintf(stats, sizeof stats, "loss %.4f acc %.2f%% %.0f img/s lr %.4g", loss_sum / static_cast<double>(seen),
+        // Per step, this rank's own figures (no collective per step); labelled so when there are others.
+        std::snprintf(stats, sizeof stats, "%sloss %.4f acc %.2f%% %.0f img/s lr %.4g",
+                      options_.checkpoint_group.size() > 1 ? "this rank: " : "", loss_sum / static_cast<double>(seen),
                       100.0 * static_cast<double>(correct_) / static_cast<double>(seen),
                       static_cast<double>(seen) / std::max(secs, 1e-9), optimizer_.lr());
         progress.update(done, stats);
@@ -172,11 +185,30 @@ class Trainer {
     EpochResult r;
     r.epoch = epoch + 1;
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    r.train_loss = seen ? loss_sum / static_cast<double>(seen) : 0.0;
-    r.train_accuracy = seen ? static_cast<double>(correct_) / static_cast<double>(seen) : 0.0;
-    r.images_per_second = static_cast<double>(seen) / std::max(r.seconds, 1e-9);
+    r.rank_images_per_second = static_cast<double>(seen) / std::max(r.seconds, 1e-9);
     r.data_wait_seconds = waited;
     r.data_wait_fraction = waited / std::max(r.seconds, 1e-9);
+    // Over all ranks: sums of loss x samples, samples and correct ones; the slowest rank's time.
+    const auto& group = options_.checkpoint_group;
+    r.ranks = group.size();
+    double total_loss = loss_sum, total_seen = static_cast<double>(seen), total_correct = static_cast<double>(correct_);
+    if (group.size() > 1) {
+      // Doubles travel bit for bit through the group's int64 all_gather; every rank sums them in
+      // rank order, so every rank gets the same figures.
+      const std::array<std::int64_t, 4> mine{std::bit_cast<std::int64_t>(loss_sum), seen, correct_,
+                                             std::bit_cast<std::int64_t>(r.seconds)};
+      const auto all = group.all_gather(std::span<const std::int64_t>(mine));
+      total_loss = total_seen = total_correct = 0;
+      for (std::size_t k = 0; k < all.size(); k += mine.size()) {
+        total_loss += std::bit_cast<double>(all[k]);
+        total_seen += static_cast<double>(all[k + 1]);
+        total_correct += static_cast<double>(all[k + 2]);
+        r.seconds = std::max(r.seconds, std::bit_cast<double>(all[k + 3]));
+      }
+    }
+    r.train_loss = total_seen > 0 ? total_loss / total_seen : 0.0;
+    r.train_accuracy = total_seen > 0 ? total_correct / total_seen : 0.0;
+    r.images_per_second = total_seen / std::max(r.seconds, 1e-9);
     r.lr = optimizer_.lr();
     if (done < batches) {  // stopped by stop_after_steps: the position is mid-epoch
       r.complete = false;
@@ -199,9 +231,12 @@ class Trainer {
     state_.loader_next_batch = 0;
     state_.loader_next_sample = 0;
     if (options_.verbose) {
-      std::printf("epoch %lld: train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%% | %.1f s, %.0f img/s\n",
+      char ranks[96] = "";
+      if (r.ranks > 1)
+        std::snprintf(ranks, sizeof ranks, " (all %d ranks; %.0f per rank)", r.ranks, r.images_per_second / r.ranks);
+      std::printf("epoch %lld: train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%% | %.1f s, %.0f img/s%s\n",
                   static_cast<long long>(r.epoch), r.train_loss, 100 * r.train_accuracy, r.test_loss,
-                  100 * r.test_accuracy, r.seconds, r.images_per_second);
+                  100 * r.test_accuracy, r.seconds, r.images_per_second, ranks);
       std::fflush(stdout);
     }
     // Checkpoint first: if the process dies between the two, a resume redoes this epoch's
@@ -215,6 +250,8 @@ class Trainer {
                        .add("test_accuracy", r.test_accuracy)
                        .add("seconds", r.seconds)
                        .add("images_per_second", r.images_per_second)
+                       .add("rank_images_per_second", r.rank_images_per_second)
+                       .add("ranks", r.ranks)
                        .add("data_wait_fraction", r.data_wait_fraction)
                        .add("lr", r.lr));
     return r;
