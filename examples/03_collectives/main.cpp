@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
     // --ranks: threads build (ranks are threads, so bounded like threads: 1 .. max_threads());
     // a process backend's launcher says how many ranks.
     Flags flags(argc, argv);
-    const int ranks = flags.threads("ranks", 4);
+    const int ranks = flags.get("ranks", 4, {.min = 1, .max = static_cast<double>(max_threads())});  // threads of this process
     flags.finish();
     using Comm = BuildEnv::Comm;
     launch<BuildEnv>(

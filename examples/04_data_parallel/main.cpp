@@ -24,7 +24,6 @@
 #include <cstdio>
 #include <optional>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -32,6 +31,7 @@
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/traffic.hpp"
 
 using namespace tessera;
 
@@ -49,22 +49,6 @@ struct Options {
   std::string data_dir, compression = "none", trace, checkpoint, resume;
   std::int64_t bucket_kib = 1024, stop_after = 0;
 };
-
-// Bytes received on the loopback interface since boot (/proc/net/dev), or -1 where unreadable. All
-// ranks of a job on this host that talk over TCP (Gloo) pass their bytes through it.
-double loopback_bytes() {
-  std::FILE* f = std::fopen("/proc/net/dev", "r");
-  if (!f) return -1;
-  char line[512];
-  double bytes = -1;
-  while (std::fgets(line, sizeof line, f)) {
-    const char* p = line;
-    while (*p == ' ') ++p;
-    if (std::strncmp(p, "lo:", 3) == 0) bytes = std::strtod(p + 3, nullptr);
-  }
-  std::fclose(f);
-  return bytes;
-}
 
 // FNV-1a over the bytes of every parameter: equal on two ranks only if their replicas are
 // bit-identical (a sum could hide a difference; a hash of the exact bits cannot, short of a
@@ -240,7 +224,7 @@ double train(Comm& comm, const Options& o) {
     if (rank == 0 && o.compression == "topk")
       std::printf("note: TopK error-feedback residuals are not in checkpoints; they restart from zero\n");
   }
-  const double lo_before = rank == 0 ? loopback_bytes() : -1;
+  const double lo_before = rank == 0 ? examples::loopback_bytes() : -1;
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
   if (results.empty()) return 0.0;
   // The cost model: a bandwidth-optimal all-reduce (ring, or halving-doubling) of G bytes sends
@@ -252,7 +236,7 @@ double train(Comm& comm, const Options& o) {
     const double steps = static_cast<double>(results.size() * static_cast<std::size_t>(train_loader.batches_per_epoch()));
     std::printf("cost: all-reduce per rank and step = 2(p-1)/p x G = 2 x %d/%d x %.1f KiB = %.1f KiB\n", ranks - 1, ranks,
                 g / 1024, per_step / 1024);
-    const double lo_after = loopback_bytes();
+    const double lo_after = examples::loopback_bytes();
     if (SharedMemoryCommunicator<Comm>)
       std::printf("cost: measured: nothing to measure, the ranks are threads and the bytes move by memory copy\n");
     else if (lo_before >= 0 && lo_after >= 0)

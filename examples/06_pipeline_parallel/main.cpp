@@ -181,16 +181,37 @@ void train(Comm& world, const Options& o, int stages) {
 
   // The bubble: each stage's measured idle fraction against (P - 1) / (M + P - 1).
   std::vector<double> mine{idle_steps ? idle_sum / static_cast<double>(idle_steps) : 0.0,
-                           static_cast<double>(pipe.last_step().peak_in_flight)};
+                           static_cast<double>(pipe.last_step().peak_in_flight),
+                           static_cast<double>(pipe.last_step().bytes_sent_forward),
+                           static_cast<double>(pipe.last_step().bytes_sent_backward)};
   std::vector<double> all(mine.size() * static_cast<std::size_t>(pipe_comm.size()));
   pipe_comm.all_gather(std::span<const double>(mine), std::span<double>(all));
   if (world.rank() == 0) {
     const double ideal = static_cast<double>(stages - 1) / static_cast<double>(o.micro_batches + stages - 1);
     std::printf("bubble: ideal (P-1)/(M+P-1) = %.3f; measured idle fraction per stage:", ideal);
-    for (int s = 0; s < stages; ++s) std::printf(" %.3f", all[static_cast<std::size_t>(2 * s)]);
+    for (int s = 0; s < stages; ++s) std::printf(" %.3f", all[static_cast<std::size_t>(4 * s)]);
     std::printf("\nmicro-batches of activations held at the peak per stage:");
-    for (int s = 0; s < stages; ++s) std::printf(" %.0f", all[static_cast<std::size_t>(2 * s + 1)]);
+    for (int s = 0; s < stages; ++s) std::printf(" %.0f", all[static_cast<std::size_t>(4 * s + 1)]);
     std::printf(" (%s)\n", schedule == PipelineSchedule::GPipe ? "GPipe: all M" : "1F1B: at most P - s");
+    // Bytes per step across each stage boundary: the batch's activations there go forward and
+    // their gradients come back, 2 x (samples per pipeline) x (bytes per sample at the boundary),
+    // plus a 64-byte shape header per micro-batch. Bytes per sample: one sample through the
+    // units before the boundary.
+    model.set_mode(Mode::Eval);
+    Model::Cache probe_cache{};
+    Tensor<float> one_sample(Shape{1, 1, 28, 28});
+    one_sample.zero();
+    const auto probe = to_device<Device>(one_sample);
+    const std::int64_t per_pipeline = o.batch / replicas;
+    for (int s = 0; s + 1 < stages; ++s) {
+      const auto end = pipe.boundaries()[static_cast<std::size_t>(s) + 1];
+      const std::int64_t per_sample = model.forward_units(probe, probe_cache, 0, end).numel() * 4;
+      const double formula = 2.0 * static_cast<double>(per_pipeline * per_sample) + 64.0 * o.micro_batches;
+      const double measured = all[static_cast<std::size_t>(4 * s + 2)] + all[static_cast<std::size_t>(4 * (s + 1) + 3)];
+      std::printf("cost: stage %d <-> %d per step: 2 x %lld samples x %lld B + %d x 64 B headers = %.1f KiB by formula, "
+                  "%.1f KiB sent in the last step\n", s, s + 1, static_cast<long long>(per_pipeline),
+                  static_cast<long long>(per_sample), o.micro_batches, formula / 1024, measured / 1024);
+    }
   }
   // One more step, of the pipeline just trained (same split, same schedule), with the timeline on:
   // written as a Chrome trace, with this step's idle fractions printed to compare with it.

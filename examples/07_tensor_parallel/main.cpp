@@ -20,6 +20,7 @@
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/traffic.hpp"
 
 using namespace tessera;
 
@@ -129,9 +130,12 @@ void train(Comm& comm, const Options& o) {
   CrossEntropyLoss<E> loss;
   CrossEntropyLoss<E>::Cache loss_cache;
   TensorParallelClassifier::Cache cache;
+  double loopback = 0;  // bytes over `lo` during the training steps (rank 0 reads; same host)
+  std::int64_t total_steps = 0;
   for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
     sgd.set_lr(schedule(static_cast<double>(epoch)));
     loader.start_epoch(epoch);
+    const double lo_before = comm.rank() == 0 ? examples::loopback_bytes() : 0;
     const auto started = std::chrono::steady_clock::now();
     double loss_sum = 0;
     std::int64_t steps = 0;
@@ -143,6 +147,8 @@ void train(Comm& comm, const Options& o) {
       ++steps;
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (comm.rank() == 0) loopback += examples::loopback_bytes() - lo_before;
+    total_steps += steps;
     std::int64_t correct = 0, total = 0;
     test_loader.start_epoch(0);
     Batch<float> test_batch;
@@ -152,12 +158,39 @@ void train(Comm& comm, const Options& o) {
     }
     const double accuracy = static_cast<double>(correct) / static_cast<double>(total);
     if (comm.rank() == 0) {
-      std::printf("epoch %lld: train loss %.4f | test acc %.2f%% | %.1f s, %.0f img/s\n", static_cast<long long>(epoch + 1),
+      // Every rank computes the same loss (the logits are whole everywhere) on the same batch: the
+      // images/s are the whole group's, each image worked on by all ranks together.
+      std::printf("epoch %lld: train loss %.4f | test acc %.2f%% | %.1f s, %.0f img/s (the whole group)\n",
+                  static_cast<long long>(epoch + 1),
                   loss_sum / static_cast<double>(steps), 100 * accuracy, seconds,
                   static_cast<double>(steps * o.batch) / seconds);
       if (epoch + 1 == o.epochs) std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
       std::fflush(stdout);
     }
+  }
+  // The cost model. Communication: one all-reduce of the partial logits, N x 10 floats, per step
+  // (backward needs none here, see the README); a bandwidth-optimal all-reduce sends 2(p-1)/p of
+  // it per rank. Data parallelism on the same ranks would all-reduce every gradient instead.
+  // Memory: each rank holds 1/p of W1, b1 and W2, and all of b2; gradients and momentum as much.
+  const int p = comm.size();
+  if (comm.rank() == 0 && p > 1) {
+    const double logits = static_cast<double>(o.batch) * 10 * 4;
+    const double per_rank = 2.0 * (p - 1) / p * logits;
+    const double dense = static_cast<double>(784 * o.hidden + o.hidden + o.hidden * 10 + 10);
+    const double mine = static_cast<double>(count_parameters(named));
+    std::printf("cost: all-reduce per rank and step = 2(p-1)/p x N x 10 x 4 B = 2 x %d/%d x %.0f B = %.2f KiB "
+                "(data parallelism: 2(p-1)/p x %.0f gradients x 4 B = %.1f KiB)\n",
+                p - 1, p, logits, per_rank / 1024, dense, 2.0 * (p - 1) / p * dense * 4 / 1024);
+    if (SharedMemoryCommunicator<Comm>)
+      std::printf("cost: measured: nothing to measure, the ranks are threads and the bytes move by memory copy\n");
+    else if (examples::loopback_bytes() >= 0)
+      std::printf("cost: measured on the loopback interface: %.2f KiB per rank and step over %lld steps (0 where the "
+                  "backend moves bytes through shared memory; TCP headers count too)\n",
+                  loopback / p / static_cast<double>(total_steps) / 1024, static_cast<long long>(total_steps));
+    std::printf("memory per rank: parameters (784 h/p + h/p + 10 h/p + 10) = %.0f by formula, %.0f held; with their "
+                "gradients and momentum 3 x 4 B each = %.2f MiB (dense: %.2f MiB)\n",
+                (784.0 + 1 + 10) * static_cast<double>(o.hidden) / p + 10, mine, 12 * mine / (1 << 20),
+                12 * dense / (1 << 20));
   }
 }
 

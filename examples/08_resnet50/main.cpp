@@ -19,7 +19,9 @@
 //   --strategy=tensor        every bottleneck and the classifier split over the ranks (Megatron
 //                            style channel/column parallelism); --batch is the whole batch
 //   --verify                 (pipeline, tensor) rank 0 also trains the unsplit model on the same
-//                            batches and checks that every step's loss agrees
+//                            batches and checks that every step's loss agrees (pipeline: and the
+//                            last step's gradients). With M > 1 the unsplit model runs the M
+//                            micro-batches one by one, as BatchNorm sees them in the pipeline
 //
 // The learning rate follows the linear scaling rule for the global batch (0.1 x batch / 256),
 // momentum 0.9, weight decay 1e-4 not on BN and biases, and the last BN of every block starts at
@@ -114,6 +116,13 @@ int main(int argc, char** argv) {
     TESSERA_CHECK(stages == 0 || o.batch % o.micro_batches == 0, ArgumentError, "--batch=", o.batch,
                   " does not split into --micro-batches=", o.micro_batches);
     TESSERA_CHECK(!split || !o.sync_bn, ArgumentError, "--sync-bn applies to --strategy=data only");
+    // Flags that another strategy would silently ignore are refused, like a mistyped flag.
+    TESSERA_CHECK(stages != 0 || o.micro_batches == 1, ArgumentError, "--micro-batches applies to ",
+                  "--strategy=pipeline:P only (--strategy=", o.strategy, ")");
+    TESSERA_CHECK(stages == 0 || !flags.has("ranks") || o.ranks == stages, ArgumentError, "--ranks=", o.ranks,
+                  " with --strategy=", o.strategy, ": a pipeline runs one rank per stage (", stages, ")");
+    TESSERA_CHECK(split || !o.verify, ArgumentError, "--verify applies to --strategy=pipeline:P and ",
+                  "--strategy=tensor (data parallelism keeps full replicas: there is no split to check)");
     // Ranks spawned in-process (threads) for each strategy; a process backend takes its world
     // from the launcher (mpirun, tools/tessera-run, srun).
     const int ranks = !split                ? o.ranks

@@ -38,7 +38,8 @@ inline SgdOptions sgd_options(std::int64_t global_batch) {
 }
 
 // --strategy=pipeline:P and --strategy=tensor (model_parallel.cpp): every rank sees the same batches;
-// with --verify rank 0 also trains the unsplit model and compares each step's loss.
+// with --verify rank 0 also trains the unsplit model (for the pipeline: micro-batch by micro-batch,
+// as BatchNorm sees them there) and compares each step's loss and the pipeline's gradients.
 void train_pipeline(Comm& comm, const Options& o, int stages);
 void train_tensor(Comm& comm, const Options& o);
 

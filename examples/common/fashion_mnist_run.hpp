@@ -22,6 +22,11 @@ struct Recipe {
   double weight_decay = 5e-4;
   double warmup_epochs = 0.0;
   bool nesterov = false;
+  // The example's claim: the final test accuracy this recipe reaches at least (with margin over
+  // runs and CPUs). Below it, the run exits 1. It is the default of --min-accuracy when no flag
+  // changes the recipe (epochs, batch, lr, weight decay, warmup, limit, precision); otherwise the
+  // default is 0, no check, unless --min-accuracy states a floor for those settings.
+  double min_accuracy = 0.0;
 };
 
 template <class M>
@@ -37,6 +42,7 @@ struct RunOptions {
   std::uint64_t seed = 1;
   std::int64_t limit = 0, stop_after = 0;
   int progress = -1;
+  double min_accuracy = 0;
 };
 
 // Trains make_model.template operator()<E>(seed) and prints the final test accuracy.
@@ -74,6 +80,21 @@ int train_fashion_mnist(const char* title, const Recipe& recipe, const RunOption
     std::printf("final test accuracy: %.2f%% (%lld epochs, %.1f s training, %.0f img/s)\n",
                 100.0 * results.back().test_accuracy, static_cast<long long>(results.back().epoch), seconds,
                 static_cast<double>(train.labels.size()) * static_cast<double>(results.size()) / seconds);
+    // The claim is about a finished run: a run stopped early (--stop-after) is not checked.
+    if (o.min_accuracy <= 0)
+      std::printf("check: none (the recipe's floor of %.1f%% is for its own settings; --min-accuracy sets one)\n",
+                  100.0 * recipe.min_accuracy);
+    if (o.min_accuracy > 0 && results.back().epoch == recipe.epochs) {
+      const bool reached = results.back().test_accuracy >= o.min_accuracy;
+      std::printf("check: final test accuracy %.2f%% %s the floor of %.2f%% (--min-accuracy)\n",
+                  100.0 * results.back().test_accuracy, reached ? ">=" : "is BELOW", 100.0 * o.min_accuracy);
+      if (!reached) {
+        std::fprintf(stderr, "error: %s reached %.2f%%, below --min-accuracy=%g: the floor is for this recipe's "
+                     "settings; with fewer epochs or images pass a lower one (0: no check)\n", title,
+                     100.0 * results.back().test_accuracy, o.min_accuracy);
+        return 1;
+      }
+    }
   }
   return 0;
 }
@@ -103,6 +124,11 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
     // stop after this many epochs (0: run all), e.g. to test resume
     o.stop_after = flags.get("stop-after", std::int64_t{0}, {.min = 0});
     const std::string precision = flags.choice("precision", "float32", {"float32", "bfloat16"});
+    // The recipe's floor holds for the recipe's settings; a run that changes them states its own.
+    bool recipe_settings = true;
+    for (const char* setting : {"epochs", "batch", "lr", "weight-decay", "warmup", "limit", "precision"})
+      recipe_settings = recipe_settings && !flags.has(setting);
+    o.min_accuracy = flags.get("min-accuracy", recipe_settings ? recipe.min_accuracy : 0.0, {.min = 0, .max = 1});
     flags.finish();
 
     Cpu::set_num_threads(threads);

@@ -195,3 +195,25 @@ TEST_CASE("Flags input paths: a readable regular file", "[core][flags]") {
   CHECK_THROWS_WITH(f.input_path("dir", ""), Catch::EndsWith(": not a regular file"));
   CHECK(f.input_path("absent", "").empty());
 }
+
+TEST_CASE("Flags help: every flag read, in order, with its default and what it must be", "[core][flags]") {
+  Args a({"--epochs=3"});
+  Flags f = a.flags();
+  f.get("epochs", std::int64_t{5}, {.min = 1});
+  f.get("lr", 0.05, {.above = 0});
+  f.choice("schedule", "1f1b", {"1f1b", "gpipe"});
+  f.get("verify", false);
+  f.get("data-dir", std::string());
+  const std::string help = f.help();
+  // The default, not the value given: help describes the program, not this command line.
+  CHECK_THAT(help, Catch::Contains("  --epochs=5                >= 1\n"));
+  CHECK_THAT(help, Catch::Contains("  --lr=0.05                 > 0\n"));
+  CHECK_THAT(help, Catch::Contains("  --schedule=1f1b           one of 1f1b, gpipe\n"));
+  CHECK_THAT(help, Catch::Contains("  --verify=false            true or false; a bare --verify is true\n"));
+  CHECK_THAT(help, Catch::Contains("  --data-dir=\n"));
+  CHECK(help.find("--epochs") < help.find("--lr"));
+  CHECK(help.find("--lr") < help.find("--schedule"));
+  CHECK(help.rfind("usage: ", 0) == 0);
+  // Without --help, finish() returns (it exits 0 only when --help was given).
+  f.finish();
+}

@@ -12,6 +12,11 @@
 //   flags.output_path("checkpoint", "")                its directory exists and is writable
 //   flags.input_path("resume", "")                     a readable file
 //   check_thread_budget(ranks, "--ranks", threads, "--threads")   ranks x threads <= max_threads()
+//
+// --help: every flag read before finish() is listed there, in the order read, with its default and
+// what it must be ("--epochs=5  >= 1"), and the program exits 0 (as argparse does). So the list is
+// the program's own, never out of date; tests/check_example_flags.py compares it with each
+// example's README.
 #pragma once
 
 #include <unistd.h>
@@ -20,6 +25,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
@@ -143,6 +149,10 @@ inline void check_readable_input(const std::string& path, const std::string& fla
 class Flags {
  public:
   Flags(int argc, char** argv) {
+    if (argc > 0) {
+      program_ = argv[0];
+      program_ = program_.substr(program_.find_last_of('/') + 1);
+    }
     for (int i = 1; i < argc; ++i) {
       std::string arg = argv[i];
       TESSERA_CHECK(arg.rfind("--", 0) == 0, ArgumentError, "unexpected argument '", arg, "' (flags look like --name=value)");
@@ -159,14 +169,15 @@ class Flags {
   }
 
   std::string get(const std::string& name, const std::string& fallback) {
-    known_.insert(name);
+    note(name, fallback);
     auto it = values_.find(name);
     return it == values_.end() ? fallback : it->second;
   }
   std::string get(const std::string& name, const char* fallback) { return get(name, std::string(fallback)); }
   std::int64_t get(const std::string& name, std::int64_t fallback) {
+    note(name, std::to_string(fallback));
     if (!present(name)) return fallback;
-    const std::string v = get(name, std::string());
+    const std::string v = values_.at(name);
     std::int64_t x = 0;
     const std::size_t skip = v.size() > 1 && v[0] == '+' ? 1 : 0;  // "+5" reads as 5, as std::stoll does
     const auto r = std::from_chars(v.data() + skip, v.data() + v.size(), x);
@@ -182,8 +193,9 @@ class Flags {
     return static_cast<int>(v);
   }
   double get(const std::string& name, double fallback) {
+    note(name, FlagRange::number(fallback));
     if (!present(name)) return fallback;  // no round trip through text: 1e-7 stays 1e-7
-    const std::string v = get(name, std::string());
+    const std::string v = values_.at(name);
     try {
       std::size_t used = 0;
       const double x = std::stod(v, &used);
@@ -193,8 +205,9 @@ class Flags {
     throw ArgumentError(detail::cat("--", name, "=", v, " is not a number"));
   }
   bool get(const std::string& name, bool fallback) {
+    note(name, fallback ? "true" : "false", "true or false; a bare --" + name + " is true");
     if (!present(name)) return fallback;
-    const std::string v = get(name, std::string());
+    const std::string v = values_.at(name);
     if (v == "true" || v == "1" || v == "yes") return true;
     if (v == "false" || v == "0" || v == "no") return false;
     throw ArgumentError(detail::cat("--", name, "=", v, " is not a boolean (true/false)"));
@@ -204,16 +217,19 @@ class Flags {
   // ArgumentError "--limit=-5: must be >= 0". A double must also be finite.
   std::int64_t get(const std::string& name, std::int64_t fallback, const FlagRange& range) {
     const std::int64_t v = get(name, fallback);
+    note(name, std::to_string(fallback), range.describe());
     check(name, static_cast<double>(v), std::to_string(v), range);
     return v;
   }
   int get(const std::string& name, int fallback, const FlagRange& range) {
     const int v = get(name, fallback);
+    note(name, std::to_string(fallback), range.describe());
     check(name, v, std::to_string(v), range);
     return v;
   }
   double get(const std::string& name, double fallback, const FlagRange& range) {
     const double v = get(name, fallback);
+    note(name, FlagRange::number(fallback), range.describe());
     const std::string text = present(name) ? get(name, std::string()) : FlagRange::number(v);
     TESSERA_CHECK(std::isfinite(v), ArgumentError, where(name, text), ": must be a finite number");
     check(name, v, text, range);
@@ -223,6 +239,7 @@ class Flags {
   // One of `allowed`: "--schedule=zigzag: must be one of 1f1b, gpipe".
   std::string choice(const std::string& name, const std::string& fallback, std::initializer_list<const char*> allowed) {
     const std::string v = get(name, fallback);
+    note(name, fallback, "one of " + join(allowed));
     for (const char* a : allowed)
       if (v == a) return v;
     throw ArgumentError(detail::cat(where(name, v), ": must be one of ", join(allowed)));
@@ -233,6 +250,7 @@ class Flags {
   std::vector<std::string> list(const std::string& name, const std::string& fallback,
                                 std::initializer_list<const char*> allowed = {}) {
     const std::string v = get(name, fallback);
+    note(name, fallback, allowed.size() ? "comma-separated, each one of " + join(allowed) : "comma-separated");
     std::vector<std::string> items;
     for (std::size_t p = 0; p <= v.size();) {
       const auto comma = std::min(v.find(',', p), v.size());
@@ -253,6 +271,9 @@ class Flags {
   // tools/tessera-sbatch set it from SLURM_CPUS_PER_TASK; PyTorch honours it too), else `fallback`.
   int threads(const std::string& name, int fallback, bool zero_is_all_cores = false) {
     const int v = get(name, omp_num_threads().value_or(fallback));
+    note(name, std::to_string(fallback),
+         std::string(zero_is_all_cores ? "0 (all cores)" : "1") + " to " + std::to_string(max_threads()) +
+             "; OMP_NUM_THREADS when not given");
     TESSERA_CHECK(v >= (zero_is_all_cores ? 0 : 1), ArgumentError, where(name, std::to_string(v)), ": must be >= ",
                   zero_is_all_cores ? "0 (0: all cores)" : "1");
     TESSERA_CHECK(v <= max_threads(), ArgumentError, where(name, std::to_string(v)), ": must be <= ", max_threads(),
@@ -265,12 +286,14 @@ class Flags {
   // check_writable_output(); empty = none.
   std::string output_path(const std::string& name, const std::string& fallback) {
     const std::string v = get(name, fallback);
+    note(name, fallback, "a file to write (empty: none)");
     check_writable_output(v, "--" + name);
     return v;
   }
   // A file the program will read (a checkpoint to resume from): checked now; empty = none.
   std::string input_path(const std::string& name, const std::string& fallback) {
     const std::string v = get(name, fallback);
+    note(name, fallback, "a file to read (empty: none)");
     check_readable_input(v, "--" + name);
     return v;
   }
@@ -278,14 +301,35 @@ class Flags {
   bool has(const std::string& name) const { return values_.count(name) != 0; }
   // Marks the flag as known and says whether it was given.
   bool present(const std::string& name) {
-    known_.insert(name);
+    if (known_.insert(name).second) order_.push_back(name);
     return has(name);
   }
 
-  // Call after reading every flag: throws on flags nobody asked for.
+  // Call after reading every flag: with --help, prints every flag read (help()) and exits 0;
+  // otherwise throws on flags nobody asked for.
   void finish() const {
+    if (values_.count("help") && !known_.count("help")) {
+      std::fputs(help().c_str(), stdout);
+      std::fflush(stdout);
+      std::exit(0);
+    }
     for (auto& [name, value] : values_)
       TESSERA_CHECK(known_.count(name), ArgumentError, "unknown flag --", name, " (known: ", known_list(), ")");
+  }
+
+  // "usage: prog [--flag=value ...]" and one line per flag read so far, in the order read:
+  //   --epochs=5             >= 1
+  //   --schedule=1f1b        one of 1f1b, gpipe
+  std::string help() const {
+    std::string out = "usage: " + program_ + " [--flag=value ...]\n";
+    for (const auto& name : order_) {
+      const auto it = docs_.find(name);
+      std::string line = "  --" + name + "=" + (it != docs_.end() ? it->second.fallback : "");
+      if (it != docs_.end() && !it->second.constraint.empty())
+        line += std::string(line.size() < 28 ? 28 - line.size() : 1, ' ') + it->second.constraint;
+      out += line + "\n";
+    }
+    return out + "  --help                    this list\n";
   }
 
  private:
@@ -306,8 +350,22 @@ class Flags {
     for (auto& k : known_) s += (s.empty() ? "--" : ", --") + k;
     return s;
   }
+  // Registers a flag for help(): its default as text and what it must be (kept when not given, so
+  // that a typed overload's inner calls do not erase what the outer one says).
+  void note(const std::string& name, const std::string& fallback, const std::string& constraint = "") {
+    if (known_.insert(name).second) order_.push_back(name);
+    auto& doc = docs_[name];
+    doc.fallback = fallback;
+    if (!constraint.empty()) doc.constraint = constraint;
+  }
+  struct Doc {
+    std::string fallback, constraint;
+  };
+  std::string program_ = "program";
   std::map<std::string, std::string> values_;
   std::set<std::string> known_;
+  std::vector<std::string> order_;
+  std::map<std::string, Doc> docs_;
 };
 
 }  // namespace tessera

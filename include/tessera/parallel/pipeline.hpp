@@ -101,6 +101,9 @@ struct PipelineStepStats {
   double step_seconds = 0;  // train_step, start to end
   double busy_seconds = 0;  // in this stage's forward and backward compute
   int peak_in_flight = 0;   // most micro-batches whose activations were held at once
+  // Bytes this stage sent: activations to the next stage (shape headers included) and
+  // gradients to the previous one.
+  std::int64_t bytes_sent_forward = 0, bytes_sent_backward = 0;
   double idle_fraction() const { return step_seconds > 0 ? 1.0 - busy_seconds / step_seconds : 0.0; }
 };
 
@@ -335,6 +338,7 @@ class Pipeline {
                     " for an input of ", sl.input.shape(), " (does its first unit compute input gradients?)");
       const auto sending = std::chrono::steady_clock::now();
       sl.send_grad = comm_.send_async(std::span<const S>(dx.data(), static_cast<std::size_t>(dx.numel())), s - 1);
+      stats_.bytes_sent_backward += dx.numel() * static_cast<std::int64_t>(sizeof(S));
       note_message("send G", i, " to stage ", s - 1, dx.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
     }
     --in_flight_;
@@ -351,6 +355,8 @@ class Pipeline {
     const auto sending = std::chrono::steady_clock::now();
     sl.send_activation_header = comm_.send_async(std::span<const std::int64_t>(sl.header), next);
     sl.send_activation = comm_.send_async(std::span<const S>(out.data(), static_cast<std::size_t>(out.numel())), next);
+    if (i >= 0)
+      stats_.bytes_sent_forward += static_cast<std::int64_t>(sizeof sl.header) + out.numel() * static_cast<std::int64_t>(sizeof(S));
     if (i >= 0) note_message("send A", i, " to stage ", next, out.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
   }
 
