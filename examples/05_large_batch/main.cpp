@@ -113,7 +113,8 @@ void train(Run& run, const Dataset& train_set, const Dataset& test_set, std::int
     // The same loop for every optimizer; LARS and LAMB also print their last step's trust ratios
     // of the adapted weights (conv1, conv2, fc), the per-layer factor on the global rate.
     auto loop = [&](auto& optimizer) {
-      Trainer trainer(model, optimizer, make_schedule(run, epochs), {.epochs = epochs, .progress = 0, .verbose = false});
+      Trainer trainer(model, optimizer, make_schedule(run, epochs),
+                      {.epochs = epochs, .progress = 0, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
       for (std::int64_t e = 0; e < epochs; ++e) {
         const auto r = trainer.train_epoch(train_loader, &test_loader);
         if (comm.rank() != 0) continue;

@@ -89,7 +89,8 @@ RunResult train(Comm& comm, const Options& o, const SampleSource& train_set, con
     DataLoader<float> train_loader(train_set, {.batch_size = o.batch / ranks, .shuffle = true, .seed = o.seed,
                                                .rank = rank, .world_size = ranks, .workers = o.workers});
     DataLoader<float> test_loader(test_set, {.batch_size = 250, .shuffle = false, .workers = o.workers});
-    Trainer trainer(model, sgd, schedule, {.epochs = o.epochs, .verbose = rank == 0});
+    // checkpoint_group: the epoch lines give the loss and images/s of all ranks.
+    Trainer trainer(model, sgd, schedule, {.epochs = o.epochs, .verbose = rank == 0, .checkpoint_group = CheckpointGroup(comm)});
     const auto results = trainer.fit(train_loader, &test_loader);
     RunResult r;
     for (const auto& e : results) {

@@ -75,12 +75,14 @@ Outcome train(Comm& comm, const Options& o, bool zero) {
     Zero1 zero1(model, comm);
     Adam<E> adam(zero1.shard_parameters(), {.lr = o.lr});
     Zero1Optimizer optimizer(zero1, adam);
-    Trainer trainer(model, optimizer, constant, {.epochs = o.epochs, .verbose = rank == 0});
+    Trainer trainer(model, optimizer, constant,
+                    {.epochs = o.epochs, .verbose = rank == 0, .checkpoint_group = CheckpointGroup(comm)});
     finish(adam, trainer.fit(train_loader, &test_loader));
   } else {
     DataParallel dp(model, comm);
     Adam<E> adam(dp.parameters(), {.lr = o.lr});
-    Trainer trainer(model, adam, constant, {.epochs = o.epochs, .verbose = rank == 0});
+    Trainer trainer(model, adam, constant,
+                    {.epochs = o.epochs, .verbose = rank == 0, .checkpoint_group = CheckpointGroup(comm)});
     finish(adam, trainer.fit(train_loader, &test_loader));
   }
   return out;
