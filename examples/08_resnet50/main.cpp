@@ -27,6 +27,7 @@
 // momentum 0.9, weight decay 1e-4 not on BN and biases, and the last BN of every block starts at
 // zero (Goyal et al.).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -74,17 +75,20 @@ void train(Comm& comm, const Options& o) {
     loader.start_epoch(epoch);
     while (step < o.steps && loader.next(b)) {
       const auto t0 = std::chrono::steady_clock::now();
-      const float loss = trainer.train_step(b);
+      // The loss of the global batch: the mean of the ranks' shard losses (equal shards), one
+      // scalar all-reduce after the step (outside the timed part).
+      std::array<double, 1> loss{trainer.train_step(b)};
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (step > 0) total += s;  // the first step warms up caches and workspaces
+      if (ranks > 1) comm.all_reduce(std::span<double>(loss), ReduceOp::Avg);
       if (rank == 0)
-        std::printf("step %lld: loss %.4f (rank 0), %.2f s, %.1f img/s\n", static_cast<long long>(step + 1), loss, s,
-                    static_cast<double>(o.batch * ranks) / s);
+        std::printf("step %lld: loss %.4f (%s), %.2f s, %.1f img/s (all ranks)\n", static_cast<long long>(step + 1),
+                    loss[0], ranks > 1 ? "mean over the ranks" : "one rank", s, static_cast<double>(o.batch * ranks) / s);
       ++step;
     }
   }
   if (o.steps > 1 && rank == 0)
-    std::printf("steady state: %.1f img/s\n", static_cast<double>(o.batch * ranks * (o.steps - 1)) / total);
+    std::printf("steady state: %.1f img/s (all ranks)\n", static_cast<double>(o.batch * ranks * (o.steps - 1)) / total);
 }
 
 }  // namespace

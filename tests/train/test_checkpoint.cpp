@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -643,4 +644,45 @@ TEST_CASE("Checkpoint with a group: a failure on one rank fails every rank", "[t
   CHECK_THAT(load_errors[0], Catch::Contains("rank(s) 1 could not load it") && Catch::Contains("nothing was loaded on any rank"));
   CHECK_THAT(load_errors[1], Catch::Contains("cannot open"));
   fs::remove_all(dir);
+}
+
+TEST_CASE("Trainer: with a checkpoint group, an epoch's training figures are over all ranks", "[train]") {
+  using TE = CpuThreads;
+  using Net = Sequential<Flatten<TE>, Linear<TE>, ReLU<TE>, Linear<TE>>;
+  auto make = [] {
+    Rng rng(4);
+    return Net{Flatten<TE>(), Linear<TE>(100, 32, rng), ReLU<TE>(), Linear<TE>(32, 4, rng)};
+  };
+  // One process on global batches of 16.
+  EpochResult one;
+  ThreadWorld(1).run([&](ThreadComm& comm) {
+    auto model = make();
+    DataParallel dp(model, comm);
+    Sgd<TE> sgd(dp.parameters(), {.lr = 0.05});
+    DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+    Trainer trainer(model, sgd, ConstantLr{0.05}, {.epochs = 1, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
+    one = trainer.fit(loader).back();
+  });
+  // Two ranks, 8 each of the same global batches: the loss and accuracy of all 16 samples.
+  std::array<EpochResult, 2> two;
+  ThreadWorld(2).run([&](ThreadComm& comm) {
+    auto model = make();
+    DataParallel dp(model, comm);
+    Sgd<TE> sgd(dp.parameters(), {.lr = 0.05});
+    DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = comm.rank(), .world_size = 2});
+    Trainer trainer(model, sgd, ConstantLr{0.05}, {.epochs = 1, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
+    two[static_cast<std::size_t>(comm.rank())] = trainer.fit(loader).back();
+  });
+  CHECK(one.ranks == 1);
+  CHECK(two[0].ranks == 2);
+  // The same figures on both ranks, bit for bit, and those of the one-process run (the gradients
+  // differ only in summation order).
+  CHECK(two[0].train_loss == two[1].train_loss);
+  CHECK(two[0].train_accuracy == two[1].train_accuracy);
+  CHECK(two[0].seconds == two[1].seconds);
+  CHECK(two[0].train_loss == Approx(one.train_loss).epsilon(1e-5));
+  CHECK(two[0].train_accuracy == one.train_accuracy);
+  // images/s: all ranks' images over the slowest rank's time; each rank's own is about half.
+  CHECK(two[0].images_per_second >= two[0].rank_images_per_second);
+  CHECK(two[0].images_per_second == Approx(static_cast<double>(data().labels.size()) / two[0].seconds));
 }
