@@ -171,10 +171,13 @@ void train(Comm& world, const Options& o, int stages) {
       if (stage == stages - 1) correct[0] += static_cast<double>(count_correct(logits, test_batch.labels));
       correct[1] += static_cast<double>(test_batch.labels.size());
     }
+    // The global loss: each pipeline returns its replica's mean loss; average over the replicas.
+    std::array<double, 1> mean_loss{loss_sum / static_cast<double>(steps)};
+    dp_comm.all_reduce(std::span<double>(mean_loss), ReduceOp::Avg);
     if (reporter)
-      std::printf("epoch %lld: train loss %.4f | test acc %.2f%% | %.1f s, %.0f img/s\n", static_cast<long long>(epoch + 1),
-                  loss_sum / static_cast<double>(steps), 100 * correct[0] / correct[1], seconds,
-                  static_cast<double>(steps * o.batch) / seconds);
+      std::printf("epoch %lld: train loss %.4f%s | test acc %.2f%% | %.1f s, %.0f img/s (all ranks)\n",
+                  static_cast<long long>(epoch + 1), mean_loss[0], replicas > 1 ? " (all replicas)" : "",
+                  100 * correct[0] / correct[1], seconds, static_cast<double>(steps * o.batch) / seconds);
     std::fflush(stdout);
     if (epoch + 1 == o.epochs && reporter) std::printf("final test accuracy: %.2f%%\n", 100 * correct[0] / correct[1]);
   }
