@@ -50,7 +50,7 @@ struct Options {
   int data = 2, stages = 2, tensor = 2, micro_batches = 2, threads = 1;
   double lr = 0.05;
   std::uint64_t seed = 1;
-  std::string data_dir;
+  std::string data_dir, trace;
   int ranks = 8;  // data x stages x tensor (the threads build launches this many)
 };
 
@@ -245,6 +245,29 @@ int run(Comm& world, const Options& o) {
     }
   }
 
+  // One more step with the timeline on: every rank's pipeline spans (tensor-parallel all-reduces
+  // run inside the F and B spans; the data all-reduce is the gap before the next step).
+  if (!o.trace.empty()) {
+    Timeline timeline(world);
+    pipe.set_timeline(&timeline);
+    model.set_mode(Mode::Train);
+    loader.start_epoch(0);
+    loader.next(batch);
+    sgd.zero_grad();
+    if (dp) {
+      {
+        auto guard = dp->no_sync();
+        pipe.train_step(images(flat(batch).images), batch.labels);
+      }
+      dp->finish();
+    } else {
+      pipe.train_step(images(flat(batch).images), batch.labels);
+    }
+    pipe.set_timeline(nullptr);
+    timeline.write(world, o.trace);
+    if (rank == 0) std::printf("timeline of one step: %s\n", o.trace.c_str());
+  }
+
   // The cost model per rank and step (float32), each dimension with its own formula:
   //   tensor: every block's row layer all-reduces its output (n, out) in forward and its column
   //     layer dL/d(input) (n, in) in backward (not block1's: the images need none), n = B/D
@@ -298,6 +321,7 @@ Options parse(int argc, char** argv) {
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", o.data_dir);
+  o.trace = flags.output_path("trace", o.trace);
   o.ranks = o.data * o.stages * o.tensor;
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--data x --stages x --tensor", o.threads,
                       "--threads");
