@@ -129,6 +129,18 @@ void train(Comm& world, const Options& o, int stages) {
   // the check, whose backward must not reach these hooks).
   std::optional<DataParallel<E>> dp;
   if (replicas > 1) dp.emplace(pipe.stage(), dp_comm, DataParallelOptions{.average_micro_steps = false});
+  // One step's forward and backward: the pipeline's micro-batches accumulate the gradients with
+  // DataParallel's hooks held back (no_sync), then one all-reduce over the replicas (finish).
+  auto pipeline_step = [&](Batch<float>& b) {
+    float loss;
+    {
+      std::optional<DataParallel<E>::NoSync> guard;
+      if (dp) guard.emplace(dp->no_sync());
+      loss = pipe.train_step(images(b.images), b.labels);
+    }
+    if (dp) dp->finish();
+    return loss;
+  };
 
   double idle_sum = 0;
   std::int64_t idle_steps = 0;
@@ -141,14 +153,7 @@ void train(Comm& world, const Options& o, int stages) {
     std::int64_t steps = 0;
     while (loader.next(batch)) {
       sgd.zero_grad();
-      float loss;
-      if (dp) {
-        auto guard = dp->no_sync();
-        loss = pipe.train_step(images(batch.images), batch.labels);
-      } else {
-        loss = pipe.train_step(images(batch.images), batch.labels);
-      }
-      if (dp) dp->finish();
+      const float loss = pipeline_step(batch);
       sgd.step();
       loss_sum += loss;
       ++steps;
@@ -224,15 +229,7 @@ void train(Comm& world, const Options& o, int stages) {
     loader.start_epoch(0);
     loader.next(batch);
     sgd.zero_grad();
-    if (dp) {
-      {
-        auto guard = dp->no_sync();
-        pipe.train_step(images(batch.images), batch.labels);
-      }
-      dp->finish();
-    } else {
-      pipe.train_step(images(batch.images), batch.labels);
-    }
+    pipeline_step(batch);
     pipe.set_timeline(nullptr);
     std::array<double, 1> step_time{pipe.last_step().step_seconds};
     pipe_comm.all_reduce(std::span<double>(step_time), ReduceOp::Max);

@@ -203,6 +203,18 @@ int run(Comm& world, const Options& o) {
   // reach these hooks). The pipeline's micro-batches accumulate; finish() averages once.
   std::optional<DataParallel<E>> dp;
   if (D > 1) dp.emplace(pipe.stage(), data_group, DataParallelOptions{.average_micro_steps = false});
+  // One step's forward and backward: the pipeline's micro-batches accumulate the gradients with
+  // DataParallel's hooks held back (no_sync), then one all-reduce over the replicas (finish).
+  auto pipeline_step = [&](Batch<float>& b) {
+    float loss;
+    {
+      std::optional<DataParallel<E>::NoSync> guard;
+      if (dp) guard.emplace(dp->no_sync());
+      loss = pipe.train_step(images(flat(b).images), b.labels);
+    }
+    if (dp) dp->finish();
+    return loss;
+  };
   Batch<float> batch;
   for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
     sgd.set_lr(schedule(static_cast<double>(epoch)));
@@ -212,14 +224,7 @@ int run(Comm& world, const Options& o) {
     const auto started = std::chrono::steady_clock::now();
     while (loader.next(batch)) {
       sgd.zero_grad();
-      float loss;
-      if (dp) {
-        auto guard = dp->no_sync();
-        loss = pipe.train_step(images(flat(batch).images), batch.labels);
-      } else {
-        loss = pipe.train_step(images(flat(batch).images), batch.labels);
-      }
-      if (dp) dp->finish();
+      const float loss = pipeline_step(batch);
       sgd.step();
       loss_sum[0] += loss;
       loss_sum[1] += 1;
@@ -254,15 +259,7 @@ int run(Comm& world, const Options& o) {
     loader.start_epoch(0);
     loader.next(batch);
     sgd.zero_grad();
-    if (dp) {
-      {
-        auto guard = dp->no_sync();
-        pipe.train_step(images(flat(batch).images), batch.labels);
-      }
-      dp->finish();
-    } else {
-      pipe.train_step(images(flat(batch).images), batch.labels);
-    }
+    pipeline_step(batch);
     pipe.set_timeline(nullptr);
     timeline.write(world, o.trace);
     if (rank == 0) std::printf("timeline of one step: %s\n", o.trace.c_str());
