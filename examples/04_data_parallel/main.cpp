@@ -22,6 +22,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstdio>
+#include <numeric>
 #include <optional>
 #include <cstdlib>
 #include <string>
@@ -31,6 +32,8 @@
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/memory.hpp"
+#include "common/trace_files.hpp"
 #include "common/traffic.hpp"
 
 using namespace tessera;
@@ -155,6 +158,16 @@ double train(Comm& comm, const Options& o) {
   // each epoch's shared permutation, so batch i of all ranks together is batch i of one process.
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
+  // The activation formula's values per sample (a probe model of the same shapes, freed before
+  // the measurement starts).
+  const std::int64_t values_per_sample = [&] {
+    auto probe = lenet5<E>(1, 28, 10, o.seed);
+    const auto values = examples::unit_output_values_per_sample<Device>(probe, Shape{1, 1, 28, 28});
+    return std::accumulate(values.begin(), values.end(), std::int64_t{0});
+  }();
+  // Memory per rank, measured by the allocator from here on: first the model's state.
+  examples::RankMemory<Device, Comm> memory(comm);
+  memory.start();
   // Ranks start from different weights on purpose: DataParallel broadcasts rank 0's.
   auto model = lenet5<E>(1, 28, 10, o.seed + static_cast<std::uint64_t>(rank));
   const GradientCompression compression = o.compression == "fp16"   ? GradientCompression::Fp16
@@ -169,6 +182,7 @@ double train(Comm& comm, const Options& o) {
   Sgd<E> sgd(dp.parameters(), {.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay,
                                       .decay_norm_and_bias = false});
   const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
+  const auto state_bytes = memory.held();  // parameters, gradients, DataParallel's buckets
 
   DataLoader<float> train_loader(train_set, {.batch_size = o.batch / ranks, .shuffle = true, .seed = o.seed,
                                              .rank = rank, .world_size = ranks});
@@ -190,16 +204,32 @@ double train(Comm& comm, const Options& o) {
   std::optional<Timeline> timeline;
   if (!o.trace.empty()) timeline.emplace(comm);
   double comm_us = 0, exposed_us = 0;
+  // Memory of the training steps (from memory.start() below): after step 1's backward, the most
+  // in use at once (activations, their gradients, workspaces) and what stays held; after step 2's,
+  // also the optimizer state its first step created. Not on a resumed run (its state was loaded)
+  // nor with compression (its buffers live outside the allocator).
+  const bool measure_memory = o.resume.empty() && o.compression == "none";
+  std::int64_t steps_seen = 0;
+  examples::RankMemory<Device, Comm>::Bytes step_peak_bytes, step_held_bytes, optimizer_bytes;  // held: stays for step 2
   // sgd.step() finishes the all-reduce by itself; with a timeline, finish here to record it.
   auto record = [&] {
+    ++steps_seen;
+    if (measure_memory && steps_seen <= 2) {
+      dp.finish();  // the buckets' all-reduce before the barriers of the measurement
+      if (steps_seen == 1) {
+        step_peak_bytes = memory.peak();
+        step_held_bytes = memory.held();
+      } else {
+        const auto now = memory.held();
+        optimizer_bytes = {now.requested - step_held_bytes.requested, now.blocks - step_held_bytes.blocks};
+      }
+    }
     if (!timeline) return;
     dp.finish();
     auto last_done = dp.last_wait_began();
     double step_comm_us = 0;
-    for (std::size_t k = 0; k < dp.buckets().size(); ++k) {
-      const auto& b = dp.buckets()[k];
-      timeline->add("all_reduce bucket " + std::to_string(k) + " (" + std::to_string(b.flat.numel() * 4 / 1024) + " KiB)",
-                    "communication", b.launched_at, b.completed_at, Timeline::kCommunication);
+    examples::record_buckets(*timeline, dp);
+    for (const auto& b : dp.buckets()) {
       step_comm_us += std::chrono::duration<double, std::micro>(b.completed_at - b.launched_at).count();
       last_done = std::max(last_done, b.completed_at);
     }
@@ -225,6 +255,7 @@ double train(Comm& comm, const Options& o) {
       std::printf("note: TopK error-feedback residuals are not in checkpoints; they restart from zero\n");
   }
   const double lo_before = rank == 0 ? examples::loopback_bytes() : -1;
+  if (measure_memory) memory.start();
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
   if (results.empty()) return 0.0;
   // The cost model: a bandwidth-optimal all-reduce (ring, or halving-doubling) of G bytes sends
@@ -243,6 +274,35 @@ double train(Comm& comm, const Options& o) {
       std::printf("cost: measured on the loopback interface: %.1f KiB per rank and step over %.0f steps (%.2fx the "
                   "formula; 0 where the backend moves bytes through shared memory)\n",
                   (lo_after - lo_before) / ranks / steps / 1024, steps, (lo_after - lo_before) / ranks / steps / per_step);
+  }
+  // Memory per rank: parameters, gradients and DataParallel's flat buckets hold P values each
+  // (the last bucket one more: the step's error flag, all-reduced with the gradients so that every
+  // rank learns when one failed), SGD's momentum P more; a step's activations, b x (the input and every layer's output per
+  // sample), are the bulk of its peak. Measured: bytes requested from the allocator (and in its
+  // blocks, which round a request below 1 MiB up to a power of two: fc1's 187.5 KiB take 256 KiB).
+  if (rank == 0 && measure_memory && steps_seen >= 2) {
+    const double p = static_cast<double>(count_parameters(dp.parameters()));
+    const double b = static_cast<double>(o.batch / ranks);
+    const double activations = b * static_cast<double>(values_per_sample + 28 * 28) * 4.0;
+    auto line = [](const char* what, const char* formula, double bytes, const examples::RankMemory<Device, Comm>::Bytes& m) {
+      std::printf("memory: %s = %s = %.1f KiB | %.1f KiB (%.2fx; %.1f KiB in blocks)\n", what, formula, bytes / 1024,
+                  m.requested / 1024, m.requested / bytes, m.blocks / 1024);
+    };
+    std::printf("memory per rank: formula | measured by the allocator%s\n",
+                memory.ranks_per_process() > 1 ? " (this process's over its thread ranks; their peaks need not coincide)"
+                                               : "");
+    const std::string p_text = std::to_string(static_cast<long long>(p));
+    line("parameters + gradients + buckets", ("3 x " + p_text + " x 4 B + 4 B").c_str(), 3 * p * 4 + 4, state_bytes);
+    line("optimizer state (SGD momentum)", (p_text + " x 4 B").c_str(), p * 4, optimizer_bytes);
+    // Parameters, gradients and buckets are tensors of known sizes: the bytes requested must be
+    // exactly the formula's (on every rank alike: one rank's, or the average of thread ranks).
+    TESSERA_CHECK(state_bytes.requested == 3 * p * 4 + 4, Error, "the model state takes ", state_bytes.requested,
+                  " bytes per rank, not 3 x P x 4 + 4 = ", 3 * p * 4 + 4,
+                  " (an extra copy of the parameters or gradients?)");
+    line("activations, the step's peak",
+         ("b x (input + layer outputs) x 4 B = " + std::to_string(o.batch / ranks) + " x (784 + " +
+          std::to_string(values_per_sample) + ") x 4 B").c_str(),
+         activations, step_peak_bytes);
   }
   if (timeline) {
     timeline->write(comm, o.trace);

@@ -26,6 +26,7 @@
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/memory.hpp"
 
 using namespace tessera;
 
@@ -45,8 +46,11 @@ using Comm = E::Comm;
 using Model = LeNet5<E>;
 
 // The first batch through the unsplit model and through the pipeline: equal loss and gradients.
+// Also measures the activation memory of the pipeline's first step (see train()), after the
+// reference has run, so that this thread's scratch already holds the largest workspace.
 template <class Pipe>
-void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, std::uint64_t seed, bool report) {
+examples::RankMemory<Device, Comm>::Bytes check_against_unsplit(Pipe& pipe, Comm& pipe_comm, examples::RankMemory<Device, Comm>& memory,
+                             const Batch<float>& b, std::uint64_t seed, bool report) {
   auto whole = lenet5<E>(1, 28, 10, seed);
   Model::Cache cache{};
   CrossEntropyLoss<E> loss;
@@ -54,7 +58,9 @@ void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, s
   examples::DeviceBatch<Device> images;
   const float expected = loss.forward(whole.forward(images(b.images), cache), b.labels, loss_cache);
   whole.backward(loss.backward(loss_cache), cache);
+  memory.start();
   const float got = pipe.train_step(images(b.images), b.labels);
+  const auto activation_bytes = memory.peak();
   std::map<std::string, Parameter<float, Device>*> reference;
   for (auto& [name, p] : named_tensors(whole).parameters) reference[name] = p;
   double worst = 0;
@@ -72,6 +78,7 @@ void check_against_unsplit(Pipe& pipe, Comm& pipe_comm, const Batch<float>& b, s
     std::printf("check: first batch through the pipeline = the unsplit model (loss %.6f vs %.6f, gradients within %.1e)\n",
                 got, expected, worst);
   for (auto& [name, p] : pipe.stage_parameters().parameters) p->grad.zero();
+  return activation_bytes;
 }
 
 void train(Comm& world, const Options& o, int stages) {
@@ -124,7 +131,12 @@ void train(Comm& world, const Options& o, int stages) {
                   s, model.unit_name(first).c_str(), model.unit_name(end - 1).c_str());
     }
   }
-  check_against_unsplit(pipe, pipe_comm, batch, o.seed, world.rank() == 0);
+  // Activation memory, measured: a stage keeps one set of activations per micro-batch slot
+  // (Pipeline::activation_slots) from its first step on, reused by every later step: the bytes
+  // the allocator holds after that first step (the check's) above those before it.
+  const auto unit_values = examples::unit_output_values_per_sample<Device>(model, Shape{1, 1, 28, 28});
+  examples::RankMemory<Device, Comm> memory(world);
+  const auto activation_bytes = check_against_unsplit(pipe, pipe_comm, memory, batch, o.seed, world.rank() == 0);
   // Hybrid: each stage's gradients are averaged over the replicas holding the same stage (after
   // the check, whose backward must not reach these hooks).
   std::optional<DataParallel<E>> dp;
@@ -191,15 +203,17 @@ void train(Comm& world, const Options& o, int stages) {
   std::vector<double> mine{idle_steps ? idle_sum / static_cast<double>(idle_steps) : 0.0,
                            static_cast<double>(pipe.last_step().peak_in_flight),
                            static_cast<double>(pipe.last_step().bytes_sent_forward),
-                           static_cast<double>(pipe.last_step().bytes_sent_backward)};
+                           static_cast<double>(pipe.last_step().bytes_sent_backward), activation_bytes.requested,
+                           activation_bytes.blocks};
   std::vector<double> all(mine.size() * static_cast<std::size_t>(pipe_comm.size()));
   pipe_comm.all_gather(std::span<const double>(mine), std::span<double>(all));
+  constexpr std::size_t kFields = 6;  // per stage, in `all`
   if (world.rank() == 0) {
     const double ideal = static_cast<double>(stages - 1) / static_cast<double>(o.micro_batches + stages - 1);
     std::printf("bubble: ideal (P-1)/(M+P-1) = %.3f; measured idle fraction per stage:", ideal);
-    for (int s = 0; s < stages; ++s) std::printf(" %.3f", all[static_cast<std::size_t>(4 * s)]);
+    for (int s = 0; s < stages; ++s) std::printf(" %.3f", all[kFields * static_cast<std::size_t>(s)]);
     std::printf("\nmicro-batches of activations held at the peak per stage:");
-    for (int s = 0; s < stages; ++s) std::printf(" %.0f", all[static_cast<std::size_t>(4 * s + 1)]);
+    for (int s = 0; s < stages; ++s) std::printf(" %.0f", all[kFields * static_cast<std::size_t>(s) + 1]);
     std::printf(" (%s)\n", schedule == PipelineSchedule::GPipe ? "GPipe: all M" : "1F1B: at most P - s");
     // Bytes per step across each stage boundary: the batch's activations there go forward and
     // their gradients come back, 2 x (samples per pipeline) x (bytes per sample at the boundary),
@@ -215,10 +229,47 @@ void train(Comm& world, const Options& o, int stages) {
       const auto end = pipe.boundaries()[static_cast<std::size_t>(s) + 1];
       const std::int64_t per_sample = model.forward_units(probe, probe_cache, 0, end).numel() * 4;
       const double formula = 2.0 * static_cast<double>(per_pipeline * per_sample) + 64.0 * o.micro_batches;
-      const double measured = all[static_cast<std::size_t>(4 * s + 2)] + all[static_cast<std::size_t>(4 * (s + 1) + 3)];
+      const double measured = all[kFields * static_cast<std::size_t>(s) + 2] + all[kFields * static_cast<std::size_t>(s + 1) + 3];
       std::printf("cost: stage %d <-> %d per step: 2 x %lld samples x %lld B + %d x 64 B headers = %.1f KiB by formula, "
                   "%.1f KiB sent in the last step\n", s, s + 1, static_cast<long long>(per_pipeline),
                   static_cast<long long>(per_sample), o.micro_batches, formula / 1024, measured / 1024);
+    }
+    // Activation memory per stage: one set per micro-batch slot (GPipe all M, 1F1B at most
+    // P - s), each of (samples per micro-batch) x 4 B x the values a sample leaves there: every
+    // unit's output, the stage's input, and the gradients that cross its boundaries (the one it
+    // receives for its output and the one it sends for its input). Measured: the allocator's peak
+    // during the first step, in bytes requested (and in its rounded blocks). The peak also holds
+    // one micro-batch's gradients in flight, and lacks the outputs freed early (a convolution's,
+    // once the ReLU after it has run: ReLU's backward reads only its own output).
+    const std::int64_t micro = o.batch / replicas / o.micro_batches;
+    double total = 0;
+    std::printf("memory: activations per stage = slots x %lld samples x (unit outputs + input + boundary gradients) x "
+                "4 B | allocator's peak in the first step\n", static_cast<long long>(micro));
+    for (int s = 0; s < stages; ++s) {
+      const auto first = pipe.boundaries()[static_cast<std::size_t>(s)], end = pipe.boundaries()[static_cast<std::size_t>(s) + 1];
+      std::int64_t outputs = 0;
+      for (auto u = first; u < end; ++u) outputs += unit_values[u];
+      const std::int64_t input = first == 0 ? 28 * 28 : unit_values[first - 1];
+      const std::int64_t gradients = (s > 0 ? input : 0) + (s + 1 < stages ? unit_values[end - 1] : 0);
+      const int slots = schedule == PipelineSchedule::GPipe ? o.micro_batches : std::min(o.micro_batches, stages - s);
+      const double formula = static_cast<double>(slots * micro * (outputs + input + gradients)) * 4.0;
+      total += formula;
+      std::printf("memory: stage %d: %d x %lld x (%lld + %lld + %lld) x 4 B = %.1f KiB", s, slots,
+                  static_cast<long long>(micro), static_cast<long long>(outputs), static_cast<long long>(input),
+                  static_cast<long long>(gradients), formula / 1024);
+      const double requested = all[kFields * static_cast<std::size_t>(s) + 4], blocks = all[kFields * static_cast<std::size_t>(s) + 5];
+      if (memory.ranks_per_process() == 1)
+        std::printf(" | %.1f KiB (%.2fx; %.1f KiB in blocks)\n", requested / 1024, requested / formula, blocks / 1024);
+      else
+        std::printf("\n");
+    }
+    // Thread ranks share one allocator: only all stages together can be measured (those of this
+    // replica and of the others, which hold the same again), and their peaks need not coincide.
+    if (memory.ranks_per_process() > 1) {
+      const double requested = all[kFields - 2] * memory.ranks_per_process();
+      std::printf("memory: all %d ranks = %d replica(s) x %.1f KiB = %.1f KiB by formula | %.1f KiB, the peak of this "
+                  "process's allocator (%.2fx; its thread ranks share it)\n", world.size(), replicas, total / 1024,
+                  replicas * total / 1024, requested / 1024, requested / (replicas * total));
     }
   }
   // One more step, of the pipeline just trained (same split, same schedule), with the timeline on:

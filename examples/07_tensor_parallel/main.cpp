@@ -6,7 +6,8 @@
 //   mpirun -n 4 build/examples/07_tensor_parallel_mpi
 //
 // Flags: --epochs=3 --batch=64 --hidden=1024 --lr=0.05 --threads=1 --seed=1 --limit=N
-// --data-dir=DIR, and for the threads build --ranks=2.
+// --data-dir=DIR --trace=trace.json (after training, 3 more steps as a Chrome trace, the layers'
+// collectives on the communication lane), and for the threads build --ranks=2.
 //
 // It checks itself first: the same network built densely from the same seed must give the same
 // loss, and each rank's gradients must be its slice of the dense gradients, on the first batch.
@@ -14,12 +15,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/memory.hpp"
 #include "common/traffic.hpp"
 
 using namespace tessera;
@@ -31,7 +34,7 @@ struct Options {
   double lr = 0.05;
   int threads = 1, ranks = 2;
   std::uint64_t seed = 1;
-  std::string data_dir;
+  std::string data_dir, trace;
 };
 
 using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the build, nowhere else
@@ -59,6 +62,7 @@ struct TensorParallelClassifier {
     mlp.visit(v, prefix);
   }
   void set_mode(Mode m) { mlp.set_mode(m); }
+  void set_timeline(SpanSink* timeline) { mlp.set_timeline(timeline); }
 };
 
 // The first batch through the dense network (same seed) and the split one.
@@ -109,9 +113,12 @@ void train(Comm& comm, const Options& o) {
   Cpu::set_num_threads(o.threads);
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
 
+  examples::RankMemory<Device, Comm> memory(comm);  // the model's state, measured from here
+  memory.start();
   Rng rng(o.seed);  // the dense layers' draws; each rank keeps its slice
   TensorParallelClassifier model(o.hidden, rng, comm);
   auto named = named_tensors(model);
+  const auto state_bytes = memory.held();  // the slices' values and gradients (the dense layers are gone)
   examples::DeviceBatch<Device> images;  // the host batches, on the GPU in the NCCL build
   if (comm.rank() == 0)
     std::printf("07_tensor_parallel: MLP 784-%lld-10 split over %d ranks: %zu of %lld parameters on each rank; batch %lld\n",
@@ -132,6 +139,10 @@ void train(Comm& comm, const Options& o) {
   TensorParallelClassifier::Cache cache;
   double loopback = 0;  // bytes over `lo` during the training steps (rank 0 reads; same host)
   std::int64_t total_steps = 0;
+  // The first step's memory: the peak of its forward and backward, and the momentum its
+  // optimizer step creates.
+  examples::RankMemory<Device, Comm>::Bytes step_peak_bytes, optimizer_bytes;
+  memory.start();
   for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
     sgd.set_lr(schedule(static_cast<double>(epoch)));
     loader.start_epoch(epoch);
@@ -143,7 +154,15 @@ void train(Comm& comm, const Options& o) {
       sgd.zero_grad();
       loss_sum += loss.forward(model.forward(images(batch.images), cache), batch.labels, loss_cache);
       model.backward(loss.backward(loss_cache), cache);
-      sgd.step();
+      if (total_steps + steps == 0) {
+        step_peak_bytes = memory.peak();
+        const auto before = memory.held();
+        sgd.step();
+        const auto after = memory.held();
+        optimizer_bytes = {after.requested - before.requested, after.blocks - before.blocks};
+      } else {
+        sgd.step();
+      }
       ++steps;
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -167,6 +186,27 @@ void train(Comm& comm, const Options& o) {
       if (epoch + 1 == o.epochs) std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
       std::fflush(stdout);
     }
+  }
+  // A few more steps with the timeline on: forward, backward and the optimizer step on the
+  // compute lane, the row layer's all-reduce of the logits on the communication lane (inside
+  // forward: every rank needs the whole logits before the loss).
+  if (!o.trace.empty()) {
+    constexpr int kTraceSteps = 3;
+    Timeline timeline(comm);
+    model.set_timeline(&timeline);
+    loader.start_epoch(0);
+    for (int step = 0; step < kTraceSteps && loader.next(batch); ++step) {
+      sgd.zero_grad();
+      std::optional<Timeline::Span> span(timeline.span("forward"));
+      loss.forward(model.forward(images(batch.images), cache), batch.labels, loss_cache);
+      span.emplace(timeline.span("backward"));
+      model.backward(loss.backward(loss_cache), cache);
+      span.emplace(timeline.span("optimizer step"));
+      sgd.step();
+    }
+    model.set_timeline(nullptr);
+    timeline.write(comm, o.trace);
+    if (comm.rank() == 0) std::printf("timeline of %d steps: %s\n", kTraceSteps, o.trace.c_str());
   }
   // The cost model. Communication: one all-reduce of the partial logits, N x 10 floats, per step
   // (backward needs none here, see the README); a bandwidth-optimal all-reduce sends 2(p-1)/p of
@@ -192,6 +232,28 @@ void train(Comm& comm, const Options& o) {
                 (784.0 + 1 + 10) * static_cast<double>(o.hidden) / p + 10, mine, 12 * mine / (1 << 20),
                 12 * dense / (1 << 20));
   }
+  // Measured by the allocator (bytes requested; in its rounded blocks after the semicolon), per
+  // rank: the model's values and gradients, the momentum, and the first step's peak: its
+  // activations, N x (784 flattened + h/p hidden + h/p after ReLU + 10 logits) x 4 B, and in
+  // backward their gradients, N x (h/p + h/p + 10) x 4 B (the images need none).
+  if (comm.rank() == 0) {
+    const double mine = static_cast<double>(count_parameters(named));
+    const std::int64_t kept = 784 + 2 * o.hidden / p + 10, gradients = 2 * o.hidden / p + 10;
+    const double activations = static_cast<double>(o.batch * (kept + gradients)) * 4;
+    TESSERA_CHECK(state_bytes.requested == 8 * mine, Error, "the model takes ", state_bytes.requested,
+                  " bytes per rank, not 2 x ", mine, " x 4 (its slices' values and gradients): a dense copy kept?");
+    std::printf("memory: parameters + gradients = 2 x %.0f x 4 B = %.1f KiB | %.1f KiB measured (%.2fx; %.1f KiB in "
+                "blocks)\n", mine, 8 * mine / 1024, state_bytes.requested / 1024, state_bytes.requested / (8 * mine),
+                state_bytes.blocks / 1024);
+    std::printf("memory: momentum = %.0f x 4 B = %.1f KiB | %.1f KiB measured (%.2fx; %.1f KiB in blocks)\n", mine,
+                4 * mine / 1024, optimizer_bytes.requested / 1024, optimizer_bytes.requested / (4 * mine),
+                optimizer_bytes.blocks / 1024);
+    std::printf("memory: activations + their gradients = N x ((784 + 2 h/p + 10) + (2 h/p + 10)) x 4 B = %lld x (%lld + "
+                "%lld) x 4 B = %.1f KiB | step peak %.1f KiB measured (%.2fx; %.1f KiB in blocks)\n",
+                static_cast<long long>(o.batch), static_cast<long long>(kept), static_cast<long long>(gradients),
+                activations / 1024, step_peak_bytes.requested / 1024,
+                step_peak_bytes.requested / activations, step_peak_bytes.blocks / 1024);
+  }
 }
 
 Options parse(int argc, char** argv) {
@@ -208,6 +270,7 @@ Options parse(int argc, char** argv) {
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", std::string());
+  o.trace = flags.output_path("trace", o.trace);
   flags.finish();
   return o;
 }

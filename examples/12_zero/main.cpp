@@ -14,14 +14,19 @@
 //
 // Flags: --epochs=1 --batch=64 (global) --lr=0.001 --threads=1 (per rank) --ranks=2 (threads
 // build) --seed=1 --limit=N (first N training images) --data-dir=DIR --tolerance=0.5 (points)
+// --trace=trace.json (every step of both runs as Chrome traces: trace.dp.json, trace.zero.json)
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
 #include "common/rank_status.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/memory.hpp"
+#include "common/trace_files.hpp"
 
 using namespace tessera;
 
@@ -29,13 +34,14 @@ namespace {
 
 using E = BuildEnv;  // CpuThreads, CpuMpi or CpuGloo: chosen by the build, nowhere else
 using Comm = E::Comm;
+using Device = E::Device;
 
 struct Options {
   std::int64_t epochs = 1, batch = 64, limit = 0;
   double lr = 1e-3, tolerance = 0.5;
   int threads = 1, ranks = 2;
   std::uint64_t seed = 1;
-  std::string data_dir;
+  std::string data_dir, trace;
 };
 
 // Counts the bytes of an optimizer's state tensors (visit_state: the checkpoint's view of it).
@@ -51,18 +57,28 @@ struct StateBytes {
 struct Outcome {
   double accuracy = 0, train_loss = 0, seconds = 0;
   std::size_t state_bytes = 0;  // this rank's optimizer state
+  double model_bytes = 0;       // parameters, gradients and the strategy's buffers (allocator, requested)
 };
 
 Outcome train(Comm& comm, const Options& o, bool zero) {
   const int rank = comm.rank(), ranks = comm.size();
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
-  // Every rank starts from rank 0's weights: both strategies broadcast them.
-  auto model = lenet5<E>(1, 28, 10, o.seed);
   DataLoader<float> train_loader(train_set, {.batch_size = o.batch / ranks, .shuffle = true, .seed = o.seed,
                                              .rank = rank, .world_size = ranks});
   DataLoader<float> test_loader(test_set, {.batch_size = 500, .shuffle = false});
+  // Memory per rank from here: the model and the strategy's buffers (measured once both exist).
+  examples::RankMemory<Device, Comm> memory(comm);
+  memory.start();
+  // Every rank starts from rank 0's weights: both strategies broadcast them.
+  auto model = lenet5<E>(1, 28, 10, o.seed);
   const auto constant = [lr = o.lr](double) { return lr; };
   Outcome out;
+  // --trace: every step, forward/backward/optimizer on the compute lane, the collectives (Zero1's
+  // reduce-scatter and all-gather, DataParallel's bucket all-reduces) on the communication lane.
+  const std::string trace = o.trace.empty() ? "" : examples::tagged_path(o.trace, zero ? "zero" : "dp");
+  std::optional<Timeline> timeline;
+  if (!trace.empty()) timeline.emplace(comm);
+  Timeline* t = timeline ? &*timeline : nullptr;
   const auto finish = [&](auto& optimizer_state, const auto& results) {
     StateBytes counter;
     optimizer_state.visit_state(counter);
@@ -70,19 +86,32 @@ Outcome train(Comm& comm, const Options& o, bool zero) {
     out.accuracy = 100.0 * results.back().test_accuracy;
     out.train_loss = results.back().train_loss;
     for (const auto& r : results) out.seconds += r.seconds;
+    if (timeline) {
+      timeline->write(comm, trace);
+      if (rank == 0) std::printf("timeline of every step: %s\n", trace.c_str());
+    }
   };
   if (zero) {
-    Zero1 zero1(model, comm);
+    Zero1 zero1(model, comm, {.timeline = t});
     Adam<E> adam(zero1.shard_parameters(), {.lr = o.lr});
+    out.model_bytes = memory.held().requested;  // Adam's state appears at its first step
     Zero1Optimizer optimizer(zero1, adam);
     Trainer trainer(model, optimizer, constant,
-                    {.epochs = o.epochs, .verbose = rank == 0, .checkpoint_group = CheckpointGroup(comm)});
+                    {.epochs = o.epochs, .verbose = rank == 0, .timeline = t, .checkpoint_group = CheckpointGroup(comm)});
     finish(adam, trainer.fit(train_loader, &test_loader));
   } else {
     DataParallel dp(model, comm);
     Adam<E> adam(dp.parameters(), {.lr = o.lr});
+    out.model_bytes = memory.held().requested;
+    // With a timeline, the buckets' all-reduces finish here (sgd.step() would) to be recorded.
+    const auto record = [&] {
+      if (!t) return;
+      dp.finish();
+      examples::record_buckets(*t, dp);
+    };
     Trainer trainer(model, adam, constant,
-                    {.epochs = o.epochs, .verbose = rank == 0, .checkpoint_group = CheckpointGroup(comm)});
+                    {.epochs = o.epochs, .verbose = rank == 0, .before_step = record, .timeline = t,
+                     .checkpoint_group = CheckpointGroup(comm)});
     finish(adam, trainer.fit(train_loader, &test_loader));
   }
   return out;
@@ -112,24 +141,41 @@ int run(Comm& comm, const Options& o) {
   const double weights = 4.0 * static_cast<double>(params);
   const double dp_state = 2 * weights, zero_state = 2 * 4.0 * static_cast<double>(shard);
   const double dp_comm = 2 * (n - 1) / n * weights, zero_comm = 2 * (n - 1) / n * 4.0 * n * static_cast<double>(shard);
+  // The model and the strategy's buffers: parameters and gradients P each under both; DataParallel's
+  // flat buckets P + 1 (the last carries the step's error flag, so one all-reduce tells every rank
+  // that some rank failed); Zero1's flat buffer N ceil(P/N) (gradients to reduce-scatter, then gathered
+  // values), its shard buffer ceil(P/N), and the shard's own parameter pieces for the optimizer
+  // (values and gradients: 2 x the real elements of the shard; rank 0's, or the average over
+  // thread ranks, P/N). Zero1 saves 2P - 2P/N of Adam's state and spends about 3P/N on its
+  // buffers: less memory in all from N = 3.
+  const double own = SharedMemoryCommunicator<Comm> ? static_cast<double>(params) / n
+                                                     : static_cast<double>(std::min(shard, params));
+  const double dp_model = 3 * weights + 4;
+  const double zero_model = 4.0 * (2.0 * static_cast<double>(params) + (n + 1) * static_cast<double>(shard) + 2 * own);
   bool ok = true;
   if (rank == 0) {
     std::printf("\n%-34s %14s %14s\n", "per rank", "DataParallel", "Zero1");
-    std::printf("%-34s %11.3f MiB %11.3f MiB\n", "parameters + gradients (formula)", 2 * weights / mib, 2 * weights / mib);
+    std::printf("%-34s %11.3f MiB %11.3f MiB\n", "model + buffers, formula", dp_model / mib, zero_model / mib);
+    std::printf("%-34s %11.3f MiB %11.3f MiB\n", "model + buffers, measured", dp.model_bytes / mib, zero.model_bytes / mib);
     std::printf("%-34s %11.3f MiB %11.3f MiB\n", "Adam state, formula", dp_state / mib, zero_state / mib);
     std::printf("%-34s %11.3f MiB %11.3f MiB\n", "Adam state, measured", static_cast<double>(dp.state_bytes) / mib,
                 static_cast<double>(zero.state_bytes) / mib);
+    std::printf("%-34s %11.3f MiB %11.3f MiB\n", "total, measured",
+                (dp.model_bytes + static_cast<double>(dp.state_bytes)) / mib,
+                (zero.model_bytes + static_cast<double>(zero.state_bytes)) / mib);
     std::printf("%-34s %11.3f MiB %11.3f MiB\n", "communication per step (formula)", dp_comm / mib, zero_comm / mib);
     std::printf("%-34s %14.4f %14.4f\n", "final train loss", dp.train_loss, zero.train_loss);
     std::printf("%-34s %13.2f%% %13.2f%%\n", "final test accuracy", dp.accuracy, zero.accuracy);
     std::printf("%-34s %12.1f s %12.1f s\n", "training time", dp.seconds, zero.seconds);
   }
   // The claim: the optimizer state shrinks N-fold (exactly the formula) and training is the same.
-  const bool memory_ok = static_cast<double>(dp.state_bytes) == dp_state && static_cast<double>(zero.state_bytes) == zero_state;
+  const bool memory_ok = static_cast<double>(dp.state_bytes) == dp_state && static_cast<double>(zero.state_bytes) == zero_state &&
+                         std::abs(dp.model_bytes - dp_model) < 1 && std::abs(zero.model_bytes - zero_model) < 1;
   const double apart = std::abs(dp.accuracy - zero.accuracy);
   ok = memory_ok && apart <= o.tolerance;
   if (rank == 0)
-    std::printf("\ncheck: Adam state %.2fx smaller (formula %.2fx: N = %d, up to padding) %s; test accuracies %.2f points "
+    std::printf("\ncheck: Adam state %.2fx smaller (formula %.2fx: N = %d, up to padding), memory = formulas %s; test "
+                "accuracies %.2f points "
                 "apart (tolerance %.2f) %s\n",
                 static_cast<double>(dp.state_bytes) / static_cast<double>(zero.state_bytes), dp_state / zero_state, ranks,
                 memory_ok ? "ok" : "FAIL: measured differs from the formula", apart, o.tolerance,
@@ -150,6 +196,7 @@ Options parse(int argc, char** argv) {
   o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", o.data_dir);
   o.tolerance = flags.get("tolerance", o.tolerance, {.min = 0});
+  o.trace = flags.output_path("trace", o.trace);
   flags.finish();
   return o;
 }

@@ -18,6 +18,9 @@
 //     as in any two float runs, so the full runs are compared by accuracy);
 //   - the all-reduces are exactly ceil(steps / k), each of the whole flattened model;
 //   - every k trains to within --tolerance points of data parallelism's test accuracy.
+// --trace=trace.json writes max(8, 2k) steps (from step 3) of each run as a Chrome trace, one file per
+// run (trace.dp.json, trace.k4.json, ...): DataParallel's all-reduce every step against local
+// SGD's average every k steps, on the communication lane.
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -33,6 +36,7 @@
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
 #include "common/rank_status.hpp"
+#include "common/trace_files.hpp"
 #include "common/traffic.hpp"
 
 using namespace tessera;
@@ -49,7 +53,7 @@ struct Options {
   int threads = 1, ranks = 2;
   std::uint64_t seed = 1;
   std::vector<std::string> periods;
-  std::string data_dir;
+  std::string data_dir, trace;
 };
 
 struct Outcome {
@@ -59,11 +63,13 @@ struct Outcome {
 };
 
 constexpr int kCheckSteps = 8;
+constexpr int kTraceFrom = 2;  // --trace skips the first steps
 constexpr double kCheckTolerance = 1e-5;
 
 // period 0: DataParallel (gradients averaged every step); k >= 1: LocalSgd with period k.
 // max_steps > 0: stop after that many steps and return the parameters (no evaluation).
-Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps = 0) {
+// trace: where to write max(8, 2k) steps, from step 3, as a Chrome trace (empty: none).
+Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps = 0, const std::string& trace = "") {
   const int rank = comm.rank(), ranks = comm.size();
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
   // Ranks start from different weights; both strategies broadcast rank 0's.
@@ -87,6 +93,20 @@ Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps =
   Batch<float> batch;
   Outcome out;
   std::array<double, 2> loss_sum{0, 0};  // this rank's sum of loss x samples, and samples
+  std::optional<Timeline> timeline;
+  const std::int64_t trace_steps = std::max(8, 2 * period);
+  if (!trace.empty()) {
+    timeline.emplace(comm);
+    if (local) local->set_timeline(&*timeline);
+  }
+  bool trace_written = false;
+  auto write_trace = [&](std::int64_t steps) {  // collective: every rank at the same step
+    if (local) local->set_timeline(nullptr);
+    timeline->write(comm, trace);
+    trace_written = true;
+    if (rank == 0)
+      std::printf("timeline of %lld steps from step %d: %s\n", static_cast<long long>(steps), kTraceFrom + 1, trace.c_str());
+  };
   comm.barrier();
   const double lo_before = rank == 0 ? examples::loopback_bytes() : -1;
   const auto started = std::chrono::steady_clock::now();
@@ -97,16 +117,30 @@ Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps =
     while ((max_steps == 0 || out.steps < max_steps) && loader.next(batch)) {
       sgd.set_lr(schedule(static_cast<double>(epoch) + static_cast<double>(b++) / batches));
       sgd.zero_grad();
+      // Traced: steps kTraceFrom + 1 .. kTraceFrom + trace_steps (the first fill caches and buffers).
+      Timeline* t = timeline && out.steps >= kTraceFrom && out.steps < kTraceFrom + trace_steps ? &*timeline : nullptr;
+      std::optional<Timeline::Span> span;
+      if (t) span.emplace(t->span("forward"));
       const float l = loss.forward(model.forward(images(batch.images), cache), batch.labels, loss_cache);
+      if (t) span.emplace(t->span("backward"));
       model.backward(loss.backward(loss_cache), cache);
+      if (t && dp) {  // shown apart from the optimizer step, which would otherwise wait in it
+        span.emplace(t->span("gradient sync wait"));
+        dp->finish();
+      }
+      if (t) span.emplace(t->span("optimizer step"));
       sgd.step();  // DataParallel: waits for the gradients' all-reduce first
+      span.reset();
       if (local && local->after_step()) ++out.all_reduces;
       if (dp) ++out.all_reduces;
+      if (t && dp) examples::record_buckets(*t, *dp);  // launched in backward, finished above
+      if (t && out.steps + 1 == kTraceFrom + trace_steps) write_trace(trace_steps);
       ++out.steps;
       loss_sum[0] += static_cast<double>(l) * static_cast<double>(batch.labels.size());
       loss_sum[1] += static_cast<double>(batch.labels.size());
     }
   }
+  if (timeline && !trace_written) write_trace(std::max<std::int64_t>(0, out.steps - kTraceFrom));  // a short run
   // The model that local SGD delivers is the average: the last, incomplete period is averaged too.
   if (local && out.steps % period != 0) {
     local->average();
@@ -166,9 +200,10 @@ int run(Comm& comm, const Options& o) {
                 "(tolerance %.0e): %s\n", kCheckSteps, worst[0], kCheckTolerance,
                 k1_is_dp ? "k = 1 is data parallelism, ok" : "FAIL");
 
-  const Outcome dp = train(comm, o, 0);
+  const Outcome dp = train(comm, o, 0, 0, o.trace.empty() ? "" : examples::tagged_path(o.trace, "dp"));
   std::vector<Outcome> outcomes;
-  for (int k : periods) outcomes.push_back(train(comm, o, k));
+  for (int k : periods)
+    outcomes.push_back(train(comm, o, k, 0, o.trace.empty() ? "" : examples::tagged_path(o.trace, "k" + std::to_string(k))));
 
   bool ok = k1_is_dp;
   if (rank == 0) {
@@ -225,6 +260,7 @@ Options parse(int argc, char** argv) {
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", o.data_dir);
+  o.trace = flags.output_path("trace", o.trace);
   flags.finish();
   return o;
 }

@@ -33,6 +33,7 @@
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/trace_files.hpp"
 #include "common/rank_status.hpp"
 
 using namespace tessera;
@@ -250,16 +251,22 @@ int run(Comm& world, const Options& o) {
     }
   }
 
-  // One more step with the timeline on: every rank's pipeline spans (tensor-parallel all-reduces
-  // run inside the F and B spans; the data all-reduce is the gap before the next step).
+  // One more step with the timeline on: every rank's pipeline spans, the tensor-parallel blocks'
+  // all-reduces (inside the F and B spans) and the data all-reduce of the replicas' gradients
+  // (after the last B), all on the communication lane.
   if (!o.trace.empty()) {
     Timeline timeline(world);
     pipe.set_timeline(&timeline);
+    model.layer<0>().set_timeline(&timeline);
+    model.layer<2>().set_timeline(&timeline);
     model.set_mode(Mode::Train);
     loader.start_epoch(0);
     loader.next(batch);
     sgd.zero_grad();
     pipeline_step(batch);
+    if (dp) examples::record_buckets(timeline, *dp);
+    model.layer<0>().set_timeline(nullptr);
+    model.layer<2>().set_timeline(nullptr);
     pipe.set_timeline(nullptr);
     timeline.write(world, o.trace);
     if (rank == 0) std::printf("timeline of one step: %s\n", o.trace.c_str());

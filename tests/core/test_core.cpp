@@ -67,6 +67,32 @@ TEST_CASE("CachingAllocator: freed blocks are reused, no system allocation in st
   CHECK(alloc.stats().bytes_cached == 0);
 }
 
+// Requested bytes are what callers asked for, blocks what they were given: 1000 B takes a 1024 B
+// block, 1 MiB + 1 B a 64 KiB-rounded range. Both peaks restart at reset_peak().
+TEST_CASE("CachingAllocator: requested bytes and their peak, next to the rounded blocks", "[core]") {
+  CachingAllocator alloc;
+  const std::size_t large = (std::size_t{1} << 20) + 1;
+  void* a = alloc.allocate(1000);
+  void* b = alloc.allocate(large);
+  auto s = alloc.stats();
+  CHECK(s.requested_bytes_in_use == 1000 + large);
+  CHECK(s.bytes_in_use == 1024 + (std::size_t{1} << 20) + (std::size_t{1} << 16));
+  CHECK(s.peak_requested_bytes_in_use == 1000 + large);
+  alloc.deallocate(b, large);
+  alloc.reset_peak();
+  s = alloc.stats();
+  CHECK(s.requested_bytes_in_use == 1000);
+  CHECK(s.peak_requested_bytes_in_use == 1000);
+  void* c = alloc.allocate(3000);
+  alloc.deallocate(c, 3000);
+  s = alloc.stats();
+  CHECK(s.peak_requested_bytes_in_use == 4000);
+  CHECK(s.peak_bytes_in_use == 1024 + 4096);
+  alloc.deallocate(a, 1000);
+  CHECK(alloc.stats().requested_bytes_in_use == 0);
+  CHECK(alloc.stats().bytes_in_use == 0);
+}
+
 // A Backing with segments of kSegment bytes (0: each one the request) that counts its live blocks,
 // so the tests see every segment come and go.
 template <std::size_t kSegment>

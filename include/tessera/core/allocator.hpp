@@ -45,6 +45,10 @@ struct AllocatorStats {
   std::size_t bytes_in_use = 0;        // handed out and not yet returned
   std::size_t bytes_cached = 0;        // held and not in use (a host segment's untouched rest included)
   std::size_t peak_bytes_in_use = 0;   // the most bytes_in_use since construction or reset_peak()
+  // The same two for the bytes callers asked for, before rounding to a block (PyTorch's
+  // memory_stats "requested_bytes"): what a formula counting tensor sizes predicts.
+  std::size_t requested_bytes_in_use = 0;
+  std::size_t peak_requested_bytes_in_use = 0;
 };
 
 // Host memory, 64-byte aligned.
@@ -79,7 +83,7 @@ class BasicCachingAllocator {
     if (bytes == 0) return nullptr;
     TESSERA_CHECK(bytes <= (std::size_t{1} << 62), Error, "CachingAllocator: request of ", bytes,
                   " bytes is larger than any machine's memory (corrupt shape?)");
-    if (bytes >= kLargeBytes) return allocate_large(round_large(bytes));
+    if (bytes >= kLargeBytes) return allocate_large(round_large(bytes), bytes);
     const int cls = size_class(bytes);
     const std::size_t block = std::size_t{1} << cls;
     {
@@ -90,11 +94,11 @@ class BasicCachingAllocator {
         list.pop_back();
         stats_.cache_hits++;
         stats_.bytes_cached -= block;
-        add_in_use(block);
+        add_in_use(block, bytes);
         return p;
       }
       stats_.system_allocations++;
-      add_in_use(block);
+      add_in_use(block, bytes);
     }
     void* p = Backing::allocate(block);
     if (p == nullptr) {
@@ -104,6 +108,7 @@ class BasicCachingAllocator {
     if (p == nullptr) {
       std::lock_guard<std::mutex> lock(mutex_);
       stats_.bytes_in_use -= block;
+      stats_.requested_bytes_in_use -= bytes;
       throw_out_of_memory(block);
     }
     return p;
@@ -112,11 +117,12 @@ class BasicCachingAllocator {
   // `bytes` must be the size passed to allocate() for p.
   void deallocate(void* p, std::size_t bytes) noexcept {
     if (p == nullptr) return;
-    if (bytes >= kLargeBytes) return deallocate_large(static_cast<char*>(p));
+    if (bytes >= kLargeBytes) return deallocate_large(static_cast<char*>(p), bytes);
     const int cls = size_class(bytes);
     const std::size_t block = std::size_t{1} << cls;
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.bytes_in_use -= block;
+    stats_.requested_bytes_in_use -= bytes;
     stats_.bytes_cached += block;
     try {
       free_[static_cast<std::size_t>(cls)].push_back(p);
@@ -137,6 +143,7 @@ class BasicCachingAllocator {
   void reset_peak() noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.peak_bytes_in_use = stats_.bytes_in_use;
+    stats_.peak_requested_bytes_in_use = stats_.requested_bytes_in_use;
   }
 
   AllocatorStats stats() const {
@@ -163,16 +170,20 @@ class BasicCachingAllocator {
   }
   static std::size_t round_large(std::size_t bytes) { return (bytes + kLargeGranule - 1) / kLargeGranule * kLargeGranule; }
 
-  void add_in_use(std::size_t bytes) {
-    stats_.bytes_in_use += bytes;
+  // `block` bytes handed out for a request of `requested`.
+  void add_in_use(std::size_t block, std::size_t requested) {
+    stats_.bytes_in_use += block;
     stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+    stats_.requested_bytes_in_use += requested;
+    stats_.peak_requested_bytes_in_use = std::max(stats_.peak_requested_bytes_in_use, stats_.requested_bytes_in_use);
   }
   [[noreturn]] void throw_out_of_memory(std::size_t bytes) {
     throw Error(detail::cat("CachingAllocator: out of ", Backing::kName, " memory allocating ", bytes, " bytes (",
                             stats_.bytes_in_use, " bytes in use)"));
   }
 
-  void* allocate_large(std::size_t bytes) {
+  // bytes: the request rounded to kLargeGranule.
+  void* allocate_large(std::size_t bytes, std::size_t requested) {
     std::lock_guard<std::mutex> lock(mutex_);
     std::size_t best = ranges_.size();
     for (std::size_t i = 0; i < ranges_.size(); ++i) {
@@ -182,7 +193,7 @@ class BasicCachingAllocator {
     }
     if (best != ranges_.size()) {
       stats_.cache_hits++;
-      return take(best, bytes);
+      return take(best, bytes, requested);
     }
     // A new segment: the request, or Backing's segment size where that is larger.
     std::size_t segment_bytes = std::max(bytes, Backing::kSegmentBytes);
@@ -206,7 +217,7 @@ class BasicCachingAllocator {
     }
     stats_.system_allocations++;
     stats_.bytes_cached += segment_bytes;
-    return take(static_cast<std::size_t>(at - ranges_.begin()), bytes);
+    return take(static_cast<std::size_t>(at - ranges_.begin()), bytes, requested);
   }
   // Whether free range r may serve `bytes`. Memory committed when allocated (a GPU's, whose
   // segments are each one request) is not split into a piece much smaller than the range: the
@@ -218,7 +229,7 @@ class BasicCachingAllocator {
     else return r.bytes - bytes < bytes;
   }
   // Hands out the first `bytes` of free range i, leaving the rest free (a new range after it).
-  void* take(std::size_t i, std::size_t bytes) {
+  void* take(std::size_t i, std::size_t bytes, std::size_t requested) {
     const Range r = ranges_[i];
     if (r.bytes > bytes)  // may throw (the vector grows): then nothing has changed
       ranges_.insert(ranges_.begin() + static_cast<std::ptrdiff_t>(i) + 1,
@@ -226,15 +237,16 @@ class BasicCachingAllocator {
     ranges_[i].bytes = bytes;
     ranges_[i].free = false;
     stats_.bytes_cached -= bytes;
-    add_in_use(bytes);
+    add_in_use(bytes, requested);
     return r.base;
   }
-  void deallocate_large(char* p) noexcept {
+  void deallocate_large(char* p, std::size_t requested) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = std::lower_bound(ranges_.begin(), ranges_.end(), p,
                                [](const Range& r, const char* q) { return r.base < q; });
     if (it == ranges_.end() || it->base != p || it->free) return;  // not ours, or freed twice
     stats_.bytes_in_use -= it->bytes;
+    stats_.requested_bytes_in_use -= requested;
     stats_.bytes_cached += it->bytes;
     it->free = true;
     // Merge with the free neighbours of the same segment (erasing never allocates).

@@ -130,6 +130,11 @@ class Sequential {
     }(std::index_sequence_for<Ls...>{});
   }
   std::string unit_name(std::size_t i) const { return names_.at(i); }
+  // Layer I itself (e.g. to set a tensor-parallel block's timeline).
+  template <std::size_t I>
+  auto& layer() {
+    return std::get<I>(layers_);
+  }
 
   void set_mode(Mode mode) {
     mode_ = mode;

@@ -15,15 +15,21 @@
 // period, average_buffers and parameter and buffer names and shapes (parallel/agreement.hpp): a
 // rank averaging on another period, or over another flat size, would otherwise mismatch the
 // all-reduce. The replicas differ between averages by design, so there is no checksum check.
+//
+// Timeline (options.timeline or set_timeline): each average is a span on the communication lane,
+// "average parameters: all_reduce <bytes>", so a trace shows one all-reduce per k steps.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/parameter.hpp"
+#include "tessera/core/span_sink.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/parallel/agreement.hpp"
 
@@ -32,6 +38,7 @@ namespace tessera {
 struct LocalSgdOptions {
   int period = 4;  // k: average parameters after every k-th step
   bool average_buffers = true;
+  SpanSink* timeline = nullptr;  // optional (a Timeline): records each average; not compared across ranks
 };
 
 template <class E>
@@ -71,6 +78,7 @@ class LocalSgd {
 
   // Averages parameters (and buffers) now: one all_reduce over a flat copy.
   void average() {
+    const auto began = SpanSink::Clock::now();
     std::int64_t offset = 0;
     auto each = [&](auto&& visit) {
       offset = 0;
@@ -87,7 +95,13 @@ class LocalSgd {
       D::copy(t.data(), flat_.data() + offset, t.bytes());
       offset += t.numel();
     });
+    if (options_.timeline)
+      options_.timeline->add("average parameters: all_reduce " + std::to_string(flat_.bytes() / 1024) + " KiB",
+                             "communication", began, SpanSink::Clock::now(), SpanSink::kCommunication);
   }
+
+  // Records later averages into `timeline` (nullptr: stop recording).
+  void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
   std::int64_t steps() const { return steps_; }
 

@@ -27,6 +27,10 @@
 // has the same optimizer learning rate and the same parameter checksums before the update, and
 // throws AgreementError on every rank naming what differs.
 //
+// Timeline (options.timeline or set_timeline): each step records "reduce_scatter gradients"
+// and "all_gather parameters" on the communication lane, with their sizes; the shard's update
+// runs between the two (on the compute lane, a Trainer's "optimizer step" holds all three).
+//
 // Trainer and checkpoints take the pair as one optimizer, Zero1Optimizer:
 //
 //   Zero1Optimizer opt(zero, sgd);                    // step(): zero.step(sgd); zero_grad(): both
@@ -54,6 +58,7 @@
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/parameter.hpp"
+#include "tessera/core/span_sink.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/optim/lamb.hpp"
 #include "tessera/optim/lars.hpp"
@@ -65,6 +70,9 @@ struct Zero1Options {
   // The learning rate and parameter checksums compared across ranks at the first and then every
   // this many steps; 0: never.
   int consistency_check_every = 100;
+  // Optional (a Timeline): each step's reduce_scatter and all_gather as spans on the
+  // communication lane; not compared across ranks.
+  SpanSink* timeline = nullptr;
 };
 
 template <class E>
@@ -93,9 +101,10 @@ class Zero1 final : UpdateGuard {
     for (auto& [name, p] : model_.parameters) total += p->value.numel();
     const std::int64_t ranks = comm_.size();
     shard_ = (total + ranks - 1) / ranks;
-    flat_grad_.assign(static_cast<std::size_t>(shard_ * ranks), S(0));
-    flat_value_.assign(static_cast<std::size_t>(shard_ * ranks), S(0));
-    shard_grad_.assign(static_cast<std::size_t>(shard_), S(0));
+    flat_.resize({shard_ * ranks});
+    flat_.zero();
+    shard_buffer_.resize({shard_});
+    shard_buffer_.zero();
     build_segments();
   }
 
@@ -122,9 +131,12 @@ class Zero1 final : UpdateGuard {
       std::copy_n(model_.parameters[seg.model_index].second->value.data() + seg.param_offset, seg.length,
                   seg.param.value.data());
     // Flatten gradients, average-and-scatter: shard r of the average lands on rank r.
-    pack([](Parameter<S, D>& p) { return p.grad.data(); }, flat_grad_);
-    comm_.reduce_scatter(std::span<const S>(flat_grad_), std::span<S>(shard_grad_), ReduceOp::Avg);
-    for (auto& seg : segments_) std::copy_n(shard_grad_.data() + seg.shard_offset, seg.length, seg.param.grad.data());
+    const auto packing = SpanSink::Clock::now();
+    pack([](Parameter<S, D>& p) { return p.grad.data(); });
+    comm_.reduce_scatter(std::span<const S>(flat_.data(), static_cast<std::size_t>(flat_.numel())), shard_buffer_.span(),
+                         ReduceOp::Avg);
+    for (auto& seg : segments_) std::copy_n(shard_buffer_.data() + seg.shard_offset, seg.length, seg.param.grad.data());
+    record("reduce_scatter gradients", static_cast<std::size_t>(flat_.numel()), packing);
     in_step_ = true;
     try {
       optimizer.step();
@@ -133,15 +145,23 @@ class Zero1 final : UpdateGuard {
       throw;
     }
     in_step_ = false;
-    // Every rank's updated shard to everyone, then back into the model's parameters.
-    const std::int64_t first = shard_ * comm_.rank();
-    for (auto& seg : segments_)
-      std::copy_n(seg.param.value.data(), seg.length, flat_value_.data() + first + seg.shard_offset);
-    std::vector<S>& gathered = flat_grad_;  // reused as the all_gather output
-    comm_.all_gather(std::span<const S>(flat_value_.data() + first, static_cast<std::size_t>(shard_)),
-                     std::span<S>(gathered));
-    unpack(gathered);
+    const auto gathering = SpanSink::Clock::now();  // the update itself is the caller's "optimizer step"
+    // Every rank's updated shard to everyone, then back into the model's parameters. The shard's
+    // values are packed into the buffer that held its gradients (done with by now), and gathered
+    // into the flat buffer: no third copy of the model.
+    std::int64_t covered = 0;
+    for (auto& seg : segments_) {
+      std::copy_n(seg.param.value.data(), seg.length, shard_buffer_.data() + seg.shard_offset);
+      covered = std::max(covered, seg.shard_offset + seg.length);
+    }
+    std::fill(shard_buffer_.data() + covered, shard_buffer_.data() + shard_, S(0));  // the last shard's padding
+    comm_.all_gather(std::span<const S>(shard_buffer_.data(), static_cast<std::size_t>(shard_)), flat_.span());
+    unpack();
+    record("all_gather parameters", static_cast<std::size_t>(flat_.numel()), gathering);
   }
+
+  // Records later steps into `timeline` (nullptr: stop recording).
+  void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
  private:
   template <class, class>
@@ -154,6 +174,13 @@ class Zero1 final : UpdateGuard {
     std::int64_t length;
     Parameter<S, D> param;  // the optimizer's view: value and grad of this piece
   };
+
+  // A collective from `began` to now, when a timeline records: "<what> (<KiB>)".
+  void record(const char* what, std::size_t elements, SpanSink::Clock::time_point began) {
+    if (options_.timeline)
+      options_.timeline->add(std::string(what) + " (" + std::to_string(elements * sizeof(S) / 1024) + " KiB)",
+                             "communication", began, SpanSink::Clock::now(), SpanSink::kCommunication);
+  }
 
   void build_segments() {
     const std::int64_t first = shard_ * comm_.rank(), last = first + shard_;
@@ -201,20 +228,22 @@ class Zero1 final : UpdateGuard {
                   "reduce-scatters the gradients first and all-gathers the updated shards after");
   }
 
+  // The model's tensors (data_of: value or grad) into flat_, in order, zeros in the padding.
   template <class Data>
-  void pack(Data data_of, std::vector<S>& flat) {
+  void pack(Data data_of) {
     std::int64_t offset = 0;
     for (auto& [name, p] : model_.parameters) {
-      std::copy_n(data_of(*p), p->value.numel(), flat.data() + offset);
+      std::copy_n(data_of(*p), p->value.numel(), flat_.data() + offset);
       offset += p->value.numel();
     }
-    std::fill(flat.begin() + offset, flat.end(), S(0));  // padding
+    std::fill(flat_.data() + offset, flat_.data() + flat_.numel(), S(0));  // padding
   }
 
-  void unpack(const std::vector<S>& flat) {
+  // flat_ (the gathered values) back into the model's parameters.
+  void unpack() {
     std::int64_t offset = 0;
     for (auto& [name, p] : model_.parameters) {
-      std::copy_n(flat.data() + offset, p->value.numel(), p->value.data());
+      std::copy_n(flat_.data() + offset, p->value.numel(), p->value.data());
       offset += p->value.numel();
     }
   }
@@ -223,7 +252,10 @@ class Zero1 final : UpdateGuard {
   Zero1Options options_;
   NamedTensors<E> model_;
   std::int64_t shard_ = 0;
-  std::vector<S> flat_grad_, flat_value_, shard_grad_;
+  // Host tensors from the caching allocator, so its counters see them: flat_ holds every
+  // parameter (padded to N shards): the gradients to reduce-scatter, then the gathered values;
+  // shard_buffer_ the averaged gradients of this rank's shard, then its updated values.
+  Tensor<S, D> flat_, shard_buffer_;
   std::vector<Segment> segments_;
   NamedTensors<E> shard_named_;
   bool in_step_ = false;
