@@ -34,6 +34,7 @@
 #include <string>
 
 #include "08_resnet50/resnet50.hpp"
+#include "common/memory.hpp"
 
 using namespace resnet50_example;
 
@@ -46,16 +47,43 @@ void train_split(Comm& comm, const Options& o) {
   train_pipeline(comm, o, stages);
 }
 
+// Memory per rank after the first step, formula | measured (bytes requested from the allocator;
+// thread ranks: the process's average). Parameters and gradients P values each, BatchNorm's
+// running statistics B, DataParallel's flat buckets P + 1 (the last carries the step's error
+// flag); SGD's momentum P. Activations: measured only, per image of the batch (ResNet-50 keeps
+// about 100 MB per 224x224 image for its backward).
+void report_memory(Comm& comm, NamedTensors<E>& named, const examples::RankMemory<E::Device, Comm>::Bytes& model,
+                   const examples::RankMemory<E::Device, Comm>::Bytes& step_peak, double momentum, bool parallel,
+                   std::int64_t batch) {
+  if (comm.rank() != 0) return;
+  std::int64_t buffers = 0;
+  for (auto& [name, t] : named.buffers) buffers += t->numel();
+  const double p = static_cast<double>(count_parameters(named)), mib = 1024.0 * 1024.0;
+  const double formula = 4 * (2 * p + static_cast<double>(buffers) + (parallel ? p + 1 : 0));
+  std::printf("memory per rank: parameters + gradients + BatchNorm buffers%s = 4 x (2 x %.0f + %lld%s) B = %.1f MiB | "
+              "%.1f MiB measured (%.2fx; %.1f MiB in blocks)\n", parallel ? " + buckets" : "", p,
+              static_cast<long long>(buffers), parallel ? " + P + 1" : "", formula / mib, model.requested / mib,
+              model.requested / formula, model.blocks / mib);
+  std::printf("memory per rank: momentum = 4 x %.0f B = %.1f MiB | %.1f MiB measured (%.2fx)\n", p, 4 * p / mib,
+              momentum / mib, momentum / (4 * p));
+  std::printf("memory per rank: the first step's peak above the model (activations, their gradients, workspaces) | "
+              "%.1f MiB measured = %.1f MiB per image of the batch (%.1f MiB in blocks)\n", step_peak.requested / mib,
+              step_peak.requested / mib / static_cast<double>(batch), step_peak.blocks / mib);
+}
+
 // Data parallelism over every rank of comm (one rank: plain training, no DataParallel).
 void train(Comm& comm, const Options& o) {
   const int rank = comm.rank(), ranks = comm.size();
   const bool parallel = ranks > 1;
   Cpu::set_num_threads(o.threads);
+  examples::RankMemory<E::Device, Comm> memory(comm);  // per rank, from the model on
+  memory.start();
   auto model = make_resnet50(o);
   if (parallel && o.sync_bn) convert_sync_batch_norm(model, comm);
   std::optional<DataParallel<E>> dp;
   if (parallel) dp.emplace(model, comm);
   auto named = named_tensors(model);
+  const auto model_bytes = memory.held();  // parameters, gradients, BatchNorm buffers, buckets
   if (rank == 0)
     std::printf("%s: %zu parameters, %d rank(s) x batch %lld, %lldx%lld, %d threads per rank%s\n", model.name().c_str(),
                 count_parameters(named), ranks, static_cast<long long>(o.batch), static_cast<long long>(o.image),
@@ -66,8 +94,18 @@ void train(Comm& comm, const Options& o) {
   Dataset data = SyntheticImages(o.batch * ranks * 4, 3, o.image, o.image, o.classes, 7);
   DataLoader<float> loader(data, {.batch_size = o.batch, .shuffle = true, .seed = 3, .drop_last = true,
                                   .rank = rank, .world_size = ranks});
-  // No before_step hook: sgd.step() finishes DataParallel's all-reduce itself.
-  Trainer trainer(model, sgd, ConstantLr{sgd.lr()}, {.epochs = 1, .verbose = false});
+  // The first step's memory, from its start: after backward, the peak (activations, their
+  // gradients, workspaces) and what stays; after the optimizer step, the momentum it created.
+  // Otherwise no hook: sgd.step() finishes DataParallel's all-reduce itself.
+  examples::RankMemory<E::Device, Comm>::Bytes step_peak, after_backward;
+  bool first_step = true;
+  const auto measure = [&] {
+    if (!first_step) return;
+    if (dp) dp->finish();  // the buckets' all-reduce before the measurement's barriers
+    step_peak = memory.peak();
+    after_backward = memory.held();
+  };
+  Trainer trainer(model, sgd, ConstantLr{sgd.lr()}, {.epochs = 1, .verbose = false, .before_step = measure});
 
   Batch<float> b;
   double total = 0;
@@ -77,13 +115,17 @@ void train(Comm& comm, const Options& o) {
       const auto t0 = std::chrono::steady_clock::now();
       // The loss of the global batch: the mean of the ranks' shard losses (equal shards), one
       // scalar all-reduce after the step (outside the timed part).
+      if (first_step) memory.start();
       std::array<double, 1> loss{trainer.train_step(b)};
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double momentum = first_step ? memory.held().requested - after_backward.requested : 0;
       if (step > 0) total += s;  // the first step warms up caches and workspaces
       if (ranks > 1) comm.all_reduce(std::span<double>(loss), ReduceOp::Avg);
       if (rank == 0)
         std::printf("step %lld: loss %.4f (%s), %.2f s, %.1f img/s (all ranks)\n", static_cast<long long>(step + 1),
                     loss[0], ranks > 1 ? "mean over the ranks" : "one rank", s, static_cast<double>(o.batch * ranks) / s);
+      if (first_step) report_memory(comm, named, model_bytes, step_peak, momentum, parallel, o.batch);
+      first_step = false;
       ++step;
     }
   }

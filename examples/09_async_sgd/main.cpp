@@ -41,6 +41,7 @@
 #include "common/accuracy.hpp"
 #include "common/fashion_mnist_data.hpp"
 #include "common/png_plot.hpp"
+#include "common/traffic.hpp"
 #include "tessera/build_env.hpp"
 #include "tessera/tessera.hpp"
 
@@ -72,6 +73,7 @@ struct ModeResult {
   double staleness_mean = 0;
   std::int64_t staleness_max = 0;
   std::int64_t staleness_bound = -1;  // the bound SSP must respect, -1 if none
+  double loopback = 0;                // bytes over this host's loopback during the sessions (evaluator)
 };
 
 // A worker's endless stream of batches from its shard, epoch after epoch.
@@ -126,10 +128,12 @@ struct Runner {
     const std::int64_t sessions = o.epochs * o.evals;
     for (std::int64_t s = 0; s < sessions; ++s) {
       comm.barrier();
+      const double lo_before = is_evaluator ? examples::loopback_bytes() : 0;
       const auto start = Clock::now();
       session();
       comm.barrier();
       elapsed += std::chrono::duration<double>(Clock::now() - start).count();
+      if (is_evaluator) r.loopback += examples::loopback_bytes() - lo_before;
       std::vector<double> accuracy = {is_evaluator ? examples::accuracy(model, test_loader) : 0.0};
       comm.all_reduce(std::span<double>(accuracy), ReduceOp::Sum);
       r.points.push_back({elapsed, accuracy[0]});
@@ -299,6 +303,28 @@ int run(Comm& comm, const Options& o, HogwildStore<float>& store) {
     }
   }
   std::printf("(time to target: wall time, evaluation excluded, until test accuracy >= %.1f%%)\n", 100 * o.target);
+  // The cost model, bytes per gradient (4 bytes x P parameters): the W workers' all-reduce moves
+  // 2(W-1)/W x 4P per worker and step, one gradient each; a parameter server takes 4P in (the
+  // push) and sends 4P back (the pull) for every gradient, whatever the number of servers (each
+  // holds a slice). Measured: the bytes that crossed this host's loopback interface during the
+  // sessions (the end-of-session gathers of the parameters included) over the gradients.
+  {
+    auto probe = lenet5<E>(1, 28, 10, o.seed);
+    const double g = 4.0 * static_cast<double>(count_parameters(named_tensors(probe))), w = workers;
+    std::printf("\ncost per gradient: sync 2(W-1)/W x 4P = %.1f KiB; ssp and async: push 4P + pull 4P = %.1f KiB "
+                "(P = %.0f)\n", 2 * (w - 1) / w * g / 1024, 2 * g / 1024, g / 4);
+    for (const ModeResult& r : results) {
+      if (r.mode == "hogwild" || r.gradients == 0) continue;
+      const double formula = r.mode == "sync" ? 2 * (w - 1) / w * g : 2 * g;
+      if (SharedMemoryCommunicator<Comm>)
+        std::printf("  %-6s %.1f KiB by formula; measured: nothing to measure, the ranks are threads\n", r.mode.c_str(),
+                    formula / 1024);
+      else
+        std::printf("  %-6s %.1f KiB by formula | %.1f KiB measured on loopback (%.2fx; 0 where the backend uses shared "
+                    "memory)\n", r.mode.c_str(), formula / 1024, r.loopback / static_cast<double>(r.gradients) / 1024,
+                    r.loopback / static_cast<double>(r.gradients) / formula);
+    }
+  }
   if (!o.out.empty()) {
     std::FILE* f = std::fopen(o.out.c_str(), "w");
     TESSERA_CHECK(f != nullptr, IoError, "09_async_sgd: cannot write '", o.out, "'");

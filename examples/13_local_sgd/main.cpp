@@ -35,6 +35,7 @@
 #include "tessera/build_env.hpp"
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
+#include "common/memory.hpp"
 #include "common/rank_status.hpp"
 #include "common/trace_files.hpp"
 #include "common/traffic.hpp"
@@ -60,6 +61,7 @@ struct Outcome {
   double loss = 0, accuracy = 0, seconds = 0, loopback = -1;  // loopback: bytes over `lo`, rank 0
   std::int64_t steps = 0, all_reduces = 0;
   std::vector<float> parameters;  // with max_steps: this rank's parameters at the end, flattened
+  double model_bytes = 0;          // parameters, gradients and the strategy's flat buffer (allocator, requested)
 };
 
 constexpr int kCheckSteps = 8;
@@ -72,6 +74,8 @@ constexpr double kCheckTolerance = 1e-5;
 Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps = 0, const std::string& trace = "") {
   const int rank = comm.rank(), ranks = comm.size();
   auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
+  examples::RankMemory<Device, Comm> memory(comm);  // the model and the strategy's buffer, measured
+  memory.start();
   // Ranks start from different weights; both strategies broadcast rank 0's.
   auto model = lenet5<E>(1, 28, 10, o.seed + static_cast<std::uint64_t>(rank));
   std::optional<DataParallel<E>> dp;
@@ -83,6 +87,8 @@ Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps =
   Sgd<E> sgd(dp ? dp->parameters() : named_tensors(model),
              {.lr = o.lr, .momentum = 0.9, .weight_decay = 5e-4, .decay_norm_and_bias = false});
   const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
+  Outcome out;
+  out.model_bytes = memory.held().requested;
   DataLoader<float> loader(train_set, {.batch_size = o.batch / ranks, .shuffle = true, .seed = o.seed, .rank = rank,
                                        .world_size = ranks});
   DataLoader<float> test_loader(test_set, {.batch_size = 500, .shuffle = false});
@@ -91,7 +97,6 @@ Outcome train(Comm& comm, const Options& o, int period, std::int64_t max_steps =
   CrossEntropyLoss<E>::Cache loss_cache;
   examples::DeviceBatch<Device> images;
   Batch<float> batch;
-  Outcome out;
   std::array<double, 2> loss_sum{0, 0};  // this rank's sum of loss x samples, and samples
   std::optional<Timeline> timeline;
   const std::int64_t trace_steps = std::max(8, 2 * period);
@@ -227,6 +232,18 @@ int run(Comm& comm, const Options& o) {
     }
     std::printf("(loopback: bytes that crossed this host's loopback interface; '-' where the ranks share memory, "
                 "~0 where the backend uses shared memory)\n\n");
+    // Memory per rank: parameters and gradients P each under both; DataParallel's flat buckets
+    // P + 1 (the last carries the step's error flag), LocalSgd's flat copy for the average P. The
+    // momentum, P more, is per rank under both. Local SGD saves traffic, not memory.
+    const double dp_formula = 4 * (3 * params + 1), local_formula = 4 * 3 * params;
+    std::printf("memory per rank, parameters + gradients + flat buffer: DataParallel 4 x (3P + 1) = %.1f KiB | %.1f KiB "
+                "measured; LocalSgd 4 x 3P = %.1f KiB |", dp_formula / 1024, dp.model_bytes / 1024, local_formula / 1024);
+    for (std::size_t i = 0; i < outcomes.size(); ++i) std::printf(" %.1f (k=%d)", outcomes[i].model_bytes / 1024, periods[i]);
+    std::printf(" KiB measured\n");
+    bool memory_ok = dp.model_bytes == dp_formula;
+    for (const auto& r : outcomes) memory_ok = memory_ok && r.model_bytes == local_formula;
+    std::printf("check memory: measured = formula %s\n", memory_ok ? "ok" : "FAIL");
+    ok = ok && memory_ok;
     for (std::size_t i = 0; i < periods.size(); ++i) {
       const int k = periods[i];
       const Outcome& r = outcomes[i];
