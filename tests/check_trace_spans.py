@@ -11,7 +11,8 @@ must exit 0. A program that trains more than once writes one file per run, trace
   FILE:PREFIX>=COUNT      at least COUNT of them
   FILE:PREFIX==PREFIX2    as many spans starting with PREFIX as with PREFIX2
 
-FILE is the tag ("dp" for trace.dp.json) or "." for trace.json itself. Collective spans (names
+A RULE may start with "R1,R2,...@" to apply to those ranks only (a parameter server's workers,
+say). FILE is the tag ("dp" for trace.dp.json) or "." for trace.json itself. Collective spans (names
 starting with all_reduce, all_gather, reduce_scatter or average) must sit on the communication
 lane (tid 1).
 
@@ -62,10 +63,14 @@ def main():
         fail("no command given")
     rules = []
     for rule in args.expect:
-        m = re.fullmatch(r"([^:]+):(.+?)(==|>=|=)(.+)", rule)
+        m = re.fullmatch(r"(?:([0-9,]+)@)?([^:@]+):(.+?)(==|>=|=)(.+)", rule)
         if not m:
-            fail(f"rule '{rule}' is not FILE:PREFIX=COUNT, FILE:PREFIX>=COUNT or FILE:PREFIX==PREFIX2")
-        rules.append(m.groups())
+            fail(f"rule '{rule}' is not [RANKS@]FILE:PREFIX=COUNT, ...>=COUNT or ...==PREFIX2")
+        only, tag, prefix, op, value = m.groups()
+        ranks = [int(r) for r in only.split(",") if r] if only else list(range(args.ranks))
+        if any(r < 0 or r >= args.ranks for r in ranks):
+            fail(f"rule '{rule}' names a rank outside 0..{args.ranks - 1}")
+        rules.append((ranks, tag, prefix, op, value))
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
         run = subprocess.run(command + ["--trace=" + trace], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -74,12 +79,12 @@ def main():
         if run.returncode != 0:
             fail(f"the example exited with {run.returncode}")
         files = {}
-        for tag, prefix, op, value in rules:
+        for rule_ranks, tag, prefix, op, value in rules:
             path = trace if tag == "." else os.path.join(tmp, f"trace.{tag}.json")
             if path not in files:
                 files[path] = spans_by_rank(path)
             ranks = files[path]
-            for rank in range(args.ranks):
+            for rank in rule_ranks:
                 names = ranks.get(rank)
                 if not names:
                     fail(f"{os.path.basename(path)}: no spans of rank {rank}")

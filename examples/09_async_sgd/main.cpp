@@ -22,6 +22,7 @@
 // Prints a table (wall time to --target accuracy, final accuracy, mean and max staleness), writes
 // the points as JSON lines (--out) and plots accuracy against wall time (--plot). Checks itself:
 // every mode must reach --min-accuracy and SSP must stay within its bound, else exit 1.
+// --trace=trace.json records each mode's first session: trace.sync.json, trace.ssp.json, ...
 //
 // Learning rates: sync steps with --lr on the mean of W gradients; the parameter server applies
 // each gradient scaled by 1/W with the same --lr and momentum, so W arrivals move the parameters as
@@ -41,6 +42,7 @@
 #include "common/accuracy.hpp"
 #include "common/fashion_mnist_data.hpp"
 #include "common/png_plot.hpp"
+#include "common/trace_files.hpp"
 #include "common/traffic.hpp"
 #include "tessera/build_env.hpp"
 #include "tessera/tessera.hpp"
@@ -58,7 +60,7 @@ struct Options {
   double lr = 0.05, momentum = 0.9, weight_decay = 5e-4, hogwild_lr = 0.05, target = 0.85, min_accuracy = 0.6;
   int servers = 1, staleness = 2, straggler_ms = 0, ranks = 4, threads = 1;
   std::uint64_t seed = 1;
-  std::string data_dir, out = "09_async_sgd.jsonl", plot = "09_async_sgd.png";
+  std::string data_dir, out = "09_async_sgd.jsonl", plot = "09_async_sgd.png", trace;
   std::vector<std::string> modes = {"sync", "ssp", "async", "hogwild"};
 };
 
@@ -114,19 +116,35 @@ struct Runner {
   int workers;
   bool is_worker, is_evaluator;
   std::int64_t session_budget;  // gradients per session, all workers together
+  Timeline* timeline = nullptr;  // during the first session with --trace (see run_sessions)
 
   void straggle(int worker) const {
-    if (o.straggler_ms > 0 && worker == workers - 1)
+    if (o.straggler_ms > 0 && worker == workers - 1) {
+      std::optional<Timeline::Span> span;
+      if (timeline) span.emplace(timeline->span("straggler's sleep"));
       std::this_thread::sleep_for(std::chrono::milliseconds(o.straggler_ms));
+    }
+  }
+  // A worker's forward and backward, as a span when tracing.
+  template <class Model, class Loss>
+  void gradients(Model& model, BatchStream& data, Loss& loss) const {
+    std::optional<Timeline::Span> span;
+    if (timeline) span.emplace(timeline->span("forward + backward"));
+    compute_gradients(model, data, loss);
   }
 
   // Times `session` (all ranks, barrier to barrier), then measures test accuracy on the evaluator
-  // (outside the clock) and shares it.
-  template <class Model, class Session>
-  void run_sessions(ModeResult& r, Model& model, Session&& session) {
+  // (outside the clock) and shares it. With --trace, the first session is recorded (`timeline`,
+  // which `on_trace` hands to the mode's strategy) and written to <trace>.<mode>.json.
+  template <class Model, class Session, class OnTrace = void (*)(Timeline*)>
+  void run_sessions(ModeResult& r, Model& model, Session&& session, OnTrace on_trace = [](Timeline*) {}) {
     double elapsed = 0;
     const std::int64_t sessions = o.epochs * o.evals;
     for (std::int64_t s = 0; s < sessions; ++s) {
+      std::optional<Timeline> trace;
+      if (s == 0 && !o.trace.empty()) trace.emplace(comm);
+      timeline = trace ? &*trace : nullptr;
+      on_trace(timeline);
       comm.barrier();
       const double lo_before = is_evaluator ? examples::loopback_bytes() : 0;
       const auto start = Clock::now();
@@ -134,6 +152,13 @@ struct Runner {
       comm.barrier();
       elapsed += std::chrono::duration<double>(Clock::now() - start).count();
       if (is_evaluator) r.loopback += examples::loopback_bytes() - lo_before;
+      if (trace) {
+        on_trace(nullptr);
+        timeline = nullptr;
+        const std::string path = examples::tagged_path(o.trace, r.mode);
+        trace->write(comm, path);
+        if (is_evaluator) std::printf("  [%-7s] timeline of the first session: %s\n", r.mode.c_str(), path.c_str());
+      }
       std::vector<double> accuracy = {is_evaluator ? examples::accuracy(model, test_loader) : 0.0};
       comm.all_reduce(std::span<double>(accuracy), ReduceOp::Sum);
       r.points.push_back({elapsed, accuracy[0]});
@@ -159,9 +184,19 @@ struct Runner {
     const std::int64_t steps = session_budget / workers;
     run_sessions(r, model, [&] {
       for (std::int64_t step = 0; step < steps; ++step) {
-        compute_gradients(model, data, loss);
+        gradients(model, data, loss);
         straggle(worker);
-        sgd.step();  // finishes DataParallel's all-reduce first
+        if (timeline) {  // the all-reduce's wait apart from the step, and the bucket's span
+          {
+            auto span = timeline->span("gradient sync wait");
+            dp.finish();
+          }
+          examples::record_buckets(*timeline, dp);
+          auto span = timeline->span("optimizer step");
+          sgd.step();
+        } else {
+          sgd.step();  // finishes DataParallel's all-reduce first
+        }
       }
     });
     r.gradients = steps * workers * o.epochs * o.evals;
@@ -176,22 +211,28 @@ struct Runner {
     CrossEntropyLoss<E> loss;
     if (ps.is_server()) {
       Sgd<E> sgd(ps.server_parameters(), {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
-      run_sessions(r, model, [&] {
-        ps.serve(sgd, session_budget);
-        ps.gather_parameters();
-      });
+      run_sessions(
+          r, model,
+          [&] {
+            ps.serve(sgd, session_budget);
+            ps.gather_parameters();
+          },
+          [&](Timeline* t) { ps.set_timeline(t); });
     } else {
       BatchStream data(train_set, o, ps.worker_index(), workers);
-      run_sessions(r, model, [&] {
-        ps.pull();
-        for (std::int64_t step = 0; step <= session_budget; ++step) {  // the servers' budget ends it sooner
-          compute_gradients(model, data, loss);
-          straggle(ps.worker_index());
-          if (!ps.push_pull()) break;
-        }
-        ps.done();
-        ps.gather_parameters();
-      });
+      run_sessions(
+          r, model,
+          [&] {
+            ps.pull();
+            for (std::int64_t step = 0; step <= session_budget; ++step) {  // the servers' budget ends it sooner
+              gradients(model, data, loss);
+              straggle(ps.worker_index());
+              if (!ps.push_pull()) break;
+            }
+            ps.done();
+            ps.gather_parameters();
+          },
+          [&](Timeline* t) { ps.set_timeline(t); });
     }
     const StalenessStats stats = ps.gather_staleness();
     r.gradients = stats.applied;  // server 0 applies every gradient (BSP: counted per gradient too)
@@ -218,7 +259,7 @@ struct Runner {
         target += session_budget;
         while (is_worker && store.updates() < target) {
           hog.pull();
-          compute_gradients(model, *data, loss);
+          gradients(model, *data, loss);
           straggle(worker);
           hog.step();
         }
@@ -387,6 +428,7 @@ Options parse(int argc, char** argv) {
   o.modes = flags.list("modes", "sync,ssp,async,hogwild", {"sync", "ssp", "async", "hogwild"});
   o.out = flags.output_path("out", o.out);
   o.plot = flags.output_path("plot", o.plot);
+  o.trace = flags.output_path("trace", o.trace);
   flags.finish();
   TESSERA_CHECK(!SharedMemoryCommunicator<Comm> || o.ranks > o.servers, ArgumentError, "--ranks=",
                 o.ranks, " must leave at least one worker besides --servers=", o.servers);

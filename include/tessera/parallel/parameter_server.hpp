@@ -39,6 +39,11 @@
 // it the workers decide when to stop. serve() returns when every worker has called done(); it may
 // be called again (per epoch, say), with pull() opening each session on the workers.
 //
+// Timeline (options.timeline or set_timeline): a worker's "push gradients" and "pull parameters"
+// (from the push's end until the reply, so the time a staleness bound holds it back shows) on
+// the communication lane; a server's optimizer updates on the compute lane, each asynchronous
+// one with the gradient's staleness.
+//
 // Failures. A worker whose communicator reports an error (ThreadComm: a rank failed; Gloo: the
 // connection dropped), or that sends nothing for options.worker_timeout while the server is not
 // holding it back, makes serve() throw CommError naming that worker's rank: the servers do not
@@ -74,6 +79,7 @@
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
+#include "tessera/core/span_sink.hpp"
 #include "tessera/core/tensor.hpp"
 
 namespace tessera {
@@ -98,6 +104,9 @@ struct ParameterServerOptions {
   // A worker that sends nothing for this long while the server is not holding it back is
   // declared dead (CommError naming it). Default: the communicators' timeout (TESSERA_COMM_TIMEOUT).
   std::chrono::milliseconds worker_timeout = CommOptions::default_timeout();
+  // Optional (a Timeline): a worker's push and its wait for fresh parameters as spans on the
+  // communication lane, a server's optimizer updates on the compute lane (set_timeline likewise).
+  SpanSink* timeline = nullptr;
 };
 
 // The staleness of every gradient a server applied: histogram[k] counts gradients of staleness k
@@ -201,14 +210,27 @@ class ParameterServer {
   bool push_pull() {
     require_worker("push_pull");
     post_replies();  // before sending: no send ever waits on a receive that is not posted yet
+    const auto pushing = SpanSink::Clock::now();
     for (int s = 0; s < num_servers(); ++s) {
       send_header(s, kPush);
       pack(s, Which::Grad);
       comm_.send(std::span<const S>(staging_.data(), static_cast<std::size_t>(shard_sizes_[s])), s);
     }
     ++clock_;
-    return receive_parameters();
+    const auto pulling = SpanSink::Clock::now();
+    const bool go_on = receive_parameters();
+    if (options_.timeline) {
+      const auto elements = std::accumulate(shard_sizes_.begin(), shard_sizes_.end(), std::int64_t{0});
+      const std::string kib = std::to_string(static_cast<std::size_t>(elements) * sizeof(S) / 1024) + " KiB";
+      options_.timeline->add("push gradients, " + kib, "communication", pushing, pulling, SpanSink::kCommunication);
+      options_.timeline->add("pull parameters, " + kib + " (waits while the servers hold it back)", "communication",
+                             pulling, SpanSink::Clock::now(), SpanSink::kCommunication);
+    }
+    return go_on;
   }
+
+  // Records later pushes and pulls (a worker) or updates (a server) into `timeline`; nullptr stops.
+  void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
   // Leaves the session.
   void done() {
@@ -499,10 +521,16 @@ class ParameterServer {
       return;
     }
     comm_.recv(std::span<S>(staging_.data(), n), worker_rank(w));
-    staleness_.record(version_ - ws.read_version);
+    const std::int64_t staleness = version_ - ws.read_version;
+    staleness_.record(staleness);
     const S scale = S(1) / static_cast<S>(num_workers());
     for (S& g : staging_) g *= scale;
+    const auto began = SpanSink::Clock::now();
     apply(optimizer, staging_.data());
+    if (options_.timeline)
+      options_.timeline->add("apply rank " + std::to_string(worker_rank(w)) + "'s gradient, staleness " +
+                                 std::to_string(staleness),
+                             "compute", began, SpanSink::Clock::now(), SpanSink::kCompute);
     ++result.updates;
   }
 
@@ -524,7 +552,11 @@ class ParameterServer {
       staleness_.record(0);
     }
     for (S& g : staging_) g /= static_cast<S>(arrived);
+    const auto began = SpanSink::Clock::now();
     apply(optimizer, staging_.data());
+    if (options_.timeline)
+      options_.timeline->add("apply the round's mean of " + std::to_string(arrived) + " gradients", "compute", began,
+                             SpanSink::Clock::now(), SpanSink::kCompute);
     ++result.updates;
     return true;
   }
