@@ -49,8 +49,9 @@ using Model = LeNet5<E>;
 // Also measures the activation memory of the pipeline's first step (see train()), after the
 // reference has run, so that this thread's scratch already holds the largest workspace.
 template <class Pipe>
-examples::RankMemory<Device, Comm>::Bytes check_against_unsplit(Pipe& pipe, Comm& pipe_comm, examples::RankMemory<Device, Comm>& memory,
-                             const Batch<float>& b, std::uint64_t seed, bool report) {
+examples::RankMemory<Device, Comm>::Bytes check_against_unsplit(Pipe& pipe, Comm& pipe_comm,
+                                                                examples::RankMemory<Device, Comm>& memory,
+                                                                const Batch<float>& b, std::uint64_t seed, bool report) {
   auto whole = lenet5<E>(1, 28, 10, seed);
   Model::Cache cache{};
   CrossEntropyLoss<E> loss;
@@ -131,9 +132,9 @@ void train(Comm& world, const Options& o, int stages) {
                   s, model.unit_name(first).c_str(), model.unit_name(end - 1).c_str());
     }
   }
-  // Activation memory, measured: a stage keeps one set of activations per micro-batch slot
-  // (Pipeline::activation_slots) from its first step on, reused by every later step: the bytes
-  // the allocator holds after that first step (the check's) above those before it.
+  // Activation memory, measured: a stage keeps one set of buffers per micro-batch slot
+  // (Pipeline::activation_slots) from its first step on, reused by every later step; the
+  // allocator's peak during that first step (the check's) above what was in use before it.
   const auto unit_values = examples::unit_output_values_per_sample<Device>(model, Shape{1, 1, 28, 28});
   examples::RankMemory<Device, Comm> memory(world);
   const auto activation_bytes = check_against_unsplit(pipe, pipe_comm, memory, batch, o.seed, world.rank() == 0);
