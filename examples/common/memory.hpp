@@ -12,7 +12,6 @@
 // and the blocks that hold them (what the memory costs).
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
