@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402
-from bench_common import cpu_model  # noqa: E402
+from bench_common import cpu_details, cpu_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -54,7 +54,8 @@ def main():
     peer.add_arguments(ap)
     args = ap.parse_args()
     setup = peer.peer_or_exit(args.coretypes)
-    report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
+    report = {"cpu": cpu_model(), "cpu_details": cpu_details(),
+              "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
               "models": []}
     for model in args.models.split(","):
         def probe(coretype, policy, malloc):

@@ -4,7 +4,8 @@ over Gloo, same model, same per-rank batch, 1 thread per rank, in alternating ro
 
     python3 bench/dp_scaling.py [--models lenet,resnet20] [--rounds 5] [--build build]
 
-Per model and round it runs: Tessera 1 rank (plain training, no DataParallel), Tessera 2 ranks on
+Per model and round it runs: Tessera 1 rank (plain training, no DataParallel), two such 1-rank runs
+at once ("independent": no communication, the machine's own ceiling for 2 ranks), Tessera 2 ranks on
 each communicator, PyTorch 1 process (no DDP), PyTorch DDP 2 processes. Reports the median
 images/s of each and the scaling efficiency images/s(2 ranks) / (2 x images/s(1 rank)) of each
 framework against its own single rank (target: >= 0.9 and >= PyTorch's), and for Tessera's 2-rank
@@ -19,6 +20,7 @@ OPENBLAS_CORETYPE that its 1-process run found fastest (probed once each before 
 PyTorch runs then use them). Each PyTorch row records that configuration ("pytorch_config").
 """
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -63,6 +65,16 @@ def run(argv, env=None, attempts=3):
     sys.exit(f"dp_scaling.py: no JSON from {' '.join(argv)}")
 
 
+def run_independent(argv, env):
+    """Two copies of a 1-rank run at once, no communication: what the machine gives two ranks before
+    any communicator takes its share (shared caches, memory bandwidth, clocks, the host's other
+    tenants). Its efficiency is the ceiling of the communicators' on this machine."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda _: run(argv, env), range(2))
+    return dict(a, comm="independent", ranks=2, images_per_second=a["images_per_second"] + b["images_per_second"],
+                process_images_per_second=[a["images_per_second"], b["images_per_second"]])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="lenet,resnet20")
@@ -105,6 +117,7 @@ def main():
               file=sys.stderr, flush=True)
         configs = [
             ("tessera", "none", 1, tessera_single, tessera_env),
+            ("tessera", "independent", 2, tessera_single, tessera_env),
             ("tessera", "threads", 2, [tessera_threads, "--ranks=2"] + common, tessera_env),
             ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common,
              tessera_env),
@@ -115,20 +128,20 @@ def main():
         ]
         for r in range(args.rounds):
             for framework, comm, ranks, argv, e in configs:
-                row = run(argv, e)
+                row = run_independent(argv, e) if comm == "independent" else run(argv, e)
                 row["round"] = r
                 if framework == "pytorch":
                     row["pytorch_config"] = setup.record(best, trials, row.pop("peer", None))
                 else:
                     row["tessera_config"] = tessera_config
                 rows.append(row)
-                print(f"  {model:8} round {r}: {framework:8} {comm:8} {ranks} rank(s): {row['images_per_second']:9.1f} img/s",
+                print(f"  {model:8} round {r}: {framework:8} {comm:11} {ranks} rank(s): {row['images_per_second']:9.1f} img/s",
                       file=sys.stderr, flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"\n{'model':9} {'framework':9} {'comm':8} {'ranks':>5} {'img/s (median)':>15} {'efficiency':>11} "
+    print(f"\n{'model':9} {'framework':9} {'comm':11} {'ranks':>5} {'img/s (median)':>15} {'efficiency':>11} "
           f"{'exposed comm us/step':>21}")
     for model in args.models.split(","):
         medians, exposed = {}, {}
@@ -136,14 +149,14 @@ def main():
             if row["model"] == model:
                 key = (row["framework"], row["comm"], row["ranks"])
                 medians.setdefault(key, []).append(row["images_per_second"])
-                if "exposed_comm_us_per_step" in row and row["ranks"] > 1:  # Tessera's DataParallel only
+                if "exposed_comm_us_per_step" in row and row["comm"] not in ("none", "independent"):  # Tessera's DataParallel only
                     exposed.setdefault(key, []).append(row["exposed_comm_us_per_step"])
         for (framework, comm, ranks), values in medians.items():
             m = statistics.median(values)
             base = statistics.median(medians[(framework, "none", 1)])
             eff = f"{m / (ranks * base):.3f}" if ranks > 1 else ""
             wait = f"{statistics.median(exposed[(framework, comm, ranks)]):.0f}" if (framework, comm, ranks) in exposed else ""
-            print(f"{model:9} {framework:9} {comm:8} {ranks:>5} {m:>15.1f} {eff:>11} {wait:>21}")
+            print(f"{model:9} {framework:9} {comm:11} {ranks:>5} {m:>15.1f} {eff:>11} {wait:>21}")
     print(f"\nwrote {args.out}")
 
 
