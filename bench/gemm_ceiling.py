@@ -19,8 +19,7 @@ the fastest kept) on (a) large square products (best of 5), the machine's practi
 with nothing else to do is the ceiling no fp32 implementation passes: peak / 309 MFLOP x 128 images/s.
 (b) is reported beside it. With --throughput (a compare_pytorch.py JSON at the same thread count) it
 also gives both sides' GFLOP/s, the ratio to PyTorch that the ceiling allows, and the GFLOP/s a 1.5x
-lead would need. Writes
-bench/results/gemm_ceiling_<date>.json.
+lead would need. Writes bench/results/gemm_ceiling_<date>.json.
 """
 import argparse
 import ctypes
@@ -87,13 +86,13 @@ def child(library, repeats):
     # The peak: the best of 5 large square products, the most generous figure for the ceiling.
     square = {}
     for n in (2048, 4096):
-        keep, args = make(False, False, n, n, n)
+        arrays, args = make(False, False, n, n, n)  # arrays keeps the buffers args points into alive
         square[str(n)] = 2 * n ** 3 / seconds([(sgemm, args)], 5, min) / 1e9
     products = mlp_products()
     made = [make(ta, tb, m, n, k) for _, ta, tb, m, n, k in products]
     # A 1x1x1 product's time (ctypes' call plus OpenBLAS's entry) is taken off each call, so the
     # ceiling errs on the generous side: a C++ caller pays less than ctypes does.
-    tiny_keep, tiny = make(False, False, 1, 1, 1)
+    tiny_arrays, tiny = make(False, False, 1, 1, 1)
     call_s = seconds([(sgemm, tiny)] * 10, repeats) / 10
     step = seconds([(sgemm, args) for _, args in made], repeats) - len(made) * call_s
     per_product = {}
