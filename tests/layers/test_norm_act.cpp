@@ -7,6 +7,7 @@
 #include <limits>
 #include <numbers>
 #include <string>
+#include <vector>
 
 #include "support/gradcheck.hpp"
 #include "support/reference.hpp"
@@ -195,6 +196,65 @@ TEST_CASE("BatchNorm2d matches PyTorch (float64)", "[layers][batch_norm][referen
 
 TEST_CASE("BatchNorm2d matches PyTorch (float32)", "[layers][batch_norm][reference]") {
   for (const auto& k : kBnCases) run_bn_reference<float>(k);
+}
+
+TEST_CASE("BatchNorm kernels split by (sample, channel) plane agree at 1, 2 and 3 threads", "[layers][batch_norm]") {
+  // Above kBatchNormParallelThreshold the planes are dealt to the team in memory order and the
+  // per-channel sums are added thread by thread (kernels/cpu/batch_norm.hpp). The elementwise
+  // passes must not change at all with the team size; the sums only by the rounding of the order
+  // of addition, and both must equal a serial float64 sum. Shapes: a batch whose planes split
+  // mid-sample, and a batch of one (the team then splits its channels).
+  struct Threads {  // restored even when a REQUIRE below throws
+    int before = Cpu::num_threads();
+    ~Threads() { Cpu::set_num_threads(before); }
+  } restore;
+  const BatchNormShape shapes[] = {{5, 7, 700}, {1, 40, 500}};
+  for (const BatchNormShape s : shapes) {
+    REQUIRE(s.numel() >= detail::kBatchNormParallelThreshold);
+    Rng rng(23);
+    std::vector<float> x(s.numel()), dy(s.numel()), gamma(s.c), beta(s.c), mean(s.c), invstd(s.c);
+    for (auto& v : x) v = static_cast<float>(rng.normal() + 2.0);
+    for (auto& v : dy) v = static_cast<float>(rng.normal());
+    for (std::int64_t ch = 0; ch < s.c; ++ch) {
+      gamma[ch] = static_cast<float>(rng.uniform(0.5, 1.5)), beta[ch] = static_cast<float>(rng.normal());
+      mean[ch] = static_cast<float>(2.0 + 0.1 * rng.normal()), invstd[ch] = static_cast<float>(rng.uniform(0.5, 2.0));
+    }
+    std::vector<double> want_sum(s.c, 0.0), want_sq(s.c, 0.0), want_dy(s.c, 0.0);
+    for (std::int64_t i = 0; i < s.numel(); ++i) {
+      const std::int64_t ch = (i / s.hw) % s.c;
+      want_sum[ch] += x[i], want_sq[ch] += double(x[i]) * x[i], want_dy[ch] += dy[i];
+    }
+    std::vector<float> y1, dx1;
+    for (const int threads : {1, 2, 3}) {
+      {  // one pass per team size (not sections: the 1-thread results are kept for the others)
+        INFO(s.n << "x" << s.c << "x" << s.hw << " at " << threads << " threads");
+        Cpu::set_num_threads(threads);
+        std::vector<double> sum(s.c), sq(s.c), sdy(s.c), sdx(s.c);
+        batch_norm_local_stats(Cpu{}, x.data(), s, sum.data(), sq.data());
+        batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), sdy.data(),
+                                       sdx.data());
+        for (std::int64_t ch = 0; ch < s.c; ++ch) {
+          CHECK(sum[ch] == Approx(want_sum[ch]).epsilon(1e-12));
+          CHECK(sq[ch] == Approx(want_sq[ch]).epsilon(1e-12));
+          CHECK(sdy[ch] == Approx(want_dy[ch]).epsilon(1e-12).margin(1e-9));
+        }
+        std::vector<float> y(s.numel()), dx(s.numel());
+        batch_norm_normalize(Cpu{}, x.data(), s, mean.data(), invstd.data(), gamma.data(), beta.data(), y.data(),
+                             true);
+        batch_norm_backward_input(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), gamma.data(), sdy.data(),
+                                  sdx.data(), s.count(), dx.data(), true, beta.data());
+        if (threads == 1) {
+          y1 = y, dx1 = dx;
+        } else {
+          CHECK(y == y1);
+          // dx depends on the sums, which may differ in their last bits between team sizes.
+          std::int64_t far = 0;
+          for (std::int64_t i = 0; i < s.numel(); ++i) far += std::abs(dx[i] - dx1[i]) > 1e-6f * (1 + std::abs(dx1[i]));
+          CHECK(far == 0);
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("BatchNorm2d running statistics use the unbiased variance", "[layers][batch_norm]") {
