@@ -219,34 +219,63 @@ TEST_CASE("BatchNorm kernels split by (sample, channel) plane agree at 1, 2 and 
       gamma[ch] = static_cast<float>(rng.uniform(0.5, 1.5)), beta[ch] = static_cast<float>(rng.normal());
       mean[ch] = static_cast<float>(2.0 + 0.1 * rng.normal()), invstd[ch] = static_cast<float>(rng.uniform(0.5, 2.0));
     }
-    std::vector<double> want_sum(s.c, 0.0), want_sq(s.c, 0.0), want_dy(s.c, 0.0);
+    // No y within 1e-3 of 0: there the ReLU's mask could flip between the kernel's rounding of y
+    // (fused multiply-add or not) and the reference's.
     for (std::int64_t i = 0; i < s.numel(); ++i) {
       const std::int64_t ch = (i / s.hw) % s.c;
-      want_sum[ch] += x[i], want_sq[ch] += double(x[i]) * x[i], want_dy[ch] += dy[i];
+      const double scale = double(gamma[ch]) * invstd[ch];
+      if (std::abs((double(x[i]) - mean[ch]) * scale + beta[ch]) < 1e-3) x[i] += static_cast<float>(0.01 / scale);
     }
-    std::vector<float> y1, dx1;
+    // Serial float64 references: the sums, and with the fused ReLU the sums of dy_bn (dy where
+    // y = (x - mean) gamma invstd + beta > 0), each of dy and of dy (x - mean) invstd.
+    std::vector<double> want_sum(s.c, 0.0), want_sq(s.c, 0.0), want_dy(s.c, 0.0), want_dxhat(s.c, 0.0);
+    std::vector<double> want_relu_dy(s.c, 0.0), want_relu_dxhat(s.c, 0.0);
+    for (std::int64_t i = 0; i < s.numel(); ++i) {
+      const std::int64_t ch = (i / s.hw) % s.c;
+      const double xhat = (double(x[i]) - mean[ch]) * invstd[ch];
+      want_sum[ch] += x[i], want_sq[ch] += double(x[i]) * x[i];
+      want_dy[ch] += dy[i], want_dxhat[ch] += dy[i] * xhat;
+      if (batch_norm_value(x[i], mean[ch], gamma[ch] * invstd[ch], beta[ch]) > 0.f)
+        want_relu_dy[ch] += dy[i], want_relu_dxhat[ch] += dy[i] * xhat;
+    }
+    std::vector<float> y1, dx1, affine1;
     for (const int threads : {1, 2, 3}) {
       {  // one pass per team size (not sections: the 1-thread results are kept for the others)
         INFO(s.n << "x" << s.c << "x" << s.hw << " at " << threads << " threads");
         Cpu::set_num_threads(threads);
-        std::vector<double> sum(s.c), sq(s.c), sdy(s.c), sdx(s.c);
+        std::vector<double> sum(s.c), sq(s.c), sdy(s.c), sdx(s.c), rdy(s.c), rdx(s.c);
         batch_norm_local_stats(Cpu{}, x.data(), s, sum.data(), sq.data());
         batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), sdy.data(),
                                        sdx.data());
+        batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), rdy.data(),
+                                       rdx.data(), true, gamma.data(), beta.data());
         for (std::int64_t ch = 0; ch < s.c; ++ch) {
           CHECK(sum[ch] == Approx(want_sum[ch]).epsilon(1e-12));
           CHECK(sq[ch] == Approx(want_sq[ch]).epsilon(1e-12));
           CHECK(sdy[ch] == Approx(want_dy[ch]).epsilon(1e-12).margin(1e-9));
+          CHECK(sdx[ch] == Approx(want_dxhat[ch]).epsilon(1e-12).margin(1e-9));
+          CHECK(rdy[ch] == Approx(want_relu_dy[ch]).epsilon(1e-12).margin(1e-9));
+          CHECK(rdx[ch] == Approx(want_relu_dxhat[ch]).epsilon(1e-12).margin(1e-9));
         }
-        std::vector<float> y(s.numel()), dx(s.numel());
+        std::vector<float> y(s.numel()), dx(s.numel()), affine(s.numel());
+        batch_norm_backward_input_affine(Cpu{}, dy.data(), s, invstd.data(), gamma.data(), affine.data(), true,
+                                         x.data(), mean.data(), beta.data());
+        std::int64_t affine_wrong = 0;  // dx = gamma invstd dy_bn, element by element
+        for (std::int64_t i = 0; i < s.numel(); ++i) {
+          const std::int64_t ch = (i / s.hw) % s.c;
+          const float a = gamma[ch] * invstd[ch];
+          affine_wrong += affine[i] != a * relu_pass(batch_norm_value(x[i], mean[ch], a, beta[ch]), dy[i]);
+        }
+        CHECK(affine_wrong == 0);
         batch_norm_normalize(Cpu{}, x.data(), s, mean.data(), invstd.data(), gamma.data(), beta.data(), y.data(),
                              true);
         batch_norm_backward_input(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), gamma.data(), sdy.data(),
                                   sdx.data(), s.count(), dx.data(), true, beta.data());
         if (threads == 1) {
-          y1 = y, dx1 = dx;
+          y1 = y, dx1 = dx, affine1 = affine;
         } else {
           CHECK(y == y1);
+          CHECK(affine == affine1);
           // dx depends on the sums, which may differ in their last bits between team sizes.
           std::int64_t far = 0;
           for (std::int64_t i = 0; i < s.numel(); ++i) far += std::abs(dx[i] - dx1[i]) > 1e-6f * (1 + std::abs(dx1[i]));

@@ -23,13 +23,14 @@
 // 10^5 values per channel would lose the digits the difference needs.
 //
 // Threads: every pass deals the (sample, channel) planes, in memory order, to the team in
-// contiguous runs (OpenMP's static schedule over the flat plane index), so a thread reads and
+// contiguous runs (thread t of T takes planes [P t / T, P (t + 1) / T)), so a thread reads and
 // writes the same half of the batch as the convolutions and elementwise kernels around it, whose
 // static schedules split samples the same way. Split by channel instead (as before), half of every
 // pass's data sat in the other core's cache: on a 2-core EPYC a core reads another core's freshly
 // written lines at half the speed of its own (34-38 GB/s against 68-80, 256 KiB to 4 MiB), and
 // ResNet-20's memory-bound Winograd transforms ran 1.7x longer on one thread than the other. The
-// sums then take per-thread partial sums per channel, added in thread order (deterministic).
+// sums then take per-thread partial sums per channel, added in thread order: the same result on
+// every run with the same number of threads (the last bits may change with that number).
 #pragma once
 
 #include <algorithm>
@@ -103,7 +104,7 @@ void batch_norm_planes(BatchNormShape s, const Body& body) {
 // out_a[ch] = sum over samples of a(i, ch), out_b likewise, where plane(i, ch, a, b) adds plane
 // (i, ch)'s contribution to a and b. Each thread sums its run of planes into its own row of
 // `scratch` (team x 2c doubles, this calling thread's: the ranks of ThreadComm call concurrently;
-// it grows on first use only), then each channel's partial sums are added in thread order. One
+// it only grows), then each channel's partial sums are added in thread order. One
 // thread adds in the same order as a plain loop over samples.
 template <class Plane>
 void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, const Plane& plane) {
