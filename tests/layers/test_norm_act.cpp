@@ -239,48 +239,46 @@ TEST_CASE("BatchNorm kernels split by (sample, channel) plane agree at 1, 2 and 
         want_relu_dy[ch] += dy[i], want_relu_dxhat[ch] += dy[i] * xhat;
     }
     std::vector<float> y1, dx1, affine1;
-    for (const int threads : {1, 2, 3}) {
-      {  // one pass per team size (not sections: the 1-thread results are kept for the others)
-        INFO(s.n << "x" << s.c << "x" << s.hw << " at " << threads << " threads");
-        Cpu::set_num_threads(threads);
-        std::vector<double> sum(s.c), sq(s.c), sdy(s.c), sdx(s.c), rdy(s.c), rdx(s.c);
-        batch_norm_local_stats(Cpu{}, x.data(), s, sum.data(), sq.data());
-        batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), sdy.data(),
-                                       sdx.data());
-        batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), rdy.data(),
-                                       rdx.data(), true, gamma.data(), beta.data());
-        for (std::int64_t ch = 0; ch < s.c; ++ch) {
-          CHECK(sum[ch] == Approx(want_sum[ch]).epsilon(1e-12));
-          CHECK(sq[ch] == Approx(want_sq[ch]).epsilon(1e-12));
-          CHECK(sdy[ch] == Approx(want_dy[ch]).epsilon(1e-12).margin(1e-9));
-          CHECK(sdx[ch] == Approx(want_dxhat[ch]).epsilon(1e-12).margin(1e-9));
-          CHECK(rdy[ch] == Approx(want_relu_dy[ch]).epsilon(1e-12).margin(1e-9));
-          CHECK(rdx[ch] == Approx(want_relu_dxhat[ch]).epsilon(1e-12).margin(1e-9));
-        }
-        std::vector<float> y(s.numel()), dx(s.numel()), affine(s.numel());
-        batch_norm_backward_input_affine(Cpu{}, dy.data(), s, invstd.data(), gamma.data(), affine.data(), true,
-                                         x.data(), mean.data(), beta.data());
-        std::int64_t affine_wrong = 0;  // dx = gamma invstd dy_bn, element by element
-        for (std::int64_t i = 0; i < s.numel(); ++i) {
-          const std::int64_t ch = (i / s.hw) % s.c;
-          const float a = gamma[ch] * invstd[ch];
-          affine_wrong += affine[i] != a * relu_pass(batch_norm_value(x[i], mean[ch], a, beta[ch]), dy[i]);
-        }
-        CHECK(affine_wrong == 0);
-        batch_norm_normalize(Cpu{}, x.data(), s, mean.data(), invstd.data(), gamma.data(), beta.data(), y.data(),
-                             true);
-        batch_norm_backward_input(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), gamma.data(), sdy.data(),
-                                  sdx.data(), s.count(), dx.data(), true, beta.data());
-        if (threads == 1) {
-          y1 = y, dx1 = dx, affine1 = affine;
-        } else {
-          CHECK(y == y1);
-          CHECK(affine == affine1);
-          // dx depends on the sums, which may differ in their last bits between team sizes.
-          std::int64_t far = 0;
-          for (std::int64_t i = 0; i < s.numel(); ++i) far += std::abs(dx[i] - dx1[i]) > 1e-6f * (1 + std::abs(dx1[i]));
-          CHECK(far == 0);
-        }
+    for (const int threads : {1, 2, 3}) {  // not sections: the 1-thread results are kept for the others
+      INFO(s.n << "x" << s.c << "x" << s.hw << " at " << threads << " threads");
+      Cpu::set_num_threads(threads);
+      std::vector<double> sum(s.c), sq(s.c), sdy(s.c), sdx(s.c), rdy(s.c), rdx(s.c);
+      batch_norm_local_stats(Cpu{}, x.data(), s, sum.data(), sq.data());
+      batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), sdy.data(),
+                                     sdx.data());
+      batch_norm_backward_local_sums(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), rdy.data(),
+                                     rdx.data(), true, gamma.data(), beta.data());
+      for (std::int64_t ch = 0; ch < s.c; ++ch) {
+        CHECK(sum[ch] == Approx(want_sum[ch]).epsilon(1e-12));
+        CHECK(sq[ch] == Approx(want_sq[ch]).epsilon(1e-12));
+        CHECK(sdy[ch] == Approx(want_dy[ch]).epsilon(1e-12).margin(1e-9));
+        CHECK(sdx[ch] == Approx(want_dxhat[ch]).epsilon(1e-12).margin(1e-9));
+        CHECK(rdy[ch] == Approx(want_relu_dy[ch]).epsilon(1e-12).margin(1e-9));
+        CHECK(rdx[ch] == Approx(want_relu_dxhat[ch]).epsilon(1e-12).margin(1e-9));
+      }
+      std::vector<float> y(s.numel()), dx(s.numel()), affine(s.numel());
+      batch_norm_backward_input_affine(Cpu{}, dy.data(), s, invstd.data(), gamma.data(), affine.data(), true,
+                                       x.data(), mean.data(), beta.data());
+      std::int64_t affine_wrong = 0;  // dx = gamma invstd dy_bn, element by element
+      for (std::int64_t i = 0; i < s.numel(); ++i) {
+        const std::int64_t ch = (i / s.hw) % s.c;
+        const float a = gamma[ch] * invstd[ch];
+        affine_wrong += affine[i] != a * relu_pass(batch_norm_value(x[i], mean[ch], a, beta[ch]), dy[i]);
+      }
+      CHECK(affine_wrong == 0);
+      batch_norm_normalize(Cpu{}, x.data(), s, mean.data(), invstd.data(), gamma.data(), beta.data(), y.data(),
+                           true);
+      batch_norm_backward_input(Cpu{}, dy.data(), x.data(), s, mean.data(), invstd.data(), gamma.data(), sdy.data(),
+                                sdx.data(), s.count(), dx.data(), true, beta.data());
+      if (threads == 1) {
+        y1 = y, dx1 = dx, affine1 = affine;
+      } else {
+        CHECK(y == y1);
+        CHECK(affine == affine1);
+        // dx depends on the sums, which may differ in their last bits between team sizes.
+        std::int64_t far = 0;
+        for (std::int64_t i = 0; i < s.numel(); ++i) far += std::abs(dx[i] - dx1[i]) > 1e-6f * (1 + std::abs(dx1[i]));
+        CHECK(far == 0);
       }
     }
   }

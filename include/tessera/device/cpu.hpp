@@ -75,6 +75,13 @@ struct Cpu {
 
 namespace detail {
 
+// [begin, end) of n items for this thread of the team (all of them outside a team).
+inline void team_share(std::int64_t n, std::int64_t& begin, std::int64_t& end) {
+  const std::int64_t team = Cpu::team_size(), t = Cpu::thread_index();
+  begin = n * t / team;
+  end = n * (t + 1) / team;
+}
+
 // body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
 // region (its orphaned `omp for` loops then run whole). Not `parallel if (...)`: an inactive
 // region of one thread still counts as a nesting level, so a gemm inside would open a nested

@@ -23,14 +23,14 @@
 // 10^5 values per channel would lose the digits the difference needs.
 //
 // Threads: every pass deals the (sample, channel) planes, in memory order, to the team in
-// contiguous runs (thread t of T takes planes [P t / T, P (t + 1) / T)), so a thread reads and
-// writes the same half of the batch as the convolutions and elementwise kernels around it, whose
-// static schedules split samples the same way. Split by channel instead (as before), half of every
-// pass's data sat in the other core's cache: on a 2-core EPYC a core reads another core's freshly
-// written lines at half the speed of its own (34-38 GB/s against 68-80, 256 KiB to 4 MiB), and
-// ResNet-20's memory-bound Winograd transforms ran 1.7x longer on one thread than the other. The
-// sums then take per-thread partial sums per channel, added in thread order: the same result on
-// every run with the same number of threads (the last bits may change with that number).
+// contiguous runs (team_share: thread t of T takes planes [P t / T, P (t + 1) / T)), so a thread
+// reads and writes the same half of the batch as the convolutions and elementwise kernels around
+// it, whose static schedules split samples the same way. Split by channel instead (as before),
+// half of every pass's data sat in the other core's cache: on a 2-core EPYC a core reads another
+// core's freshly written lines at half the speed of its own (34-38 GB/s against 68-80, 256 KiB to
+// 4 MiB), and ResNet-20's memory-bound Winograd transforms ran 1.7x longer on one thread than the
+// other. The sums then take per-thread partial sums per channel, added in thread order: the same
+// result on every run with the same number of threads (the last bits may change with that number).
 #pragma once
 
 #include <algorithm>
@@ -96,8 +96,9 @@ void batch_norm_planes(BatchNormShape s, const Body& body) {
   }
 #pragma omp parallel
   {
-    const std::int64_t t = Cpu::thread_index(), team = Cpu::team_size();
-    body(planes * t / team, planes * (t + 1) / team);
+    std::int64_t p0, p1;
+    team_share(planes, p0, p1);
+    body(p0, p1);
   }
 }
 
@@ -125,10 +126,12 @@ void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, con
     double* a = rows + t * 2 * s.c;
     double* b = a + s.c;
     std::fill(a, a + 2 * s.c, 0.0);
-    for (std::int64_t p = planes * t / team, end = planes * (t + 1) / team; p < end; ++p)
-      plane(p / s.c, p % s.c, a[p % s.c], b[p % s.c]);
+    std::int64_t p0, p1, c0, c1;
+    team_share(planes, p0, p1);
+    for (std::int64_t p = p0; p < p1; ++p) plane(p / s.c, p % s.c, a[p % s.c], b[p % s.c]);
 #pragma omp barrier
-    for (std::int64_t ch = s.c * t / team, end = s.c * (t + 1) / team; ch < end; ++ch) {
+    team_share(s.c, c0, c1);
+    for (std::int64_t ch = c0; ch < c1; ++ch) {
       double sa = 0, sb = 0;
       for (std::int64_t u = 0; u < team; ++u) sa += rows[u * 2 * s.c + ch], sb += rows[u * 2 * s.c + s.c + ch];
       out_a[ch] = sa;

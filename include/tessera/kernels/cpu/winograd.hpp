@@ -844,13 +844,6 @@ void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std
   winograd_output_transform(p, blk, out_ch, buf.m, bias, out, buf.pad);
 }
 
-// [begin, end) of n items for this thread of the team (all of them outside a team).
-inline void team_share(std::int64_t n, std::int64_t& begin, std::int64_t& end) {
-  const std::int64_t team = Cpu::team_size(), t = Cpu::thread_index();
-  begin = n * t / team;
-  end = n * (t + 1) / team;
-}
-
 }  // namespace detail
 
 // y = conv3x3(x, w) + bias by F(4x4, 3x3); b.winograd is set (conv2d_blocking chose it for g).
