@@ -12,6 +12,11 @@ framework against its own single rank (target: >= 0.9 and >= PyTorch's), and for
 runs the exposed communication per step (median of the runs). Writes every run to
 bench/results/dp_scaling_<date>.json.
 
+The two process backends run with one rank bound to each core: mpirun binds 2 ranks to cores by
+default, and GlooComm's ranks get the same from tessera-run --bind-to core (a bound GlooComm rank
+then busy-polls while it waits, as MPI does; see communicators/gloo/include/tessera/comm/gloo.hpp).
+Each row records its command line ("argv").
+
 Tessera runs with the OpenBLAS core type its 1-rank run found fastest (the shell's, 'unset', then each
 other candidate, once; peer.choose_tessera_coretype), recorded in each row's "tessera_config".
 PyTorch runs with the peer setup of bench/peer.py: on OpenBLAS (refused where it is not installed),
@@ -121,8 +126,9 @@ def main():
             ("tessera", "threads", 2, [tessera_threads, "--ranks=2"] + common, tessera_env),
             ("tessera", "mpi", 2, ["mpirun", "--oversubscribe", "-n", "2", os.path.join(bench, "dp_scaling_mpi")] + common,
              tessera_env),
-            ("tessera", "gloo", 2, [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", "2",
-                                    os.path.join(bench, "dp_scaling_gloo")] + common, tessera_env),
+            ("tessera", "gloo", 2, [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix",
+                                    "--bind-to", "core", "-n", "2", os.path.join(bench, "dp_scaling_gloo")] + common,
+             tessera_env),
             ("pytorch", "none", 1, torch_single, torch_env),
             ("pytorch", "gloo", 2, torch_script + ["--ranks", "2"] + torch_common, torch_env),
         ]
@@ -130,6 +136,7 @@ def main():
             for framework, comm, ranks, argv, e in configs:
                 row = run_independent(argv, e) if comm == "independent" else run(argv, e)
                 row["round"] = r
+                row["argv"] = argv  # the launch as run, binding included
                 if framework == "pytorch":
                     row["pytorch_config"] = setup.record(best, trials, row.pop("peer", None))
                 else:

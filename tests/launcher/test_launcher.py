@@ -255,6 +255,27 @@ def check_rank_bound():
     expect(out == "" and took < 10, f"stdout {out!r}, took {took:.1f} s")
 
 
+def check_bind_to_core():
+    cpus = sorted(os.sched_getaffinity(0))
+    n = min(len(cpus), 4)
+    # Each rank reports the CPUs it may run on, read from /proc (no taskset needed).
+    script = 'echo "$TESSERA_RANK $(grep Cpus_allowed_list /proc/self/status | cut -f2)"'
+    rc, out, err, _ = launch("--bind-to", "core", "--no-prefix", "-n", str(n), "--", *sh(script))
+    expect(rc == 0, f"exit status {rc}, stderr: {err!r}")
+    got = sorted(line.split() for line in out.splitlines())
+    expect(got == [[str(r), str(cpus[r])] for r in range(n)], f"--bind-to core: ranks ran on {got}, expected "
+                                                               f"rank r on CPU {cpus[:n]}[r]")
+    # Unbound (the default), a rank keeps the launcher's whole set.
+    rc, out, err, _ = launch("--no-prefix", "-n", "1", "--", *sh(script))
+    expect(rc == 0, f"exit status {rc}, stderr: {err!r}")
+    expect(len(cpus) == 1 or any(sep in out.split()[1] for sep in "-,"), f"unbound rank pinned: {out!r}")
+    # More ranks than CPUs, or --hosts: refused with the reason.
+    rc, out, err, _ = launch("--bind-to", "core", "-n", str(len(cpus) + 1), "true")
+    expect(rc == 2 and f"only {len(cpus)} CPU" in err, f"-n {len(cpus) + 1}: exit {rc}, stderr {err!r}")
+    rc, out, err, _ = launch("--bind-to", "core", "--hosts", "a,b", "true")
+    expect(rc == 2 and "this machine only" in err, f"--hosts: exit {rc}, stderr {err!r}")
+
+
 # A stand-in for ssh that needs no remote machine: like ssh, it hands the rank a clean
 # environment (env -i) and runs the one command line it is given with a shell; FAKE_HOST shows
 # which host the launcher named.
@@ -318,6 +339,7 @@ CHECKS = [
     ("a stopped rank is continued after SIGTERM and handles it", check_sigcont_before_kill),
     ("a program linking MPI is refused (mpirun -n N named); --allow-mpi starts it", check_mpi_program_refused),
     ("more than 64 ranks per CPU is a usage error", check_rank_bound),
+    ("--bind-to core: rank r on the r-th CPU; refused past the CPUs and with --hosts", check_bind_to_core),
     ("--hosts places ranks by slot through --rsh, with TESSERA_* on the command line", check_hosts),
     ("--hosts: a failing rank stops the others through the remote-exec command", check_hosts_failure_stops_others),
 ]

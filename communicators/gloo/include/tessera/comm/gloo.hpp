@@ -10,6 +10,8 @@
 // TESSERA_STORE_PREFIX (default "tessera") keeps jobs that share a Redis server apart.
 // Network: TESSERA_GLOO_IFACE=eth0 binds that interface; otherwise TESSERA_GLOO_HOSTNAME, or this
 // machine's hostname, or 127.0.0.1 when the hostname does not resolve.
+// Waiting: a rank pinned to one CPU spins on its sockets while a peer is late, an unpinned one
+// sleeps; TESSERA_GLOO_BUSY_POLL=1 or 0 decides instead (see detail::gloo_busy_poll).
 //
 // Before Gloo's own full-mesh connect, every rank registers under "join.<rank>" and waits for
 // all others, so a rank that never starts is named ("rank 3 never joined") instead of leaving a
@@ -39,6 +41,7 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/redis_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <sched.h>
 #include <signal.h>
 #include <netdb.h>
 #include <unistd.h>
@@ -200,6 +203,28 @@ inline void ignore_sigpipe_if_default() {
   }
 }
 
+// Whether the sync pairs spin on their sockets (recv with MSG_DONTWAIT until the timeout) rather
+// than sleep in read() while a peer is late. Spinning is right when this rank owns its core: it
+// is pinned to one CPU (tessera-run --bind-to core, srun --cpu-bind=cores, mpirun's default
+// binding), so a spinning wait takes nothing from another rank, and MPI's shared-memory
+// transport waits the same way. A sleeping read pays a wake-up each time the peer's data
+// arrives, and on a virtual machine waking an idle virtual CPU is slow. LeNet-5, 2 ranks bound to
+// the 2 cores of this VM, 400 steps, 3 alternating rounds: 27.3k, 26.1k, 28.6k images/s spinning
+// against 25.2k, 23.6k, 27.8k sleeping (bench/README.md, "Data-parallel scaling"). Unpinned ranks
+// sleep: spinning there gained nothing (24.6k against 24.6k) and would starve an oversubscribed
+// machine. TESSERA_GLOO_BUSY_POLL=1 or 0 decides instead.
+inline bool gloo_busy_poll() {
+  if (const char* v = std::getenv("TESSERA_GLOO_BUSY_POLL"); v != nullptr && *v != '\0') {
+    const std::string value = v;
+    TESSERA_CHECK(value == "0" || value == "1", ArgumentError, "GlooComm: TESSERA_GLOO_BUSY_POLL='", value,
+                  "' must be 1 (spin while waiting) or 0 (sleep)");
+    return value == "1";
+  }
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) == 1;
+}
+
 // Everything the worker thread and the Works need, shared so a GlooComm can move freely.
 struct GlooState {
   std::shared_ptr<gloo::rendezvous::Store> store;
@@ -228,6 +253,7 @@ struct GlooState {
   // the same Gloo slots.
   std::shared_ptr<gloo::rendezvous::Context> sync_context;
   std::vector<std::string> sync_pair_addresses;
+  bool busy_poll = false;  // the sync pairs spin while they wait (detail::gloo_busy_poll)
   struct SyncAllReduce {
     CommDType dtype;
     std::size_t count;
@@ -291,6 +317,8 @@ class GlooComm {
   int size() const { return s_->size; }
   const CommOptions& options() const { return s_->options; }
   const std::shared_ptr<gloo::rendezvous::Context>& native() const { return s_->context; }
+  // Whether the all_reduce fast path spins while it waits for a peer (detail::gloo_busy_poll).
+  bool busy_polls() const { return s_->busy_poll; }
 
   template <CommScalar T>
   void all_reduce(std::span<T> buf, ReduceOp op) {
@@ -382,6 +410,7 @@ class GlooComm {
   }
 
   void connect(const std::string& label) {
+    s_->busy_poll = detail::gloo_busy_poll();  // first: a bad TESSERA_GLOO_BUSY_POLL is the user's error
     const auto deadline = std::chrono::steady_clock::now() + s_->options.timeout;
     auto& store = *s_->store;
     try {
@@ -425,7 +454,7 @@ class GlooComm {
         s_->sync_context->setTimeout(s_->options.timeout);  // each pair's socket read/write timeout
         s_->sync_context->connectFullMesh(*sync_store, s_->device);
         for (int q = 0; q < size(); ++q)
-          if (q != rank()) s_->sync_context->getPair(q)->setSync(true, /*busyPoll=*/false);  // blocking reads
+          if (q != rank()) s_->sync_context->getPair(q)->setSync(true, s_->busy_poll);
         s_->sync_pair_addresses = publish_pair_addresses(*s_->sync_context, store, "syncpairs.");
       }
       // Tag 0 is never an operation's (next_tag starts at 1).
