@@ -263,6 +263,14 @@ struct GlooState {
   };
   std::vector<SyncAllReduce> sync_all_reduces;
   std::uint64_t sync_uses = 0;
+  // The call check's exchange (CallLedger::summary, 4 int64 per rank) on the sync pairs too: an
+  // all_reduce (Sum) of size x 4 int64 where each rank fills only its own 4, which is an
+  // all_gather. On the async pairs it waited like any async collective, about 3 ms when the peer
+  // was computing; checked every 16th call, that was 180 us per all_reduce on average, more than
+  // the exchange itself (bench/README.md, "Gloo latency"). Built at connect, so it owns the first
+  // sync slot on every rank whatever the cache above does later.
+  std::vector<std::int64_t> check_staging;
+  std::unique_ptr<gloo::Algorithm> check_gather;
   std::vector<std::byte> scratch;            // reduce_scatter's two chunks, grown, never shrunk
   std::mutex broken_mutex;
   std::string broken;
@@ -456,6 +464,10 @@ class GlooComm {
         for (int q = 0; q < size(); ++q)
           if (q != rank()) s_->sync_context->getPair(q)->setSync(true, s_->busy_poll);
         s_->sync_pair_addresses = publish_pair_addresses(*s_->sync_context, store, "syncpairs.");
+        s_->check_staging.assign(4 * static_cast<std::size_t>(size()), 0);
+        s_->check_gather = std::make_unique<gloo::AllreduceHalvingDoubling<std::int64_t>>(
+            s_->sync_context, std::vector<std::int64_t*>{s_->check_staging.data()}, 4 * size(),
+            detail::gloo_reduction<std::int64_t>());
       }
       // Tag 0 is never an operation's (next_tag starts at 1).
       s_->board = detail::make_progress_board("GlooComm", s_->label, rank(), size(),
@@ -606,10 +618,14 @@ class GlooComm {
       detail::run_call_check(s->ledger, "GlooComm", s->rank, s->size,
                              [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
                                guarded(s, sig.describe() + " call check", [&] {
+                                 ++exchange;
+                                 if (s->check_gather && 4 * static_cast<std::size_t>(s->size) == out.size())
+                                   return gather_on_sync_pairs(*s, in, out);
+                                 // The windows, only after a mismatch: rare, so the async pairs.
                                  gloo::AllgatherOptions opts(s->context);
                                  opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
                                  opts.setOutput(out.data(), out.size());
-                                 opts.setTag((tag & 0x3fffffffu) | (++exchange << 30));
+                                 opts.setTag((tag & 0x3fffffffu) | (exchange << 30));
                                  opts.setTimeout(s->options.timeout);
                                  gloo::allgather(opts);
                                });
@@ -621,6 +637,16 @@ class GlooComm {
       throw;
     }
     return in_call;
+  }
+
+  // The call check's summaries (4 int64 per rank) gathered by GlooState::check_gather.
+  static void gather_on_sync_pairs(detail::GlooState& s, std::span<const std::int64_t> in,
+                                   std::span<std::int64_t> out) {
+    std::fill(s.check_staging.begin(), s.check_staging.end(), 0);
+    std::copy(in.begin(), in.end(), s.check_staging.begin() + 4 * s.rank);
+    detail::gloo_sync_op = ReduceOp::Sum;
+    s.check_gather->run();
+    std::copy(s.check_staging.begin(), s.check_staging.end(), out.begin());
   }
 
   template <CommScalar T>
