@@ -357,6 +357,42 @@ TEST_CASE("Conv2d's stride-2 rows match a direct sum on wide images", "[layers][
   }
 }
 
+TEST_CASE("im2col of short unpadded rows (gathered 16 columns at a time) matches the plain copy", "[layers][conv]") {
+  // float takes detail::ShortRowGather where AVX-512 is compiled in; double always copies row by
+  // row. Output widths 1 to 15 with kernel widths that make 16 columns span up to 32 inputs, bands
+  // of rows, several samples, and a subset of col rows (a team's share). x is sized exactly, so a
+  // read past the last sample's plane would be outside the allocation (the sanitizer build's job).
+  struct Case {
+    std::int64_t samples, c, h, w, kh, kw, oh0, oh1, row_begin, row_end;
+  };
+  const Case cases[] = {{3, 6, 14, 14, 5, 5, 0, 10, 0, -1},   // LeNet-5's second layer
+                        {2, 6, 14, 14, 5, 5, 3, 7, 0, -1},    // a band
+                        {1, 6, 14, 14, 5, 5, 0, 10, 37, 101}, // a team's share of the rows
+                        {2, 3, 9, 8, 3, 5, 0, 7, 0, -1},      // W' = 4: 16 columns span 28 inputs
+                        {2, 2, 5, 5, 5, 5, 0, 1, 0, -1},      // W' = 1
+                        {1, 4, 20, 17, 2, 3, 0, 19, 0, -1},   // W' = 15, 19 rows: a partial last chunk
+                        {5, 1, 8, 7, 1, 2, 0, 8, 0, -1}};     // 1x2 on a 7-wide plane
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.samples << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kh << "x" << c.kw
+                               << ", rows " << c.oh0 << "-" << c.oh1) {
+      Conv2dGeometry g;
+      g.channels = c.c, g.height = c.h, g.width = c.w, g.out_channels = 1, g.kernel_h = c.kh, g.kernel_w = c.kw;
+      g.out_height = conv_output_extent(c.h, c.kh, 1, 0), g.out_width = conv_output_extent(c.w, c.kw, 1, 0);
+      const std::int64_t cols = c.samples * (c.oh1 - c.oh0) * g.out_width, rows = g.col_rows();
+      std::vector<float> x(static_cast<std::size_t>(c.samples * c.c * c.h * c.w));
+      std::vector<double> xd(x.size());
+      for (std::size_t e = 0; e < x.size(); ++e) xd[e] = x[e] = static_cast<float>(e % 251) - 125.0f;
+      std::vector<float> col(static_cast<std::size_t>(rows * cols), -7.0f);
+      std::vector<double> cold(col.size(), -7.0);
+      im2col(Cpu{}, g, x.data(), c.samples, c.oh0, c.oh1, col.data(), cols, c.row_begin, c.row_end);
+      im2col(Cpu{}, g, xd.data(), c.samples, c.oh0, c.oh1, cold.data(), cols, c.row_begin, c.row_end);
+      std::int64_t wrong = 0;
+      for (std::size_t e = 0; e < col.size(); ++e) wrong += static_cast<double>(col[e]) != cold[e];
+      CHECK(wrong == 0);
+    }
+  }
+}
+
 TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
   // Larger than the reference cases: several vectors of tiles per block (28x28: 49 tiles a sample),
   // bands, whole-sample groups with a short last group, odd widths, more channels than

@@ -89,6 +89,32 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
             std::int64_t ldcol, std::int64_t row_begin = 0, std::int64_t row_end = -1) {
   const std::int64_t taps = g.taps(), rows = row_end >= 0 ? row_end : g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
   const bool contiguous = detail::contiguous_taps(g);
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<S, float>) {
+    // Unpadded, stride 1, output rows short and not adjacent (W' < min(W, 16)): whole col rows
+    // gathered 16 columns at a time. LeNet-5's second layer: 183 -> 84 us per batch of 64.
+    detail::ShortRowGather gather;
+    if (!contiguous && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 && g.dilation_w == 1 &&
+        g.pad_h == 0 && g.pad_w == 0 && gather.build(g.width, g.out_width, sample_cols)) {
+      const S* end = x + samples * g.channels * g.in_plane();  // this block's input
+      // (c, i, j) of row r kept by counting: three divisions per row cost about a row's copy.
+      gather.run([&](auto write) {
+        for (std::int64_t s = 0; s < samples; ++s) {
+          std::int64_t c = row_begin / taps, i = row_begin % taps / g.kernel_w, j = row_begin % g.kernel_w;
+          for (std::int64_t r = row_begin; r < rows; ++r) {
+            const S* src = x + (s * g.channels + c) * g.in_plane() + (oh0 + i) * g.width + j;
+            write(col + r * ldcol + s * sample_cols, src, src + gather.reach() <= end);
+            if (++j == g.kernel_w) {
+              j = 0;
+              if (++i == g.kernel_h) i = 0, ++c;
+            }
+          }
+        }
+      });
+      return;
+    }
+  }
+#endif
   for (std::int64_t s = 0; s < samples; ++s) {
     for (std::int64_t r = row_begin; r < rows; ++r) {
       const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
