@@ -98,7 +98,9 @@ def main():
             if comm == "mpi":
                 argv = ["mpirun", "--oversubscribe", "-n", n, binary] + flags
             else:
-                argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix", "-n", n, binary] + flags
+                # One rank per core where they fit, as mpirun binds MPI's ranks (and dp_scaling.py Gloo's).
+                bind = ["--bind-to", "core"] if int(n) <= len(os.sched_getaffinity(0)) else []
+                argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "--no-prefix"] + bind + ["-n", n, binary] + flags
             if args.dp:
                 results.append(dp_pairs(args, comm, n, argv, base_env))
                 print(json.dumps(results[-1]))
@@ -118,7 +120,8 @@ def main():
             row = {"bench": "check_overhead", "comm": comm, "ranks": int(n), "bytes": int(args.bytes),
                    "checked_us_median": statistics.median(on), "unchecked_us_median": statistics.median(off),
                    "overhead_median": statistics.median(ratios) - 1, "pairs": args.pairs,
-                   "check": "first 32 calls, then every 16th", "cpu": cpu_model(), "cores": os.cpu_count()}
+                   "check": "first 32 calls, then every 16th", "cpu": cpu_model(), "cores": os.cpu_count(),
+                   "argv": argv}
             results.append(row)
             print(json.dumps(row))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -157,7 +160,7 @@ def dp_pairs(args, comm, n, argv, base_env):
             "unchecked_images_per_second_median": statistics.median(off),
             "overhead_median": statistics.median(ratios) - 1, "pairs": args.pairs,
             "checks": "call check (first 32, then every 16th), construction agreement, replica checksum every 100 steps",
-            "cpu": cpu_model(), "cores": os.cpu_count()}
+            "cpu": cpu_model(), "cores": os.cpu_count(), "argv": argv}
 
 
 if __name__ == "__main__":

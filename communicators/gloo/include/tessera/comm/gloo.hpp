@@ -286,7 +286,9 @@ class GlooComm {
   // transfer there; the ring beat bcube from 4 MiB on 4 ranks, 8.9 vs 10.7 ms, and at 64 MiB on
   // 2, 52 vs 64 ms). Measured with bench/collectives.py, 2 ranks, no compute between calls: the
   // sync path took 164 us at 4 KiB (best raw gloo::allreduce 345), 282 us at 256 KiB (461),
-  // 494 us at 1 MiB (720), 3.2 ms at 4 MiB (4.0). Cached staging buffers are evicted past
+  // 494 us at 1 MiB (720), 3.2 ms at 4 MiB (4.0); those figures include the call check's
+  // exchange, then on the async pairs. With it on the sync pairs (GlooState::check_gather) and
+  // the ranks bound: 76 us at 4 KiB, 151 us at 256 KiB. Cached staging buffers are evicted past
   // kSyncCacheBytes in all.
   static constexpr std::size_t kSyncMaxBytes = 4u << 20;
   static constexpr std::size_t kSyncCacheBytes = 32u << 20;
