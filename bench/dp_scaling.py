@@ -15,7 +15,9 @@ bench/results/dp_scaling_<date>.json.
 The two process backends run with one rank bound to each core: mpirun binds 2 ranks to cores by
 default, and GlooComm's ranks get the same from tessera-run --bind-to core (a bound GlooComm rank
 then busy-polls while it waits, as MPI does; see communicators/gloo/include/tessera/comm/gloo.hpp).
-Each row records its command line ("argv").
+Each row records its command line ("argv"). The file is rewritten after every round. A PyTorch run
+that hangs or fails on all 3 attempts is recorded as {"failed": ...} and left out of the medians;
+a Tessera run that does so ends the script.
 
 Tessera runs with the OpenBLAS core type its 1-rank run found fastest (the shell's, 'unset', then each
 other candidate, once; peer.choose_tessera_coretype), recorded in each row's "tessera_config".
@@ -41,10 +43,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {"lenet": {"batch": 64, "steps": 60}, "resnet20": {"batch": 32, "steps": 8}}
 
 
-def run(argv, env=None, attempts=3):
+def run(argv, env=None, attempts=3, required=True):
     # A run that hangs is killed and repeated. Seen here: PyTorch DDP's 2-process run stalls in
-    # roughly one of ten launches under this driver (its rank 1 exits and rank 0 waits forever);
-    # the retry is counted in the log. No Tessera run has needed one.
+    # roughly one of ten launches under this driver (its rank 1 exits and rank 0 waits forever),
+    # and once three times in a row; the retry is counted in the log. No Tessera run has needed
+    # one. When every attempt failed, a run that is not `required` returns None (the round records
+    # the failure and goes on) instead of ending the script.
     # Each run gets its own process group, and a hung one is killed as a group: PyTorch's spawned
     # ranks outlive their parent otherwise and spin on both cores, slowing every later run.
     for attempt in range(attempts):
@@ -62,12 +66,21 @@ def run(argv, env=None, attempts=3):
             break
         print(f"  failed ({out.returncode}), retrying: {' '.join(argv)}\n{out.stderr[-2000:]}", file=sys.stderr, flush=True)
     else:
+        if not required:
+            return None
         sys.exit(f"dp_scaling.py: {' '.join(argv)} failed {attempts} times")
     for line in out.stdout.splitlines():
         line = line.split("] ", 1)[-1] if line.startswith("[rank") else line
         if line.startswith("{"):
             return json.loads(line)
     sys.exit(f"dp_scaling.py: no JSON from {' '.join(argv)}")
+
+
+def write_rows(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def run_independent(argv, env):
@@ -134,7 +147,14 @@ def main():
         ]
         for r in range(args.rounds):
             for framework, comm, ranks, argv, e in configs:
-                row = run_independent(argv, e) if comm == "independent" else run(argv, e)
+                # The peer's DDP run may hang repeatedly (see run); its round then lacks that row.
+                row = run_independent(argv, e) if comm == "independent" else run(argv, e, required=framework == "tessera")
+                if row is None:
+                    rows.append({"framework": framework, "comm": comm, "model": model, "ranks": ranks, "round": r,
+                                 "argv": argv, "failed": "hung or failed on every attempt"})
+                    print(f"  {model:8} round {r}: {framework:8} {comm:11} {ranks} rank(s): failed, round goes on",
+                          file=sys.stderr, flush=True)
+                    continue
                 row["round"] = r
                 row["argv"] = argv  # the launch as run, binding included
                 if framework == "pytorch":
@@ -144,24 +164,22 @@ def main():
                 rows.append(row)
                 print(f"  {model:8} round {r}: {framework:8} {comm:11} {ranks} rank(s): {row['images_per_second']:9.1f} img/s",
                       file=sys.stderr, flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+            write_rows(args.out, rows)  # after every round: an interrupted run keeps what it measured
+    write_rows(args.out, rows)
     print(f"\n{'model':9} {'framework':9} {'comm':11} {'ranks':>5} {'img/s (median)':>15} {'efficiency':>11} "
           f"{'exposed comm us/step':>21}")
     for model in args.models.split(","):
         medians, exposed = {}, {}
         for row in rows:
-            if row["model"] == model:
+            if row["model"] == model and "failed" not in row:
                 key = (row["framework"], row["comm"], row["ranks"])
                 medians.setdefault(key, []).append(row["images_per_second"])
                 if "exposed_comm_us_per_step" in row and row["comm"] not in ("none", "independent"):  # Tessera's DataParallel only
                     exposed.setdefault(key, []).append(row["exposed_comm_us_per_step"])
         for (framework, comm, ranks), values in medians.items():
             m = statistics.median(values)
-            base = statistics.median(medians[(framework, "none", 1)])
-            eff = f"{m / (ranks * base):.3f}" if ranks > 1 else ""
+            single = medians.get((framework, "none", 1))
+            eff = f"{m / (ranks * statistics.median(single)):.3f}" if ranks > 1 and single else ""
             wait = f"{statistics.median(exposed[(framework, comm, ranks)]):.0f}" if (framework, comm, ranks) in exposed else ""
             print(f"{model:9} {framework:9} {comm:11} {ranks:>5} {m:>15.1f} {eff:>11} {wait:>21}")
     print(f"\nwrote {args.out}")
