@@ -370,7 +370,7 @@ TEST_CASE("im2col of short unpadded rows (gathered 16 columns at a time) matches
                         {1, 6, 14, 14, 5, 5, 0, 10, 37, 101}, // a team's share of the rows
                         {2, 3, 9, 8, 3, 5, 0, 7, 0, -1},      // W' = 4: 16 columns span 28 inputs
                         {2, 2, 5, 5, 5, 5, 0, 1, 0, -1},      // W' = 1
-                        {1, 4, 20, 17, 2, 3, 0, 19, 0, -1},   // W' = 15, 19 rows: a partial last chunk
+                        {1, 4, 20, 17, 2, 3, 0, 19, 0, -1},   // W' = 15, 19 rows: 18 chunks (run-time count), partial last
                         {5, 1, 8, 7, 1, 2, 0, 8, 0, -1}};     // 1x2 on a 7-wide plane
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.samples << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kh << "x" << c.kw
