@@ -1,5 +1,5 @@
 """Pieces every benchmark script shares: where results go and which machine measured them
-(results committed under bench/results/ name the CPU model, the machine kind varies by session)."""
+(results committed under bench/baselines/ name the CPU model, the machine kind varies by session)."""
 import datetime
 import os
 import platform
@@ -50,5 +50,5 @@ def cpu_details(cpuinfo_text=None):
 
 
 def default_result(name):
-    """bench/results/<name>_<today>.json."""
-    return os.path.join(ROOT, "bench", "results", f"{name}_{datetime.date.today().isoformat()}.json")
+    """bench/out/<name>_<today>.json."""
+    return os.path.join(ROOT, "bench", "out", f"{name}_{datetime.date.today().isoformat()}.json")

@@ -17,7 +17,7 @@ every check on as shipped (the call check, DataParallel's construction-time agre
 its replica checksum every 100 steps, timed steps >= 100 so the checksum is inside the timing)
 against all of them off (TESSERA_COMM_CHECK_EVERY=0, --consistency-check-every=0); the overhead is
 the median over pairs of (images/s off / images/s on) - 1. Target: <= 2 %.
-The JSON (default bench/results/check_overhead_<date>.json) names the CPU model.
+The JSON (default bench/out/check_overhead_<date>.json) names the CPU model.
 """
 import argparse
 import datetime
@@ -73,7 +73,7 @@ def main():
     parser.add_argument("--rounds", default="7")
     parser.add_argument("--round-seconds", default="0.2")
     parser.add_argument("--only", default="mpi,gloo")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "out",
                                                       f"check_overhead_{datetime.date.today().isoformat()}.json"))
     parser.add_argument("--dp", action="store_true", help="data-parallel training instead of all_reduce latency")
     parser.add_argument("--model", default="lenet")

@@ -7,7 +7,7 @@
 ThreadComm, MpiComm (under mpirun) and GlooComm (under tools/tessera-run with a fresh file
 store) each run bench/collectives_<backend>.cpp on 2 and 4 ranks; every binary times Tessera's call and the
 raw library call for the same sizes in alternating rounds (see collectives.hpp). All rows go to
-one JSON file (default bench/results/collectives_<date>.json), and a summary is printed:
+one JSON file (default bench/out/collectives_<date>.json), and a summary is printed:
 
   * MPI and Gloo all_reduce: Tessera's time / the raw call's time for every size >= 1 MiB
     (target: <= 1.05). For Gloo the raw call is the faster of gloo::allreduce's ring and bcube at
@@ -50,7 +50,7 @@ def main():
     parser.add_argument("--only", default="threads,mpi,gloo", help="comma list of communicators to run")
     parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
     parser.add_argument("--min-bytes", default=str(4 << 10))
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "out",
                                                       f"collectives_{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
     common = ["--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--rounds", args.rounds,

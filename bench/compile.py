@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile-time benchmark: wall seconds and peak memory of the translation units users wait for.
 
-  python3 bench/compile.py [--build build] [--runs 3] > bench/results/compile_<cpu>.json
+  python3 bench/compile.py [--build build] [--runs 3] > bench/out/compile_<cpu>.json
 
 Measured with the build's own compiler command lines (compile_commands.json), one compile at a
 time, median of --runs:

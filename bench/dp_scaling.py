@@ -10,7 +10,7 @@ each communicator, PyTorch 1 process (no DDP), PyTorch DDP 2 processes. Reports 
 images/s of each and the scaling efficiency images/s(2 ranks) / (2 x images/s(1 rank)) of each
 framework against its own single rank (target: >= 0.9 and >= PyTorch's), and for Tessera's 2-rank
 runs the exposed communication per step (median of the runs). Writes every run to
-bench/results/dp_scaling_<date>.json.
+bench/out/dp_scaling_<date>.json.
 
 The two process backends run with one rank bound to each core: mpirun binds 2 ranks to cores by
 default, and GlooComm's ranks get the same from tessera-run --bind-to core (a bound GlooComm rank
@@ -98,7 +98,7 @@ def main():
     p.add_argument("--models", default="lenet,resnet20")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out",
                                                  f"dp_scaling_{datetime.date.today().isoformat()}.json"))
     peer.add_arguments(p)
     args = p.parse_args()

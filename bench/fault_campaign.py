@@ -24,7 +24,7 @@ Per trial it records:
 A trial whose fault came after the job ended by itself (too late), or whose victim ended between
 being found and being signalled, is counted apart and redrawn.
 Results go to one JSON line per (backend, ranks, fault) in --out (default
-bench/results/fault_campaign_<date>.json), with the CPU model; a table is printed at the end.
+bench/out/fault_campaign_<date>.json), with the CPU model; a table is printed at the end.
 This is a benchmark-style script, not a test: it runs for a long time (about 8 s per trial).
 """
 import argparse
@@ -186,7 +186,7 @@ def main():
     parser.add_argument("--failures-dir", help="write the output of every failed trial here")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in --out and run only the (backend, ranks, fault) not there")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "out",
                                                       f"fault_campaign_{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
     rng = random.Random(args.seed)

@@ -6,7 +6,7 @@
 scripts/fuzz.sh builds the libFuzzer harnesses (clang, ASan + UBSan) and runs each from its seed
 corpus with a fixed seed (-seed=1) for --runs executions. This script adds the machine (CPU model
 from /proc/cpuinfo, clang version) and writes one JSON file (default
-bench/results/fuzz_<date>.json) with, per target: executions, seconds, crashes, leaks, timeouts,
+bench/out/fuzz_<date>.json) with, per target: executions, seconds, crashes, leaks, timeouts,
 out-of-memory reports and the corpus size reached. The goal is 0 of each; a failing input is kept
 under <build>/artifacts/ (tests/fuzz/README.md says how to reproduce it). Not a timing benchmark:
 executions per second depend on whatever else the machine runs.
@@ -75,7 +75,7 @@ def main():
         "targets": targets,
         "totals": totals,
     }
-    out = args.out or os.path.join(ROOT, "bench", "results", f"fuzz_{datetime.date.today().isoformat()}.json")
+    out = args.out or os.path.join(ROOT, "bench", "out", f"fuzz_{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")

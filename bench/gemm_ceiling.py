@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast can any fp32 implementation train the MLP here? The ceiling set by matrix products.
 
-    python3 bench/gemm_ceiling.py [--threads 1] [--throughput bench/results/throughput_1thread_....json]
+    python3 bench/gemm_ceiling.py [--threads 1] [--throughput bench/out/throughput_1thread_....json]
 
 The MLP of bench/compare_pytorch.py (784-512-256-10, batch 128) is almost all matrix products. Per
 step, with B = 128 and layers (in, out) = (784, 512), (512, 256), (256, 10):
@@ -19,7 +19,7 @@ the fastest kept) on (a) large square products (best of 5), the machine's practi
 with nothing else to do is the ceiling no fp32 implementation passes: peak / 309 MFLOP x 128 images/s.
 (b) is reported beside it. With --throughput (a compare_pytorch.py JSON at the same thread count) it
 also gives both sides' GFLOP/s, the ratio to PyTorch that the ceiling allows, and the GFLOP/s a 1.5x
-lead would need. Writes bench/results/gemm_ceiling_<date>.json.
+lead would need. Writes bench/out/gemm_ceiling_<date>.json.
 """
 import argparse
 import ctypes

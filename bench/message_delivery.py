@@ -13,7 +13,7 @@ mpirun's output holds the waiting ranks' error naming the call, the timeout and 
 not reach it ("MpiComm all_reduce(float32 x 1000, sum) on rank 0 of 3 (call #42): timed out after
 2 s; reached call #42: ranks 0, 2; not reached: rank 1 (...)"), and the error file of each waiting
 rank (TESSERA_ERROR_DIR/rank<R>.txt) holds it too. Goal: every trial. JSON (one line) goes to
---out (default bench/results/message_delivery_<date>.json) with the CPU model.
+--out (default bench/out/message_delivery_<date>.json) with the CPU model.
 """
 import argparse
 import datetime
@@ -52,7 +52,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--load", type=int, default=os.cpu_count() or 2, help="busy processes during the trials")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "out",
                                                       f"message_delivery_{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
     program = os.path.join(args.build, "tests", "fault_mpi")

@@ -18,7 +18,7 @@ fitted to bench/collectives; netns_tbf_100mbit.json), twice:
   measured inputs: the node's co-run slowdown (compute_slowdown: 2 and 4 independent 1-rank
     trainings at once, this round, against one alone; no communication in it) and the link's
     goodput measured by a separate all_reduce benchmark (tests/net/bandwidth_main.cpp, 4 MiB). The table reports medians
-over rounds, the errors (predicted - measured) / measured, and whether they are within 15%. Writes bench/results/simulator_validation_<date>.json, a markdown table for
+over rounds, the errors (predicted - measured) / measured, and whether they are within 15%. Writes bench/out/simulator_validation_<date>.json, a markdown table for
 docs/simulator.md (--markdown) and, with matplotlib, a plot of efficiency against P (--plot).
 """
 import argparse
@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60, help="timed steps per local run")
     ap.add_argument("--rates", default="50,200,1000", help="tbf rates in Mbit/s for the namespace runs ('' for none)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" /
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" /
                                          f"simulator_validation_{datetime.date.today().isoformat()}.json"))
     ap.add_argument("--markdown", help="also write the table as markdown here")
     ap.add_argument("--plot", help="efficiency against P, predicted lines and measured points (matplotlib)")

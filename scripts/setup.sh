@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Tessera needs on Debian 12 (only the packages that are missing), then configures
-# and builds into ./build: everything, or only the targets given (scripts/setup.sh 01_fashion_mnist_lenet).
+# and builds into ./build: everything, only the targets given (scripts/setup.sh 01_fashion_mnist_lenet),
+# or nothing (scripts/setup.sh --configure-only).
 # Safe to run again: it skips what is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,9 +12,11 @@ cd "$(dirname "$0")/.."
 # slurm-wlm and munge: a private local Slurm for the tessera-sbatch test (tests/slurm/); matplotlib:
 # tools/tessera-report's plots; cmake: the CMake consumer test (tests/consumer/).
 # libturbojpeg0-dev and libpng-dev: ImageFolder's JPEG and PNG decoders (optional to the build).
+# mypy and python3-pytest: the tools package's type check and tests (quick tier); ccache: meson
+# picks it up by itself, so a rebuild after switching branches recompiles only what changed.
 packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev libopenblas-dev catch2 zlib1g-dev dataset-fashion-mnist
   libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server clang libclang-rt-14-dev
-  slurm-wlm munge python3-matplotlib cmake libturbojpeg0-dev libpng-dev)
+  slurm-wlm munge python3-matplotlib cmake libturbojpeg0-dev libpng-dev mypy python3-pytest ccache)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,6 +46,11 @@ if [ -f build/build.ninja ]; then
 else
   meson setup build "${options[@]}"
 fi
+# --configure-only stops here: scripts/test.sh's quick tier lets `meson test` build just the
+# programs its tests run. Targets given as arguments (scripts/train.sh passes its example) build
+# alone; none builds all.
+if [ "${1:-}" = "--configure-only" ]; then
+  exit 0
+fi
 jobs=$(nproc)
-# Targets given as arguments (scripts/train.sh passes its example) build alone; none builds all.
 meson compile -C build -j "$jobs" "$@"

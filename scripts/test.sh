@@ -1,23 +1,54 @@
 #!/usr/bin/env bash
-# Set up (install, build), run every test, and end with "N passed, N failed, N skipped".
+# Set up (install, configure), build what the tests run, run them, and end with
+# "N passed, N failed, N skipped".
+#
+#   scripts/test.sh           the quick tier, before every commit: unit, gradient, golden,
+#                             conformance, equivalence and example self-check tests on every CPU
+#                             backend, the checks of docs and headers, mypy and pytest on the tools
+#   scripts/test.sh --full    everything (what CI runs): the quick tier plus the tests of the
+#                             `full` suite, each slow for the reason docs/testing.md gives
+#                             (sanitizer build, fuzzing, Slurm, network namespaces, consumer
+#                             packages, fault campaigns, CUDA builds), after building every target
+#
+# Other arguments go to `meson test` (a test name, --suite comm, --list, ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh || { echo "0 passed, 1 failed"; exit 1; }
+
+tier=quick
+args=()
+for a in "$@"; do
+  if [ "$a" = "--full" ]; then tier=full; else args+=("$a"); fi
+done
+
+if [ "$tier" = full ]; then
+  scripts/setup.sh || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+  select=()
+else
+  # The quick tier builds only the programs its tests run (meson test rebuilds a test's depends).
+  scripts/setup.sh --configure-only || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+  select=(--no-suite full)
+fi
 rm -f build/meson-logs/testlog.json
-meson test -C build --print-errorlogs --num-processes 1 "$@"
+start=$(date +%s)
+meson test -C build --print-errorlogs --num-processes 1 "${select[@]}" "${args[@]}"
 status=$?
-python3 - <<'PY'
+python3 - "$tier" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
+tier, seconds = sys.argv[1], int(sys.argv[2])
 counts = {"OK": 0, "FAIL": 0, "SKIP": 0, "TIMEOUT": 0, "ERROR": 0, "EXPECTEDFAIL": 0, "UNEXPECTEDPASS": 0}
 try:
     lines = open("build/meson-logs/testlog.json").read().splitlines()
 except OSError:
-    print("meson test wrote no log")
-    print("0 passed, 1 failed")
+    print("meson test wrote no log (the build failed?)")
+    print("0 passed, 1 failed, 0 skipped")
     sys.exit(0)
-for line in lines:
-    r = json.loads(line)["result"]
-    counts[r] = counts.get(r, 0) + 1
+results = [json.loads(line) for line in lines]
+for r in results:
+    counts[r["result"]] = counts.get(r["result"], 0) + 1
+slowest = sorted(results, key=lambda r: -r["duration"])[:10]
+print(f"{tier} tier: build and tests {seconds // 60} min {seconds % 60} s; slowest tests:")
+for r in slowest:
+    print(f"  {r['duration']:7.1f} s  {r['name']}")
 passed = counts["OK"] + counts["EXPECTEDFAIL"]
 failed = counts["FAIL"] + counts["TIMEOUT"] + counts["ERROR"] + counts["UNEXPECTEDPASS"]
 print(f"{passed} passed, {failed} failed, {counts['SKIP']} skipped")

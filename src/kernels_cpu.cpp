@@ -1,13 +1,27 @@
-// The library tessera_kernels: the float and double instances of the heavy CPU kernels, compiled
-// once for every program of the build (kernels/cpu/compiled.hpp explains the mode). Each kernel
-// header lists its instances; this file only expands the lists with an empty prefix, i.e. as
-// explicit instantiation definitions.
+// The library tessera_kernels: the float and double instances of the heavy CPU kernels, and the
+// non-template functions of the headers listed below, compiled once for every program of the
+// build (kernels/cpu/compiled.hpp and core/linkage.hpp explain the mode). Each kernel header lists
+// its instances; this file only expands the lists with an empty prefix, i.e. as explicit
+// instantiation definitions. The other headers define their functions here as ordinary ones.
 #define TESSERA_COMPILING_KERNELS 1
 
 #include "tessera/kernels/cpu/batch_norm.hpp"
 #include "tessera/kernels/cpu/conv2d.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/pool.hpp"
+
+// Non-template code (core/linkage.hpp): defined here, declared everywhere else.
+#include "tessera/data/dataset.hpp"
+#include "tessera/data/fashion_mnist.hpp"
+#include "tessera/data/idx.hpp"
+#include "tessera/io/flags.hpp"
+#include "tessera/io/json.hpp"
+#include "tessera/io/safetensors.hpp"
+#include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/parallel/agreement.hpp"
+#include "tessera/train/checkpoint.hpp"
+#include "tessera/train/metrics.hpp"
+#include "tessera/train/timeline.hpp"
 
 namespace tessera {
 

@@ -1,53 +1,14 @@
 #!/usr/bin/env python3
-"""Negative-compilation tests: each source must FAIL to compile, and the compiler's output must
-contain every `// expect: <text>` line of the source (the sentence that names the fix), in at most
-`// max-lines: N` lines when the source gives that limit. Prints the first error sentence of each,
-so the test log shows what a user would read. Exit 1 if any source compiled, or failed without its
-sentence, or said it in too many lines."""
-import argparse
-import pathlib
-import re
-import subprocess
+"""check_compile_fail: negative-compilation tests: each source must fail with its sentence (tessera_tools.checks.compile_fail; --help)."""
+import os
 import sys
 
+# The package lies beside this script (tools/), or under <prefix>/share/tessera/python when installed.
+HERE = os.path.dirname(os.path.realpath(__file__))
+for path in (HERE, os.path.join(HERE, os.pardir, "share", "tessera", "python")):
+    if os.path.isdir(os.path.join(path, "tessera_tools")):
+        sys.path.insert(0, os.path.abspath(path))
+        break
+from tessera_tools.checks.compile_fail import main  # noqa: E402
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--compiler", default="c++")
-    ap.add_argument("--include", action="append", default=[], help="an include directory")
-    ap.add_argument("--flag", action="append", default=[], help="an extra compiler flag")
-    ap.add_argument("sources", nargs="+")
-    args = ap.parse_args()
-    failed = 0
-    for source in map(pathlib.Path, args.sources):
-        text = source.read_text()
-        expects = re.findall(r"^// expect: (.+)$", text, re.M)
-        limit = re.search(r"^// max-lines: (\d+)$", text, re.M)
-        if not expects:
-            print(f"FAILED {source.name}: no '// expect:' line, so nothing would be checked")
-            failed += 1
-            continue
-        cmd = [args.compiler, "-std=c++20", "-fopenmp", "-fsyntax-only", *args.flag,
-               *[f"-I{d}" for d in args.include], str(source)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        out = r.stderr + r.stdout
-        lines = out.strip().splitlines()
-        problems = []
-        if r.returncode == 0:
-            problems.append("compiled, but must not")
-        problems += [f"output lacks '{e}'" for e in expects if e not in out]
-        if limit and len(lines) > int(limit.group(1)):
-            problems.append(f"{len(lines)} lines of compiler output, more than {limit.group(1)}")
-        said = next((l[l.index("error:"):] for l in lines if "error:" in l), "(no error line)")
-        status = "ok" if not problems else "FAILED"
-        print(f"{status:6} {source.name}: {len(lines)} lines; {said}")
-        if problems:
-            failed += 1
-            print("       " + "; ".join(problems))
-            print("\n".join("       | " + l for l in lines[:40]))
-    print(f"{len(args.sources) - failed} of {len(args.sources)} negative-compilation tests passed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main(sys.argv[1:]))

@@ -1,29 +1,14 @@
 #!/usr/bin/env python3
-"""Lists a Tessera checkpoint from Python with numpy only: tensor names, dtypes, shapes, a norm,
-and the training position stored in the metadata. Shows the file is plain safetensors.
-
-    python3 tools/read_checkpoint.py ckpt.safetensors
-    # with Hugging Face's package installed, the same file loads with safetensors.numpy.load_file
-"""
+"""read_checkpoint: list a Tessera checkpoint (safetensors) with numpy (tessera_tools.checkpoint; --help)."""
 import os
 import sys
 
-import numpy as np
+# The package lies beside this script (tools/), or under <prefix>/share/tessera/python when installed.
+HERE = os.path.dirname(os.path.realpath(__file__))
+for path in (HERE, os.path.join(HERE, os.pardir, "share", "tessera", "python")):
+    if os.path.isdir(os.path.join(path, "tessera_tools")):
+        sys.path.insert(0, os.path.abspath(path))
+        break
+from tessera_tools.checkpoint import main  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference"))
-from safetensors_io import load  # noqa: E402
-
-
-def main():
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    tensors, metadata = load(sys.argv[1])
-    for key in sorted(metadata):
-        print(f"{key} = {metadata[key]}")
-    for name, array in tensors.items():
-        print(f"{name:60} {str(array.dtype):8} {str(list(array.shape)):20} |x|={np.linalg.norm(array.astype(np.float64)):.6g}")
-    print(f"{len(tensors)} tensors, {sum(a.size for a in tensors.values())} values")
-
-
-if __name__ == "__main__":
-    main()
+sys.exit(main(sys.argv[1:]))

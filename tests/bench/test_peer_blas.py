@@ -212,9 +212,22 @@ class TesseraCoretype(unittest.TestCase):
         self.assertIsNone(peer.gemm_core(None))
 
 
-@unittest.skipUnless(os.path.exists(REFERENCE) and os.path.exists("/usr/bin/python3") and subprocess.run(
-    ["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
-    "needs /usr/bin/python3 with torch and Debian's reference BLAS")
+def missing_peer_packages():
+    """The Debian packages the end-to-end check needs and this machine lacks: the peer's models
+    (bench/torch_models.py) import torchvision as well as torch, so torch alone is not enough."""
+    missing = [] if os.path.exists(REFERENCE) else ["libblas3"]
+    for module, package in (("torch", "python3-torch"), ("torchvision", "python3-torchvision")):
+        found = os.path.exists("/usr/bin/python3") and subprocess.run(
+            ["/usr/bin/python3", "-c", f"import {module}"], capture_output=True).returncode == 0
+        if not found:
+            missing.append(package)
+    return missing
+
+
+MISSING = missing_peer_packages()
+
+
+@unittest.skipIf(MISSING, f"the PyTorch peer is not installed: apt-get install {' '.join(MISSING)}")
 class InsideThePeer(unittest.TestCase):
     def test_torch_on_the_reference_blas_refuses(self):
         # LD_LIBRARY_PATH puts the reference BLAS first for this process alone; TESSERA_PEER_REEXEC

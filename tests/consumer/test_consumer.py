@@ -7,7 +7,8 @@ Installs the build into a staging folder (meson install --destdir), then builds
 tests/consumer/main.cpp against it with -Wall -Wextra -Werror:
   - CMake, find_package(Tessera): the local backend (Tessera::tessera) and MPI (Tessera::mpi);
   - pkg-config: the local backend (tessera) and Gloo (tessera-gloo);
-runs each (one rank: MPI as a singleton, Gloo through a file store), and compares the speed of
+runs each (one rank: MPI as a singleton, Gloo through a file store), checks that the installed
+launchers and tools (bin/tessera-run, ...) run from the prefix alone, and compares the speed of
 the two local consumers with the in-tree build of the same source, in alternating runs: the
 installed flags must give the in-tree speed (a consumer without -march=native and OpenBLAS ran at
 half of it). One line per check; exit 0 when all pass.
@@ -100,6 +101,19 @@ def main():
         print(f"ok: installed to {prefix}: pkg-config {', '.join(backends)}; CMake package {configs[0].name}")
         cflags = run(["pkg-config", "--cflags", "tessera"], "pkg-config --cflags tessera", env=env)
         expect("-isystem" in cflags, f"tessera.pc does not put Tessera on the system include path: {cflags}")
+
+        # The launchers and tools a cluster user runs, from the installed prefix alone: each finds
+        # its package under <prefix>/share/tessera/python, not in this source tree.
+        for tool in ("tessera-run", "tessera-sbatch", "tessera-simulate", "tessera-report"):
+            installed = prefix / "bin" / tool
+            expect(installed.is_file() and os.access(installed, os.X_OK), f"install lacks an executable bin/{tool}")
+            usage = run([str(installed), "--help"], f"installed {tool} --help", cwd=str(work))
+            expect(f"usage: {tool}" in usage, f"installed {tool} --help printed no usage line:\n{usage[:500]}")
+        allreduce = run([str(prefix / "bin" / "tessera-simulate"), "allreduce", "--network",
+                         str(prefix / "share" / "tessera" / "simulator" / "loopback_gloo.json"), "--workers", "2",
+                         "--bytes", "1048576"], "installed tessera-simulate allreduce", cwd=str(work))
+        print(f"ok: installed tessera-run, tessera-sbatch, tessera-simulate, tessera-report run from {prefix / 'bin'}"
+              f" ({allreduce.strip().splitlines()[-1] if allreduce.strip() else 'no output'})")
 
         cmake_local = build_cmake(prefix, work / "cmake-local", "local", env)
         pc_local = build_pkg_config("tessera", "tessera::CpuLocal", "tessera/comm/local.hpp", work / "pc-local", env)

@@ -8,6 +8,8 @@ key, socket, ports, state and logs under one temporary directory, and one node (
 Raises Unavailable when Slurm or munge is missing or will not start (the test then exits 77).
 Every wait is bounded; stop() kills the daemons whatever state they are in.
 """
+from __future__ import annotations
+
 import os
 import pathlib
 import shutil
@@ -15,6 +17,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "sinfo", "scancel")
@@ -24,13 +28,14 @@ class Unavailable(Exception):
     """Slurm cannot run here: a missing program, or daemons that do not come up."""
 
 
-def free_port():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def find(program):
+def find(program: str) -> str | None:
     for folder in ("/usr/sbin", "/usr/bin", "/sbin"):
         candidate = pathlib.Path(folder) / program
         if candidate.exists():
@@ -39,21 +44,21 @@ def find(program):
 
 
 class LocalSlurm:
-    def __init__(self, root, cpus=4, cred_expire=10):
+    def __init__(self, root: str | pathlib.Path, cpus: int = 4, cred_expire: int = 10) -> None:
         self.root = pathlib.Path(root)
         self.cpus = cpus
         # cred_expire is also how long Slurm holds a requeued job before starting it again
         # (default 120 s); 10 s keeps the requeue test short.
         self.cred_expire = cred_expire
         self.node = socket.gethostname().split(".")[0]
-        self.processes = []
-        self.paths = {p: find(p) for p in DAEMONS + CLIENTS}
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.paths: dict[str, Any] = {p: find(p) for p in DAEMONS + CLIENTS}  # None: not installed
 
-    def env(self):
+    def env(self) -> dict[str, str]:
         """The environment that points sbatch, srun, squeue and scontrol at this Slurm."""
         return dict(os.environ, SLURM_CONF=str(self.conf))
 
-    def __enter__(self):
+    def __enter__(self) -> LocalSlurm:
         try:
             self.start()
         except BaseException:
@@ -61,10 +66,10 @@ class LocalSlurm:
             raise
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self):
+    def start(self) -> None:
         missing = [p for p, path in self.paths.items() if path is None]
         if missing:
             raise Unavailable(f"not installed: {', '.join(missing)} (Debian: slurm-wlm munge)")
@@ -91,13 +96,13 @@ class LocalSlurm:
         self._spawn([self.paths["slurmctld"], "-D", "-i", "-f", str(self.conf)], "slurmctld", env)
         self._spawn([self.paths["slurmd"], "-D", "-f", str(self.conf), "-N", self.node], "slurmd", env)
 
-        def node_idle():
+        def node_idle() -> bool:
             done = subprocess.run([self.paths["sinfo"], "-h", "-N", "-o", "%T"], env=env, capture_output=True,
                                   text=True, timeout=10)
             return done.returncode == 0 and done.stdout.strip() == "idle"
         self._wait(node_idle, 30, "the node to be idle", self.root / "slurmctld.log")
 
-    def _conf_text(self):
+    def _conf_text(self) -> str:
         r = self.root
         return "\n".join([
             "ClusterName=tesseratest",
@@ -131,23 +136,24 @@ class LocalSlurm:
             f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
         ]) + "\n"
 
-    def _spawn(self, command, name, env=None):
+    def _spawn(self, command: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
         log = open(self.root / f"{name}.stdout", "w")
         self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                stdin=subprocess.DEVNULL, start_new_session=True))
 
-    def _wait(self, ready, seconds, what, log):
+    def _wait(self, ready: Callable[[], Any], seconds: float, what: str, log: pathlib.Path) -> None:
         deadline = time.monotonic() + seconds
         while not ready():
             for p in self.processes:
                 if p.poll() is not None:
-                    raise Unavailable(f"{p.args[0]} exited with {p.returncode} while waiting for {what}; "
+                    program: str = p.args[0]  # type: ignore[index, assignment]  # a list: _spawn's command
+                    raise Unavailable(f"{program} exited with {p.returncode} while waiting for {what}; "
                                       f"see {log} and {self.root}/*.stdout")
             if time.monotonic() > deadline:
                 raise Unavailable(f"no {what} after {seconds} s; see {log}")
             time.sleep(0.2)
 
-    def stop(self):
+    def stop(self) -> None:
         # Cancel what is left first, so no slurmstepd or rank outlives its daemons.
         if self.processes and all(p.poll() is None for p in self.processes):
             subprocess.run([self.paths["scancel"], "--full", "--partition=debug"], env=self.env(),

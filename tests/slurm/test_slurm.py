@@ -10,8 +10,9 @@ fails (its error in the summary, the others stopped), and a job requeued mid-tra
 resumes from its checkpoint. Exits 77 (skipped) when Slurm cannot be started here; every wait is
 bounded.
 """
+from __future__ import annotations
+
 import argparse
-import os
 import pathlib
 import re
 import shutil
@@ -22,97 +23,23 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tools"))  # the script checks, shared with the quick pytest tier
 from local_slurm import LocalSlurm, Unavailable  # noqa: E402
-
-TOOL = HERE.parent.parent / "tools" / "tessera-sbatch"
-JOB_TIMEOUT = 180  # seconds any one job may take, queueing included
-
-
-class CheckFailed(Exception):
-    pass
-
-
-def expect(condition, message):
-    if not condition:
-        raise CheckFailed(message)
-
-
-def tool(*args, env=None, timeout=JOB_TIMEOUT):
-    done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-    return done.returncode, done.stdout, done.stderr
-
-
-# --- without Slurm: the scripts ---------------------------------------------------------------
-
-def check_scripts(programs, work):
-    mpi, gloo = programs["mpi"], programs["gloo"]
-    rc, script, err = tool("--dry-run", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=3", "--time=10",
-                           "--", mpi, "--no-large")
-    expect(rc == 0, f"dry run for mpi failed: {err}")
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=3",
-                 "#SBATCH --time=10", "#SBATCH --requeue", "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"):
-        expect(line in script, f"mpi script lacks '{line}':\n{script}")
-    expect("srun --mpi=pmix --kill-on-bad-exit=1" in script, f"mpi script does not launch with srun --mpi=pmix:\n{script}")
-    expect("TESSERA_STORE" not in script, "an mpi job needs no rendezvous store")
-    expect(f"PROGRAM=({mpi} --no-large)" in script, f"mpi script does not run the program by absolute path:\n{script}")
-    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
-    expect(syntax.returncode == 0, f"the generated script is not valid bash: {syntax.stderr}")
-
-    rc, script, err = tool("--dry-run", "--mpi=pmi2", "--backend=mpi", "--", mpi)
-    expect(rc == 0 and "srun --mpi=pmi2" in script, "--mpi=pmi2 is not passed to srun")
-
-    rc, script, err = tool("--dry-run", "--ntasks-per-node=2", "--", gloo)
-    expect(rc == 0, f"dry run for gloo failed: {err}")
-    expect('export TESSERA_STORE="file://$LOG_DIR/store-$START"' in script, f"gloo script has no file store:\n{script}")
-    expect("--mpi=" not in script, "a gloo job must not ask srun for an MPI plugin")
-    rc, script, err = tool("--dry-run", "--store=redis", "--iface=eth0", "--comm-timeout=60", "--", gloo)
-    expect(rc == 0 and "redis-server --port" in script and 'TESSERA_STORE="redis://$(hostname):$REDIS_PORT"' in script,
-           f"--store=redis does not start a server on the host of task 0:\n{script}")
-    expect("export TESSERA_GLOO_IFACE=eth0" in script and "export TESSERA_COMM_TIMEOUT=60" in script,
-           "--iface/--comm-timeout not exported")
-    rc, script, err = tool("--dry-run", "--store=redis://10.1.2.3:6379", "--", gloo)
-    expect(rc == 0 and "export TESSERA_STORE=redis://10.1.2.3:6379" in script, "a store URL is not used as given")
-
-    rc, script, err = tool("--dry-run", "--backend=nccl", "--ntasks-per-node=4", "--", gloo)
-    expect(rc == 0 and "#SBATCH --gpus-per-task=1" in script, f"nccl asks for no GPU per task:\n{script}")
-    ckpt = work / "ck.safetensors"
-    rc, script, err = tool("--dry-run", f"--checkpoint={ckpt}", "--", gloo)
-    expect(rc == 0 and f"CHECKPOINT={ckpt}" in script and 'RESUME=(--resume="$CHECKPOINT")' in script,
-           f"--checkpoint does not resume:\n{script}")
-    rc, script, err = tool("--dry-run", "--no-requeue", "--", gloo)
-    expect(rc == 0 and "#SBATCH --no-requeue" in script, "--no-requeue is not kept")
-    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint)")
-
-    bad = [
-        (["--", "/bin/true"], "cannot tell the backend"),
-        (["--backend=threads", "--ntasks-per-node=2", "--", gloo], "one task per node"),
-        (["--backend=mpi", "--gpus-per-task=1", "--", mpi], "for the nccl backend"),
-        (["--time=soon", "--", mpi], "not a Slurm time limit"),
-        (["--nodes=0", "--", mpi], "must be at least 1"),
-        (["--store=tcp://x", "--", gloo], "--store=tcp://x"),
-        (["--env=1X=2", "--", gloo], "is not NAME=VALUE"),
-        (["--backend=mpi"], "no program given"),
-        (["--backend=mpi", "--", str(work / "no-such-program")], "does not exist"),
-    ]
-    for args, message in bad:
-        rc, out, err = tool(*args)
-        expect(rc != 0 and message in err, f"tessera-sbatch {' '.join(args)}: expected an error with '{message}', "
-                                           f"got exit {rc}: {err.strip()}")
-    print(f"ok: {len(bad)} kinds of bad input refused with a message")
-
+from test_sbatch import JOB_TIMEOUT, CheckFailed, check_scripts, expect, tool  # noqa: E402
 
 # --- with Slurm: jobs -------------------------------------------------------------------------
 
-def submit_and_wait(slurm, log_dir, *args):
+def submit_and_wait(slurm: LocalSlurm, log_dir: pathlib.Path, *args: str) -> tuple[int, str, str, str, float]:
     start = time.monotonic()
     rc, out, err = tool("--wait", f"--log-dir={log_dir}", *args, env=slurm.env())
     match = re.search(r"submitted job (\d+)", out)
     expect(match, f"no job submitted: {out}{err}")
+    assert match is not None
     return rc, out, err, match.group(1), time.monotonic() - start
 
 
-def check_job(slurm, log_dir, backend, program, tasks, extra=()):
+def check_job(slurm: LocalSlurm, log_dir: pathlib.Path, backend: str, program: str, tasks: int,
+              extra: tuple[str, ...] = ()) -> None:
     rc, out, err, job, seconds = submit_and_wait(slurm, log_dir, f"--ntasks-per-node={tasks}", "--comm-timeout=60",
                                                  *extra, "--", program, "--no-large")
     logs = pathlib.Path(log_dir) / f"job-{job}"
@@ -127,7 +54,7 @@ def check_job(slurm, log_dir, backend, program, tasks, extra=()):
     print(f"ok: {backend} {' '.join(extra)} {tasks} tasks in {seconds:.1f} s; {launch}")
 
 
-def check_failure(slurm, log_dir, work):
+def check_failure(slurm: LocalSlurm, log_dir: pathlib.Path, work: pathlib.Path) -> None:
     failing = work / "fail_on_rank_1.sh"
     failing.write_text("#!/bin/sh\n"
                        'if [ "$SLURM_PROCID" = 1 ]; then sleep 1; echo "error: rank 1 cannot read its shard" >&2; exit 3; fi\n'
@@ -148,19 +75,20 @@ def check_failure(slurm, log_dir, work):
     print(f"ok: rank 1 failed: job exit {rc} after {seconds:.1f} s, its error in the summary")
 
 
-def job_state(slurm, job):
+def job_state(slurm: LocalSlurm, job: str) -> tuple[str, str, str]:
     done = subprocess.run(["scontrol", "show", "job", job], env=slurm.env(), capture_output=True, text=True,
                           timeout=10)
     fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
     return fields.get("JobState", "?"), fields.get("ExitCode", "?"), fields.get("Restarts", "?")
 
 
-def check_requeue(slurm, log_dir, example, work):
+def check_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str, work: pathlib.Path) -> None:
     checkpoint = work / "requeue.safetensors"
     rc, out, err = tool(f"--log-dir={log_dir}", "--ntasks-per-node=2", f"--checkpoint={checkpoint}",
                         "--comm-timeout=60", "--", example, "--epochs=4", "--limit=2048", env=slurm.env(), timeout=30)
     match = re.search(r"submitted job (\d+)", out)
     expect(rc == 0 and match, f"requeue job not submitted: {out}{err}")
+    assert match is not None
     job = match.group(1)
     deadline = time.monotonic() + JOB_TIMEOUT
     while not checkpoint.exists():
@@ -186,11 +114,12 @@ def check_requeue(slurm, log_dir, example, work):
     expect(resumed and int(resumed.group(1)) >= 1, f"the second start did not resume from a checkpoint:\n{second[1]}")
     accuracy = re.search(r"final test accuracy: ([\d.]+)%", second[1])
     expect(accuracy and float(accuracy.group(1)) > 50, f"the resumed run did not finish training:\n{second[1]}")
+    assert resumed is not None and accuracy is not None
     print(f"ok: requeued job {job} resumed at epoch {resumed.group(1)} and reached {accuracy.group(1)}% "
           f"(Restarts={restarts})")
 
 
-def main():
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mpi-program", required=True, help="the MPI conformance suite (tests/conformance_mpi)")
     parser.add_argument("--gloo-program", required=True, help="the Gloo conformance suite (tests/conformance_gloo)")

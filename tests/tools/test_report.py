@@ -1,48 +1,34 @@
-#!/usr/bin/env python3
 """tools/tessera-report without running a campaign: the pure parts and the error isolation.
 
-    python3 tests/tools/test_report.py
+    python3 -m pytest -q tests/tools/test_report.py
 
 Checks the machine description (on this machine and on fixed /proc texts), the markdown table
 writer, the trace analysis of the overlap section on a hand-made timeline, the plot-metrics
 subcommand on a small synthetic JSONL (its PNG only where matplotlib is installed, else the
 refusal), and that a section whose runner raises becomes an error paragraph in index.md while the
-other sections are still reported. Standard library only; one line per check; exit status 1 if
-any check fails.
+other sections are still reported.
 """
-import argparse
-import importlib.machinery
-import importlib.util
+from __future__ import annotations
+
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import traceback
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "tools", "tessera-report")
+import pytest
 
+from conftest import ROOT
+from tessera_tools.report import campaign, context, formatting, machine, metrics_plot, overlap
+from tessera_tools.report.campaign import Section
+from tessera_tools.report.context import Context
 
-def load_tool():
-    sys.dont_write_bytecode = True  # no tools/__pycache__ from importing a script without .py
-    loader = importlib.machinery.SourceFileLoader("tessera_report", TOOL)
-    spec = importlib.util.spec_from_loader("tessera_report", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+TOOL = str(ROOT / "tools" / "tessera-report")
 
 
-report = load_tool()
-
-
-class Skip(Exception):
-    pass
-
-
-def check(condition, message):
-    if not condition:
-        raise AssertionError(message)
+def check(condition: object, message: str) -> None:
+    assert condition, message
 
 
 CPUINFO = """processor\t: 0
@@ -68,25 +54,25 @@ flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16
 """
 
 
-def test_parse_cpuinfo():
-    info = report.parse_cpuinfo(CPUINFO)
-    check(info["model"] == "AMD EPYC 9B14", f"model {info['model']!r}")
-    check(info["logical_cpus"] == 3, f"logical cpus {info['logical_cpus']}")
-    check(info["physical_cores"] == 2, f"physical cores {info.get('physical_cores')} (two threads share core 0)")
-    check(info["sockets"] == 1, f"sockets {info.get('sockets')}")
-    check(info["flags"] == ["avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"], f"flags {info['flags']}")
-    check(info["mhz"] == 2600.0, f"mhz {info.get('mhz')}")
+def test_parse_cpuinfo() -> None:
+    info = machine.parse_cpuinfo(CPUINFO)
+    check(info.model == "AMD EPYC 9B14", f"model {info.model!r}")
+    check(info.logical_cpus == 3, f"logical cpus {info.logical_cpus}")
+    check(info.physical_cores == 2, f"physical cores {info.physical_cores} (two threads share core 0)")
+    check(info.sockets == 1, f"sockets {info.sockets}")
+    check(info.flags == ["avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"], f"flags {info.flags}")
+    check(info.mhz == 2600.0, f"mhz {info.mhz}")
 
 
-def test_parse_meminfo_and_dpkg():
-    check(abs(report.parse_meminfo("MemTotal:       24576000 kB\nMemFree: 1 kB\n") - 23.4375) < 1e-9, "MemTotal")
-    check(report.parse_meminfo("nothing here") is None, "no MemTotal -> None")
-    pk = report.parse_dpkg("libeigen3-dev\t3.4.0-4\ng++:amd64\t4:12.2.0-3\nbroken line\n")
+def test_parse_meminfo_and_dpkg() -> None:
+    check(abs(machine.parse_meminfo("MemTotal:       24576000 kB\nMemFree: 1 kB\n") - 23.4375) < 1e-9, "MemTotal")
+    check(machine.parse_meminfo("nothing here") is None, "no MemTotal -> None")
+    pk = machine.parse_dpkg("libeigen3-dev\t3.4.0-4\ng++:amd64\t4:12.2.0-3\nbroken line\n")
     check(pk == {"libeigen3-dev": "3.4.0-4", "g++": "4:12.2.0-3"}, f"dpkg {pk}")
 
 
-def test_describe_machine():
-    d = report.describe_machine(build_dir=None)
+def test_describe_machine() -> None:
+    d = machine.describe_machine(build_dir=None)
     for key in ("date", "cpu_model", "logical_cpus", "os", "kernel", "compiler", "packages", "cpu_flags"):
         check(key in d, f"missing {key}")
     check(d["cpu_model"] and d["cpu_model"] != "", "empty CPU model")
@@ -94,37 +80,33 @@ def test_describe_machine():
     if os.path.exists("/proc/meminfo"):
         check(d["memory_gib"] and d["memory_gib"] > 0, f"memory {d['memory_gib']}")
     json.dumps(d)  # it goes to raw/machine.json
-    md = report.machine_markdown(d)
+    md = machine.machine_markdown(d)
     check(md.startswith("|  |  |\n|---|---|\n| CPU |"), f"machine table starts {md[:40]!r}")
     check("| Eigen |" in md and "| PyTorch |" in md and "| Date |" in md, "library rows")
 
 
-def test_md_table():
-    out = report.md_table(["model", "img/s"], [["MLP", "1,000"], ["a|b", 2]])
+def test_md_table() -> None:
+    out = formatting.md_table(["model", "img/s"], [["MLP", "1,000"], ["a|b", 2]])
     expected = "| model | img/s |\n|---|---:|\n| MLP | 1,000 |\n| a\\|b | 2 |\n"
     check(out == expected, f"got {out!r}")
-    out = report.md_table(["a", "b", "c"], [[1, 2, 3]], ["l", "c", "r"])
+    out = formatting.md_table(["a", "b", "c"], [[1, 2, 3]], ["l", "c", "r"])
     check(out.splitlines()[1] == "|---|:---:|---:|", f"alignment row {out.splitlines()[1]!r}")
-    try:
-        report.md_table(["a", "b"], [[1]])
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a short row must be refused")
+    with pytest.raises(ValueError):  # a short row must be refused
+        formatting.md_table(["a", "b"], [[1]])
 
 
-def test_analyse_trace():
+def test_analyse_trace() -> None:
     """Two steps on one rank (the first skipped as warm-up); in step 1, backward 100..300, the wait
     300..420, bucket 0 launched at 150 and done at 350, bucket 1 launched at 280 and done at 400."""
-    def x(name, ts, dur, tid=0):
+    def x(name: str, ts: float, dur: float, tid: int = 0) -> dict[str, Any]:
         return {"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": 0, "tid": tid}
 
-    events = [{"name": "process_name", "ph": "M", "pid": 0}]
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0}]
     for base in (0, 1000):
         events += [x("forward", base, 100), x("backward", base + 100, 200), x("gradient sync wait", base + 300, 120),
                    x("optimizer step", base + 420, 30),
                    x("all_reduce bucket 0 (64 KiB)", base + 150, 200, 1), x("all_reduce bucket 1 (180 KiB)", base + 280, 120, 1)]
-    a = report.analyse_trace(events)
+    a = overlap.analyse_trace(events)
     check(a["steps"] == 1, f"steps {a['steps']} (the first is skipped)")
     b0, b1 = a["buckets"]
     # The wait 300..400: 300..350 was for bucket 0 (done first), 350..400 for bucket 1.
@@ -146,21 +128,18 @@ SYNTHETIC = [
 ]
 
 
-def test_metrics_plan():
-    x, panels, series = report.metrics_plan(SYNTHETIC)
+def test_metrics_plan() -> None:
+    plan = metrics_plot.metrics_plan(SYNTHETIC)
+    x, panels, series = plan.x, plan.panels, plan.series
     check((x, panels, series) == ("epoch", [["test_accuracy"], ["train_loss"]], "run"), f"plan {(x, panels, series)}")
-    s = report.metrics_series(SYNTHETIC, "epoch", "test_accuracy", "run")
+    s = metrics_plot.metrics_series(SYNTHETIC, "epoch", "test_accuracy", "run")
     check(s["large batch"][-1] == (3, 0.72, 0.70, 0.74, 2), f"aggregated point {s['large batch'][-1]}")
     check([p[0] for p in s["small batch"]] == [1, 2, 3], "sorted by x")
-    try:
-        report.metrics_plan(SYNTHETIC, x="run")
-    except ValueError as e:
-        check("not a numeric column" in str(e), str(e))
-    else:
-        raise AssertionError("a string x column must be refused")
+    with pytest.raises(ValueError, match="not a numeric column"):  # a string x column must be refused
+        metrics_plot.metrics_plan(SYNTHETIC, x="run")
 
 
-def test_plot_metrics_subcommand():
+def test_plot_metrics_subcommand() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.jsonl")
         with open(path, "w") as f:
@@ -169,7 +148,7 @@ def test_plot_metrics_subcommand():
         p = subprocess.run([sys.executable, TOOL, "plot-metrics", path, "--out", png], capture_output=True, text=True,
                            timeout=120)
         if p.returncode != 0 and "matplotlib is not installed" in p.stderr:
-            raise Skip("matplotlib is not installed: the refusal was checked, the plot was not")
+            pytest.skip("matplotlib is not installed: the refusal was checked, the plot was not")
         check(p.returncode == 0, f"exit {p.returncode}: {p.stderr[-500:]}")
         with open(png, "rb") as f:
             head = f.read(8)
@@ -180,36 +159,35 @@ def test_plot_metrics_subcommand():
         check(bad.returncode != 0 and "--y nope" in bad.stderr, f"unknown column: {bad.returncode} {bad.stderr[-300:]}")
 
 
-def test_section_error_isolation():
+def test_section_error_isolation() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        args = argparse.Namespace(timeout=60)
-        ctx = report.Context(args, {}, tmp, os.path.join(tmp, "no-build"), sys.executable)
+        ctx = Context(60, context.PROFILES["quick"], tmp, os.path.join(tmp, "no-build"), sys.executable)
 
-        def boom(ctx, data):
+        def boom(ctx: Context, data: dict[str, Any]) -> None:
             data["partial"] = 1
             raise RuntimeError("boom happened")
 
-        def fine(ctx, data):
+        def fine(ctx: Context, data: dict[str, Any]) -> None:
             data["x"] = 42
 
-        def missing(ctx, data):
+        def missing(ctx: Context, data: dict[str, Any]) -> None:
             ctx.binary("bench/train_throughput")
 
-        def failing_program(ctx, data):
+        def failing_program(ctx: Context, data: dict[str, Any]) -> None:
             ctx.run([sys.executable, "-c", "import sys; print('the last words', file=sys.stderr); sys.exit(3)"])
 
-        def bad_render(data, plots):
+        def bad_render(data: dict[str, Any], plots: str) -> str:
             raise KeyError("no such field")
 
-        sections = [report.Section("boom", "Boom section", boom, lambda d, p: f"partial={d.get('partial')}", "none"),
-                    report.Section("fine", "Fine section", fine, lambda d, p: f"fine section rendered x={d['x']}", "none"),
-                    report.Section("missing", "Missing binary", missing, lambda d, p: "", "none"),
-                    report.Section("failing", "Failing program", failing_program, lambda d, p: "", "none"),
-                    report.Section("badrender", "Bad render", fine, bad_render, "none")]
-        records = [report.run_section(s, ctx) for s in sections]
+        sections = [Section("boom", "Boom section", boom, lambda d, p: f"partial={d.get('partial')}", "none"),
+                    Section("fine", "Fine section", fine, lambda d, p: f"fine section rendered x={d['x']}", "none"),
+                    Section("missing", "Missing binary", missing, lambda d, p: "", "none"),
+                    Section("failing", "Failing program", failing_program, lambda d, p: "", "none"),
+                    Section("badrender", "Bad render", fine, bad_render, "none")]
+        records = [campaign.run_section(s, ctx) for s in sections]
         check([r["status"] for r in records] == ["error", "ok", "error", "error", "ok"],
               f"statuses {[r['status'] for r in records]}")
-        report.render_index(tmp, {"date": "today", "cpu_model": "test CPU", "logical_cpus": 1}, records, sections,
+        campaign.render_index(tmp, {"date": "today", "cpu_model": "test CPU", "logical_cpus": 1}, records, sections,
                             "tools/tessera-report --test", 1.0)
         with open(os.path.join(tmp, "index.md")) as f:
             md = f.read()
@@ -222,23 +200,3 @@ def test_section_error_isolation():
         with open(os.path.join(tmp, "raw", "boom.json")) as f:
             raw = json.load(f)
         check(raw["status"] == "error" and "boom happened" in raw["error"] and raw["wall_seconds"] >= 0, f"raw {raw}")
-
-
-def main():
-    tests = [(name, f) for name, f in globals().items() if name.startswith("test_") and callable(f)]
-    failed = 0
-    for name, f in tests:
-        try:
-            f()
-            print(f"ok    {name}")
-        except Skip as e:
-            print(f"skip  {name}: {e}")
-        except Exception:
-            failed += 1
-            print(f"FAIL  {name}:\n" + "".join("      " + line for line in traceback.format_exc().splitlines(True)))
-    print(f"{len(tests) - failed} of {len(tests)} checks passed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

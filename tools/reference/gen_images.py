@@ -23,8 +23,8 @@ import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from safetensors_io import save  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+from tessera_tools.safetensors_io import save  # noqa: E402
 
 OUT = "tests/data/images"
 rng = np.random.default_rng(7)

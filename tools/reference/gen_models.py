@@ -31,10 +31,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # tools/
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch_models  # noqa: E402
-from safetensors_io import save  # noqa: E402
+from tessera_tools.safetensors_io import save  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import convert_torchvision  # noqa: E402

@@ -28,8 +28,8 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from safetensors_io import save  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+from tessera_tools.safetensors_io import save  # noqa: E402
 
 # name: (shape of x, mode, eps, momentum)
 BATCH_NORMS = {

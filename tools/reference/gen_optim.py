@@ -29,11 +29,13 @@ decay_norm_and_bias=False maps to two torch param groups, the second with weight
 """
 import math
 import os
+import sys
 
 import numpy as np
 import torch
 
-from safetensors_io import save
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+from tessera_tools.safetensors_io import save  # noqa: E402
 
 STEPS = 5
 PARAMS = {"fc.weight": (3, 4), "fc.bias": (3,), "bn.weight": (4,), "bn.bias": (4,)}

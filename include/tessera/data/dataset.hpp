@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
 
@@ -33,7 +34,15 @@ struct Dataset {
   std::int64_t sample_numel() const { return channels() * height() * width(); }
 };
 
-inline void check_dataset(const Dataset& ds) {
+TESSERA_LINKAGE void check_dataset(const Dataset& ds);
+
+TESSERA_LINKAGE void normalize(Dataset& ds, const std::vector<float>& mean, const std::vector<float>& std);
+
+TESSERA_LINKAGE Dataset subset(const Dataset& ds, std::int64_t begin, std::int64_t end);
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE void check_dataset(const Dataset& ds) {
   TESSERA_CHECK(ds.images.rank() == 4, ArgumentError, "Dataset '", ds.name,
                 "': images must be (N, C, H, W), got shape ", ds.images.shape());
   TESSERA_CHECK(ds.images.dim(0) == ds.size(), ArgumentError, "Dataset '", ds.name, "': ", ds.images.dim(0),
@@ -46,7 +55,7 @@ inline void check_dataset(const Dataset& ds) {
   }
 }
 
-inline void normalize(Dataset& ds, const std::vector<float>& mean, const std::vector<float>& std) {
+TESSERA_LINKAGE void normalize(Dataset& ds, const std::vector<float>& mean, const std::vector<float>& std) {
   TESSERA_CHECK(ds.images.rank() == 4, ArgumentError, "normalize(", ds.name,
                 "): images must be (N, C, H, W), got shape ", ds.images.shape());
   const std::int64_t n = ds.images.dim(0), c = ds.images.dim(1), hw = ds.images.dim(2) * ds.images.dim(3);
@@ -67,7 +76,7 @@ inline void normalize(Dataset& ds, const std::vector<float>& mean, const std::ve
   }
 }
 
-inline Dataset subset(const Dataset& ds, std::int64_t begin, std::int64_t end) {
+TESSERA_LINKAGE Dataset subset(const Dataset& ds, std::int64_t begin, std::int64_t end) {
   check_dataset(ds);
   TESSERA_CHECK(0 <= begin && begin <= end && end <= ds.size(), ArgumentError, "subset(", ds.name, ", ", begin,
                 ", ", end, "): need 0 <= begin <= end <= ", ds.size());
@@ -80,5 +89,7 @@ inline Dataset subset(const Dataset& ds, std::int64_t begin, std::int64_t end) {
   out.name = detail::cat(ds.name, "[", begin, ":", end, "]");
   return out;
 }
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/data/dataset.hpp"
 #include "tessera/data/idx.hpp"
 
@@ -41,7 +42,27 @@ struct DataDir {
   std::string source;  // "argument", "TESSERA_DATA_DIR", "FASHION_MNIST_DIR" or "default"
 };
 
-inline DataDir resolve_fashion_mnist_dir(const std::string& dir = "") {
+TESSERA_LINKAGE DataDir resolve_fashion_mnist_dir(const std::string& dir = "");
+
+namespace detail {
+
+TESSERA_LINKAGE std::string fashion_mnist_help();
+
+// The first existing file among <dir>/<name>.gz, <dir>/<name>, and the same under fashion-mnist/.
+TESSERA_LINKAGE std::string find_idx_file(const DataDir& dir, const std::string& name, std::string_view what);
+
+}  // namespace detail
+
+// Reads an (N, H, W) IDX image file and an (N) IDX label file into a Dataset with images
+// (N, 1, H, W) = byte / 255 and the labels checked against num_classes.
+TESSERA_LINKAGE Dataset load_idx_dataset(const std::string& images_path, const std::string& labels_path,
+                                std::int64_t num_classes, std::string name);
+
+TESSERA_LINKAGE Dataset load_fashion_mnist(Split split, std::string dir = "");
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE DataDir resolve_fashion_mnist_dir(const std::string& dir) {
   if (!dir.empty()) return {dir, "argument"};
   for (const char* var : {"TESSERA_DATA_DIR", "FASHION_MNIST_DIR"}) {
     const char* value = std::getenv(var);
@@ -50,16 +71,13 @@ inline DataDir resolve_fashion_mnist_dir(const std::string& dir = "") {
   return {std::string(kFashionMnistDefaultDir), "default"};
 }
 
-namespace detail {
-
-inline std::string fashion_mnist_help() {
+TESSERA_LINKAGE auto detail::fashion_mnist_help() -> std::string {
   return "install it with `apt-get install dataset-fashion-mnist` or point TESSERA_DATA_DIR (or --data-dir) at a "
          "directory holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and "
          "t10k-labels-idx1-ubyte.gz (from https://github.com/zalandoresearch/fashion-mnist)";
 }
 
-// The first existing file among <dir>/<name>.gz, <dir>/<name>, and the same under fashion-mnist/.
-inline std::string find_idx_file(const DataDir& dir, const std::string& name, std::string_view what) {
+TESSERA_LINKAGE auto detail::find_idx_file(const DataDir& dir, const std::string& name, std::string_view what) -> std::string {
   namespace fs = std::filesystem;
   std::vector<std::string> tried;
   for (const fs::path& base : {fs::path(dir.path), fs::path(dir.path) / "fashion-mnist"}) {
@@ -82,11 +100,7 @@ inline std::string find_idx_file(const DataDir& dir, const std::string& name, st
                     fashion_mnist_help()));
 }
 
-}  // namespace detail
-
-// Reads an (N, H, W) IDX image file and an (N) IDX label file into a Dataset with images
-// (N, 1, H, W) = byte / 255 and the labels checked against num_classes.
-inline Dataset load_idx_dataset(const std::string& images_path, const std::string& labels_path,
+TESSERA_LINKAGE Dataset load_idx_dataset(const std::string& images_path, const std::string& labels_path,
                                 std::int64_t num_classes, std::string name) {
   const IdxArray images = read_idx(images_path);
   const IdxArray labels = read_idx(labels_path);
@@ -117,7 +131,7 @@ inline Dataset load_idx_dataset(const std::string& images_path, const std::strin
   return ds;
 }
 
-inline Dataset load_fashion_mnist(Split split, std::string dir = "") {
+TESSERA_LINKAGE Dataset load_fashion_mnist(Split split, std::string dir) {
   const DataDir where = resolve_fashion_mnist_dir(dir);
   const std::string prefix = split == Split::Train ? "train" : "t10k";
   const std::string what = detail::cat("load_fashion_mnist(", split == Split::Train ? "Train" : "Test", ")");
@@ -129,5 +143,7 @@ inline Dataset load_fashion_mnist(Split split, std::string dir = "") {
                 ds.width(), " images; Fashion-MNIST images are 28x28");
   return ds;
 }
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

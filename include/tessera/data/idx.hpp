@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 
 namespace tessera {
 
@@ -37,130 +38,36 @@ struct IdxArray {
 
 namespace detail {
 
-inline std::string idx_type_name(unsigned type) {
-  switch (type) {
-    case 0x08: return "unsigned byte";
-    case 0x09: return "signed byte";
-    case 0x0B: return "int16";
-    case 0x0C: return "int32";
-    case 0x0D: return "float32";
-    case 0x0E: return "float64";
-    default: return "";
-  }
-}
+TESSERA_LINKAGE std::string idx_type_name(unsigned type);
 
-inline std::string hex_byte(unsigned b) {
-  static constexpr char digits[] = "0123456789abcdef";
-  return std::string("0x") + digits[(b >> 4) & 0xF] + digits[b & 0xF];
-}
+TESSERA_LINKAGE std::string hex_byte(unsigned b);
 
 // A byte stream over a file, inflating it when it is gzip. read() returns fewer bytes than asked
 // only at the end of the data; errors (I/O, zlib) throw IoError with the path.
 class IdxByteSource {
  public:
-  explicit IdxByteSource(const std::string& path) : path_(path) {
-    std::error_code ec;
-    const auto status = std::filesystem::status(path, ec);
-    TESSERA_CHECK(!ec && std::filesystem::exists(status), IoError, "read_idx(", path_, "): file not found");
-    TESSERA_CHECK(!std::filesystem::is_directory(status), IoError, "read_idx(", path_,
-                  "): is a directory, expected an IDX file");
-    in_.resize(kChunk);
-    file_ = std::fopen(path.c_str(), "rb");
-    TESSERA_CHECK(file_ != nullptr, IoError, "read_idx(", path_, "): cannot open the file: ", std::strerror(errno));
-    std::array<unsigned char, 2> magic{};
-    const auto got = std::fread(magic.data(), 1, magic.size(), file_);
-    gzip_ = got == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
-    std::rewind(file_);
-    if (gzip_) {
-      // 15 + 16: a gzip wrapper only (the magic said so), with its CRC-32 and length checked.
-      if (inflateInit2(&zs_, 15 + 16) != Z_OK) {
-        std::fclose(file_);
-        throw IoError(detail::cat("read_idx(", path_, "): zlib inflateInit2 failed: ", zs_.msg ? zs_.msg : "out of memory"));
-      }
-    }
-  }
-  ~IdxByteSource() {
-    if (gzip_) inflateEnd(&zs_);
-    if (file_) std::fclose(file_);
-  }
+  explicit IdxByteSource(const std::string& path);
+  ~IdxByteSource();
   IdxByteSource(const IdxByteSource&) = delete;
   IdxByteSource& operator=(const IdxByteSource&) = delete;
 
-  bool gzip() const { return gzip_; }
-  const std::string& path() const { return path_; }
+  bool gzip() const;
+  const std::string& path() const;
 
-  std::size_t read(std::uint8_t* dst, std::size_t n) {
-    if (!gzip_) {
-      const auto got = std::fread(dst, 1, n, file_);
-      TESSERA_CHECK(got == n || !std::ferror(file_), IoError, "read_idx(", path_, "): read error");
-      return got;
-    }
-    return inflate_into(dst, n);
-  }
+  std::size_t read(std::uint8_t* dst, std::size_t n);
 
   // Bytes left in a plain file (exact); for gzip, whether at least one more byte decompresses.
-  std::uint64_t remaining_plain() {
-    const long here = std::ftell(file_);
-    std::fseek(file_, 0, SEEK_END);
-    const long end = std::ftell(file_);
-    std::fseek(file_, here, SEEK_SET);
-    return here >= 0 && end >= here ? static_cast<std::uint64_t>(end - here) : 0;
-  }
+  std::uint64_t remaining_plain();
 
  private:
   static constexpr std::size_t kChunk = std::size_t{1} << 16;
 
-  void refill() {
-    const auto got = std::fread(in_.data(), 1, in_.size(), file_);
-    TESSERA_CHECK(got > 0 || !std::ferror(file_), IoError, "read_idx(", path_, "): read error");
-    if (got == 0) file_eof_ = true;
-    zs_.next_in = in_.data();
-    zs_.avail_in = static_cast<uInt>(got);
-  }
+  void refill();
 
   // Makes at least two input bytes visible when the file has them (to test for a gzip magic).
-  void ensure_two_input_bytes() {
-    if (zs_.avail_in >= 2 || file_eof_) return;
-    if (zs_.avail_in == 1) in_[0] = *zs_.next_in;
-    const std::size_t kept = zs_.avail_in;
-    const auto got = std::fread(in_.data() + kept, 1, in_.size() - kept, file_);
-    TESSERA_CHECK(got > 0 || !std::ferror(file_), IoError, "read_idx(", path_, "): read error");
-    if (got == 0) file_eof_ = true;
-    zs_.next_in = in_.data();
-    zs_.avail_in = static_cast<uInt>(kept + got);
-  }
+  void ensure_two_input_bytes();
 
-  std::size_t inflate_into(std::uint8_t* dst, std::size_t n) {
-    zs_.next_out = dst;
-    zs_.avail_out = static_cast<uInt>(n);
-    while (zs_.avail_out > 0) {
-      if (stream_end_) {
-        // A gzip file may hold several members back to back (as `cat a.gz b.gz` makes); anything
-        // else after the end of the stream is garbage.
-        ensure_two_input_bytes();
-        if (zs_.avail_in == 0) break;
-        TESSERA_CHECK(zs_.avail_in >= 2 && zs_.next_in[0] == 0x1f && zs_.next_in[1] == 0x8b, IoError,
-                      "read_idx(", path_, "): trailing bytes after the end of the gzip stream that are not "
-                      "another gzip member (corrupt file?)");
-        inflateReset(&zs_);
-        stream_end_ = false;
-      }
-      if (zs_.avail_in == 0 && !file_eof_) refill();
-      if (zs_.avail_in == 0 && file_eof_) {
-        throw IoError(cat("read_idx(", path_, "): the gzip stream ends early after ",
-                          produced_ + (n - zs_.avail_out), " decompressed bytes (file truncated?)"));
-      }
-      const int ret = ::inflate(&zs_, Z_NO_FLUSH);
-      if (ret == Z_STREAM_END) {
-        stream_end_ = true;
-      } else if (ret != Z_OK && !(ret == Z_BUF_ERROR && zs_.avail_in == 0)) {
-        throw IoError(cat("read_idx(", path_, "): corrupt gzip data (zlib: ", zs_.msg ? zs_.msg : zError(ret),
-                          ") after ", produced_ + (n - zs_.avail_out), " decompressed bytes"));
-      }
-    }
-    produced_ += n - zs_.avail_out;
-    return n - zs_.avail_out;
-  }
+  std::size_t inflate_into(std::uint8_t* dst, std::size_t n);
 
   std::string path_;
   std::FILE* file_ = nullptr;
@@ -174,7 +81,28 @@ class IdxByteSource {
 
 }  // namespace detail
 
-inline IdxArray read_idx(const std::filesystem::path& file) {
+TESSERA_LINKAGE IdxArray read_idx(const std::filesystem::path& file);
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE auto detail::idx_type_name(unsigned type) -> std::string {
+  switch (type) {
+    case 0x08: return "unsigned byte";
+    case 0x09: return "signed byte";
+    case 0x0B: return "int16";
+    case 0x0C: return "int32";
+    case 0x0D: return "float32";
+    case 0x0E: return "float64";
+    default: return "";
+  }
+}
+
+TESSERA_LINKAGE auto detail::hex_byte(unsigned b) -> std::string {
+  static constexpr char digits[] = "0123456789abcdef";
+  return std::string("0x") + digits[(b >> 4) & 0xF] + digits[b & 0xF];
+}
+
+TESSERA_LINKAGE IdxArray read_idx(const std::filesystem::path& file) {
   const std::string path = file.string();
   detail::IdxByteSource src(path);
   const std::string where = "read_idx(" + path + (src.gzip() ? ", gzip" : "") + "): ";
@@ -247,5 +175,106 @@ inline IdxArray read_idx(const std::filesystem::path& file) {
                 "-byte payload of extents ", dims_text, " (wrong extents in the header?)");
   return out;
 }
+
+TESSERA_LINKAGE detail::IdxByteSource::IdxByteSource(const std::string& path) : path_(path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  TESSERA_CHECK(!ec && std::filesystem::exists(status), IoError, "read_idx(", path_, "): file not found");
+  TESSERA_CHECK(!std::filesystem::is_directory(status), IoError, "read_idx(", path_,
+                "): is a directory, expected an IDX file");
+  in_.resize(kChunk);
+  file_ = std::fopen(path.c_str(), "rb");
+  TESSERA_CHECK(file_ != nullptr, IoError, "read_idx(", path_, "): cannot open the file: ", std::strerror(errno));
+  std::array<unsigned char, 2> magic{};
+  const auto got = std::fread(magic.data(), 1, magic.size(), file_);
+  gzip_ = got == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
+  std::rewind(file_);
+  if (gzip_) {
+    // 15 + 16: a gzip wrapper only (the magic said so), with its CRC-32 and length checked.
+    if (inflateInit2(&zs_, 15 + 16) != Z_OK) {
+      std::fclose(file_);
+      throw IoError(detail::cat("read_idx(", path_, "): zlib inflateInit2 failed: ", zs_.msg ? zs_.msg : "out of memory"));
+    }
+  }
+}
+
+TESSERA_LINKAGE detail::IdxByteSource::~IdxByteSource() {
+  if (gzip_) inflateEnd(&zs_);
+  if (file_) std::fclose(file_);
+}
+
+TESSERA_LINKAGE auto detail::IdxByteSource::gzip() const -> bool { return gzip_; }
+
+TESSERA_LINKAGE auto detail::IdxByteSource::path() const -> const std::string& { return path_; }
+
+TESSERA_LINKAGE auto detail::IdxByteSource::read(std::uint8_t* dst, std::size_t n) -> std::size_t {
+  if (!gzip_) {
+    const auto got = std::fread(dst, 1, n, file_);
+    TESSERA_CHECK(got == n || !std::ferror(file_), IoError, "read_idx(", path_, "): read error");
+    return got;
+  }
+  return inflate_into(dst, n);
+}
+
+TESSERA_LINKAGE auto detail::IdxByteSource::remaining_plain() -> std::uint64_t {
+  const long here = std::ftell(file_);
+  std::fseek(file_, 0, SEEK_END);
+  const long end = std::ftell(file_);
+  std::fseek(file_, here, SEEK_SET);
+  return here >= 0 && end >= here ? static_cast<std::uint64_t>(end - here) : 0;
+}
+
+TESSERA_LINKAGE auto detail::IdxByteSource::refill() -> void {
+  const auto got = std::fread(in_.data(), 1, in_.size(), file_);
+  TESSERA_CHECK(got > 0 || !std::ferror(file_), IoError, "read_idx(", path_, "): read error");
+  if (got == 0) file_eof_ = true;
+  zs_.next_in = in_.data();
+  zs_.avail_in = static_cast<uInt>(got);
+}
+
+TESSERA_LINKAGE auto detail::IdxByteSource::ensure_two_input_bytes() -> void {
+  if (zs_.avail_in >= 2 || file_eof_) return;
+  if (zs_.avail_in == 1) in_[0] = *zs_.next_in;
+  const std::size_t kept = zs_.avail_in;
+  const auto got = std::fread(in_.data() + kept, 1, in_.size() - kept, file_);
+  TESSERA_CHECK(got > 0 || !std::ferror(file_), IoError, "read_idx(", path_, "): read error");
+  if (got == 0) file_eof_ = true;
+  zs_.next_in = in_.data();
+  zs_.avail_in = static_cast<uInt>(kept + got);
+}
+
+TESSERA_LINKAGE auto detail::IdxByteSource::inflate_into(std::uint8_t* dst, std::size_t n) -> std::size_t {
+  zs_.next_out = dst;
+  zs_.avail_out = static_cast<uInt>(n);
+  while (zs_.avail_out > 0) {
+    if (stream_end_) {
+      // A gzip file may hold several members back to back (as `cat a.gz b.gz` makes); anything
+      // else after the end of the stream is garbage.
+      ensure_two_input_bytes();
+      if (zs_.avail_in == 0) break;
+      TESSERA_CHECK(zs_.avail_in >= 2 && zs_.next_in[0] == 0x1f && zs_.next_in[1] == 0x8b, IoError,
+                    "read_idx(", path_, "): trailing bytes after the end of the gzip stream that are not "
+                    "another gzip member (corrupt file?)");
+      inflateReset(&zs_);
+      stream_end_ = false;
+    }
+    if (zs_.avail_in == 0 && !file_eof_) refill();
+    if (zs_.avail_in == 0 && file_eof_) {
+      throw IoError(cat("read_idx(", path_, "): the gzip stream ends early after ",
+                        produced_ + (n - zs_.avail_out), " decompressed bytes (file truncated?)"));
+    }
+    const int ret = ::inflate(&zs_, Z_NO_FLUSH);
+    if (ret == Z_STREAM_END) {
+      stream_end_ = true;
+    } else if (ret != Z_OK && !(ret == Z_BUF_ERROR && zs_.avail_in == 0)) {
+      throw IoError(cat("read_idx(", path_, "): corrupt gzip data (zlib: ", zs_.msg ? zs_.msg : zError(ret),
+                        ") after ", produced_ + (n - zs_.avail_out), " decompressed bytes"));
+    }
+  }
+  produced_ += n - zs_.avail_out;
+  return n - zs_.avail_out;
+}
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

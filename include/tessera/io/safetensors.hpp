@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
 
@@ -39,25 +40,9 @@ static_assert(std::endian::native == std::endian::little, "safetensors I/O assum
 
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, Bool };
 
-inline std::size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::F64: case DType::I64: return 8;
-    case DType::F32: case DType::I32: return 4;
-    case DType::F16: case DType::BF16: case DType::I16: return 2;
-    case DType::I8: case DType::U8: case DType::Bool: return 1;
-  }
-  return 0;
-}
+TESSERA_LINKAGE std::size_t dtype_size(DType t);
 
-inline std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::F64: return "F64"; case DType::F32: return "F32"; case DType::F16: return "F16";
-    case DType::BF16: return "BF16"; case DType::I64: return "I64"; case DType::I32: return "I32";
-    case DType::I16: return "I16"; case DType::I8: return "I8"; case DType::U8: return "U8";
-    case DType::Bool: return "BOOL";
-  }
-  return "?";
-}
+TESSERA_LINKAGE std::string_view dtype_name(DType t);
 
 template <class T>
 constexpr DType dtype_of() {
@@ -81,163 +66,24 @@ namespace detail {
 // non-negative integers. Throws IoError with the byte position on anything else.
 class HeaderParser {
  public:
-  HeaderParser(std::string_view text, std::string path) : s_(text), path_(std::move(path)) {}
+  HeaderParser(std::string_view text, std::string path);
 
-  void parse(std::map<std::string, TensorInfo>& tensors, std::map<std::string, std::string>& metadata) {
-    expect('{');
-    if (peek() == '}') { ++i_; return finish(); }
-    for (;;) {
-      std::string key = string();
-      expect(':');
-      if (key == "__metadata__") {
-        expect('{');
-        if (peek() != '}') {
-          for (;;) {
-            std::string k = string();
-            expect(':');
-            metadata[k] = string();
-            if (peek() == ',') { ++i_; continue; }
-            break;
-          }
-        }
-        expect('}');
-      } else {
-        if (tensors.count(key)) fail("duplicate tensor name '" + key + "'");
-        tensors[key] = entry(key);
-      }
-      if (peek() == ',') { ++i_; continue; }
-      break;
-    }
-    expect('}');
-    finish();
-  }
+  void parse(std::map<std::string, TensorInfo>& tensors, std::map<std::string, std::string>& metadata);
 
  private:
-  TensorInfo entry(const std::string& name) {
-    TensorInfo info{DType::F32, Shape{}, 0, 0};
-    bool has_dtype = false, has_shape = false, has_offsets = false;
-    expect('{');
-    for (;;) {
-      std::string field = string();
-      expect(':');
-      if (field == "dtype") {
-        info.dtype = parse_dtype(string(), name);
-        has_dtype = true;
-      } else if (field == "shape") {
-        auto dims = integers();
-        if (dims.size() > static_cast<std::size_t>(Shape::kMaxRank)) fail("tensor '" + name + "' has too many dimensions");
-        try {
-          for (auto d : dims) {
-            if (d > static_cast<std::uint64_t>(INT64_MAX)) fail("tensor '" + name + "' has an extent beyond 2^63");
-            info.shape.push_back(static_cast<std::int64_t>(d));
-          }
-        } catch (const ShapeError& e) {
-          fail("tensor '" + name + "': " + e.what());
-        }
-        has_shape = true;
-      } else if (field == "data_offsets") {
-        auto off = integers();
-        if (off.size() != 2) fail("tensor '" + name + "': data_offsets must have two entries");
-        info.begin = off[0];
-        info.end = off[1];
-        has_offsets = true;
-      } else {
-        fail("tensor '" + name + "': unknown field '" + field + "'");
-      }
-      if (peek() == ',') { ++i_; continue; }
-      break;
-    }
-    expect('}');
-    if (!(has_dtype && has_shape && has_offsets)) fail("tensor '" + name + "' lacks dtype, shape or data_offsets");
-    return info;
-  }
+  TensorInfo entry(const std::string& name);
 
-  DType parse_dtype(const std::string& s, const std::string& name) {
-    for (DType t : {DType::F64, DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32, DType::I16, DType::I8,
-                    DType::U8, DType::Bool})
-      if (s == dtype_name(t)) return t;
-    fail("tensor '" + name + "': unsupported dtype '" + s + "'");
-    return DType::F32;
-  }
+  DType parse_dtype(const std::string& s, const std::string& name);
 
-  std::vector<std::uint64_t> integers() {
-    std::vector<std::uint64_t> out;
-    expect('[');
-    if (peek() == ']') { ++i_; return out; }
-    for (;;) {
-      skip_ws();
-      if (i_ >= s_.size() || s_[i_] < '0' || s_[i_] > '9') fail("expected a non-negative integer");
-      std::uint64_t v = 0;
-      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
-        if (v > (UINT64_MAX - 9) / 10) fail("integer overflow");
-        v = v * 10 + static_cast<std::uint64_t>(s_[i_++] - '0');
-      }
-      out.push_back(v);
-      if (peek() == ',') { ++i_; continue; }
-      break;
-    }
-    expect(']');
-    return out;
-  }
+  std::vector<std::uint64_t> integers();
 
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      char c = s_[i_++];
-      if (c == '\\') {
-        if (i_ >= s_.size()) fail("unterminated escape");
-        char e = s_[i_++];
-        switch (e) {
-          case '"': case '\\': case '/': out += e; break;
-          case 'n': out += '\n'; break;
-          case 't': out += '\t'; break;
-          case 'r': out += '\r'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'u': {
-            if (i_ + 4 > s_.size()) fail("short \\u escape");
-            unsigned code = 0;
-            for (int h = 0; h < 4; ++h) {
-              const char x = s_[i_++];
-              const int digit = (x >= '0' && x <= '9') ? x - '0' : (x >= 'a' && x <= 'f') ? x - 'a' + 10
-                              : (x >= 'A' && x <= 'F') ? x - 'A' + 10 : -1;
-              if (digit < 0) fail("bad hex digit in \\u escape");
-              code = code * 16 + static_cast<unsigned>(digit);
-            }
-            if (code < 0x80) out += static_cast<char>(code);
-            else if (code < 0x800) { out += static_cast<char>(0xC0 | (code >> 6)); out += static_cast<char>(0x80 | (code & 0x3F)); }
-            else { out += static_cast<char>(0xE0 | (code >> 12)); out += static_cast<char>(0x80 | ((code >> 6) & 0x3F)); out += static_cast<char>(0x80 | (code & 0x3F)); }
-            break;
-          }
-          default: fail("bad escape");
-        }
-      } else {
-        out += c;
-      }
-    }
-    expect('"');
-    return out;
-  }
+  std::string string();
 
-  void skip_ws() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
-  }
-  char peek() {
-    skip_ws();
-    return i_ < s_.size() ? s_[i_] : '\0';
-  }
-  void expect(char c) {
-    if (peek() != c) fail(std::string("expected '") + c + "'");
-    ++i_;
-  }
-  void finish() {
-    skip_ws();
-    if (i_ != s_.size()) fail("trailing characters after the header object");
-  }
-  [[noreturn]] void fail(const std::string& msg) {
-    throw IoError(cat("safetensors: ", path_, ": malformed header at byte ", i_, ": ", msg));
-  }
+  void skip_ws();
+  char peek();
+  void expect(char c);
+  void finish();
+  [[noreturn]] void fail(const std::string& msg);
 
   std::string_view s_;
   std::string path_;
@@ -246,27 +92,9 @@ class HeaderParser {
 
 // IEEE binary16 -> binary32, exactly (every half value is a float): sign, 5-bit exponent (bias 15),
 // 10-bit mantissa; subnormals are normalized, infinities and NaNs keep their class.
-inline float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits = 0;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // 112 = 127 - 15
-  } else if (mantissa != 0) {
-    exponent = 113;  // value = mantissa * 2^-24: shift the leading one into place
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-  } else {
-    bits = sign;
-  }
-  return std::bit_cast<float>(bits);
-}
+TESSERA_LINKAGE float half_to_float(std::uint16_t h);
 // bfloat16 is the upper half of a binary32.
-inline float bfloat16_to_float(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+TESSERA_LINKAGE float bfloat16_to_float(std::uint16_t b);
 
 template <class Dst>
 void convert_elements(const std::byte* src, DType t, Dst* dst, std::size_t n) {
@@ -302,63 +130,14 @@ void convert_elements(const std::byte* src, DType t, Dst* dst, std::size_t n) {
 
 class SafetensorsFile {
  public:
-  static SafetensorsFile load(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    TESSERA_CHECK(in, IoError, "safetensors: cannot open '", path, "': ", std::strerror(errno));
-    in.seekg(0, std::ios::end);
-    const auto file_size = static_cast<std::uint64_t>(in.tellg());
-    in.seekg(0);
-    TESSERA_CHECK(file_size >= 8, IoError, "safetensors: '", path, "' is ", file_size,
-                  " bytes, shorter than the 8-byte header length (truncated file?)");
-    std::uint64_t header_len = 0;
-    in.read(reinterpret_cast<char*>(&header_len), 8);
-    TESSERA_CHECK(header_len <= file_size - 8, IoError, "safetensors: '", path, "' declares a ", header_len,
-                  "-byte header but only ", file_size - 8, " bytes follow (truncated or not a safetensors file)");
-    std::string header(header_len, '\0');
-    in.read(header.data(), static_cast<std::streamsize>(header_len));
+  static SafetensorsFile load(const std::string& path);
 
-    SafetensorsFile f;
-    f.path_ = path;
-    detail::HeaderParser(header, path).parse(f.tensors_, f.metadata_);
-
-    const std::uint64_t data_size = file_size - 8 - header_len;
-    std::vector<std::pair<std::size_t, std::size_t>> ranges;
-    for (auto& [name, info] : f.tensors_) {
-      const auto expected = static_cast<std::uint64_t>(info.shape.numel()) * dtype_size(info.dtype);
-      TESSERA_CHECK(info.begin <= info.end && info.end - info.begin == expected, IoError, "safetensors: '", path,
-                    "': tensor '", name, "' of shape ", info.shape, " and dtype ", dtype_name(info.dtype), " needs ",
-                    expected, " bytes but data_offsets [", info.begin, ", ", info.end, "] span ",
-                    info.end - info.begin);
-      TESSERA_CHECK(info.end <= data_size, IoError, "safetensors: '", path, "': tensor '", name, "' ends at byte ",
-                    info.end, " of a ", data_size, "-byte data buffer (truncated file?)");
-      ranges.emplace_back(info.begin, info.end);
-    }
-    std::sort(ranges.begin(), ranges.end());
-    for (std::size_t i = 1; i < ranges.size(); ++i)
-      TESSERA_CHECK(ranges[i].first >= ranges[i - 1].second, IoError, "safetensors: '", path,
-                    "': tensors overlap at byte ", ranges[i].first);
-
-    f.data_.resize(data_size);
-    in.read(reinterpret_cast<char*>(f.data_.data()), static_cast<std::streamsize>(data_size));
-    TESSERA_CHECK(static_cast<std::uint64_t>(in.gcount()) == data_size, IoError, "safetensors: '", path,
-                  "': read ", in.gcount(), " of ", data_size, " data bytes");
-    return f;
-  }
-
-  const std::string& path() const { return path_; }
-  bool has(const std::string& name) const { return tensors_.count(name) != 0; }
-  const TensorInfo& info(const std::string& name) const {
-    auto it = tensors_.find(name);
-    TESSERA_CHECK(it != tensors_.end(), IoError, "safetensors: '", path_, "' has no tensor '", name, "'");
-    return it->second;
-  }
-  std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    for (auto& [name, info] : tensors_) out.push_back(name);
-    return out;
-  }
-  const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  const std::byte* raw(const std::string& name) const { return data_.data() + info(name).begin; }
+  const std::string& path() const;
+  bool has(const std::string& name) const;
+  const TensorInfo& info(const std::string& name) const;
+  std::vector<std::string> names() const;
+  const std::map<std::string, std::string>& metadata() const;
+  const std::byte* raw(const std::string& name) const;
 
   // The tensor converted to S (from any float, half, bfloat16 or integer dtype).
   template <class S>
@@ -400,107 +179,11 @@ class SafetensorsWriter {
       add_raw(name, dtype_of<S>(), t.shape(), host.data(), host.bytes());
     }
   }
-  void add_raw(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t bytes) {
-    TESSERA_CHECK(bytes == static_cast<std::size_t>(shape.numel()) * dtype_size(dtype), IoError,
-                  "SafetensorsWriter: '", name, "' has ", bytes, " bytes for shape ", shape);
-    for (auto& e : entries_)
-      TESSERA_CHECK(e.name != name, IoError, "SafetensorsWriter: duplicate tensor name '", name, "'");
-    const auto* p = static_cast<const std::byte*>(data);
-    entries_.push_back({name, dtype, shape, std::vector<std::byte>(p, p + bytes)});
-  }
-  void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+  void add_raw(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t bytes);
+  void set_metadata(const std::string& key, const std::string& value);
 
   // Atomic: write a fresh <path>.tmp.XXXXXX (mkostemp), fsync, rename over path, fsync the directory.
-  void write(const std::string& path) const {
-    std::string header = "{";
-    if (!metadata_.empty()) {
-      header += "\"__metadata__\":{";
-      bool first = true;
-      for (auto& [k, v] : metadata_) {
-        if (!first) header += ",";
-        first = false;
-        header += quote(k) + ":" + quote(v);
-      }
-      header += "}";
-    }
-    std::size_t offset = 0;
-    for (auto& e : entries_) {
-      if (header.size() > 1) header += ",";
-      header += quote(e.name) + ":{\"dtype\":\"" + std::string(dtype_name(e.dtype)) + "\",\"shape\":[";
-      for (int i = 0; i < e.shape.rank(); ++i) {
-        if (i) header += ',';
-        header += std::to_string(e.shape[i]);
-      }
-      header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + e.bytes.size()) + "]}";
-      offset += e.bytes.size();
-    }
-    header += "}";
-    while (header.size() % 8 != 0) header += ' ';  // keeps the data buffer 8-byte aligned, as the reference writer does
-
-    remove_stale_temporaries(path);
-    // A unique temporary beside the target (same file system, so rename is atomic); concurrent
-    // writers in one process (thread ranks) never share it. It stays locked (flock) from creation
-    // until after the rename, which is how remove_stale_temporaries tells it from a dead writer's.
-    std::string tmp;
-    int fd = -1;
-    for (int attempt = 0; fd < 0; ++attempt) {
-      tmp = path + ".tmp.XXXXXX";
-      fd = ::mkostemp(tmp.data(), O_CLOEXEC);
-      TESSERA_CHECK(fd >= 0, IoError, "safetensors: cannot create a temporary file next to '", path, "': ",
-                    std::strerror(errno));
-      // Blocking: another writer's cleanup may hold the lock for the instant between mkostemp and
-      // here. If it did, it has unlinked the file by the time we get the lock (st_nlink == 0):
-      // start over with a fresh name.
-      struct stat st {};
-      while (::flock(fd, LOCK_EX) != 0 && errno == EINTR) {}
-      if (::fstat(fd, &st) == 0 && st.st_nlink == 0) {
-        ::close(fd);
-        fd = -1;
-        TESSERA_CHECK(attempt < 100, IoError, "safetensors: temporary files next to '", path,
-                      "' keep disappearing (another program deleting them?)");
-      }
-    }
-    ::fchmod(fd, 0644);
-    auto write_all = [&](const void* p, std::size_t n) {
-      const auto* bytes = static_cast<const char*>(p);
-      while (n > 0) {
-        const ssize_t w = ::write(fd, bytes, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) {
-          const int err = errno;
-          ::unlink(tmp.c_str());
-          ::close(fd);
-          throw IoError(detail::cat("safetensors: writing '", tmp, "' failed: ", std::strerror(err)));
-        }
-        bytes += w;
-        n -= static_cast<std::size_t>(w);
-      }
-    };
-    const std::uint64_t header_len = header.size();
-    write_all(&header_len, 8);
-    write_all(header.data(), header.size());
-    for (auto& e : entries_) write_all(e.bytes.data(), e.bytes.size());
-    if (::fsync(fd) != 0) {
-      const int err = errno;
-      ::unlink(tmp.c_str());
-      ::close(fd);
-      throw IoError(detail::cat("safetensors: flushing '", tmp, "' failed: ", std::strerror(err)));
-    }
-    // Renamed while still open and locked, so no cleanup can take the temporary in between.
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      const int err = errno;
-      ::unlink(tmp.c_str());
-      ::close(fd);
-      throw IoError(detail::cat("safetensors: renaming '", tmp, "' to '", path, "' failed: ", std::strerror(err)));
-    }
-    ::close(fd);  // releases the lock; the data was synced above, so close has nothing left to report
-    auto dir = std::filesystem::path(path).parent_path();
-    const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) {  // makes the rename itself durable; best effort (some file systems refuse)
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
+  void write(const std::string& path) const;
 
   // Removes the temporaries <path>.tmp.XXXXXX (exactly mkostemp's six letters or digits) that a
   // writer killed mid-write left behind: each is as large as the checkpoint, and a job killed at
@@ -514,31 +197,7 @@ class SafetensorsWriter {
   // writer between mkostemp and its flock, is closed on the writer's side: it takes the lock
   // blocking and starts over when it finds its file unlinked. Files that are not regular files
   // (symlinks, directories) and other names are never touched. Best effort: errors are ignored.
-  static void remove_stale_temporaries(const std::string& path) {
-    namespace fs = std::filesystem;
-    const fs::path target(path);
-    const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
-    const std::string prefix = target.filename().string() + ".tmp.";
-    std::error_code ec;
-    fs::directory_iterator it(dir, ec), end;
-    for (; !ec && it != end; it.increment(ec)) {
-      const std::string name = it->path().filename().string();
-      if (name.size() != prefix.size() + 6 || name.compare(0, prefix.size(), prefix) != 0) continue;
-      if (!std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(), [](char c) {
-            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
-          }))
-        continue;
-      const std::string full = (dir / name).string();
-      const int fd = ::open(full.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-      if (fd < 0) continue;
-      struct stat held {}, now {};
-      // Unlink only if the name still refers to the file we locked (not one renamed into place).
-      if (::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-          ::lstat(full.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev)
-        ::unlink(full.c_str());
-      ::close(fd);
-    }
-  }
+  static void remove_stale_temporaries(const std::string& path);
 
  private:
   struct Entry {
@@ -547,23 +206,423 @@ class SafetensorsWriter {
     Shape shape;
     std::vector<std::byte> bytes;
   };
-  static std::string quote(const std::string& s) {
-    std::string out = "\"";
-    for (char c : s) {
-      if (c == '"' || c == '\\') out += '\\';
-      if (static_cast<unsigned char>(c) < 0x20) {
-        char buf[8];
-        std::snprintf(buf, sizeof buf, "\\u%04x", c);
-        out += buf;
-        continue;
-      }
-      out += c;
-    }
-    return out + "\"";
-  }
+  static std::string quote(const std::string& s);
 
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
 };
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE std::size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F64: case DType::I64: return 8;
+    case DType::F32: case DType::I32: return 4;
+    case DType::F16: case DType::BF16: case DType::I16: return 2;
+    case DType::I8: case DType::U8: case DType::Bool: return 1;
+  }
+  return 0;
+}
+
+TESSERA_LINKAGE std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::F64: return "F64"; case DType::F32: return "F32"; case DType::F16: return "F16";
+    case DType::BF16: return "BF16"; case DType::I64: return "I64"; case DType::I32: return "I32";
+    case DType::I16: return "I16"; case DType::I8: return "I8"; case DType::U8: return "U8";
+    case DType::Bool: return "BOOL";
+  }
+  return "?";
+}
+
+TESSERA_LINKAGE auto detail::half_to_float(std::uint16_t h) -> float {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits = 0;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // 112 = 127 - 15
+  } else if (mantissa != 0) {
+    exponent = 113;  // value = mantissa * 2^-24: shift the leading one into place
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  } else {
+    bits = sign;
+  }
+  return std::bit_cast<float>(bits);
+}
+
+TESSERA_LINKAGE auto detail::bfloat16_to_float(std::uint16_t b) -> float { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+
+TESSERA_LINKAGE detail::HeaderParser::HeaderParser(std::string_view text, std::string path) : s_(text), path_(std::move(path)) {}
+
+TESSERA_LINKAGE auto detail::HeaderParser::parse(std::map<std::string, TensorInfo>& tensors, std::map<std::string, std::string>& metadata) -> void {
+  expect('{');
+  if (peek() == '}') { ++i_; return finish(); }
+  for (;;) {
+    std::string key = string();
+    expect(':');
+    if (key == "__metadata__") {
+      expect('{');
+      if (peek() != '}') {
+        for (;;) {
+          std::string k = string();
+          expect(':');
+          metadata[k] = string();
+          if (peek() == ',') { ++i_; continue; }
+          break;
+        }
+      }
+      expect('}');
+    } else {
+      if (tensors.count(key)) fail("duplicate tensor name '" + key + "'");
+      tensors[key] = entry(key);
+    }
+    if (peek() == ',') { ++i_; continue; }
+    break;
+  }
+  expect('}');
+  finish();
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::entry(const std::string& name) -> TensorInfo {
+  TensorInfo info{DType::F32, Shape{}, 0, 0};
+  bool has_dtype = false, has_shape = false, has_offsets = false;
+  expect('{');
+  for (;;) {
+    std::string field = string();
+    expect(':');
+    if (field == "dtype") {
+      info.dtype = parse_dtype(string(), name);
+      has_dtype = true;
+    } else if (field == "shape") {
+      auto dims = integers();
+      if (dims.size() > static_cast<std::size_t>(Shape::kMaxRank)) fail("tensor '" + name + "' has too many dimensions");
+      try {
+        for (auto d : dims) {
+          if (d > static_cast<std::uint64_t>(INT64_MAX)) fail("tensor '" + name + "' has an extent beyond 2^63");
+          info.shape.push_back(static_cast<std::int64_t>(d));
+        }
+      } catch (const ShapeError& e) {
+        fail("tensor '" + name + "': " + e.what());
+      }
+      has_shape = true;
+    } else if (field == "data_offsets") {
+      auto off = integers();
+      if (off.size() != 2) fail("tensor '" + name + "': data_offsets must have two entries");
+      info.begin = off[0];
+      info.end = off[1];
+      has_offsets = true;
+    } else {
+      fail("tensor '" + name + "': unknown field '" + field + "'");
+    }
+    if (peek() == ',') { ++i_; continue; }
+    break;
+  }
+  expect('}');
+  if (!(has_dtype && has_shape && has_offsets)) fail("tensor '" + name + "' lacks dtype, shape or data_offsets");
+  return info;
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::parse_dtype(const std::string& s, const std::string& name) -> DType {
+  for (DType t : {DType::F64, DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32, DType::I16, DType::I8,
+                  DType::U8, DType::Bool})
+    if (s == dtype_name(t)) return t;
+  fail("tensor '" + name + "': unsupported dtype '" + s + "'");
+  return DType::F32;
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::integers() -> std::vector<std::uint64_t> {
+  std::vector<std::uint64_t> out;
+  expect('[');
+  if (peek() == ']') { ++i_; return out; }
+  for (;;) {
+    skip_ws();
+    if (i_ >= s_.size() || s_[i_] < '0' || s_[i_] > '9') fail("expected a non-negative integer");
+    std::uint64_t v = 0;
+    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
+      if (v > (UINT64_MAX - 9) / 10) fail("integer overflow");
+      v = v * 10 + static_cast<std::uint64_t>(s_[i_++] - '0');
+    }
+    out.push_back(v);
+    if (peek() == ',') { ++i_; continue; }
+    break;
+  }
+  expect(']');
+  return out;
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::string() -> std::string {
+  expect('"');
+  std::string out;
+  while (i_ < s_.size() && s_[i_] != '"') {
+    char c = s_[i_++];
+    if (c == '\\') {
+      if (i_ >= s_.size()) fail("unterminated escape");
+      char e = s_[i_++];
+      switch (e) {
+        case '"': case '\\': case '/': out += e; break;
+        case 'n': out += '\n'; break;
+        case 't': out += '\t'; break;
+        case 'r': out += '\r'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'u': {
+          if (i_ + 4 > s_.size()) fail("short \\u escape");
+          unsigned code = 0;
+          for (int h = 0; h < 4; ++h) {
+            const char x = s_[i_++];
+            const int digit = (x >= '0' && x <= '9') ? x - '0' : (x >= 'a' && x <= 'f') ? x - 'a' + 10
+                            : (x >= 'A' && x <= 'F') ? x - 'A' + 10 : -1;
+            if (digit < 0) fail("bad hex digit in \\u escape");
+            code = code * 16 + static_cast<unsigned>(digit);
+          }
+          if (code < 0x80) out += static_cast<char>(code);
+          else if (code < 0x800) { out += static_cast<char>(0xC0 | (code >> 6)); out += static_cast<char>(0x80 | (code & 0x3F)); }
+          else { out += static_cast<char>(0xE0 | (code >> 12)); out += static_cast<char>(0x80 | ((code >> 6) & 0x3F)); out += static_cast<char>(0x80 | (code & 0x3F)); }
+          break;
+        }
+        default: fail("bad escape");
+      }
+    } else {
+      out += c;
+    }
+  }
+  expect('"');
+  return out;
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::skip_ws() -> void {
+  while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::peek() -> char {
+  skip_ws();
+  return i_ < s_.size() ? s_[i_] : '\0';
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::expect(char c) -> void {
+  if (peek() != c) fail(std::string("expected '") + c + "'");
+  ++i_;
+}
+
+TESSERA_LINKAGE auto detail::HeaderParser::finish() -> void {
+  skip_ws();
+  if (i_ != s_.size()) fail("trailing characters after the header object");
+}
+
+[[noreturn]] TESSERA_LINKAGE auto detail::HeaderParser::fail(const std::string& msg) -> void {
+  throw IoError(cat("safetensors: ", path_, ": malformed header at byte ", i_, ": ", msg));
+}
+
+TESSERA_LINKAGE SafetensorsFile SafetensorsFile::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TESSERA_CHECK(in, IoError, "safetensors: cannot open '", path, "': ", std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const auto file_size = static_cast<std::uint64_t>(in.tellg());
+  in.seekg(0);
+  TESSERA_CHECK(file_size >= 8, IoError, "safetensors: '", path, "' is ", file_size,
+                " bytes, shorter than the 8-byte header length (truncated file?)");
+  std::uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  TESSERA_CHECK(header_len <= file_size - 8, IoError, "safetensors: '", path, "' declares a ", header_len,
+                "-byte header but only ", file_size - 8, " bytes follow (truncated or not a safetensors file)");
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+
+  SafetensorsFile f;
+  f.path_ = path;
+  detail::HeaderParser(header, path).parse(f.tensors_, f.metadata_);
+
+  const std::uint64_t data_size = file_size - 8 - header_len;
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  for (auto& [name, info] : f.tensors_) {
+    const auto expected = static_cast<std::uint64_t>(info.shape.numel()) * dtype_size(info.dtype);
+    TESSERA_CHECK(info.begin <= info.end && info.end - info.begin == expected, IoError, "safetensors: '", path,
+                  "': tensor '", name, "' of shape ", info.shape, " and dtype ", dtype_name(info.dtype), " needs ",
+                  expected, " bytes but data_offsets [", info.begin, ", ", info.end, "] span ",
+                  info.end - info.begin);
+    TESSERA_CHECK(info.end <= data_size, IoError, "safetensors: '", path, "': tensor '", name, "' ends at byte ",
+                  info.end, " of a ", data_size, "-byte data buffer (truncated file?)");
+    ranges.emplace_back(info.begin, info.end);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    TESSERA_CHECK(ranges[i].first >= ranges[i - 1].second, IoError, "safetensors: '", path,
+                  "': tensors overlap at byte ", ranges[i].first);
+
+  f.data_.resize(data_size);
+  in.read(reinterpret_cast<char*>(f.data_.data()), static_cast<std::streamsize>(data_size));
+  TESSERA_CHECK(static_cast<std::uint64_t>(in.gcount()) == data_size, IoError, "safetensors: '", path,
+                "': read ", in.gcount(), " of ", data_size, " data bytes");
+  return f;
+}
+
+TESSERA_LINKAGE const std::string& SafetensorsFile::path() const { return path_; }
+
+TESSERA_LINKAGE bool SafetensorsFile::has(const std::string& name) const { return tensors_.count(name) != 0; }
+
+TESSERA_LINKAGE const TensorInfo& SafetensorsFile::info(const std::string& name) const {
+  auto it = tensors_.find(name);
+  TESSERA_CHECK(it != tensors_.end(), IoError, "safetensors: '", path_, "' has no tensor '", name, "'");
+  return it->second;
+}
+
+TESSERA_LINKAGE std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  for (auto& [name, info] : tensors_) out.push_back(name);
+  return out;
+}
+
+TESSERA_LINKAGE const std::map<std::string, std::string>& SafetensorsFile::metadata() const { return metadata_; }
+
+TESSERA_LINKAGE const std::byte* SafetensorsFile::raw(const std::string& name) const { return data_.data() + info(name).begin; }
+
+TESSERA_LINKAGE void SafetensorsWriter::add_raw(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t bytes) {
+  TESSERA_CHECK(bytes == static_cast<std::size_t>(shape.numel()) * dtype_size(dtype), IoError,
+                "SafetensorsWriter: '", name, "' has ", bytes, " bytes for shape ", shape);
+  for (auto& e : entries_)
+    TESSERA_CHECK(e.name != name, IoError, "SafetensorsWriter: duplicate tensor name '", name, "'");
+  const auto* p = static_cast<const std::byte*>(data);
+  entries_.push_back({name, dtype, shape, std::vector<std::byte>(p, p + bytes)});
+}
+
+TESSERA_LINKAGE void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+
+TESSERA_LINKAGE void SafetensorsWriter::write(const std::string& path) const {
+  std::string header = "{";
+  if (!metadata_.empty()) {
+    header += "\"__metadata__\":{";
+    bool first = true;
+    for (auto& [k, v] : metadata_) {
+      if (!first) header += ",";
+      first = false;
+      header += quote(k) + ":" + quote(v);
+    }
+    header += "}";
+  }
+  std::size_t offset = 0;
+  for (auto& e : entries_) {
+    if (header.size() > 1) header += ",";
+    header += quote(e.name) + ":{\"dtype\":\"" + std::string(dtype_name(e.dtype)) + "\",\"shape\":[";
+    for (int i = 0; i < e.shape.rank(); ++i) {
+      if (i) header += ',';
+      header += std::to_string(e.shape[i]);
+    }
+    header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + e.bytes.size()) + "]}";
+    offset += e.bytes.size();
+  }
+  header += "}";
+  while (header.size() % 8 != 0) header += ' ';  // keeps the data buffer 8-byte aligned, as the reference writer does
+
+  remove_stale_temporaries(path);
+  // A unique temporary beside the target (same file system, so rename is atomic); concurrent
+  // writers in one process (thread ranks) never share it. It stays locked (flock) from creation
+  // until after the rename, which is how remove_stale_temporaries tells it from a dead writer's.
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    tmp = path + ".tmp.XXXXXX";
+    fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+    TESSERA_CHECK(fd >= 0, IoError, "safetensors: cannot create a temporary file next to '", path, "': ",
+                  std::strerror(errno));
+    // Blocking: another writer's cleanup may hold the lock for the instant between mkostemp and
+    // here. If it did, it has unlinked the file by the time we get the lock (st_nlink == 0):
+    // start over with a fresh name.
+    struct stat st {};
+    while (::flock(fd, LOCK_EX) != 0 && errno == EINTR) {}
+    if (::fstat(fd, &st) == 0 && st.st_nlink == 0) {
+      ::close(fd);
+      fd = -1;
+      TESSERA_CHECK(attempt < 100, IoError, "safetensors: temporary files next to '", path,
+                    "' keep disappearing (another program deleting them?)");
+    }
+  }
+  ::fchmod(fd, 0644);
+  auto write_all = [&](const void* p, std::size_t n) {
+    const auto* bytes = static_cast<const char*>(p);
+    while (n > 0) {
+      const ssize_t w = ::write(fd, bytes, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        const int err = errno;
+        ::unlink(tmp.c_str());
+        ::close(fd);
+        throw IoError(detail::cat("safetensors: writing '", tmp, "' failed: ", std::strerror(err)));
+      }
+      bytes += w;
+      n -= static_cast<std::size_t>(w);
+    }
+  };
+  const std::uint64_t header_len = header.size();
+  write_all(&header_len, 8);
+  write_all(header.data(), header.size());
+  for (auto& e : entries_) write_all(e.bytes.data(), e.bytes.size());
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    ::close(fd);
+    throw IoError(detail::cat("safetensors: flushing '", tmp, "' failed: ", std::strerror(err)));
+  }
+  // Renamed while still open and locked, so no cleanup can take the temporary in between.
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    ::close(fd);
+    throw IoError(detail::cat("safetensors: renaming '", tmp, "' to '", path, "' failed: ", std::strerror(err)));
+  }
+  ::close(fd);  // releases the lock; the data was synced above, so close has nothing left to report
+  auto dir = std::filesystem::path(path).parent_path();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {  // makes the rename itself durable; best effort (some file systems refuse)
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+TESSERA_LINKAGE void SafetensorsWriter::remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  const std::string prefix = target.filename().string() + ".tmp.";
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() != prefix.size() + 6 || name.compare(0, prefix.size(), prefix) != 0) continue;
+    if (!std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(), [](char c) {
+          return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+        }))
+      continue;
+    const std::string full = (dir / name).string();
+    const int fd = ::open(full.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;
+    struct stat held {}, now {};
+    // Unlink only if the name still refers to the file we locked (not one renamed into place).
+    if (::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+        ::lstat(full.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev)
+      ::unlink(full.c_str());
+    ::close(fd);
+  }
+}
+
+TESSERA_LINKAGE std::string SafetensorsWriter::quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+      continue;
+    }
+    out += c;
+  }
+  return out + "\"";
+}
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

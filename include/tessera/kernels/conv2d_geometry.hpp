@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "tessera/core/linkage.hpp"
 #include "tessera/device/cpu.hpp"
 
 namespace tessera {
@@ -141,7 +142,8 @@ constexpr std::int64_t kParallelGrain = 32768;
 // Winograd pays for transforming the filters (45 values moved per 3x3 filter, each call; twice that
 // in backward) with the multiply-adds it saves per filter over the batch, 9 H' W' - 36 tiles per
 // sample; below this saving im2col is faster (measured per layer: ResNet-50's 256-channel 14x14
-// layer at batch 1, saving 1188, 1.7x slower; its 128-channel 28x28 layer, 5292, 2x faster).
+// layer at batch 1, saving 1188, lost to im2col; its 128-channel 28x28 layer, 5292, won; figures
+// in bench/README.md, "Figures behind design choices in the headers").
 constexpr std::int64_t kWinogradMinSaving = 2048;
 // Fewer input channels than this make 36 products of depth C too shallow for the gemm kernel
 // (ResNet-20's 1-channel stem); im2col's single product has depth 9 C.
@@ -166,7 +168,8 @@ inline std::int64_t busiest_thread_samples(std::int64_t size, std::int64_t batch
 // The group size of whole-sample blocks: the largest up to `most` that loads the busiest thread no
 // more than groups of one sample would (ceil(batch / threads) samples). Counting groups is not
 // enough: 8 samples in groups of 5 make 2 groups, one per thread, but one thread does 5 samples
-// and the other 3 (ResNet-50's 7x7 layers at batch 8 ran 25% slower so); groups of 4 balance.
+// and the other 3 (ResNet-50's 7x7 layers at batch 8 ran at the busier thread's pace); groups of
+// 4 balance.
 inline std::int64_t balanced_group_size(std::int64_t most, std::int64_t batch, std::int64_t threads) {
   const std::int64_t fair = busiest_thread_samples(1, batch, threads);
   for (std::int64_t s = most; s > 1; --s)
@@ -228,12 +231,18 @@ inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int6
 // of rows (whole tiles); its backward blocks are all independent (private dU), so it runs them
 // over the team whenever there are enough blocks. `bf16`: the im2col products in bfloat16; Auto
 // still picks (float) Winograd where it pays: since the channel-blocked path, float Winograd's 4x
-// fewer multiply-adds beat bfloat16 im2col's twice-as-fast ones (ResNet-20 under CpuLocalBf16 on
-// Zen 4: 1210 images/s against 820; ResNet-50 b8 9.5 against 9.1). Before it, bfloat16 im2col won
-// (840 against 755), and Auto did not pick Winograd with bfloat16.
-inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+// fewer multiply-adds beat bfloat16 im2col's twice-as-fast ones (ResNet-20 and ResNet-50 b8 under
+// CpuLocalBf16 on Zen 4; bench/README.md, "bfloat16"). Before it, bfloat16 im2col won, and Auto did
+// not pick Winograd with bfloat16.
+TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                                       std::int64_t block_columns = 0, ConvAlgorithm algorithm = ConvAlgorithm::Auto,
-                                      bool bf16 = false) {
+                                      bool bf16 = false);
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+                                      std::int64_t block_columns, ConvAlgorithm algorithm,
+                                      bool bf16) {
   Conv2dBlocking b;
   b.threads = Cpu::num_threads();
   b.bf16 = bf16;
@@ -277,5 +286,7 @@ inline Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batc
                         (b.threads - 1) * g.weight_elements() * scalar_bytes <= detail::kMaxPrivateGradientBytes;
   return b;
 }
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

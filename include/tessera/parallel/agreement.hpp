@@ -43,6 +43,7 @@
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/shape.hpp"
 
@@ -86,35 +87,7 @@ inline std::uint64_t fold64(std::uint64_t h, std::uint64_t word) {
 // 64-bit checksum of `bytes` bytes (bitwise: -0.0 and 0.0, or two NaN payloads, differ). Four
 // independent lanes of xxHash64's round over 8-byte words, so it runs at memory speed (several
 // GB/s) rather than FNV's byte at a time; not compatible with any published xxHash value.
-inline std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0) {
-  constexpr std::uint64_t p1 = 11400714785074694791ull, p2 = 14029467366897019727ull, p3 = 1609587929392839161ull,
-                          p4 = 9650029242287828579ull, p5 = 2870177450012600261ull;
-  auto round = [](std::uint64_t acc, std::uint64_t word) { return std::rotl(acc + word * p2, 31) * p1; };
-  const auto* p = static_cast<const unsigned char*>(data);
-  std::uint64_t lane[4] = {seed + p1 + p2, seed + p2, seed, seed - p1};
-  std::size_t i = 0;
-  for (; i + 32 <= bytes; i += 32)
-    for (int k = 0; k < 4; ++k) {
-      std::uint64_t w;
-      std::memcpy(&w, p + i + 8 * k, 8);
-      lane[k] = round(lane[k], w);
-    }
-  std::uint64_t h = std::rotl(lane[0], 1) + std::rotl(lane[1], 7) + std::rotl(lane[2], 12) + std::rotl(lane[3], 18);
-  for (int k = 0; k < 4; ++k) h = (h ^ round(0, lane[k])) * p1 + p4;
-  h += static_cast<std::uint64_t>(bytes);
-  for (; i + 8 <= bytes; i += 8) {
-    std::uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    h = std::rotl(h ^ round(0, w), 27) * p1 + p4;
-  }
-  for (; i < bytes; ++i) h = std::rotl(h ^ (p[i] * p5), 11) * p1;
-  h ^= h >> 33;  // final avalanche
-  h *= p2;
-  h ^= h >> 29;
-  h *= p3;
-  h ^= h >> 32;
-  return h;
-}
+TESSERA_LINKAGE std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
 
 // The checksum of a tensor's elements, on any device (a device tensor is copied to `host`
 // scratch first: a GPU's memory is not readable from the host).
@@ -141,15 +114,12 @@ class AgreementRecord {
   };
 
   // who: the strategy, the first word of every error ("DataParallel").
-  explicit AgreementRecord(std::string who) : who_(std::move(who)) {}
+  explicit AgreementRecord(std::string who);
 
-  AgreementRecord& add(std::string name, std::string value) {
-    fields_.push_back({std::move(name), std::move(value)});
-    return *this;
-  }
-  AgreementRecord& add(std::string name, const char* value) { return add(std::move(name), std::string(value)); }
-  AgreementRecord& add(std::string name, std::string_view value) { return add(std::move(name), std::string(value)); }
-  AgreementRecord& add(std::string name, bool value) { return add(std::move(name), std::string(value ? "true" : "false")); }
+  AgreementRecord& add(std::string name, std::string value);
+  AgreementRecord& add(std::string name, const char* value);
+  AgreementRecord& add(std::string name, std::string_view value);
+  AgreementRecord& add(std::string name, bool value);
   template <class T>
     requires std::integral<T> && (!std::same_as<T, bool>)
   AgreementRecord& add(std::string name, T value) {
@@ -161,7 +131,7 @@ class AgreementRecord {
     const auto end = std::to_chars(buf, buf + sizeof(buf), value).ptr;  // shortest round-trip form
     return add(std::move(name), std::string(buf, end));
   }
-  AgreementRecord& add(std::string name, const Shape& shape) { return add(std::move(name), shape.str()); }
+  AgreementRecord& add(std::string name, const Shape& shape);
   // A list as "[a, b, c]" of the elements' canonical text.
   template <class T>
   AgreementRecord& add_list(std::string name, const std::vector<T>& values) {
@@ -209,13 +179,10 @@ class AgreementRecord {
     return *this;
   }
 
-  const std::string& who() const { return who_; }
-  const std::vector<Field>& fields() const { return fields_; }
+  const std::string& who() const;
+  const std::vector<Field>& fields() const;
   // Hash of field i's name and value (never 0: 0 stands for "no such field" in the exchange).
-  std::uint64_t field_hash(std::size_t i) const {
-    const std::uint64_t h = detail::fnv1a(fields_[i].value, detail::fnv1a(std::string_view("\0", 1), detail::fnv1a(fields_[i].name)));
-    return h == 0 ? 1 : h;
-  }
+  std::uint64_t field_hash(std::size_t i) const;
 
  private:
   std::string who_;
@@ -232,45 +199,10 @@ struct Disagreement {
 
   // "options.bucket_bytes: ranks 0, 2: 1048576; rank 1: 65536" (the field's name once when every
   // rank that has the field calls it the same, else "name = value" per group).
-  std::string describe() const {
-    std::optional<std::string> common_name;
-    bool same_name = true;
-    for (const auto& f : per_rank)
-      if (f) {
-        if (!common_name) common_name = f->name;
-        else if (*common_name != f->name) same_name = false;
-      }
-    // Ranks grouped by what they hold, in order of first appearance.
-    std::vector<std::pair<std::string, std::vector<int>>> groups;
-    for (std::size_t r = 0; r < per_rank.size(); ++r) {
-      const auto& f = per_rank[r];
-      std::string text = !f ? "(no such field: this rank has " + std::to_string(index) + " fields)"
-                            : (same_name ? f->value : f->name + " = " + f->value);
-      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == text; });
-      if (it == groups.end()) groups.emplace_back(std::move(text), std::vector<int>{static_cast<int>(r)});
-      else it->second.push_back(static_cast<int>(r));
-    }
-    std::string out = same_name && common_name ? *common_name + ": " : "field " + std::to_string(index) + ": ";
-    for (std::size_t g = 0; g < groups.size(); ++g)
-      out += (g ? "; " : "") + rank_list(groups[g].second) + ": " + groups[g].first;
-    return out;
-  }
+  std::string describe() const;
 
   // "rank 1", "ranks 0, 2", "ranks 0-30, 32" (runs of three or more as ranges).
-  static std::string rank_list(const std::vector<int>& ranks) {
-    std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-    for (std::size_t i = 0; i < ranks.size();) {
-      std::size_t j = i;
-      while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-      // Appended piece by piece: gcc 12 warns (-Wrestrict, a false positive) on "lit" + to_string().
-      if (i) out += ", ";
-      out += std::to_string(ranks[i]);
-      if (j >= i + 2) out.append("-").append(std::to_string(ranks[j]));
-      else if (j == i + 1) out.append(", ").append(std::to_string(ranks[j]));
-      i = j + 1;
-    }
-    return out;
-  }
+  static std::string rank_list(const std::vector<int>& ranks);
 };
 
 namespace detail {
@@ -386,5 +318,102 @@ void check_replicas_agree(C& comm, std::span<const std::uint64_t> checksums, std
   if (d->fields_differing > 1) more = " (the first of " + std::to_string(d->fields_differing) + " that differ)";
   throw AgreementError(std::string(prefix) + ": parameter " + d->describe() + more + ". " + std::string(what_then));
 }
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed) {
+  constexpr std::uint64_t p1 = 11400714785074694791ull, p2 = 14029467366897019727ull, p3 = 1609587929392839161ull,
+                          p4 = 9650029242287828579ull, p5 = 2870177450012600261ull;
+  auto round = [](std::uint64_t acc, std::uint64_t word) { return std::rotl(acc + word * p2, 31) * p1; };
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t lane[4] = {seed + p1 + p2, seed + p2, seed, seed - p1};
+  std::size_t i = 0;
+  for (; i + 32 <= bytes; i += 32)
+    for (int k = 0; k < 4; ++k) {
+      std::uint64_t w;
+      std::memcpy(&w, p + i + 8 * k, 8);
+      lane[k] = round(lane[k], w);
+    }
+  std::uint64_t h = std::rotl(lane[0], 1) + std::rotl(lane[1], 7) + std::rotl(lane[2], 12) + std::rotl(lane[3], 18);
+  for (int k = 0; k < 4; ++k) h = (h ^ round(0, lane[k])) * p1 + p4;
+  h += static_cast<std::uint64_t>(bytes);
+  for (; i + 8 <= bytes; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = std::rotl(h ^ round(0, w), 27) * p1 + p4;
+  }
+  for (; i < bytes; ++i) h = std::rotl(h ^ (p[i] * p5), 11) * p1;
+  h ^= h >> 33;  // final avalanche
+  h *= p2;
+  h ^= h >> 29;
+  h *= p3;
+  h ^= h >> 32;
+  return h;
+}
+
+TESSERA_LINKAGE AgreementRecord::AgreementRecord(std::string who) : who_(std::move(who)) {}
+
+TESSERA_LINKAGE AgreementRecord& AgreementRecord::add(std::string name, std::string value) {
+  fields_.push_back({std::move(name), std::move(value)});
+  return *this;
+}
+
+TESSERA_LINKAGE AgreementRecord& AgreementRecord::add(std::string name, const char* value) { return add(std::move(name), std::string(value)); }
+
+TESSERA_LINKAGE AgreementRecord& AgreementRecord::add(std::string name, std::string_view value) { return add(std::move(name), std::string(value)); }
+
+TESSERA_LINKAGE AgreementRecord& AgreementRecord::add(std::string name, bool value) { return add(std::move(name), std::string(value ? "true" : "false")); }
+
+TESSERA_LINKAGE AgreementRecord& AgreementRecord::add(std::string name, const Shape& shape) { return add(std::move(name), shape.str()); }
+
+TESSERA_LINKAGE const std::string& AgreementRecord::who() const { return who_; }
+
+TESSERA_LINKAGE auto AgreementRecord::fields() const -> const std::vector<Field>& { return fields_; }
+
+TESSERA_LINKAGE std::uint64_t AgreementRecord::field_hash(std::size_t i) const {
+  const std::uint64_t h = detail::fnv1a(fields_[i].value, detail::fnv1a(std::string_view("\0", 1), detail::fnv1a(fields_[i].name)));
+  return h == 0 ? 1 : h;
+}
+
+TESSERA_LINKAGE std::string Disagreement::describe() const {
+  std::optional<std::string> common_name;
+  bool same_name = true;
+  for (const auto& f : per_rank)
+    if (f) {
+      if (!common_name) common_name = f->name;
+      else if (*common_name != f->name) same_name = false;
+    }
+  // Ranks grouped by what they hold, in order of first appearance.
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (std::size_t r = 0; r < per_rank.size(); ++r) {
+    const auto& f = per_rank[r];
+    std::string text = !f ? "(no such field: this rank has " + std::to_string(index) + " fields)"
+                          : (same_name ? f->value : f->name + " = " + f->value);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == text; });
+    if (it == groups.end()) groups.emplace_back(std::move(text), std::vector<int>{static_cast<int>(r)});
+    else it->second.push_back(static_cast<int>(r));
+  }
+  std::string out = same_name && common_name ? *common_name + ": " : "field " + std::to_string(index) + ": ";
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    out += (g ? "; " : "") + rank_list(groups[g].second) + ": " + groups[g].first;
+  return out;
+}
+
+TESSERA_LINKAGE std::string Disagreement::rank_list(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size();) {
+    std::size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    // Appended piece by piece: gcc 12 warns (-Wrestrict, a false positive) on "lit" + to_string().
+    if (i) out += ", ";
+    out += std::to_string(ranks[i]);
+    if (j >= i + 2) out.append("-").append(std::to_string(ranks[j]));
+    else if (j == i + 1) out.append(", ").append(std::to_string(ranks[j]));
+    i = j + 1;
+  }
+  return out;
+}
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

@@ -116,8 +116,8 @@ struct DataParallelOptions {
   // each gradient by its number of micro-steps instead, and the loss is left unscaled.
   bool average_micro_steps = false;
   // Compare the replicas' parameters (a 64-bit checksum each) across ranks at the first and then
-  // every this many synchronized steps; 0: never. A check reads every parameter once (LeNet-5:
-  // about 30 us, ResNet-50: about 18 ms on the CPU; see docs/api.md), far below 1% of 100 steps.
+  // every this many synchronized steps; 0: never. A check reads every parameter once (its cost is
+  // in docs/api.md), a small fraction of the time of the steps between two checks.
   int consistency_check_every = 100;
 };
 
@@ -416,7 +416,7 @@ class DataParallel final : UpdateGuard {
   // calling thread: its final hook is the end of backward, so nothing is left for it to overlap
   // with, and an asynchronous launch would only add two thread hand-offs (to the communicator's
   // worker and back) to the exposed time. With one rank per core those hand-offs wait on the
-  // scheduler: LeNet-5 over Gloo, 2 ranks, one bucket, went from 25.4k to 26.9k images/s.
+  // scheduler: LeNet-5 over Gloo, 2 ranks, one bucket, ran faster without them.
   void launch_buckets(bool all) {
     while (next_launch_ < buckets_.size() &&
            (all || (!buckets_[next_launch_].has_flag &&

@@ -6,7 +6,8 @@
 // Tensor names are the model's state_dict names ("layer1.0.conv1.weight", BatchNorm's
 // "bn1.num_batches_tracked" as an I64 scalar) and the optimizer's
 // ("optim.momentum_buffer.layer1.0.conv1.weight"); from Python:
-//   tensors, meta = safetensors_io.load("ckpt.safetensors")   (or safetensors.numpy.load_file)
+//   tensors, meta = safetensors_io.load("ckpt.safetensors")   (tools/tessera_tools/safetensors_io.py,
+//                                                             or safetensors.numpy.load_file)
 //
 // Loading is all-or-nothing: every name, shape and dtype is checked against the model first, and
 // only when all match is anything copied. A missing, unexpected or mismatched tensor gives an
@@ -63,6 +64,7 @@
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/io/safetensors.hpp"
@@ -130,26 +132,8 @@ class CheckpointGroup {
 // an elastic resume, allowed when the global batch splits evenly over `now` ranks (or was not
 // recorded: then there is no data position to re-split); otherwise ArgumentError naming the file,
 // both world sizes, the batch and the world sizes that would work.
-inline void check_resume_world_size(const std::string& what, std::int64_t saved, std::int64_t now,
-                                    std::int64_t global_batch) {
-  TESSERA_CHECK(now >= 1, ArgumentError, "resume: ", what, ": world size ", now, " must be >= 1");
-  if (saved == now || global_batch <= 0 || global_batch % now == 0) return;
-  std::string fits;  // the first 12 divisors, and the batch itself
-  std::int64_t listed = 0, last = 0;
-  for (std::int64_t d = 1; d <= std::min<std::int64_t>(global_batch, 1 << 20) && listed < 12; ++d)
-    if (global_batch % d == 0) {
-      fits += (listed++ ? ", " : "") + std::to_string(d);
-      last = d;
-    }
-  if (last != global_batch) fits += ", ..., " + std::to_string(global_batch);
-  throw ArgumentError(detail::cat("resume: ", what, " was saved by a run at world size ", saved, " (", saved,
-                          saved == 1 ? " rank" : " ranks", ") with a global batch of ", global_batch, " (",
-                          global_batch % saved == 0 ? std::to_string(global_batch / saved) : std::string("?"),
-                          " per rank); this run has world size ", now, ", which does not divide the global batch ",
-                          global_batch, ": an elastic resume keeps the global batch, so resume at a world size "
-                          "that divides it (", fits, "), or read only the weights with load_state_dict(path, model, "
-                          "/*strict=*/false)"));
-}
+TESSERA_LINKAGE void check_resume_world_size(const std::string& what, std::int64_t saved, std::int64_t now,
+                                    std::int64_t global_batch);
 
 inline constexpr int kCheckpointVersion = 2;
 
@@ -341,48 +325,11 @@ struct CheckpointLoader {
     if (copy) file.read_into(name, t);
   }
   // Absent in checkpoints written before BatchNorm kept it: the counter then stays as it is.
-  void integer_buffer(const std::string& name, std::int64_t& v) {
-    seen.insert(name);
-    if (!file.has(name)) return;
-    const TensorInfo& info = file.info(name);
-    if (info.shape != Shape{} || info.dtype != DType::I64) {
-      problems.push_back(cat("tensor '", name, "': file has ", dtype_name(info.dtype), " ", info.shape,
-                             ", model has I64 ()"));
-      return;
-    }
-    if (copy) v = file.tensor<std::int64_t>(name)[0];
-  }
-  void integer(const std::string& name, std::int64_t& v) {
-    auto it = file.metadata().find(name);
-    if (it == file.metadata().end()) {
-      problems.push_back("missing metadata entry '" + name + "'");
-      return;
-    }
-    try {
-      std::size_t used = 0;
-      const long long parsed = std::stoll(it->second, &used);
-      if (used != it->second.size()) throw std::invalid_argument("trailing characters");
-      integers[name] = parsed;
-      if (copy) v = parsed;
-    } catch (const std::exception&) {
-      problems.push_back("metadata entry '" + name + "' = '" + it->second + "' is not an integer");
-    }
-  }
+  void integer_buffer(const std::string& name, std::int64_t& v);
+  void integer(const std::string& name, std::int64_t& v);
   // Absent in files written before the entry existed: the value stays as it is.
-  void optional_integer(const std::string& name, std::int64_t& v) {
-    if (file.metadata().count(name)) integer(name, v);
-  }
-  void rng(const std::string& name, Rng& r) {
-    if (keep_rngs) return;
-    const std::string key = rng_prefix + name;
-    auto it = file.metadata().find(key);
-    Rng::State s;
-    if (it == file.metadata().end() || !rng_from_string(it->second, s)) {
-      problems.push_back("missing or malformed generator state '" + key + "'");
-      return;
-    }
-    if (copy) r.set_state(s);
-  }
+  void optional_integer(const std::string& name, std::int64_t& v);
+  void rng(const std::string& name, Rng& r);
 };
 
 template <class Model, class Optimizer>
@@ -402,74 +349,11 @@ void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
 }
 
 // The file's format version: 1 or 2. Anything else is an IoError that says what the file is.
-inline int checkpoint_version(const SafetensorsFile& file) {
-  const std::string& path = file.path();
-  auto it = file.metadata().find("format");
-  TESSERA_CHECK(it != file.metadata().end(), IoError, "load_checkpoint: '", path,
-                "' is a safetensors file without Tessera checkpoint metadata (format missing); was it written by "
-                "save_state_dict or by another program? (load_state_dict reads weights from such files)");
-  const std::string& format = it->second;
-  TESSERA_CHECK(format != "pt", IoError, "load_checkpoint: '", path,
-                "' is a state dict (format 'pt', as save_state_dict and safetensors.torch write it), not a "
-                "Tessera checkpoint: it has no optimizer state or training position; read it with load_state_dict");
-  const std::string prefix = "tessera-checkpoint-";
-  int version = 0;
-  if (format.size() > prefix.size() && format.size() <= prefix.size() + 6 && format.compare(0, prefix.size(), prefix) == 0 &&
-      std::all_of(format.begin() + static_cast<std::ptrdiff_t>(prefix.size()), format.end(),
-                  [](char c) { return c >= '0' && c <= '9'; }))
-    version = std::stoi(format.substr(prefix.size()));
-  TESSERA_CHECK(version >= 1, IoError, "load_checkpoint: '", path, "' has format '", format,
-                "', which is not a Tessera checkpoint format (this build reads tessera-checkpoint-1 to ",
-                prefix, kCheckpointVersion, ")");
-  TESSERA_CHECK(version <= kCheckpointVersion, IoError, "load_checkpoint: '", path, "': format '", format,
-                "' is newer than this build reads (", prefix, kCheckpointVersion,
-                "); load it with the newer Tessera that wrote it");
-  return version;
-}
+TESSERA_LINKAGE int checkpoint_version(const SafetensorsFile& file);
 
 // Training-position metadata out of range, as problems naming the key (the file is named by the
 // caller's header). `ints` holds what the check pass parsed.
-inline void check_train_metadata(const std::map<std::string, std::int64_t>& ints, std::vector<std::string>& problems) {
-  auto get = [&](const char* key) -> std::optional<std::int64_t> {
-    auto it = ints.find(key);
-    return it == ints.end() ? std::nullopt : std::optional<std::int64_t>(it->second);
-  };
-  auto bad = [&](const char* key, std::int64_t value, const std::string& why) {
-    problems.push_back(cat("metadata entry '", key, "' = ", value, " is out of range: ", why));
-  };
-  bool ok = true;
-  for (const char* key : {"train.epoch", "train.global_step", "train.loader_epoch", "train.loader_next_batch",
-                          "train.loader_batch_size", "train.loader_samples", "train.loader_world_size",
-                          "train.loader_next_sample"})
-    if (auto v = get(key); v && *v < 0) {
-      bad(key, *v, "must be >= 0 (0 = not recorded for the loader settings)");
-      ok = false;
-    }
-  if (auto v = get("train.ranks"); v && *v < 1) {
-    bad("train.ranks", *v, "a checkpoint is taken by at least 1 rank");
-    ok = false;
-  }
-  if (!ok) return;
-  const auto epoch = get("train.epoch"), loader_epoch = get("train.loader_epoch");
-  if (epoch && loader_epoch && *loader_epoch > *epoch)
-    bad("train.loader_epoch", *loader_epoch, cat("the data loader cannot be ahead of training (train.epoch = ", *epoch, ")"));
-  const auto next = get("train.loader_next_batch"), batch = get("train.loader_batch_size"),
-             samples = get("train.loader_samples"), world = get("train.loader_world_size");
-  if (next && batch && samples && world && *batch > 0 && *samples > 0 && *world > 0) {
-    // Most batches a rank can have: ceil(ceil(samples / world) / batch) (fewer with drop_last/drop_tail).
-    const std::int64_t per_rank = (*samples + *world - 1) / *world, batches = (per_rank + *batch - 1) / *batch;
-    if (*next > batches)
-      bad("train.loader_next_batch", *next, cat("an epoch of ", *samples, " samples on ", *world,
-                                                *world == 1 ? " rank" : " ranks", " in batches of ", *batch,
-                                                " has at most ", batches, " batches"));
-  }
-  // The position in global samples must be the same position (an elastic resume trusts it).
-  if (const auto sample = get("train.loader_next_sample"); sample && next && batch && world && *batch > 0 && *world > 0 &&
-                                                            *sample != *next * *batch * *world)
-    bad("train.loader_next_sample", *sample,
-        cat("it must equal train.loader_next_batch x train.loader_batch_size x train.loader_world_size = ", *next,
-            " x ", *batch, " x ", *world, " = ", *next * *batch * *world));
-}
+TESSERA_LINKAGE void check_train_metadata(const std::map<std::string, std::int64_t>& ints, std::vector<std::string>& problems);
 
 // Calls the optional optimizer members described at the top of this file.
 template <class Optimizer>
@@ -636,5 +520,142 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
                            const CheckpointOptions& options) {
   return load_checkpoint(path, model, optimizer, CheckpointGroup{}, options);
 }
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE void check_resume_world_size(const std::string& what, std::int64_t saved, std::int64_t now,
+                                    std::int64_t global_batch) {
+  TESSERA_CHECK(now >= 1, ArgumentError, "resume: ", what, ": world size ", now, " must be >= 1");
+  if (saved == now || global_batch <= 0 || global_batch % now == 0) return;
+  std::string fits;  // the first 12 divisors, and the batch itself
+  std::int64_t listed = 0, last = 0;
+  for (std::int64_t d = 1; d <= std::min<std::int64_t>(global_batch, 1 << 20) && listed < 12; ++d)
+    if (global_batch % d == 0) {
+      fits += (listed++ ? ", " : "") + std::to_string(d);
+      last = d;
+    }
+  if (last != global_batch) fits += ", ..., " + std::to_string(global_batch);
+  throw ArgumentError(detail::cat("resume: ", what, " was saved by a run at world size ", saved, " (", saved,
+                          saved == 1 ? " rank" : " ranks", ") with a global batch of ", global_batch, " (",
+                          global_batch % saved == 0 ? std::to_string(global_batch / saved) : std::string("?"),
+                          " per rank); this run has world size ", now, ", which does not divide the global batch ",
+                          global_batch, ": an elastic resume keeps the global batch, so resume at a world size "
+                          "that divides it (", fits, "), or read only the weights with load_state_dict(path, model, "
+                          "/*strict=*/false)"));
+}
+
+TESSERA_LINKAGE auto detail::checkpoint_version(const SafetensorsFile& file) -> int {
+  const std::string& path = file.path();
+  auto it = file.metadata().find("format");
+  TESSERA_CHECK(it != file.metadata().end(), IoError, "load_checkpoint: '", path,
+                "' is a safetensors file without Tessera checkpoint metadata (format missing); was it written by "
+                "save_state_dict or by another program? (load_state_dict reads weights from such files)");
+  const std::string& format = it->second;
+  TESSERA_CHECK(format != "pt", IoError, "load_checkpoint: '", path,
+                "' is a state dict (format 'pt', as save_state_dict and safetensors.torch write it), not a "
+                "Tessera checkpoint: it has no optimizer state or training position; read it with load_state_dict");
+  const std::string prefix = "tessera-checkpoint-";
+  int version = 0;
+  if (format.size() > prefix.size() && format.size() <= prefix.size() + 6 && format.compare(0, prefix.size(), prefix) == 0 &&
+      std::all_of(format.begin() + static_cast<std::ptrdiff_t>(prefix.size()), format.end(),
+                  [](char c) { return c >= '0' && c <= '9'; }))
+    version = std::stoi(format.substr(prefix.size()));
+  TESSERA_CHECK(version >= 1, IoError, "load_checkpoint: '", path, "' has format '", format,
+                "', which is not a Tessera checkpoint format (this build reads tessera-checkpoint-1 to ",
+                prefix, kCheckpointVersion, ")");
+  TESSERA_CHECK(version <= kCheckpointVersion, IoError, "load_checkpoint: '", path, "': format '", format,
+                "' is newer than this build reads (", prefix, kCheckpointVersion,
+                "); load it with the newer Tessera that wrote it");
+  return version;
+}
+
+TESSERA_LINKAGE auto detail::check_train_metadata(const std::map<std::string, std::int64_t>& ints, std::vector<std::string>& problems) -> void {
+  auto get = [&](const char* key) -> std::optional<std::int64_t> {
+    auto it = ints.find(key);
+    return it == ints.end() ? std::nullopt : std::optional<std::int64_t>(it->second);
+  };
+  auto bad = [&](const char* key, std::int64_t value, const std::string& why) {
+    problems.push_back(cat("metadata entry '", key, "' = ", value, " is out of range: ", why));
+  };
+  bool ok = true;
+  for (const char* key : {"train.epoch", "train.global_step", "train.loader_epoch", "train.loader_next_batch",
+                          "train.loader_batch_size", "train.loader_samples", "train.loader_world_size",
+                          "train.loader_next_sample"})
+    if (auto v = get(key); v && *v < 0) {
+      bad(key, *v, "must be >= 0 (0 = not recorded for the loader settings)");
+      ok = false;
+    }
+  if (auto v = get("train.ranks"); v && *v < 1) {
+    bad("train.ranks", *v, "a checkpoint is taken by at least 1 rank");
+    ok = false;
+  }
+  if (!ok) return;
+  const auto epoch = get("train.epoch"), loader_epoch = get("train.loader_epoch");
+  if (epoch && loader_epoch && *loader_epoch > *epoch)
+    bad("train.loader_epoch", *loader_epoch, cat("the data loader cannot be ahead of training (train.epoch = ", *epoch, ")"));
+  const auto next = get("train.loader_next_batch"), batch = get("train.loader_batch_size"),
+             samples = get("train.loader_samples"), world = get("train.loader_world_size");
+  if (next && batch && samples && world && *batch > 0 && *samples > 0 && *world > 0) {
+    // Most batches a rank can have: ceil(ceil(samples / world) / batch) (fewer with drop_last/drop_tail).
+    const std::int64_t per_rank = (*samples + *world - 1) / *world, batches = (per_rank + *batch - 1) / *batch;
+    if (*next > batches)
+      bad("train.loader_next_batch", *next, cat("an epoch of ", *samples, " samples on ", *world,
+                                                *world == 1 ? " rank" : " ranks", " in batches of ", *batch,
+                                                " has at most ", batches, " batches"));
+  }
+  // The position in global samples must be the same position (an elastic resume trusts it).
+  if (const auto sample = get("train.loader_next_sample"); sample && next && batch && world && *batch > 0 && *world > 0 &&
+                                                            *sample != *next * *batch * *world)
+    bad("train.loader_next_sample", *sample,
+        cat("it must equal train.loader_next_batch x train.loader_batch_size x train.loader_world_size = ", *next,
+            " x ", *batch, " x ", *world, " = ", *next * *batch * *world));
+}
+
+TESSERA_LINKAGE auto detail::CheckpointLoader::integer_buffer(const std::string& name, std::int64_t& v) -> void {
+  seen.insert(name);
+  if (!file.has(name)) return;
+  const TensorInfo& info = file.info(name);
+  if (info.shape != Shape{} || info.dtype != DType::I64) {
+    problems.push_back(cat("tensor '", name, "': file has ", dtype_name(info.dtype), " ", info.shape,
+                           ", model has I64 ()"));
+    return;
+  }
+  if (copy) v = file.tensor<std::int64_t>(name)[0];
+}
+
+TESSERA_LINKAGE auto detail::CheckpointLoader::integer(const std::string& name, std::int64_t& v) -> void {
+  auto it = file.metadata().find(name);
+  if (it == file.metadata().end()) {
+    problems.push_back("missing metadata entry '" + name + "'");
+    return;
+  }
+  try {
+    std::size_t used = 0;
+    const long long parsed = std::stoll(it->second, &used);
+    if (used != it->second.size()) throw std::invalid_argument("trailing characters");
+    integers[name] = parsed;
+    if (copy) v = parsed;
+  } catch (const std::exception&) {
+    problems.push_back("metadata entry '" + name + "' = '" + it->second + "' is not an integer");
+  }
+}
+
+TESSERA_LINKAGE auto detail::CheckpointLoader::optional_integer(const std::string& name, std::int64_t& v) -> void {
+  if (file.metadata().count(name)) integer(name, v);
+}
+
+TESSERA_LINKAGE auto detail::CheckpointLoader::rng(const std::string& name, Rng& r) -> void {
+  if (keep_rngs) return;
+  const std::string key = rng_prefix + name;
+  auto it = file.metadata().find(key);
+  Rng::State s;
+  if (it == file.metadata().end() || !rng_from_string(it->second, s)) {
+    problems.push_back("missing or malformed generator state '" + key + "'");
+    return;
+  }
+  if (copy) r.set_state(s);
+}
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

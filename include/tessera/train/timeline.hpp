@@ -26,9 +26,10 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
-#include "tessera/io/json.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/span_sink.hpp"
+#include "tessera/io/json.hpp"
 
 namespace tessera {
 
@@ -40,20 +41,14 @@ class Timeline final : public SpanSink {
     start_ = Clock::now();
   }
 
-  double now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - start_).count(); }
+  double now_us() const;
 
   // A complete event [begin_us, end_us) on a lane. Thread-safe.
-  void add(std::string name, const char* category, double begin_us, double end_us, int lane) {
-    std::lock_guard lock(mutex_);
-    events_.push_back({std::move(name), category, begin_us, end_us - begin_us, lane});
-  }
+  void add(std::string name, const char* category, double begin_us, double end_us, int lane);
 
   // The same with clock readings (e.g. DataParallel's bucket launch and completion times).
   void add(std::string name, const char* category, Clock::time_point begin, Clock::time_point end,
-           int lane) override {
-    add(std::move(name), category, std::chrono::duration<double, std::micro>(begin - start_).count(),
-        std::chrono::duration<double, std::micro>(end - start_).count(), lane);
-  }
+           int lane) override;
 
   class Span {
    public:
@@ -76,29 +71,12 @@ class Timeline final : public SpanSink {
     double begin_;
   };
   // RAII: the span runs until the returned object is destroyed.
-  [[nodiscard]] Span span(std::string name, const char* category = "compute", int lane = kCompute) {
-    return Span(this, std::move(name), category, lane);
-  }
+  [[nodiscard]] Span span(std::string name, const char* category = "compute", int lane = kCompute);
 
-  std::size_t size() const {
-    std::lock_guard lock(mutex_);
-    return events_.size();
-  }
+  std::size_t size() const;
 
   // This rank's events as JSON objects separated by commas (no brackets).
-  std::string events_json() const {
-    std::lock_guard lock(mutex_);
-    std::string out;
-    char buf[128];
-    for (const auto& e : events_) {
-      if (!out.empty()) out += ",\n";
-      out += "{\"name\": \"" + escaped(e.name) + "\", \"cat\": \"" + escaped(e.category) + "\", \"ph\": \"X\"";
-      std::snprintf(buf, sizeof buf, ", \"ts\": %.3f, \"dur\": %.3f, \"pid\": %d, \"tid\": %d}", e.begin_us, e.duration_us,
-                    rank_, e.lane);
-      out += buf;
-    }
-    return out;
-  }
+  std::string events_json() const;
 
   // Collective: gathers every rank's events to rank 0, which writes one trace file (atomically
   // enough for a trace: a temp name, then rename). Other ranks write nothing.
@@ -146,12 +124,54 @@ class Timeline final : public SpanSink {
     double begin_us, duration_us;
     int lane;
   };
-  static std::string escaped(const std::string& s) { return detail::json_escaped(s); }
+  static std::string escaped(const std::string& s);
 
   int rank_;
   Clock::time_point start_;
   mutable std::mutex mutex_;
   std::vector<Event> events_;
 };
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE double Timeline::now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - start_).count(); }
+
+TESSERA_LINKAGE void Timeline::add(std::string name, const char* category, double begin_us, double end_us, int lane) {
+  std::lock_guard lock(mutex_);
+  events_.push_back({std::move(name), category, begin_us, end_us - begin_us, lane});
+}
+
+TESSERA_LINKAGE void Timeline::add(std::string name, const char* category, Clock::time_point begin, Clock::time_point end,
+           int lane) {
+  add(std::move(name), category, std::chrono::duration<double, std::micro>(begin - start_).count(),
+      std::chrono::duration<double, std::micro>(end - start_).count(), lane);
+}
+
+TESSERA_LINKAGE auto Timeline::span(std::string name, const char* category, int lane) -> Span {
+  return Span(this, std::move(name), category, lane);
+}
+
+TESSERA_LINKAGE std::size_t Timeline::size() const {
+  std::lock_guard lock(mutex_);
+  return events_.size();
+}
+
+TESSERA_LINKAGE std::string Timeline::events_json() const {
+  std::lock_guard lock(mutex_);
+  std::string out;
+  char buf[128];
+  for (const auto& e : events_) {
+    if (!out.empty()) out += ",\n";
+    out += "{\"name\": \"" + escaped(e.name) + "\", \"cat\": \"" + escaped(e.category) + "\", \"ph\": \"X\"";
+    std::snprintf(buf, sizeof buf, ", \"ts\": %.3f, \"dur\": %.3f, \"pid\": %d, \"tid\": %d}", e.begin_us, e.duration_us,
+                  rank_, e.lane);
+    out += buf;
+  }
+  return out;
+}
+
+TESSERA_LINKAGE std::string Timeline::escaped(const std::string& s) { return detail::json_escaped(s); }
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

@@ -27,8 +27,8 @@
 // reads and writes the same half of the batch as the convolutions and elementwise kernels around
 // it, whose static schedules split samples the same way. Split by channel instead (as before),
 // half of every pass's data sat in the other core's cache: on a 2-core EPYC a core reads another
-// core's freshly written lines at half the speed of its own (34-38 GB/s against 68-80, 256 KiB to
-// 4 MiB), and ResNet-20's memory-bound Winograd transforms ran 1.7x longer on one thread than the
+// core's freshly written lines much more slowly than its own (from 256 KiB to 4 MiB), and
+// ResNet-20's memory-bound Winograd transforms ran markedly longer on one thread than on the
 // other. The sums then take per-thread partial sums per channel, added in thread order: the same
 // result on every run with the same number of threads (the last bits may change with that number).
 #pragma once

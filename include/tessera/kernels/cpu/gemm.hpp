@@ -12,12 +12,12 @@
 // by rows or columns of C (whichever is longer); from inside one (Conv2d's per-thread blocks) it
 // runs on the calling thread. Do not compile with EIGEN_USE_BLAS: Eigen would then route this call
 // to the system BLAS with its own threads, which fight the OpenMP team (Debian's OpenBLAS on 2
-// threads: 24 GF/s against Eigen's 107 on a (2048, 512) x (512, 49) product).
+// threads ran a (2048, 512) x (512, 49) product several times slower than Eigen split over the team).
 //
 // With TESSERA_OPENBLAS (the meson option openblas, on when libopenblas-dev is installed) the
 // per-thread product is OpenBLAS's sgemm/dgemm, run on one thread: its AVX-512 kernels
-// (Cooperlake/SkylakeX/SapphireRapids, picked at run time) beat Eigen's gebp by 1.13-1.25x on one
-// Zen 4 core on ResNet's shapes (bench/README.md, "GEMM"). The splitting over the team stays
+// (Cooperlake/SkylakeX/SapphireRapids, picked at run time) beat Eigen's gebp on one Zen 4 core on
+// every ResNet shape measured (bench/README.md, "GEMM"). The splitting over the team stays
 // Tessera's; OpenBLAS's thread count is set to 1 once, on first use.
 //
 // With TESSERA_COMPILED_KERNELS (kernels/cpu/compiled.hpp) only the declaration below is visible:
@@ -106,7 +106,7 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
     const std::int64_t begin = std::min(extent, t * chunk), end = std::min(extent, begin + chunk);
     if (begin < end) {
       // Each thread scales its own part of C, just before its product reads it (in parallel, and
-      // while it is in this core's cache; a serial pass first cost 2.7% of ResNet-50 inference).
+      // while it is in this core's cache; a serial pass first showed in ResNet-50's inference profile).
       if (split_rows) scale_c(begin, end, 0, n);
       else scale_c(0, m, begin, end);
       if (split_rows) {

@@ -105,7 +105,7 @@ inline bool max_pool_2x2_windows(const Pool2dGeometry& g) {
 #if defined(__AVX512F__)
 // One output row of at most 16 windows (an input row of at most 32 values, LeNet's 28 and 10):
 // both input rows loaded, split into even and odd columns by one permute each, the four taps
-// compared lane-wise in scan order. Scalar, such a row cost ~20 cycles per window.
+// compared lane-wise in scan order. Scalar, such a row cost several times as much per window.
 inline void max_pool_2x2_row16(const float* r0, const float* r1, std::int64_t w, std::int64_t ow_count,
                                std::int32_t base, float* best, std::int32_t* at) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -136,7 +136,7 @@ inline void max_pool_2x2_row16(const float* r0, const float* r1, std::int64_t w,
 // max_pool2d_forward's loop, unrolled for 2x2 windows: the four taps in the same scan order with the
 // same rule (a later tap wins when greater, or when NaN, as PyTorch's kernel), so values and
 // argmax are identical; written as one branch-free pass per output row that the compiler
-// vectorizes (the generic loop's stride-2 gathers per tap cost ~20% of a LeNet-5 step).
+// vectorizes (the generic loop's stride-2 gathers per tap were a large share of a LeNet-5 step).
 template <class S>
 void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * 4;

@@ -1,8 +1,8 @@
 // Copies of short rows, and col2im's sum of a kernel row's taps (a few to a few dozen elements): the inner loops of im2col and
 // col2im on small images, where a convolution's output rows are 5 to 28 values wide and not
 // adjacent in memory (no padding: W' < W). A plain loop of 10 floats compiles to a vector of 8 and
-// a scalar tail, or to a call to memmove, and costs 15-20 cycles; with AVX-512 one masked load and
-// one masked store move up to 16 floats (measured: im2col + col2im were 30% of a LeNet-5 step).
+// a scalar tail, or to a call to memmove; with AVX-512 one masked load and one masked store move
+// up to 16 floats (measured: im2col + col2im were a large share of a LeNet-5 step).
 // float only (double serves the gradient checks, where speed does not matter); without AVX-512
 // (another -march, or nvcc's host pass) the plain loops are used.
 #pragma once
@@ -76,7 +76,7 @@ inline void copy_row(S* dst, const S* src, std::int64_t n) {
 
 // dst[i] = src[2 i] for i in [0, n): im2col's rows for stride-2 convolutions (ResNet-50's 7x7
 // stem, its stride-2 3x3 and 1x1 layers). The plain loop compiles to scalar loads two at a time
-// (most of im2col's 5% of a ResNet-50 b8 inference profile); AVX-512 picks the even lanes of two
+// (most of im2col's share of a ResNet-50 b8 inference profile); AVX-512 picks the even lanes of two
 // loads with one permute. src[2 (n - 1)] is the last element read.
 template <class S>
 inline void copy_row_stride2(S* dst, const S* src, std::int64_t n) {
@@ -99,7 +99,7 @@ inline void copy_row_stride2(S* dst, const S* src, std::int64_t n) {
 // the taps (i, 0..taps-1) of one output row onto one input row (stride 1, no column padding, so
 // the input row is n + taps - 1 wide). Each input value is loaded, summed over its taps in a
 // register and stored once; adding tap by tap instead reloads values just stored one lane over,
-// which defeats store-to-load forwarding (measured on Zen 4: 73% of col2im's time in that stall).
+// which defeats store-to-load forwarding (measured on Zen 4: most of col2im's time in that stall).
 template <class S>
 inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::int64_t taps, std::int64_t n) {
 #if defined(__AVX512F__)
@@ -130,7 +130,7 @@ inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::in
 // LeNet-5's second layer: 10 wide on a 14-wide input). Column q of a band's col row for tap
 // (i, j) holds input element (oh0 + i) W + j + (q / W') W + q % W': runs of W' values, W apart.
 // Copying them one output row at a time is one masked load and store of W' values each, with the
-// loop around it (7 cycles a row, measured); here each 16 columns come from the (at most 32)
+// loop around it, a few cycles a row; here each 16 columns come from the (at most 32)
 // input values they span: two masked loads, one two-register permute, one full store. The
 // pattern of a chunk depends only on its column, so it is built once per band and serves every
 // row and sample. Lanes past a chunk's last needed element are masked off in the loads, so
@@ -166,13 +166,13 @@ class ShortRowGather {
   }
 
   // Elements from src that a write may read: when src + reach() is still inside the buffer, the
-  // write may use plain loads (unmasked; the masks cost a third of the time).
+  // write may use plain loads (unmasked; the masks cost measurable time).
   std::int64_t reach() const { return start_[chunks_ - 1] + 32; }
 
   // Calls rows(write) once; write(dst, src, unmasked) sets dst[q] = src[offset(q)] for the band's
   // columns, src being the input at (oh0 + i) W + j. Up to kUnrolled chunks, write's loop is
   // unrolled at compile time, and rows is instantiated for the count so that write inlines into
-  // its loop: with a run-time count of 7 (LeNet-5), or a call per row, the same work took 1.5x as long.
+  // its loop: with a run-time count of 7 (LeNet-5), or a call per row, the same work took longer.
   template <class Rows>
   void run(Rows&& rows) const {
     [&]<std::size_t... C>(std::index_sequence<C...>) {

@@ -16,7 +16,7 @@
 // (less where the image is not a multiple of 4 wide: 7x7 takes 2x2 tiles, 2.9 C K per output),
 // for additions-mostly transforms that cost O(C + K) per tile, not O(C K).
 // (F(2x2, 3x3), 16 positions for 4 outputs, saves 2.25x; measured here on a ResNet-20 training
-// step it gave 1.15x over im2col where F(4x4, 3x3) gives 1.27x.)
+// step it gained clearly less over im2col than F(4x4, 3x3) does.)
 //
 // Backward, both exact adjoints of the same arithmetic:
 //   dx: correlating dy with the filter flipped in space and transposed in channels,
@@ -104,7 +104,7 @@ struct WinogradVector {
 // fourth column, and strided loads kept the compiler from vectorizing the transforms. With
 // AVX-512, 16 tiles' columns come from four masked loads and two rounds of permutes, all in
 // registers (splitting through memory in two passes stalled on store-to-load forwarding, which
-// masked stores do not get on Zen 4: 37% of a forward pass).
+// masked stores do not get on Zen 4: a large share of a forward pass).
 template <class S>
 void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t count, S* const (&out)[6],
                     S* const (&also)[6]) {
@@ -482,7 +482,7 @@ void winograd_output_gradient_transform(const WinogradPass& p, const WinogradBlo
 // ---- The channel-blocked path: C and K multiples of the vector width L ----
 //
 // On ResNet's 28-, 14- and 7-wide images split_columns4 fills a vector of tiles from one input
-// row, 7, 4 or 2 tiles of 16 lanes, and took 19% of a ResNet-20 training step. When both channel
+// row, 7, 4 or 2 tiles of 16 lanes, a large share of a ResNet-20 training step. When both channel
 // counts are multiples of L (ResNet: 16 to 512), a block is instead turned into L channels per
 // pixel ("NCHW16c" inside the block only; the layers keep NCHW): whole planes are transposed in
 // L x L register blocks with every lane used, whatever the width, and each tile's 36 values are

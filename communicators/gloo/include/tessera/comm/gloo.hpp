@@ -20,7 +20,7 @@
 // Collectives are Gloo's own (allreduce, allgather, broadcast, barrier); reduce_scatter is a ring
 // over Gloo's unbound buffers (this Gloo has no new-style reduce_scatter). all_reduce up to
 // kSyncMaxBytes runs Gloo's halving-doubling on a second mesh of sync-mode pairs, read by the
-// calling thread (see GlooState::sync_context: 0.2 ms instead of 4 ms between compute phases);
+// calling thread (see GlooState::sync_context: no loop thread to wake between compute phases);
 // larger ones use Gloo's ring. Asynchronous collectives run in issue order on a
 // worker thread (what ProcessGroupGloo does); send/recv are posted at once from the caller's
 // thread on their own slot, so a ring of send_async + recv cannot deadlock behind the worker
@@ -208,11 +208,10 @@ inline void ignore_sigpipe_if_default() {
 // is pinned to one CPU (tessera-run --bind-to core, srun --cpu-bind=cores, mpirun's default
 // binding), so a spinning wait takes nothing from another rank, and MPI's shared-memory
 // transport waits the same way. A sleeping read pays a wake-up each time the peer's data
-// arrives, and on a virtual machine waking an idle virtual CPU is slow. LeNet-5, 2 ranks bound to
-// the 2 cores of this VM, 400 steps, 3 alternating rounds: 27.3k, 26.1k, 28.6k images/s spinning
-// against 25.2k, 23.6k, 27.8k sleeping (bench/README.md, "Data-parallel scaling"). Unpinned ranks
-// sleep: spinning there gained nothing (24.6k against 24.6k) and would starve an oversubscribed
-// machine. TESSERA_GLOO_BUSY_POLL=1 or 0 decides instead.
+// arrives, and on a virtual machine waking an idle virtual CPU is slow: LeNet-5 on 2 ranks bound
+// to the 2 cores of this VM trained faster spinning than sleeping (bench/README.md, "Data-parallel
+// scaling"). Unpinned ranks sleep: spinning there gained nothing and would starve an
+// oversubscribed machine. TESSERA_GLOO_BUSY_POLL=1 or 0 decides instead.
 inline bool gloo_busy_poll() {
   if (const char* v = std::getenv("TESSERA_GLOO_BUSY_POLL"); v != nullptr && *v != '\0') {
     const std::string value = v;
@@ -244,11 +243,12 @@ struct GlooState {
   // waits for a thread of this process or of a peer to be scheduled. On the default (async)
   // pairs every message is read by Gloo's loop thread and handed over; when the peer has already
   // gone back to computing, its loop thread must first preempt its compute thread, and under
-  // Linux's EEVDF scheduler that waits for the end of the running thread's slice: measured here
-  // at 3.9 ms per all_reduce of 244 KB between 4 ms compute phases, against 0.2 ms on sync pairs
-  // (bench/README.md, "Gloo latency"). Sync pairs only serve Gloo's algorithm classes, which bind
-  // buffers at construction: each (dtype, count) gets one AllreduceHalvingDoubling over a
-  // staging buffer, kept while it is used (least recently used ones go past kSyncCacheBytes).
+  // Linux's EEVDF scheduler that waits for the end of the running thread's slice: between compute
+  // phases an all_reduce of LeNet-5's gradients measured many times slower on the async pairs
+  // than on sync pairs (bench/README.md, "Gloo latency"). Sync pairs only serve Gloo's algorithm
+  // classes, which bind buffers at construction: each (dtype, count) gets one
+  // AllreduceHalvingDoubling over a staging buffer, kept while it is used (least recently used
+  // ones go past kSyncCacheBytes).
   // Creation and eviction follow the call sequence, the same on every rank, so every rank takes
   // the same Gloo slots.
   std::shared_ptr<gloo::rendezvous::Context> sync_context;
@@ -265,9 +265,9 @@ struct GlooState {
   std::uint64_t sync_uses = 0;
   // The call check's exchange (CallLedger::summary, 4 int64 per rank) on the sync pairs too: an
   // all_reduce (Sum) of size x 4 int64 where each rank fills only its own 4, which is an
-  // all_gather. On the async pairs it waited like any async collective, about 3 ms when the peer
-  // was computing; checked every 16th call, that was 180 us per all_reduce on average, more than
-  // the exchange itself (bench/README.md, "Gloo latency"). Built at connect, so it owns the first
+  // all_gather. On the async pairs it waited like any async collective when the peer was
+  // computing; even checked every 16th call, that added more to the average all_reduce than the
+  // exchange itself (bench/README.md, "Gloo latency"). Built at connect, so it owns the first
   // sync slot on every rank whatever the cache above does later.
   std::vector<std::int64_t> check_staging;
   std::unique_ptr<gloo::Algorithm> check_gather;
@@ -282,14 +282,11 @@ class GlooComm {
  public:
   static constexpr const char* backend_name = "gloo";
   // all_reduce up to this many bytes runs on the sync pairs (see GlooState::sync_context), larger
-  // ones on Gloo's ring over the async pairs (no staging copy; a 4 ms stall is small next to the
-  // transfer there; the ring beat bcube from 4 MiB on 4 ranks, 8.9 vs 10.7 ms, and at 64 MiB on
-  // 2, 52 vs 64 ms). Measured with bench/collectives.py, 2 ranks, no compute between calls: the
-  // sync path took 164 us at 4 KiB (best raw gloo::allreduce 345), 282 us at 256 KiB (461),
-  // 494 us at 1 MiB (720), 3.2 ms at 4 MiB (4.0); those figures include the call check's
-  // exchange, then on the async pairs. With it on the sync pairs (GlooState::check_gather) and
-  // the ranks bound: 76 us at 4 KiB, 151 us at 256 KiB. Cached staging buffers are evicted past
-  // kSyncCacheBytes in all.
+  // ones on Gloo's ring over the async pairs (no staging copy; a scheduling stall is small next to
+  // the transfer there; the ring beat bcube from 4 MiB on 4 ranks and at 64 MiB on 2). Measured
+  // with bench/collectives.py, 2 ranks, no compute between calls, the sync path is faster than the
+  // best raw gloo::allreduce at every size it takes (bench/README.md, "Gloo latency"). Cached
+  // staging buffers are evicted past kSyncCacheBytes in all.
   static constexpr std::size_t kSyncMaxBytes = 4u << 20;
   static constexpr std::size_t kSyncCacheBytes = 32u << 20;
 

@@ -8,8 +8,8 @@
 // Timeouts. The *_async calls use MPI's non-blocking forms (MPI_Iallreduce, MPI_Isend, ...) and
 // wait() polls MPI_Test against the deadline, so a stalled peer makes wait() throw CommError.
 // The blocking calls use MPI's blocking forms, because Open MPI 4.1's non-blocking collectives
-// (libnbc) are much slower: measured on 2 ranks here, MPI_Iallreduce + MPI_Test took 2.1x the
-// time of MPI_Allreduce at 1 MiB and 2.6x at 64 MiB. A blocking MPI call cannot be interrupted,
+// (libnbc) are much slower: measured on 2 ranks here, MPI_Iallreduce + MPI_Test took far longer
+// than MPI_Allreduce from 1 MiB to 64 MiB. A blocking MPI call cannot be interrupted,
 // so a watchdog thread enforces the timeout: it prints the CommError text (operation, rank,
 // time) and calls MPI_Abort, which ends the job under mpirun or srun, the way PyTorch's NCCL
 // watchdog tears a stuck job down. Set TESSERA_MPI_INTERRUPTIBLE=1 (or

@@ -1,0 +1,100 @@
+"""tools/tessera-sbatch without Slurm: the generated sbatch scripts (flags, per-backend launch
+lines) and the refusal of bad input. tests/slurm/test_slurm.py runs the same checks on the real
+programs before its jobs on a local Slurm.
+
+    python3 -m pytest -q tests/tools/test_sbatch.py
+"""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+from conftest import ROOT
+
+TOOL = ROOT / "tools" / "tessera-sbatch"
+JOB_TIMEOUT = 180  # seconds any one job may take, queueing included
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def expect(condition: object, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+def tool(*args: str, env: dict[str, str] | None = None, timeout: float = JOB_TIMEOUT) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
+
+
+def check_scripts(programs: dict[str, str], work: pathlib.Path) -> None:
+    """The scripts for each backend and option, and the refusals of bad input; `programs`: the
+    mpi and gloo programs (they need not exist: dry runs only)."""
+    mpi, gloo = programs["mpi"], programs["gloo"]
+    rc, script, err = tool("--dry-run", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=3", "--time=10",
+                           "--", mpi, "--no-large")
+    expect(rc == 0, f"dry run for mpi failed: {err}")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=3",
+                 "#SBATCH --time=10", "#SBATCH --requeue", "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"):
+        expect(line in script, f"mpi script lacks '{line}':\n{script}")
+    expect("srun --mpi=pmix --kill-on-bad-exit=1" in script, f"mpi script does not launch with srun --mpi=pmix:\n{script}")
+    expect("TESSERA_STORE" not in script, "an mpi job needs no rendezvous store")
+    expect(f"PROGRAM=({mpi} --no-large)" in script, f"mpi script does not run the program by absolute path:\n{script}")
+    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    expect(syntax.returncode == 0, f"the generated script is not valid bash: {syntax.stderr}")
+
+    rc, script, err = tool("--dry-run", "--mpi=pmi2", "--backend=mpi", "--", mpi)
+    expect(rc == 0 and "srun --mpi=pmi2" in script, "--mpi=pmi2 is not passed to srun")
+
+    rc, script, err = tool("--dry-run", "--ntasks-per-node=2", "--", gloo)
+    expect(rc == 0, f"dry run for gloo failed: {err}")
+    expect('export TESSERA_STORE="file://$LOG_DIR/store-$START"' in script, f"gloo script has no file store:\n{script}")
+    expect("--mpi=" not in script, "a gloo job must not ask srun for an MPI plugin")
+    rc, script, err = tool("--dry-run", "--store=redis", "--iface=eth0", "--comm-timeout=60", "--", gloo)
+    expect(rc == 0 and "redis-server --port" in script and 'TESSERA_STORE="redis://$(hostname):$REDIS_PORT"' in script,
+           f"--store=redis does not start a server on the host of task 0:\n{script}")
+    expect("export TESSERA_GLOO_IFACE=eth0" in script and "export TESSERA_COMM_TIMEOUT=60" in script,
+           "--iface/--comm-timeout not exported")
+    rc, script, err = tool("--dry-run", "--store=redis://10.1.2.3:6379", "--", gloo)
+    expect(rc == 0 and "export TESSERA_STORE=redis://10.1.2.3:6379" in script, "a store URL is not used as given")
+
+    rc, script, err = tool("--dry-run", "--backend=nccl", "--ntasks-per-node=4", "--", gloo)
+    expect(rc == 0 and "#SBATCH --gpus-per-task=1" in script, f"nccl asks for no GPU per task:\n{script}")
+    ckpt = work / "ck.safetensors"
+    rc, script, err = tool("--dry-run", f"--checkpoint={ckpt}", "--", gloo)
+    expect(rc == 0 and f"CHECKPOINT={ckpt}" in script and 'RESUME=(--resume="$CHECKPOINT")' in script,
+           f"--checkpoint does not resume:\n{script}")
+    rc, script, err = tool("--dry-run", "--no-requeue", "--", gloo)
+    expect(rc == 0 and "#SBATCH --no-requeue" in script, "--no-requeue is not kept")
+    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint)")
+
+    bad = [
+        (["--", "/bin/true"], "cannot tell the backend"),
+        (["--backend=threads", "--ntasks-per-node=2", "--", gloo], "one task per node"),
+        (["--backend=mpi", "--gpus-per-task=1", "--", mpi], "for the nccl backend"),
+        (["--time=soon", "--", mpi], "not a Slurm time limit"),
+        (["--nodes=0", "--", mpi], "must be at least 1"),
+        (["--store=tcp://x", "--", gloo], "--store=tcp://x"),
+        (["--env=1X=2", "--", gloo], "is not NAME=VALUE"),
+        (["--backend=mpi"], "no program given"),
+        (["--backend=mpi", "--", str(work / "no-such-program")], "does not exist"),
+    ]
+    for args, message in bad:
+        rc, out, err = tool(*args)
+        expect(rc != 0 and message in err, f"tessera-sbatch {' '.join(args)}: expected an error with '{message}', "
+                                           f"got exit {rc}: {err.strip()}")
+    print(f"ok: {len(bad)} kinds of bad input refused with a message")
+
+
+def test_scripts(tmp_path: pathlib.Path) -> None:
+    programs = {}
+    for backend in ("mpi", "gloo"):
+        program = tmp_path / f"conformance_{backend}"
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
+        programs[backend] = str(program)
+    check_scripts(programs, tmp_path)

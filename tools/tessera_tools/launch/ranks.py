@@ -1,0 +1,203 @@
+"""Starting the ranks, forwarding their output line by line, and stopping them: on a rank's
+failure, on a signal to the launcher, or SIGKILL after the grace period."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import IO, Any, BinaryIO
+
+from tessera_tools.launch.hosts import placement, remote_argv
+from tessera_tools.launch.options import LaunchOptions
+
+# Rank/size variables of other launchers. A tessera-run started inside an mpirun or Slurm job
+# would otherwise hand every rank its own job step's rank and size.
+FOREIGN_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def describe(returncode: int) -> str:
+    """How a rank ended, as words: Popen gives -S for death by signal S."""
+    if returncode >= 0:
+        return f"failed with exit status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "unknown signal"
+    return f"killed by signal {-returncode} ({name})"
+
+
+def exit_status(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+class Output:
+    """Writes whole lines to the launcher's stdout/stderr, one writer at a time, so that lines
+    from different ranks never mix and each appears as soon as it is complete."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def write(self, stream: BinaryIO, data: bytes) -> None:
+        with self.lock:
+            try:
+                stream.write(data)
+                stream.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # nobody reads any more; keep draining the rank's pipe so it never blocks
+
+    def log(self, message: str) -> None:
+        self.write(sys.stderr.buffer, f"tessera-run: {message}\n".encode())
+
+    def forward(self, pipe: IO[bytes], stream: BinaryIO, prefix: bytes) -> None:
+        with pipe:
+            for line in iter(pipe.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"  # the last line of a rank that ended without a newline
+                self.write(stream, prefix + line.decode("utf-8", "replace").encode("utf-8"))
+
+
+class Launcher:
+    def __init__(self, options: LaunchOptions, store: str | None) -> None:
+        self.options = options
+        self.store = store
+        self.out = Output()
+        self.procs: list[subprocess.Popen[bytes]] = []  # index = rank
+        self.threads: list[threading.Thread] = []       # output forwarders and waiters
+        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()  # (rank, returncode) as ranks end
+        self.signum: int | None = None  # first signal the launcher received
+        self.stopping = False           # stop() has begun
+        self.hurry = False              # a signal while stopping: do not wait out the grace period
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is not None or self.stopping:
+            self.hurry = True
+        if self.signum is None:
+            self.signum = signum
+
+    def spawn(self) -> None:
+        o = self.options
+        n = o.nproc
+        base = {k: v for k, v in os.environ.items() if k not in FOREIGN_VARS}
+        base.update(TESSERA_WORLD_SIZE=str(n), TESSERA_LOCAL_WORLD_SIZE=str(n), TESSERA_STORE=self.store or "")
+        if o.iface is not None:
+            base["TESSERA_GLOO_IFACE"] = o.iface
+        if o.timeout is not None:
+            base["TESSERA_COMM_TIMEOUT"] = o.timeout
+        places = placement(o.hosts, n) if o.hosts else None
+        own_cpus = os.sched_getaffinity(0) if o.bind_to == "core" else None
+        cpus = sorted(own_cpus) if own_cpus else None
+        for rank in range(n):
+            if self.signum is not None:
+                break  # interrupted while starting: run() stops the ranks started so far
+            env = dict(base, TESSERA_RANK=str(rank), TESSERA_LOCAL_RANK=str(rank))
+            argv = o.command
+            if places is not None:
+                place = places[rank]
+                env.update(TESSERA_LOCAL_RANK=str(place.local_rank), TESSERA_LOCAL_WORLD_SIZE=str(place.local_size))
+                argv = remote_argv(o.rsh, place.host, {k: v for k, v in env.items() if k.startswith("TESSERA_")},
+                                   o.command, os.getcwd())
+            # A child inherits the CPU set of the thread that forks it: this (main) thread takes
+            # the rank's CPU for the fork and its own set back after, so the rank is bound
+            # before any thread of it starts.
+            if cpus and own_cpus:
+                os.sched_setaffinity(0, {cpus[rank]})
+            try:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+            finally:
+                if cpus and own_cpus:
+                    os.sched_setaffinity(0, own_cpus)
+            self.procs.append(proc)
+            prefix = b"" if o.no_prefix else f"[rank {rank}] ".encode()
+            assert proc.stdout is not None and proc.stderr is not None
+            for pipe, stream in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                self.start_thread(self.out.forward, pipe, stream, prefix)
+            self.start_thread(self.wait_for, rank, proc)
+
+    def wait_for(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self.exits.put((rank, proc.wait()))
+
+    def start_thread(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def running(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if p.returncode is None]
+
+    def signal_group(self, rank: int, signum: int) -> None:
+        try:
+            os.killpg(self.procs[rank].pid, signum)  # the rank leads its own group
+        except (ProcessLookupError, PermissionError):
+            pass  # already gone
+
+    def stop(self, ranks: list[int]) -> None:
+        """SIGTERM the groups of `ranks`, then SIGKILL those still running after the grace period.
+        SIGCONT follows SIGTERM: a stopped rank (SIGSTOP, SIGTSTP, a debugger gone) keeps a SIGTERM
+        pending until it runs again, so its handler would never flush or clean up, and only the
+        SIGKILL after the grace period would end it. Sent after SIGTERM, not before, so that the
+        continued rank meets the pending SIGTERM at once instead of computing on first (as
+        systemd does for the services it stops)."""
+        self.stopping = True
+        for rank in ranks:
+            self.signal_group(rank, signal.SIGTERM)
+            self.signal_group(rank, signal.SIGCONT)
+        deadline = time.monotonic() + self.options.grace
+        while self.running() and time.monotonic() < deadline and not self.hurry:
+            time.sleep(0.05)
+        left = self.running()
+        if left:
+            self.out.log(f"sending SIGKILL to rank{'s' if len(left) > 1 else ''} "
+                         f"{', '.join(map(str, left))} (still running {self.options.grace:g} s "
+                         f"after SIGTERM)")
+            for rank in left:
+                self.signal_group(rank, signal.SIGKILL)
+
+    def stop_message(self) -> str:
+        left = self.running()
+        return f"; stopping ranks {', '.join(map(str, left))}" if left else ""
+
+    def run(self) -> int:
+        try:
+            self.spawn()
+        except OSError as error:
+            self.out.log(f"cannot start rank {len(self.procs)}: {error}{self.stop_message()}")
+            self.stop(self.running())
+            return 2
+        status: int | None = None
+        skipped, ended = False, 0
+        while ended < len(self.procs) and status is None:
+            if self.signum is not None:
+                name = signal.Signals(self.signum).name
+                self.out.log(f"received {name}{self.stop_message()}")
+                status = 128 + self.signum
+                break
+            try:
+                rank, returncode = self.exits.get(timeout=0.1)
+            except queue.Empty:
+                continue  # wake up now and then to notice signals
+            ended += 1
+            if returncode == 77:
+                skipped = True
+            elif returncode != 0:
+                self.out.log(f"rank {rank} {describe(returncode)}{self.stop_message()}")
+                status = exit_status(returncode)
+        if status is not None:
+            self.stop(self.running())
+        for proc in self.procs:
+            proc.wait()
+        # Output still buffered in the pipes is forwarded before exiting; a background
+        # child that outlived its rank and holds a pipe open is not waited for.
+        deadline = time.monotonic() + 2
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if status is not None:
+            return status
+        return 77 if skipped else 0

@@ -1,0 +1,232 @@
+"""tessera-sbatch's command line: its options and their checks, the submission, main()."""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from tessera_tools.sbatch.options import BACKENDS, JobOptions
+from tessera_tools.sbatch.script import absolute, render
+
+DESCRIPTION = "tessera-sbatch: run a Tessera program on a Slurm cluster from a short description."
+
+EPILOG = """\
+how each backend is launched inside the allocation:
+  mpi      srun --mpi=pmix (or --mpi=pmi2): Open MPI ranks wire up through Slurm's PMI, no
+           mpirun. MpiComm reads its rank from MPI itself.
+  gloo     srun with a rendezvous store, in TESSERA_STORE: a directory under the log folder
+           (--store file, the default; the log folder must then be on a file system every node
+           mounts, as a cluster's home or scratch is), a redis-server that the batch script
+           starts on the host of task 0 (--store redis; needs redis-server there and TCP
+           between nodes), or a URL given as is (--store redis://host:port). GlooComm reads
+           SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID itself.
+  nccl     as gloo (the store carries NCCL's unique id); --gpus-per-task asks Slurm for GPUs,
+           and each rank takes GPU SLURM_LOCALID modulo the GPUs it sees (one when Slurm binds a
+           GPU per task).
+  threads  one task per node; the program's ranks are threads (--ranks=N is the program's flag).
+  Every backend: OMP_NUM_THREADS=SLURM_CPUS_PER_TASK, the compute threads of each rank (Tessera's
+  programs take it as the default of their --threads flag).
+
+logs and failures:
+  The batch script's own output goes to LOG_DIR/job-<id>.out, each rank's to
+  LOG_DIR/job-<id>/rank-<r>.log. srun stops the other ranks when one fails
+  (--kill-on-bad-exit); the script then writes LOG_DIR/job-<id>/summary.txt (also at the end of
+  job-<id>.out): each rank's exit status, and the failed rank's error lines and last lines.
+  With --wait, tessera-sbatch waits for the job, prints the summary and exits with the job's
+  status.
+
+requeue and checkpoints:
+  With --checkpoint PATH, the program is given --checkpoint=PATH, and also --resume=PATH when
+  that file exists as the job (re)starts. The job is submitted with --requeue, so a job that
+  Slurm requeues (preemption with PreemptMode=REQUEUE, a node failure, `scontrol requeue`)
+  starts again from its last checkpoint; job-<id>.out is appended to, and the rank logs of
+  each start are marked "=== start N ===". Tessera's examples write checkpoints atomically
+  (temporary file, rename), so a rank killed mid-write leaves the previous one.
+"""
+
+
+
+def time_limit(text: str) -> str:
+    """Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a Slurm time limit (e.g. 30, 01:00:00, 1-12:00:00)")
+    return text
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def infer_backend(program: str) -> str | None:
+    """04_data_parallel_mpi -> mpi: Tessera's builds name one binary per communicator."""
+    name = pathlib.Path(program).name
+    for backend in BACKENDS:
+        if name.endswith("_" + backend):
+            return backend
+    return None
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera-sbatch", description=DESCRIPTION,
+        usage="%(prog)s [options] -- PROGRAM [ARGS...]",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shape = parser.add_argument_group("the allocation")
+    shape.add_argument("-N", "--nodes", type=positive, default=1)
+    shape.add_argument("--ntasks-per-node", type=positive, default=1, help="ranks per node (default 1)")
+    shape.add_argument("-c", "--cpus-per-task", type=positive, default=1,
+                       help="cores per rank; also its OMP_NUM_THREADS (default 1)")
+    shape.add_argument("--gpus-per-task", type=int, default=0, help="GPUs per rank (nccl; default 0)")
+    shape.add_argument("-t", "--time", type=time_limit, default="00:30:00", help="time limit (default 00:30:00)")
+    shape.add_argument("-J", "--job-name", help="default: tessera-<program name>")
+    shape.add_argument("-p", "--partition")
+    shape.add_argument("-A", "--account")
+    shape.add_argument("--qos")
+    shape.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                       help="one more #SBATCH line, as is (repeatable), e.g. --sbatch-arg=--exclusive")
+    run = parser.add_argument_group("the launch")
+    run.add_argument("--backend", choices=BACKENDS,
+                     help="default: from the program's name (..._mpi, ..._gloo, ..._nccl, ..._threads)")
+    run.add_argument("--mpi", choices=("pmix", "pmi2"), default="pmix", help="srun's PMI for mpi (default pmix)")
+    run.add_argument("--store", default="file",
+                     help="gloo/nccl rendezvous: file (default), redis, or a file:// or redis:// URL")
+    run.add_argument("--iface", help="network interface Gloo binds on every node (TESSERA_GLOO_IFACE)")
+    run.add_argument("--comm-timeout", type=positive, metavar="S",
+                     help="seconds a collective may wait for a peer (TESSERA_COMM_TIMEOUT)")
+    run.add_argument("--log-dir", default="tessera-jobs", help="where logs go (default ./tessera-jobs)")
+    run.add_argument("--checkpoint", metavar="PATH",
+                     help="pass --checkpoint=PATH, and --resume=PATH when it exists (requeue resumes)")
+    run.add_argument("--no-requeue", action="store_true", help="do not let Slurm requeue the job")
+    run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                     help="an environment variable for every rank (repeatable)")
+    out = parser.add_argument_group("what to do")
+    out.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+    out.add_argument("-o", "--script", metavar="FILE",
+                     help="also keep the script here (default: LOG_DIR/<job name>.sbatch when submitting)")
+    out.add_argument("--wait", action="store_true",
+                     help="wait for the job, print its summary, exit with its status")
+    out.add_argument("--sbatch", default="sbatch", help="the sbatch command (default: sbatch on PATH)")
+    return parser
+
+
+def parse(argv: Sequence[str]) -> JobOptions:
+    parser = make_parser()
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        options, command = argv[:cut], argv[cut + 1:]
+    else:
+        options, command = argv, []
+    args = parser.parse_args(options)
+    if not command:
+        parser.error("no program given: put it after --, e.g. tessera-sbatch --backend mpi -- ./prog --epochs=1")
+    if args.backend is None:
+        inferred = infer_backend(command[0])
+        if inferred is None:
+            parser.error(f"cannot tell the backend from the program's name '{command[0]}': give --backend "
+                         f"({', '.join(BACKENDS)})")
+        args.backend = inferred
+    if args.gpus_per_task < 0:
+        parser.error(f"--gpus-per-task={args.gpus_per_task} must be 0 or more")
+    if args.backend == "nccl" and args.gpus_per_task == 0:
+        args.gpus_per_task = 1
+    if args.backend != "nccl" and args.gpus_per_task:
+        parser.error(f"--gpus-per-task is for the nccl backend, not {args.backend}")
+    if args.backend == "threads" and args.ntasks_per_node != 1:
+        parser.error("the threads backend runs one task per node (its ranks are threads): "
+                     "drop --ntasks-per-node, or use mpi or gloo for several processes")
+    if args.store not in ("file", "redis") and not re.match(r"(file|redis)://", args.store):
+        parser.error(f"--store={args.store}: give file, redis, file:///shared/dir or redis://host:port")
+    for item in args.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.S):
+            parser.error(f"--env {item!r} is not NAME=VALUE")
+    args.job_name = args.job_name or "tessera-" + pathlib.Path(command[0]).name
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", args.job_name):
+        parser.error(f"--job-name={args.job_name!r}: use letters, digits and _.+- only")
+    return JobOptions(
+        command=command, backend=args.backend, job_name=args.job_name, nodes=args.nodes,
+        ntasks_per_node=args.ntasks_per_node, cpus_per_task=args.cpus_per_task, gpus_per_task=args.gpus_per_task,
+        time=args.time, partition=args.partition, account=args.account, qos=args.qos, sbatch_arg=args.sbatch_arg,
+        mpi=args.mpi, store=args.store, iface=args.iface, comm_timeout=args.comm_timeout, log_dir=args.log_dir,
+        checkpoint=args.checkpoint, no_requeue=args.no_requeue, env=args.env, dry_run=args.dry_run,
+        script=args.script, wait=args.wait, sbatch=args.sbatch)
+
+
+def resolve_program(command: list[str]) -> list[str]:
+    """The program as an absolute path when it names a file here (srun runs it on other nodes,
+    from the submit directory, which must be the same path there)."""
+    program = command[0]
+    if os.sep in program:
+        path = pathlib.Path(program)
+        if not path.exists():
+            sys.exit(f"tessera-sbatch: program '{program}' does not exist")
+        if not os.access(path, os.X_OK):
+            sys.exit(f"tessera-sbatch: program '{program}' is not executable")
+        return [absolute(program), *command[1:]]
+    if shutil.which(program) is None:
+        sys.exit(f"tessera-sbatch: program '{program}' is not on PATH")
+    return command
+
+
+def submit(args: JobOptions, script: str, log_dir: str) -> int:
+    pathlib.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    script_path = pathlib.Path(args.script or pathlib.Path(log_dir) / f"{args.job_name}.sbatch")
+    script_path.write_text(script)
+    script_path.chmod(0o755)
+    sbatch = shutil.which(args.sbatch)
+    if sbatch is None:
+        sys.exit(f"tessera-sbatch: '{args.sbatch}' not found: is this a Slurm login node? "
+                 f"(the script is in {script_path}; --dry-run prints it)")
+    command = [sbatch, "--parsable"] + (["--wait"] if args.wait else []) + [str(script_path)]
+    done = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert done.stdout is not None
+    job_id = done.stdout.readline().strip().split(";")[0]
+    if not job_id.isdigit():
+        done.wait()
+        sys.exit(f"tessera-sbatch: sbatch did not submit {script_path} (exit {done.returncode})")
+    print(f"submitted job {job_id}: script {script_path}, logs {log_dir}/job-{job_id}.out and {log_dir}/job-{job_id}/",
+          flush=True)
+    if not args.wait:
+        done.wait()
+        return 0
+    status = done.wait()
+    summary = pathlib.Path(log_dir) / f"job-{job_id}" / "summary.txt"
+    if summary.exists():
+        print(summary.read_text(), end="")
+    else:
+        print(f"job {job_id} wrote no summary (it may not have started); see {log_dir}/job-{job_id}.out")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    log_dir = absolute(args.log_dir)
+    command = command_for(args)
+    script = render(args, command, log_dir, argv)
+    if args.dry_run:
+        if args.script:
+            pathlib.Path(args.script).write_text(script)
+        print(script, end="")
+        return 0
+    return submit(args, script, log_dir)
+
+
+def command_for(args: JobOptions) -> list[str]:
+    """A dry run may describe a program built elsewhere: its path is made absolute, not checked."""
+    if args.dry_run:
+        program = args.command[0]
+        return [absolute(program) if os.sep in program else program, *args.command[1:]]
+    return resolve_program(args.command)
+

@@ -1,0 +1,134 @@
+"""The sbatch script tessera-sbatch writes: #SBATCH lines, then plain bash a reader can follow."""
+from __future__ import annotations
+
+import datetime
+import pathlib
+import shlex
+from collections.abc import Sequence
+
+from tessera_tools.sbatch.options import JobOptions
+
+
+def absolute(path: str) -> str:
+    """Paths in the script are absolute: the job may start in another directory."""
+    return str(pathlib.Path(path).expanduser().resolve())
+
+
+def quote_all(words: Sequence[str]) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: Sequence[str]) -> str:
+    """The sbatch script; `invocation` is tessera-sbatch's own arguments, quoted in its header."""
+    q = shlex.quote
+    tasks = args.nodes * args.ntasks_per_node
+    lines = [
+        "#!/bin/bash",
+        f"# Written by tessera-sbatch on {datetime.datetime.now().isoformat(timespec='seconds')}:",
+        f"#   {quote_all(['tessera-sbatch', *invocation])}",
+        f"# {tasks} rank(s) of {pathlib.Path(command[0]).name} over {args.backend}: "
+        f"{args.nodes} node(s) x {args.ntasks_per_node} task(s), {args.cpus_per_task} CPU(s) per task.",
+        f"#SBATCH --job-name={args.job_name}",
+        f"#SBATCH --nodes={args.nodes}",
+        f"#SBATCH --ntasks-per-node={args.ntasks_per_node}",
+        f"#SBATCH --cpus-per-task={args.cpus_per_task}",
+        f"#SBATCH --time={args.time}",
+        f"#SBATCH --output={log_dir}/job-%j.out",
+        "#SBATCH --open-mode=append",
+    ]
+    if args.gpus_per_task:
+        lines.append(f"#SBATCH --gpus-per-task={args.gpus_per_task}")
+    for flag, value in (("partition", args.partition), ("account", args.account), ("qos", args.qos)):
+        if value:
+            lines.append(f"#SBATCH --{flag}={value}")
+    lines.append("#SBATCH --no-requeue" if args.no_requeue else "#SBATCH --requeue")
+    lines += [f"#SBATCH {a}" for a in args.sbatch_arg]
+    lines += [
+        "",
+        "set -uo pipefail",
+        f"LOG_DIR={q(log_dir)}/job-$SLURM_JOB_ID",
+        'START=$(( ${SLURM_RESTART_COUNT:-0} + 1 ))  # 1 on the first start, 2 after one requeue, ...',
+        'mkdir -p "$LOG_DIR"',
+        'echo "=== start $START of job $SLURM_JOB_ID on $SLURM_JOB_NODELIST at $(date -Is) ==="',
+        "",
+        "# Compute threads of each rank: the cores Slurm gave the task.",
+        "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
+    ]
+    for item in args.env:
+        name, value = item.split("=", 1)
+        lines.append(f"export {name}={q(value)}")
+    if args.comm_timeout:
+        lines.append(f"export TESSERA_COMM_TIMEOUT={args.comm_timeout}")
+    if args.iface:
+        lines.append(f"export TESSERA_GLOO_IFACE={q(args.iface)}")
+
+    srun = ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=$SLURM_CPUS_PER_TASK",
+            '--output="$LOG_DIR/rank-%t.log"', "--open-mode=append"]
+    if args.backend == "mpi":
+        srun.insert(1, f"--mpi={args.mpi}")
+    if args.backend in ("gloo", "nccl"):
+        lines += ["", "# Rendezvous: every rank finds the others through this store."]
+        if args.store == "file":
+            lines += ["# A fresh directory per start, under the log folder (every node must see it).",
+                      'export TESSERA_STORE="file://$LOG_DIR/store-$START"', 'mkdir -p "$LOG_DIR/store-$START"']
+        elif args.store == "redis":
+            lines += [
+                "# A private redis-server on this node, the host of task 0, for the job's lifetime.",
+                "REDIS_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+                'redis-server --port "$REDIS_PORT" --save "" --appendonly no --protected-mode no '
+                '> "$LOG_DIR/redis-$START.log" 2>&1 &',
+                "REDIS_PID=$!",
+                'trap \'kill "$REDIS_PID" 2>/dev/null\' EXIT',
+                'for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done',
+                'export TESSERA_STORE="redis://$(hostname):$REDIS_PORT"',
+            ]
+        else:
+            lines.append(f"export TESSERA_STORE={q(args.store)}")
+        lines.append('export TESSERA_STORE_PREFIX="job-$SLURM_JOB_ID-start-$START"')
+
+    lines += ["", "# The program and its flags.", f"PROGRAM=({quote_all(command)})"]
+    if args.checkpoint:
+        checkpoint = q(absolute(args.checkpoint))
+        lines += [
+            "",
+            "# Resume from the last checkpoint when there is one (after a requeue or a resubmission).",
+            f"CHECKPOINT={checkpoint}",
+            'RESUME=()',
+            'if [ -s "$CHECKPOINT" ]; then RESUME=(--resume="$CHECKPOINT"); echo "resuming from $CHECKPOINT"; fi',
+        ]
+        lines.append('PROGRAM+=(--checkpoint="$CHECKPOINT" "${RESUME[@]}")')
+    lines += [
+        "",
+        "# Each rank's exit status goes to rank-<r>.exit, for the summary below; a rank that srun",
+        "# stopped after another one failed writes none.",
+        'for r in $(seq 0 $((SLURM_NTASKS - 1))); do echo "=== start $START ===" >> "$LOG_DIR/rank-$r.log"; done',
+        'rm -f "$LOG_DIR"/rank-*.exit',
+        "TASK='\"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$SLURM_PROCID.exit\"; exit $code'",
+        "export LOG_DIR",
+        f"LAUNCH=({' '.join(srun)})",
+        'echo "launch: ${LAUNCH[*]} ${PROGRAM[*]}"',
+        '"${LAUNCH[@]}" bash -c "$TASK" rank "${PROGRAM[@]}"',
+        "STATUS=$?",
+        "",
+        "# Summary: every rank's status, and what the failed ones said.",
+        "{",
+        '  echo "job $SLURM_JOB_ID start $START: srun exited with $STATUS"',
+        '  for r in $(seq 0 $((SLURM_NTASKS - 1))); do',
+        # A rank that srun stopped may still record its exit: 128 + the signal (143: SIGTERM), when
+        # the wrapping shell outlives its program by an instant. Both say what happened.
+        '    if [ -f "$LOG_DIR/rank-$r.exit" ]; then code=$(cat "$LOG_DIR/rank-$r.exit"); '
+        'else code="none (stopped by Slurm after another rank failed, or killed)"; fi',
+        '    case "$code" in 129|13[0-9]|14[0-9]|15[0-9]) '
+        'code="$code (signal $((code - 128)): stopped by Slurm after another rank failed, or killed)";; esac',
+        '    echo "rank $r: exit $code"',
+        '    if [ "$code" != 0 ] && [ -f "$LOG_DIR/rank-$r.exit" ]; then',
+        '      echo "--- rank $r: error lines ---"; grep -i -m 10 "error" "$LOG_DIR/rank-$r.log"',
+        '      echo "--- rank $r: last lines ---"; tail -n 15 "$LOG_DIR/rank-$r.log"',
+        "    fi",
+        "  done",
+        '} > "$LOG_DIR/summary.txt"',
+        'cat "$LOG_DIR/summary.txt"',
+        'exit "$STATUS"',
+    ]
+    return "\n".join(lines) + "\n"
+
