@@ -34,8 +34,11 @@ import time
 TIMEOUT = 3.0  # seconds, passed as TESSERA_COMM_TIMEOUT
 MPIRUN_TEARDOWN = 15.0  # seconds mpirun may take, after MPI_Abort, to kill a stalled rank
 failures = []
-# The store-based backends share the scenarios: (label in the report, class named in errors).
-STORE_BACKEND = {"label": "gloo", "class": "GlooComm"}
+# The store-based backends share the scenarios: the label in the report, the class named in
+# errors, and what the backend can tell (set from the command line by its entry in the backend
+# list): the rank that is gone, a stall report naming the ranks that did not reach the call, a
+# late count mismatch at a call the sampled check skips.
+STORE_BACKEND = {"label": "", "class": "", "dead_peer": False, "stall_report": False, "late_count": False}
 
 
 def check(ok, what, detail=""):
@@ -135,7 +138,7 @@ def gloo_kill_scenario(program, mode, op_name):
                 # The kill may land in the call check's exchange before the operation ("... call check").
                 check(re.search(rf"CommError: {STORE_BACKEND['class']} {op_name}\(.*\)( call check)? on rank {r} of 3", text)
                       is not None, f"{STORE_BACKEND['label']} {mode}: rank {r}'s error names the operation and its rank", text)
-                check(STORE_BACKEND["label"] != "gloo" or re.search(r"no answer: rank 1 \(", text) is not None,
+                check(not STORE_BACKEND["dead_peer"] or re.search(r"no answer: rank 1 \(", text) is not None,
                       f"{STORE_BACKEND['label']} {mode}: rank {r}'s error names rank 1 as the one that is gone", text)
                 print("      " + (text.strip().splitlines() or ["(no output)"])[-1])
         finally:
@@ -201,7 +204,7 @@ def gloo_mismatch(program):
             finally:
                 for r in ranks:
                     r.kill()
-    if STORE_BACKEND["label"] != "gloo":
+    if not STORE_BACKEND["late_count"]:
         return
     # Different counts at a call the sample skips: Gloo's I/O thread enforces message sizes with an
     # exception nothing can catch; the process must still say what it was doing before it ends.
@@ -251,10 +254,11 @@ def gloo_stall(program):
                 text = ranks[r].text()
                 check(code == 3 and took <= 2 * TIMEOUT and f"all_reduce(float32 x 1000, sum) on rank {r} of 3" in text,
                       f"{STORE_BACKEND['label']} stall: rank {r} times out naming the operation ({took:.2f} s, status {code})", text)
-                if STORE_BACKEND["label"] == "gloo":
+                if STORE_BACKEND["stall_report"]:
                     check(re.search(rf"warning: .*all_reduce\(float32 x 1000, sum\) on rank {r} of 3 \(call #42\) has "
                                     r"waited .*reached call #42: ranks 0, 2; not reached: rank 1 \(last entered call #41", text)
-                          is not None, f"gloo stall: rank {r} warns at the stall threshold naming rank 1 as missing", text)
+                          is not None, f"{STORE_BACKEND['label']} stall: rank {r} warns at the stall threshold naming rank 1 "
+                                        "as missing", text)
                     # Rank 0 and 2 time out within milliseconds of each other; the one that exits first resets
                     # its pair with the other, which may then fail on that reset instead of its own timer. Either
                     # way the error must still name rank 1 as the rank that never reached the call.
@@ -358,31 +362,38 @@ def mpi_mismatch(mpirun, program):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["gloo", "mpi", "nccl"], required=True)
-    parser.add_argument("--program", required=True, help="fault_gloo, fault_mpi or fault_nccl")
+    parser.add_argument("--backend", required=True, help="the backend's name in the backend list (meson.build)")
+    parser.add_argument("--class-name", required=True, help="the communicator class its errors name (GlooComm)")
+    parser.add_argument("--launch", choices=["mpirun", "store"], required=True,
+                        help="mpirun: the ranks run under mpirun, which ends the job when one dies; store: each rank "
+                             "is started directly and meets the others through a file store")
+    parser.add_argument("--program", required=True, help="tests/comm/fault_main.cpp built for the backend")
     parser.add_argument("--mpirun", default="mpirun")
-    parser.add_argument("--ps-program", help="ps_fault_gloo: the parameter-server scenario (Gloo)")
+    parser.add_argument("--ps-program", help="parallel/ps_fault_main.cpp built for the backend: a parameter-server "
+                                             "worker killed")
+    parser.add_argument("--names-dead-peer", action="store_true", help="errors name the rank that is gone")
+    parser.add_argument("--stall-report", action="store_true",
+                        help="a stall warns at the threshold naming the ranks that did not reach the call")
+    parser.add_argument("--late-count", action="store_true",
+                        help="a count mismatch at a call the sampled check skips still names the call")
+    parser.add_argument("--join", action="store_true", help="a rank that never joins the rendezvous is named")
     args = parser.parse_args()
-    if args.backend == "nccl":
-        # NCCL cannot tell which rank never joined its rendezvous, so the join scenario is Gloo's.
-        STORE_BACKEND.update(label="nccl", **{"class": "NcclComm"})
-        gloo_kill_scenario(args.program, "allreduce", "all_reduce")
-        gloo_kill_scenario(args.program, "barrier", "barrier")
-        gloo_stall(args.program)
-        gloo_mismatch(args.program)
-    elif args.backend == "gloo":
-        gloo_kill_scenario(args.program, "allreduce", "all_reduce")
-        gloo_kill_scenario(args.program, "barrier", "barrier")
-        gloo_stall(args.program)
-        gloo_mismatch(args.program)
-        gloo_join(args.program)
-        if args.ps_program:
-            gloo_ps_kill(args.ps_program)
-    else:
+    if args.launch == "mpirun":
         mpi_kill_scenario(args.mpirun, args.program, "allreduce")
         mpi_kill_scenario(args.mpirun, args.program, "barrier")
         mpi_stall(args.mpirun, args.program)
         mpi_mismatch(args.mpirun, args.program)
+    else:
+        STORE_BACKEND.update(label=args.backend, dead_peer=args.names_dead_peer, stall_report=args.stall_report,
+                             late_count=args.late_count, **{"class": args.class_name})
+        gloo_kill_scenario(args.program, "allreduce", "all_reduce")
+        gloo_kill_scenario(args.program, "barrier", "barrier")
+        gloo_stall(args.program)
+        gloo_mismatch(args.program)
+        if args.join:
+            gloo_join(args.program)
+        if args.ps_program:
+            gloo_ps_kill(args.ps_program)
     print(f"{len(failures)} failed")
     return 1 if failures else 0
 

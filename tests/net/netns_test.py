@@ -9,7 +9,7 @@ inside namespaces this test creates and always deletes (also on SIGTERM or SIGIN
     tsn-<pid>-0/1/2     one "host" each: eth0 (a veth to port pI), 10.77.0.(I+1)/24, and lo
 
 Nothing outside these namespaces is touched; the ranks share this machine's filesystem (the Gloo
-file store and the programs), as cluster nodes share NFS. Scenarios (--backend gloo or mpi):
+file store and the programs), as cluster nodes share NFS. Scenarios (--launch tessera-run, as Gloo's ranks start, or mpirun):
 
   conformance    the conformance suite on 3 ranks, one per host (Gloo: tools/tessera-run --hosts
                  with --rsh 'ip netns exec {host} sh -c' --iface eth0; MPI: mpirun --host with an
@@ -234,7 +234,7 @@ class Launch:
 
     def __init__(self, args, net, workdir):
         self.args, self.net, self.workdir = args, net, workdir
-        if args.backend == "mpi":
+        if args.launch == "mpirun":
             # Open MPI's rsh launcher runs `agent <host> orted ...` and expects a remote shell. Each
             # host also gets its own hostname (a UTS namespace), as a real host has: Open MPI keys
             # its session directory in the shared /tmp by hostname, and daemons of one name race
@@ -249,7 +249,7 @@ class Launch:
     def start(self, count, program, program_args=(), timeout=60.0, extra=None):
         hosts = self.net.hosts[:count]
         env = base_env(dict(TESSERA_COMM_TIMEOUT=f"{timeout:g}", **(extra or {})))
-        if self.args.backend == "gloo":
+        if self.args.launch == "tessera-run":
             argv = [sys.executable, self.args.launcher, "--hosts", ",".join(hosts),
                     "--rsh", "ip netns exec {host} sh -c", "--iface", "eth0", "--timeout", f"{timeout:g}",
                     "--grace", "2", "--", program, *program_args]
@@ -318,7 +318,7 @@ def scenario_bandwidth(args, net, launch):
         # directions of the link busy at once (measured here: 47% of the limit, with any of its
         # all_reduce algorithms); with two connections per peer it does.
         links2 = measure(args, net, launch, f"{RATE_MBIT} Mbit/s, btl_tcp_links 2", 3.0,
-                         extra={"OMPI_MCA_btl_tcp_links": "2"}) if args.backend == "mpi" else None
+                         extra={"OMPI_MCA_btl_tcp_links": "2"}) if args.launch == "mpirun" else None
     finally:
         net.unlimit(1)
     if bare is None or limited is None:
@@ -353,11 +353,12 @@ def scenario_bandwidth(args, net, launch):
             links2["busbw_MBps"] / rate, 3))
 
 
-def fault_patterns(backend, r):
+def fault_patterns(args, r):
     """(operation and rank named, peer named) for rank r's error after host 1's link went down."""
-    # Gloo throws a CommError; MPI's watchdog prints "tessera: CommError: ...", or a rank whose
-    # call check (the exchange before a call) timed out ends the job "after: MpiComm ...".
-    cls = {"gloo": "CommError: GlooComm", "mpi": "MpiComm"}[backend]
+    # A rank started by tessera-run (Gloo) throws a CommError; under mpirun, MPI's watchdog prints
+    # "tessera: CommError: ...", or a rank whose call check (the exchange before a call) timed out
+    # ends the job "after: MpiComm ...".
+    cls = args.class_name if args.launch == "mpirun" else f"CommError: {args.class_name}"
     op = rf"{cls} all_reduce\(float32 x 16777216, avg\)( call check)? on rank {r} of {HOSTS}"
     # Ranks 0 and 2 lost rank 1; rank 1 lost everyone. The peer is named by Gloo's error
     # ("peer: rank q") or by the stall report ("no answer: rank q (...)", "not reached: rank q").
@@ -389,7 +390,7 @@ def scenario_link_down_gloo(args, net, workdir):
             code = p.wait(down_at + 2 * TIMEOUT + 1 - time.monotonic())
             took = time.monotonic() - down_at
             text = p.text()
-            op, peer = fault_patterns("gloo", r)
+            op, peer = fault_patterns(args, r)
             check(code == 3 and took <= 2 * TIMEOUT,
                   f"gloo link down: rank {r} ends with a CommError within 2x the timeout ({took:.2f} s, status {code})",
                   text)
@@ -437,7 +438,7 @@ def scenario_link_down_mpi(args, net, launch, workdir):
             gone = process_gone(pids[r])
             path = os.path.join(errors, f"rank{r}.txt")
             text = open(path).read() if os.path.exists(path) else "(no error file)"
-            op, peer = fault_patterns("mpi", r)
+            op, peer = fault_patterns(args, r)
             check(gone and took <= 2 * TIMEOUT, f"mpi link down: rank {r} ends within 2x the timeout "
                   f"({took:.2f} s{'' if gone else ', still running'})", job.text())
             if re.search(op, text) and "timed out after 5 s" in text and re.search(peer, text):
@@ -473,18 +474,21 @@ def scenario_link_down_mpi(args, net, launch, workdir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["gloo", "mpi"], required=True)
-    parser.add_argument("--conformance", required=True, help="conformance_gloo or conformance_mpi")
-    parser.add_argument("--bandwidth", required=True, help="net_bandwidth_gloo or net_bandwidth_mpi")
-    parser.add_argument("--fault", required=True, help="fault_gloo or fault_mpi")
-    parser.add_argument("--launcher", help="tools/tessera-run (Gloo)")
+    parser.add_argument("--backend", required=True, help="the backend's name in the backend list (labels)")
+    parser.add_argument("--class-name", required=True, help="the communicator class its errors name (GlooComm)")
+    parser.add_argument("--launch", choices=["mpirun", "tessera-run"], required=True,
+                        help="how its ranks start on several hosts: mpirun --host, or tessera-run --hosts")
+    parser.add_argument("--conformance", required=True, help="tests/comm/conformance_main.cpp built for the backend")
+    parser.add_argument("--bandwidth", required=True, help="tests/net/bandwidth_main.cpp built for the backend")
+    parser.add_argument("--fault", required=True, help="tests/comm/fault_main.cpp built for the backend")
+    parser.add_argument("--launcher", help="tools/tessera-run (--launch tessera-run)")
     parser.add_argument("--mpirun", default="mpirun")
     parser.add_argument("--only", choices=["conformance", "bandwidth", "link-down"], action="append",
                         help="run only these scenarios (repeatable)")
     parser.add_argument("--results", help="write the measured numbers here as JSON")
     args = parser.parse_args()
-    if args.backend == "gloo" and not args.launcher:
-        parser.error("--backend gloo needs --launcher")
+    if args.launch == "tessera-run" and not args.launcher:
+        parser.error("--launch tessera-run needs --launcher")
     why = can_run()
     if why:
         print(f"skipped: {why}")
@@ -508,7 +512,7 @@ def main():
             if "bandwidth" in only:
                 scenario_bandwidth(args, net, launch)
             if "link-down" in only:
-                if args.backend == "gloo":
+                if args.launch == "tessera-run":
                     scenario_link_down_gloo(args, net, workdir)
                 else:
                     scenario_link_down_mpi(args, net, launch, workdir)
