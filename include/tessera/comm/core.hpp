@@ -6,9 +6,10 @@
 // call ledger (comm/call_check.hpp), the progress board (comm/monitor.hpp) and the broken state
 // (the first failure's text). What it does:
 //
-//   check_root / check_peer / check_all_gather / check_reduce_scatter / count_as_int
-//       argument checks, one wording for every backend; they throw CommError and do not break
-//       the communicator (nothing has moved yet)
+//   check_root / check_peer / check_all_gather / check_reduce_scatter / count_as_int /
+//   check_split_color
+//       argument checks, one wording for every backend; they throw (CommError, ArgumentError for
+//       the color) and do not break the communicator (nothing has moved yet)
 //   enter(sig) -> call number; check_call(sig, gather); begin(sig, gather) = both; finish()
 //       the usable check, the board, the ledger and the agreement check, whose exchange is the
 //       backend's fixed-size all_gather of int64
@@ -179,6 +180,12 @@ class CommCore {
       return;
     throw CommError(text("reduce_scatter", cat("input has ", in_count, " elements, expected ", size_, " x ",
                                                out_count, " (size x output)")));
+  }
+  // split's color: ArgumentError, as MPI_UNDEFINED (a negative color) is not supported.
+  void check_split_color(int color) const {
+    if (color >= 0) [[likely]]
+      return;
+    throw ArgumentError(text("split", cat("color ", color, " must be >= 0")));
   }
   // For libraries that count elements in an int (MPI).
   template <class What>

@@ -229,8 +229,7 @@ class ThreadGroup {
 
   // MPI_Comm_split semantics: ranks with equal color form a group, ordered by (key, old rank).
   std::shared_ptr<ThreadGroup> split(int rank, int color, int key, int& new_rank) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "ThreadComm split on rank ", rank, ": color ", color,
-                  " must be >= 0");
+    cores_[rank].check_split_color(color);
     const CallSignature sig{CollectiveKind::Split, CommDType::I64, 0, 0};
     slots_[rank].color = color;
     slots_[rank].key = key;

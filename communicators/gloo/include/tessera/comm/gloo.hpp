@@ -380,7 +380,7 @@ class GlooComm {
   // MPI_Comm_split semantics. The members find each other through the same store, under a key
   // prefix unique to this split (split number and color), and connect a new full mesh.
   GlooComm split(int color, int key) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "GlooComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    s_->core.check_split_color(color);
     drain();
     std::vector<std::int64_t> mine = {color, key}, all(2 * static_cast<std::size_t>(size()));
     all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));

@@ -353,7 +353,7 @@ class MpiComm {
   void set_interruptible(bool on) { h_->interruptible = on; }
 
   MpiComm split(int color, int key) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "MpiComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    h_->core.check_split_color(color);
     // MPI_Comm_split is blocking with no non-blocking form: the watchdog enforces its timeout.
     MPI_Comm child = MPI_COMM_NULL;
     blocking(detail::CallSignature{detail::CollectiveKind::Split, CommDType::I64, 0, 0},

@@ -374,7 +374,7 @@ class NcclComm {
   // ncclCommSplit: ranks with the same color form a new communicator ordered by (key, rank),
   // on the same GPU, created non-blocking like the parent. Collective over the parent.
   NcclComm split(int color, int key) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "NcclComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    s_->core.check_split_color(color);
     auto& s = *s_;
     NcclComm child;
     child.s_ = std::make_shared<detail::NcclState>();

@@ -133,6 +133,7 @@ class P2pComm {
 
   // MPI_Comm_split semantics, inherited from ThreadComm's split of both groups.
   P2pComm split(int color, int key) {
+    core_->check_split_color(color);
     worker_->drain();
     core_->check_usable("split");
     ThreadComm user = user_.split(color, key);
