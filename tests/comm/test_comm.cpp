@@ -1,6 +1,6 @@
 // Communicators inside one process: the conformance suite over LocalComm and ThreadComm (1-4
-// ranks), ThreadComm's failure behaviour, Half, the environment readers, and the concept's
-// per-member diagnostics. MPI and Gloo run the same suite as multi-process programs
+// ranks), ThreadComm's failure behaviour, the communicator core's per-call protocol, Half, the
+// environment readers, and the concept's per-member diagnostics. MPI and Gloo run the same suite as multi-process programs
 // (tests/comm/conformance_main.cpp) registered in tests/meson.build.
 #include <catch2/catch.hpp>
 
@@ -13,6 +13,7 @@
 
 #include "comm/conformance.hpp"
 #include "tessera/comm/call_check.hpp"
+#include "tessera/comm/core.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
@@ -304,6 +305,48 @@ TEST_CASE("CallLedger: checks the first calls, then a sample, and names the firs
     }
   }
   CHECK(checked == std::vector<int>{0, 1, 2, 3, 11, 19, 27});
+}
+
+TEST_CASE("CommCore: argument checks, the broken state and the wait loop, in one wording", "[comm]") {
+  using detail::CallSignature;
+  using detail::CollectiveKind;
+  detail::CommCore core("TestComm", 1, 3, CommOptions{.timeout = 50ms});
+  CHECK_THROWS_WITH(core.check_root(3), "TestComm broadcast on rank 1 of 3: root 3 is out of range [0, 3)");
+  CHECK_THROWS_WITH(core.check_peer(-1, "send"), "TestComm send on rank 1 of 3: peer -1 is out of range [0, 3)");
+  CHECK_THROWS_WITH(core.check_peer(1, "recv"), Catch::Contains("peer 1 is this rank"));
+  CHECK_NOTHROW(core.check_peer(1, "send", /*self_allowed=*/true));
+  CHECK_THROWS_WITH(core.check_all_gather(4, 11),
+                    "TestComm all_gather on rank 1 of 3: output has 11 elements, expected 3 x 4 (size x input)");
+  CHECK_THROWS_WITH(core.check_reduce_scatter(11, 4),
+                    "TestComm reduce_scatter on rank 1 of 3: input has 11 elements, expected 3 x 4 (size x output)");
+  CHECK_FALSE(core.broken());  // argument errors leave the communicator usable
+
+  const CallSignature sig{CollectiveKind::AllReduce, CommDType::F32, 4, 0};
+  int gathers = 0;
+  const std::int64_t call = core.begin(sig, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    ++gathers;  // every rank agrees: rank r's summary in block r
+    for (int r = 0; r < 3; ++r) std::copy(in.begin(), in.end(), out.begin() + 4 * r);
+  });
+  CHECK(call == 1);
+  CHECK(gathers == 1);  // the first calls are checked
+  core.finish();
+
+  std::string hook;
+  core.on_broken([&](const std::string& text) { hook += text; });
+  int polls = 0;
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(core.wait(sig, 2, [&] { return ++polls < 0; }),
+                    Catch::StartsWith("TestComm all_reduce(float32 x 4, sum) on rank 1 of 3 (call #2): timed out after "
+                                      "0.05 s (a peer is dead, stalled, or did not make the same call)"));
+  CHECK(std::chrono::steady_clock::now() - start < 1s);
+  CHECK(core.broken());
+  CHECK_THAT(hook, Catch::Contains("timed out"));  // the backend's hook ran, once
+  CHECK_THROWS_WITH(core.check_usable(detail::PeerCall::send<double>(2, 0)),
+                    Catch::StartsWith("TestComm send(float64 x 2) to rank 0 on rank 1 of 3: communicator is unusable "
+                                      "after an earlier error: TestComm all_reduce"));
+  CHECK_THROWS_WITH(core.fail("barrier()", "later"), Catch::Contains("barrier() on rank 1 of 3: later"));
+  CHECK_THROWS_WITH(core.check_usable("x"), Catch::Contains("earlier error: TestComm all_reduce"));  // the first stays
+  CHECK(hook.find("later") == std::string::npos);
 }
 
 namespace {

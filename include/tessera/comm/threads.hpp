@@ -16,6 +16,8 @@
 // times and written p times in total, with no intermediate copies: one pass over memory.
 // Because the signatures are in shared memory anyway, ThreadComm always checks that all ranks
 // called the same collective with the same type and count (the debug check of other backends).
+// Argument checks, the broken state and error texts are the communicator core's (comm/core.hpp),
+// one core per rank of a group, all sharing the group's broken state; the barrier is its own.
 //
 // Failure: if a rank's function throws inside ThreadWorld::run, every rank waiting at a barrier
 // throws CommError naming that rank; a rank that stalls makes the others throw after the timeout,
@@ -39,6 +41,7 @@
 #include "tessera/comm/async_worker.hpp"
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/core.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/comm/reduce.hpp"
 #include "tessera/core/env.hpp"
@@ -68,6 +71,9 @@ class ThreadGroup {
         split_results_(static_cast<std::size_t>(size)) {
     mailboxes_.reserve(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
     for (int i = 0; i < size * size; ++i) mailboxes_.push_back(std::make_unique<Mailbox>());
+    const auto broken = std::make_shared<BrokenState>();  // one failure breaks the whole group
+    cores_.reserve(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) cores_.emplace_back("ThreadComm", r, size, options, broken);
   }
 
   int size() const { return size_; }
@@ -75,8 +81,7 @@ class ThreadGroup {
 
   template <CommScalar T>
   void all_reduce(int rank, std::span<T> buf, ReduceOp op) {
-    const CallSignature sig{CollectiveKind::AllReduce, comm_dtype_of<T>, static_cast<std::int64_t>(buf.size()),
-                            static_cast<std::int64_t>(op)};
+    const auto sig = signature_of<T>(CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
     if (size_ == 1) return check_usable(rank, sig);
     enter(rank, buf.data(), sig);
     const auto [lo, hi] = chunk(buf.size(), rank);
@@ -95,8 +100,8 @@ class ThreadGroup {
 
   template <CommScalar T>
   void broadcast(int rank, std::span<T> buf, int root) {
-    check_peer(rank, root, "broadcast", "root");
-    const CallSignature sig{CollectiveKind::Broadcast, comm_dtype_of<T>, static_cast<std::int64_t>(buf.size()), root};
+    cores_[rank].check_root(root);
+    const auto sig = signature_of<T>(CollectiveKind::Broadcast, buf.size(), root);
     if (size_ == 1) return check_usable(rank, sig);
     enter(rank, buf.data(), sig);
     if (rank != root && !buf.empty()) std::memcpy(buf.data(), slots_[root].pointer, buf.size_bytes());
@@ -105,9 +110,8 @@ class ThreadGroup {
 
   template <CommScalar T>
   void all_gather(int rank, std::span<const T> in, std::span<T> out) {
-    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size_), CommError, "ThreadComm all_gather on rank ",
-                  rank, ": output has ", out.size(), " elements, expected ", size_, " x ", in.size());
-    const CallSignature sig{CollectiveKind::AllGather, comm_dtype_of<T>, static_cast<std::int64_t>(in.size()), 0};
+    cores_[rank].check_all_gather(in.size(), out.size());
+    const auto sig = signature_of<T>(CollectiveKind::AllGather, in.size());
     if (size_ == 1) {
       check_usable(rank, sig);
       std::copy(in.begin(), in.end(), out.begin());
@@ -121,11 +125,8 @@ class ThreadGroup {
 
   template <CommScalar T>
   void reduce_scatter(int rank, std::span<const T> in, std::span<T> out, ReduceOp op) {
-    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size_), CommError,
-                  "ThreadComm reduce_scatter on rank ", rank, ": input has ", in.size(), " elements, expected ", size_,
-                  " x ", out.size(), " (size x output)");
-    const CallSignature sig{CollectiveKind::ReduceScatter, comm_dtype_of<T>, static_cast<std::int64_t>(in.size()),
-                            static_cast<std::int64_t>(op)};
+    cores_[rank].check_reduce_scatter(in.size(), out.size());
+    const auto sig = signature_of<T>(CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
     if (size_ == 1) {
       check_usable(rank, sig);
       std::copy(in.begin(), in.end(), out.begin());
@@ -162,8 +163,8 @@ class ThreadGroup {
 
   template <CommScalar T>
   void send(int rank, std::span<const T> buf, int peer) {
-    check_peer(rank, peer, "send", "peer");
-    if (broken_.load()) check_usable(rank, cat("send to rank ", peer));
+    cores_[rank].check_peer(peer, "send");
+    check_usable(rank, PeerCall::send<T>(buf.size(), peer));
     Mailbox& box = mailbox(rank, peer);
     {
       std::lock_guard lock(box.mutex);
@@ -181,8 +182,8 @@ class ThreadGroup {
 
   template <CommScalar T>
   std::shared_ptr<PostedRecv> post_recv(int rank, std::span<T> buf, int peer) {
-    check_peer(rank, peer, "recv", "peer");
-    if (broken_.load()) check_usable(rank, cat("recv from rank ", peer));
+    cores_[rank].check_peer(peer, "recv");
+    check_usable(rank, PeerCall::recv<T>(buf.size(), peer));
     auto posted = std::make_shared<PostedRecv>(PostedRecv{buf.data(), comm_dtype_of<T>, buf.size()});
     Mailbox& box = mailbox(peer, rank);
     std::lock_guard lock(box.mutex);
@@ -215,19 +216,20 @@ class ThreadGroup {
         // Withdraw the receive so that a late send cannot write into a buffer the caller frees.
         std::erase(box.posted, posted);
         lock.unlock();
-        const std::string what = cat("recv(", to_string(posted->dtype), " x ", posted->count, ") from rank ", peer);
+        const PeerCall what{false, posted->dtype, static_cast<std::int64_t>(posted->count), peer};
         if (failed) fail(rank, what, "", stopped_reason());
         fail(rank, what, "", cat("timed out after ", seconds_text(options_.timeout), ": rank ", peer, " sent nothing"));
       }
       box.cv.wait_for(lock, std::chrono::milliseconds(20));
     }
-    TESSERA_CHECK(posted->error.empty(), CommError, "ThreadComm recv on rank ", rank, ": ", posted->error);
+    if (!posted->error.empty())  // the message was consumed whole: the communicator stays usable
+      throw CommError(cores_[rank].text(PeerCall{false, posted->dtype, static_cast<std::int64_t>(posted->count), peer},
+                                        posted->error));
   }
 
   // MPI_Comm_split semantics: ranks with equal color form a group, ordered by (key, old rank).
   std::shared_ptr<ThreadGroup> split(int rank, int color, int key, int& new_rank) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "ThreadComm split on rank ", rank, ": color ", color,
-                  " must be >= 0");
+    cores_[rank].check_split_color(color);
     const CallSignature sig{CollectiveKind::Split, CommDType::I64, 0, 0};
     slots_[rank].color = color;
     slots_[rank].key = key;
@@ -248,10 +250,7 @@ class ThreadGroup {
 
   template <class What>
   void check_usable(int rank, const What& what) const {
-    if (!broken_.load()) return;
-    std::lock_guard lock(broken_mutex_);
-    throw CommError(cat("ThreadComm ", describe(what), " on rank ", rank, ": communicator is unusable after an earlier error: ",
-                        broken_reason_));
+    cores_[rank].check_usable(what);
   }
 
  private:
@@ -299,13 +298,6 @@ class ThreadGroup {
     return pointers.data();
   }
 
-  void check_peer(int rank, int peer, const char* op, const char* what) const {
-    TESSERA_CHECK(peer >= 0 && peer < size_, CommError, "ThreadComm ", op, " on rank ", rank, ": ", what, " ", peer,
-                  " is out of range [0, ", size_, ")");
-    TESSERA_CHECK(std::string_view(what) == "root" || peer != rank, CommError, "ThreadComm ", op, " on rank ", rank,
-                  ": cannot ", op, " to itself");
-  }
-
   // Publish, meet, and compare signatures: every rank sees the same slots, so either all ranks
   // throw the mismatch or none does.
   void enter(int rank, const void* pointer, const CallSignature& sig) {
@@ -317,7 +309,7 @@ class ThreadGroup {
       if (slots_[q].signature == sig) continue;
       std::string text = cat("ranks called different collectives:");
       for (int r = 0; r < size_; ++r) text += cat("\n  rank ", r, ": ", slots_[r].signature.describe());
-      fail(rank, sig.describe(), "", text);
+      fail(rank, sig, "", text);
     }
   }
 
@@ -328,16 +320,9 @@ class ThreadGroup {
     return cat("stopped because rank ", world_->failed_rank, " failed: ", world_->reason);
   }
 
-  [[noreturn]] void fail(int rank, const std::string& what, const std::string& phase, const std::string& reason) {
-    std::string text = cat("ThreadComm ", what, " on rank ", rank, " of ", size_);
-    if (!phase.empty()) text += cat(" (phase '", phase, "')");
-    text += cat(": ", reason);
-    {
-      std::lock_guard lock(broken_mutex_);
-      if (!broken_.load()) broken_reason_ = text;
-      broken_.store(true);
-    }
-    throw CommError(text);
+  template <class What>
+  [[noreturn]] void fail(int rank, const What& what, std::string_view phase, const std::string& reason) {
+    cores_[rank].fail(what, reason, phase.empty() ? std::string() : cat("phase '", phase, "'"));
   }
 
   // Central barrier with a generation counter. A short spin catches the common case of ranks
@@ -364,15 +349,14 @@ class ThreadGroup {
     while (generation_.load() == generation) {
       if (world_->failed.load()) {
         lock.unlock();
-        fail(rank, sig.describe(), phase, stopped_reason());
+        fail(rank, sig, phase, stopped_reason());
       }
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string missing;
         for (int q = 0; q < size_; ++q)
           if (!present_[q]) missing += cat(missing.empty() ? "" : ", ", q);
         lock.unlock();
-        fail(rank, sig.describe(), phase,
-             cat("timed out after ", seconds_text(options_.timeout), " waiting for rank(s) ", missing));
+        fail(rank, sig, phase, cat("timed out after ", seconds_text(options_.timeout), " waiting for rank(s) ", missing));
       }
       cv_.wait_for(lock, std::chrono::milliseconds(20));
     }
@@ -390,10 +374,7 @@ class ThreadGroup {
   std::vector<Slot> slots_;
   std::vector<std::shared_ptr<ThreadGroup>> split_results_;
   std::vector<std::unique_ptr<Mailbox>> mailboxes_;
-
-  std::atomic<bool> broken_{false};
-  mutable std::mutex broken_mutex_;
-  std::string broken_reason_;
+  std::vector<CommCore> cores_;  // by rank: checks, error texts, the group's broken state
 };
 
 }  // namespace detail

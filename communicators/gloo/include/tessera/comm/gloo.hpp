@@ -64,6 +64,7 @@
 #include "tessera/comm/async_worker.hpp"
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/core.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
@@ -230,11 +231,7 @@ struct GlooState {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::rendezvous::Context> context;
   std::string store_url;
-  int rank = 0, size = 1;
-  CommOptions options;
-  CallLedger ledger{options.check_first, options.effective_check_every()};
-  std::shared_ptr<ProgressBoard> board;  // what peers see of this communicator (comm/monitor.hpp)
-  std::string label;                     // the board's name, the same on every member
+  CommCore core;  // the per-call protocol: checks, ledger, board, broken state (comm/core.hpp)
   std::uint32_t next_tag = 1;  // advanced in issue order, identically on every rank
   int splits = 0;
   std::vector<std::string> pair_addresses;  // this rank's address for its pair with each peer
@@ -272,8 +269,6 @@ struct GlooState {
   std::vector<std::int64_t> check_staging;
   std::unique_ptr<gloo::Algorithm> check_gather;
   std::vector<std::byte> scratch;            // reduce_scatter's two chunks, grown, never shrunk
-  std::mutex broken_mutex;
-  std::string broken;
 };
 
 }  // namespace detail
@@ -304,25 +299,21 @@ class GlooComm {
     TESSERA_CHECK(size >= 1 && rank >= 0 && rank < size, ArgumentError, "GlooComm: rank ", rank, " and size ", size,
                   " are inconsistent: need 0 <= rank < size");
     s_->store_url = store_url;
-    s_->rank = rank;
-    s_->size = size;
-    s_->options = options;
-    s_->ledger = detail::CallLedger(options.check_first, options.effective_check_every());
+    s_->core = detail::CommCore("GlooComm", rank, size, options);
     s_->store = std::make_shared<detail::PrefixedStore>(detail::open_gloo_store(store_url), prefix);
-    s_->label = "gloo:" + prefix;
     detail::ignore_sigpipe_if_default();
     detail::install_fatal_handler();
     detail::install_sigterm_reporter();
     s_->device = detail::make_gloo_device();
-    connect(prefix);
+    connect(prefix, "gloo:" + prefix);
   }
 
   GlooComm(GlooComm&&) noexcept = default;
   GlooComm& operator=(GlooComm&&) noexcept = default;
 
-  int rank() const { return s_->rank; }
-  int size() const { return s_->size; }
-  const CommOptions& options() const { return s_->options; }
+  int rank() const { return s_->core.rank(); }
+  int size() const { return s_->core.size(); }
+  const CommOptions& options() const { return s_->core.options(); }
   const std::shared_ptr<gloo::rendezvous::Context>& native() const { return s_->context; }
   // Whether the all_reduce fast path spins while it waits for a peer (detail::gloo_busy_poll).
   bool busy_polls() const { return s_->busy_poll; }
@@ -374,21 +365,19 @@ class GlooComm {
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
-    const std::string what = detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
-    check_peer(peer, what);
-    return post(what, const_cast<T*>(buf.data()), buf.size_bytes(), peer, true);
+    s_->core.check_peer(peer, "send");
+    return post(detail::PeerCall::send<T>(buf.size(), peer), const_cast<T*>(buf.data()), buf.size_bytes(), peer, true);
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
-    const std::string what = detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
-    check_peer(peer, what);
-    return post(what, buf.data(), buf.size_bytes(), peer, false);
+    s_->core.check_peer(peer, "recv");
+    return post(detail::PeerCall::recv<T>(buf.size(), peer), buf.data(), buf.size_bytes(), peer, false);
   }
 
   // MPI_Comm_split semantics. The members find each other through the same store, under a key
   // prefix unique to this split (split number and color), and connect a new full mesh.
   GlooComm split(int color, int key) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "GlooComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    s_->core.check_split_color(color);
     drain();
     std::vector<std::int64_t> mine = {color, key}, all(2 * static_cast<std::size_t>(size()));
     all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
@@ -406,19 +395,17 @@ class GlooComm {
   GlooComm(const std::shared_ptr<detail::GlooState>& parent, const std::string& prefix, int rank, int size)
       : s_(std::make_shared<detail::GlooState>()) {
     s_->store_url = parent->store_url;
-    s_->rank = rank;
-    s_->size = size;
-    s_->options = parent->options;
-    s_->ledger = detail::CallLedger(s_->options.check_first, s_->options.effective_check_every());
+    s_->core = detail::CommCore("GlooComm", rank, size, parent->core.options());
     s_->store = std::make_shared<detail::PrefixedStore>(parent->store, prefix);
-    s_->label = parent->label + "/" + prefix;
     s_->device = parent->device;
-    connect(prefix);
+    connect(prefix, parent->core.label() + "/" + prefix);
   }
 
-  void connect(const std::string& label) {
+  // label: the rendezvous's name in errors; board_label: the progress board's, the same on every member.
+  void connect(const std::string& label, std::string board_label) {
     s_->busy_poll = detail::gloo_busy_poll();  // first: a bad TESSERA_GLOO_BUSY_POLL is the user's error
-    const auto deadline = std::chrono::steady_clock::now() + s_->options.timeout;
+    const CommOptions& options = s_->core.options();
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
     auto& store = *s_->store;
     try {
       store.set(detail::cat("join.", rank()), std::vector<char>{'1'});
@@ -444,21 +431,21 @@ class GlooComm {
         std::string names;
         for (int q : missing) names += detail::cat(names.empty() ? "" : ", ", q);
         throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
-                                    s_->store_url, ": timed out after ", detail::seconds_text(s_->options.timeout),
+                                    s_->store_url, ": timed out after ", detail::seconds_text(options.timeout),
                                     "; rank(s) ", names, " never joined"));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     try {
       s_->context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
-      s_->context->setTimeout(s_->options.timeout);
+      s_->context->setTimeout(options.timeout);
       s_->context->connectFullMesh(store, s_->device);
       s_->pair_addresses = publish_pair_addresses(*s_->context, store, "pairs.");
       if (size() > 1) {
         // The second mesh, for the sync all_reduce; its keys under their own prefix.
         auto sync_store = std::make_shared<detail::PrefixedStore>(s_->store, "sync");
         s_->sync_context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
-        s_->sync_context->setTimeout(s_->options.timeout);  // each pair's socket read/write timeout
+        s_->sync_context->setTimeout(options.timeout);  // each pair's socket read/write timeout
         s_->sync_context->connectFullMesh(*sync_store, s_->device);
         for (int q = 0; q < size(); ++q)
           if (q != rank()) s_->sync_context->getPair(q)->setSync(true, s_->busy_poll);
@@ -469,15 +456,14 @@ class GlooComm {
             detail::gloo_reduction<std::int64_t>());
       }
       // Tag 0 is never an operation's (next_tag starts at 1).
-      s_->board = detail::make_progress_board("GlooComm", s_->label, rank(), size(),
-                                              [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-                                                gloo::AllgatherOptions opts(s_->context);
-                                                opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
-                                                opts.setOutput(out.data(), out.size());
-                                                opts.setTag(0);
-                                                opts.setTimeout(s_->options.timeout);
-                                                gloo::allgather(opts);
-                                              });
+      s_->core.connect_monitor(std::move(board_label), [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+        gloo::AllgatherOptions opts(s_->context);
+        opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
+        opts.setOutput(out.data(), out.size());
+        opts.setTag(0);
+        opts.setTimeout(options.timeout);
+        gloo::allgather(opts);
+      });
     } catch (const std::exception& e) {
       throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
                                   s_->store_url, ": connecting the full mesh failed: ", e.what()));
@@ -509,47 +495,20 @@ class GlooComm {
     return worker_->submit(std::move(op));
   }
 
-  void check_peer(int peer, const std::string& what) const {
-    TESSERA_CHECK(peer >= 0 && peer < size() && peer != rank(), CommError, "GlooComm ", what, " on rank ", rank(),
-                  ": peer ", peer, " must be another rank in [0, ", size(), ")");
-  }
-
-  template <class What>
-  static void check_usable(const std::shared_ptr<detail::GlooState>& s, const What& what) {
-    std::lock_guard lock(s->broken_mutex);
-    TESSERA_CHECK(s->broken.empty(), CommError, "GlooComm ", detail::describe(what), " on rank ", s->rank,
-                  ": communicator is unusable after an earlier error: ", s->broken);
-  }
-
-  // Runs one Gloo call, turning its exceptions into CommError with our context.
+  // Runs one Gloo call through the core's guard: its exception becomes CommError naming the
+  // operation, Gloo's reason, the peer where Gloo's address can be traced back, and which peers
+  // reached the call (asked of their status servers, up to a second).
   template <class What, class Fn>
-  static void guarded(const std::shared_ptr<detail::GlooState>& s, const What& what, Fn&& fn) {
-    check_usable(s, what);
-    try {
-      fn();
-    } catch (const std::exception& e) {
+  static void guarded(const std::shared_ptr<detail::GlooState>& s, const What& what, std::int64_t call, Fn&& fn) {
+    s->core.guard(what, call, std::forward<Fn>(fn), [&](const std::exception& e) {
       // A sync pair's socket timeout reads "Read timeout <address>"; say what it means.
       const std::string_view gloo_text = e.what();
       const bool socket_timeout = gloo_text.find("Read timeout") != std::string_view::npos ||
                                   gloo_text.find("Write timeout") != std::string_view::npos;
-      std::string text =
-          detail::cat("GlooComm ", detail::describe(what), " on rank ", s->rank, " of ", s->size, ": ",
-                      socket_timeout ? detail::cat("timed out after ", detail::seconds_text(s->options.timeout), ": ") : "",
-                      e.what(), peer_named_in(s, e.what()));
-      // Which peers reached the call, asked of their status servers (up to a second).
-      if (s->board && s->size > 1) {
-        std::int64_t sig[4];
-        for (int i = 0; i < 4; ++i) sig[i] = s->board->last[i].load(std::memory_order_relaxed);
-        const std::string report = detail::stall_report(*s->board, s->board->entered.load(), detail::CallSignature::decode(sig));
-        if (!report.empty()) text += "; " + report;
-      }
-      {
-        std::lock_guard lock(s->broken_mutex);
-        if (s->broken.empty()) s->broken = text;
-      }
-      detail::mark_board_failed(s->board);
-      throw CommError(text);
-    }
+      return detail::cat(
+          socket_timeout ? detail::cat("timed out after ", detail::seconds_text(s->core.options().timeout), ": ") : "",
+          e.what(), peer_named_in(s, e.what()), s->core.stall_suffix_of_last());
+    });
   }
 
   // " (peer: rank q)" when Gloo's message contains the address of this rank's pair with q, or of
@@ -566,19 +525,20 @@ class GlooComm {
       return false;
     };
     auto named = [](int q) { return detail::cat(" (peer: rank ", q, ")"); };
+    const int rank = s->core.rank(), size = s->core.size();
     for (const auto* mine : {&s->pair_addresses, &s->sync_pair_addresses})
-      for (int q = 0; q < s->size; ++q)
-        if (q != s->rank && q < static_cast<int>(mine->size()) && mentions((*mine)[q])) return named(q);
+      for (int q = 0; q < size; ++q)
+        if (q != rank && q < static_cast<int>(mine->size()) && mentions((*mine)[q])) return named(q);
     for (const char* key : {"pairs.", "syncpairs."}) {
-      for (int q = 0; q < s->size; ++q) {
-        if (q == s->rank) continue;
+      for (int q = 0; q < size; ++q) {
+        if (q == rank) continue;
         try {
           std::vector<std::string> theirs(1);
           for (char ch : s->store->get(detail::cat(key, q))) {
             if (ch == '|') theirs.emplace_back();
             else theirs.back() += ch;
           }
-          if (s->rank < static_cast<int>(theirs.size()) && mentions(theirs[s->rank])) return named(q);
+          if (rank < static_cast<int>(theirs.size()) && mentions(theirs[rank])) return named(q);
         } catch (const std::exception&) {
         }
       }
@@ -586,63 +546,47 @@ class GlooComm {
     return " (a peer died, stalled or did not make the same call)";
   }
 
-  // The call check (comm/call_check.hpp): on the calls the ledger picks, the ranks compare notes
-  // through fixed-size allgathers (tagged like the call itself, with a high bit) before the call.
-  // Runs where the call runs (caller or worker thread), so the ledger sees calls in issue order.
-  //
-  // Also publishes the call on the progress board and watches it (a warning naming the ranks that
-  // have not reached it after the stall warning; Gloo enforces the timeout itself) until the
-  // returned InCall goes out of scope.
+  // One collective from the core's point of view: entered on the progress board, watched (a
+  // warning naming the ranks that have not reached it after the stall warning; Gloo enforces the
+  // timeout itself), and on the calls the ledger picks the call check, whose fixed-size
+  // allgathers run on the sync pairs (tagged like the call itself, with a high bit, on the async
+  // pairs for the rare window exchange). Runs where the call runs (caller or worker thread), so
+  // the ledger sees calls in issue order. The board counts the call finished when this goes.
   class InCall {
    public:
-    InCall(const std::shared_ptr<detail::GlooState>& s, const detail::CallSignature& sig)
-        : board_(s->board),
-          watched_({s->board, s->board->enter(sig), sig, "GlooComm", s->rank, s->size, s->options.timeout,
-                    s->options.effective_stall_warning(), nullptr}) {}
-    ~InCall() { board_->finish(); }
+    InCall(const std::shared_ptr<detail::GlooState>& s, const detail::CallSignature& sig, std::uint32_t tag)
+        : s_(s), call_(s->core.enter(sig)), watched_(s->core.watch(call_, sig)) {
+      std::uint32_t exchange = 0;
+      s->core.check_call(sig, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+        guarded(s, detail::CallCheckOf{sig}, call_, [&] {
+          ++exchange;
+          if (s->check_gather && 4 * static_cast<std::size_t>(s->core.size()) == out.size())
+            return gather_on_sync_pairs(*s, in, out);
+          gloo::AllgatherOptions opts(s->context);
+          opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
+          opts.setOutput(out.data(), out.size());
+          opts.setTag((tag & 0x3fffffffu) | (exchange << 30));
+          opts.setTimeout(s->core.options().timeout);
+          gloo::allgather(opts);
+        });
+      });
+    }
+    ~InCall() { s_->core.finish(); }
     InCall(const InCall&) = delete;
     InCall& operator=(const InCall&) = delete;
+    std::int64_t call() const { return call_; }
 
    private:
-    std::shared_ptr<detail::ProgressBoard> board_;
+    std::shared_ptr<detail::GlooState> s_;
+    std::int64_t call_;
     detail::WatchedCall watched_;
   };
-  [[nodiscard]] static std::unique_ptr<InCall> debug_check(const std::shared_ptr<detail::GlooState>& s,
-                                                           const detail::CallSignature& sig, std::uint32_t tag) {
-    check_usable(s, sig);
-    auto in_call = std::make_unique<InCall>(s, sig);
-    if (!s->ledger.record(sig) || s->size == 1) return in_call;
-    std::uint32_t exchange = 0;
-    try {
-      detail::run_call_check(s->ledger, "GlooComm", s->rank, s->size,
-                             [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-                               guarded(s, sig.describe() + " call check", [&] {
-                                 ++exchange;
-                                 if (s->check_gather && 4 * static_cast<std::size_t>(s->size) == out.size())
-                                   return gather_on_sync_pairs(*s, in, out);
-                                 // The windows, only after a mismatch: rare, so the async pairs.
-                                 gloo::AllgatherOptions opts(s->context);
-                                 opts.setInput(const_cast<std::int64_t*>(in.data()), in.size());
-                                 opts.setOutput(out.data(), out.size());
-                                 opts.setTag((tag & 0x3fffffffu) | (exchange << 30));
-                                 opts.setTimeout(s->options.timeout);
-                                 gloo::allgather(opts);
-                               });
-                             });
-    } catch (const CommError& e) {
-      detail::mark_board_failed(s->board);
-      std::lock_guard lock(s->broken_mutex);
-      if (s->broken.empty()) s->broken = e.what();
-      throw;
-    }
-    return in_call;
-  }
 
   // The call check's summaries (4 int64 per rank) gathered by GlooState::check_gather.
   static void gather_on_sync_pairs(detail::GlooState& s, std::span<const std::int64_t> in,
                                    std::span<std::int64_t> out) {
     std::fill(s.check_staging.begin(), s.check_staging.end(), 0);
-    std::copy(in.begin(), in.end(), s.check_staging.begin() + 4 * s.rank);
+    std::copy(in.begin(), in.end(), s.check_staging.begin() + 4 * s.core.rank());
     detail::gloo_sync_op = ReduceOp::Sum;
     s.check_gather->run();
     std::copy(s.check_staging.begin(), s.check_staging.end(), out.begin());
@@ -651,22 +595,22 @@ class GlooComm {
   template <CommScalar T>
   static void run_all_reduce(const std::shared_ptr<detail::GlooState>& s, std::span<T> buf, ReduceOp op,
                              std::uint32_t tag) {
-    const detail::CallSignature sig{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
-                                    static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)};
-    const auto in_call = debug_check(s, sig, tag);
-    if (s->size == 1 || buf.empty()) return check_usable(s, sig);
-    if (detail::prescale_half_avg(buf.data(), buf.size(), op, s->size)) op = ReduceOp::Sum;
-    guarded(s, sig, [&] {
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
+    const InCall in_call(s, sig, tag);
+    const int size = s->core.size();
+    if (size == 1 || buf.empty()) return;
+    if (detail::prescale_half_avg(buf.data(), buf.size(), op, size)) op = ReduceOp::Sum;
+    guarded(s, sig, in_call.call(), [&] {
       if (s->sync_context && buf.size_bytes() <= kSyncMaxBytes) return run_sync_all_reduce(*s, buf, op);
       gloo::AllreduceOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
       opts.setReduceFunction(detail::gloo_reduce_function<T>(op));
       opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
       opts.setTag(tag);
-      opts.setTimeout(s->options.timeout);
+      opts.setTimeout(s->core.options().timeout);
       gloo::allreduce(opts);
     });
-    detail::finish_avg(buf.data(), buf.size(), op, s->size);
+    detail::finish_avg(buf.data(), buf.size(), op, size);
   }
 
   // all_reduce on the sync pairs: staged through the cached algorithm of its dtype and count.
@@ -704,18 +648,16 @@ class GlooComm {
   template <CommScalar T>
   static void run_broadcast(const std::shared_ptr<detail::GlooState>& s, std::span<T> buf, int root,
                             std::uint32_t tag) {
-    const detail::CallSignature sig{detail::CollectiveKind::Broadcast, comm_dtype_of<T>,
-                                    static_cast<std::int64_t>(buf.size()), root};
-    TESSERA_CHECK(root >= 0 && root < s->size, CommError, "GlooComm broadcast on rank ", s->rank, ": root ", root,
-                  " is out of range [0, ", s->size, ")");
-    const auto in_call = debug_check(s, sig, tag);
-    if (s->size == 1 || buf.empty()) return check_usable(s, sig);
-    guarded(s, sig, [&] {
+    s->core.check_root(root);
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::Broadcast, buf.size(), root);
+    const InCall in_call(s, sig, tag);
+    if (s->core.size() == 1 || buf.empty()) return;
+    guarded(s, sig, in_call.call(), [&] {
       gloo::BroadcastOptions opts(s->context);
       opts.setOutput(buf.data(), buf.size());
       opts.setRoot(root);
       opts.setTag(tag);
-      opts.setTimeout(s->options.timeout);
+      opts.setTimeout(s->core.options().timeout);
       gloo::broadcast(opts);
     });
   }
@@ -723,23 +665,19 @@ class GlooComm {
   template <CommScalar T>
   static void run_all_gather(const std::shared_ptr<detail::GlooState>& s, std::span<const T> in, std::span<T> out,
                              std::uint32_t tag) {
-    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(s->size), CommError,
-                  "GlooComm all_gather on rank ", s->rank, ": output has ", out.size(), " elements, expected ", s->size,
-                  " x ", in.size());
-    const detail::CallSignature sig{detail::CollectiveKind::AllGather, comm_dtype_of<T>,
-                                    static_cast<std::int64_t>(in.size()), 0};
-    const auto in_call = debug_check(s, sig, tag);
-    if (s->size == 1 || in.empty()) {
-      check_usable(s, sig);
+    s->core.check_all_gather(in.size(), out.size());
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::AllGather, in.size());
+    const InCall in_call(s, sig, tag);
+    if (s->core.size() == 1 || in.empty()) {
       std::copy(in.begin(), in.end(), out.begin());
       return;
     }
-    guarded(s, sig, [&] {
+    guarded(s, sig, in_call.call(), [&] {
       gloo::AllgatherOptions opts(s->context);
       opts.setInput(const_cast<T*>(in.data()), in.size());
       opts.setOutput(out.data(), out.size());
       opts.setTag(tag);
-      opts.setTimeout(s->options.timeout);
+      opts.setTimeout(s->core.options().timeout);
       gloo::allgather(opts);
     });
   }
@@ -754,14 +692,11 @@ class GlooComm {
   template <CommScalar T>
   static void run_reduce_scatter(const std::shared_ptr<detail::GlooState>& s, std::span<const T> in,
                                  std::span<T> out, ReduceOp op, std::uint32_t tag) {
-    const int p = s->size, r = s->rank;
-    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(p), CommError, "GlooComm reduce_scatter on rank ",
-                  r, ": input has ", in.size(), " elements, expected ", p, " x ", out.size(), " (size x output)");
-    const detail::CallSignature sig{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
-                                    static_cast<std::int64_t>(in.size()), static_cast<std::int64_t>(op)};
-    const auto in_call = debug_check(s, sig, tag);
+    const int p = s->core.size(), r = s->core.rank();
+    s->core.check_reduce_scatter(in.size(), out.size());
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
+    const InCall in_call(s, sig, tag);
     if (p == 1 || out.empty()) {
-      check_usable(s, sig);
       std::copy(in.begin(), in.end(), out.begin());
       return;
     }
@@ -779,7 +714,8 @@ class GlooComm {
     if (s->scratch.size() < 2 * bytes) s->scratch.resize(2 * bytes);
     T* partial = reinterpret_cast<T*>(s->scratch.data());
     T* incoming = reinterpret_cast<T*>(s->scratch.data() + bytes);
-    guarded(s, sig, [&] {
+    const auto timeout = s->core.options().timeout;
+    guarded(s, sig, in_call.call(), [&] {
       auto input_buf = s->context->createUnboundBuffer(const_cast<T*>(in.data()), in.size_bytes());
       auto partial_buf = s->context->createUnboundBuffer(partial, bytes);
       auto incoming_buf = s->context->createUnboundBuffer(incoming, bytes);
@@ -788,9 +724,9 @@ class GlooComm {
         if (k == 0) input_buf->send(right, slot, index(r - 1) * bytes, bytes);
         else partial_buf->send(right, slot);
         incoming_buf->recv(left, slot);
-        incoming_buf->waitRecv(s->options.timeout);
-        if (k == 0) input_buf->waitSend(s->options.timeout);
-        else partial_buf->waitSend(s->options.timeout);
+        incoming_buf->waitRecv(timeout);
+        if (k == 0) input_buf->waitSend(timeout);
+        else partial_buf->waitSend(timeout);
         // The left neighbour's partial of chunk r - k - 2, plus ours: the next partial, or at
         // the last step the result.
         const T* own = in.data() + index(r - k - 2) * n;
@@ -803,12 +739,12 @@ class GlooComm {
 
   static void run_barrier(const std::shared_ptr<detail::GlooState>& s, std::uint32_t tag) {
     const detail::CallSignature sig{detail::CollectiveKind::Barrier, CommDType::F32, 0, 0};
-    const auto in_call = debug_check(s, sig, tag);
-    if (s->size == 1) return check_usable(s, sig);
-    guarded(s, sig, [&] {
+    const InCall in_call(s, sig, tag);
+    if (s->core.size() == 1) return;
+    guarded(s, sig, in_call.call(), [&] {
       gloo::BarrierOptions opts(s->context);
       opts.setTag(tag);
-      opts.setTimeout(s->options.timeout);
+      opts.setTimeout(s->core.options().timeout);
       gloo::barrier(opts);
     });
   }
@@ -817,10 +753,10 @@ class GlooComm {
   // The transfer is posted at once; a short-lived thread waits for it (with the timeout) and
   // records completion, which is what gives is_completed() an answer: Gloo cannot poll an unbound
   // buffer (a zero-timeout wait counts as a timeout and tears the connection down).
-  Work post(const std::string& what, void* data, std::size_t bytes, int peer, bool is_send) {
+  Work post(const detail::PeerCall& what, void* data, std::size_t bytes, int peer, bool is_send) {
     auto s = s_;
     std::shared_ptr<gloo::transport::UnboundBuffer> buffer;
-    guarded(s, what, [&] {
+    guarded(s, what, 0, [&] {
       buffer = s->context->createUnboundBuffer(data, bytes);
       if (is_send) buffer->send(peer, kPointToPointSlot);
       else buffer->recv(peer, kPointToPointSlot);
@@ -828,9 +764,9 @@ class GlooComm {
     auto completion = std::make_shared<detail::Completion>();
     std::thread([s, buffer, what, is_send, completion] {
       completion->run([&] {
-        guarded(s, what, [&] {
-          if (is_send) buffer->waitSend(s->options.timeout);
-          else buffer->waitRecv(s->options.timeout);
+        guarded(s, what, 0, [&] {
+          if (is_send) buffer->waitSend(s->core.options().timeout);
+          else buffer->waitRecv(s->core.options().timeout);
         });
       });
     }).detach();  // holds shared_ptrs to everything it touches

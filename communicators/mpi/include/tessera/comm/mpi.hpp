@@ -48,6 +48,7 @@
 
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/core.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
@@ -181,18 +182,13 @@ struct MpiRuntime {
 };
 
 // Owns a communicator made by split (freed at the end) or borrows one (never freed), plus the
-// error state shared by every copy.
+// per-call protocol (comm/core.hpp) shared by every copy.
 struct MpiHandle {
   MPI_Comm comm = MPI_COMM_NULL;
   bool owned = false;
-  int rank = 0, size = 1;
-  CommOptions options;
-  CallLedger ledger{options.check_first, options.effective_check_every()};
-  std::shared_ptr<ProgressBoard> board;  // what peers see of this communicator (comm/monitor.hpp)
-  std::string label;                     // the board's name, the same on every member
+  CommCore core;
   int splits = 0;
   bool interruptible = false;
-  std::string broken;  // reason, once an operation failed
 
   ~MpiHandle() {
     int finalized = 0;
@@ -227,74 +223,69 @@ class MpiComm {
 
   explicit MpiComm(MPI_Comm comm, CommOptions options = {}) : MpiComm(comm, options, false) {}
 
-  int rank() const { return h_->rank; }
-  int size() const { return h_->size; }
+  int rank() const { return h_->core.rank(); }
+  int size() const { return h_->core.size(); }
   MPI_Comm native() const { return h_->comm; }
-  const CommOptions& options() const { return h_->options; }
+  const CommOptions& options() const { return h_->core.options(); }
 
   template <CommScalar T>
   Work all_reduce_async(std::span<T> buf, ReduceOp op) {
-    const auto sig = signature<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
     begin(sig);
     if (detail::prescale_half_avg(buf.data(), buf.size(), op, size())) op = ReduceOp::Sum;
     MPI_Request request;
-    call(sig, MPI_Iallreduce(MPI_IN_PLACE, buf.data(), count(buf.size()), detail::mpi_type<T>(),
+    call(sig, MPI_Iallreduce(MPI_IN_PLACE, buf.data(), count(buf.size(), sig), detail::mpi_type<T>(),
                              detail::mpi_op<T>(op), h_->comm, &request));
     return make_work(request, sig, [buf, op, n = size()] { detail::finish_avg(buf.data(), buf.size(), op, n); });
   }
   template <CommScalar T>
   Work broadcast_async(std::span<T> buf, int root) {
-    check_peer(root, "broadcast", "root");
-    const auto sig = signature<T>(detail::CollectiveKind::Broadcast, buf.size(), root);
+    h_->core.check_root(root);
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::Broadcast, buf.size(), root);
     begin(sig);
     MPI_Request request;
-    call(sig, MPI_Ibcast(buf.data(), count(buf.size()), detail::mpi_type<T>(), root, h_->comm, &request));
+    call(sig, MPI_Ibcast(buf.data(), count(buf.size(), sig), detail::mpi_type<T>(), root, h_->comm, &request));
     return make_work(request, sig, {});
   }
   template <CommScalar T>
   Work all_gather_async(std::span<const T> in, std::span<T> out) {
-    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), CommError, "MpiComm all_gather on rank ",
-                  rank(), ": output has ", out.size(), " elements, expected ", size(), " x ", in.size());
-    const auto sig = signature<T>(detail::CollectiveKind::AllGather, in.size(), 0);
+    h_->core.check_all_gather(in.size(), out.size());
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::AllGather, in.size());
     begin(sig);
     MPI_Request request;
-    call(sig, MPI_Iallgather(in.data(), count(in.size()), detail::mpi_type<T>(), out.data(), count(in.size()),
+    call(sig, MPI_Iallgather(in.data(), count(in.size(), sig), detail::mpi_type<T>(), out.data(), count(in.size(), sig),
                              detail::mpi_type<T>(), h_->comm, &request));
     return make_work(request, sig, {});
   }
   template <CommScalar T>
   Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op) {
-    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size()), CommError,
-                  "MpiComm reduce_scatter on rank ", rank(), ": input has ", in.size(), " elements, expected ", size(),
-                  " x ", out.size(), " (size x output)");
-    const auto sig = signature<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
+    h_->core.check_reduce_scatter(in.size(), out.size());
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
     begin(sig);
     auto scaled = prescaled_input(in, op);  // Half Avg only; kept alive until the work finishes
     MPI_Request request;
-    call(sig, MPI_Ireduce_scatter_block(scaled ? scaled->data() : in.data(), out.data(), count(out.size()),
+    call(sig, MPI_Ireduce_scatter_block(scaled ? scaled->data() : in.data(), out.data(), count(out.size(), sig),
                                         detail::mpi_type<T>(), detail::mpi_op<T>(op), h_->comm, &request));
     return make_work(request, sig,
                      [out, op, n = size(), scaled] { detail::finish_avg(out.data(), out.size(), op, n); });
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
-    check_peer(peer, "send", "peer");
-    check_not_self(peer, "send");
-    const auto what = detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer);
-    check_usable(what);
+    h_->core.check_peer(peer, "send");
+    const auto what = detail::PeerCall::send<T>(buf.size(), peer);
+    h_->core.check_usable(what);
     MPI_Request request;
-    call(what, MPI_Isend(buf.data(), count(buf.size()), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
+    call(what, MPI_Isend(buf.data(), count(buf.size(), what), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
                          &request));
     return make_work(request, what, {});
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
-    check_peer(peer, "recv", "peer");
-    check_not_self(peer, "recv");
-    const auto what = detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer);
-    check_usable(what);
+    h_->core.check_peer(peer, "recv");
+    const auto what = detail::PeerCall::recv<T>(buf.size(), peer);
+    h_->core.check_usable(what);
     MPI_Request request;
-    call(what, MPI_Irecv(buf.data(), count(buf.size()), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
+    call(what, MPI_Irecv(buf.data(), count(buf.size(), what), detail::mpi_type<T>(), peer, kPointToPointTag, h_->comm,
                          &request));
     // A shorter message would complete the receive silently: the received count is checked.
     return make_work(request, what, {}, {detail::mpi_type<T>(), static_cast<long long>(buf.size())});
@@ -303,11 +294,11 @@ class MpiComm {
   template <CommScalar T>
   void all_reduce(std::span<T> buf, ReduceOp op) {
     if (h_->interruptible) return all_reduce_async(buf, op).wait();
-    const auto sig = signature<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
-    check_usable(sig);
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op));
+    h_->core.check_usable(sig);
     if (detail::prescale_half_avg(buf.data(), buf.size(), op, size())) op = ReduceOp::Sum;
     blocking(sig, [&] {
-      return MPI_Allreduce(MPI_IN_PLACE, buf.data(), count(buf.size()), detail::mpi_type<T>(), detail::mpi_op<T>(op),
+      return MPI_Allreduce(MPI_IN_PLACE, buf.data(), count(buf.size(), sig), detail::mpi_type<T>(), detail::mpi_op<T>(op),
                            h_->comm);
     });
     detail::finish_avg(buf.data(), buf.size(), op, size());
@@ -315,32 +306,29 @@ class MpiComm {
   template <CommScalar T>
   void broadcast(std::span<T> buf, int root) {
     if (h_->interruptible) return broadcast_async(buf, root).wait();
-    check_peer(root, "broadcast", "root");
-    const auto sig = signature<T>(detail::CollectiveKind::Broadcast, buf.size(), root);
-    blocking(sig, [&] { return MPI_Bcast(buf.data(), count(buf.size()), detail::mpi_type<T>(), root, h_->comm); });
+    h_->core.check_root(root);
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::Broadcast, buf.size(), root);
+    blocking(sig, [&] { return MPI_Bcast(buf.data(), count(buf.size(), sig), detail::mpi_type<T>(), root, h_->comm); });
   }
   template <CommScalar T>
   void all_gather(std::span<const T> in, std::span<T> out) {
     if (h_->interruptible) return all_gather_async(in, out).wait();
-    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), CommError, "MpiComm all_gather on rank ",
-                  rank(), ": output has ", out.size(), " elements, expected ", size(), " x ", in.size());
-    const auto sig = signature<T>(detail::CollectiveKind::AllGather, in.size(), 0);
+    h_->core.check_all_gather(in.size(), out.size());
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::AllGather, in.size());
     blocking(sig, [&] {
-      return MPI_Allgather(in.data(), count(in.size()), detail::mpi_type<T>(), out.data(), count(in.size()),
+      return MPI_Allgather(in.data(), count(in.size(), sig), detail::mpi_type<T>(), out.data(), count(in.size(), sig),
                            detail::mpi_type<T>(), h_->comm);
     });
   }
   template <CommScalar T>
   void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op) {
     if (h_->interruptible) return reduce_scatter_async(in, out, op).wait();
-    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size()), CommError,
-                  "MpiComm reduce_scatter on rank ", rank(), ": input has ", in.size(), " elements, expected ", size(),
-                  " x ", out.size(), " (size x output)");
-    const auto sig = signature<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
-    check_usable(sig);
+    h_->core.check_reduce_scatter(in.size(), out.size());
+    const auto sig = detail::signature_of<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op));
+    h_->core.check_usable(sig);
     const auto scaled = prescaled_input(in, op);
     blocking(sig, [&] {
-      return MPI_Reduce_scatter_block(scaled ? scaled->data() : in.data(), out.data(), count(out.size()),
+      return MPI_Reduce_scatter_block(scaled ? scaled->data() : in.data(), out.data(), count(out.size(), sig),
                                       detail::mpi_type<T>(), detail::mpi_op<T>(op), h_->comm);
     });
     detail::finish_avg(out.data(), out.size(), op, size());
@@ -365,12 +353,12 @@ class MpiComm {
   void set_interruptible(bool on) { h_->interruptible = on; }
 
   MpiComm split(int color, int key) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "MpiComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    h_->core.check_split_color(color);
     // MPI_Comm_split is blocking with no non-blocking form: the watchdog enforces its timeout.
     MPI_Comm child = MPI_COMM_NULL;
     blocking(detail::CallSignature{detail::CollectiveKind::Split, CommDType::I64, 0, 0},
              [&] { return MPI_Comm_split(h_->comm, color, key, &child); });
-    MpiComm result(child, h_->options, true, detail::cat(h_->label, "/split", ++h_->splits, ".color", color));
+    MpiComm result(child, options(), true, detail::cat(h_->core.label(), "/split", ++h_->splits, ".color", color));
     result.h_->interruptible = h_->interruptible;
     return result;
   }
@@ -382,11 +370,10 @@ class MpiComm {
   void blocking(const detail::CallSignature& sig, Call&& mpi_call) {
     const std::int64_t index = begin(sig);
     {
-      const detail::WatchedCall watched({h_->board, index, sig, "MpiComm", rank(), size(), h_->options.timeout,
-                                         h_->options.effective_stall_warning(), &detail::mpi_watchdog_timeout});
+      const auto watched = h_->core.watch(index, sig, &detail::mpi_watchdog_timeout);
       call(sig, mpi_call());
     }
-    h_->board->finish();
+    h_->core.finish();
   }
 
   // Half Avg over reduce_scatter: the input is const, so the pre-divided values go to a copy.
@@ -407,12 +394,13 @@ class MpiComm {
       : h_(std::make_shared<detail::MpiHandle>()) {
     h_->comm = comm;
     h_->owned = owned;
-    h_->options = options;
-    h_->ledger = detail::CallLedger(options.check_first, options.effective_check_every());
     const char* interruptible = std::getenv("TESSERA_MPI_INTERRUPTIBLE");
     h_->interruptible = interruptible != nullptr && *interruptible != '\0' && std::string(interruptible) != "0";
-    MPI_Comm_rank(comm, &h_->rank);
-    MPI_Comm_size(comm, &h_->size);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    h_->core = detail::CommCore("MpiComm", rank, size, options);
+    h_->core.on_broken(&mark_job_failed);
     // Return error codes instead of aborting, so failures become CommError with our context.
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     // Labels agree across ranks: the world is "world", a split child names its parent and split
@@ -420,87 +408,44 @@ class MpiComm {
     static std::atomic<int> wrapped{0};
     int is_world = 0;
     MPI_Comm_compare(comm, MPI_COMM_WORLD, &is_world);
-    h_->label = !label.empty()             ? label
-                : is_world == MPI_IDENT ? std::string("mpi:world")
-                                        : detail::cat("mpi:wrapped", wrapped.fetch_add(1));
-    h_->board = detail::make_progress_board("MpiComm", h_->label, h_->rank, h_->size,
-                                            [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-                                              call(detail::CallSignature{detail::CollectiveKind::AllGather,
-                                                                         CommDType::I64, 3, 0},
-                                                   MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T,
-                                                                 out.data(), static_cast<int>(in.size()), MPI_INT64_T,
-                                                                 comm));
-                                            });
-  }
-
-  template <CommScalar T>
-  static detail::CallSignature signature(detail::CollectiveKind kind, std::size_t n, std::int64_t extra) {
-    return {kind, comm_dtype_of<T>, static_cast<std::int64_t>(n), extra};
-  }
-
-  int count(std::size_t n) const {
-    TESSERA_CHECK(n <= static_cast<std::size_t>(INT32_MAX), CommError, "MpiComm on rank ", rank(), ": ", n,
-                  " elements exceed MPI's int count; split the buffer");
-    return static_cast<int>(n);
-  }
-
-  void check_peer(int peer, const char* op, const char* what) const {
-    TESSERA_CHECK(peer >= 0 && peer < size(), CommError, "MpiComm ", op, " on rank ", rank(), ": ", what, " ", peer,
-                  " is out of range [0, ", size(), ")");
-  }
-  void check_not_self(int peer, const char* op) const {
-    TESSERA_CHECK(peer != rank(), CommError, "MpiComm ", op, " on rank ", rank(), ": cannot ", op, " to itself");
+    if (label.empty())
+      label = is_world == MPI_IDENT ? std::string("mpi:world") : detail::cat("mpi:wrapped", wrapped.fetch_add(1));
+    h_->core.connect_monitor(std::move(label), [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      call(detail::CallSignature{detail::CollectiveKind::AllGather, CommDType::I64, 3, 0},
+           MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(), static_cast<int>(in.size()),
+                         MPI_INT64_T, comm));
+    });
   }
 
   template <class What>
-  void check_usable(const What& what) const {
-    TESSERA_CHECK(h_->broken.empty(), CommError, "MpiComm ", detail::describe(what), " on rank ", rank(),
-                  ": communicator is unusable after an earlier error: ", h_->broken);
+  int count(std::size_t n, const What& what) const {
+    return h_->core.count_as_int(n, what, "MPI");
   }
 
-  // The call check (comm/call_check.hpp): on the calls the ledger picks, the ranks compare
-  // notes through fixed-size all_gathers (which cannot mismatch) before the call runs.
-  // Returns the call's number on this communicator (1-based), as the peers' reports count it.
+  // The core's enter and call check (comm/core.hpp), the check's exchange a non-blocking
+  // all_gather waited with the timeout. Returns the call's number on this communicator.
   std::int64_t begin(const detail::CallSignature& sig) {
-    check_usable(sig);
-    const std::int64_t index = h_->board->enter(sig);
-    if (!h_->ledger.record(sig) || size() == 1) return index;
-    try {
-      detail::run_call_check(h_->ledger, "MpiComm", rank(), size(),
-                             [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-                               MPI_Request request;
-                               call(sig, MPI_Iallgather(in.data(), count(in.size()), MPI_INT64_T, out.data(),
-                                                        count(in.size()), MPI_INT64_T, h_->comm, &request));
-                               make_work(request, detail::CallCheckOf{sig}, {}).wait();
-                             });
-    } catch (const CommError& e) {
-      mark_broken(h_, e.what());
-      throw;
-    }
-    return index;
+    return h_->core.begin(sig, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      MPI_Request request;
+      call(sig, MPI_Iallgather(in.data(), count(in.size(), sig), MPI_INT64_T, out.data(), count(in.size(), sig),
+                               MPI_INT64_T, h_->comm, &request));
+      make_work(request, detail::CallCheckOf{sig}, {}).wait();
+    });
   }
 
   template <class What>
   void call(const What& what, int code) {
-    if (code == MPI_SUCCESS) return;
-    fail(what, detail::mpi_error_text(code));
-  }
-  template <class What>
-  [[noreturn]] void fail(const What& what, const std::string& reason) {
-    throw CommError(mark_broken(h_, detail::cat("MpiComm ", detail::describe(what), " on rank ", rank(), " of ", size(),
-                                                ": ", reason)));
+    if (code == MPI_SUCCESS) [[likely]]
+      return;
+    h_->core.fail(what, detail::mpi_error_text(code));
   }
 
-  // Remembers the first failure on this communicator and for the whole job (see mpi_job_failed).
-  static const std::string& mark_broken(const std::shared_ptr<detail::MpiHandle>& h, std::string text) {
+  // The core's broken hook: the whole job is failed (see mpi_job_failed), and its first failure
+  // is said again at exit.
+  static void mark_job_failed(const std::string& text) {
     detail::mpi_job_failed().store(true);
-    detail::mark_board_failed(h->board);
-    {
-      std::lock_guard lock(detail::mpi_first_error_mutex());
-      if (detail::mpi_first_error().empty()) detail::mpi_first_error() = text;
-    }
-    if (h->broken.empty()) h->broken = std::move(text);
-    return h->broken;
+    std::lock_guard lock(detail::mpi_first_error_mutex());
+    if (detail::mpi_first_error().empty()) detail::mpi_first_error() = text;
   }
 
   struct ExpectedCount {
@@ -508,12 +453,11 @@ class MpiComm {
     long long count = -1;  // checked against the received message when >= 0
   };
 
-  // wait() polls MPI_Test (yielding the core between tests, which matters when ranks outnumber
-  // cores) until the operation completes or the timeout passes. The deadline counts from the
-  // start of wait(), not from the issue: MPI's non-blocking collectives progress only inside MPI
-  // calls, so a caller that computes for a long time before waiting has not been stalled by a
-  // peer. The finishing step (Avg's division) runs once, on whichever of poll and wait first sees
-  // the completion.
+  // wait() is the core's wait loop over MPI_Test. The deadline counts from the start of wait(),
+  // not from the issue: MPI's non-blocking collectives progress only inside MPI calls, so a
+  // caller that computes for a long time before waiting has not been stalled by a peer. The
+  // finishing step (Avg's division) runs once, on whichever of poll and wait first sees the
+  // completion.
   template <class What>
   Work make_work(MPI_Request request, What what, std::function<void()> finish, ExpectedCount expected = {}) {
     struct State {
@@ -521,73 +465,41 @@ class MpiComm {
       std::function<void()> finish;
       ExpectedCount expected;
       bool done = false;
-      std::string error;
+      std::string error;  // said again by every later poll
     };
     auto state = std::make_shared<State>(State{request, std::move(finish), expected});
     auto handle = h_;
     auto poll = [state, handle, what]() {
+      if (!state->error.empty()) throw CommError(state->error);
       if (state->done) return true;
       int flag = 0;
       MPI_Status status;
       const int code = MPI_Test(&state->request, &flag, &status);
+      std::string reason;
       if (code != MPI_SUCCESS) {
-        state->done = true;
-        state->error = detail::mpi_error_text(code);
-      } else if (flag) {
-        state->done = true;
-        if (state->expected.count >= 0) {
-          int received = 0;
-          MPI_Get_count(&status, state->expected.type, &received);
-          if (received != state->expected.count)
-            state->error = detail::cat("expected ", state->expected.count, " elements, the message had ", received);
-        }
-        if (state->error.empty() && state->finish) state->finish();
-        if (std::is_same_v<What, detail::CallSignature>) handle->board->finish();
+        reason = detail::mpi_error_text(code);
+      } else if (!flag) {
+        return false;
+      } else if (state->expected.count >= 0) {
+        int received = 0;
+        MPI_Get_count(&status, state->expected.type, &received);
+        if (received != state->expected.count)
+          reason = detail::cat("expected ", state->expected.count, " elements, the message had ", received);
       }
-      if (!state->error.empty())
-        throw CommError(mark_broken(handle, detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank,
-                                                        " of ", handle->size, ": ", state->error)));
-      return state->done;
+      state->done = true;
+      if (!reason.empty()) {
+        state->error = handle->core.mark_broken(handle->core.text(what, reason));
+        throw CommError(state->error);
+      }
+      if (state->finish) state->finish();
+      if (std::is_same_v<What, detail::CallSignature>) handle->core.finish();
+      return true;
     };
     // Collectives carry their call number for stall reports; point-to-point names its peer already.
     constexpr bool collective =
         std::is_same_v<What, detail::CallSignature> || std::is_same_v<What, detail::CallCheckOf>;
-    const std::int64_t index = collective ? handle->board->entered.load(std::memory_order_relaxed) : 0;
-    auto wait = [handle, what, poll, index]() {
-      const auto start = std::chrono::steady_clock::now();
-      const auto deadline = start + handle->options.timeout;
-      const auto warn_at = start + handle->options.effective_stall_warning();
-      bool warned = false;
-      auto report = [&]() -> std::string {
-        if constexpr (std::is_same_v<What, detail::CallCheckOf>) {
-          const std::string r = detail::stall_report(*handle->board, index, what.call);
-          return r.empty() ? r : "; " + r;
-        } else if constexpr (collective) {
-          const std::string r = detail::stall_report(*handle->board, index, what);
-          return r.empty() ? r : "; " + r;
-        } else {
-          return "";
-        }
-      };
-      for (int spins = 0; !poll(); ++spins) {
-        if (spins > 64) std::this_thread::yield();
-        if ((spins & 255) != 0) continue;
-        const auto now = std::chrono::steady_clock::now();
-        if (!warned && now >= warn_at && now < deadline) {
-          warned = true;
-          std::fprintf(stderr, "tessera: warning: MpiComm %s on rank %d of %d has waited %s (timeout %s)%s\n",
-                       detail::describe(what).c_str(), handle->rank, handle->size,
-                       detail::seconds_text(handle->options.effective_stall_warning()).c_str(),
-                       detail::seconds_text(handle->options.timeout).c_str(), report().c_str());
-          std::fflush(stderr);
-        }
-        if (now >= deadline)
-          throw CommError(mark_broken(
-              handle, detail::cat("MpiComm ", detail::describe(what), " on rank ", handle->rank, " of ", handle->size,
-                                  ": timed out after ", detail::seconds_text(handle->options.timeout),
-                                  " (a peer is dead, stalled, or did not make the same call)", report())));
-      }
-    };
+    const std::int64_t index = collective ? handle->core.board()->entered.load(std::memory_order_relaxed) : 0;
+    auto wait = [handle, what, poll, index]() { handle->core.wait(what, index, poll); };
     return Work(std::move(wait), [poll] { return poll(); });
   }
 

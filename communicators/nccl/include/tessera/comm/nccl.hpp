@@ -60,10 +60,10 @@
 
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/core.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
-#include "tessera/core/env.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/device/cuda.cuh"
 
@@ -137,16 +137,14 @@ class NcclEventPool {
 // Everything one communicator needs, shared by copies of the NcclComm and by its Works.
 struct NcclState {
   ncclComm_t comm = nullptr;
-  int rank = 0, size = 1, device = 0;
+  int device = 0;
   cudaStream_t stream = nullptr;  // NCCL's stream, distinct from the compute stream
-  CommOptions options;
+  // The per-call protocol (comm/core.hpp): checks, ledger, board, broken state. Its broken hook
+  // aborts `comm` (taking the mutex, which is recursive for that: most failures are found by a
+  // thread that holds it already).
+  CommCore core;
   int splits = 0;
-  std::mutex mutex;    // one thread issues NCCL calls at a time; Works may wait on other threads
-  std::string broken;  // why the communicator is unusable; empty while it works
-  std::atomic<bool> aborted{false};  // broken, readable without the mutex (polls)
-  CallLedger ledger{options.check_first, options.effective_check_every()};
-  std::shared_ptr<ProgressBoard> board;  // what peers see of this communicator (comm/monitor.hpp)
-  std::string label = "nccl:world";      // the board's name, the same on every member
+  std::recursive_mutex mutex;  // one thread issues NCCL calls at a time; Works may wait on other threads
   // size x CallLedger::kWindow x 4 int64 on the GPU: the call check's exchanges, barrier word
   std::int64_t* signatures = nullptr;
   // Re-recorded at every use: compute -> NCCL ordering, and NCCL -> compute before staging
@@ -178,13 +176,13 @@ struct NcclState {
     (void)cudaSetDevice(device);
     if (comm == nullptr) {
       // Already aborted (fail) or never created: nothing of NCCL's to release.
-    } else if (!broken.empty()) {
+    } else if (core.broken()) {
       (void)ncclCommAbort(comm);  // a finalize would wait for peers that may be gone
     } else {
       // Finalize flushes outstanding work; on a non-blocking comm it returns at once and the
       // state is polled. If it does not settle within the timeout, abort instead of hanging.
       ncclResult_t state = ncclCommFinalize(comm);
-      const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+      const auto deadline = std::chrono::steady_clock::now() + core.options().timeout;
       while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::yield();
         (void)ncclCommGetAsyncError(comm, &state);
@@ -270,10 +268,8 @@ class NcclComm {
       : s_(std::make_shared<detail::NcclState>()) {
     TESSERA_CHECK(size >= 1 && rank >= 0 && rank < size, ArgumentError, "NcclComm: rank ", rank, " and size ", size,
                   " are inconsistent: need 0 <= rank < size");
-    s_->rank = rank;
-    s_->size = size;
     s_->device = device;
-    s_->options = options;
+    start_core(*s_, rank, size, options);
     TESSERA_CUDA_CHECK(cudaSetDevice(device));
     TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s_->stream, cudaStreamNonBlocking));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -281,11 +277,11 @@ class NcclComm {
     ncclUniqueId copy = id;
     const ncclResult_t started = ncclCommInitRankConfig(&s_->comm, size, copy, rank, &config);
     settle(*s_, started, "ncclCommInitRankConfig (rendezvous of all ranks)");
-    allocate_resources(*s_);
+    allocate_resources(*s_, "nccl:world");
   }
 
-  int rank() const { return s_->rank; }
-  int size() const { return s_->size; }
+  int rank() const { return s_->core.rank(); }
+  int size() const { return s_->core.size(); }
   int device() const { return s_->device; }
   ncclComm_t handle() const { return s_->comm; }
   cudaStream_t stream() const { return s_->stream; }
@@ -295,52 +291,49 @@ class NcclComm {
     if (!on_device(buf.data(), buf.size_bytes()))
       return through_device<T>(buf, buf, [&](auto, std::span<T> d, auto) { return all_reduce_async(d, op); });
     const ncclRedOp_t red = detail::nccl_op(op, size());
-    return collective(detail::CallSignature{detail::CollectiveKind::AllReduce, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(buf.size()), static_cast<std::int64_t>(op)}, [=](ncclComm_t nccl, cudaStream_t st) {
+    return collective(detail::signature_of<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op)),
+                      [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclAllReduce(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(),
                                              red, nccl, st);
                       });
   }
   template <CommScalar T>
   Work broadcast_async(std::span<T> buf, int root) {
-    check_peer(root, "broadcast root");
+    s_->core.check_root(root);
     if (!on_device(buf.data(), buf.size_bytes()))
       return through_device<T>(buf, buf, [&](auto, std::span<T> d, auto) { return broadcast_async(d, root); });
-    return collective(detail::CallSignature{detail::CollectiveKind::Broadcast, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(buf.size()), root}, [=](ncclComm_t nccl, cudaStream_t st) {
+    return collective(detail::signature_of<T>(detail::CollectiveKind::Broadcast, buf.size(), root),
+                      [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclBroadcast(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(), root,
                                              nccl, st);
                       });
   }
   template <CommScalar T>
   Work all_gather_async(std::span<const T> in, std::span<T> out) {
-    TESSERA_CHECK(out.size() == in.size() * static_cast<std::size_t>(size()), CommError, "NcclComm all_gather on rank ",
-                  rank(), ": output holds ", out.size(), " elements, expected ", size(), " x ", in.size());
+    s_->core.check_all_gather(in.size(), out.size());
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
       return through_device<T>(in, out, [&](std::span<const T> a, std::span<T> b, auto) { return all_gather_async(a, b); });
-    return collective(detail::CallSignature{detail::CollectiveKind::AllGather, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(in.size()), 0}, [=](ncclComm_t nccl, cudaStream_t st) {
+    return collective(detail::signature_of<T>(detail::CollectiveKind::AllGather, in.size()),
+                      [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclAllGather(in.data(), out.data(), in.size(), detail::nccl_type<T>(), nccl, st);
                       });
   }
   template <CommScalar T>
   Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op) {
-    TESSERA_CHECK(in.size() == out.size() * static_cast<std::size_t>(size()), CommError,
-                  "NcclComm reduce_scatter on rank ", rank(), ": input holds ", in.size(), " elements, expected ", size(),
-                  " x ", out.size());
+    s_->core.check_reduce_scatter(in.size(), out.size());
     if (!on_device(in.data(), in.size_bytes()) || !on_device(out.data(), out.size_bytes()))
       return through_device<T>(in, out,
                                [&](std::span<const T> a, std::span<T> b, auto) { return reduce_scatter_async(a, b, op); });
     const ncclRedOp_t red = detail::nccl_op(op, size());
-    return collective(detail::CallSignature{detail::CollectiveKind::ReduceScatter, comm_dtype_of<T>,
-                                            static_cast<std::int64_t>(out.size()), static_cast<std::int64_t>(op)}, [=](ncclComm_t nccl, cudaStream_t st) {
+    return collective(detail::signature_of<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op)),
+                      [=](ncclComm_t nccl, cudaStream_t st) {
                         return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_type<T>(),
                                                  red, nccl, st);
                       });
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
-    check_peer(peer, "send peer");
+    s_->core.check_peer(peer, "send", /*self_allowed=*/true);
     if (!on_device(buf.data(), buf.size_bytes()))
       return through_device<T>(buf, {}, [&](std::span<const T> d, auto, std::shared_ptr<void> keep) {
         return queue_send(d, peer, std::move(keep));
@@ -349,7 +342,7 @@ class NcclComm {
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
-    check_peer(peer, "recv peer");
+    s_->core.check_peer(peer, "recv", /*self_allowed=*/true);
     if (!on_device(buf.data(), buf.size_bytes()))
       return through_device<T>({}, buf, [&](auto, std::span<T> d, std::shared_ptr<void> keep) {
         return queue_recv(d, peer, std::move(keep));
@@ -381,18 +374,16 @@ class NcclComm {
   // ncclCommSplit: ranks with the same color form a new communicator ordered by (key, rank),
   // on the same GPU, created non-blocking like the parent. Collective over the parent.
   NcclComm split(int color, int key) {
-    TESSERA_CHECK(color >= 0, ArgumentError, "NcclComm split on rank ", rank(), ": color ", color, " must be >= 0");
+    s_->core.check_split_color(color);
     auto& s = *s_;
     NcclComm child;
     child.s_ = std::make_shared<detail::NcclState>();
     auto& c = *child.s_;
-    c.rank = s.rank;  // until NCCL says otherwise, errors name the parent rank
-    c.size = s.size;
     c.device = s.device;
-    c.options = s.options;
-    c.label = detail::cat(s.label, "/split", s.splits + 1, ".color", color);
+    c.core = detail::CommCore("NcclComm", s.core.rank(), s.core.size(), s.core.options());  // until NCCL says otherwise
+    const std::string label = detail::cat(s.core.label(), "/split", s.splits + 1, ".color", color);
     std::lock_guard lock(s.mutex);
-    ensure_usable(s, "split");
+    s.core.check_usable("split");
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
     flush_pending(s);
     TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
@@ -401,9 +392,11 @@ class NcclComm {
     const std::string what = detail::cat("ncclCommSplit(color ", color, ", key ", key, ")");
     settle_split(s, c, ncclCommSplit(s.comm, color, key, &c.comm, &config), what);
     ++s.splits;
-    check(ncclCommUserRank(c.comm, &c.rank), "ncclCommUserRank", s.rank, c.comm);
-    check(ncclCommCount(c.comm, &c.size), "ncclCommCount", s.rank, c.comm);
-    allocate_resources(c);
+    int rank = 0, size = 1;
+    check(ncclCommUserRank(c.comm, &rank), "ncclCommUserRank", s.core.rank(), c.comm);
+    check(ncclCommCount(c.comm, &size), "ncclCommCount", s.core.rank(), c.comm);
+    start_core(c, rank, size, s.core.options());
+    allocate_resources(c, label);
     return child;
   }
 
@@ -415,34 +408,30 @@ class NcclComm {
     throw CommError(detail::cat("NcclComm ", what, " on rank ", rank, ": NCCL error ", detail::nccl_error_text(status, comm)));
   }
 
-  // A call on a non-blocking communicator may return ncclInProgress: poll until it settles
-  // (NCCL forbids other calls on the communicator meanwhile), abort at the timeout.
-  static void settle(detail::NcclState& s, ncclResult_t status, const std::string& what) {
-    const auto start = std::chrono::steady_clock::now();
-    while (status == ncclInProgress) {
-      if (std::chrono::steady_clock::now() - start > s.options.timeout) {
-        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": did not complete within ",
-                    detail::seconds_text(s.options.timeout), " (a peer is missing, dead or hung)"));
-      }
-      std::this_thread::yield();
-      if (s.comm == nullptr) break;
-      if (const ncclResult_t query = ncclCommGetAsyncError(s.comm, &status); query != ncclSuccess) status = query;
-    }
-    if (status != ncclSuccess)
-      fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": NCCL error ",
-                  detail::nccl_error_text(status, s.comm)));
+  // The core, with the broken hook that aborts the communicator so no peer waits on it forever.
+  static void start_core(detail::NcclState& s, int rank, int size, const CommOptions& options) {
+    s.core = detail::CommCore("NcclComm", rank, size, options);
+    s.core.on_broken([state = &s](const std::string&) {
+      std::lock_guard lock(state->mutex);
+      if (state->comm == nullptr) return;
+      (void)ncclCommAbort(state->comm);
+      state->comm = nullptr;
+    });
   }
 
-  // Marks the communicator broken, aborts it so no peer waits on it forever, and throws.
-  [[noreturn]] static void fail(detail::NcclState& s, const std::string& text) {
-    detail::mark_board_failed(s.board);
-    if (s.broken.empty()) s.broken = text;
-    s.aborted.store(true);
-    if (s.comm != nullptr) {
-      (void)ncclCommAbort(s.comm);
-      s.comm = nullptr;
-    }
-    throw CommError(text);
+  // A call on a non-blocking communicator may return ncclInProgress: the core's wait polls it
+  // until it settles (NCCL forbids other calls on the communicator meanwhile) and aborts at the
+  // timeout.
+  template <class What>
+  static void settle(detail::NcclState& s, ncclResult_t status, const What& what) {
+    if (status == ncclInProgress)
+      s.core.wait(what, 0, [&] {
+        if (s.comm == nullptr) return true;
+        if (const ncclResult_t query = ncclCommGetAsyncError(s.comm, &status); query != ncclSuccess) status = query;
+        return status != ncclInProgress;
+      }, "; the communicator is aborted", "a peer is missing, dead or hung");
+    if (status != ncclSuccess) [[unlikely]]
+      s.core.fail(what, detail::cat("NCCL error ", detail::nccl_error_text(status, s.comm)));
   }
 
   // A non-blocking ncclCommSplit runs as a job of the parent: the parent reports ncclInProgress
@@ -454,15 +443,14 @@ class NcclComm {
     // Marked broken too: the parent's abort waits for the split job, which may still write a
     // half-built child into child.comm; the destructor then aborts it rather than finalizing.
     const auto abort_child = [&] {
-      child.broken = "ncclCommSplit failed";
+      child.core.mark_broken("ncclCommSplit failed");
       if (child.comm != nullptr) (void)ncclCommAbort(child.comm);
       child.comm = nullptr;
     };
     for (;;) {
       if (status != ncclSuccess && status != ncclInProgress) {
         abort_child();
-        fail(parent, detail::cat("NcclComm ", what, " on rank ", parent.rank, " of ", parent.size, ": NCCL error ",
-                                 detail::nccl_error_text(status, parent.comm)));
+        parent.core.fail(what, detail::cat("NCCL error ", detail::nccl_error_text(status, parent.comm)));
       }
       ncclResult_t child_status = ncclInProgress;
       if (status == ncclSuccess && child.comm != nullptr) {
@@ -471,32 +459,20 @@ class NcclComm {
         if (child_status == ncclSuccess) return;
         if (child_status != ncclInProgress) {
           abort_child();
-          fail(parent, detail::cat("NcclComm ", what, " on rank ", parent.rank, " of ", parent.size,
-                                   ": the new communicator failed: ", detail::nccl_error_text(child_status, nullptr)));
+          parent.core.fail(what, detail::cat("the new communicator failed: ", detail::nccl_error_text(child_status, nullptr)));
         }
       }
-      if (std::chrono::steady_clock::now() - start > parent.options.timeout) {
+      if (std::chrono::steady_clock::now() - start > parent.core.options().timeout) {
         abort_child();
-        fail(parent, detail::cat("NcclComm ", what, " on rank ", parent.rank, " of ", parent.size,
-                                 ": did not complete within ", detail::seconds_text(parent.options.timeout),
-                                 status == ncclSuccess && child.comm == nullptr
-                                     ? " (NCCL returned no communicator for this rank)"
-                                     : " (a peer is missing, dead or hung)"));
+        parent.core.fail(what, detail::cat("timed out after ", detail::seconds_text(parent.core.options().timeout),
+                                           status == ncclSuccess && child.comm == nullptr
+                                               ? " (NCCL returned no communicator for this rank)"
+                                               : " (a peer is missing, dead or hung)"));
       }
       std::this_thread::yield();
       if (status == ncclInProgress)
         if (const ncclResult_t query = ncclCommGetAsyncError(parent.comm, &status); query != ncclSuccess) status = query;
     }
-  }
-
-  static void ensure_usable(detail::NcclState& s, const std::string& what) {
-    TESSERA_CHECK(s.broken.empty(), CommError, "NcclComm ", what, " on rank ", s.rank,
-                  ": communicator is unusable after an earlier error: ", s.broken);
-  }
-
-  void check_peer(int peer, const char* role) const {
-    TESSERA_CHECK(peer >= 0 && peer < size(), ArgumentError, "NcclComm on rank ", rank(), ": ", role, " ", peer,
-                  " is outside 0..", size() - 1);
   }
 
   // NCCL reads and writes GPU memory only (a host pointer would fault inside its kernel), and
@@ -576,120 +552,101 @@ class NcclComm {
   }
 
   // Made with the communicator: the barrier's word and the call check's scratch (size x 64 x 4
-  // int64), and the two ordering events.
-  static void allocate_resources(detail::NcclState& s) {
+  // int64), the two ordering events, and the progress board published to the peers.
+  static void allocate_resources(detail::NcclState& s, std::string label) {
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
-    s.ledger = detail::CallLedger(s.options.check_first, s.options.effective_check_every());
     TESSERA_CUDA_CHECK(cudaMalloc(&s.signatures, sizeof(std::int64_t) * 4 * detail::CallLedger::kWindow *
-                                                     static_cast<std::size_t>(s.size)));
+                                                     static_cast<std::size_t>(s.core.size())));
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_ready, cudaEventDisableTiming));
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.nccl_queued, cudaEventDisableTiming));
     std::lock_guard lock(s.mutex);
-    s.board = detail::make_progress_board("NcclComm", s.label, s.rank, s.size,
-                                          [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-                                            gather_int64(s, in, out, "status-server address exchange");
-                                          });
+    s.core.connect_monitor(std::move(label), [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      gather_int64(s, in, out, "status-server address exchange");
+    });
   }
 
   // Records an event on `stream` and returns a Work that waits for it (with the timeout and the
   // async-error check) and then orders the compute stream after it.
-  Work completion(cudaEvent_t done, std::string what, std::int64_t call = 0, detail::CallSignature sig = {}) {
-    auto state = s_;
+  template <class What>
+  Work completion(cudaEvent_t done, What what, std::int64_t call = 0) {
     auto event = std::make_shared<detail::NcclState::Launch>(s_->events, done);
-    return completion_of(state, event, std::move(what), call, sig);
+    return completion_of(s_, event, std::move(what), call);
   }
+  template <class What>
   static Work completion_of(std::shared_ptr<detail::NcclState> state, std::shared_ptr<detail::NcclState::Launch> launch,
-                            std::string what, std::int64_t call = 0, detail::CallSignature sig = {}) {
+                            What what, std::int64_t call = 0) {
     auto launched = [state, launch] {
       if (launch->done.load() != nullptr) return;
       std::lock_guard lock(state->mutex);
       if (launch->done.load() != nullptr) return;
-      ensure_usable(*state, "pending send/recv");
+      state->core.check_usable("pending send/recv");
       flush_pending(*state);
     };
-    auto wait = [state, launch, launched, what, call, sig] {
+    auto wait = [state, launch, launched, what, call] {
       launched();
       TESSERA_CUDA_CHECK(cudaSetDevice(state->device));
-      wait_event(*state, launch->done.load(), what, /*caller_holds_mutex=*/false, call, sig);
+      wait_event(*state, launch->done.load(), what, /*caller_holds_mutex=*/false, call);
       TESSERA_CUDA_CHECK(cudaStreamWaitEvent(Cuda::stream(), launch->done.load(), 0));
     };
     auto poll = [state, launch, launched] {
       launched();
       // An abort ends NCCL's kernels, completing every event: a broken communicator's work
       // is never reported complete (wait() then throws).
-      return !state->aborted.load() && cudaEventQuery(launch->done.load()) == cudaSuccess;
+      return !state->core.broken() && cudaEventQuery(launch->done.load()) == cudaSuccess;
     };
     return Work(std::move(wait), std::move(poll));
   }
 
-  // Waits until `event` (on NCCL's stream) has completed, polling it and ncclCommGetAsyncError;
-  // on an NCCL or CUDA error, or at the timeout, aborts the communicator and throws CommError.
-  // Without the mutex held, it is taken per poll only, so other threads may launch meanwhile (a
-  // send another thread posts may be what this wait needs).
+  // Waits until `event` (on NCCL's stream) has completed: the core's wait loop over the event and
+  // ncclCommGetAsyncError; on an NCCL or CUDA error, or at the timeout, the communicator breaks
+  // (the core's hook aborts it) and CommError names the operation. Without the mutex held, it is
+  // taken per poll only, so other threads may launch meanwhile (a send another thread posts may
+  // be what this wait needs).
   // call > 0: a collective's number on the board, for the stall warning and the timeout's report.
-  static void wait_event(detail::NcclState& s, cudaEvent_t event, const std::string& what, bool caller_holds_mutex,
-                         std::int64_t call = 0, const detail::CallSignature& sig = {}) {
-    const auto start = std::chrono::steady_clock::now();
-    bool warned = false;
-    auto report = [&]() -> std::string {
-      if (call <= 0 || !s.board) return "";
-      const std::string r = detail::stall_report(*s.board, call, sig);
-      return r.empty() ? r : "; " + r;
-    };
-    for (;;) {
+  template <class What>
+  static void wait_event(detail::NcclState& s, cudaEvent_t event, const What& what, bool caller_holds_mutex,
+                         std::int64_t call = 0) {
+    s.core.wait(what, call, [&] {
       const cudaError_t query = cudaEventQuery(event);
       std::unique_lock lock(s.mutex, std::defer_lock);
       if (!caller_holds_mutex) lock.lock();
       // First: after an abort (another Work's timeout) NCCL's kernels exit and every event
       // completes, with garbage in the buffers.
-      ensure_usable(s, what);
-      if (query == cudaSuccess) return;
+      s.core.check_usable(what);
+      if (query == cudaSuccess) return true;
       if (query != cudaErrorNotReady)
-        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": CUDA error ",
-                            cudaGetErrorName(query), ": ", cudaGetErrorString(query)));
+        s.core.fail(what, detail::cat("CUDA error ", cudaGetErrorName(query), ": ", cudaGetErrorString(query)),
+                    s.core.call_context(call));
       ncclResult_t async_error = ncclSuccess;
       if (const ncclResult_t r = ncclCommGetAsyncError(s.comm, &async_error); r != ncclSuccess) async_error = r;
       if (async_error != ncclSuccess && async_error != ncclInProgress)
-        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": NCCL error ",
-                            detail::nccl_error_text(async_error, s.comm)));
-      const auto waited = std::chrono::steady_clock::now() - start;
-      if (!warned && call > 0 && waited > s.options.effective_stall_warning() && waited < s.options.timeout) {
-        warned = true;
-        std::fprintf(stderr, "tessera: warning: NcclComm %s on rank %d of %d (call #%lld) has waited %s (timeout %s)%s\n",
-                     what.c_str(), s.rank, s.size, static_cast<long long>(call),
-                     detail::seconds_text(s.options.effective_stall_warning()).c_str(),
-                     detail::seconds_text(s.options.timeout).c_str(), report().c_str());
-        std::fflush(stderr);
-      }
-      if (waited > s.options.timeout)
-        fail(s, detail::cat("NcclComm ", what, " on rank ", s.rank, " of ", s.size, ": not complete after ",
-                            detail::seconds_text(s.options.timeout),
-                            " (a peer is dead, hung or called a different collective); communicator aborted",
-                            report()));
-      std::this_thread::yield();
-    }
+        s.core.fail(what, detail::cat("NCCL error ", detail::nccl_error_text(async_error, s.comm)),
+                    s.core.call_context(call));
+      return false;
+    }, "; the communicator is aborted");
   }
 
-  // One collective: queued sends/recvs first (one group), then the collective on NCCL's stream
-  // after the compute stream's work so far.
+  // One collective: queued sends/recvs first (one group), then the core's enter and call check,
+  // then the collective on NCCL's stream after the compute stream's work so far.
   template <class Enqueue>
   Work collective(const detail::CallSignature& signature, Enqueue&& enqueue) {
     auto& s = *s_;
     std::lock_guard lock(s.mutex);
-    ensure_usable(s, signature.describe());
+    s.core.check_usable(signature);
     TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
     flush_pending(s);
-    const std::int64_t call = s.board->enter(signature);
-    if (s.ledger.record(signature) && s.size > 1) check_signature(s, signature);
+    const std::int64_t call = s.core.enter(signature);
+    s.core.check_call(signature, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      gather_int64(s, in, out, detail::CallCheckOf{signature});
+    });
     order_after_compute(s);
-    settle(s, enqueue(s.comm, s.stream), signature.describe());
+    settle(s, enqueue(s.comm, s.stream), signature);
     cudaEvent_t done = record(s);
-    auto inner = std::make_shared<Work>(completion(done, signature.describe(), call, signature));
+    auto inner = std::make_shared<Work>(completion(done, signature, call));
     // The board counts the call finished when this rank has seen it complete.
     auto finished = std::make_shared<std::atomic<bool>>(false);
-    auto board = s.board;
-    auto mark = [board, finished] {
-      if (!finished->exchange(true)) board->finish();
+    auto mark = [state = s_, finished] {
+      if (!finished->exchange(true)) state->core.finish();
     };
     return Work(
         [inner, mark] {
@@ -707,22 +664,22 @@ class NcclComm {
   Work queue_send(std::span<const T> buf, int peer, std::shared_ptr<void> keep_alive) {
     return queue_p2p([=](ncclComm_t nccl, cudaStream_t st) {
       return ncclSend(buf.data(), buf.size(), detail::nccl_type<T>(), peer, nccl, st);
-    }, detail::cat("send(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") to rank ", peer), std::move(keep_alive));
+    }, detail::PeerCall::send<T>(buf.size(), peer), std::move(keep_alive));
   }
   template <CommScalar T>
   Work queue_recv(std::span<T> buf, int peer, std::shared_ptr<void> keep_alive) {
     return queue_p2p([=](ncclComm_t nccl, cudaStream_t st) {
       return ncclRecv(buf.data(), buf.size(), detail::nccl_type<T>(), peer, nccl, st);
-    }, detail::cat("recv(", to_string(comm_dtype_of<T>), " x ", buf.size(), ") from rank ", peer), std::move(keep_alive));
+    }, detail::PeerCall::recv<T>(buf.size(), peer), std::move(keep_alive));
   }
-  Work queue_p2p(std::function<ncclResult_t(ncclComm_t, cudaStream_t)> enqueue, std::string what,
+  Work queue_p2p(std::function<ncclResult_t(ncclComm_t, cudaStream_t)> enqueue, const detail::PeerCall& what,
                  std::shared_ptr<void> keep_alive) {
     auto& s = *s_;
     std::lock_guard lock(s.mutex);
-    ensure_usable(s, what);
+    s.core.check_usable(what);
     auto launch = std::make_shared<detail::NcclState::Launch>(s.events);
     s.pending.push_back({std::move(enqueue), launch, std::move(keep_alive)});
-    return completion_of(s_, launch, std::move(what));
+    return completion_of(s_, launch, what);
   }
 
   // Launches every queued send/recv in one NCCL group (the caller holds the mutex).
@@ -735,13 +692,12 @@ class NcclComm {
     try {
       TESSERA_CUDA_CHECK(cudaSetDevice(s.device));
       order_after_compute(s);
-      check(ncclGroupStart(), "ncclGroupStart", s.rank, s.comm);
+      check(ncclGroupStart(), "ncclGroupStart", s.core.rank(), s.comm);
       for (auto& op : pending) {
         const ncclResult_t status = op.enqueue(s.comm, s.stream);
         if (status != ncclSuccess && status != ncclInProgress) {
           (void)ncclGroupEnd();
-          fail(s, detail::cat("NcclComm send/recv on rank ", s.rank, ": NCCL error ",
-                              detail::nccl_error_text(status, s.comm)));
+          s.core.fail("send/recv", detail::cat("NCCL error ", detail::nccl_error_text(status, s.comm)));
         }
       }
       settle(s, ncclGroupEnd(), detail::cat(pending.size(), " grouped send/recv"));
@@ -749,9 +705,9 @@ class NcclComm {
       // object because each Launch owns one (and gives it back to the pool).
       for (auto& op : pending) op.launch->done.store(record(s));
     } catch (const CommError&) {
-      throw;  // fail() already marked it broken
+      throw;  // the core's fail() already marked it broken
     } catch (const std::exception& e) {
-      fail(s, detail::cat("NcclComm send/recv on rank ", s.rank, ": ", e.what()));
+      s.core.fail("send/recv", e.what());
     }
   }
 
@@ -772,11 +728,13 @@ class NcclComm {
   }
 
   // A blocking all_gather of at most CallLedger::kWindow x 4 int64 per rank through the GPU
-  // scratch (the caller holds the mutex). Waits with the timeout and aborts, never a bare
-  // synchronize: a mismatched or dead peer is exactly what its users are for.
+  // scratch (the caller holds the mutex): the core's call check and monitor exchange. Waits with
+  // the timeout and aborts, never a bare synchronize: a mismatched or dead peer is exactly what
+  // its users are for.
+  template <class What>
   static void gather_int64(detail::NcclState& s, std::span<const std::int64_t> in, std::span<std::int64_t> out,
-                           const std::string& what) {
-    const auto wait_for_stream = [&s](const std::string& step) {
+                           const What& what) {
+    const auto wait_for_stream = [&s](const auto& step) {
       cudaEvent_t done = record(s);
       try {
         wait_event(s, done, step, /*caller_holds_mutex=*/true);
@@ -786,26 +744,12 @@ class NcclComm {
       }
       s.events->give(done);
     };
-    std::int64_t* slot = s.signatures + in.size() * static_cast<std::size_t>(s.rank);
+    std::int64_t* slot = s.signatures + in.size() * static_cast<std::size_t>(s.core.rank());
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(slot, in.data(), in.size_bytes(), cudaMemcpyHostToDevice, s.stream));
     settle(s, ncclAllGather(slot, s.signatures, in.size(), ncclInt64, s.comm, s.stream), what);
     wait_for_stream(what);
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(out.data(), s.signatures, out.size_bytes(), cudaMemcpyDeviceToHost, s.stream));
-    wait_for_stream(what + " read-back");
-  }
-
-  // The call check (comm/call_check.hpp): on the calls the ledger picks, all ranks compare notes
-  // (all_gathers of int64 through GPU scratch memory, which cannot themselves mismatch).
-  static void check_signature(detail::NcclState& s, const detail::CallSignature& signature) {
-    const auto gather = [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-      gather_int64(s, in, out, signature.describe() + " call check");
-    };
-    try {
-      detail::run_call_check(s.ledger, "NcclComm", s.rank, s.size, gather);
-    } catch (const CommError& e) {
-      if (s.broken.empty()) fail(s, e.what());
-      throw;
-    }
+    wait_for_stream(detail::describe(what) + " read-back");
   }
 
   static std::filesystem::path exchange_id_through_file_store(const LaunchEnv& env, const CommOptions& options, int call,

@@ -6,8 +6,13 @@
 //
 // Transport: two ThreadComm groups of the same ranks (threads of one process). One carries the
 // user's send/recv, the other the collectives' own messages, so a user's send_async can never be
-// matched by a collective's recv. Timeouts, peer checks and "unusable after an error" come from
-// ThreadComm underneath.
+// matched by a collective's recv. Timeouts come from ThreadComm underneath.
+//
+// The per-call protocol is the communicator core's (comm/core.hpp), as for every backend: the
+// argument checks, the call check (its fixed-size all_gather of int64 is this class's own
+// all_gather over the internal group), the progress board, the broken state, and error texts
+// that name P2pComm, the operation, the call number and the rank ("P2pComm all_reduce(float32 x
+// 4, sum) on rank 1 of 3 (call #5): ThreadComm recv(...) from rank 0 ...: timed out ...").
 //
 // Algorithms: simple and exact rather than fast.
 //   all_reduce      rank 0 receives every rank's buffer, reduces them in rank order with
@@ -29,6 +34,7 @@
 
 #include "tessera/comm/async_worker.hpp"
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/core.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/comm/reduce.hpp"
 #include "tessera/comm/threads.hpp"
@@ -53,11 +59,15 @@ class P2pComm {
   }
 
   P2pComm(ThreadComm user, ThreadComm internal)
-      : user_(std::move(user)), internal_(std::move(internal)), worker_(std::make_unique<detail::AsyncWorker>()) {}
+      : user_(std::move(user)),
+        internal_(std::move(internal)),
+        core_(std::make_shared<detail::CommCore>("P2pComm", user_.rank(), user_.size(), user_.options())),
+        worker_(std::make_unique<detail::AsyncWorker>()) {}
   P2pComm(P2pComm&&) noexcept = default;
 
-  int rank() const { return user_.rank(); }
-  int size() const { return user_.size(); }
+  int rank() const { return core_->rank(); }
+  int size() const { return core_->size(); }
+  const CommOptions& options() const { return core_->options(); }
 
   template <CommScalar T>
   void all_reduce(std::span<T> buf, ReduceOp op) {
@@ -81,15 +91,15 @@ class P2pComm {
   }
   template <CommScalar T>
   void send(std::span<const T> buf, int peer) {
-    user_.send(buf, peer);
+    send_async(buf, peer).wait();
   }
   template <CommScalar T>
   void recv(std::span<T> buf, int peer) {
-    user_.recv(buf, peer);
+    recv_async(buf, peer).wait();
   }
   void barrier() {
-    std::int32_t token = 0;
-    all_reduce(std::span<std::int32_t>(&token, 1), ReduceOp::Sum);
+    worker_->drain();
+    do_barrier();
   }
 
   template <CommScalar T>
@@ -110,24 +120,88 @@ class P2pComm {
   }
   template <CommScalar T>
   Work send_async(std::span<const T> buf, int peer) {
-    return user_.send_async(buf, peer);
+    core_->check_peer(peer, "send");
+    const auto what = detail::PeerCall::send<T>(buf.size(), peer);
+    return guarded(what, [&] { return user_.send_async(buf, peer); });
   }
   template <CommScalar T>
   Work recv_async(std::span<T> buf, int peer) {
-    return user_.recv_async(buf, peer);
+    core_->check_peer(peer, "recv");
+    const auto what = detail::PeerCall::recv<T>(buf.size(), peer);
+    return guarded(what, [&] { return user_.recv_async(buf, peer); });
   }
 
   // MPI_Comm_split semantics, inherited from ThreadComm's split of both groups.
   P2pComm split(int color, int key) {
+    core_->check_split_color(color);
     worker_->drain();
+    core_->check_usable("split");
     ThreadComm user = user_.split(color, key);
     ThreadComm internal = internal_.split(color, key);
     return P2pComm(std::move(user), std::move(internal));
   }
 
  private:
+  // One collective under the core's protocol: usable check, progress board, call check (its
+  // exchange is raw_all_gather over the internal group), and any transport error turned into
+  // this communicator's error, which breaks it.
+  template <class Fn>
+  void collective(const detail::CallSignature& sig, Fn&& move_bytes) {
+    const std::int64_t call = core_->enter(sig);
+    core_->check_call(sig, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      core_->guard(detail::CallCheckOf{sig}, call, [&] { raw_all_gather(in, out); });
+    });
+    core_->guard(sig, call, std::forward<Fn>(move_bytes));
+    core_->finish();
+  }
+
+  // A point-to-point Work of the user group whose failure breaks this communicator too.
+  template <class Post>
+  Work guarded(const detail::PeerCall& what, Post&& post) {
+    auto inner = std::make_shared<Work>();
+    core_->guard(what, 0, [&] { *inner = post(); });
+    return Work([core = core_, inner, what] { core->guard(what, 0, [&] { inner->wait(); }); },
+                [inner] { return inner->is_completed(); });
+  }
+
   template <CommScalar T>
   void do_all_reduce(std::span<T> buf, ReduceOp op) {
+    collective(detail::signature_of<T>(detail::CollectiveKind::AllReduce, buf.size(), static_cast<std::int64_t>(op)),
+               [&] { raw_all_reduce(buf, op); });
+  }
+  template <CommScalar T>
+  void do_broadcast(std::span<T> buf, int root) {
+    core_->check_root(root);
+    collective(detail::signature_of<T>(detail::CollectiveKind::Broadcast, buf.size(), root),
+               [&] { raw_broadcast(buf, root); });
+  }
+  template <CommScalar T>
+  void do_all_gather(std::span<const T> in, std::span<T> out) {
+    core_->check_all_gather(in.size(), out.size());
+    collective(detail::signature_of<T>(detail::CollectiveKind::AllGather, in.size()), [&] { raw_all_gather(in, out); });
+  }
+  template <CommScalar T>
+  void do_reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op) {
+    core_->check_reduce_scatter(in.size(), out.size());
+    collective(detail::signature_of<T>(detail::CollectiveKind::ReduceScatter, in.size(), static_cast<std::int64_t>(op)),
+               [&] {
+                 std::vector<T> whole(in.begin(), in.end());
+                 raw_all_reduce(std::span<T>(whole), op);
+                 const std::size_t n = out.size();
+                 const auto mine = whole.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank()) * n);
+                 std::copy(mine, mine + static_cast<std::ptrdiff_t>(n), out.begin());
+               });
+  }
+  void do_barrier() {
+    collective(detail::CallSignature{detail::CollectiveKind::Barrier, CommDType::F32, 0, 0}, [&] {
+      std::int32_t token = 0;
+      raw_all_reduce(std::span<std::int32_t>(&token, 1), ReduceOp::Sum);
+    });
+  }
+
+  // The algorithms themselves: bytes moved over the internal group, nothing checked.
+  template <CommScalar T>
+  void raw_all_reduce(std::span<T> buf, ReduceOp op) {
     const int p = size();
     if (p == 1 || buf.empty()) return;  // Avg over one rank is the identity
     if (rank() == 0) {
@@ -147,9 +221,7 @@ class P2pComm {
   }
 
   template <CommScalar T>
-  void do_broadcast(std::span<T> buf, int root) {
-    TESSERA_CHECK(root >= 0 && root < size(), CommError, "P2pComm broadcast on rank ", rank(), ": root ", root,
-                  " out of range for size ", size());
+  void raw_broadcast(std::span<T> buf, int root) {
     if (rank() == root) {
       for (int q = 0; q < size(); ++q)
         if (q != root) internal_.send(std::span<const T>(buf), q);
@@ -159,34 +231,20 @@ class P2pComm {
   }
 
   template <CommScalar T>
-  void do_all_gather(std::span<const T> in, std::span<T> out) {
+  void raw_all_gather(std::span<const T> in, std::span<T> out) {
     const std::size_t n = in.size();
-    TESSERA_CHECK(out.size() == n * static_cast<std::size_t>(size()), CommError, "P2pComm all_gather on rank ",
-                  rank(), ": output has ", out.size(), " elements, expected ", n * static_cast<std::size_t>(size()),
-                  " (size ", size(), " x input ", n, ")");
     if (rank() == 0) {
       std::copy(in.begin(), in.end(), out.begin());
       for (int q = 1; q < size(); ++q) internal_.recv(out.subspan(static_cast<std::size_t>(q) * n, n), q);
     } else {
       internal_.send(in, 0);
     }
-    do_broadcast(out, 0);
-  }
-
-  template <CommScalar T>
-  void do_reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op) {
-    const std::size_t n = out.size();
-    TESSERA_CHECK(in.size() == n * static_cast<std::size_t>(size()), CommError, "P2pComm reduce_scatter on rank ",
-                  rank(), ": input has ", in.size(), " elements, expected ", n * static_cast<std::size_t>(size()),
-                  " (size ", size(), " x output ", n, ")");
-    std::vector<T> whole(in.begin(), in.end());
-    do_all_reduce(std::span<T>(whole), op);
-    const auto mine = whole.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank()) * n);
-    std::copy(mine, mine + static_cast<std::ptrdiff_t>(n), out.begin());
+    raw_broadcast(out, 0);
   }
 
   ThreadComm user_;
   ThreadComm internal_;
+  std::shared_ptr<detail::CommCore> core_;       // shared with point-to-point Works
   std::unique_ptr<detail::AsyncWorker> worker_;  // last: joined before the groups it uses go
 };
 
