@@ -383,34 +383,29 @@ def self_test() -> int:
         if not any(p.startswith(where) and says in p for p in problems):
             failures.append(f"{name}: expected a problem in {where} saying '{says}', got {problems}")
 
-    files = good_files()
-    files["bench/baselines/amd-epyc/old_run.json"] = "{}"
-    expect("uncited baseline", files, "bench/baselines/amd-epyc/old_run.json", "not cited")
-
-    files = good_files()
-    files["README.md"] += "Older: `bench/results/throughput_2026-11-28-evening.json`.\n"
-    expect("bench/results cited", files, "README.md", "bench/results/throughput_2026-11-28-evening.json")
-
-    files = good_files()
-    files["bench/README.md"] += "Raw JSON: `results/dp_scaling_2026-11-22.json`.\n"
-    expect("relative results/ in bench/README.md", files, "bench/README.md", "bench/results/dp_scaling")
-
-    files = good_files()
-    files["docs/reliability.md"] = "(`bench/baselines/amd-epyc/fault_campaign.json`)\n"
-    expect("missing baseline cited", files, "docs/reliability.md", "does not exist")
-
-    files = good_files()
-    files["README.md"] += "Wrongly relative: `baselines/amd-epyc-zen5/throughput_2threads.json`.\n"
-    expect("baselines path outside bench/", files, "README.md", "baselines are under bench/baselines/")
-
-    files = good_files()
-    files["bench/README.md"] += "Every bf16 run: `baselines/amd-epyc/bf16_*.json`.\n"
-    expect("glob matching nothing", files, "bench/README.md", "matches no file")
-
-    files = good_files()
-    files["bench/baselines/amd-epyc/report/raw/b.json"] = "{}"
-    expect("file beside a cited report, not named by it", files, "bench/baselines/amd-epyc/report/raw/b.json",
-           "not cited")
+    # (case, file -> text added to the passing tree, where the problem is, what it says)
+    broken_trees: list[tuple[str, dict[str, str], str, str]] = [
+        ("uncited baseline", {"bench/baselines/amd-epyc/old_run.json": "{}"},
+         "bench/baselines/amd-epyc/old_run.json", "not cited"),
+        ("bench/results cited", {"README.md": "Older: `bench/results/throughput_2026-11-28-evening.json`.\n"},
+         "README.md", "bench/results/throughput_2026-11-28-evening.json"),
+        ("relative results/ in bench/README.md", {"bench/README.md": "Raw JSON: `results/dp_scaling_2026-11-22.json`.\n"},
+         "bench/README.md", "bench/results/dp_scaling"),
+        ("missing baseline cited", {"docs/reliability.md": "(`bench/baselines/amd-epyc/fault_campaign.json`)\n"},
+         "docs/reliability.md", "does not exist"),
+        ("baselines path outside bench/",
+         {"README.md": "Wrongly relative: `baselines/amd-epyc-zen5/throughput_2threads.json`.\n"},
+         "README.md", "baselines are under bench/baselines/"),
+        ("glob matching nothing", {"bench/README.md": "Every bf16 run: `baselines/amd-epyc/bf16_*.json`.\n"},
+         "bench/README.md", "matches no file"),
+        ("file beside a cited report, not named by it", {"bench/baselines/amd-epyc/report/raw/b.json": "{}"},
+         "bench/baselines/amd-epyc/report/raw/b.json", "not cited"),
+    ]
+    for name, added, where, says in broken_trees:
+        files = good_files()
+        for path, text in added.items():
+            files[path] = files.get(path, "") + text
+        expect(name, files, where, says)
 
     for name, comment in BAD_COMMENTS.items():
         files = good_files()

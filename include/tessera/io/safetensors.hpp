@@ -40,9 +40,25 @@ static_assert(std::endian::native == std::endian::little, "safetensors I/O assum
 
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, Bool };
 
-TESSERA_LINKAGE std::size_t dtype_size(DType t);
+inline std::size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F64: case DType::I64: return 8;
+    case DType::F32: case DType::I32: return 4;
+    case DType::F16: case DType::BF16: case DType::I16: return 2;
+    case DType::I8: case DType::U8: case DType::Bool: return 1;
+  }
+  return 0;
+}
 
-TESSERA_LINKAGE std::string_view dtype_name(DType t);
+inline std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::F64: return "F64"; case DType::F32: return "F32"; case DType::F16: return "F16";
+    case DType::BF16: return "BF16"; case DType::I64: return "I64"; case DType::I32: return "I32";
+    case DType::I16: return "I16"; case DType::I8: return "I8"; case DType::U8: return "U8";
+    case DType::Bool: return "BOOL";
+  }
+  return "?";
+}
 
 template <class T>
 constexpr DType dtype_of() {
@@ -92,9 +108,27 @@ class HeaderParser {
 
 // IEEE binary16 -> binary32, exactly (every half value is a float): sign, 5-bit exponent (bias 15),
 // 10-bit mantissa; subnormals are normalized, infinities and NaNs keep their class.
-TESSERA_LINKAGE float half_to_float(std::uint16_t h);
+inline float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits = 0;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // 112 = 127 - 15
+  } else if (mantissa != 0) {
+    exponent = 113;  // value = mantissa * 2^-24: shift the leading one into place
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  } else {
+    bits = sign;
+  }
+  return std::bit_cast<float>(bits);
+}
 // bfloat16 is the upper half of a binary32.
-TESSERA_LINKAGE float bfloat16_to_float(std::uint16_t b);
+inline float bfloat16_to_float(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
 
 template <class Dst>
 void convert_elements(const std::byte* src, DType t, Dst* dst, std::size_t n) {
@@ -213,48 +247,6 @@ class SafetensorsWriter {
 };
 
 #if TESSERA_HEADER_DEFINITIONS
-
-TESSERA_LINKAGE std::size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::F64: case DType::I64: return 8;
-    case DType::F32: case DType::I32: return 4;
-    case DType::F16: case DType::BF16: case DType::I16: return 2;
-    case DType::I8: case DType::U8: case DType::Bool: return 1;
-  }
-  return 0;
-}
-
-TESSERA_LINKAGE std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::F64: return "F64"; case DType::F32: return "F32"; case DType::F16: return "F16";
-    case DType::BF16: return "BF16"; case DType::I64: return "I64"; case DType::I32: return "I32";
-    case DType::I16: return "I16"; case DType::I8: return "I8"; case DType::U8: return "U8";
-    case DType::Bool: return "BOOL";
-  }
-  return "?";
-}
-
-TESSERA_LINKAGE auto detail::half_to_float(std::uint16_t h) -> float {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits = 0;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // 112 = 127 - 15
-  } else if (mantissa != 0) {
-    exponent = 113;  // value = mantissa * 2^-24: shift the leading one into place
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-  } else {
-    bits = sign;
-  }
-  return std::bit_cast<float>(bits);
-}
-
-TESSERA_LINKAGE auto detail::bfloat16_to_float(std::uint16_t b) -> float { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
 
 TESSERA_LINKAGE detail::HeaderParser::HeaderParser(std::string_view text, std::string path) : s_(text), path_(std::move(path)) {}
 
