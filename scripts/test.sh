@@ -4,10 +4,10 @@
 #
 #   scripts/test.sh           the quick tier, before every commit: unit, gradient, golden,
 #                             conformance, equivalence and example self-check tests on every CPU
-#                             backend, the checks of docs and headers, mypy and pytest on the tools
+#                             backend, the checks of docs and include order, mypy and pytest on the tools
 #   scripts/test.sh --full    everything (what CI runs): the quick tier plus the tests of the
 #                             `full` suite, each slow for the reason docs/testing.md gives
-#                             (sanitizer build, fuzzing, Slurm, network namespaces, consumer
+#                             (header check, sanitizer build, fuzzing, Slurm, network namespaces, consumer
 #                             packages, fault campaigns, CUDA builds), after building every target
 #
 # Other arguments go to `meson test` (a test name, --suite comm, --list, ...).

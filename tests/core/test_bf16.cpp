@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "tessera/tessera.hpp"
@@ -267,4 +269,27 @@ TEST_CASE("Conv2d with bfloat16 compute: Winograd stays float", "[layers][bf16]"
   const Tensor<float>& y2 = plain.forward(x, c2);
   REQUIRE(y1.shape() == y2.shape());
   CHECK(std::equal(y1.data(), y1.data() + y1.numel(), y2.data()));
+}
+
+// The run-time choice of the AVX-512 kernels (kernels/cpu/capability.hpp). The `kernels-portable`
+// meson test runs the convolution, pooling and bfloat16 cases again with
+// TESSERA_CPU_CAPABILITY=default: there this case checks that the cap took, and the others that the
+// portable loops give the answers the AVX-512 kernels give in the ordinary run.
+TEST_CASE("The CPU capability follows the CPU and TESSERA_CPU_CAPABILITY", "[core][capability]") {
+  CHECK(parse_cpu_capability("default", "X") == CpuCapability::Default);
+  CHECK(parse_cpu_capability("avx512", "X") == CpuCapability::Avx512);
+  CHECK_THROWS_WITH(parse_cpu_capability("avx2", "TESSERA_CPU_CAPABILITY"),
+                    Catch::Contains("TESSERA_CPU_CAPABILITY='avx2'") && Catch::Contains("default"));
+  CHECK(std::string(cpu_capability_name(CpuCapability::Avx512)) == "avx512");
+  const char* cap = std::getenv("TESSERA_CPU_CAPABILITY");
+  const std::string asked = cap ? cap : "";
+  if (asked == "default") {
+    CHECK(cpu_capability() == CpuCapability::Default);
+    CHECK_FALSE(cpu_avx512());
+    CHECK_FALSE(cpu_has_avx512_bf16());  // the bfloat16 kernel is AVX-512 too
+  } else {
+    CHECK(cpu_capability() == cpu_capability_supported());
+  }
+  WARN("this CPU supports " << cpu_capability_name(cpu_capability_supported()) << "; the kernels run "
+                            << cpu_capability_name(cpu_capability()));
 }

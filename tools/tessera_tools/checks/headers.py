@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", action="append", default=[], help="a directory holding tessera/ headers to check")
     ap.add_argument("--include", action="append", default=[], help="an extra include directory")
     ap.add_argument("--cuda-compiler", default="", help="nvcc: also check the *.cuh headers")
+    ap.add_argument("--cuda-only", action="store_true", help="with --cuda-compiler: check the *.cuh headers only")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--order-only", action="store_true", help="only check the include graph's direction")
     ap.add_argument("--self-test", action="store_true", help="check the order check on a made-up tree")
@@ -107,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"include graph: {len(problems)} upward or sideways includes")
     if args.order_only or problems:
         return 1 if problems else 0
-    patterns = ["*.hpp", "*.cuh"] if args.cuda_compiler else ["*.hpp"]
+    if args.cuda_only and not args.cuda_compiler:
+        ap.error("--cuda-only needs --cuda-compiler")
+    patterns = (["*.cuh"] if args.cuda_only else ["*.hpp", "*.cuh"]) if args.cuda_compiler else ["*.hpp"]
     headers = sorted({p.relative_to(root) for root in roots for pattern in patterns
                       for p in (root / "tessera").rglob(pattern)})
     flags = ["-std=c++20", "-fopenmp", "-fsyntax-only", "-Wall", "-Wextra", "-x", "c++", "-"]

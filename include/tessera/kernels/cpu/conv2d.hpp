@@ -89,12 +89,12 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
             std::int64_t ldcol, std::int64_t row_begin = 0, std::int64_t row_end = -1) {
   const std::int64_t taps = g.taps(), rows = row_end >= 0 ? row_end : g.col_rows(), sample_cols = (oh1 - oh0) * g.out_width;
   const bool contiguous = detail::contiguous_taps(g);
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
     // Unpadded, stride 1, output rows short and not adjacent (W' < min(W, 16)): whole col rows
     // gathered 16 columns at a time (LeNet-5's second layer; faster than copying row by row).
     detail::ShortRowGather gather;
-    if (!contiguous && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 && g.dilation_w == 1 &&
+    if (cpu_avx512() && !contiguous && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 && g.dilation_w == 1 &&
         g.pad_h == 0 && g.pad_w == 0 && gather.build(g.width, g.out_width, sample_cols)) {
       const S* end = x + samples * g.channels * g.in_plane();  // this block's input
       // (c, i, j) of row r kept by counting: three divisions per row cost about a row's copy.

@@ -47,7 +47,13 @@ void relu_forward(Cpu, const S* x, std::int64_t n, S* y) {
 template <class S>
 void relu_backward(Cpu, const S* dy, const S* y, std::int64_t n, S* dx) {
 #pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) dx[i] = y[i] <= S(0) ? S(0) : dy[i];
+  for (std::int64_t i = 0; i < n; ++i) {
+    // dy[i] read whatever y[i] is: then this is a select, which SSE2 vectorizes; written as
+    // `y[i] <= 0 ? 0 : dy[i]`, the load is conditional, and only a target with masked loads
+    // (AVX-512) vectorized it: a portable build ran it as a branch per element.
+    const S g = dy[i];
+    dx[i] = y[i] <= S(0) ? S(0) : g;
+  }
 }
 
 template <class S>

@@ -17,7 +17,8 @@
 // A micro-panels stream past it. Odd k and partial tiles are padded with zeros when packing
 // (a zero pair adds nothing) and masked when C is written.
 //
-// Where the CPU lacks AVX512-BF16 (detected at run time, cpu_has_avx512_bf16()), or where
+// Where the CPU lacks AVX512-BF16 (detected at run time, cpu_has_avx512_bf16()), where
+// TESSERA_CPU_CAPABILITY=default asks for the portable kernels (kernels/cpu/capability.hpp), or where
 // set_cpu_bf16_enabled(false) turned it off, gemm_bf16 is the float gemm: the fp32 fallback.
 // Threads: as gemm, split over the OpenMP team outside a parallel region, one thread inside one.
 #pragma once
@@ -41,6 +42,7 @@
 
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
@@ -53,8 +55,9 @@ namespace tessera {
 // Whether this CPU (and the OS, which must save the 512-bit registers) runs AVX512-BF16.
 inline bool cpu_has_avx512_bf16() {
 #if TESSERA_HAVE_BF16_KERNEL
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512bf16");
+  // AVX-512 as kernels/cpu/capability.hpp decides it (TESSERA_CPU_CAPABILITY=default turns this
+  // kernel off too), plus the BF16 extension.
+  static const bool has = cpu_avx512() && __builtin_cpu_supports("avx512bf16");
   return has;
 #else
   return false;
@@ -78,7 +81,10 @@ inline bool cpu_bf16_active() { return cpu_has_avx512_bf16() && detail::cpu_bf16
 // What gemm_bf16 runs, for benchmark reports.
 inline std::string cpu_bf16_kernel() {
   if (cpu_bf16_active()) return "AVX512-BF16 VDPBF16PS, float accumulation";
-  return cpu_has_avx512_bf16() ? "float gemm (bf16 turned off)" : "float gemm (this CPU has no AVX512-BF16)";
+  if (cpu_has_avx512_bf16()) return "float gemm (bf16 turned off)";
+  return cpu_avx512() || cpu_capability_supported() == CpuCapability::Default
+             ? "float gemm (this CPU has no AVX512-BF16)"
+             : "float gemm (TESSERA_CPU_CAPABILITY=default)";
 }
 
 // float -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar reference of

@@ -24,12 +24,9 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
 
 #include "tessera/kernels/cpu/simd_diagnostics.hpp"
@@ -102,11 +99,11 @@ inline bool max_pool_2x2_windows(const Pool2dGeometry& g) {
   return g.kernel == 2 && g.stride == 2 && g.pad == 0 && 2 * g.out_height <= g.height && 2 * g.out_width <= g.width;
 }
 
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
 // One output row of at most 16 windows (an input row of at most 32 values, LeNet's 28 and 10):
 // both input rows loaded, split into even and odd columns by one permute each, the four taps
 // compared lane-wise in scan order. Scalar, such a row cost several times as much per window.
-inline void max_pool_2x2_row16(const float* r0, const float* r1, std::int64_t w, std::int64_t ow_count,
+TESSERA_TARGET_AVX512 inline void max_pool_2x2_row16(const float* r0, const float* r1, std::int64_t w, std::int64_t ow_count,
                                std::int32_t base, float* best, std::int32_t* at) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -151,9 +148,9 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
       std::int32_t* at = argmax + p * g.out_plane() + oh * ow_count;
       const auto base = static_cast<std::int32_t>(2 * oh * w);
       const auto below = static_cast<std::int32_t>(w);
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
       if constexpr (std::is_same_v<S, float>) {
-        if (w <= 32) {
+        if (w <= 32 && cpu_avx512()) {
           max_pool_2x2_row16(r0, r1, w, ow_count, base, best, at);
           continue;
         }

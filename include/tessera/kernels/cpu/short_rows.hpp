@@ -4,7 +4,8 @@
 // a scalar tail, or to a call to memmove; with AVX-512 one masked load and one masked store move
 // up to 16 floats (measured: im2col + col2im were a large share of a LeNet-5 step).
 // float only (double serves the gradient checks, where speed does not matter); without AVX-512
-// (another -march, or nvcc's host pass) the plain loops are used.
+// (another CPU, TESSERA_CPU_CAPABILITY=default, or nvcc's host pass) the plain loops are used.
+// The AVX-512 versions are functions of their own, chosen at run time (kernels/cpu/capability.hpp).
 #pragma once
 
 #include <algorithm>
@@ -12,10 +13,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#endif
-
+#include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/simd_diagnostics.hpp"
 
 TESSERA_SIMD_CODE_BEGIN
@@ -58,17 +56,21 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i (&w)[16]) {
 #endif
 
 // dst[0, n) = src[0, n); the ranges do not overlap.
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void copy_row_avx512(float* dst, const float* src, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
+  if (i < n) {
+    const __mmask16 m = lanes16(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, _mm512_maskz_loadu_ps(m, src + i));
+  }
+}
+#endif
 template <class S>
 inline void copy_row(S* dst, const S* src, std::int64_t n) {
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    std::int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
-    if (i < n) {
-      const __mmask16 m = lanes16(n - i);
-      _mm512_mask_storeu_ps(dst + i, m, _mm512_maskz_loadu_ps(m, src + i));
-    }
-    return;
+    if (cpu_avx512()) return copy_row_avx512(dst, src, n);
   }
 #endif
   std::copy(src, src + n, dst);
@@ -78,18 +80,22 @@ inline void copy_row(S* dst, const S* src, std::int64_t n) {
 // stem, its stride-2 3x3 and 1x1 layers). The plain loop compiles to scalar loads two at a time
 // (most of im2col's share of a ResNet-50 b8 inference profile); AVX-512 picks the even lanes of two
 // loads with one permute. src[2 (n - 1)] is the last element read.
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void copy_row_stride2_avx512(float* dst, const float* src, std::int64_t n) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (std::int64_t i = 0; i < n; i += 16) {
+    const std::int64_t lanes = std::min<std::int64_t>(16, n - i), span = 2 * lanes - 1;  // elements read
+    const __m512 lo = _mm512_maskz_loadu_ps(lanes16(span), src + 2 * i);
+    const __m512 hi = _mm512_maskz_loadu_ps(lanes16(span - 16), src + 2 * i + 16);
+    _mm512_mask_storeu_ps(dst + i, lanes16(lanes), _mm512_permutex2var_ps(lo, even, hi));
+  }
+}
+#endif
 template <class S>
 inline void copy_row_stride2(S* dst, const S* src, std::int64_t n) {
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    for (std::int64_t i = 0; i < n; i += 16) {
-      const std::int64_t lanes = std::min<std::int64_t>(16, n - i), span = 2 * lanes - 1;  // elements read
-      const __m512 lo = _mm512_maskz_loadu_ps(lanes16(span), src + 2 * i);
-      const __m512 hi = _mm512_maskz_loadu_ps(lanes16(span - 16), src + 2 * i + 16);
-      _mm512_mask_storeu_ps(dst + i, lanes16(lanes), _mm512_permutex2var_ps(lo, even, hi));
-    }
-    return;
+    if (cpu_avx512()) return copy_row_stride2_avx512(dst, src, n);
   }
 #endif
   for (std::int64_t i = 0; i < n; ++i) dst[i] = src[2 * i];
@@ -100,32 +106,37 @@ inline void copy_row_stride2(S* dst, const S* src, std::int64_t n) {
 // the input row is n + taps - 1 wide). Each input value is loaded, summed over its taps in a
 // register and stored once; adding tap by tap instead reloads values just stored one lane over,
 // which defeats store-to-load forwarding (measured on Zen 4: most of col2im's time in that stall).
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void add_shifted_rows_avx512(float* dx_row, const float* first, std::int64_t ld,
+                                                         std::int64_t taps, std::int64_t n) {
+  const std::int64_t width = n + taps - 1;
+  for (std::int64_t x0 = 0; x0 < width; x0 += 16) {
+    const std::int64_t lanes = std::min<std::int64_t>(16, width - x0);
+    const __mmask16 m = lanes16(lanes);
+    __m512 acc = _mm512_maskz_loadu_ps(m, dx_row + x0);
+    for (std::int64_t j = 0; j < taps; ++j) {
+      // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
+      const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min(lanes, n + j - x0);
+      if (lo >= hi) continue;
+      const auto mask = static_cast<__mmask16>(lanes16(hi) & ~lanes16(lo));
+      acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, first + j * ld + x0 - j));
+    }
+    _mm512_mask_storeu_ps(dx_row + x0, m, acc);
+  }
+}
+#endif
 template <class S>
 inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::int64_t taps, std::int64_t n) {
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    const std::int64_t width = n + taps - 1;
-    for (std::int64_t x0 = 0; x0 < width; x0 += 16) {
-      const std::int64_t lanes = std::min<std::int64_t>(16, width - x0);
-      const __mmask16 m = lanes16(lanes);
-      __m512 acc = _mm512_maskz_loadu_ps(m, dx_row + x0);
-      for (std::int64_t j = 0; j < taps; ++j) {
-        // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
-        const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min(lanes, n + j - x0);
-        if (lo >= hi) continue;
-        const auto mask = static_cast<__mmask16>(lanes16(hi) & ~lanes16(lo));
-        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, first + j * ld + x0 - j));
-      }
-      _mm512_mask_storeu_ps(dx_row + x0, m, acc);
-    }
-    return;
+    if (cpu_avx512()) return add_shifted_rows_avx512(dx_row, first, ld, taps, n);
   }
 #endif
   for (std::int64_t j = 0; j < taps; ++j)
     for (std::int64_t x = 0; x < n; ++x) dx_row[x + j] += first[j * ld + x];
 }
 
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
 // im2col's rows for an unpadded stride-1 convolution with short output rows (W' < 16, such as
 // LeNet-5's second layer: 10 wide on a 14-wide input). Column q of a band's col row for tap
 // (i, j) holds input element (oh0 + i) W + j + (q / W') W + q % W': runs of W' values, W apart.
@@ -134,14 +145,14 @@ inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::in
 // input values they span: two masked loads, one two-register permute, one full store. The
 // pattern of a chunk depends only on its column, so it is built once per band and serves every
 // row and sample. Lanes past a chunk's last needed element are masked off in the loads, so
-// nothing outside the input plane is read.
+// nothing outside the input plane is read. AVX-512 only: callers check cpu_avx512() first.
 class ShortRowGather {
  public:
   static constexpr std::int64_t kMaxChunks = 64;  // 1024 columns per band
 
   // False (and the caller copies row by row) when a band has more than kMaxChunks chunks or 16
   // columns span more than 32 input values (W' small against the kernel's width).
-  bool build(std::int64_t in_width, std::int64_t out_width, std::int64_t columns) {
+  TESSERA_TARGET_AVX512 bool build(std::int64_t in_width, std::int64_t out_width, std::int64_t columns) {
     if (out_width <= 0 || out_width >= 16 || in_width < out_width || columns <= 0) return false;
     chunks_ = (columns + 15) / 16;
     if (chunks_ > kMaxChunks) return false;
@@ -185,7 +196,7 @@ class ShortRowGather {
   static constexpr std::int64_t kUnrolled = 16;
 
   template <bool Masked>
-  __m512 chunk(std::int64_t m, const float* src) const {
+  TESSERA_TARGET_AVX512 __m512 chunk(std::int64_t m, const float* src) const {
     const float* at = src + start_[m];
     if constexpr (Masked)
       return _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(low_[m], at), index_[m],
@@ -194,7 +205,7 @@ class ShortRowGather {
   }
   // Every chunk but the last is whole (a full store); the last is stored under its mask.
   template <bool Masked>
-  void write(std::int64_t chunks, float* dst, const float* src) const {
+  TESSERA_TARGET_AVX512 void write(std::int64_t chunks, float* dst, const float* src) const {
     std::int64_t m = 0;
     for (; m + 1 < chunks; ++m) _mm512_storeu_ps(dst + 16 * m, chunk<Masked>(m, src));
     _mm512_mask_storeu_ps(dst + 16 * m, store_[m], chunk<Masked>(m, src));
@@ -202,7 +213,7 @@ class ShortRowGather {
   template <std::int64_t Chunks>  // 0: the run-time count
   struct Writer {
     const ShortRowGather& g;
-    void operator()(float* dst, const float* src, bool unmasked) const {
+    TESSERA_TARGET_AVX512 void operator()(float* dst, const float* src, bool unmasked) const {
       const std::int64_t chunks = Chunks > 0 ? Chunks : g.chunks_;
       if (unmasked)
         g.write<false>(chunks, dst, src);

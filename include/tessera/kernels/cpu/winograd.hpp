@@ -48,10 +48,7 @@
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+#include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/simd_diagnostics.hpp"
 
 TESSERA_SIMD_CODE_BEGIN
@@ -67,6 +64,9 @@ namespace detail {
 // elements of slack; the extra lanes are never stored); stores of the last partial vector write
 // its first n lanes only.
 // (Wider than the target's registers would change the ABI of these helpers: -Wpsabi.)
+// The width is the compile-time target's, so this layout and the 16-lane helpers written for it
+// (the masked store below, pixels_to_vectors) stay under the compiler's own AVX-512 macro; the
+// kernels that do not depend on it are chosen at run time (kernels/cpu/capability.hpp).
 #if defined(__AVX512F__)
 constexpr int kWinogradVectorBytes = 64;
 #elif defined(__AVX__)
@@ -105,38 +105,45 @@ struct WinogradVector {
 // AVX-512, 16 tiles' columns come from four masked loads and two rounds of permutes, all in
 // registers (splitting through memory in two passes stalled on store-to-load forwarding, which
 // masked stores do not get on Zen 4: a large share of a forward pass).
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void split_columns4_avx512(const float* row, std::int64_t lo, std::int64_t hi, std::int64_t count,
+                                                      float* const (&out)[6], float* const (&also)[6]) {
+  std::int64_t t = 0;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const auto load = [&](std::int64_t i) TESSERA_TARGET_AVX512 {  // row[i, i + 16), zero outside [lo, hi)
+    return _mm512_maskz_loadu_ps(lanes16(hi - i) & static_cast<__mmask16>(~lanes16(lo - i)), row + i);
+  };
+  // The columns 4t + j0 and 4t + j0 + 2, and 4t + j0 + 1 and 4t + j0 + 3, of 16 tiles from t0.
+  const auto split = [&](std::int64_t i, __m512& c0, __m512& c1, __m512& c2, __m512& c3) TESSERA_TARGET_AVX512 {
+    const __m512 a = load(i), b = load(i + 16), c = load(i + 32), d = load(i + 48);
+    const __m512 even_ab = _mm512_permutex2var_ps(a, even, b), odd_ab = _mm512_permutex2var_ps(a, odd, b);
+    const __m512 even_cd = _mm512_permutex2var_ps(c, even, d), odd_cd = _mm512_permutex2var_ps(c, odd, d);
+    c0 = _mm512_permutex2var_ps(even_ab, even, even_cd);
+    c2 = _mm512_permutex2var_ps(even_ab, odd, even_cd);
+    c1 = _mm512_permutex2var_ps(odd_ab, even, odd_cd);
+    c3 = _mm512_permutex2var_ps(odd_ab, odd, odd_cd);
+  };
+  for (; t < count; t += 16) {
+    const __mmask16 lanes = lanes16(count - t);
+    __m512 c[6], unused_c6, unused_c7;  // the second split's 4t + 6 and 4t + 7 columns
+    split(4 * t, c[0], c[1], c[2], c[3]);
+    if (out[4] || out[5] || also[4] || also[5]) split(4 * t + 4, c[4], c[5], unused_c6, unused_c7);
+    for (int j = 0; j < 6; ++j) {
+      if (out[j]) _mm512_mask_storeu_ps(out[j] + t, lanes, c[j]);
+      if (also[j]) _mm512_mask_storeu_ps(also[j] + t, lanes, c[j]);
+    }
+  }
+}
+#endif
+
 template <class S>
 void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t count, S* const (&out)[6],
                     S* const (&also)[6]) {
   std::int64_t t = 0;
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    const auto load = [&](std::int64_t i) {  // row[i, i + 16), zero outside [lo, hi)
-      return _mm512_maskz_loadu_ps(lanes16(hi - i) & static_cast<__mmask16>(~lanes16(lo - i)), row + i);
-    };
-    // The columns 4t + j0 and 4t + j0 + 2, and 4t + j0 + 1 and 4t + j0 + 3, of 16 tiles from t0.
-    const auto split = [&](std::int64_t i, __m512& c0, __m512& c1, __m512& c2, __m512& c3) {
-      const __m512 a = load(i), b = load(i + 16), c = load(i + 32), d = load(i + 48);
-      const __m512 even_ab = _mm512_permutex2var_ps(a, even, b), odd_ab = _mm512_permutex2var_ps(a, odd, b);
-      const __m512 even_cd = _mm512_permutex2var_ps(c, even, d), odd_cd = _mm512_permutex2var_ps(c, odd, d);
-      c0 = _mm512_permutex2var_ps(even_ab, even, even_cd);
-      c2 = _mm512_permutex2var_ps(even_ab, odd, even_cd);
-      c1 = _mm512_permutex2var_ps(odd_ab, even, odd_cd);
-      c3 = _mm512_permutex2var_ps(odd_ab, odd, odd_cd);
-    };
-    for (; t < count; t += 16) {
-      const __mmask16 lanes = lanes16(count - t);
-      __m512 c[6], unused_c6, unused_c7;  // the second split's 4t + 6 and 4t + 7 columns
-      split(4 * t, c[0], c[1], c[2], c[3]);
-      if (out[4] || out[5] || also[4] || also[5]) split(4 * t + 4, c[4], c[5], unused_c6, unused_c7);
-      for (int j = 0; j < 6; ++j) {
-        if (out[j]) _mm512_mask_storeu_ps(out[j] + t, lanes, c[j]);
-        if (also[j]) _mm512_mask_storeu_ps(also[j] + t, lanes, c[j]);
-      }
-    }
-    return;
+    if (cpu_avx512()) return split_columns4_avx512(row, lo, hi, count, out, also);
   }
 #endif
   for (; t < count; ++t)
@@ -149,27 +156,33 @@ void split_columns4(const S* row, std::int64_t lo, std::int64_t hi, std::int64_t
 }
 
 // dst[4 t + j] = in[j][t] for the n entries of dst only: split_columns4 backwards, for output rows.
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void merge_columns4_avx512(const float* const (&in)[4], std::int64_t n, float* dst) {
+  std::int64_t i = 0;
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (; i < n; i += 64) {
+    const __mmask16 lanes = lanes16((n - i + 3) / 4);
+    const std::int64_t t = i / 4;
+    const __m512 c0 = _mm512_maskz_loadu_ps(lanes, in[0] + t), c1 = _mm512_maskz_loadu_ps(lanes, in[1] + t);
+    const __m512 c2 = _mm512_maskz_loadu_ps(lanes, in[2] + t), c3 = _mm512_maskz_loadu_ps(lanes, in[3] + t);
+    // p = columns 4t and 4t + 2 interleaved, q = 4t + 1 and 4t + 3; then p and q interleaved.
+    const __m512 p_lo = _mm512_permutex2var_ps(c0, low, c2), p_hi = _mm512_permutex2var_ps(c0, high, c2);
+    const __m512 q_lo = _mm512_permutex2var_ps(c1, low, c3), q_hi = _mm512_permutex2var_ps(c1, high, c3);
+    _mm512_mask_storeu_ps(dst + i, lanes16(n - i), _mm512_permutex2var_ps(p_lo, low, q_lo));
+    _mm512_mask_storeu_ps(dst + i + 16, lanes16(n - i - 16), _mm512_permutex2var_ps(p_lo, high, q_lo));
+    _mm512_mask_storeu_ps(dst + i + 32, lanes16(n - i - 32), _mm512_permutex2var_ps(p_hi, low, q_hi));
+    _mm512_mask_storeu_ps(dst + i + 48, lanes16(n - i - 48), _mm512_permutex2var_ps(p_hi, high, q_hi));
+  }
+}
+#endif
+
 template <class S>
 void merge_columns4(const S* const (&in)[4], std::int64_t n, S* dst) {
   std::int64_t i = 0;
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (; i < n; i += 64) {
-      const __mmask16 lanes = lanes16((n - i + 3) / 4);
-      const std::int64_t t = i / 4;
-      const __m512 c0 = _mm512_maskz_loadu_ps(lanes, in[0] + t), c1 = _mm512_maskz_loadu_ps(lanes, in[1] + t);
-      const __m512 c2 = _mm512_maskz_loadu_ps(lanes, in[2] + t), c3 = _mm512_maskz_loadu_ps(lanes, in[3] + t);
-      // p = columns 4t and 4t + 2 interleaved, q = 4t + 1 and 4t + 3; then p and q interleaved.
-      const __m512 p_lo = _mm512_permutex2var_ps(c0, low, c2), p_hi = _mm512_permutex2var_ps(c0, high, c2);
-      const __m512 q_lo = _mm512_permutex2var_ps(c1, low, c3), q_hi = _mm512_permutex2var_ps(c1, high, c3);
-      _mm512_mask_storeu_ps(dst + i, lanes16(n - i), _mm512_permutex2var_ps(p_lo, low, q_lo));
-      _mm512_mask_storeu_ps(dst + i + 16, lanes16(n - i - 16), _mm512_permutex2var_ps(p_lo, high, q_lo));
-      _mm512_mask_storeu_ps(dst + i + 32, lanes16(n - i - 32), _mm512_permutex2var_ps(p_hi, low, q_hi));
-      _mm512_mask_storeu_ps(dst + i + 48, lanes16(n - i - 48), _mm512_permutex2var_ps(p_hi, high, q_hi));
-    }
-    return;
+    if (cpu_avx512()) return merge_columns4_avx512(in, n, dst);
   }
 #endif
   for (; i < n; ++i) dst[i] = in[i % 4][i / 4];
@@ -614,9 +627,9 @@ inline std::int64_t tile_origin(std::int64_t f, std::int64_t tw, std::int64_t ro
 // of about 16 KiB, which stay in the L1 cache while the row blocks pass. Eigen's gebp (the gemm
 // below) packs both operands on every call, and zeroes c first when beta is 0: on these products
 // (depth and width 16-64 on ResNet-20) that was a third of their time.
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
 template <int R, int NV>
-inline void winograd_product_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
+TESSERA_TARGET_AVX512 inline void winograd_product_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                   std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
                                   std::int64_t ldc) {
   const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
@@ -651,7 +664,7 @@ inline void winograd_product_tile(std::int64_t rows, std::int64_t k, const float
 
 // A tile of exactly `rows` (1 .. H) rows.
 template <int H, int NV>
-inline void winograd_product_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
+TESSERA_TARGET_AVX512 inline void winograd_product_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                   std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
                                   std::int64_t ldc) {
   if constexpr (H > 1) {
@@ -661,7 +674,7 @@ inline void winograd_product_rows(std::int64_t rows, std::int64_t k, const float
 }
 
 template <int NV>
-void winograd_product_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs, std::int64_t a_cs,
+TESSERA_TARGET_AVX512 void winograd_product_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs, std::int64_t a_cs,
                             const float* b, std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc) {
   constexpr int R = NV == 4 ? 6 : 8;          // R NV accumulators + NV + 1 of the 32 registers
   constexpr std::int64_t kc = 256 / NV;       // b's piece: kc x 16 NV floats = 16 KiB
@@ -681,31 +694,39 @@ void winograd_product_panel(std::int64_t m, std::int64_t k, const float* a, std:
     }
   }
 }
+
+// c = beta c + op(a) b on AVX-512, n a multiple of 16.
+TESSERA_TARGET_AVX512 inline void winograd_product_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
+                                                          const float* a, std::int64_t lda, const float* b,
+                                                          std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  if (k == 0 || m == 0) {
+    if (beta == 0)
+      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
+  const bool accumulate = beta != 0;
+  for (std::int64_t j0 = 0; j0 < n;) {
+    const std::int64_t vectors = std::min<std::int64_t>(4, (n - j0) / 16);
+    switch (vectors) {
+      case 4: winograd_product_panel<4>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+      case 3: winograd_product_panel<3>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+      case 2: winograd_product_panel<2>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+      default: winograd_product_panel<1>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
+    }
+    j0 += 16 * std::max<std::int64_t>(vectors, 1);
+  }
+}
 #endif
 
 template <class S>
 void winograd_product(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k, const S* a, std::int64_t lda,
                       const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
-#if defined(__AVX512F__)
+#if TESSERA_X86_DISPATCH
+  // The kernel's panels are whole vectors of 16 columns: n is a multiple of 16 when the blocked
+  // path's vectors are 16 floats (a -march with AVX-512); a portable build's are narrower.
   if constexpr (std::is_same_v<S, float>) {
-    if (k == 0 || m == 0) {
-      if (beta == 0)
-        for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
-      return;
-    }
-    const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
-    const bool accumulate = beta != 0;
-    for (std::int64_t j0 = 0; j0 < n;) {
-      const std::int64_t vectors = std::min<std::int64_t>(4, (n - j0) / 16);
-      switch (vectors) {
-        case 4: winograd_product_panel<4>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-        case 3: winograd_product_panel<3>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-        case 2: winograd_product_panel<2>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-        default: winograd_product_panel<1>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-      }
-      j0 += 16 * std::max<std::int64_t>(vectors, 1);
-    }
-    return;
+    if (n % 16 == 0 && cpu_avx512()) return winograd_product_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
   }
 #endif
   gemm(Cpu{}, trans_a, false, m, n, k, S(1), a, lda, b, ldb, beta, c, ldc);
