@@ -20,7 +20,7 @@ TESSERA_SIMD_CODE_BEGIN
 
 namespace tessera::detail {
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if TESSERA_X86_CPU_FEATURES  // (kernels/cpu/capability.hpp)
 // Lanes [0, n) of 16, n clamped to [0, 16]. Plain integer maths on the mask type, so it is also
 // there for kernels compiled for AVX-512 by a target attribute (kernels/cpu/gemm_bf16.hpp).
 inline __mmask16 lanes16(std::int64_t n) {
