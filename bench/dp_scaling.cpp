@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     o.steps = flags.get("steps", o.steps, {.min = 1});
     o.warmup = flags.get("warmup", o.warmup, {.min = 0});
     o.threads = flags.threads("threads", o.threads);
-    o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+    o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
     // Ranks of the threads build share this process's cores (a process backend runs one rank here).
     check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
     o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20});  // 1 KiB .. 1 GiB

@@ -41,3 +41,15 @@ status=0
   2>"$dir/err.txt" >/dev/null || status=$?
 cat "$dir/err.txt"
 [ "$status" -eq 1 ] && grep -q "batch size 64" "$dir/err.txt"
+# Resumed from a finished run there is nothing to train, but --min-accuracy is still checked, on
+# the model as loaded (it used to be skipped, and the run exited 0 whatever the model's accuracy).
+status=0
+"$example" --limit=1200 --batch=64 --progress=0 --threads=2 --epochs=3 --min-accuracy=0.99 \
+  --resume="$dir/straight.safetensors" >"$dir/out.txt" 2>"$dir/err.txt" || status=$?
+cat "$dir/out.txt" "$dir/err.txt"
+[ "$status" -eq 1 ] || { echo "a finished checkpoint passed --min-accuracy=0.99 unmeasured (exit $status)"; exit 1; }
+grep -q "nothing left to train" "$dir/out.txt" && grep -q "below --min-accuracy=0.99" "$dir/err.txt"
+"$example" --limit=1200 --batch=64 --progress=0 --threads=2 --epochs=3 --min-accuracy=0.05 \
+  --resume="$dir/straight.safetensors" >"$dir/out.txt"
+grep -q "check: final test accuracy .* >= the floor of 5.00%" "$dir/out.txt"
+echo "a finished checkpoint is measured against --min-accuracy on resume"

@@ -330,7 +330,7 @@ Options parse(int argc, char** argv) {
   o.lr = flags.get("lr", o.lr, {.above = 0});
   o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0});
   o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));

@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
     o.steps = flags.get("steps", o.steps, {.min = 1});
     o.image = flags.get("image", o.image, {.min = 1});
     o.classes = flags.get("classes", o.classes, {.min = 1});
-    o.threads = flags.threads("threads", o.threads, /*zero_is_all_cores=*/true);
+    o.threads = flags.threads("threads", o.threads);
     o.ranks = flags.get("ranks", o.ranks, {.min = 1});
     o.sync_bn = flags.get("sync-bn", o.sync_bn);
     o.strategy = flags.get("strategy", o.strategy);

@@ -419,7 +419,7 @@ Options parse(int argc, char** argv) {
   o.servers = flags.get("servers", o.servers, {.min = 1});
   o.staleness = flags.get("staleness", o.staleness, {.min = 1});  // 0 is the sync row
   o.straggler_ms = flags.get("straggler-ms", o.straggler_ms, {.min = 0, .max = 60000});
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
   o.threads = flags.threads("threads", o.threads);
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");

@@ -105,7 +105,11 @@ int run(Comm& world, const Options& o) {
                                .evolution = {.population = o.population, .generations = o.generations,
                                              .tournament_size = o.tournament, .crossover = o.crossover,
                                              .mutation = o.mutation, .elitism = o.elitism},
-                               .seed = o.seed, .log_path = o.log},
+                               .seed = o.seed, .log_path = o.log,
+                               // What else decides a trial's score: a log of other settings is refused.
+                               .settings = detail::cat("epochs=", o.epochs, " batch=", o.batch, " limit=", o.limit,
+                                                       " validation=", o.validation, " ranks_per_trial=",
+                                                       world.size() / o.groups)},
                               space);
   if (chief)
     std::printf("10_hyperparameter_search: LeNet-5, %d ranks as %d groups, population %d x %d generations, "
@@ -183,7 +187,7 @@ Options parse(int argc, char** argv) {
   o.limit = flags.get("limit", o.limit, {.min = 0});
   o.validation = flags.get("validation", o.validation, {.min = 1});  // and below the training images: run()
   o.groups = flags.get("groups", o.groups, {.min = 1});
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
   o.threads = flags.threads("threads", o.threads);
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");

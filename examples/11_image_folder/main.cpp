@@ -109,10 +109,9 @@ RunResult train(Comm& comm, const Options& o, const SampleSource& train_set, con
   return run(resnet20<E>(ro));
 }
 
-// The IDX training or test set as an ImageArray in the folder's sample order: the converter named
-// each file by its IDX index, so sample k of both is the same image.
-ImageArray idx_in_folder_order(const ImageFolder& folder, const Dataset& idx, const ImageTransform& t,
-                               std::uint64_t seed) {
+// The IDX training or test set in the folder's sample order: the converter named each file by its
+// IDX index, so sample k of both is the same image.
+Dataset idx_in_folder_order(const ImageFolder& folder, const Dataset& idx) {
   Dataset ordered;
   ordered.name = idx.name + " in " + folder.root() + "'s order";
   ordered.num_classes = idx.num_classes;
@@ -131,7 +130,7 @@ ImageArray idx_in_folder_order(const ImageFolder& folder, const Dataset& idx, co
     std::copy_n(idx.images.data() + i * per, per, ordered.images.data() + k * per);
     ordered.labels.push_back(idx.labels[static_cast<std::size_t>(i)]);
   }
-  return ImageArray(ordered, t, seed);
+  return ordered;
 }
 
 int run(Comm& comm, const Options& o) {
@@ -166,6 +165,15 @@ int run(Comm& comm, const Options& o) {
                 static_cast<long long>(o.size), ranks, static_cast<long long>(o.batch / ranks), o.workers,
                 static_cast<long long>(o.epochs), image_decoders().c_str());
   }
+  // --compare-idx's data is read and matched to the folder before the first training, so that a
+  // wrong --data-dir or folder fails in seconds, not after a whole training run.
+  Dataset idx_train, idx_test;
+  if (o.compare_idx) {
+    TESSERA_CHECK(o.channels == 1 && o.size == 28, ArgumentError,
+                  "--compare-idx compares with Fashion-MNIST's 28x28 grey images: use --channels=1 --size=28");
+    idx_train = idx_in_folder_order(train_set, load_fashion_mnist(Split::Train, o.data_dir));
+    idx_test = idx_in_folder_order(test_set, load_fashion_mnist(Split::Test, o.data_dir));
+  }
   const RunResult folder = train(comm, o, train_set, test_set, "image folder");
   if (rank == 0 && (train_set.skipped_count() || test_set.skipped_count())) {
     std::printf("skipped %zu unreadable training and %zu test files (--skip-corrupt); the first: %s\n",
@@ -178,12 +186,7 @@ int run(Comm& comm, const Options& o) {
     status = 1;
   }
   if (o.compare_idx) {
-    const Dataset idx_train = load_fashion_mnist(Split::Train, o.data_dir);
-    const Dataset idx_test = load_fashion_mnist(Split::Test, o.data_dir);
-    TESSERA_CHECK(o.channels == 1 && o.size == 28, ArgumentError,
-                  "--compare-idx compares with Fashion-MNIST's 28x28 grey images: use --channels=1 --size=28");
-    const ImageArray idx_train_set = idx_in_folder_order(train_set, idx_train, t.train, o.seed);
-    const ImageArray idx_test_set = idx_in_folder_order(test_set, idx_test, t.test, 0);
+    const ImageArray idx_train_set(idx_train, t.train, o.seed), idx_test_set(idx_test, t.test, 0);
     const RunResult idx = train(comm, o, idx_train_set, idx_test_set, "IDX files");
     const double difference = std::abs(folder.accuracy - idx.accuracy);
     if (rank == 0)
@@ -204,7 +207,7 @@ Options parse(int argc, char** argv) {
   o.warmup = flags.get("warmup", o.warmup, {.min = 0});
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.workers = flags.get("workers", o.workers, {.min = 1, .max = 64});
   o.model = flags.choice("model", o.model, {"resnet20", "resnet50"});

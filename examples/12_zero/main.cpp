@@ -190,7 +190,7 @@ Options parse(int argc, char** argv) {
   o.batch = flags.get("batch", o.batch, {.min = 1});
   o.lr = flags.get("lr", o.lr, {.above = 0});
   o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.limit = flags.get("limit", o.limit, {.min = 0});

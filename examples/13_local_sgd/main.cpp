@@ -272,7 +272,7 @@ Options parse(int argc, char** argv) {
   o.periods = flags.list("periods", "1,4,16");
   o.tolerance = flags.get("tolerance", o.tolerance, {.min = 0});
   o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
   o.limit = flags.get("limit", o.limit, {.min = 0});

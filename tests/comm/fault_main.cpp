@@ -13,6 +13,8 @@
 //   fault_program stall       40 matching all_reduces (past the checked first calls), then rank 1
 //                             sleeps instead of joining the next one
 //   fault_program join        rendezvous and one barrier (the test starts fewer ranks than the size)
+//   fault_program throw       one all_reduce, then rank 1 fails with an ordinary error (a corrupt
+//                             image, not a communication error) while the others go on reducing
 //
 // Each rank prints "rank R ready pid P" after its first operation; a CommError is printed as
 // "rank R: CommError: <text>" on stderr and exits with status 3.
@@ -33,8 +35,9 @@ int main(int argc, char** argv) {
   const bool mismatch = mode.rfind("mismatch", 0) == 0;
   if (mode != "allreduce" && mode != "barrier" && mode != "mismatch" && mode != "mismatch-dtype" &&
       mode != "mismatch-op" && mode != "mismatch-root" && mode != "mismatch-kind" && mode != "mismatch-late-op" &&
-      mode != "mismatch-late-count" && mode != "stall" && mode != "join") {
-    std::fprintf(stderr, "usage: %s allreduce|barrier|mismatch[-dtype|-op|-root|-kind|-late-op|-late-count]|stall|join\n",
+      mode != "mismatch-late-count" && mode != "stall" && mode != "join" && mode != "throw") {
+    std::fprintf(stderr,
+                 "usage: %s allreduce|barrier|mismatch[-dtype|-op|-root|-kind|-late-op|-late-count]|stall|join|throw\n",
                  argv[0]);
     return 2;
   }
@@ -83,6 +86,12 @@ int main(int argc, char** argv) {
       ready();
       if (rank == 1) std::this_thread::sleep_for(std::chrono::hours(1));
       comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+    } else if (mode == "throw") {
+      std::vector<float> g(1000, 1.0f);
+      comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+      ready();
+      if (rank == 1) throw IoError("shard1/img_7.png: not a PNG file (a corrupt image: the test's ordinary error)");
+      for (;;) comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
     } else {  // join
       comm.barrier();
       ready();

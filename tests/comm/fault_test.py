@@ -15,7 +15,14 @@ the rank, and (for Gloo) the missing peer or phase:
   stall                              also: the warning at the stall threshold and the final error
                                      say which ranks reached the call and which did not
   join (Gloo)                        world size 3 but only ranks 0 and 1 start
-  ps (Gloo, --ps-program)            kill -9 a parameter-server worker: the server stops naming it
+  rendezvous (Gloo)                  a rank of another world size, a rank killed after it joined,
+                                     and a second job in a store another job used: each named at
+                                     once, not at the (120 s) timeout
+  throw                              rank 1 fails with an ordinary error (a corrupt image) while the
+                                     others wait in an all_reduce, under a 120 s timeout: the job
+                                     must end in seconds with rank 1's error, not at the timeout
+  ps (Gloo, --ps-program)            kill -9 a parameter-server worker: the server stops naming it;
+                                     SIGSTOP one under a 120 s timeout: the server warns naming it
 
 Gloo and NCCL ranks are started directly (not through tessera-run, which would stop the survivors
 itself) so that each survivor's own error is observed; NCCL needs one GPU per rank (3). Under mpirun the launcher ends the job when a
@@ -33,6 +40,11 @@ import time
 
 TIMEOUT = 3.0  # seconds, passed as TESSERA_COMM_TIMEOUT
 MPIRUN_TEARDOWN = 15.0  # seconds mpirun may take, after MPI_Abort, to kill a stalled rank
+# The throw scenario: a timeout long enough that ending by it fails the check, which allows a
+# few seconds for the failing rank to say its error and end the job (MPI: then mpirun's teardown).
+SLOW_TIMEOUT = 120.0
+THROW_LIMIT = 5.0
+ORDINARY_ERROR = "shard1/img_7.png: not a PNG file"
 failures = []
 # The store-based backends share the scenarios: the label in the report, the class named in
 # errors, and what the backend can tell (set from the command line by its entry in the backend
@@ -173,6 +185,34 @@ def gloo_ps_kill(program):
                 r.kill()
 
 
+def gloo_ps_stop(program):
+    """A stopped worker (SIGSTOP) under a long timeout: the server warns at the stall threshold,
+    naming the worker, instead of staying silent until the timeout."""
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = []
+        for r in range(3):
+            env = base_env({"TESSERA_RANK": str(r), "TESSERA_WORLD_SIZE": "3", "TESSERA_STORE": "file://" + store,
+                            "TESSERA_COMM_TIMEOUT": str(SLOW_TIMEOUT), "TESSERA_COMM_STALL_WARNING": "2"})
+            ranks.append(Rank([program], env))
+        try:
+            ready = wait_ready(ranks)
+            check(ready, f"{STORE_BACKEND['label']} ps stop: server and 2 workers started",
+                  "\n".join(r.text() for r in ranks))
+            if not ready:
+                return
+            os.kill(ranks[1].proc.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            needle = "warning: ParameterServer server 0: worker rank 1 has sent nothing for"
+            while needle not in ranks[0].text() and time.monotonic() < stopped_at + 2 + THROW_LIMIT:
+                time.sleep(0.05)
+            took = time.monotonic() - stopped_at
+            check(needle in ranks[0].text(), f"{STORE_BACKEND['label']} ps stop: the server warns within "
+                  f"{2 + THROW_LIMIT:.0f} s, naming the stopped worker rank 1 ({took:.2f} s)", ranks[0].text())
+        finally:
+            for r in ranks:
+                r.kill()  # SIGKILL ends a stopped process too
+
+
 # (mode of fault_main, rank 0's call, the other ranks' call, the call number named)
 MISMATCHES = [
     ("mismatch", "all_reduce(float32 x 10, sum)", "all_reduce(float32 x 11, sum)", 1),
@@ -240,6 +280,72 @@ def gloo_join(program):
                 r.kill()
 
 
+def wait_for_join_key(store, rank, seconds=30):
+    """Until the file store holds rank's join key (the rank has registered)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if any(name.endswith(f"join.{rank}") for name in os.listdir(store)):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def gloo_rendezvous(program):
+    """Rendezvous faults that used to wait out the whole timeout without naming the cause: a rank
+    started with another world size, a rank killed after it joined, and a second job in a store
+    that another job used (its ranks would pair with the first job's keys)."""
+    label = STORE_BACKEND["label"]
+    slow = {"TESSERA_COMM_TIMEOUT": str(SLOW_TIMEOUT)}
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, "join", 3, [2], store, slow)  # rank 2 thinks the world has 3 ranks
+        try:
+            ok = wait_for_join_key(store, 2)
+            check(ok, f"{label} size mismatch: rank 2 registered", ranks[0].text())
+            ranks += gloo_start(program, "join", 2, [0, 1], store, slow)  # ranks 0 and 1 think it has 2
+            start = time.monotonic()
+            for r, rank in zip((2, 0, 1), ranks):
+                code = rank.wait(start + THROW_LIMIT)
+                took = time.monotonic() - start
+                text = rank.text()
+                check(code == 3 and "world size" in text and "TESSERA_WORLD_SIZE" in text,
+                      f"{label} size mismatch: rank {r} fails within {THROW_LIMIT:.0f} s naming the two world sizes "
+                      f"({took:.2f} s, status {code})", text)
+        finally:
+            for r in ranks:
+                r.kill()
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, "join", 3, [1, 2], store, slow)
+        try:
+            check(wait_for_join_key(store, 2), f"{label} killed in rendezvous: rank 2 registered", ranks[1].text())
+            ranks[1].kill()  # rank 2 dies after joining; rank 0 never starts
+            killed_at = time.monotonic()
+            code = ranks[0].wait(killed_at + THROW_LIMIT)
+            took = time.monotonic() - killed_at
+            text = ranks[0].text()
+            check(code == 3 and re.search(r"rank 2 \(pid \d+ on \S+\) exited", text) is not None,
+                  f"{label} killed in rendezvous: rank 1 fails within {THROW_LIMIT:.0f} s naming the exited rank 2 "
+                  f"({took:.2f} s, status {code})", text)
+        finally:
+            for r in ranks:
+                r.kill()
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        first = gloo_start(program, "join", 2, [0, 1], store)
+        codes = [r.wait(time.monotonic() + 60) for r in first]
+        check(codes == [0, 0], f"{label} shared store: the first job runs ({codes})", "".join(r.text() for r in first))
+        second = gloo_start(program, "join", 2, [0, 1], store, slow)
+        try:
+            start = time.monotonic()
+            for r, rank in enumerate(second):
+                code = rank.wait(start + THROW_LIMIT)
+                text = rank.text()
+                check(code == 3 and f"the store already holds a rank {r}" in text and "TESSERA_STORE_PREFIX" in text,
+                      f"{label} shared store: rank {r} of a second job in the same store is refused at once "
+                      f"(status {code})", text)
+        finally:
+            for r in second:
+                r.kill()
+
+
 def gloo_stall(program):
     with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
         ranks = gloo_start(program, "stall", 3, [0, 1, 2], store)
@@ -272,12 +378,51 @@ def gloo_stall(program):
 
 # ---------------------------------------------------------------- MPI (under mpirun)
 
-def mpi_job(mpirun, program, mode, extra=None):
+def gloo_throw(program):
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, "throw", 3, [0, 1, 2], store, {"TESSERA_COMM_TIMEOUT": str(SLOW_TIMEOUT)})
+        label = STORE_BACKEND["label"]
+        try:
+            start = time.monotonic()
+            code = ranks[1].wait(start + 60)
+            text = ranks[1].text()
+            check(code == 1 and ORDINARY_ERROR in text, f"{label} throw: rank 1 exits 1 with its error (status {code})", text)
+            failed_at = time.monotonic()
+            for r in (0, 2):
+                code = ranks[r].wait(failed_at + THROW_LIMIT)
+                took = time.monotonic() - failed_at
+                check(code is not None and code != 0,
+                      f"{label} throw: rank {r} stops within {THROW_LIMIT:.0f} s of rank 1's error, not at the "
+                      f"{SLOW_TIMEOUT:.0f} s timeout ({took:.2f} s, status {code})", ranks[r].text())
+        finally:
+            for r in ranks:
+                r.kill()
+
+
+def mpi_job(mpirun, program, mode, extra=None, timeout=TIMEOUT):
     argv = [mpirun, "--oversubscribe", "-n", "3"]
     for k, v in (extra or {}).items():
         argv += ["-x", f"{k}={v}"]
-    argv += ["-x", f"TESSERA_COMM_TIMEOUT={TIMEOUT}", program, mode]
+    argv += ["-x", f"TESSERA_COMM_TIMEOUT={timeout}", program, mode]
     return Rank(argv, base_env(extra))
+
+
+def mpi_throw(mpirun, program):
+    job = mpi_job(mpirun, program, "throw", timeout=SLOW_TIMEOUT)
+    try:
+        wait_mpi_ready(job)
+        start = time.monotonic()
+        limit = THROW_LIMIT + MPIRUN_TEARDOWN
+        code = job.wait(start + limit + 1)
+        took = time.monotonic() - start
+        text = job.text()
+        check(code is not None and code != 0 and took <= limit,
+              f"mpi throw: rank 1's ordinary error ends the job within {limit:.0f} s, not at the {SLOW_TIMEOUT:.0f} s "
+              f"timeout ({took:.2f} s, status {code})", text)
+        check(re.search(r"rank 1 failed: .*" + re.escape(ORDINARY_ERROR), text) is not None,
+              "mpi throw: the job's output names rank 1 and its error", text)
+    finally:
+        job.kill()
 
 
 def wait_mpi_ready(job, seconds=60):
@@ -377,12 +522,16 @@ def main():
     parser.add_argument("--late-count", action="store_true",
                         help="a count mismatch at a call the sampled check skips still names the call")
     parser.add_argument("--join", action="store_true", help="a rank that never joins the rendezvous is named")
+    parser.add_argument("--rendezvous", action="store_true",
+                        help="a rank of another world size, one killed after joining, and a second job in a used store "
+                             "are named at once")
     args = parser.parse_args()
     if args.launch == "mpirun":
         mpi_kill_scenario(args.mpirun, args.program, "allreduce")
         mpi_kill_scenario(args.mpirun, args.program, "barrier")
         mpi_stall(args.mpirun, args.program)
         mpi_mismatch(args.mpirun, args.program)
+        mpi_throw(args.mpirun, args.program)
     else:
         STORE_BACKEND.update(label=args.backend, dead_peer=args.names_dead_peer, stall_report=args.stall_report,
                              late_count=args.late_count, **{"class": args.class_name})
@@ -390,10 +539,14 @@ def main():
         gloo_kill_scenario(args.program, "barrier", "barrier")
         gloo_stall(args.program)
         gloo_mismatch(args.program)
+        gloo_throw(args.program)
         if args.join:
             gloo_join(args.program)
+        if args.rendezvous:
+            gloo_rendezvous(args.program)
         if args.ps_program:
             gloo_ps_kill(args.ps_program)
+            gloo_ps_stop(args.ps_program)
     print(f"{len(failures)} failed")
     return 1 if failures else 0
 

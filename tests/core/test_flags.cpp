@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/comm/launch.hpp"
 #include "tessera/io/flags.hpp"
 
 using namespace tessera;
@@ -99,9 +100,9 @@ TEST_CASE("Flags threads: bounded by 4 x the hardware threads; the thread budget
   CHECK_THROWS_WITH(f.threads("threads", 1),
                     Catch::StartsWith("--threads=100000: must be <= " + std::to_string(cap) + " (4 x the "));
   CHECK(f.threads("ok", 1) == cap);
-  CHECK(f.threads("zero", 1, true) == 0);  // 0 = all cores, where the program allows it
-  CHECK_THROWS_WITH(f.threads("zero", 1), "--zero=0: must be >= 1");
-  CHECK_THROWS_WITH(f.threads("neg", 1, true), Catch::StartsWith("--neg=-1: must be >= 0"));
+  // 0 = all cores in every program (it was refused by some and taken by others), as the real count.
+  CHECK(f.threads("zero", 1) == hardware_threads());
+  CHECK_THROWS_WITH(f.threads("neg", 1), Catch::StartsWith("--neg=-1: must be >= 0 (0: all cores)"));
 
   CHECK_NOTHROW(check_thread_budget(1, "--ranks", cap, "--threads"));
   CHECK_NOTHROW(check_thread_budget(cap, "--ranks", 1, "--threads"));
@@ -194,6 +195,49 @@ TEST_CASE("Flags input paths: a readable regular file", "[core][flags]") {
   CHECK_THROWS_WITH(f.input_path("other", ""), Catch::EndsWith("none: no such file"));
   CHECK_THROWS_WITH(f.input_path("dir", ""), Catch::EndsWith(": not a regular file"));
   CHECK(f.input_path("absent", "").empty());
+}
+
+// A bare --checkpoint once became the path "true" (a converter's bare --out wrote 70,000 files into
+// ./true/); a bare flag is an on/off flag's true and every other kind's error, naming the flag.
+TEST_CASE("Flags: a value-taking flag given without a value is refused by name", "[core][flags]") {
+  Args a({"--checkpoint", "--resume", "--epochs", "--lr", "--name", "--compression", "--runs", "--verbose", "--plot="});
+  Flags f = a.flags();
+  CHECK_THROWS_WITH(f.output_path("checkpoint", ""),
+                    "--checkpoint was given without a value: write --checkpoint=VALUE (only an on/off flag may be given bare)");
+  CHECK_FALSE(std::filesystem::exists("true"));
+  CHECK_THROWS_WITH(f.input_path("resume", ""), Catch::StartsWith("--resume was given without a value"));
+  CHECK_THROWS_WITH(f.get("epochs", 5), Catch::StartsWith("--epochs was given without a value: write --epochs=N"));
+  CHECK_THROWS_WITH(f.get("lr", 0.1), Catch::StartsWith("--lr was given without a value: write --lr=X"));
+  CHECK_THROWS_WITH(f.get("name", std::string("x")), Catch::StartsWith("--name was given without a value"));
+  CHECK_THROWS_WITH(f.choice("compression", "none", {"none", "fp16"}), Catch::StartsWith("--compression was given"));
+  CHECK_THROWS_WITH(f.list("runs", "a", {}), Catch::StartsWith("--runs was given without a value"));
+  CHECK(f.get("verbose", false));          // an on/off flag: bare is true
+  CHECK(f.output_path("plot", "x.png").empty());  // given empty on purpose: still "none"
+  // "--out true" (an explicit value) stays a value.
+  Args b({"--out", "true"});
+  Flags g = b.flags();
+  CHECK(g.get("out", std::string()) == "true");
+}
+
+// --ranks under a launcher (mpirun, tessera-run) used to be ignored: now 0 when not given, and a
+// given one is passed on for launch<E> to compare with what the launcher started.
+TEST_CASE("Flags ranks: the threads build's count, or what a launcher started", "[core][flags]") {
+  Args given({"--ranks=3"});
+  Flags g = given.flags();
+  CHECK(g.ranks("ranks", 2, false) == 3);
+  CHECK(g.ranks("ranks", 2, true) == 3);
+  Args absent({});
+  Flags a = absent.flags();
+  CHECK(a.ranks("ranks", 2, false) == 2);  // threads: the program's default
+  CHECK(a.ranks("ranks", 2, true) == 0);   // a launcher's ranks: whatever it started
+  Args zero({"--ranks=0"});
+  Flags z = zero.flags();
+  CHECK_THROWS_WITH(z.ranks("ranks", 2, true), Catch::StartsWith("--ranks=0: must be >= 1"));
+  CHECK_NOTHROW(check_launched_ranks({.ranks = 0}, 4, "mpi"));
+  CHECK_NOTHROW(check_launched_ranks({.ranks = 4}, 4, "mpi"));
+  CHECK_THROWS_WITH(check_launched_ranks({.ranks = 3}, 2, "mpi"),
+                    "--ranks=3 asks for 3 ranks, but the launcher started 2: with the mpi communicator the launcher "
+                    "decides (mpirun -n, tessera-run -n, srun -n); leave --ranks out or make them agree");
 }
 
 TEST_CASE("Flags help: every flag read, in order, with its default and what it must be", "[core][flags]") {

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <zlib.h>
+
 #include "tessera/data/fashion_mnist.hpp"
 #include "tessera/data/image.hpp"
 #include "tessera/data/image_folder.hpp"
@@ -135,6 +137,75 @@ TEST_CASE("decode_image: broken files give an IoError naming the file and the re
   }
   CHECK_THAT(error_of([&] { read_image(kImages + "no_such_file.png", 3); }), Catch::Contains("cannot open"));
   CHECK_THROWS_AS(read_image(kImages + "rgb.png", 2), ArgumentError);
+}
+
+namespace {
+// A PNG of 57 bytes whose header declares width x height RGB pixels: signature, IHDR, an empty
+// IDAT and IEND, each with its CRC (libpng checks them), and no pixel data.
+std::vector<std::uint8_t> png_header_only(std::uint32_t width, std::uint32_t height) {
+  std::vector<std::uint8_t> out = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  auto be32 = [&](std::vector<std::uint8_t>& v, std::uint32_t x) {
+    for (int shift = 24; shift >= 0; shift -= 8) v.push_back(static_cast<std::uint8_t>(x >> shift));
+  };
+  auto chunk = [&](const char* type, const std::vector<std::uint8_t>& data) {
+    be32(out, static_cast<std::uint32_t>(data.size()));
+    std::vector<std::uint8_t> body(type, type + 4);
+    body.insert(body.end(), data.begin(), data.end());
+    out.insert(out.end(), body.begin(), body.end());
+    be32(out, static_cast<std::uint32_t>(crc32(0, body.data(), static_cast<uInt>(body.size()))));
+  };
+  std::vector<std::uint8_t> ihdr;
+  be32(ihdr, width);
+  be32(ihdr, height);
+  ihdr.insert(ihdr.end(), {8, 2, 0, 0, 0});  // 8 bits, RGB, deflate, no filter method, no interlace
+  chunk("IHDR", ihdr);
+  chunk("IDAT", {});
+  chunk("IEND", {});
+  return out;
+}
+}  // namespace
+
+// A 69-byte PNG once asked for 17 GB before a pixel was read, and failed with a bare
+// std::bad_alloc that skip_corrupt did not skip. Headers past kMaxImagePixels are refused first.
+TEST_CASE("decode_image: a header declaring a huge image is refused before any allocation, naming the file",
+          "[data][image]") {
+  if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
+  const auto huge_png = png_header_only(65535, 65535);
+  CHECK(huge_png.size() == 57u);
+  const std::string png_error = error_of([&] { decode_image(huge_png, 3, "bomb.png"); });
+  CHECK_THAT(png_error, Catch::StartsWith("bomb.png: PNG header declares 65535x65535 = 4294836225 pixels, more than "
+                                          "the decoder's limit of 178956970"));
+  CHECK_THROWS_AS(decode_image(huge_png, 3, "bomb.png"), IoError);
+  // At the limit the header is fine; only the missing pixel data is wrong.
+  CHECK_THAT(error_of([&] { decode_image(png_header_only(8, 8), 3, "small.png"); }),
+             Catch::Contains("corrupt or truncated PNG"));
+
+  // A JPEG whose start-of-frame claims 65535 x 65535: the dimensions patched into a real file.
+  Image small;
+  small.resize(8, 8, 3);
+  auto jpeg = encode_jpeg(small);
+  const std::uint8_t sof_marker[] = {0xff, 0xc0};  // baseline start of frame: length, precision, height, width
+  const auto sof = std::search(jpeg.begin(), jpeg.end(), std::begin(sof_marker), std::end(sof_marker));
+  REQUIRE(sof != jpeg.end());
+  std::fill(sof + 5, sof + 9, std::uint8_t{0xff});  // height and width, 16 bits each
+  CHECK_THAT(error_of([&] { decode_image(jpeg, 3, "bomb.jpg"); }),
+             Catch::StartsWith("bomb.jpg: JPEG header declares 65535x65535") && Catch::Contains("limit"));
+
+  // In a folder: an error naming the file, or skipped with skip_corrupt.
+  TempDir dir;
+  fs::create_directories(dir.path / "a");
+  fs::create_directories(dir.path / "b");
+  write_file_bytes((dir.path / "a" / "ok.png").string(), encode_png(small));
+  { std::ofstream((dir.path / "b" / "bomb.png"), std::ios::binary).write(reinterpret_cast<const char*>(huge_png.data()), 57); }
+  const ImageTransform t = ImageTransform::eval(0, 8);
+  ImageFolder strict(dir.path.string(), {.transform = t});
+  DataLoader<float> loader(strict, {.batch_size = 2, .shuffle = false});
+  Batch<float> batch;
+  CHECK_THAT(error_of([&] { loader.next(batch); }), Catch::Contains("bomb.png: PNG header declares"));
+  ImageFolder lenient(dir.path.string(), {.transform = t, .skip_corrupt = true});
+  DataLoader<float> skipping(lenient, {.batch_size = 2, .shuffle = false});
+  CHECK(skipping.next(batch));
+  CHECK(lenient.skipped_count() == 1);
 }
 
 TEST_CASE("encode_png round-trips exactly; encode_jpeg decodes close to its input", "[data][image]") {
@@ -413,6 +484,26 @@ TEST_CASE("ImageFolder: a corrupt file is an error naming it, or skipped and cou
   ImageFolder skipping(dir.path.string(), {.transform = t, .skip_corrupt = true});
   CHECK(skipping.size() == 10);
   CHECK(skipping.skipped_count() == 1);
+}
+
+// A link back to its own class directory once listed the same images dozens of times (until the
+// path grew too long) under one class, and training went on to exit 0.
+TEST_CASE("ImageFolder: a directory link that loops back is refused naming it, or skipped", "[data][image_folder]") {
+  if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
+  TempDir dir;
+  make_folder(dir.path, 2, 3);
+  fs::create_directories(dir.path / "class_1" / "sub");
+  fs::create_directory_symlink("../../class_1", dir.path / "class_1" / "sub" / "loop");
+  // A link to another directory (not an ancestor) is followed, as torchvision's os.walk does.
+  fs::create_directory_symlink("../class_0", dir.path / "class_1" / "alias");
+  const ImageTransform t = ImageTransform::eval(0, 8);
+  const std::string loop = (dir.path / "class_1" / "sub" / "loop").string();
+  CHECK_THAT(error_of([&] { ImageFolder(dir.path.string(), {.transform = t}); }),
+             Catch::Contains(loop + " is a link to ../../class_1, which leads back to a directory on its own path"));
+  ImageFolder skipping(dir.path.string(), {.transform = t, .skip_corrupt = true});
+  CHECK(skipping.size() == 3 + 3 + 3);  // class_0, class_1 and class_1/alias (class_0's three again)
+  REQUIRE(skipping.skipped_count() == 1);
+  CHECK(skipping.skipped()[0].path == loop);
 }
 
 TEST_CASE("DataLoader over a SampleSource: an error is rethrown in order and retried, with several workers",

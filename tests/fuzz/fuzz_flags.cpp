@@ -63,8 +63,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (v < 1 || v > tessera::max_threads()) __builtin_trap();
     });
     each([&] {
-      const int v = flags.threads("omp", 0, true);
-      if (v < 0 || v > tessera::max_threads()) __builtin_trap();
+      const int v = flags.threads("omp", 0);  // 0: all cores, returned as the count
+      if (v < 1 || v > tessera::max_threads()) __builtin_trap();
     });
     each([&] { tessera::check_thread_budget(flags.get("ranks", 2, {.min = 1}), "--ranks", 1, "--threads"); });
     each([&] { (void)flags.output_path("checkpoint", ""); });

@@ -61,8 +61,8 @@ def wait_for_pids(directory: str, count: int, timeout: float = 10) -> list[int]:
         time.sleep(0.05)
 
 
-def expect_gone(pids: Sequence[int]) -> None:
-    deadline = time.monotonic() + 2
+def expect_gone(pids: Sequence[int], seconds: float = 2) -> None:
+    deadline = time.monotonic() + seconds
     for pid in pids:
         while True:
             try:
@@ -197,6 +197,33 @@ def test_launcher_sigterm() -> None:
         expect_gone(pids)
         store = pathlib.Path(d, "store").read_text().strip()
         expect(not os.path.exists(store), f"store dir {store} still exists")
+
+
+def test_launcher_sigkill() -> None:
+    """SIGKILL to the launcher (no handler runs) still stops the ranks and removes the store: they
+    used to be left running, and the store on disk"""
+    with tempfile.TemporaryDirectory() as d:
+        script = WRITE_PID + 'echo "${TESSERA_STORE#file://}" > "$D/store"; exec sleep 60'
+        proc = subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            pids = wait_for_pids(d, 2)
+            deadline = time.monotonic() + 10
+            while not pathlib.Path(d, "store").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            store = pathlib.Path(d, "store").read_text().strip()
+            expect(os.path.isdir(store), f"store dir {store} missing while the ranks run")
+            proc.kill()
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        expect_gone(pids, seconds=5)
+        deadline = time.monotonic() + 5
+        while os.path.exists(store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        expect(not os.path.exists(store), f"store dir {store} left behind by a launcher killed with SIGKILL")
 
 
 def test_sigcont_before_kill() -> None:

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -232,6 +233,47 @@ TEST_CASE("Checkpoint of another model lists every mismatch and loads nothing", 
                         Catch::Contains("missing tensor 'bn1.weight'") &&
                         Catch::Contains("unexpected tensor 'fc1.weight'") && Catch::Contains("nothing was loaded"));
   }
+  CHECK(identical(before, snapshot(b.model)));
+  fs::remove_all(dir);
+}
+
+// ResNet-20's checkpoint loaded into LeNet-5 once gave one line per tensor (213 for ResNet-50's):
+// now a dozen, then a count by kind that says what it means.
+TEST_CASE("Checkpoint of a much larger model: a dozen problems listed, the rest counted", "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const auto path = (dir / "resnet20.safetensors").string();
+  auto r20 = resnet20<E>({.in_channels = 1, .num_classes = 10});
+  auto r20_named = named_tensors(r20);
+  Sgd<E> r20_sgd(r20_named, {.lr = 0.1});
+  save_checkpoint(path, r20, r20_sgd, TrainState{});
+  auto lenet = lenet5<E>(1, 28, 10);
+  auto named = named_tensors(lenet);
+  Sgd<E> sgd(named, {.lr = 0.1});
+  const std::string msg = error_of<IoError>([&] { load_checkpoint(path, lenet, sgd); });
+  CHECK(static_cast<std::size_t>(std::count(msg.begin(), msg.end(), '\n')) <= detail::kMaxListedProblems + 1);
+  CHECK_THAT(msg, Catch::Contains("nothing was loaded") && Catch::Contains("more: ") &&
+                      Catch::Contains("in the file not in this model") &&
+                      Catch::Contains("is the checkpoint of another model?"));
+  fs::remove_all(dir);
+}
+
+// A negative "optim.step" used to load: SGD then took its momentum buffer for empty and overwrote
+// it on the next step, a silent restart of the momentum.
+TEST_CASE("Checkpoint: a negative optimizer step is refused, not taken for a fresh start", "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  Run a(2);
+  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  a.trainer.fit(loader);
+  REQUIRE(a.sgd.steps() == 12);
+  const std::string path = (dir / "negative.safetensors").string();
+  a.trainer.save(path);
+  write_bytes(path, edited(read_bytes(path), "\"optim.step\":\"12\"", "\"optim.step\":\"-1\""));
+  Run b(1);
+  const auto before = snapshot(b.model);
+  CHECK_THAT(error_of<IoError>([&] { b.trainer.load(path); }),
+             Catch::Contains("metadata entry 'optim.step' = -1 is out of range: a count of steps or updates is never "
+                             "negative"));
+  CHECK(b.sgd.steps() == 0);
   CHECK(identical(before, snapshot(b.model)));
   fs::remove_all(dir);
 }

@@ -199,6 +199,23 @@ TEST_CASE("Search: the JSON-lines log resumes a search without re-running finish
     HyperparameterSearch search(comm, other, lr_momentum());
     search.run(fn);
   }), Catch::Contains(path + ":1") && Catch::Contains("does not match"));
+
+  // The same search under other trial settings (example 10 rerun with another --epochs): the same
+  // proposals, but the logged scores answer another question. They used to be reported as this
+  // run's; now the log is refused, naming both settings.
+  SearchOptions with_settings = options;
+  with_settings.settings = "epochs=1";
+  std::remove(path.c_str());
+  run_search(4, with_settings, lr_momentum(), fn);
+  calls = 0;
+  CHECK(run_search(4, with_settings, lr_momentum(), fn).size() == first.size());
+  CHECK(calls == 0);  // the same settings: resumed from the log
+  with_settings.settings = "epochs=5";
+  ThreadWorld world2(4);
+  CHECK_THROWS_WITH(world2.run([&](ThreadComm& comm) {
+    HyperparameterSearch search(comm, with_settings, lr_momentum());
+    search.run(fn);
+  }), Catch::Contains(path + ":1") && Catch::Contains("was run with the settings 'epochs=1', this search's are 'epochs=5'"));
   std::remove(path.c_str());
 }
 

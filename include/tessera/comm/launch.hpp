@@ -18,8 +18,18 @@
 #include <utility>
 
 #include "tessera/comm/options.hpp"
+#include "tessera/core/error.hpp"
 
 namespace tessera {
+
+// options.ranks (a program's --ranks) under a launcher: 0 takes what the launcher started; any
+// other count must be that (it used to be ignored, so --ranks=4 under mpirun -n 2 trained on 2).
+inline void check_launched_ranks(const LaunchOptions& options, int launched, const char* backend) {
+  TESSERA_CHECK(options.ranks <= 0 || options.ranks == launched, ArgumentError, "--ranks=", options.ranks, " asks for ",
+                options.ranks, " ranks, but the launcher started ", launched, ": with the ", backend,
+                " communicator the launcher decides (mpirun -n, tessera-run -n, srun -n); leave --ranks out or make "
+                "them agree");
+}
 
 template <class E, class Fn>
 void launch(Fn&& fn, const LaunchOptions& options = {}) {
@@ -31,6 +41,7 @@ void launch(Fn&& fn, const LaunchOptions& options = {}) {
                   "launch<E>: the Env's communicator has neither `static void launch(const LaunchOptions&, Fn&&)` "
                   "nor `static Comm from_env(CommOptions)`; add one (docs/adding-a-communicator.md)");
     auto comm = Comm::from_env(options.comm);
+    check_launched_ranks(options, comm.size(), Comm::backend_name);
     fn(comm);
   }
 }

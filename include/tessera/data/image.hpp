@@ -16,8 +16,10 @@
 // JPEG decoding uses libjpeg's defaults (accurate integer DCT, fancy upsampling), as PIL does, so
 // the pixels are PIL's exactly.
 // Errors name `what` (the file) and the reason: empty, truncated or corrupt data (libjpeg's
-// warnings, such as a premature end of data, count as errors, as in PIL), or a format that is
-// neither JPEG nor PNG, detected from the first bytes whatever the file's extension. A build
+// warnings, such as a premature end of data, count as errors, as in PIL), a format that is
+// neither JPEG nor PNG, detected from the first bytes whatever the file's extension, or a header
+// that declares more than kMaxImagePixels (checked before anything is allocated: a 69-byte PNG can
+// declare 65535 x 65535 pixels, 12 GiB of RGB). A build
 // without libjpeg-turbo or libpng (meson found neither, or -Djpeg=disabled / -Dpng=disabled)
 // still compiles; decoding that format then throws an error saying so.
 //
@@ -45,6 +47,11 @@
 #include "tessera/core/error.hpp"
 
 namespace tessera {
+
+// The most pixels a decoded image may have: PIL's decompression-bomb error threshold
+// (2 x Image.MAX_IMAGE_PIXELS = 2 x 89,478,485), about 512 MiB of RGB. Larger headers are refused
+// as corrupt (IoError, which ImageFolder's skip_corrupt skips) before any pixel is allocated.
+inline constexpr std::int64_t kMaxImagePixels = 178956970;
 
 // A read-only view of HWC bytes that live elsewhere (an Image, a memory-mapped cache file).
 struct ImageView {
@@ -203,8 +210,10 @@ inline void decode_jpeg(std::span<const std::uint8_t> bytes, std::int64_t channe
   if (tjDecompressHeader3(tj.decoder, data, size, &w, &h, &subsampling, &colorspace) != 0) {
     throw IoError(cat(what, ": corrupt JPEG header: ", tjGetErrorStr2(tj.decoder)));
   }
-  TESSERA_CHECK(w > 0 && h > 0 && static_cast<std::int64_t>(w) * h <= (std::int64_t{1} << 28), IoError, what,
-                ": JPEG of ", w, "x", h, " pixels is empty or too large");
+  TESSERA_CHECK(w > 0 && h > 0, IoError, what, ": JPEG header declares an empty image (", w, "x", h, ")");
+  TESSERA_CHECK(static_cast<std::int64_t>(w) * h <= kMaxImagePixels, IoError, what, ": JPEG header declares ", w, "x",
+                h, " = ", static_cast<std::int64_t>(w) * h, " pixels, more than the decoder's limit of ",
+                kMaxImagePixels, " (PIL's decompression-bomb limit): a corrupt or hostile file");
   const bool cmyk = colorspace == TJCS_CMYK || colorspace == TJCS_YCCK;
   const bool grey = colorspace == TJCS_GRAY;
   // Decode straight into `out` where no conversion is needed.
@@ -241,6 +250,7 @@ struct PngReader {
   std::span<const std::uint8_t> bytes;
   std::size_t offset = 0;
   char message[256] = {};
+  bool too_large = false;  // the header declares more than kMaxImagePixels
 };
 
 inline void png_read_from_memory(png_structp png, png_bytep dst, png_size_t n) {
@@ -286,6 +296,15 @@ inline bool decode_png_raw(PngReader& reader, std::vector<std::uint8_t>& raw, st
   width = static_cast<int>(png_get_image_width(png, info));
   height = static_cast<int>(png_get_image_height(png, info));
   native = png_get_channels(png, info);
+  if (static_cast<std::int64_t>(width) * height > kMaxImagePixels) {
+    std::snprintf(reader.message, sizeof reader.message,
+                  "PNG header declares %dx%d = %lld pixels, more than the decoder's limit of %lld (PIL's "
+                  "decompression-bomb limit): a corrupt or hostile file",
+                  width, height, static_cast<long long>(width) * height, static_cast<long long>(kMaxImagePixels));
+    reader.too_large = true;
+    png_destroy_read_struct(&png, &info, nullptr);
+    return false;
+  }
   if (native != 1 && native != 3) {
     std::snprintf(reader.message, sizeof reader.message, "unexpected %d channels after expansion", native);
     png_destroy_read_struct(&png, &info, nullptr);
@@ -306,7 +325,7 @@ inline void decode_png(std::span<const std::uint8_t> bytes, std::int64_t channel
   thread_local std::vector<png_bytep> rows;
   int w = 0, h = 0, native = 0;
   if (!decode_png_raw(reader, scratch, rows, w, h, native)) {
-    throw IoError(cat(what, ": corrupt or truncated PNG: ", reader.message));
+    throw IoError(cat(what, reader.too_large ? ": " : ": corrupt or truncated PNG: ", reader.message));
   }
   out.resize(h, w, channels);
   if (native == channels) {

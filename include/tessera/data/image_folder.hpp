@@ -89,6 +89,18 @@ struct SkippedFile {
 
 namespace detail {
 
+// A directory's identity through any links to it: (device, inode) of what stat() reaches.
+struct DirectoryId {
+  std::uint64_t device = 0, inode = 0;
+  bool operator==(const DirectoryId&) const = default;
+};
+inline DirectoryId directory_id(const std::string& path) {
+  struct stat st {};
+  TESSERA_CHECK(::stat(path.c_str(), &st) == 0, IoError, "ImageFolder: cannot stat ", path, ": ", std::strerror(errno));
+  return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+}
+
+
 inline std::string lower_extension(const std::filesystem::path& p) {
   std::string ext = p.extension().string();
   for (char& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
@@ -368,9 +380,28 @@ class ImageFolder final : public SampleSource {
     for (std::size_t c = 0; c < classes_.size(); ++c) {
       const fs::path dir = fs::path(root_) / classes_[c];
       std::vector<std::pair<std::string, std::string>> files;  // (directory, file name): os.walk sorted
+      // Symbolic links to directories are followed (as torchvision's os.walk(followlinks=True)),
+      // but one that leads back to a directory on its own path is a loop, which would list the
+      // same files over and over under this class: refused, or skipped with skip_corrupt.
+      std::vector<detail::DirectoryId> path_ids = {detail::directory_id(dir.string())};
       for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-        if (it->is_regular_file(ec)) {
+        if (it->is_directory(ec)) {
+          const auto id = detail::directory_id(it->path().string());
+          path_ids.resize(static_cast<std::size_t>(it.depth()) + 1);  // this entry's ancestors
+          if (std::find(path_ids.begin(), path_ids.end(), id) != path_ids.end()) {
+            std::error_code link_ec;
+            const auto target = fs::read_symlink(it->path(), link_ec);
+            TESSERA_CHECK(opt_.skip_corrupt, IoError, "ImageFolder(", root_, "): ", it->path().string(),
+                          link_ec ? std::string(" leads") : " is a link to " + target.string() + ", which leads",
+                          " back to a directory on its own path: a loop, which would list the same images again and "
+                          "again (remove the link, or set skip_corrupt to skip it)");
+            skipped_.push_back({it->path().string(), "a directory link that loops back to its own path"});
+            it.disable_recursion_pending();
+            continue;
+          }
+          path_ids.push_back(id);
+        } else if (it->is_regular_file(ec)) {
           files.emplace_back(it->path().parent_path().string(), it->path().filename().string());
         }
       }

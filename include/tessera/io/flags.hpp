@@ -112,10 +112,17 @@ class Flags {
   std::vector<std::string> list(const std::string& name, const std::string& fallback,
                                 std::initializer_list<const char*> allowed = {});
 
-  // OpenMP threads: 1 .. max_threads(), or 0 ("all cores") where `zero_is_all_cores`.
+  // OpenMP threads: 1 .. max_threads(), or 0 for all cores, returned as hardware_threads() (the
+  // same in every program: 0 was refused by some and meant all cores in others).
   // Not given on the command line, the count is OMP_NUM_THREADS when that is set (srun and
   // tools/tessera-sbatch set it from SLURM_CPUS_PER_TASK; PyTorch honours it too), else `fallback`.
-  int threads(const std::string& name, int fallback, bool zero_is_all_cores = false);
+  int threads(const std::string& name, int fallback);
+
+  // --ranks of a program built once per backend: how many ranks the threads build starts
+  // (`threads_default` when not given). Where a launcher starts the ranks (`launcher_decides`:
+  // mpirun, tessera-run, srun) the launcher's -n decides: not given, this is 0 ("whatever was
+  // started"); given, launch<E> refuses it unless it agrees (it was silently ignored).
+  int ranks(const std::string& name, int threads_default, bool launcher_decides);
 
   // A path the program will write (checkpoint, trace, metrics, plot): checked now by
   // check_writable_output(); empty = none.
@@ -149,7 +156,11 @@ class Flags {
     std::string fallback, constraint;
   };
   std::string program_ = "program";
+  // A value-taking flag given bare: refused by name, where it was taken for "true" before (a bare
+  // --checkpoint wrote into a directory named "true").
+  void check_not_bare(const std::string& name, const char* what) const;
   std::map<std::string, std::string> values_;
+  std::set<std::string> bare_;  // flags given as a bare --name: a boolean's true, any other flag's error
   std::set<std::string> known_;
   std::vector<std::string> order_;
   std::map<std::string, Doc> docs_;
@@ -252,12 +263,19 @@ TESSERA_LINKAGE Flags::Flags(int argc, char** argv) {
       values_[arg] = argv[++i];
     } else {
       values_[arg] = "true";  // a bare --flag is a boolean
+      bare_.insert(arg);
     }
   }
 }
 
+TESSERA_LINKAGE void Flags::check_not_bare(const std::string& name, const char* what) const {
+  TESSERA_CHECK(!bare_.count(name), ArgumentError, "--", name, " was given without a value: write --", name, "=",
+                what, " (only an on/off flag may be given bare)");
+}
+
 TESSERA_LINKAGE std::string Flags::get(const std::string& name, const std::string& fallback) {
   note(name, fallback);
+  check_not_bare(name, "VALUE");
   auto it = values_.find(name);
   return it == values_.end() ? fallback : it->second;
 }
@@ -267,6 +285,7 @@ TESSERA_LINKAGE std::string Flags::get(const std::string& name, const char* fall
 TESSERA_LINKAGE std::int64_t Flags::get(const std::string& name, std::int64_t fallback) {
   note(name, std::to_string(fallback));
   if (!present(name)) return fallback;
+  check_not_bare(name, "N");
   const std::string v = values_.at(name);
   std::int64_t x = 0;
   const std::size_t skip = v.size() > 1 && v[0] == '+' ? 1 : 0;  // "+5" reads as 5, as std::stoll does
@@ -287,6 +306,7 @@ TESSERA_LINKAGE int Flags::get(const std::string& name, int fallback) {
 TESSERA_LINKAGE double Flags::get(const std::string& name, double fallback) {
   note(name, FlagRange::number(fallback));
   if (!present(name)) return fallback;  // no round trip through text: 1e-7 stays 1e-7
+  check_not_bare(name, "X");
   const std::string v = values_.at(name);
   try {
     std::size_t used = 0;
@@ -356,17 +376,24 @@ TESSERA_LINKAGE std::vector<std::string> Flags::list(const std::string& name, co
   return items;
 }
 
-TESSERA_LINKAGE int Flags::threads(const std::string& name, int fallback, bool zero_is_all_cores) {
-  const int v = get(name, omp_num_threads().value_or(fallback));
+TESSERA_LINKAGE int Flags::threads(const std::string& name, int fallback) {
+  const int given = get(name, omp_num_threads().value_or(fallback));
   note(name, std::to_string(fallback),
-       std::string(zero_is_all_cores ? "0 (all cores)" : "1") + " to " + std::to_string(max_threads()) +
-           "; OMP_NUM_THREADS when not given");
-  TESSERA_CHECK(v >= (zero_is_all_cores ? 0 : 1), ArgumentError, where(name, std::to_string(v)), ": must be >= ",
-                zero_is_all_cores ? "0 (0: all cores)" : "1");
+       "1 to " + std::to_string(max_threads()) + ", or 0 for all " + std::to_string(hardware_threads()) +
+           " cores; OMP_NUM_THREADS when not given");
+  TESSERA_CHECK(given >= 0, ArgumentError, where(name, std::to_string(given)), ": must be >= 0 (0: all cores)");
+  const int v = given == 0 ? hardware_threads() : given;
   TESSERA_CHECK(v <= max_threads(), ArgumentError, where(name, std::to_string(v)), ": must be <= ", max_threads(),
                 " (4 x the ", hardware_threads(), " hardware threads of this machine: more threads than cores only ",
                 "take turns on them)");
   return v;
+}
+
+TESSERA_LINKAGE int Flags::ranks(const std::string& name, int threads_default, bool launcher_decides) {
+  const int v = get(name, threads_default, {.min = 1});
+  note(name, std::to_string(threads_default),
+       launcher_decides ? ">= 1; the launcher's -n when not given (a given one must agree with it)" : ">= 1");
+  return launcher_decides && !has(name) ? 0 : v;
 }
 
 TESSERA_LINKAGE std::string Flags::output_path(const std::string& name, const std::string& fallback) {

@@ -65,6 +65,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -275,6 +276,7 @@ class ParameterServer {
         in.posted = false;
         progressed = true;
         ws.last_heard = Clock::now();
+        ws.warned = false;
         const std::int64_t kind = in.header[0];
         if (kind == kPull) {
           ws.joined = true;
@@ -378,6 +380,7 @@ class ParameterServer {
     std::int64_t clock = 0;
     std::int64_t read_version = 0;
     Clock::time_point last_heard = Clock::now();
+    bool warned = false;  // the stall warning was printed for the current silence
     std::vector<S> pending;  // BSP: this clock's gradient, until the round is complete
     bool has_pending = false;
   };
@@ -587,6 +590,7 @@ class ParameterServer {
       reply(w);
       ws.waiting = false;
       ws.last_heard = Clock::now();
+      ws.warned = false;
       released = true;
     }
     return released;
@@ -608,15 +612,28 @@ class ParameterServer {
     in.reply_work = comm_.send_async(std::span<const S>(in.reply.data(), in.reply.size()), worker_rank(w));
   }
 
-  void check_worker_timeouts() const {
+  void check_worker_timeouts() {
     const auto now = Clock::now();
     for (int w = 0; w < num_workers(); ++w) {
-      const WorkerState& ws = workers_[static_cast<std::size_t>(w)];
+      WorkerState& ws = workers_[static_cast<std::size_t>(w)];
       if (ws.waiting || !session_->inbox[static_cast<std::size_t>(w)].posted) continue;
       const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - ws.last_heard);
       TESSERA_CHECK(silent < options_.worker_timeout, CommError, "ParameterServer server ", server_index(),
                     ": worker rank ", worker_rank(w), " sent nothing for ", silent.count() / 1000.0,
                     " s (worker_timeout ", options_.worker_timeout.count() / 1000.0, " s): dead or hung");
+      // Not silent until then: a warning at the communicators' stall threshold (never later than
+      // half the worker timeout) names the worker, as a stalled collective's does.
+      const auto warn_after = std::min(CommOptions{.timeout = options_.worker_timeout}.effective_stall_warning(),
+                                       options_.worker_timeout / 2);
+      if (!ws.warned && silent >= warn_after) {
+        ws.warned = true;
+        std::fprintf(stderr,
+                     "warning: ParameterServer server %d: worker rank %d has sent nothing for %.1f s (stopped, "
+                     "hung or slow; declared dead at worker_timeout %.1f s)\n",
+                     server_index(), worker_rank(w), static_cast<double>(silent.count()) / 1000.0,
+                     static_cast<double>(options_.worker_timeout.count()) / 1000.0);
+        std::fflush(stderr);
+      }
     }
   }
 

@@ -59,6 +59,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -354,6 +355,11 @@ TESSERA_LINKAGE int checkpoint_version(const SafetensorsFile& file);
 // Training-position metadata out of range, as problems naming the key (the file is named by the
 // caller's header). `ints` holds what the check pass parsed.
 TESSERA_LINKAGE void check_train_metadata(const std::map<std::string, std::int64_t>& ints, std::vector<std::string>& problems);
+// load_checkpoint's error: every problem when there are few; a checkpoint of another model has one
+// per tensor (ResNet-50's into LeNet-5: over 200 lines), so past kMaxListedProblems the list stops
+// and a count by kind says what it means.
+inline constexpr std::size_t kMaxListedProblems = 12;
+TESSERA_LINKAGE std::string checkpoint_problems_text(const std::string& path, const std::vector<std::string>& problems);
 
 // Calls the optional optimizer members described at the top of this file.
 template <class Optimizer>
@@ -488,11 +494,7 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
       if (!check.seen.count(name)) check.problems.push_back("unexpected tensor '" + name + "' (not in this model)");
     detail::check_train_metadata(check.integers, problems);
     problems.insert(problems.begin(), check.problems.begin(), check.problems.end());
-    if (!problems.empty()) {
-      std::string msg = "load_checkpoint: '" + path + "': nothing was loaded:";
-      for (const auto& p : problems) msg += "\n  - " + p;
-      throw IoError(msg);
-    }
+    if (!problems.empty()) throw IoError(detail::checkpoint_problems_text(path, problems));
   } catch (...) {
     failure = std::current_exception();
   }
@@ -569,15 +571,46 @@ TESSERA_LINKAGE auto detail::checkpoint_version(const SafetensorsFile& file) -> 
   return version;
 }
 
+TESSERA_LINKAGE auto detail::checkpoint_problems_text(const std::string& path, const std::vector<std::string>& problems)
+    -> std::string {
+  std::string msg = "load_checkpoint: '" + path + "': nothing was loaded:";
+  std::size_t missing = 0, unexpected = 0;
+  for (std::size_t i = 0; i < problems.size(); ++i) {
+    missing += problems[i].rfind("missing tensor ", 0) == 0;
+    unexpected += problems[i].rfind("unexpected tensor ", 0) == 0;
+    if (i < kMaxListedProblems || problems.size() <= kMaxListedProblems + 1) msg += "\n  - " + problems[i];
+  }
+  if (problems.size() > kMaxListedProblems + 1)
+    msg += cat("\n  ... and ", problems.size() - kMaxListedProblems, " more: ", problems.size(), " problems in all, ",
+               missing, " tensors of this model missing from the file and ", unexpected,
+               " in the file not in this model", 2 * (missing + unexpected) >= problems.size()
+                   ? " (is the checkpoint of another model? tools/read_checkpoint.py lists what it holds)"
+                   : "");
+  return msg;
+}
+
 TESSERA_LINKAGE auto detail::check_train_metadata(const std::map<std::string, std::int64_t>& ints, std::vector<std::string>& problems) -> void {
   auto get = [&](const char* key) -> std::optional<std::int64_t> {
     auto it = ints.find(key);
     return it == ints.end() ? std::nullopt : std::optional<std::int64_t>(it->second);
   };
-  auto bad = [&](const char* key, std::int64_t value, const std::string& why) {
+  auto bad = [&](const std::string& key, std::int64_t value, const std::string& why) {
     problems.push_back(cat("metadata entry '", key, "' = ", value, " is out of range: ", why));
   };
   bool ok = true;
+  // Counters of the optimizer, the loss scaler and the parameter server (under any prefix): a
+  // negative one is a corrupt or edited file, which loaded as is would act as a fresh start
+  // (SGD's momentum buffer would be overwritten instead of continued).
+  for (const auto& [key, value] : ints)
+    for (const char* counter : {"optim.step", "grad_scaler.clean_steps", "ps.version", "ps.staleness.applied",
+                                "ps.staleness.sum", "ps.staleness.max"}) {
+      const std::string_view k(key), c(counter);
+      const bool named = k == c || (k.size() > c.size() && k.substr(k.size() - c.size()) == c && k[k.size() - c.size() - 1] == '.');
+      if (named && value < 0) {
+        bad(key, value, "a count of steps or updates is never negative");
+        ok = false;
+      }
+    }
   for (const char* key : {"train.epoch", "train.global_step", "train.loader_epoch", "train.loader_next_batch",
                           "train.loader_batch_size", "train.loader_samples", "train.loader_world_size",
                           "train.loader_next_sample"})

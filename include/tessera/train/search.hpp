@@ -117,6 +117,10 @@ struct SearchOptions {
   EvolutionOptions evolution = {};
   std::uint64_t seed = 0;
   std::string log_path = {};  // JSON lines, one record per trial; empty: no log (and no resume)
+  // Everything else a trial's score depends on (epochs, data size, batch...), as text: recorded
+  // with each trial, and a logged trial is reused only under the same settings (a log written
+  // with --epochs=1 must not answer a search run with --epochs=5).
+  std::string settings = {};
 };
 
 struct EpochMetrics {
@@ -143,6 +147,7 @@ struct TrialRecord {
   bool failed = false;
   bool carried = false;  // an elite carried over without training (Evolution)
   std::string error;
+  std::string settings;  // SearchOptions::settings of the search that ran it
   double score = -std::numeric_limits<double>::infinity();
   double seconds = 0;
   std::vector<EpochMetrics> epochs;
@@ -202,6 +207,7 @@ inline std::string TrialRecord::json() const {
   }
   out += std::string("}, \"status\": \"") + (failed ? "failed" : carried ? "carried" : "ok") + "\"";
   if (!error.empty()) out += ", \"error\": \"" + json_escaped(error) + "\"";
+  out += ", \"settings\": \"" + json_escaped(settings) + "\"";
   out += ", \"score\": " + json_number(score) + ", \"seconds\": " + json_number(seconds) + ", \"epochs\": [";
   for (std::size_t e = 0; e < epochs.size(); ++e) {
     out += e ? ", {" : "{";
@@ -242,6 +248,7 @@ inline TrialRecord TrialRecord::from_json(const detail::JsonValue& v) {
   r.failed = status == "failed";
   r.carried = status == "carried";
   if (v.has("error")) r.error = v.at("error").as_string();
+  if (v.has("settings")) r.settings = v.at("settings").as_string();
   r.score = r.failed ? -std::numeric_limits<double>::infinity() : v.at("score").as_number();
   r.seconds = v.at("seconds").as_number();
   for (const auto& e : v.at("epochs").items) {
@@ -383,6 +390,7 @@ class HyperparameterSearch {
     r.generation = generation;
     r.config = std::move(config);
     r.seed = options_.seed * 1000003ULL + static_cast<std::uint64_t>(id) * 7919ULL + (rng.next_u64() & 0xffff);
+    r.settings = options_.settings;
     return r;
   }
 
@@ -559,6 +567,10 @@ class HyperparameterSearch {
                   options_.log_path, ":", logged.line, ": trial ", proposed.id,
                   " does not match this search's proposal (another search space, strategy or seed wrote this log; "
                   "use a new log_path)");
+    TESSERA_CHECK(proposed.settings == logged.record.settings, IoError, "HyperparameterSearch: ", options_.log_path, ":",
+                  logged.line, ": trial ", proposed.id, " was run with the settings '", logged.record.settings,
+                  "', this search's are '", proposed.settings, "': its score does not answer this search (use a "
+                  "new log path, or remove the old log to start over)");
   }
 
   void append_to_log(const TrialRecord& r) {

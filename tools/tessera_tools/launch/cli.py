@@ -24,6 +24,8 @@ environment of each rank:
   TESSERA_STORE         file:///<temp dir> made for this run (tempfile prefix tessera-run-)
                         and removed when the launcher exits; with --store, that URL as given
                         and nothing is removed
+  TESSERA_STORE_PREFIX  run-<host>-<pid>-<time>, one per launch (unless already set), so
+                        that jobs sharing a --store never pair their ranks
   TESSERA_GLOO_IFACE    with --iface
   TESSERA_COMM_TIMEOUT  with --timeout
   The rest of the launcher's environment is inherited, except OMPI_COMM_WORLD_RANK,
@@ -231,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if options.store is None:
             temp_dir = tempfile.mkdtemp(prefix="tessera-run-")
             launcher.store = "file://" + temp_dir  # mkdtemp's path is absolute: file:///tmp/...
+            launcher.temp_dir = temp_dir
         return launcher.run()
     finally:
         if temp_dir is not None:

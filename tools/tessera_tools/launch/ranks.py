@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,41 @@ from typing import IO, Any, BinaryIO
 
 from tessera_tools.launch.hosts import placement, remote_argv
 from tessera_tools.launch.options import LaunchOptions
+
+# The reaper (Launcher.start_reaper): argv = launcher pid, store directory ("" for none), the
+# ranks' process groups. Polls until the launcher is gone (this process is reparented), then
+# SIGTERM, 2 s, SIGKILL to every group, and removes the store directory.
+REAPER = """
+import os, shutil, signal, sys, time
+launcher, store, groups = int(sys.argv[1]), sys.argv[2], [int(g) for g in sys.argv[3:]]
+while os.getppid() == launcher:
+    time.sleep(0.2)
+for signum in (signal.SIGTERM, signal.SIGCONT):
+    for g in groups:
+        try:
+            os.killpg(g, signum)
+        except OSError:
+            pass
+deadline = time.monotonic() + 2
+while time.monotonic() < deadline:
+    alive = []
+    for g in groups:
+        try:
+            os.killpg(g, 0)
+            alive.append(g)
+        except OSError:
+            pass
+    if not alive:
+        break
+    time.sleep(0.05)
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+if store:
+    shutil.rmtree(store, ignore_errors=True)
+"""
 
 # Rank/size variables of other launchers. A tessera-run started inside an mpirun or Slurm job
 # would otherwise hand every rank its own job step's rank and size.
@@ -73,6 +109,8 @@ class Launcher:
         self.signum: int | None = None  # first signal the launcher received
         self.stopping = False           # stop() has begun
         self.hurry = False              # a signal while stopping: do not wait out the grace period
+        self.temp_dir: str | None = None  # the store directory this launch made (removed at the end)
+        self.reaper: subprocess.Popen[bytes] | None = None
 
     def on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.signum is not None or self.stopping:
@@ -85,6 +123,9 @@ class Launcher:
         n = o.nproc
         base = {k: v for k, v in os.environ.items() if k not in FOREIGN_VARS}
         base.update(TESSERA_WORLD_SIZE=str(n), TESSERA_LOCAL_WORLD_SIZE=str(n), TESSERA_STORE=self.store or "")
+        # Keys of this launch apart from any other job's in the same store (a shared --store
+        # directory or Redis server): the ranks refuse a store that already holds their rank.
+        base.setdefault("TESSERA_STORE_PREFIX", f"run-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}")
         if o.iface is not None:
             base["TESSERA_GLOO_IFACE"] = o.iface
         if o.timeout is not None:
@@ -120,6 +161,20 @@ class Launcher:
             for pipe, stream in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 self.start_thread(self.out.forward, pipe, stream, prefix)
             self.start_thread(self.wait_for, rank, proc)
+
+    def start_reaper(self) -> None:
+        """A watcher in a session of its own that outlives a launcher killed by SIGKILL (which no
+        handler sees): it stops the ranks' process groups and removes the temporary store, which
+        were otherwise left running and on disk. Stopped by the launcher when it ends itself."""
+        groups = [str(p.pid) for p in self.procs]
+        self.reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(os.getpid()), self.temp_dir or "", *groups],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def stop_reaper(self) -> None:
+        if self.reaper is not None and self.reaper.poll() is None:
+            self.reaper.kill()
+            self.reaper.wait()
 
     def wait_for(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         self.exits.put((rank, proc.wait()))
@@ -171,6 +226,13 @@ class Launcher:
             self.out.log(f"cannot start rank {len(self.procs)}: {error}{self.stop_message()}")
             self.stop(self.running())
             return 2
+        try:
+            self.start_reaper()
+            return self.wait_ranks()
+        finally:
+            self.stop_reaper()
+
+    def wait_ranks(self) -> int:
         status: int | None = None
         skipped, ended = False, 0
         while ended < len(self.procs) and status is None:

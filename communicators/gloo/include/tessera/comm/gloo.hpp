@@ -7,7 +7,8 @@
 //   TESSERA_STORE=file:///shared/dir     Gloo's FileStore: a directory every rank can see (NFS,
 //                                        Lustre); tessera-run makes a fresh one per job
 //   TESSERA_STORE=redis://host:port      Gloo's RedisStore (a redis-server reachable by all)
-// TESSERA_STORE_PREFIX (default "tessera") keeps jobs that share a Redis server apart.
+// TESSERA_STORE_PREFIX keeps jobs that share a store apart (tessera-run and tessera-sbatch set one
+// per launch; under srun the job step's id is the default); a rank already in the store is refused.
 // Network: TESSERA_GLOO_IFACE=eth0 binds that interface; otherwise TESSERA_GLOO_HOSTNAME, or this
 // machine's hostname, or 127.0.0.1 when the hostname does not resolve.
 // Waiting: a rank pinned to one CPU spins on its sockets while a peer is late, an unpinned one
@@ -47,15 +48,18 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -77,18 +81,56 @@ namespace tessera {
 namespace detail {
 
 // Keys "<prefix>.<key>": flat names, because FileStore maps a key to a file in one directory.
+// While a rendezvous runs, `watch` is called between slices of every wait (Gloo's own full-mesh
+// connect included), so that a peer that died meanwhile ends the wait with its name instead of
+// the store's timeout.
 class PrefixedStore : public gloo::rendezvous::Store {
  public:
   PrefixedStore(std::shared_ptr<gloo::rendezvous::Store> base, std::string prefix)
       : base_(std::move(base)), prefix_(std::move(prefix)) {}
   void set(const std::string& key, const std::vector<char>& data) override { base_->set(full(key), data); }
-  std::vector<char> get(const std::string& key) override { return base_->get(full(key)); }
-  void wait(const std::vector<std::string>& keys) override { base_->wait(full(keys)); }
+  std::vector<char> get(const std::string& key) override {
+    if (watch_) wait_watched({key}, watch_timeout_);  // where Gloo's get would wait with the store's own
+    return base_->get(full(key));
+  }
+  void wait(const std::vector<std::string>& keys) override {
+    if (watch_) return wait_watched(keys, watch_timeout_);
+    base_->wait(full(keys));
+  }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    if (watch_) return wait_watched(keys, timeout);
     base_->wait(full(keys), timeout);
+  }
+  // Whether every key is there now.
+  bool has(const std::vector<std::string>& keys) {
+    try {
+      base_->wait(full(keys), std::chrono::milliseconds(1));
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  // `timeout`: how long a wait without one of its own (get, wait(keys)) lasts meanwhile.
+  void set_watch(std::function<void()> watch, std::chrono::milliseconds timeout = {}) {
+    watch_ = std::move(watch);
+    watch_timeout_ = timeout;
   }
 
  private:
+  void wait_watched(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      watch_();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        base_->wait(full(keys), std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(100))));
+        return;
+      } catch (const std::exception&) {
+        if (left <= std::chrono::milliseconds(100)) throw;
+      }
+    }
+  }
+
   std::string full(const std::string& key) const { return prefix_ + "." + key; }
   std::vector<std::string> full(const std::vector<std::string>& keys) const {
     std::vector<std::string> out;
@@ -97,6 +139,38 @@ class PrefixedStore : public gloo::rendezvous::Store {
   }
   std::shared_ptr<gloo::rendezvous::Store> base_;
   std::string prefix_;
+  std::function<void()> watch_;
+  std::chrono::milliseconds watch_timeout_{0};
+};
+
+// What a rank writes under "join.<rank>": the world size it was started with, and where it runs,
+// so that its peers can tell a size that differs from theirs, and see whether it is still alive
+// (a process on the same host). "size=4 host=node1 pid=1234".
+struct JoinRecord {
+  int size = 0;
+  std::string host;
+  long pid = 0;
+
+  static std::string this_host() {
+    char name[256] = {};
+    return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("?");
+  }
+  static JoinRecord mine(int size) { return {size, this_host(), static_cast<long>(getpid())}; }
+  std::string text() const { return cat("size=", size, " host=", host, " pid=", pid); }
+  static JoinRecord parse(const std::vector<char>& bytes) {
+    JoinRecord r;
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    std::string field;
+    while (in >> field) {
+      if (field.rfind("size=", 0) == 0) r.size = std::atoi(field.c_str() + 5);
+      if (field.rfind("host=", 0) == 0) r.host = field.substr(5);
+      if (field.rfind("pid=", 0) == 0) r.pid = std::atol(field.c_str() + 4);
+    }
+    return r;
+  }
+  // False only when it surely exited: a process of this host that no longer exists.
+  bool alive() const { return host != this_host() || pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH; }
+  std::string where() const { return cat("pid ", pid, " on ", host); }
 };
 
 inline std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(const std::string& url) {
@@ -227,7 +301,7 @@ inline bool gloo_busy_poll() {
 
 // Everything the worker thread and the Works need, shared so a GlooComm can move freely.
 struct GlooState {
-  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::shared_ptr<detail::PrefixedStore> store;
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::rendezvous::Context> context;
   std::string store_url;
@@ -286,10 +360,20 @@ class GlooComm {
   static constexpr std::size_t kSyncCacheBytes = 32u << 20;
 
   // Rank, size and store from the environment (see LaunchEnv).
+  // The store's key prefix: TESSERA_STORE_PREFIX (tessera-run and tessera-sbatch set one per
+  // launch), else one per Slurm job step, else "tessera". Two jobs under one prefix would pair
+  // their ranks: the rendezvous refuses a rank already in the store (see connect).
   static GlooComm from_env(CommOptions options = {}) {
     const LaunchEnv env = LaunchEnv::from_environment();
     const char* prefix = std::getenv("TESSERA_STORE_PREFIX");
-    return GlooComm(env.store, env.rank, env.size, options, prefix != nullptr && *prefix ? prefix : "tessera");
+    const char* job = std::getenv("SLURM_JOB_ID");
+    const char* step = std::getenv("SLURM_STEP_ID");
+    std::string chosen = "tessera";
+    if (prefix != nullptr && *prefix)
+      chosen = prefix;
+    else if (job != nullptr && *job && step != nullptr && *step)
+      chosen = detail::cat("slurm-", job, ".", step);
+    return GlooComm(env.store, env.rank, env.size, options, chosen);
   }
 
   // Explicit: store URL, rank and size (for programs that get them elsewhere).
@@ -405,37 +489,96 @@ class GlooComm {
   void connect(const std::string& label, std::string board_label) {
     s_->busy_poll = detail::gloo_busy_poll();  // first: a bad TESSERA_GLOO_BUSY_POLL is the user's error
     const CommOptions& options = s_->core.options();
-    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + options.timeout;
     auto& store = *s_->store;
+    const std::string where = detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
+                                          s_->store_url);
+    const std::string fresh_store = "give each job its own TESSERA_STORE directory or TESSERA_STORE_PREFIX "
+                                    "(tessera-run and tessera-sbatch do)";
+    // Another job's rank (or an earlier run's) under this store and prefix would pair with this
+    // job's ranks: refused before this rank registers.
+    if (store.has({detail::cat("join.", rank())})) {
+      detail::JoinRecord other;
+      try {
+        other = detail::JoinRecord::parse(store.get(detail::cat("join.", rank())));
+      } catch (const std::exception&) {
+      }
+      throw CommError(detail::cat(where, ": the store already holds a rank ", rank(), " (", other.where(),
+                                  other.alive() ? ", still running" : ", no longer running",
+                                  "): another job, or an earlier run, used this store and prefix; ", fresh_store));
+    }
     try {
-      store.set(detail::cat("join.", rank()), std::vector<char>{'1'});
+      const std::string mine = detail::JoinRecord::mine(size()).text();
+      store.set(detail::cat("join.", rank()), std::vector<char>(mine.begin(), mine.end()));
     } catch (const std::exception& e) {
       throw CommError(detail::cat("GlooComm rendezvous on rank ", rank(), " of ", size(), " at ", s_->store_url,
                                   ": cannot write to the store: ", e.what()));
     }
-    // Wait for every rank's join key, polling so that on timeout we can say who is missing.
+    // Wait for every rank's join key, polling so that on timeout we can say who is missing, and
+    // reading each one that arrives: a rank started with another world size, or one of this host
+    // that exited after joining, ends the wait at once with its name.
+    std::vector<detail::JoinRecord> joined(static_cast<std::size_t>(size()));
     std::vector<int> missing;
     for (int q = 0; q < size(); ++q) missing.push_back(q);
+    auto check_peer = [&](int q, const detail::JoinRecord& r) {
+      if (r.size != size())
+        throw CommError(detail::cat(where, ": rank ", q, " (", r.where(), ") was started with world size ", r.size,
+                                    ", this rank with ", size(), ": every rank must be given the same "
+                                    "TESSERA_WORLD_SIZE (or the same -n)"));
+    };
+    const auto warn_after = options.effective_stall_warning();
+    bool warned = false;
     while (!missing.empty()) {
       std::vector<int> still;
       for (int q : missing) {
-        try {
-          store.wait({detail::cat("join.", q)}, std::chrono::milliseconds(1));
-        } catch (const std::exception&) {
+        if (!store.has({detail::cat("join.", q)})) {
           still.push_back(q);
+          continue;
         }
+        joined[static_cast<std::size_t>(q)] = detail::JoinRecord::parse(store.get(detail::cat("join.", q)));
+        check_peer(q, joined[static_cast<std::size_t>(q)]);
       }
       missing.swap(still);
+      // A rank past this world's last one: someone was started with a larger world size.
+      if (store.has({detail::cat("join.", size())})) {
+        const auto r = detail::JoinRecord::parse(store.get(detail::cat("join.", size())));
+        throw CommError(detail::cat(where, ": rank ", size(), " (", r.where(), ") joined, which a world of ", size(),
+                                    " ranks does not have: it was started with world size ", r.size, "; every rank "
+                                    "must be given the same TESSERA_WORLD_SIZE (or the same -n)"));
+      }
       if (missing.empty()) break;
-      if (std::chrono::steady_clock::now() >= deadline) {
-        std::string names;
-        for (int q : missing) names += detail::cat(names.empty() ? "" : ", ", q);
-        throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
-                                    s_->store_url, ": timed out after ", detail::seconds_text(options.timeout),
-                                    "; rank(s) ", names, " never joined"));
+      for (int q = 0; q < size(); ++q)
+        if (joined[static_cast<std::size_t>(q)].pid > 0 && !joined[static_cast<std::size_t>(q)].alive())
+          throw CommError(detail::cat(where, ": rank ", q, " (", joined[static_cast<std::size_t>(q)].where(),
+                                      ") exited during the rendezvous"));
+      std::string names;
+      for (int q : missing) names += detail::cat(names.empty() ? "" : ", ", q);
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline)
+        throw CommError(detail::cat(where, ": timed out after ", detail::seconds_text(options.timeout), "; rank(s) ",
+                                    names, " never joined"));
+      if (!warned && now - start >= warn_after) {
+        warned = true;
+        std::fprintf(stderr, "warning: %s has waited %s for rank(s) %s to join (the timeout is %s)\n", where.c_str(),
+                     detail::seconds_text(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)).c_str(),
+                     names.c_str(), detail::seconds_text(options.timeout).c_str());
+        std::fflush(stderr);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    // Gloo's full-mesh connect waits on the store for each peer's address: a peer of this host
+    // that exits meanwhile ends that wait naming it.
+    store.set_watch([this, joined, where] {
+      for (std::size_t q = 0; q < joined.size(); ++q)
+        if (static_cast<int>(q) != rank() && !joined[q].alive())
+          throw CommError(detail::cat(where, ": rank ", q, " (", joined[q].where(), ") exited while the ranks were "
+                                      "connecting"));
+    }, options.timeout);
+    struct Unwatch {
+      detail::PrefixedStore& store;
+      ~Unwatch() { store.set_watch({}); }
+    } unwatch{store};
     try {
       s_->context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
       s_->context->setTimeout(options.timeout);
@@ -464,6 +607,8 @@ class GlooComm {
         opts.setTimeout(options.timeout);
         gloo::allgather(opts);
       });
+    } catch (const CommError&) {
+      throw;  // the watch's: a peer that exited, already named
     } catch (const std::exception& e) {
       throw CommError(detail::cat("GlooComm rendezvous (", label, ") on rank ", rank(), " of ", size(), " at ",
                                   s_->store_url, ": connecting the full mesh failed: ", e.what()));

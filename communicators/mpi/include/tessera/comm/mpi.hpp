@@ -49,6 +49,7 @@
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/core.hpp"
+#include "tessera/comm/launch.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
@@ -220,6 +221,32 @@ class MpiComm {
   }
   // The same as world(): with MPI the launcher (mpirun, srun) already told every process its rank.
   static MpiComm from_env(CommOptions options = {}) { return world(options); }
+
+  // launch<E>(fn) on MPI: the world, then fn on this rank. A rank whose fn ends with any exception
+  // (a corrupt image in its shard as much as a failed call) fails the job: its peers wait in a
+  // collective it will never join, and MPI_Finalize at exit would wait for them until their
+  // timeout. So the job is marked failed, the exception goes on to the caller, and at exit the
+  // runtime ends the job with MPI_Abort (mpirun then stops every rank) after saying this rank's
+  // error. A program that opens world() itself and catches its own errors gets the same by
+  // calling MpiComm::fail_job(text) before it returns.
+  template <class Fn>
+  static void launch(const LaunchOptions& options, Fn&& fn) {
+    auto comm = world(options.comm);
+    check_launched_ranks(options, comm.size(), backend_name);
+    try {
+      fn(comm);
+    } catch (const std::exception& e) {
+      fail_job(detail::cat("rank ", comm.rank(), " failed: ", e.what()));
+      throw;
+    } catch (...) {
+      fail_job(detail::cat("rank ", comm.rank(), " failed with an exception that is not a std::exception"));
+      throw;
+    }
+  }
+
+  // Marks the job failed (see launch): at exit the runtime aborts it, saying `text` (the first
+  // failure's, when there were several), instead of finalizing.
+  static void fail_job(const std::string& text) { mark_job_failed(text); }
 
   explicit MpiComm(MPI_Comm comm, CommOptions options = {}) : MpiComm(comm, options, false) {}
 
