@@ -180,16 +180,25 @@ TEST_CASE("decode_image: a header declaring a huge image is refused before any a
   CHECK_THAT(error_of([&] { decode_image(png_header_only(8, 8), 3, "small.png"); }),
              Catch::Contains("corrupt or truncated PNG"));
 
-  // A JPEG whose start-of-frame claims 65535 x 65535: the dimensions patched into a real file.
+  // A JPEG whose start-of-frame claims 60000 x 60000 (libjpeg itself refuses past 65500): the
+  // dimensions patched into a real file. Afterwards this thread's decoder must still work.
   Image small;
   small.resize(8, 8, 3);
   auto jpeg = encode_jpeg(small);
   const std::uint8_t sof_marker[] = {0xff, 0xc0};  // baseline start of frame: length, precision, height, width
   const auto sof = std::search(jpeg.begin(), jpeg.end(), std::begin(sof_marker), std::end(sof_marker));
   REQUIRE(sof != jpeg.end());
-  std::fill(sof + 5, sof + 9, std::uint8_t{0xff});  // height and width, 16 bits each
+  for (int at : {5, 7}) {  // height, then width: 60000 = 0xea60, big-endian
+    sof[at] = 0xea;
+    sof[at + 1] = 0x60;
+  }
   CHECK_THAT(error_of([&] { decode_image(jpeg, 3, "bomb.jpg"); }),
-             Catch::StartsWith("bomb.jpg: JPEG header declares 65535x65535") && Catch::Contains("limit"));
+             Catch::StartsWith("bomb.jpg: JPEG header declares 60000x60000 = 3600000000 pixels") &&
+                 Catch::Contains("limit"));
+  // Past libjpeg's own limit: its error, and a decoder that still decodes the next file.
+  std::fill(sof + 5, sof + 9, std::uint8_t{0xff});
+  CHECK_THAT(error_of([&] { decode_image(jpeg, 3, "huge.jpg"); }), Catch::StartsWith("huge.jpg: corrupt JPEG header"));
+  CHECK(decode_image(encode_jpeg(small), 3, "small.jpg").width == 8);
 
   // In a folder: an error naming the file, or skipped with skip_corrupt.
   TempDir dir;

@@ -214,7 +214,7 @@ TEST_CASE("Checkpoint: truncated or tampered files give an IoError and load noth
   fs::remove_all(dir);
 }
 
-TEST_CASE("Checkpoint of another model lists every mismatch and loads nothing", "[train]") {
+TEST_CASE("Checkpoint of another model names the mismatches and loads nothing", "[train]") {
   const auto dir = temp_dir();
   const auto path = (dir / "lenet.safetensors").string();
   auto lenet = lenet5<E>(1, 28, 10);
@@ -229,9 +229,10 @@ TEST_CASE("Checkpoint of another model lists every mismatch and loads nothing", 
   } catch (const IoError& e) {
     const std::string msg = e.what();
     // LeNet-5 and ResNet-8 share the name conv1.weight but not its shape.
+    // The first dozen problems by name, then the rest counted (LeNet-5's fc1.weight among them).
     CHECK_THAT(msg, Catch::Contains("tensor 'conv1.weight': file has F32 (6, 1, 5, 5), model has F32 (16, 1, 3, 3)") &&
                         Catch::Contains("missing tensor 'bn1.weight'") &&
-                        Catch::Contains("unexpected tensor 'fc1.weight'") && Catch::Contains("nothing was loaded"));
+                        Catch::Contains(" in the file not in this model") && Catch::Contains("nothing was loaded"));
   }
   CHECK(identical(before, snapshot(b.model)));
   fs::remove_all(dir);

@@ -197,6 +197,13 @@ struct TurboJpeg {
     thread_local TurboJpeg handles;
     return handles;
   }
+  // After a failed decode: libjpeg can be left inside a decompression (seen after "Maximum
+  // supported image dimension"), and the next file on this thread then fails with "two SOI
+  // markers". A fresh handle starts clean.
+  void reset_decoder() {
+    if (decoder) tjDestroy(decoder);
+    decoder = nullptr;
+  }
 };
 
 inline void decode_jpeg(std::span<const std::uint8_t> bytes, std::int64_t channels, std::string_view what,
@@ -208,7 +215,9 @@ inline void decode_jpeg(std::span<const std::uint8_t> bytes, std::int64_t channe
   auto* data = const_cast<unsigned char*>(bytes.data());  // TurboJPEG 2.x takes a non-const pointer
   const auto size = static_cast<unsigned long>(bytes.size());
   if (tjDecompressHeader3(tj.decoder, data, size, &w, &h, &subsampling, &colorspace) != 0) {
-    throw IoError(cat(what, ": corrupt JPEG header: ", tjGetErrorStr2(tj.decoder)));
+    const std::string reason = tjGetErrorStr2(tj.decoder);
+    tj.reset_decoder();
+    throw IoError(cat(what, ": corrupt JPEG header: ", reason));
   }
   TESSERA_CHECK(w > 0 && h > 0, IoError, what, ": JPEG header declares an empty image (", w, "x", h, ")");
   TESSERA_CHECK(static_cast<std::int64_t>(w) * h <= kMaxImagePixels, IoError, what, ": JPEG header declares ", w, "x",
@@ -235,6 +244,7 @@ inline void decode_jpeg(std::span<const std::uint8_t> bytes, std::int64_t channe
     const std::string reason = tjGetErrorStr2(tj.decoder);
     const bool warning = tjGetErrorCode(tj.decoder) == TJERR_WARNING;
     if (!warning || reason.find("Premature end") != std::string::npos) {
+      tj.reset_decoder();
       throw IoError(cat(what, warning ? ": truncated JPEG: " : ": corrupt JPEG: ", reason));
     }
   }

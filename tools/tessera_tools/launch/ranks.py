@@ -17,14 +17,18 @@ from typing import IO, Any, BinaryIO
 from tessera_tools.launch.hosts import placement, remote_argv
 from tessera_tools.launch.options import LaunchOptions
 
-# The reaper (Launcher.start_reaper): argv = launcher pid, store directory ("" for none), the
-# ranks' process groups. Polls until the launcher is gone (this process is reparented), then
-# SIGTERM, 2 s, SIGKILL to every group, and removes the store directory.
+# The reaper (Launcher.start_reaper): reads the ranks' process groups from its stdin, one line
+# each as they start. "done" means the launcher ended the ranks itself. End of input without it
+# means the launcher is gone (killed by SIGKILL, which no handler sees): SIGTERM and SIGCONT to
+# every group, up to 2 s for them to end, SIGKILL to what is left, and the store directory
+# (argv[1], "" for none) removed.
 REAPER = """
-import os, shutil, signal, sys, time
-launcher, store, groups = int(sys.argv[1]), sys.argv[2], [int(g) for g in sys.argv[3:]]
-while os.getppid() == launcher:
-    time.sleep(0.2)
+import shutil, signal, os, sys, time
+store, groups = sys.argv[1], []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    groups.append(int(line))
 for signum in (signal.SIGTERM, signal.SIGCONT):
     for g in groups:
         try:
@@ -156,6 +160,7 @@ class Launcher:
                 if cpus and own_cpus:
                     os.sched_setaffinity(0, own_cpus)
             self.procs.append(proc)
+            self.tell_reaper(proc.pid)  # its own process group: start_new_session
             prefix = b"" if o.no_prefix else f"[rank {rank}] ".encode()
             assert proc.stdout is not None and proc.stderr is not None
             for pipe, stream in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
@@ -164,15 +169,29 @@ class Launcher:
 
     def start_reaper(self) -> None:
         """A watcher in a session of its own that outlives a launcher killed by SIGKILL (which no
-        handler sees): it stops the ranks' process groups and removes the temporary store, which
-        were otherwise left running and on disk. Stopped by the launcher when it ends itself."""
-        groups = [str(p.pid) for p in self.procs]
-        self.reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(os.getpid()), self.temp_dir or "", *groups],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL, start_new_session=True)
+        handler sees): told each rank's process group as it starts, it stops them and removes the
+        temporary store when its input ends without "done" (both were left behind)."""
+        self.reaper = subprocess.Popen([sys.executable, "-c", REAPER, self.temp_dir or ""], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       start_new_session=True)
+
+    def tell_reaper(self, pid: int) -> None:
+        if self.reaper is not None and self.reaper.stdin is not None:
+            try:
+                self.reaper.stdin.write(f"{pid}\n".encode())
+                self.reaper.stdin.flush()
+            except OSError:
+                pass  # the reaper is gone: nothing to tell
 
     def stop_reaper(self) -> None:
-        if self.reaper is not None and self.reaper.poll() is None:
+        if self.reaper is None:
+            return
+        try:
+            assert self.reaper.stdin is not None
+            self.reaper.stdin.write(b"done\n")
+            self.reaper.stdin.close()
+            self.reaper.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
             self.reaper.kill()
             self.reaper.wait()
 
@@ -220,14 +239,14 @@ class Launcher:
         return f"; stopping ranks {', '.join(map(str, left))}" if left else ""
 
     def run(self) -> int:
+        self.start_reaper()
         try:
-            self.spawn()
-        except OSError as error:
-            self.out.log(f"cannot start rank {len(self.procs)}: {error}{self.stop_message()}")
-            self.stop(self.running())
-            return 2
-        try:
-            self.start_reaper()
+            try:
+                self.spawn()
+            except OSError as error:
+                self.out.log(f"cannot start rank {len(self.procs)}: {error}{self.stop_message()}")
+                self.stop(self.running())
+                return 2
             return self.wait_ranks()
         finally:
             self.stop_reaper()

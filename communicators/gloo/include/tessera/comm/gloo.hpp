@@ -536,14 +536,19 @@ class GlooComm {
           still.push_back(q);
           continue;
         }
-        joined[static_cast<std::size_t>(q)] = detail::JoinRecord::parse(store.get(detail::cat("join.", q)));
-        check_peer(q, joined[static_cast<std::size_t>(q)]);
+        const auto record = detail::JoinRecord::parse(store.get(detail::cat("join.", q)));
+        if (record.size <= 0) {  // not all written yet (a store may show a key before its value)
+          still.push_back(q);
+          continue;
+        }
+        joined[static_cast<std::size_t>(q)] = record;
+        check_peer(q, record);
       }
       missing.swap(still);
       // A rank past this world's last one: someone was started with a larger world size.
       if (store.has({detail::cat("join.", size())})) {
         const auto r = detail::JoinRecord::parse(store.get(detail::cat("join.", size())));
-        throw CommError(detail::cat(where, ": rank ", size(), " (", r.where(), ") joined, which a world of ", size(),
+        if (r.size > 0) throw CommError(detail::cat(where, ": rank ", size(), " (", r.where(), ") joined, which a world of ", size(),
                                     " ranks does not have: it was started with world size ", r.size, "; every rank "
                                     "must be given the same TESSERA_WORLD_SIZE (or the same -n)"));
       }
