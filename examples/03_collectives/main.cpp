@@ -146,9 +146,11 @@ int main(int argc, char** argv) {
     // --ranks: threads build (ranks are threads, so bounded like threads: 1 .. max_threads());
     // a process backend's launcher says how many ranks.
     Flags flags(argc, argv);
-    const int ranks = flags.get("ranks", 4, {.min = 1, .max = static_cast<double>(max_threads())});  // threads of this process
+    const int ranks = flags.ranks("ranks", 4, !SharedMemoryCommunicator<BuildEnv::Comm>);
     flags.finish();
     using Comm = BuildEnv::Comm;
+    TESSERA_CHECK(ranks <= max_threads() || !SharedMemoryCommunicator<Comm>, ArgumentError, "--ranks=", ranks,
+                  ": must be <= ", max_threads(), " (ranks are threads of this process)");
     launch<BuildEnv>(
         [](Comm& comm) {
           if (comm.rank() == 0)

@@ -35,6 +35,7 @@ namespace {
 struct Options {
   std::int64_t epochs = 3, batch = 64, limit = 0;
   int micro_batches = 4, threads = 1, stages = 2, replicas = 1;
+  bool stages_given = false;  // under a launcher, --stages not given means "as many as it started"
   double lr = 0.05;
   std::uint64_t seed = 1;
   std::string schedule = "1f1b", data_dir, trace;
@@ -309,6 +310,7 @@ Options parse(int argc, char** argv) {
   o.threads = flags.threads("threads", o.threads);
   o.stages = flags.get("stages", o.stages, {.min = 1, .max = 4096});  // the max keeps stages x replicas an int
   o.replicas = flags.get("replicas", o.replicas, {.min = 1, .max = 4096});
+  o.stages_given = flags.has("stages");
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? std::int64_t{o.stages} * o.replicas : 1,
                       "--stages x --replicas", o.threads, "--threads");
@@ -334,7 +336,7 @@ int main(int argc, char** argv) {
                         " ranks do not split into --replicas=", o.replicas, " pipelines of equal length");
           train(comm, o, comm.size() / o.replicas);
         },
-        {.ranks = o.stages * o.replicas});
+        {.ranks = SharedMemoryCommunicator<Comm> || o.stages_given ? o.stages * o.replicas : 0});
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "06_pipeline_parallel: %s\n", e.what());

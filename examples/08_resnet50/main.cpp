@@ -171,9 +171,12 @@ int main(int argc, char** argv) {
                   "--strategy=tensor (data parallelism keeps full replicas: there is no split to check)");
     // Ranks spawned in-process (threads) for each strategy; a process backend takes its world
     // from the launcher (mpirun, tools/tessera-run, srun).
-    const int ranks = !split                ? o.ranks
+    // Under a launcher a rank count not given is 0: take what it started (pipeline:P still needs P).
+    const bool launcher_decides = !SharedMemoryCommunicator<Comm> && !flags.has("ranks");
+    const int ranks = stages != 0            ? stages
+                      : launcher_decides       ? 0
                       : o.strategy == "tensor" ? std::max(o.ranks, 2)
-                                               : stages;
+                                               : o.ranks;
     // Ranks of the threads build share this process's cores (a process backend runs one rank here).
     check_thread_budget(SharedMemoryCommunicator<Comm> ? ranks : 1, split ? "ranks" : "--ranks", o.threads,
                         "--threads");
