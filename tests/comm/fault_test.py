@@ -412,12 +412,8 @@ def mpi_job(mpirun, program, mode, extra=None, timeout=TIMEOUT):
 def mpi_throw(mpirun, program):
     job = mpi_job(mpirun, program, "throw", timeout=SLOW_TIMEOUT)
     try:
-        wait_mpi_ready(job)
-        start = time.monotonic()
         limit = THROW_LIMIT + MPIRUN_TEARDOWN
-        code = job.wait(start + limit + 1)
-        took = time.monotonic() - start
-        text = job.text()
+        code, took, text = mpi_run_to_end(job, limit)
         check(code is not None and code != 0 and took <= limit,
               f"mpi throw: rank 1's ordinary error ends the job within {limit:.0f} s, not at the {SLOW_TIMEOUT:.0f} s "
               f"timeout ({took:.2f} s, status {code})", text)
@@ -431,6 +427,15 @@ def wait_mpi_ready(job, seconds=60):
     deadline = time.monotonic() + seconds
     while sum("ready" in line for line in job.out) < 3 and time.monotonic() < deadline and job.proc.poll() is None:
         time.sleep(0.02)
+
+
+def mpi_run_to_end(job, limit):
+    """Once all 3 ranks are ready: the job's exit status (None if it outlived `limit` + 1 s), the
+    seconds it took from then, and its output."""
+    wait_mpi_ready(job)
+    start = time.monotonic()
+    code = job.wait(start + limit + 1)
+    return code, time.monotonic() - start, job.text()
 
 
 def mpi_kill_scenario(mpirun, program, mode):
@@ -460,15 +465,11 @@ def mpi_kill_scenario(mpirun, program, mode):
 def mpi_stall(mpirun, program):
     job = mpi_job(mpirun, program, "stall")
     try:
-        wait_mpi_ready(job)
-        start = time.monotonic()
         # The watchdog fires at the timeout (the message below shows it did); the rest is
         # MPI_Abort and mpirun killing the stalled rank, which on a loaded 2-core machine has
         # taken over 4 s. Not hanging is the point, so mpirun gets a generous margin.
         limit = TIMEOUT + MPIRUN_TEARDOWN
-        code = job.wait(start + limit + 1)
-        took = time.monotonic() - start
-        text = job.text()
+        code, took, text = mpi_run_to_end(job, limit)
         check(code is not None and code != 0 and took <= limit,
               f"mpi stall: the job ends within the timeout + {MPIRUN_TEARDOWN:.0f} s for mpirun's teardown "
               f"({took:.2f} s, status {code})", text)

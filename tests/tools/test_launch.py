@@ -177,12 +177,17 @@ def test_stderr_and_partial_lines() -> None:
     expect(err == "[rank 0] to-err\n[rank 0] no-newline\n", f"stderr {err!r}")
 
 
+def start_sleeping_ranks(d: str, stderr: int) -> "subprocess.Popen[bytes]":
+    """The launcher with 2 ranks that write their PIDs and the launch's store dir into `d`, then sleep"""
+    script = WRITE_PID + 'echo "${TESSERA_STORE#file://}" > "$D/store"; exec sleep 60'
+    return subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
+                            stdout=subprocess.DEVNULL, stderr=stderr)
+
+
 def test_launcher_sigterm() -> None:
     """SIGTERM to the launcher stops the ranks and exits 143"""
     with tempfile.TemporaryDirectory() as d:
-        script = WRITE_PID + 'echo "${TESSERA_STORE#file://}" > "$D/store"; exec sleep 60'
-        proc = subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = start_sleeping_ranks(d, subprocess.PIPE)
         try:
             pids = wait_for_pids(d, 2)
             proc.send_signal(signal.SIGTERM)
@@ -203,9 +208,7 @@ def test_launcher_sigkill() -> None:
     """SIGKILL to the launcher (no handler runs) still stops the ranks and removes the store: they
     used to be left running, and the store on disk"""
     with tempfile.TemporaryDirectory() as d:
-        script = WRITE_PID + 'echo "${TESSERA_STORE#file://}" > "$D/store"; exec sleep 60'
-        proc = subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = start_sleeping_ranks(d, subprocess.DEVNULL)
         try:
             pids = wait_for_pids(d, 2)
             deadline = time.monotonic() + 10
