@@ -5,10 +5,15 @@
 // instantiation definitions. The other headers define their functions here as ordinary ones.
 #define TESSERA_COMPILING_KERNELS 1
 
+#include "tessera/comm/reduce.hpp"
 #include "tessera/kernels/cpu/batch_norm.hpp"
 #include "tessera/kernels/cpu/conv2d.hpp"
+#include "tessera/kernels/cpu/elementwise.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/cpu/loss.hpp"
+#include "tessera/kernels/cpu/optim.hpp"
 #include "tessera/kernels/cpu/pool.hpp"
+#include "tessera/kernels/cpu/softmax.hpp"
 
 // Non-template code (core/linkage.hpp): defined here, declared everywhere else.
 #include "tessera/data/dataset.hpp"
@@ -30,5 +35,13 @@ TESSERA_DEFINE_INSTANCES(TESSERA_CPU_GEMM_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_CONV2D_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_BATCH_NORM_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_POOL_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_ELEMENTWISE_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_LOSS_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_OPTIM_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_SOFTMAX_INSTANCES)
 
 }  // namespace tessera
+
+namespace tessera::detail {
+TESSERA_REDUCE_ALL_INSTANCES()
+}  // namespace tessera::detail

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera::detail {
 
@@ -156,5 +157,23 @@ void reduce_many(const T* const* sources, int count, T* const* outputs, int outp
     }
   }
 }
+
+// Compiled once, for every CommScalar, in compiled-kernels mode (kernels/cpu/compiled.hpp): the
+// shared-memory all_reduce's loops run at the library's -O3 whatever the program's level.
+#define TESSERA_REDUCE_INSTANCES(PREFIX, T)                                                         \
+  PREFIX template void reduce_into<T>(T*, const T*, std::size_t, ReduceOp);                        \
+  PREFIX template void combine_into<T>(T*, const T*, const T*, std::size_t, ReduceOp);             \
+  PREFIX template bool prescale_half_avg<T>(T*, std::size_t, ReduceOp, int);                       \
+  PREFIX template void finish_avg<T>(T*, std::size_t, ReduceOp, int);                              \
+  PREFIX template void reduce_many<T>(const T* const*, int, T* const*, int, std::size_t, ReduceOp);
+#define TESSERA_REDUCE_ALL_INSTANCES(PREFIX)                                                        \
+  TESSERA_REDUCE_INSTANCES(PREFIX, float)                                                           \
+  TESSERA_REDUCE_INSTANCES(PREFIX, double)                                                          \
+  TESSERA_REDUCE_INSTANCES(PREFIX, std::int32_t)                                                    \
+  TESSERA_REDUCE_INSTANCES(PREFIX, std::int64_t)                                                    \
+  TESSERA_REDUCE_INSTANCES(PREFIX, Half)
+#if TESSERA_CPU_KERNELS_EXTERN
+TESSERA_REDUCE_ALL_INSTANCES(extern)
+#endif
 
 }  // namespace tessera::detail

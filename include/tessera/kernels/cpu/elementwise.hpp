@@ -17,6 +17,7 @@
 
 #include "tessera/core/random.hpp"
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera {
 
@@ -159,5 +160,26 @@ void add_broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S
   for (std::int64_t i = 0; i < rows; ++i)
     for (std::int64_t j = 0; j < cols; ++j) y[i * cols + j] += b[j];
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp); map_forward/map_backward
+// take the caller's functor and stay templates.
+#define TESSERA_CPU_ELEMENTWISE_INSTANCES(PREFIX, S)                                                             \
+  PREFIX template void relu_forward<S>(Cpu, const S*, std::int64_t, S*);                                       \
+  PREFIX template void relu_backward<S>(Cpu, const S*, const S*, std::int64_t, S*);                            \
+  PREFIX template void gelu_forward<S>(Cpu, const S*, std::int64_t, S*);                                       \
+  PREFIX template void gelu_backward<S>(Cpu, const S*, const S*, std::int64_t, S*);                            \
+  PREFIX template void dropout_mask<S>(Cpu, std::int64_t, double, Rng&, S*);                                   \
+  PREFIX template void multiply<S>(Cpu, const S*, const S*, std::int64_t, S*);                                 \
+  PREFIX template void add<S>(Cpu, const S*, const S*, std::int64_t, S*);                                      \
+  PREFIX template void add_relu_forward<S>(Cpu, const S*, const S*, std::int64_t, S*);                         \
+  PREFIX template void broadcast_rows<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);                       \
+  PREFIX template void add_column_sums<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);                      \
+  PREFIX template void unscale_and_flag<S>(Cpu, S*, std::int64_t, S, std::int32_t*);                           \
+  PREFIX template void scale_elements<S>(Cpu, const S*, std::int64_t, S, S*);                                  \
+  PREFIX template void copy_2d<S>(Cpu, S*, std::int64_t, const S*, std::int64_t, std::int64_t, std::int64_t);  \
+  PREFIX template void accumulate_2d<S>(Cpu, S*, std::int64_t, const S*, std::int64_t, std::int64_t,          \
+                                        std::int64_t);                                                         \
+  PREFIX template void add_broadcast_rows<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_ELEMENTWISE_INSTANCES)
 
 }  // namespace tessera

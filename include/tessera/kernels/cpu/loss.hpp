@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera {
 
@@ -20,5 +21,10 @@ double squared_error_forward(Cpu, const S* y, const S* t, std::int64_t n, S* dif
   }
   return total;
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
+#define TESSERA_CPU_LOSS_INSTANCES(PREFIX, S) \
+  PREFIX template double squared_error_forward<S>(Cpu, const S*, const S*, std::int64_t, S*);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_LOSS_INSTANCES)
 
 }  // namespace tessera

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera {
 namespace detail {
@@ -185,5 +186,16 @@ template <class S>
 void lamb_apply(Cpu, std::int64_t n, S* w, const S* r, S neg_step) {
   detail::for_each_element(n, [=](std::int64_t k) { w[k] = detail::mul_add(neg_step, r[k], w[k]); });
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp): a program then needs no
+// optimization level of its own for the update loops (tessera_kernels is built at -O3).
+#define TESSERA_CPU_OPTIM_INSTANCES(PREFIX, S)                                                                     \
+  PREFIX template void sgd_update<S>(Cpu, std::int64_t, S*, const S*, S*, const SgdStep&);                      \
+  PREFIX template void adam_update<S>(Cpu, std::int64_t, S*, const S*, S*, S*, S*, const AdamStep&);            \
+  PREFIX template double l2_norm<S>(Cpu, const S*, std::int64_t);                                               \
+  PREFIX template void lars_update<S>(Cpu, std::int64_t, S*, const S*, S*, S, S, S);                            \
+  PREFIX template void lamb_moments<S>(Cpu, std::int64_t, const S*, const S*, S*, S*, S*, LambCoefficients<S>); \
+  PREFIX template void lamb_apply<S>(Cpu, std::int64_t, S*, const S*, S);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_OPTIM_INSTANCES)
 
 }  // namespace tessera

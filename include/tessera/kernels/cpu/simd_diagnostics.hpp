@@ -3,7 +3,8 @@
 //
 // GCC 12's intrinsics headers initialise their "undefined" vectors from themselves
 // (`__m512 __Y = __Y;` in avx512fintrin.h), and once inlined into Tessera's kernels that trips
-// -Wmaybe-uninitialized about 200 times per program (GCC bug 105593, fixed in GCC 13). The
+// -Wmaybe-uninitialized about 200 times per program (GCC bug 105593, fixed in GCC 13); at -O2, where
+// Eigen's transposes inline them too, it reports the same as -Wuninitialized. The
 // warning is reported in the intrinsics header even when Tessera is on the system include path,
 // so a consumer building with -Wall -Wextra -Werror would fail on code that is correct.
 // Pragmas apply by source location: the warnings inlined into Tessera's kernels are silenced by
@@ -14,8 +15,9 @@
 #pragma once
 
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#define TESSERA_SIMD_CODE_BEGIN \
-  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define TESSERA_SIMD_CODE_BEGIN                                                                \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
 #define TESSERA_SIMD_CODE_END _Pragma("GCC diagnostic pop")
 #else
 #define TESSERA_SIMD_CODE_BEGIN

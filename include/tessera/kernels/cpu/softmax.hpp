@@ -24,6 +24,7 @@
 #include <limits>
 
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/compiled.hpp"
 
 namespace tessera {
 
@@ -116,5 +117,16 @@ void nll_backward(Cpu, const S* logp, const std::int64_t* labels, std::int64_t n
     g[labels[i]] -= on * s;
   }
 }
+
+// Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
+#define TESSERA_CPU_SOFTMAX_INSTANCES(PREFIX, S)                                                                 \
+  PREFIX template void softmax_forward<S>(Cpu, const S*, std::int64_t, std::int64_t, std::int64_t, bool, S*); \
+  PREFIX template void softmax_backward<S>(Cpu, const S*, const S*, std::int64_t, std::int64_t, std::int64_t,  \
+                                           bool, S*);                                                          \
+  PREFIX template double nll_forward<S>(Cpu, const S*, const std::int64_t*, std::int64_t, std::int64_t, double, \
+                                        std::int64_t);                                                         \
+  PREFIX template void nll_backward<S>(Cpu, const S*, const std::int64_t*, std::int64_t, std::int64_t, double,  \
+                                       std::int64_t, double, bool, S*);
+TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_SOFTMAX_INSTANCES)
 
 }  // namespace tessera
