@@ -29,3 +29,14 @@
 #define TESSERA_HEADER_DEFINITIONS 1
 #define TESSERA_LINKAGE inline
 #endif
+
+// Explicit instantiations of templates (kernels/cpu/compiled.hpp explains): in compiled mode a
+// header's list of instances becomes `extern template` declarations everywhere but in
+// src/kernels_cpu.cpp, which defines them.
+#if defined(TESSERA_COMPILED_KERNELS) && !defined(TESSERA_COMPILING_KERNELS)
+#define TESSERA_CPU_KERNELS_EXTERN 1
+#define TESSERA_CPU_KERNEL_INSTANCES(LIST) LIST(extern, float) LIST(extern, double)
+#else
+#define TESSERA_CPU_KERNELS_EXTERN 0
+#define TESSERA_CPU_KERNEL_INSTANCES(LIST)
+#endif

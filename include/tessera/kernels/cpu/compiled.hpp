@@ -16,10 +16,6 @@
 // body is not visible in compiled mode and which therefore only takes float and double.
 #pragma once
 
-#if defined(TESSERA_COMPILED_KERNELS) && !defined(TESSERA_COMPILING_KERNELS)
-#define TESSERA_CPU_KERNELS_EXTERN 1
-#define TESSERA_CPU_KERNEL_INSTANCES(LIST) LIST(extern, float) LIST(extern, double)
-#else
-#define TESSERA_CPU_KERNELS_EXTERN 0
-#define TESSERA_CPU_KERNEL_INSTANCES(LIST)
-#endif
+// The mode's macros live in core/linkage.hpp, so that a header below the kernels (comm/reduce.hpp)
+// can list its instances too.
+#include "tessera/core/linkage.hpp"
