@@ -90,6 +90,12 @@ class Rank:
             t.join(timeout=5)
         return self.proc.returncode
 
+    def outcome(self, since, limit):
+        """Waits until `since` + `limit` (monotonic seconds): the exit status (None if still
+        running), the seconds from `since` to the end of the wait, and the output."""
+        code = self.wait(since + limit)
+        return code, time.monotonic() - since, self.text()
+
     def kill(self):
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -141,9 +147,7 @@ def gloo_kill_scenario(program, mode, op_name):
             killed_at = time.monotonic()
             os.kill(ranks[1].proc.pid, signal.SIGKILL)
             for r, survivor in ((0, ranks[0]), (2, ranks[2])):
-                code = survivor.wait(killed_at + 2 * TIMEOUT + 1.0)
-                took = time.monotonic() - killed_at
-                text = survivor.text()
+                code, took, text = survivor.outcome(killed_at, 2 * TIMEOUT + 1.0)
                 check(code is not None and code != 0 and took <= 2 * TIMEOUT,
                       f"{STORE_BACKEND['label']} {mode}: rank {r} exits non-zero within 2x the timeout after rank 1 is killed "
                       f"({took:.2f} s, status {code})", text)
@@ -173,9 +177,7 @@ def gloo_ps_kill(program):
             time.sleep(0.3)
             killed_at = time.monotonic()
             os.kill(ranks[1].proc.pid, signal.SIGKILL)
-            code = ranks[0].wait(killed_at + 2 * TIMEOUT + 1.0)
-            took = time.monotonic() - killed_at
-            text = ranks[0].text()
+            code, took, text = ranks[0].outcome(killed_at, 2 * TIMEOUT + 1.0)
             check(code == 3 and took <= 2 * TIMEOUT and "rank 1" in text and "CommError" in text,
                   f"{STORE_BACKEND['label']} ps: the server stops within 2x the timeout with a CommError naming "
                   f"rank 1 ({took:.2f} s, status {code})", text)
@@ -270,9 +272,7 @@ def gloo_join(program):
         ranks = gloo_start(program, "join", 3, [0, 1], store)
         try:
             for r, rank in enumerate(ranks):
-                code = rank.wait(start + 2 * TIMEOUT + 5)
-                took = time.monotonic() - start
-                text = rank.text()
+                code, took, text = rank.outcome(start, 2 * TIMEOUT + 5)
                 check(code == 3 and "rank(s) 2 never joined" in text and took <= 2 * TIMEOUT + 2,
                       f"{STORE_BACKEND['label']} join: rank {r} fails naming the missing rank 2 ({took:.2f} s, status {code})", text)
         finally:
@@ -305,9 +305,7 @@ def gloo_rendezvous(program):
             ranks += gloo_start(program, "join", 2, [0, 1], store, slow)  # ranks 0 and 1 think it has 2
             start = time.monotonic()
             for r, rank in zip((2, 0, 1), ranks):
-                code = rank.wait(start + THROW_LIMIT)
-                took = time.monotonic() - start
-                text = rank.text()
+                code, took, text = rank.outcome(start, THROW_LIMIT)
                 check(code == 3 and "world size" in text and "TESSERA_WORLD_SIZE" in text,
                       f"{label} size mismatch: rank {r} fails within {THROW_LIMIT:.0f} s naming the two world sizes "
                       f"({took:.2f} s, status {code})", text)
@@ -321,9 +319,7 @@ def gloo_rendezvous(program):
                   ranks[1].text())
             ranks[1].kill()  # rank 2 dies after joining; rank 0 never starts
             killed_at = time.monotonic()
-            code = ranks[0].wait(killed_at + THROW_LIMIT)
-            took = time.monotonic() - killed_at
-            text = ranks[0].text()
+            code, took, text = ranks[0].outcome(killed_at, THROW_LIMIT)
             check(code == 3 and re.search(r"rank 2 \(pid \d+ on \S+\) exited", text) is not None,
                   f"{label} killed in rendezvous: rank 1 fails within {THROW_LIMIT:.0f} s naming the exited rank 2 "
                   f"({took:.2f} s, status {code})", text)
@@ -357,9 +353,7 @@ def gloo_stall(program):
                 return
             start = time.monotonic()
             for r in (0, 2):
-                code = ranks[r].wait(start + 2 * TIMEOUT + 1)
-                took = time.monotonic() - start
-                text = ranks[r].text()
+                code, took, text = ranks[r].outcome(start, 2 * TIMEOUT + 1)
                 check(code == 3 and took <= 2 * TIMEOUT and f"all_reduce(float32 x 1000, sum) on rank {r} of 3" in text,
                       f"{STORE_BACKEND['label']} stall: rank {r} times out naming the operation ({took:.2f} s, status {code})", text)
                 if STORE_BACKEND["stall_report"]:
@@ -433,9 +427,7 @@ def mpi_run_to_end(job, limit):
     """Once all 3 ranks are ready: the job's exit status (None if it outlived `limit` + 1 s), the
     seconds it took from then, and its output."""
     wait_mpi_ready(job)
-    start = time.monotonic()
-    code = job.wait(start + limit + 1)
-    return code, time.monotonic() - start, job.text()
+    return job.outcome(time.monotonic(), limit + 1)
 
 
 def mpi_kill_scenario(mpirun, program, mode):
@@ -450,9 +442,7 @@ def mpi_kill_scenario(mpirun, program, mode):
         time.sleep(0.3)
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
-        code = job.wait(killed_at + 2 * TIMEOUT + 1)
-        took = time.monotonic() - killed_at
-        text = job.text()
+        code, took, text = job.outcome(killed_at, 2 * TIMEOUT + 1)
         check(code is not None and code != 0 and took <= 2 * TIMEOUT,
               f"mpi {mode}: the job ends within 2x the timeout after rank 1 is killed ({took:.2f} s, status {code})",
               text)

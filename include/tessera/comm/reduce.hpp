@@ -158,7 +158,7 @@ void reduce_many(const T* const* sources, int count, T* const* outputs, int outp
   }
 }
 
-// Compiled once, for every CommScalar, in compiled-kernels mode (core/linkage.hpp, kernels/cpu/compiled.hpp): the
+// Compiled once, for every CommScalar, in compiled-kernels mode (core/linkage.hpp explains): the
 // shared-memory all_reduce's loops run at the library's -O3 whatever the program's level.
 #define TESSERA_REDUCE_INSTANCES(PREFIX, T)                                                         \
   PREFIX template void reduce_into<T>(T*, const T*, std::size_t, ReduceOp);                        \

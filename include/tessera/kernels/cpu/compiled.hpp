@@ -1,6 +1,8 @@
-// Compiled CPU kernels: the float and double instances of the heavy CPU kernels (gemm, conv2d,
-// batch norm, pooling) compiled once, in src/kernels_cpu.cpp, instead of in every translation
-// unit that includes a layer.
+// Compiled CPU kernels: the float and double instances of the CPU kernels (gemm, conv2d, batch
+// norm, pooling, and the elementwise, loss, softmax and optimizer loops; comm/reduce.hpp adds the
+// shared-memory reductions) compiled once, in src/kernels_cpu.cpp, instead of in every translation
+// unit that includes a layer. The library builds at -O3 and the programs at -O2 (meson.build): a
+// training step's time is spent in these instances, so the programs' level does not change it.
 //
 // Tessera stays header-only: without TESSERA_COMPILED_KERNELS every kernel is an ordinary
 // template, instantiated where it is used. The meson build defines TESSERA_COMPILED_KERNELS on
