@@ -614,6 +614,10 @@ class ParameterServer {
 
   void check_worker_timeouts() {
     const auto now = Clock::now();
+    // Not silent until the timeout: a warning at the communicators' stall threshold (never later
+    // than half the worker timeout) names the worker, as a stalled collective's does.
+    const auto warn_after = std::min(CommOptions{.timeout = options_.worker_timeout}.effective_stall_warning(),
+                                     options_.worker_timeout / 2);
     for (int w = 0; w < num_workers(); ++w) {
       WorkerState& ws = workers_[static_cast<std::size_t>(w)];
       if (ws.waiting || !session_->inbox[static_cast<std::size_t>(w)].posted) continue;
@@ -621,10 +625,6 @@ class ParameterServer {
       TESSERA_CHECK(silent < options_.worker_timeout, CommError, "ParameterServer server ", server_index(),
                     ": worker rank ", worker_rank(w), " sent nothing for ", silent.count() / 1000.0,
                     " s (worker_timeout ", options_.worker_timeout.count() / 1000.0, " s): dead or hung");
-      // Not silent until then: a warning at the communicators' stall threshold (never later than
-      // half the worker timeout) names the worker, as a stalled collective's does.
-      const auto warn_after = std::min(CommOptions{.timeout = options_.worker_timeout}.effective_stall_warning(),
-                                       options_.worker_timeout / 2);
       if (!ws.warned && silent >= warn_after) {
         ws.warned = true;
         std::fprintf(stderr,
