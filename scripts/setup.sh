@@ -47,6 +47,13 @@ if [ -f build/build.ninja ]; then
   meson setup --reconfigure build "${options[@]}" >"$setup_log" 2>&1 || { cat "$setup_log"; rm -f "$setup_log"; exit 1; }
   rm -f "$setup_log"
 else
+  # nvcc through scripts/nvcc-with-deps, so that a CUDA object is rebuilt when a header it includes
+  # changes (Meson 1.0 asks nvcc for no dependency file; that script says more).
+  if command -v nvcc >/dev/null; then
+    mkdir -p build
+    printf "[binaries]\ncuda = ['%s']\n" "$PWD/scripts/nvcc-with-deps" > build/cuda-native.ini
+    options+=(--native-file build/cuda-native.ini)
+  fi
   meson setup build "${options[@]}"
 fi
 # --configure-only stops here: scripts/test.sh's quick tier lets `meson test` build just the

@@ -26,6 +26,7 @@
 #include "tessera/parallel/agreement.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
+#include "tessera/train/preemption.hpp"
 #include "tessera/train/timeline.hpp"
 
 namespace tessera {

@@ -12,13 +12,15 @@
 // trace of every step on every rank, for chrome://tracing or ui.perfetto.dev),
 // --checkpoint=ckpt.safetensors (written after every epoch, with every rank's random streams)
 // --resume=ckpt.safetensors (also at another --ranks with the same --batch: elastic resume)
-// --stop-after=N (stop after N epochs, to resume later), and for the
-// threads build --ranks=2.
+// --stop-after=N (stop after N epochs, to resume later), --checkpoint-every=N (also every N
+// steps), and for the threads build --ranks=2. With --checkpoint, SIGUSR1 or SIGTERM (Slurm's
+// warning before the time limit, or the limit) saves it at a step all ranks agree on and exits 75.
 //
 // Keeping the global batch fixed makes N ranks compute exactly what one process computes on the
 // same batches (up to floating-point summation order), so the accuracy must match one rank's.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <chrono>
 #include <cstdio>
@@ -50,8 +52,11 @@ struct Options {
   int threads = 1, ranks = 2;
   std::uint64_t seed = 1;
   std::string data_dir, compression = "none", trace, checkpoint, resume;
-  std::int64_t bucket_kib = 1024, stop_after = 0;
+  std::int64_t bucket_kib = 1024, stop_after = 0, checkpoint_every = 0;
+  const StopSignals* stop_signals = nullptr;  // set with --checkpoint (main)
 };
+
+std::atomic<bool> stopped_for_resume{false};  // a rank stopped on a signal with its checkpoint saved
 
 // FNV-1a over the bytes of every parameter: equal on two ranks only if their replicas are
 // bit-identical (a sum could hide a difference; a hash of the exact bits cannot, short of a
@@ -245,7 +250,8 @@ double train(Comm& comm, const Options& o) {
   // file and gives each rank its own back, so ranks seeded differently resume exactly.
   Trainer trainer(model, sgd, schedule,
                   {.epochs = o.epochs, .checkpoint_path = o.checkpoint, .verbose = rank == 0, .before_step = record,
-                   .timeline = timeline ? &*timeline : nullptr, .checkpoint_group = CheckpointGroup(comm)});
+                   .timeline = timeline ? &*timeline : nullptr, .checkpoint_group = CheckpointGroup(comm),
+                   .checkpoint_every_steps = o.checkpoint_every, .stop_signals = o.stop_signals});
   if (!o.resume.empty()) {
     trainer.load(o.resume, train_loader);  // every rank: each gets its own random streams back
     if (rank == 0)
@@ -257,6 +263,14 @@ double train(Comm& comm, const Options& o) {
   const double lo_before = rank == 0 ? examples::loopback_bytes() : -1;
   if (measure_memory) memory.start();
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
+  if (trainer.stopped_by() != 0) {
+    if (rank == 0)
+      std::printf("stopped by %s at step %lld with the checkpoint saved: run again with --resume=%s to continue\n",
+                  StopSignals::name(trainer.stopped_by()).c_str(),
+                  static_cast<long long>(trainer.state().global_step), o.checkpoint.c_str());
+    stopped_for_resume = true;
+    return 0.0;
+  }
   if (results.empty()) return 0.0;
   // The cost model: a bandwidth-optimal all-reduce (ring, or halving-doubling) of G bytes sends
   // (p-1)/p x G per rank to reduce-scatter and as much again to all-gather: 2(p-1)/p x G per rank
@@ -342,7 +356,10 @@ Options parse(int argc, char** argv) {
   o.checkpoint = flags.output_path("checkpoint", o.checkpoint);
   o.resume = flags.input_path("resume", o.resume);
   o.stop_after = flags.get("stop-after", o.stop_after, {.min = 0});
+  o.checkpoint_every = flags.get("checkpoint-every", o.checkpoint_every, {.min = 0});
   flags.finish();
+  TESSERA_CHECK(o.checkpoint_every == 0 || !o.checkpoint.empty(), ArgumentError, "--checkpoint-every=",
+                o.checkpoint_every, " needs --checkpoint=PATH (the file to save to)");
   return o;
 }
 
@@ -350,9 +367,11 @@ Options parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    const Options o = parse(argc, argv);
+    Options o = parse(argc, argv);
+    std::optional<StopSignals> stop_signals;  // one per process, for all its ranks
+    if (!o.checkpoint.empty()) o.stop_signals = &stop_signals.emplace();
     launch<E>([&](Comm& comm) { train(comm, o); }, {.ranks = o.ranks});  // --ranks: threads build only
-    return 0;
+    return stopped_for_resume ? kExitStoppedForResume : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "04_data_parallel: %s\n", e.what());
     return 1;

@@ -1,12 +1,15 @@
 // The training driver shared by examples 01 and 02: load Fashion-MNIST, normalize, train with SGD
 // (momentum, weight decay) and a warmup + cosine schedule, report test accuracy per epoch, and
-// optionally write metrics, checkpoint, and resume. Each example supplies its model (built for the
+// optionally write metrics, checkpoint, and resume. With --checkpoint, SIGUSR1 or SIGTERM (a
+// cluster's warning before the time limit, or the limit itself) saves the checkpoint at the next
+// step and exits 75 (tessera::kExitStoppedForResume): run again with --resume to go on. Each example supplies its model (built for the
 // Env it is given) and recipe. --precision=bfloat16 trains the same model with CpuLocalBf16:
 // float weights, bfloat16 products (tessera/core/env.hpp), against float32's CpuLocal.
 #pragma once
 
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "tessera/tessera.hpp"
@@ -40,9 +43,10 @@ std::string model_name(const M& model) {
 struct RunOptions {
   std::string data_dir, metrics, checkpoint, resume;
   std::uint64_t seed = 1;
-  std::int64_t limit = 0, stop_after = 0;
+  std::int64_t limit = 0, stop_after = 0, checkpoint_every = 0;
   int progress = -1;
   double min_accuracy = 0;
+  const tessera::StopSignals* stop_signals = nullptr;  // set with a checkpoint path
 };
 
 // Trains make_model.template operator()<E>(seed) and prints the final test accuracy.
@@ -67,13 +71,20 @@ int train_fashion_mnist(const char* title, const Recipe& recipe, const RunOption
   DataLoader<float> train_loader(train, {.batch_size = recipe.batch_size, .shuffle = true, .seed = o.seed});
   DataLoader<float> test_loader(test, {.batch_size = 500, .shuffle = false});
   Trainer trainer(model, sgd, schedule, {.epochs = recipe.epochs, .metrics_path = o.metrics,
-                                         .checkpoint_path = o.checkpoint, .progress = o.progress});
+                                         .checkpoint_path = o.checkpoint, .progress = o.progress,
+                                         .checkpoint_every_steps = o.checkpoint_every, .stop_signals = o.stop_signals});
   if (!o.resume.empty()) {
     trainer.load(o.resume, train_loader);  // checks the loader position too, before "resumed" is printed
     std::printf("resumed from %s at epoch %lld, step %lld\n", o.resume.c_str(),
                 static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
   }
   auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
+  if (trainer.stopped_by() != 0) {
+    std::printf("stopped by %s at step %lld with the checkpoint saved: run again with --resume=%s to continue\n",
+                StopSignals::name(trainer.stopped_by()).c_str(), static_cast<long long>(trainer.state().global_step),
+                o.checkpoint.c_str());
+    return kExitStoppedForResume;
+  }
   if (results.empty() && trainer.state().epoch >= recipe.epochs) {
     // Resumed from a finished run: nothing left to train, but the checks below are still owed, on
     // the model as loaded (a finished checkpoint must not pass --min-accuracy unmeasured).
@@ -129,6 +140,8 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
     o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
     o.metrics = flags.output_path("metrics", "");
     o.checkpoint = flags.output_path("checkpoint", "");
+    // also save the checkpoint every N steps (0: after each epoch only)
+    o.checkpoint_every = flags.get("checkpoint-every", std::int64_t{0}, {.min = 0});
     o.resume = flags.input_path("resume", "");
     // use only the first N training images (0: all)
     o.limit = flags.get("limit", std::int64_t{0}, {.min = 0});
@@ -142,6 +155,11 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
       recipe_settings = recipe_settings && !flags.has(setting);
     o.min_accuracy = flags.get("min-accuracy", recipe_settings ? recipe.min_accuracy : 0.0, {.min = 0, .max = 1});
     flags.finish();
+    TESSERA_CHECK(o.checkpoint_every == 0 || !o.checkpoint.empty(), ArgumentError, "--checkpoint-every=",
+                  o.checkpoint_every, " needs --checkpoint=PATH (the file to save to)");
+    // With a checkpoint to save, a stop signal saves it at the next step instead of killing the run.
+    std::optional<StopSignals> stop_signals;
+    if (!o.checkpoint.empty()) o.stop_signals = &stop_signals.emplace();
 
     Cpu::set_num_threads(threads);
     if (precision == "bfloat16") return train_fashion_mnist<CpuLocalBf16>(title, recipe, o, make_model);

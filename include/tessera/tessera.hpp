@@ -53,6 +53,7 @@
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/io/flags.hpp"
 #include "tessera/train/metrics.hpp"
+#include "tessera/train/preemption.hpp"
 #include "tessera/train/progress.hpp"
 #include "tessera/train/search.hpp"
 #include "tessera/io/safetensors.hpp"

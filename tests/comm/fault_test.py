@@ -31,7 +31,9 @@ rank dies, which is the MPI way; the test checks that it does so in time and nam
 import argparse
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -120,6 +122,9 @@ def base_env(extra=None):
     for k in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(k, None)
     env["TESSERA_COMM_TIMEOUT"] = str(TIMEOUT)
+    # One OpenMP thread per rank, as tessera-run and an MPI user set it: the ranks started here
+    # directly would each spin a thread per CPU against the others.
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
 
@@ -326,22 +331,98 @@ def gloo_rendezvous(program):
         finally:
             for r in ranks:
                 r.kill()
+    gloo_loopback_across_hosts(program, slow)
+    gloo_redis_password(program, slow)
     with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
         first = gloo_start(program, "join", 2, [0, 1], store)
         codes = [r.wait(time.monotonic() + 60) for r in first]
         check(codes == [0, 0], f"{label} shared store: the first job runs ({codes})", "".join(r.text() for r in first))
         second = gloo_start(program, "join", 2, [0, 1], store, slow)
+        expect_ranks_fail(second, f"{label} shared store: a second job in the same store is refused at once",
+                          ["the store already holds a rank {r}", "TESSERA_STORE_PREFIX"])
+
+
+def expect_ranks_fail(ranks, what, needles):
+    """Every rank exits 3 within THROW_LIMIT with each of `needles` ("{r}": its rank) in its output;
+    all are killed afterwards."""
+    try:
+        start = time.monotonic()
+        for r, rank in enumerate(ranks):
+            code, took, text = rank.outcome(start, THROW_LIMIT)
+            check(code == 3 and all(n.format(r=r) in text for n in needles),
+                  f"{what}: rank {r} fails within {THROW_LIMIT:.0f} s ({took:.2f} s, status {code})", text)
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
+def gloo_loopback_across_hosts(program, slow):
+    """Ranks on two hosts where a rank's host name resolves to a loopback address (127.0.1.1 on
+    many installs): its peers on the other host could never connect, and the rendezvous waited out
+    the whole timeout. Two hosts are made here with a UTS namespace (`unshare --uts`, root) that
+    gives rank 1 another host name; every name on this machine resolves to 127.0.0.1 or not at
+    all, so both ranks listen on loopback. Skipped without unshare or root."""
+    label = STORE_BACKEND["label"]
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        print(f"note: {label} loopback across hosts not run (needs unshare and root)")
+        return
+    with tempfile.TemporaryDirectory(prefix="tessera-fault-") as store:
+        ranks = gloo_start(program, "join", 2, [0], store, slow)
+        env = base_env(dict(slow, TESSERA_RANK="1", TESSERA_WORLD_SIZE="2", TESSERA_STORE="file://" + store))
+        ranks.append(Rank([unshare, "--uts", "sh", "-c", 'hostname tessera-other-host && exec "$0" "$@"', program,
+                           "join"], env))
+        expect_ranks_fail(ranks, f"{label} loopback across hosts: named with TESSERA_GLOO_IFACE",
+                          ["2 hosts", "loopback", "TESSERA_GLOO_IFACE"])
+
+
+def gloo_redis_password(program, slow):
+    """A Redis store that wants a password (tessera-sbatch --store redis starts one): a rank without
+    TESSERA_REDIS_PASSWORD, or with a wrong one, fails at once saying so. Skipped without redis-server."""
+    label = STORE_BACKEND["label"]
+    server = shutil.which("redis-server")
+    if server is None:
+        print(f"note: {label} Redis password not run (needs redis-server)")
+        return
+    with tempfile.TemporaryDirectory(prefix="tessera-redis-") as d:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(os.path.join(d, "redis.conf"), "w") as f:
+            f.write("requirepass right-password\n")
+        redis = subprocess.Popen([server, os.path.join(d, "redis.conf"), "--port", str(port), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no", "--dir", d],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            start = time.monotonic()
-            for r, rank in enumerate(second):
-                code = rank.wait(start + THROW_LIMIT)
-                text = rank.text()
-                check(code == 3 and f"the store already holds a rank {r}" in text and "TESSERA_STORE_PREFIX" in text,
-                      f"{label} shared store: rank {r} of a second job in the same store is refused at once "
-                      f"(status {code})", text)
+            deadline = time.monotonic() + 10
+            up = False
+            while not up and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.2).close()
+                    up = True
+                except OSError:
+                    time.sleep(0.05)
+            check(up, f"{label} Redis password: redis-server starts within 10 s", "")
+            if not up:
+                return
+            cases = [({}, "NOAUTH", "set TESSERA_REDIS_PASSWORD"),
+                     ({"TESSERA_REDIS_PASSWORD": "wrong"}, "refused the password in TESSERA_REDIS_PASSWORD", "")]
+            for extra, first, second in cases:
+                env = base_env(dict(slow, TESSERA_RANK="0", TESSERA_WORLD_SIZE="1",
+                                    TESSERA_STORE=f"redis://127.0.0.1:{port}", **extra))
+                if not extra:
+                    env.pop("TESSERA_REDIS_PASSWORD", None)  # one set by the caller's shell
+                rank = Rank([program, "join"], env)
+                try:
+                    code, took, text = rank.outcome(time.monotonic(), THROW_LIMIT)
+                    check(code == 3 and first in text and second in text,
+                          f"{label} Redis password {'wrong' if extra else 'missing'}: fails at once saying so "
+                          f"({took:.2f} s, status {code})", text)
+                finally:
+                    rank.kill()
         finally:
-            for r in second:
-                r.kill()
+            redis.kill()
+            redis.wait()
 
 
 def gloo_stall(program):

@@ -14,6 +14,7 @@
 #include "comm/conformance.hpp"
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/core.hpp"
+#include "tessera/comm/launch.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
@@ -222,6 +223,28 @@ TEST_CASE("LaunchEnv: reads tessera-run, Open MPI and Slurm variables in that or
     ScopedEnv r("TESSERA_RANK", "0");
     CHECK_THROWS_WITH(LaunchEnv::from_environment(), Catch::Contains("TESSERA_WORLD_SIZE is not"));
   }
+}
+
+TEST_CASE("launch: a one-process communicator started as several processes is refused", "[comm]") {
+  ScopedEnv a("TESSERA_WORLD_SIZE", nullptr), b("OMPI_COMM_WORLD_SIZE", nullptr), c("SLURM_STEP_NUM_TASKS", nullptr),
+      d("TESSERA_RANK", nullptr), e("OMPI_COMM_WORLD_RANK", nullptr), f("SLURM_PROCID", nullptr);
+  int runs = 0;
+  launch<CpuThreads>([&](ThreadComm&) { ++runs; }, {.ranks = 1});
+  launch<CpuLocal>([&](LocalComm&) { ++runs; });
+  {
+    ScopedEnv inside_sbatch("SLURM_STEP_NUM_TASKS", "1");  // one srun task: fine
+    launch<CpuThreads>([&](ThreadComm&) { ++runs; }, {.ranks = 1});
+  }
+  CHECK(runs == 3);
+  for (const char* var : {"TESSERA_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"}) {
+    ScopedEnv two(var, "2");
+    INFO(var);
+    CHECK_THROWS_WITH(launch<CpuThreads>([&](ThreadComm&) { ++runs; }, {.ranks = 2}),
+                      Catch::Contains("the launcher started 2 processes") && Catch::Contains(var) &&
+                          Catch::Contains("the threads communicator"));
+    CHECK_THROWS_WITH(launch<CpuLocal>([&](LocalComm&) { ++runs; }), Catch::Contains("the local communicator"));
+  }
+  CHECK(runs == 3);  // refused before any rank ran
 }
 
 TEST_CASE("CommOptions: timeout and debug mode from the environment", "[comm]") {

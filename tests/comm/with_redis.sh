@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs a command against a private redis-server: starts one on a free local port (no persistence),
-# replaces the argument {redis} with its URL (redis://127.0.0.1:PORT), runs the command, and stops
-# the server whatever happens. Exits 77 (skipped) when redis-server is not installed.
+# Runs a command against a private redis-server: starts one on a free local port (no persistence)
+# that wants a fresh password, replaces the argument {redis} with its URL (redis://127.0.0.1:PORT),
+# runs the command with the password in TESSERA_REDIS_PASSWORD, and stops the server whatever
+# happens. Exits 77 (skipped) when redis-server is not installed.
 set -euo pipefail
 server=$(command -v redis-server || true)
 if [[ -z "$server" ]]; then
@@ -10,7 +11,10 @@ if [[ -z "$server" ]]; then
 fi
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 dir=$(mktemp -d)
-"$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" --daemonize no \
+password=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+# The password in a file the server reads, not on its command line (which ps shows).
+printf 'requirepass %s\n' "$password" > "$dir/redis.conf"
+"$server" "$dir/redis.conf" --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" --daemonize no \
   >"$dir/redis.log" 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rm -rf "$dir"' EXIT
@@ -22,4 +26,4 @@ for _ in $(seq 100); do
 done
 args=()
 for a in "$@"; do args+=("${a//\{redis\}/redis://127.0.0.1:$port}"); done
-"${args[@]}"
+TESSERA_REDIS_PASSWORD=$password "${args[@]}"

@@ -219,6 +219,39 @@ TEST_CASE("read_idx parses plain and gzip IDX files of rank 1 to 4", "[data][idx
   }
 }
 
+TEST_CASE("read_idx with max_records keeps the first records and reads no further", "[data][idx]") {
+  TempDir dir;
+  const Bytes payload = counting_payload(5 * 3 * 2);
+  const Bytes file = idx_bytes(0x08, {5, 3, 2}, payload);
+  for (const bool gz : {false, true}) {
+    const std::string path = dir / (std::string("cut") + (gz ? ".gz" : ""));
+    gz ? write_gzip(path, file) : write_plain(path, file);
+    const IdxArray a = read_idx(path, 2);
+    CHECK(a.dims == std::vector<std::int64_t>{2, 3, 2});
+    CHECK(a.records_in_file == 5);
+    CHECK(a.data == Bytes(payload.begin(), payload.begin() + 12));
+    // Asking for as many or more than the file has reads it whole, with every check.
+    for (const std::int64_t max : {0, 5, 9}) {
+      const IdxArray whole = read_idx(path, max);
+      CHECK(whole.dims == std::vector<std::int64_t>{5, 3, 2});
+      CHECK(whole.data == payload);
+    }
+    CHECK_THROWS_AS(read_idx(path, -1), ArgumentError);
+  }
+  // A gzip file cut inside the kept records is still truncated; cut after them, the kept records
+  // read (the rest is not inflated); a plain file's size is checked either way.
+  const Bytes gz_whole = [&] {
+    write_gzip(dir / "w.gz", idx_bytes(0x08, {4000}, counting_payload(4000)));
+    return read_bytes(dir / "w.gz");
+  }();
+  write_plain(dir / "short.gz", Bytes(gz_whole.begin(), gz_whole.begin() + static_cast<std::ptrdiff_t>(gz_whole.size() / 2)));
+  CHECK_THROWS_AS(read_idx(dir / "short.gz", 3999), IoError);
+  CHECK(read_idx(dir / "short.gz", 10).data == counting_payload(10));
+  write_plain(dir / "short", Bytes(file.begin(), file.end() - 1));
+  CHECK_HAS(idx_error(dir / "short"), "truncated payload");
+  CHECK_THROWS_AS(read_idx(dir / "short", 1), IoError);
+}
+
 TEST_CASE("read_idx rejects malformed files with a message naming the problem", "[data][idx]") {
   TempDir dir;
   const Bytes good = idx_bytes(0x08, {4, 4}, counting_payload(16));
@@ -444,6 +477,11 @@ TEST_CASE("Fashion-MNIST: the real training and test sets", "[data][fashion_mnis
       const double stddev = std::sqrt(sum_sq / static_cast<double>(ds.images.numel()) - mean * mean);
       CHECK(mean == Approx(kFashionMnistMean).margin(1e-4));
       CHECK(stddev == Approx(kFashionMnistStd).margin(1e-4));
+      // A limit keeps the first samples exactly as the whole load has them.
+      const Dataset first_100 = load_fashion_mnist(e.split, kRealDir, 100);
+      REQUIRE(first_100.images.shape() == Shape{100, 1, 28, 28});
+      CHECK(std::equal(first_100.labels.begin(), first_100.labels.end(), ds.labels.begin()));
+      CHECK(std::equal(first_100.images.data(), first_100.images.data() + first_100.images.numel(), ds.images.data()));
     }
   }
 }

@@ -6,8 +6,9 @@
 
 First the generated scripts without Slurm (flags, per-backend launch lines, bad input), then jobs
 of 2 and 4 tasks over MPI (srun --mpi=pmix) and Gloo (file and Redis stores), a job whose rank 1
-fails (its error in the summary, the others stopped), and a job requeued mid-training that
-resumes from its checkpoint. Exits 77 (skipped) when Slurm cannot be started here; every wait is
+fails (its error in the summary, the others stopped), a job requeued mid-training that
+resumes from its checkpoint, and a job sent SIGUSR1 (what --signal=USR1@T sends before the time
+limit) that checkpoints at a step, requeues itself and resumes at that step. Exits 77 (skipped) when Slurm cannot be started here; every wait is
 bounded.
 """
 from __future__ import annotations
@@ -82,6 +83,16 @@ def job_state(slurm: LocalSlurm, job: str) -> tuple[str, str, str]:
     return fields.get("JobState", "?"), fields.get("ExitCode", "?"), fields.get("Restarts", "?")
 
 
+def wait_until_ended(slurm: LocalSlurm, job: str, deadline: float) -> tuple[str, str, str]:
+    """The job's final (state, exit code, restarts), polled until it ends or the deadline passes."""
+    while True:
+        state, exit_code, restarts = job_state(slurm, job)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            return state, exit_code, restarts
+        expect(time.monotonic() < deadline, f"job {job} still {state} {JOB_TIMEOUT} s after it started")
+        time.sleep(0.5)
+
+
 def check_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str, work: pathlib.Path) -> None:
     checkpoint = work / "requeue.safetensors"
     rc, out, err = tool(f"--log-dir={log_dir}", "--ntasks-per-node=2", f"--checkpoint={checkpoint}",
@@ -98,12 +109,7 @@ def check_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str, work: 
         time.sleep(0.2)
     requeue = subprocess.run(["scontrol", "requeue", job], env=slurm.env(), capture_output=True, text=True, timeout=10)
     expect(requeue.returncode == 0, f"scontrol requeue {job}: {requeue.stderr}")
-    while True:
-        state, exit_code, restarts = job_state(slurm, job)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            break
-        expect(time.monotonic() < deadline, f"job {job} still {state} {JOB_TIMEOUT} s after it started")
-        time.sleep(0.5)
+    state, exit_code, restarts = wait_until_ended(slurm, job, deadline)
     batch = (pathlib.Path(log_dir) / f"job-{job}.out").read_text()
     expect(state == "COMPLETED" and exit_code == "0:0", f"requeued job ended {state} {exit_code}:\n{batch}")
     expect(restarts == "1" and "=== start 2 of job" in batch, f"the job did not start twice (Restarts={restarts}):\n{batch}")
@@ -117,6 +123,49 @@ def check_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str, work: 
     assert resumed is not None and accuracy is not None
     print(f"ok: requeued job {job} resumed at epoch {resumed.group(1)} and reached {accuracy.group(1)}% "
           f"(Restarts={restarts})")
+
+
+def check_signal_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str, work: pathlib.Path) -> None:
+    """USR1 as Slurm sends it before the time limit (scancel --signal: every task of the job's
+    steps): the ranks agree on a step, save the checkpoint there, exit 75, and the script requeues
+    the job, whose second start resumes at that step (mid-epoch) and finishes."""
+    checkpoint = work / "signal.safetensors"
+    rc, out, err = tool(f"--log-dir={log_dir}", "--ntasks-per-node=2", f"--checkpoint={checkpoint}",
+                        "--signal-before=90", "--time=10", "--comm-timeout=60", "--", example, "--epochs=3",
+                        "--limit=8192", "--batch=32", env=slurm.env(), timeout=30)
+    match = re.search(r"submitted job (\d+)", out)
+    expect(rc == 0 and match, f"signal job not submitted: {out}{err}")
+    assert match is not None
+    job = match.group(1)
+    rank0_log = pathlib.Path(log_dir) / f"job-{job}" / "rank-0.log"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    # Training has begun when rank 0 prints its first progress line of epoch 1.
+    while not (rank0_log.exists() and re.search(r"epoch 1/3 \d+/", rank0_log.read_text())):
+        state = job_state(slurm, job)[0]
+        expect(state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job} is {state} before training began")
+        expect(time.monotonic() < deadline, f"job {job} did not begin training in {JOB_TIMEOUT} s")
+        time.sleep(0.1)
+    signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env(), capture_output=True, text=True,
+                               timeout=10)
+    expect(signalled.returncode == 0, f"scancel --signal=USR1 {job}: {signalled.stderr}")
+    state, exit_code, restarts = wait_until_ended(slurm, job, deadline)
+    batch = (pathlib.Path(log_dir) / f"job-{job}.out").read_text()
+    expect(state == "COMPLETED" and exit_code == "0:0", f"signalled job ended {state} {exit_code}:\n{batch}")
+    expect("requeueing job" in batch and restarts == "1" and "=== start 2 of job" in batch,
+           f"the job did not requeue itself once (Restarts={restarts}):\n{batch}")
+    first, second = rank0_log.read_text().split("=== start 2 ===", 1)
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d+) \(epoch (\d+), batch (\d+) of (\d+)\)", first)
+    expect(stopped, f"the first start did not stop on SIGUSR1 at a step:\n{first[-2000:]}")
+    assert stopped is not None
+    step = int(stopped.group(1))
+    resumed = re.search(r"resumed from \S+ at epoch (\d+), step (\d+)", second)
+    expect(resumed and int(resumed.group(2)) == step,
+           f"the second start did not resume at step {step}:\n{second[:2000]}")
+    accuracy = re.search(r"final test accuracy: ([\d.]+)%", second)
+    expect(accuracy and float(accuracy.group(1)) > 50, f"the resumed run did not finish training:\n{second[-2000:]}")
+    assert resumed is not None and accuracy is not None
+    print(f"ok: SIGUSR1 stopped job {job} at step {step} (epoch {stopped.group(2)}, batch {stopped.group(3)} of "
+          f"{stopped.group(4)}); requeued, it resumed there and reached {accuracy.group(1)}%")
 
 
 def main() -> int:
@@ -146,6 +195,7 @@ def main() -> int:
                 print("note: redis-server/redis-cli not installed; the Redis store job is not run")
             check_failure(slurm, log_dir, work)
             check_requeue(slurm, log_dir, str(pathlib.Path(args.example).resolve()), work)
+            check_signal_requeue(slurm, log_dir, str(pathlib.Path(args.example).resolve()), work)
         finally:
             slurm.stop()
     except CheckFailed as e:

@@ -109,6 +109,48 @@ def test_options() -> None:
     expect(out.splitlines() == ["redis://127.0.0.1:6379 lo 42"] * 2, f"stdout {out!r}")
 
 
+def test_openmp_threads_shared_out() -> None:
+    """unset, OMP_NUM_THREADS is the CPUs shared out (at least 1) and said; set, it is kept"""
+    cpus = len(os.sched_getaffinity(0))
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    script = 'echo "omp=${OMP_NUM_THREADS-unset}"'
+    for n in (2, 3, 2 * cpus + 1):
+        done = subprocess.run([str(LAUNCHER), "--no-prefix", "-n", str(n), *sh(script)], capture_output=True,
+                              env=clean, timeout=TIMEOUT)
+        out, err = done.stdout.decode(), done.stderr.decode()
+        want = max(1, cpus // n)
+        expect(done.returncode == 0, f"exit status {done.returncode}, stderr: {err!r}")
+        expect(out.splitlines() == [f"omp={want}"] * n, f"-n {n} on {cpus} CPUs: stdout {out!r}")
+        expect(f"OMP_NUM_THREADS is not set: {want} OpenMP thread" in err, f"-n {n}: stderr {err!r}")
+    done = subprocess.run([str(LAUNCHER), "--no-prefix", "-n", "1", *sh(script)], capture_output=True, env=clean,
+                          timeout=TIMEOUT)
+    expect(done.stdout.decode().splitlines() == ["omp=unset"], f"one rank: {done.stdout!r}")
+    expect(b"OMP_NUM_THREADS" not in done.stderr, f"one rank: {done.stderr!r}")
+    rc, out, err, _ = launch("--no-prefix", "-n", "2", *sh(script), env={"OMP_NUM_THREADS": "3"})
+    expect(rc == 0 and out.splitlines() == ["omp=3"] * 2, f"a user's value: {out!r}")
+    expect("OMP_NUM_THREADS" not in err, f"a user's value is not commented on: {err!r}")
+
+
+def test_usr1_forwarded_and_exit_75_not_a_failure() -> None:
+    """SIGUSR1 reaches every rank; ranks exiting 75 (checkpoint saved) do not stop the others"""
+    with tempfile.TemporaryDirectory() as d:
+        # Rank 1 takes a second longer to "save": it must not be stopped when rank 0 exits 75.
+        script = (WRITE_PID + 'trap \'[ "$TESSERA_RANK" = 1 ] && sleep 1; echo "saved $TESSERA_RANK"; exit 75\' USR1; '
+                  'i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done; exit 9')
+        proc = subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            wait_for_pids(d, 2)
+            proc.send_signal(signal.SIGUSR1)
+            out, err = (s.decode() for s in proc.communicate(timeout=TIMEOUT))
+        finally:
+            proc.kill()
+        expect(proc.returncode == 75, f"exit status {proc.returncode}, stderr {err!r}")
+        expect("[rank 0] saved 0" in out and "[rank 1] saved 1" in out, f"stdout {out!r}")
+        expect("every rank stopped on a signal with its checkpoint saved (exit 75)" in err and "SIGKILL" not in err
+               and "stopping" not in err, f"stderr {err!r}")
+
+
 def test_failure_stops_others() -> None:
     """a failing rank stops the others; its status is returned"""
     with tempfile.TemporaryDirectory() as d:

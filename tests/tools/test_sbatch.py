@@ -7,6 +7,7 @@ programs before its jobs on a local Slurm.
 from __future__ import annotations
 
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -55,26 +56,70 @@ def check_scripts(programs: dict[str, str], work: pathlib.Path) -> None:
     expect('export TESSERA_STORE="file://$LOG_DIR/store-$START"' in script, f"gloo script has no file store:\n{script}")
     expect("--mpi=" not in script, "a gloo job must not ask srun for an MPI plugin")
     rc, script, err = tool("--dry-run", "--store=redis", "--iface=eth0", "--comm-timeout=60", "--", gloo)
-    expect(rc == 0 and "redis-server --port" in script and 'TESSERA_STORE="redis://$(hostname):$REDIS_PORT"' in script,
+    expect(rc == 0 and "redis-server \"$LOG_DIR/redis-$START.conf\" --port" in script
+           and 'TESSERA_STORE="redis://$(hostname):$REDIS_PORT"' in script,
            f"--store=redis does not start a server on the host of task 0:\n{script}")
+    # The server wants a fresh password, kept off command lines: in a 0600 file and the ranks' environment.
+    expect("export TESSERA_REDIS_PASSWORD=" in script and 'printf "requirepass %s' in script and "umask 077" in script
+           and "--requirepass" not in script, f"the Redis store has no password, or shows it on a command line:\n{script}")
     expect("export TESSERA_GLOO_IFACE=eth0" in script and "export TESSERA_COMM_TIMEOUT=60" in script,
            "--iface/--comm-timeout not exported")
     rc, script, err = tool("--dry-run", "--store=redis://10.1.2.3:6379", "--", gloo)
     expect(rc == 0 and "export TESSERA_STORE=redis://10.1.2.3:6379" in script, "a store URL is not used as given")
 
-    rc, script, err = tool("--dry-run", "--backend=nccl", "--ntasks-per-node=4", "--", gloo)
-    expect(rc == 0 and "#SBATCH --gpus-per-task=1" in script, f"nccl asks for no GPU per task:\n{script}")
+    # NCCL: every task of a node sees the node's GPUs (GPU-to-GPU paths), unless asked to isolate them.
+    rc, script, err = tool("--dry-run", "--backend=nccl", "--ntasks-per-node=4", "--iface=ib0", "--", gloo)
+    expect(rc == 0 and "#SBATCH --gpus-per-node=4" in script and "--gpus-per-task" not in script,
+           f"nccl does not give each node's tasks its GPUs:\n{script}")
+    expect("export NCCL_SOCKET_IFNAME=ib0" in script and "TESSERA_GLOO_IFACE" not in script,
+           f"--iface does not reach NCCL:\n{script}")
+    rc, script, err = tool("--dry-run", "--backend=nccl", "--isolate-gpus", "--gpus-per-task=2", "--", gloo)
+    expect(rc == 0 and "#SBATCH --gpus-per-task=2" in script, f"--isolate-gpus does not bind per task:\n{script}")
     ckpt = work / "ck.safetensors"
     rc, script, err = tool("--dry-run", f"--checkpoint={ckpt}", "--", gloo)
     expect(rc == 0 and f"CHECKPOINT={ckpt}" in script and 'RESUME=(--resume="$CHECKPOINT")' in script,
            f"--checkpoint does not resume:\n{script}")
-    rc, script, err = tool("--dry-run", "--no-requeue", "--", gloo)
-    expect(rc == 0 and "#SBATCH --no-requeue" in script, "--no-requeue is not kept")
-    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint)")
+    # The time limit: USR1 120 s before it by default, the wrapper survives it, and ranks that all
+    # stopped with their checkpoint (exit 75) put the job back in the queue.
+    expect("#SBATCH --signal=USR1@120" in script and "trap : USR1 TERM" in script
+           and 'scontrol requeue "$SLURM_JOB_ID"' in script, f"--checkpoint has no signal and requeue:\n{script}")
+    rc, script, err = tool("--dry-run", f"--checkpoint={ckpt}", "--signal-before=300", "--time=10", "--", gloo)
+    expect(rc == 0 and "#SBATCH --signal=USR1@300" in script, f"--signal-before=300 not kept:\n{script}")
+    rc, script, err = tool("--dry-run", f"--checkpoint={ckpt}", "--signal-before=0", "--", gloo)
+    expect(rc == 0 and "--signal=" not in script, f"--signal-before=0 still asks for a signal:\n{script}")
+    rc, script, err = tool("--dry-run", "--no-requeue", f"--checkpoint={ckpt}", "--", gloo)
+    expect(rc == 0 and "#SBATCH --no-requeue" in script and "scontrol requeue" not in script,
+           "--no-requeue is not kept")
+    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint, signal)")
+
+    # Several nodes: one task per node checks the rendezvous directory and (gloo without --iface)
+    # that the host name is reachable, before any rank starts. The check itself, run here.
+    rc, script, err = tool("--dry-run", "--nodes=2", "--", gloo)
+    expect(rc == 0 and "PREFLIGHT=" in script and "--ntasks-per-node=1" in script, f"no multi-node checks:\n{script}")
+    rc, one_node, err = tool("--dry-run", "--", gloo)
+    expect("PREFLIGHT=" not in one_node, "a one-node job runs the multi-node checks")
+    preflight = next(line for line in script.splitlines() if line.startswith("PREFLIGHT="))
+    check = subprocess.run(["bash", "-c", preflight + '; bash -c "$PREFLIGHT"'], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "TESSERA_STORE": "file:///nonexistent/tessera-store"})
+    expect(check.returncode == 1 and "cannot see the rendezvous directory /nonexistent/tessera-store" in check.stdout,
+           f"a store directory a node cannot see passes the check: {check.stdout}{check.stderr}")
+    resolved = subprocess.run(["getent", "ahosts", socket.gethostname()], capture_output=True, text=True).stdout.split()
+    check = subprocess.run(["bash", "-c", preflight + '; bash -c "$PREFLIGHT"'], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "TESSERA_STORE": f"file://{work}"})
+    loopback = not resolved or resolved[0].startswith("127.") or resolved[0] == "::1"
+    expect((check.returncode == 1 and "give tessera-sbatch --iface" in check.stdout) if loopback
+           else check.returncode == 0, f"host name resolving to {resolved[:1]}: {check.stdout}{check.stderr}")
+    rc, script, err = tool("--dry-run", "--nodes=2", "--iface=eth0", "--", gloo)
+    expect("getent" not in script, "with --iface the host name is checked anyway")
+    print("ok: multi-node checks (store directory seen by every node, host name not loopback)")
 
     bad = [
         (["--", "/bin/true"], "cannot tell the backend"),
         (["--backend=threads", "--ntasks-per-node=2", "--", gloo], "one task per node"),
+        (["--backend=threads", "--nodes=2", "--", gloo], "independent trainings writing one checkpoint"),
+        (["--signal-before=60", "--", gloo], "needs --checkpoint"),
+        (["--checkpoint=/tmp/c", "--signal-before=600", "--time=10", "--", gloo], "is not before the time limit"),
+        (["--isolate-gpus", "--", gloo], "--isolate-gpus is for the nccl backend"),
         (["--backend=mpi", "--gpus-per-task=1", "--", mpi], "for the nccl backend"),
         (["--time=soon", "--", mpi], "not a Slurm time limit"),
         (["--nodes=0", "--", mpi], "must be at least 1"),

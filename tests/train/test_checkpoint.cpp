@@ -729,3 +729,96 @@ TEST_CASE("Trainer: with a checkpoint group, an epoch's training figures are ove
   CHECK(two[0].images_per_second >= two[0].rank_images_per_second);
   CHECK(two[0].images_per_second == Approx(static_cast<double>(data().labels.size()) / two[0].seconds));
 }
+
+TEST_CASE("StopSignals: a signal saves the checkpoint at the next step and fit stops there", "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string path = (dir / "signal.safetensors").string();
+  using Net = Sequential<Flatten<E>, Linear<E>, ReLU<E>, Linear<E>>;
+  auto make = [] {
+    Rng rng(4);
+    return Net{Flatten<E>(), Linear<E>(100, 16, rng), ReLU<E>(), Linear<E>(16, 4, rng)};
+  };
+  {
+    StopSignals stop;
+    CHECK_THROWS_WITH(StopSignals(), Catch::Contains("one already exists in this process"));
+    Net model = make();
+    Sgd<E> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
+    DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});  // 6 steps per epoch
+    std::int64_t steps = 0;
+    // SIGUSR1 arrives during step 3 (its before_step): the step completes, the checkpoint is saved
+    // after it, mid-epoch 1, and fit returns without running step 4.
+    Trainer trainer(model, sgd, ConstantLr{0.05},
+                    {.epochs = 2, .checkpoint_path = path, .verbose = false,
+                     .before_step = [&] { if (++steps == 3) ::raise(SIGUSR1); },
+                     .stop_signals = &stop});
+    CHECK(trainer.fit(loader).empty());
+    CHECK(trainer.stopped_by() == SIGUSR1);
+    CHECK(stop.received() == SIGUSR1);
+    CHECK(steps == 3);
+    Net resumed_model = make();
+    Sgd<E> resumed_sgd(named_tensors(resumed_model), {.lr = 0.05, .momentum = 0.9});
+    const TrainState saved = load_checkpoint(path, resumed_model, resumed_sgd);
+    CHECK(saved.global_step == 3);
+    CHECK((saved.epoch == 0 && saved.loader_next_batch == 3));
+    CHECK(identical(snapshot(model), snapshot(resumed_model)));
+  }
+  // Gone, it leaves the previous handler (the default) in place, and a new one may be made.
+  struct sigaction now {};
+  sigaction(SIGUSR1, nullptr, &now);
+  CHECK(now.sa_handler == SIG_DFL);
+  CHECK_THROWS_WITH(StopSignals({SIGKILL}), Catch::Contains("SIGKILL cannot be caught"));
+  CHECK_NOTHROW(StopSignals({SIGUSR2}));
+  CHECK(StopSignals::name(SIGTERM) == "SIGTERM");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint_every_steps saves in the middle of an epoch", "[train][checkpoint]") {
+  const auto dir = temp_dir();
+  const std::string path = (dir / "every.safetensors").string();
+  Run run(1), probe(1);
+  // Whether the file exists as each of the epoch's 6 steps runs: first saved after step 4.
+  std::vector<bool> existed;
+  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  Trainer<ResNet<E, BasicBlock>, Sgd<E>> trainer(run.model, run.sgd, ConstantLr{0.05},
+                                                 {.epochs = 1, .checkpoint_path = path, .verbose = false,
+                                                  .before_step = [&] { existed.push_back(fs::exists(path)); },
+                                                  .checkpoint_every_steps = 4});
+  trainer.fit(loader);
+  REQUIRE(existed.size() == 6);
+  CHECK(std::count(existed.begin(), existed.begin() + 4, true) == 0);
+  CHECK((existed[4] && existed[5]));
+  CHECK(load_checkpoint(path, probe.model, probe.sgd).global_step == 6);  // the epoch's end replaced it
+  fs::remove_all(dir);
+}
+
+TEST_CASE("StopSignals under data parallelism: every rank stops at the same step", "[train][checkpoint]") {
+  using TE = CpuThreads;
+  using Net = Sequential<Flatten<TE>, Linear<TE>, ReLU<TE>, Linear<TE>>;
+  const auto dir = temp_dir();
+  const std::string path = (dir / "dp-signal.safetensors").string();
+  StopSignals stop;
+  std::array<std::int64_t, 2> stopped_at{}, signal_of{};
+  ThreadWorld world(2);
+  world.run([&](ThreadComm& comm) {
+    const int rank = comm.rank();
+    Rng rng(4);
+    Net model{Flatten<TE>(), Linear<TE>(100, 16, rng), ReLU<TE>(), Linear<TE>(16, 4, rng)};
+    DataParallel dp(model, comm);
+    Sgd<TE> sgd(dp.parameters(), {.lr = 0.05});
+    DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = rank, .world_size = 2});
+    std::int64_t steps = 0;
+    // Only rank 1 raises it, during its step 2; rank 0 may see the flag a step later on its own.
+    Trainer trainer(model, sgd, ConstantLr{0.05},
+                    {.epochs = 2, .checkpoint_path = path, .verbose = false,
+                     .before_step = [&] { if (++steps == 2 && rank == 1) ::raise(SIGUSR1); },
+                     .checkpoint_group = CheckpointGroup(comm), .stop_signals = &stop});
+    trainer.fit(loader);
+    stopped_at[static_cast<std::size_t>(rank)] = trainer.state().global_step;
+    signal_of[static_cast<std::size_t>(rank)] = trainer.stopped_by();
+  });
+  CHECK(stopped_at[0] == stopped_at[1]);
+  CHECK(stopped_at[0] == 2);  // the agreement after step 2 already sees rank 1's flag
+  CHECK((signal_of[0] == SIGUSR1 && signal_of[1] == SIGUSR1));
+  CHECK(fs::exists(path));
+  fs::remove_all(dir);
+}

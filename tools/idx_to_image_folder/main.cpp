@@ -44,15 +44,17 @@ std::string class_dir_name(std::int64_t label, std::int64_t classes, const std::
 std::int64_t convert(const std::string& images_path, const std::string& labels_path, std::int64_t classes,
                      const std::vector<std::string>& names, std::int64_t limit, const fs::path& out,
                      const Settings& s) {
-  const IdxArray images = read_idx(images_path);
-  const IdxArray labels = read_idx(labels_path);
+  // Only the first `limit` samples are read (and inflated), so a small folder is quick to make.
+  const IdxArray images = read_idx(images_path, limit);
+  const IdxArray labels = read_idx(labels_path, limit);
   TESSERA_CHECK(images.dims.size() == 3, IoError, images_path, ": expected (N, H, W) images, got rank ",
                 images.dims.size());
-  TESSERA_CHECK(labels.dims.size() == 1 && labels.dims[0] == images.dims[0], IoError, labels_path, ": expected ",
-                images.dims[0], " labels");
-  const std::int64_t n = limit > 0 ? std::min(limit, images.dims[0]) : images.dims[0];
+  TESSERA_CHECK(labels.dims.size() == 1 && labels.records_in_file == images.records_in_file, IoError, labels_path,
+                ": expected ", images.records_in_file, " labels, the file holds ", labels.records_in_file);
+  const std::int64_t n = images.dims[0];
   const std::int64_t h = images.dims[1], w = images.dims[2];
-  const int index_width = static_cast<int>(std::to_string(images.dims[0] - 1).size());
+  // File names are padded for the whole file's count, so a cut folder names samples as a full one.
+  const int index_width = static_cast<int>(std::to_string(images.records_in_file - 1).size());
   for (std::int64_t c = 0; c < classes; ++c) {
     fs::create_directories(out / class_dir_name(c, classes, c < static_cast<std::int64_t>(names.size()) ? names[c] : ""));
   }

@@ -71,4 +71,22 @@ struct LaunchEnv {
   }
 };
 
+// A program whose ranks all live in this one process (LocalComm, ThreadComm) that a launcher
+// started as several processes (srun -n 2, an sbatch job of 2 nodes, mpirun -n 2, tessera-run
+// -n 2): each process would train alone on the same data and all would write the same
+// checkpoint. Refused before anything runs. SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: inside an
+// sbatch script (no srun) the latter is the allocation's, yet the script is one process.
+inline void check_one_process(const char* backend) {
+  for (const char* var : {"TESSERA_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"}) {
+    const char* text = std::getenv(var);
+    if (text == nullptr || *text == '\0') continue;
+    const long processes = std::strtol(text, nullptr, 10);
+    TESSERA_CHECK(processes <= 1, ArgumentError, "this program's ranks all run in one process (the ", backend,
+                  " communicator), but the launcher started ", processes, " processes (", var, "=", text,
+                  "): each would train alone on the same data and write the same checkpoint. Start one process "
+                  "(srun -n 1, mpirun -n 1, tessera-sbatch -N 1 --backend threads; the threads build's --ranks sets "
+                  "its ranks), or run the program built for a multi-process backend (_mpi, _gloo)");
+  }
+}
+
 }  // namespace tessera

@@ -7,6 +7,7 @@
 #include <span>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/device/cpu.hpp"
@@ -23,6 +24,7 @@ class LocalComm {
     TESSERA_CHECK(options.ranks <= 1, ArgumentError, "launch: ", options.ranks,
                   " ranks asked of LocalComm, which is one process; build with an Env of several ranks "
                   "(CpuThreads, CpuMpi, CpuGloo)");
+    check_one_process(backend_name);
     LocalComm comm;
     fn(comm);
   }

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "tessera/comm/async_worker.hpp"
+#include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/core.hpp"
@@ -557,6 +558,7 @@ class ThreadWorld {
 template <class Fn>
 void ThreadComm::launch(const LaunchOptions& options, Fn&& fn) {
   TESSERA_CHECK(options.ranks >= 0, ArgumentError, "launch: ranks=", options.ranks, " must be >= 0");
+  check_one_process(backend_name);
   ThreadWorld world(options.ranks > 0 ? options.ranks : 1, options.comm);
   world.run(std::forward<Fn>(fn));
 }

@@ -1,7 +1,7 @@
 // Fashion-MNIST (Xiao et al., 2017): 28x28 grey images of 10 clothing classes, 60000 for training
 // and 10000 for testing, stored as four IDX files.
 //
-// load_fashion_mnist(split, dir) -> Dataset with images (N, 1, 28, 28) in [0, 1] (byte / 255, as
+// load_fashion_mnist(split, dir, limit = 0) -> Dataset with images (N, 1, 28, 28) in [0, 1] (byte / 255, as
 // torchvision's ToTensor) and labels in 0..9. The directory is, in order: the `dir` argument, the
 // environment variable TESSERA_DATA_DIR, then FASHION_MNIST_DIR, then /usr/share/datasets/fashion-mnist.
 // In it each file may be gzip-compressed (name.gz) or plain (name), directly or in a fashion-mnist/
@@ -54,11 +54,13 @@ TESSERA_LINKAGE std::string find_idx_file(const DataDir& dir, const std::string&
 }  // namespace detail
 
 // Reads an (N, H, W) IDX image file and an (N) IDX label file into a Dataset with images
-// (N, 1, H, W) = byte / 255 and the labels checked against num_classes.
+// (N, 1, H, W) = byte / 255 and the labels checked against num_classes. limit > 0 keeps the first
+// `limit` samples and reads no further (read_idx's max_records); both files must still say the
+// same N.
 TESSERA_LINKAGE Dataset load_idx_dataset(const std::string& images_path, const std::string& labels_path,
-                                std::int64_t num_classes, std::string name);
+                                std::int64_t num_classes, std::string name, std::int64_t limit = 0);
 
-TESSERA_LINKAGE Dataset load_fashion_mnist(Split split, std::string dir = "");
+TESSERA_LINKAGE Dataset load_fashion_mnist(Split split, std::string dir = "", std::int64_t limit = 0);
 
 #if TESSERA_HEADER_DEFINITIONS
 
@@ -101,16 +103,19 @@ TESSERA_LINKAGE auto detail::find_idx_file(const DataDir& dir, const std::string
 }
 
 TESSERA_LINKAGE Dataset load_idx_dataset(const std::string& images_path, const std::string& labels_path,
-                                std::int64_t num_classes, std::string name) {
-  const IdxArray images = read_idx(images_path);
-  const IdxArray labels = read_idx(labels_path);
+                                std::int64_t num_classes, std::string name, std::int64_t limit) {
+  TESSERA_CHECK(limit >= 0, ArgumentError, "load_idx_dataset(", images_path, "): limit is ", limit,
+                "; it must be >= 0 (0 keeps every sample)");
+  const IdxArray images = read_idx(images_path, limit);
+  const IdxArray labels = read_idx(labels_path, limit);
   TESSERA_CHECK(images.dims.size() == 3, IoError, "load_idx_dataset: ", images_path,
                 " should hold (N, H, W) images, but has rank ", images.dims.size());
   TESSERA_CHECK(labels.dims.size() == 1, IoError, "load_idx_dataset: ", labels_path,
                 " should hold (N) labels, but has rank ", labels.dims.size());
   const std::int64_t n = images.dims[0], h = images.dims[1], w = images.dims[2];
-  TESSERA_CHECK(labels.dims[0] == n, IoError, "load_idx_dataset: ", images_path, " holds ", n, " images but ",
-                labels_path, " holds ", labels.dims[0], " labels");
+  TESSERA_CHECK(labels.records_in_file == images.records_in_file, IoError, "load_idx_dataset: ", images_path,
+                " holds ", images.records_in_file, " images but ", labels_path, " holds ", labels.records_in_file,
+                " labels");
 
   Dataset ds;
   ds.name = std::move(name);
@@ -131,14 +136,14 @@ TESSERA_LINKAGE Dataset load_idx_dataset(const std::string& images_path, const s
   return ds;
 }
 
-TESSERA_LINKAGE Dataset load_fashion_mnist(Split split, std::string dir) {
+TESSERA_LINKAGE Dataset load_fashion_mnist(Split split, std::string dir, std::int64_t limit) {
   const DataDir where = resolve_fashion_mnist_dir(dir);
   const std::string prefix = split == Split::Train ? "train" : "t10k";
   const std::string what = detail::cat("load_fashion_mnist(", split == Split::Train ? "Train" : "Test", ")");
   const std::string images = detail::find_idx_file(where, prefix + "-images-idx3-ubyte", what);
   const std::string labels = detail::find_idx_file(where, prefix + "-labels-idx1-ubyte", what);
   Dataset ds = load_idx_dataset(images, labels, kFashionMnistClasses,
-                                split == Split::Train ? "fashion-mnist/train" : "fashion-mnist/test");
+                                split == Split::Train ? "fashion-mnist/train" : "fashion-mnist/test", limit);
   TESSERA_CHECK(ds.height() == 28 && ds.width() == 28, IoError, what, ": ", images, " holds ", ds.height(), "x",
                 ds.width(), " images; Fashion-MNIST images are 28x28");
   return ds;

@@ -4,8 +4,9 @@
 // line per epoch in the metrics file; optionally a checkpoint.
 //
 // Resuming: load(path, loader) then fit() continues at the epoch and sample where the checkpoint
-// was taken, also in the middle of an epoch (TrainOptions::stop_after_steps stops there, as a job's
-// time limit would) and also at another world size when the global batch is kept (elastic resume:
+// was taken, also in the middle of an epoch (TrainOptions::stop_after_steps stops there, and so
+// does a signal with TrainOptions::stop_signals, as a job's time limit does; checkpoint_every_steps
+// saves there too) and also at another world size when the global batch is kept (elastic resume:
 // the loader of each of the M ranks has batch_size = global batch / M; see train/checkpoint.hpp).
 // The EpochResult of a resumed epoch covers the steps taken since the resume.
 //
@@ -28,6 +29,7 @@
 #include "tessera/parallel/agreement.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
+#include "tessera/train/preemption.hpp"
 #include "tessera/train/progress.hpp"
 #include "tessera/train/timeline.hpp"
 
@@ -58,6 +60,16 @@ struct TrainOptions {
   // what a job stopped by its time limit does; a later load() and fit() continue at the next
   // sample. 0: no limit.
   std::int64_t stop_after_steps = 0;
+  // > 0: also save the checkpoint (checkpoint_path) every this many optimizer steps, in the middle
+  // of an epoch too, so that a job killed without warning (a node lost, SIGKILL) loses at most
+  // that many steps. 0: after each epoch only.
+  std::int64_t checkpoint_every_steps = 0;
+  // Set: after every step the ranks of checkpoint_group agree whether any of them received one of
+  // its signals (one int64 all_gather per step); if one did, all save the checkpoint there (when
+  // checkpoint_path is set) and fit() returns at that same step, and stopped_by() names the
+  // signal. The program then exits kExitStoppedForResume (train/preemption.hpp). Null: signals
+  // keep their usual effect.
+  const StopSignals* stop_signals = nullptr;
 };
 
 // With a checkpoint_group of N ranks, the training figures are global, the same on every rank:
@@ -74,7 +86,7 @@ struct EpochResult {
   // Time the step loop spent in train.next(), waiting for the loader's workers (0 when they keep
   // ahead), and its share of the epoch's training time.
   double data_wait_seconds = 0, data_wait_fraction = 0;
-  bool complete = true;  // false: stopped by stop_after_steps before the epoch's end (no test metrics)
+  bool complete = true;  // false: stopped (stop_after_steps, a stop signal) before the epoch's end (no test metrics)
 };
 
 template <class Model, class Optimizer>
@@ -131,7 +143,7 @@ class Trainer {
       settings_checked_ = true;
     }
     std::vector<EpochResult> results;
-    while (state_.epoch < last && !step_limit_reached()) {
+    while (state_.epoch < last && !step_limit_reached() && stopped_by_ == 0) {
       EpochResult r = train_epoch(train, test);
       if (!r.complete) break;
       results.push_back(r);
@@ -180,7 +192,15 @@ class Trainer {
                       static_cast<double>(seen) / std::max(secs, 1e-9), optimizer_.lr());
         progress.update(done, stats);
       }
-      if (step_limit_reached() && done < batches) break;
+      if (done < batches) {
+        if (step_limit_reached() || (stopped_by_ = agreed_stop_signal()) != 0) break;
+        if (options_.checkpoint_every_steps > 0 && !options_.checkpoint_path.empty() &&
+            state_.global_step % options_.checkpoint_every_steps == 0)
+          save(options_.checkpoint_path);
+      } else {
+        // The epoch's last step: its checkpoint follows the evaluation below; fit() stops after it.
+        stopped_by_ = agreed_stop_signal();
+      }
     }
     EpochResult r;
     r.epoch = epoch + 1;
@@ -210,11 +230,13 @@ class Trainer {
     r.train_accuracy = total_seen > 0 ? total_correct / total_seen : 0.0;
     r.images_per_second = total_seen / std::max(r.seconds, 1e-9);
     r.lr = optimizer_.lr();
-    if (done < batches) {  // stopped by stop_after_steps: the position is mid-epoch
+    if (done < batches) {  // stopped by stop_after_steps or a signal: the position is mid-epoch
       r.complete = false;
       if (options_.verbose) {
-        std::printf("stopped after step %lld (epoch %lld, batch %lld of %lld)%s\n", static_cast<long long>(state_.global_step),
-                    static_cast<long long>(epoch + 1), static_cast<long long>(done), static_cast<long long>(batches),
+        std::printf("stopped %safter step %lld (epoch %lld, batch %lld of %lld)%s\n",
+                    stopped_by_ ? ("by " + StopSignals::name(stopped_by_) + " ").c_str() : "",
+                    static_cast<long long>(state_.global_step), static_cast<long long>(epoch + 1),
+                    static_cast<long long>(done), static_cast<long long>(batches),
                     options_.checkpoint_path.empty() ? "" : ("; checkpoint " + options_.checkpoint_path).c_str());
         std::fflush(stdout);
       }
@@ -291,6 +313,8 @@ class Trainer {
   }
 
   const TrainState& state() const { return state_; }
+  // The signal that stopped fit() (TrainOptions::stop_signals), or 0.
+  int stopped_by() const { return stopped_by_; }
 
  private:
   // The batch's images where the model is: the host batch itself on the CPU, else a copy in a
@@ -309,6 +333,18 @@ class Trainer {
 
   bool step_limit_reached() const {
     return options_.stop_after_steps > 0 && state_.global_step >= options_.stop_after_steps;
+  }
+
+  // The first stop signal any rank has received (0: none), the same on every rank: each rank's
+  // flag may flip between two ranks' reads, so they stop at a step all of them agree on.
+  int agreed_stop_signal() {
+    if (options_.stop_signals == nullptr) return 0;
+    const std::int64_t mine = options_.stop_signals->received();
+    const auto& group = options_.checkpoint_group;
+    if (group.size() <= 1) return static_cast<int>(mine);
+    for (const std::int64_t seen : group.all_gather(std::span<const std::int64_t>(&mine, 1)))
+      if (seen != 0) return static_cast<int>(seen);
+    return 0;
   }
 
   // A checkpoint's data-loader position only means something for the loader it was taken with.
@@ -374,6 +410,9 @@ class Trainer {
     record.add("options.epochs", options_.epochs);
     record.add("options.label_smoothing", options_.label_smoothing);
     record.add("options.stop_after_steps", options_.stop_after_steps);
+    record.add("options.checkpoint_every_steps", options_.checkpoint_every_steps);
+    // A rank without stop signals would not join the per-step agreement the others wait in.
+    record.add("options.stop_signals", options_.stop_signals != nullptr);
     const LoaderOptions& lo = train.options();
     record.add("train loader: dataset samples", static_cast<std::int64_t>(train.dataset_size()));
     record.add("train loader: batch_size", lo.batch_size);
@@ -409,6 +448,7 @@ class Trainer {
   Tensor<S, typename E::Device> device_images_;  // on_device's copy (GPU models only)
   TrainState state_;
   std::string loaded_from_;  // the checkpoint state_ came from (for messages)
+  int stopped_by_ = 0;       // the stop signal fit() stopped on (agreed by all ranks), or 0
   std::int64_t correct_ = 0;
   bool settings_checked_ = false;
 };

@@ -66,7 +66,10 @@ failures and signals:
   handles SIGTERM once continued), waits --grace seconds, SIGKILLs what is left and exits
   with that rank's status (128+S for signal S). SIGINT, SIGTERM or SIGHUP
   to the launcher stops all ranks the same way and exits 128+signal (130 for SIGINT, 143
-  for SIGTERM); another signal while stopping skips the rest of the grace period.
+  for SIGTERM); another signal while stopping skips the rest of the grace period. SIGUSR1 goes
+  on to every rank and the launcher waits: a Tessera program given --checkpoint saves it at the
+  next step and exits 75, which does not stop the others; when ranks exit 75 and none failed,
+  the launcher exits 75 too (run again with --resume to continue).
 
 guards (usage errors, before any rank starts):
   MPI programs    a program linking an MPI library (libmpi*, libmpich*; found with ldd, or in
@@ -79,6 +82,13 @@ guards (usage errors, before any rank starts):
                   within the open-file limit (2 pipes per rank, soft limit raised up to the
                   hard one when needed).
 
+OpenMP threads:
+  With OMP_NUM_THREADS unset and more than one rank on this machine, each rank gets
+  OMP_NUM_THREADS = max(1, CPUs / ranks) (1 with --bind-to core), as torchrun sets it, and the
+  launcher says so on stderr; otherwise every rank's OpenMP runtime would start a thread per
+  CPU and the ranks' threads would spin against each other. A value the user set is kept;
+  ranks on --hosts get none (their cores are not known here).
+
 binding (--bind-to core):
   Rank r gets the r-th CPU of the launcher's own CPU set (os.sched_getaffinity), so -n may
   not exceed that set's size, and --hosts is refused (bind there with the remote side's own
@@ -89,6 +99,7 @@ binding (--bind-to core):
 
 exit status:
   0 all ranks exited 0; 77 (Meson's "skipped") all ranks exited 0 or 77, at least one 77;
+  75 ranks stopped on a signal with their checkpoint saved (75), none failed;
   the first failed rank's status; 2 usage errors or a rank that could not be started.
 
 examples:
@@ -228,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher = Launcher(options, options.store)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, launcher.on_signal)
+    signal.signal(signal.SIGUSR1, launcher.on_usr1)
     temp_dir = None
     try:
         if options.store is None:

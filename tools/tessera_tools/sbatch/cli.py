@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tessera_tools.sbatch.options import BACKENDS, JobOptions
 from tessera_tools.sbatch.script import absolute, render
@@ -25,10 +25,15 @@ how each backend is launched inside the allocation:
            starts on the host of task 0 (--store redis; needs redis-server there and TCP
            between nodes), or a URL given as is (--store redis://host:port). GlooComm reads
            SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID itself.
-  nccl     as gloo (the store carries NCCL's unique id); --gpus-per-task asks Slurm for GPUs,
-           and each rank takes GPU SLURM_LOCALID modulo the GPUs it sees (one when Slurm binds a
-           GPU per task).
-  threads  one task per node; the program's ranks are threads (--ranks=N is the program's flag).
+  nccl     as gloo (the store carries NCCL's unique id). Slurm gives each node
+           --ntasks-per-node x --gpus-per-task GPUs that every task of the node sees, and each
+           rank takes GPU SLURM_LOCALID: NCCL then reaches the node's other GPUs directly
+           (NVLink, PCIe peer to peer). --isolate-gpus binds GPUs per task instead, as some
+           clusters require; where the binding uses cgroups NCCL falls back to copies through
+           host memory between the ranks of a node. --iface sets NCCL_SOCKET_IFNAME.
+  threads  one process on one node; the program's ranks are threads (--ranks=N is the program's
+           flag). More tasks or nodes would each train alone and write the same checkpoint:
+           refused here, and by the program itself.
   Every backend: OMP_NUM_THREADS=SLURM_CPUS_PER_TASK, the compute threads of each rank (Tessera's
   programs take it as the default of their --threads flag).
 
@@ -47,6 +52,22 @@ requeue and checkpoints:
   starts again from its last checkpoint; job-<id>.out is appended to, and the rank logs of
   each start are marked "=== start N ===". Tessera's examples write checkpoints atomically
   (temporary file, rename), so a rank killed mid-write leaves the previous one.
+
+time limits (--signal-before):
+  With --checkpoint, Slurm sends SIGUSR1 to every rank --signal-before seconds (default 120;
+  Slurm may send it up to a minute early) before the time limit: #SBATCH --signal=USR1@S.
+  A Tessera program given --checkpoint saves it at the next step that all ranks agree on and
+  exits 75; when every rank did, the script requeues the job (scontrol requeue, unless
+  --no-requeue) and the next start resumes at that step. SIGTERM (the limit itself, scancel,
+  preemption) saves the checkpoint the same way when the step ends in time. --checkpoint-every=N,
+  a flag of the program, also saves every N steps, for losses no signal announces.
+
+multi-node checks (before the ranks start, gloo and nccl):
+  A job on several nodes first runs one task per node that checks that the node sees the
+  rendezvous directory (a --log-dir on a node-local disk would leave the ranks waiting out the
+  rendezvous timeout) and, for gloo without --iface, that the node's host name does not resolve
+  to a loopback address (127.0.1.1 on many installs: the other nodes could not reach it). Either
+  failure ends the job at once with the fix.
 """
 
 
@@ -58,14 +79,35 @@ def time_limit(text: str) -> str:
     return text
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def limit_seconds(text: str) -> int:
+    """A Slurm time limit in seconds: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be {'at least 1' if minimum == 1 else '0 or more'}")
+        return value
+    return parse
+
+
+positive = at_least(1)
+not_negative = at_least(0)
 
 
 def infer_backend(program: str) -> str | None:
@@ -87,7 +129,10 @@ def make_parser() -> argparse.ArgumentParser:
     shape.add_argument("--ntasks-per-node", type=positive, default=1, help="ranks per node (default 1)")
     shape.add_argument("-c", "--cpus-per-task", type=positive, default=1,
                        help="cores per rank; also its OMP_NUM_THREADS (default 1)")
-    shape.add_argument("--gpus-per-task", type=int, default=0, help="GPUs per rank (nccl; default 0)")
+    shape.add_argument("--gpus-per-task", type=int, default=0, help="GPUs per rank (nccl; default 1)")
+    shape.add_argument("--isolate-gpus", action="store_true",
+                       help="nccl: Slurm binds each task's GPUs (--gpus-per-task) instead of giving every task "
+                            "of a node all of its GPUs (see nccl below)")
     shape.add_argument("-t", "--time", type=time_limit, default="00:30:00", help="time limit (default 00:30:00)")
     shape.add_argument("-J", "--job-name", help="default: tessera-<program name>")
     shape.add_argument("-p", "--partition")
@@ -101,12 +146,16 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--mpi", choices=("pmix", "pmi2"), default="pmix", help="srun's PMI for mpi (default pmix)")
     run.add_argument("--store", default="file",
                      help="gloo/nccl rendezvous: file (default), redis, or a file:// or redis:// URL")
-    run.add_argument("--iface", help="network interface Gloo binds on every node (TESSERA_GLOO_IFACE)")
+    run.add_argument("--iface", help="network interface the ranks use on every node (gloo: TESSERA_GLOO_IFACE; "
+                                      "nccl: NCCL_SOCKET_IFNAME)")
     run.add_argument("--comm-timeout", type=positive, metavar="S",
                      help="seconds a collective may wait for a peer (TESSERA_COMM_TIMEOUT)")
     run.add_argument("--log-dir", default="tessera-jobs", help="where logs go (default ./tessera-jobs)")
     run.add_argument("--checkpoint", metavar="PATH",
                      help="pass --checkpoint=PATH, and --resume=PATH when it exists (requeue resumes)")
+    run.add_argument("--signal-before", type=not_negative, metavar="S",
+                     help="with --checkpoint: SIGUSR1 S seconds before the time limit, to checkpoint and requeue "
+                          "(default 120; 0: no signal)")
     run.add_argument("--no-requeue", action="store_true", help="do not let Slurm requeue the job")
     run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                      help="an environment variable for every rank (repeatable)")
@@ -143,9 +192,23 @@ def parse(argv: Sequence[str]) -> JobOptions:
         args.gpus_per_task = 1
     if args.backend != "nccl" and args.gpus_per_task:
         parser.error(f"--gpus-per-task is for the nccl backend, not {args.backend}")
+    if args.isolate_gpus and args.backend != "nccl":
+        parser.error(f"--isolate-gpus is for the nccl backend, not {args.backend}")
     if args.backend == "threads" and args.ntasks_per_node != 1:
         parser.error("the threads backend runs one task per node (its ranks are threads): "
                      "drop --ntasks-per-node, or use mpi or gloo for several processes")
+    if args.backend == "threads" and args.nodes != 1:
+        parser.error(f"the threads backend runs in one process (its ranks are threads), so -N {args.nodes} would "
+                     f"run {args.nodes} independent trainings writing one checkpoint: use -N 1, or the program "
+                     f"built for mpi or gloo to train across nodes")
+    if args.signal_before is None:
+        args.signal_before = 120 if args.checkpoint else 0
+    if args.signal_before and not args.checkpoint:
+        parser.error(f"--signal-before={args.signal_before} needs --checkpoint=PATH: on the signal the program saves "
+                     f"its checkpoint there")
+    if args.signal_before and args.signal_before >= limit_seconds(args.time):
+        parser.error(f"--signal-before={args.signal_before} is not before the time limit --time={args.time} "
+                     f"({limit_seconds(args.time)} s): give a longer --time or a smaller --signal-before")
     if args.store not in ("file", "redis") and not re.match(r"(file|redis)://", args.store):
         parser.error(f"--store={args.store}: give file, redis, file:///shared/dir or redis://host:port")
     for item in args.env:
@@ -159,7 +222,8 @@ def parse(argv: Sequence[str]) -> JobOptions:
         ntasks_per_node=args.ntasks_per_node, cpus_per_task=args.cpus_per_task, gpus_per_task=args.gpus_per_task,
         time=args.time, partition=args.partition, account=args.account, qos=args.qos, sbatch_arg=args.sbatch_arg,
         mpi=args.mpi, store=args.store, iface=args.iface, comm_timeout=args.comm_timeout, log_dir=args.log_dir,
-        checkpoint=args.checkpoint, no_requeue=args.no_requeue, env=args.env, dry_run=args.dry_run,
+        checkpoint=args.checkpoint, signal_before=args.signal_before, isolate_gpus=args.isolate_gpus,
+        no_requeue=args.no_requeue, env=args.env, dry_run=args.dry_run,
         script=args.script, wait=args.wait, sbatch=args.sbatch)
 
 

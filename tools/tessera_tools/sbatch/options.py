@@ -26,6 +26,8 @@ class JobOptions:
     comm_timeout: int | None = None
     log_dir: str = "tessera-jobs"
     checkpoint: str | None = None
+    signal_before: int = 0  # seconds before the time limit that Slurm sends USR1 (0: none)
+    isolate_gpus: bool = False  # nccl: Slurm binds GPUs per task instead of per node
     no_requeue: bool = False
     env: list[str] = field(default_factory=list)
     dry_run: bool = False

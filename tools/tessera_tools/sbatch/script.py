@@ -18,6 +18,31 @@ def quote_all(words: Sequence[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+def preflight(args: JobOptions) -> list[str]:
+    """A job on several nodes: one task per node checks what would otherwise surface only as a
+    rendezvous timeout (cli.py's help, "multi-node checks")."""
+    check = (
+        'd=${TESSERA_STORE#file://}; '
+        'if [ "$d" != "$TESSERA_STORE" ] && [ ! -d "$d" ]; then '
+        'echo "error: node $(hostname) cannot see the rendezvous directory $d: --log-dir must be on a file system '
+        'every node mounts (home or scratch, not /tmp), or use --store redis"; exit 1; fi; ')
+    if args.backend == "gloo" and not args.iface:
+        check += (
+            'a=$(getent ahosts "$(hostname)" | awk \'NR == 1 {print $1}\'); '
+            'case "$a" in 127.*|::1|"") echo "error: the host name of node $(hostname) resolves to ${a:-nothing}, '
+            'not an address the other nodes can reach: give tessera-sbatch --iface with the interface the nodes '
+            'share (ib0, eth0, ...)"; exit 1;; esac')
+    return [
+        "",
+        "# Before the ranks start, one task per node checks the store and the network (cli.py, multi-node checks).",
+        f"PREFLIGHT={shlex.quote(check)}",
+        'if ! srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+        '--kill-on-bad-exit=1 bash -c "$PREFLIGHT"; then',
+        '  echo "job $SLURM_JOB_ID: a node failed the checks above; no rank was started"; exit 2',
+        "fi",
+    ]
+
+
 def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: Sequence[str]) -> str:
     """The sbatch script; `invocation` is tessera-sbatch's own arguments, quoted in its header."""
     q = shlex.quote
@@ -37,7 +62,12 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         "#SBATCH --open-mode=append",
     ]
     if args.gpus_per_task:
-        lines.append(f"#SBATCH --gpus-per-task={args.gpus_per_task}")
+        # Per node by default: every task of a node sees all of the node's GPUs and takes the one
+        # of its SLURM_LOCALID, so NCCL can reach the others directly (cli.py's help says more).
+        lines.append(f"#SBATCH --gpus-per-task={args.gpus_per_task}" if args.isolate_gpus
+                     else f"#SBATCH --gpus-per-node={args.gpus_per_task * args.ntasks_per_node}")
+    if args.signal_before:
+        lines.append(f"#SBATCH --signal=USR1@{args.signal_before}")
     for flag, value in (("partition", args.partition), ("account", args.account), ("qos", args.qos)):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
@@ -60,7 +90,7 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
     if args.comm_timeout:
         lines.append(f"export TESSERA_COMM_TIMEOUT={args.comm_timeout}")
     if args.iface:
-        lines.append(f"export TESSERA_GLOO_IFACE={q(args.iface)}")
+        lines.append(f"export {'NCCL_SOCKET_IFNAME' if args.backend == 'nccl' else 'TESSERA_GLOO_IFACE'}={q(args.iface)}")
 
     srun = ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=$SLURM_CPUS_PER_TASK",
             '--output="$LOG_DIR/rank-%t.log"', "--open-mode=append"]
@@ -73,18 +103,25 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
                       'export TESSERA_STORE="file://$LOG_DIR/store-$START"', 'mkdir -p "$LOG_DIR/store-$START"']
         elif args.store == "redis":
             lines += [
-                "# A private redis-server on this node, the host of task 0, for the job's lifetime.",
+                "# A private redis-server on this node, the host of task 0, for the job's lifetime. Other",
+                "# nodes must reach it, so it listens on every interface: a fresh password (in a file only",
+                "# this user reads, never on a command line) keeps other users of the cluster out.",
                 "REDIS_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
-                'redis-server --port "$REDIS_PORT" --save "" --appendonly no --protected-mode no '
-                '> "$LOG_DIR/redis-$START.log" 2>&1 &',
+                "export TESSERA_REDIS_PASSWORD=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')",
+                '(umask 077; printf "requirepass %s\\n" "$TESSERA_REDIS_PASSWORD" > "$LOG_DIR/redis-$START.conf")',
+                'redis-server "$LOG_DIR/redis-$START.conf" --port "$REDIS_PORT" --save "" --appendonly no '
+                '--protected-mode no > "$LOG_DIR/redis-$START.log" 2>&1 &',
                 "REDIS_PID=$!",
                 'trap \'kill "$REDIS_PID" 2>/dev/null\' EXIT',
-                'for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done',
+                'for _ in $(seq 100); do REDISCLI_AUTH="$TESSERA_REDIS_PASSWORD" redis-cli -p "$REDIS_PORT" ping 2>/dev/null '
+                '| grep -q PONG && break; sleep 0.1; done',
                 'export TESSERA_STORE="redis://$(hostname):$REDIS_PORT"',
             ]
         else:
             lines.append(f"export TESSERA_STORE={q(args.store)}")
         lines.append('export TESSERA_STORE_PREFIX="job-$SLURM_JOB_ID-start-$START"')
+        if args.nodes > 1:
+            lines += preflight(args)
 
     lines += ["", "# The program and its flags.", f"PROGRAM=({quote_all(command)})"]
     if args.checkpoint:
@@ -103,7 +140,12 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         "# stopped after another one failed writes none.",
         'for r in $(seq 0 $((SLURM_NTASKS - 1))); do echo "=== start $START ===" >> "$LOG_DIR/rank-$r.log"; done',
         'rm -f "$LOG_DIR"/rank-*.exit',
-        "TASK='\"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$SLURM_PROCID.exit\"; exit $code'",
+        "# The wrapper outlives the signals meant for the program (Slurm signals every process of",
+        "# the step), so that it still records the program's exit status. A rank that stopped on a",
+        "# signal with its checkpoint saved (75) exits 0 to srun: a bad exit would make srun kill the",
+        "# ranks still finishing theirs, rank 0 perhaps while it writes the checkpoint.",
+        "TASK='trap : USR1 TERM; \"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$SLURM_PROCID.exit\"; "
+        "[ $code = 75 ] && exit 0; exit $code'",
         "export LOG_DIR",
         f"LAUNCH=({' '.join(srun)})",
         'echo "launch: ${LAUNCH[*]} ${PROGRAM[*]}"',
@@ -119,7 +161,8 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         '    if [ -f "$LOG_DIR/rank-$r.exit" ]; then code=$(cat "$LOG_DIR/rank-$r.exit"); '
         'else code="none (stopped by Slurm after another rank failed, or killed)"; fi',
         '    case "$code" in 129|13[0-9]|14[0-9]|15[0-9]) '
-        'code="$code (signal $((code - 128)): stopped by Slurm after another rank failed, or killed)";; esac',
+        'code="$code (signal $((code - 128)): stopped by Slurm after another rank failed, or killed)";; '
+        '75) code="75 (stopped on a signal with its checkpoint saved)";; esac',
         '    echo "rank $r: exit $code"',
         '    if [ "$code" != 0 ] && [ -f "$LOG_DIR/rank-$r.exit" ]; then',
         '      echo "--- rank $r: error lines ---"; grep -i -m 10 "error" "$LOG_DIR/rank-$r.log"',
@@ -128,7 +171,26 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         "  done",
         '} > "$LOG_DIR/summary.txt"',
         'cat "$LOG_DIR/summary.txt"',
-        'exit "$STATUS"',
     ]
+    if args.checkpoint:
+        lines += [
+            "",
+            "# Every rank stopped on a signal (the time limit near) with the checkpoint saved: back to",
+            "# the queue, and the next start resumes from it.",
+            'stopped=0',
+            'for r in $(seq 0 $((SLURM_NTASKS - 1))); do [ "$(cat "$LOG_DIR/rank-$r.exit" 2>/dev/null)" = 75 ] '
+            '&& stopped=$((stopped + 1)); done',
+            'if [ "$stopped" -gt 0 ] && [ "$stopped" = "$SLURM_NTASKS" ]; then',
+            ('  echo "every rank saved its checkpoint on a signal; --no-requeue: resubmit to resume from $CHECKPOINT"; '
+             'STATUS=75' if args.no_requeue else
+             '  echo "every rank saved its checkpoint on a signal: requeueing job $SLURM_JOB_ID to resume from it"\n'
+             '  scontrol requeue "$SLURM_JOB_ID" && exit 0\n'
+             '  echo "scontrol requeue failed: resubmit to resume from $CHECKPOINT"; STATUS=75'),
+            'elif [ "$stopped" -gt 0 ]; then',
+            '  echo "only $stopped of $SLURM_NTASKS ranks saved a checkpoint on the signal: not requeued"',
+            '  [ "$STATUS" = 0 ] && STATUS=1',
+            'fi',
+        ]
+    lines.append('exit "$STATUS"')
     return "\n".join(lines) + "\n"
 

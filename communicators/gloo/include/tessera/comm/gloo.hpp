@@ -10,7 +10,10 @@
 // TESSERA_STORE_PREFIX keeps jobs that share a store apart (tessera-run and tessera-sbatch set one
 // per launch; under srun the job step's id is the default); a rank already in the store is refused.
 // Network: TESSERA_GLOO_IFACE=eth0 binds that interface; otherwise TESSERA_GLOO_HOSTNAME, or this
-// machine's hostname, or 127.0.0.1 when the hostname does not resolve.
+// machine's hostname, or 127.0.0.1 when the hostname does not resolve. Ranks on several hosts
+// where one listens on a loopback address (a host name that resolves to 127.0.1.1, as on many
+// installs) are refused at the rendezvous, naming TESSERA_GLOO_IFACE: its peers could never reach
+// it, and they used to wait out the whole timeout.
 // Waiting: a rank pinned to one CPU spins on its sockets while a peer is late, an unpinned one
 // sleeps; TESSERA_GLOO_BUSY_POLL=1 or 0 decides instead (see detail::gloo_busy_poll).
 //
@@ -44,7 +47,9 @@
 #include <gloo/transport/tcp/device.h>
 #include <sched.h>
 #include <signal.h>
+#include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -144,19 +149,21 @@ class PrefixedStore : public gloo::rendezvous::Store {
 };
 
 // What a rank writes under "join.<rank>": the world size it was started with, and where it runs,
-// so that its peers can tell a size that differs from theirs, and see whether it is still alive
-// (a process on the same host). "size=4 host=node1 pid=1234".
+// so that its peers can tell a size that differs from theirs, see whether it is still alive (a
+// process on the same host), and whether it listens where they can reach it.
+// "size=4 host=node1 pid=1234 loopback=0".
 struct JoinRecord {
   int size = 0;
   std::string host;
   long pid = 0;
+  bool loopback = false;  // its device listens on a loopback address (127.0.0.0/8, ::1)
 
   static std::string this_host() {
     char name[256] = {};
     return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("?");
   }
-  static JoinRecord mine(int size) { return {size, this_host(), static_cast<long>(getpid())}; }
-  std::string text() const { return cat("size=", size, " host=", host, " pid=", pid); }
+  static JoinRecord mine(int size, bool loopback) { return {size, this_host(), static_cast<long>(getpid()), loopback}; }
+  std::string text() const { return cat("size=", size, " host=", host, " pid=", pid, " loopback=", loopback ? 1 : 0); }
   static JoinRecord parse(const std::vector<char>& bytes) {
     JoinRecord r;
     std::istringstream in(std::string(bytes.begin(), bytes.end()));
@@ -165,6 +172,7 @@ struct JoinRecord {
       if (field.rfind("size=", 0) == 0) r.size = std::atoi(field.c_str() + 5);
       if (field.rfind("host=", 0) == 0) r.host = field.substr(5);
       if (field.rfind("pid=", 0) == 0) r.pid = std::atol(field.c_str() + 4);
+      if (field.rfind("loopback=", 0) == 0) r.loopback = field == "loopback=1";
     }
     return r;
   }
@@ -172,6 +180,30 @@ struct JoinRecord {
   bool alive() const { return host != this_host() || pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH; }
   std::string where() const { return cat("pid ", pid, " on ", host); }
 };
+
+// Gloo's Redis store, logged in with TESSERA_REDIS_PASSWORD when that is set (a Redis server
+// that other users of the cluster can reach needs a password: tessera-sbatch --store redis starts
+// one with a fresh password). The password never goes into the URL, which messages print.
+class AuthRedisStore : public gloo::rendezvous::RedisStore {
+ public:
+  AuthRedisStore(const std::string& host, int port, const std::string& url) : RedisStore(host, port) {
+    const char* password = std::getenv("TESSERA_REDIS_PASSWORD");
+    if (password == nullptr || *password == '\0') return;
+    auto* reply = static_cast<redisReply*>(redisCommand(redis_, "AUTH %s", password));
+    const std::string error = reply == nullptr                     ? std::string(redis_->errstr)
+                              : reply->type == REDIS_REPLY_ERROR ? std::string(reply->str, reply->len)
+                                                                   : std::string();
+    if (reply != nullptr) freeReplyObject(reply);
+    TESSERA_CHECK(error.empty(), CommError, "GlooComm: the Redis store ", url,
+                  " refused the password in TESSERA_REDIS_PASSWORD: ", error);
+  }
+};
+
+// What to do about a store's error, when its text says: a Redis server that wants a password.
+inline std::string store_error_hint(const std::string& what) {
+  return what.find("NOAUTH") != std::string::npos ? " (the Redis server wants a password: set TESSERA_REDIS_PASSWORD)"
+                                                  : "";
+}
 
 inline std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(const std::string& url) {
   TESSERA_CHECK(!url.empty(), ArgumentError,
@@ -198,7 +230,7 @@ inline std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(const std::strin
       }
       TESSERA_CHECK(!host.empty() && port > 0 && port < 65536, ArgumentError, "GlooComm: store '", url,
                     "' is not redis://host:port (port 1 to 65535)");
-      return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
+      return std::make_shared<AuthRedisStore>(host, static_cast<int>(port), url);
     }
   } catch (const Error&) {
     throw;
@@ -208,20 +240,49 @@ inline std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(const std::strin
   throw ArgumentError(cat("GlooComm: store '", url, "' must start with file:// or redis://"));
 }
 
-inline std::shared_ptr<gloo::transport::Device> make_gloo_device() {
+// The first address `host` resolves to for a TCP socket (the one Gloo binds), if it is a loopback
+// address: "127.0.1.1"; empty otherwise or when it does not resolve.
+inline std::string loopback_address_of(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* info = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &info) != 0 || info == nullptr) return "";
+  std::string text;
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (info->ai_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(info->ai_addr);
+    if ((ntohl(a->sin_addr.s_addr) >> 24) == 127 && inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf)) text = buf;
+  } else if (info->ai_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(info->ai_addr);
+    if (IN6_IS_ADDR_LOOPBACK(&a->sin6_addr) && inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf)) text = buf;
+  }
+  freeaddrinfo(info);
+  return text;
+}
+
+// The TCP device, and in *loopback why it listens on a loopback address ("host name 'node1'
+// resolves to 127.0.1.1"), empty when it does not.
+inline std::shared_ptr<gloo::transport::Device> make_gloo_device(std::string* loopback) {
   gloo::transport::tcp::attr attr;
+  loopback->clear();
   if (const char* iface = std::getenv("TESSERA_GLOO_IFACE"); iface != nullptr && *iface != '\0') {
     attr.iface = iface;
+    if (attr.iface == "lo") *loopback = "TESSERA_GLOO_IFACE is lo";
   } else if (const char* host = std::getenv("TESSERA_GLOO_HOSTNAME"); host != nullptr && *host != '\0') {
     attr.hostname = host;
+    if (const std::string a = loopback_address_of(host); !a.empty())
+      *loopback = cat("TESSERA_GLOO_HOSTNAME '", host, "' resolves to ", a);
   } else {
     char name[256] = {};
     addrinfo* info = nullptr;
     if (gethostname(name, sizeof(name) - 1) == 0 && getaddrinfo(name, nullptr, nullptr, &info) == 0) {
       attr.hostname = name;
       freeaddrinfo(info);
+      if (const std::string a = loopback_address_of(name); !a.empty())
+        *loopback = cat("its host name '", name, "' resolves to ", a);
     } else {
       attr.hostname = "127.0.0.1";
+      *loopback = cat("its host name '", name, "' does not resolve, so it took 127.0.0.1");
     }
   }
   try {
@@ -309,6 +370,7 @@ struct GlooState {
   std::uint32_t next_tag = 1;  // advanced in issue order, identically on every rank
   int splits = 0;
   std::vector<std::string> pair_addresses;  // this rank's address for its pair with each peer
+  std::string loopback;  // why the device listens on a loopback address; empty: it does not
   // The all_reduce fast path (up to kSyncMaxBytes). A second full mesh whose pairs are in Gloo's
   // sync mode: the thread that runs the collective reads its own sockets, so a collective never
   // waits for a thread of this process or of a peer to be scheduled. On the default (async)
@@ -388,7 +450,7 @@ class GlooComm {
     detail::ignore_sigpipe_if_default();
     detail::install_fatal_handler();
     detail::install_sigterm_reporter();
-    s_->device = detail::make_gloo_device();
+    s_->device = detail::make_gloo_device(&s_->loopback);
     connect(prefix, "gloo:" + prefix);
   }
 
@@ -486,6 +548,28 @@ class GlooComm {
   }
 
   // label: the rendezvous's name in errors; board_label: the progress board's, the same on every member.
+  // Ranks on several hosts, one of which listens on a loopback address: the ranks of other hosts
+  // could never connect to it. Every rank reads the same join records, so all of them stop here
+  // at once, naming the rank and the fix.
+  void check_reachable(const std::vector<detail::JoinRecord>& joined, const std::string& where) const {
+    std::vector<std::string> hosts;
+    for (const auto& j : joined)
+      if (std::find(hosts.begin(), hosts.end(), j.host) == hosts.end()) hosts.push_back(j.host);
+    if (hosts.size() < 2) return;
+    for (std::size_t q = 0; q < joined.size(); ++q) {
+      if (!joined[q].loopback) continue;
+      std::string list;
+      for (const auto& h : hosts) list += (list.empty() ? "" : ", ") + h;
+      const bool me = static_cast<int>(q) == rank();
+      throw CommError(detail::cat(where, ": the ranks run on ", hosts.size(), " hosts (", list, "), but rank ", q, " (",
+                                  joined[q].where(), ") listens on a loopback address",
+                                  me ? " (" + s_->loopback + ")" : "", ", which the ranks of other hosts cannot "
+                                  "reach: set TESSERA_GLOO_IFACE to the network interface the hosts share "
+                                  "(tessera-run --iface, tessera-sbatch --iface), or TESSERA_GLOO_HOSTNAME to a name "
+                                  "of each host that the others can reach"));
+    }
+  }
+
   void connect(const std::string& label, std::string board_label) {
     s_->busy_poll = detail::gloo_busy_poll();  // first: a bad TESSERA_GLOO_BUSY_POLL is the user's error
     const CommOptions& options = s_->core.options();
@@ -496,9 +580,16 @@ class GlooComm {
                                           s_->store_url);
     const std::string fresh_store = "give each job its own TESSERA_STORE directory or TESSERA_STORE_PREFIX "
                                     "(tessera-run and tessera-sbatch do)";
+    // The store's first answer: a Redis server that wants a password says NOAUTH.
+    bool taken = false;
+    try {
+      taken = store.has({detail::cat("join.", rank())});
+    } catch (const std::exception& e) {
+      throw CommError(detail::cat(where, ": cannot read the store: ", e.what(), detail::store_error_hint(e.what())));
+    }
     // Another job's rank (or an earlier run's) under this store and prefix would pair with this
     // job's ranks: refused before this rank registers.
-    if (store.has({detail::cat("join.", rank())})) {
+    if (taken) {
       detail::JoinRecord other;
       try {
         other = detail::JoinRecord::parse(store.get(detail::cat("join.", rank())));
@@ -509,11 +600,11 @@ class GlooComm {
                                   "): another job, or an earlier run, used this store and prefix; ", fresh_store));
     }
     try {
-      const std::string mine = detail::JoinRecord::mine(size()).text();
+      const std::string mine = detail::JoinRecord::mine(size(), !s_->loopback.empty()).text();
       store.set(detail::cat("join.", rank()), std::vector<char>(mine.begin(), mine.end()));
     } catch (const std::exception& e) {
       throw CommError(detail::cat("GlooComm rendezvous on rank ", rank(), " of ", size(), " at ", s_->store_url,
-                                  ": cannot write to the store: ", e.what()));
+                                  ": cannot write to the store: ", e.what(), detail::store_error_hint(e.what())));
     }
     // Wait for every rank's join key, polling so that on timeout we can say who is missing, and
     // reading each one that arrives: a rank started with another world size, or one of this host
@@ -572,6 +663,7 @@ class GlooComm {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    check_reachable(joined, where);
     // Gloo's full-mesh connect waits on the store for each peer's address: a peer of this host
     // that exits meanwhile ends that wait naming it.
     store.set_watch([this, joined, where] {
