@@ -51,7 +51,7 @@ else
   # changes (Meson 1.0 asks nvcc for no dependency file; that script says more).
   if command -v nvcc >/dev/null; then
     mkdir -p build
-    printf "[binaries]\ncuda = ['%s']\n" "$PWD/scripts/nvcc-with-deps" > build/cuda-native.ini
+    printf "[binaries]\ncuda = ['%s', '%s']\n" "$PWD/scripts/nvcc-with-deps" "$(command -v nvcc)" > build/cuda-native.ini
     options+=(--native-file build/cuda-native.ini)
   fi
   meson setup build "${options[@]}"

@@ -52,7 +52,7 @@ struct Options {
   double lr = 0.05;
   std::uint64_t seed = 1;
   std::string data_dir, trace;
-  int ranks = 8;  // data x stages x tensor (the threads build launches this many)
+  int ranks = 8;  // data x stages x tensor for the threads build to launch; 0 under a launcher (run() checks its -n)
 };
 
 // The blocks draw their dense weights from one Rng in order (block1's two layers, then block2's),
@@ -326,7 +326,9 @@ Options parse(int argc, char** argv) {
   o.limit = flags.get("limit", o.limit, {.min = 0});
   o.data_dir = flags.get("data-dir", o.data_dir);
   o.trace = flags.output_path("trace", o.trace);
-  o.ranks = o.data * o.stages * o.tensor;
+  // Under a launcher its -n decides, and run() names --data x --stages x --tensor when they differ
+  // (launch's own check would name a --ranks flag this example does not have).
+  o.ranks = SharedMemoryCommunicator<Comm> ? o.data * o.stages * o.tensor : 0;
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--data x --stages x --tensor", o.threads,
                       "--threads");
   flags.finish();
