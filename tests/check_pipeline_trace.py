@@ -11,7 +11,9 @@ The command is run as given plus --trace=<a temporary file>. From its output it 
   - idle = 1 - (sum of the stage's F_i and B_i spans) / (the slowest stage's step span) equals the
     printed idle fraction (to 0.002: the trace rounds times to a nanosecond);
   - the communication lane holds each message of the schedule: M activation receives on every
-    stage but the first, M gradient receives on every stage but the last, and the matching sends.
+    stage but the first, M gradient receives on every stage but the last, and the matching sends;
+  - the trace is truthful across ranks: no receive ends before its send begins (the ranks share
+    one clock zero; thread ranks each used to start their own and showed receives 12 ms early).
 
 Exit 0 when all hold, 1 with a message naming what differs. Standard library only.
 """
@@ -26,6 +28,37 @@ import tempfile
 def fail(message):
     print("check_pipeline_trace: " + message, file=sys.stderr)
     sys.exit(1)
+
+
+MESSAGE = re.compile(r"(send|recv) ([AG]\d+) (?:to|from) stage (\d+)")
+
+
+def check_causality(events, p):
+    """Every receive of replica 0's pipeline ends at or after its send begins (1 us of slack for
+    the trace's rounding)."""
+    sends, recvs = {}, {}
+    for e in events:
+        m = MESSAGE.match(e["name"]) if e["pid"] < p and e["tid"] == 1 else None
+        if not m:
+            continue
+        kind, message, peer = m.group(1), m.group(2), int(m.group(3))
+        # Keyed by (sender, receiver, message): the one traced step holds each once.
+        key = (e["pid"], peer, message) if kind == "send" else (peer, e["pid"], message)
+        (sends if kind == "send" else recvs)[key] = e
+    if len(sends) != len(recvs) or not sends:
+        fail("%d sends and %d receives in the trace do not pair up" % (len(sends), len(recvs)))
+    worst = None
+    for key, send in sends.items():
+        if key not in recvs:
+            fail("send %s from rank %d to rank %d has no receive in the trace" % (key[2], key[0], key[1]))
+        recv = recvs[key]
+        early = send["ts"] - (recv["ts"] + recv["dur"])  # > 0: the receive ended before the send began
+        if worst is None or early > worst[0]:
+            worst = (early, key)
+    if worst[0] > 1.0:
+        fail("receive %s on rank %d ends %.1f us before rank %d begins sending it: the ranks' clocks are not "
+             "aligned" % (worst[1][2], worst[1][1], worst[0], worst[1][0]))
+    print("every receive ends after its send begins (%d messages)" % len(sends))
 
 
 def main():
@@ -74,6 +107,7 @@ def main():
             if count != (m if present else 0):
                 fail("rank %d: %d '%s' spans on the communication lane, %d expected" % (s, count, kind,
                                                                                        m if present else 0))
+    check_causality(events, p)
     slowest = max(steps.values())
     for s in range(p):
         from_trace = 1.0 - busy[s] / slowest

@@ -219,8 +219,10 @@ double train(Comm& comm, const Options& o) {
   // sgd.step() finishes the all-reduce by itself; with a timeline, finish here to record it.
   auto record = [&] {
     ++steps_seen;
-    if (measure_memory && steps_seen <= 2) {
-      dp.finish();  // the buckets' all-reduce before the barriers of the measurement
+    const bool measuring = measure_memory && steps_seen <= 2;
+    // Once per step: before the measurement's barriers, and for the timeline's bucket spans.
+    if (measuring || timeline) dp.finish();
+    if (measuring) {
       if (steps_seen == 1) {
         step_peak_bytes = memory.peak();
         step_held_bytes = memory.held();
@@ -230,7 +232,6 @@ double train(Comm& comm, const Options& o) {
       }
     }
     if (!timeline) return;
-    dp.finish();
     auto last_done = dp.last_wait_began();
     double step_comm_us = 0;
     examples::record_buckets(*timeline, dp);

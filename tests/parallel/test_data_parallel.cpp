@@ -318,6 +318,12 @@ TEST_CASE("DataParallel: a parameter without gradient is named", "[parallel]") {
     for (const auto& [name, p] : dp.parameters().parameters)
       if (name != "conv2.weight") p->grad_ready();
     CHECK_THROWS_WITH(dp.finish(), Catch::Contains("no gradient in this step for: conv2.weight"));
+    // A whole backward, finish(), then finish() again in the same step: said as a second call
+    // (example 04's --trace with memory measurement did it, and the error blamed its data shard).
+    for (const auto& [name, p] : dp.parameters().parameters) p->grad_ready();
+    dp.finish();
+    CHECK_THROWS_WITH(dp.finish(), Catch::Contains("finish() called again with no backward pass since the last "
+                                                   "finish(): twice in one step"));
     // And it recovers: a full backward afterwards works.
     for (const auto& [name, p] : dp.parameters().parameters) p->grad_ready();
     CHECK_NOTHROW(dp.finish());

@@ -7,6 +7,7 @@
 #include "parallel/pipeline_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
 
+#include <algorithm>
 #include <chrono>
 
 using namespace tessera;
@@ -77,6 +78,21 @@ TEST_CASE("Pipeline: balanced boundaries minimize the most expensive stage", "[p
   CHECK(balanced_boundaries({1, 2, 3, 4, 5, 6, 7, 8, 9}, 3) == std::vector<std::size_t>{0, 5, 7, 9});  // 15, 13, 17
   CHECK(balanced_boundaries({5}, 1) == std::vector<std::size_t>{0, 1});
   CHECK_THROWS_WITH(balanced_boundaries({1, 1}, 3), Catch::Contains("cannot split 2 units into 3 stages"));
+  // LeNet-5's 12 units (conv1 relu pool conv2 relu pool flatten fc1 relu fc2 relu fc3) with the
+  // costs that split 4 stages as conv1 | relu pool | conv2 ... : every stage must hold parameters.
+  const std::vector<bool> lenet = {true, false, false, true, false, false, false, true, false, true, false, true};
+  const std::vector<double> costs = {10, 6, 6, 10, 1, 1, 0, 2, 0, 1, 0, 1};
+  const auto unconstrained = balanced_boundaries(costs, 4);  // every optimum makes stage 1 relu pool
+  CHECK((unconstrained[1] == 1 && unconstrained[2] == 3));
+  const auto bounds = balanced_boundaries(costs, 4, lenet);
+  REQUIRE(bounds.size() == 5);
+  for (std::size_t k = 0; k < 4; ++k)
+    CHECK(std::any_of(lenet.begin() + static_cast<std::ptrdiff_t>(bounds[k]),
+                      lenet.begin() + static_cast<std::ptrdiff_t>(bounds[k + 1]), [](bool t) { return t; }));
+  CHECK_THROWS_WITH(balanced_boundaries(costs, 6, lenet),
+                    Catch::Contains("6 stages, but only 5 of the model's 12 units hold parameters") &&
+                        Catch::Contains("use at most 5 stages"));
+  CHECK(balanced_boundaries({1, 1, 1}, 3, {false, false, false}) == std::vector<std::size_t>{0, 1, 2, 3});
 }
 
 TEST_CASE("Pipeline: costs measured on rank 0 give every rank the same split", "[parallel]") {

@@ -247,6 +247,7 @@ class DataParallel final : UpdateGuard {
       if (options_.compression == GradientCompression::TopK) b.residual.swap(b.next_residual);
     }
     reset();
+    finished_since_backward_ = true;
     // Nothing is in flight now, and every rank is at the same synchronized step: the parameters
     // (not yet updated by this step's gradients) must be the same bits everywhere.
     const int every = options_.consistency_check_every;
@@ -393,6 +394,7 @@ class DataParallel final : UpdateGuard {
       return;
     }
     ++fired_[u];
+    finished_since_backward_ = false;
     if (!sync_) return;  // accumulating: no communication until the last micro-step
     in_sync_pass_[u] = 1;
     ++buckets_[static_cast<std::size_t>(bucket_of_[u])].ready;
@@ -453,6 +455,13 @@ class DataParallel final : UpdateGuard {
   // What is wrong with this rank's step, in words; empty when nothing is (only on the error path).
   std::string local_problems() const {
     const int micro_steps = *std::max_element(fired_.begin(), fired_.end());
+    // Right after a completed finish(), the likely cause is a second call in the same step (this
+    // rank cannot tell that from a skipped backward: both still join the collective, so that
+    // every rank learns of it). It was reported as a skipped backward only, blaming the data.
+    if (micro_steps == 0 && finished_since_backward_)
+      return "finish() called again with no backward pass since the last finish(): twice in one step (the "
+             "optimizer's step() calls it itself while gradients are pending), or this rank skipped a step's backward "
+             "(an empty or short data shard)";
     if (micro_steps == 0)
       return "finish() without a backward pass since the last step (this rank skipped backward, e.g. an empty or "
              "short data shard, or called finish() twice)";
@@ -595,6 +604,7 @@ class DataParallel final : UpdateGuard {
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;  // parameter index -> bucket
   std::vector<int> fired_;      // grad_ready calls per parameter since the last finish()
+  bool finished_since_backward_ = false;  // the last event was a completed finish() (no hook since)
   std::vector<char> in_sync_pass_;  // grad_ready seen in the communicating backward
   std::vector<int> duplicates_;     // parameters whose hook fired again in that backward
   std::size_t next_launch_ = 0;

@@ -35,6 +35,9 @@
 // most expensive stage, with options.unit_costs if given, else costs measured on rank 0 (forward +
 // backward of each unit on the sample micro-batch passed to rank 0's constructor, broadcast so
 // every rank splits the same way), else each unit's parameter count plus one (a crude estimate).
+// Every stage of a balanced split holds at least one unit with parameters: a stage of only ReLUs
+// and poolings has nothing to train (its optimizer refused "no parameters to optimize", so
+// example 06 at --stages=4 failed); more stages than such units is refused by name.
 //
 // Agreement: before anything else, the constructor checks (one all_gather of two int64) that every
 // stage holds the same micro-batch count, schedule, boundaries and unit costs (if given), and the
@@ -109,10 +112,21 @@ struct PipelineStepStats {
 
 // Splits costs into `parts` contiguous runs minimizing the largest run's sum (linear partition,
 // O(parts n^2) dynamic programme; n is at most a few hundred units). Returns parts + 1 boundaries.
-inline std::vector<std::size_t> balanced_boundaries(const std::vector<double>& costs, int parts) {
+// With `trainable` (one flag per unit: it holds parameters), every run holds a trainable unit.
+inline std::vector<std::size_t> balanced_boundaries(const std::vector<double>& costs, int parts,
+                                                    const std::vector<bool>& trainable = {}) {
   const std::size_t n = costs.size();
   TESSERA_CHECK(parts >= 1 && static_cast<std::size_t>(parts) <= n, ArgumentError, "Pipeline: cannot split ", n,
                 " units into ", parts, " stages (every stage needs at least one unit)");
+  TESSERA_CHECK(trainable.empty() || trainable.size() == n, ArgumentError, "Pipeline: ", trainable.size(),
+                " trainable flags for ", n, " units");
+  // trained[i]: trainable units among the first i (every run needs one when any is given).
+  std::vector<std::size_t> trained(n + 1, 0);
+  for (std::size_t i = 0; i < n; ++i) trained[i + 1] = trained[i] + (!trainable.empty() && trainable[i] ? 1 : 0);
+  const bool need_trainable = trained[n] > 0;
+  TESSERA_CHECK(!need_trainable || trained[n] >= static_cast<std::size_t>(parts), ArgumentError, "Pipeline: ", parts,
+                " stages, but only ", trained[n], " of the model's ", n, " units hold parameters: a stage without any "
+                "would have nothing to train; use at most ", trained[n], " stages, or give options.boundaries");
   std::vector<double> prefix(n + 1, 0.0);
   for (std::size_t i = 0; i < n; ++i) {
     TESSERA_CHECK(costs[i] >= 0, ArgumentError, "Pipeline: unit cost ", i, " is negative (", costs[i], ")");
@@ -127,6 +141,7 @@ inline std::vector<std::size_t> balanced_boundaries(const std::vector<double>& c
   for (std::size_t k = 1; k <= p; ++k)
     for (std::size_t j = k; j <= n; ++j)
       for (std::size_t i = k - 1; i < j; ++i) {
+        if (need_trainable && trained[j] == trained[i]) continue;  // units i..j-1 have nothing to train
         const double candidate = std::max(best[k - 1][i], prefix[j] - prefix[i]);
         if (candidate < best[k][j]) best[k][j] = candidate, cut[k][j] = i;
       }
@@ -170,7 +185,8 @@ class Pipeline {
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
                   " must be at least 1");
     const std::size_t units = model_.unit_count();
-    bounds_ = options_.boundaries.empty() ? balanced_boundaries(costs(sample), comm_.size()) : options_.boundaries;
+    bounds_ = options_.boundaries.empty() ? balanced_boundaries(costs(sample), comm_.size(), trainable_units())
+                                          : options_.boundaries;
     check_boundaries(units);
     begin_ = bounds_[static_cast<std::size_t>(comm_.rank())];
     end_ = bounds_[static_cast<std::size_t>(comm_.rank()) + 1];
@@ -415,6 +431,26 @@ class Pipeline {
     return record;
   }
 
+  // Parameters held by each unit (every rank holds the whole model).
+  std::vector<double> unit_parameters() {
+    std::vector<double> counts(model_.unit_count(), 0.0);
+    for (std::size_t u = 0; u < counts.size(); ++u) {
+      struct Count {
+        double n = 0;
+        void parameter(const std::string&, Parameter<S, D>& p) { n += static_cast<double>(p.value.numel()); }
+        void buffer(const std::string&, tessera::Tensor<S, D>&) {}
+      } count;
+      model_.visit_units(count, "", u, u + 1);
+      counts[u] = count.n;
+    }
+    return counts;
+  }
+  std::vector<bool> trainable_units() {
+    std::vector<bool> trainable;
+    for (const double n : unit_parameters()) trainable.push_back(n > 0);
+    return trainable;
+  }
+
   // Per-unit costs for balancing (see the header comment), identical on every rank.
   std::vector<double> costs(const Tensor* sample) {
     const std::size_t units = model_.unit_count();
@@ -461,15 +497,8 @@ class Pipeline {
       for (auto& [name, p] : named.parameters) p->grad.zero();
       for (std::size_t k = 0; k < saved.size(); ++k) *named.buffers[k].second = saved[k];
     } else if (!measured[0]) {
-      for (std::size_t u = 0; u < units; ++u) {
-        struct Count {
-          double n = 0;
-          void parameter(const std::string&, Parameter<S, D>& p) { n += static_cast<double>(p.value.numel()); }
-          void buffer(const std::string&, tessera::Tensor<S, D>&) {}
-        } count;
-        model_.visit_units(count, "", u, u + 1);
-        c[u] = count.n + 1.0;
-      }
+      c = unit_parameters();
+      for (double& n : c) n += 1.0;
     }
     if (measured[0]) comm_.broadcast(std::span<double>(c), 0);
     return c;

@@ -7,19 +7,27 @@
 //
 // Each rank is a process row ("rank 0", "rank 1", ...); lanes are rows within it: lane 0 for
 // compute (forward, backward, optimizer step), lane 1 for communication (one span per bucket
-// all-reduce, from launch to the moment it was seen complete). Times are microseconds since the
-// Timeline was made; ranks' clocks are aligned by a barrier at construction.
+// all-reduce, from launch to the moment it was seen complete). Times are microseconds since rank
+// 0 made its Timeline. Ranks on rank 0's host read the same monotonic clock (threads of one
+// process, or processes of one machine), so they take rank 0's zero exactly; a rank on another
+// host aligns its own clock by the barrier at construction. (Each rank used to start its clock as
+// it left the barrier, and thread ranks leave it far apart on a busy machine: receives were drawn
+// ending before their sends began.)
 //
 //   Timeline timeline(comm);                         // collective: all ranks
 //   { auto span = timeline.span("forward"); ... }   // RAII span on lane 0
 //   timeline.write(comm, "trace.json");              // collective; rank 0 writes the file
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -37,11 +45,19 @@ class Timeline final : public SpanSink {
  public:
   template <Communicator Comm>
   explicit Timeline(Comm& comm) : rank_(comm.rank()) {
-    comm.barrier();  // a common zero for all ranks (to within one barrier's skew)
+    comm.barrier();  // a common zero for ranks of other hosts (to within one barrier's skew)
     start_ = Clock::now();
+    // Rank 0's zero for every rank of its host: (host id, zero in clock ticks) from every rank.
+    const std::array<std::int64_t, 2> mine{host_id(), start_.time_since_epoch().count()};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
+    comm.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    if (all[0] == mine[0]) start_ = Clock::time_point(Clock::duration(all[1]));
   }
 
   double now_us() const;
+
+  // This machine, as a number equal on every process of it (a hash of its host name).
+  static std::int64_t host_id();
 
   // A complete event [begin_us, end_us) on a lane. Thread-safe.
   void add(std::string name, const char* category, double begin_us, double end_us, int lane);
@@ -133,6 +149,12 @@ class Timeline final : public SpanSink {
 };
 
 #if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE std::int64_t Timeline::host_id() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return 0;
+  return static_cast<std::int64_t>(std::hash<std::string>{}(std::string(name)));
+}
 
 TESSERA_LINKAGE double Timeline::now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - start_).count(); }
 
