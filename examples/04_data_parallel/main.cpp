@@ -264,11 +264,7 @@ double train(Comm& comm, const Options& o) {
   const double lo_before = rank == 0 ? examples::loopback_bytes() : -1;
   if (measure_memory) memory.start();
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
-  if (trainer.stopped_by() != 0) {
-    if (rank == 0)
-      std::printf("stopped by %s at step %lld with the checkpoint saved: run again with --resume=%s to continue\n",
-                  StopSignals::name(trainer.stopped_by()).c_str(),
-                  static_cast<long long>(trainer.state().global_step), o.checkpoint.c_str());
+  if (trainer.stopped_by() != 0) {  // the Trainer said where, and the checkpoint
     stopped_for_resume = true;
     return 0.0;
   }

@@ -79,12 +79,7 @@ int train_fashion_mnist(const char* title, const Recipe& recipe, const RunOption
                 static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
   }
   auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
-  if (trainer.stopped_by() != 0) {
-    std::printf("stopped by %s at step %lld with the checkpoint saved: run again with --resume=%s to continue\n",
-                StopSignals::name(trainer.stopped_by()).c_str(), static_cast<long long>(trainer.state().global_step),
-                o.checkpoint.c_str());
-    return kExitStoppedForResume;
-  }
+  if (trainer.stopped_by() != 0) return kExitStoppedForResume;  // the Trainer said where, and the checkpoint
   if (results.empty() && trainer.state().epoch >= recipe.epochs) {
     // Resumed from a finished run: nothing left to train, but the checks below are still owed, on
     // the model as loaded (a finished checkpoint must not pass --min-accuracy unmeasured).
