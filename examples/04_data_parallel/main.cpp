@@ -35,7 +35,6 @@
 #include "common/device_batch.hpp"
 #include "common/fashion_mnist_data.hpp"
 #include "common/memory.hpp"
-#include "common/trace_files.hpp"
 #include "common/traffic.hpp"
 
 using namespace tessera;
@@ -205,7 +204,8 @@ double train(Comm& comm, const Options& o) {
     std::printf("check: one-process comparison skipped (%s)\n",
                 o.resume.empty() ? "--compression changes the gradients by design" : "resumed run");
   // Optional timeline: compute spans from the Trainer, one span per bucket all-reduce from
-  // DataParallel, and the overlap: how much of the all-reduce time ran while backward still did.
+  // DataParallel (the Trainer hands it the timeline), and the overlap: how much of the all-reduce
+  // time ran while backward still did.
   std::optional<Timeline> timeline;
   if (!o.trace.empty()) timeline.emplace(comm);
   double comm_us = 0, exposed_us = 0;
@@ -216,12 +216,10 @@ double train(Comm& comm, const Options& o) {
   const bool measure_memory = o.resume.empty() && o.compression == "none";
   std::int64_t steps_seen = 0;
   examples::RankMemory<Device, Comm>::Bytes step_peak_bytes, step_held_bytes, optimizer_bytes;  // held: stays for step 2
-  // sgd.step() finishes the all-reduce by itself; with a timeline, finish here to record it.
+  // Called by the Trainer after DataParallel's before_optimizer_step hook finished the all-reduces.
   auto record = [&] {
     ++steps_seen;
     const bool measuring = measure_memory && steps_seen <= 2;
-    // Once per step: before the measurement's barriers, and for the timeline's bucket spans.
-    if (measuring || timeline) dp.finish();
     if (measuring) {
       if (steps_seen == 1) {
         step_peak_bytes = memory.peak();
@@ -234,7 +232,6 @@ double train(Comm& comm, const Options& o) {
     if (!timeline) return;
     auto last_done = dp.last_wait_began();
     double step_comm_us = 0;
-    examples::record_buckets(*timeline, dp);
     for (const auto& b : dp.buckets()) {
       step_comm_us += std::chrono::duration<double, std::micro>(b.completed_at - b.launched_at).count();
       last_done = std::max(last_done, b.completed_at);
@@ -246,10 +243,12 @@ double train(Comm& comm, const Options& o) {
     exposed_us += std::clamp(step_us, 0.0, step_comm_us);
     comm_us += step_comm_us;
   };
-  // Rank 0 reports; every rank trains (and evaluates: the replicas are identical).
+  // Rank 0 reports; every rank trains (and evaluates: the replicas are identical). The Trainer
+  // drives DataParallel through the strategy protocol (parallel/strategy.hpp): it waits for the
+  // all-reduces before each optimizer step, and keeps top-k's residuals with each checkpoint.
   // checkpoint_group: a checkpoint (save/load) gathers every rank's random generators to rank 0's
   // file and gives each rank its own back, so ranks seeded differently resume exactly.
-  Trainer trainer(model, sgd, schedule,
+  Trainer trainer(model, sgd, dp, schedule,
                   {.epochs = o.epochs, .checkpoint_path = o.checkpoint, .verbose = rank == 0, .before_step = record,
                    .timeline = timeline ? &*timeline : nullptr, .checkpoint_group = CheckpointGroup(comm),
                    .checkpoint_every_steps = o.checkpoint_every, .stop_signals = o.stop_signals});
@@ -258,10 +257,8 @@ double train(Comm& comm, const Options& o) {
     if (rank == 0)
       std::printf("resumed from %s at epoch %lld, step %lld\n", o.resume.c_str(),
                   static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
-    if (rank == 0 && o.compression == "topk")
-      std::printf("note: TopK error-feedback residuals are not in checkpoints; they restart from zero\n");
   }
-  const double lo_before = rank == 0 ? examples::loopback_bytes() : -1;
+  const double lo_before = rank == 0 ? examples::loopback_bytes() : -1, peer_before = examples::peer_bytes(comm);
   if (measure_memory) memory.start();
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
   if (trainer.stopped_by() != 0) {  // the Trainer said where, and the checkpoint
@@ -278,9 +275,11 @@ double train(Comm& comm, const Options& o) {
     const double steps = static_cast<double>(results.size() * static_cast<std::size_t>(train_loader.batches_per_epoch()));
     std::printf("cost: all-reduce per rank and step = 2(p-1)/p x G = 2 x %d/%d x %.1f KiB = %.1f KiB\n", ranks - 1, ranks,
                 g / 1024, per_step / 1024);
-    const double lo_after = examples::loopback_bytes();
-    if (SharedMemoryCommunicator<Comm>)
-      std::printf("cost: measured: nothing to measure, the ranks are threads and the bytes move by memory copy\n");
+    const double lo_after = examples::loopback_bytes(), peer_after = examples::peer_bytes(comm);
+    if (peer_before >= 0)  // threads: what the collectives copied between the ranks' buffers
+      std::printf("cost: measured: %.1f KiB per rank and step moved between the ranks' buffers over %.0f steps (%.2fx "
+                  "the formula)\n",
+                  (peer_after - peer_before) / steps / 1024, steps, (peer_after - peer_before) / steps / per_step);
     else if (lo_before >= 0 && lo_after >= 0)
       std::printf("cost: measured on the loopback interface: %.1f KiB per rank and step over %.0f steps (%.2fx the "
                   "formula; 0 where the backend moves bytes through shared memory)\n",

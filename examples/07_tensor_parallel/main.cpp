@@ -12,10 +12,8 @@
 // It checks itself first: the same network built densely from the same seed must give the same
 // loss, and each rank's gradients must be its slice of the dense gradients, on the first batch.
 #include <array>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <optional>
 #include <string>
 
 #include "tessera/tessera.hpp"
@@ -133,60 +131,32 @@ void train(Comm& comm, const Options& o) {
   check_against_dense(model, comm, batch, o);
 
   Sgd<E> sgd(named, {.lr = o.lr, .momentum = 0.9});
-  const CosineLr schedule{o.lr, static_cast<double>(o.epochs), 0.0};
-  CrossEntropyLoss<E> loss;
-  CrossEntropyLoss<E>::Cache loss_cache;
-  TensorParallelClassifier::Cache cache;
-  double loopback = 0;  // bytes over `lo` during the training steps (rank 0 reads; same host)
-  std::int64_t total_steps = 0;
-  // The first step's memory: the peak of its forward and backward, and the momentum its
-  // optimizer step creates.
-  examples::RankMemory<Device, Comm>::Bytes step_peak_bytes, optimizer_bytes;
+  // The first step's memory: the peak of its forward and backward, then the momentum its optimizer
+  // step creates (held at the second step, before its update, minus held at the first).
+  examples::RankMemory<Device, Comm>::Bytes step_peak_bytes, first_held, optimizer_bytes;
+  std::int64_t steps_seen = 0;
+  const auto measure = [&] {
+    if (++steps_seen == 1) {
+      step_peak_bytes = memory.peak();
+      first_held = memory.held();
+    } else if (steps_seen == 2) {
+      const auto now = memory.held();
+      optimizer_bytes = {now.requested - first_held.requested, now.blocks - first_held.blocks};
+    }
+  };
+  // The Trainer's loop, with no strategy: the split layers communicate inside forward and backward.
+  // Every rank computes the same loss on the same batch, so each rank's figures are the group's
+  // (the images/s too: each image is worked on by all ranks together).
   memory.start();
-  for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
-    sgd.set_lr(schedule(static_cast<double>(epoch)));
-    loader.start_epoch(epoch);
-    const double lo_before = comm.rank() == 0 ? examples::loopback_bytes() : 0;
-    const auto started = std::chrono::steady_clock::now();
-    double loss_sum = 0;
-    std::int64_t steps = 0;
-    while (loader.next(batch)) {
-      sgd.zero_grad();
-      loss_sum += loss.forward(model.forward(images(batch.images), cache), batch.labels, loss_cache);
-      model.backward(loss.backward(loss_cache), cache);
-      if (total_steps + steps == 0) {
-        step_peak_bytes = memory.peak();
-        const auto before = memory.held();
-        sgd.step();
-        const auto after = memory.held();
-        optimizer_bytes = {after.requested - before.requested, after.blocks - before.blocks};
-      } else {
-        sgd.step();
-      }
-      ++steps;
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    if (comm.rank() == 0) loopback += examples::loopback_bytes() - lo_before;
-    total_steps += steps;
-    std::int64_t correct = 0, total = 0;
-    test_loader.start_epoch(0);
-    Batch<float> test_batch;
-    while (test_loader.next(test_batch)) {  // logits are whole on every rank (the row layer's all-reduce)
-      correct += count_correct(model.forward(images(test_batch.images), cache), test_batch.labels);
-      total += static_cast<std::int64_t>(test_batch.labels.size());
-    }
-    const double accuracy = static_cast<double>(correct) / static_cast<double>(total);
-    if (comm.rank() == 0) {
-      // Every rank computes the same loss (the logits are whole everywhere) on the same batch: the
-      // images/s are the whole group's, each image worked on by all ranks together.
-      std::printf("epoch %lld: train loss %.4f | test acc %.2f%% | %.1f s, %.0f img/s (the whole group)\n",
-                  static_cast<long long>(epoch + 1),
-                  loss_sum / static_cast<double>(steps), 100 * accuracy, seconds,
-                  static_cast<double>(steps * o.batch) / seconds);
-      if (epoch + 1 == o.epochs) std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
-      std::fflush(stdout);
-    }
-  }
+  const double lo_before = comm.rank() == 0 ? examples::loopback_bytes() : 0, peer_before = examples::peer_bytes(comm);
+  Trainer trainer(model, sgd, CosineLr{o.lr, static_cast<double>(o.epochs), 0.0},
+                  {.epochs = o.epochs, .verbose = comm.rank() == 0, .before_step = measure});
+  trainer.fit(loader);  // the test set after training: its forward all-reduces are not a step's
+  const double loopback = comm.rank() == 0 ? examples::loopback_bytes() - lo_before : 0;
+  const double peer_bytes = peer_before >= 0 ? examples::peer_bytes(comm) - peer_before : -1;
+  const double accuracy = trainer.evaluate(test_loader).second;
+  if (comm.rank() == 0) std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
+  const std::int64_t total_steps = trainer.state().global_step;
   // A few more steps with the timeline on: forward, backward and the optimizer step on the
   // compute lane, the row layer's all-reduce of the logits on the communication lane (inside
   // forward: every rank needs the whole logits before the loss).
@@ -194,16 +164,9 @@ void train(Comm& comm, const Options& o) {
     constexpr int kTraceSteps = 3;
     Timeline timeline(comm);
     model.set_timeline(&timeline);
-    loader.start_epoch(0);
-    for (int step = 0; step < kTraceSteps && loader.next(batch); ++step) {
-      sgd.zero_grad();
-      std::optional<Timeline::Span> span(timeline.span("forward"));
-      loss.forward(model.forward(images(batch.images), cache), batch.labels, loss_cache);
-      span.emplace(timeline.span("backward"));
-      model.backward(loss.backward(loss_cache), cache);
-      span.emplace(timeline.span("optimizer step"));
-      sgd.step();
-    }
+    Trainer traced(model, sgd, ConstantLr{sgd.lr()},
+                   {.verbose = false, .timeline = &timeline, .stop_after_steps = kTraceSteps});
+    traced.fit(loader);
     model.set_timeline(nullptr);
     timeline.write(comm, o.trace);
     if (comm.rank() == 0) std::printf("timeline of %d steps: %s\n", kTraceSteps, o.trace.c_str());
@@ -221,8 +184,10 @@ void train(Comm& comm, const Options& o) {
     std::printf("cost: all-reduce per rank and step = 2(p-1)/p x N x 10 x 4 B = 2 x %d/%d x %.0f B = %.2f KiB "
                 "(data parallelism: 2(p-1)/p x %.0f gradients x 4 B = %.1f KiB)\n",
                 p - 1, p, logits, per_rank / 1024, dense, 2.0 * (p - 1) / p * dense * 4 / 1024);
-    if (SharedMemoryCommunicator<Comm>)
-      std::printf("cost: measured: nothing to measure, the ranks are threads and the bytes move by memory copy\n");
+    if (peer_bytes >= 0)  // threads: what the collectives copied between the ranks' buffers
+      std::printf("cost: measured: %.2f KiB per rank and step moved between the ranks' buffers over %lld steps (%.2fx "
+                  "the formula)\n", peer_bytes / static_cast<double>(total_steps) / 1024,
+                  static_cast<long long>(total_steps), peer_bytes / static_cast<double>(total_steps) / per_rank);
     else if (examples::loopback_bytes() >= 0)
       std::printf("cost: measured on the loopback interface: %.2f KiB per rank and step over %lld steps (0 where the "
                   "backend moves bytes through shared memory; TCP headers count too)\n",
@@ -233,12 +198,13 @@ void train(Comm& comm, const Options& o) {
                 12 * dense / (1 << 20));
   }
   // Measured by the allocator (bytes requested; in its rounded blocks after the semicolon), per
-  // rank: the model's values and gradients, the momentum, and the first step's peak: its
-  // activations, N x (784 flattened + h/p hidden + h/p after ReLU + 10 logits) x 4 B, and in
-  // backward their gradients, N x (h/p + h/p + 10) x 4 B (the images need none).
+  // rank: the model's values and gradients, the momentum, and the first step's peak: the batch the
+  // Trainer holds (N x 784 images) and the activations, N x (784 flattened + h/p hidden + h/p after
+  // ReLU + 10 logits) x 4 B, and in backward their gradients, N x (h/p + h/p + 10) x 4 B (the
+  // images need none).
   if (comm.rank() == 0) {
     const double mine = static_cast<double>(count_parameters(named));
-    const std::int64_t kept = 784 + 2 * o.hidden / p + 10, gradients = 2 * o.hidden / p + 10;
+    const std::int64_t kept = 784 + 784 + 2 * o.hidden / p + 10, gradients = 2 * o.hidden / p + 10;
     const double activations = static_cast<double>(o.batch * (kept + gradients)) * 4;
     TESSERA_CHECK(state_bytes.requested == 8 * mine, Error, "the model takes ", state_bytes.requested,
                   " bytes per rank, not 2 x ", mine, " x 4 (its slices' values and gradients): a dense copy kept?");
@@ -248,7 +214,8 @@ void train(Comm& comm, const Options& o) {
     std::printf("memory: momentum = %.0f x 4 B = %.1f KiB | %.1f KiB measured (%.2fx; %.1f KiB in blocks)\n", mine,
                 4 * mine / 1024, optimizer_bytes.requested / 1024, optimizer_bytes.requested / (4 * mine),
                 optimizer_bytes.blocks / 1024);
-    std::printf("memory: activations + their gradients = N x ((784 + 2 h/p + 10) + (2 h/p + 10)) x 4 B = %lld x (%lld + "
+    std::printf("memory: batch + activations + their gradients = N x ((784 + 784 + 2 h/p + 10) + (2 h/p + 10)) x 4 B = "
+                "%lld x (%lld + "
                 "%lld) x 4 B = %.1f KiB | step peak %.1f KiB measured (%.2fx; %.1f KiB in blocks)\n",
                 static_cast<long long>(o.batch), static_cast<long long>(kept), static_cast<long long>(gradients),
                 activations / 1024, step_peak_bytes.requested / 1024,

@@ -96,6 +96,7 @@ class ThreadGroup {
       outputs[q] += lo;
     }
     reduce_many(sources.data(), size_, outputs.data(), size_, hi - lo, op);
+    count_peer_bytes(rank, 2 * static_cast<std::size_t>(size_ - 1) * (hi - lo) * sizeof(T));  // read p-1, written p-1
     leave(rank, sig);
   }
 
@@ -106,6 +107,7 @@ class ThreadGroup {
     if (size_ == 1) return check_usable(rank, sig);
     enter(rank, buf.data(), sig);
     if (rank != root && !buf.empty()) std::memcpy(buf.data(), slots_[root].pointer, buf.size_bytes());
+    if (rank != root) count_peer_bytes(rank, buf.size_bytes());
     leave(rank, sig);
   }
 
@@ -121,6 +123,7 @@ class ThreadGroup {
     enter(rank, in.data(), sig);
     for (int q = 0; q < size_ && !in.empty(); ++q)
       std::memcpy(out.data() + q * in.size(), slots_[q].pointer, in.size_bytes());
+    count_peer_bytes(rank, static_cast<std::size_t>(size_ - 1) * in.size_bytes());
     leave(rank, sig);
   }
 
@@ -139,6 +142,7 @@ class ThreadGroup {
     for (int q = 0; q < size_; ++q) sources[q] = static_cast<const T*>(slots_[q].pointer) + rank * out.size();
     T* output = out.data();
     reduce_many(sources.data(), size_, &output, 1, out.size(), op);
+    count_peer_bytes(rank, static_cast<std::size_t>(size_ - 1) * out.size_bytes());
     leave(rank, sig);
   }
 
@@ -260,7 +264,20 @@ class ThreadGroup {
     CallSignature signature;
     int color = 0;
     int key = 0;
+    // Bytes this rank's collectives read from or wrote into other ranks' buffers (its main thread
+    // and its async worker both add: atomic).
+    std::atomic<std::int64_t> peer_bytes{0};
   };
+  void count_peer_bytes(int rank, std::size_t bytes) {
+    slots_[static_cast<std::size_t>(rank)].peer_bytes.fetch_add(static_cast<std::int64_t>(bytes), std::memory_order_relaxed);
+  }
+
+ public:
+  std::int64_t peer_bytes(int rank) const {
+    return slots_[static_cast<std::size_t>(rank)].peer_bytes.load(std::memory_order_relaxed);
+  }
+
+ private:
   struct Message {
     std::vector<std::byte> bytes;
     CommDType dtype;
@@ -461,6 +478,11 @@ class ThreadComm {
     return Work([g = group_, r = rank_, peer, posted] { g->wait_recv(r, peer, posted); },
                 [g = group_, r = rank_, peer, posted] { return g->recv_done(r, peer, *posted); });
   }
+
+  // Bytes this rank's collectives have read from or written into the other ranks' buffers (the
+  // traffic of threads: what a network would carry; an all_reduce of G bytes over p ranks moves
+  // 2(p-1)/p x G, as a bandwidth-optimal ring sends). Counted per group: a split starts at 0.
+  std::int64_t peer_bytes() const { return group_->peer_bytes(rank_); }
 
   ThreadComm split(int color, int key) {
     drain();

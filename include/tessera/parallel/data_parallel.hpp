@@ -34,7 +34,9 @@
 // compression, so k micro-steps of batch b equal one step of batch k x b (for a mean-reduced
 // loss) and fp16 sees averages, not k-fold sums.
 //
-// Gradient compression, a step of the reducer applied per bucket (options.compression):
+// Gradient compression: a codec reduces each bucket (parallel/gradient_codec.hpp), chosen by
+// options.compression or installed with register_codec (PyTorch's register_comm_hook):
+//   None:  all_reduce(Avg) of the bucket.
 //   Fp16:  cast the bucket down to IEEE half, all_reduce(Avg) in half (reduced in float per
 //          element, rounded once), cast up: half the bytes on the wire.
 //   TopK:  error feedback (Stich et al. 2018; Lin et al. 2018): corrected = gradient + residual;
@@ -42,7 +44,8 @@
 //          exchanged with all_gather; residual = corrected minus what was sent. The averaged
 //          sparse sums are scattered back into a dense gradient. Over steps, the applied updates
 //          plus the residuals (averaged over ranks) sum exactly to the true averaged gradients, so
-//          nothing is lost, only delayed.
+//          nothing is lost, only delayed. The residuals are per-rank state: the Trainer keeps them
+//          with each checkpoint (save_state).
 //
 // Agreement: the constructor first checks, with one all_gather of two int64, that every rank
 // holds the same options, parameter and buffer names and shapes, and bucket layout
@@ -78,6 +81,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -90,6 +94,8 @@
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/gradient_codec.hpp"
+#include "tessera/parallel/strategy.hpp"
 
 namespace tessera {
 
@@ -122,7 +128,7 @@ struct DataParallelOptions {
 };
 
 template <class E>
-class DataParallel final : UpdateGuard {
+class DataParallel final : public StrategyBase<E>, UpdateGuard {
  public:
   using Env = E;
   using S = typename E::Scalar;
@@ -143,12 +149,6 @@ class DataParallel final : UpdateGuard {
     // grad_ready hook and in finish(), so "seen" is at most one hook late): for timelines.
     std::chrono::steady_clock::time_point launched_at, completed_at;
     bool completion_seen = false;
-    // Compression state
-    std::vector<Half> half;                                   // Fp16: the bucket on the wire
-    std::vector<S> residual;                                  // TopK: error feedback
-    std::vector<S> next_residual;                             // TopK: residual once this step succeeds
-    std::vector<std::int64_t> order, sent_index, all_index;  // TopK: selection scratch, exchanged indices
-    std::vector<S> sent_value, all_value;                     // TopK: exchanged values
   };
 
   // comm: the world, or a group from split (its type is the Env's Comm; another is refused at
@@ -171,6 +171,8 @@ class DataParallel final : UpdateGuard {
                   "' use GradientCompression::None");
     if (options.broadcast_at_start) broadcast_from_rank0();
     build_buckets();
+    codec_ = make_codec();
+    codec_->start(bucket_elements());
     install_hooks();
     for (const auto& [name, p] : named_.parameters) parameter_names_.push_back(name);
   }
@@ -239,13 +241,19 @@ class DataParallel final : UpdateGuard {
                                                 "(its error names it); this step's gradients were not applied")
                                   : local + "; this step's gradients were not applied");
     }
-    for (auto& b : buckets_) {
+    for (std::size_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+      const Bucket& b = buckets_[bucket];
       for (std::size_t k = 0; k < b.params.size(); ++k) {
         auto& g = named_.parameters[static_cast<std::size_t>(b.params[k])].second->grad;
         D::copy(g.data(), b.flat.data() + b.offset[k], g.bytes());
       }
-      if (options_.compression == GradientCompression::TopK) b.residual.swap(b.next_residual);
+      codec_->commit(bucket);  // every rank's step succeeded: TopK's residual moves on
     }
+    if (timeline_)
+      for (std::size_t k = 0; k < buckets_.size(); ++k)
+        timeline_->add("all_reduce bucket " + std::to_string(k) + " (" + std::to_string(buckets_[k].flat.bytes() / 1024) +
+                           " KiB)",
+                       "communication", buckets_[k].launched_at, buckets_[k].completed_at, SpanSink::kCommunication);
     reset();
     finished_since_backward_ = true;
     // Nothing is in flight now, and every rank is at the same synchronized step: the parameters
@@ -254,6 +262,48 @@ class DataParallel final : UpdateGuard {
     if (every > 0 && synced_steps_ % every == 0) check_replica_consistency();
     ++synced_steps_;
   }
+
+  // The strategy protocol (parallel/strategy.hpp): what the Trainer calls. The constructor already
+  // checked agreement and broadcast rank 0's parameters, so start() has nothing left to do.
+  static constexpr bool kHooksGradients = true;
+  std::string name() const { return codec_->name() == "none" ? "DataParallel" : "DataParallel(" + codec_->name() + ")"; }
+  // Micro-batches before the last accumulate locally (no_sync); the last one's backward launches
+  // the buckets.
+  void before_forward(const MicroBatch& mb) {
+    TESSERA_CHECK(!options_.average_micro_steps || mb.count == 1, ArgumentError,
+                  "DataParallel: options.average_micro_steps divides each gradient by its ", mb.count,
+                  " micro-batches, and the Trainer already weights each micro-batch's loss by its share of the batch: "
+                  "under the Trainer, leave average_micro_steps false");
+    sync_ = mb.last();
+  }
+  void after_backward(const MicroBatch& mb) {
+    if (mb.last()) sync_ = true;
+  }
+  // Waits for the reductions (the optimizer's update guard would, too: this puts the wait in its
+  // own span of the Trainer's timeline).
+  void before_optimizer_step() { before_update(); }
+  // The codec's per-rank state (TopK's error-feedback residuals: this rank's share of the gradient
+  // not yet sent).
+  void save_state(StrategyState& state) const { codec_->save_state(state); }
+  void load_state(const StrategyState& state) { codec_->load_state(state); }
+
+  // Replaces the gradient codec (PyTorch: register_comm_hook; parallel/gradient_codec.hpp).
+  // Collective, between steps: every rank must install a codec of the same name (AgreementError
+  // naming the ranks otherwise), since the codecs' collectives must match.
+  void register_codec(std::unique_ptr<GradientCodec<E>> codec) {
+    TESSERA_CHECK(codec != nullptr, ArgumentError, "DataParallel::register_codec: the codec is null");
+    TESSERA_CHECK(std::all_of(fired_.begin(), fired_.end(), [](int f) { return f == 0; }), Error,
+                  "DataParallel::register_codec: this step's gradients are pending (called between backward and the "
+                  "optimizer step); register the codec between steps");
+    AgreementRecord record("DataParallel::register_codec");
+    record.add("codec", codec->name());
+    check_agreement(comm_, record);
+    codec->start(bucket_elements());
+    codec_ = std::move(codec);
+  }
+  const GradientCodec<E>& codec() const { return *codec_; }
+  // Each finish() records one span per bucket on the communication lane: launch to completion.
+  void set_timeline(SpanSink* timeline) { timeline_ = timeline; }
 
   // Compares every parameter's checksum across ranks now (collective; call between steps, as
   // finish() does every options.consistency_check_every steps). Throws AgreementError on every
@@ -294,7 +344,10 @@ class DataParallel final : UpdateGuard {
     const auto k = static_cast<std::size_t>(std::find(b.params.begin(), b.params.end(), static_cast<int>(param)) - b.params.begin());
     const std::int64_t n = named_.parameters[param].second->value.numel();
     std::vector<S> out(static_cast<std::size_t>(n), S(0));
-    if (!b.residual.empty()) std::copy_n(b.residual.begin() + b.offset[k], n, out.begin());
+    if (const auto* topk = dynamic_cast<const TopKCodec<E>*>(codec_.get())) {
+      const auto& residual = topk->residual(static_cast<std::size_t>(bucket_of_[param]));
+      if (!residual.empty()) std::copy_n(residual.begin() + b.offset[k], n, out.begin());
+    }
     return out;
   }
   const NamedTensors<E>& parameters() const { return named_; }
@@ -493,94 +546,32 @@ class DataParallel final : UpdateGuard {
 
   // blocking: the collectives run on this thread and are done on return (b.work stays complete).
   void compress_and_launch(Bucket& b, bool blocking) {
-    auto all_reduce = [&]<class T>(std::span<T> buf) {
-      if (blocking) comm_.all_reduce(buf, ReduceOp::Avg);
-      else b.work = comm_.all_reduce_async(buf, ReduceOp::Avg);
-    };
-    switch (options_.compression) {
-      case GradientCompression::None:
-        all_reduce(b.flat.span());
-        break;
-      case GradientCompression::Fp16:
-        b.half.resize(static_cast<std::size_t>(b.flat.numel()));
-        for (std::size_t i = 0; i < b.half.size(); ++i) b.half[i] = Half(static_cast<float>(b.flat.data()[i]));
-        all_reduce(std::span<Half>(b.half));
-        break;
-      case GradientCompression::TopK: {
-        const std::size_t n = b.elements;
-        const std::size_t k = std::min(n, static_cast<std::size_t>(std::ceil(options_.topk_ratio * static_cast<double>(n))));
-        b.residual.resize(n, S(0));
-        S* flat = b.flat.data();
-        for (std::size_t i = 0; i < n; ++i) flat[i] += b.residual[i];  // corrected gradient
-        b.order.resize(n);
-        for (std::size_t i = 0; i < n; ++i) b.order[i] = static_cast<std::int64_t>(i);
-        // The k largest magnitudes, ties broken by index so every run selects the same set. NaN
-        // ranks as the largest (and so is sent and shows up in every rank's update) rather than
-        // breaking the strict weak order nth_element needs.
-        auto magnitude = [&](std::int64_t x) {
-          const S v = flat[x];
-          return std::isnan(v) ? std::numeric_limits<S>::infinity() : std::abs(v);
-        };
-        auto larger = [&](std::int64_t x, std::int64_t y) {
-          const S ax = magnitude(x), ay = magnitude(y);
-          return ax > ay || (ax == ay && x < y);
-        };
-        std::nth_element(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k), b.order.end(), larger);
-        // Sent: k (index, value) pairs, plus for the last bucket the flag as a final index with value 0.
-        const std::size_t sent = k + (b.has_flag ? 1 : 0);
-        b.sent_index.assign(b.order.begin(), b.order.begin() + static_cast<std::ptrdiff_t>(k));
-        std::sort(b.sent_index.begin(), b.sent_index.end());
-        b.sent_value.resize(sent);
-        b.next_residual.assign(flat, flat + n);
-        for (std::size_t j = 0; j < k; ++j) {
-          const auto i = static_cast<std::size_t>(b.sent_index[j]);
-          b.sent_value[j] = flat[i];
-          b.next_residual[i] = S(0);  // sent: no error left at this index
-        }
-        if (b.has_flag) {
-          b.sent_index.push_back(flat[n] != S(0) ? 1 : 0);
-          b.sent_value[k] = S(0);
-        }
-        b.all_index.resize(sent * static_cast<std::size_t>(comm_.size()));
-        b.all_value.resize(sent * static_cast<std::size_t>(comm_.size()));
-        const std::span<const std::int64_t> sent_index(b.sent_index);
-        const std::span<const S> sent_value(b.sent_value);
-        if (blocking) {
-          comm_.all_gather(sent_index, std::span<std::int64_t>(b.all_index));
-          comm_.all_gather(sent_value, std::span<S>(b.all_value));
-        } else {
-          b.work = comm_.all_gather_async(sent_index, std::span<std::int64_t>(b.all_index));
-          b.work2 = comm_.all_gather_async(sent_value, std::span<S>(b.all_value));
-        }
-        break;
-      }
-    }
+    CodecWork work = codec_->launch(comm_, codec_view(b), blocking);
+    b.work = std::move(work.first);
+    b.work2 = std::move(work.second);
   }
 
   // After the bucket's collectives finished: its averaged gradient back into b.flat.
-  void decompress(Bucket& b) {
+  void decompress(Bucket& b) { codec_->decode(comm_, codec_view(b)); }
+
+  CodecBucket<S> codec_view(Bucket& b) {
+    return {static_cast<std::size_t>(&b - buckets_.data()), b.flat.span(), b.elements, b.has_flag};
+  }
+  std::vector<std::size_t> bucket_elements() const {
+    std::vector<std::size_t> out;
+    for (const auto& b : buckets_) out.push_back(b.elements);
+    return out;
+  }
+  std::unique_ptr<GradientCodec<E>> make_codec() const {
     switch (options_.compression) {
+      case GradientCompression::Fp16:
+        return std::make_unique<Fp16Codec<E>>();
+      case GradientCompression::TopK:
+        return std::make_unique<TopKCodec<E>>(options_.topk_ratio);
       case GradientCompression::None:
         break;
-      case GradientCompression::Fp16:
-        for (std::size_t i = 0; i < b.half.size(); ++i) b.flat.data()[i] = static_cast<S>(static_cast<float>(b.half[i]));
-        break;
-      case GradientCompression::TopK: {
-        // Rank r's block of the gathered lists: its k pairs, then (last bucket) its flag.
-        S* flat = b.flat.data();
-        std::fill(flat, flat + b.flat.numel(), S(0));
-        const std::size_t per_rank = b.all_index.size() / static_cast<std::size_t>(comm_.size());
-        const std::size_t k = per_rank - (b.has_flag ? 1 : 0);
-        for (std::size_t j = 0; j < b.all_index.size(); ++j) {
-          const auto i = static_cast<std::size_t>(b.all_index[j]);
-          if (j % per_rank < k) flat[i] += b.all_value[j];
-          else flat[b.elements] += static_cast<S>(i);  // a flag, 0 or 1
-        }
-        const S inv = S(1) / static_cast<S>(comm_.size());
-        for (std::int64_t i = 0; i < b.flat.numel(); ++i) flat[i] *= inv;
-        break;
-      }
     }
+    return std::make_unique<AverageCodec<E>>();
   }
 
   void reset() {
@@ -615,6 +606,8 @@ class DataParallel final : UpdateGuard {
   std::vector<std::string> parameter_names_;
   std::vector<std::uint64_t> checksums_;
   std::vector<S> host_scratch_;  // a device parameter's bytes, copied to the host to be checksummed
+  SpanSink* timeline_ = nullptr;  // set_timeline: bucket spans
+  std::unique_ptr<GradientCodec<E>> codec_;  // how a bucket is reduced (make_codec, register_codec)
 };
 
 // DataParallel dp(model, comm): the Env is the model's.

@@ -5,6 +5,7 @@
 //
 //   LocalSgd local(model, comm, {.period = 4});   // LocalSgd<E>, E from the model; broadcasts rank 0's parameters
 //   loop: opt.zero_grad(); forward; backward; opt.step(); local.after_step();
+//   or:   Trainer trainer(model, opt, local, schedule, options);  (after_optimizer_step is after_step)
 //
 // With period 1 and SGD (momentum and weight decay included: the update is linear in the
 // gradient, so averaging parameters equals averaging gradients) this is synchronous data
@@ -32,6 +33,7 @@
 #include "tessera/core/span_sink.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/strategy.hpp"
 
 namespace tessera {
 
@@ -42,7 +44,7 @@ struct LocalSgdOptions {
 };
 
 template <class E>
-class LocalSgd {
+class LocalSgd : public StrategyBase<E> {
  public:
   using Env = E;
   using S = typename E::Scalar;
@@ -76,6 +78,40 @@ class LocalSgd {
     return true;
   }
 
+  // The strategy protocol (parallel/strategy.hpp).
+  std::string name() const { return "LocalSgd(period " + std::to_string(options_.period) + ")"; }
+  void after_optimizer_step() { after_step(); }
+  // The step count, so that a resumed run averages at the same steps as an uninterrupted one, and,
+  // in the middle of a period, this rank's own parameters and buffers: the checkpoint holds rank
+  // 0's, and the replicas differ until the next average. (The optimizer's per-rank state, such as
+  // momentum, is rank 0's after a resume: docs/reliability.md.)
+  void save_state(StrategyState& state) const {
+    state.put("LocalSgd.steps", steps_);
+    if (steps_ % options_.period == 0) return;  // just averaged: every rank holds the same values
+    std::vector<S> values;
+    for_each_tensor([&](const Tensor<S, D>& t) {
+      const std::size_t at = values.size();
+      values.resize(at + static_cast<std::size_t>(t.numel()));
+      D::copy_to_host(values.data() + at, t.data(), t.bytes());
+    });
+    state.put("LocalSgd.rank_values", std::span<const S>(values));
+  }
+  void load_state(const StrategyState& state) {
+    steps_ = state.get_int("LocalSgd.steps");
+    const std::vector<double>* saved = state.find("LocalSgd.rank_values");
+    if (saved == nullptr) return;
+    std::size_t total = 0;
+    for_each_tensor([&](const Tensor<S, D>& t) { total += static_cast<std::size_t>(t.numel()); });
+    TESSERA_CHECK(saved->size() == total, ArgumentError, "LocalSgd: the saved per-rank values hold ", saved->size(),
+                  " numbers; this model's parameters and buffers hold ", total);
+    std::vector<S> values(saved->begin(), saved->end());
+    std::size_t at = 0;
+    for_each_tensor([&](Tensor<S, D>& t) {
+      D::copy_to_device(t.data(), values.data() + at, t.bytes());
+      at += static_cast<std::size_t>(t.numel());
+    });
+  }
+
   // Averages parameters (and buffers) now: one all_reduce over a flat copy.
   void average() {
     const auto began = SpanSink::Clock::now();
@@ -106,6 +142,13 @@ class LocalSgd {
   std::int64_t steps() const { return steps_; }
 
  private:
+  // Every parameter, then every buffer (whether or not averaged: all differ by rank mid-period).
+  template <class F>
+  void for_each_tensor(F&& f) const {
+    for (const auto& [name, p] : named_.parameters) f(p->value);
+    for (const auto& [name, t] : named_.buffers) f(*t);
+  }
+
   Comm& comm_;
   LocalSgdOptions options_;
   NamedTensors<E> named_;

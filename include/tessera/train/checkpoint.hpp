@@ -37,8 +37,9 @@
 // 0 .. min(N, M) - 1 take their own streams back; ranks M .. N - 1's streams are dropped; ranks
 // N .. M - 1 keep the generators their program constructed (derived from its seed). A model with
 // Dropout therefore continues with other masks than an uninterrupted run (which had N streams and
-// another split of each batch): statistically equivalent, not equal. Per-rank state that is not
-// in the checkpoint at all (DataParallel's TopK residuals) starts from zero on every resume.
+// another split of each batch): statistically equivalent, not equal. A strategy's per-rank state
+// (DataParallel's TopK residuals) is not in this file: the Trainer writes it beside it, one file
+// per rank (train/trainer.hpp), and starts it afresh at another world size.
 //
 // Optional optimizer members (Zero1Optimizer has them), called on every rank of the group:
 //   checkpoint_gather()   collective, before a save: make visit_state present whole tensors
@@ -126,6 +127,12 @@ class CheckpointGroup {
   int rank_ = 0, size_ = 1;
   std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)> all_gather_;
 };
+
+namespace detail {
+// The ranks of `group` whose part of a save or load failed, as "1, 3" (empty: none), learned by
+// every rank with one all_gather of this rank's flag: so that all ranks throw or none does.
+TESSERA_LINKAGE std::string ranks_that_failed(const CheckpointGroup& group, bool this_rank_failed);
+}  // namespace detail
 
 // The one place that decides whether a run at world size `now` may resume from a checkpoint taken
 // at world size `saved` (`what` names the file, or says "the checkpoint"). `global_batch` is the
@@ -499,11 +506,7 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
     failure = std::current_exception();
   }
   if (group.size() > 1) {
-    const std::int64_t ok = failure ? 0 : 1;
-    const auto oks = group.all_gather(std::span<const std::int64_t>(&ok, 1));
-    std::string failed;
-    for (int r = 0; r < group.size(); ++r)
-      if (oks[static_cast<std::size_t>(r)] == 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    const std::string failed = detail::ranks_that_failed(group, failure != nullptr);
     if (!failure && !failed.empty())
       throw IoError(detail::cat("load_checkpoint: '", path, "': rank(s) ", failed,
                                 " could not load it (their errors say why); nothing was loaded on any rank"));
@@ -524,6 +527,15 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
 }
 
 #if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE auto detail::ranks_that_failed(const CheckpointGroup& group, bool this_rank_failed) -> std::string {
+  const std::int64_t ok = this_rank_failed ? 0 : 1;
+  const auto oks = group.all_gather(std::span<const std::int64_t>(&ok, 1));
+  std::string failed;
+  for (int r = 0; r < group.size(); ++r)
+    if (oks[static_cast<std::size_t>(r)] == 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  return failed;
+}
 
 TESSERA_LINKAGE void check_resume_world_size(const std::string& what, std::int64_t saved, std::int64_t now,
                                     std::int64_t global_batch) {

@@ -10,6 +10,13 @@
 // the loader of each of the M ranks has batch_size = global batch / M; see train/checkpoint.hpp).
 // The EpochResult of a resumed epoch covers the steps taken since the resume.
 //
+// Strategies (parallel/strategy.hpp): Trainer(model, optimizer, strategy, schedule, options) drives
+// any strategy or Stack of them through the protocol's hooks: DataParallel, LocalSgd,
+// GradientAccumulation, stack(dp, accumulation). A strategy's per-rank state (DataParallel's top-k
+// residuals, LocalSgd's step count) is saved with each checkpoint in one file per rank beside it,
+// "<path>.rank<r>.strategy" (strategy_state_path), and loaded with it; a resume then continues
+// exactly as the uninterrupted run would.
+//
 // Everything a step touches (the model's activation cache, the loss cache, the batch) lives in
 // the Trainer and is reused, so after the first step a training step allocates nothing.
 #pragma once
@@ -18,15 +25,20 @@
 #include <bit>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/data/loader.hpp"
+#include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/strategy.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/preemption.hpp"
@@ -89,44 +101,62 @@ struct EpochResult {
   bool complete = true;  // false: stopped (stop_after_steps, a stop signal) before the epoch's end (no test metrics)
 };
 
-template <class Model, class Optimizer>
+// The checkpoint's companion file holding rank `rank`'s strategy state (written only when the
+// strategy has some).
+inline std::string strategy_state_path(const std::string& checkpoint_path, int rank) {
+  return checkpoint_path + ".rank" + std::to_string(rank) + ".strategy";
+}
+
+template <class Model, class Optimizer, class Strat = NoStrategy<typename Model::Env>>
 class Trainer {
   static_assert(check_layer<Model>());
   static_assert(!requires { typename Optimizer::Env; } || check_same_env<typename Model::Env, typename Optimizer::Env>());
+  static_assert(check_strategy<Strat>());
+  static_assert(check_same_env<typename Model::Env, typename Strat::Env>());
 
  public:
   using E = typename Model::Env;
   using S = typename E::Scalar;
   using Schedule = std::function<double(double)>;  // fractional epoch -> learning rate
 
+  // One process, or a strategy the program drives itself (before_step).
   Trainer(Model& model, Optimizer& optimizer, Schedule schedule, TrainOptions options)
+    requires std::is_same_v<Strat, NoStrategy<E>>
+      : Trainer(model, optimizer, none_, std::move(schedule), std::move(options)) {}
+  // The strategy (or stack) outlives the Trainer.
+  Trainer(Model& model, Optimizer& optimizer, Strat& strategy, Schedule schedule, TrainOptions options)
       : model_(model),
         optimizer_(optimizer),
+        strategy_(strategy),
         schedule_(std::move(schedule)),
         options_(std::move(options)),
         loss_(Reduction::Mean, options_.label_smoothing),
-        metrics_(options_.metrics_path) {}
+        metrics_(options_.metrics_path),
+        micro_step_([this](const Batch<S>& micro, const MicroBatch& mb) { return micro_step(micro, mb); }) {
+    strategy_.set_timeline(options_.timeline);
+    stop_flags_.resize(static_cast<std::size_t>(std::max(1, options_.checkpoint_group.size())));
+  }
   // The caches hold pointers into this object (the batch): it stays where it was built.
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  // One optimizer step on `batch`; returns the loss. Accumulates correct-prediction counts.
+  // One optimizer step on `batch`, through the strategy's hooks (parallel/strategy.hpp); returns
+  // the batch's mean loss. Accumulates correct-prediction counts.
   S train_step(const Batch<S>& batch) {
+    if (!strategy_started_) {
+      strategy_.start();
+      strategy_started_ = true;
+    }
     Timeline* t = options_.timeline;
     optimizer_.zero_grad();
+    const auto loss = static_cast<S>(strategy_.run_micro_batches(batch, micro_step_));
     std::optional<Timeline::Span> span;
-    if (t) span.emplace(t->span("forward"));
-    const auto& logits = model_.forward(on_device(batch.images), model_cache_);  // (N, classes)
-    const S loss = loss_.forward(logits, batch.labels, loss_cache_);
-    correct_ += count_correct(logits, batch.labels);
-    if (t) span.emplace(t->span("backward"));
-    model_.backward(loss_.backward(loss_cache_), model_cache_);
-    if (options_.before_step) {
-      if (t) span.emplace(t->span("gradient sync wait"));
-      options_.before_step();
-    }
+    if (t) span.emplace(t->span("gradient sync wait"));
+    strategy_.before_optimizer_step();
+    if (options_.before_step) options_.before_step();
     if (t) span.emplace(t->span("optimizer step"));
     optimizer_.step();
+    strategy_.after_optimizer_step();
     span.reset();
     state_.global_step++;
     return loss;
@@ -256,9 +286,10 @@ class Trainer {
       char ranks[96] = "";
       if (r.ranks > 1)
         std::snprintf(ranks, sizeof ranks, " (all %d ranks; %.0f per rank)", r.ranks, r.images_per_second / r.ranks);
-      std::printf("epoch %lld: train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%% | %.1f s, %.0f img/s%s\n",
-                  static_cast<long long>(r.epoch), r.train_loss, 100 * r.train_accuracy, r.test_loss,
-                  100 * r.test_accuracy, r.seconds, r.images_per_second, ranks);
+      char tested[64] = "";  // fit() without a test loader: no test figures (not zeros)
+      if (test) std::snprintf(tested, sizeof tested, " | test loss %.4f acc %.2f%%", r.test_loss, 100 * r.test_accuracy);
+      std::printf("epoch %lld: train loss %.4f acc %.2f%%%s | %.1f s, %.0f img/s%s\n", static_cast<long long>(r.epoch),
+                  r.train_loss, 100 * r.train_accuracy, tested, r.seconds, r.images_per_second, ranks);
       std::fflush(stdout);
     }
     // Checkpoint first: if the process dies between the two, a resume redoes this epoch's
@@ -298,12 +329,15 @@ class Trainer {
             seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0};
   }
 
+  // The checkpoint, then each rank's strategy state beside it (when the strategy has any).
   void save(const std::string& path) {
     save_checkpoint(path, model_, optimizer_, state_, options_.checkpoint_group, options_.checkpoint_options);
+    save_strategy_state(path);
   }
   void load(const std::string& path) {
     state_ = load_checkpoint(path, model_, optimizer_, options_.checkpoint_group, options_.checkpoint_options);
     loaded_from_ = path;
+    load_strategy_state(path);
   }
   // Also checks at once that the checkpoint's data-loader position fits `train` (world size, batch
   // size, seed, dataset size), so that a mismatch is reported before anything says "resumed".
@@ -342,9 +376,127 @@ class Trainer {
     const std::int64_t mine = options_.stop_signals->received();
     const auto& group = options_.checkpoint_group;
     if (group.size() <= 1) return static_cast<int>(mine);
-    for (const std::int64_t seen : group.all_gather(std::span<const std::int64_t>(&mine, 1)))
+    group.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(stop_flags_));  // kept buffer
+    for (const std::int64_t seen : stop_flags_)
       if (seen != 0) return static_cast<int>(seen);
     return 0;
+  }
+
+  // What the Trainer does for each micro-batch of the strategy's loop: forward and loss, backward of
+  // the loss weighted by the micro-batch's share of the step's samples, the hooks around them.
+  double micro_step(const Batch<S>& micro, const MicroBatch& mb) {
+    Timeline* t = options_.timeline;
+    std::optional<Timeline::Span> span;
+    strategy_.before_forward(mb);
+    if (t) span.emplace(t->span("forward"));
+    const auto& logits = model_.forward(on_device(micro.images), model_cache_);  // (n, classes)
+    const S loss = loss_.forward(logits, micro.labels, loss_cache_);
+    correct_ += count_correct(logits, micro.labels);
+    if (t) span.emplace(t->span("backward"));
+    const auto& dlogits = loss_.backward(loss_cache_);
+    if (mb.weight == 1.0) {
+      model_.backward(dlogits, model_cache_);
+    } else {  // d(w L)/dlogits = w dL/dlogits
+      weighted_dlogits_.resize(dlogits.shape());
+      scale_elements(typename E::Device{}, dlogits.data(), dlogits.numel(), static_cast<S>(mb.weight),
+                     weighted_dlogits_.data());
+      model_.backward(weighted_dlogits_, model_cache_);
+    }
+    span.reset();
+    strategy_.after_backward(mb);
+    return static_cast<double>(loss);
+  }
+
+  // Every rank writes its own strategy state (all ranks succeed or all throw). The file records the
+  // step and world size it belongs to, so a stale one (a save cut short between the checkpoint and
+  // it) is refused on load instead of mixed in.
+  void save_strategy_state(const std::string& path) {
+    StrategyState st;
+    strategy_.save_state(st);
+    if (st.empty()) return;
+    const auto& group = options_.checkpoint_group;
+    const std::string file = strategy_state_path(path, group.rank());
+    std::exception_ptr failure;
+    try {
+      SafetensorsWriter writer;
+      for (const auto& [name, values] : st.entries())
+        writer.add_raw(name, DType::F64, Shape{static_cast<std::int64_t>(values.size())}, values.data(),
+                       values.size() * sizeof(double));
+      writer.set_metadata("format", "tessera-strategy-state-1");
+      writer.set_metadata("strategy", strategy_.name());
+      writer.set_metadata("train.global_step", std::to_string(state_.global_step));
+      writer.set_metadata("train.ranks", std::to_string(group.size()));
+      writer.write(file);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    agree_or_throw(failure, "save", file);
+  }
+
+  // Loads this rank's strategy state when the strategy has any. At another world size (an elastic
+  // resume) the per-rank state does not carry over: it starts afresh, and the Trainer says so.
+  void load_strategy_state(const std::string& path) {
+    StrategyState expected;
+    strategy_.save_state(expected);
+    if (expected.empty()) return;
+    const auto& group = options_.checkpoint_group;
+    const std::string file = strategy_state_path(path, group.rank());
+    if (state_.loader_world_size != 0 && state_.loader_world_size != group.size()) {
+      if (options_.verbose && group.rank() == 0)
+        std::printf("elastic resume: %s's per-rank state (%s) was saved by %lld ranks; it starts afresh here\n",
+                    strategy_.name().c_str(), file.c_str(), static_cast<long long>(state_.loader_world_size));
+      return;
+    }
+    std::exception_ptr failure;
+    StrategyState loaded;
+    try {
+      const SafetensorsFile f = SafetensorsFile::load(file);
+      const auto& meta = f.metadata();
+      const auto entry = [&](const char* key) { return meta.count(key) ? meta.at(key) : std::string("(none)"); };
+      TESSERA_CHECK(entry("format") == "tessera-strategy-state-1", IoError, "Trainer: '", file,
+                    "' is not a strategy state file (format ", entry("format"), ")");
+      TESSERA_CHECK(entry("train.global_step") == std::to_string(state_.global_step), IoError, "Trainer: '", file,
+                    "' holds ", entry("strategy"), "'s state at step ", entry("train.global_step"), " but '", path,
+                    "' is at step ", state_.global_step, " (a save was cut short between the two files); resume from "
+                    "an earlier checkpoint");
+      // Every entry the strategy has now must be there with its size; the file may hold more
+      // (state that exists only at some steps, such as LocalSgd's mid-period values).
+      std::string problems;
+      for (const auto& [name, values] : expected.entries()) {
+        if (!f.has(name)) problems += "\n  missing '" + name + "'";
+        else if (f.info(name).shape.numel() != static_cast<std::int64_t>(values.size()))
+          problems += "\n  '" + name + "' holds " + std::to_string(f.info(name).shape.numel()) + " values, not " +
+                      std::to_string(values.size());
+      }
+      for (const auto& name : f.names()) {
+        const TensorInfo& info = f.info(name);
+        if (info.dtype != DType::F64) {
+          problems += "\n  '" + name + "' is not float64";
+          continue;
+        }
+        std::vector<double> v(static_cast<std::size_t>(info.shape.numel()));
+        std::memcpy(v.data(), f.raw(name), v.size() * sizeof(double));
+        loaded.put(name, std::span<const double>(v));
+      }
+      TESSERA_CHECK(problems.empty(), IoError, "Trainer: '", file, "' does not fit ", strategy_.name(), ":", problems);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    agree_or_throw(failure, "load", file);
+    strategy_.load_state(loaded);
+  }
+
+  // All ranks of the checkpoint group learn whether every rank's part succeeded; those that did
+  // throw too, naming the ranks that did not.
+  void agree_or_throw(const std::exception_ptr& failure, const char* what, const std::string& file) {
+    const auto& group = options_.checkpoint_group;
+    if (group.size() > 1) {
+      const std::string failed = detail::ranks_that_failed(group, failure != nullptr);
+      if (!failure && !failed.empty())
+        throw IoError(detail::cat("Trainer: rank(s) ", failed, " could not ", what, " their strategy state (their "
+                                  "errors say why; this rank's is '", file, "')"));
+    }
+    if (failure) std::rethrow_exception(failure);
   }
 
   // A checkpoint's data-loader position only means something for the loader it was taken with.
@@ -438,6 +590,8 @@ class Trainer {
 
   Model& model_;
   Optimizer& optimizer_;
+  NoStrategy<E> none_;  // the strategy when none is given
+  Strat& strategy_;
   Schedule schedule_;
   TrainOptions options_;
   CrossEntropyLoss<E> loss_;
@@ -446,6 +600,10 @@ class Trainer {
   typename CrossEntropyLoss<E>::Cache loss_cache_{};
   Batch<S> batch_, eval_batch_;
   Tensor<S, typename E::Device> device_images_;  // on_device's copy (GPU models only)
+  Tensor<S, typename E::Device> weighted_dlogits_;  // micro_step: the loss gradient x the micro-batch's weight
+  MicroStep<S> micro_step_;                          // calls micro_step (built once: no allocation per step)
+  std::vector<std::int64_t> stop_flags_;             // agreed_stop_signal's all_gather
+  bool strategy_started_ = false;
   TrainState state_;
   std::string loaded_from_;  // the checkpoint state_ came from (for messages)
   int stopped_by_ = 0;       // the stop signal fit() stopped on (agreed by all ranks), or 0

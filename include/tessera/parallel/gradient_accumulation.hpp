@@ -1,0 +1,66 @@
+// GradientAccumulation: a strategy in one header (docs/adding-a-strategy.md walks through it).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tessera/core/error.hpp"
+#include "tessera/data/loader.hpp"
+#include "tessera/parallel/strategy.hpp"
+
+namespace tessera {
+
+// GradientAccumulation: k micro-batches, then one optimizer step (PyTorch: k backward passes,
+// each loss divided by k, then optimizer.step()). Each batch of n samples is split into k
+// contiguous micro-batches of n/k (the first n mod k one larger, as torch.tensor_split does);
+// micro-batch i's loss is weighted by n_i / n, so the accumulated gradient is the gradient of the
+// batch's mean loss: the step equals one step on the whole batch up to summation order, with the
+// activations of one micro-batch in memory instead of k. Under DataParallel (stack(dp, accum))
+// only the last micro-batch's backward communicates (DataParallel::before_forward).
+template <class E>
+class GradientAccumulation : public StrategyBase<E> {
+ public:
+  using S = typename E::Scalar;
+  static constexpr bool kOwnsMicroBatchLoop = true;
+
+  explicit GradientAccumulation(int micro_batches) : count_(micro_batches) {
+    TESSERA_CHECK(micro_batches >= 1, ArgumentError, "GradientAccumulation: micro_batches=", micro_batches,
+                  " must be >= 1");
+  }
+  std::string name() const { return "GradientAccumulation(" + std::to_string(count_) + ")"; }
+  int micro_batches() const { return count_; }
+
+  double run_micro_batches(const Batch<S>& batch, const MicroStep<S>& step) {
+    const auto n = static_cast<std::int64_t>(batch.labels.size());
+    TESSERA_CHECK(n >= count_, ArgumentError, "GradientAccumulation: a batch of ", n, " samples cannot be split into ",
+                  count_, " micro-batches (at least one sample each)");
+    TESSERA_CHECK(batch.images.dim(0) == n, ArgumentError, "GradientAccumulation: the batch has ", n,
+                  " labels but ", batch.images.dim(0), " images");
+    const std::int64_t row = batch.images.numel() / std::max<std::int64_t>(n, 1);
+    slices_.resize(static_cast<std::size_t>(count_));
+    double loss = 0;
+    std::int64_t begin = 0;
+    for (int i = 0; i < count_; ++i) {
+      const std::int64_t size = n / count_ + (i < n % count_ ? 1 : 0);
+      Batch<S>& micro = slices_[static_cast<std::size_t>(i)];
+      Shape shape = batch.images.shape();
+      shape[0] = size;
+      micro.images.resize(shape);
+      std::copy_n(batch.images.data() + begin * row, size * row, micro.images.data());
+      micro.labels.assign(batch.labels.begin() + begin, batch.labels.begin() + begin + size);
+      micro.index = batch.index;
+      const MicroBatch mb{i, count_, static_cast<double>(size) / static_cast<double>(n)};
+      loss += mb.weight * step(micro, mb);
+      begin += size;
+    }
+    return loss;
+  }
+
+ private:
+  int count_;
+  std::vector<Batch<S>> slices_;  // kept: after the first step a split allocates nothing
+};
+
+}  // namespace tessera
