@@ -210,6 +210,18 @@ void train(Comm& world, const Options& o, int stages) {
   std::vector<double> all(mine.size() * static_cast<std::size_t>(pipe_comm.size()));
   pipe_comm.all_gather(std::span<const double>(mine), std::span<double>(all));
   constexpr std::size_t kFields = 6;  // per stage, in `all`
+  // The schedule, asserted: the most micro-batches whose activations a stage held at once is M
+  // under GPipe and min(M, P - s) under 1F1B, so a 1F1B run as GPipe (or the reverse) fails here,
+  // on every rank of the pipeline (each has every stage's figure).
+  for (int s = 0; s < stages; ++s) {
+    const int expected = schedule == PipelineSchedule::GPipe ? o.micro_batches : std::min(o.micro_batches, stages - s);
+    const auto held = static_cast<int>(all[kFields * static_cast<std::size_t>(s) + 1]);
+    TESSERA_CHECK(held == expected, Error, "06_pipeline_parallel: stage ", s, " held the activations of ", held,
+                  " micro-batches at once; the ", o.schedule, " schedule holds ", expected);
+  }
+  if (world.rank() == 0)
+    std::printf("check: every stage held the activations of as many micro-batches as %s allows at most (%s) ok\n",
+                o.schedule.c_str(), schedule == PipelineSchedule::GPipe ? "M" : "min(M, P - s)");
   if (world.rank() == 0) {
     const double ideal = static_cast<double>(stages - 1) / static_cast<double>(o.micro_batches + stages - 1);
     std::printf("bubble: ideal (P-1)/(M+P-1) = %.3f; measured idle fraction per stage:", ideal);
