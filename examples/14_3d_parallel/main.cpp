@@ -169,8 +169,25 @@ int run(Comm& world, const Options& o) {
                   model.unit_name(pipe.boundaries()[static_cast<std::size_t>(k) + 1] - 1).c_str(), T);
   }
 
+  // Data parallelism over each stage slice's replicas. The pipeline's micro-batches accumulate; one
+  // step's forward and backward run with DataParallel's hooks held back (no_sync), then one
+  // all-reduce over the replicas (finish).
+  std::optional<DataParallel<E>> dp;
+  if (D > 1) dp.emplace(pipe.stage(), data_group, DataParallelOptions{.average_micro_steps = false});
+  auto pipeline_step = [&](Batch<float>& b) {
+    float loss;
+    {
+      std::optional<DataParallel<E>::NoSync> guard;
+      if (dp) guard.emplace(dp->no_sync());
+      loss = pipe.train_step(images(flat(b).images), b.labels);
+    }
+    if (dp) dp->finish();
+    return loss;
+  };
+
   // The check: the first global batch through the dense network on every rank (all B samples)
-  // and through the 3-D one (each replica its B/D), gradients averaged over the replicas.
+  // and through the 3-D one (each replica its B/D), gradients averaged over the replicas by the
+  // same DataParallel that trains.
   {
     Batch<float> whole;
     DataLoader<float> all(train_set, {.batch_size = o.batch, .shuffle = true, .seed = o.seed, .drop_tail = true});
@@ -181,11 +198,10 @@ int run(Comm& world, const Options& o) {
     Batch<float> mine;
     loader.start_epoch(0);
     loader.next(mine);
-    std::array<double, 1> got{pipe.train_step(images(flat(mine).images), mine.labels)};
-    data_group.all_reduce(std::span<double>(got), ReduceOp::Avg);
+    std::array<double, 1> got{pipeline_step(mine)};
+    data_group.all_reduce(std::span<double>(got), ReduceOp::Avg);  // the replicas' mean losses
     std::array<double, 1> worst{0};
     for (auto& [name, p] : pipe.stage_parameters().parameters) {
-      data_group.all_reduce(std::span<float>(p->grad.data(), static_cast<std::size_t>(p->grad.numel())), ReduceOp::Avg);
       Linear<E>& layer = dense_layer(dense, name);
       const auto& reference = name.ends_with("weight") ? layer.weight().grad : layer.bias().grad;
       worst[0] = std::max(worst[0], slice_difference(name, to_host(p->grad), to_host(reference), t));
@@ -200,22 +216,6 @@ int run(Comm& world, const Options& o) {
     sgd.zero_grad();
   }
 
-  // Data parallelism over each stage slice's replicas (after the check: its backward must not
-  // reach these hooks). The pipeline's micro-batches accumulate; finish() averages once.
-  std::optional<DataParallel<E>> dp;
-  if (D > 1) dp.emplace(pipe.stage(), data_group, DataParallelOptions{.average_micro_steps = false});
-  // One step's forward and backward: the pipeline's micro-batches accumulate the gradients with
-  // DataParallel's hooks held back (no_sync), then one all-reduce over the replicas (finish).
-  auto pipeline_step = [&](Batch<float>& b) {
-    float loss;
-    {
-      std::optional<DataParallel<E>::NoSync> guard;
-      if (dp) guard.emplace(dp->no_sync());
-      loss = pipe.train_step(images(flat(b).images), b.labels);
-    }
-    if (dp) dp->finish();
-    return loss;
-  };
   Batch<float> batch;
   for (std::int64_t epoch = 0; epoch < o.epochs; ++epoch) {
     sgd.set_lr(schedule(static_cast<double>(epoch)));
