@@ -204,7 +204,7 @@ TEST_CASE("Top-k residuals are checkpointed: a resumed run continues bit for bit
 
 // A strategy written by a user, acting on the gradients as a DDP communication hook would: it
 // rounds every gradient to a multiple of 2^-10 after DataParallel averaged it (the stack runs
-// before_optimizer_step in order: DataParallel's finish() first). About 20 lines.
+// before_optimizer_step in order: DataParallel's finish() first). Ten lines.
 namespace {
 template <class E>
 struct RoundGradients : StrategyBase<E> {
@@ -301,11 +301,7 @@ struct Float32Codec final : GradientCodec<E> {
     if (wire.size() <= b.index) wire.resize(b.index + 1);
     std::vector<float>& w = wire[b.index];
     w.assign(b.values.begin(), b.values.end());
-    if (blocking) {
-      comm.all_reduce(std::span<float>(w), ReduceOp::Avg);
-      return {};
-    }
-    return {comm.all_reduce_async(std::span<float>(w), ReduceOp::Avg), Work()};
+    return average_over_ranks(comm, std::span<float>(w), blocking);
   }
   void decode(Comm&, const CodecBucket<S>& b) override { std::copy(wire[b.index].begin(), wire[b.index].end(), b.values.begin()); }
 };

@@ -78,9 +78,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -89,7 +87,6 @@
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
-#include "tessera/core/half.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/elementwise.hpp"

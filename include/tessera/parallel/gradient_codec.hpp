@@ -9,7 +9,7 @@
 //                 all_gathers, keep the rest as the next residual (TopK)
 //
 // A user's codec derives from GradientCodec<E> and is installed with dp.register_codec(...): about
-// 20 lines for a float64 model whose gradients travel as float32 (tests/parallel/test_strategy.cpp).
+// 15 lines for a float64 model whose gradients travel as float32 (tests/parallel/test_strategy.cpp).
 //
 // The contract. launch() gets the bucket's values: its gradients and, in the last bucket, one more
 // value, the step's error flag, which must come back averaged over ranks like a gradient (it is how
@@ -49,6 +49,15 @@ struct CodecWork {
   Work first, second;
 };
 
+// all_reduce(Avg) of `values` on this thread (blocking: done on return) or started asynchronously:
+// the reduction most codecs run on what they encoded.
+template <class Comm, class T>
+CodecWork average_over_ranks(Comm& comm, std::span<T> values, bool blocking) {
+  if (!blocking) return {comm.all_reduce_async(values, ReduceOp::Avg), Work()};
+  comm.all_reduce(values, ReduceOp::Avg);
+  return {};
+}
+
 template <class E>
 class GradientCodec {
  public:
@@ -76,11 +85,7 @@ class AverageCodec final : public GradientCodec<E> {
   using typename GradientCodec<E>::Comm;
   std::string name() const override { return "none"; }
   CodecWork launch(Comm& comm, const CodecBucket<S>& b, bool blocking) override {
-    if (blocking) {
-      comm.all_reduce(b.values, ReduceOp::Avg);
-      return {};
-    }
-    return {comm.all_reduce_async(b.values, ReduceOp::Avg), Work()};
+    return average_over_ranks(comm, b.values, blocking);
   }
   void decode(Comm&, const CodecBucket<S>&) override {}
 };
@@ -96,11 +101,7 @@ class Fp16Codec final : public GradientCodec<E> {
     std::vector<Half>& half = wire(b.index);
     half.resize(b.values.size());
     for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(b.values[i]));
-    if (blocking) {
-      comm.all_reduce(std::span<Half>(half), ReduceOp::Avg);
-      return {};
-    }
-    return {comm.all_reduce_async(std::span<Half>(half), ReduceOp::Avg), Work()};
+    return average_over_ranks(comm, std::span<Half>(half), blocking);
   }
   void decode(Comm&, const CodecBucket<S>& b) override {
     const std::vector<Half>& half = wire(b.index);
