@@ -41,7 +41,7 @@
 
 #include "common/accuracy.hpp"
 #include "common/fashion_mnist_data.hpp"
-#include "common/png_plot.hpp"
+#include "common/async_report.hpp"
 #include "common/trace_files.hpp"
 #include "common/traffic.hpp"
 #include "tessera/build_env.hpp"
@@ -64,19 +64,8 @@ struct Options {
   std::vector<std::string> modes = {"sync", "ssp", "async", "hogwild"};
 };
 
-struct Point {
-  double seconds, accuracy;
-};
-
-struct ModeResult {
-  std::string mode;
-  std::vector<Point> points;
-  std::int64_t gradients = 0;
-  double staleness_mean = 0;
-  std::int64_t staleness_max = 0;
-  std::int64_t staleness_bound = -1;  // the bound SSP must respect, -1 if none
-  double loopback = 0;                // bytes over this host's loopback during the sessions (evaluator)
-};
+using examples::AsyncPoint;
+using ModeResult = examples::AsyncModeResult;
 
 // A worker's endless stream of batches from its shard, epoch after epoch.
 class BatchStream {
@@ -316,90 +305,13 @@ int run(Comm& comm, const Options& o, HogwildStore<float>& store) {
   }
   if (!is_evaluator) return 0;
 
-  int failures = 0;
-  std::printf("\n%-8s %16s %10s %10s %10s %15s %15s\n", "mode", "time to target", "final acc", "wall time", "gradients",
-              "mean staleness", "max staleness");
-  for (const ModeResult& r : results) {
-    std::string to_target = "not reached";
-    for (const Point& p : r.points)
-      if (p.accuracy >= o.target) {
-        char buf[32];
-        std::snprintf(buf, sizeof buf, "%.1f s", p.seconds);
-        to_target = buf;
-        break;
-      }
-    const Point& last = r.points.back();
-    std::printf("%-8s %16s %9.2f%% %9.1fs %10lld %15.2f %15lld\n", r.mode.c_str(), to_target.c_str(),
-                100 * last.accuracy, last.seconds, static_cast<long long>(r.gradients), r.staleness_mean,
-                static_cast<long long>(r.staleness_max));
-    if (last.accuracy < o.min_accuracy) {
-      std::printf("CHECK FAILED: %s ends at %.2f%%, below --min-accuracy %.2f%%\n", r.mode.c_str(),
-                  100 * last.accuracy, 100 * o.min_accuracy);
-      ++failures;
-    }
-    if (r.staleness_bound >= 0 && r.staleness_max > r.staleness_bound) {
-      std::printf("CHECK FAILED: %s max staleness %lld exceeds (W - 1)(2s + 1) = %lld\n", r.mode.c_str(),
-                  static_cast<long long>(r.staleness_max), static_cast<long long>(r.staleness_bound));
-      ++failures;
-    }
-  }
-  std::printf("(time to target: wall time, evaluation excluded, until test accuracy >= %.1f%%)\n", 100 * o.target);
-  // The cost model, bytes per gradient (4 bytes x P parameters): the W workers' all-reduce moves
-  // 2(W-1)/W x 4P per worker and step, one gradient each; a parameter server takes 4P in (the
-  // push) and sends 4P back (the pull) for every gradient, whatever the number of servers (each
-  // holds a slice). Measured: the bytes that crossed this host's loopback interface during the
-  // sessions (the end-of-session gathers of the parameters included) over the gradients.
-  {
-    auto probe = lenet5<E>(1, 28, 10, o.seed);
-    const double g = 4.0 * static_cast<double>(count_parameters(named_tensors(probe))), w = workers;
-    std::printf("\ncost per gradient: sync 2(W-1)/W x 4P = %.1f KiB; ssp and async: push 4P + pull 4P = %.1f KiB "
-                "(P = %.0f)\n", 2 * (w - 1) / w * g / 1024, 2 * g / 1024, g / 4);
-    for (const ModeResult& r : results) {
-      if (r.mode == "hogwild" || r.gradients == 0) continue;
-      const double formula = r.mode == "sync" ? 2 * (w - 1) / w * g : 2 * g;
-      if (SharedMemoryCommunicator<Comm>)
-        std::printf("  %-6s %.1f KiB by formula; measured: nothing to measure, the ranks are threads\n", r.mode.c_str(),
-                    formula / 1024);
-      else
-        std::printf("  %-6s %.1f KiB by formula | %.1f KiB measured on loopback (%.2fx; 0 where the backend uses shared "
-                    "memory)\n", r.mode.c_str(), formula / 1024, r.loopback / static_cast<double>(r.gradients) / 1024,
-                    r.loopback / static_cast<double>(r.gradients) / formula);
-    }
-  }
-  if (!o.out.empty()) {
-    std::FILE* f = std::fopen(o.out.c_str(), "w");
-    TESSERA_CHECK(f != nullptr, IoError, "09_async_sgd: cannot write '", o.out, "'");
-    for (const ModeResult& r : results)
-      for (std::size_t i = 0; i < r.points.size(); ++i)
-        std::fprintf(f, "{\"mode\": \"%s\", \"epoch\": %.4f, \"seconds\": %.3f, \"test_accuracy\": %.6f, "
-                        "\"straggler_ms\": %d, \"workers\": %d, \"staleness_mean\": %.4f, \"staleness_max\": %lld}\n",
-                     r.mode.c_str(), static_cast<double>(i + 1) / static_cast<double>(o.evals), r.points[i].seconds,
-                     r.points[i].accuracy, o.straggler_ms, workers, r.staleness_mean,
-                     static_cast<long long>(r.staleness_max));
-    std::fclose(f);
-  }
-  if (!o.plot.empty() && !results.empty()) {
-    const std::array<std::array<std::uint8_t, 3>, 4> colours = {{{40, 90, 200}, {40, 160, 60}, {210, 50, 40}, {150, 60, 170}}};
-    const char* colour_names[] = {"blue", "green", "red", "purple"};
-    std::vector<examples::Series> series;
-    double x_max = 0, low = 1;
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      examples::Series s{results[i].mode, colours[i % 4], {}, {0.0}};
-      s.y.push_back(0.1);  // chance, at time 0
-      for (const Point& p : results[i].points) {
-        s.x.push_back(p.seconds);
-        s.y.push_back(p.accuracy);
-        x_max = std::max(x_max, p.seconds);
-        low = std::min(low, p.accuracy);
-      }
-      series.push_back(s);
-    }
-    const double y_min = std::floor(std::min(low, 0.5) * 10) / 10;
-    examples::plot_xy_png(o.plot, series, x_max, y_min, 1.0);
-    std::printf("\nplot: %s (test accuracy against wall time; x: 0..%.0f s, y: %.0f%%..100%%, grid every 10%%)\n",
-                o.plot.c_str(), x_max, 100 * y_min);
-    for (std::size_t i = 0; i < results.size(); ++i) std::printf("  %-6s %s\n", colour_names[i % 4], results[i].mode.c_str());
-  }
+  auto probe = lenet5<E>(1, 28, 10, o.seed);
+  const double parameters = static_cast<double>(count_parameters(named_tensors(probe)));
+  const int failures = examples::report_async(results, {.target = o.target, .min_accuracy = o.min_accuracy,
+                                                         .workers = workers, .shared_memory = SharedMemoryCommunicator<Comm>,
+                                                         .parameters = parameters});
+  examples::write_async_jsonl(o.out, results, o.evals, o.straggler_ms, workers);
+  examples::plot_async(o.plot, results);
   return failures == 0 ? 0 : 1;
 }
 

@@ -14,41 +14,27 @@
 // index), and fails unless the two test accuracies are within 0.5 points: the files hold the
 // data set faithfully and the pipeline reads it faithfully. With PNG files the two runs see the
 // same bytes, so they agree exactly; JPEG files differ by their compression.
-//
-// Flags: --image-folder=DIR --epochs=3 --batch=128 (global) --lr=0.1 --warmup=0.5 --seed=1
-// --threads=1 (per rank) --ranks=2 (threads build) --workers=1 (decoding threads per rank)
-// --model=resnet20|resnet50 --size=28 (training and test resolution) --eval-resize=0 (shorter side
-// before the test's centre crop; 0: --size) --channels=1|3 --augment=standard|none
-// --crop-scale=0.35 (RandomResizedCrop's smallest area fraction) --flip=0.5 --cache (keep decoded
-// images in memory) --cache-file=PATH (decoded images in PATH.train / PATH.test, memory-mapped,
-// built by the first run and reused by the next) --skip-corrupt (skip unreadable files, and count them) --compare-idx
-// --data-dir=DIR (the IDX files, for --compare-idx) --min-accuracy=0 (exit 1 below it, percent)
+// (common/image_folder_check.hpp). --help lists every flag; README.md explains them.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
+#include "11_image_folder/options.hpp"
+#include "common/image_folder_check.hpp"
 #include "common/rank_status.hpp"
 
 using namespace tessera;
 
 namespace {
 
+using image_folder_example::Options;
 using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the build, nowhere else
 using Comm = E::Comm;
-
-struct Options {
-  std::string image_folder, model = "resnet20", augment = "standard", data_dir, cache_file;
-  std::int64_t epochs = 3, batch = 128, size = 28, eval_resize = 0, channels = 1;
-  double lr = 0.1, warmup = 0.5, crop_scale = 0.35, flip = 0.5, min_accuracy = 0;
-  int threads = 1, ranks = 2, workers = 1;
-  std::uint64_t seed = 1;
-  bool cache = false, skip_corrupt = false, compare_idx = false;
-};
 
 struct Transforms {
   ImageTransform train, test;
@@ -109,30 +95,6 @@ RunResult train(Comm& comm, const Options& o, const SampleSource& train_set, con
   return run(resnet20<E>(ro));
 }
 
-// The IDX training or test set in the folder's sample order: the converter named each file by its
-// IDX index, so sample k of both is the same image.
-Dataset idx_in_folder_order(const ImageFolder& folder, const Dataset& idx) {
-  Dataset ordered;
-  ordered.name = idx.name + " in " + folder.root() + "'s order";
-  ordered.num_classes = idx.num_classes;
-  const std::int64_t per = idx.sample_numel();
-  ordered.images.resize({folder.size(), idx.channels(), idx.height(), idx.width()});
-  for (std::int64_t k = 0; k < folder.size(); ++k) {
-    const std::string& path = folder.samples()[static_cast<std::size_t>(k)].path;
-    const std::string stem = std::filesystem::path(path).stem().string();
-    std::int64_t i = -1;
-    const auto [end, error] = std::from_chars(stem.data(), stem.data() + stem.size(), i);
-    TESSERA_CHECK(error == std::errc() && end == stem.data() + stem.size() && i >= 0 && i < idx.size(), ArgumentError,
-                  "--compare-idx: ", path, " is not named by an IDX sample index (as idx-to-image-folder names them)");
-    TESSERA_CHECK(idx.labels[static_cast<std::size_t>(i)] == folder.samples()[static_cast<std::size_t>(k)].label,
-                  ArgumentError, "--compare-idx: ", path, " is in class ", folder.samples()[static_cast<std::size_t>(k)].label,
-                  " but IDX sample ", i, " has label ", idx.labels[static_cast<std::size_t>(i)]);
-    std::copy_n(idx.images.data() + i * per, per, ordered.images.data() + k * per);
-    ordered.labels.push_back(idx.labels[static_cast<std::size_t>(i)]);
-  }
-  return ordered;
-}
-
 int run(Comm& comm, const Options& o) {
   namespace fs = std::filesystem;
   const int rank = comm.rank(), ranks = comm.size();
@@ -156,81 +118,31 @@ int run(Comm& comm, const Options& o) {
   TESSERA_CHECK(train_set.classes() == test_set.classes(), ArgumentError, "--image-folder=", o.image_folder,
                 ": train/ has ", train_set.num_classes(), " classes and test/ ", test_set.num_classes(),
                 "; they must be the same names");
-  if (rank == 0) {
-    std::printf("11_image_folder: %s, %lld training / %lld test images in %lld classes from %s; %s at %lldx%lld, "
-                "%d rank(s) x batch %lld, %d decoding worker(s) per rank, %lld epochs; decoders: %s\n",
-                o.model.c_str(), static_cast<long long>(train_set.size()), static_cast<long long>(test_set.size()),
-                static_cast<long long>(train_set.num_classes()), o.image_folder.c_str(),
-                o.augment == "standard" ? "RandomResizedCrop + flip" : "no augmentation", static_cast<long long>(o.size),
+  if (rank == 0)
+    std::printf("11_image_folder: %s from %s, %lld x %lld, %d rank(s) x batch %lld, %d decoding worker(s) per rank, %s\n",
+                o.model.c_str(), examples::describe(train_set, test_set).c_str(), static_cast<long long>(o.size),
                 static_cast<long long>(o.size), ranks, static_cast<long long>(o.batch / ranks), o.workers,
-                static_cast<long long>(o.epochs), image_decoders().c_str());
-  }
+                o.augment == "standard" ? "RandomResizedCrop + flip" : "no augmentation");
   // --compare-idx's data is read and matched to the folder before the first training, so that a
   // wrong --data-dir or folder fails in seconds, not after a whole training run.
-  Dataset idx_train, idx_test;
-  if (o.compare_idx) {
-    TESSERA_CHECK(o.channels == 1 && o.size == 28, ArgumentError,
-                  "--compare-idx compares with Fashion-MNIST's 28x28 grey images: use --channels=1 --size=28");
-    idx_train = idx_in_folder_order(train_set, load_fashion_mnist(Split::Train, o.data_dir));
-    idx_test = idx_in_folder_order(test_set, load_fashion_mnist(Split::Test, o.data_dir));
-  }
+  std::optional<examples::IdxTwin> twin;
+  if (o.compare_idx) twin.emplace(train_set, test_set, t.train, t.test, o.seed, o.data_dir, o.channels, o.size);
   const RunResult folder = train(comm, o, train_set, test_set, "image folder");
-  if (rank == 0 && (train_set.skipped_count() || test_set.skipped_count())) {
-    std::printf("skipped %zu unreadable training and %zu test files (--skip-corrupt); the first: %s\n",
-                train_set.skipped_count(), test_set.skipped_count(),
-                (train_set.skipped_count() ? train_set.skipped() : test_set.skipped()).front().path.c_str());
-  }
-  int status = 0;
-  if (folder.accuracy < o.min_accuracy) {
-    if (rank == 0) std::printf("FAIL: test accuracy %.2f%% is below --min-accuracy=%.2f%%\n", folder.accuracy, o.min_accuracy);
-    status = 1;
-  }
-  if (o.compare_idx) {
-    const ImageArray idx_train_set(idx_train, t.train, o.seed), idx_test_set(idx_test, t.test, 0);
-    const RunResult idx = train(comm, o, idx_train_set, idx_test_set, "IDX files");
-    const double difference = std::abs(folder.accuracy - idx.accuracy);
-    if (rank == 0)
-      std::printf("image folder %.2f%% vs IDX %.2f%%: %.2f points apart (must be <= 0.5): %s\n", folder.accuracy,
-                  idx.accuracy, difference, difference <= 0.5 ? "ok" : "FAIL");
-    if (difference > 0.5) status = 1;
-  }
-  return status;
-}
-
-Options parse(int argc, char** argv) {
-  Flags flags(argc, argv);
-  Options o;
-  o.image_folder = flags.get("image-folder", o.image_folder);
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.warmup = flags.get("warmup", o.warmup, {.min = 0});
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
-  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.workers = flags.get("workers", o.workers, {.min = 1, .max = 64});
-  o.model = flags.choice("model", o.model, {"resnet20", "resnet50"});
-  o.size = flags.get("size", o.size, {.min = 8, .max = 4096});
-  o.eval_resize = flags.get("eval-resize", o.eval_resize, {.min = 0, .max = 8192});
-  o.channels = flags.get("channels", o.channels, {.min = 1, .max = 3});
-  o.augment = flags.choice("augment", o.augment, {"standard", "none"});
-  o.crop_scale = flags.get("crop-scale", o.crop_scale, {.above = 0, .max = 1});
-  o.flip = flags.get("flip", o.flip, {.min = 0, .max = 1});
-  o.cache = flags.get("cache", o.cache);
-  o.cache_file = flags.output_path("cache-file", o.cache_file);
-  o.skip_corrupt = flags.get("skip-corrupt", o.skip_corrupt);
-  o.compare_idx = flags.get("compare-idx", o.compare_idx);
-  o.data_dir = flags.get("data-dir", o.data_dir);
-  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 100});
-  flags.finish();
-  TESSERA_CHECK(!o.image_folder.empty(), ArgumentError,
-                "--image-folder=DIR is required (DIR/train/<class>/*.png|jpg and DIR/test/...); make one from "
-                "Fashion-MNIST with build/idx-to-image-folder --out=DIR");
-  TESSERA_CHECK(o.channels != 2, ArgumentError, "--channels=2: use 1 (grey) or 3 (RGB)");
-  return o;
+  if (rank == 0) examples::print_skipped(train_set, test_set);
+  const bool high_enough = folder.accuracy >= o.min_accuracy;
+  if (rank == 0 && !high_enough)
+    std::printf("FAIL: test accuracy %.2f%% is below --min-accuracy=%.2f%%\n", folder.accuracy, o.min_accuracy);
+  if (!o.compare_idx) return high_enough ? 0 : 1;
+  const RunResult idx = train(comm, o, *twin->train, *twin->test, "IDX files");
+  const double difference = std::abs(folder.accuracy - idx.accuracy);
+  if (rank == 0)
+    std::printf("image folder %.2f%% vs IDX %.2f%%: %.2f points apart (must be <= 0.5): %s\n", folder.accuracy,
+                idx.accuracy, difference, difference <= 0.5 ? "ok" : "FAIL");
+  return high_enough && difference <= 0.5 ? 0 : 1;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) { return examples::run_checked<E>("11_image_folder", argc, argv, parse, run); }
+int main(int argc, char** argv) {
+  return examples::run_checked<E>("11_image_folder", argc, argv, image_folder_example::parse, run);
+}

@@ -49,6 +49,38 @@ struct RunOptions {
   const tessera::StopSignals* stop_signals = nullptr;  // set with a checkpoint path
 };
 
+// The final line and the --min-accuracy check (for a finished run: a run stopped early is not
+// checked). Returns the exit code.
+inline int report_fashion_mnist(const char* title, const Recipe& recipe, const RunOptions& o,
+                                const std::vector<tessera::EpochResult>& results, double train_images) {
+  if (results.empty()) return 0;
+  double seconds = 0;
+  for (auto& r : results) seconds += r.seconds;
+  if (seconds > 0)
+    std::printf("final test accuracy: %.2f%% (%lld epochs, %.1f s training, %.0f img/s)\n",
+                100.0 * results.back().test_accuracy, static_cast<long long>(results.back().epoch), seconds,
+                train_images * static_cast<double>(results.size()) / seconds);
+  else
+    std::printf("final test accuracy: %.2f%% (%lld epochs, all trained before the resume)\n",
+                100.0 * results.back().test_accuracy, static_cast<long long>(results.back().epoch));
+  // The claim is about a finished run: a run stopped early (--stop-after) is not checked.
+  if (o.min_accuracy <= 0)
+    std::printf("check: none (the recipe's floor of %.1f%% is for its own settings; --min-accuracy sets one)\n",
+                100.0 * recipe.min_accuracy);
+  if (o.min_accuracy > 0 && results.back().epoch == recipe.epochs) {
+    const bool reached = results.back().test_accuracy >= o.min_accuracy;
+    std::printf("check: final test accuracy %.2f%% %s the floor of %.2f%% (--min-accuracy)\n",
+                100.0 * results.back().test_accuracy, reached ? ">=" : "is BELOW", 100.0 * o.min_accuracy);
+    if (!reached) {
+      std::fprintf(stderr, "error: %s reached %.2f%%, below --min-accuracy=%g: the floor is for this recipe's "
+                   "settings; with fewer epochs or images pass a lower one (0: no check)\n", title,
+                   100.0 * results.back().test_accuracy, o.min_accuracy);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 // Trains make_model.template operator()<E>(seed) and prints the final test accuracy.
 template <class E, class MakeModel>
 int train_fashion_mnist(const char* title, const Recipe& recipe, const RunOptions& o, MakeModel& make_model) {
@@ -88,33 +120,7 @@ int train_fashion_mnist(const char* title, const Recipe& recipe, const RunOption
                 static_cast<long long>(trainer.state().epoch), static_cast<long long>(recipe.epochs), 100.0 * accuracy);
     results.push_back({.epoch = recipe.epochs, .test_loss = loss, .test_accuracy = accuracy});
   }
-  if (!results.empty()) {
-    double seconds = 0;
-    for (auto& r : results) seconds += r.seconds;
-    if (seconds > 0)
-      std::printf("final test accuracy: %.2f%% (%lld epochs, %.1f s training, %.0f img/s)\n",
-                  100.0 * results.back().test_accuracy, static_cast<long long>(results.back().epoch), seconds,
-                  static_cast<double>(train.labels.size()) * static_cast<double>(results.size()) / seconds);
-    else
-      std::printf("final test accuracy: %.2f%% (%lld epochs, all trained before the resume)\n",
-                  100.0 * results.back().test_accuracy, static_cast<long long>(results.back().epoch));
-    // The claim is about a finished run: a run stopped early (--stop-after) is not checked.
-    if (o.min_accuracy <= 0)
-      std::printf("check: none (the recipe's floor of %.1f%% is for its own settings; --min-accuracy sets one)\n",
-                  100.0 * recipe.min_accuracy);
-    if (o.min_accuracy > 0 && results.back().epoch == recipe.epochs) {
-      const bool reached = results.back().test_accuracy >= o.min_accuracy;
-      std::printf("check: final test accuracy %.2f%% %s the floor of %.2f%% (--min-accuracy)\n",
-                  100.0 * results.back().test_accuracy, reached ? ">=" : "is BELOW", 100.0 * o.min_accuracy);
-      if (!reached) {
-        std::fprintf(stderr, "error: %s reached %.2f%%, below --min-accuracy=%g: the floor is for this recipe's "
-                     "settings; with fewer epochs or images pass a lower one (0: no check)\n", title,
-                     100.0 * results.back().test_accuracy, o.min_accuracy);
-        return 1;
-      }
-    }
-  }
-  return 0;
+  return report_fashion_mnist(title, recipe, o, results, static_cast<double>(train.labels.size()));
 }
 
 // Reads flags over the recipe's defaults, trains, returns the process exit code.

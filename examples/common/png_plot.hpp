@@ -1,7 +1,8 @@
 // A line plot written as a PNG with nothing but zlib: for examples that want to show a curve
 // without a plotting library. Series are drawn as 2-pixel lines on a light grid (one grid line
-// per x unit when there are few, and every 10% of the y range); no text: the caller prints the
-// legend (series colour and name) and axis ranges.
+// per x unit when there are few, and every 10% of the y range), with labelled ticks and axis
+// titles in a 5x7 pixel font (digits, a few signs and the lower-case letters); the caller prints
+// the legend (series colour and name).
 #pragma once
 
 #include <zlib.h>
@@ -33,6 +34,17 @@ class PngImage {
     if (x < 0 || y < 0 || x >= w_ || y >= h_) return;
     auto* p = &pixels_[(static_cast<std::size_t>(y) * w_ + x) * 3];
     p[0] = c[0], p[1] = c[1], p[2] = c[2];
+  }
+  // Text in the 5x7 font, top-left corner at (x, y), one pixel of space between characters; a
+  // character outside the font is a blank. Returns the width drawn.
+  int text(int x, int y, const std::string& s, std::array<std::uint8_t, 3> c) {
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      const std::uint8_t* rows = glyph(s[i]);
+      for (int r = 0; r < 7 && rows; ++r)
+        for (int col = 0; col < 5; ++col)
+          if (rows[r] & (0x10 >> col)) set(x + 6 * static_cast<int>(i) + col, y + r, c);
+    }
+    return 6 * static_cast<int>(s.size());
   }
   // Bresenham with a 2-pixel pen.
   void line(int x0, int y0, int x1, int y1, std::array<std::uint8_t, 3> c) {
@@ -74,6 +86,24 @@ class PngImage {
   }
 
  private:
+  // 7 rows of 5 bits (bit 4 the leftmost pixel) per character; nullptr: not in the font.
+  static const std::uint8_t* glyph(char ch) {
+    static const char chars[] = "0123456789.%()- abcdefghiklmnoprstuvwxy";
+    static const std::uint8_t rows[][7] = {
+        {14, 17, 19, 21, 25, 17, 14}, {4, 12, 4, 4, 4, 4, 14},    {14, 17, 1, 2, 4, 8, 31},   {30, 1, 1, 14, 1, 1, 30},
+        {2, 6, 10, 18, 31, 2, 2},     {31, 16, 30, 1, 1, 17, 14}, {6, 8, 16, 30, 17, 17, 14}, {31, 1, 2, 4, 8, 8, 8},
+        {14, 17, 17, 14, 17, 17, 14}, {14, 17, 17, 15, 1, 2, 12}, {0, 0, 0, 0, 0, 12, 12},    {24, 25, 2, 4, 8, 19, 3},
+        {2, 4, 8, 8, 8, 4, 2},        {8, 4, 2, 2, 2, 4, 8},      {0, 0, 0, 31, 0, 0, 0},     {0, 0, 0, 0, 0, 0, 0},
+        {0, 0, 14, 1, 15, 17, 15},    {16, 16, 22, 25, 17, 17, 30}, {0, 0, 14, 16, 16, 17, 14}, {1, 1, 13, 19, 17, 17, 15},
+        {0, 0, 14, 17, 31, 16, 14},   {6, 9, 8, 28, 8, 8, 8},     {0, 15, 17, 17, 15, 1, 14}, {16, 16, 22, 25, 17, 17, 17},
+        {4, 0, 12, 4, 4, 4, 14},      {16, 16, 18, 20, 24, 20, 18}, {12, 4, 4, 4, 4, 4, 14},  {0, 0, 26, 21, 21, 17, 17},
+        {0, 0, 22, 25, 17, 17, 17},   {0, 0, 14, 17, 17, 17, 14}, {0, 0, 30, 17, 30, 16, 16}, {0, 0, 22, 25, 16, 16, 16},
+        {0, 0, 15, 16, 14, 1, 30},    {8, 8, 28, 8, 8, 9, 6},     {0, 0, 17, 17, 17, 19, 13}, {0, 0, 17, 17, 17, 10, 4},
+        {0, 0, 17, 17, 21, 21, 10},   {0, 0, 17, 10, 4, 10, 17},  {0, 0, 17, 17, 15, 1, 14}};
+    for (std::size_t i = 0; i + 1 < sizeof chars; ++i)
+      if (chars[i] == ch) return rows[i];
+    return nullptr;
+  }
   static std::vector<std::uint8_t> be32(std::uint32_t v) {
     return {static_cast<std::uint8_t>(v >> 24), static_cast<std::uint8_t>(v >> 16), static_cast<std::uint8_t>(v >> 8),
             static_cast<std::uint8_t>(v)};
@@ -94,11 +124,37 @@ class PngImage {
   std::vector<std::uint8_t> pixels_;
 };
 
-// Plots the series over x = 1..max length in [y_min, y_max] into a width x height PNG.
+namespace detail {
+inline std::string tick(const char* fmt, double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, fmt, v);
+  return buf;
+}
+// The y axis of an accuracy plot: a grid line every 10% of [y_min, y_max], each labelled in percent,
+// and the title above the axis; the x axis's title centred under its tick labels.
+inline void accuracy_axes(PngImage& img, int left, int right, int top, int bottom, double y_min, double y_max,
+                          const std::string& x_title, const std::string& y_title) {
+  const std::array<std::uint8_t, 3> grid = {225, 225, 225}, axis = {60, 60, 60};
+  for (int k = 0; k <= 10; ++k) {
+    const double y = y_min + k * (y_max - y_min) / 10;
+    const int py = bottom - k * (bottom - top) / 10;
+    img.line(left, py, right, py, grid);
+    const std::string label = detail::tick("%.0f%%", 100 * y);
+    img.text(left - 6 - 6 * static_cast<int>(label.size()), py - 3, label, axis);
+  }
+  img.line(left, bottom, right, bottom, axis);
+  img.line(left, top, left, bottom, axis);
+  img.text(left, top - 14, y_title, axis);
+  img.text((left + right) / 2 - 3 * static_cast<int>(x_title.size()), bottom + 22, x_title, axis);
+}
+}  // namespace detail
+
+// Plots the series over x = 1..max length in [y_min, y_max] (accuracies: the y labels are in
+// percent) into a width x height PNG, with the axes' titles.
 inline void plot_png(const std::string& path, const std::vector<Series>& series, double y_min, double y_max,
-                     int width = 800, int height = 500) {
+                     const std::string& x_title, const std::string& y_title, int width = 800, int height = 500) {
   PngImage img(width, height);
-  const int left = 40, right = width - 20, top = 20, bottom = height - 40;
+  const int left = 60, right = width - 20, top = 30, bottom = height - 40;
   std::size_t points = 1;
   for (const auto& s : series) points = std::max(points, s.y.size());
   auto px = [&](double x) { return left + static_cast<int>((x - 1) / std::max<double>(1, points - 1) * (right - left)); };
@@ -107,34 +163,43 @@ inline void plot_png(const std::string& path, const std::vector<Series>& series,
     return bottom - static_cast<int>(t * (bottom - top));
   };
   const std::array<std::uint8_t, 3> grid = {225, 225, 225}, axis = {60, 60, 60};
-  for (int k = 0; k <= 10; ++k) img.line(left, py(y_min + k * (y_max - y_min) / 10), right, py(y_min + k * (y_max - y_min) / 10), grid);
-  for (std::size_t x = 1; x <= points && points <= 100; ++x) img.line(px(x), top, px(x), bottom, grid);
-  img.line(left, bottom, right, bottom, axis);
-  img.line(left, top, left, bottom, axis);
+  const std::size_t every = std::max<std::size_t>(1, (points + 9) / 10);  // at most about 10 x labels
+  for (std::size_t x = 1; x <= points; ++x) {
+    if (points <= 100) img.line(px(static_cast<double>(x)), top, px(static_cast<double>(x)), bottom, grid);
+    if ((x - 1) % every == 0 || x == points)
+      img.text(px(static_cast<double>(x)) - 3 * static_cast<int>(std::to_string(x).size()), bottom + 6,
+               std::to_string(x), axis);
+  }
+  detail::accuracy_axes(img, left, right, top, bottom, y_min, y_max, x_title, y_title);
   for (const auto& s : series)
     for (std::size_t i = 1; i < s.y.size(); ++i)
       img.line(px(static_cast<double>(i)), py(s.y[i - 1]), px(static_cast<double>(i + 1)), py(s.y[i]), s.rgb);
   img.write(path);
 }
 
-// Plots each series' points (x[i], y[i]) over [0, x_max] x [y_min, y_max]; grid lines every 10%
-// of both ranges.
+// Plots each series' points (x[i], y[i]) over [0, x_max] x [y_min, y_max] (accuracies: the y
+// labels are in percent); labelled grid lines, every 10% of the y range and at round steps of x,
+// and the axes' titles.
 inline void plot_xy_png(const std::string& path, const std::vector<Series>& series, double x_max, double y_min,
-                        double y_max, int width = 800, int height = 500) {
+                        double y_max, const std::string& x_title, const std::string& y_title, int width = 800,
+                        int height = 500) {
   PngImage img(width, height);
-  const int left = 40, right = width - 20, top = 20, bottom = height - 40;
+  const int left = 60, right = width - 20, top = 30, bottom = height - 40;
   auto px = [&](double x) { return left + static_cast<int>(std::clamp(x / x_max, 0.0, 1.0) * (right - left)); };
   auto py = [&](double y) {
     const double t = std::clamp((y - y_min) / (y_max - y_min), 0.0, 1.0);
     return bottom - static_cast<int>(t * (bottom - top));
   };
   const std::array<std::uint8_t, 3> grid = {225, 225, 225}, axis = {60, 60, 60};
-  for (int k = 0; k <= 10; ++k) {
-    img.line(left, py(y_min + k * (y_max - y_min) / 10), right, py(y_min + k * (y_max - y_min) / 10), grid);
-    img.line(px(k * x_max / 10), top, px(k * x_max / 10), bottom, grid);
+  // x ticks at multiples of a round step (1, 2 or 5 x 10^k) giving at most 10 intervals.
+  const double raw = x_max / 10, decade = std::pow(10.0, std::floor(std::log10(raw)));
+  const double step = raw <= decade ? decade : raw <= 2 * decade ? 2 * decade : raw <= 5 * decade ? 5 * decade : 10 * decade;
+  for (int k = 0; k * step <= x_max * (1 + 1e-9); ++k) {
+    img.line(px(k * step), top, px(k * step), bottom, grid);
+    const std::string label = detail::tick(step < 1 ? "%.1f" : "%.0f", k * step);
+    img.text(px(k * step) - 3 * static_cast<int>(label.size()), bottom + 6, label, axis);
   }
-  img.line(left, bottom, right, bottom, axis);
-  img.line(left, top, left, bottom, axis);
+  detail::accuracy_axes(img, left, right, top, bottom, y_min, y_max, x_title, y_title);
   for (const auto& s : series)
     for (std::size_t i = 1; i < s.y.size() && i < s.x.size(); ++i)
       img.line(px(s.x[i - 1]), py(s.y[i - 1]), px(s.x[i]), py(s.y[i]), s.rgb);

@@ -11,6 +11,7 @@ struct EveryOtherStep {
   std::string name() const { return "EveryOtherStep"; }
   void start() {}
   void before_forward(const tessera::MicroBatch&) {}
+  void before_backward(const tessera::MicroBatch&) {}
   void after_backward(const tessera::MicroBatch&) {}
   double run_micro_batches(const tessera::Batch<float>& b, const tessera::MicroStep<float>& step) {
     return step(b, {});

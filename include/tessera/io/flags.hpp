@@ -111,6 +111,8 @@ class Flags {
   // is empty); an empty list is refused: "--runs=small,big: 'big' must be one of small, warmup".
   std::vector<std::string> list(const std::string& name, const std::string& fallback,
                                 std::initializer_list<const char*> allowed = {});
+  // A comma-separated list of integers, each in `range`: "--periods=1,x: 'x' is not an integer".
+  std::vector<int> int_list(const std::string& name, const std::string& fallback, const FlagRange& range);
 
   // OpenMP threads: 1 .. max_threads(), or 0 for all cores, returned as hardware_threads() (the
   // same in every program: 0 was refused by some and meant all cores in others).
@@ -374,6 +376,23 @@ TESSERA_LINKAGE std::vector<std::string> Flags::list(const std::string& name, co
     TESSERA_CHECK(ok, ArgumentError, where(name, v), ": '", item, "' must be one of ", join(allowed));
   }
   return items;
+}
+
+TESSERA_LINKAGE std::vector<int> Flags::int_list(const std::string& name, const std::string& fallback,
+                                                 const FlagRange& range) {
+  const std::vector<std::string> items = list(name, fallback);
+  note(name, fallback, "comma-separated integers, each " + range.describe());
+  const std::string v = get(name, fallback);
+  std::vector<int> out;
+  for (const auto& item : items) {
+    int k = 0;
+    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), k);
+    TESSERA_CHECK(error == std::errc() && end == item.data() + item.size(), ArgumentError, where(name, v), ": '", item,
+                  "' is not an integer");
+    TESSERA_CHECK(range.contains(k), ArgumentError, where(name, v), ": '", item, "' must be ", range.describe());
+    out.push_back(k);
+  }
+  return out;
 }
 
 TESSERA_LINKAGE int Flags::threads(const std::string& name, int fallback) {

@@ -36,6 +36,9 @@ class Flatten {
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, "Flatten::backward called before forward on this cache");
+    // The model's first layer: nobody reads dL/dx, and the layer after it may have skipped
+    // computing it too (a tensor-parallel block's set_needs_input_grad(false) returns none).
+    if (!needs_input_grad_) return c.dx;
     const Tensor& x = *c.x;
     const std::int64_t n = x.dim(0);
     const Shape flat{n, n > 0 ? x.numel() / n : 0};

@@ -265,12 +265,13 @@ class DataParallel final : public StrategyBase<E>, UpdateGuard {
   static constexpr bool kHooksGradients = true;
   std::string name() const { return codec_->name() == "none" ? "DataParallel" : "DataParallel(" + codec_->name() + ")"; }
   // Micro-batches before the last accumulate locally (no_sync); the last one's backward launches
-  // the buckets.
-  void before_forward(const MicroBatch& mb) {
+  // the buckets. Decided before backward, not forward: a pipeline runs several forwards before
+  // the first backward, and the step's last backward is always micro-batch count - 1's.
+  void before_backward(const MicroBatch& mb) {
     TESSERA_CHECK(!options_.average_micro_steps || mb.count == 1, ArgumentError,
                   "DataParallel: options.average_micro_steps divides each gradient by its ", mb.count,
-                  " micro-batches, and the Trainer already weights each micro-batch's loss by its share of the batch: "
-                  "under the Trainer, leave average_micro_steps false");
+                  " micro-batches, and the Trainer (or the pipeline) already weights each micro-batch's loss by its "
+                  "share of the batch: leave average_micro_steps false");
     sync_ = mb.last();
   }
   void after_backward(const MicroBatch& mb) {

@@ -18,7 +18,7 @@ namespace tessera {
 // micro-batch i's loss is weighted by n_i / n, so the accumulated gradient is the gradient of the
 // batch's mean loss: the step equals one step on the whole batch up to summation order, with the
 // activations of one micro-batch in memory instead of k. Under DataParallel (stack(dp, accum))
-// only the last micro-batch's backward communicates (DataParallel::before_forward).
+// only the last micro-batch's backward communicates (DataParallel::before_backward).
 template <class E>
 class GradientAccumulation : public StrategyBase<E> {
  public:

@@ -112,8 +112,17 @@ class LocalSgd : public StrategyBase<E> {
     });
   }
 
+  // At the end of training: the model local SGD delivers is the average, so a last, incomplete
+  // period is averaged too. Returns whether it was (collective: every rank took as many steps).
+  bool average_if_pending() {
+    if (steps_ % options_.period == 0) return false;
+    average();
+    return true;
+  }
+
   // Averages parameters (and buffers) now: one all_reduce over a flat copy.
   void average() {
+    ++averages_;
     const auto began = SpanSink::Clock::now();
     std::int64_t offset = 0;
     auto each = [&](auto&& visit) {
@@ -140,6 +149,8 @@ class LocalSgd : public StrategyBase<E> {
   void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
   std::int64_t steps() const { return steps_; }
+  // All-reduces of the parameters so far (every period's, and average()'s called directly).
+  std::int64_t averages() const { return averages_; }
 
  private:
   // Every parameter, then every buffer (whether or not averaged: all differ by rank mid-period).
@@ -154,6 +165,7 @@ class LocalSgd : public StrategyBase<E> {
   NamedTensors<E> named_;
   Tensor<S, D> flat_;
   std::int64_t steps_ = 0;
+  std::int64_t averages_ = 0;
 };
 
 template <class Model, class C>

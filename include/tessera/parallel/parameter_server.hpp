@@ -266,6 +266,10 @@ class ParameterServer {
     }
     int active = num_workers();
     auto backoff = std::chrono::microseconds(1);
+    // A busy server still looks at the silent workers: when one worker keeps the server busy
+    // (asynchronous SGD), the loop never idles, and a check only on idle turns would never see
+    // the stopped one. Every 50 ms costs one clock read per turn.
+    auto next_timeout_check = Clock::now();
     while (active > 0) {
       bool progressed = false;
       for (int w = 0; w < num_workers(); ++w) {
@@ -298,9 +302,14 @@ class ParameterServer {
       progressed |= release_waiting_workers();
       if (progressed) {
         backoff = std::chrono::microseconds(1);
+        if (Clock::now() >= next_timeout_check) {
+          check_worker_timeouts();
+          next_timeout_check = Clock::now() + std::chrono::milliseconds(50);
+        }
         continue;
       }
       check_worker_timeouts();
+      next_timeout_check = Clock::now() + std::chrono::milliseconds(50);
       // Nothing arrived: back off from spinning (the workers need the cores), up to 200 us.
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::microseconds(200));

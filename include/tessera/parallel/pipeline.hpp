@@ -75,6 +75,7 @@
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/strategy.hpp"
 
 namespace tessera {
 
@@ -152,9 +153,13 @@ inline std::vector<std::size_t> balanced_boundaries(const std::vector<double>& c
 }
 
 template <Stageable Model, class Loss = CrossEntropyLoss<typename Model::Env>>
-class Pipeline {
+class Pipeline : public StrategyBase<typename Model::Env> {
  public:
   using Env = typename Model::Env;
+  // The strategy protocol (parallel/strategy.hpp): a pipeline runs the model itself (each stage
+  // its units) in its own micro-batch loop, so the Trainer hands it whole batches (run_model).
+  static constexpr bool kOwnsMicroBatchLoop = true;
+  static constexpr bool kRunsModel = true;
   using Comm = typename Env::Comm;
   static_assert(AsyncCommunicator<Comm>, "Pipeline needs send_async (stages must not block on each other's sends)");
   using S = typename Env::Scalar;
@@ -209,6 +214,38 @@ class Pipeline {
   // Records later steps into `timeline` (nullptr: stop recording); the split stays as it is.
   void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
+  std::string name() const {
+    return std::string("Pipeline(") + schedule_name(options_.schedule) + ", " + std::to_string(comm_.size()) +
+           " stages, " + std::to_string(options_.micro_batches) + " micro-batches)";
+  }
+  // Every stage of the pipeline sees each sample of its batch.
+  int sample_copies() const { return comm_.size(); }
+
+  // One training step, as the Trainer calls it: train_step with `hooks` (the Trainer's whole
+  // strategy stack) called around each micro-batch i of M: hooks.before_forward before F_i,
+  // hooks.before_backward before B_i and hooks.after_backward after it, in the schedule's order,
+  // with MicroBatch{i, M, 1/M}. B_{M-1} is every stage's last backward under both schedules, so a
+  // DataParallel over the replicas of this stage (hybrid data x pipeline) all-reduces there,
+  // overlapping it with that backward. Returns the batch's mean loss and correct predictions
+  // (classification losses), the same on every stage.
+  template <class Hooks>
+  ModelStepResult run_model(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+    return step(x, labels, hooks);
+  }
+  // Forward only (the model in Eval or Inference mode): the batch's mean loss and correct
+  // predictions, computed on the last stage and the same on every stage.
+  ModelStepResult evaluate_batch(const Tensor& x, std::span<const std::int64_t> labels) {
+    const int p = comm_.size(), s = comm_.rank();
+    const Tensor& logits = predict(x);
+    std::array<double, 2> result{0, 0};
+    if (s == p - 1) {
+      result[0] = static_cast<double>(loss_.forward(logits, labels, loss_caches_[0]));
+      if constexpr (kCountsCorrect) result[1] = static_cast<double>(count_correct(logits, labels));
+    }
+    comm_.broadcast(std::span<double>(result), p - 1);
+    return {result[0], static_cast<std::int64_t>(result[1])};
+  }
+
   // One training step on the global batch x (N, ...) with labels (N): x is read on stage 0 and
   // labels on the last stage only (other ranks may pass empty ones). Accumulates this stage's
   // parameter gradients (the caller zeroes them and steps the optimizer) and returns the mean loss
@@ -235,10 +272,19 @@ class Pipeline {
   }
 
   S train_step(const Tensor& x, std::span<const std::int64_t> labels) {
+    return static_cast<S>(step(x, labels, static_cast<StrategyBase<Env>&>(*this)).loss);
+  }
+
+ private:
+  static constexpr bool kCountsCorrect = std::is_same_v<Loss, CrossEntropyLoss<Env>>;
+
+  template <class Hooks>
+  ModelStepResult step(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
     const auto started = std::chrono::steady_clock::now();
     stats_ = {};
     in_flight_ = 0;
     loss_sum_ = 0;
+    correct_ = 0;
     x_ = &x;
     labels_ = labels;
     const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
@@ -247,8 +293,16 @@ class Pipeline {
                     x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(), ") does not split into ", m,
                     " equal micro-batches");
     }
-    auto fwd = [&](int i) { forward_micro_batch(i); };
-    auto bwd = [&](int i) { backward_micro_batch(i); };
+    auto micro = [m](int i) { return MicroBatch{i, m, 1.0 / m}; };
+    auto fwd = [&](int i) {
+      hooks.before_forward(micro(i));
+      forward_micro_batch(i);
+    };
+    auto bwd = [&](int i) {
+      hooks.before_backward(micro(i));
+      backward_micro_batch(i);
+      hooks.after_backward(micro(i));
+    };
     if (options_.schedule == PipelineSchedule::GPipe) {
       for (int i = 0; i < m; ++i) fwd(i);
       for (int i = 0; i < m; ++i) bwd(i);
@@ -266,20 +320,19 @@ class Pipeline {
       for (auto& sl : slot_) sl.wait_sends();
       note_communication("wait for sends", waiting);
     }
-    // The mean loss lives on the last stage; every rank returns it.
-    std::array<S, 1> mean{loss_sum_ / static_cast<S>(m)};
+    // The mean loss (and the correct predictions) live on the last stage; every rank returns them.
+    std::array<double, 2> result{static_cast<double>(loss_sum_ / static_cast<S>(m)), static_cast<double>(correct_)};
     const auto broadcasting = std::chrono::steady_clock::now();
-    comm_.broadcast(std::span<S>(mean), p - 1);
+    comm_.broadcast(std::span<double>(result), p - 1);
     note_communication("broadcast loss", broadcasting);
     const auto ended = std::chrono::steady_clock::now();
     stats_.step_seconds = std::chrono::duration<double>(ended - started).count();
     if (options_.timeline)
       options_.timeline->add("train_step [" + model_.unit_name(begin_) + ".." + model_.unit_name(end_ - 1) + "]",
                              "step", started, ended, SpanSink::kCompute);
-    return mean[0];
+    return {result[0], static_cast<std::int64_t>(result[1])};
   }
 
- private:
   // One micro-batch's worth of state on this stage, reused round-robin by micro-batches i, i +
   // slots, ... (the schedule guarantees i's backward is done before i + slots's forward).
   struct Slot {
@@ -323,8 +376,9 @@ class Pipeline {
       TESSERA_CHECK(static_cast<std::int64_t>(labels_.size()) == per * m, ShapeError, "Pipeline: ",
                     labels_.size(), " labels on the last stage for a batch of ", per * m, " (", m,
                     " micro-batches of ", per, ")");
-      loss_sum_ += loss_.forward(out, labels_.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per)),
-                                 loss_caches_[static_cast<std::size_t>(i % slots_)]);
+      const auto micro_labels = labels_.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per));
+      loss_sum_ += loss_.forward(out, micro_labels, loss_caches_[static_cast<std::size_t>(i % slots_)]);
+      if constexpr (kCountsCorrect) correct_ += count_correct(out, micro_labels);
     }
     note_busy('F', i, began);
     if (s < p - 1) send_activation(sl, out, i);
@@ -526,6 +580,7 @@ class Pipeline {
   PipelineStepStats stats_;
   int in_flight_ = 0;
   S loss_sum_ = 0;
+  std::int64_t correct_ = 0;  // the step's correct predictions (last stage)
   const Tensor* x_ = nullptr;
   std::span<const std::int64_t> labels_;
   Tensor empty_;

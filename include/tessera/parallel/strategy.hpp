@@ -7,8 +7,10 @@
 //   optimizer.zero_grad()
 //   loss = s.run_micro_batches(batch, step)     the micro-batch loop; the default runs one,
 //     step(micro, mb):                          what the Trainer does per micro-batch mb:
-//       s.before_forward(mb)                      (gather sharded parameters; DataParallel: sync
-//       forward, loss x mb.weight, backward        only on the last micro-batch, like no_sync)
+//       s.before_forward(mb)                      (gather sharded parameters)
+//       forward, loss x mb.weight
+//       s.before_backward(mb)                     (DataParallel: sync only on the last micro-batch,
+//       backward                                   like no_sync; a sharded model gathers again)
 //         -> parameters' grad_ready hooks          (the strategy's own: DataParallel buckets there)
 //       s.after_backward(mb)                      (free gathered parameters)
 //   s.before_optimizer_step()                   DataParallel: finish() (wait for the all-reduces)
@@ -17,6 +19,18 @@
 //
 // plus, outside the step: s.save_state / s.load_state (per-rank state kept in the checkpoint: top-k
 // residuals, LocalSgd's step count) and s.set_timeline (where the strategy records its spans).
+//
+// A strategy that splits the model over ranks (Pipeline: each stage runs some of its units) runs
+// forward, loss and backward itself: it says so with `static constexpr bool kRunsModel = true`,
+// and the Trainer calls, instead of run_micro_batches,
+//   r = s.run_model(images, labels, hooks)      its own micro-batch loop, calling hooks.before_forward,
+//                                               hooks.before_backward and hooks.after_backward (the
+//                                               whole stack's) around each micro-batch, in its order
+//                                               (1F1B interleaves them); r: mean loss and correct
+//                                               predictions, the same on every rank it spans
+//   r = s.evaluate_batch(images, labels)        forward only, the same figures
+// and s.sample_copies() tells how many ranks of the Trainer's group see each sample (a pipeline's
+// P stages), so that the epoch's figures count each sample once.
 //
 // A strategy derives from StrategyBase<E>, whose members do nothing, and overrides what it needs
 // (as a parameter-free layer derives from ParameterFree). check_strategy<S>() names each missing
@@ -61,6 +75,13 @@ struct MicroBatch {
   int count = 1;
   double weight = 1.0;
   bool last() const { return index + 1 == count; }
+};
+
+// What a model-running strategy (kRunsModel) returns for a batch: the mean loss over it and the
+// count of correct top-1 predictions (0 where the loss is not a classification's).
+struct ModelStepResult {
+  double loss = 0;
+  std::int64_t correct = 0;
 };
 
 // What a micro-batch loop calls for each micro-batch: forward, loss, backward with the strategy's
@@ -114,6 +135,7 @@ struct StrategyBase {
   static constexpr bool kHooksGradients = false;
   void start() {}
   void before_forward(const MicroBatch&) {}
+  void before_backward(const MicroBatch&) {}
   void after_backward(const MicroBatch&) {}
   void before_optimizer_step() {}
   void after_optimizer_step() {}
@@ -141,6 +163,7 @@ template <class T> concept StrategyHasFlags = requires {
 template <class T> concept StrategyHasStart = requires(T& s) { s.start(); };
 template <class T> concept StrategyHasForwardHooks = requires(T& s, const MicroBatch& mb) {
   s.before_forward(mb);
+  s.before_backward(mb);
   s.after_backward(mb);
 };
 template <class T> concept StrategyHasStepHooks = requires(T& s) {
@@ -156,6 +179,19 @@ template <class T> concept StrategyHasState = requires(T& s, const T& cs, Strate
   s.load_state(in);
 };
 template <class T> concept StrategyHasTimeline = requires(T& s, SpanSink* t) { s.set_timeline(t); };
+
+// Whether T runs the model itself (kRunsModel, optional: false when absent).
+template <class T>
+consteval bool strategy_runs_model() {
+  if constexpr (requires { T::kRunsModel; }) return T::kRunsModel;
+  else return false;
+}
+// How many ranks of the Trainer's group see each sample (optional member; 1 when absent).
+template <class T>
+int sample_copies(const T& s) {
+  if constexpr (requires { { s.sample_copies() } -> std::convertible_to<int>; }) return s.sample_copies();
+  else return 1;
+}
 }  // namespace detail
 
 template <class T>
@@ -180,8 +216,9 @@ consteval bool check_strategy() {
                            "`kHooksGradients` (what check_stack compares)");
   static_assert(has_start, "Tessera Strategy: missing `void start()` (collective, once before the first step: "
                            "agreement check, broadcast, sharding)");
-  static_assert(has_forward, "Tessera Strategy: missing `void before_forward(const MicroBatch&)` and "
-                             "`void after_backward(const MicroBatch&)` (around each micro-batch)");
+  static_assert(has_forward, "Tessera Strategy: missing `void before_forward(const MicroBatch&)`, "
+                             "`void before_backward(const MicroBatch&)` and `void after_backward(const MicroBatch&)` "
+                             "(around each micro-batch)");
   static_assert(has_step, "Tessera Strategy: missing `void before_optimizer_step()` and "
                           "`void after_optimizer_step()` (around optimizer.step())");
   if constexpr (has_env) {
@@ -204,7 +241,9 @@ consteval bool check_stack() {
     constexpr bool same_env = (std::is_same_v<typename First::Env, typename Rest::Env> && ...);
     static_assert(same_env, "Tessera strategy stack: the strategies belong to different Envs (one model, one Env: "
                             "build every strategy from the same model)");
-    constexpr int loop_owners = (int{First::kOwnsMicroBatchLoop} + ... + int{Rest::kOwnsMicroBatchLoop});
+    // A model-running strategy (a pipeline) owns its micro-batch loop as well.
+    constexpr int loop_owners = (int{First::kOwnsMicroBatchLoop || detail::strategy_runs_model<First>()} + ... +
+                                 int{Rest::kOwnsMicroBatchLoop || detail::strategy_runs_model<Rest>()});
     static_assert(loop_owners <= 1, "Tessera strategy stack: two strategies own the micro-batch loop (gradient "
                                     "accumulation, a pipeline schedule): a step has one loop; give its micro-batch "
                                     "count to the one that stays (a pipeline's micro-batches already accumulate)");
@@ -229,6 +268,7 @@ class Stack {
   using Env = typename First::Env;
   static constexpr bool kOwnsMicroBatchLoop = (S::kOwnsMicroBatchLoop || ...);
   static constexpr bool kHooksGradients = (S::kHooksGradients || ...);
+  static constexpr bool kRunsModel = (detail::strategy_runs_model<S>() || ...);
 
   explicit Stack(S&... strategies) : members_(strategies...) {}
 
@@ -239,6 +279,7 @@ class Stack {
   }
   void start() { forward_order([](auto& s) { s.start(); }); }
   void before_forward(const MicroBatch& mb) { forward_order([&](auto& s) { s.before_forward(mb); }); }
+  void before_backward(const MicroBatch& mb) { forward_order([&](auto& s) { s.before_backward(mb); }); }
   void after_backward(const MicroBatch& mb) { reverse_order([&](auto& s) { s.after_backward(mb); }); }
   void before_optimizer_step() { forward_order([](auto& s) { s.before_optimizer_step(); }); }
   void after_optimizer_step() { reverse_order([](auto& s) { s.after_optimizer_step(); }); }
@@ -252,6 +293,31 @@ class Stack {
       }
     });
     return ran ? loss : step(batch, MicroBatch{});
+  }
+  // Delegated to the member that runs the model, with `hooks` (the Trainer passes the stack
+  // itself, so every member's per-micro-batch hooks run).
+  template <class X, class Hooks>
+    requires kRunsModel
+  ModelStepResult run_model(const X& images, std::span<const std::int64_t> labels, Hooks& hooks) {
+    ModelStepResult r;
+    forward_order([&](auto& s) {
+      if constexpr (detail::strategy_runs_model<std::remove_reference_t<decltype(s)>>()) r = s.run_model(images, labels, hooks);
+    });
+    return r;
+  }
+  template <class X>
+    requires kRunsModel
+  ModelStepResult evaluate_batch(const X& images, std::span<const std::int64_t> labels) {
+    ModelStepResult r;
+    forward_order([&](auto& s) {
+      if constexpr (detail::strategy_runs_model<std::remove_reference_t<decltype(s)>>()) r = s.evaluate_batch(images, labels);
+    });
+    return r;
+  }
+  int sample_copies() const {
+    int copies = 1;
+    std::apply([&](const auto&... s) { ((copies *= detail::sample_copies(s)), ...); }, members_);
+    return copies;
   }
   void save_state(StrategyState& state) const {
     std::apply([&](const auto&... s) { (s.save_state(state), ...); }, members_);

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,6 +42,7 @@
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/kernels/gemm.hpp"
 #include "tessera/layers/activation.hpp"
+#include "tessera/parallel/strategy.hpp"
 #include "tessera/layers/linear.hpp"
 #include "tessera/parallel/agreement.hpp"
 
@@ -349,6 +351,31 @@ class TensorParallelMlp {
   ColumnParallelLinear<E> column_;
   ReLU<E> relu_;
   RowParallelLinear<E> row_;
+};
+
+// Tensor parallelism in the strategy protocol (parallel/strategy.hpp). The split layers above
+// communicate inside forward and backward themselves, so a step needs no hook from it; what the
+// Trainer needs to know is that the T ranks of `group` see every sample (sample_copies: the
+// epoch's figures count each sample once) and where the split layers record their collectives
+// (set_timeline reaches every layer given). Stacks with DataParallel and a Pipeline (3-D).
+//
+//   TensorParallel<E> tensor(tensor_group, block1, block2);
+//   Trainer trainer(model, sgd, stack(dp, pipe, tensor), schedule, options);
+template <class E>
+class TensorParallel : public StrategyBase<E> {
+ public:
+  template <class C, class... Layers>
+  explicit TensorParallel(C& group, Layers&... layers)
+      : ranks_(group.size()), set_timelines_{[&layers](SpanSink* t) { layers.set_timeline(t); }...} {}
+  std::string name() const { return "TensorParallel(" + std::to_string(ranks_) + " ranks)"; }
+  int sample_copies() const { return ranks_; }
+  void set_timeline(SpanSink* timeline) {
+    for (auto& set : set_timelines_) set(timeline);
+  }
+
+ private:
+  int ranks_;
+  std::vector<std::function<void(SpanSink*)>> set_timelines_;
 };
 
 }  // namespace tessera

@@ -95,8 +95,14 @@ class Timeline final : public SpanSink {
   std::string events_json() const;
 
   // Collective: gathers every rank's events to rank 0, which writes one trace file (atomically
-  // enough for a trace: a temp name, then rename). Other ranks write nothing.
-  template <Communicator Comm>
+  // enough for a trace: a temp name, then rename). Other ranks write nothing. `comm`: a
+  // communicator, or anything with rank(), size() and an int64 all_gather (a CheckpointGroup).
+  template <class Comm>
+    requires requires(Comm& c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      { c.rank() } -> std::convertible_to<int>;
+      { c.size() } -> std::convertible_to<int>;
+      c.all_gather(in, out);
+    }
   void write(Comm& comm, const std::string& path) const {
     const std::string mine = events_json();
     // Variable-length strings through fixed-size collectives: lengths first, then the bytes

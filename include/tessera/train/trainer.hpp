@@ -59,8 +59,15 @@ struct TrainOptions {
   // step finishes a DataParallel's all-reduce itself. Empty: nothing.
   std::function<void()> before_step;
   // Optional: forward, backward, the before_step hook and the optimizer step of every training
-  // step as spans on the compute lane (see train/timeline.hpp).
+  // step as spans on the compute lane (see train/timeline.hpp), and the strategy's own spans.
   Timeline* timeline = nullptr;
+  // With a timeline: record only the steps [timeline_first_step, timeline_first_step +
+  // timeline_steps) of the run (global step numbers from 0; the first steps fill caches and
+  // buffers); timeline_steps 0: every step.
+  std::int64_t timeline_first_step = 0, timeline_steps = 0;
+  // With a timeline: after the recorded steps (or at the end of fit(), if it ends first), every
+  // rank of checkpoint_group writes its part to this Chrome trace (Timeline::write: collective).
+  std::string trace_path;
   // The ranks that train together (data parallelism: CheckpointGroup(comm)), so that save()
   // keeps every rank's random generators and load() gives each rank its own, and so that each
   // epoch's train loss, accuracy and images/s are those of all ranks (see EpochResult).
@@ -133,7 +140,10 @@ class Trainer {
         loss_(Reduction::Mean, options_.label_smoothing),
         metrics_(options_.metrics_path),
         micro_step_([this](const Batch<S>& micro, const MicroBatch& mb) { return micro_step(micro, mb); }) {
-    strategy_.set_timeline(options_.timeline);
+    TESSERA_CHECK(!kRunsModel || options_.label_smoothing == 0.0, ArgumentError, "Trainer: label_smoothing=",
+                  options_.label_smoothing, " with ", strategy_.name(), ", which computes the loss itself: give the "
+                  "smoothing to its loss");
+    strategy_.set_timeline(recording() ? options_.timeline : nullptr);
     stop_flags_.resize(static_cast<std::size_t>(std::max(1, options_.checkpoint_group.size())));
   }
   // The caches hold pointers into this object (the batch): it stays where it was built.
@@ -147,9 +157,19 @@ class Trainer {
       strategy_.start();
       strategy_started_ = true;
     }
-    Timeline* t = options_.timeline;
+    const bool record = recording();
+    if (record != recorded_last_step_) strategy_.set_timeline(record ? options_.timeline : nullptr);
+    recorded_last_step_ = record;
+    Timeline* t = record ? options_.timeline : nullptr;
     optimizer_.zero_grad();
-    const auto loss = static_cast<S>(strategy_.run_micro_batches(batch, micro_step_));
+    S loss;
+    if constexpr (kRunsModel) {  // a pipeline: its stages run forward, loss and backward
+      const ModelStepResult r = strategy_.run_model(on_device(batch.images), batch.labels, strategy_);
+      correct_ += r.correct;
+      loss = static_cast<S>(r.loss);
+    } else {
+      loss = static_cast<S>(strategy_.run_micro_batches(batch, micro_step_));
+    }
     std::optional<Timeline::Span> span;
     if (t) span.emplace(t->span("gradient sync wait"));
     strategy_.before_optimizer_step();
@@ -159,6 +179,9 @@ class Trainer {
     strategy_.after_optimizer_step();
     span.reset();
     state_.global_step++;
+    if (record && options_.timeline_steps > 0 &&
+        state_.global_step == options_.timeline_first_step + options_.timeline_steps)
+      write_trace();
     return loss;
   }
 
@@ -178,6 +201,7 @@ class Trainer {
       if (!r.complete) break;
       results.push_back(r);
     }
+    if (options_.timeline && !trace_written_ && state_.global_step > options_.timeline_first_step) write_trace();
     return results;
   }
 
@@ -239,8 +263,10 @@ class Trainer {
     r.data_wait_seconds = waited;
     r.data_wait_fraction = waited / std::max(r.seconds, 1e-9);
     // Over all ranks: sums of loss x samples, samples and correct ones; the slowest rank's time.
+    // A sample seen by several ranks (a pipeline's stages) counts once.
     const auto& group = options_.checkpoint_group;
     r.ranks = group.size();
+    const double copies = detail::sample_copies(strategy_);
     double total_loss = loss_sum, total_seen = static_cast<double>(seen), total_correct = static_cast<double>(correct_);
     if (group.size() > 1) {
       // Doubles travel bit for bit through the group's int64 all_gather; every rank sums them in
@@ -255,6 +281,9 @@ class Trainer {
         total_correct += static_cast<double>(all[k + 2]);
         r.seconds = std::max(r.seconds, std::bit_cast<double>(all[k + 3]));
       }
+      total_loss /= copies;
+      total_seen /= copies;
+      total_correct /= copies;
     }
     r.train_loss = total_seen > 0 ? total_loss / total_seen : 0.0;
     r.train_accuracy = total_seen > 0 ? total_correct / total_seen : 0.0;
@@ -318,10 +347,16 @@ class Trainer {
     double loss_sum = 0;
     std::int64_t correct = 0, seen = 0;
     while (loader.next(eval_batch_)) {
-      const auto& logits = model_.forward(on_device(eval_batch_.images), model_cache_);
       const auto n = static_cast<std::int64_t>(eval_batch_.labels.size());
-      loss_sum += static_cast<double>(loss_.forward(logits, eval_batch_.labels, loss_cache_)) * static_cast<double>(n);
-      correct += count_correct(logits, eval_batch_.labels);
+      if constexpr (kRunsModel) {
+        const ModelStepResult r = strategy_.evaluate_batch(on_device(eval_batch_.images), eval_batch_.labels);
+        loss_sum += r.loss * static_cast<double>(n);
+        correct += r.correct;
+      } else {
+        const auto& logits = model_.forward(on_device(eval_batch_.images), model_cache_);
+        loss_sum += static_cast<double>(loss_.forward(logits, eval_batch_.labels, loss_cache_)) * static_cast<double>(n);
+        correct += count_correct(logits, eval_batch_.labels);
+      }
       seen += n;
     }
     model_.set_mode(Mode::Train);
@@ -331,10 +366,12 @@ class Trainer {
 
   // The checkpoint, then each rank's strategy state beside it (when the strategy has any).
   void save(const std::string& path) {
+    refuse_split_model_checkpoint(path);
     save_checkpoint(path, model_, optimizer_, state_, options_.checkpoint_group, options_.checkpoint_options);
     save_strategy_state(path);
   }
   void load(const std::string& path) {
+    refuse_split_model_checkpoint(path);
     state_ = load_checkpoint(path, model_, optimizer_, options_.checkpoint_group, options_.checkpoint_options);
     loaded_from_ = path;
     load_strategy_state(path);
@@ -351,6 +388,31 @@ class Trainer {
   int stopped_by() const { return stopped_by_; }
 
  private:
+  static constexpr bool kRunsModel = detail::strategy_runs_model<Strat>();
+
+  // A checkpoint holds one copy of the model and of the optimizer, rank 0's: right for replicas,
+  // wrong for a model split over ranks (each pipeline stage trains and steps its own units only).
+  void refuse_split_model_checkpoint(const std::string& path) const {
+    TESSERA_CHECK(!kRunsModel, ArgumentError, "Trainer: checkpoint '", path, "' with ", strategy_.name(),
+                  ": its ranks each hold part of the model and of the optimizer state, and a checkpoint holds rank "
+                  "0's; checkpoints of a split model are not supported yet (train without checkpoint_path)");
+  }
+
+  // Whether this step is recorded on the timeline (TrainOptions::timeline_first_step, timeline_steps).
+  bool recording() const {
+    if (options_.timeline == nullptr || trace_written_) return false;
+    const std::int64_t step = state_.global_step;
+    return step >= options_.timeline_first_step &&
+           (options_.timeline_steps == 0 || step < options_.timeline_first_step + options_.timeline_steps);
+  }
+  // Collective over the checkpoint group; recording stops.
+  void write_trace() {
+    trace_written_ = true;
+    strategy_.set_timeline(nullptr);
+    recorded_last_step_ = false;
+    if (!options_.trace_path.empty()) options_.timeline->write(options_.checkpoint_group, options_.trace_path);
+  }
+
   // The batch's images where the model is: the host batch itself on the CPU, else a copy in a
   // device tensor kept across steps (the model's caches point at it until backward), sent through
   // the device's page-locked staging buffers so the loader prepares the next batch meanwhile.
@@ -385,13 +447,14 @@ class Trainer {
   // What the Trainer does for each micro-batch of the strategy's loop: forward and loss, backward of
   // the loss weighted by the micro-batch's share of the step's samples, the hooks around them.
   double micro_step(const Batch<S>& micro, const MicroBatch& mb) {
-    Timeline* t = options_.timeline;
+    Timeline* t = recorded_last_step_ ? options_.timeline : nullptr;
     std::optional<Timeline::Span> span;
     strategy_.before_forward(mb);
     if (t) span.emplace(t->span("forward"));
     const auto& logits = model_.forward(on_device(micro.images), model_cache_);  // (n, classes)
     const S loss = loss_.forward(logits, micro.labels, loss_cache_);
     correct_ += count_correct(logits, micro.labels);
+    strategy_.before_backward(mb);
     if (t) span.emplace(t->span("backward"));
     const auto& dlogits = loss_.backward(loss_cache_);
     if (mb.weight == 1.0) {
@@ -604,6 +667,8 @@ class Trainer {
   MicroStep<S> micro_step_;                          // calls micro_step (built once: no allocation per step)
   std::vector<std::int64_t> stop_flags_;             // agreed_stop_signal's all_gather
   bool strategy_started_ = false;
+  bool recorded_last_step_ = false;  // this (or the last) step is on the timeline
+  bool trace_written_ = false;       // the timeline's window is over (and written to trace_path)
   TrainState state_;
   std::string loaded_from_;  // the checkpoint state_ came from (for messages)
   int stopped_by_ = 0;       // the stop signal fit() stopped on (agreed by all ranks), or 0
