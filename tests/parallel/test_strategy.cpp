@@ -387,8 +387,13 @@ TEST_CASE("Pipeline under the Trainer: 2 stages step like one process (float64)"
     }
     difference[static_cast<std::size_t>(comm.rank())] = worst;
     names[static_cast<std::size_t>(comm.rank())] = pipe.name();
-    // A checkpoint would hold rank 0's stage only: refused by name.
+    // A checkpoint would hold rank 0's stage only: refused by name, and a checkpoint_path up front
+    // (not after the first epoch's training).
     CHECK_THROWS_WITH(trainer.save("unused.safetensors"), Catch::Contains("checkpoints of a split model"));
+    TrainOptions with_checkpoint = o;
+    with_checkpoint.checkpoint_path = "unused.safetensors";
+    CHECK_THROWS_WITH(Trainer(model, sgd, pipe, constant_lr, with_checkpoint),
+                      Catch::Contains("checkpoints of a split model"));
   });
   for (int r = 0; r < stages; ++r) {
     INFO("stage " << r);

@@ -268,7 +268,8 @@ class ParameterServer {
     auto backoff = std::chrono::microseconds(1);
     // A busy server still looks at the silent workers: when one worker keeps the server busy
     // (asynchronous SGD), the loop never idles, and a check only on idle turns would never see
-    // the stopped one. Every 50 ms costs one clock read per turn.
+    // the stopped one. A check at an interval far below the stall threshold costs one clock read
+    // per turn.
     auto next_timeout_check = Clock::now();
     while (active > 0) {
       bool progressed = false;
@@ -528,11 +529,11 @@ class ParameterServer {
     ws.waiting = true;
     if (synchronous()) {
       ws.pending.resize(n);
-      comm_.recv(std::span<S>(ws.pending.data(), n), worker_rank(w));
+      receive_payload(w, std::span<S>(ws.pending.data(), n));
       ws.has_pending = true;
       return;
     }
-    comm_.recv(std::span<S>(staging_.data(), n), worker_rank(w));
+    receive_payload(w, std::span<S>(staging_.data(), n));
     const std::int64_t staleness = version_ - ws.read_version;
     staleness_.record(staleness);
     const S scale = S(1) / static_cast<S>(num_workers());
@@ -622,28 +623,51 @@ class ParameterServer {
   }
 
   void check_worker_timeouts() {
-    const auto now = Clock::now();
-    // Not silent until the timeout: a warning at the communicators' stall threshold (never later
-    // than half the worker timeout) names the worker, as a stalled collective's does.
+    for (int w = 0; w < num_workers(); ++w) {
+      const WorkerState& ws = workers_[static_cast<std::size_t>(w)];
+      if (ws.waiting || !session_->inbox[static_cast<std::size_t>(w)].posted) continue;
+      check_silence(w);
+    }
+  }
+
+  // Worker w has sent nothing since ws.last_heard: not silent until the timeout, a warning at the
+  // communicators' stall threshold (never later than half the worker timeout) names the worker,
+  // as a stalled collective's does; at worker_timeout it is declared dead (CommError).
+  void check_silence(int w) {
+    WorkerState& ws = workers_[static_cast<std::size_t>(w)];
     const auto warn_after = std::min(CommOptions{.timeout = options_.worker_timeout}.effective_stall_warning(),
                                      options_.worker_timeout / 2);
-    for (int w = 0; w < num_workers(); ++w) {
-      WorkerState& ws = workers_[static_cast<std::size_t>(w)];
-      if (ws.waiting || !session_->inbox[static_cast<std::size_t>(w)].posted) continue;
-      const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - ws.last_heard);
-      TESSERA_CHECK(silent < options_.worker_timeout, CommError, "ParameterServer server ", server_index(),
-                    ": worker rank ", worker_rank(w), " sent nothing for ", silent.count() / 1000.0,
-                    " s (worker_timeout ", options_.worker_timeout.count() / 1000.0, " s): dead or hung");
-      if (!ws.warned && silent >= warn_after) {
-        ws.warned = true;
-        std::fprintf(stderr,
-                     "warning: ParameterServer server %d: worker rank %d has sent nothing for %.1f s (stopped, "
-                     "hung or slow; declared dead at worker_timeout %.1f s)\n",
-                     server_index(), worker_rank(w), static_cast<double>(silent.count()) / 1000.0,
-                     static_cast<double>(options_.worker_timeout.count()) / 1000.0);
-        std::fflush(stderr);
-      }
+    const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - ws.last_heard);
+    TESSERA_CHECK(silent < options_.worker_timeout, CommError, "ParameterServer server ", server_index(),
+                  ": worker rank ", worker_rank(w), " sent nothing for ", silent.count() / 1000.0,
+                  " s (worker_timeout ", options_.worker_timeout.count() / 1000.0, " s): dead or hung");
+    if (!ws.warned && silent >= warn_after) {
+      ws.warned = true;
+      std::fprintf(stderr,
+                   "warning: ParameterServer server %d: worker rank %d has sent nothing for %.1f s (stopped, "
+                   "hung or slow; declared dead at worker_timeout %.1f s)\n",
+                   server_index(), worker_rank(w), static_cast<double>(silent.count()) / 1000.0,
+                   static_cast<double>(options_.worker_timeout.count()) / 1000.0);
+      std::fflush(stderr);
     }
+  }
+
+  // A worker's values after their header, received asynchronously and watched like a silent
+  // worker: a worker stopped between the two (SIGSTOP; or a busy-polling transport, which sends
+  // only while its process runs) is warned about and declared dead on time, where a blocking
+  // receive would hold the server, and with it every other worker, until the transport's timeout.
+  void receive_payload(int w, std::span<S> out) {
+    Work work = comm_.recv_async(out, worker_rank(w));
+    auto backoff = std::chrono::microseconds(1);
+    while (!work.is_completed()) {
+      check_silence(w);
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::microseconds(200));
+    }
+    work.wait();  // rethrows the communicator's error, naming the peer
+    WorkerState& ws = workers_[static_cast<std::size_t>(w)];
+    ws.last_heard = Clock::now();
+    ws.warned = false;
   }
 
   static void scale_(Tensor<S, D>& t, S factor) {

@@ -143,6 +143,7 @@ class Trainer {
     TESSERA_CHECK(!kRunsModel || options_.label_smoothing == 0.0, ArgumentError, "Trainer: label_smoothing=",
                   options_.label_smoothing, " with ", strategy_.name(), ", which computes the loss itself: give the "
                   "smoothing to its loss");
+    if (!options_.checkpoint_path.empty()) refuse_split_model_checkpoint(options_.checkpoint_path);  // not after an epoch
     strategy_.set_timeline(recording() ? options_.timeline : nullptr);
     stop_flags_.resize(static_cast<std::size_t>(std::max(1, options_.checkpoint_group.size())));
   }
