@@ -147,19 +147,18 @@ struct Runner {
       for (std::int64_t step = 0; step < steps; ++step) {
         gradients(model, data, loss);
         straggle(worker);
-        if (timeline) {  // the all-reduce's wait apart from the step, and the bucket's span
+        if (timeline) {  // the all-reduce's wait apart from the step (DataParallel records its buckets)
           {
             auto span = timeline->span("gradient sync wait");
             dp.finish();
           }
-          examples::record_buckets(*timeline, dp);
           auto span = timeline->span("optimizer step");
           sgd.step();
         } else {
           sgd.step();  // finishes DataParallel's all-reduce first
         }
       }
-    });
+    }, [&](Timeline* t) { dp.set_timeline(t); });
     r.gradients = steps * workers * o.epochs * o.evals;
     return r;
   }

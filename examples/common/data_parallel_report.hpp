@@ -106,26 +106,16 @@ void check_against_one_process(typename E::Comm& comm, MakeModel make_model, con
 }
 
 // Measured during training, from the Trainer's before_step hook (after DataParallel waited for
-// its all-reduces): the memory of the first two steps and, with a timeline, each step's
-// all-reduce time and the part of it that was waited for after backward.
+// its all-reduces): the memory of the first two steps (FirstStepsMemory) and, with a timeline,
+// each step's all-reduce time and the part of it that was waited for after backward.
 template <class Device, class Comm, class DP>
 class DataParallelMeter {
  public:
-  using Bytes = typename RankMemory<Device, Comm>::Bytes;
-  DataParallelMeter(RankMemory<Device, Comm>& memory, const DP& dp, bool measure_memory, bool measure_overlap)
-      : memory_(memory), dp_(dp), measure_memory_(measure_memory), measure_overlap_(measure_overlap) {}
+  DataParallelMeter(RankMemory<Device, Comm>& rank_memory, const DP& dp, bool measure_memory, bool measure_overlap)
+      : memory{rank_memory}, dp_(dp), measure_memory_(measure_memory), measure_overlap_(measure_overlap) {}
 
   void record() {
-    ++steps_;
-    // After step 1's backward: the most in use at once (activations, their gradients,
-    // workspaces) and what stays; after step 2's, also the optimizer state its first step made.
-    if (measure_memory_ && steps_ == 1) {
-      step_peak = memory_.peak();
-      step_held_ = memory_.held();
-    } else if (measure_memory_ && steps_ == 2) {
-      const auto now = memory_.held();
-      optimizer = {now.requested - step_held_.requested, now.blocks - step_held_.blocks};
-    }
+    if (measure_memory_) memory.record();
     if (!measure_overlap_) return;
     auto last_done = dp_.last_wait_began();
     double step_comm_us = 0;
@@ -139,17 +129,14 @@ class DataParallelMeter {
     exposed_us += std::clamp(step_us, 0.0, step_comm_us);
     comm_us += step_comm_us;
   }
-  bool memory_measured() const { return measure_memory_ && steps_ >= 2; }
+  bool memory_measured() const { return measure_memory_ && memory.steps >= 2; }
 
-  Bytes step_peak, optimizer;
+  FirstStepsMemory<Device, Comm> memory;
   double comm_us = 0, exposed_us = 0;
 
  private:
-  RankMemory<Device, Comm>& memory_;
   const DP& dp_;
   bool measure_memory_, measure_overlap_;
-  std::int64_t steps_ = 0;
-  Bytes step_held_;
 };
 
 // A bandwidth-optimal all-reduce (ring, or halving-doubling) of G bytes sends (p-1)/p x G per
@@ -224,7 +211,7 @@ void report_data_parallel(Comm& comm, Model& model, DP& dp, const Meter& meter, 
   if (rank == 0 && meter.memory_measured()) {
     const auto values = unit_output_values_per_sample<Device>(model, tessera::Shape{1, 1, 28, 28});
     print_memory(parameters, run.per_rank_batch, std::accumulate(values.begin(), values.end(), std::int64_t{0}),
-                 run.state, meter.optimizer, meter.step_peak, run.ranks_per_process);
+                 run.state, meter.memory.optimizer, meter.memory.step_peak, run.ranks_per_process);
   }
   if (!run.trace.empty() && rank == 0)
     std::printf("timeline: %s; all-reduce time %.1f ms, of which %.1f ms waited for after backward: %.0f%% hidden "

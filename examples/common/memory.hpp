@@ -84,6 +84,27 @@ class RankMemory {
   } baseline_;
 };
 
+// The first steps' memory, record()ed from the Trainer's before_step hook (after backward, before
+// the update): after step 1 the peak since start() (activations, their gradients, workspaces)
+// and what stays held; after step 2, the optimizer state step 1's update created (held then minus
+// held at step 1: momentum). Collective, as RankMemory's reads are.
+template <class Device, class Comm>
+struct FirstStepsMemory {
+  using Bytes = typename RankMemory<Device, Comm>::Bytes;
+  RankMemory<Device, Comm>& memory;
+  Bytes step_peak{}, optimizer{}, first_held{};
+  std::int64_t steps = 0;
+  void record() {
+    if (++steps == 1) {
+      step_peak = memory.peak();
+      first_held = memory.held();
+    } else if (steps == 2) {
+      const auto now = memory.held();
+      optimizer = {now.requested - first_held.requested, now.blocks - first_held.blocks};
+    }
+  }
+};
+
 // Values per sample that each unit of the model (a layer: Sequential::forward_units) leaves
 // behind for backward, by the formula "every unit keeps its output": the outputs' sizes for one
 // sample (shapes only: one zero sample through the units in Eval mode, in a cache of its own).

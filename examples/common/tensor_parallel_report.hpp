@@ -108,24 +108,4 @@ void print_tensor_parallel_memory(int p, std::int64_t batch, std::int64_t hidden
               activations / 1024, step_peak.requested / 1024, step_peak.requested / activations, step_peak.blocks / 1024);
 }
 
-// The first step's memory, from the Trainer's before_step hook: the peak of its forward and
-// backward, then the momentum its optimizer step creates (held at the second step, before its
-// update, minus held at the first).
-template <class Device, class Comm>
-struct FirstStepsMemory {
-  using Bytes = typename RankMemory<Device, Comm>::Bytes;
-  RankMemory<Device, Comm>& memory;
-  Bytes step_peak{}, optimizer{}, first_held{};
-  std::int64_t steps = 0;
-  void record() {
-    if (++steps == 1) {
-      step_peak = memory.peak();
-      first_held = memory.held();
-    } else if (steps == 2) {
-      const auto now = memory.held();
-      optimizer = {now.requested - first_held.requested, now.blocks - first_held.blocks};
-    }
-  }
-};
-
 }  // namespace examples

@@ -335,17 +335,15 @@ class DataParallel final : public StrategyBase<E>, UpdateGuard {
   // When the last finish() started waiting for the reductions. With the buckets'
   // launched_at/completed_at this shows how much communication backward hid.
   std::chrono::steady_clock::time_point last_wait_began() const { return last_wait_began_; }
-  // TopK's error-feedback residual of every parameter, in model parameter order (for tests and
-  // for logging how much is being delayed).
+  // The codec's error-feedback residual of parameter `param` (TopK's; zeros for a codec that sends
+  // everything), for tests and for logging how much is being delayed.
   std::vector<S> residual_of(std::size_t param) const {
     const Bucket& b = buckets_[static_cast<std::size_t>(bucket_of_[param])];
     const auto k = static_cast<std::size_t>(std::find(b.params.begin(), b.params.end(), static_cast<int>(param)) - b.params.begin());
     const std::int64_t n = named_.parameters[param].second->value.numel();
     std::vector<S> out(static_cast<std::size_t>(n), S(0));
-    if (const auto* topk = dynamic_cast<const TopKCodec<E>*>(codec_.get())) {
-      const auto& residual = topk->residual(static_cast<std::size_t>(bucket_of_[param]));
-      if (!residual.empty()) std::copy_n(residual.begin() + b.offset[k], n, out.begin());
-    }
+    const auto residual = codec_->residual(static_cast<std::size_t>(bucket_of_[param]));
+    if (!residual.empty()) std::copy_n(residual.begin() + b.offset[k], n, out.begin());
     return out;
   }
   const NamedTensors<E>& parameters() const { return named_; }

@@ -73,6 +73,9 @@ class GradientCodec {
   // After launch's work completed: the average over ranks of every rank's values, into values.
   virtual void decode(Comm& comm, const CodecBucket<S>& bucket) = 0;
   virtual void commit(std::size_t /*bucket*/) {}
+  // Error feedback: this rank's share of bucket's gradients not yet sent (empty for a codec that
+  // sends everything), in the bucket's layout.
+  virtual std::span<const S> residual(std::size_t /*bucket*/) const { return {}; }
   virtual void save_state(StrategyState&) const {}
   virtual void load_state(const StrategyState&) {}
 };
@@ -210,7 +213,7 @@ class TopKCodec final : public GradientCodec<E> {
     for (std::size_t k = 0; k < buckets_.size(); ++k) state.get(state_name(k), std::span<S>(buckets_[k].residual));
   }
 
-  const std::vector<S>& residual(std::size_t bucket) const { return buckets_.at(bucket).residual; }
+  std::span<const S> residual(std::size_t bucket) const override { return buckets_.at(bucket).residual; }
 
  private:
   static std::string state_name(std::size_t bucket) { return "DataParallel.topk_residual.bucket" + std::to_string(bucket); }
