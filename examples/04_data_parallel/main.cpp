@@ -84,7 +84,8 @@ void train(Comm& comm, const Options& o) {
                    .checkpoint_every_steps = o.checkpoint_every, .stop_signals = o.stop_signals});
   if (!o.resume.empty()) trainer.load(o.resume, train_loader);  // every rank: each gets its own random streams back
   if (!o.resume.empty() && rank == 0)
-    std::printf("resumed from %s at step %lld\n", o.resume.c_str(), static_cast<long long>(trainer.state().global_step));
+    std::printf("resumed from %s at epoch %lld, step %lld\n", o.resume.c_str(),
+                static_cast<long long>(trainer.state().epoch), static_cast<long long>(trainer.state().global_step));
   const double lo_before = rank == 0 ? examples::loopback_bytes() : -1, peer_before = examples::peer_bytes(comm);
   if (plain) memory.start();
   const auto results = trainer.fit(train_loader, &test_loader, o.stop_after);
