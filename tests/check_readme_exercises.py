@@ -3,8 +3,9 @@
 
     check_readme_exercises.py --source-dir . --build-dir build [--list]
 
-A command is an inline code span that starts with `build/examples/` or `tools/tessera-run `:
-build/ is this build directory, tools/ the source tree's. The commands of one README run in
+A command is an inline code span that starts with `build/examples/`, `tools/tessera-run ` or
+`build/idx-to-image-folder ` (11's exercises convert their images first): build/ is this build
+directory, tools/ the source tree's. The commands of one README run in
 order in one fresh temporary directory (the traces and checkpoints they write land there, so a
 `--resume=c.safetensors` finds the file an earlier command saved), with OMP_NUM_THREADS=1 unless set,
 and must exit 0 within --timeout seconds: an exercise that fails as written (04's --trace, 06's
@@ -25,7 +26,7 @@ import tempfile
 import time
 
 SPAN = re.compile(r"`([^`]+)`")
-PREFIXES = ("build/examples/", "tools/tessera-run ")
+PREFIXES = ("build/examples/", "tools/tessera-run ", "build/idx-to-image-folder ")
 
 
 def exercises(readme: pathlib.Path) -> str:
@@ -72,9 +73,11 @@ def main() -> int:
     parser.add_argument("--build-dir", required=True, type=pathlib.Path)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                        help="only the examples whose folder name starts with PREFIX (09, 11_image): repeatable")
     args = parser.parse_args()
     source, build = args.source_dir.resolve(), args.build_dir.resolve()
-    found = commands(source)
+    found = [(e, c) for e, c in commands(source) if not args.only or e.startswith(tuple(args.only))]
     if not found:
         print("no exercise commands found: the READMEs' Exercises sections name no build/examples/ program")
         return 1

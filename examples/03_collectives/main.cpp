@@ -126,10 +126,10 @@ void show_others(Comm& comm) {
 
 int main(int argc, char** argv) {
   try {
-    // --ranks: threads build (ranks are threads, so bounded like threads: 1 .. max_threads());
-    // a process backend's launcher says how many ranks.
+    // --ranks: threads build (ranks are threads, so bounded like threads: 1 .. max_threads()).
     Flags flags(argc, argv);
-    const int ranks = flags.ranks("ranks", 4, !SharedMemoryCommunicator<BuildEnv::Comm>);
+    const int ranks = flags.ranks("ranks", 4, !SharedMemoryCommunicator<BuildEnv::Comm>,
+                                  "ranks to run (the threads build: threads of this process)");
     flags.finish();
     using Comm = BuildEnv::Comm;
     TESSERA_CHECK(ranks <= max_threads() || !SharedMemoryCommunicator<Comm>, ArgumentError, "--ranks=", ranks,

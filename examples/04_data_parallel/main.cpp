@@ -100,26 +100,34 @@ void train(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});  // global; train() refuses one the ranks cannot split
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0});
-  o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch; each of N ranks takes batch / N (N must divide it)");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "SGD learning rate (momentum 0.9), decayed to 0 by a cosine");
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0},
+                             "SGD weight decay (not on biases or BatchNorm)");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>,
+                        "ranks to run (the threads build: threads of this process)");
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.data_dir = flags.get("data-dir", std::string());
-  const std::string compression = flags.choice("compression", "none", {"none", "fp16", "topk"});
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of initialization and shuffling"));
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "train on the first N images only (0: all 60,000)");
+  o.data_dir = flags.get("data-dir", std::string(),
+                         "directory of the IDX files (empty: TESSERA_DATA_DIR, then the default)");
+  const std::string compression = flags.choice("compression", "none", {"none", "fp16", "topk"},
+                                               "encoding of the gradient buckets the ranks exchange");
   o.compression = compression == "fp16" ? GradientCompression::Fp16
                   : compression == "topk" ? GradientCompression::TopK : GradientCompression::None;
-  o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20});  // 1 KiB .. 1 GiB
-  o.trace = flags.output_path("trace", o.trace);
-  o.checkpoint = flags.output_path("checkpoint", o.checkpoint);
-  o.resume = flags.input_path("resume", o.resume);
-  o.stop_after = flags.get("stop-after", o.stop_after, {.min = 0});
-  o.checkpoint_every = flags.get("checkpoint-every", o.checkpoint_every, {.min = 0});
+  o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20},
+                           "largest gradient bucket after the first, in KiB (first: <= 1 MiB)");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of every step on every rank");
+  o.checkpoint = flags.output_path("checkpoint", o.checkpoint,
+                                   "checkpoint saved after every epoch and on SIGUSR1/SIGTERM");
+  o.resume = flags.input_path("resume", o.resume, "checkpoint to resume, also at another rank count (same --batch)");
+  o.stop_after = flags.get("stop-after", o.stop_after, {.min = 0},
+                           "stop after N epochs of the schedule, to resume later (0: run all)");
+  o.checkpoint_every = flags.get("checkpoint-every", o.checkpoint_every, {.min = 0},
+                                 "also save the checkpoint every N steps (0: after each epoch only)");
   flags.finish();
   TESSERA_CHECK(o.checkpoint_every == 0 || !o.checkpoint.empty(), ArgumentError, "--checkpoint-every=",
                 o.checkpoint_every, " needs --checkpoint=PATH (the file to save to)");

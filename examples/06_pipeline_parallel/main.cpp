@@ -101,22 +101,27 @@ void train(Comm& world, const Options& o, int stages) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});
-  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1});
-  o.schedule = flags.choice("schedule", o.schedule, {"1f1b", "gpipe"});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.threads = flags.threads("threads", o.threads);
-  o.stages = flags.get("stages", o.stages, {.min = 1, .max = 4096});  // the max keeps stages x replicas an int
-  o.replicas = flags.get("replicas", o.replicas, {.min = 1, .max = 4096});
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch, split over the replicas, then into micro-batches");
+  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1}, "micro-batches per replica's batch (M)");
+  o.schedule = flags.choice("schedule", o.schedule, {"1f1b", "gpipe"},
+                            "micro-batch order: one forward/one backward, or all forwards first");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "SGD learning rate (momentum 0.9), decayed to 0 by a cosine");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  // the max keeps stages x replicas an int
+  o.stages = flags.get("stages", o.stages, {.min = 1, .max = 4096},
+                       "pipeline stages, one rank each (launcher: its ranks / replicas)");
+  o.replicas = flags.get("replicas", o.replicas, {.min = 1, .max = 4096},
+                         "data-parallel copies of the pipeline (ranks = replicas x stages)");
   o.stages_given = flags.has("stages");
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? std::int64_t{o.stages} * o.replicas : 1,
                       "--stages x --replicas", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.data_dir = flags.get("data-dir", std::string());
-  o.trace = flags.output_path("trace", o.trace);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of initialization and shuffling"));
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "train on the first N images only (0: all 60,000)");
+  o.data_dir = flags.get("data-dir", std::string(),
+                         "directory of the IDX files (empty: TESSERA_DATA_DIR, then the default)");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of the second training step");
   flags.finish();
   return o;
 }

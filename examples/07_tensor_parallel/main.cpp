@@ -115,18 +115,21 @@ void train(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});  // every rank sees the whole batch: nothing to split
-  o.hidden = flags.get("hidden", o.hidden, {.min = 1});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set");
+  // every rank sees the whole batch: nothing to split
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "images per step, the same on every rank");
+  o.hidden = flags.get("hidden", o.hidden, {.min = 1}, "hidden units h, split over the ranks (a multiple of them)");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "SGD learning rate (momentum 0.9), decayed to 0 by a cosine");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>,
+                        "ranks to run (the threads build: threads of this process)");
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.data_dir = flags.get("data-dir", std::string());
-  o.trace = flags.output_path("trace", o.trace);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of initialization and shuffling"));
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "train on the first N images only (0: all 60,000)");
+  o.data_dir = flags.get("data-dir", std::string(),
+                         "directory of the IDX files (empty: TESSERA_DATA_DIR, then the default)");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of training steps 2 to 4");
   flags.finish();
   return o;
 }

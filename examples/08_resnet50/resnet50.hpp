@@ -75,16 +75,17 @@ inline void report_memory(Comm& comm, NamedTensors<E>& named, const examples::Ra
 inline Options parse_options(int argc, char** argv, int& ranks) {
   Flags flags(argc, argv);
   Options o;
-  o.batch = flags.get("batch", o.batch, {.min = 1});  // per rank (data), the whole batch (pipeline, tensor)
-  o.steps = flags.get("steps", o.steps, {.min = 1});
-  o.image = flags.get("image", o.image, {.min = 1});
-  o.classes = flags.get("classes", o.classes, {.min = 1});
-  o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.get("ranks", o.ranks, {.min = 1});
-  o.sync_bn = flags.get("sync-bn", o.sync_bn);
-  o.strategy = flags.get("strategy", o.strategy);
-  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1});
-  o.verify = flags.get("verify", o.verify);
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "images per step: per rank for data, the whole batch otherwise");
+  o.steps = flags.get("steps", o.steps, {.min = 1}, "training steps; the first, a warm-up, is left out of img/s");
+  o.image = flags.get("image", o.image, {.min = 1}, "height and width of the synthetic images, in pixels");
+  o.classes = flags.get("classes", o.classes, {.min = 1}, "classifier outputs (and range of the synthetic labels)");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.get("ranks", o.ranks, {.min = 1}, "ranks of data and tensor (tensor: at least 2; pipeline:P runs P)");
+  o.sync_bn = flags.get("sync-bn", o.sync_bn, "BatchNorm over the global batch's statistics (data only)");
+  o.strategy = flags.get("strategy", o.strategy, "how to split: data, pipeline:P (P stages, 1 to 18) or tensor");
+  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1},
+                              "micro-batches per step, pipeline:P only (must divide --batch)");
+  o.verify = flags.get("verify", o.verify, "compare with the unsplit model trained on rank 0 (pipeline, tensor)");
   flags.finish();
   const bool split = o.strategy != "data";
   TESSERA_CHECK(!split || o.strategy == "tensor" ||

@@ -27,8 +27,11 @@
 // the costs and the plot in common/async_report.hpp. This file compares them.
 //
 // Learning rates: sync steps with --lr on the mean of W gradients; the parameter server applies
-// each gradient scaled by 1/W with the same --lr and momentum, so W arrivals move the parameters as
-// far as one synchronous step. Hogwild is plain SGD (no momentum) with --hogwild-lr per gradient:
+// each gradient scaled by 1/W with the same --lr, so W arrivals move the parameters about as far as
+// one synchronous step. Its momentum is lower (--ps-momentum 0.6 against --momentum 0.9): a stale
+// gradient already carries the past updates, and asynchrony acts as extra momentum (Mitliagkas et
+// al., "Asynchrony begets momentum", 2016); at 0.9 async fell back to chance in 2 of 12 short runs,
+// at 0.6 none of 12 did (README, "Learning rates"). Hogwild is plain SGD with --hogwild-lr per gradient:
 // lr / (1 - momentum) / W would match the others' long-run step, but without momentum's averaging
 // that step (0.25 for 2 workers) diverges on LeNet; 0.05 is plain SGD's usual rate for it.
 #include <cstdio>

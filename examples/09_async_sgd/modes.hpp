@@ -29,7 +29,8 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   std::int64_t epochs = 2, batch = 32, limit = 0, evals = 4;
-  double lr = 0.05, momentum = 0.9, weight_decay = 5e-4, hogwild_lr = 0.05, target = 0.85, min_accuracy = 0.6;
+  double lr = 0.05, momentum = 0.9, ps_momentum = 0.6, weight_decay = 5e-4, hogwild_lr = 0.05, target = 0.85,
+         min_accuracy = 0.6;
   int servers = 1, staleness = 2, straggler_ms = 0, ranks = 4, threads = 1;
   std::uint64_t seed = 1;
   std::string data_dir, out = "09_async_sgd.jsonl", plot = "09_async_sgd.png", trace;
@@ -78,6 +79,7 @@ struct Runner {
   bool is_worker, is_evaluator;
   std::int64_t session_budget;  // gradients per session, all workers together
   Timeline* timeline = nullptr;  // during the first session with --trace (see run_sessions)
+  const Comm* traffic = nullptr;  // whose peer_bytes (thread ranks) count a session's traffic; null: comm
 
   void straggle(int worker) const {
     if (o.straggler_ms > 0 && worker == workers - 1) {
@@ -108,11 +110,13 @@ struct Runner {
       on_trace(timeline);
       comm.barrier();
       const double lo_before = is_evaluator ? examples::loopback_bytes() : 0;
+      const double peer_before = examples::peer_bytes(traffic ? *traffic : comm);  // -1 but for threads
       const auto start = Clock::now();
       session();
       comm.barrier();
       elapsed += std::chrono::duration<double>(Clock::now() - start).count();
       if (is_evaluator) r.loopback += examples::loopback_bytes() - lo_before;
+      const double peer_moved = peer_before >= 0 ? examples::peer_bytes(traffic ? *traffic : comm) - peer_before : 0;
       if (trace) {
         on_trace(nullptr);
         timeline = nullptr;
@@ -120,9 +124,10 @@ struct Runner {
         trace->write(comm, path);
         if (is_evaluator) std::printf("  [%-7s] timeline of the first session: %s\n", r.mode.c_str(), path.c_str());
       }
-      std::vector<double> accuracy = {is_evaluator ? examples::accuracy(model, test_loader) : 0.0};
-      comm.all_reduce(std::span<double>(accuracy), ReduceOp::Sum);
+      std::vector<double> accuracy = {is_evaluator ? examples::accuracy(model, test_loader) : 0.0, peer_moved};
+      comm.all_reduce(std::span<double>(accuracy), ReduceOp::Sum);  // and the bytes all ranks moved
       r.points.push_back({elapsed, accuracy[0]});
+      if (peer_before >= 0) r.peer = std::max(r.peer, 0.0) + accuracy[1];
       if (is_evaluator)
         std::printf("  [%-7s] epoch %5.2f  %7.1f s  test accuracy %.2f%%\n", r.mode.c_str(),
                     static_cast<double>(s + 1) / static_cast<double>(o.evals), elapsed, 100 * accuracy[0]);
@@ -138,6 +143,7 @@ struct Runner {
       run_sessions(r, model, [] {});
       return r;
     }
+    traffic = &worker_comm;  // the all-reduce's group (the servers' own group stays silent)
     DataParallel dp(model, worker_comm);
     Sgd<E> sgd(dp.parameters(), {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
     const int worker = worker_comm.rank();
@@ -159,6 +165,7 @@ struct Runner {
         }
       }
     }, [&](Timeline* t) { dp.set_timeline(t); });
+    traffic = nullptr;
     r.gradients = steps * workers * o.epochs * o.evals;
     return r;
   }
@@ -170,7 +177,7 @@ struct Runner {
     if (bound > 0) r.staleness_bound = static_cast<std::int64_t>(workers - 1) * (2 * bound + 1);
     CrossEntropyLoss<E> loss;
     if (ps.is_server()) {
-      Sgd<E> sgd(ps.server_parameters(), {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+      Sgd<E> sgd(ps.server_parameters(), {.lr = o.lr, .momentum = o.ps_momentum, .weight_decay = o.weight_decay});
       run_sessions(
           r, model,
           [&] {
@@ -225,7 +232,8 @@ struct Runner {
         }
         hog.gather_parameters();
       });
-      std::vector<double> stats = {static_cast<double>(hog.staleness().sum), static_cast<double>(hog.staleness().applied),
+      std::vector<double> stats = {static_cast<double>(hog.staleness().sum),
+                                   static_cast<double>(hog.staleness().applied),
                                    static_cast<double>(hog.staleness().max)};
       std::vector<double> max_only = {stats[2]};
       stats.pop_back();
@@ -242,29 +250,36 @@ struct Runner {
 inline Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});  // per worker: nothing to split
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.evals = flags.get("evals", o.evals, {.min = 1});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.momentum = flags.get("momentum", o.momentum, {.min = 0, .below = 1});
-  o.hogwild_lr = flags.get("hogwild-lr", o.hogwild_lr, {.above = 0});
-  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0});
-  o.target = flags.get("target", o.target, {.min = 0, .max = 1});  // accuracies are fractions
-  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 1});
-  o.servers = flags.get("servers", o.servers, {.min = 1});
-  o.staleness = flags.get("staleness", o.staleness, {.min = 1});  // 0 is the sync row
-  o.straggler_ms = flags.get("straggler-ms", o.straggler_ms, {.min = 0, .max = 60000});
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
-  o.threads = flags.threads("threads", o.threads);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "epochs' worth of batches each mode trains");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "images per batch, per worker");  // nothing to split
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "training images to use (0: all 60,000)");
+  o.evals = flags.get("evals", o.evals, {.min = 1}, "test-accuracy evaluations per epoch");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "learning rate of sync, SSP and async");
+  o.momentum = flags.get("momentum", o.momentum, {.min = 0, .below = 1}, "SGD momentum of sync");
+  o.ps_momentum = flags.get("ps-momentum", o.ps_momentum, {.min = 0, .below = 1},
+                            "the servers' SGD momentum (SSP, async): staleness adds its own");
+  o.hogwild_lr = flags.get("hogwild-lr", o.hogwild_lr, {.above = 0}, "Hogwild's learning rate (plain SGD)");
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "L2 weight decay of every mode");
+  // Accuracies are fractions.
+  o.target = flags.get("target", o.target, {.min = 0, .max = 1}, "test accuracy whose time to reach the table reports");
+  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 1},
+                             "test accuracy every mode must reach, else exit 1 (self-check)");
+  o.servers = flags.get("servers", o.servers, {.min = 1}, "parameter-server ranks (the other ranks are workers)");
+  o.staleness = flags.get("staleness", o.staleness, {.min = 1},  // 0 is the sync row
+                          "SSP's bound s: steps a worker may run ahead of the slowest");
+  o.straggler_ms = flags.get("straggler-ms", o.straggler_ms, {.min = 0, .max = 60000},
+                             "ms one worker sleeps every step, a straggler (0: none)");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>, "ranks in all: servers plus workers");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.data_dir = flags.get("data-dir", std::string());
-  o.modes = flags.list("modes", "sync,ssp,async,hogwild", {"sync", "ssp", "async", "hogwild"});
-  o.out = flags.output_path("out", o.out);
-  o.plot = flags.output_path("plot", o.plot);
-  o.trace = flags.output_path("trace", o.trace);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights and the shuffling"));
+  o.data_dir = flags.get("data-dir", std::string(), "Fashion-MNIST directory (empty: the default locations)");
+  o.modes = flags.list("modes", "sync,ssp,async,hogwild", {"sync", "ssp", "async", "hogwild"},
+                       "modes to compare (hogwild: threads build only)");
+  o.out = flags.output_path("out", o.out, "accuracy against wall time, as JSON lines");
+  o.plot = flags.output_path("plot", o.plot, "accuracy against wall time, as a PNG");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of each mode's first session, one file per mode");
   flags.finish();
   TESSERA_CHECK(!SharedMemoryCommunicator<Comm> || o.ranks > o.servers, ArgumentError, "--ranks=",
                 o.ranks, " must leave at least one worker besides --servers=", o.servers);

@@ -115,26 +115,29 @@ int run(Comm& world, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});  // per trial, split over the ranks of its group
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.validation = flags.get("validation", o.validation, {.min = 1});  // and below the training images: run()
-  o.groups = flags.get("groups", o.groups, {.min = 1});
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
-  o.threads = flags.threads("threads", o.threads);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training images, per trial");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "images per step of a trial, split over its group's ranks");
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "training images used, validation included (0: all 60,000)");
+  o.validation = flags.get("validation", o.validation, {.min = 1},  // and below the training images: run()
+                           "last training images held out to score the trials");
+  o.groups = flags.get("groups", o.groups, {.min = 1}, "groups of ranks, each training one trial at a time");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>, "ranks in all, split into the groups");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
   // Ranks of the threads build share this process's cores (a process backend runs one rank here).
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
   EvolutionOptions& e = o.evolution;
-  e.population = flags.get("population", e.population, {.min = 2});
-  e.generations = flags.get("generations", e.generations, {.min = 1});
-  e.tournament_size = flags.get("tournament", e.tournament_size, {.min = 1});
-  e.elitism = flags.get("elitism", e.elitism, {.min = 0});
-  e.crossover = flags.get("crossover", e.crossover, {.min = 0, .max = 1});  // probabilities
-  e.mutation = flags.get("mutation", e.mutation, {.min = 0, .max = 1});
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.data_dir = flags.get("data-dir", std::string());
-  o.log = flags.output_path("log", o.log);
-  o.plot = flags.output_path("plot", o.plot);
+  e.population = flags.get("population", e.population, {.min = 2}, "configurations per generation");
+  e.generations = flags.get("generations", e.generations, {.min = 1}, "generations of the evolutionary search");
+  e.tournament_size =
+      flags.get("tournament", e.tournament_size, {.min = 1}, "a parent is the best of this many random picks");
+  e.elitism = flags.get("elitism", e.elitism, {.min = 0}, "best configurations carried over unchanged");
+  e.crossover = flags.get("crossover", e.crossover, {.min = 0, .max = 1},  // probabilities
+                          "probability that a child mixes two parents");
+  e.mutation = flags.get("mutation", e.mutation, {.min = 0, .max = 1}, "per-hyperparameter mutation probability");
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the search and its trials"));
+  o.data_dir = flags.get("data-dir", std::string(), "Fashion-MNIST directory (empty: the default locations)");
+  o.log = flags.output_path("log", o.log, "one JSON line per trial, also what a rerun resumes from");
+  o.plot = flags.output_path("plot", o.plot, "best and median validation accuracy per generation, as a PNG");
   flags.finish();
   TESSERA_CHECK(e.elitism < e.population, ArgumentError, "--elitism=", e.elitism,
                 " must be below --population=", e.population, " (the elite are carried over unchanged)");

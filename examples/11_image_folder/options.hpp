@@ -23,29 +23,35 @@ struct Options {
 inline Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.image_folder = flags.get("image-folder", o.image_folder);
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.warmup = flags.get("warmup", o.warmup, {.min = 0});
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<BuildEnv::Comm>);
+  o.image_folder = flags.get("image-folder", o.image_folder, "directory holding train/ and test/ (required)");
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch in images, split over the ranks");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "SGD learning rate after the warmup, then cosine decay to 0");
+  o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "epochs of linear learning-rate warmup");
+  o.seed = static_cast<std::uint64_t>(
+      flags.get("seed", std::int64_t{1}, "seed of the weights, sample order, crops and flips"));
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank for the model");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<BuildEnv::Comm>, "data-parallel ranks");
   check_thread_budget(SharedMemoryCommunicator<BuildEnv::Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.workers = flags.get("workers", o.workers, {.min = 1, .max = 64});
-  o.model = flags.choice("model", o.model, {"resnet20", "resnet50"});
-  o.size = flags.get("size", o.size, {.min = 8, .max = 4096});
-  o.eval_resize = flags.get("eval-resize", o.eval_resize, {.min = 0, .max = 8192});
-  o.channels = flags.get("channels", o.channels, {.min = 1, .max = 3});
-  o.augment = flags.choice("augment", o.augment, {"standard", "none"});
-  o.crop_scale = flags.get("crop-scale", o.crop_scale, {.above = 0, .max = 1});
-  o.flip = flags.get("flip", o.flip, {.min = 0, .max = 1});
-  o.cache = flags.get("cache", o.cache);
-  o.cache_file = flags.output_path("cache-file", o.cache_file);
-  o.skip_corrupt = flags.get("skip-corrupt", o.skip_corrupt);
-  o.compare_idx = flags.get("compare-idx", o.compare_idx);
-  o.data_dir = flags.get("data-dir", o.data_dir);
-  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 100});
+  o.workers = flags.get("workers", o.workers, {.min = 1, .max = 64}, "decoding threads per rank (num_workers)");
+  o.model = flags.choice("model", o.model, {"resnet20", "resnet50"}, "network to train");
+  o.size = flags.get("size", o.size, {.min = 8, .max = 4096}, "training and test resolution in pixels");
+  o.eval_resize = flags.get("eval-resize", o.eval_resize, {.min = 0, .max = 8192},
+                            "test images' shorter side before the centre crop (0: --size)");
+  o.channels = flags.get("channels", o.channels, {.min = 1, .max = 3}, "decoded image channels: 1 grey, 3 RGB");
+  o.augment = flags.choice("augment", o.augment, {"standard", "none"},
+                           "training transform: random crop and flip, or the test's");
+  o.crop_scale = flags.get("crop-scale", o.crop_scale, {.above = 0, .max = 1},
+                           "smallest area fraction of a random resized crop");
+  o.flip = flags.get("flip", o.flip, {.min = 0, .max = 1}, "probability of a horizontal flip");
+  o.cache = flags.get("cache", o.cache, "keep decoded images in memory after their first read");
+  o.cache_file = flags.output_path("cache-file", o.cache_file,
+                                   "memory-mapped decoded images in PATH.train and PATH.test");
+  o.skip_corrupt = flags.get("skip-corrupt", o.skip_corrupt, "replace an unreadable file by the next readable one");
+  o.compare_idx = flags.get("compare-idx", o.compare_idx, "train again from the IDX files and compare");
+  o.data_dir = flags.get("data-dir", o.data_dir, "IDX files for --compare-idx (empty: the default locations)");
+  o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 100},
+                             "test accuracy in percent to reach, else exit 1 (0: no check)");
   flags.finish();
   TESSERA_CHECK(!o.image_folder.empty(), ArgumentError,
                 "--image-folder=DIR is required (DIR/train/<class>/*.png|jpg and DIR/test/...); make one from "

@@ -123,17 +123,19 @@ int run(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.threads = flags.threads("threads", o.threads);
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set, under each strategy");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch in images, split over the ranks");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "Adam's learning rate, held constant");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>,
+                        "data-parallel ranks (Zero1 shards Adam's state over them)");
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.data_dir = flags.get("data-dir", o.data_dir);
-  o.tolerance = flags.get("tolerance", o.tolerance, {.min = 0});
-  o.trace = flags.output_path("trace", o.trace);
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights and the shuffling"));
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "training images to use (0: all 60,000)");
+  o.data_dir = flags.get("data-dir", o.data_dir, "Fashion-MNIST directory (empty: the default locations)");
+  o.tolerance = flags.get("tolerance", o.tolerance, {.min = 0},
+                          "test-accuracy gap allowed between DataParallel and Zero1, in points");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of every step, one file per strategy (.dp, .zero)");
   flags.finish();
   return o;
 }

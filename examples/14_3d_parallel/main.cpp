@@ -120,19 +120,20 @@ int run(Comm& world, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.epochs = flags.get("epochs", o.epochs, {.min = 1});
-  o.batch = flags.get("batch", o.batch, {.min = 1});
-  o.hidden = flags.get("hidden", o.hidden, {.min = 1});
-  o.data = flags.get("data", o.data, {.min = 1, .max = 4096});
-  o.stages = flags.get("stages", o.stages, {.min = 1, .max = 2});  // 2 of the 4 units hold parameters
-  o.tensor = flags.get("tensor", o.tensor, {.min = 1, .max = 4096});
-  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1});
-  o.lr = flags.get("lr", o.lr, {.above = 0});
-  o.threads = flags.threads("threads", o.threads);
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  o.limit = flags.get("limit", o.limit, {.min = 0});
-  o.data_dir = flags.get("data-dir", o.data_dir);
-  o.trace = flags.output_path("trace", o.trace);
+  o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set");
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch in images, split over replicas, then micro-batches");
+  o.hidden = flags.get("hidden", o.hidden, {.min = 1}, "hidden width h of the MLP, split over the tensor ranks");
+  o.data = flags.get("data", o.data, {.min = 1, .max = 4096}, "D: data-parallel replicas of the pipeline");
+  o.stages = flags.get("stages", o.stages, {.min = 1, .max = 2},  // 2 of the 4 units hold parameters
+                       "P: pipeline stages (a stage needs a unit with parameters)");
+  o.tensor = flags.get("tensor", o.tensor, {.min = 1, .max = 4096}, "T: tensor-parallel ranks per stage");
+  o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1}, "micro-batches per replica's batch");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "SGD learning rate (momentum 0.9), cosine decay to 0");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights and the shuffling"));
+  o.limit = flags.get("limit", o.limit, {.min = 0}, "training images to use (0: all 60,000)");
+  o.data_dir = flags.get("data-dir", o.data_dir, "Fashion-MNIST directory (empty: the default locations)");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of the second training step, every rank");
   // Under a launcher its -n decides, and run() names --data x --stages x --tensor when they differ.
   o.ranks = SharedMemoryCommunicator<Comm> ? o.data * o.stages * o.tensor : 0;
   check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--data x --stages x --tensor", o.threads,

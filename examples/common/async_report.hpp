@@ -30,12 +30,13 @@ struct AsyncModeResult {
   std::int64_t staleness_max = 0;
   std::int64_t staleness_bound = -1;  // the bound SSP must respect, -1 if none
   double loopback = 0;                // bytes over this host's loopback during the sessions (evaluator)
+  double peer = -1;                   // thread ranks: bytes all ranks' sends and collectives moved; -1: none
 };
 
 struct AsyncReportOptions {
   double target = 0.85, min_accuracy = 0.6;  // fractions
   int workers = 1;
-  bool shared_memory = false;  // thread ranks: nothing crosses loopback
+  bool shared_memory = false;  // thread ranks: nothing crosses loopback (their own count, `peer`, does)
   double parameters = 0;
 };
 
@@ -77,7 +78,8 @@ inline int print_async_table(const std::vector<AsyncModeResult>& results, const 
 // 2(W-1)/W x 4P per worker and step, one gradient each; a parameter server takes 4P in (the push)
 // and sends 4P back (the pull) for every gradient, whatever the number of servers (each holds a
 // slice). Measured: the bytes that crossed this host's loopback interface during the sessions
-// (the end-of-session gathers of the parameters included) over the gradients.
+// (the end-of-session gathers of the parameters included) over the gradients; for thread ranks,
+// the bytes their sends and collectives copied between the ranks (ThreadComm::peer_bytes).
 inline void print_async_costs(const std::vector<AsyncModeResult>& results, const AsyncReportOptions& o) {
   const double g = 4.0 * o.parameters, w = o.workers;
   std::printf("\ncost per gradient: sync 2(W-1)/W x 4P = %.1f KiB; ssp and async: push 4P + pull 4P = %.1f KiB "
@@ -85,13 +87,13 @@ inline void print_async_costs(const std::vector<AsyncModeResult>& results, const
   for (const AsyncModeResult& r : results) {
     if (r.mode == "hogwild" || r.gradients == 0) continue;
     const double formula = r.mode == "sync" ? 2 * (w - 1) / w * g : 2 * g;
+    const double per_gradient = (o.shared_memory ? r.peer : r.loopback) / static_cast<double>(r.gradients);
     if (o.shared_memory)
-      std::printf("  %-6s %.1f KiB by formula; measured: nothing to measure, the ranks are threads\n", r.mode.c_str(),
-                  formula / 1024);
+      std::printf("  %-6s %.1f KiB by formula | %.1f KiB measured between the threads' buffers (%.2fx)\n",
+                  r.mode.c_str(), formula / 1024, per_gradient / 1024, per_gradient / formula);
     else
       std::printf("  %-6s %.1f KiB by formula | %.1f KiB measured on loopback (%.2fx; 0 where the backend uses shared "
-                  "memory)\n", r.mode.c_str(), formula / 1024, r.loopback / static_cast<double>(r.gradients) / 1024,
-                  r.loopback / static_cast<double>(r.gradients) / formula);
+                  "memory)\n", r.mode.c_str(), formula / 1024, per_gradient / 1024, per_gradient / formula);
   }
 }
 

@@ -2,9 +2,10 @@
 // (momentum, weight decay) and a warmup + cosine schedule, report test accuracy per epoch, and
 // optionally write metrics, checkpoint, and resume. With --checkpoint, SIGUSR1 or SIGTERM (a
 // cluster's warning before the time limit, or the limit itself) saves the checkpoint at the next
-// step and exits 75 (tessera::kExitStoppedForResume): run again with --resume to go on. Each example supplies its model (built for the
-// Env it is given) and recipe. --precision=bfloat16 trains the same model with CpuLocalBf16:
-// float weights, bfloat16 products (tessera/core/env.hpp), against float32's CpuLocal.
+// step and exits 75 (tessera::kExitStoppedForResume): run again with --resume to go on. Each
+// example supplies its model (built for the Env it is given) and recipe. --precision=bfloat16
+// trains the same model with CpuLocalBf16: float weights, bfloat16 products (tessera/core/env.hpp),
+// against float32's CpuLocal.
 #pragma once
 
 #include <cstdio>
@@ -130,31 +131,37 @@ int run_fashion_mnist(int argc, char** argv, const char* title, Recipe recipe, M
   try {
     // Every flag is checked here, paths included, before any data is read or step computed.
     Flags flags(argc, argv);
-    recipe.epochs = flags.get("epochs", recipe.epochs, {.min = 1});
-    recipe.batch_size = flags.get("batch", recipe.batch_size, {.min = 1});
-    recipe.lr = flags.get("lr", recipe.lr, {.above = 0});
-    recipe.weight_decay = flags.get("weight-decay", recipe.weight_decay, {.min = 0});
-    recipe.warmup_epochs = flags.get("warmup", recipe.warmup_epochs, {.min = 0});
+    recipe.epochs = flags.get("epochs", recipe.epochs, {.min = 1}, "passes over the training set");
+    recipe.batch_size = flags.get("batch", recipe.batch_size, {.min = 1}, "images per SGD step");
+    recipe.lr = flags.get("lr", recipe.lr, {.above = 0}, "SGD learning rate after warmup, decayed to 0 by a cosine");
+    recipe.weight_decay = flags.get("weight-decay", recipe.weight_decay, {.min = 0},
+                                    "SGD weight decay (not on biases or BatchNorm)");
+    recipe.warmup_epochs = flags.get("warmup", recipe.warmup_epochs, {.min = 0},
+                                     "epochs of linear warmup from a tenth of the learning rate");
     RunOptions o;
-    o.data_dir = flags.get("data-dir", std::string());
-    const int threads = flags.threads("threads", 0);
-    o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-    o.metrics = flags.output_path("metrics", "");
-    o.checkpoint = flags.output_path("checkpoint", "");
-    // also save the checkpoint every N steps (0: after each epoch only)
-    o.checkpoint_every = flags.get("checkpoint-every", std::int64_t{0}, {.min = 0});
-    o.resume = flags.input_path("resume", "");
-    // use only the first N training images (0: all)
-    o.limit = flags.get("limit", std::int64_t{0}, {.min = 0});
-    o.progress = flags.get("progress", -1, {.min = -1, .max = 1});  // -1 detect terminal, 0 lines, 1 bar
-    // stop after this many epochs (0: run all), e.g. to test resume
-    o.stop_after = flags.get("stop-after", std::int64_t{0}, {.min = 0});
-    const std::string precision = flags.choice("precision", "float32", {"float32", "bfloat16"});
+    o.data_dir = flags.get("data-dir", std::string(),
+                           "directory of the IDX files (empty: TESSERA_DATA_DIR, then the default)");
+    const int threads = flags.threads("threads", 0, "OpenMP threads");
+    o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of initialization and shuffling"));
+    o.metrics = flags.output_path("metrics", "", "one JSON line per epoch: loss, accuracy, img/s, learning rate");
+    o.checkpoint = flags.output_path("checkpoint", "",
+                                     "safetensors checkpoint, saved after every epoch and on SIGUSR1/SIGTERM");
+    o.checkpoint_every = flags.get("checkpoint-every", std::int64_t{0}, {.min = 0},
+                                   "also save the checkpoint every N steps (0: after each epoch only)");
+    o.resume = flags.input_path("resume", "", "checkpoint to continue from, exactly where it stopped");
+    o.limit = flags.get("limit", std::int64_t{0}, {.min = 0}, "train on the first N images only (0: all 60,000)");
+    o.progress = flags.get("progress", -1, {.min = -1, .max = 1},
+                           "progress display: -1 a bar on a terminal, else lines; 0 lines; 1 a bar");
+    o.stop_after = flags.get("stop-after", std::int64_t{0}, {.min = 0},
+                             "stop after N epochs of the schedule, to resume later (0: run all)");
+    const std::string precision = flags.choice("precision", "float32", {"float32", "bfloat16"},
+                                               "number type of the products (bfloat16: weights and sums stay float32)");
     // The recipe's floor holds for the recipe's settings; a run that changes them states its own.
     bool recipe_settings = true;
     for (const char* setting : {"epochs", "batch", "lr", "weight-decay", "warmup", "limit", "precision"})
       recipe_settings = recipe_settings && !flags.has(setting);
-    o.min_accuracy = flags.get("min-accuracy", recipe_settings ? recipe.min_accuracy : 0.0, {.min = 0, .max = 1});
+    o.min_accuracy = flags.get("min-accuracy", recipe_settings ? recipe.min_accuracy : 0.0, {.min = 0, .max = 1},
+                               "final test accuracy to reach, else exit 1 (0: no check)");
     flags.finish();
     TESSERA_CHECK(o.checkpoint_every == 0 || !o.checkpoint.empty(), ArgumentError, "--checkpoint-every=",
                   o.checkpoint_every, " needs --checkpoint=PATH (the file to save to)");

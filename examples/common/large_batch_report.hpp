@@ -57,42 +57,20 @@ struct LargeBatchSettings {
   std::string decay, out, plot, data_dir;
 };
 
-// Example 05's flags, every one checked here (the output paths included) before hours of
-// training, and the runs they select.
-inline LargeBatchSettings parse_large_batch(int argc, char** argv) {
-  using namespace tessera;
+// The optimizer settings of the LARS and LAMB runs.
+struct LargeBatchAdaptive {
+  double lars_lr, lars_eta, lars_wd, lamb_lr, lamb_wd;
+};
+
+// The runs named by `keys` (checked by flags.list), in their order, with the settings of `s`.
+inline std::vector<LargeBatchRun> large_batch_runs(const LargeBatchSettings& s, const std::vector<std::string>& keys,
+                                                   const LargeBatchAdaptive& a) {
   using Method = LargeBatchMethod;
   using Run = LargeBatchRun;
-  Flags flags(argc, argv);
-  LargeBatchSettings s;
-  s.epochs = flags.get("epochs", std::int64_t{16}, {.min = 1});
-  s.warmup = flags.get("warmup", 5.0, {.min = 0});
-  // Only the first N epochs of the --epochs schedule (0: all): where the large rate without
-  // warmup does its damage, in a fraction of the time.
-  s.stop_after = flags.get("stop-after", std::int64_t{0}, {.min = 0});
-  s.min_warmup_gain = flags.get("min-warmup-gain", 5.0, {.min = 0});  // the claim's points (0: no check)
-  s.ranks = flags.get("ranks", 2, {.min = 1});
-  s.threads = flags.threads("threads", 1);
-  check_thread_budget(s.ranks, "--ranks", s.threads, "--threads");  // the ranks are threads of this process
-  s.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}));
-  s.limit = flags.get("limit", std::int64_t{0}, {.min = 0});
-  const auto keys = flags.list("runs", "small,nowarmup,warmup", {"small", "nowarmup", "warmup", "lars", "lamb"});
-  s.small = flags.get("small-batch", std::int64_t{256}, {.min = 1});
-  s.large = flags.get("large-batch", std::int64_t{4096}, {.min = 1});
-  const double lars_lr = flags.get("lars-lr", 8.0, {.above = 0}), lars_eta = flags.get("lars-eta", 0.001, {.above = 0});
-  const double lars_wd = flags.get("lars-wd", 5e-4, {.min = 0}), lamb_lr = flags.get("lamb-lr", 0.05, {.above = 0});
-  const double lamb_wd = flags.get("lamb-wd", 0.01, {.min = 0});
-  s.adaptive_warmup = flags.get("adaptive-warmup", s.warmup, {.min = 0});
-  s.decay = flags.choice("adaptive-decay", "cosine", {"cosine", "poly2"});
-  s.out = flags.output_path("out", "05_large_batch.jsonl");
-  s.plot = flags.output_path("plot", "05_large_batch.png");
-  s.data_dir = flags.get("data-dir", std::string());
-  flags.finish();
-  // Global batches split evenly over the ranks, or refused: never silently rounded.
-  TESSERA_CHECK(s.small % s.ranks == 0 && s.large % s.ranks == 0, ArgumentError, "--small-batch=", s.small,
-                " and --large-batch=", s.large, " (global batches) must be multiples of --ranks=", s.ranks);
+  using tessera::linear_scaling_rule;
   const bool poly = s.decay == "poly2";
-  const double small_lr = linear_scaling_rule(0.1, s.small), large_lr = linear_scaling_rule(0.1, s.large);  // 0.1 per 256
+  // 0.1 per 256 images
+  const double small_lr = linear_scaling_rule(0.1, s.small), large_lr = linear_scaling_rule(0.1, s.large);
   const std::string k = text("%gx batch %lld", static_cast<double>(s.large) / static_cast<double>(s.small),
                              static_cast<long long>(s.large));
   const std::vector<Run> all = {
@@ -102,13 +80,61 @@ inline LargeBatchSettings parse_large_batch(int argc, char** argv) {
        false, {210, 50, 40}, "red"},
       {"warmup", text("%s, lr %g, warmup", k.c_str(), large_lr), Method::Sgd, s.large, large_lr, s.warmup, 5e-4, 0,
        false, {40, 160, 60}, "green"},
-      {"lars", text("LARS batch %lld, lr %g, eta %g", static_cast<long long>(s.large), lars_lr, lars_eta), Method::Lars,
-       s.large, lars_lr, s.adaptive_warmup, lars_wd, lars_eta, poly, {150, 50, 190}, "purple"},
-      {"lamb", text("LAMB batch %lld, lr %g, wd %g", static_cast<long long>(s.large), lamb_lr, lamb_wd), Method::Lamb,
-       s.large, lamb_lr, s.adaptive_warmup, lamb_wd, 0, poly, {230, 140, 20}, "orange"},
+      {"lars", text("LARS batch %lld, lr %g, eta %g", static_cast<long long>(s.large), a.lars_lr, a.lars_eta),
+       Method::Lars, s.large, a.lars_lr, s.adaptive_warmup, a.lars_wd, a.lars_eta, poly, {150, 50, 190}, "purple"},
+      {"lamb", text("LAMB batch %lld, lr %g, wd %g", static_cast<long long>(s.large), a.lamb_lr, a.lamb_wd),
+       Method::Lamb, s.large, a.lamb_lr, s.adaptive_warmup, a.lamb_wd, 0, poly, {230, 140, 20}, "orange"},
   };
-  for (const auto& key : keys)  // each one of all's keys (flags.list checked them)
-    s.runs.push_back(*std::find_if(all.begin(), all.end(), [&](const Run& r) { return r.key == key; }));
+  std::vector<Run> runs;
+  for (const auto& key : keys)  // each one of all's keys
+    runs.push_back(*std::find_if(all.begin(), all.end(), [&](const Run& r) { return r.key == key; }));
+  return runs;
+}
+
+// Example 05's flags, every one checked here (the output paths included) before hours of
+// training, and the runs they select.
+inline LargeBatchSettings parse_large_batch(int argc, char** argv) {
+  using namespace tessera;
+  Flags flags(argc, argv);
+  LargeBatchSettings s;
+  s.epochs = flags.get("epochs", std::int64_t{16}, {.min = 1}, "epochs of every run's learning-rate schedule");
+  s.warmup = flags.get("warmup", 5.0, {.min = 0}, "epochs of linear warmup of the warmup run");
+  // Only the first N epochs of the --epochs schedule (0: all): where the large rate without
+  // warmup does its damage, in a fraction of the time.
+  s.stop_after = flags.get("stop-after", std::int64_t{0}, {.min = 0},
+                           "train only the first N epochs of the schedule (0: all)");
+  s.min_warmup_gain = flags.get("min-warmup-gain", 5.0, {.min = 0},
+                                "best-accuracy points warmup must gain over no warmup (0: no check)");
+  s.ranks = flags.get("ranks", 2, {.min = 1}, "data-parallel ranks of every run, threads of this process");
+  s.threads = flags.threads("threads", 1, "OpenMP threads per rank");
+  check_thread_budget(s.ranks, "--ranks", s.threads, "--threads");  // the ranks are threads of this process
+  s.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of initialization and shuffling"));
+  s.limit = flags.get("limit", std::int64_t{0}, {.min = 0}, "train on the first N images only (0: all 60,000)");
+  const auto keys = flags.list("runs", "small,nowarmup,warmup", {"small", "nowarmup", "warmup", "lars", "lamb"},
+                               "runs to train, in order; the first is the table's reference");
+  s.small = flags.get("small-batch", std::int64_t{256}, {.min = 1},
+                      "global batch of the small run (lr 0.1 x batch / 256)");
+  s.large = flags.get("large-batch", std::int64_t{4096}, {.min = 1},
+                      "global batch of the large runs (SGD's lr 0.1 x batch / 256)");
+  LargeBatchAdaptive a;
+  a.lars_lr = flags.get("lars-lr", 8.0, {.above = 0}, "learning rate of the LARS run");
+  a.lars_eta = flags.get("lars-eta", 0.001, {.above = 0}, "trust coefficient of the LARS run");
+  a.lars_wd = flags.get("lars-wd", 5e-4, {.min = 0}, "weight decay of the LARS run");
+  a.lamb_lr = flags.get("lamb-lr", 0.05, {.above = 0}, "learning rate of the LAMB run");
+  a.lamb_wd = flags.get("lamb-wd", 0.01, {.min = 0}, "weight decay of the LAMB run");
+  s.adaptive_warmup = flags.get("adaptive-warmup", s.warmup, {.min = 0},
+                                "warmup epochs of the LARS and LAMB runs (default: --warmup)");
+  s.decay = flags.choice("adaptive-decay", "cosine", {"cosine", "poly2"},
+                         "learning-rate decay of the LARS and LAMB runs (poly2: (1 - e/T)^2)");
+  s.out = flags.output_path("out", "05_large_batch.jsonl", "test accuracy per epoch of every run, as JSON lines");
+  s.plot = flags.output_path("plot", "05_large_batch.png", "test accuracy per epoch of every run, drawn as a PNG");
+  s.data_dir = flags.get("data-dir", std::string(),
+                         "directory of the IDX files (empty: TESSERA_DATA_DIR, then the default)");
+  flags.finish();
+  // Global batches split evenly over the ranks, or refused: never silently rounded.
+  TESSERA_CHECK(s.small % s.ranks == 0 && s.large % s.ranks == 0, ArgumentError, "--small-batch=", s.small,
+                " and --large-batch=", s.large, " (global batches) must be multiples of --ranks=", s.ranks);
+  s.runs = large_batch_runs(s, keys, a);
   return s;
 }
 

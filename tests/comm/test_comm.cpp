@@ -193,6 +193,24 @@ TEST_CASE("ThreadComm: recv checks type and count, peers are range-checked", "[c
   });
 }
 
+TEST_CASE("ThreadComm: peer_bytes counts what a network would carry, per group", "[comm]") {
+  ThreadWorld world(4, CommOptions{.timeout = 10s});
+  world.run([&](ThreadComm& comm) {
+    CHECK(comm.peer_bytes() == 0);
+    std::vector<float> g(1000, 1.0f);  // 4000 bytes: each rank reduces a quarter, reads 3 and writes 3
+    comm.all_reduce(std::span<float>(g), ReduceOp::Sum);
+    const std::int64_t after_reduce = comm.peer_bytes();
+    CHECK(after_reduce == 2 * 3 * 250 * 4);  // 2(p-1)/p x 4000 bytes
+    const std::vector<double> out(7, 1.0);
+    std::vector<double> in(7);
+    if (comm.rank() == 0) comm.send(std::span<const double>(out), 1);
+    if (comm.rank() == 1) comm.recv(std::span<double>(in), 0);
+    CHECK(comm.peer_bytes() - after_reduce == (comm.rank() == 0 ? 56 : 0));  // the sender counts, once
+    ThreadComm half = comm.split(comm.rank() % 2, comm.rank());
+    CHECK(half.peer_bytes() == 0);
+  });
+}
+
 TEST_CASE("LaunchEnv: reads tessera-run, Open MPI and Slurm variables in that order", "[comm]") {
   ScopedEnv a("TESSERA_RANK", nullptr), b("TESSERA_WORLD_SIZE", nullptr), c("SLURM_PROCID", nullptr),
       d("SLURM_NTASKS", nullptr), e("OMPI_COMM_WORLD_RANK", nullptr), f("OMPI_COMM_WORLD_SIZE", nullptr),

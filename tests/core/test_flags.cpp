@@ -261,3 +261,27 @@ TEST_CASE("Flags help: every flag read, in order, with its default and what it m
   // Without --help, finish() returns (it exits 0 only when --help was given).
   f.finish();
 }
+
+TEST_CASE("Flags help: a flag's meaning, given last to any reader, leads its line", "[core][flags]") {
+  Args a({"--lr=0.1", "--modes=sync"});
+  Flags f = a.flags();
+  f.get("epochs", 5, {.min = 1}, "passes over the training set");
+  f.get("lr", 0.05, {.above = 0}, "learning rate");
+  f.choice("schedule", "1f1b", {"1f1b", "gpipe"}, "micro-batch order");
+  f.list("modes", "sync,async", {"sync", "async"}, "modes to run");
+  f.int_list("periods", "1,8", {.min = 1}, "steps between averages");
+  f.get("name", "run", "a label");
+  f.threads("threads", 1, "OpenMP threads");
+  f.get("lr", 0.05, {.above = 0}, "another meaning");  // a second read keeps the first meaning
+  const std::string help = f.help();
+  CHECK_THAT(help, Catch::Contains("  --epochs=5                passes over the training set (>= 1)\n"));
+  // The default, not the value given (a given double once replaced it with the empty text).
+  CHECK_THAT(help, Catch::Contains("  --lr=0.05                 learning rate (> 0)\n"));
+  CHECK_THAT(help, Catch::Contains("  --schedule=1f1b           micro-batch order (one of 1f1b, gpipe)\n"));
+  CHECK_THAT(help, Catch::Contains("  --modes=sync,async        modes to run (comma-separated, each one of sync, async)\n"));
+  CHECK_THAT(help, Catch::Contains("  --periods=1,8             steps between averages (comma-separated integers, each >= 1)\n"));
+  CHECK_THAT(help, Catch::Contains("  --name=run                a label\n"));
+  CHECK_THAT(help, Catch::Contains("  --threads=1               OpenMP threads (1 to "));
+  CHECK(help.find("another meaning") == std::string::npos);
+  f.finish();
+}

@@ -84,17 +84,21 @@ std::int64_t convert(const std::string& images_path, const std::string& labels_p
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
-    const std::string out = flags.get("out", std::string());
-    const std::string data_dir = flags.get("data-dir", std::string());
-    const std::string images = flags.get("images", std::string());
-    const std::string labels = flags.get("labels", std::string());
-    const std::int64_t classes = flags.get("classes", std::int64_t{10}, {.min = 1});
+    const std::string out = flags.get("out", std::string(), "directory to write the image folder into (required)");
+    const std::string data_dir =
+        flags.get("data-dir", std::string(), "Fashion-MNIST directory (empty: the default locations)");
+    const std::string images = flags.get("images", std::string(), "one IDX image file to convert instead (N, H, W)");
+    const std::string labels = flags.get("labels", std::string(), "the IDX label file that goes with --images");
+    const std::int64_t classes =
+        flags.get("classes", std::int64_t{10}, {.min = 1}, "classes of the --images pair (labels 0 to classes - 1)");
     Settings s;
-    s.format = flags.choice("format", "png", {"png", "jpeg", "mixed"});
-    s.quality = flags.get("quality", 90, {.min = 1, .max = 100});
-    s.rgb = flags.get("rgb", false);
-    const std::int64_t limit = flags.get("limit", std::int64_t{0}, {.min = 0});        // training samples (0: all)
-    const std::int64_t test_limit = flags.get("test-limit", std::int64_t{0}, {.min = 0});  // test samples (0: all)
+    s.format = flags.choice("format", "png", {"png", "jpeg", "mixed"}, "file format (mixed: even PNG, odd JPEG)");
+    s.quality = flags.get("quality", 90, {.min = 1, .max = 100}, "JPEG quality");
+    s.rgb = flags.get("rgb", false, "write 3-channel images (the grey replicated)");
+    const std::int64_t limit = flags.get("limit", std::int64_t{0}, {.min = 0},
+                                         "training (or --images) samples to write (0: all)");
+    const std::int64_t test_limit =
+        flags.get("test-limit", std::int64_t{0}, {.min = 0}, "test samples to write (0: all)");
     flags.finish();
     TESSERA_CHECK(!out.empty(), ArgumentError, "--out=DIR is required (where the image folder is written)");
     TESSERA_CHECK(images.empty() == labels.empty(), ArgumentError, "--images and --labels go together");

@@ -183,6 +183,7 @@ class ThreadGroup {
       }
     }
     box.cv.notify_all();
+    count_peer_bytes(rank, buf.size_bytes());  // what a network would carry to the peer
   }
 
   template <CommScalar T>
@@ -264,8 +265,8 @@ class ThreadGroup {
     CallSignature signature;
     int color = 0;
     int key = 0;
-    // Bytes this rank's collectives read from or wrote into other ranks' buffers (its main thread
-    // and its async worker both add: atomic).
+    // Bytes this rank's collectives read from or wrote into other ranks' buffers, and its sends
+    // (its main thread and its async worker both add: atomic).
     std::atomic<std::int64_t> peer_bytes{0};
   };
   void count_peer_bytes(int rank, std::size_t bytes) {
@@ -479,9 +480,10 @@ class ThreadComm {
                 [g = group_, r = rank_, peer, posted] { return g->recv_done(r, peer, *posted); });
   }
 
-  // Bytes this rank's collectives have read from or written into the other ranks' buffers (the
-  // traffic of threads: what a network would carry; an all_reduce of G bytes over p ranks moves
-  // 2(p-1)/p x G, as a bandwidth-optimal ring sends). Counted per group: a split starts at 0.
+  // Bytes this rank's collectives have read from or written into the other ranks' buffers, plus
+  // the bytes of its sends (the traffic of threads: what a network would carry; an all_reduce of
+  // G bytes over p ranks moves 2(p-1)/p x G, as a bandwidth-optimal ring sends). Counted per
+  // group: a split starts at 0.
   std::int64_t peer_bytes() const { return group_->peer_bytes(rank_); }
 
   ThreadComm split(int color, int key) {

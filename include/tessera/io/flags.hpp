@@ -13,10 +13,14 @@
 //   flags.input_path("resume", "")                     a readable file
 //   check_thread_budget(ranks, "--ranks", threads, "--threads")   ranks x threads <= max_threads()
 //
-// --help: every flag read before finish() is listed there, in the order read, with its default and
-// what it must be ("--epochs=5  >= 1"), and the program exits 0 (as argparse does). So the list is
-// the program's own, never out of date; tests/check_example_flags.py compares it with each
-// example's README.
+// Every reader takes the flag's meaning last, as argparse's help= does:
+//
+//   flags.get("epochs", 5, {.min = 1}, "passes over the training set")
+//
+// --help: every flag read before finish() is listed there, in the order read, with its default,
+// its meaning and what it must be ("--epochs=5  passes over the training set (>= 1)"), and the
+// program exits 0 (as argparse does). So the list is the program's own, never out of date;
+// tests/check_example_flags.py compares it with each example's README and requires a meaning.
 #pragma once
 
 #include <unistd.h>
@@ -34,6 +38,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -91,58 +96,63 @@ class Flags {
  public:
   Flags(int argc, char** argv);
 
-  std::string get(const std::string& name, const std::string& fallback);
-  std::string get(const std::string& name, const char* fallback);
-  std::int64_t get(const std::string& name, std::int64_t fallback);
-  int get(const std::string& name, int fallback);
-  double get(const std::string& name, double fallback);
-  bool get(const std::string& name, bool fallback);
+  // `meaning` (last in every reader, optional) is what the flag does, for --help: "passes over the
+  // training set". A flag read twice keeps the first meaning given.
+  std::string get(const std::string& name, const std::string& fallback, std::string_view meaning = {});
+  std::string get(const std::string& name, const char* fallback, std::string_view meaning = {});
+  std::int64_t get(const std::string& name, std::int64_t fallback, std::string_view meaning = {});
+  int get(const std::string& name, int fallback, std::string_view meaning = {});
+  double get(const std::string& name, double fallback, std::string_view meaning = {});
+  bool get(const std::string& name, bool fallback, std::string_view meaning = {});
 
   // Range-checked numbers: the value (given or the fallback) must lie in `range`, else
   // ArgumentError "--limit=-5: must be >= 0". A double must also be finite.
-  std::int64_t get(const std::string& name, std::int64_t fallback, const FlagRange& range);
-  int get(const std::string& name, int fallback, const FlagRange& range);
-  double get(const std::string& name, double fallback, const FlagRange& range);
+  std::int64_t get(const std::string& name, std::int64_t fallback, const FlagRange& range,
+                   std::string_view meaning = {});
+  int get(const std::string& name, int fallback, const FlagRange& range, std::string_view meaning = {});
+  double get(const std::string& name, double fallback, const FlagRange& range, std::string_view meaning = {});
 
   // One of `allowed`: "--schedule=zigzag: must be one of 1f1b, gpipe".
-  std::string choice(const std::string& name, const std::string& fallback, std::initializer_list<const char*> allowed);
+  std::string choice(const std::string& name, const std::string& fallback, std::initializer_list<const char*> allowed,
+                     std::string_view meaning = {});
 
   // A comma-separated list (empty items skipped), each item one of `allowed` (any text if `allowed`
   // is empty); an empty list is refused: "--runs=small,big: 'big' must be one of small, warmup".
   std::vector<std::string> list(const std::string& name, const std::string& fallback,
-                                std::initializer_list<const char*> allowed = {});
+                                std::initializer_list<const char*> allowed = {}, std::string_view meaning = {});
   // A comma-separated list of integers, each in `range`: "--periods=1,x: 'x' is not an integer".
-  std::vector<int> int_list(const std::string& name, const std::string& fallback, const FlagRange& range);
+  std::vector<int> int_list(const std::string& name, const std::string& fallback, const FlagRange& range,
+                            std::string_view meaning = {});
 
   // OpenMP threads: 1 .. max_threads(), or 0 for all cores, returned as hardware_threads() (the
   // same in every program: 0 was refused by some and meant all cores in others).
   // Not given on the command line, the count is OMP_NUM_THREADS when that is set (srun and
   // tools/tessera-sbatch set it from SLURM_CPUS_PER_TASK; PyTorch honours it too), else `fallback`.
-  int threads(const std::string& name, int fallback);
+  int threads(const std::string& name, int fallback, std::string_view meaning = {});
 
   // --ranks of a program built once per backend: how many ranks the threads build starts
   // (`threads_default` when not given). Where a launcher starts the ranks (`launcher_decides`:
   // mpirun, tessera-run, srun) the launcher's -n decides: not given, this is 0 ("whatever was
   // started"); given, launch<E> refuses it unless it agrees (it was silently ignored).
-  int ranks(const std::string& name, int threads_default, bool launcher_decides);
+  int ranks(const std::string& name, int threads_default, bool launcher_decides, std::string_view meaning = {});
 
   // A path the program will write (checkpoint, trace, metrics, plot): checked now by
   // check_writable_output(); empty = none.
-  std::string output_path(const std::string& name, const std::string& fallback);
+  std::string output_path(const std::string& name, const std::string& fallback, std::string_view meaning = {});
   // A file the program will read (a checkpoint to resume from): checked now; empty = none.
-  std::string input_path(const std::string& name, const std::string& fallback);
+  std::string input_path(const std::string& name, const std::string& fallback, std::string_view meaning = {});
 
   bool has(const std::string& name) const;
   // Marks the flag as known and says whether it was given.
-  bool present(const std::string& name);
+  bool present(const std::string& name, std::string_view meaning = {});
 
   // Call after reading every flag: with --help, prints every flag read (help()) and exits 0;
   // otherwise throws on flags nobody asked for.
   void finish() const;
 
   // "usage: prog [--flag=value ...]" and one line per flag read so far, in the order read:
-  //   --epochs=5             >= 1
-  //   --schedule=1f1b        one of 1f1b, gpipe
+  //   --epochs=5                passes over the training set (>= 1)
+  //   --schedule=1f1b           micro-batch order (one of 1f1b, gpipe)
   std::string help() const;
 
  private:
@@ -153,9 +163,10 @@ class Flags {
   std::string known_list() const;
   // Registers a flag for help(): its default as text and what it must be (kept when not given, so
   // that a typed overload's inner calls do not erase what the outer one says).
-  void note(const std::string& name, const std::string& fallback, const std::string& constraint = "");
+  void note(const std::string& name, const std::string& fallback, const std::string& constraint = "",
+            std::string_view meaning = {});
   struct Doc {
-    std::string fallback, constraint;
+    std::string fallback, constraint, meaning;
   };
   std::string program_ = "program";
   // A value-taking flag given bare: refused by name, where it was taken for "true" before (a bare
@@ -275,17 +286,19 @@ TESSERA_LINKAGE void Flags::check_not_bare(const std::string& name, const char* 
                 what, " (only an on/off flag may be given bare)");
 }
 
-TESSERA_LINKAGE std::string Flags::get(const std::string& name, const std::string& fallback) {
-  note(name, fallback);
+TESSERA_LINKAGE std::string Flags::get(const std::string& name, const std::string& fallback, std::string_view meaning) {
+  note(name, fallback, "", meaning);
   check_not_bare(name, "VALUE");
   auto it = values_.find(name);
   return it == values_.end() ? fallback : it->second;
 }
 
-TESSERA_LINKAGE std::string Flags::get(const std::string& name, const char* fallback) { return get(name, std::string(fallback)); }
+TESSERA_LINKAGE std::string Flags::get(const std::string& name, const char* fallback, std::string_view meaning) {
+  return get(name, std::string(fallback), meaning);
+}
 
-TESSERA_LINKAGE std::int64_t Flags::get(const std::string& name, std::int64_t fallback) {
-  note(name, std::to_string(fallback));
+TESSERA_LINKAGE std::int64_t Flags::get(const std::string& name, std::int64_t fallback, std::string_view meaning) {
+  note(name, std::to_string(fallback), "", meaning);
   if (!present(name)) return fallback;
   check_not_bare(name, "N");
   const std::string v = values_.at(name);
@@ -299,14 +312,14 @@ TESSERA_LINKAGE std::int64_t Flags::get(const std::string& name, std::int64_t fa
   return x;
 }
 
-TESSERA_LINKAGE int Flags::get(const std::string& name, int fallback) {
-  const std::int64_t v = get(name, static_cast<std::int64_t>(fallback));
+TESSERA_LINKAGE int Flags::get(const std::string& name, int fallback, std::string_view meaning) {
+  const std::int64_t v = get(name, static_cast<std::int64_t>(fallback), meaning);
   TESSERA_CHECK(v >= INT32_MIN && v <= INT32_MAX, ArgumentError, "--", name, "=", v, " is out of range");
   return static_cast<int>(v);
 }
 
-TESSERA_LINKAGE double Flags::get(const std::string& name, double fallback) {
-  note(name, FlagRange::number(fallback));
+TESSERA_LINKAGE double Flags::get(const std::string& name, double fallback, std::string_view meaning) {
+  note(name, FlagRange::number(fallback), "", meaning);
   if (!present(name)) return fallback;  // no round trip through text: 1e-7 stays 1e-7
   check_not_bare(name, "X");
   const std::string v = values_.at(name);
@@ -319,8 +332,8 @@ TESSERA_LINKAGE double Flags::get(const std::string& name, double fallback) {
   throw ArgumentError(detail::cat("--", name, "=", v, " is not a number"));
 }
 
-TESSERA_LINKAGE bool Flags::get(const std::string& name, bool fallback) {
-  note(name, fallback ? "true" : "false", "true or false; a bare --" + name + " is true");
+TESSERA_LINKAGE bool Flags::get(const std::string& name, bool fallback, std::string_view meaning) {
+  note(name, fallback ? "true" : "false", "true or false; a bare --" + name + " is true", meaning);
   if (!present(name)) return fallback;
   const std::string v = values_.at(name);
   if (v == "true" || v == "1" || v == "yes") return true;
@@ -328,31 +341,34 @@ TESSERA_LINKAGE bool Flags::get(const std::string& name, bool fallback) {
   throw ArgumentError(detail::cat("--", name, "=", v, " is not a boolean (true/false)"));
 }
 
-TESSERA_LINKAGE std::int64_t Flags::get(const std::string& name, std::int64_t fallback, const FlagRange& range) {
-  const std::int64_t v = get(name, fallback);
+TESSERA_LINKAGE std::int64_t Flags::get(const std::string& name, std::int64_t fallback, const FlagRange& range,
+                                        std::string_view meaning) {
+  const std::int64_t v = get(name, fallback, meaning);
   note(name, std::to_string(fallback), range.describe());
   check(name, static_cast<double>(v), std::to_string(v), range);
   return v;
 }
 
-TESSERA_LINKAGE int Flags::get(const std::string& name, int fallback, const FlagRange& range) {
-  const int v = get(name, fallback);
+TESSERA_LINKAGE int Flags::get(const std::string& name, int fallback, const FlagRange& range, std::string_view meaning) {
+  const int v = get(name, fallback, meaning);
   note(name, std::to_string(fallback), range.describe());
   check(name, v, std::to_string(v), range);
   return v;
 }
 
-TESSERA_LINKAGE double Flags::get(const std::string& name, double fallback, const FlagRange& range) {
-  const double v = get(name, fallback);
+TESSERA_LINKAGE double Flags::get(const std::string& name, double fallback, const FlagRange& range,
+                                  std::string_view meaning) {
+  const double v = get(name, fallback, meaning);
   note(name, FlagRange::number(fallback), range.describe());
-  const std::string text = present(name) ? get(name, std::string()) : FlagRange::number(v);
+  const std::string text = has(name) ? values_.at(name) : FlagRange::number(v);
   TESSERA_CHECK(std::isfinite(v), ArgumentError, where(name, text), ": must be a finite number");
   check(name, v, text, range);
   return v;
 }
 
-TESSERA_LINKAGE std::string Flags::choice(const std::string& name, const std::string& fallback, std::initializer_list<const char*> allowed) {
-  const std::string v = get(name, fallback);
+TESSERA_LINKAGE std::string Flags::choice(const std::string& name, const std::string& fallback,
+                                          std::initializer_list<const char*> allowed, std::string_view meaning) {
+  const std::string v = get(name, fallback, meaning);
   note(name, fallback, "one of " + join(allowed));
   for (const char* a : allowed)
     if (v == a) return v;
@@ -360,8 +376,8 @@ TESSERA_LINKAGE std::string Flags::choice(const std::string& name, const std::st
 }
 
 TESSERA_LINKAGE std::vector<std::string> Flags::list(const std::string& name, const std::string& fallback,
-                                std::initializer_list<const char*> allowed) {
-  const std::string v = get(name, fallback);
+                                std::initializer_list<const char*> allowed, std::string_view meaning) {
+  const std::string v = get(name, fallback, meaning);
   note(name, fallback, allowed.size() ? "comma-separated, each one of " + join(allowed) : "comma-separated");
   std::vector<std::string> items;
   for (std::size_t p = 0; p <= v.size();) {
@@ -379,8 +395,8 @@ TESSERA_LINKAGE std::vector<std::string> Flags::list(const std::string& name, co
 }
 
 TESSERA_LINKAGE std::vector<int> Flags::int_list(const std::string& name, const std::string& fallback,
-                                                 const FlagRange& range) {
-  const std::vector<std::string> items = list(name, fallback);
+                                                 const FlagRange& range, std::string_view meaning) {
+  const std::vector<std::string> items = list(name, fallback, {}, meaning);
   note(name, fallback, "comma-separated integers, each " + range.describe());
   const std::string v = get(name, fallback);
   std::vector<int> out;
@@ -395,8 +411,8 @@ TESSERA_LINKAGE std::vector<int> Flags::int_list(const std::string& name, const 
   return out;
 }
 
-TESSERA_LINKAGE int Flags::threads(const std::string& name, int fallback) {
-  const int given = get(name, omp_num_threads().value_or(fallback));
+TESSERA_LINKAGE int Flags::threads(const std::string& name, int fallback, std::string_view meaning) {
+  const int given = get(name, omp_num_threads().value_or(fallback), meaning);
   note(name, std::to_string(fallback),
        "1 to " + std::to_string(max_threads()) + ", or 0 for all " + std::to_string(hardware_threads()) +
            " cores; OMP_NUM_THREADS when not given");
@@ -408,22 +424,25 @@ TESSERA_LINKAGE int Flags::threads(const std::string& name, int fallback) {
   return v;
 }
 
-TESSERA_LINKAGE int Flags::ranks(const std::string& name, int threads_default, bool launcher_decides) {
-  const int v = get(name, threads_default, {.min = 1});
+TESSERA_LINKAGE int Flags::ranks(const std::string& name, int threads_default, bool launcher_decides,
+                                 std::string_view meaning) {
+  const int v = get(name, threads_default, {.min = 1}, meaning);
   note(name, std::to_string(threads_default),
        launcher_decides ? ">= 1; the launcher's -n when not given (a given one must agree with it)" : ">= 1");
   return launcher_decides && !has(name) ? 0 : v;
 }
 
-TESSERA_LINKAGE std::string Flags::output_path(const std::string& name, const std::string& fallback) {
-  const std::string v = get(name, fallback);
+TESSERA_LINKAGE std::string Flags::output_path(const std::string& name, const std::string& fallback,
+                                               std::string_view meaning) {
+  const std::string v = get(name, fallback, meaning);
   note(name, fallback, "a file to write (empty: none)");
   check_writable_output(v, "--" + name);
   return v;
 }
 
-TESSERA_LINKAGE std::string Flags::input_path(const std::string& name, const std::string& fallback) {
-  const std::string v = get(name, fallback);
+TESSERA_LINKAGE std::string Flags::input_path(const std::string& name, const std::string& fallback,
+                                              std::string_view meaning) {
+  const std::string v = get(name, fallback, meaning);
   note(name, fallback, "a file to read (empty: none)");
   check_readable_input(v, "--" + name);
   return v;
@@ -431,8 +450,9 @@ TESSERA_LINKAGE std::string Flags::input_path(const std::string& name, const std
 
 TESSERA_LINKAGE bool Flags::has(const std::string& name) const { return values_.count(name) != 0; }
 
-TESSERA_LINKAGE bool Flags::present(const std::string& name) {
+TESSERA_LINKAGE bool Flags::present(const std::string& name, std::string_view meaning) {
   if (known_.insert(name).second) order_.push_back(name);
+  if (!meaning.empty() && docs_[name].meaning.empty()) docs_[name].meaning = meaning;
   return has(name);
 }
 
@@ -451,8 +471,10 @@ TESSERA_LINKAGE std::string Flags::help() const {
   for (const auto& name : order_) {
     const auto it = docs_.find(name);
     std::string line = "  --" + name + "=" + (it != docs_.end() ? it->second.fallback : "");
-    if (it != docs_.end() && !it->second.constraint.empty())
-      line += std::string(line.size() < 28 ? 28 - line.size() : 1, ' ') + it->second.constraint;
+    const std::string meaning = it != docs_.end() ? it->second.meaning : "";
+    const std::string constraint = it != docs_.end() ? it->second.constraint : "";
+    const std::string text = meaning.empty() ? constraint : constraint.empty() ? meaning : meaning + " (" + constraint + ")";
+    if (!text.empty()) line += std::string(line.size() < 28 ? 28 - line.size() : 1, ' ') + text;
     out += line + "\n";
   }
   return out + "  --help                    this list\n";
@@ -478,11 +500,13 @@ TESSERA_LINKAGE std::string Flags::known_list() const {
   return s;
 }
 
-TESSERA_LINKAGE void Flags::note(const std::string& name, const std::string& fallback, const std::string& constraint) {
+TESSERA_LINKAGE void Flags::note(const std::string& name, const std::string& fallback, const std::string& constraint,
+                                std::string_view meaning) {
   if (known_.insert(name).second) order_.push_back(name);
   auto& doc = docs_[name];
   doc.fallback = fallback;
   if (!constraint.empty()) doc.constraint = constraint;
+  if (!meaning.empty() && doc.meaning.empty()) doc.meaning = meaning;
 }
 
 #endif  // TESSERA_HEADER_DEFINITIONS
