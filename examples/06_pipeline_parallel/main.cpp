@@ -86,7 +86,8 @@ void train(Comm& world, const Options& o, int stages) {
   if (world.rank() == 0) std::printf("final test accuracy: %.2f%%\n", 100 * epochs.back().test_accuracy);
 
   const auto idle = steps.idle_fractions(pipe_comm, 1, steps.size() - 1);
-  examples::report_pipeline<Device>(world, pipe_comm, model, pipe, shape, idle, activations, memory.ranks_per_process());
+  examples::report_pipeline<Device>(world, pipe_comm, model, pipe, shape, idle, steps.first(), activations,
+                                    memory.ranks_per_process());
   if (!o.trace.empty()) {
     const auto traced = steps.idle_fractions(pipe_comm, kTracedStep, 1);
     if (world.rank() == 0) {

@@ -60,6 +60,11 @@ class PipelineSteps {
  public:
   void record(const tessera::PipelineStepStats& s) { steps_.push_back(s); }
   std::size_t size() const { return steps_.size(); }
+  // The first step: a whole batch (the last one may be partial: 60,000 = 937.5 x 64).
+  const tessera::PipelineStepStats& first() const {
+    TESSERA_CHECK(!steps_.empty(), tessera::Error, "PipelineSteps: no step was recorded");
+    return steps_.front();
+  }
 
   // Each stage's mean idle fraction over steps [first, first + count): per step, 1 - its F/B
   // time / the slowest stage's step time (the pipeline's step). Collective over the pipeline.
@@ -112,7 +117,7 @@ void print_split(const char* title, Model& model, Pipe& pipe, const PipelineShap
                 model.unit_name(pipe.boundaries()[s + 1] - 1).c_str(), model.unit_count(), units.c_str());
 }
 
-// Bytes per step across each stage boundary, by formula and as sent in the last step (`all`:
+// Bytes per step across each stage boundary, by formula and as sent in the first step (`all`:
 // every stage's report_pipeline fields; bytes sent forward at 1, backward at 2).
 template <class Pipe>
 void report_traffic(Pipe& pipe, const PipelineShape& shape, const std::vector<std::int64_t>& values,
@@ -127,7 +132,7 @@ void report_traffic(Pipe& pipe, const PipelineShape& shape, const std::vector<st
     const std::int64_t per_sample = values[pipe.boundaries()[static_cast<std::size_t>(s) + 1] - 1] * 4;
     const double formula = 2.0 * static_cast<double>(per_pipeline * per_sample) + 64.0 * m;
     std::printf("cost: stage %d <-> %d per step: 2 x %lld samples x %lld B + %d x 64 B headers = %.1f KiB by formula, "
-                "%.1f KiB sent in the last step\n", s, s + 1, static_cast<long long>(per_pipeline),
+                "%.1f KiB sent in the first step\n", s, s + 1, static_cast<long long>(per_pipeline),
                 static_cast<long long>(per_sample), m, formula / 1024, (field(s, 1) + field(s + 1, 2)) / 1024);
   }
 }
@@ -178,11 +183,11 @@ void report_activation_memory(Comm& world, Pipe& pipe, const PipelineShape& shap
 // memory per stage, each by formula beside the measured figure.
 template <class Device, class Model, class Pipe, class Comm>
 void report_pipeline(Comm& world, Comm& pipe_comm, Model& model, Pipe& pipe, const PipelineShape& shape,
-                     const std::vector<double>& idle, typename RankMemory<Device, Comm>::Bytes activation_bytes,
-                     int ranks_per_process) {
-  const auto& last = pipe.last_step();
-  const std::vector<double> mine{static_cast<double>(last.peak_in_flight), static_cast<double>(last.bytes_sent_forward),
-                                 static_cast<double>(last.bytes_sent_backward), activation_bytes.requested,
+                     const std::vector<double>& idle, const tessera::PipelineStepStats& measured,
+                     typename RankMemory<Device, Comm>::Bytes activation_bytes, int ranks_per_process) {
+  const std::vector<double> mine{static_cast<double>(measured.peak_in_flight),
+                                 static_cast<double>(measured.bytes_sent_forward),
+                                 static_cast<double>(measured.bytes_sent_backward), activation_bytes.requested,
                                  activation_bytes.blocks};
   constexpr std::size_t kFields = 5;  // per stage, in `all`
   std::vector<double> all(kFields * static_cast<std::size_t>(pipe_comm.size()));
