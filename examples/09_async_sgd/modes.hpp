@@ -79,7 +79,6 @@ struct Runner {
   bool is_worker, is_evaluator;
   std::int64_t session_budget;  // gradients per session, all workers together
   Timeline* timeline = nullptr;  // during the first session with --trace (see run_sessions)
-  const Comm* traffic = nullptr;  // whose peer_bytes (thread ranks) count a session's traffic; null: comm
 
   void straggle(int worker) const {
     if (o.straggler_ms > 0 && worker == workers - 1) {
@@ -98,9 +97,12 @@ struct Runner {
 
   // Times `session` (all ranks, barrier to barrier), then measures test accuracy on the evaluator
   // (outside the clock) and shares it. With --trace, the first session is recorded (`timeline`,
-  // which `on_trace` hands to the mode's strategy) and written to <trace>.<mode>.json.
+  // which `on_trace` hands to the mode's strategy) and written to <trace>.<mode>.json. Thread
+  // ranks count a session's bytes on `traffic` (ThreadComm::peer_bytes, per group; null: comm).
   template <class Model, class Session, class OnTrace = void (*)(Timeline*)>
-  void run_sessions(ModeResult& r, Model& model, Session&& session, OnTrace on_trace = [](Timeline*) {}) {
+  void run_sessions(ModeResult& r, Model& model, Session&& session, OnTrace on_trace = [](Timeline*) {},
+                    const Comm* traffic = nullptr) {
+    const Comm& counted = traffic ? *traffic : comm;
     double elapsed = 0;
     const std::int64_t sessions = o.epochs * o.evals;
     for (std::int64_t s = 0; s < sessions; ++s) {
@@ -110,13 +112,13 @@ struct Runner {
       on_trace(timeline);
       comm.barrier();
       const double lo_before = is_evaluator ? examples::loopback_bytes() : 0;
-      const double peer_before = examples::peer_bytes(traffic ? *traffic : comm);  // -1 but for threads
+      const double peer_before = examples::peer_bytes(counted);  // -1 but for threads
       const auto start = Clock::now();
       session();
       comm.barrier();
       elapsed += std::chrono::duration<double>(Clock::now() - start).count();
       if (is_evaluator) r.loopback += examples::loopback_bytes() - lo_before;
-      const double peer_moved = peer_before >= 0 ? examples::peer_bytes(traffic ? *traffic : comm) - peer_before : 0;
+      const double peer_moved = peer_before >= 0 ? examples::peer_bytes(counted) - peer_before : 0;
       if (trace) {
         on_trace(nullptr);
         timeline = nullptr;
@@ -143,7 +145,6 @@ struct Runner {
       run_sessions(r, model, [] {});
       return r;
     }
-    traffic = &worker_comm;  // the all-reduce's group (the servers' own group stays silent)
     DataParallel dp(model, worker_comm);
     Sgd<E> sgd(dp.parameters(), {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
     const int worker = worker_comm.rank();
@@ -164,8 +165,7 @@ struct Runner {
           sgd.step();  // finishes DataParallel's all-reduce first
         }
       }
-    }, [&](Timeline* t) { dp.set_timeline(t); });
-    traffic = nullptr;
+    }, [&](Timeline* t) { dp.set_timeline(t); }, &worker_comm);  // the all-reduce's group
     r.gradients = steps * workers * o.epochs * o.evals;
     return r;
   }
