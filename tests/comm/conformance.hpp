@@ -6,7 +6,9 @@
 //
 // Inputs are small integers, x_r[i] = ((7 i + 3 r) mod 11) - 5, so sums over up to a few
 // hundred ranks are exact in every element type, Half included, and results are compared exactly
-// (Avg with a rounding tolerance, since backends may divide or multiply by 1/p).
+// (Avg with a rounding tolerance, since backends may divide or multiply by 1/p). BHalf (bfloat16,
+// 8 significant bits) holds the integers up to 256 exactly, so its sums are exact up to 51 ranks
+// (every partial sum is at most 5 per rank) and get a rounding tolerance beyond (see close()).
 #pragma once
 
 #include <chrono>
@@ -59,6 +61,8 @@ class Conformance {
     });
     section("half avg range");
     half_avg_near_max();
+    section("bfloat16 range");
+    bhalf_beyond_half_range();
     section("broadcast");
     for_each_type([&]<class T>() {
       for (int root : {0, c_.size() - 1, c_.size() / 2})
@@ -93,6 +97,7 @@ class Conformance {
       ring<float>(1000);
       ring<std::int64_t>(1);
       ring<Half>(0);
+      ring<BHalf>(0);
       pairwise<double>(777);
       ring_receive_posted_first<float>(4096);
     }
@@ -115,6 +120,7 @@ class Conformance {
     f.template operator()<std::int32_t>();
     f.template operator()<std::int64_t>();
     f.template operator()<Half>();
+    f.template operator()<BHalf>();
   }
 
   static double value(int rank, std::size_t i) {
@@ -123,12 +129,12 @@ class Conformance {
   }
   template <class T>
   static T make(double v) {
-    if constexpr (std::is_same_v<T, Half>) return Half(static_cast<float>(v));
+    if constexpr (is_16bit_float_v<T>) return T(static_cast<float>(v));
     else return static_cast<T>(v);
   }
   template <class T>
   static double as_double(T v) {
-    if constexpr (std::is_same_v<T, Half>) return static_cast<float>(v);
+    if constexpr (is_16bit_float_v<T>) return static_cast<float>(v);
     else return static_cast<double>(v);
   }
   template <class T>
@@ -157,8 +163,21 @@ class Conformance {
     }
     return 0;
   }
+  // BHalf's tolerance: bfloat16 has 8 significant bits, so one rounding errs by at most 2^-8 of
+  // the value (half an ulp of 2^-7). Threads and Local reduce in float and round once; MPI and
+  // Gloo reduce pairwise, rounding once per step (and Avg divides each rank's value first, one
+  // more rounding); NCCL sums in bfloat16 on the GPU. Eight roundings, 2^-5, is the same margin as
+  // Half's 4e-3 (about eight of its 2^-11 roundings), at bfloat16's coarser precision.
+  static constexpr double kBHalfTolerance = 1.0 / 32;
+
   template <class T>
-  static bool close(double got, double want, ReduceOp op) {
+  bool close(double got, double want, ReduceOp op) const {
+    if constexpr (std::is_same_v<T, BHalf>) {
+      // Sums of these inputs are exact while every partial sum (at most 5 per rank) is <= 256.
+      if (op == ReduceOp::Sum && 5 * c_.size() <= 256) return got == want;
+      if (op == ReduceOp::Sum || op == ReduceOp::Avg) return std::abs(got - want) <= kBHalfTolerance * (1 + std::abs(want));
+      return got == want;  // Max and Min pick an input, which bfloat16 holds exactly
+    }
     if (op != ReduceOp::Avg || std::is_integral_v<T>) return got == want;
     // Half: backends may divide each rank's values before summing (to keep the fp16 sum in
     // range), which rounds once per rank: a few fp16 ulps (2^-10 relative each).
@@ -194,6 +213,35 @@ class Conformance {
       if (!(std::abs(got - want) <= 4e-3 * want)) return mismatch(7, got, want);
       return std::string();
     });
+  }
+
+  // bfloat16 has float32's exponent: values far outside fp16's range (max 65504, smallest normal
+  // 2^-14) travel and reduce. A backend that sent BHalf as fp16 (NCCL's ncclFloat16, say) would
+  // give inf and zeros here. Each value is a power of two times a small integer, exact in bfloat16.
+  void bhalf_beyond_half_range() {
+    const int p = c_.size();
+    for (const double scale : {0x1p80, 0x1p-80}) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+        std::vector<BHalf> buf(8, BHalf(static_cast<float>(scale * (1 + c_.rank() % 4))));
+        double want = 0;
+        for (int r = 0; r < p; ++r) {
+          const double v = scale * (1 + r % 4);
+          want = op == ReduceOp::Max ? std::max(want, v) : want + v;
+        }
+        if (op == ReduceOp::Avg) want /= p;
+        attempt(describe<BHalf>("all_reduce", 8, std::string(to_string(op)) + ", values near 2^" +
+                                                     (scale > 1 ? "80" : "-80")),
+                [&] {
+                  Buffer<BHalf> staged(buf);
+                  c_.all_reduce(staged.span(), op);
+                  staged.fetch();
+                  const double got = static_cast<float>(buf[7]);
+                  // Relative error: a few bfloat16 roundings (kBHalfTolerance), scaled to the values.
+                  if (!(std::abs(got - want) <= kBHalfTolerance * want)) return mismatch(7, got, want);
+                  return std::string();
+                });
+      }
+    }
   }
 
   template <class T>

@@ -1,13 +1,15 @@
 // Communicators inside one process: the conformance suite over LocalComm and ThreadComm (1-4
-// ranks), ThreadComm's failure behaviour, the communicator core's per-call protocol, Half, the
+// ranks), ThreadComm's failure behaviour, the communicator core's per-call protocol, Half and BHalf, the
 // environment readers, and the concept's per-member diagnostics. MPI and Gloo run the same suite as multi-process programs
 // (tests/comm/conformance_main.cpp) registered in tests/meson.build.
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <thread>
 
@@ -69,6 +71,61 @@ TEST_CASE("Half: conversions round to nearest even and round-trip every value", 
     if (!std::isnan(f) && Half(f).bits != h.bits) ++mismatches;
   }
   CHECK(mismatches == 0);
+}
+
+TEST_CASE("BHalf: bfloat16 conversions round to nearest even, keep float's range and round-trip", "[comm]") {
+  CHECK(BHalf(1.0f).bits == 0x3f80);
+  CHECK(BHalf(-2.0f).bits == 0xc000);
+  CHECK(BHalf(3.3895314e38f).bits == 0x7f7f);                  // largest finite, (2 - 2^-7) 2^127
+  CHECK(BHalf(std::numeric_limits<float>::max()).bits == 0x7f80);  // rounds up to inf
+  CHECK(BHalf(0x1p-126f).bits == 0x0080);                      // smallest normal, as float's
+  CHECK(BHalf(0x1p-133f).bits == 0x0001);                      // smallest subnormal: not flushed
+  CHECK(BHalf(65520.0f).bits == 0x4780);                       // beyond fp16's range: finite
+  CHECK(static_cast<float>(BHalf(257.0f)) == 256.0f);  // tie: even mantissa (8 significant bits)
+  CHECK(static_cast<float>(BHalf(259.0f)) == 260.0f);  // tie: up to the even one
+  CHECK(static_cast<float>(BHalf(257.5f)) == 258.0f);  // above the tie
+  CHECK(static_cast<float>(BHalf(-257.5f)) == -258.0f);
+  CHECK(BHalf(INFINITY).bits == 0x7f80);
+  CHECK(BHalf(-INFINITY).bits == 0xff80);
+  CHECK(std::isnan(static_cast<float>(BHalf(std::nanf("")))));
+  // A NaN whose payload lies in the dropped bits only stays a (quiet) NaN, not inf.
+  CHECK(std::isnan(static_cast<float>(BHalf(std::bit_cast<float>(0x7f800001u)))));
+  CHECK(std::isnan(static_cast<float>(BHalf(std::bit_cast<float>(0xffffffffu)))));
+  CHECK((BHalf(std::bit_cast<float>(0x7f800001u)).bits & 0x0040) != 0);
+  CHECK(BHalf(0.0f) == BHalf(-0.0f));
+  CHECK(!(BHalf(std::nanf("")) == BHalf(std::nanf(""))));
+  // Every bfloat16 is a float: the conversion back is exact and round-trips.
+  int mismatches = 0;
+  for (std::uint32_t b = 0; b < 0x10000; ++b) {
+    const BHalf h = BHalf::from_bits(static_cast<std::uint16_t>(b));
+    const float f = static_cast<float>(h);
+    if (std::bit_cast<std::uint32_t>(f) != b << 16) ++mismatches;
+    if (!std::isnan(f) && BHalf(f).bits != h.bits) ++mismatches;
+  }
+  CHECK(mismatches == 0);
+  // Nearest, ties to even, over a sweep of finite floats: neither neighbour is closer.
+  int wrong = 0;
+  for (std::uint64_t u = 0; u < 0x100000000ull; u += 65521) {
+    const float f = std::bit_cast<float>(static_cast<std::uint32_t>(u));
+    if (!std::isfinite(f)) continue;
+    const BHalf h(f);
+    const double got = static_cast<float>(h);
+    if (!std::isfinite(got)) continue;  // above the largest finite's half ulp: inf, as IEEE rounds
+    const double err = std::abs(got - static_cast<double>(f));
+    for (int step : {-1, 1}) {
+      const float other = static_cast<float>(BHalf::from_bits(static_cast<std::uint16_t>(h.bits + step)));
+      if (!std::isfinite(other) || ((h.bits + step) & 0x7fff) == 0x7fff) continue;
+      const double other_err = std::abs(static_cast<double>(other) - static_cast<double>(f));
+      if (other_err < err || (other_err == err && (h.bits & 1))) ++wrong;
+    }
+  }
+  CHECK(wrong == 0);
+  // On the wire: dtype 5, 2 bytes, named for messages.
+  STATIC_REQUIRE(comm_dtype_of<BHalf> == CommDType::BF16);
+  STATIC_REQUIRE(static_cast<int>(CommDType::BF16) == 5);
+  STATIC_REQUIRE(comm_dtype_of<Half> == CommDType::F16);
+  CHECK(comm_scalar_bytes(CommDType::BF16) == 2);
+  CHECK(to_string(CommDType::BF16) == "bfloat16");
 }
 
 TEST_CASE("Conformance: LocalComm", "[comm]") {

@@ -9,8 +9,11 @@
 //   *_async(...) -> Work        the same, started now; Work::wait() finishes it
 //   split(color, key)           ranks with the same color form a new communicator, ordered by key
 //
-// Element types: float, double, int32_t, int64_t and Half (IEEE fp16, reduced in float; NCCL
-// reduces it in fp16 on the GPU).
+// Element types: float, double, int32_t, int64_t, Half (IEEE fp16) and BHalf (bfloat16), the
+// 16-bit ones reduced in float (NCCL reduces them in 16 bits on the GPU).
+// The Communicator concept requires Half but not BHalf, so that a third-party communicator written
+// before BHalf still satisfies it; code that sends BHalf requires BHalfCommunicator as well.
+// Every Tessera communicator supports BHalf.
 // ReduceOp::Avg is sum / size; for integers it truncates toward zero like C++ division (and the
 // sum is formed first, so it can overflow where the mean would fit).
 //
@@ -46,25 +49,27 @@ inline std::string_view to_string(ReduceOp op) {
 }
 
 // The element types a communicator moves. The enum travels between ranks in debug mode, so its
-// values are fixed.
-enum class CommDType : std::int8_t { F32 = 0, F64 = 1, I32 = 2, I64 = 3, F16 = 4 };
+// values are fixed: a new type is appended, never renumbered.
+enum class CommDType : std::int8_t { F32 = 0, F64 = 1, I32 = 2, I64 = 3, F16 = 4, BF16 = 5 };
 
 template <class T>
 concept CommScalar = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::int32_t> ||
-                     std::same_as<T, std::int64_t> || std::same_as<T, Half>;
+                     std::same_as<T, std::int64_t> || std::same_as<T, Half> || std::same_as<T, BHalf>;
 
 template <CommScalar T>
 inline constexpr CommDType comm_dtype_of = std::same_as<T, float>          ? CommDType::F32
                                   : std::same_as<T, double>       ? CommDType::F64
                                   : std::same_as<T, std::int32_t> ? CommDType::I32
                                   : std::same_as<T, std::int64_t> ? CommDType::I64
-                                                                  : CommDType::F16;
+                                  : std::same_as<T, Half>         ? CommDType::F16
+                                                                  : CommDType::BF16;
 
 inline std::size_t comm_scalar_bytes(CommDType t) {
   switch (t) {
     case CommDType::F64:
     case CommDType::I64: return 8;
-    case CommDType::F16: return 2;
+    case CommDType::F16:
+    case CommDType::BF16: return 2;
     default: return 4;
   }
 }
@@ -76,6 +81,7 @@ inline std::string_view to_string(CommDType t) {
     case CommDType::I32: return "int32";
     case CommDType::I64: return "int64";
     case CommDType::F16: return "float16";
+    case CommDType::BF16: return "bfloat16";
   }
   return "?";
 }
@@ -170,6 +176,12 @@ concept AsyncCommunicator =
     Communicator<C> && comm_concepts::has_async<C, float> && comm_concepts::has_async<C, double> &&
     comm_concepts::has_async<C, std::int32_t> && comm_concepts::has_async<C, std::int64_t> &&
     comm_concepts::has_async<C, Half>;
+
+// BHalf (bfloat16) is not part of Communicator, so that communicators written before it still
+// satisfy the concept: code that sends BHalf (a bf16 gradient codec) requires this as well.
+// Every Tessera communicator satisfies it (each asserts so next to its check_communicator).
+template <class C>
+concept BHalfCommunicator = Communicator<C> && comm_concepts::has_collectives_for<C, BHalf>;
 
 template <class C>
 concept SplittableCommunicator = Communicator<C> && requires(C& c, int color, int key) {

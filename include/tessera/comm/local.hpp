@@ -104,6 +104,7 @@ class LocalComm {
 };
 
 static_assert(check_communicator<LocalComm>());
+static_assert(BHalfCommunicator<LocalComm> && comm_concepts::has_async<LocalComm, BHalf>);
 
 // The single-process bundles: float32 for training, float64 for gradient checks.
 using CpuLocal = Env<Cpu, LocalComm, float>;

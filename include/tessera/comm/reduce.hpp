@@ -1,8 +1,8 @@
 // Element-wise reduction kernels shared by the communicator backends.
 //
 // ReduceOp::Avg is reduced as a sum and divided by the number of ranks at the end (integers
-// truncate). Half is widened to float for the arithmetic and rounded back once per element, so
-// reduce_many over n ranks rounds once, not n - 1 times.
+// truncate). Half and BHalf (is_16bit_float_v) are widened to float for the arithmetic and
+// rounded back once per element, so reduce_many over n ranks rounds once, not n - 1 times.
 #pragma once
 
 #include <algorithm>
@@ -14,18 +14,18 @@
 
 namespace tessera::detail {
 
-// The type the arithmetic is done in: float for Half, the type itself otherwise.
+// The type the arithmetic is done in: float for Half and BHalf, the type itself otherwise.
 template <CommScalar T>
-using ReduceAccum = std::conditional_t<std::is_same_v<T, Half>, float, T>;
+using ReduceAccum = std::conditional_t<is_16bit_float_v<T>, float, T>;
 
 template <CommScalar T>
 inline ReduceAccum<T> widen(T v) {
-  if constexpr (std::is_same_v<T, Half>) return static_cast<float>(v);
+  if constexpr (is_16bit_float_v<T>) return static_cast<float>(v);
   else return v;
 }
 template <CommScalar T>
 inline T narrow(ReduceAccum<T> v) {
-  if constexpr (std::is_same_v<T, Half>) return Half(v);
+  if constexpr (is_16bit_float_v<T>) return T(v);
   else return v;
 }
 
@@ -58,7 +58,7 @@ inline void divide_block(A* acc, std::size_t n, int ranks) {
 // acc[i] = acc[i] op x[i]. Avg accumulates a sum: call finish_avg once all ranks are in.
 template <CommScalar T>
 void reduce_into(T* acc, const T* x, std::size_t n, ReduceOp op) {
-  if constexpr (std::is_same_v<T, Half>) {
+  if constexpr (is_16bit_float_v<T>) {
     constexpr std::size_t kBlock = 1024;
     float a[kBlock], b[kBlock];
     for (std::size_t start = 0; start < n; start += kBlock) {
@@ -66,17 +66,17 @@ void reduce_into(T* acc, const T* x, std::size_t n, ReduceOp op) {
       for (std::size_t i = 0; i < len; ++i) a[i] = static_cast<float>(acc[start + i]);
       for (std::size_t i = 0; i < len; ++i) b[i] = static_cast<float>(x[start + i]);
       combine_block(a, b, len, op);
-      for (std::size_t i = 0; i < len; ++i) acc[start + i] = Half(a[i]);
+      for (std::size_t i = 0; i < len; ++i) acc[start + i] = T(a[i]);
     }
   } else {
     combine_block(acc, x, n, op);
   }
 }
 
-// c[i] = a[i] op b[i] in one pass (c may alias a or b); Avg sums. Half goes through float.
+// c[i] = a[i] op b[i] in one pass (c may alias a or b); Avg sums. Half and BHalf go through float.
 template <CommScalar T>
 void combine_into(T* c, const T* a, const T* b, std::size_t n, ReduceOp op) {
-  if constexpr (std::is_same_v<T, Half>) {
+  if constexpr (is_16bit_float_v<T>) {
     if (c == b) return reduce_into(c, a, n, op);  // every op is commutative
     if (c != a) std::copy_n(a, n, c);
     reduce_into(c, b, n, op);
@@ -98,16 +98,17 @@ void combine_into(T* c, const T* a, const T* b, std::size_t n, ReduceOp op) {
 
 // Half and Avg over a library that reduces pairwise in fp16 (MPI, Gloo): each rank divides its
 // own values by the rank count first and the library sums (NCCL's pre-multiplied sum), so the
-// running sum cannot overflow fp16 (max 65504) when the average itself fits. True when the
+// running sum cannot overflow fp16 (max 65504) when the average itself fits. BHalf has float's
+// range, but is treated the same so that both 16-bit types reduce alike on every backend. True when the
 // caller must then reduce with Sum and skip finish_avg.
 template <CommScalar T>
 bool prescale_half_avg(T* buf, std::size_t n, ReduceOp op, int ranks) {
-  if constexpr (!std::is_same_v<T, Half>) {
+  if constexpr (!is_16bit_float_v<T>) {
     return false;
   } else {
     if (op != ReduceOp::Avg || ranks == 1) return false;
     const float inv = 1.0f / static_cast<float>(ranks);
-    for (std::size_t i = 0; i < n; ++i) buf[i] = Half(static_cast<float>(buf[i]) * inv);
+    for (std::size_t i = 0; i < n; ++i) buf[i] = T(static_cast<float>(buf[i]) * inv);
     return true;
   }
 }
@@ -116,8 +117,8 @@ bool prescale_half_avg(T* buf, std::size_t n, ReduceOp op, int ranks) {
 template <CommScalar T>
 void finish_avg(T* buf, std::size_t n, ReduceOp op, int ranks) {
   if (op != ReduceOp::Avg || ranks == 1) return;
-  if constexpr (std::is_same_v<T, Half>) {
-    for (std::size_t i = 0; i < n; ++i) buf[i] = Half(static_cast<float>(buf[i]) / static_cast<float>(ranks));
+  if constexpr (is_16bit_float_v<T>) {
+    for (std::size_t i = 0; i < n; ++i) buf[i] = T(static_cast<float>(buf[i]) / static_cast<float>(ranks));
   } else {
     divide_block(buf, n, ranks);
   }
@@ -134,12 +135,12 @@ void reduce_many(const T* const* sources, int count, T* const* outputs, int outp
   using A = ReduceAccum<T>;
   constexpr std::size_t kBlock = 2048;
   A acc[kBlock];
-  A widened[std::is_same_v<T, Half> ? kBlock : 1];
+  A widened[is_16bit_float_v<T> ? kBlock : 1];
   for (std::size_t start = 0; start < n; start += kBlock) {
     const std::size_t len = std::min(kBlock, n - start);
     for (std::size_t i = 0; i < len; ++i) acc[i] = widen(sources[0][start + i]);
     for (int q = 1; q < count; ++q) {
-      if constexpr (std::is_same_v<T, Half>) {
+      if constexpr (is_16bit_float_v<T>) {
         for (std::size_t i = 0; i < len; ++i) widened[i] = static_cast<float>(sources[q][start + i]);
         combine_block(acc, widened, len, op);
       } else {
@@ -149,8 +150,8 @@ void reduce_many(const T* const* sources, int count, T* const* outputs, int outp
     if (op == ReduceOp::Avg) divide_block(acc, len, count);
     for (int k = 0; k < output_count; ++k) {
       T* out = outputs[k] + start;
-      if constexpr (std::is_same_v<T, Half>) {
-        for (std::size_t i = 0; i < len; ++i) out[i] = Half(acc[i]);
+      if constexpr (is_16bit_float_v<T>) {
+        for (std::size_t i = 0; i < len; ++i) out[i] = T(acc[i]);
       } else {
         std::copy(acc, acc + len, out);
       }
@@ -171,7 +172,8 @@ void reduce_many(const T* const* sources, int count, T* const* outputs, int outp
   TESSERA_REDUCE_INSTANCES(PREFIX, double)                                                          \
   TESSERA_REDUCE_INSTANCES(PREFIX, std::int32_t)                                                    \
   TESSERA_REDUCE_INSTANCES(PREFIX, std::int64_t)                                                    \
-  TESSERA_REDUCE_INSTANCES(PREFIX, Half)
+  TESSERA_REDUCE_INSTANCES(PREFIX, Half)                                                            \
+  TESSERA_REDUCE_INSTANCES(PREFIX, BHalf)
 #if TESSERA_CPU_KERNELS_EXTERN
 TESSERA_REDUCE_ALL_INSTANCES(extern)
 #endif

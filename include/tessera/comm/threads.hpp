@@ -511,6 +511,7 @@ class ThreadComm {
 };
 
 static_assert(check_communicator<ThreadComm>());
+static_assert(BHalfCommunicator<ThreadComm> && comm_concepts::has_async<ThreadComm, BHalf>);
 
 class ThreadWorld {
  public:

@@ -1,10 +1,17 @@
 // Half: IEEE 754 binary16 storage type (1 sign, 5 exponent, 10 mantissa bits) for compressed
 // communication. Arithmetic is done in float: convert, compute, round back. Conversion rounds to
 // nearest even, keeps inf/nan, and flushes nothing (subnormals are kept).
+//
+// BHalf: bfloat16 (1 sign, 8 exponent, 7 stored mantissa bits), the top 16 bits of a float32, as
+// PyTorch's torch.bfloat16 and NCCL's ncclBfloat16. It keeps float32's exponent, so its range is
+// float32's (no overflow where Half's 65504 overflows, no early underflow: gradients need no loss
+// scaling), at the price of precision: 8 significant bits (relative rounding error 2^-8 against
+// Half's 2^-11). That trade is why DDP's bf16_compress_hook uses it for gradients.
 #pragma once
 
 #include <bit>
 #include <cstdint>
+#include <type_traits>
 
 namespace tessera {
 
@@ -42,6 +49,21 @@ inline float half_bits_to_float(std::uint16_t h) {
   return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+// float -> bfloat16: drop the low 16 bits, rounding to nearest even. Adding 0x7fff plus the kept
+// part's lowest bit carries into bit 16 exactly when the dropped half is above the midpoint, or at
+// it with an odd kept part; a carry out of the mantissa bumps the exponent, which is right (and
+// rounds the largest finite values up to inf, as IEEE rounding does). inf has a zero low half and
+// stays inf. A NaN is kept a quiet NaN (bit 6 of the bfloat16, the float's quiet bit 22): its
+// payload may sit in the dropped bits only, and rounding could otherwise carry it into inf.
+inline std::uint16_t float_to_bhalf_bits(float value) {
+  const std::uint32_t f = std::bit_cast<std::uint32_t>(value);
+  if ((f & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((f >> 16) | 0x0040u);
+  return static_cast<std::uint16_t>((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+
+// bfloat16 -> float is exact: the bits are the float's top half.
+inline float bhalf_bits_to_float(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+
 }  // namespace detail
 
 struct Half {
@@ -59,5 +81,26 @@ struct Half {
 };
 
 static_assert(sizeof(Half) == 2, "Half must be exactly 16 bits so buffers of it can be sent as is");
+
+// bfloat16 storage type (see the top of this file): arithmetic in float, like Half.
+struct BHalf {
+  std::uint16_t bits = 0;
+
+  BHalf() = default;
+  explicit BHalf(float value) : bits(detail::float_to_bhalf_bits(value)) {}
+  static BHalf from_bits(std::uint16_t b) {
+    BHalf h;
+    h.bits = b;
+    return h;
+  }
+  explicit operator float() const { return detail::bhalf_bits_to_float(bits); }
+  friend bool operator==(BHalf a, BHalf b) { return static_cast<float>(a) == static_cast<float>(b); }
+};
+
+static_assert(sizeof(BHalf) == 2, "BHalf must be exactly 16 bits so buffers of it can be sent as is");
+
+// The 16-bit floating-point storage types: reduced in float, converted on the way in and out.
+template <class T>
+inline constexpr bool is_16bit_float_v = std::is_same_v<T, Half> || std::is_same_v<T, BHalf>;
 
 }  // namespace tessera

@@ -942,9 +942,10 @@ class GlooComm {
       std::copy(in.begin(), in.end(), out.begin());
       return;
     }
-    // Half Avg: sum pre-divided values (from a copy, the input is const) so fp16 cannot overflow.
+    // Half/BHalf Avg: sum pre-divided values (from a copy, the input is const) so fp16 cannot
+    // overflow (BHalf alike, as prescale_half_avg does on every path).
     std::vector<T> scaled;
-    if (std::is_same_v<T, Half> && op == ReduceOp::Avg) {
+    if (is_16bit_float_v<T> && op == ReduceOp::Avg) {
       scaled.assign(in.begin(), in.end());
       detail::prescale_half_avg(scaled.data(), scaled.size(), op, p);
       in = std::span<const T>(scaled);
@@ -1023,6 +1024,7 @@ class GlooComm {
 };
 
 static_assert(check_communicator<GlooComm>());
+static_assert(BHalfCommunicator<GlooComm> && comm_concepts::has_async<GlooComm, BHalf>);
 
 using CpuGloo = Env<Cpu, GlooComm, float>;
 using CpuGloo64 = Env<Cpu, GlooComm, double>;

@@ -16,8 +16,9 @@
 // MpiComm::set_interruptible(true)) to run blocking calls through the non-blocking path
 // instead and get an exception, at the speed cost above. A killed peer makes mpirun end the job
 // at once, naming the rank.
-// Half (fp16) travels as a 2-byte MPI datatype with user-defined reduction ops (MPI has none);
-// its Avg divides before summing so that the fp16 running sum cannot overflow.
+// Half (fp16) and BHalf (bfloat16) travel as 2-byte MPI datatypes with user-defined reduction ops
+// (MPI has none; MPI 4's MPIX bfloat16 is not portable), one datatype per type; their Avg divides
+// before summing so that the fp16 running sum cannot overflow (bfloat16 does the same, alike).
 // The call check (comm/call_check.hpp) exchanges call summaries with a blocking all_gather before
 // the checked collectives (the first 32, then every 16th; every one with TESSERA_COMM_DEBUG=1),
 // so those *_async collectives synchronize the ranks when issued.
@@ -68,14 +69,17 @@ inline std::string mpi_error_text(int code) {
   return std::string(text, static_cast<std::size_t>(length));
 }
 
-// The fp16 datatype and its reductions, created once after MPI_Init.
+// The datatype and reductions of a 16-bit float type T (Half, BHalf), created once after MPI_Init.
+// Each T has its own MPI datatype, so that a mismatch between ranks is a type error for MPI too.
+template <class T>
 struct MpiHalfTypes {
+  static_assert(is_16bit_float_v<T>);
   MPI_Datatype type = MPI_DATATYPE_NULL;
   MPI_Op sum = MPI_OP_NULL, max = MPI_OP_NULL, min = MPI_OP_NULL;
 
   template <ReduceOp Op>
   static void apply(void* in, void* inout, int* count, MPI_Datatype*) {
-    reduce_into(static_cast<Half*>(inout), static_cast<const Half*>(in), static_cast<std::size_t>(*count), Op);
+    reduce_into(static_cast<T*>(inout), static_cast<const T*>(in), static_cast<std::size_t>(*count), Op);
   }
   static const MpiHalfTypes& get() {
     static const MpiHalfTypes types = [] {
@@ -97,14 +101,14 @@ MPI_Datatype mpi_type() {
   else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
   else if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
   else if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
-  else return MpiHalfTypes::get().type;
+  else return MpiHalfTypes<T>::get().type;
 }
 
 // Avg is reduced as a sum and divided afterwards (finish_avg), as MPI has no average.
 template <CommScalar T>
 MPI_Op mpi_op(ReduceOp op) {
-  if constexpr (std::is_same_v<T, Half>) {
-    const auto& h = MpiHalfTypes::get();
+  if constexpr (is_16bit_float_v<T>) {
+    const auto& h = MpiHalfTypes<T>::get();
     return op == ReduceOp::Max ? h.max : op == ReduceOp::Min ? h.min : h.sum;
   } else {
     return op == ReduceOp::Max ? MPI_MAX : op == ReduceOp::Min ? MPI_MIN : MPI_SUM;
@@ -403,10 +407,10 @@ class MpiComm {
     h_->core.finish();
   }
 
-  // Half Avg over reduce_scatter: the input is const, so the pre-divided values go to a copy.
+  // Half/BHalf Avg over reduce_scatter: the input is const, so the pre-divided values go to a copy.
   template <CommScalar T>
   std::shared_ptr<std::vector<T>> prescaled_input(std::span<const T> in, ReduceOp& op) const {
-    if constexpr (!std::is_same_v<T, Half>) {
+    if constexpr (!is_16bit_float_v<T>) {
       return nullptr;
     } else {
       if (op != ReduceOp::Avg || size() == 1) return nullptr;
@@ -534,6 +538,7 @@ class MpiComm {
 };
 
 static_assert(check_communicator<MpiComm>());
+static_assert(BHalfCommunicator<MpiComm> && comm_concepts::has_async<MpiComm, BHalf>);
 
 using CpuMpi = Env<Cpu, MpiComm, float>;
 using CpuMpi64 = Env<Cpu, MpiComm, double>;

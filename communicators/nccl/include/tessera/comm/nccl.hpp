@@ -25,7 +25,8 @@
 // collective, as every strategy in Tessera does.
 //
 // Half is reduced by NCCL in fp16 on the GPU (the other backends accumulate it in float), so a
-// long fp16 sum rounds more; Avg multiplies by 1/size first, so it does not overflow.
+// long fp16 sum rounds more; Avg multiplies by 1/size first, so it does not overflow. BHalf is
+// ncclBfloat16 (NCCL 2.10; ncclConfig_t already needs 2.14), reduced in bfloat16 on the GPU likewise.
 //
 // Host buffers work too (for small control messages: step times, metrics): they are copied to
 // the GPU and back around the operation.
@@ -77,7 +78,8 @@ constexpr ncclDataType_t nccl_type() {
   else if constexpr (std::is_same_v<T, double>) return ncclFloat64;
   else if constexpr (std::is_same_v<T, std::int32_t>) return ncclInt32;
   else if constexpr (std::is_same_v<T, std::int64_t>) return ncclInt64;
-  else return ncclFloat16;  // Half: IEEE binary16, as ncclFloat16
+  else if constexpr (std::is_same_v<T, Half>) return ncclFloat16;  // IEEE binary16
+  else return ncclBfloat16;  // BHalf: bfloat16, the top half of a float32
 }
 
 // NCCL's ncclAvg is sum/size for every type: floating types multiply by 1/size before summing
@@ -791,6 +793,7 @@ class NcclComm {
 };
 
 static_assert(check_communicator<NcclComm>());
+static_assert(BHalfCommunicator<NcclComm> && comm_concepts::has_async<NcclComm, BHalf>);
 
 // One process per GPU, gradients reduced by NCCL.
 using CudaNccl = Env<Cuda, NcclComm, float>;

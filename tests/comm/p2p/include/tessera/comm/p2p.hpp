@@ -249,6 +249,7 @@ class P2pComm {
 };
 
 static_assert(check_communicator<P2pComm>());
+static_assert(BHalfCommunicator<P2pComm> && comm_concepts::has_async<P2pComm, BHalf>);
 
 using CpuP2p = Env<Cpu, P2pComm, float>;
 using CpuP2p64 = Env<Cpu, P2pComm, double>;
