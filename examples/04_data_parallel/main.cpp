@@ -114,10 +114,9 @@ Options parse(int argc, char** argv) {
   o.limit = flags.get("limit", o.limit, {.min = 0}, "train on the first N images only (0: all 60,000)");
   o.data_dir = flags.get("data-dir", std::string(),
                          "directory of the IDX files (empty: TESSERA_DATA_DIR, then the default)");
-  const std::string compression = flags.choice("compression", "none", {"none", "fp16", "topk"},
+  const std::string compression = flags.choice("compression", "none", {"none", "fp16", "bf16", "topk"},
                                                "encoding of the gradient buckets the ranks exchange");
-  o.compression = compression == "fp16" ? GradientCompression::Fp16
-                  : compression == "topk" ? GradientCompression::TopK : GradientCompression::None;
+  o.compression = gradient_compression_from_string(compression);
   o.bucket_kib = flags.get("bucket-kib", o.bucket_kib, {.min = 1, .max = 1 << 20},
                            "largest gradient bucket after the first, in KiB (first: <= 1 MiB)");
   o.trace = flags.output_path("trace", o.trace, "Chrome trace of every step on every rank");

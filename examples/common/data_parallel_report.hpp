@@ -205,8 +205,9 @@ void report_data_parallel(Comm& comm, Model& model, DP& dp, const Meter& meter, 
   const double steps = static_cast<double>(results.size()) * static_cast<double>(run.batches_per_epoch);
   const double peer = peer_bytes(comm) - run.peer_before, lo = loopback_bytes() - run.loopback_before;
   const auto compression = run.compression;
+  const bool half_wire = compression == tessera::GradientCompression::Fp16 || compression == tessera::GradientCompression::Bf16;
   if (rank == 0 && ranks > 1 && compression != tessera::GradientCompression::TopK)
-    print_traffic(ranks, parameters, compression == tessera::GradientCompression::Fp16 ? 2.0 : 4.0, steps,
+    print_traffic(ranks, parameters, half_wire ? 2.0 : 4.0, steps,
                   run.peer_before >= 0 ? peer : -1, run.loopback_before >= 0 ? lo : -1);
   if (rank == 0 && meter.memory_measured()) {
     const auto values = unit_output_values_per_sample<Device>(model, tessera::Shape{1, 1, 28, 28});

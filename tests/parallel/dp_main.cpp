@@ -1,9 +1,10 @@
 // DataParallel equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run):
 // every rank checks that its parameters equal one process training on the whole batch and are
-// bit-identical across ranks, in float64, float32, with gradient accumulation, and for ResNet-20
-// with SyncBatchNorm (BatchNorm running statistics included); rank 1 launched with another bucket
-// size or learning rate ending in the named agreement error on every rank; and the parameter server's
-// synchronous mode against one process, its SSP and asynchronous modes against their bounds.
+// bit-identical across ranks, in float64, float32, with bf16 buckets on the wire, with gradient
+// accumulation, and for ResNet-20 with SyncBatchNorm (BatchNorm running statistics included);
+// rank 1 launched with another bucket size or learning rate ending in the named agreement error on
+// every rank; and the parameter server's synchronous mode against one process, its SSP and
+// asynchronous modes against their bounds.
 #include <cstdio>
 #include <exception>
 
@@ -21,6 +22,8 @@ int main(int argc, char** argv) {
     };
     add("float64", testing::dp_equivalence<double>(comm, {.per_rank_batch = 6, .steps = 3}));
     add("float32", testing::dp_equivalence<float>(comm, {.per_rank_batch = 8, .steps = 3, .tolerance = 1e-5}));
+    add("bf16 wire", testing::dp_equivalence<double>(comm, {.per_rank_batch = 6, .steps = 3, .tolerance = 1e-3,
+                                                            .compression = GradientCompression::Bf16}));
     add("accumulation", testing::dp_equivalence<double>(comm, {.per_rank_batch = 8, .steps = 2, .micro_steps = 4}));
     add("zero1 sgd", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Sgd, {.per_rank_batch = 4, .steps = 3}));
     add("zero1 adam", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Adam, {.per_rank_batch = 4, .steps = 3}));

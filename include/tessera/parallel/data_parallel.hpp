@@ -39,6 +39,7 @@
 //   None:  all_reduce(Avg) of the bucket.
 //   Fp16:  cast the bucket down to IEEE half, all_reduce(Avg) in half (reduced in float per
 //          element, rounded once), cast up: half the bytes on the wire.
+//   Bf16:  the same in bfloat16: float's range (no overflow past 65504), 8 significant bits.
 //   TopK:  error feedback (Stich et al. 2018; Lin et al. 2018): corrected = gradient + residual;
 //          send only the k = ceil(ratio n) entries of largest magnitude, as (index, value) pairs
 //          exchanged with all_gather; residual = corrected minus what was sent. The averaged
@@ -96,15 +97,25 @@
 
 namespace tessera {
 
-enum class GradientCompression { None, Fp16, TopK };
+enum class GradientCompression { None, Fp16, Bf16, TopK };
 
 inline std::string_view to_string(GradientCompression c) {
   switch (c) {
     case GradientCompression::None: return "none";
     case GradientCompression::Fp16: return "fp16";
+    case GradientCompression::Bf16: return "bf16";
     case GradientCompression::TopK: return "topk";
   }
   return "?";
+}
+
+// The inverse of to_string, for a command-line flag: "none", "fp16", "bf16" or "topk".
+inline GradientCompression gradient_compression_from_string(std::string_view name) {
+  for (auto c : {GradientCompression::None, GradientCompression::Fp16, GradientCompression::Bf16,
+                 GradientCompression::TopK})
+    if (to_string(c) == name) return c;
+  TESSERA_CHECK(false, ArgumentError, "GradientCompression: '", name, "' is not one of none, fp16, bf16, topk");
+  return GradientCompression::None;
 }
 
 struct DataParallelOptions {
@@ -164,7 +175,7 @@ class DataParallel final : public StrategyBase<E>, UpdateGuard {
     TESSERA_CHECK(options.topk_ratio > 0 && options.topk_ratio <= 1, ArgumentError, "DataParallel: topk_ratio=",
                   options.topk_ratio, " must lie in (0, 1]");
     TESSERA_CHECK(D::host_accessible || options.compression == GradientCompression::None, ArgumentError,
-                  "DataParallel: gradient compression (fp16, top-k) packs buckets on the host; on the device '", D::name,
+                  "DataParallel: gradient compression (fp16, bf16, top-k) packs buckets on the host; on the device '", D::name,
                   "' use GradientCompression::None");
     if (options.broadcast_at_start) broadcast_from_rank0();
     build_buckets();
@@ -562,6 +573,11 @@ class DataParallel final : public StrategyBase<E>, UpdateGuard {
     switch (options_.compression) {
       case GradientCompression::Fp16:
         return std::make_unique<Fp16Codec<E>>();
+      case GradientCompression::Bf16:
+        if constexpr (BHalfCommunicator<Comm>) return std::make_unique<Bf16Codec<E>>();
+        TESSERA_CHECK(false, ArgumentError, "DataParallel: GradientCompression::Bf16 needs a communicator that sends BHalf (",
+                      "BHalfCommunicator); this one does not: use Fp16 or None");
+        break;
       case GradientCompression::TopK:
         return std::make_unique<TopKCodec<E>>(options_.topk_ratio);
       case GradientCompression::None:

@@ -4,6 +4,7 @@
 //
 //   AverageCodec  all_reduce(Avg) in the model's scalar type (GradientCompression::None)
 //   Fp16Codec     cast to IEEE half, all_reduce(Avg) in half, cast back: half the bytes (Fp16)
+//   Bf16Codec     the same in bfloat16: float's range, 8 significant bits (Bf16)
 //   TopKCodec     error feedback (Stich et al. 2018; Lin et al. 2018): send the k = ceil(ratio n)
 //                 largest entries of gradient + residual as (index, value) pairs with two
 //                 all_gathers, keep the rest as the next residual (TopK)
@@ -26,6 +27,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
@@ -93,31 +95,43 @@ class AverageCodec final : public GradientCodec<E> {
   void decode(Comm&, const CodecBucket<S>&) override {}
 };
 
-// IEEE half on the wire, reduced in float per element and rounded once (comm/reduce.hpp).
-template <class E>
-class Fp16Codec final : public GradientCodec<E> {
+// A 16-bit float W on the wire (Half: IEEE fp16; BHalf: bfloat16): cast down, all_reduce(Avg) in W
+// (reduced in float per element and rounded once, comm/reduce.hpp), cast back. Half keeps 11
+// significant bits but only |x| < 65504; BHalf keeps float's range with 8 bits (relative error
+// <= 2^-9 per rounding), so gradients that overflow fp16 (unscaled losses, large activations)
+// still travel as bf16 (PyTorch: bf16_compress_hook).
+template <class E, class W>
+class CastCodec final : public GradientCodec<E> {
+  static_assert(is_16bit_float_v<W>, "CastCodec: the wire type must be Half or BHalf");
+
  public:
   using typename GradientCodec<E>::S;
   using typename GradientCodec<E>::Comm;
-  std::string name() const override { return "fp16"; }
+  std::string name() const override { return std::is_same_v<W, Half> ? "fp16" : "bf16"; }
   CodecWork launch(Comm& comm, const CodecBucket<S>& b, bool blocking) override {
-    std::vector<Half>& half = wire(b.index);
-    half.resize(b.values.size());
-    for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(b.values[i]));
-    return average_over_ranks(comm, std::span<Half>(half), blocking);
+    std::vector<W>& cast = wire(b.index);
+    cast.resize(b.values.size());
+    for (std::size_t i = 0; i < cast.size(); ++i) cast[i] = W(static_cast<float>(b.values[i]));
+    return average_over_ranks(comm, std::span<W>(cast), blocking);
   }
   void decode(Comm&, const CodecBucket<S>& b) override {
-    const std::vector<Half>& half = wire(b.index);
-    for (std::size_t i = 0; i < half.size(); ++i) b.values[i] = static_cast<S>(static_cast<float>(half[i]));
+    const std::vector<W>& cast = wire(b.index);
+    for (std::size_t i = 0; i < cast.size(); ++i) b.values[i] = static_cast<S>(static_cast<float>(cast[i]));
   }
 
  private:
-  std::vector<Half>& wire(std::size_t bucket) {
+  std::vector<W>& wire(std::size_t bucket) {
     if (wire_.size() <= bucket) wire_.resize(bucket + 1);
     return wire_[bucket];
   }
-  std::vector<std::vector<Half>> wire_;  // per bucket: kept, so a step allocates nothing
+  std::vector<std::vector<W>> wire_;  // per bucket: kept, so a step allocates nothing
 };
+
+template <class E>
+using Fp16Codec = CastCodec<E, Half>;
+// Needs a communicator that sends BHalf (BHalfCommunicator: every Tessera communicator does).
+template <class E>
+using Bf16Codec = CastCodec<E, BHalf>;
 
 // Top-k sparsification with error feedback. Over steps, the applied updates plus the residuals
 // (averaged over ranks) sum exactly to the true averaged gradients: nothing is lost, only delayed.
