@@ -267,9 +267,8 @@ TEST_CASE("LocalSgd under the Trainer keeps its period across a resume (float64,
       // the replicas differ between averages: an average at another step gives other weights.
       auto model = lenet5<CpuThreads64>(1, 28, kClasses, 7);
       LocalSgd local(model, comm, {.period = period});
-      // Plain SGD: momentum buffers differ by rank too, and a resume restores rank 0's
-      // (docs/reliability.md); the parameters and the period come back exactly.
-      Sgd<CpuThreads64> sgd(named_tensors(model), {.lr = 0.05});
+      // Momentum buffers differ by rank too: the Trainer keeps each rank's (kPerRankOptimizerState).
+      Sgd<CpuThreads64> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
       TrainOptions o = quiet();
       o.checkpoint_group = CheckpointGroup(comm);
       Trainer trainer(model, sgd, local, constant_lr, o);

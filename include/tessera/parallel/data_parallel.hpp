@@ -574,10 +574,13 @@ class DataParallel final : public StrategyBase<E>, UpdateGuard {
       case GradientCompression::Fp16:
         return std::make_unique<Fp16Codec<E>>();
       case GradientCompression::Bf16:
-        if constexpr (BHalfCommunicator<Comm>) return std::make_unique<Bf16Codec<E>>();
-        TESSERA_CHECK(false, ArgumentError, "DataParallel: GradientCompression::Bf16 needs a communicator that sends BHalf (",
-                      "BHalfCommunicator); this one does not: use Fp16 or None");
-        break;
+        if constexpr (BHalfCommunicator<Comm>) {
+          return std::make_unique<Bf16Codec<E>>();
+        } else {
+          TESSERA_CHECK(false, ArgumentError, "DataParallel: GradientCompression::Bf16 needs a communicator that sends ",
+                        "BHalf (BHalfCommunicator); this one does not: use Fp16 or None");
+          break;
+        }
       case GradientCompression::TopK:
         return std::make_unique<TopKCodec<E>>(options_.topk_ratio);
       case GradientCompression::None:

@@ -9,8 +9,9 @@
 //
 // With period 1 and SGD (momentum and weight decay included: the update is linear in the
 // gradient, so averaging parameters equals averaging gradients) this is synchronous data
-// parallelism exactly. Optimizer state (momentum buffers) stays per rank; buffers such as
-// BatchNorm running statistics are averaged with the parameters when average_buffers is set.
+// parallelism exactly. Optimizer state (momentum buffers) stays per rank (kPerRankOptimizerState:
+// the Trainer keeps each rank's with a checkpoint); buffers such as BatchNorm running statistics
+// are averaged with the parameters when average_buffers is set.
 //
 // Agreement: the constructor checks (one all_gather of two int64) that every rank has the same
 // period, average_buffers and parameter and buffer names and shapes (parallel/agreement.hpp): a
@@ -79,12 +80,13 @@ class LocalSgd : public StrategyBase<E> {
   }
 
   // The strategy protocol (parallel/strategy.hpp).
+  static constexpr bool kPerRankOptimizerState = true;  // each rank's momentum follows its own gradients
   std::string name() const { return "LocalSgd(period " + std::to_string(options_.period) + ")"; }
   void after_optimizer_step() { after_step(); }
   // The step count, so that a resumed run averages at the same steps as an uninterrupted one, and,
   // in the middle of a period, this rank's own parameters and buffers: the checkpoint holds rank
-  // 0's, and the replicas differ until the next average. (The optimizer's per-rank state, such as
-  // momentum, is rank 0's after a resume: docs/reliability.md.)
+  // 0's, and the replicas differ until the next average. (The Trainer adds this rank's optimizer
+  // state: kPerRankOptimizerState.)
   void save_state(StrategyState& state) const {
     state.put("LocalSgd.steps", steps_);
     if (steps_ % options_.period == 0) return;  // just averaged: every rank holds the same values

@@ -32,6 +32,11 @@
 // and s.sample_copies() tells how many ranks of the Trainer's group see each sample (a pipeline's
 // P stages), so that the epoch's figures count each sample once.
 //
+// A strategy whose ranks' optimizer states differ (LocalSgd: each rank's momentum follows its own
+// gradients, and averaging the parameters leaves it alone) says so with `static constexpr bool
+// kPerRankOptimizerState = true`; the checkpoint holds rank 0's optimizer state, so the Trainer
+// also keeps each rank's own beside it, with the strategy state, and a resume restores it.
+//
 // A strategy derives from StrategyBase<E>, whose members do nothing, and overrides what it needs
 // (as a parameter-free layer derives from ParameterFree). check_strategy<S>() names each missing
 // member in one sentence, as check_layer does for layers.
@@ -186,6 +191,12 @@ consteval bool strategy_runs_model() {
   if constexpr (requires { T::kRunsModel; }) return T::kRunsModel;
   else return false;
 }
+// Whether the ranks' optimizer states differ (kPerRankOptimizerState, optional: false when absent).
+template <class T>
+consteval bool strategy_per_rank_optimizer_state() {
+  if constexpr (requires { T::kPerRankOptimizerState; }) return T::kPerRankOptimizerState;
+  else return false;
+}
 // How many ranks of the Trainer's group see each sample (optional member; 1 when absent).
 template <class T>
 int sample_copies(const T& s) {
@@ -269,6 +280,7 @@ class Stack {
   static constexpr bool kOwnsMicroBatchLoop = (S::kOwnsMicroBatchLoop || ...);
   static constexpr bool kHooksGradients = (S::kHooksGradients || ...);
   static constexpr bool kRunsModel = (detail::strategy_runs_model<S>() || ...);
+  static constexpr bool kPerRankOptimizerState = (detail::strategy_per_rank_optimizer_state<S>() || ...);
 
   explicit Stack(S&... strategies) : members_(strategies...) {}
 

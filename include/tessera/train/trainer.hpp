@@ -15,7 +15,9 @@
 // GradientAccumulation, stack(dp, accumulation). A strategy's per-rank state (DataParallel's top-k
 // residuals, LocalSgd's step count) is saved with each checkpoint in one file per rank beside it,
 // "<path>.rank<r>.strategy" (strategy_state_path), and loaded with it; a resume then continues
-// exactly as the uninterrupted run would.
+// exactly as the uninterrupted run would. When the strategy says the ranks' optimizer states
+// differ (kPerRankOptimizerState: LocalSgd), that file also holds this rank's optimizer state
+// ("optimizer/<name>" for each entry of its visit_state), loaded over the checkpoint's rank 0 copy.
 //
 // Everything a step touches (the model's activation cache, the loss cache, the batch) lives in
 // the Trainer and is reused, so after the first step a training step allocates nothing.
@@ -113,6 +115,31 @@ struct EpochResult {
 inline std::string strategy_state_path(const std::string& checkpoint_path, int rank) {
   return checkpoint_path + ".rank" + std::to_string(rank) + ".strategy";
 }
+
+namespace detail {
+// An optimizer's visit_state entries into a StrategyState as float64 ("optimizer/<name>"), and
+// back: exact for float32 and float64 values and for step counts below 2^53.
+struct OptimizerStateToRankState {
+  StrategyState& out;
+  template <class S, class D>
+  void buffer(const std::string& name, const Tensor<S, D>& t) {
+    std::vector<S> host(static_cast<std::size_t>(t.numel()));
+    if (!host.empty()) D::copy_to_host(host.data(), t.data(), t.bytes());
+    out.put("optimizer/" + name, std::span<const S>(host));
+  }
+  void integer(const std::string& name, const std::int64_t& v) { out.put("optimizer/" + name, v); }
+};
+struct OptimizerStateFromRankState {
+  const StrategyState& in;
+  template <class S, class D>
+  void buffer(const std::string& name, Tensor<S, D>& t) {
+    std::vector<S> host(static_cast<std::size_t>(t.numel()));
+    in.get("optimizer/" + name, std::span<S>(host));
+    if (!host.empty()) D::copy_to_device(t.data(), host.data(), t.bytes());
+  }
+  void integer(const std::string& name, std::int64_t& v) { v = in.get_int("optimizer/" + name); }
+};
+}  // namespace detail
 
 template <class Model, class Optimizer, class Strat = NoStrategy<typename Model::Env>>
 class Trainer {
@@ -476,7 +503,7 @@ class Trainer {
   // it) is refused on load instead of mixed in.
   void save_strategy_state(const std::string& path) {
     StrategyState st;
-    strategy_.save_state(st);
+    rank_state(st);
     if (st.empty()) return;
     const auto& group = options_.checkpoint_group;
     const std::string file = strategy_state_path(path, group.rank());
@@ -501,7 +528,7 @@ class Trainer {
   // resume) the per-rank state does not carry over: it starts afresh, and the Trainer says so.
   void load_strategy_state(const std::string& path) {
     StrategyState expected;
-    strategy_.save_state(expected);
+    rank_state(expected);
     if (expected.empty()) return;
     const auto& group = options_.checkpoint_group;
     const std::string file = strategy_state_path(path, group.rank());
@@ -548,6 +575,20 @@ class Trainer {
     }
     agree_or_throw(failure, "load", file);
     strategy_.load_state(loaded);
+    if constexpr (detail::strategy_per_rank_optimizer_state<Strat>()) {
+      detail::OptimizerStateFromRankState from{loaded};
+      optimizer_.visit_state(from);
+    }
+  }
+
+  // What each rank keeps beside the checkpoint: the strategy's state and, when the ranks' optimizer
+  // states differ, this rank's optimizer state.
+  void rank_state(StrategyState& st) {
+    strategy_.save_state(st);
+    if constexpr (detail::strategy_per_rank_optimizer_state<Strat>()) {
+      detail::OptimizerStateToRankState to{st};
+      optimizer_.visit_state(to);
+    }
   }
 
   // All ranks of the checkpoint group learn whether every rank's part succeeded; those that did
