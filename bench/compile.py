@@ -12,8 +12,9 @@ time, median of --runs:
                     2 cores), and main.cpp without compiled kernels (`header_only_main_seconds`,
                     what a user who includes the headers without the meson build waits for)
   tessera_kernels   src/kernels_cpu.cpp, compiled once per build (kernels/cpu/compiled.hpp)
-  slowest_test_tu   the slowest source of tests/tessera_tests (every one is compiled once to find
-                    it, and all are reported)
+  slowest_test_tu   the slowest unit of tests/tessera_tests, a unity file of 6 sources
+                    (tests/meson.build; every one is compiled once to find it, and all are
+                    reported)
   umbrella_header   a file that includes tessera/tessera.hpp and nothing else
 Peak memory is the compiler's maximum resident set (cc1plus included: wait4 reports the largest
 of the child and its descendants). JSON on stdout, a table on stderr.

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "support/text.hpp"
 #include "comm/conformance.hpp"
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/core.hpp"
@@ -44,12 +45,6 @@ class ScopedEnv {
   std::string old_;
   bool had_ = false;
 };
-
-std::string joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const auto& l : lines) out += l + "\n";
-  return out;
-}
 
 }  // namespace
 
@@ -132,7 +127,7 @@ TEST_CASE("Conformance: LocalComm", "[comm]") {
   LocalComm comm;
   testing::Conformance<LocalComm> suite(comm, {.large_bytes = 64u << 20});
   const auto failures = suite.run();
-  INFO(joined(failures));
+  INFO(testing::joined(failures));
   CHECK(failures.empty());
 }
 
@@ -146,7 +141,7 @@ TEST_CASE("Conformance: ThreadComm on 1, 2, 3 and 4 ranks", "[comm]") {
         failures[comm.rank()] = suite.run();
       });
       for (const auto& f : failures) {
-        INFO(joined(f));
+        INFO(testing::joined(f));
         CHECK(f.empty());
       }
     }

@@ -21,7 +21,7 @@ using namespace tessera;
 
 namespace {
 
-double pseudo_random(std::uint64_t& state) {
+double bf16_random(std::uint64_t& state) {
   state = state * 6364136223846793005ull + 1442695040888963407ull;
   return static_cast<double>(state >> 11) / static_cast<double>(1ull << 53) * 2.0 - 1.0;
 }
@@ -74,9 +74,9 @@ TEST_CASE("gemm_bf16 is a float-accumulated product of bfloat16-rounded operands
             // Row strides wider than the rows, by 3.
             const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = (tb ? g.k : g.n) + 3, ldc = g.n + 3;
             std::vector<float> a((ta ? g.k : g.m) * lda), b((tb ? g.n : g.k) * ldb), c0(g.m * ldc);
-            for (auto& v : a) v = static_cast<float>(pseudo_random(state));
-            for (auto& v : b) v = static_cast<float>(pseudo_random(state));
-            for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
+            for (auto& v : a) v = static_cast<float>(bf16_random(state));
+            for (auto& v : b) v = static_cast<float>(bf16_random(state));
+            for (auto& v : c0) v = static_cast<float>(bf16_random(state));
             std::vector<float> c = c0;
             const auto alpha = static_cast<float>(s[0]), beta = static_cast<float>(s[1]);
             if (inside_team) {
@@ -120,8 +120,8 @@ TEST_CASE("gemm_bf16 turned off is exactly the float gemm", "[core][bf16]") {
   const std::int64_t m = 33, n = 70, k = 65;
   std::uint64_t state = 3;
   std::vector<float> a(m * k), b(k * n), want(m * n), got(m * n);
-  for (auto& v : a) v = static_cast<float>(pseudo_random(state));
-  for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+  for (auto& v : a) v = static_cast<float>(bf16_random(state));
+  for (auto& v : b) v = static_cast<float>(bf16_random(state));
   gemm(Cpu{}, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, want.data(), n);
   set_cpu_bf16_enabled(false);
   CHECK_FALSE(cpu_bf16_active());
@@ -142,7 +142,7 @@ void copy_rounded(const Tensor<float>& from, Tensor<S>& to) {
 
 Tensor<float> random_float(Shape shape, std::uint64_t& state) {
   Tensor<float> t(shape);
-  for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<float>(pseudo_random(state));
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<float>(bf16_random(state));
   return t;
 }
 

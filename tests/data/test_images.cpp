@@ -33,16 +33,16 @@ namespace {
 
 const std::string kImages = std::string(TESSERA_REFERENCE_DATA_DIR) + "/images/";
 
-const SafetensorsFile& reference() {
+const SafetensorsFile& images_reference() {
   static const SafetensorsFile file = SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/images.safetensors");
   return file;
 }
 
 // The reference's (H, W, C) bytes.
 std::vector<std::uint8_t> reference_bytes(const std::string& name, std::vector<std::int64_t>* shape = nullptr) {
-  const TensorInfo& info = reference().info(name);
+  const TensorInfo& info = images_reference().info(name);
   REQUIRE(info.dtype == DType::U8);
-  const auto* p = reinterpret_cast<const std::uint8_t*>(reference().raw(name));
+  const auto* p = reinterpret_cast<const std::uint8_t*>(images_reference().raw(name));
   if (shape) shape->assign(info.shape.begin(), info.shape.end());
   return {p, p + info.shape.numel()};
 }
@@ -101,7 +101,7 @@ TEST_CASE("decode_image: every colour type gives PIL's convert(\"RGB\") and conv
           "[data][image]") {
   if (!kHaveJpeg || !kHavePng) { WARN("built without " << image_decoders()); return; }
   int checked = 0;
-  for (const std::string& name : reference().names()) {
+  for (const std::string& name : images_reference().names()) {
     if (name.rfind("decode.", 0) != 0) continue;
     const std::string rest = name.substr(7);
     const std::string file = rest.substr(0, rest.rfind('.'));
@@ -240,7 +240,7 @@ TEST_CASE("resized crops and evaluation resizes equal torchvision's (PIL bilinea
   ImageTransform identity = ImageTransform::eval(0, 1);  // no normalization: floats are byte / 255
   const auto table = normalize_table(identity);
   int cases = 0;
-  for (const auto& [key, value] : reference().metadata()) {
+  for (const auto& [key, value] : images_reference().metadata()) {
     const auto w = words(value);
     std::vector<std::int64_t> shape;
     if (key.rfind("crop.", 0) == 0) {
@@ -287,7 +287,7 @@ TEST_CASE("resized crops and evaluation resizes equal torchvision's (PIL bilinea
       std::vector<float> got(static_cast<std::size_t>(3 * oh * ow));
       resized_crop_to_tensor(img, {std::stoll(w[1]), std::stoll(w[2]), std::stoll(w[3]), std::stoll(w[4])}, oh, ow,
                              /*flip=*/true, normalize_table(t), got.data(), scratch);
-      const Tensor<float> want = reference().tensor<float>(key);
+      const Tensor<float> want = images_reference().tensor<float>(key);
       REQUIRE(want.numel() == static_cast<std::int64_t>(got.size()));
       std::size_t differ = 0;
       for (std::size_t i = 0; i < got.size(); ++i) differ += got[i] != want.data()[i];  // bit-identical floats

@@ -34,7 +34,7 @@ static_assert(Layer<AvgPool2d<E32>>);
 static_assert(Layer<AdaptiveAvgPool2d<E32>>);
 static_assert(Layer<GlobalAvgPool<E32>>);
 
-const SafetensorsFile& reference() {
+const SafetensorsFile& conv_pool_reference() {
   static const SafetensorsFile file = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/conv_pool.safetensors");
   return file;
 }
@@ -210,16 +210,16 @@ const ConvCase kConvCases[] = {
 // Compares one of our tensors (any scalar) with PyTorch's float64 result. Float64 must agree to
 // rounding; float32 within 8x PyTorch's own float32 error plus a floor of a few float32 ulps.
 template <class S>
-void expect_matches(const Tensor<S>& ours, const std::string& key) {
-  REQUIRE(ours.shape() == reference().tensor<double>(key).shape());
-  testing::expect_matches(reference(), ours, key, {.case_ends_at_first_dot = true, .f32_floor = 1e-7});
+void conv_pool_matches(const Tensor<S>& ours, const std::string& key) {
+  REQUIRE(ours.shape() == conv_pool_reference().tensor<double>(key).shape());
+  testing::expect_matches(conv_pool_reference(), ours, key, {.case_ends_at_first_dot = true, .f32_floor = 1e-7});
 }
 
 template <class E>
 void check_conv_against_torch(const ConvCase& c, std::int64_t block_columns,
                               ConvAlgorithm algorithm = ConvAlgorithm::Auto) {
   using S = typename E::Scalar;
-  const auto& f = reference();
+  const auto& f = conv_pool_reference();
   REQUIRE(f.metadata().at(c.name) == c.config());
   const std::string p = std::string(c.name) + ".";
   Rng rng(1);
@@ -231,11 +231,11 @@ void check_conv_against_torch(const ConvCase& c, std::int64_t block_columns,
   const Tensor<S> x = f.tensor<S>(p + "x");
   const Tensor<S> g = f.tensor<S>(p + "g");
   typename Conv2d<E>::Cache cache;
-  expect_matches(conv.forward(x, cache), p + "y");
+  conv_pool_matches(conv.forward(x, cache), p + "y");
   const Tensor<S>& dx = conv.backward(g, cache);
-  expect_matches(dx, p + "dx");
-  expect_matches(conv.weight().grad, p + "dweight");
-  if (c.bias) expect_matches(conv.bias().grad, p + "dbias");
+  conv_pool_matches(dx, p + "dx");
+  conv_pool_matches(conv.weight().grad, p + "dweight");
+  if (c.bias) conv_pool_matches(conv.bias().grad, p + "dbias");
 }
 
 TEST_CASE("Conv2d matches PyTorch", "[layers][conv][reference]") {
@@ -488,17 +488,17 @@ const AdaptiveCase kAdaptiveCases[] = {
 template <class L, class Case>
 void check_pool_layer(L& pool, const Case& c) {
   using S = typename L::Env::Scalar;
-  const auto& f = reference();
+  const auto& f = conv_pool_reference();
   const std::string p = std::string(c.name) + ".";
   const Tensor<S> x = f.tensor<S>(p + "x");
   typename L::Cache cache;
-  expect_matches(pool.forward(x, cache), p + "y");
-  expect_matches(pool.backward(f.tensor<S>(p + "g"), cache), p + "dx");
+  conv_pool_matches(pool.forward(x, cache), p + "y");
+  conv_pool_matches(pool.backward(f.tensor<S>(p + "g"), cache), p + "dx");
 }
 
 template <class E>
 void check_pool_against_torch(const PoolCase& c) {
-  REQUIRE(reference().metadata().at(c.name) == c.config());
+  REQUIRE(conv_pool_reference().metadata().at(c.name) == c.config());
   const std::string kind = c.kind;
   if (kind == "max") {
     MaxPool2d<E> pool(c.kernel, c.stride, c.padding, c.ceil_mode);
@@ -521,7 +521,7 @@ TEST_CASE("Pools match PyTorch", "[layers][pool][reference]") {
 
 template <class E>
 void check_adaptive_against_torch(const AdaptiveCase& c) {
-  REQUIRE(reference().metadata().at(c.name) == c.config());
+  REQUIRE(conv_pool_reference().metadata().at(c.name) == c.config());
   AdaptiveAvgPool2d<E> pool(c.out_h, c.out_w);
   check_pool_layer(pool, c);
 }

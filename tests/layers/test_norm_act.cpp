@@ -35,23 +35,23 @@ static_assert(Layer<Dropout<E32>>);
 static_assert(Layer<Flatten<E32>>);
 static_assert(Layer<BatchNorm2d<E64>>);
 
-const SafetensorsFile& reference() {
+const SafetensorsFile& norm_act_reference() {
   static const SafetensorsFile f =
       SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/norm_act_loss.safetensors");
   return f;
 }
 
 template <class S>
-void expect_matches(const Tensor<S>& got, const std::string& name) {
-  testing::expect_matches(reference(), got, name);
+void norm_act_matches(const Tensor<S>& got, const std::string& name) {
+  testing::expect_matches(norm_act_reference(), got, name);
 }
 
 template <class S>
-Tensor<S> load(const std::string& name) {
-  return reference().tensor<double>(name).cast<S>();
+Tensor<S> norm_act_load(const std::string& name) {
+  return norm_act_reference().tensor<double>(name).cast<S>();
 }
 
-std::string fmt_g(double v) {
+std::string norm_fmt_g(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", v);
   return buf;
@@ -72,8 +72,8 @@ struct BnCase {
   bool train;
   double eps, momentum;
   std::string config() const {
-    return "shape=" + shape_str(shape) + " mode=" + (train ? "train" : "eval") + " eps=" + fmt_g(eps) +
-           " momentum=" + fmt_g(momentum);
+    return "shape=" + shape_str(shape) + " mode=" + (train ? "train" : "eval") + " eps=" + norm_fmt_g(eps) +
+           " momentum=" + norm_fmt_g(momentum);
   }
 };
 
@@ -89,31 +89,31 @@ void run_bn_reference(const BnCase& k) {
   using E = Env<Cpu, LocalComm, S>;
   const std::string n = k.name;
   INFO("case " << n << " (" << k.config() << ")");
-  REQUIRE(reference().metadata().at(n) == k.config());
+  REQUIRE(norm_act_reference().metadata().at(n) == k.config());
   BatchNorm2d<E> bn(k.shape[1], k.eps, k.momentum);
-  bn.weight().value = load<S>(n + ".weight");
-  bn.bias().value = load<S>(n + ".bias");
+  bn.weight().value = norm_act_load<S>(n + ".weight");
+  bn.bias().value = norm_act_load<S>(n + ".bias");
   if (!k.train) {
-    bn.running_mean() = load<S>(n + ".running_mean");
-    bn.running_var() = load<S>(n + ".running_var");
+    bn.running_mean() = norm_act_load<S>(n + ".running_mean");
+    bn.running_var() = norm_act_load<S>(n + ".running_var");
     bn.set_mode(Mode::Eval);
   }
-  const Tensor<S> x = load<S>(n + ".x");
-  const Tensor<S> g = load<S>(n + ".g");
+  const Tensor<S> x = norm_act_load<S>(n + ".x");
+  const Tensor<S> g = norm_act_load<S>(n + ".g");
   REQUIRE(x.shape() == k.shape);
   typename BatchNorm2d<E>::Cache cache;
-  expect_matches(bn.forward(x, cache), n + ".y");
-  expect_matches(bn.backward(g, cache), n + ".dx");
-  expect_matches(bn.weight().grad, n + ".dweight");
-  expect_matches(bn.bias().grad, n + ".dbias");
+  norm_act_matches(bn.forward(x, cache), n + ".y");
+  norm_act_matches(bn.backward(g, cache), n + ".dx");
+  norm_act_matches(bn.weight().grad, n + ".dweight");
+  norm_act_matches(bn.bias().grad, n + ".dbias");
   if (k.train) {
-    expect_matches(bn.running_mean(), n + ".running_mean1");
-    expect_matches(bn.running_var(), n + ".running_var1");
-    const Tensor<S> x2 = load<S>(n + ".x2");
+    norm_act_matches(bn.running_mean(), n + ".running_mean1");
+    norm_act_matches(bn.running_var(), n + ".running_var1");
+    const Tensor<S> x2 = norm_act_load<S>(n + ".x2");
     typename BatchNorm2d<E>::Cache cache2;
     bn.forward(x2, cache2);
-    expect_matches(bn.running_mean(), n + ".running_mean2");
-    expect_matches(bn.running_var(), n + ".running_var2");
+    norm_act_matches(bn.running_mean(), n + ".running_mean2");
+    norm_act_matches(bn.running_var(), n + ".running_var2");
   }
 }
 
@@ -420,20 +420,20 @@ TEST_CASE("LeakyReLU: PyTorch's default slope 0.01, the slope at x = 0, not in p
 }
 
 TEST_CASE("LeakyReLU matches PyTorch (float64 and float32)", "[layers][activation][reference]") {
-  REQUIRE(reference().metadata().at("leaky_relu") == "shape=3x40 negative_slope=0.2");
+  REQUIRE(norm_act_reference().metadata().at("leaky_relu") == "shape=3x40 negative_slope=0.2");
   SECTION("float64") {
     LeakyReLU<E64> leaky({.negative_slope = 0.2});
     LeakyReLU<E64>::Cache c;
-    const T64 x = load<double>("leaky_relu.x");
-    expect_matches(leaky.forward(x, c), "leaky_relu.y");
-    expect_matches(leaky.backward(load<double>("leaky_relu.g"), c), "leaky_relu.dx");
+    const T64 x = norm_act_load<double>("leaky_relu.x");
+    norm_act_matches(leaky.forward(x, c), "leaky_relu.y");
+    norm_act_matches(leaky.backward(norm_act_load<double>("leaky_relu.g"), c), "leaky_relu.dx");
   }
   SECTION("float32") {
     LeakyReLU<E32> leaky({.negative_slope = 0.2});
     LeakyReLU<E32>::Cache c;
-    const Tensor<float> x = load<float>("leaky_relu.x");
-    expect_matches(leaky.forward(x, c), "leaky_relu.y");
-    expect_matches(leaky.backward(load<float>("leaky_relu.g"), c), "leaky_relu.dx");
+    const Tensor<float> x = norm_act_load<float>("leaky_relu.x");
+    norm_act_matches(leaky.forward(x, c), "leaky_relu.y");
+    norm_act_matches(leaky.backward(norm_act_load<float>("leaky_relu.g"), c), "leaky_relu.dx");
   }
 }
 
@@ -492,38 +492,38 @@ TEST_CASE("ReLU and GELU on a large tensor (parallel path) equal the serial form
 }
 
 TEST_CASE("GELU matches PyTorch (float64 and float32)", "[layers][activation][reference]") {
-  REQUIRE(reference().metadata().at("gelu") == "shape=4x50");
+  REQUIRE(norm_act_reference().metadata().at("gelu") == "shape=4x50");
   {
     GELU<E64> gelu;
     GELU<E64>::Cache c;
-    const T64 x = load<double>("gelu.x");
-    expect_matches(gelu.forward(x, c), "gelu.y");
-    expect_matches(gelu.backward(load<double>("gelu.g"), c), "gelu.dx");
+    const T64 x = norm_act_load<double>("gelu.x");
+    norm_act_matches(gelu.forward(x, c), "gelu.y");
+    norm_act_matches(gelu.backward(norm_act_load<double>("gelu.g"), c), "gelu.dx");
   }
   {
     GELU<E32> gelu;
     GELU<E32>::Cache c;
-    const Tensor<float> x = load<float>("gelu.x");
-    expect_matches(gelu.forward(x, c), "gelu.y");
-    expect_matches(gelu.backward(load<float>("gelu.g"), c), "gelu.dx");
+    const Tensor<float> x = norm_act_load<float>("gelu.x");
+    norm_act_matches(gelu.forward(x, c), "gelu.y");
+    norm_act_matches(gelu.backward(norm_act_load<float>("gelu.g"), c), "gelu.dx");
   }
 }
 
 TEST_CASE("GELU with approximate=tanh matches PyTorch (float64 and float32)", "[layers][activation][reference]") {
-  REQUIRE(reference().metadata().at("gelu_tanh") == "shape=4x50 approximate=tanh");
+  REQUIRE(norm_act_reference().metadata().at("gelu_tanh") == "shape=4x50 approximate=tanh");
   {
     GELU<E64> gelu({.approximate = GeluApproximate::Tanh});
     GELU<E64>::Cache c;
-    const T64 x = load<double>("gelu_tanh.x");
-    expect_matches(gelu.forward(x, c), "gelu_tanh.y");
-    expect_matches(gelu.backward(load<double>("gelu_tanh.g"), c), "gelu_tanh.dx");
+    const T64 x = norm_act_load<double>("gelu_tanh.x");
+    norm_act_matches(gelu.forward(x, c), "gelu_tanh.y");
+    norm_act_matches(gelu.backward(norm_act_load<double>("gelu_tanh.g"), c), "gelu_tanh.dx");
   }
   {
     GELU<E32> gelu({.approximate = GeluApproximate::Tanh});
     GELU<E32>::Cache c;
-    const Tensor<float> x = load<float>("gelu_tanh.x");
-    expect_matches(gelu.forward(x, c), "gelu_tanh.y");
-    expect_matches(gelu.backward(load<float>("gelu_tanh.g"), c), "gelu_tanh.dx");
+    const Tensor<float> x = norm_act_load<float>("gelu_tanh.x");
+    norm_act_matches(gelu.forward(x, c), "gelu_tanh.y");
+    norm_act_matches(gelu.backward(norm_act_load<float>("gelu_tanh.g"), c), "gelu_tanh.dx");
   }
   // The two forms differ by up to ~1e-3 around |x| = 2: the option really switches the formula.
   GELU<E64> exact, tanh_form({.approximate = GeluApproximate::Tanh});

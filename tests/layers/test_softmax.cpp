@@ -29,18 +29,18 @@ namespace {
 using E32 = Env<Cpu, LocalComm, float>;
 using E64 = Env<Cpu, LocalComm, double>;
 
-const SafetensorsFile& reference() {
+const SafetensorsFile& softmax_reference() {
   static const SafetensorsFile f =
       SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/norm_act_loss.safetensors");
   return f;
 }
 
 template <class S>
-Tensor<S> load(const std::string& name) {
-  return reference().tensor<double>(name).cast<S>();
+Tensor<S> softmax_load(const std::string& name) {
+  return softmax_reference().tensor<double>(name).cast<S>();
 }
 
-std::vector<std::int64_t> load_labels(const std::string& name) { return testing::load_labels(reference(), name); }
+std::vector<std::int64_t> softmax_labels(const std::string& name) { return testing::load_labels(softmax_reference(), name); }
 
 using testing::fmt_g;
 
@@ -101,12 +101,12 @@ void run_softmax_reference(const SoftmaxCase& k) {
   using E = Env<Cpu, LocalComm, S>;
   const std::string n = std::string(Log ? "log_" : "") + k.name;
   INFO("case " << n << " (" << k.config() << ")");
-  REQUIRE(reference().metadata().at(n) == k.config());
+  REQUIRE(softmax_reference().metadata().at(n) == k.config());
   detail::SoftmaxLayer<E, Log> layer(k.dim);
   typename detail::SoftmaxLayer<E, Log>::Cache c;
-  const Tensor<S> x = load<S>(n + ".x");
-  testing::expect_matches(reference(), layer.forward(x, c), n + ".y");
-  testing::expect_matches(reference(), layer.backward(load<S>(n + ".g"), c), n + ".dx");
+  const Tensor<S> x = softmax_load<S>(n + ".x");
+  testing::expect_matches(softmax_reference(), layer.forward(x, c), n + ".y");
+  testing::expect_matches(softmax_reference(), layer.backward(softmax_load<S>(n + ".g"), c), n + ".dx");
 }
 
 template <class S>
@@ -114,13 +114,13 @@ void run_nll_reference(const NllCase& k) {
   using E = Env<Cpu, LocalComm, S>;
   const std::string n = k.name;
   INFO("case " << n << " (" << k.config() << ")");
-  REQUIRE(reference().metadata().at(n) == k.config());
+  REQUIRE(softmax_reference().metadata().at(n) == k.config());
   NLLLoss<E> loss(k.reduction, k.ignore_index);
   typename NLLLoss<E>::Cache c;
-  const Tensor<S> logp = load<S>(n + ".log_probs");
-  const S value = loss.forward(logp, load_labels(n + ".labels"), c);
-  testing::expect_matches(reference(), Tensor<S>({1}, value), n + ".loss");
-  testing::expect_matches(reference(), loss.backward(c), n + ".dlog_probs");
+  const Tensor<S> logp = softmax_load<S>(n + ".log_probs");
+  const S value = loss.forward(logp, softmax_labels(n + ".labels"), c);
+  testing::expect_matches(softmax_reference(), Tensor<S>({1}, value), n + ".loss");
+  testing::expect_matches(softmax_reference(), loss.backward(c), n + ".dlog_probs");
 }
 
 template <class S>
@@ -128,17 +128,17 @@ void run_ce_ignore_reference(const CeIgnoreCase& k) {
   using E = Env<Cpu, LocalComm, S>;
   const std::string n = k.name;
   INFO("case " << n << " (" << k.config() << ")");
-  REQUIRE(reference().metadata().at(n) == k.config());
+  REQUIRE(softmax_reference().metadata().at(n) == k.config());
   CrossEntropyLoss<E> loss(k.reduction, k.smoothing, k.ignore_index);
   typename CrossEntropyLoss<E>::Cache c;
-  const S value = loss.forward(load<S>(n + ".logits"), load_labels(n + ".labels"), c);
+  const S value = loss.forward(softmax_load<S>(n + ".logits"), softmax_labels(n + ".labels"), c);
   if (k.ignored == k.n && k.reduction == Reduction::Mean) {
     CHECK(std::isnan(value));  // torch: the mean over no rows is 0 / 0
   } else {
-    testing::expect_matches(reference(), Tensor<S>({1}, value), n + ".loss");
+    testing::expect_matches(softmax_reference(), Tensor<S>({1}, value), n + ".loss");
   }
-  testing::expect_matches(reference(), c.log_probs, n + ".log_probs");
-  testing::expect_matches(reference(), loss.backward(c), n + ".dlogits");
+  testing::expect_matches(softmax_reference(), c.log_probs, n + ".log_probs");
+  testing::expect_matches(softmax_reference(), loss.backward(c), n + ".dlogits");
 }
 
 }  // namespace

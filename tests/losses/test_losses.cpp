@@ -24,23 +24,23 @@ namespace {
 using E32 = Env<Cpu, LocalComm, float>;
 using E64 = Env<Cpu, LocalComm, double>;
 
-const SafetensorsFile& reference() {
+const SafetensorsFile& losses_reference() {
   static const SafetensorsFile f =
       SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/norm_act_loss.safetensors");
   return f;
 }
 
 template <class S>
-void expect_matches(const Tensor<S>& got, const std::string& name) {
-  testing::expect_matches(reference(), got, name);
+void losses_matches(const Tensor<S>& got, const std::string& name) {
+  testing::expect_matches(losses_reference(), got, name);
 }
 
 template <class S>
-Tensor<S> load(const std::string& name) {
-  return reference().tensor<double>(name).cast<S>();
+Tensor<S> losses_load(const std::string& name) {
+  return losses_reference().tensor<double>(name).cast<S>();
 }
 
-std::vector<std::int64_t> load_labels(const std::string& name) { return testing::load_labels(reference(), name); }
+std::vector<std::int64_t> losses_labels(const std::string& name) { return testing::load_labels(losses_reference(), name); }
 
 using testing::fmt_g;
 
@@ -79,15 +79,15 @@ void run_ce_reference(const CeCase& k) {
   using E = Env<Cpu, LocalComm, S>;
   const std::string n = k.name;
   INFO("case " << n << " (" << k.config() << ")");
-  REQUIRE(reference().metadata().at(n) == k.config());
+  REQUIRE(losses_reference().metadata().at(n) == k.config());
   CrossEntropyLoss<E> loss(k.reduction, k.smoothing);
   typename CrossEntropyLoss<E>::Cache c;
-  const Tensor<S> logits = load<S>(n + ".logits");
-  const std::vector<std::int64_t> labels = load_labels(n + ".labels");
+  const Tensor<S> logits = losses_load<S>(n + ".logits");
+  const std::vector<std::int64_t> labels = losses_labels(n + ".labels");
   REQUIRE(logits.shape() == Shape{k.n, k.classes});
   const S value = loss.forward(logits, labels, c);
-  expect_matches(Tensor<S>({1}, value), n + ".loss");
-  expect_matches(loss.backward(c), n + ".dlogits");
+  losses_matches(Tensor<S>({1}, value), n + ".loss");
+  losses_matches(loss.backward(c), n + ".dlogits");
 }
 
 template <class S>
@@ -95,15 +95,15 @@ void run_mse_reference(const MseCase& k) {
   using E = Env<Cpu, LocalComm, S>;
   const std::string n = k.name;
   INFO("case " << n);
-  REQUIRE(reference().metadata().at(n) == std::string("shape=") + k.shape + " reduction=" + to_string(k.reduction));
+  REQUIRE(losses_reference().metadata().at(n) == std::string("shape=") + k.shape + " reduction=" + to_string(k.reduction));
   MseLoss<E> loss(k.reduction);
   typename MseLoss<E>::Cache c;
-  const S value = loss.forward(load<S>(n + ".y"), load<S>(n + ".target"), c);
-  expect_matches(Tensor<S>({1}, value), n + ".loss");
-  expect_matches(loss.backward(c), n + ".dy");
+  const S value = loss.forward(losses_load<S>(n + ".y"), losses_load<S>(n + ".target"), c);
+  losses_matches(Tensor<S>({1}, value), n + ".loss");
+  losses_matches(loss.backward(c), n + ".dy");
 }
 
-std::size_t system_allocations() { return Cpu::allocator().stats().system_allocations; }
+std::size_t losses_system_allocations() { return Cpu::allocator().stats().system_allocations; }
 
 }  // namespace
 
@@ -197,11 +197,11 @@ TEST_CASE("CrossEntropyLoss steady state allocates nothing", "[losses][cross_ent
   CrossEntropyLoss<E32>::Cache c;
   loss.forward(logits, labels, c);
   loss.backward(c);
-  const auto before = system_allocations();
+  const auto before = losses_system_allocations();
   const std::int64_t* label_storage = c.labels.data();
   loss.forward(logits, labels, c);
   loss.backward(c);
-  CHECK(system_allocations() == before);
+  CHECK(losses_system_allocations() == before);
   CHECK(c.labels.data() == label_storage);  // the labels' buffer is reused, not reallocated
 }
 

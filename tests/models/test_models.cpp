@@ -28,7 +28,7 @@ static_assert(Layer<Mlp<E>>);
 static_assert(Layer<LeNet5<E>>);
 
 namespace {
-const SafetensorsFile& reference() {
+const SafetensorsFile& models_reference() {
   static const SafetensorsFile f = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/models.safetensors");
   return f;
 }
@@ -37,7 +37,7 @@ std::int64_t parameter_count(M& model) {
   return static_cast<std::int64_t>(count_parameters(named_tensors(model)));
 }
 std::int64_t torch_count(const std::string& name) {
-  return reference().tensor<std::int64_t>("count." + name)[0];
+  return models_reference().tensor<std::int64_t>("count." + name)[0];
 }
 }  // namespace
 
@@ -79,7 +79,7 @@ void expect_close(const Tensor<double>& got, const Tensor<double>& want, double 
 
 template <class Model>
 void check_against_torch(Model& model, const std::string& prefix) {
-  const auto& f = reference();
+  const auto& f = models_reference();
   auto named = named_tensors(model);
   std::size_t loaded = 0;
   for (auto& [name, p] : named.parameters) {
@@ -129,7 +129,7 @@ TEST_CASE("LeNet-5 matches PyTorch: logits, loss, all gradients", "[models]") {
 }
 
 TEST_CASE("CIFAR ResNet-8 in float32 stays within a small multiple of PyTorch's float32 error", "[models]") {
-  const auto& f = reference();
+  const auto& f = models_reference();
   auto net = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 5});
   auto named = named_tensors(net);
   for (auto& [name, p] : named.parameters) p->value = f.tensor<float>("resnet8.init." + name);
@@ -184,7 +184,7 @@ TEST_CASE("Models reject wrong input shapes with the model name and both shapes"
 namespace {
 namespace fs = std::filesystem;
 
-fs::path temp_dir() {
+fs::path models_temp_dir() {
   auto dir = fs::temp_directory_path() / ("tessera_models_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   return dir;
@@ -227,7 +227,7 @@ struct StateSnapshot {
   void rng(const std::string&, R&) {}
 };
 template <class M>
-std::vector<double> snapshot(M& model) {
+std::vector<double> parameter_values(M& model) {
   StateSnapshot s;
   model.visit(s, "");
   return s.values;
@@ -261,7 +261,7 @@ auto nothing = [](SafetensorsWriter&) {};
 
 template <class M>
 std::string expect_load_error(const std::string& path, M& model, bool strict = true) {
-  const auto before = snapshot(model);
+  const auto before = parameter_values(model);
   std::string msg;
   try {
     load_state_dict(path, model, strict);
@@ -269,7 +269,7 @@ std::string expect_load_error(const std::string& path, M& model, bool strict = t
   } catch (const IoError& e) {
     msg = e.what();
   }
-  CHECK(snapshot(model) == before);  // all or nothing: a failed load changes nothing
+  CHECK(parameter_values(model) == before);  // all or nothing: a failed load changes nothing
   INFO(msg);
   CHECK_THAT(msg, Catch::Contains("load_state_dict") && Catch::Contains(path));
   return msg;
@@ -292,7 +292,7 @@ TEST_CASE("Built-in models name parameters and buffers as torchvision and the to
   KeyLister tessera_keys;
   net.visit(tessera_keys, "");
   std::vector<std::string> torch_keys;
-  for (auto l : lines(reference().metadata().at("resnet50.keys"))) {
+  for (auto l : lines(models_reference().metadata().at("resnet50.keys"))) {
     if (l.find("|I64|") != std::string::npos) l = l.substr(0, l.find("|I64|") + 5);  // shape () for I64
     torch_keys.push_back(l);
   }
@@ -332,8 +332,8 @@ TEST_CASE("load_state_dict: a torch-written CIFAR ResNet-8 state gives PyTorch's
   CHECK(net.stem_bn().num_batches_tracked() == 1);
   net.set_mode(Mode::Eval);
   decltype(net)::Cache cache;
-  const auto& logits = net.forward(reference().tensor<double>("resnet8.x"), cache);
-  expect_close(logits, reference().tensor<double>("resnet8.eval_logits"), 1e-10, "resnet8 state_dict eval logits");
+  const auto& logits = net.forward(models_reference().tensor<double>("resnet8.x"), cache);
+  expect_close(logits, models_reference().tensor<double>("resnet8.eval_logits"), 1e-10, "resnet8 state_dict eval logits");
 
   // Into float32 (F64 -> F32 on load): equal to the float64 file rounded once.
   auto net32 = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 5});
@@ -345,7 +345,7 @@ TEST_CASE("load_state_dict: a torch-written CIFAR ResNet-8 state gives PyTorch's
 }
 
 TEST_CASE("save_state_dict writes torch's names and dtypes and loads back exactly", "[models]") {
-  const auto dir = temp_dir();
+  const auto dir = models_temp_dir();
   auto a = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 5, .seed = 4});
   load_state_dict(kResnet8State, a);
   const auto path = (dir / "saved.safetensors").string();
@@ -359,14 +359,14 @@ TEST_CASE("save_state_dict writes torch's names and dtypes and loads back exactl
   CHECK(saved.info("fc.weight").dtype == DType::F32);
   CHECK(saved.metadata().at("format") == "pt");
   auto b = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 5, .seed = 5});
-  CHECK(snapshot(a) != snapshot(b));
+  CHECK(parameter_values(a) != parameter_values(b));
   load_state_dict(path, b);
-  CHECK(snapshot(a) == snapshot(b));
+  CHECK(parameter_values(a) == parameter_values(b));
   fs::remove_all(dir);
 }
 
 TEST_CASE("load_state_dict: missing, unexpected, mis-shaped and mis-typed keys are named; nothing loads", "[models]") {
-  const auto dir = temp_dir();
+  const auto dir = models_temp_dir();
   auto net = cifar_resnet<E>(8, {.in_channels = 1, .num_classes = 5, .seed = 6});
   const auto d = [&](const char* name) { return (dir / name).string(); };
 
@@ -450,7 +450,7 @@ TEST_CASE("load_state_dict: missing, unexpected, mis-shaped and mis-typed keys a
 }
 
 TEST_CASE("load_state_dict converts F16 and BF16 to the model's scalar exactly", "[models]") {
-  const auto dir = temp_dir();
+  const auto dir = models_temp_dir();
   Rng rng(1);
   Sequential<Linear<E64>> model{Linear<E64>(3, 2, rng)};
   // binary16: 1, -2, 65504 (largest), 2^-24 (smallest subnormal), 0x3555 = 0.333251953125, -0.
@@ -479,7 +479,7 @@ TEST_CASE("A torchvision ResNet-50 state loads by name and gives PyTorch's logit
   // gen_models.py built torchvision.models.resnet50(num_classes=10) with generated weights (see its
   // docstring); this writes the same state under torch's keys, in torch's dtypes, as
   // tools/convert_torchvision.py would, then loads it by name.
-  const auto& f = reference();
+  const auto& f = models_reference();
   const auto keys = lines(f.metadata().at("resnet50.keys"));
   const auto lo = f.tensor<double>("resnet50.gen.lo");
   const auto span = f.tensor<double>("resnet50.gen.span");
@@ -508,7 +508,7 @@ TEST_CASE("A torchvision ResNet-50 state loads by name and gives PyTorch's logit
     ++floats;
     w.add_raw(name, DType::F32, shape, v.data(), v.size() * sizeof(float));
   }
-  const auto dir = temp_dir();
+  const auto dir = models_temp_dir();
   const auto path = (dir / "resnet50.safetensors").string();
   w.write(path);
 

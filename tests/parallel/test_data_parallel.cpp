@@ -3,6 +3,7 @@
 // the same equivalence as multi-process programs (tests/parallel/dp_main.cpp).
 #include <catch2/catch.hpp>
 
+#include "support/text.hpp"
 #include "parallel/dp_equivalence.hpp"
 #include "tessera/comm/launch.hpp"
 #include "tessera/comm/threads.hpp"
@@ -20,19 +21,13 @@
 using namespace tessera;
 
 namespace {
-std::string joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const auto& l : lines) out += l + "\n";
-  return out;
-}
-
 template <class S>
 void run_equivalence(int ranks, testing::DpCase c) {
   ThreadWorld world(ranks);
   std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
   world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::dp_equivalence<S>(comm, c); });
   for (const auto& f : failures) {
-    INFO(joined(f));
+    INFO(testing::joined(f));
     CHECK(f.empty());
   }
 }
@@ -59,7 +54,7 @@ TEST_CASE("DataParallel: bfloat16 compute (CpuThreadsBf16) agrees with one proce
                                                     BFloat16>(comm, {.per_rank_batch = 8, .steps = 3, .tolerance = 1e-4});
   });
   for (const auto& f : failures) {
-    INFO(joined(f));
+    INFO(testing::joined(f));
     CHECK(f.empty());
   }
 }
@@ -79,7 +74,7 @@ TEST_CASE("DataParallel + SyncBatchNorm: ResNet-20 on N ranks equals one process
         failures[comm.rank()] = testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2});
       });
       for (const auto& f : failures) {
-        INFO(joined(f));
+        INFO(testing::joined(f));
         CHECK(f.empty());
       }
     }
@@ -96,9 +91,9 @@ TEST_CASE("DataParallel with per-rank BatchNorm differs from one process (why Sy
   for (const auto& f : failures) {
     // Statistics over 4 images are not those over 8: the parameters move apart from one process,
     // yet stay identical across ranks (the gradients are still averaged).
-    INFO(joined(f));
-    CHECK(joined(f).find("parameters differ from one process") != std::string::npos);
-    CHECK(joined(f).find("differ across ranks") == std::string::npos);
+    INFO(testing::joined(f));
+    CHECK(testing::joined(f).find("parameters differ from one process") != std::string::npos);
+    CHECK(testing::joined(f).find("differ across ranks") == std::string::npos);
   }
 }
 
@@ -113,7 +108,7 @@ TEST_CASE("ZeRO-1 (SGD and Adam) and local SGD with period 1 equal one process",
           failures[comm.rank()] = testing::strategy_equivalence<double>(comm, strategy, {.per_rank_batch = 4, .steps = 3});
         });
         for (const auto& f : failures) {
-          INFO(joined(f));
+          INFO(testing::joined(f));
           CHECK(f.empty());
         }
       }
@@ -182,7 +177,7 @@ TEST_CASE("DataParallel bf16 compression: close to exact, not equal", "[parallel
   });
   CHECK(!exact[0].empty());  // it really went through bfloat16
   CHECK(!as_fp16[0].empty());
-  INFO(joined(fp16[0]));
+  INFO(testing::joined(fp16[0]));
   CHECK(fp16[0].empty());
 }
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "support/text.hpp"
 #include "parallel/ps_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/models/mlp.hpp"
@@ -20,19 +21,13 @@
 using namespace tessera;
 
 namespace {
-std::string joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const auto& l : lines) out += l + "\n";
-  return out;
-}
-
 template <class Check>
 void on_threads(int ranks, Check check) {
   ThreadWorld world(ranks);
   std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
   world.run([&](ThreadComm& comm) { failures[static_cast<std::size_t>(comm.rank())] = check(comm); });
   for (const auto& f : failures) {
-    INFO(joined(f));
+    INFO(testing::joined(f));
     CHECK(f.empty());
   }
 }

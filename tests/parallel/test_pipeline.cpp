@@ -4,6 +4,7 @@
 // multi-process program (tests/parallel/pipeline_main.cpp).
 #include <catch2/catch.hpp>
 
+#include "support/text.hpp"
 #include "parallel/pipeline_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
 
@@ -14,18 +15,12 @@ using namespace tessera;
 using testing::PipeModel;
 
 namespace {
-std::string joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const auto& l : lines) out += l + "\n";
-  return out;
-}
-
 void check_pipeline(int stages, testing::PipeCase c) {
   ThreadWorld world(stages);
   std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(stages));
   world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::pipeline_equivalence<double>(comm, c); });
   for (const auto& f : failures) {
-    INFO(joined(f));
+    INFO(testing::joined(f));
     CHECK(f.empty());
   }
 }
@@ -140,7 +135,7 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 pipeline stages equal one proces
   std::vector<std::vector<std::string>> failures(4);
   world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::hybrid_equivalence<double>(comm, 2); });
   for (const auto& f : failures) {
-    INFO(joined(f));
+    INFO(testing::joined(f));
     CHECK(f.empty());
   }
 }

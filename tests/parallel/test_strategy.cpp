@@ -48,7 +48,7 @@ std::vector<double> flat_parameters(Model& model) {
   return out;
 }
 
-double max_difference(const std::vector<double>& a, const std::vector<double>& b) {
+double largest_difference(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());
   double worst = 0;
   for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
@@ -93,7 +93,7 @@ TEST_CASE("GradientAccumulation: k micro-batches step like one step on the whole
     const double expected = one_step.train_step(b);
     CHECK(accumulated.train_step(b) == Approx(expected).epsilon(1e-12));
   }
-  CHECK(max_difference(flat_parameters(whole), flat_parameters(split)) < 1e-12);
+  CHECK(largest_difference(flat_parameters(whole), flat_parameters(split)) < 1e-12);
   CHECK(accumulated.state().global_step == steps);  // one optimizer step per batch, not per micro-batch
 
   CHECK_THROWS_WITH(accumulated.train_step(make_batch(data, 0, 3)),
@@ -124,7 +124,7 @@ TEST_CASE("stack(DataParallel, GradientAccumulation): 2 ranks x 2 micro-batches 
     // the second backward's hooks would fire again and DataParallel would throw.
     for (std::int64_t s = 0; s < steps; ++s)
       trainer.train_step(make_batch(data, s * global + comm.rank() * per_rank, per_rank));
-    difference[static_cast<std::size_t>(comm.rank())] = max_difference(flat_parameters(model), expected);
+    difference[static_cast<std::size_t>(comm.rank())] = largest_difference(flat_parameters(model), expected);
     names[static_cast<std::size_t>(comm.rank())] = strategy.name();
   });
   for (int r = 0; r < ranks; ++r) {
@@ -246,7 +246,7 @@ TEST_CASE("A user-written strategy stacks after DataParallel and sees the averag
     o.checkpoint_group = CheckpointGroup(comm);
     Trainer trainer(model, sgd, strategy, constant_lr, o);
     trainer.train_step(make_batch(data, comm.rank() * per_rank, per_rank));
-    difference[static_cast<std::size_t>(comm.rank())] = max_difference(flat_parameters(model), expected);
+    difference[static_cast<std::size_t>(comm.rank())] = largest_difference(flat_parameters(model), expected);
   });
   // Averages that differ in the last bits can round to neighbouring multiples: at most one step of
   // 2^-10 x lr apart, and nearly always equal.
@@ -330,7 +330,7 @@ TEST_CASE("A user-written gradient codec (float32 on the wire) trains like one p
     Trainer trainer(model, sgd, dp, constant_lr, o);
     for (std::int64_t s = 0; s < steps; ++s)
       trainer.train_step(make_batch(data, s * global + comm.rank() * per_rank, per_rank));
-    difference[r] = max_difference(flat_parameters(model), expected);
+    difference[r] = largest_difference(flat_parameters(model), expected);
     names[r] = dp.name();
     // Ranks that install codecs of different names would issue different collectives.
     try {
@@ -381,7 +381,7 @@ TEST_CASE("Pipeline under the Trainer: 2 stages step like one process (float64)"
     double worst = 0;
     for (auto& [name, p] : pipe.stage_parameters().parameters) {
       const std::vector<double> mine(p->value.data(), p->value.data() + p->value.numel());
-      worst = std::max(worst, max_difference(mine, expected.at(name)));
+      worst = std::max(worst, largest_difference(mine, expected.at(name)));
       ++compared[static_cast<std::size_t>(comm.rank())];
     }
     difference[static_cast<std::size_t>(comm.rank())] = worst;

@@ -42,7 +42,7 @@ using E = CpuLocal;
 namespace fs = std::filesystem;
 
 namespace {
-fs::path temp_dir() {
+fs::path checkpoint_temp_dir() {
   auto dir = fs::temp_directory_path() / ("tessera_ckpt_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   return dir;
@@ -81,7 +81,7 @@ const Dataset& data() {
   return d;
 }
 
-std::string read_bytes(const std::string& path) {
+std::string read_file_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
@@ -115,7 +115,7 @@ std::string error_of(Fn&& fn) {
 }  // namespace
 
 TEST_CASE("Checkpoint: save then load restores parameters, buffers and optimizer state", "[train]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   Run a(1);
   DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
   a.trainer.fit(loader);
@@ -135,7 +135,7 @@ TEST_CASE("Checkpoint: save then load restores parameters, buffers and optimizer
 }
 
 TEST_CASE("Resume: 2 epochs + save + load + 1 epoch equals 3 epochs straight, bit for bit", "[train]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   Run straight(3);
   DataLoader<float> loader1(data(), {.batch_size = 16, .seed = 1});
   straight.trainer.fit(loader1);
@@ -155,7 +155,7 @@ TEST_CASE("Resume: 2 epochs + save + load + 1 epoch equals 3 epochs straight, bi
 }
 
 TEST_CASE("Checkpoint: truncated or tampered files give an IoError and load nothing", "[train]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const auto path = (dir / "good.safetensors").string();
   Run a(1);
   a.trainer.save(path);
@@ -215,7 +215,7 @@ TEST_CASE("Checkpoint: truncated or tampered files give an IoError and load noth
 }
 
 TEST_CASE("Checkpoint of another model names the mismatches and loads nothing", "[train]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const auto path = (dir / "lenet.safetensors").string();
   auto lenet = lenet5<E>(1, 28, 10);
   auto named = named_tensors(lenet);
@@ -241,7 +241,7 @@ TEST_CASE("Checkpoint of another model names the mismatches and loads nothing", 
 // ResNet-20's checkpoint loaded into LeNet-5 once gave one line per tensor (213 for ResNet-50's):
 // now a dozen, then a count by kind that says what it means.
 TEST_CASE("Checkpoint of a much larger model: a dozen problems listed, the rest counted", "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const auto path = (dir / "resnet20.safetensors").string();
   auto r20 = resnet20<E>({.in_channels = 1, .num_classes = 10});
   auto r20_named = named_tensors(r20);
@@ -261,14 +261,14 @@ TEST_CASE("Checkpoint of a much larger model: a dozen problems listed, the rest 
 // A negative "optim.step" used to load: SGD then took its momentum buffer for empty and overwrote
 // it on the next step, a silent restart of the momentum.
 TEST_CASE("Checkpoint: a negative optimizer step is refused, not taken for a fresh start", "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   Run a(2);
   DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
   a.trainer.fit(loader);
   REQUIRE(a.sgd.steps() == 12);
   const std::string path = (dir / "negative.safetensors").string();
   a.trainer.save(path);
-  write_bytes(path, edited(read_bytes(path), "\"optim.step\":\"12\"", "\"optim.step\":\"-1\""));
+  write_bytes(path, edited(read_file_text(path), "\"optim.step\":\"12\"", "\"optim.step\":\"-1\""));
   Run b(1);
   const auto before = snapshot(b.model);
   CHECK_THAT(error_of<IoError>([&] { b.trainer.load(path); }),
@@ -280,7 +280,7 @@ TEST_CASE("Checkpoint: a negative optimizer step is refused, not taken for a fre
 }
 
 TEST_CASE("Resume is exact with Dropout: its generator state is in the checkpoint", "[train]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   using Net = Sequential<Flatten<E>, Linear<E>, ReLU<E>, Dropout<E>, Linear<E>>;
   struct DropoutRun {
     Rng rng{4};
@@ -309,7 +309,7 @@ TEST_CASE("Resume is exact with Dropout: its generator state is in the checkpoin
 }
 
 TEST_CASE("Resume refuses a data loader with other settings than the checkpoint's", "[train]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   {
     Run first(3, (dir / "a.safetensors").string());
     DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
@@ -326,7 +326,7 @@ TEST_CASE("Resume refuses a data loader with other settings than the checkpoint'
 
 TEST_CASE("Checkpoint: a save removes the temporaries that saves killed mid-write left, and nothing else",
           "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "c.safetensors").string();
   // A real orphan: a child process saving a 32 MiB file over and over, killed (SIGKILL) while a
   // temporary exists.
@@ -385,11 +385,11 @@ TEST_CASE("Checkpoint: a save removes the temporaries that saves killed mid-writ
 }
 
 TEST_CASE("Checkpoint: the format is checked and the error says what the file is", "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string good = (dir / "good.safetensors").string();
   Run a(1);
   a.trainer.save(good);
-  const std::string bytes = read_bytes(good);
+  const std::string bytes = read_file_text(good);
   Run b(1);
   const auto before = snapshot(b.model);
   auto load_error = [&](const std::string& p) { return error_of<IoError>([&] { b.trainer.load(p); }); };
@@ -439,7 +439,7 @@ struct PokeState {
 
 TEST_CASE("Checkpoint: NaN and Inf are refused on save and on load unless allowed, naming tensor and index",
           "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "nan.safetensors").string();
   constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   Run a(1);
@@ -484,7 +484,7 @@ TEST_CASE("Checkpoint: NaN and Inf are refused on save and on load unless allowe
 
 TEST_CASE("Checkpoint: training metadata out of range names the file and the key, and loads nothing",
           "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   Run a(1);
   Run b(1);
   const auto before = snapshot(b.model);
@@ -492,7 +492,7 @@ TEST_CASE("Checkpoint: training metadata out of range names the file and the key
                     std::string to = "") {
     const std::string path = (dir / name).string();
     save_checkpoint(path, a.model, a.sgd, st);
-    if (!from.empty()) write_bytes(path, edited(read_bytes(path), from, to));
+    if (!from.empty()) write_bytes(path, edited(read_file_text(path), from, to));
     INFO(name);
     CHECK_THAT(error_of<IoError>([&] { b.trainer.load(path); }),
                Catch::Contains("load_checkpoint: '" + path + "'") && Catch::Contains(needle));
@@ -521,14 +521,14 @@ TEST_CASE("Checkpoint: training metadata out of range names the file and the key
   save_checkpoint(old, a.model, a.sgd,
                   {.epoch = 1, .global_step = 8, .loader_epoch = 1, .loader_next_batch = 2, .loader_batch_size = 8,
                    .loader_seed = 1, .loader_samples = 96, .loader_world_size = 2});
-  write_bytes(old, edited(read_bytes(old), "\"train.loader_next_sample\"", "\"train.loader_next_sampl_\""));
+  write_bytes(old, edited(read_file_text(old), "\"train.loader_next_sample\"", "\"train.loader_next_sampl_\""));
   CHECK(load_checkpoint(old, b.model, b.sgd).loader_next_sample == 32);
   fs::remove_all(dir);
 }
 
 TEST_CASE("Resume at another world size keeps the global batch: allowed when it divides, else refused by name",
           "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "w2.safetensors").string();
   {
     // Rank 0 of 2 with a global batch of 16 (8 per rank), stopped mid-epoch 2 (6 steps per epoch).
@@ -576,7 +576,7 @@ TEST_CASE("Resume at another world size keeps the global batch: allowed when it 
 TEST_CASE("Resume under data parallelism is exact when ranks seed their Dropout differently", "[train][checkpoint]") {
   using TE = CpuThreads;
   using Net = Sequential<Flatten<TE>, Linear<TE>, ReLU<TE>, Dropout<TE>, Linear<TE>>;
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string ckpt = (dir / "dp.safetensors").string();
   struct Result {
     std::vector<double> losses;  // per epoch, the global batch's (the mean over ranks)
@@ -657,7 +657,7 @@ TEST_CASE("Resume under data parallelism is exact when ranks seed their Dropout 
 }
 
 TEST_CASE("Checkpoint with a group: a failure on one rank fails every rank", "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "g.safetensors").string();
   std::vector<std::string> save_errors(2), load_errors(2);
   ThreadWorld world(2);
@@ -731,7 +731,7 @@ TEST_CASE("Trainer: with a checkpoint group, an epoch's training figures are ove
 }
 
 TEST_CASE("StopSignals: a signal saves the checkpoint at the next step and fit stops there", "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "signal.safetensors").string();
   using Net = Sequential<Flatten<E>, Linear<E>, ReLU<E>, Linear<E>>;
   auto make = [] {
@@ -773,7 +773,7 @@ TEST_CASE("StopSignals: a signal saves the checkpoint at the next step and fit s
 }
 
 TEST_CASE("checkpoint_every_steps saves in the middle of an epoch", "[train][checkpoint]") {
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "every.safetensors").string();
   Run run(1), probe(1);
   // Whether the file exists as each of the epoch's 6 steps runs: first saved after step 4.
@@ -794,7 +794,7 @@ TEST_CASE("checkpoint_every_steps saves in the middle of an epoch", "[train][che
 TEST_CASE("StopSignals under data parallelism: every rank stops at the same step", "[train][checkpoint]") {
   using TE = CpuThreads;
   using Net = Sequential<Flatten<TE>, Linear<TE>, ReLU<TE>, Linear<TE>>;
-  const auto dir = temp_dir();
+  const auto dir = checkpoint_temp_dir();
   const std::string path = (dir / "dp-signal.safetensors").string();
   StopSignals stop;
   std::array<std::int64_t, 2> stopped_at{}, signal_of{};
