@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/half.hpp"
 #include "tessera/core/linkage.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
@@ -106,29 +107,6 @@ class HeaderParser {
   std::size_t i_ = 0;
 };
 
-// IEEE binary16 -> binary32, exactly (every half value is a float): sign, 5-bit exponent (bias 15),
-// 10-bit mantissa; subnormals are normalized, infinities and NaNs keep their class.
-inline float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits = 0;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // 112 = 127 - 15
-  } else if (mantissa != 0) {
-    exponent = 113;  // value = mantissa * 2^-24: shift the leading one into place
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-  } else {
-    bits = sign;
-  }
-  return std::bit_cast<float>(bits);
-}
-// bfloat16 is the upper half of a binary32.
-inline float bfloat16_to_float(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
 
 template <class Dst>
 void convert_elements(const std::byte* src, DType t, Dst* dst, std::size_t n) {
@@ -136,7 +114,7 @@ void convert_elements(const std::byte* src, DType t, Dst* dst, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) {
       std::uint16_t v;
       std::memcpy(&v, src + i * 2, 2);
-      dst[i] = static_cast<Dst>(t == DType::F16 ? half_to_float(v) : bfloat16_to_float(v));
+      dst[i] = static_cast<Dst>(t == DType::F16 ? detail::half_bits_to_float(v) : detail::bhalf_bits_to_float(v));
     }
     return;
   }

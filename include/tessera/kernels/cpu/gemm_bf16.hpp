@@ -40,6 +40,7 @@
 #include <omp.h>
 #endif
 
+#include "tessera/core/half.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/capability.hpp"
@@ -87,21 +88,10 @@ inline std::string cpu_bf16_kernel() {
              : "float gemm (TESSERA_CPU_CAPABILITY=default)";
 }
 
-// float -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar reference of
-// what VCVTNEPS2BF16 does, for tests and tails.
-inline std::uint16_t float_to_bf16_bits(float value) {
-  std::uint32_t u;
-  std::memcpy(&u, &value, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-inline float bf16_bits_to_float(std::uint16_t bits) {
-  const std::uint32_t u = std::uint32_t{bits} << 16;
-  float value;
-  std::memcpy(&value, &u, 4);
-  return value;
-}
+// float -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN: the scalar reference
+// of what VCVTNEPS2BF16 does, for tests and tails (core/half.hpp's, which BHalf also uses).
+inline std::uint16_t float_to_bf16_bits(float value) { return detail::float_to_bhalf_bits(value); }
+inline float bf16_bits_to_float(std::uint16_t bits) { return detail::bhalf_bits_to_float(bits); }
 // The float a value becomes when rounded to bfloat16.
 inline float round_to_bf16(float value) { return bf16_bits_to_float(float_to_bf16_bits(value)); }
 
