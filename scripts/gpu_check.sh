@@ -5,7 +5,8 @@
 #
 # Runs what one GPU can run of meson's 'cuda' suite, with the same arguments as tests/meson.build
 # and examples/meson.build (multi-rank NCCL tests need one GPU per rank and are listed as skipped),
-# then bench/gpu_resnet50.py. Logs and JSON go to OUT_DIR; the last line is 'N passed, N failed'.
+# then bench/gpu_resnet50.py and bench/gpu_kernel_breakdown.py (ncu). Logs and JSON go to OUT_DIR;
+# the last line is 'N passed, N failed'.
 set -u
 bin=$(cd "$1" && pwd) out=$2
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,7 +44,7 @@ run_test() {  # run_test NAME TIMEOUT COMMAND...
 run_test cuda-device 120 "$bin/test_cuda_device"
 run_test cuda-layers 300 "$bin/test_cuda_layers"
 run_test nccl-1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/conformance_nccl"
-run_test nccl-data-parallel-1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/dp_equivalence_nccl"
+run_test nccl-data-parallel-1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/dp_nccl"
 run_test example_08_cuda 300 "$bin/08_resnet50_cuda" --steps=2 --batch=4
 run_test example_08_data_nccl_1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/08_resnet50_nccl" --threads=1 \
   --steps=2 --batch=2 --image=64 --classes=10
@@ -55,9 +56,22 @@ for t in nccl-2 nccl-4 nccl-host-buffers-2 nccl-faults nccl-data-parallel-2 exam
 done
 
 PYTHONUNBUFFERED=1 timeout 420 python3 "$root/bench/gpu_resnet50.py" --tessera "$bin/08_resnet50_cuda" \
-  --batches "${GPU_BENCH_BATCHES:-32,64,128}" --runs "${GPU_BENCH_RUNS:-3}" --steps 10 --out "$out/gpu_resnet50.json" \
+  --batches "${GPU_BENCH_BATCHES:-32,128}" --runs "${GPU_BENCH_RUNS:-3}" --steps 10 --out "$out/gpu_resnet50.json" \
   >"$out/gpu_resnet50.stdout" 2>"$out/gpu_resnet50.log" || { echo "gpu_resnet50 failed:"; tail -20 "$out/gpu_resnet50.log"; }
 tail -4 "$out/gpu_resnet50.log"
+
+# Where the kernel time goes (bench/gpu_kernel_breakdown.py), where the machine has Nsight Compute.
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -n "$ncu" ]; then
+  if TESSERA_CUDNN_BENCHMARK=0 TESSERA_MATH_PRECISION=tf32 timeout 300 "$ncu" --csv --metrics gpu__time_duration.sum \
+       --clock-control none --print-units base "$bin/08_resnet50_cuda" --batch=64 --steps=2 >"$out/ncu.csv" 2>"$out/ncu.log"; then
+    python3 "$root/bench/gpu_kernel_breakdown.py" --csv "$out/ncu.csv" --batch 64 --steps 2 --precision tf32 \
+      --out "$out/gpu_kernel_breakdown.json" >/dev/null 2>"$out/gpu_kernel_breakdown.txt"
+    cat "$out/gpu_kernel_breakdown.txt"
+  else
+    echo "ncu failed:"; tail -20 "$out/ncu.log"
+  fi
+fi
 
 # compute-sanitizer's memcheck over the two unit tests (where the machine has it and lets it read
 # the device: on some sandboxes it refuses, which shows in the log).
