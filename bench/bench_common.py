@@ -1,6 +1,7 @@
 """Pieces every benchmark script shares: where results go and which machine measured them
 (results committed under bench/baselines/ name the CPU model, the machine kind varies by session)."""
 import datetime
+import json
 import os
 import platform
 
@@ -52,3 +53,13 @@ def cpu_details(cpuinfo_text=None):
 def default_result(name):
     """bench/out/<name>_<today>.json."""
     return os.path.join(ROOT, "bench", "out", f"{name}_{datetime.date.today().isoformat()}.json")
+
+
+def write_result(result, out):
+    """Prints the result as JSON and, where out names a file, writes it there too."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text + "\n")

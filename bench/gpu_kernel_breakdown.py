@@ -19,7 +19,6 @@ rest are Tessera's own kernels, by their names in include/tessera/kernels/cuda/.
 import argparse
 import csv
 import io
-import json
 import os
 import re
 import shutil
@@ -27,7 +26,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import default_result  # noqa: E402
+from bench_common import default_result, write_result  # noqa: E402
 
 # Tessera's kernels by kind: the first pattern that matches a kernel's name decides.
 KINDS = [
@@ -121,12 +120,7 @@ def main():
               "precision": args.precision, "cudnn_algorithms": "heuristics",
               "counted": "every kernel of the run: set-up, the warm-up step and the timed steps",
               **summarise(kernel_times(text))}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(result, args.out)
     for k in result["by_kind"]:
         print(f"{k['kind']:36s} {k['ms']:9.2f} ms {100 * k['share']:5.1f}% {k['launches']:6d} launches", file=sys.stderr)
 

@@ -23,7 +23,6 @@ is compared with the peer's default TF32 run (pytorch_tf32_tessera_tf32_ratio).
 The JSON records the peer's configuration. No GPU bench is a timed test: this prints JSON.
 """
 import argparse
-import json
 import os
 import re
 import statistics
@@ -32,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import cpu_model, default_result  # noqa: E402
+from bench_common import cpu_model, default_result, write_result  # noqa: E402
 
 
 def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False, precision="float32"):
@@ -142,12 +141,7 @@ def main():
                  "data": "on the GPU before timing"},
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(result, args.out)
     print("\n".join(f"resnet50 b{r['batch']}: tessera {r['tessera_img_s']} img/s (cudnn benchmark "
                     f"{r['tessera_cudnn_benchmark_img_s']}); pytorch tf32 {r['pytorch_tf32_img_s']} "
                     f"({r['pytorch_tf32_memory_format']}), ratio {r['pytorch_tf32_ratio']} "

@@ -1,6 +1,7 @@
 // BatchNorm2d, ReLU, GELU, Dropout, Flatten: float64 gradient checks, PyTorch reference data
 // (tests/data/norm_act_loss.safetensors from tools/reference/gen_norm_act_loss.py) in float64 and
 // float32, running statistics, modes, shape and argument errors, no allocation in steady state.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "tessera/layers/dropout.hpp"
 #include "tessera/layers/flatten.hpp"
 #include "tessera/io/safetensors.hpp"
+#include "tessera/kernels/channel_walk.hpp"
 
 using namespace tessera;
 using tessera::testing::T64;
@@ -280,6 +282,35 @@ TEST_CASE("BatchNorm kernels split by (sample, channel) plane agree at 1, 2 and 
         for (std::int64_t i = 0; i < s.numel(); ++i) far += std::abs(dx[i] - dx1[i]) > 1e-6f * (1 + std::abs(dx1[i]));
         CHECK(far == 0);
       }
+    }
+  }
+}
+
+// The walk the CUDA BatchNorm kernels' threads take (kernels/cuda/batch_norm.cuh), run here on
+// the host: the threads of a block, together, visit every unit of their channel's images once and
+// nothing else, for plane lengths shorter and longer than the block, and for every split.
+TEST_CASE("ChannelWalk visits each unit of a channel's images exactly once", "[layers][batch_norm]") {
+  struct Case {
+    std::int64_t n, c, units, threads;
+  };
+  for (const Case k : {Case{4, 3, 49, 256}, Case{16, 8, 3136, 256}, Case{5, 7, 1, 32}, Case{3, 2, 256, 256},
+                       Case{3, 2, 257, 256}, Case{2, 5, 255, 256}, Case{6, 1, 12, 5}, Case{2, 3, 0, 8}}) {
+    for (std::int64_t splits = 1; splits <= std::min<std::int64_t>(k.n, 4); ++splits) {
+      std::vector<int> seen(static_cast<std::size_t>(k.n * k.c * k.units), 0);
+      std::int64_t outside = 0;
+      for (std::int64_t ch = 0; ch < k.c; ++ch)
+        for (std::int64_t j = 0; j < splits; ++j)
+          for (std::int64_t t = 0; t < k.threads; ++t)
+            for (detail::ChannelWalk w(k.units, k.c, ch, j * k.n / splits, (j + 1) * k.n / splits, t, k.threads);
+                 w.valid(); w.next()) {
+              const std::int64_t u = w.unit();
+              // Inside x, and in one of this channel's planes.
+              if (u < 0 || u >= static_cast<std::int64_t>(seen.size()) || (u / k.units) % k.c != ch) ++outside;
+              else ++seen[static_cast<std::size_t>(u)];
+            }
+      INFO("n " << k.n << " c " << k.c << " units " << k.units << " threads " << k.threads << " splits " << splits);
+      CHECK(outside == 0);
+      CHECK(std::count(seen.begin(), seen.end(), 1) == static_cast<std::ptrdiff_t>(seen.size()));
     }
   }
 }

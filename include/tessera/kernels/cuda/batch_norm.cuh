@@ -1,11 +1,22 @@
 // Batch normalization on the GPU: the Cuda overloads of kernels/cpu/batch_norm.hpp, same steps,
 // same maths (see there), so SyncBatchNorm's all-reduces between them work on device memory with
-// NCCL. Per-channel sums are one block per channel reducing in double; per-element steps are one
-// thread per element with the channel of element e at (e / hw) % c.
+// NCCL.
+//
+// Every pass over the activation (local sums, normalize, backward) runs on a grid of (C, splits)
+// blocks: block (ch, j) takes channel ch of the images [j N / splits, (j + 1) N / splits), so the
+// per-channel constants are read once per block, no thread divides to find its channel
+// (detail::ChannelWalk), and a layer with few channels (64 at ResNet-50's first stage) still fills
+// the GPU: its N images are split until there are about kTargetBlocks blocks. Where HW is a
+// multiple of 16 / sizeof(S) and every pointer is 16-byte aligned, a thread loads and stores 16
+// bytes at a time. Per-channel sums accumulate in double; with more than one split each block
+// writes its partial sums and one more kernel adds them per channel in split order, so the result
+// does not depend on timing (no atomics).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
+#include "tessera/kernels/channel_walk.hpp"
 #include "tessera/kernels/cpu/batch_norm.hpp"
 #include "tessera/kernels/cuda/launch.cuh"
 #include "tessera/kernels/cuda/reduce.cuh"
@@ -14,21 +25,95 @@ namespace tessera {
 
 namespace cuda_detail {
 
+// Blocks a pass aims for: several per SM of any current GPU (132 on an H100 / H200), so that
+// enough loads are in flight to reach the memory's bandwidth.
+inline constexpr std::int64_t kTargetBlocks = 1024;
+// A split keeps at least this many values per thread, below which another block costs more than
+// it brings.
+inline constexpr std::int64_t kMinValuesPerThread = 8;
+
+// V values of S that a thread loads or stores as one 16-byte access (V = 1: one value).
+template <class S, int V>
+struct alignas(sizeof(S) * V) Pack {
+  S v[V];
+};
+
+// The layout of a pass: (C, splits) blocks and the values per unit V (16 / sizeof(S) or 1).
+struct ChannelGrid {
+  std::int64_t channels = 0, splits = 1;
+  bool vectorized = false;
+  dim3 blocks() const { return dim3(static_cast<unsigned>(channels), static_cast<unsigned>(splits), 1); }
+};
+
 template <class S>
-__global__ void bn_local_stats_kernel(const S* x, BatchNormShape s, double* sum, double* sumsq) {
+constexpr int kPackValues = 16 % sizeof(S) == 0 ? static_cast<int>(16 / sizeof(S)) : 1;
+
+inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+template <class S, class... Pointers>
+ChannelGrid channel_grid(BatchNormShape s, Pointers... pointers) {
+  ChannelGrid g;
+  g.channels = s.c;  // the grid's x limit, 2^31 - 1, is far above any channel count
+  g.splits = std::max<std::int64_t>(1, (kTargetBlocks + s.c - 1) / s.c);
+  g.splits = std::min(g.splits, std::max<std::int64_t>(1, s.n));
+  g.splits = std::min(g.splits, std::max<std::int64_t>(1, s.count() / (kThreads * kMinValuesPerThread)));
+  g.splits = std::min<std::int64_t>(g.splits, 65535);  // the grid's y limit
+  g.vectorized = kPackValues<S> > 1 && s.hw % kPackValues<S> == 0 && (aligned16(pointers) && ...);
+  return g;
+}
+
+// The walk of this block's thread over its channel and images (V values per unit).
+template <int V>
+__device__ detail::ChannelWalk block_walk(BatchNormShape s) {
+  const std::int64_t splits = gridDim.y, j = blockIdx.y;
+  return detail::ChannelWalk(s.hw / V, s.c, blockIdx.x, j * s.n / splits, (j + 1) * s.n / splits, threadIdx.x,
+                             blockDim.x);
+}
+
+// Writes a block's two sums: the channel's own when there is one split, else its partial sums
+// (partial[j C + ch] and partial[(splits + j) C + ch]); bn_combine_kernel adds those.
+__device__ inline void store_channel_sums(double a, double b, double* out_a, double* out_b, double* partial) {
+  if (threadIdx.x != 0) return;
+  const std::int64_t ch = blockIdx.x, c = gridDim.x, splits = gridDim.y, j = blockIdx.y;
+  if (splits == 1) {
+    out_a[ch] = a;
+    out_b[ch] = b;
+  } else {
+    partial[j * c + ch] = a;
+    partial[(splits + j) * c + ch] = b;
+  }
+}
+
+template <class S, int V>
+__global__ void bn_local_stats_kernel(const S* x, BatchNormShape s, double* sum, double* sumsq, double* partial) {
   __shared__ double scratch[32];
-  const std::int64_t ch = blockIdx.x;
   double acc = 0, acc2 = 0;
-  for (std::int64_t k = threadIdx.x; k < s.count(); k += blockDim.x) {
-    const double v = x[((k / s.hw) * s.c + ch) * s.hw + k % s.hw];
-    acc += v;
-    acc2 += v * v;
+  const auto* xs = reinterpret_cast<const Pack<S, V>*>(x);
+  for (detail::ChannelWalk w = block_walk<V>(s); w.valid(); w.next()) {
+    const Pack<S, V> p = xs[w.unit()];
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const double v = p.v[q];
+      acc += v;
+      acc2 += v * v;
+    }
   }
   acc = block_reduce<false>(acc, scratch);
   acc2 = block_reduce<false>(acc2, scratch);
-  if (threadIdx.x == 0) {
-    sum[ch] = acc;
-    sumsq[ch] = acc2;
+  store_channel_sums(acc, acc2, sum, sumsq, partial);
+}
+
+// a[ch] = sum_j partial[j C + ch], b[ch] = sum_j partial[(splits + j) C + ch], added in split order.
+template <class T>
+__global__ void bn_combine_kernel(std::int64_t channels, std::int64_t splits, const T* partial, T* a, T* b) {
+  TESSERA_CUDA_FOR(ch, channels) {
+    T sa = 0, sb = 0;
+    for (std::int64_t j = 0; j < splits; ++j) {
+      sa += partial[j * channels + ch];
+      sb += partial[(splits + j) * channels + ch];
+    }
+    a[ch] = sa;
+    b[ch] = sb;
   }
 }
 
@@ -59,60 +144,95 @@ __global__ void bn_invstd_kernel(std::int64_t channels, const S* var, double eps
   TESSERA_CUDA_FOR(ch, channels) invstd[ch] = S(1.0 / sqrt(double(var[ch]) + eps));
 }
 
-template <class S>
+template <class S, int V>
 __global__ void bn_normalize_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
                                     const S* beta, S* y, bool relu) {
-  TESSERA_CUDA_FOR(e, s.numel()) {
-    const std::int64_t ch = (e / s.hw) % s.c;
-    const S v = batch_norm_value(x[e], mean[ch], gamma[ch] * invstd[ch], beta[ch]);
-    y[e] = relu && v < S(0) ? S(0) : v;
+  const std::int64_t ch = blockIdx.x;
+  const S m = mean[ch], scale = gamma[ch] * invstd[ch], shift = beta[ch];
+  const auto* xs = reinterpret_cast<const Pack<S, V>*>(x);
+  auto* ys = reinterpret_cast<Pack<S, V>*>(y);
+  for (detail::ChannelWalk w = block_walk<V>(s); w.valid(); w.next()) {
+    Pack<S, V> p = xs[w.unit()];
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const S v = batch_norm_value(p.v[q], m, scale, shift);
+      p.v[q] = relu && v < S(0) ? S(0) : v;
+    }
+    ys[w.unit()] = p;
   }
 }
 
-template <class S>
+// sum_dy = sum g and sum_dy_xhat = invstd sum g (x - mean), g = dy (through the fused ReLU's mask).
+template <class S, int V>
 __global__ void bn_backward_local_sums_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
-                                              const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu,
-                                              const S* gamma, const S* beta) {
+                                              const S* invstd, double* sum_dy, double* sum_dy_xhat, double* partial,
+                                              bool relu, const S* gamma, const S* beta) {
   __shared__ double scratch[32];
   const std::int64_t ch = blockIdx.x;
-  const double mu = mean[ch];
+  const S m = mean[ch];
   const S scale = relu ? gamma[ch] * invstd[ch] : S(0), shift = relu ? beta[ch] : S(0);
+  const double mu = m;
   double acc = 0, acc_xmu = 0;
-  for (std::int64_t k = threadIdx.x; k < s.count(); k += blockDim.x) {
-    const std::int64_t e = ((k / s.hw) * s.c + ch) * s.hw + k % s.hw;
-    const double g = relu ? relu_pass(batch_norm_value(x[e], mean[ch], scale, shift), dy[e]) : dy[e];
-    acc += g;
-    acc_xmu += g * (double(x[e]) - mu);
+  const auto* xs = reinterpret_cast<const Pack<S, V>*>(x);
+  const auto* dys = reinterpret_cast<const Pack<S, V>*>(dy);
+  for (detail::ChannelWalk w = block_walk<V>(s); w.valid(); w.next()) {
+    const Pack<S, V> px = xs[w.unit()], pd = dys[w.unit()];
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const double g = relu ? relu_pass(batch_norm_value(px.v[q], m, scale, shift), pd.v[q]) : pd.v[q];
+      acc += g;
+      acc_xmu += g * (double(px.v[q]) - mu);
+    }
   }
   acc = block_reduce<false>(acc, scratch);
   acc_xmu = block_reduce<false>(acc_xmu, scratch);
-  if (threadIdx.x == 0) {
-    sum_dy[ch] = acc;
-    sum_dy_xhat[ch] = acc_xmu * double(invstd[ch]);
-  }
+  store_channel_sums(acc, acc_xmu * double(invstd[ch]), sum_dy, sum_dy_xhat, partial);
 }
 
-template <class S>
+template <class S, int V>
 __global__ void bn_backward_input_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                          const S* gamma, const double* sum_dy, const double* sum_dy_xhat,
                                          std::int64_t count, S* dx, bool relu, const S* beta) {
-  const double m = double(count);
-  TESSERA_CUDA_FOR(e, s.numel()) {
-    const std::int64_t ch = (e / s.hw) % s.c;
-    const double is = invstd[ch], k = double(gamma[ch]) * is;
-    const S a = S(k), b = S(-k * is * sum_dy_xhat[ch] / m), c = S(-k * sum_dy[ch] / m);
-    const S g = relu ? relu_pass(batch_norm_value(x[e], mean[ch], gamma[ch] * invstd[ch], beta[ch]), dy[e]) : dy[e];
-    dx[e] = a * g + b * (x[e] - mean[ch]) + c;
+  const std::int64_t ch = blockIdx.x;
+  const double m = double(count), is = invstd[ch], k = double(gamma[ch]) * is;
+  const S a = S(k), b = S(-k * is * sum_dy_xhat[ch] / m), c = S(-k * sum_dy[ch] / m);
+  const S mu = mean[ch], scale = gamma[ch] * invstd[ch], shift = relu ? beta[ch] : S(0);
+  const auto* xs = reinterpret_cast<const Pack<S, V>*>(x);
+  const auto* dys = reinterpret_cast<const Pack<S, V>*>(dy);
+  auto* dxs = reinterpret_cast<Pack<S, V>*>(dx);
+  for (detail::ChannelWalk w = block_walk<V>(s); w.valid(); w.next()) {
+    const Pack<S, V> px = xs[w.unit()], pd = dys[w.unit()];
+    Pack<S, V> out;
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const S g = relu ? relu_pass(batch_norm_value(px.v[q], mu, scale, shift), pd.v[q]) : pd.v[q];
+      out.v[q] = a * g + b * (px.v[q] - mu) + c;
+    }
+    dxs[w.unit()] = out;
   }
 }
 
-template <class S>
+template <class S, int V>
 __global__ void bn_backward_input_affine_kernel(const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
                                                 bool relu, const S* x, const S* mean, const S* beta) {
-  TESSERA_CUDA_FOR(e, s.numel()) {
-    const std::int64_t ch = (e / s.hw) % s.c;
-    const S a = gamma[ch] * invstd[ch];
-    dx[e] = a * (relu ? relu_pass(batch_norm_value(x[e], mean[ch], a, beta[ch]), dy[e]) : dy[e]);
+  const std::int64_t ch = blockIdx.x;
+  const S a = gamma[ch] * invstd[ch];
+  const S mu = relu ? mean[ch] : S(0), shift = relu ? beta[ch] : S(0);
+  const auto* xs = reinterpret_cast<const Pack<S, V>*>(x);
+  const auto* dys = reinterpret_cast<const Pack<S, V>*>(dy);
+  auto* dxs = reinterpret_cast<Pack<S, V>*>(dx);
+  for (detail::ChannelWalk w = block_walk<V>(s); w.valid(); w.next()) {
+    const Pack<S, V> pd = dys[w.unit()];
+    Pack<S, V> out;
+    if (relu) {
+      const Pack<S, V> px = xs[w.unit()];
+#pragma unroll
+      for (int q = 0; q < V; ++q) out.v[q] = a * relu_pass(batch_norm_value(px.v[q], mu, a, shift), pd.v[q]);
+    } else {
+#pragma unroll
+      for (int q = 0; q < V; ++q) out.v[q] = a * pd.v[q];
+    }
+    dxs[w.unit()] = out;
   }
 }
 
@@ -125,17 +245,47 @@ __global__ void bn_affine_grads_kernel(std::int64_t channels, const double* sum_
   }
 }
 
-// One block per channel (the grid's x limit, 2^31 - 1, is far above any channel count).
-inline unsigned channel_blocks(std::int64_t channels) { return static_cast<unsigned>(channels); }
+// Launches kernel<S, V> on g's grid, with V = kPackValues<S> where g is vectorized.
+#define TESSERA_BN_LAUNCH(kernel, S, g, ...)                                                                    \
+  do {                                                                                                         \
+    if ((g).vectorized)                                                                                        \
+      kernel<S, ::tessera::cuda_detail::kPackValues<S>>                                                        \
+          <<<(g).blocks(), ::tessera::cuda_detail::kThreads, 0, ::tessera::Cuda::stream()>>>(__VA_ARGS__);    \
+    else                                                                                                       \
+      kernel<S, 1><<<(g).blocks(), ::tessera::cuda_detail::kThreads, 0, ::tessera::Cuda::stream()>>>(__VA_ARGS__); \
+    ::tessera::detail::cuda_check(cudaGetLastError(), #kernel, __FILE__, __LINE__);                            \
+  } while (0)
+
+// Partial sums of a split pass: 2 x splits x C doubles from the device's cache (freed after the
+// combine is queued: the stream orders any later user of the block after it).
+class PartialSums {
+ public:
+  PartialSums(const ChannelGrid& g)
+      : bytes_(g.splits > 1 ? static_cast<std::size_t>(2 * g.splits * g.channels) * sizeof(double) : 0),
+        data_(bytes_ > 0 ? static_cast<double*>(Cuda::allocate(bytes_)) : nullptr) {}
+  PartialSums(const PartialSums&) = delete;
+  PartialSums& operator=(const PartialSums&) = delete;
+  ~PartialSums() { Cuda::deallocate(data_, bytes_); }
+  double* data() const { return data_; }
+  // Adds the partials into a and b (nothing to do with one split: the blocks wrote a and b).
+  void combine(const ChannelGrid& g, double* a, double* b) const {
+    if (g.splits > 1) TESSERA_CUDA_LAUNCH(bn_combine_kernel<double>, g.channels, g.channels, g.splits, data_, a, b);
+  }
+
+ private:
+  std::size_t bytes_;
+  double* data_;
+};
 
 }  // namespace cuda_detail
 
 template <class S>
 void batch_norm_local_stats(Cuda, const S* x, BatchNormShape s, double* sum, double* sumsq) {
   if (s.c == 0) return;
-  cuda_detail::bn_local_stats_kernel<S><<<cuda_detail::channel_blocks(s.c), cuda_detail::kThreads, 0, Cuda::stream()>>>(
-      x, s, sum, sumsq);
-  TESSERA_CUDA_CHECK(cudaGetLastError());
+  const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x);
+  const cuda_detail::PartialSums partial(g);
+  TESSERA_BN_LAUNCH(cuda_detail::bn_local_stats_kernel, S, g, x, s, sum, sumsq, partial.data());
+  partial.combine(g, sum, sumsq);
 }
 template <class S>
 void batch_norm_finalize_stats(Cuda, std::int64_t channels, const double* sum, const double* sumsq,
@@ -155,36 +305,44 @@ void batch_norm_invstd(Cuda, std::int64_t channels, const S* var, double eps, S*
 template <class S>
 void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
                           const S* beta, S* y, bool relu = false) {
-  TESSERA_CUDA_LAUNCH(cuda_detail::bn_normalize_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta, y, relu);
+  if (s.numel() == 0) return;
+  const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x, y);
+  TESSERA_BN_LAUNCH(cuda_detail::bn_normalize_kernel, S, g, x, s, mean, invstd, gamma, beta, y, relu);
 }
 template <class S>
 void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean,
                                     const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu = false,
                                     const S* gamma = nullptr, const S* beta = nullptr) {
   if (s.c == 0) return;
-  cuda_detail::bn_backward_local_sums_kernel<S>
-      <<<cuda_detail::channel_blocks(s.c), cuda_detail::kThreads, 0, Cuda::stream()>>>(dy, x, s, mean, invstd, sum_dy,
-                                                                                       sum_dy_xhat, relu, gamma, beta);
-  TESSERA_CUDA_CHECK(cudaGetLastError());
+  const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, x);
+  const cuda_detail::PartialSums partial(g);
+  TESSERA_BN_LAUNCH(cuda_detail::bn_backward_local_sums_kernel, S, g, dy, x, s, mean, invstd, sum_dy, sum_dy_xhat,
+                    partial.data(), relu, gamma, beta);
+  partial.combine(g, sum_dy, sum_dy_xhat);
 }
 template <class S>
 void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
                                S* dx, bool relu = false, const S* beta = nullptr) {
-  TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_kernel<S>, s.numel(), dy, x, s, mean, invstd, gamma, sum_dy,
-                      sum_dy_xhat, count, dx, relu, beta);
+  if (s.numel() == 0) return;
+  const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, x, dx);
+  TESSERA_BN_LAUNCH(cuda_detail::bn_backward_input_kernel, S, g, dy, x, s, mean, invstd, gamma, sum_dy, sum_dy_xhat,
+                    count, dx, relu, beta);
 }
 template <class S>
 void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
                                       bool relu = false, const S* x = nullptr, const S* mean = nullptr,
                                       const S* beta = nullptr) {
-  TESSERA_CUDA_LAUNCH(cuda_detail::bn_backward_input_affine_kernel<S>, s.numel(), dy, s, invstd, gamma, dx, relu, x,
-                      mean, beta);
+  if (s.numel() == 0) return;
+  const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, dx, x);
+  TESSERA_BN_LAUNCH(cuda_detail::bn_backward_input_affine_kernel, S, g, dy, s, invstd, gamma, dx, relu, x, mean, beta);
 }
 template <class S>
 void batch_norm_accumulate_affine_grads(Cuda, std::int64_t channels, const double* sum_dy, const double* sum_dy_xhat,
                                         S* dgamma, S* dbeta) {
   TESSERA_CUDA_LAUNCH(cuda_detail::bn_affine_grads_kernel<S>, channels, channels, sum_dy, sum_dy_xhat, dgamma, dbeta);
 }
+
+#undef TESSERA_BN_LAUNCH
 
 }  // namespace tessera
