@@ -8,7 +8,7 @@ A command is an inline code span that starts with `build/examples/`, `tools/tess
 directory, tools/ the source tree's. The commands of one README run in
 order in one fresh temporary directory (the traces and checkpoints they write land there, so a
 `--resume=c.safetensors` finds the file an earlier command saved), with OMP_NUM_THREADS=1 unless set,
-and must exit 0 within --timeout seconds: an exercise that fails as written (04's --trace, 06's
+and must exit 0 within --timeout seconds (--jobs READMEs at a time): an exercise that fails as written (04's --trace, 06's
 --stages=4 and 13's --periods=64 did) is a broken lesson. A command whose program this build
 lacks (a backend not configured here) is skipped, and said so; a README's exercise that names no
 program at all is not run.
@@ -16,6 +16,7 @@ program at all is not run.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import pathlib
 import re
@@ -72,6 +73,8 @@ def main() -> int:
     parser.add_argument("--source-dir", required=True, type=pathlib.Path)
     parser.add_argument("--build-dir", required=True, type=pathlib.Path)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="READMEs whose commands run at the same time (default: the CPU count)")
     parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
                         help="only the examples whose folder name starts with PREFIX (09, 11_image): repeatable")
@@ -85,37 +88,52 @@ def main() -> int:
         for example, command in found:
             print(f"{example}: {command}")
         return 0
-    failed = skipped = 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    workdirs: dict[str, tempfile.TemporaryDirectory[str]] = {}
+    groups: dict[str, list[str]] = {}
     for example, command in found:
-        argv = resolve(shlex.split(command), source, build)
-        if argv is None:
-            print(f"skip  {example}: {command} (its program is not built here)")
-            skipped += 1
-            continue
-        start = time.monotonic()
-        cwd = workdirs.setdefault(example, tempfile.TemporaryDirectory(prefix="tessera-exercise-")).name
-        try:
-            done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=args.timeout,
-                                  stdin=subprocess.DEVNULL)
-            status: int | str = done.returncode
-            output = done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            status, output = f"timeout after {args.timeout:.0f} s", str(e.stdout or "") + str(e.stderr or "")
-        seconds = time.monotonic() - start
-        if status == 0:
-            print(f"ok    {example}: {command} ({seconds:.1f} s)")
-        else:
-            failed += 1
-            print(f"FAIL  {example}: {command} (exit {status}, {seconds:.1f} s); its last lines:")
-            for line in output.strip().splitlines()[-15:]:
-                print(f"      {line}")
-    for workdir in workdirs.values():
-        workdir.cleanup()
+        groups.setdefault(example, []).append(command)
+
+    def run_group(example: str) -> tuple[list[str], int, int]:
+        """One README's commands, in order, in one fresh directory: (report lines, failed, skipped)."""
+        lines: list[str] = []
+        failed = skipped = 0
+        with tempfile.TemporaryDirectory(prefix="tessera-exercise-") as cwd:
+            for command in groups[example]:
+                argv = resolve(shlex.split(command), source, build)
+                if argv is None:
+                    lines.append(f"skip  {example}: {command} (its program is not built here)")
+                    skipped += 1
+                    continue
+                start = time.monotonic()
+                try:
+                    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                                          timeout=args.timeout, stdin=subprocess.DEVNULL)
+                    status: int | str = done.returncode
+                    output = done.stdout + done.stderr
+                except subprocess.TimeoutExpired as e:
+                    status = f"timeout after {args.timeout:.0f} s"
+                    output = str(e.stdout or "") + str(e.stderr or "")
+                seconds = time.monotonic() - start
+                if status == 0:
+                    lines.append(f"ok    {example}: {command} ({seconds:.1f} s)")
+                else:
+                    failed += 1
+                    lines.append(f"FAIL  {example}: {command} (exit {status}, {seconds:.1f} s); its last lines:")
+                    lines += [f"      {line}" for line in output.strip().splitlines()[-15:]]
+        return lines, failed, skipped
+
+    # READMEs are independent (each has its own directory), so --jobs of them run at once: most
+    # commands train at one thread (OMP_NUM_THREADS=1), and one at a time would leave a core idle.
+    # Each README's report prints when it finishes, its commands in README order.
+    failed = skipped = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for lines, group_failed, group_skipped in pool.map(run_group, groups):
+            print("\n".join(lines), flush=True)
+            failed += group_failed
+            skipped += group_skipped
     print(f"{len(found) - failed - skipped} exercise commands ran as written, {failed} failed, {skipped} skipped")
     return 1 if failed else 0
 
