@@ -8,8 +8,8 @@ A command is an inline code span that starts with `build/examples/`, `tools/tess
 directory, tools/ the source tree's. The commands of one README run in
 order in one fresh temporary directory (the traces and checkpoints they write land there, so a
 `--resume=c.safetensors` finds the file an earlier command saved), with OMP_NUM_THREADS=1 unless set,
-and must exit 0 within --timeout seconds (--jobs READMEs at a time): an exercise that fails as written (04's --trace, 06's
---stages=4 and 13's --periods=64 did) is a broken lesson. A command whose program this build
+--jobs READMEs at a time, and must exit 0 within --timeout seconds: an exercise that fails as
+written (04's --trace, 06's --stages=4 and 13's --periods=64 did) is a broken lesson. A command whose program this build
 lacks (a backend not configured here) is skipped, and said so; a README's exercise that names no
 program at all is not run.
 """

@@ -104,6 +104,7 @@ __global__ void bn_local_stats_kernel(const S* x, BatchNormShape s, double* sum,
 }
 
 // a[ch] = sum_j partial[j C + ch], b[ch] = sum_j partial[(splits + j) C + ch], added in split order.
+// (A template only so that this header may define it in every translation unit that includes it.)
 template <class T>
 __global__ void bn_combine_kernel(std::int64_t channels, std::int64_t splits, const T* partial, T* a, T* b) {
   TESSERA_CUDA_FOR(ch, channels) {
