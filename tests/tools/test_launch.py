@@ -135,8 +135,10 @@ def test_usr1_forwarded_and_exit_75_not_a_failure() -> None:
     """SIGUSR1 reaches every rank; ranks exiting 75 (checkpoint saved) do not stop the others"""
     with tempfile.TemporaryDirectory() as d:
         # Rank 1 takes a second longer to "save": it must not be stopped when rank 0 exits 75.
-        script = (WRITE_PID + 'trap \'[ "$TESSERA_RANK" = 1 ] && sleep 1; echo "saved $TESSERA_RANK"; exit 75\' USR1; '
-                  'i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done; exit 9')
+        # The trap goes in before the pid is written: the test signals once every pid is there,
+        # and a SIGUSR1 that came before the trap would kill the rank (CI saw exit 138).
+        script = ('trap \'[ "$TESSERA_RANK" = 1 ] && sleep 1; echo "saved $TESSERA_RANK"; exit 75\' USR1; '
+                  + WRITE_PID + 'i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done; exit 9')
         proc = subprocess.Popen([str(LAUNCHER), "-n", "2", *sh(script)], env=dict(os.environ, D=d),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
