@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the unit tests (tests/tessera_tests, every Catch2 case) with AddressSanitizer and
-# UndefinedBehaviorSanitizer (-O1 -g1, -fno-sanitize-recover=undefined: any report fails the run)
+# UndefinedBehaviorSanitizer (tests at -O0, the kernels library at -O1, -g1,
+# -fno-sanitize-recover=undefined: any report fails the run)
 # in a build directory of their own, and runs them. Exit 0 when every case passes with no
 # sanitizer report, 1 otherwise.
 #
@@ -18,8 +19,8 @@ fi
 # Only what the unit tests need: no communicator libraries, examples or benchmarks. -g1: line
 # tables only, which is what the reports' stack traces print (file:line), without the type and
 # variable information of -g that a debugger wants and the build pays for.
-options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false
-  "-Dcpp_args=-O1 -g1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false -Dunity_size=3
+  "-Dcpp_args=-g1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
   -Dtests=enabled -Dexamples=disabled -Dbench=disabled -Dmpi=disabled -Dgloo=disabled -Dcuda=disabled -Dnccl=disabled)
 if [ -f "$build/build.ninja" ]; then
   meson setup --reconfigure "$build" "$root" "${options[@]}" >/dev/null || exit 1

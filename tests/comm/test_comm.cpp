@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "support/scoped_env.hpp"
 #include "support/text.hpp"
 #include "comm/conformance.hpp"
 #include "tessera/comm/call_check.hpp"
@@ -24,29 +25,7 @@
 
 using namespace tessera;
 using namespace std::chrono_literals;
-
-namespace {
-
-// Sets an environment variable for the scope of a test and restores it afterwards.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    if (value) setenv(name, value, 1);
-    else unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
-
-}  // namespace
+using tessera::testing::ScopedEnv;
 
 TEST_CASE("Half: conversions round to nearest even and round-trip every value", "[comm]") {
   CHECK(Half(1.0f).bits == 0x3c00);

@@ -13,8 +13,10 @@
 
 #include "tessera/comm/launch.hpp"
 #include "tessera/io/flags.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace tessera;
+using tessera::testing::TempDir;
 
 namespace {
 
@@ -29,20 +31,6 @@ struct Args {
   Flags flags() { return Flags(static_cast<int>(argv.size()), argv.data()); }
 };
 
-// A fresh empty directory under the system temp dir, removed at the end of the test.
-struct TempDir {
-  std::filesystem::path path;
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "tessera-flags-XXXXXX").string();
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::permissions(path, std::filesystem::perms::owner_all, ec);
-    std::filesystem::remove_all(path, ec);
-  }
-};
 
 }  // namespace
 

@@ -27,11 +27,13 @@
 #include "tessera/data/idx.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
+#include "support/scoped_env.hpp"
 #include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace tessera;
 using tessera::testing::TempDir;
+using tessera::testing::ScopedEnv;
 
 namespace {
 
@@ -92,27 +94,6 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
     INFO("message: " << (text));                         \
     CHECK(contains((text), (part)));                     \
   } while (0)
-
-// Sets an environment variable for a scope and restores the old value.
-struct ScopedEnv {
-  std::string name;
-  std::optional<std::string> old;
-  ScopedEnv(std::string n, const char* value) : name(std::move(n)) {
-    if (const char* v = std::getenv(name.c_str())) old = v;
-    if (value) {
-      ::setenv(name.c_str(), value, 1);
-    } else {
-      ::unsetenv(name.c_str());
-    }
-  }
-  ~ScopedEnv() {
-    if (old) {
-      ::setenv(name.c_str(), old->c_str(), 1);
-    } else {
-      ::unsetenv(name.c_str());
-    }
-  }
-};
 
 // Sample i has every pixel equal to i + k / 1000 (k = pixel index) and label i % classes, so a
 // batch tells exactly which samples it holds.

@@ -57,7 +57,7 @@ double max_relative_difference(const Tensor<S>& a, const Tensor<S>& b) {
   return worst / scale;
 }
 
-struct ConvCase {
+struct EpilogueCase {
   const char* path;
   std::int64_t n, c, k, hw, kernel, stride, pad;
   bool bias;
@@ -67,7 +67,7 @@ struct ConvCase {
 
 // conv.forward_epilogue against conv.forward -> bn.forward (Eval) -> + addend -> ReLU.
 template <class E>
-void check_epilogue(const ConvCase& cc, bool with_addend, bool relu, double tolerance) {
+void check_epilogue(const EpilogueCase& cc, bool with_addend, bool relu, double tolerance) {
   using S = typename E::Scalar;
   Rng rng(7);
   Conv2d<E> conv(Conv2dOptions{cc.c, cc.k, cc.kernel, cc.kernel, cc.stride, cc.stride, cc.pad, cc.pad, 1, 1, 1,
@@ -106,7 +106,7 @@ void check_epilogue(const ConvCase& cc, bool with_addend, bool relu, double tole
 
 TEST_CASE("Conv2d's inference epilogue equals the eval BatchNorm, add and ReLU on every forward path",
           "[layers][conv][inference]") {
-  const ConvCase cases[] = {
+  const EpilogueCase cases[] = {
       {"3x3 bands", 2, 8, 16, 20, 3, 1, 1, false, ConvAlgorithm::Im2col, 64},
       {"3x3 whole-sample groups, conv bias", 6, 16, 24, 5, 3, 1, 1, true, ConvAlgorithm::Im2col, 0},
       {"1x1 direct", 3, 32, 16, 9, 1, 1, 0, false, ConvAlgorithm::Im2col, 0},

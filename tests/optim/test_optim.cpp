@@ -41,7 +41,7 @@ static_assert(StatefulOptimizer<Lars<Env32>> && StatefulOptimizer<Lamb<Env32>>);
 
 constexpr int kSteps = 5;
 
-const SafetensorsFile& data() {
+const SafetensorsFile& optim_reference() {
   static const SafetensorsFile f = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/optim.safetensors");
   return f;
 }
@@ -71,7 +71,7 @@ struct Model {
 
   Model() {
     for (std::size_t i = 0; i < kParams.size(); ++i) {
-      Tensor<S> init = data().tensor<S>(std::string("init.") + kParams[i].first);
+      Tensor<S> init = optim_reference().tensor<S>(std::string("init.") + kParams[i].first);
       params[i] = Parameter<S, Cpu>(init.shape(), kParams[i].second);
       params[i].value = init;
       named.parameter(kParams[i].first, params[i]);
@@ -85,7 +85,7 @@ struct Model {
   void feed_gradients(O& opt, int step, const std::string& prefix = "grad.") {
     opt.zero_grad();
     for (std::size_t i = 0; i < kParams.size(); ++i) {
-      const Tensor<S> g = data().tensor<S>(prefix + kParams[i].first);
+      const Tensor<S> g = optim_reference().tensor<S>(prefix + kParams[i].first);
       const std::int64_t n = params[i].grad.numel();
       for (std::int64_t j = 0; j < n; ++j) params[i].grad[j] += g[step * n + j];
     }
@@ -138,7 +138,7 @@ template <class S>
 double run_case(const OptimCase& c) {
   using E = Env<Cpu, LocalComm, S>;
   Model<S> model;
-  const Tensor<double> lrs = data().tensor<double>(std::string(c.name) + ".lr");
+  const Tensor<double> lrs = optim_reference().tensor<double>(std::string(c.name) + ".lr");
   double worst = 0;
   std::visit(
       [&](const auto& o) {
@@ -149,7 +149,7 @@ double run_case(const OptimCase& c) {
           opt.step();
           REQUIRE(opt.steps() == k + 1);
           for (std::size_t i = 0; i < kParams.size(); ++i) {
-            const Tensor<double> ref = data().tensor<double>(std::string(c.name) + "." + kParams[i].first);
+            const Tensor<double> ref = optim_reference().tensor<double>(std::string(c.name) + "." + kParams[i].first);
             const Tensor<double> got = model.params[i].value.template cast<double>();
             const std::int64_t n = got.numel();
             worst = std::max(worst, rel_err(got.data(), ref.data() + k * n, n));
@@ -166,7 +166,7 @@ double run_case(const OptimCase& c) {
 constexpr int kRecordEvery = 4;
 double run_long_case_f32(const OptimCase& c) {
   Model<float> model;
-  const Tensor<double> lrs = data().tensor<double>("long." + std::string(c.name) + ".lr");
+  const Tensor<double> lrs = optim_reference().tensor<double>("long." + std::string(c.name) + ".lr");
   double worst = 0;
   std::visit(
       [&](const auto& o) {
@@ -178,7 +178,7 @@ double run_long_case_f32(const OptimCase& c) {
           if ((k + 1) % kRecordEvery != 0) continue;
           for (std::size_t i = 0; i < kParams.size(); ++i) {
             const Tensor<double> ref =
-                data().tensor<float>("long." + std::string(c.name) + "." + kParams[i].first).cast<double>();
+                optim_reference().tensor<float>("long." + std::string(c.name) + "." + kParams[i].first).cast<double>();
             const Tensor<double> got = model.params[i].value.cast<double>();
             const std::int64_t n = got.numel();
             const double err = rel_err(got.data(), ref.data() + ((k + 1) / kRecordEvery - 1) * n, n) / FLT_EPSILON;
@@ -242,7 +242,7 @@ TEST_CASE("optimizers follow torch.optim in float64 to 1e-12", "[optim]") {
 
 TEST_CASE("optimizers in float32 stay within a small multiple of torch's float32 error", "[optim]") {
   for (const auto& c : cases()) {
-    const double torch_err = data().tensor<double>(std::string(c.name) + ".torch_f32_err")[0];
+    const double torch_err = optim_reference().tensor<double>(std::string(c.name) + ".torch_f32_err")[0];
     const double err = run_case<float>(c);
     INFO(c.name << ": max relative error " << err << ", torch float32 " << torch_err);
     CHECK(err <= 8 * torch_err + 1e-7);
@@ -260,7 +260,7 @@ TEST_CASE("optimizers in float32 track torch's float32 trajectory over 128 steps
   // away.
   for (const auto& c : cases()) {
     const double ulps = run_long_case_f32(c);
-    const double torch_drift = data().tensor<double>("long." + std::string(c.name) + ".torch_f32_err")[0];
+    const double torch_drift = optim_reference().tensor<double>("long." + std::string(c.name) + ".torch_f32_err")[0];
     INFO(c.name << ": " << ulps << " float eps from torch float32 (torch float32 vs float64: "
                 << torch_drift / FLT_EPSILON << " eps)");
 #if TESSERA_OPTIM_FUSED_MULTIPLY_ADD
@@ -442,7 +442,7 @@ TEST_CASE("zero_grad zeros every gradient; lr, set_lr and steps", "[optim]") {
 
 TEST_CASE("schedules match torch.optim.lr_scheduler", "[optim]") {
   auto compare = [](const char* name, auto schedule, double iterations_per_epoch = 1) {
-    const Tensor<double> ref = data().tensor<double>(std::string("sched.") + name);
+    const Tensor<double> ref = optim_reference().tensor<double>(std::string("sched.") + name);
     for (std::int64_t i = 0; i < ref.numel(); ++i) {
       const double got = schedule(static_cast<double>(i) / iterations_per_epoch);
       INFO(name << " at iteration " << i << ": " << got << " vs torch " << ref[i]);
@@ -461,7 +461,7 @@ TEST_CASE("schedules match torch.optim.lr_scheduler", "[optim]") {
 
 TEST_CASE("SequentialLr matches torch.optim.lr_scheduler.SequentialLR", "[optim]") {
   auto compare = [](const char* name, auto schedule, double iterations_per_epoch = 1) {
-    const Tensor<double> ref = data().tensor<double>(std::string("sched.") + name);
+    const Tensor<double> ref = optim_reference().tensor<double>(std::string("sched.") + name);
     for (std::int64_t i = 0; i < ref.numel(); ++i) {
       const double got = schedule(static_cast<double>(i) / iterations_per_epoch);
       INFO(name << " at iteration " << i << ": " << got << " vs torch " << ref[i]);

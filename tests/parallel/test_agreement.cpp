@@ -24,7 +24,6 @@
 using namespace tessera;
 
 namespace {
-using E = CpuThreads64;
 
 // Runs body(comm) on `ranks` thread ranks; returns each rank's AgreementError text ("" when it
 // threw none). Any other exception fails the test.
@@ -92,7 +91,7 @@ TEST_CASE("checksum64: bitwise, every byte counts", "[parallel][agreement]") {
 
 TEST_CASE("DataParallel: equal ranks agree; the communicator is not disturbed", "[parallel][agreement]") {
   const auto errors = agreement_errors(3, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.bucket_bytes = 16 * 1024, .first_bucket_bytes = 4096});
     for (const auto& [name, p] : dp.parameters().parameters) p->grad_ready();
     dp.finish();
@@ -102,7 +101,7 @@ TEST_CASE("DataParallel: equal ranks agree; the communicator is not disturbed", 
 
 TEST_CASE("DataParallel: a bucket size given to one rank only is named on every rank", "[parallel][agreement]") {
   const auto errors = agreement_errors(3, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.bucket_bytes = comm.rank() == 1 ? 16 * 1024u : 64 * 1024u});
   });
   check_same_on_every_rank(errors);
@@ -113,7 +112,7 @@ TEST_CASE("DataParallel: a bucket size given to one rank only is named on every 
 
 TEST_CASE("DataParallel: compression on one rank only is named", "[parallel][agreement]") {
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm,
                     {.compression = comm.rank() == 1 ? GradientCompression::Fp16 : GradientCompression::None});
   });
@@ -123,7 +122,7 @@ TEST_CASE("DataParallel: compression on one rank only is named", "[parallel][agr
 
 TEST_CASE("DataParallel: a parameter shape that differs is named with both shapes", "[parallel][agreement]") {
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>(1, 28, comm.rank() == 0 ? 10 : 12);  // another number of classes
+    auto model = lenet5<CpuThreads64>(1, 28, comm.rank() == 0 ? 10 : 12);  // another number of classes
     DataParallel dp(model, comm);
   });
   check_same_on_every_rank(errors);
@@ -135,7 +134,7 @@ TEST_CASE("DataParallel: a parameter shape that differs is named with both shape
 TEST_CASE("DataParallel: a learning-rate-like option (top-k ratio) differing in the last digit is named",
           "[parallel][agreement]") {
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.compression = GradientCompression::TopK, .topk_ratio = comm.rank() == 0 ? 0.01 : 0.010000001});
   });
   check_same_on_every_rank(errors);
@@ -146,7 +145,7 @@ TEST_CASE("DataParallel: one rank with an invalid option fails on every rank, no
   // Without the agreement check first, rank 1's local ArgumentError would leave rank 0 waiting
   // for a broadcast.
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.consistency_check_every = comm.rank() == 1 ? -1 : 100});
   });
   check_same_on_every_rank(errors);
@@ -155,13 +154,13 @@ TEST_CASE("DataParallel: one rank with an invalid option fails on every rank, no
 
 TEST_CASE("Zero1 and LocalSgd: a model or period that differs is named", "[parallel][agreement]") {
   auto zero = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>(1, comm.rank() == 0 ? 28 : 32);  // fc1 sees another input size: 16x5x5 or 16x6x6
+    auto model = lenet5<CpuThreads64>(1, comm.rank() == 0 ? 28 : 32);  // fc1 sees another input size: 16x5x5 or 16x6x6
     Zero1 z(model, comm);
   });
   check_same_on_every_rank(zero);
   CHECK_THAT(zero[0], Catch::StartsWith("Zero1: ranks disagree on parameter[4] (fc1.weight) shape: rank 0: (120, 400); rank 1: (120, 576)"));
   auto local = agreement_errors(3, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     LocalSgd l(model, comm, {.period = comm.rank() == 2 ? 8 : 4});
   });
   check_same_on_every_rank(local);
@@ -170,24 +169,24 @@ TEST_CASE("Zero1 and LocalSgd: a model or period that differs is named", "[paral
 
 TEST_CASE("Pipeline: a schedule or micro-batch count that differs between stages is named", "[parallel][agreement]") {
   auto schedule = agreement_errors(2, [](ThreadComm& comm) {
-    Mlp<E> model(64, {16}, 10);
-    Pipeline<Mlp<E>> pipe(model, comm,
+    Mlp<CpuThreads64> model(64, {16}, 10);
+    Pipeline<Mlp<CpuThreads64>> pipe(model, comm,
                           {.schedule = comm.rank() == 0 ? PipelineSchedule::GPipe : PipelineSchedule::OneFOneB});
   });
   check_same_on_every_rank(schedule);
   CHECK_THAT(schedule[0], Catch::StartsWith("Pipeline: ranks disagree on options.schedule: rank 0: GPipe; rank 1: 1F1B"));
   auto micro = agreement_errors(3, [](ThreadComm& comm) {
-    Mlp<E> model(64, {16, 16}, 10);
-    Pipeline<Mlp<E>> pipe(model, comm, {.micro_batches = comm.rank() == 1 ? 8 : 4});
+    Mlp<CpuThreads64> model(64, {16, 16}, 10);
+    Pipeline<Mlp<CpuThreads64>> pipe(model, comm, {.micro_batches = comm.rank() == 1 ? 8 : 4});
   });
   check_same_on_every_rank(micro);
   CHECK_THAT(micro[0], Catch::Contains("options.micro_batches: ranks 0, 2: 4; rank 1: 8"));
   // Unit costs given on one rank only: that rank would skip the cost broadcast the others wait in.
   auto costs = agreement_errors(2, [](ThreadComm& comm) {
-    Mlp<E> model(64, {16}, 10);
+    Mlp<CpuThreads64> model(64, {16}, 10);
     PipelineOptions o;
     if (comm.rank() == 1) o.unit_costs = {1.0, 2.0};
-    Pipeline<Mlp<E>> pipe(model, comm, o);
+    Pipeline<Mlp<CpuThreads64>> pipe(model, comm, o);
   });
   check_same_on_every_rank(costs);
   CHECK_THAT(costs[0], Catch::Contains("options.unit_costs: rank 0: []; rank 1: [1, 2]"));
@@ -196,7 +195,7 @@ TEST_CASE("Pipeline: a schedule or micro-batch count that differs between stages
 TEST_CASE("Tensor parallel: layers built from different seeds or options are named", "[parallel][agreement]") {
   auto seed = agreement_errors(2, [](ThreadComm& comm) {
     Rng rng(comm.rank() == 0 ? 3 : 4);
-    ColumnParallelLinear<E> layer(8, 16, rng, comm);
+    ColumnParallelLinear<CpuThreads64> layer(8, 16, rng, comm);
   });
   check_same_on_every_rank(seed);
   CHECK_THAT(seed[0], Catch::StartsWith("ColumnParallelLinear: ranks disagree on dense checksum of parameter weight: "
@@ -204,20 +203,20 @@ TEST_CASE("Tensor parallel: layers built from different seeds or options are nam
   CHECK_THAT(seed[0], Catch::Contains("from the same seed"));
   auto option = agreement_errors(2, [](ThreadComm& comm) {
     Rng rng(3);
-    RowParallelLinear<E> layer(8, 4, rng, comm, /*input_is_parallel=*/comm.rank() == 1);
+    RowParallelLinear<CpuThreads64> layer(8, 4, rng, comm, /*input_is_parallel=*/comm.rank() == 1);
   });
   check_same_on_every_rank(option);
   CHECK_THAT(option[0], Catch::Contains("ranks disagree on input_is_parallel: rank 0: false; rank 1: true"));
   auto sizes = agreement_errors(2, [](ThreadComm& comm) {
     Rng rng(3);
-    TensorParallelMlp<E> mlp(8, comm.rank() == 0 ? 16 : 32, 4, rng, comm);
+    TensorParallelMlp<CpuThreads64> mlp(8, comm.rank() == 0 ? 16 : 32, 4, rng, comm);
   });
   check_same_on_every_rank(sizes);
   CHECK_THAT(sizes[0], Catch::Contains("ColumnParallelLinear: ranks disagree on out_features: rank 0: 16; rank 1: 32"));
   auto resnet = agreement_errors(2, [](ThreadComm& comm) {
-    auto dense = ResNet<E, Bottleneck>({1, 1}, {4, 8}, true,
+    auto dense = ResNet<CpuThreads64, Bottleneck>({1, 1}, {4, 8}, true,
                                        {.in_channels = 1, .num_classes = 8, .seed = comm.rank() == 0 ? 3u : 5u});
-    TensorParallelResNet<E> tp(dense, comm);
+    TensorParallelResNet<CpuThreads64> tp(dense, comm);
   });
   check_same_on_every_rank(resnet);
   CHECK_THAT(resnet[0], Catch::StartsWith("TensorParallelResNet: ranks disagree on dense checksum of parameter conv1.weight"));
@@ -225,7 +224,7 @@ TEST_CASE("Tensor parallel: layers built from different seeds or options are nam
 
 TEST_CASE("convert_sync_batch_norm: ranks converting different models are named", "[parallel][agreement]") {
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    ResNet<E, BasicBlock> model({1}, {comm.rank() == 0 ? 16 : 8}, false, {.in_channels = 1, .num_classes = 10});
+    ResNet<CpuThreads64, BasicBlock> model({1}, {comm.rank() == 0 ? 16 : 8}, false, {.in_channels = 1, .num_classes = 10});
     convert_sync_batch_norm(model, comm);
   });
   check_same_on_every_rank(errors);
@@ -245,9 +244,9 @@ Diverged train_with_lr(int ranks, int steps, int check_every, Lr lr) {
   const testing::DpData<double> data(4 * ranks * steps);
   ThreadWorld world(ranks);
   world.run([&](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.consistency_check_every = check_every});
-    Sgd<E> sgd(dp.parameters(), {.lr = lr(comm.rank()), .momentum = 0.9});
+    Sgd<CpuThreads64> sgd(dp.parameters(), {.lr = lr(comm.rank()), .momentum = 0.9});
     try {
       for (int step = 0; step < steps; ++step) {
         sgd.zero_grad();
@@ -285,7 +284,7 @@ TEST_CASE("DataParallel: equal replicas pass every check; 0 turns the check off"
 
 TEST_CASE("DataParallel: check_replica_consistency() on demand names a parameter edited on one rank", "[parallel][agreement]") {
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm, {.consistency_check_every = 0});
     dp.check_replica_consistency();  // equal after the broadcast
     if (comm.rank() == 1) dp.parameters().parameters[5].second->value.data()[3] += 1e-12;  // fc1.bias
@@ -297,9 +296,9 @@ TEST_CASE("DataParallel: check_replica_consistency() on demand names a parameter
 
 TEST_CASE("Zero1: ranks stepping with different learning rates are named", "[parallel][agreement]") {
   const auto errors = agreement_errors(2, [](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     Zero1 zero(model, comm, {.consistency_check_every = 5});
-    Sgd<E> sgd(zero.shard_parameters(), {.lr = comm.rank() == 0 ? 0.05 : 0.1});
+    Sgd<CpuThreads64> sgd(zero.shard_parameters(), {.lr = comm.rank() == 0 ? 0.05 : 0.1});
     zero.zero_grad();
     zero.step(sgd);
   });
@@ -310,7 +309,7 @@ TEST_CASE("Zero1: ranks stepping with different learning rates are named", "[par
 TEST_CASE("DataParallel: the no-gradient error lists the likely causes, most likely first", "[parallel][agreement]") {
   ThreadWorld world(1);
   world.run([](ThreadComm& comm) {
-    auto model = lenet5<E>();
+    auto model = lenet5<CpuThreads64>();
     DataParallel dp(model, comm);
     for (const auto& [name, p] : dp.parameters().parameters)
       if (name != "fc1.weight") p->grad_ready();
@@ -345,11 +344,11 @@ std::vector<std::string> trainer_errors(Setup setup) {
     std::uint64_t seed = 1;
     std::int64_t epochs = 2;
     setup(comm.rank(), lr, seed, epochs);
-    Mlp<E> model(100, {16}, 4, 3);
+    Mlp<CpuThreads64> model(100, {16}, 4, 3);
     const SyntheticImages data(48, 1, 10, 10, 4, 5);
     DataLoader<double> loader(data, {.batch_size = 4, .seed = seed, .rank = comm.rank(), .world_size = comm.size()});
     DataParallel dp(model, comm);
-    Sgd<E> sgd(dp.parameters(), {.lr = lr});
+    Sgd<CpuThreads64> sgd(dp.parameters(), {.lr = lr});
     Trainer trainer(model, sgd, ConstantLr{lr},
                     {.epochs = epochs, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
     trainer.fit(loader);

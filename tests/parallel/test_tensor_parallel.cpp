@@ -9,7 +9,6 @@
 #include "tessera/parallel/tensor_parallel.hpp"
 
 using namespace tessera;
-using E = CpuThreads64;
 using T = Tensor<double, Cpu>;
 
 namespace {
@@ -42,11 +41,11 @@ TEST_CASE("ColumnParallelLinear equals Linear: output, dL/dx, the rank's rows of
         std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
         world.run([&](ThreadComm& comm) {
           Rng rng_dense(3), rng_tp(3);
-          Linear<E> dense(kIn, kHidden, rng_dense);
-          ColumnParallelLinear<E> tp(kIn, kHidden, rng_tp, comm, gather);
+          Linear<CpuThreads64> dense(kIn, kHidden, rng_dense);
+          ColumnParallelLinear<CpuThreads64> tp(kIn, kHidden, rng_tp, comm, gather);
           const T x = random_tensor({kN, kIn}, 1), dy = random_tensor({kN, kHidden}, 2);
-          Linear<E>::Cache dc;
-          ColumnParallelLinear<E>::Cache tc;
+          Linear<CpuThreads64>::Cache dc;
+          ColumnParallelLinear<CpuThreads64>::Cache tc;
           const T& y_dense = dense.forward(x, dc);
           const T& y_tp = tp.forward(x, tc);
           const std::int64_t w = kHidden / ranks, first = w * comm.rank();
@@ -83,15 +82,15 @@ TEST_CASE("RowParallelLinear equals Linear: output, dL/dx (gathered or the rank'
         std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
         world.run([&](ThreadComm& comm) {
           Rng rng_dense(4), rng_tp(4);
-          Linear<E> dense(kHidden, kOut, rng_dense);
-          RowParallelLinear<E> tp(kHidden, kOut, rng_tp, comm, parallel_input);
+          Linear<CpuThreads64> dense(kHidden, kOut, rng_dense);
+          RowParallelLinear<CpuThreads64> tp(kHidden, kOut, rng_tp, comm, parallel_input);
           const T x = random_tensor({kN, kHidden}, 5), dy = random_tensor({kN, kOut}, 6);
           const std::int64_t w = kHidden / ranks, first = w * comm.rank();
           T x_local({kN, w});
           const auto xc = columns(x, first, w);
           std::copy(xc.begin(), xc.end(), x_local.data());
-          Linear<E>::Cache dc;
-          RowParallelLinear<E>::Cache tc;
+          Linear<CpuThreads64>::Cache dc;
+          RowParallelLinear<CpuThreads64>::Cache tc;
           const T& y_dense = dense.forward(x, dc);
           const T& y_tp = tp.forward(parallel_input ? x_local : x, tc);
           double d = max_diff(y_tp.data(), y_dense.data(), y_dense.numel());
@@ -119,14 +118,14 @@ TEST_CASE("TensorParallelMlp equals Linear -> ReLU -> Linear, with one all-reduc
       std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
       world.run([&](ThreadComm& comm) {
         Rng rng_dense(9), rng_tp(9);
-        Linear<E> fc1(kIn, kHidden, rng_dense);
-        Linear<E> fc2(kHidden, kOut, rng_dense);
-        ReLU<E> relu;
-        TensorParallelMlp<E> tp(kIn, kHidden, kOut, rng_tp, comm);
+        Linear<CpuThreads64> fc1(kIn, kHidden, rng_dense);
+        Linear<CpuThreads64> fc2(kHidden, kOut, rng_dense);
+        ReLU<CpuThreads64> relu;
+        TensorParallelMlp<CpuThreads64> tp(kIn, kHidden, kOut, rng_tp, comm);
         const T x = random_tensor({kN, kIn}, 7), dy = random_tensor({kN, kOut}, 8);
-        Linear<E>::Cache c1, c2;
-        ReLU<E>::Cache cr;
-        TensorParallelMlp<E>::Cache tc;
+        Linear<CpuThreads64>::Cache c1, c2;
+        ReLU<CpuThreads64>::Cache cr;
+        TensorParallelMlp<CpuThreads64>::Cache tc;
         const T& y_dense = fc2.forward(relu.forward(fc1.forward(x, c1), cr), c2);
         const T& y_tp = tp.forward(x, tc);
         double d = max_diff(y_tp.data(), y_dense.data(), y_dense.numel());
@@ -155,9 +154,9 @@ TEST_CASE("Tensor-parallel layers name a split that does not divide", "[parallel
   ThreadWorld world(3);
   world.run([](ThreadComm& comm) {
     Rng rng(1);
-    CHECK_THROWS_WITH((ColumnParallelLinear<E>(4, 8, rng, comm)),
+    CHECK_THROWS_WITH((ColumnParallelLinear<CpuThreads64>(4, 8, rng, comm)),
                       Catch::Contains("ColumnParallelLinear: out_features=8 does not divide over 3 ranks"));
-    CHECK_THROWS_WITH((RowParallelLinear<E>(8, 4, rng, comm)),
+    CHECK_THROWS_WITH((RowParallelLinear<CpuThreads64>(8, 4, rng, comm)),
                       Catch::Contains("RowParallelLinear: in_features=8 does not divide over 3 ranks"));
   });
 }
@@ -210,11 +209,11 @@ TEST_CASE("TensorParallelBottleneck equals the dense bottleneck: output, dL/dx, 
         world.run([&](ThreadComm& comm) {
           Rng rng(21);
           const std::int64_t in = projection ? 8 : 16, planes = 4, stride = projection ? 2 : 1;
-          Bottleneck<E> dense(in, planes, stride, rng, /*zero_init_last_bn=*/false);
-          TensorParallelBottleneck<E> tp(dense, comm);
+          Bottleneck<CpuThreads64> dense(in, planes, stride, rng, /*zero_init_last_bn=*/false);
+          TensorParallelBottleneck<CpuThreads64> tp(dense, comm);
           const T x = random_tensor({3, in, 6, 6}, 22);
-          Bottleneck<E>::Cache dc{};
-          TensorParallelBottleneck<E>::Cache tc{};
+          Bottleneck<CpuThreads64>::Cache dc{};
+          TensorParallelBottleneck<CpuThreads64>::Cache tc{};
           const T& y_dense = dense.forward(x, dc);
           const T& y_tp = tp.forward(x, tc);
           REQUIRE(y_tp.shape() == y_dense.shape());
@@ -238,15 +237,15 @@ TEST_CASE("TensorParallelResNet equals the dense bottleneck ResNet through SGD s
       std::vector<double> worst(static_cast<std::size_t>(ranks), 1.0);
       world.run([&](ThreadComm& comm) {
         // ImageNet stem (7x7/2 conv, max-pool), two bottleneck stages, 8 classes.
-        auto make = [] { return ResNet<E, Bottleneck>({1, 1}, {4, 8}, true, {.in_channels = 1, .num_classes = 8, .seed = 3}); };
+        auto make = [] { return ResNet<CpuThreads64, Bottleneck>({1, 1}, {4, 8}, true, {.in_channels = 1, .num_classes = 8, .seed = 3}); };
         auto dense = make();
         auto to_split = make();
-        TensorParallelResNet<E> tp(to_split, comm);
+        TensorParallelResNet<CpuThreads64> tp(to_split, comm);
         auto dense_params = named_tensors(dense);
         auto tp_params = named_tensors(tp);
-        Sgd<E> sgd_dense(dense_params, {.lr = 0.1, .momentum = 0.9});
-        Sgd<E> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
-        CrossEntropyLoss<E> loss;
+        Sgd<CpuThreads64> sgd_dense(dense_params, {.lr = 0.1, .momentum = 0.9});
+        Sgd<CpuThreads64> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
+        CrossEntropyLoss<CpuThreads64> loss;
         double d = 0;
         for (int step = 0; step < 3; ++step) {
           const T x = random_tensor({4, 1, 16, 16}, 30 + static_cast<std::uint64_t>(step));
@@ -254,8 +253,8 @@ TEST_CASE("TensorParallelResNet equals the dense bottleneck ResNet through SGD s
           sgd_dense.zero_grad();
           sgd_tp.zero_grad();
           decltype(dense)::Cache dc{};
-          TensorParallelResNet<E>::Cache tc{};
-          CrossEntropyLoss<E>::Cache lc_dense, lc_tp;
+          TensorParallelResNet<CpuThreads64>::Cache tc{};
+          CrossEntropyLoss<CpuThreads64>::Cache lc_dense, lc_tp;
           const double l_dense = loss.forward(dense.forward(x, dc), y, lc_dense);
           const double l_tp = loss.forward(tp.forward(x, tc), y, lc_tp);
           d = std::max(d, std::abs(l_dense - l_tp));
@@ -285,16 +284,16 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
     ThreadComm tp_comm = comm.split(replica, tp_rank);
     ThreadComm dp_comm = comm.split(tp_rank, replica);
     Rng rng_tp(41), rng_dense(41);
-    TensorParallelMlp<E> tp(kIn, kHidden, kOut, rng_tp, tp_comm);
-    Linear<E> fc1(kIn, kHidden, rng_dense), fc2(kHidden, kOut, rng_dense);
-    ReLU<E> relu;
+    TensorParallelMlp<CpuThreads64> tp(kIn, kHidden, kOut, rng_tp, tp_comm);
+    Linear<CpuThreads64> fc1(kIn, kHidden, rng_dense), fc2(kHidden, kOut, rng_dense);
+    ReLU<CpuThreads64> relu;
     DataParallel dp(tp, dp_comm);  // averages each slice over the replicas only
     auto tp_params = named_tensors(tp);
-    Sgd<E> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
+    Sgd<CpuThreads64> sgd_tp(tp_params, {.lr = 0.1, .momentum = 0.9});
     // The dense reference trains on the global batch of 2 x kN rows; the weights are compared
     // (they carry every step's effect, biases included).
-    Sgd<E> sgd_dense(named_tensors(fc1), {.lr = 0.1, .momentum = 0.9});
-    Sgd<E> sgd_dense2(named_tensors(fc2), {.lr = 0.1, .momentum = 0.9});
+    Sgd<CpuThreads64> sgd_dense(named_tensors(fc1), {.lr = 0.1, .momentum = 0.9});
+    Sgd<CpuThreads64> sgd_dense2(named_tensors(fc2), {.lr = 0.1, .momentum = 0.9});
     double d = 0;
     for (int step = 0; step < 3; ++step) {
       const T x = random_tensor({2 * kN, kIn}, 50 + static_cast<std::uint64_t>(step));
@@ -303,8 +302,8 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
       // replica's half then carries dy / kN for the mean over its kN rows, averaged over 2.
       sgd_dense.zero_grad();
       sgd_dense2.zero_grad();
-      Linear<E>::Cache c1, c2;
-      ReLU<E>::Cache cr;
+      Linear<CpuThreads64>::Cache c1, c2;
+      ReLU<CpuThreads64>::Cache cr;
       fc2.forward(relu.forward(fc1.forward(x, c1), cr), c2);
       T dy_dense({2 * kN, kOut});
       for (std::int64_t k = 0; k < dy_dense.numel(); ++k) dy_dense.data()[k] = dy_global.data()[k] / (2.0 * kN);
@@ -316,7 +315,7 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
       T x_mine({kN, kIn}), dy_mine({kN, kOut});
       std::copy_n(x.data() + replica * kN * kIn, kN * kIn, x_mine.data());
       for (std::int64_t k = 0; k < dy_mine.numel(); ++k) dy_mine.data()[k] = dy_global.data()[replica * kN * kOut + k] / kN;
-      TensorParallelMlp<E>::Cache tc;
+      TensorParallelMlp<CpuThreads64>::Cache tc;
       tp.forward(x_mine, tc);
       tp.backward(dy_mine, tc);
       dp.finish();

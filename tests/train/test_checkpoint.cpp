@@ -76,7 +76,7 @@ struct Run {
       : trainer(model, sgd, CosineLr{0.05, 3.0, 0.0}, {.epochs = epochs, .checkpoint_path = ckpt, .verbose = false}) {}
 };
 
-const Dataset& data() {
+const Dataset& checkpoint_images() {
   static const Dataset d = SyntheticImages(96, 1, 10, 10, 4, 5);
   return d;
 }
@@ -117,7 +117,7 @@ std::string error_of(Fn&& fn) {
 TEST_CASE("Checkpoint: save then load restores parameters, buffers and optimizer state", "[train]") {
   const auto dir = checkpoint_temp_dir();
   Run a(1);
-  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});
   a.trainer.fit(loader);
   a.trainer.save((dir / "a.safetensors").string());
 
@@ -137,17 +137,17 @@ TEST_CASE("Checkpoint: save then load restores parameters, buffers and optimizer
 TEST_CASE("Resume: 2 epochs + save + load + 1 epoch equals 3 epochs straight, bit for bit", "[train]") {
   const auto dir = checkpoint_temp_dir();
   Run straight(3);
-  DataLoader<float> loader1(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> loader1(checkpoint_images(), {.batch_size = 16, .seed = 1});
   straight.trainer.fit(loader1);
 
   {
     Run first(2, (dir / "two.safetensors").string());
-    DataLoader<float> loader2(data(), {.batch_size = 16, .seed = 1});
+    DataLoader<float> loader2(checkpoint_images(), {.batch_size = 16, .seed = 1});
     first.trainer.fit(loader2);
   }
   Run resumed(3);
   resumed.trainer.load((dir / "two.safetensors").string());
-  DataLoader<float> loader3(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> loader3(checkpoint_images(), {.batch_size = 16, .seed = 1});
   resumed.trainer.fit(loader3);
   CHECK(identical(snapshot(straight.model), snapshot(resumed.model)));
   CHECK(resumed.trainer.state().global_step == straight.trainer.state().global_step);
@@ -263,7 +263,7 @@ TEST_CASE("Checkpoint of a much larger model: a dozen problems listed, the rest 
 TEST_CASE("Checkpoint: a negative optimizer step is refused, not taken for a fresh start", "[train][checkpoint]") {
   const auto dir = checkpoint_temp_dir();
   Run a(2);
-  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});
   a.trainer.fit(loader);
   REQUIRE(a.sgd.steps() == 12);
   const std::string path = (dir / "negative.safetensors").string();
@@ -292,17 +292,17 @@ TEST_CASE("Resume is exact with Dropout: its generator state is in the checkpoin
         : trainer(model, sgd, ConstantLr{0.05}, {.epochs = 3, .checkpoint_path = ckpt, .verbose = false}) {}
   };
   DropoutRun straight;
-  DataLoader<float> l1(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> l1(checkpoint_images(), {.batch_size = 16, .seed = 1});
   straight.trainer.fit(l1);
   {
     DropoutRun first((dir / "drop.safetensors").string());
-    DataLoader<float> l2(data(), {.batch_size = 16, .seed = 1});
+    DataLoader<float> l2(checkpoint_images(), {.batch_size = 16, .seed = 1});
     first.trainer.fit(l2, nullptr, /*stop_after=*/2);
   }
   DropoutRun resumed;
   resumed.trainer.load((dir / "drop.safetensors").string());
   CHECK(SafetensorsFile::load((dir / "drop.safetensors").string()).metadata().count("3.rng") == 1);
-  DataLoader<float> l3(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> l3(checkpoint_images(), {.batch_size = 16, .seed = 1});
   resumed.trainer.fit(l3);
   CHECK(identical(snapshot(straight.model), snapshot(resumed.model)));
   fs::remove_all(dir);
@@ -312,14 +312,14 @@ TEST_CASE("Resume refuses a data loader with other settings than the checkpoint'
   const auto dir = checkpoint_temp_dir();
   {
     Run first(3, (dir / "a.safetensors").string());
-    DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+    DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});
     first.trainer.fit(loader, nullptr, 1);
   }
   Run resumed(3);
   resumed.trainer.load((dir / "a.safetensors").string());
-  DataLoader<float> other_batch(data(), {.batch_size = 8, .seed = 1});
+  DataLoader<float> other_batch(checkpoint_images(), {.batch_size = 8, .seed = 1});
   CHECK_THROWS_WITH(resumed.trainer.fit(other_batch), Catch::Contains("batch size 16"));
-  DataLoader<float> other_seed(data(), {.batch_size = 16, .seed = 2});
+  DataLoader<float> other_seed(checkpoint_images(), {.batch_size = 16, .seed = 2});
   CHECK_THROWS_WITH(resumed.trainer.fit(other_seed), Catch::Contains("seed 1"));
   fs::remove_all(dir);
 }
@@ -443,7 +443,7 @@ TEST_CASE("Checkpoint: NaN and Inf are refused on save and on load unless allowe
   const std::string path = (dir / "nan.safetensors").string();
   constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   Run a(1);
-  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});
   a.trainer.fit(loader);
   auto& fc = *a.named.parameters.back().second;  // fc.bias (4)
   auto& fc_weight = *a.named.parameters[a.named.parameters.size() - 2].second;
@@ -533,7 +533,7 @@ TEST_CASE("Resume at another world size keeps the global batch: allowed when it 
   {
     // Rank 0 of 2 with a global batch of 16 (8 per rank), stopped mid-epoch 2 (6 steps per epoch).
     Run first(3, path);
-    DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = 0, .world_size = 2});
+    DataLoader<float> loader(checkpoint_images(), {.batch_size = 8, .seed = 1, .rank = 0, .world_size = 2});
     Trainer<ResNet<E, BasicBlock>, Sgd<E>> stopping(first.model, first.sgd, CosineLr{0.05, 3.0, 0.0},
                                                     {.epochs = 3, .checkpoint_path = path, .verbose = false,
                                                      .stop_after_steps = 9});
@@ -543,7 +543,7 @@ TEST_CASE("Resume at another world size keeps the global batch: allowed when it 
   }
   // The same global batch on 1 rank: an elastic resume, at batch 48 / 16 = 3 of epoch 2.
   Run resumed(3);
-  DataLoader<float> one_rank(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> one_rank(checkpoint_images(), {.batch_size = 16, .seed = 1});
   resumed.trainer.load(path, one_rank);
   CHECK(resumed.trainer.state().loader_next_batch == 3);
   CHECK(resumed.trainer.state().loader_world_size == 1);
@@ -553,13 +553,13 @@ TEST_CASE("Resume at another world size keeps the global batch: allowed when it 
   CHECK(resumed.trainer.state().global_step == 9 + 3 + 6);
   // 1 rank with 8 per sample would halve the global batch: refused naming what it must be.
   Run halved(3);
-  DataLoader<float> eight(data(), {.batch_size = 8, .seed = 1});
+  DataLoader<float> eight(checkpoint_images(), {.batch_size = 8, .seed = 1});
   CHECK_THAT(error_of<ArgumentError>([&] { halved.trainer.load(path, eight); }),
              Catch::Contains("'" + path + "' was saved at world size 2 with a global batch of 16 (2 x 8)") &&
                  Catch::Contains("at world size 1 the loader's batch_size must be 16, but it is 8"));
   // 3 ranks cannot split 16.
   Run three(3);
-  DataLoader<float> rank0_of_3(data(), {.batch_size = 5, .seed = 1, .rank = 0, .world_size = 3});
+  DataLoader<float> rank0_of_3(checkpoint_images(), {.batch_size = 5, .seed = 1, .rank = 0, .world_size = 3});
   CHECK_THAT(error_of<ArgumentError>([&] { three.trainer.load(path, rank0_of_3); }),
              Catch::Contains("'" + path + "' was saved by a run at world size 2 (2 ranks) with a global batch of 16 (8 "
                              "per rank); this run has world size 3, which does not divide the global batch 16") &&
@@ -593,7 +593,7 @@ TEST_CASE("Resume under data parallelism is exact when ranks seed their Dropout 
                 Linear<TE>(32, 4, rng)};
       DataParallel dp(model, comm);
       Sgd<TE> sgd(dp.parameters(), {.lr = 0.05, .momentum = 0.9});
-      DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = rank, .world_size = 2});
+      DataLoader<float> loader(checkpoint_images(), {.batch_size = 8, .seed = 1, .rank = rank, .world_size = 2});
       Trainer trainer(model, sgd, ConstantLr{0.05},
                       {.epochs = 3, .checkpoint_path = save, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
       if (!resume.empty()) trainer.load(resume);
@@ -702,7 +702,7 @@ TEST_CASE("Trainer: with a checkpoint group, an epoch's training figures are ove
     auto model = make();
     DataParallel dp(model, comm);
     Sgd<TE> sgd(dp.parameters(), {.lr = 0.05});
-    DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+    DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});
     Trainer trainer(model, sgd, ConstantLr{0.05}, {.epochs = 1, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
     one = trainer.fit(loader).back();
   });
@@ -712,7 +712,7 @@ TEST_CASE("Trainer: with a checkpoint group, an epoch's training figures are ove
     auto model = make();
     DataParallel dp(model, comm);
     Sgd<TE> sgd(dp.parameters(), {.lr = 0.05});
-    DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = comm.rank(), .world_size = 2});
+    DataLoader<float> loader(checkpoint_images(), {.batch_size = 8, .seed = 1, .rank = comm.rank(), .world_size = 2});
     Trainer trainer(model, sgd, ConstantLr{0.05}, {.epochs = 1, .verbose = false, .checkpoint_group = CheckpointGroup(comm)});
     two[static_cast<std::size_t>(comm.rank())] = trainer.fit(loader).back();
   });
@@ -727,7 +727,7 @@ TEST_CASE("Trainer: with a checkpoint group, an epoch's training figures are ove
   CHECK(two[0].train_accuracy == one.train_accuracy);
   // images/s: all ranks' images over the slowest rank's time; each rank's own is about half.
   CHECK(two[0].images_per_second >= two[0].rank_images_per_second);
-  CHECK(two[0].images_per_second == Approx(static_cast<double>(data().labels.size()) / two[0].seconds));
+  CHECK(two[0].images_per_second == Approx(static_cast<double>(checkpoint_images().labels.size()) / two[0].seconds));
 }
 
 TEST_CASE("StopSignals: a signal saves the checkpoint at the next step and fit stops there", "[train][checkpoint]") {
@@ -743,7 +743,7 @@ TEST_CASE("StopSignals: a signal saves the checkpoint at the next step and fit s
     CHECK_THROWS_WITH(StopSignals(), Catch::Contains("one already exists in this process"));
     Net model = make();
     Sgd<E> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
-    DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});  // 6 steps per epoch
+    DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});  // 6 steps per epoch
     std::int64_t steps = 0;
     // SIGUSR1 arrives during step 3 (its before_step): the step completes, the checkpoint is saved
     // after it, mid-epoch 1, and fit returns without running step 4.
@@ -778,7 +778,7 @@ TEST_CASE("checkpoint_every_steps saves in the middle of an epoch", "[train][che
   Run run(1), probe(1);
   // Whether the file exists as each of the epoch's 6 steps runs: first saved after step 4.
   std::vector<bool> existed;
-  DataLoader<float> loader(data(), {.batch_size = 16, .seed = 1});
+  DataLoader<float> loader(checkpoint_images(), {.batch_size = 16, .seed = 1});
   Trainer<ResNet<E, BasicBlock>, Sgd<E>> trainer(run.model, run.sgd, ConstantLr{0.05},
                                                  {.epochs = 1, .checkpoint_path = path, .verbose = false,
                                                   .before_step = [&] { existed.push_back(fs::exists(path)); },
@@ -805,7 +805,7 @@ TEST_CASE("StopSignals under data parallelism: every rank stops at the same step
     Net model{Flatten<TE>(), Linear<TE>(100, 16, rng), ReLU<TE>(), Linear<TE>(16, 4, rng)};
     DataParallel dp(model, comm);
     Sgd<TE> sgd(dp.parameters(), {.lr = 0.05});
-    DataLoader<float> loader(data(), {.batch_size = 8, .seed = 1, .rank = rank, .world_size = 2});
+    DataLoader<float> loader(checkpoint_images(), {.batch_size = 8, .seed = 1, .rank = rank, .world_size = 2});
     std::int64_t steps = 0;
     // Only rank 1 raises it, during its step 2; rank 0 may see the flag a step later on its own.
     Trainer trainer(model, sgd, ConstantLr{0.05},
