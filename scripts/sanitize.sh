@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the unit tests (tests/tessera_tests, every Catch2 case) with AddressSanitizer and
-# UndefinedBehaviorSanitizer (tests at -O0, the kernels library at -O1, -g1,
+# UndefinedBehaviorSanitizer (tests at -Og, the kernels library at -O1, -g1,
 # -fno-sanitize-recover=undefined: any report fails the run)
 # in a build directory of their own, and runs them. Exit 0 when every case passes with no
 # sanitizer report, 1 otherwise.

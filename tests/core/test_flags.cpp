@@ -31,7 +31,6 @@ struct Args {
   Flags flags() { return Flags(static_cast<int>(argv.size()), argv.data()); }
 };
 
-
 }  // namespace
 
 TEST_CASE("Flags ranges: values in range pass, out of range name flag, value and range", "[core][flags]") {

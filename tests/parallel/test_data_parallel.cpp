@@ -11,12 +11,8 @@
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
 #include "tessera/models/mlp.hpp"
-#include "tessera/train/timeline.hpp"
 
 #include <cmath>
-#include <cstdio>
-#include <mutex>
-#include <unistd.h>
 #include "tessera/parallel/zero.hpp"
 
 using namespace tessera;

@@ -9,13 +9,8 @@
 #include "parallel/dp_equivalence.hpp"
 #include "tessera/comm/launch.hpp"
 #include "tessera/comm/threads.hpp"
-#include "tessera/data/loader.hpp"
-#include "tessera/data/synthetic.hpp"
-#include "tessera/models/mlp.hpp"
 #include "tessera/train/timeline.hpp"
 
-#include <cmath>
-#include <cstdio>
 #include <mutex>
 #include <unistd.h>
 #include "tessera/parallel/zero.hpp"
