@@ -2,9 +2,10 @@
 // the host, so both devices start from identical values), runs forward on the same seeded input
 // and backward on the same seeded dy, and returns every output, input gradient and parameter
 // gradient as host doubles. Optimizer cases run three steps on fixed gradients and return the
-// parameters (and state). The same template runs in two translation units: the host compiler's
-// (Eigen gemm, Env<Cpu, ...>) and nvcc's (cuBLAS, Env<Cuda, ...>), because Eigen stays out of
-// nvcc; layer_equivalence_main.cpp compares them case by case.
+// parameters (and state). The same template runs on Env<Cpu, ...> (layer_equivalence_main.cpp)
+// and on Env<Cuda, ...> (layer_equivalence_cuda.cpp, which links the CUDA kernels: a unit compiled
+// by nvcc would leave Eigen's gemm out, so each device has a unit of its own); main compares them
+// case by case.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +38,7 @@ namespace tessera::testing {
 using Outputs = std::map<std::string, std::vector<double>>;
 
 // Every case, in the order they run. Dropout is not here: its masks come from different random
-// streams on the two devices; tests/cuda/layer_equivalence_cuda.cu checks its distribution.
+// streams on the two devices; tests/cuda/layer_equivalence_cuda.cpp checks its distribution.
 inline constexpr std::string_view kEquivalenceCases[] = {
     "linear", "linear_no_bias", "relu", "gelu", "gelu_tanh", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
     "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",

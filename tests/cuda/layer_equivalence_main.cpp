@@ -1,6 +1,5 @@
 // CPU-vs-CUDA equivalence of every layer, loss and optimizer with a CUDA kernel (the CPU half is
-// this translation unit, compiled by the host compiler; the CUDA half is
-// layer_equivalence_cuda.cu). Prints one line per case; exits 77 (skipped) without a GPU.
+// this translation unit; the CUDA half is layer_equivalence_cuda.cpp). Prints one line per case; exits 77 (skipped) without a GPU.
 //
 // Tolerance: float32 on both devices, relative 2e-4 of max(1, |cpu|) per element: cuBLAS and
 // Eigen sum products in different orders, and the GPU's exp/erf differ from glibc's in the last

@@ -7,4 +7,7 @@
 #include "tessera/kernels/cuda/conv2d.cuh"
 #else
 #include "tessera/kernels/cpu/conv2d.hpp"
+#if defined(TESSERA_COMPILED_CUDA_KERNELS)  // the Cuda overloads too (kernels/cuda/declarations.hpp)
+#include "tessera/kernels/cuda/declarations.hpp"
+#endif
 #endif

@@ -6,4 +6,6 @@
 #include "tessera/kernels/cpu/elementwise.hpp"
 #if defined(__CUDACC__)
 #include "tessera/kernels/cuda/elementwise.cuh"
+#elif defined(TESSERA_COMPILED_CUDA_KERNELS)  // their declarations (kernels/cuda/declarations.hpp)
+#include "tessera/kernels/cuda/declarations.hpp"
 #endif

@@ -19,6 +19,9 @@
 #else
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/gemm_bf16.hpp"
+#if defined(TESSERA_COMPILED_CUDA_KERNELS)  // the Cuda overloads too (kernels/cuda/declarations.hpp)
+#include "tessera/kernels/cuda/declarations.hpp"
+#endif
 #endif
 
 namespace tessera {

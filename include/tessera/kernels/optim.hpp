@@ -9,4 +9,6 @@
 #include "tessera/kernels/cuda/lamb.cuh"
 #include "tessera/kernels/cuda/lars.cuh"
 #include "tessera/kernels/cuda/sgd.cuh"
+#elif defined(TESSERA_COMPILED_CUDA_KERNELS)  // their declarations (kernels/cuda/declarations.hpp)
+#include "tessera/kernels/cuda/declarations.hpp"
 #endif

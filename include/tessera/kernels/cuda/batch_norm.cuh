@@ -305,15 +305,15 @@ void batch_norm_invstd(Cuda, std::int64_t channels, const S* var, double eps, S*
 }
 template <class S>
 void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
-                          const S* beta, S* y, bool relu = false) {
+                          const S* beta, S* y, bool relu) {
   if (s.numel() == 0) return;
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x, y);
   TESSERA_BN_LAUNCH(cuda_detail::bn_normalize_kernel, S, g, x, s, mean, invstd, gamma, beta, y, relu);
 }
 template <class S>
 void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean,
-                                    const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu = false,
-                                    const S* gamma = nullptr, const S* beta = nullptr) {
+                                    const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu,
+                                    const S* gamma, const S* beta) {
   if (s.c == 0) return;
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, x);
   const cuda_detail::PartialSums partial(g);
@@ -324,7 +324,7 @@ void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShap
 template <class S>
 void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
-                               S* dx, bool relu = false, const S* beta = nullptr) {
+                               S* dx, bool relu, const S* beta) {
   if (s.numel() == 0) return;
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, x, dx);
   TESSERA_BN_LAUNCH(cuda_detail::bn_backward_input_kernel, S, g, dy, x, s, mean, invstd, gamma, sum_dy, sum_dy_xhat,
@@ -332,8 +332,8 @@ void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, 
 }
 template <class S>
 void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
-                                      bool relu = false, const S* x = nullptr, const S* mean = nullptr,
-                                      const S* beta = nullptr) {
+                                      bool relu, const S* x, const S* mean,
+                                      const S* beta) {
   if (s.numel() == 0) return;
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, dx, x);
   TESSERA_BN_LAUNCH(cuda_detail::bn_backward_input_affine_kernel, S, g, dy, s, invstd, gamma, dx, relu, x, mean, beta);

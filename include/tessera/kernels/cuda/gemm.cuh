@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "tessera/device/cuda.cuh"
+#include "tessera/kernels/cuda/declarations.hpp"
 
 namespace tessera {
 

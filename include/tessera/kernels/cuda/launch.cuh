@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "tessera/device/cuda.cuh"
+#include "tessera/kernels/cuda/declarations.hpp"
 
 namespace tessera::cuda_detail {
 

@@ -130,7 +130,7 @@ int main() {
       threw = true;
       const std::string text = e.what();
       check(text.find("CUDA error") != std::string::npos && text.find("cudaMemcpy(nullptr") != std::string::npos &&
-                text.find("test_cuda_device.cu:") != std::string::npos,
+                text.find("test_cuda_device.cpp:") != std::string::npos,
             "the error names the call and its file:line: " + text);
     }
     check(threw, "a bad cudaMemcpy throws CudaError");

@@ -1,5 +1,5 @@
-// The CUDA half of the CPU-vs-CUDA equivalence test (see layer_equivalence.hpp), compiled by
-// nvcc: every case on Env<Cuda, LocalComm>, plus the dropout mask's own check.
+// The CUDA half of the CPU-vs-CUDA equivalence test (see layer_equivalence.hpp): every case on
+// Env<Cuda, LocalComm>, plus the dropout mask's own check.
 #include <cmath>
 #include <limits>
 #include <utility>
