@@ -28,6 +28,7 @@ COMMANDS = [
     ("check_headers.py", [], "check_headers.py"),
     ("check_api_docs.py", [], "check_api_docs.py"),
     ("check_compile_fail.py", [], "check_compile_fail.py"),
+    ("precompile_header.py", [], "precompile_header.py"),
     ("read_checkpoint.py", [], "read_checkpoint.py"),
 ]
 
