@@ -33,6 +33,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import cpu_model  # noqa: E402
 
+# The build's command of a unit without its launcher (ccache would answer a second compile from
+# its cache in 0.04 s), -o and dependency outputs: every run compiles, nothing in the build changes.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tools"))
+from tessera_tools.precompile import without_outputs  # noqa: E402
+
 GOAL_RESNET50_S = 15.0
 
 
@@ -43,31 +48,6 @@ def load_commands(build):
     if not path.exists():
         sys.exit(f"compile: {path} not found; configure the build first (meson setup {build})")
     return json.loads(path.read_text())
-
-
-# Compiler launchers that meson puts in front of the compiler when installed: a second compile of
-# the same unit would be a cache hit (0.04 s), so the compiler is run directly.
-LAUNCHERS = ("ccache", "sccache")
-
-
-def strip_outputs(args):
-    """The command without a compiler launcher and without its -o, -MD/-MQ/-MF dependency outputs,
-    so every run compiles and nothing in the build changes. -fpch-deps goes with them: g++ 12
-    crashes reading a precompiled header with it and no dependency output (src/pch/meson.build)."""
-    if args and os.path.basename(args[0]) in LAUNCHERS:
-        args = args[1:]
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a in ("-o", "-MQ", "-MF", "-MT"):
-            skip = True
-            continue
-        if a in ("-MD", "-MMD", "-fpch-deps"):
-            continue
-        out.append(a)
-    return out
 
 
 def compile_once(args, cwd, obj):
@@ -127,7 +107,7 @@ def main():
         cmd, cwd = command_for(entries, "examples/08_resnet50/" + source, "08_resnet50_threads")
         if cmd is None:
             sys.exit(f"compile: no compile command for examples/08_resnet50/{source}")
-        units[source] = (strip_outputs(cmd), cwd)
+        units[source] = (without_outputs(cmd), cwd)
     print("measuring 08_resnet50 (CpuThreads), each unit and both at once ...", file=sys.stderr)
     per_unit = {name: measure(cmd, cwd, args.runs) for name, (cmd, cwd) in units.items()}
     slowest_unit = max(per_unit, key=lambda k: per_unit[k]["seconds"])
@@ -153,7 +133,7 @@ def main():
     kernels_cmd, kernels_dir = command_for(entries, "src/kernels_cpu.cpp", "tessera_kernels")
     if kernels_cmd is not None:
         print("measuring the compiled kernels (once per build) ...", file=sys.stderr)
-        results["tessera_kernels"] = measure(strip_outputs(kernels_cmd), kernels_dir, args.runs)
+        results["tessera_kernels"] = measure(without_outputs(kernels_cmd), kernels_dir, args.runs)
 
     tests = [e for e in entries if "tessera_tests.p" in e.get("output", e["command"])]
     if tests:
@@ -161,26 +141,26 @@ def main():
         once = {}
         with tempfile.TemporaryDirectory() as tmp:
             for e in tests:
-                s, mb = compile_once(strip_outputs(shlex.split(e["command"])), e["directory"], os.path.join(tmp, "t.o"))
+                s, mb = compile_once(without_outputs(shlex.split(e["command"])), e["directory"], os.path.join(tmp, "t.o"))
                 once[source_name(e)] = {"seconds": round(s, 2), "peak_mb": round(mb, 1)}
         slowest = max(once, key=lambda k: once[k]["seconds"])
         entry = next(e for e in tests if source_name(e) == slowest)
         print(f"measuring the slowest, {slowest} ...", file=sys.stderr)
         results["slowest_test_tu"] = {"file": slowest,
-                                      **measure(strip_outputs(shlex.split(entry["command"])), entry["directory"], args.runs)}
+                                      **measure(without_outputs(shlex.split(entry["command"])), entry["directory"], args.runs)}
         results["test_tus_once"] = once
 
     # tessera.hpp alone, with the 08 command's flags (include paths, -O, -march).
     with tempfile.TemporaryDirectory() as tmp:
         unit = pathlib.Path(tmp) / "umbrella.cpp"
         unit.write_text('#include "tessera/tessera.hpp"\nint main() { return 0; }\n')
-        base = strip_outputs(resnet_cmd)
+        base = without_outputs(resnet_cmd)
         source_index = next(i for i, a in enumerate(base) if a.endswith("examples/08_resnet50/main.cpp"))
         base[source_index] = str(unit)
         print("measuring tessera.hpp alone ...", file=sys.stderr)
         results["umbrella_header"] = measure(base, resnet_dir, args.runs)
 
-    compiler = subprocess.run([strip_outputs(resnet_cmd)[0], "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    compiler = subprocess.run([without_outputs(resnet_cmd)[0], "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     report = {"benchmark": "compile", "cpu": cpu_model(), "cores": os.cpu_count(), "compiler": compiler,
               "runs": args.runs, "build": str(build), "results": results}
     for name in ("resnet50_cpu", "tessera_kernels", "slowest_test_tu", "umbrella_header"):

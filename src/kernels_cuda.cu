@@ -1,6 +1,7 @@
-// The library tessera_cuda_kernels: the float and double instances of every Cuda kernel launcher
-// and Tensor fill for integer elements (kernels/cuda/declarations.hpp lists them), compiled once by nvcc, so that the build's GPU
-// programs are ordinary .cpp units compiled by the host compiler against the declarations.
+// The library tessera_cuda_kernels: the float and double instances of every Cuda kernel launcher,
+// and Tensor fill for integer elements (kernels/cuda/declarations.hpp lists them), compiled once by
+// nvcc, so that the build's GPU programs are ordinary .cpp units compiled by the host compiler
+// against the declarations.
 #include <cstdint>
 
 #include "tessera/kernels/cuda/adam.cuh"

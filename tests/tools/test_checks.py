@@ -14,7 +14,8 @@ import subprocess
 import pytest
 
 from conftest import ROOT
-from tessera_tools.checks import api_docs, headers, precompile
+from tessera_tools import precompile
+from tessera_tools.checks import api_docs, headers
 
 
 def test_headers_self_test() -> None:

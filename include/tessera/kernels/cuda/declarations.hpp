@@ -167,7 +167,7 @@ void lamb_moments(Cuda, std::int64_t n, const S* w, const S* g, S* m, S* v, S* r
 template <class S>
 void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
 
-// The instances src/kernels_cuda.cu defines, for S = float and double (PREFIX is empty there).
+// The instances src/kernels_cuda.cu defines, for S = float and double.
 // Adding a launcher above means adding it here, or a host-compiled program fails to link.
 #define TESSERA_CUDA_KERNEL_INSTANCES(S)                                                                           \
   template void map_forward<S, LeakyReluOp>(Cuda, const LeakyReluOp&, const S*, std::int64_t, S*);                 \

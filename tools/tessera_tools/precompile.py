@@ -7,14 +7,14 @@ but it does not check every -O or -f option, and a .gch made at -O1 and used at 
 entry of a reference source that meson compiles with the options of the programs that will use
 the header, and compiles the header with them:
 
-    precompile_header.py --compdb build/compile_commands.json --reference pch/pch_reference.p/ \\
-        --header build/pch/tessera_threads.hpp --output build/pch/tessera_threads.hpp.gch \\
-        --depfile build/pch/tessera_threads.d
+    precompile_header.py --compdb build/compile_commands.json --reference src/pch/pch_reference.p/ \\
+        --header build/src/pch/tessera_pch.hpp --output build/src/pch/tessera_pch.hpp.gch \\
+        --depfile build/src/pch/tessera_pch.hpp.d
 
 It drops the reference's -c SOURCE, -o OBJECT and its -MD/-MQ/-MF dependency options (and a
 ccache in front), compiles the header as `-x c++-header`, and writes a depfile for the .gch, so
 that ninja remakes it when a header it includes changes. The programs then compile with
-`-include build/pch/tessera_threads.hpp`: g++ finds the .gch beside it and uses it, or, if it is
+`-include build/src/pch/tessera_pch.hpp`: g++ finds the .gch beside it and uses it, or, if it is
 not valid for them, says so and reads the header's text (the result is the same program).
 """
 from __future__ import annotations
@@ -27,41 +27,48 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-# Options whose next argument is the reference's own source, object or dependency file.
-_DROP_WITH_VALUE = {"-o", "-MQ", "-MF", "-MT", "-c"}
-_DROP_ALONE = {"-MD", "-MMD"}
+# Options whose next argument is a unit's own object or dependency file, and those alone that ask
+# for dependency output. -fpch-deps goes with them: g++ 12 crashes reading a precompiled header
+# with it and no dependency output.
+_OUTPUT_WITH_VALUE = {"-o", "-MQ", "-MF", "-MT"}
+_OUTPUT_ALONE = {"-MD", "-MMD", "-fpch-deps"}
 _LAUNCHERS = {"ccache", "sccache", "distcc"}
+
+
+def without_outputs(command: Sequence[str]) -> list[str]:
+    """A compile command without its launcher (ccache), its -o OBJECT and its dependency output
+    (-MD, -MQ/-MF/-MT FILE): what compiles the same unit and writes nothing of the build's
+    (bench/compile.py times units with it)."""
+    args = list(command)
+    while args and pathlib.Path(args[0]).name in _LAUNCHERS:
+        args = args[1:]
+    kept: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in _OUTPUT_WITH_VALUE:
+            skip = True
+        elif not (a in _OUTPUT_ALONE or (a[:3] in ("-MF", "-MQ", "-MT") and len(a) > 3)):
+            kept.append(a)
+    return kept
 
 
 def header_command(reference_command: list[str], header: str, output: str, depfile: str) -> list[str]:
     """The reference's compile command, turned into one that precompiles `header` into `output`."""
-    args = list(reference_command)
-    while args and pathlib.Path(args[0]).name in _LAUNCHERS:
-        args = args[1:]
+    args = without_outputs(reference_command)
+    if "-c" not in args[:-1]:
+        raise ValueError(f"the reference's command compiles no source (-c SOURCE): {' '.join(reference_command)}")
+    i = args.index("-c")
+    del args[i:i + 2]
     if not args:
         raise ValueError("the reference's compile command is empty")
-    compiler, rest = args[0], args[1:]
-    kept: list[str] = []
-    dropped: dict[str, str] = {}
-    value_of = ""
-    for a in rest:
-        if value_of:
-            dropped[value_of] = a
-            value_of = ""
-        elif a in _DROP_WITH_VALUE:
-            value_of = a
-        elif a in _DROP_ALONE or (a[:3] in ("-MF", "-MQ", "-MT") and len(a) > 3):
-            continue
-        else:
-            kept.append(a)
-    if "-c" not in dropped:
-        raise ValueError(f"the reference's command compiles no source (-c SOURCE): {' '.join(reference_command)}")
-    return [compiler, *kept, "-x", "c++-header", header, "-o", output, "-MD", "-MQ", output, "-MF", depfile]
+    return [*args, "-x", "c++-header", header, "-o", output, "-MD", "-MQ", output, "-MF", depfile]
 
 
 def reference_entry(compdb: pathlib.Path, reference: str) -> dict[str, str]:
     """The compile_commands.json entry whose object's path starts with `reference` (a target's
-    private directory, such as pch/pch_reference.p/: one source per target, unlike a source's
+    private directory, such as src/pch/pch_reference.p/: one source per target, unlike a source's
     path, which several targets may compile)."""
     try:
         entries = json.loads(compdb.read_text())
