@@ -8,7 +8,8 @@
 #   scripts/test.sh --full    everything (what CI runs): the quick tier plus the tests of the
 #                             `full` suite, each slow for the reason docs/testing.md gives
 #                             (header check, sanitizer build, fuzzing, Slurm, network namespaces, consumer
-#                             packages, fault campaigns, CUDA builds), after building every target
+#                             packages, fault campaigns, CUDA builds), after building every target;
+#                             the `waits` suite runs beside the rest
 #
 # Other arguments go to `meson test` (a test name, --suite comm, --list, ...).
 set -uo pipefail
@@ -29,16 +30,33 @@ else
   scripts/setup.sh --configure-only || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
   select=(--no-suite full)
 fi
-rm -f build/meson-logs/testlog.json
-meson test -C build --print-errorlogs --num-processes 1 "${select[@]}" "${args[@]}"
-status=$?
+rm -f build/meson-logs/testlog.json build/meson-logs/testlog-waits.json
+if [ "$tier" = full ] && [ ${#args[@]} -eq 0 ]; then
+  # The `waits` suite (Slurm, the fault campaigns, the network namespaces) spends its minutes
+  # waiting on timeouts, polls and shaped links, with a core mostly idle: it runs beside the rest
+  # (everything is built by now, so neither run builds), its report printed when both are done.
+  meson test -C build --no-rebuild --print-errorlogs --num-processes 1 --suite waits --logbase testlog-waits \
+    >build/meson-logs/waits.out 2>&1 &
+  waits=$!
+  meson test -C build --no-rebuild --print-errorlogs --num-processes 1 --no-suite waits
+  status=$?
+  wait $waits || status=1
+  cat build/meson-logs/waits.out
+else
+  meson test -C build --print-errorlogs --num-processes 1 "${select[@]}" "${args[@]}"
+  status=$?
+fi
 python3 - "$tier" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
 tier, seconds = sys.argv[1], int(sys.argv[2])
 counts = {"OK": 0, "FAIL": 0, "SKIP": 0, "TIMEOUT": 0, "ERROR": 0, "EXPECTEDFAIL": 0, "UNEXPECTEDPASS": 0}
-try:
-    lines = open("build/meson-logs/testlog.json").read().splitlines()
-except OSError:
+lines = []
+for log in ("build/meson-logs/testlog.json", "build/meson-logs/testlog-waits.json"):
+    try:
+        lines += open(log).read().splitlines()
+    except OSError:
+        pass
+if not lines:
     print("meson test wrote no log (the build failed?)")
     print("0 passed, 1 failed, 0 skipped")
     sys.exit(0)

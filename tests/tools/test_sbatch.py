@@ -143,3 +143,48 @@ def test_scripts(tmp_path: pathlib.Path) -> None:
         program.chmod(0o755)
         programs[backend] = str(program)
     check_scripts(programs, tmp_path)
+
+
+def fake_slurm(bin_dir: pathlib.Path, states: list[str]) -> pathlib.Path:
+    """An sbatch that submits job 42, and an scontrol that answers `show job` with each of STATES
+    in turn (the last one for good) and logs every call."""
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 42\n")
+    answers = bin_dir / "answers"
+    answers.write_text("".join(f"JobId=42 JobName=t JobState={s}\n" for s in states))
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"""#!/bin/sh
+echo "$@" >> {bin_dir}/calls
+n=$(wc -l < {bin_dir}/calls)
+line=$(sed -n "${{n}}p" {answers})
+[ -n "$line" ] || line=$(tail -n 1 {answers})
+echo "$line"
+""")
+    for f in (sbatch, scontrol):
+        f.chmod(0o755)
+    return sbatch
+
+
+def test_wait_follows_the_job_to_its_end(tmp_path: pathlib.Path) -> None:
+    """--wait polls scontrol (0.2 s, growing) through PENDING, RUNNING and a requeue, and exits
+    with the job's status: the batch script's code, 128 + a signal, 1 for a job with none."""
+    cases = [
+        (["PENDING ExitCode=0:0", "RUNNING ExitCode=0:0", "COMPLETED ExitCode=0:0"], 0),
+        (["RUNNING ExitCode=0:0", "REQUEUED ExitCode=0:0", "PENDING ExitCode=0:0", "FAILED ExitCode=3:0"], 3),
+        (["RUNNING ExitCode=0:0", "CANCELLED ExitCode=0:9"], 137),
+        (["PENDING ExitCode=0:0", "CANCELLED ExitCode=0:0"], 1),
+    ]
+    program = tmp_path / "prog_gloo"
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    for i, (states, status) in enumerate(cases):
+        bin_dir = tmp_path / f"bin{i}"
+        sbatch = fake_slurm(bin_dir, states)
+        rc, out, err = tool("--wait", f"--sbatch={sbatch}", f"--log-dir={tmp_path / f'logs{i}'}", "--", str(program),
+                            timeout=60)
+        expect(rc == status, f"states {states}: exit {rc}, expected {status}: {out}{err}")
+        expect("submitted job 42" in out and "job 42 wrote no summary" in out, f"states {states}: {out}{err}")
+        calls = (bin_dir / "calls").read_text().splitlines()
+        expect(len(calls) == len(states) and all(c == "show job --oneliner 42" for c in calls),
+               f"states {states}: scontrol called {calls}")

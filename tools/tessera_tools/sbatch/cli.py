@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 from tessera_tools.sbatch.options import BACKENDS, JobOptions
@@ -252,25 +253,71 @@ def submit(args: JobOptions, script: str, log_dir: str) -> int:
     if sbatch is None:
         sys.exit(f"tessera-sbatch: '{args.sbatch}' not found: is this a Slurm login node? "
                  f"(the script is in {script_path}; --dry-run prints it)")
-    command = [sbatch, "--parsable"] + (["--wait"] if args.wait else []) + [str(script_path)]
-    done = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert done.stdout is not None
-    job_id = done.stdout.readline().strip().split(";")[0]
-    if not job_id.isdigit():
-        done.wait()
+    scontrol = shutil.which("scontrol", path=str(pathlib.Path(sbatch).parent)) or shutil.which("scontrol")
+    if args.wait and scontrol is None:
+        sys.exit(f"tessera-sbatch: --wait needs scontrol beside {sbatch} or on PATH to follow the job")
+    done = subprocess.run([sbatch, "--parsable", str(script_path)], stdout=subprocess.PIPE, text=True)
+    job_id = done.stdout.strip().split(";")[0]
+    if done.returncode != 0 or not job_id.isdigit():
         sys.exit(f"tessera-sbatch: sbatch did not submit {script_path} (exit {done.returncode})")
     print(f"submitted job {job_id}: script {script_path}, logs {log_dir}/job-{job_id}.out and {log_dir}/job-{job_id}/",
           flush=True)
     if not args.wait:
-        done.wait()
         return 0
-    status = done.wait()
+    assert scontrol is not None
+    status = wait_for_job(scontrol, job_id)
     summary = pathlib.Path(log_dir) / f"job-{job_id}" / "summary.txt"
     if summary.exists():
         print(summary.read_text(), end="")
     else:
         print(f"job {job_id} wrote no summary (it may not have started); see {log_dir}/job-{job_id}.out")
     return status
+
+
+# The states a job leaves only by a requeue (squeue(1), JOB STATE CODES); PENDING, RUNNING,
+# REQUEUED and the rest are still on their way.
+FINAL_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                          "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"})
+
+
+def job_status(state: str, exit_code: str) -> int:
+    """The exit status of a job that ended in STATE with ExitCode=code:signal: the batch script's
+    code, 128 + the signal that killed it (as a shell gives; sbatch --wait says 1), or 1 for a job
+    that ended without a status of its own (cancelled while pending, a node failure), where
+    sbatch --wait would say 0."""
+    code, _, signal = exit_code.partition(":")
+    if code.isdigit() and int(code) != 0:
+        return int(code)
+    if signal.isdigit() and int(signal) != 0:
+        return 128 + int(signal)
+    return 0 if state == "COMPLETED" else 1
+
+
+def wait_for_job(scontrol: str, job_id: str, poll_limit: float = 2.0) -> int:
+    """Polls `scontrol show job` until the job is in a final state; returns its exit status.
+
+    `sbatch --wait` (Slurm 22.05) polls too, after 2 s, 10 s, 42 s, then every 32 s: a job of 3 s
+    returned after 10 s, one of 11 s after 42 s. Here the interval starts at 0.2 s and grows by half
+    up to POLL_LIMIT, so a job returns at most POLL_LIMIT seconds after it ended, and a long one
+    costs slurmctld one small request every POLL_LIMIT seconds. A requeued job goes back to PENDING and is followed to its final end."""
+    interval, failures = 0.2, 0
+    while True:
+        done = subprocess.run([scontrol, "show", "job", "--oneliner", job_id], capture_output=True, text=True,
+                              timeout=60)
+        if done.returncode != 0:
+            # slurmctld may be restarting (failover, upgrade): a few misses in a row are not an error.
+            failures += 1
+            if failures >= 10:
+                sys.exit(f"tessera-sbatch: lost job {job_id}: scontrol show job failed {failures} times in a row: "
+                         f"{done.stderr.strip() or done.stdout.strip()} (the job may still run: squeue -j {job_id})")
+        else:
+            failures = 0
+            fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+            state = fields.get("JobState", "")
+            if state in FINAL_STATES:
+                return job_status(state, fields.get("ExitCode", ""))
+        time.sleep(interval)
+        interval = min(interval * 1.5, poll_limit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
