@@ -80,6 +80,7 @@ compile() {  # compile OUT SOURCE EXTRA_FLAGS...
 }
 # Up to FUZZ_JOBS (default: the number of cores) compiles at once.
 jobs_max="${FUZZ_JOBS:-$(nproc)}"
+[[ $jobs_max =~ ^[1-9][0-9]*$ ]] || { echo "fuzz.sh: FUZZ_JOBS=$jobs_max is not a positive count"; exit 1; }
 for t in "${targets[@]}"; do
   compile "$build/fuzz_$t" "$root/tests/fuzz/fuzz_$t.cpp" &
   while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n; done
@@ -99,18 +100,19 @@ if [[ " ${targets[*]} " == *" safetensors "* ]] && [ ! -x "$build/make_seed_ckpt
 fi
 ((build_only)) && exit 0
 
-[ -n "$report" ] && : >"$report"
-failed=0
-total_runs=0
-for t in "${targets[@]}"; do
+# One target: its run, then its line (and its report's JSON line) into files that are printed
+# in target order once all are done.
+fuzz_one() {
+  local t=$1
   # A fresh working corpus from the committed seeds each time: runs are repeatable (fixed -seed).
-  corpus="$build/corpus/$t"
+  local corpus="$build/corpus/$t"
   rm -rf "$corpus" && mkdir -p "$corpus" && cp "$root/tests/fuzz/corpus/$t/"* "$corpus/" 2>/dev/null
   if [ "$t" = safetensors ]; then
-    "$build/make_seed_ckpt" "$corpus/checkpoint.safetensors" || { echo "fuzz.sh: make_seed_ckpt failed"; exit 1; }
+    "$build/make_seed_ckpt" "$corpus/checkpoint.safetensors" >"$build/fuzz_$t.line" 2>&1 ||
+      { echo "fuzz.sh: make_seed_ckpt failed" >>"$build/fuzz_$t.line"; echo 1 >"$build/fuzz_$t.failed"; return; }
   fi
   rm -f "$build/artifacts/$t-"*
-  log="$build/fuzz_$t.log"
+  local log="$build/fuzz_$t.log" start end rc execs crashes leaks timeouts ooms corpus_files secs bad
   start=$(date +%s.%N)
   # -error_exitcode/-timeout_exitcode: libFuzzer's default 77 would read as "skipped" to meson.
   ASAN_OPTIONS="detect_leaks=1:abort_on_error=0" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
@@ -130,21 +132,40 @@ for t in "${targets[@]}"; do
   bad=$((crashes + leaks + timeouts + ooms))
   # A failure that left no artifact (a sanitizer abort in another thread, say) counts as a crash.
   ((rc != 0 && bad == 0)) && crashes=1
-  printf 'fuzz_%s: %s executions in %s s, %s crashes, %s leaks, %s timeouts, %s out-of-memory, corpus %s inputs (exit %s)\n' \
-    "$t" "$execs" "$secs" "$crashes" "$leaks" "$timeouts" "$ooms" "$corpus_files" "$rc"
-  total_runs=$((total_runs + execs))
-  if ((rc != 0 || bad != 0)); then
-    failed=1
-    echo "--- fuzz_$t: the report in $log"
-    grep -E "ERROR|runtime error|SUMMARY|Test unit written|==[0-9]+==" "$log" | head -20
-    tail -5 "$log"
-  fi
-  if [ -n "$report" ]; then
-    printf '{"target": "fuzz_%s", "executions": %s, "seconds": %s, "crashes": %s, "leaks": %s, "timeouts": %s, "ooms": %s, "corpus_inputs": %s, "seed_inputs": %s, "exit_code": %s, "artifacts": [%s]}\n' \
-      "$t" "$execs" "$secs" "$crashes" "$leaks" "$timeouts" "$ooms" "$corpus_files" \
-      "$(find "$root/tests/fuzz/corpus/$t" -type f | wc -l)" "$rc" \
-      "$(find "$build/artifacts" -name "$t-*" -printf '"%f",' | sed 's/,$//')" >>"$report"
-  fi
+  {
+    printf 'fuzz_%s: %s executions in %s s, %s crashes, %s leaks, %s timeouts, %s out-of-memory, corpus %s inputs (exit %s)\n' \
+      "$t" "$execs" "$secs" "$crashes" "$leaks" "$timeouts" "$ooms" "$corpus_files" "$rc"
+    if ((rc != 0 || bad != 0)); then
+      echo "--- fuzz_$t: the report in $log"
+      grep -E "ERROR|runtime error|SUMMARY|Test unit written|==[0-9]+==" "$log" | head -20
+      tail -5 "$log"
+    fi
+  } >"$build/fuzz_$t.line"
+  echo "$execs" >"$build/fuzz_$t.execs"
+  ((rc != 0 || bad != 0)) && echo 1 >"$build/fuzz_$t.failed"
+  printf '{"target": "fuzz_%s", "executions": %s, "seconds": %s, "crashes": %s, "leaks": %s, "timeouts": %s, "ooms": %s, "corpus_inputs": %s, "seed_inputs": %s, "exit_code": %s, "artifacts": [%s]}\n' \
+    "$t" "$execs" "$secs" "$crashes" "$leaks" "$timeouts" "$ooms" "$corpus_files" \
+    "$(find "$root/tests/fuzz/corpus/$t" -type f | wc -l)" "$rc" \
+    "$(find "$build/artifacts" -name "$t-*" -printf '"%f",' | sed 's/,$//')" >"$build/fuzz_$t.json"
+  echo "fuzz.sh: fuzz_$t done in $secs s" >&2  # progress, should a timeout end the script before the report
+}
+
+# The targets run $jobs_max at a time (each libFuzzer process is one thread): 7 targets of
+# 5 to 18 s took 80 s one after another. A target's -max_total_time is its own.
+for t in "${targets[@]}"; do
+  rm -f "$build/fuzz_$t.line" "$build/fuzz_$t.execs" "$build/fuzz_$t.failed" "$build/fuzz_$t.json"
+  fuzz_one "$t" &
+  while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n; done
+done
+wait
+[ -n "$report" ] && : >"$report"
+failed=0
+total_runs=0
+for t in "${targets[@]}"; do
+  if [ -f "$build/fuzz_$t.line" ]; then cat "$build/fuzz_$t.line"; else echo "fuzz_$t: no result (the run did not finish)"; failed=1; fi
+  [ -f "$build/fuzz_$t.failed" ] && failed=1
+  total_runs=$((total_runs + $(cat "$build/fuzz_$t.execs" 2>/dev/null || echo 0)))
+  [ -n "$report" ] && [ -f "$build/fuzz_$t.json" ] && cat "$build/fuzz_$t.json" >>"$report"
 done
 echo "fuzz.sh: ${#targets[@]} targets, $total_runs executions, $([ $failed = 0 ] && echo "no failures" || echo "FAILURES above")"
 exit $failed

@@ -40,7 +40,51 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 cd "$build" || exit 1
 start=$(date +%s)
-"$build/tests/tessera_tests" --order decl "$@"
-rc=$?
-echo "sanitize.sh: tessera_tests under ASan+UBSan: exit $rc in $(($(date +%s) - start)) s"
-exit $((rc == 0 ? 0 : 1))
+if [ $# -gt 0 ] || [ "$jobs" -lt 2 ]; then
+  "$build/tests/tessera_tests" --order decl "$@"
+  rc=$?
+  echo "sanitize.sh: tessera_tests under ASan+UBSan: exit $rc in $(($(date +%s) - start)) s"
+  exit $((rc == 0 ? 0 : 1))
+fi
+
+# Every case, in shards at once (one per core, at most 4): most cases run on one thread, so one
+# process at a time left the other core idle for a minute and a half. A case goes to shard (its
+# index mod shards), in declaration order. Each shard keeps OMP_NUM_THREADS (the kernels' split
+# loops stay checked with 2 threads) with a passive OpenMP wait, so shards that outnumber the
+# cores yield instead of spinning. Catch2 reads --input-file lines as quoted test specs, where
+# `\`, `,` and `"` are special (a third of the names hold a comma): they are escaped, and each
+# shard's spec is listed back and compared with its names before anything runs, so no case can
+# drop out unnoticed.
+bin="$build/tests/tessera_tests"
+"$bin" --list-test-names-only >"$build/cases.txt"  # exits with the count of cases (at most 255)
+total=$(grep -c . "$build/cases.txt")
+((total > 0)) || { echo "sanitize.sh: $bin lists no cases"; exit 1; }
+shards=$((jobs < 4 ? jobs : 4))
+shards=$((shards < total ? shards : total))
+for ((s = 0; s < shards; s++)); do
+  awk -v s="$s" -v n="$shards" 'NF && (NR - 1) % n == s' "$build/cases.txt" >"$build/shard-$s.names"
+  sed -E 's/[\\,"]/\\&/g' "$build/shard-$s.names" >"$build/shard-$s.txt"
+  "$bin" --list-test-names-only --input-file "$build/shard-$s.txt" >"$build/shard-$s.listed"
+  if ! diff -q "$build/shard-$s.names" "$build/shard-$s.listed" >/dev/null; then
+    echo "sanitize.sh: shard $s's spec ($build/shard-$s.txt) does not select exactly its cases:"
+    diff "$build/shard-$s.names" "$build/shard-$s.listed" | head -10
+    exit 1
+  fi
+done
+pids=()
+for ((s = 0; s < shards; s++)); do
+  OMP_WAIT_POLICY=passive "$bin" --order decl -w NoTests --input-file "$build/shard-$s.txt" >"$build/shard-$s.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for ((s = 0; s < shards; s++)); do
+  if wait "${pids[$s]}"; then
+    tail -n 2 "$build/shard-$s.log"
+  else
+    rc=1
+    echo "sanitize.sh: shard $s of $shards failed; its output ($build/shard-$s.log):"
+    cat "$build/shard-$s.log"
+  fi
+done
+echo "sanitize.sh: tessera_tests under ASan+UBSan: $total cases in $shards shards: exit $rc in $(($(date +%s) - start)) s"
+exit "$rc"

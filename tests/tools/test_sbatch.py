@@ -145,9 +145,10 @@ def test_scripts(tmp_path: pathlib.Path) -> None:
     check_scripts(programs, tmp_path)
 
 
-def fake_slurm(bin_dir: pathlib.Path, states: list[str]) -> pathlib.Path:
+def fake_slurm(bin_dir: pathlib.Path, states: list[str], accounting: str | None = None) -> pathlib.Path:
     """An sbatch that submits job 42, and an scontrol that answers `show job` with each of STATES
-    in turn (the last one for good) and logs every call."""
+    in turn (the last one for good; PURGED: slurmctld's error for a job it no longer knows) and
+    logs every call; with ACCOUNTING, an sacct that prints it."""
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"
     sbatch.write_text("#!/bin/sh\necho 42\n")
@@ -159,10 +160,17 @@ echo "$@" >> {bin_dir}/calls
 n=$(wc -l < {bin_dir}/calls)
 line=$(sed -n "${{n}}p" {answers})
 [ -n "$line" ] || line=$(tail -n 1 {answers})
+case "$line" in
+  *PURGED*) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1 ;;
+esac
 echo "$line"
 """)
-    for f in (sbatch, scontrol):
-        f.chmod(0o755)
+    scontrol.chmod(0o755)
+    sbatch.chmod(0o755)
+    if accounting is not None:
+        sacct = bin_dir / "sacct"
+        sacct.write_text(f"#!/bin/sh\necho '{accounting}'\n")
+        sacct.chmod(0o755)
     return sbatch
 
 
@@ -188,3 +196,19 @@ def test_wait_follows_the_job_to_its_end(tmp_path: pathlib.Path) -> None:
         calls = (bin_dir / "calls").read_text().splitlines()
         expect(len(calls) == len(states) and all(c == "show job --oneliner 42" for c in calls),
                f"states {states}: scontrol called {calls}")
+
+
+def test_wait_for_a_purged_job_asks_the_accounting(tmp_path: pathlib.Path) -> None:
+    """A job slurmctld no longer knows (purged after MinJobAge) gets its status from sacct; with no
+    final record there, tessera-sbatch says so instead of waiting on."""
+    program = tmp_path / "prog_gloo"
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    sbatch = fake_slurm(tmp_path / "bin0", ["RUNNING ExitCode=0:0", "PURGED"], accounting="FAILED|2:0")
+    rc, out, err = tool("--wait", f"--sbatch={sbatch}", f"--log-dir={tmp_path / 'logs0'}", "--", str(program),
+                        timeout=60)
+    expect(rc == 2, f"a purged job that failed with 2 in the accounting: exit {rc}: {out}{err}")
+    sbatch = fake_slurm(tmp_path / "bin1", ["PURGED"], accounting="RUNNING|0:0")
+    rc, out, err = tool("--wait", f"--sbatch={sbatch}", f"--log-dir={tmp_path / 'logs1'}", "--", str(program),
+                        timeout=60)
+    expect(rc != 0 and "no longer knows job 42" in err, f"a purged job without a final record: exit {rc}: {err}")

@@ -293,31 +293,68 @@ def job_status(state: str, exit_code: str) -> int:
     return 0 if state == "COMPLETED" else 1
 
 
-def wait_for_job(scontrol: str, job_id: str, poll_limit: float = 2.0) -> int:
+def final_from_accounting(scontrol: str, job_id: str) -> int | None:
+    """The exit status that Slurm's accounting (sacct, beside scontrol or on PATH) has for a job
+    slurmctld no longer knows (purged MinJobAge seconds after its end); None without accounting
+    or a final record."""
+    sacct = shutil.which("sacct", path=str(pathlib.Path(scontrol).parent)) or shutil.which("sacct")
+    if sacct is None:
+        return None
+    try:
+        done = subprocess.run([sacct, "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in done.stdout.splitlines():
+        state, _, exit_code = line.partition("|")
+        state = state.split()[0] if state.strip() else ""
+        if state in FINAL_STATES:
+            return job_status(state, exit_code)
+    return None
+
+
+def wait_for_job(scontrol: str, job_id: str, poll_limit: float = 2.0, outage_limit: float = 600.0) -> int:
     """Polls `scontrol show job` until the job is in a final state; returns its exit status.
 
     `sbatch --wait` (Slurm 22.05) polls too, after 2 s, 10 s, 42 s, then every 32 s: a job of 3 s
     returned after 10 s, one of 11 s after 42 s. Here the interval starts at 0.2 s and grows by half
     up to POLL_LIMIT, so a job returns at most POLL_LIMIT seconds after it ended, and a long one
-    costs slurmctld one small request every POLL_LIMIT seconds. A requeued job goes back to PENDING and is followed to its final end."""
-    interval, failures = 0.2, 0
-    while True:
-        done = subprocess.run([scontrol, "show", "job", "--oneliner", job_id], capture_output=True, text=True,
-                              timeout=60)
-        if done.returncode != 0:
-            # slurmctld may be restarting (failover, upgrade): a few misses in a row are not an error.
-            failures += 1
-            if failures >= 10:
-                sys.exit(f"tessera-sbatch: lost job {job_id}: scontrol show job failed {failures} times in a row: "
-                         f"{done.stderr.strip() or done.stdout.strip()} (the job may still run: squeue -j {job_id})")
-        else:
-            failures = 0
-            fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
-            state = fields.get("JobState", "")
-            if state in FINAL_STATES:
-                return job_status(state, fields.get("ExitCode", ""))
-        time.sleep(interval)
-        interval = min(interval * 1.5, poll_limit)
+    costs slurmctld one small request every POLL_LIMIT seconds. A requeued job goes back to PENDING
+    and is followed to its final end. slurmctld out of reach (a failover, an upgrade) is waited
+    out for OUTAGE_LIMIT seconds; a job it no longer knows is looked up in the accounting."""
+    interval = 0.2
+    unreachable_since: float | None = None
+    try:
+        while True:
+            try:
+                done = subprocess.run([scontrol, "show", "job", "--oneliner", job_id], capture_output=True,
+                                      text=True, timeout=60)
+                answer, error = done.stdout, (done.stderr.strip() or done.stdout.strip())
+                ok = done.returncode == 0
+            except (OSError, subprocess.TimeoutExpired) as e:
+                answer, error, ok = "", str(e), False
+            if ok:
+                unreachable_since = None
+                fields = dict(re.findall(r"(\w+)=(\S*)", answer))
+                state = fields.get("JobState", "")
+                if state in FINAL_STATES:
+                    return job_status(state, fields.get("ExitCode", ""))
+            elif "invalid job id" in error.lower():
+                status = final_from_accounting(scontrol, job_id)
+                if status is not None:
+                    return status
+                sys.exit(f"tessera-sbatch: slurmctld no longer knows job {job_id} (purged after it ended, "
+                         f"MinJobAge) and there is no accounting (sacct) to ask: see its logs")
+            else:
+                now = time.monotonic()
+                unreachable_since = now if unreachable_since is None else unreachable_since
+                if now - unreachable_since > outage_limit:
+                    sys.exit(f"tessera-sbatch: lost job {job_id}: scontrol show job has failed for "
+                             f"{now - unreachable_since:.0f} s: {error} (the job may still run: squeue -j {job_id})")
+            time.sleep(interval)
+            interval = min(interval * 1.5, poll_limit)
+    except KeyboardInterrupt:
+        sys.exit(f"tessera-sbatch: stopped waiting; job {job_id} goes on (squeue -j {job_id}; scancel {job_id})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
