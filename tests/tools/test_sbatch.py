@@ -135,13 +135,18 @@ def check_scripts(programs: dict[str, str], work: pathlib.Path) -> None:
     print(f"ok: {len(bad)} kinds of bad input refused with a message")
 
 
+def stub_program(path: pathlib.Path) -> pathlib.Path:
+    """An executable that does nothing: a program for tessera-sbatch to name (it resolves and
+    checks the path; nothing runs it here)."""
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
 def test_scripts(tmp_path: pathlib.Path) -> None:
     programs = {}
     for backend in ("mpi", "gloo"):
-        program = tmp_path / f"conformance_{backend}"
-        program.write_text("#!/bin/sh\n")
-        program.chmod(0o755)
-        programs[backend] = str(program)
+        programs[backend] = str(stub_program(tmp_path / f"conformance_{backend}"))
     check_scripts(programs, tmp_path)
 
 
@@ -183,9 +188,7 @@ def test_wait_follows_the_job_to_its_end(tmp_path: pathlib.Path) -> None:
         (["RUNNING ExitCode=0:0", "CANCELLED ExitCode=0:9"], 137),
         (["PENDING ExitCode=0:0", "CANCELLED ExitCode=0:0"], 1),
     ]
-    program = tmp_path / "prog_gloo"
-    program.write_text("#!/bin/sh\n")
-    program.chmod(0o755)
+    program = stub_program(tmp_path / "prog_gloo")
     for i, (states, status) in enumerate(cases):
         bin_dir = tmp_path / f"bin{i}"
         sbatch = fake_slurm(bin_dir, states)
@@ -201,9 +204,7 @@ def test_wait_follows_the_job_to_its_end(tmp_path: pathlib.Path) -> None:
 def test_wait_for_a_purged_job_asks_the_accounting(tmp_path: pathlib.Path) -> None:
     """A job slurmctld no longer knows (purged after MinJobAge) gets its status from sacct; with no
     final record there, tessera-sbatch says so instead of waiting on."""
-    program = tmp_path / "prog_gloo"
-    program.write_text("#!/bin/sh\n")
-    program.chmod(0o755)
+    program = stub_program(tmp_path / "prog_gloo")
     sbatch = fake_slurm(tmp_path / "bin0", ["RUNNING ExitCode=0:0", "PURGED"], accounting="FAILED|2:0")
     rc, out, err = tool("--wait", f"--sbatch={sbatch}", f"--log-dir={tmp_path / 'logs0'}", "--", str(program),
                         timeout=60)
