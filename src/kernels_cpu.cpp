@@ -16,13 +16,24 @@
 #include "tessera/kernels/cpu/softmax.hpp"
 
 // Non-template code (core/linkage.hpp): defined here, declared everywhere else.
+#include "tessera/comm/async_worker.hpp"
+#include "tessera/comm/call_check.hpp"
+#include "tessera/comm/communicator.hpp"
+#include "tessera/comm/core.hpp"
+#include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/monitor.hpp"
+#include "tessera/comm/threads.hpp"
+#include "tessera/core/allocator.hpp"
+#include "tessera/core/shape.hpp"
 #include "tessera/data/dataset.hpp"
 #include "tessera/data/fashion_mnist.hpp"
 #include "tessera/data/idx.hpp"
+#include "tessera/data/loader.hpp"
 #include "tessera/io/flags.hpp"
 #include "tessera/io/json.hpp"
 #include "tessera/io/safetensors.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/layers/pool.hpp"
 #include "tessera/parallel/agreement.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
@@ -41,8 +52,23 @@ TESSERA_DEFINE_INSTANCES(TESSERA_CPU_LOSS_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_OPTIM_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_SOFTMAX_INSTANCES)
 
+// Class templates every program instantiates the same way (their headers declare them extern).
+template class BasicCachingAllocator<HostMemory>;
+template class DataLoader<float>;
+template class DataLoader<double>;
+
 }  // namespace tessera
 
 namespace tessera::detail {
 TESSERA_REDUCE_ALL_INSTANCES()
 }  // namespace tessera::detail
+
+// ThreadComm's collectives for every CommScalar (comm/threads.hpp lists them).
+namespace tessera {
+TESSERA_THREAD_COMM_INSTANCES(float)
+TESSERA_THREAD_COMM_INSTANCES(double)
+TESSERA_THREAD_COMM_INSTANCES(std::int32_t)
+TESSERA_THREAD_COMM_INSTANCES(std::int64_t)
+TESSERA_THREAD_COMM_INSTANCES(Half)
+TESSERA_THREAD_COMM_INSTANCES(BHalf)
+}  // namespace tessera

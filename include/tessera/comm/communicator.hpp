@@ -33,20 +33,13 @@
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/half.hpp"
+#include "tessera/core/linkage.hpp"  // non-template functions: defined at the end (inline) or once in tessera_kernels
 
 namespace tessera {
 
 enum class ReduceOp { Sum, Avg, Max, Min };
 
-inline std::string_view to_string(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Avg: return "avg";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
-  }
-  return "?";
-}
+std::string_view to_string(ReduceOp op);
 
 // The element types a communicator moves. The enum travels between ranks in debug mode, so its
 // values are fixed: a new type is appended, never renumbered.
@@ -55,6 +48,28 @@ enum class CommDType : std::int8_t { F32 = 0, F64 = 1, I32 = 2, I64 = 3, F16 = 4
 template <class T>
 concept CommScalar = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::int32_t> ||
                      std::same_as<T, std::int64_t> || std::same_as<T, Half> || std::same_as<T, BHalf>;
+
+// The same set as a list macro, M(ARG, T) once per CommScalar T, for the explicit instantiations of
+// the code compiled once (core/linkage.hpp): the shared-memory reductions (reduce.hpp) and the
+// backends compiled into a library (ThreadComm in tessera_kernels, GlooComm and MpiComm in theirs).
+#define TESSERA_FOR_EACH_COMM_SCALAR(M, ARG) \
+  M(ARG, float) M(ARG, double) M(ARG, std::int32_t) M(ARG, std::int64_t) M(ARG, Half) M(ARG, BHalf)
+// Communicator class C's public collectives for scalar T, as explicit instantiation definitions.
+// A backend compiled once expands TESSERA_FOR_EACH_COMM_SCALAR(TESSERA_COMM_COLLECTIVE_INSTANCES, C)
+// in its library's source; its programs see the declarations only and link those instances.
+#define TESSERA_COMM_COLLECTIVE_INSTANCES(C, T)                                   \
+  template void C::all_reduce<T>(std::span<T>, ReduceOp);                         \
+  template void C::broadcast<T>(std::span<T>, int);                               \
+  template void C::all_gather<T>(std::span<const T>, std::span<T>);               \
+  template void C::reduce_scatter<T>(std::span<const T>, std::span<T>, ReduceOp); \
+  template void C::send<T>(std::span<const T>, int);                              \
+  template void C::recv<T>(std::span<T>, int);                                    \
+  template Work C::all_reduce_async<T>(std::span<T>, ReduceOp);                   \
+  template Work C::broadcast_async<T>(std::span<T>, int);                         \
+  template Work C::all_gather_async<T>(std::span<const T>, std::span<T>);         \
+  template Work C::reduce_scatter_async<T>(std::span<const T>, std::span<T>, ReduceOp); \
+  template Work C::send_async<T>(std::span<const T>, int);                        \
+  template Work C::recv_async<T>(std::span<T>, int);
 
 template <CommScalar T>
 inline constexpr CommDType comm_dtype_of = std::same_as<T, float>          ? CommDType::F32
@@ -74,17 +89,7 @@ inline std::size_t comm_scalar_bytes(CommDType t) {
   }
 }
 
-inline std::string_view to_string(CommDType t) {
-  switch (t) {
-    case CommDType::F32: return "float32";
-    case CommDType::F64: return "float64";
-    case CommDType::I32: return "int32";
-    case CommDType::I64: return "int64";
-    case CommDType::F16: return "float16";
-    case CommDType::BF16: return "bfloat16";
-  }
-  return "?";
-}
+std::string_view to_string(CommDType t);
 
 // Handle of an asynchronous operation. wait() blocks until done (rethrowing its error, with the
 // operation's own timeout); is_completed() polls without blocking. A default Work is already
@@ -100,19 +105,7 @@ class Work {
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 
-  void wait() {
-    if (error_) std::rethrow_exception(error_);
-    if (!wait_) return;
-    auto fn = std::move(wait_);
-    wait_ = nullptr;
-    poll_ = nullptr;
-    try {
-      fn();
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-  }
+  void wait();
   bool is_completed() const { return !wait_ || (poll_ && poll_()); }
 
  private:
@@ -224,5 +217,45 @@ consteval bool check_communicator() {
   static_assert(SplittableCommunicator<C>, "communicator: needs C split(int color, int key)");
   return true;
 }
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE std::string_view to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+TESSERA_LINKAGE std::string_view to_string(CommDType t) {
+  switch (t) {
+    case CommDType::F32: return "float32";
+    case CommDType::F64: return "float64";
+    case CommDType::I32: return "int32";
+    case CommDType::I64: return "int64";
+    case CommDType::F16: return "float16";
+    case CommDType::BF16: return "bfloat16";
+  }
+  return "?";
+}
+
+TESSERA_LINKAGE void Work::wait() {
+  if (error_) std::rethrow_exception(error_);
+  if (!wait_) return;
+  auto fn = std::move(wait_);
+  wait_ = nullptr;
+  poll_ = nullptr;
+  try {
+    fn();
+  } catch (...) {
+    error_ = std::current_exception();
+    throw;
+  }
+}
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

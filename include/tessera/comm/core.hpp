@@ -48,6 +48,7 @@
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/monitor.hpp"
 #include "tessera/comm/options.hpp"
+#include "tessera/core/linkage.hpp"  // non-template functions: defined at the end (inline) or once in tessera_kernels
 
 namespace tessera::detail {
 
@@ -72,9 +73,7 @@ struct PeerCall {
   static PeerCall recv(std::size_t n, int peer) {
     return {false, comm_dtype_of<T>, static_cast<std::int64_t>(n), peer};
   }
-  std::string describe() const {
-    return cat(is_send ? "send(" : "recv(", to_string(dtype), " x ", count, is_send ? ") to rank " : ") from rank ", peer);
-  }
+  std::string describe() const;
 };
 inline std::string describe(const PeerCall& what) { return what.describe(); }
 inline std::string describe(const char* what) { return what; }
@@ -92,18 +91,7 @@ class CommCore {
  public:
   CommCore() = default;
   CommCore(const char* backend, int rank, int size, CommOptions options,
-           std::shared_ptr<BrokenState> broken = nullptr)
-      : backend_(backend),
-        rank_(rank),
-        size_(size),
-        options_(options),
-        ledger_(options.check_first, options.effective_check_every()),
-        board_(std::make_shared<ProgressBoard>()),
-        broken_(broken ? std::move(broken) : std::make_shared<BrokenState>()) {
-    board_->backend = backend;
-    board_->rank = rank;
-    board_->size = size;
-  }
+           std::shared_ptr<BrokenState> broken = nullptr);
 
   const char* backend() const { return backend_; }
   int rank() const { return rank_; }
@@ -139,54 +127,22 @@ class CommCore {
   std::string text(const What& what, std::string_view reason, std::string_view context = {}) const {
     return head(what, context) + cat(": ", reason);
   }
-  static std::string call_context(std::int64_t call) { return call > 0 ? cat("call #", call) : std::string(); }
+  static std::string call_context(std::int64_t call);
 
   // "; reached call #n: ranks 0, 2; not reached: rank 1 (...)", or "" without peers to ask.
-  std::string stall_suffix(std::int64_t call, const CallSignature& sig) const {
-    if (call <= 0 || !board_ || size_ == 1) return "";
-    const std::string report = stall_report(*board_, call, sig);
-    return report.empty() ? report : "; " + report;
-  }
+  std::string stall_suffix(std::int64_t call, const CallSignature& sig) const;
   // The same for the call this rank entered last (for errors raised where the call is not known).
-  std::string stall_suffix_of_last() const {
-    if (!board_) return "";
-    std::int64_t sig[4];
-    for (int i = 0; i < 4; ++i) sig[i] = board_->last[i].load(std::memory_order_relaxed);
-    return stall_suffix(board_->entered.load(std::memory_order_relaxed), CallSignature::decode(sig));
-  }
+  std::string stall_suffix_of_last() const;
 
   // ---- argument checks: CommError, the communicator stays usable
 
-  void check_root(int root, std::string_view op = "broadcast") const {
-    if (root >= 0 && root < size_) [[likely]]
-      return;
-    throw CommError(text(op, cat("root ", root, " is out of range [0, ", size_, ")")));
-  }
+  void check_root(int root, std::string_view op = "broadcast") const;
   // self_allowed: the library can send to its own rank (NCCL); otherwise that is an error.
-  void check_peer(int peer, std::string_view op, bool self_allowed = false) const {
-    if (peer >= 0 && peer < size_ && (self_allowed || peer != rank_)) [[likely]]
-      return;
-    if (peer == rank_) throw CommError(text(op, cat("peer ", peer, " is this rank: a rank cannot ", op, " to itself")));
-    throw CommError(text(op, cat("peer ", peer, " is out of range [0, ", size_, ")")));
-  }
-  void check_all_gather(std::size_t in_count, std::size_t out_count) const {
-    if (out_count == in_count * static_cast<std::size_t>(size_)) [[likely]]
-      return;
-    throw CommError(text("all_gather", cat("output has ", out_count, " elements, expected ", size_, " x ", in_count,
-                                           " (size x input)")));
-  }
-  void check_reduce_scatter(std::size_t in_count, std::size_t out_count) const {
-    if (in_count == out_count * static_cast<std::size_t>(size_)) [[likely]]
-      return;
-    throw CommError(text("reduce_scatter", cat("input has ", in_count, " elements, expected ", size_, " x ",
-                                               out_count, " (size x output)")));
-  }
+  void check_peer(int peer, std::string_view op, bool self_allowed = false) const;
+  void check_all_gather(std::size_t in_count, std::size_t out_count) const;
+  void check_reduce_scatter(std::size_t in_count, std::size_t out_count) const;
   // split's color: ArgumentError, as MPI_UNDEFINED (a negative color) is not supported.
-  void check_split_color(int color) const {
-    if (color >= 0) [[likely]]
-      return;
-    throw ArgumentError(text("split", cat("color ", color, " must be >= 0")));
-  }
+  void check_split_color(int color) const;
   // For libraries that count elements in an int (MPI).
   template <class What>
   int count_as_int(std::size_t n, const What& what, std::string_view library) const {
@@ -211,20 +167,7 @@ class CommCore {
   }
   // Remembers the first failure (later ones are consequences), marks the board failed and runs
   // the backend's hook once. Returns the text to throw.
-  std::string mark_broken(std::string text) {
-    bool first = false;
-    {
-      std::lock_guard lock(broken_->mutex);
-      if (!broken_->broken.load(std::memory_order_relaxed)) {
-        broken_->reason = text;
-        broken_->broken.store(true, std::memory_order_release);
-        first = true;
-      }
-    }
-    mark_board_failed(board_);
-    if (first && on_broken_) on_broken_(text);
-    return text;
-  }
+  std::string mark_broken(std::string text);
   template <class What>
   [[noreturn]] void fail(const What& what, std::string_view reason, std::string_view context = {}) {
     throw CommError(mark_broken(text(what, reason, context)));
@@ -264,10 +207,7 @@ class CommCore {
   // with the stall report at the stall warning, and on_timeout (MPI: report and abort the job)
   // at the timeout if given.
   [[nodiscard]] WatchedCall watch(std::int64_t call, const CallSignature& sig,
-                                  void (*on_timeout)(const std::string&, int) = nullptr) const {
-    return WatchedCall({board_, call, sig, backend_, rank_, size_, options_.timeout, options_.effective_stall_warning(),
-                        on_timeout});
-  }
+                                  void (*on_timeout)(const std::string&, int) = nullptr) const;
 
   // Polls until poll() returns true (poll may throw, e.g. through fail()). Spins briefly, then
   // yields the core between polls (ranks may outnumber cores). Warns once on stderr at the stall
@@ -333,5 +273,98 @@ class CommCore {
   std::shared_ptr<BrokenState> broken_ = std::make_shared<BrokenState>();
   std::function<void(const std::string&)> on_broken_;
 };
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE std::string PeerCall::describe() const {
+  return cat(is_send ? "send(" : "recv(", to_string(dtype), " x ", count, is_send ? ") to rank " : ") from rank ", peer);
+}
+
+TESSERA_LINKAGE CommCore::CommCore(const char* backend, int rank, int size, CommOptions options,
+                                   std::shared_ptr<BrokenState> broken)
+    : backend_(backend),
+      rank_(rank),
+      size_(size),
+      options_(options),
+      ledger_(options.check_first, options.effective_check_every()),
+      board_(std::make_shared<ProgressBoard>()),
+      broken_(broken ? std::move(broken) : std::make_shared<BrokenState>()) {
+  board_->backend = backend;
+  board_->rank = rank;
+  board_->size = size;
+}
+
+TESSERA_LINKAGE std::string CommCore::call_context(std::int64_t call) {
+  return call > 0 ? cat("call #", call) : std::string();
+}
+
+TESSERA_LINKAGE std::string CommCore::stall_suffix(std::int64_t call, const CallSignature& sig) const {
+  if (call <= 0 || !board_ || size_ == 1) return "";
+  const std::string report = stall_report(*board_, call, sig);
+  return report.empty() ? report : "; " + report;
+}
+
+TESSERA_LINKAGE std::string CommCore::stall_suffix_of_last() const {
+  if (!board_) return "";
+  std::int64_t sig[4];
+  for (int i = 0; i < 4; ++i) sig[i] = board_->last[i].load(std::memory_order_relaxed);
+  return stall_suffix(board_->entered.load(std::memory_order_relaxed), CallSignature::decode(sig));
+}
+
+TESSERA_LINKAGE void CommCore::check_root(int root, std::string_view op) const {
+  if (root >= 0 && root < size_) [[likely]]
+    return;
+  throw CommError(text(op, cat("root ", root, " is out of range [0, ", size_, ")")));
+}
+
+TESSERA_LINKAGE void CommCore::check_peer(int peer, std::string_view op, bool self_allowed) const {
+  if (peer >= 0 && peer < size_ && (self_allowed || peer != rank_)) [[likely]]
+    return;
+  if (peer == rank_) throw CommError(text(op, cat("peer ", peer, " is this rank: a rank cannot ", op, " to itself")));
+  throw CommError(text(op, cat("peer ", peer, " is out of range [0, ", size_, ")")));
+}
+
+TESSERA_LINKAGE void CommCore::check_all_gather(std::size_t in_count, std::size_t out_count) const {
+  if (out_count == in_count * static_cast<std::size_t>(size_)) [[likely]]
+    return;
+  throw CommError(text("all_gather", cat("output has ", out_count, " elements, expected ", size_, " x ", in_count,
+                                         " (size x input)")));
+}
+
+TESSERA_LINKAGE void CommCore::check_reduce_scatter(std::size_t in_count, std::size_t out_count) const {
+  if (in_count == out_count * static_cast<std::size_t>(size_)) [[likely]]
+    return;
+  throw CommError(text("reduce_scatter", cat("input has ", in_count, " elements, expected ", size_, " x ",
+                                             out_count, " (size x output)")));
+}
+
+TESSERA_LINKAGE void CommCore::check_split_color(int color) const {
+  if (color >= 0) [[likely]]
+    return;
+  throw ArgumentError(text("split", cat("color ", color, " must be >= 0")));
+}
+
+TESSERA_LINKAGE std::string CommCore::mark_broken(std::string text) {
+  bool first = false;
+  {
+    std::lock_guard lock(broken_->mutex);
+    if (!broken_->broken.load(std::memory_order_relaxed)) {
+      broken_->reason = text;
+      broken_->broken.store(true, std::memory_order_release);
+      first = true;
+    }
+  }
+  mark_board_failed(board_);
+  if (first && on_broken_) on_broken_(text);
+  return text;
+}
+
+TESSERA_LINKAGE WatchedCall CommCore::watch(std::int64_t call, const CallSignature& sig,
+                                            void (*on_timeout)(const std::string&, int)) const {
+  return WatchedCall({board_, call, sig, backend_, rank_, size_, options_.timeout, options_.effective_stall_warning(),
+                      on_timeout});
+}
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera::detail

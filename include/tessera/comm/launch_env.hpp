@@ -17,6 +17,7 @@
 #include <string>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"  // non-template functions: defined at the end (inline) or once in tessera_kernels
 
 namespace tessera {
 
@@ -27,48 +28,10 @@ struct LaunchEnv {
   std::string store;          // e.g. "file:///shared/run42" or "redis://10.0.0.1:6379"; may be empty
   std::string source = "default (no launcher variables set)";  // which variables were read
 
-  static LaunchEnv from_environment() {
-    LaunchEnv env;
-    if (const char* store = std::getenv("TESSERA_STORE")) env.store = store;
-    struct Scheme {
-      const char* rank;
-      const char* size;
-      const char* local_rank;
-      const char* name;
-    };
-    const Scheme schemes[] = {
-        {"TESSERA_RANK", "TESSERA_WORLD_SIZE", "TESSERA_LOCAL_RANK", "tessera-run (TESSERA_RANK)"},
-        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI (OMPI_COMM_WORLD_RANK)"},
-        {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "Slurm (SLURM_PROCID)"},
-    };
-    for (const Scheme& s : schemes) {
-      const auto rank = read_int(s.rank);
-      if (!rank) continue;
-      const auto size = read_int(s.size);
-      TESSERA_CHECK(size.has_value(), ArgumentError, s.rank, " is set but ", s.size,
-                    " is not: set both (the world size is needed to rendezvous)");
-      TESSERA_CHECK(*size >= 1 && *rank >= 0 && *rank < *size, ArgumentError, s.rank, "=", *rank, " and ", s.size,
-                    "=", *size, " are inconsistent: need 0 <= rank < size");
-      env.rank = *rank;
-      env.size = *size;
-      env.local_rank = read_int(s.local_rank).value_or(*rank);
-      env.source = s.name;
-      return env;
-    }
-    return env;
-  }
+  static LaunchEnv from_environment();
 
  private:
-  static std::optional<int> read_int(const char* name) {
-    const char* text = std::getenv(name);
-    if (text == nullptr || *text == '\0') return std::nullopt;
-    char* end = nullptr;
-    errno = 0;
-    const long value = std::strtol(text, &end, 10);
-    TESSERA_CHECK(end != text && *end == '\0' && errno == 0 && value >= INT_MIN && value <= INT_MAX,
-                  ArgumentError, "environment variable ", name, "='", text, "' is not an integer");
-    return static_cast<int>(value);
-  }
+  static std::optional<int> read_int(const char* name);
 };
 
 // A program whose ranks all live in this one process (LocalComm, ThreadComm) that a launcher
@@ -76,7 +39,53 @@ struct LaunchEnv {
 // -n 2): each process would train alone on the same data and all would write the same
 // checkpoint. Refused before anything runs. SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: inside an
 // sbatch script (no srun) the latter is the allocation's, yet the script is one process.
-inline void check_one_process(const char* backend) {
+void check_one_process(const char* backend);
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE LaunchEnv LaunchEnv::from_environment() {
+  LaunchEnv env;
+  if (const char* store = std::getenv("TESSERA_STORE")) env.store = store;
+  struct Scheme {
+    const char* rank;
+    const char* size;
+    const char* local_rank;
+    const char* name;
+  };
+  const Scheme schemes[] = {
+      {"TESSERA_RANK", "TESSERA_WORLD_SIZE", "TESSERA_LOCAL_RANK", "tessera-run (TESSERA_RANK)"},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI (OMPI_COMM_WORLD_RANK)"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "Slurm (SLURM_PROCID)"},
+  };
+  for (const Scheme& s : schemes) {
+    const auto rank = read_int(s.rank);
+    if (!rank) continue;
+    const auto size = read_int(s.size);
+    TESSERA_CHECK(size.has_value(), ArgumentError, s.rank, " is set but ", s.size,
+                  " is not: set both (the world size is needed to rendezvous)");
+    TESSERA_CHECK(*size >= 1 && *rank >= 0 && *rank < *size, ArgumentError, s.rank, "=", *rank, " and ", s.size,
+                  "=", *size, " are inconsistent: need 0 <= rank < size");
+    env.rank = *rank;
+    env.size = *size;
+    env.local_rank = read_int(s.local_rank).value_or(*rank);
+    env.source = s.name;
+    return env;
+  }
+  return env;
+}
+
+TESSERA_LINKAGE std::optional<int> LaunchEnv::read_int(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text, &end, 10);
+  TESSERA_CHECK(end != text && *end == '\0' && errno == 0 && value >= INT_MIN && value <= INT_MAX,
+                ArgumentError, "environment variable ", name, "='", text, "' is not an integer");
+  return static_cast<int>(value);
+}
+
+TESSERA_LINKAGE void check_one_process(const char* backend) {
   for (const char* var : {"TESSERA_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"}) {
     const char* text = std::getenv(var);
     if (text == nullptr || *text == '\0') continue;
@@ -88,5 +97,7 @@ inline void check_one_process(const char* backend) {
                   "its ranks), or run the program built for a multi-process backend (_mpi, _gloo)");
   }
 }
+
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera

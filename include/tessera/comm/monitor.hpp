@@ -61,6 +61,7 @@
 #include "tessera/comm/call_check.hpp"
 #include "tessera/comm/launch_env.hpp"
 #include "tessera/comm/options.hpp"
+#include "tessera/core/linkage.hpp"  // non-template functions: defined at the end (inline) or once in tessera_kernels
 
 namespace tessera::detail {
 
@@ -84,10 +85,7 @@ struct LastEntered {
   std::atomic<int> rank{0}, size{1};
   std::atomic<std::int64_t> call{0};
   std::array<std::atomic<std::int64_t>, 4> sig{};
-  static LastEntered& get() {
-    static LastEntered* last = new LastEntered();  // leaked: read by handlers at any time
-    return *last;
-  }
+  static LastEntered& get();
 };
 
 // One communicator's published progress. Written by the thread that issues its calls, read by
@@ -103,19 +101,7 @@ struct ProgressBoard {
   std::vector<MonitorAddress> peers;  // by rank in this communicator
 
   // Returns the call's 1-based index.
-  std::int64_t enter(const CallSignature& sig) {
-    const auto e = sig.encode();
-    for (int i = 0; i < 4; ++i) last[i].store(e[i], std::memory_order_relaxed);
-    entered_ns.store(steady_ns(), std::memory_order_relaxed);
-    const std::int64_t call = entered.fetch_add(1, std::memory_order_relaxed) + 1;
-    LastEntered& g = LastEntered::get();
-    g.backend.store(backend, std::memory_order_relaxed);
-    g.rank.store(rank, std::memory_order_relaxed);
-    g.size.store(size, std::memory_order_relaxed);
-    g.call.store(call, std::memory_order_relaxed);
-    for (int i = 0; i < 4; ++i) g.sig[i].store(e[i], std::memory_order_relaxed);
-    return call;
-  }
+  std::int64_t enter(const CallSignature& sig);
   void finish() {
     finished_ns.store(steady_ns(), std::memory_order_relaxed);
     finished.fetch_add(1, std::memory_order_relaxed);
@@ -124,148 +110,33 @@ struct ProgressBoard {
 
 // Host key: hostname plus the network namespace's inode, so that ranks in separate namespaces of
 // one machine (tests) do not take each other for local.
-inline std::int64_t monitor_host_key() {
-  char name[256] = {};
-  gethostname(name, sizeof(name) - 1);
-  struct stat ns {};
-  const std::uint64_t inode = ::stat("/proc/self/ns/net", &ns) == 0 ? static_cast<std::uint64_t>(ns.st_ino) : 0;
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (const char* c = name; *c; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 0x100000001b3ull;
-  h = (h ^ inode) * 0x100000001b3ull;
-  return static_cast<std::int64_t>(h & 0x7fffffffffffffffull);
-}
+std::int64_t monitor_host_key();
 
 // IPv4 addresses (host byte order) of this network namespace's interfaces that are up: those of
 // interface `only` when given, else all but loopback, in the kernel's order.
-inline std::vector<std::uint32_t> monitor_interface_ipv4s(const char* only = nullptr) {
-  std::vector<std::uint32_t> out;
-  ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return out;
-  for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
-    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || !(a->ifa_flags & IFF_UP)) continue;
-    if (only != nullptr ? std::strcmp(a->ifa_name, only) != 0 : (a->ifa_flags & IFF_LOOPBACK) != 0) continue;
-    out.push_back(ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr));
-  }
-  freeifaddrs(list);
-  return out;
-}
+std::vector<std::uint32_t> monitor_interface_ipv4s(const char* only = nullptr);
 
-inline std::uint32_t monitor_published_ipv4() {
-  auto resolve = [](const char* host) -> std::uint32_t {
-    addrinfo hints{};
-    hints.ai_family = AF_INET;
-    addrinfo* info = nullptr;
-    if (host == nullptr || *host == '\0' || getaddrinfo(host, nullptr, &hints, &info) != 0 || info == nullptr) return 0;
-    const std::uint32_t ip = ntohl(reinterpret_cast<sockaddr_in*>(info->ai_addr)->sin_addr.s_addr);
-    freeaddrinfo(info);
-    return ip;
-  };
-  if (const std::uint32_t ip = resolve(std::getenv("TESSERA_MONITOR_HOST"))) return ip;
-  // Where Gloo binds (gloo.hpp's make_gloo_device), so the monitor is reachable wherever Gloo is.
-  if (const char* iface = std::getenv("TESSERA_GLOO_IFACE"); iface != nullptr && *iface != '\0')
-    if (const auto ips = monitor_interface_ipv4s(iface); !ips.empty()) return ips.front();
-  if (const std::uint32_t ip = resolve(std::getenv("TESSERA_GLOO_HOSTNAME"))) return ip;
-  const auto here = monitor_interface_ipv4s();
-  char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) == 0)
-    if (const std::uint32_t ip = resolve(name); std::find(here.begin(), here.end(), ip) != here.end()) return ip;
-  return here.empty() ? INADDR_LOOPBACK : here.front();
-}
+std::uint32_t monitor_published_ipv4();
 
 // The process's status server. Boards are held weakly: a destroyed communicator disappears.
 class ProgressServer {
  public:
-  static ProgressServer& instance() {
-    static ProgressServer* server = new ProgressServer();  // leaked: must outlive static destructors
-    return *server;
-  }
+  static ProgressServer& instance();
 
   // This process's address, starting the server on first use; port 0 if it could not start
   // (then peers report this rank as "no status server", and nothing else changes).
-  MonitorAddress address() {
-    std::lock_guard lock(mutex_);
-    if (!started_) start();
-    return {static_cast<std::int64_t>(monitor_published_ipv4()), port_, monitor_host_key()};
-  }
-  void add(const std::shared_ptr<ProgressBoard>& board) {
-    std::lock_guard lock(mutex_);
-    boards_.push_back(board);
-  }
+  MonitorAddress address();
+  void add(const std::shared_ptr<ProgressBoard>& board);
   // A failed communicator's board stays readable after the communicator is gone, for as long as
   // the process lives: peers that ask later hear "failed at call #n", not "unknown".
-  void keep(const std::shared_ptr<ProgressBoard>& board) {
-    std::lock_guard lock(mutex_);
-    kept_.push_back(board);
-  }
+  void keep(const std::shared_ptr<ProgressBoard>& board);
 
  private:
-  void start() {
-    started_ = true;
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return;
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = 0;
-    socklen_t len = sizeof addr;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 64) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      ::close(fd);
-      return;
-    }
-    port_ = ntohs(addr.sin_port);
-    std::thread([this, fd] { serve(fd); }).detach();
-  }
-
-  void serve(int listen_fd) {
-    for (;;) {
-      const int client = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (client < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        continue;
-      }
-      answer(client);
-      ::close(client);
-    }
-  }
+  void start();
+  void serve(int listen_fd);
 
   // Request: "<label>\n" (at most 128 bytes, within 1 s). Reply: one line of numbers, or "unknown".
-  void answer(int client) {
-    char request[129] = {};
-    std::size_t got = 0;
-    const auto deadline = steady_ns() + 1'000'000'000LL;
-    while (got < 128 && std::memchr(request, '\n', got) == nullptr && steady_ns() < deadline) {
-      pollfd p{client, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      const ssize_t n = ::recv(client, request + got, 128 - got, 0);
-      if (n < 0 && errno == EINTR) continue;  // a signal (a profiler's timer), not the peer closing
-      if (n <= 0) return;
-      got += static_cast<std::size_t>(n);
-    }
-    char* newline = static_cast<char*>(std::memchr(request, '\n', got));
-    if (newline == nullptr) return;
-    const std::string label(request, newline);
-    std::string reply = "unknown\n";
-    {
-      std::lock_guard lock(mutex_);
-      std::erase_if(boards_, [](const std::weak_ptr<ProgressBoard>& w) { return w.expired(); });
-      for (const auto& weak : boards_) {
-        const auto b = weak.lock();
-        if (!b || b->label != label) continue;
-        const std::int64_t now = steady_ns();
-        const std::int64_t in_ns = b->entered_ns.load(std::memory_order_relaxed);
-        const std::int64_t out_ns = b->finished_ns.load(std::memory_order_relaxed);
-        reply = cat(b->entered.load(std::memory_order_relaxed), " ", b->finished.load(std::memory_order_relaxed), " ",
-                    b->last[0].load(std::memory_order_relaxed), " ", b->last[1].load(std::memory_order_relaxed), " ",
-                    b->last[2].load(std::memory_order_relaxed), " ", b->last[3].load(std::memory_order_relaxed), " ",
-                    in_ns ? (now - in_ns) / 1'000'000 : -1, " ", out_ns ? (now - out_ns) / 1'000'000 : -1, " ",
-                    b->failed.load() ? 1 : 0, "\n");
-        break;
-      }
-    }
-    (void)!::send(client, reply.data(), reply.size(), MSG_NOSIGNAL);
-  }
+  void answer(int client);
 
   std::mutex mutex_;
   bool started_ = false;
@@ -275,10 +146,7 @@ class ProgressServer {
 };
 
 // Marks the board's communicator failed (see ProgressServer::keep).
-inline void mark_board_failed(const std::shared_ptr<ProgressBoard>& board) {
-  if (!board || board->failed.exchange(true)) return;
-  ProgressServer::instance().keep(board);
-}
+void mark_board_failed(const std::shared_ptr<ProgressBoard>& board);
 
 // Makes a board for a new communicator and swaps status-server addresses with its members
 // through `all_gather_int64` (a blocking all_gather of int64 on the new communicator).
@@ -318,8 +186,243 @@ inline PeerProgress::Status connect_failure(int error) {
 }
 
 // Asks every peer at once, waiting at most `patience` in all.
-inline std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
-                                           std::chrono::milliseconds patience = std::chrono::milliseconds(1000)) {
+std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
+                                    std::chrono::milliseconds patience = std::chrono::milliseconds(1000));
+
+std::string rank_list(const std::vector<int>& ranks);
+
+// "reached call #57: ranks 0, 2; not reached: rank 1 (...)" for this rank's call number `call`
+// (1-based) on the board's communicator. Asks the peers (up to a second).
+std::string stall_report(const ProgressBoard& board, std::int64_t call, const CallSignature& sig);
+
+// A fatal message that must reach the user: stderr, flushed, and a file per rank in
+// TESSERA_ERROR_DIR when that is set (under a launcher that may drop a dying process's output).
+void report_fatal(int rank, const std::string& text);
+
+// Installs, once per process, a terminate handler that names the collective in flight before the
+// program aborts: for exceptions thrown where nothing can catch them (Gloo's I/O thread enforces
+// message sizes that way), which would otherwise end the rank with a bare "terminate called".
+void install_fatal_handler();
+
+// Says, when the launcher ends this rank with SIGTERM (mpirun and tessera-run stop the other ranks
+// that way when one fails), what the rank was doing: otherwise a survivor of a dead peer under
+// mpirun disappears without a word. The handler only writes a byte to a pipe (async-signal-safe);
+// a thread formats the message, then restores the default action and re-raises the signal.
+// Installed only while SIGTERM has its default action, so a program's own handler wins.
+void install_sigterm_reporter();
+
+// Watches calls that cannot be interrupted (blocking MPI, Gloo's own collectives): warns once at
+// the stall warning, with a stall report, and runs `on_timeout` (MPI: report and abort the job)
+// at the timeout if given. begin() takes a slot in a fixed table and end() frees it: nothing is
+// formatted or allocated per call, and the thread is only woken when a new deadline is earlier
+// than the one it sleeps towards.
+class Watchdog {
+ public:
+  struct Call {
+    std::shared_ptr<ProgressBoard> board;
+    std::int64_t call = 0;
+    CallSignature signature;
+    const char* backend = "";
+    int rank = 0, size = 1;
+    std::chrono::milliseconds timeout{0}, warn_after{0};
+    void (*on_timeout)(const std::string& text, int rank) = nullptr;  // null: the backend times out itself
+  };
+
+  static Watchdog& instance();
+  int begin(Call call);
+  void end(int slot);
+
+ private:
+  static constexpr int kSlots = 64;
+  struct Slot {
+    Call call;
+    std::chrono::steady_clock::time_point warn_at, fatal_at;
+    bool warned = false, active = false;
+    std::uint64_t generation = 0;
+  };
+
+  void loop();
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  Slot slots_[kSlots];
+  std::chrono::steady_clock::time_point sleeping_until_ = std::chrono::steady_clock::time_point::max();
+  bool started_ = false;
+};
+
+// Watches one call for its scope.
+class WatchedCall {
+ public:
+  explicit WatchedCall(Watchdog::Call call);
+  ~WatchedCall();
+  WatchedCall(const WatchedCall&) = delete;
+  WatchedCall& operator=(const WatchedCall&) = delete;
+
+ private:
+  int slot_;
+};
+
+#if TESSERA_HEADER_DEFINITIONS
+
+TESSERA_LINKAGE LastEntered& LastEntered::get() {
+  static LastEntered* last = new LastEntered();  // leaked: read by handlers at any time
+  return *last;
+}
+
+TESSERA_LINKAGE std::int64_t ProgressBoard::enter(const CallSignature& sig) {
+  const auto e = sig.encode();
+  for (int i = 0; i < 4; ++i) last[i].store(e[i], std::memory_order_relaxed);
+  entered_ns.store(steady_ns(), std::memory_order_relaxed);
+  const std::int64_t call = entered.fetch_add(1, std::memory_order_relaxed) + 1;
+  LastEntered& g = LastEntered::get();
+  g.backend.store(backend, std::memory_order_relaxed);
+  g.rank.store(rank, std::memory_order_relaxed);
+  g.size.store(size, std::memory_order_relaxed);
+  g.call.store(call, std::memory_order_relaxed);
+  for (int i = 0; i < 4; ++i) g.sig[i].store(e[i], std::memory_order_relaxed);
+  return call;
+}
+
+TESSERA_LINKAGE std::int64_t monitor_host_key() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  struct stat ns {};
+  const std::uint64_t inode = ::stat("/proc/self/ns/net", &ns) == 0 ? static_cast<std::uint64_t>(ns.st_ino) : 0;
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (const char* c = name; *c; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 0x100000001b3ull;
+  h = (h ^ inode) * 0x100000001b3ull;
+  return static_cast<std::int64_t>(h & 0x7fffffffffffffffull);
+}
+
+TESSERA_LINKAGE std::vector<std::uint32_t> monitor_interface_ipv4s(const char* only) {
+  std::vector<std::uint32_t> out;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return out;
+  for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || !(a->ifa_flags & IFF_UP)) continue;
+    if (only != nullptr ? std::strcmp(a->ifa_name, only) != 0 : (a->ifa_flags & IFF_LOOPBACK) != 0) continue;
+    out.push_back(ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr));
+  }
+  freeifaddrs(list);
+  return out;
+}
+
+TESSERA_LINKAGE std::uint32_t monitor_published_ipv4() {
+  auto resolve = [](const char* host) -> std::uint32_t {
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    addrinfo* info = nullptr;
+    if (host == nullptr || *host == '\0' || getaddrinfo(host, nullptr, &hints, &info) != 0 || info == nullptr) return 0;
+    const std::uint32_t ip = ntohl(reinterpret_cast<sockaddr_in*>(info->ai_addr)->sin_addr.s_addr);
+    freeaddrinfo(info);
+    return ip;
+  };
+  if (const std::uint32_t ip = resolve(std::getenv("TESSERA_MONITOR_HOST"))) return ip;
+  // Where Gloo binds (gloo.hpp's make_gloo_device), so the monitor is reachable wherever Gloo is.
+  if (const char* iface = std::getenv("TESSERA_GLOO_IFACE"); iface != nullptr && *iface != '\0')
+    if (const auto ips = monitor_interface_ipv4s(iface); !ips.empty()) return ips.front();
+  if (const std::uint32_t ip = resolve(std::getenv("TESSERA_GLOO_HOSTNAME"))) return ip;
+  const auto here = monitor_interface_ipv4s();
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) == 0)
+    if (const std::uint32_t ip = resolve(name); std::find(here.begin(), here.end(), ip) != here.end()) return ip;
+  return here.empty() ? INADDR_LOOPBACK : here.front();
+}
+
+TESSERA_LINKAGE ProgressServer& ProgressServer::instance() {
+  static ProgressServer* server = new ProgressServer();  // leaked: must outlive static destructors
+  return *server;
+}
+
+TESSERA_LINKAGE MonitorAddress ProgressServer::address() {
+  std::lock_guard lock(mutex_);
+  if (!started_) start();
+  return {static_cast<std::int64_t>(monitor_published_ipv4()), port_, monitor_host_key()};
+}
+
+TESSERA_LINKAGE void ProgressServer::add(const std::shared_ptr<ProgressBoard>& board) {
+  std::lock_guard lock(mutex_);
+  boards_.push_back(board);
+}
+
+TESSERA_LINKAGE void ProgressServer::keep(const std::shared_ptr<ProgressBoard>& board) {
+  std::lock_guard lock(mutex_);
+  kept_.push_back(board);
+}
+
+TESSERA_LINKAGE void ProgressServer::start() {
+  started_ = true;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 64) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    ::close(fd);
+    return;
+  }
+  port_ = ntohs(addr.sin_port);
+  std::thread([this, fd] { serve(fd); }).detach();
+}
+
+TESSERA_LINKAGE void ProgressServer::serve(int listen_fd) {
+  for (;;) {
+    const int client = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (client < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    answer(client);
+    ::close(client);
+  }
+}
+
+TESSERA_LINKAGE void ProgressServer::answer(int client) {
+  char request[129] = {};
+  std::size_t got = 0;
+  const auto deadline = steady_ns() + 1'000'000'000LL;
+  while (got < 128 && std::memchr(request, '\n', got) == nullptr && steady_ns() < deadline) {
+    pollfd p{client, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(client, request + got, 128 - got, 0);
+    if (n < 0 && errno == EINTR) continue;  // a signal (a profiler's timer), not the peer closing
+    if (n <= 0) return;
+    got += static_cast<std::size_t>(n);
+  }
+  char* newline = static_cast<char*>(std::memchr(request, '\n', got));
+  if (newline == nullptr) return;
+  const std::string label(request, newline);
+  std::string reply = "unknown\n";
+  {
+    std::lock_guard lock(mutex_);
+    std::erase_if(boards_, [](const std::weak_ptr<ProgressBoard>& w) { return w.expired(); });
+    for (const auto& weak : boards_) {
+      const auto b = weak.lock();
+      if (!b || b->label != label) continue;
+      const std::int64_t now = steady_ns();
+      const std::int64_t in_ns = b->entered_ns.load(std::memory_order_relaxed);
+      const std::int64_t out_ns = b->finished_ns.load(std::memory_order_relaxed);
+      reply = cat(b->entered.load(std::memory_order_relaxed), " ", b->finished.load(std::memory_order_relaxed), " ",
+                  b->last[0].load(std::memory_order_relaxed), " ", b->last[1].load(std::memory_order_relaxed), " ",
+                  b->last[2].load(std::memory_order_relaxed), " ", b->last[3].load(std::memory_order_relaxed), " ",
+                  in_ns ? (now - in_ns) / 1'000'000 : -1, " ", out_ns ? (now - out_ns) / 1'000'000 : -1, " ",
+                  b->failed.load() ? 1 : 0, "\n");
+      break;
+    }
+  }
+  (void)!::send(client, reply.data(), reply.size(), MSG_NOSIGNAL);
+}
+
+TESSERA_LINKAGE void mark_board_failed(const std::shared_ptr<ProgressBoard>& board) {
+  if (!board || board->failed.exchange(true)) return;
+  ProgressServer::instance().keep(board);
+}
+
+TESSERA_LINKAGE std::vector<PeerProgress> ask_peers(const ProgressBoard& board, std::chrono::milliseconds patience) {
   const int n = board.size;
   std::vector<PeerProgress> out(static_cast<std::size_t>(n));
   std::vector<int> fds(static_cast<std::size_t>(n), -1);
@@ -405,15 +508,13 @@ inline std::vector<PeerProgress> ask_peers(const ProgressBoard& board,
   return out;
 }
 
-inline std::string rank_list(const std::vector<int>& ranks) {
+TESSERA_LINKAGE std::string rank_list(const std::vector<int>& ranks) {
   std::string text = ranks.size() == 1 ? "rank " : "ranks ";
   for (std::size_t i = 0; i < ranks.size(); ++i) text += cat(i ? ", " : "", ranks[i]);
   return text;
 }
 
-// "reached call #57: ranks 0, 2; not reached: rank 1 (...)" for this rank's call number `call`
-// (1-based) on the board's communicator. Asks the peers (up to a second).
-inline std::string stall_report(const ProgressBoard& board, std::int64_t call, const CallSignature& sig) {
+TESSERA_LINKAGE std::string stall_report(const ProgressBoard& board, std::int64_t call, const CallSignature& sig) {
   if (board.size == 1 || board.peers.empty()) return "";
   const auto peers = ask_peers(board);
   std::vector<int> reached, mismatched;
@@ -471,9 +572,7 @@ inline std::string stall_report(const ProgressBoard& board, std::int64_t call, c
   return text;
 }
 
-// A fatal message that must reach the user: stderr, flushed, and a file per rank in
-// TESSERA_ERROR_DIR when that is set (under a launcher that may drop a dying process's output).
-inline void report_fatal(int rank, const std::string& text) {
+TESSERA_LINKAGE void report_fatal(int rank, const std::string& text) {
   std::fprintf(stderr, "%s\n", text.c_str());
   std::fflush(stderr);
   if (const char* dir = std::getenv("TESSERA_ERROR_DIR"); dir != nullptr && *dir != '\0') {
@@ -485,10 +584,7 @@ inline void report_fatal(int rank, const std::string& text) {
   }
 }
 
-// Installs, once per process, a terminate handler that names the collective in flight before the
-// program aborts: for exceptions thrown where nothing can catch them (Gloo's I/O thread enforces
-// message sizes that way), which would otherwise end the rank with a bare "terminate called".
-inline void install_fatal_handler() {
+TESSERA_LINKAGE void install_fatal_handler() {
   static std::once_flag once;
   std::call_once(once, [] {
     static std::terminate_handler previous = nullptr;
@@ -522,12 +618,7 @@ inline void install_fatal_handler() {
   });
 }
 
-// Says, when the launcher ends this rank with SIGTERM (mpirun and tessera-run stop the other ranks
-// that way when one fails), what the rank was doing: otherwise a survivor of a dead peer under
-// mpirun disappears without a word. The handler only writes a byte to a pipe (async-signal-safe);
-// a thread formats the message, then restores the default action and re-raises the signal.
-// Installed only while SIGTERM has its default action, so a program's own handler wins.
-inline void install_sigterm_reporter() {
+TESSERA_LINKAGE void install_sigterm_reporter() {
   static std::once_flag once;
   std::call_once(once, [] {
     struct sigaction current {};
@@ -577,127 +668,90 @@ inline void install_sigterm_reporter() {
   });
 }
 
-// Watches calls that cannot be interrupted (blocking MPI, Gloo's own collectives): warns once at
-// the stall warning, with a stall report, and runs `on_timeout` (MPI: report and abort the job)
-// at the timeout if given. begin() takes a slot in a fixed table and end() frees it: nothing is
-// formatted or allocated per call, and the thread is only woken when a new deadline is earlier
-// than the one it sleeps towards.
-class Watchdog {
- public:
-  struct Call {
-    std::shared_ptr<ProgressBoard> board;
-    std::int64_t call = 0;
-    CallSignature signature;
-    const char* backend = "";
-    int rank = 0, size = 1;
-    std::chrono::milliseconds timeout{0}, warn_after{0};
-    void (*on_timeout)(const std::string& text, int rank) = nullptr;  // null: the backend times out itself
-  };
+TESSERA_LINKAGE Watchdog& Watchdog::instance() {
+  static Watchdog* watchdog = new Watchdog();  // leaked: must outlive static destructors
+  return *watchdog;
+}
 
-  static Watchdog& instance() {
-    static Watchdog* watchdog = new Watchdog();  // leaked: must outlive static destructors
-    return *watchdog;
+TESSERA_LINKAGE int Watchdog::begin(Call call) {
+  std::lock_guard lock(mutex_);
+  if (!started_) {
+    std::thread([this] { loop(); }).detach();
+    started_ = true;
   }
-  int begin(Call call) {
-    std::lock_guard lock(mutex_);
-    if (!started_) {
-      std::thread([this] { loop(); }).detach();
-      started_ = true;
-    }
-    for (int i = 0; i < kSlots; ++i) {
-      if (slots_[i].active) continue;
-      const auto now = std::chrono::steady_clock::now();
+  for (int i = 0; i < kSlots; ++i) {
+    if (slots_[i].active) continue;
+    const auto now = std::chrono::steady_clock::now();
+    Slot& s = slots_[i];
+    s.warn_at = now + call.warn_after;
+    s.fatal_at = call.on_timeout ? now + call.timeout : std::chrono::steady_clock::time_point::max();
+    s.warned = false;
+    s.call = std::move(call);
+    s.active = true;
+    s.generation++;
+    if (s.warn_at < sleeping_until_) wake_.notify_one();
+    return i;
+  }
+  return -1;  // more than kSlots threads inside watched calls at once: not watched
+}
+
+TESSERA_LINKAGE void Watchdog::end(int slot) {
+  if (slot < 0) return;
+  std::lock_guard lock(mutex_);
+  slots_[slot].active = false;
+  slots_[slot].call.board.reset();
+}
+
+TESSERA_LINKAGE void Watchdog::loop() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    auto next = now + std::chrono::hours(1);
+    bool handled = false;
+    for (int i = 0; i < kSlots && !handled; ++i) {
       Slot& s = slots_[i];
-      s.warn_at = now + call.warn_after;
-      s.fatal_at = call.on_timeout ? now + call.timeout : std::chrono::steady_clock::time_point::max();
-      s.warned = false;
-      s.call = std::move(call);
-      s.active = true;
-      s.generation++;
-      if (s.warn_at < sleeping_until_) wake_.notify_one();
-      return i;
-    }
-    return -1;  // more than kSlots threads inside watched calls at once: not watched
-  }
-  void end(int slot) {
-    if (slot < 0) return;
-    std::lock_guard lock(mutex_);
-    slots_[slot].active = false;
-    slots_[slot].call.board.reset();
-  }
-
- private:
-  static constexpr int kSlots = 64;
-  struct Slot {
-    Call call;
-    std::chrono::steady_clock::time_point warn_at, fatal_at;
-    bool warned = false, active = false;
-    std::uint64_t generation = 0;
-  };
-
-  void loop() {
-    std::unique_lock lock(mutex_);
-    for (;;) {
-      const auto now = std::chrono::steady_clock::now();
-      auto next = now + std::chrono::hours(1);
-      bool handled = false;
-      for (int i = 0; i < kSlots && !handled; ++i) {
-        Slot& s = slots_[i];
-        if (!s.active) continue;
-        if (now >= s.fatal_at || (!s.warned && now >= s.warn_at)) {
-          // Asking the peers takes up to a second: copy what is needed and let go of the lock.
-          const bool fatal = now >= s.fatal_at;
-          s.warned = true;
-          const Call call = s.call;
-          const std::uint64_t generation = s.generation;
-          const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - (s.warn_at - call.warn_after));
+      if (!s.active) continue;
+      if (now >= s.fatal_at || (!s.warned && now >= s.warn_at)) {
+        // Asking the peers takes up to a second: copy what is needed and let go of the lock.
+        const bool fatal = now >= s.fatal_at;
+        s.warned = true;
+        const Call call = s.call;
+        const std::uint64_t generation = s.generation;
+        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - (s.warn_at - call.warn_after));
+        lock.unlock();
+        const std::string report = call.board ? stall_report(*call.board, call.call, call.signature) : "";
+        const std::string head = cat(call.backend, " ", call.signature.describe(), " on rank ", call.rank, " of ",
+                                     call.size, " (call #", call.call, ")");
+        lock.lock();
+        handled = true;  // the table may have changed while unlocked: rescan before sleeping
+        if (!s.active || s.generation != generation) break;  // it finished meanwhile: nothing to say
+        if (fatal) {
           lock.unlock();
-          const std::string report = call.board ? stall_report(*call.board, call.call, call.signature) : "";
-          const std::string head = cat(call.backend, " ", call.signature.describe(), " on rank ", call.rank, " of ",
-                                       call.size, " (call #", call.call, ")");
+          call.on_timeout(cat("tessera: CommError: ", head, ": timed out after ", seconds_text(call.timeout),
+                              report.empty() ? "" : "; " + report),
+                          call.rank);
           lock.lock();
-          handled = true;  // the table may have changed while unlocked: rescan before sleeping
-          if (!s.active || s.generation != generation) break;  // it finished meanwhile: nothing to say
-          if (fatal) {
-            lock.unlock();
-            call.on_timeout(cat("tessera: CommError: ", head, ": timed out after ", seconds_text(call.timeout),
-                                report.empty() ? "" : "; " + report),
-                            call.rank);
-            lock.lock();
-          } else {
-            std::fprintf(stderr, "tessera: warning: %s has waited %s (timeout %s)%s\n", head.c_str(),
-                         seconds_text(waited).c_str(), seconds_text(call.timeout).c_str(),
-                         report.empty() ? "" : ("; " + report).c_str());
-            std::fflush(stderr);
-          }
-          break;
+        } else {
+          std::fprintf(stderr, "tessera: warning: %s has waited %s (timeout %s)%s\n", head.c_str(),
+                       seconds_text(waited).c_str(), seconds_text(call.timeout).c_str(),
+                       report.empty() ? "" : ("; " + report).c_str());
+          std::fflush(stderr);
         }
-        if (!s.warned) next = std::min(next, s.warn_at);
-        next = std::min(next, s.fatal_at);
+        break;
       }
-      if (handled) continue;
-      sleeping_until_ = next;
-      wake_.wait_until(lock, next);
+      if (!s.warned) next = std::min(next, s.warn_at);
+      next = std::min(next, s.fatal_at);
     }
+    if (handled) continue;
+    sleeping_until_ = next;
+    wake_.wait_until(lock, next);
   }
+}
 
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  Slot slots_[kSlots];
-  std::chrono::steady_clock::time_point sleeping_until_ = std::chrono::steady_clock::time_point::max();
-  bool started_ = false;
-};
+TESSERA_LINKAGE WatchedCall::WatchedCall(Watchdog::Call call) : slot_(Watchdog::instance().begin(std::move(call))) {}
 
-// Watches one call for its scope.
-class WatchedCall {
- public:
-  explicit WatchedCall(Watchdog::Call call) : slot_(Watchdog::instance().begin(std::move(call))) {}
-  ~WatchedCall() { Watchdog::instance().end(slot_); }
-  WatchedCall(const WatchedCall&) = delete;
-  WatchedCall& operator=(const WatchedCall&) = delete;
+TESSERA_LINKAGE WatchedCall::~WatchedCall() { Watchdog::instance().end(slot_); }
 
- private:
-  int slot_;
-};
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace tessera::detail

@@ -167,13 +167,7 @@ void reduce_many(const T* const* sources, int count, T* const* outputs, int outp
   PREFIX template bool prescale_half_avg<T>(T*, std::size_t, ReduceOp, int);                       \
   PREFIX template void finish_avg<T>(T*, std::size_t, ReduceOp, int);                              \
   PREFIX template void reduce_many<T>(const T* const*, int, T* const*, int, std::size_t, ReduceOp);
-#define TESSERA_REDUCE_ALL_INSTANCES(PREFIX)                                                        \
-  TESSERA_REDUCE_INSTANCES(PREFIX, float)                                                           \
-  TESSERA_REDUCE_INSTANCES(PREFIX, double)                                                          \
-  TESSERA_REDUCE_INSTANCES(PREFIX, std::int32_t)                                                    \
-  TESSERA_REDUCE_INSTANCES(PREFIX, std::int64_t)                                                    \
-  TESSERA_REDUCE_INSTANCES(PREFIX, Half)                                                            \
-  TESSERA_REDUCE_INSTANCES(PREFIX, BHalf)
+#define TESSERA_REDUCE_ALL_INSTANCES(PREFIX) TESSERA_FOR_EACH_COMM_SCALAR(TESSERA_REDUCE_INSTANCES, PREFIX)
 #if TESSERA_CPU_KERNELS_EXTERN
 TESSERA_REDUCE_ALL_INSTANCES(extern)
 #endif

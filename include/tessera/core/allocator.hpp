@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 
 namespace tessera {
 
@@ -291,5 +292,11 @@ class BasicCachingAllocator {
 };
 
 using CachingAllocator = BasicCachingAllocator<HostMemory>;
+
+// The host instance is compiled once, in tessera_kernels (core/linkage.hpp): every program uses it,
+// and its pool and segment code is a few kilobytes of machine code per translation unit otherwise.
+#if TESSERA_CPU_KERNELS_EXTERN
+extern template class BasicCachingAllocator<HostMemory>;
+#endif
 
 }  // namespace tessera

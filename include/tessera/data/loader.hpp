@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
@@ -423,5 +424,12 @@ class DataLoader {
   bool stop_ = false;
   std::vector<std::thread> workers_;
 };
+
+// The float and double loaders are compiled once, in tessera_kernels (core/linkage.hpp): nearly
+// every program has one, and its prefetch ring, workers and gather are its largest piece of data code.
+#if TESSERA_CPU_KERNELS_EXTERN
+extern template class DataLoader<float>;
+extern template class DataLoader<double>;
+#endif
 
 }  // namespace tessera

@@ -27,6 +27,7 @@
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/linkage.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/pool.hpp"
 
@@ -56,48 +57,13 @@ namespace detail {
 class Pool2dConfig {
  public:
   Pool2dConfig(const char* kind, std::int64_t kernel, std::int64_t stride, std::int64_t padding, bool ceil_mode,
-               bool count_include_pad = true, std::optional<std::int64_t> divisor_override = std::nullopt)
-      : kernel_(kernel),
-        stride_(stride == 0 ? kernel : stride),
-        pad_(padding),
-        ceil_mode_(ceil_mode),
-        count_include_pad_(count_include_pad),
-        divisor_override_(divisor_override.value_or(0)) {
-    name_ = cat(kind, "(kernel=", kernel_, ", stride=", stride_, ", padding=", pad_);
-    if (ceil_mode_) name_ += ", ceil_mode=true";
-    if (!count_include_pad_) name_ += ", count_include_pad=false";
-    if (divisor_override) name_ += cat(", divisor_override=", *divisor_override);
-    name_ += ")";
-    TESSERA_CHECK(kernel_ > 0 && stride_ > 0, ArgumentError, name_, ": kernel and stride must be positive");
-    TESSERA_CHECK(pad_ >= 0 && 2 * pad_ <= kernel_, ArgumentError, name_,
-                  ": padding must be between 0 and kernel / 2");
-    TESSERA_CHECK(!divisor_override || *divisor_override != 0, ArgumentError, name_,
-                  ": divisor_override must not be zero");
-  }
+               bool count_include_pad = true, std::optional<std::int64_t> divisor_override = std::nullopt);
 
   template <class S, class D>
   Pool2dGeometry geometry(const Tensor<S, D>& x) const {
     return geometry(x.shape());
   }
-  Pool2dGeometry geometry(const Shape& x) const {
-    TESSERA_CHECK(x.rank() == 4, ShapeError, name_, ": expected input (N, C, H, W), got ", x);
-    // Smallest H giving one window: H + 2 padding >= kernel, or in ceil mode a window may start
-    // inside the image and run past its padded end (ceil((H + 2p - k) / s) >= 0).
-    const std::int64_t least = std::max<std::int64_t>(1, kernel_ - 2 * pad_ - (ceil_mode_ ? stride_ - 1 : 0));
-    TESSERA_CHECK(x.dim(2) >= least && x.dim(3) >= least, ShapeError, name_, ": input ", x,
-                  " is smaller than the window; expected (N, C, H, W) with H >= ", least, " and W >= ", least);
-    Pool2dGeometry g;
-    g.height = x.dim(2);
-    g.width = x.dim(3);
-    g.kernel = kernel_;
-    g.stride = stride_;
-    g.pad = pad_;
-    g.out_height = out_extent(g.height);
-    g.out_width = out_extent(g.width);
-    g.count_include_pad = count_include_pad_;
-    g.divisor_override = divisor_override_;
-    return g;
-  }
+  Pool2dGeometry geometry(const Shape& x) const;
 
   const std::string& name() const { return name_; }
 
@@ -114,6 +80,49 @@ class Pool2dConfig {
   std::int64_t divisor_override_;  // 0: none
   std::string name_;
 };
+
+// Out of line (core/linkage.hpp): compiled once in tessera_kernels, not in every program with a pool.
+#if TESSERA_HEADER_DEFINITIONS
+TESSERA_LINKAGE Pool2dConfig::Pool2dConfig(const char* kind, std::int64_t kernel, std::int64_t stride,
+                                           std::int64_t padding, bool ceil_mode, bool count_include_pad,
+                                           std::optional<std::int64_t> divisor_override)
+    : kernel_(kernel),
+      stride_(stride == 0 ? kernel : stride),
+      pad_(padding),
+      ceil_mode_(ceil_mode),
+      count_include_pad_(count_include_pad),
+      divisor_override_(divisor_override.value_or(0)) {
+  name_ = cat(kind, "(kernel=", kernel_, ", stride=", stride_, ", padding=", pad_);
+  if (ceil_mode_) name_ += ", ceil_mode=true";
+  if (!count_include_pad_) name_ += ", count_include_pad=false";
+  if (divisor_override) name_ += cat(", divisor_override=", *divisor_override);
+  name_ += ")";
+  TESSERA_CHECK(kernel_ > 0 && stride_ > 0, ArgumentError, name_, ": kernel and stride must be positive");
+  TESSERA_CHECK(pad_ >= 0 && 2 * pad_ <= kernel_, ArgumentError, name_, ": padding must be between 0 and kernel / 2");
+  TESSERA_CHECK(!divisor_override || *divisor_override != 0, ArgumentError, name_,
+                ": divisor_override must not be zero");
+}
+
+TESSERA_LINKAGE Pool2dGeometry Pool2dConfig::geometry(const Shape& x) const {
+  TESSERA_CHECK(x.rank() == 4, ShapeError, name_, ": expected input (N, C, H, W), got ", x);
+  // Smallest H giving one window: H + 2 padding >= kernel, or in ceil mode a window may start
+  // inside the image and run past its padded end (ceil((H + 2p - k) / s) >= 0).
+  const std::int64_t least = std::max<std::int64_t>(1, kernel_ - 2 * pad_ - (ceil_mode_ ? stride_ - 1 : 0));
+  TESSERA_CHECK(x.dim(2) >= least && x.dim(3) >= least, ShapeError, name_, ": input ", x,
+                " is smaller than the window; expected (N, C, H, W) with H >= ", least, " and W >= ", least);
+  Pool2dGeometry g;
+  g.height = x.dim(2);
+  g.width = x.dim(3);
+  g.kernel = kernel_;
+  g.stride = stride_;
+  g.pad = pad_;
+  g.out_height = out_extent(g.height);
+  g.out_width = out_extent(g.width);
+  g.count_include_pad = count_include_pad_;
+  g.divisor_override = divisor_override_;
+  return g;
+}
+#endif  // TESSERA_HEADER_DEFINITIONS
 
 }  // namespace detail
 
