@@ -12,12 +12,15 @@
 //   TESSERA_CPU_CAPABILITY=default   the portable loops only (what an older CPU runs)
 //   TESSERA_CPU_CAPABILITY=avx512    AVX-512 kernels where the CPU has them (the same as unset)
 //
-// Read once, at the first kernel call. What stays decided at compile time: the width of the
+// Read once, when the program starts (a value that is neither ends it there, naming the variable).
+// What stays decided at compile time: the width of the
 // compiler's own vectorization, and the Winograd tile vectors (kernels/cpu/winograd.hpp), whose
 // layout is the compile-time vector width.
 #pragma once
 
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
 #include "tessera/core/error.hpp"
@@ -77,5 +80,24 @@ inline CpuCapability cpu_capability() {
 
 // The branch in front of every AVX-512 kernel.
 inline bool cpu_avx512() { return cpu_capability() == CpuCapability::Avx512; }
+
+namespace detail {
+
+// TESSERA_CPU_CAPABILITY is checked when the program starts, not at the first kernel call: that
+// call is usually on an OpenMP thread inside a parallel region, where an exception cannot reach
+// the caller, and two threads throwing at once ended the program in std::terminate with the
+// message cut off ("terminate called recursively"). A bad value ends it here instead, with the
+// message an uncaught ArgumentError would print and exit status 2.
+inline CpuCapability checked_cpu_capability_at_start() {
+  try {
+    return cpu_capability();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera: %s\n", e.what());
+    std::exit(2);
+  }
+}
+inline const CpuCapability cpu_capability_at_start = checked_cpu_capability_at_start();
+
+}  // namespace detail
 
 }  // namespace tessera
