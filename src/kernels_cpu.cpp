@@ -65,10 +65,5 @@ TESSERA_REDUCE_ALL_INSTANCES()
 
 // ThreadComm's collectives for every CommScalar (comm/threads.hpp lists them).
 namespace tessera {
-TESSERA_THREAD_COMM_INSTANCES(float)
-TESSERA_THREAD_COMM_INSTANCES(double)
-TESSERA_THREAD_COMM_INSTANCES(std::int32_t)
-TESSERA_THREAD_COMM_INSTANCES(std::int64_t)
-TESSERA_THREAD_COMM_INSTANCES(Half)
-TESSERA_THREAD_COMM_INSTANCES(BHalf)
+TESSERA_THREAD_COMM_ALL_INSTANCES()
 }  // namespace tessera

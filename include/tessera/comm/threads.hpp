@@ -328,11 +328,11 @@ using CpuThreadsBf16 = Env<Cpu, ThreadComm, float, BFloat16>;  // float weights,
 
 // Compiled once in compiled-kernels mode (core/linkage.hpp explains): the non-template code below
 // and the collectives' instances for every CommScalar, which src/kernels_cpu.cpp defines by
-// expanding this list; a program sees declarations only and links the library's instances (the
+// expanding this list (C: ThreadComm); a program sees declarations only and links the library's instances (the
 // definitions are not visible to it, so it needs no extern template). The templates over open
 // types (launch, run) stay in the header; the helper templates below are used only by code that
 // is compiled here.
-#define TESSERA_THREAD_COMM_INSTANCES(T)                                                                     \
+#define TESSERA_THREAD_COMM_INSTANCES(C, T)                                                                     \
   template void detail::ThreadGroup::all_reduce<T>(int, std::span<T>, ReduceOp);                             \
   template void detail::ThreadGroup::broadcast<T>(int, std::span<T>, int);                                   \
   template void detail::ThreadGroup::all_gather<T>(int, std::span<const T>, std::span<T>);                   \
@@ -340,7 +340,8 @@ using CpuThreadsBf16 = Env<Cpu, ThreadComm, float, BFloat16>;  // float weights,
   template void detail::ThreadGroup::send<T>(int, std::span<const T>, int);                                  \
   template std::shared_ptr<detail::ThreadGroup::PostedRecv> detail::ThreadGroup::post_recv<T>(int, std::span<T>, \
                                                                                                int);         \
-  TESSERA_COMM_COLLECTIVE_INSTANCES(ThreadComm, T)
+  TESSERA_COMM_COLLECTIVE_INSTANCES(C, T)
+#define TESSERA_THREAD_COMM_ALL_INSTANCES() TESSERA_FOR_EACH_COMM_SCALAR(TESSERA_THREAD_COMM_INSTANCES, ThreadComm)
 
 #if TESSERA_HEADER_DEFINITIONS
 
