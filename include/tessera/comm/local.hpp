@@ -8,6 +8,7 @@
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/comm/launch_env.hpp"
+#include "tessera/comm/local_env.hpp"
 #include "tessera/comm/options.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/device/cpu.hpp"

@@ -15,6 +15,7 @@
 #include <concepts>
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/host_device.hpp"
 #include "tessera/core/tensor.hpp"
@@ -163,5 +164,10 @@ template <class E>
 using GELU = Pointwise<E, GeluOp>;
 template <class E>
 using LeakyReLU = Pointwise<E, LeakyReluOp>;
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL_WITH(Pointwise, class, Op);
+TESSERA_LOCAL_EXTERN(Pointwise, ReluOp)
+TESSERA_LOCAL_EXTERN(Pointwise, GeluOp)
 
 }  // namespace tessera

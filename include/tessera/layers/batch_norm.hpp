@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/kernels/batch_norm.hpp"
@@ -277,5 +278,9 @@ class BatchNorm2d {
   Tensor running_mean_, running_var_;
   std::int64_t num_batches_tracked_ = 0;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(BatchNorm2d);
+TESSERA_LOCAL_EXTERN(BatchNorm2d)
 
 }  // namespace tessera

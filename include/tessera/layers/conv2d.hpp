@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/init.hpp"
@@ -217,5 +218,9 @@ class Conv2d {
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(Conv2d);
+TESSERA_LOCAL_EXTERN(Conv2d)
 
 }  // namespace tessera

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
@@ -75,5 +76,9 @@ class Dropout {
   Mode mode_ = Mode::Train;
   bool needs_input_grad_ = true;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(Dropout);
+TESSERA_LOCAL_EXTERN(Dropout)
 
 }  // namespace tessera

@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/tensor.hpp"
 
@@ -60,5 +61,9 @@ class Flatten {
  private:
   bool needs_input_grad_ = true;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(Flatten);
+TESSERA_LOCAL_EXTERN(Flatten)
 
 }  // namespace tessera

@@ -11,6 +11,7 @@
 
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/init.hpp"
 #include "tessera/core/parameter.hpp"
@@ -113,5 +114,9 @@ class Linear {
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(Linear);
+TESSERA_LOCAL_EXTERN(Linear)
 
 }  // namespace tessera

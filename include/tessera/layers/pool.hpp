@@ -25,6 +25,7 @@
 #include <optional>
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/linkage.hpp"
@@ -344,5 +345,15 @@ class GlobalAvgPool {
  private:
   bool needs_input_grad_ = true;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(MaxPool2d);
+TESSERA_SAME_CODE_AS_LOCAL(AvgPool2d);
+TESSERA_SAME_CODE_AS_LOCAL(AdaptiveAvgPool2d);
+TESSERA_SAME_CODE_AS_LOCAL(GlobalAvgPool);
+TESSERA_LOCAL_EXTERN(MaxPool2d)
+TESSERA_LOCAL_EXTERN(AvgPool2d)
+TESSERA_LOCAL_EXTERN(AdaptiveAvgPool2d)
+TESSERA_LOCAL_EXTERN(GlobalAvgPool)
 
 }  // namespace tessera

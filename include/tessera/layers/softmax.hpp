@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
@@ -80,6 +81,8 @@ class SoftmaxLayer : public ParameterFree {
   int dim_;
   bool needs_input_grad_ = true;
 };
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL_WITH(SoftmaxLayer, bool, Log);
 }  // namespace detail
 
 template <class E>

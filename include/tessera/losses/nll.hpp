@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/softmax.hpp"
@@ -102,5 +103,9 @@ class NLLLoss {
   Reduction reduction_;
   std::int64_t ignore_index_;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(NLLLoss);
+TESSERA_LOCAL_EXTERN(NLLLoss)
 
 }  // namespace tessera

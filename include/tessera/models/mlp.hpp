@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
@@ -83,5 +84,9 @@ class Mlp {
   std::vector<Linear<E>> linear_;
   std::vector<ReLU<E>> relu_;
 };
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(Mlp);
+TESSERA_LOCAL_EXTERN(Mlp)
 
 }  // namespace tessera

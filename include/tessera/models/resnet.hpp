@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/init.hpp"
 #include "tessera/layers/activation.hpp"
@@ -333,5 +334,10 @@ template <class E>
 ResNet<E, BasicBlock> resnet56(const ResNetOptions& o = {.in_channels = 3, .num_classes = 10}) {
   return cifar_resnet<E>(56, o);
 }
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL_WITH(ResNet, template <class> class, Block);
+TESSERA_LOCAL_EXTERN(ResNet, BasicBlock)
+TESSERA_LOCAL_EXTERN(ResNet, Bottleneck)
 
 }  // namespace tessera

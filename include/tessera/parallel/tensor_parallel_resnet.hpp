@@ -43,9 +43,11 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/local_env.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/batch_norm.hpp"
@@ -109,8 +111,9 @@ class OutputChannelParallelConv2d {
   using Tensor = tessera::Tensor<S, D>;
   using Cache = typename Conv2d<E>::Cache;
 
-  // The rank's output channels of `dense` (weights copied).
-  OutputChannelParallelConv2d(Conv2d<E>& dense, Comm& comm, bool reduce_input_grad = true)
+  // The rank's output channels of `dense` (weights copied): a Conv2d of E or of LocalEnv<E>, which
+  // a dense model's layers are (comm/local_env.hpp).
+  OutputChannelParallelConv2d(Conv2d<LocalEnv<E>>& dense, Comm& comm, bool reduce_input_grad = true)
       : comm_(&comm), reduce_input_grad_(reduce_input_grad), conv_(local_options(dense.options(), comm), detail::overwritten_init_rng()) {
     detail::copy_slices<S, D>(dense, conv_, 0, comm.rank());
   }
@@ -152,7 +155,7 @@ class InputChannelParallelConv2d {
   using Cache = typename Conv2d<E>::Cache;
 
   // Input channels of the rank; the input must already be the rank's channels (N, C_in/p, H, W).
-  InputChannelParallelConv2d(Conv2d<E>& dense, Comm& comm) : comm_(&comm), conv_(local_options(dense.options(), comm), detail::overwritten_init_rng()) {
+  InputChannelParallelConv2d(Conv2d<LocalEnv<E>>& dense, Comm& comm) : comm_(&comm), conv_(local_options(dense.options(), comm), detail::overwritten_init_rng()) {
     TESSERA_CHECK(!dense.options().bias, ArgumentError,
                   "InputChannelParallelConv2d: a bias would be added once per rank; build the dense layer without one");
     detail::copy_slices<S, D>(dense, conv_, 1, comm.rank());
@@ -199,7 +202,10 @@ class TensorParallelBottleneck {
     Tensor gathered;
   };
 
-  TensorParallelBottleneck(Bottleneck<E>& dense, Comm& comm)
+  // `dense`: a Bottleneck of E, or of LocalEnv<E> (a dense ResNet's blocks: comm/local_env.hpp).
+  template <class DenseEnv>
+    requires std::is_same_v<LocalEnv<DenseEnv>, LocalEnv<E>>
+  TensorParallelBottleneck(Bottleneck<DenseEnv>& dense, Comm& comm)
       : comm_(&comm),
         conv1_(dense.main().template get<0>(), comm, /*reduce_input_grad=*/false),
         bn1_(sliced_bn(dense.main().template get<1>(), comm)),
@@ -283,7 +289,7 @@ class TensorParallelBottleneck {
   }
 
  private:
-  static BatchNorm2d<E> sliced_bn(BatchNorm2d<E>& dense, Comm& comm) {
+  static BatchNorm2d<E> sliced_bn(BatchNorm2d<LocalEnv<E>>& dense, Comm& comm) {
     BatchNorm2d<E> local(detail::checked_shard(dense.num_features(), comm.size(), "TensorParallelBottleneck", "channels"),
                          dense.eps(), dense.momentum());
     detail::copy_slices<S, D>(dense, local, 0, comm.rank());
