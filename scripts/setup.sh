@@ -8,14 +8,15 @@ cd "$(dirname "$0")/.."
 
 # Communicators: Open MPI (MpiComm, mpirun), Gloo with hiredis (GlooComm and its Redis store) and
 # redis-server, which the Gloo Redis tests start on a private port themselves.
-# clang with its runtime (libFuzzer): the fuzz-smoke test (scripts/fuzz.sh, tests/fuzz/README.md).
+# clang with its runtime (libFuzzer) and libomp: the fuzz-smoke test (scripts/fuzz.sh,
+# tests/fuzz/README.md) and the headers test, which compiles every header on its own with clang++.
 # slurm-wlm and munge: a private local Slurm for the tessera-sbatch test (tests/slurm/); matplotlib:
 # tools/tessera-report's plots; cmake: the CMake consumer test (tests/consumer/).
 # libturbojpeg0-dev and libpng-dev: ImageFolder's JPEG and PNG decoders (optional to the build).
 # mypy and python3-pytest: the tools package's type check and tests (quick tier); ccache: meson
 # picks it up by itself, so a rebuild after switching branches recompiles only what changed.
 packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev libopenblas-dev catch2 zlib1g-dev dataset-fashion-mnist
-  libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server clang libclang-rt-14-dev
+  libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server clang libclang-rt-14-dev libomp-dev
   slurm-wlm munge python3-matplotlib cmake libturbojpeg0-dev libpng-dev mypy python3-pytest ccache)
 missing=()
 for p in "${packages[@]}"; do

@@ -99,3 +99,22 @@ concept OtherCommEnv = is_env_v<E> && !std::is_same_v<E, LocalEnv<E>>;
 #define TESSERA_LOCAL_EXTERN_CUDA(...)
 #endif
 #define TESSERA_LOCAL_EXTERN(...) TESSERA_LOCAL_EXTERN_CPU(__VA_ARGS__) TESSERA_LOCAL_EXTERN_CUDA(__VA_ARGS__)
+// The float instances only (CpuLocal, CudaLocal): for the models, whose class declarations are
+// large (ResNet's caches and blocks) while their double and bfloat16 instances serve few programs.
+// An extern declaration instantiates the class where it stands, in every unit that includes the
+// header (the precompiled header of the build's programs holds it once); a program of another
+// instance compiles that one itself, as it would without the library.
+#if TESSERA_CPU_KERNELS_EXTERN
+#define TESSERA_LOCAL_EXTERN_FLOAT_CPU(Layer, ...) \
+  TESSERA_LOCAL_ENV_INSTANCE(extern, Layer, (::tessera::Cpu, ::tessera::LocalComm, float), __VA_ARGS__)
+#else
+#define TESSERA_LOCAL_EXTERN_FLOAT_CPU(...)
+#endif
+#if defined(TESSERA_COMPILED_CUDA_KERNELS) && !defined(__CUDACC__)
+#define TESSERA_LOCAL_EXTERN_FLOAT_CUDA(Layer, ...) \
+  TESSERA_LOCAL_ENV_INSTANCE(extern, Layer, (::tessera::Cuda, ::tessera::LocalComm, float), __VA_ARGS__)
+#else
+#define TESSERA_LOCAL_EXTERN_FLOAT_CUDA(...)
+#endif
+#define TESSERA_LOCAL_EXTERN_FLOAT(...) \
+  TESSERA_LOCAL_EXTERN_FLOAT_CPU(__VA_ARGS__) TESSERA_LOCAL_EXTERN_FLOAT_CUDA(__VA_ARGS__)

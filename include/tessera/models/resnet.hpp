@@ -337,7 +337,7 @@ ResNet<E, BasicBlock> resnet56(const ResNetOptions& o = {.in_channels = 3, .num_
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).
 TESSERA_SAME_CODE_AS_LOCAL_WITH(ResNet, template <class> class, Block);
-TESSERA_LOCAL_EXTERN(ResNet, BasicBlock)
-TESSERA_LOCAL_EXTERN(ResNet, Bottleneck)
+TESSERA_LOCAL_EXTERN_FLOAT(ResNet, BasicBlock)
+TESSERA_LOCAL_EXTERN_FLOAT(ResNet, Bottleneck)
 
 }  // namespace tessera

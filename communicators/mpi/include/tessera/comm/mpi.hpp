@@ -115,6 +115,13 @@ struct MpiHandle {
   ~MpiHandle();
 };
 
+// What a receive expects (MpiComm::make_work). Outside the class: a nested struct's default member
+// initializers are not usable in a default argument of the enclosing class's own members (clang
+// refuses `ExpectedCount expected = {}` there, GCC accepts it).
+struct MpiExpectedCount {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  long long count = -1;  // checked against the received message when >= 0
+};
 }  // namespace detail
 
 class MpiComm {
@@ -222,10 +229,7 @@ class MpiComm {
   // is said again at exit.
   static void mark_job_failed(const std::string& text);
 
-  struct ExpectedCount {
-    MPI_Datatype type = MPI_DATATYPE_NULL;
-    long long count = -1;  // checked against the received message when >= 0
-  };
+  using ExpectedCount = detail::MpiExpectedCount;
 
   // wait() is the core's wait loop over MPI_Test. The deadline counts from the start of wait(),
   // not from the issue: MPI's non-blocking collectives progress only inside MPI calls, so a
