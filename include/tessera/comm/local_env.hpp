@@ -11,14 +11,14 @@
 // Conv2d<CpuThreads>, Conv2d<CpuMpi> and Conv2d<CpuGloo> are then one class's code (their forward,
 // backward and constructors are Conv2d<CpuLocal>'s), which the meson build compiles once, in
 // tessera_layers (src/layers_cpu.cpp), for CpuLocal, CpuLocal64 and CpuLocalBf16: each program
-// declares those instances extern (TESSERA_LOCAL_CPU_INSTANCES below) instead of optimizing the same
+// declares those instances extern (TESSERA_LOCAL_EXTERN below) instead of optimizing the same
 // code again for every backend it is built for. The Env name stays E's, so a model of CpuThreads
 // layers is still a CpuThreads model: the strategies read its communicator type from Model::Env, and
 // giving its layers to a model of another Env still fails to compile.
 //
 // A layer of E converts to and from the layer of LocalEnv<E> (copy or move): a comm-aware layer
-// built from a dense one (tensor_parallel_resnet.hpp) takes `const Conv2d<LocalEnv<E>>&`, which
-// binds either.
+// built from a dense one (tensor_parallel_resnet.hpp) takes `Conv2d<LocalEnv<E>>&`, which binds
+// either.
 #pragma once
 
 #include <type_traits>
@@ -87,34 +87,28 @@ concept OtherCommEnv = is_env_v<E> && !std::is_same_v<E, LocalEnv<E>>;
   TESSERA_LOCAL_ENV_INSTANCE(PREFIX, Layer, (::tessera::Cuda, ::tessera::LocalComm, float), __VA_ARGS__)  \
   TESSERA_LOCAL_ENV_INSTANCE(PREFIX, Layer, (::tessera::Cuda, ::tessera::LocalComm, double), __VA_ARGS__)
 
+// TESSERA_LOCAL_EXTERN_FLOAT: the float instances only (CpuLocal, CudaLocal), for the models, whose
+// class declarations are large (ResNet's caches and blocks) while their double and bfloat16 instances
+// serve few programs. An extern declaration instantiates the class where it stands, in every unit
+// that includes the header (the precompiled header of the build's programs holds it once); a
+// program of another instance compiles that one itself, as it would without the library.
 #if TESSERA_CPU_KERNELS_EXTERN
 #define TESSERA_LOCAL_EXTERN_CPU(...) TESSERA_LOCAL_CPU_INSTANCES(extern, __VA_ARGS__)
+#define TESSERA_LOCAL_EXTERN_FLOAT_CPU(Layer, ...) \
+  TESSERA_LOCAL_ENV_INSTANCE(extern, Layer, (::tessera::Cpu, ::tessera::LocalComm, float), __VA_ARGS__)
 #else
 #define TESSERA_LOCAL_EXTERN_CPU(...)
+#define TESSERA_LOCAL_EXTERN_FLOAT_CPU(...)
 #endif
 #if defined(TESSERA_COMPILED_CUDA_KERNELS) && !defined(__CUDACC__)
 #include "tessera/device/cuda.cuh"  // the Env<Cuda, ...> named below is complete
 #define TESSERA_LOCAL_EXTERN_CUDA(...) TESSERA_LOCAL_CUDA_INSTANCES(extern, __VA_ARGS__)
-#else
-#define TESSERA_LOCAL_EXTERN_CUDA(...)
-#endif
-#define TESSERA_LOCAL_EXTERN(...) TESSERA_LOCAL_EXTERN_CPU(__VA_ARGS__) TESSERA_LOCAL_EXTERN_CUDA(__VA_ARGS__)
-// The float instances only (CpuLocal, CudaLocal): for the models, whose class declarations are
-// large (ResNet's caches and blocks) while their double and bfloat16 instances serve few programs.
-// An extern declaration instantiates the class where it stands, in every unit that includes the
-// header (the precompiled header of the build's programs holds it once); a program of another
-// instance compiles that one itself, as it would without the library.
-#if TESSERA_CPU_KERNELS_EXTERN
-#define TESSERA_LOCAL_EXTERN_FLOAT_CPU(Layer, ...) \
-  TESSERA_LOCAL_ENV_INSTANCE(extern, Layer, (::tessera::Cpu, ::tessera::LocalComm, float), __VA_ARGS__)
-#else
-#define TESSERA_LOCAL_EXTERN_FLOAT_CPU(...)
-#endif
-#if defined(TESSERA_COMPILED_CUDA_KERNELS) && !defined(__CUDACC__)
 #define TESSERA_LOCAL_EXTERN_FLOAT_CUDA(Layer, ...) \
   TESSERA_LOCAL_ENV_INSTANCE(extern, Layer, (::tessera::Cuda, ::tessera::LocalComm, float), __VA_ARGS__)
 #else
+#define TESSERA_LOCAL_EXTERN_CUDA(...)
 #define TESSERA_LOCAL_EXTERN_FLOAT_CUDA(...)
 #endif
+#define TESSERA_LOCAL_EXTERN(...) TESSERA_LOCAL_EXTERN_CPU(__VA_ARGS__) TESSERA_LOCAL_EXTERN_CUDA(__VA_ARGS__)
 #define TESSERA_LOCAL_EXTERN_FLOAT(...) \
   TESSERA_LOCAL_EXTERN_FLOAT_CPU(__VA_ARGS__) TESSERA_LOCAL_EXTERN_FLOAT_CUDA(__VA_ARGS__)
