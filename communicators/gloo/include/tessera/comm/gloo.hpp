@@ -101,10 +101,29 @@ namespace tessera {
 
 namespace detail {
 
+// A store that can say whether keys are there without waiting. Gloo's stores cannot through
+// their Store interface: wait(keys, timeout) truncates the time it has waited to whole seconds
+// before comparing it with the timeout (gloo/rendezvous/file_store.cc and redis_store.cc), so a
+// 1 ms wait for a missing key lasts a second, and a rendezvous, which asks for a few missing keys,
+// took 2 s or more even with one rank. Their own check(keys) answers at once: FileStore's is
+// protected, hence these two subclasses, which the store URL opens (open_gloo_store).
+class CheckableStore {
+ public:
+  virtual ~CheckableStore() = default;
+  virtual bool has(const std::vector<std::string>& keys) = 0;
+};
+
+class CheckableFileStore : public gloo::rendezvous::FileStore, public CheckableStore {
+ public:
+  explicit CheckableFileStore(const std::string& path) : FileStore(path) {}
+  bool has(const std::vector<std::string>& keys) override { return check(keys); }
+};
+
 // Keys "<prefix>.<key>": flat names, because FileStore maps a key to a file in one directory.
 // While a rendezvous runs, `watch` is called between slices of every wait (Gloo's own full-mesh
 // connect included), so that a peer that died meanwhile ends the wait with its name instead of
-// the store's timeout.
+// the store's timeout. Over a CheckableStore a wait polls has() every 10 ms (Gloo's own period)
+// and keeps its timeout to the millisecond; over another Store it takes Gloo's timed waits.
 class PrefixedStore : public gloo::rendezvous::Store {
  public:
   PrefixedStore(std::shared_ptr<gloo::rendezvous::Store> base, std::string prefix);
@@ -150,9 +169,10 @@ struct JoinRecord {
 // Gloo's Redis store, logged in with TESSERA_REDIS_PASSWORD when that is set (a Redis server
 // that other users of the cluster can reach needs a password: tessera-sbatch --store redis starts
 // one with a fresh password). The password never goes into the URL, which messages print.
-class AuthRedisStore : public gloo::rendezvous::RedisStore {
+class AuthRedisStore : public gloo::rendezvous::RedisStore, public CheckableStore {
  public:
   AuthRedisStore(const std::string& host, int port, const std::string& url);
+  bool has(const std::vector<std::string>& keys) override { return check(keys); }
 };
 
 // What to do about a store's error, when its text says: a Redis server that wants a password.
@@ -421,11 +441,13 @@ TESSERA_GLOO_LINKAGE void PrefixedStore::wait(const std::vector<std::string>& ke
 TESSERA_GLOO_LINKAGE void PrefixedStore::wait(const std::vector<std::string>& keys,
                                               const std::chrono::milliseconds& timeout) {
   if (watch_) return wait_watched(keys, timeout);
+  if (dynamic_cast<CheckableStore*>(base_.get()) != nullptr) return wait_watched(keys, timeout);
   base_->wait(full(keys), timeout);
 }
 TESSERA_GLOO_LINKAGE bool PrefixedStore::has(const std::vector<std::string>& keys) {
+  if (auto* checkable = dynamic_cast<CheckableStore*>(base_.get())) return checkable->has(full(keys));
   try {
-    base_->wait(full(keys), std::chrono::milliseconds(1));
+    base_->wait(full(keys), std::chrono::milliseconds(1));  // Gloo waits a second here (CheckableStore)
     return true;
   } catch (const std::exception&) {
     return false;
@@ -439,6 +461,19 @@ TESSERA_GLOO_LINKAGE void PrefixedStore::set_watch(std::function<void()> watch, 
 TESSERA_GLOO_LINKAGE void PrefixedStore::wait_watched(const std::vector<std::string>& keys,
                                                       std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (auto* checkable = dynamic_cast<CheckableStore*>(base_.get())) {
+    for (;;) {
+      if (watch_) watch_();
+      if (checkable->has(full(keys))) return;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string names;
+        for (const auto& k : keys) names += cat(names.empty() ? "" : ", ", k);
+        throw CommError(cat("store: key(s) ", names, " (prefix ", prefix_, ") still missing after ",
+                            seconds_text(timeout)));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
   for (;;) {
     watch_();
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -512,7 +547,7 @@ TESSERA_GLOO_LINKAGE std::shared_ptr<gloo::rendezvous::Store> open_gloo_store(co
       const std::string path = url.substr(7);
       TESSERA_CHECK(!path.empty() && path[0] == '/', ArgumentError, "GlooComm: store '", url,
                     "' must be an absolute path: file:///dir");
-      return std::make_shared<gloo::rendezvous::FileStore>(path);
+      return std::make_shared<CheckableFileStore>(path);
     }
     if (url.rfind("redis://", 0) == 0) {
       const std::string rest = url.substr(8);
