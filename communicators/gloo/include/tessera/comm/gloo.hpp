@@ -104,9 +104,10 @@ namespace detail {
 // A store that can say whether keys are there without waiting. Gloo's stores cannot through
 // their Store interface: wait(keys, timeout) truncates the time it has waited to whole seconds
 // before comparing it with the timeout (gloo/rendezvous/file_store.cc and redis_store.cc), so a
-// 1 ms wait for a missing key lasts a second, and a rendezvous, which asks for a few missing keys,
-// took 2 s or more even with one rank. Their own check(keys) answers at once: FileStore's is
-// protected, hence these two subclasses, which the store URL opens (open_gloo_store).
+// wait of a millisecond for a missing key lasts a whole second, and a rendezvous, which asks for a
+// few missing keys, took seconds even with one rank (docs/testing.md). Their own check(keys)
+// answers at once: FileStore's is protected, hence these two subclasses, which the store URL
+// opens (open_gloo_store).
 class CheckableStore {
  public:
   virtual ~CheckableStore() = default;
@@ -122,8 +123,8 @@ class CheckableFileStore : public gloo::rendezvous::FileStore, public CheckableS
 // Keys "<prefix>.<key>": flat names, because FileStore maps a key to a file in one directory.
 // While a rendezvous runs, `watch` is called between slices of every wait (Gloo's own full-mesh
 // connect included), so that a peer that died meanwhile ends the wait with its name instead of
-// the store's timeout. Over a CheckableStore a wait polls has() every 10 ms (Gloo's own period)
-// and keeps its timeout to the millisecond; over another Store it takes Gloo's timed waits.
+// the store's timeout. Over a CheckableStore a wait polls has() at Gloo's own polling period and
+// keeps its timeout to within that period; over another Store it takes Gloo's timed waits.
 class PrefixedStore : public gloo::rendezvous::Store {
  public:
   PrefixedStore(std::shared_ptr<gloo::rendezvous::Store> base, std::string prefix);
@@ -895,12 +896,14 @@ TESSERA_GLOO_LINKAGE void GlooComm::connect(const std::string& label, std::strin
                                   "must be given the same TESSERA_WORLD_SIZE (or the same -n)"));
     }
     if (missing.empty()) break;
+    std::string names;
+    for (int q : missing) names += detail::cat(names.empty() ? "" : ", ", q);
+    // A peer that joined and exited: often one that timed out a moment before this rank, waiting
+    // for the same missing ranks, so those are named too (they are the cause).
     for (int q = 0; q < size(); ++q)
       if (joined[static_cast<std::size_t>(q)].pid > 0 && !joined[static_cast<std::size_t>(q)].alive())
         throw CommError(detail::cat(where, ": rank ", q, " (", joined[static_cast<std::size_t>(q)].where(),
-                                    ") exited during the rendezvous"));
-    std::string names;
-    for (int q : missing) names += detail::cat(names.empty() ? "" : ", ", q);
+                                    ") exited during the rendezvous, and rank(s) ", names, " never joined"));
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline)
       throw CommError(detail::cat(where, ": timed out after ", detail::seconds_text(options.timeout), "; rank(s) ",
