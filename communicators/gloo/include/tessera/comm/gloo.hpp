@@ -143,6 +143,7 @@ class PrefixedStore : public gloo::rendezvous::Store {
   std::string full(const std::string& key) const;
   std::vector<std::string> full(const std::vector<std::string>& keys) const;
   std::shared_ptr<gloo::rendezvous::Store> base_;
+  CheckableStore* checkable_;  // base_ when it is one, else null
   std::string prefix_;
   std::function<void()> watch_;
   std::chrono::milliseconds watch_timeout_{0};
@@ -427,7 +428,7 @@ class GlooComm {
 namespace detail {
 
 TESSERA_GLOO_LINKAGE PrefixedStore::PrefixedStore(std::shared_ptr<gloo::rendezvous::Store> base, std::string prefix)
-    : base_(std::move(base)), prefix_(std::move(prefix)) {}
+    : base_(std::move(base)), checkable_(dynamic_cast<CheckableStore*>(base_.get())), prefix_(std::move(prefix)) {}
 TESSERA_GLOO_LINKAGE void PrefixedStore::set(const std::string& key, const std::vector<char>& data) {
   base_->set(full(key), data);
 }
@@ -441,12 +442,11 @@ TESSERA_GLOO_LINKAGE void PrefixedStore::wait(const std::vector<std::string>& ke
 }
 TESSERA_GLOO_LINKAGE void PrefixedStore::wait(const std::vector<std::string>& keys,
                                               const std::chrono::milliseconds& timeout) {
-  if (watch_) return wait_watched(keys, timeout);
-  if (dynamic_cast<CheckableStore*>(base_.get()) != nullptr) return wait_watched(keys, timeout);
+  if (watch_ || checkable_ != nullptr) return wait_watched(keys, timeout);
   base_->wait(full(keys), timeout);
 }
 TESSERA_GLOO_LINKAGE bool PrefixedStore::has(const std::vector<std::string>& keys) {
-  if (auto* checkable = dynamic_cast<CheckableStore*>(base_.get())) return checkable->has(full(keys));
+  if (checkable_ != nullptr) return checkable_->has(full(keys));
   try {
     base_->wait(full(keys), std::chrono::milliseconds(1));  // Gloo waits a second here (CheckableStore)
     return true;
@@ -462,10 +462,10 @@ TESSERA_GLOO_LINKAGE void PrefixedStore::set_watch(std::function<void()> watch, 
 TESSERA_GLOO_LINKAGE void PrefixedStore::wait_watched(const std::vector<std::string>& keys,
                                                       std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  if (auto* checkable = dynamic_cast<CheckableStore*>(base_.get())) {
+  if (checkable_ != nullptr) {
     for (;;) {
       if (watch_) watch_();
-      if (checkable->has(full(keys))) return;
+      if (checkable_->has(full(keys))) return;
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string names;
         for (const auto& k : keys) names += cat(names.empty() ? "" : ", ", k);
