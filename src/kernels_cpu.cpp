@@ -6,11 +6,14 @@
 #define TESSERA_COMPILING_KERNELS 1
 
 #include "tessera/comm/reduce.hpp"
+#include "tessera/kernels/cpu/attention.hpp"
 #include "tessera/kernels/cpu/batch_norm.hpp"
 #include "tessera/kernels/cpu/conv2d.hpp"
 #include "tessera/kernels/cpu/elementwise.hpp"
+#include "tessera/kernels/cpu/embedding.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/loss.hpp"
+#include "tessera/kernels/cpu/norm.hpp"
 #include "tessera/kernels/cpu/optim.hpp"
 #include "tessera/kernels/cpu/pool.hpp"
 #include "tessera/kernels/cpu/softmax.hpp"
@@ -51,6 +54,9 @@ TESSERA_DEFINE_INSTANCES(TESSERA_CPU_ELEMENTWISE_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_LOSS_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_OPTIM_INSTANCES)
 TESSERA_DEFINE_INSTANCES(TESSERA_CPU_SOFTMAX_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_NORM_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_EMBEDDING_INSTANCES)
+TESSERA_DEFINE_INSTANCES(TESSERA_CPU_ATTENTION_INSTANCES)
 
 // Class templates every program instantiates the same way (their headers declare them extern).
 template class BasicCachingAllocator<HostMemory>;

@@ -6,11 +6,14 @@
 
 #include "tessera/comm/local.hpp"
 #include "tessera/layers/activation.hpp"
+#include "tessera/layers/attention.hpp"
 #include "tessera/layers/batch_norm.hpp"
 #include "tessera/layers/conv2d.hpp"
 #include "tessera/layers/dropout.hpp"
+#include "tessera/layers/embedding.hpp"
 #include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
+#include "tessera/layers/norm.hpp"
 #include "tessera/layers/pool.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/losses/mse.hpp"
@@ -36,3 +39,12 @@
   INSTANCES(, Mlp)                          \
   INSTANCES(, ResNet, BasicBlock)           \
   INSTANCES(, ResNet, Bottleneck)
+
+// The transformer layers, CPU only until their CUDA kernels exist (their headers declare only the
+// CPU instances extern: TESSERA_LOCAL_EXTERN_CPU).
+#define TESSERA_LOCAL_CPU_ONLY_LAYER_LIST(INSTANCES) \
+  INSTANCES(, Embedding)                            \
+  INSTANCES(, LayerNorm)                            \
+  INSTANCES(, RMSNorm)                              \
+  INSTANCES(, ScaledDotProductAttention)            \
+  INSTANCES(, SelfAttention)

@@ -59,6 +59,19 @@ class Shape {
   int rank_ = 0;
 };
 
+namespace detail {
+// Flat index i of a row-major tensor of `shape` as its multi-index, for error messages: "[1, 7]".
+inline std::string multi_index(std::int64_t i, const Shape& shape) {
+  std::string s = "]";
+  for (int d = shape.rank() - 1; d >= 0; --d) {
+    const std::int64_t extent = shape[d] > 0 ? shape[d] : 1;
+    s = (d > 0 ? ", " : "") + std::to_string(i % extent) + s;
+    i /= extent;
+  }
+  return "[" + s;
+}
+}  // namespace detail
+
 // Out of line (core/linkage.hpp): compiled once in tessera_kernels rather than expanded, with their
 // error texts, at each of the hundreds of places a shape is made.
 #if TESSERA_HEADER_DEFINITIONS

@@ -1,6 +1,9 @@
 // CrossEntropyLoss: softmax cross-entropy of logits (N, C) against integer labels (N), as
 // torch.nn.CrossEntropyLoss(ignore_index=-100, reduction, label_smoothing), computed as torch
-// does: log-softmax, then the negative log-likelihood against the smoothed target:
+// does: log-softmax, then the negative log-likelihood against the smoothed target. Logits of higher
+// rank have their classes LAST: (B, T, V) with labels (B, T) is N = B T rows of V classes, i.e.
+// nanoGPT's F.cross_entropy(logits.view(-1, V), targets.view(-1)); torch's own (N, C, d1, ...)
+// layout, classes second, is not read.
 //
 //   logp_i = z_i - max z_i - log sum_j exp(z_ij - max z_i)    (log_probs, (N, C); kept in the cache)
 //   t_i = (1 - eps) onehot(label_i) + eps / C                 (target distribution; eps = label_smoothing)
@@ -36,8 +39,8 @@ class CrossEntropyLoss {
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
   struct Cache {
-    Tensor log_probs;                         // (N, C) log-softmax of the logits
-    Tensor dlogits;                           // (N, C) dL/dlogits, filled by backward
+    Tensor log_probs;                         // (*, C) log-softmax of the logits (their shape)
+    Tensor dlogits;                           // (*, C) dL/dlogits, filled by backward
     tessera::Tensor<std::int64_t, D> labels;  // (N) the labels, on the device (capacity kept across steps)
     std::int64_t counted = 0;                 // rows not ignored
   };
@@ -50,8 +53,9 @@ class CrossEntropyLoss {
   }
 
   S forward(const Tensor& logits, std::span<const std::int64_t> labels, Cache& c) {
-    c.counted = detail::checked_class_labels([this] { return name(); }, logits, labels, ignore_index_, c.labels);
-    const std::int64_t n = logits.dim(0), classes = logits.dim(1);
+    c.counted = detail::checked_class_labels([this] { return name(); }, logits, labels, ignore_index_, c.labels,
+                                             /*any_rank=*/true);
+    const std::int64_t classes = logits.dim(-1), n = logits.numel() / classes;
     c.log_probs.resize(logits.shape());
     softmax_forward(D{}, logits.data(), n, classes, 1, /*log=*/true, c.log_probs.data());
     const double total = nll_forward(D{}, c.log_probs.data(), c.labels.data(), n, classes, smoothing_, ignore_index_);
@@ -60,8 +64,8 @@ class CrossEntropyLoss {
   }
 
   const Tensor& backward(Cache& c) {
-    TESSERA_CHECK(c.log_probs.rank() == 2, Error, name(), "::backward called before forward on this cache");
-    const std::int64_t n = c.log_probs.dim(0), classes = c.log_probs.dim(1);
+    TESSERA_CHECK(c.log_probs.rank() >= 2, Error, name(), "::backward called before forward on this cache");
+    const std::int64_t classes = c.log_probs.dim(-1), n = c.log_probs.numel() / classes;
     c.dlogits.resize(c.log_probs.shape());
     nll_backward(D{}, c.log_probs.data(), c.labels.data(), n, classes, smoothing_, ignore_index_,
                  detail::reduction_scale(reduction_, c.counted), /*through_softmax=*/true, c.dlogits.data());

@@ -28,21 +28,27 @@ namespace tessera {
 namespace detail {
 // Checks N labels for (N, C) scores (each in [0, C) or equal to ignore_index), copies them to the
 // device, and returns how many rows count (are not ignored). who() names the loss in an error; it
-// is called only then, so a training step builds no string (and allocates nothing) here.
+// is called only then, so a training step builds no string (and allocates nothing) here. With
+// any_rank, scores may be (*, C) of any rank >= 2 (the classes last, N = numel / C): a language
+// model's (B, T, V) logits with (B, T) labels, named in an error by their (b, t) position.
 template <class S, class D, std::invocable Who>
 std::int64_t checked_class_labels(const Who& who, const Tensor<S, D>& scores,
                                   std::span<const std::int64_t> labels, std::int64_t ignore_index,
-                                  Tensor<std::int64_t, D>& device_labels) {
-  TESSERA_CHECK(scores.rank() == 2 && scores.dim(0) > 0 && scores.dim(1) > 0, ShapeError, who(),
-                ": expected input (N, C) with N, C > 0, got ", scores.shape());
-  const std::int64_t n = scores.dim(0), classes = scores.dim(1);
+                                  Tensor<std::int64_t, D>& device_labels, bool any_rank = false) {
+  TESSERA_CHECK((any_rank ? scores.rank() >= 2 : scores.rank() == 2) && scores.numel() > 0, ShapeError, who(),
+                any_rank ? ": expected input (*, C) with at least one row and C > 0, got "
+                         : ": expected input (N, C) with N, C > 0, got ",
+                scores.shape());
+  const std::int64_t classes = scores.dim(-1), n = scores.numel() / classes;
   TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == n, ShapeError, who(), ": input ", scores.shape(), " needs ",
                 n, " labels, got ", labels.size());
+  const Shape rows(scores.shape().begin(), scores.shape().end() - 1);
   std::int64_t counted = 0;
   for (std::size_t i = 0; i < labels.size(); ++i) {
     if (labels[i] == ignore_index) continue;
-    TESSERA_CHECK(labels[i] >= 0 && labels[i] < classes, ArgumentError, who(), ": labels[", i, "] = ", labels[i],
-                  " is out of range [0, ", classes, ") and is not ignore_index");
+    TESSERA_CHECK(labels[i] >= 0 && labels[i] < classes, ArgumentError, who(), ": labels",
+                  multi_index(static_cast<std::int64_t>(i), rows), " = ", labels[i], " is out of range [0, ",
+                  classes, ") and is not ignore_index");
     ++counted;
   }
   device_labels.resize({n});

@@ -1,0 +1,215 @@
+// Attention layers (the fused kernel, its maths and its memory: kernels/cpu/attention.hpp).
+//
+// ScaledDotProductAttention: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+// is_causal, scale) without a mask or dropout:
+//   q (*, T, d), k (*, S, d), v (*, S, dv) -> out (*, T, dv) = softmax(scale q k^T [+ causal mask]) v
+// with the leading dimensions (*) equal in all three (for example (B, H)), scale = 1/sqrt(d)
+// unless given, and is_causal: query i sees keys j <= i. Backward gives dq, dk and dv. No (T, S)
+// matrix is stored: the cache keeps the inputs' addresses, the output and one log-sum-exp per
+// query row.
+//
+// SelfAttention: multi-head self-attention as nanoGPT's CausalSelfAttention, with its parameter
+// names (so its state_dict keys are nanoGPT's):
+//   x (B, T, C) -> qkv = c_attn(x) (B, T, 3C), split into q, k, v of n_head heads of C / n_head
+//   -> per head ScaledDotProductAttention (causal unless told otherwise) -> (B, T, C) -> c_proj
+// c_attn is Linear(C, 3C) and c_proj Linear(C, C), both with bias unless bias = false. The heads
+// are read from and written to qkv and the (B, T, C) result in place (strided), never transposed.
+// Dropout (nanoGPT's attn_dropout and resid_dropout) is not part of the block: with p = 0, as in
+// nanoGPT's pretraining configurations, they are the identity.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "tessera/comm/local_env.hpp"
+#include "tessera/core/concepts.hpp"
+#include "tessera/core/error.hpp"
+#include "tessera/kernels/attention.hpp"
+#include "tessera/layers/linear.hpp"
+
+namespace tessera {
+
+template <class E>
+class ScaledDotProductAttention {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    const Tensor *q = nullptr, *k = nullptr, *v = nullptr;
+    Tensor out, lse;  // out (*, T, dv); lse (*, T): each query row's log-sum-exp
+    Tensor dq, dk, dv;
+    AttentionDims dims;
+    double scale = 0;
+  };
+  struct Grads {
+    const Tensor& dq;
+    const Tensor& dk;
+    const Tensor& dv;
+  };
+
+  explicit ScaledDotProductAttention(bool is_causal = false, std::optional<double> scale = std::nullopt)
+      : causal_(is_causal), scale_(scale) {
+    TESSERA_CHECK(!scale || std::isfinite(*scale), ArgumentError, "ScaledDotProductAttention: scale=", *scale,
+                  " must be finite");
+  }
+
+  const Tensor& forward(const Tensor& q, const Tensor& k, const Tensor& v, Cache& c) {
+    c.dims = checked_dims(q, k, v);
+    const AttentionDims& n = c.dims;
+    c.q = &q;
+    c.k = &k;
+    c.v = &v;
+    c.scale = scale_ ? *scale_ : 1.0 / std::sqrt(static_cast<double>(n.head_dim));
+    Shape out_shape = q.shape();
+    out_shape[out_shape.rank() - 1] = n.value_dim;
+    c.out.resize(out_shape);
+    c.lse.resize({n.heads, n.queries});
+    attention_forward(D{}, n, q.data(), AttentionLayout::contiguous(n.heads, n.queries, n.head_dim), k.data(),
+                      AttentionLayout::contiguous(n.heads, n.keys, n.head_dim), v.data(),
+                      AttentionLayout::contiguous(n.heads, n.keys, n.value_dim), c.scale, causal_, c.out.data(),
+                      AttentionLayout::contiguous(n.heads, n.queries, n.value_dim), c.lse.data());
+    return c.out;
+  }
+
+  Grads backward(const Tensor& dout, Cache& c) {
+    TESSERA_CHECK(c.q != nullptr, Error, name(), "::backward called before forward on this cache");
+    TESSERA_CHECK(dout.shape() == c.out.shape(), ShapeError, name(), "::backward: dout ", dout.shape(),
+                  " does not match the output ", c.out.shape());
+    const AttentionDims& n = c.dims;
+    TESSERA_CHECK(c.q->numel() == n.heads * n.queries * n.head_dim && c.k->numel() == n.heads * n.keys * n.head_dim &&
+                      c.v->numel() == n.heads * n.keys * n.value_dim,
+                  ShapeError, name(), "::backward: q, k or v changed shape since forward (keep them alive and unchanged)");
+    c.dq.resize(c.q->shape());
+    c.dk.resize(c.k->shape());
+    c.dv.resize(c.v->shape());
+    const auto ql = AttentionLayout::contiguous(n.heads, n.queries, n.head_dim);
+    const auto kl = AttentionLayout::contiguous(n.heads, n.keys, n.head_dim);
+    const auto vl = AttentionLayout::contiguous(n.heads, n.keys, n.value_dim);
+    attention_backward(D{}, n, c.q->data(), ql, c.k->data(), kl, c.v->data(), vl, c.out.data(), dout.data(),
+                       AttentionLayout::contiguous(n.heads, n.queries, n.value_dim), c.lse.data(), c.scale, causal_,
+                       c.dq.data(), ql, c.dk.data(), kl, c.dv.data(), vl);
+    return {c.dq, c.dk, c.dv};
+  }
+
+  bool is_causal() const { return causal_; }
+  std::string name() const { return detail::cat("ScaledDotProductAttention(is_causal=", causal_, ")"); }
+
+ private:
+  // The kernel's sizes: batch 1 and every leading index a "head".
+  AttentionDims checked_dims(const Tensor& q, const Tensor& k, const Tensor& v) const {
+    const auto shapes = [&] { return detail::cat("q ", q.shape(), ", k ", k.shape(), ", v ", v.shape()); };
+    TESSERA_CHECK(q.rank() >= 2 && k.rank() == q.rank() && v.rank() == q.rank(), ShapeError, name(),
+                  ": expected q (*, T, d), k (*, S, d), v (*, S, dv) of one rank >= 2, got ", shapes());
+    bool lead = true;
+    for (int i = 0; i + 2 < q.rank(); ++i) lead = lead && q.dim(i) == k.dim(i) && q.dim(i) == v.dim(i);
+    TESSERA_CHECK(lead, ShapeError, name(), ": the leading dimensions of q, k and v differ: ", shapes());
+    TESSERA_CHECK(q.dim(-1) == k.dim(-1), ShapeError, name(), ": q and k need the same last dimension d: ", shapes());
+    TESSERA_CHECK(k.dim(-2) == v.dim(-2), ShapeError, name(), ": k and v need the same key count S: ", shapes());
+    TESSERA_CHECK(q.dim(-2) > 0 && k.dim(-2) > 0 && q.dim(-1) > 0 && v.dim(-1) > 0, ShapeError, name(),
+                  ": empty q, k or v: ", shapes());
+    AttentionDims n;
+    n.batch = 1;
+    n.heads = q.numel() / (q.dim(-2) * q.dim(-1));
+    n.queries = q.dim(-2);
+    n.keys = k.dim(-2);
+    n.head_dim = q.dim(-1);
+    n.value_dim = v.dim(-1);
+    return n;
+  }
+
+  bool causal_;
+  std::optional<double> scale_;
+};
+
+template <class E>
+class SelfAttention {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  static constexpr bool kBackwardReadsOutput = false;
+  struct Cache {
+    typename Linear<E>::Cache attn, proj;  // c_attn's (its y is qkv, (B, T, 3C)) and c_proj's
+    Tensor heads;                          // (B, T, C): the heads' outputs side by side, c_proj's input
+    Tensor lse;                            // (B, H, T)
+    Tensor dheads, dqkv;                   // backward's (B, T, C) and (B, T, 3C)
+    AttentionDims dims;
+  };
+
+  SelfAttention(std::int64_t n_embd, std::int64_t n_head, Rng& rng, bool causal = true, bool bias = true)
+      : n_embd_(n_embd), n_head_(checked_heads(n_embd, n_head)), causal_(causal),
+        c_attn_(n_embd, 3 * n_embd, rng, bias), c_proj_(n_embd, n_embd, rng, bias) {}
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    TESSERA_CHECK(x.rank() == 3 && x.dim(2) == n_embd_ && x.dim(0) > 0 && x.dim(1) > 0, ShapeError, name(),
+                  ": expected input (B, T, ", n_embd_, "), got ", x.shape());
+    const std::int64_t batch = x.dim(0), t = x.dim(1), hs = n_embd_ / n_head_;
+    c.dims = {batch, n_head_, t, t, hs, hs};
+    const Tensor& qkv = c_attn_.forward(x, c.attn);
+    c.heads.resize({batch, t, n_embd_});
+    c.lse.resize({batch, n_head_, t});
+    const S* base = qkv.data();
+    attention_forward(D{}, c.dims, base, qkv_layout(t), base + n_embd_, qkv_layout(t), base + 2 * n_embd_,
+                      qkv_layout(t), scale(), causal_, c.heads.data(), heads_layout(t), c.lse.data());
+    return c_proj_.forward(c.heads, c.proj);
+  }
+
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(c.heads.rank() == 3, Error, name(), "::backward called before forward on this cache");
+    const Tensor& dheads = c_proj_.backward(dy, c.proj);
+    const std::int64_t t = c.dims.queries;
+    const Tensor& qkv = c.attn.y;
+    c.dqkv.resize(qkv.shape());
+    const S* base = qkv.data();
+    S* dbase = c.dqkv.data();
+    attention_backward(D{}, c.dims, base, qkv_layout(t), base + n_embd_, qkv_layout(t), base + 2 * n_embd_,
+                       qkv_layout(t), c.heads.data(), dheads.data(), heads_layout(t), c.lse.data(), scale(), causal_,
+                       dbase, qkv_layout(t), dbase + n_embd_, qkv_layout(t), dbase + 2 * n_embd_, qkv_layout(t));
+    return c_attn_.backward(c.dqkv, c.attn);
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    c_attn_.visit(v, prefix + "c_attn.");
+    c_proj_.visit(v, prefix + "c_proj.");
+  }
+  void set_mode(Mode) {}
+  void set_needs_input_grad(bool needed) { c_attn_.set_needs_input_grad(needed); }
+
+  Linear<E>& c_attn() { return c_attn_; }
+  Linear<E>& c_proj() { return c_proj_; }
+  std::int64_t n_embd() const { return n_embd_; }
+  std::int64_t n_head() const { return n_head_; }
+  bool is_causal() const { return causal_; }
+  std::string name() const {
+    return detail::cat("SelfAttention(n_embd=", n_embd_, ", n_head=", n_head_, ", causal=", causal_, ")");
+  }
+
+ private:
+  static std::int64_t checked_heads(std::int64_t n_embd, std::int64_t n_head) {
+    TESSERA_CHECK(n_embd > 0 && n_head > 0 && n_embd % n_head == 0, ArgumentError, "SelfAttention: n_embd=", n_embd,
+                  " must be a positive multiple of n_head=", n_head);
+    return n_head;
+  }
+  double scale() const { return 1.0 / std::sqrt(static_cast<double>(n_embd_ / n_head_)); }
+  // Head h of q (k, v) in qkv (B, T, 3C): column offset h hs, rows 3C apart.
+  AttentionLayout qkv_layout(std::int64_t t) const { return {t * 3 * n_embd_, n_embd_ / n_head_, 3 * n_embd_}; }
+  AttentionLayout heads_layout(std::int64_t t) const { return {t * n_embd_, n_embd_ / n_head_, n_embd_}; }
+
+  std::int64_t n_embd_, n_head_;
+  bool causal_;
+  Linear<E> c_attn_, c_proj_;
+};
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(ScaledDotProductAttention);
+TESSERA_SAME_CODE_AS_LOCAL(SelfAttention);
+TESSERA_LOCAL_EXTERN_CPU(ScaledDotProductAttention)
+TESSERA_LOCAL_EXTERN_CPU(SelfAttention)
+
+}  // namespace tessera
