@@ -6,7 +6,7 @@ PyTorch is run at its best (bench/peer.py; bench/README.md, "The PyTorch configu
 OpenBLAS (selected for its process alone when libblas.so.3 is another BLAS; the script refuses
 where OpenBLAS is not installed), threads set explicitly (torch.set_num_threads), OpenBLAS limited to
 one thread so it does not fight OpenMP, OPENBLAS_L2_SIZE unset, and per model glibc's default
-malloc and one retaining freed memory (peer.MALLOCS), then each OMP_WAIT_POLICY (unset, PASSIVE,
+malloc, one retaining freed memory and jemalloc where installed (peer.MALLOCS), then each OMP_WAIT_POLICY (unset, PASSIVE,
 ACTIVE), then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows them) tried once
 (peer.choose_config); the fastest configuration is used for the measured runs. Tessera is run at
 its best the same way: its OpenBLAS core type (the shell's, 'unset', then each other candidate) tried once per

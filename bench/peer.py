@@ -57,8 +57,23 @@ WAIT_POLICIES = (UNSET, "PASSIVE", "ACTIVE")
 # caching allocator makes no allocation in a steady step, so it is not affected.
 MALLOC_DEFAULT = "default"
 MALLOC_RETAIN = "retain"
-MALLOCS = (MALLOC_DEFAULT, MALLOC_RETAIN)
 RETAIN_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+# glibc caps mmap_threshold at 32 MiB, so a tensor above it (attention's (12, 1024, 1024) scores are
+# 48 MiB) is still fresh mmap'd pages on every allocation: on this VM a 48 MiB bmm output cost
+# 160 ms of page faults around a 12 ms product. "jemalloc" preloads Debian's libjemalloc2 with its
+# freed pages kept (MALLOC_CONF below), PyTorch's own performance guide's remedy; probed only where
+# the library is installed (apt-get install libjemalloc2).
+MALLOC_JEMALLOC = "jemalloc"
+JEMALLOC_LIBRARY = os.path.join(LIBDIR, "libjemalloc.so.2")
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
+def available_mallocs(exists=os.path.exists):
+    """The malloc settings the probe tries: glibc's default, glibc retaining, and jemalloc where installed."""
+    return (MALLOC_DEFAULT, MALLOC_RETAIN) + ((MALLOC_JEMALLOC,) if exists(JEMALLOC_LIBRARY) else ())
+
+
+MALLOCS = available_mallocs()
 
 
 class PeerSetupError(RuntimeError):
@@ -207,7 +222,7 @@ class Peer:
         PyTorch's OpenMP threads on 2 cores), OPENBLAS_L2_SIZE never inherited (the machine sets it
         for Tessera's sake), and the given core type, OpenMP wait policy and malloc setting."""
         env = dict(self.base_env)
-        for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_WAIT_POLICY", "GLIBC_TUNABLES"):
+        for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_WAIT_POLICY", "GLIBC_TUNABLES", "MALLOC_CONF"):
             env.pop(k, None)
         env.update(self.blas_env)
         env["OPENBLAS_NUM_THREADS"] = "1"
@@ -217,6 +232,9 @@ class Peer:
             env["OMP_WAIT_POLICY"] = wait_policy
         if malloc == MALLOC_RETAIN:
             env["GLIBC_TUNABLES"] = RETAIN_TUNABLES
+        if malloc == MALLOC_JEMALLOC:
+            env["LD_PRELOAD"] = " ".join(p for p in (JEMALLOC_LIBRARY, env.get("LD_PRELOAD", "")) if p)
+            env["MALLOC_CONF"] = JEMALLOC_CONF
         return env
 
     def env_of(self, trial):
@@ -230,6 +248,7 @@ class Peer:
                 "openblas_library": self.openblas, "OPENBLAS_CORETYPE": best["OPENBLAS_CORETYPE"],
                 "OMP_WAIT_POLICY": best["OMP_WAIT_POLICY"], "malloc": best.get("malloc", MALLOC_DEFAULT),
                 "GLIBC_TUNABLES": RETAIN_TUNABLES if best.get("malloc") == MALLOC_RETAIN else UNSET,
+                "MALLOC_CONF": JEMALLOC_CONF if best.get("malloc") == MALLOC_JEMALLOC else UNSET,
                 "OPENBLAS_NUM_THREADS": "1",
                 "OPENBLAS_L2_SIZE": UNSET, "inherited_and_overridden": self.inherited, "trials": trials,
                 "process": child}
@@ -440,6 +459,8 @@ def torch_record(torch, blas):
             "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE", UNSET),
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", UNSET),
             "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", UNSET),
+            "MALLOC_CONF": os.environ.get("MALLOC_CONF", UNSET),
+            "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
             "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", ""),
             "mkldnn_available": torch.backends.mkldnn.is_available(),
             "mkldnn_enabled": torch.backends.mkldnn.enabled}

@@ -18,6 +18,7 @@
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/losses/mse.hpp"
 #include "tessera/losses/nll.hpp"
+#include "tessera/models/gpt.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"
 
@@ -40,11 +41,13 @@
   INSTANCES(, ResNet, BasicBlock)           \
   INSTANCES(, ResNet, Bottleneck)
 
-// The transformer layers, CPU only until their CUDA kernels exist (their headers declare only the
+// The transformer layers and GPT, CPU only until their CUDA kernels exist (their headers declare only the
 // CPU instances extern: TESSERA_LOCAL_EXTERN_CPU).
 #define TESSERA_LOCAL_CPU_ONLY_LAYER_LIST(INSTANCES) \
   INSTANCES(, Embedding)                            \
   INSTANCES(, LayerNorm)                            \
   INSTANCES(, RMSNorm)                              \
   INSTANCES(, ScaledDotProductAttention)            \
-  INSTANCES(, SelfAttention)
+  INSTANCES(, SelfAttention)                        \
+  INSTANCES(, GPTBlock)                             \
+  INSTANCES(, GPT)

@@ -36,6 +36,7 @@
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/losses/mse.hpp"
 #include "tessera/losses/nll.hpp"
+#include "tessera/models/gpt.hpp"
 #include "tessera/models/lenet.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"

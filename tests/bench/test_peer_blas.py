@@ -116,6 +116,13 @@ class BlasDecision(unittest.TestCase):
         env = setup.env_of({"OPENBLAS_CORETYPE": "unset", "OMP_WAIT_POLICY": "unset", "malloc": "retain"})
         self.assertEqual(env["GLIBC_TUNABLES"], peer.RETAIN_TUNABLES)
         self.assertNotIn("OPENBLAS_CORETYPE", env)
+        env = setup.env_of({"OPENBLAS_CORETYPE": "unset", "OMP_WAIT_POLICY": "unset", "malloc": "jemalloc"})
+        self.assertEqual((env["LD_PRELOAD"], env["MALLOC_CONF"]), (peer.JEMALLOC_LIBRARY, peer.JEMALLOC_CONF))
+        self.assertNotIn("GLIBC_TUNABLES", env)
+
+    def test_jemalloc_probed_only_where_installed(self):
+        self.assertEqual(peer.available_mallocs(lambda p: False), ("default", "retain"))
+        self.assertEqual(peer.available_mallocs(lambda p: p == peer.JEMALLOC_LIBRARY), ("default", "retain", "jemalloc"))
 
 
 class Coretypes(unittest.TestCase):
@@ -150,7 +157,8 @@ class Coretypes(unittest.TestCase):
             retained = 1.5 if malloc == "retain" else 1.0  # page faults avoided
             return speed[(coretype, policy)] * retained, "Cooperlake" if coretype == "unset" else coretype
 
-        best, trials = peer.choose_config(run, ["unset", "Haswell", "Zen", "SkylakeX", "Cooperlake"])
+        best, trials = peer.choose_config(run, ["unset", "Haswell", "Zen", "SkylakeX", "Cooperlake"],
+                                          mallocs=("default", "retain"))
         # malloc first, then the policies and core types with the fastest of each; Cooperlake is
         # what OpenBLAS detected by itself: the same configuration, not run again.
         self.assertEqual(calls, [("unset", "unset", "default"), ("unset", "unset", "retain"),
@@ -163,7 +171,8 @@ class Coretypes(unittest.TestCase):
         self.assertEqual(trials[0]["openblas_corename"], "Cooperlake")
 
     def test_retaining_malloc_kept_only_when_faster(self):
-        best, trials = peer.choose_config(lambda c, p, m: (10.0 if m == "default" else 9.0, "Cooperlake"), ["unset"])
+        best, trials = peer.choose_config(lambda c, p, m: (10.0 if m == "default" else 9.0, "Cooperlake"), ["unset"],
+                                          mallocs=("default", "retain"))
         self.assertEqual(best["malloc"], "default")
         self.assertEqual([t["malloc"] for t in trials], ["default", "retain", "default", "default"])
 

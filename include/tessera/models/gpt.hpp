@@ -1,0 +1,286 @@
+// GPT: nanoGPT's model (Karpathy's model.py, itself GPT-2's architecture) with its parameter names,
+// initialization and tied output layer, so that state dicts move between the two.
+//
+//   idx (B, T) token ids, T <= block_size
+//   x = wte[idx] + wpe[0..T)                                   (B, T, C)
+//   per block (transformer.h.i):  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
+//       attn: SelfAttention, causal (attn.c_attn, attn.c_proj); mlp: c_fc (C -> 4C), GELU tanh, c_proj
+//   logits = ln_f(x) wte^T                                     (B, T, V): lm_head, tied to wte
+//
+// Pre-LayerNorm blocks, GELU's tanh form, learned positions, LayerNorm and Linear biases unless
+// bias = false (nanoGPT's config.bias). Initialization (nanoGPT's _init_weights): every Linear
+// weight and both embeddings N(0, 0.02), biases 0, LayerNorm 1 and 0, and the two residual
+// projections (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 n_layer)), all drawn from the rng in
+// model order.
+//
+// The tie: lm_head has no weight of its own. Its product reads transformer.wte.weight, and its
+// gradient is added to that weight's (which then gets one grad_ready, after the embedding's own
+// part). The visit hands the weight once as a parameter (transformer.wte.weight) and once more as
+// the buffer lm_head.weight, so that a state dict holds both keys as nanoGPT's does, a strict load
+// requires both, and optimizers and strategies see the parameter once.
+//
+// Dropout: nanoGPT's dropout is 0 in pretraining, where every dropout is the identity; this model
+// has none and refuses a config with dropout != 0 (the fused attention has no dropout inside).
+// The (B, T, V) logits feed CrossEntropyLoss (classes last), as nanoGPT's
+// F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/local_env.hpp"
+#include "tessera/core/error.hpp"
+#include "tessera/core/init.hpp"
+#include "tessera/kernels/elementwise.hpp"
+#include "tessera/kernels/gemm.hpp"
+#include "tessera/layers/activation.hpp"
+#include "tessera/layers/attention.hpp"
+#include "tessera/layers/embedding.hpp"
+#include "tessera/layers/linear.hpp"
+#include "tessera/layers/norm.hpp"
+
+namespace tessera {
+
+// nanoGPT's GPTConfig, same names and defaults (vocab 50304: GPT-2's 50257 rounded up to a multiple
+// of 64, nanoGPT's choice for speed).
+struct GPTConfig {
+  std::int64_t block_size = 1024;
+  std::int64_t vocab_size = 50304;
+  std::int64_t n_layer = 12;
+  std::int64_t n_head = 12;
+  std::int64_t n_embd = 768;
+  double dropout = 0.0;
+  bool bias = true;
+
+  // GPT-2 small (124M parameters) as OpenAI's checkpoint has it: vocabulary 50257.
+  static GPTConfig gpt2() { return {.block_size = 1024, .vocab_size = 50257, .n_layer = 12, .n_head = 12, .n_embd = 768}; }
+  // A model for tests and the byte-level examples: vocabulary 256 (one token per byte).
+  static GPTConfig tiny() { return {.block_size = 64, .vocab_size = 256, .n_layer = 2, .n_head = 2, .n_embd = 32}; }
+
+  std::string str() const {
+    return detail::cat("GPTConfig(block_size=", block_size, ", vocab_size=", vocab_size, ", n_layer=", n_layer,
+                       ", n_head=", n_head, ", n_embd=", n_embd, ", dropout=", dropout, ", bias=", bias, ")");
+  }
+  void check() const {
+    TESSERA_CHECK(block_size > 0 && vocab_size > 0 && n_layer > 0 && n_head > 0 && n_embd > 0, ArgumentError, str(),
+                  ": every size must be positive");
+    TESSERA_CHECK(n_embd % n_head == 0, ArgumentError, str(), ": n_embd must be a multiple of n_head");
+    TESSERA_CHECK(dropout == 0.0, ArgumentError, str(),
+                  ": dropout must be 0 (nanoGPT's pretraining value); this GPT has no dropout layers");
+  }
+};
+
+// nanoGPT's Block: x + attn(ln_1(x)), then + mlp(ln_2(x)). A Layer of (B, T, C).
+template <class E>
+class GPTBlock {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  static constexpr bool kBackwardReadsOutput = false;
+  struct Cache {
+    typename LayerNorm<E>::Cache ln_1, ln_2;
+    typename SelfAttention<E>::Cache attn;
+    typename Linear<E>::Cache c_fc, c_proj;
+    typename GELU<E>::Cache gelu;
+    Tensor h, y;    // x + attn(ln_1(x)); h + mlp(ln_2(h))
+    Tensor dh, dx;  // backward's
+  };
+
+  GPTBlock(const GPTConfig& c, Rng& rng)
+      : ln_1_(c.n_embd, 1e-5, true, c.bias), attn_(c.n_embd, c.n_head, rng, /*causal=*/true, c.bias),
+        ln_2_(c.n_embd, 1e-5, true, c.bias), c_fc_(c.n_embd, 4 * c.n_embd, rng, c.bias),
+        gelu_(GeluOp{.approximate = GeluApproximate::Tanh}), c_proj_(4 * c.n_embd, c.n_embd, rng, c.bias) {}
+
+  const Tensor& forward(const Tensor& x, Cache& c) {
+    const Tensor& a = attn_.forward(ln_1_.forward(x, c.ln_1), c.attn);
+    c.h.resize(x.shape());
+    add(D{}, x.data(), a.data(), x.numel(), c.h.data());
+    const Tensor& m = c_proj_.forward(gelu_.forward(c_fc_.forward(ln_2_.forward(c.h, c.ln_2), c.c_fc), c.gelu), c.c_proj);
+    c.y.resize(x.shape());
+    add(D{}, c.h.data(), m.data(), x.numel(), c.y.data());
+    return c.y;
+  }
+
+  // dh = dy + d(mlp branch)/dh;  dx = dh + d(attn branch)/dx.
+  const Tensor& backward(const Tensor& dy, Cache& c) {
+    TESSERA_CHECK(c.h.rank() == 3 && dy.shape() == c.h.shape(), ShapeError, "GPTBlock::backward: dy ", dy.shape(),
+                  " does not match the output ", c.h.shape(), " (or backward before forward)");
+    const Tensor& dmlp = ln_2_.backward(c_fc_.backward(gelu_.backward(c_proj_.backward(dy, c.c_proj), c.gelu), c.c_fc), c.ln_2);
+    c.dh.resize(dy.shape());
+    add(D{}, dy.data(), dmlp.data(), dy.numel(), c.dh.data());
+    const Tensor& dattn = ln_1_.backward(attn_.backward(c.dh, c.attn), c.ln_1);
+    c.dx.resize(dy.shape());
+    add(D{}, c.dh.data(), dattn.data(), dy.numel(), c.dx.data());
+    return c.dx;
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    ln_1_.visit(v, prefix + "ln_1.");
+    attn_.visit(v, prefix + "attn.");
+    ln_2_.visit(v, prefix + "ln_2.");
+    c_fc_.visit(v, prefix + "mlp.c_fc.");
+    c_proj_.visit(v, prefix + "mlp.c_proj.");
+  }
+  void set_mode(Mode) {}
+
+  SelfAttention<E>& attn() { return attn_; }
+  Linear<E>& mlp_c_fc() { return c_fc_; }
+  Linear<E>& mlp_c_proj() { return c_proj_; }
+
+ private:
+  LayerNorm<E> ln_1_;
+  SelfAttention<E> attn_;
+  LayerNorm<E> ln_2_;
+  Linear<E> c_fc_;
+  GELU<E> gelu_;
+  Linear<E> c_proj_;
+};
+
+template <class E>
+class GPT {
+ public:
+  using Env = E;
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  using Tensor = tessera::Tensor<S, D>;
+  struct Cache {
+    typename Embedding<E>::Cache wte, wpe;
+    std::vector<typename GPTBlock<E>::Cache> h;
+    typename LayerNorm<E>::Cache ln_f;
+    std::vector<std::int64_t> positions;  // 0, 1, ..., T - 1
+    Tensor x;                             // (B, T, C) token + position embeddings
+    Tensor logits;                        // (B, T, V)
+    Tensor dx, dpos;                      // backward's (B, T, C) and (T, C)
+  };
+
+  GPT(const GPTConfig& config, Rng& rng) : config_(checked(config)), wte_(config.vocab_size, config.n_embd, rng),
+                                            wpe_(config.block_size, config.n_embd, rng), ln_f_(config.n_embd, 1e-5, true, config.bias) {
+    h_.reserve(static_cast<std::size_t>(config.n_layer));
+    for (std::int64_t i = 0; i < config.n_layer; ++i) h_.emplace_back(config, rng);
+    init_weights(rng);
+  }
+
+  // idx: B T token ids (row-major (B, T)) -> logits (B, T, V).
+  const Tensor& forward(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, Cache& c) {
+    TESSERA_CHECK(batch > 0 && t > 0 && static_cast<std::int64_t>(idx.size()) == batch * t, ShapeError, name(),
+                  ": ", idx.size(), " token ids given for (B, T) = (", batch, ", ", t, ")");
+    TESSERA_CHECK(t <= config_.block_size, ShapeError, name(), ": cannot forward a sequence of length ", t,
+                  ", the block size is only ", config_.block_size);
+    const std::int64_t ch = config_.n_embd;
+    const Tensor& tok = wte_.forward(idx, Shape{batch, t}, c.wte);  // checks every id against the vocabulary
+    c.positions.resize(static_cast<std::size_t>(t));
+    for (std::int64_t i = 0; i < t; ++i) c.positions[static_cast<std::size_t>(i)] = i;
+    const Tensor& pos = wpe_.forward(c.positions, Shape{t}, c.wpe);
+    c.x = tok;
+    add_broadcast_rows(D{}, pos.data(), batch, t * ch, c.x.data());
+    c.h.resize(h_.size());
+    const Tensor* x = &c.x;
+    for (std::size_t i = 0; i < h_.size(); ++i) x = &h_[i].forward(*x, c.h[i]);
+    const Tensor& xf = ln_f_.forward(*x, c.ln_f);
+    c.logits.resize({batch, t, config_.vocab_size});
+    // lm_head: (B T, C) x (C, V), the weight being wte's (V, C).
+    gemm_in<typename E::Compute>(D{}, false, true, batch * t, config_.vocab_size, ch, S(1), xf.data(), ch,
+                                 wte_.weight().value.data(), ch, S(0), c.logits.data(), config_.vocab_size);
+    return c.logits;
+  }
+  const Tensor& forward(const tessera::Tensor<std::int64_t, Cpu>& idx, Cache& c) {
+    TESSERA_CHECK(idx.rank() == 2, ShapeError, name(), ": expected token ids (B, T), got ", idx.shape());
+    return forward(std::span<const std::int64_t>(idx.data(), static_cast<std::size_t>(idx.numel())), idx.dim(0),
+                   idx.dim(1), c);
+  }
+
+  // Accumulates every parameter's gradient from dL/dlogits (B, T, V).
+  void backward(const Tensor& dlogits, Cache& c) {
+    TESSERA_CHECK(c.logits.rank() == 3 && dlogits.shape() == c.logits.shape(), ShapeError, name(),
+                  "::backward: dlogits ", dlogits.shape(), " does not match the logits ", c.logits.shape(),
+                  " (or backward before forward)");
+    const std::int64_t batch = c.logits.dim(0), t = c.logits.dim(1), v = config_.vocab_size, ch = config_.n_embd;
+    const Tensor& xf = c.ln_f.y;
+    Parameter<S, D>& w = wte_.weight();
+    // lm_head: dW += dlogits^T xf (V, C), into wte's gradient (grad_ready comes with the embedding's part);
+    // dxf = dlogits W (B T, C).
+    gemm_in<typename E::Compute>(D{}, true, false, v, ch, batch * t, S(1), dlogits.data(), v, xf.data(), ch, S(1),
+                                 w.grad.data(), ch);
+    c.dx.resize({batch, t, ch});
+    gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, w.value.data(), ch,
+                                 S(0), c.dx.data(), ch);
+    const Tensor* dx = &ln_f_.backward(c.dx, c.ln_f);
+    for (std::size_t i = h_.size(); i-- > 0;) dx = &h_[i].backward(*dx, c.h[i]);
+    wte_.backward(*dx, c.wte);
+    c.dpos.resize({t, ch});
+    c.dpos.fill(S(0));
+    add_column_sums(D{}, dx->data(), batch, t * ch, c.dpos.data());
+    wpe_.backward(c.dpos, c.wpe);
+  }
+
+  template <class V>
+  void visit(V& v, const std::string& prefix = "") {
+    wte_.visit(v, prefix + "transformer.wte.");
+    wpe_.visit(v, prefix + "transformer.wpe.");
+    for (std::size_t i = 0; i < h_.size(); ++i) h_[i].visit(v, prefix + "transformer.h." + std::to_string(i) + ".");
+    ln_f_.visit(v, prefix + "transformer.ln_f.");
+    v.buffer(prefix + "lm_head.weight", wte_.weight().value);  // the tie (see the top)
+  }
+  void set_mode(Mode) {}
+
+  // nanoGPT's get_num_params(non_embedding=True): every parameter once, without the position
+  // embedding (the token embedding stays: it is also lm_head).
+  std::int64_t num_params(bool non_embedding = true) {
+    std::int64_t n = 0;
+    struct Counter {
+      std::int64_t* n;
+      void parameter(const std::string&, Parameter<S, D>& p) { *n += p.value.numel(); }
+      void buffer(const std::string&, Tensor&) {}
+    } counter{&n};
+    visit(counter);
+    return non_embedding ? n - wpe_.weight().value.numel() : n;
+  }
+
+  const GPTConfig& config() const { return config_; }
+  Embedding<E>& wte() { return wte_; }
+  Embedding<E>& wpe() { return wpe_; }
+  std::vector<GPTBlock<E>>& blocks() { return h_; }
+  LayerNorm<E>& ln_f() { return ln_f_; }
+  std::string name() const { return "GPT(" + config_.str() + ")"; }
+
+ private:
+  static const GPTConfig& checked(const GPTConfig& c) {
+    c.check();
+    return c;
+  }
+  // nanoGPT's _init_weights and its scaled residual projections, in model order.
+  void init_weights(Rng& rng) {
+    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
+    normal_(wte_.weight().value, 0.0, 0.02, rng);
+    normal_(wpe_.weight().value, 0.0, 0.02, rng);
+    const auto linear = [&](Linear<E>& l, double std) {
+      normal_(l.weight().value, 0.0, std, rng);
+      if (config_.bias) l.bias().value.fill(S(0));
+    };
+    for (auto& b : h_) {
+      linear(b.attn().c_attn(), 0.02);
+      linear(b.attn().c_proj(), residual_std);
+      linear(b.mlp_c_fc(), 0.02);
+      linear(b.mlp_c_proj(), residual_std);
+    }
+  }
+
+  GPTConfig config_;
+  Embedding<E> wte_, wpe_;
+  std::vector<GPTBlock<E>> h_;
+  LayerNorm<E> ln_f_;
+};
+
+// The class of any other Env is this one renamed (comm/local_env.hpp).
+TESSERA_SAME_CODE_AS_LOCAL(GPTBlock);
+TESSERA_SAME_CODE_AS_LOCAL(GPT);
+TESSERA_LOCAL_EXTERN_CPU(GPTBlock)
+TESSERA_LOCAL_EXTERN_CPU(GPT)
+
+}  // namespace tessera

@@ -1,0 +1,199 @@
+// GPT (models/gpt.hpp): nanoGPT's state dict keys, PyTorch reference cases (tests/data/gpt.safetensors
+// from tools/reference/gen_gpt.py, nanoGPT's model.py rebuilt) in float64 and float32, float64
+// central differences for every parameter, nanoGPT's initialization, the tie, and errors.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "support/gradcheck.hpp"
+#include "support/reference.hpp"
+#include "tessera/comm/local.hpp"
+#include "tessera/io/safetensors.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/models/gpt.hpp"
+
+using namespace tessera;
+using tessera::testing::T64;
+
+static_assert(Layer<GPTBlock<CpuLocal>>);
+
+namespace {
+
+const SafetensorsFile& gpt_reference() {
+  static const SafetensorsFile f = SafetensorsFile::load(std::string(TESSERA_REFERENCE_DATA_DIR) + "/gpt.safetensors");
+  return f;
+}
+
+struct GptCase {
+  const char* name;
+  GPTConfig config;
+  std::int64_t batch, t, ignored;
+  std::string str() const {
+    return "block_size=" + std::to_string(config.block_size) + " vocab_size=" + std::to_string(config.vocab_size) +
+           " n_layer=" + std::to_string(config.n_layer) + " n_head=" + std::to_string(config.n_head) +
+           " n_embd=" + std::to_string(config.n_embd) + " bias=" + std::to_string(config.bias) +
+           " B=" + std::to_string(batch) + " T=" + std::to_string(t) + " ignored=" + std::to_string(ignored);
+  }
+};
+const GptCase kGptCases[] = {
+    {"gpt_tiny", {.block_size = 8, .vocab_size = 11, .n_layer = 2, .n_head = 2, .n_embd = 8, .bias = true}, 2, 6, 2},
+    {"gpt_nobias_full_block", {.block_size = 8, .vocab_size = 13, .n_layer = 1, .n_head = 4, .n_embd = 8, .bias = false},
+     2, 8, 0},
+};
+
+// Every name a visit hands out, parameters and buffers, in order.
+template <class S>
+struct GptKeyLister {
+  std::vector<std::string> names;
+  std::vector<std::string> parameters;
+  void parameter(const std::string& n, Parameter<S, Cpu>&) {
+    names.push_back(n);
+    parameters.push_back(n);
+  }
+  void buffer(const std::string& n, Tensor<S>&) { names.push_back(n); }
+};
+
+// Loads "<case>.<key>" into every parameter and buffer (the tied buffer gets the same values again).
+template <class S>
+struct GptReferenceLoader {
+  std::string prefix;
+  void parameter(const std::string& n, Parameter<S, Cpu>& p) { buffer(n, p.value); }
+  void buffer(const std::string& n, Tensor<S>& t) {
+    const Tensor<S> v = gpt_reference().tensor<double>(prefix + n).template cast<S>();
+    REQUIRE(v.shape() == t.shape());
+    t = v;
+  }
+};
+
+// Checks every parameter's gradient against "<case>.d<key>".
+template <class S>
+struct GptGradChecker {
+  std::string prefix;
+  void parameter(const std::string& n, Parameter<S, Cpu>& p) {
+    testing::expect_matches(gpt_reference(), p.grad, prefix + "d" + n, {.case_ends_at_first_dot = true});
+  }
+  void buffer(const std::string&, Tensor<S>&) {}
+};
+
+template <class S>
+void run_gpt_reference(const GptCase& k) {
+  using E = Env<Cpu, LocalComm, S>;
+  const std::string n = k.name;
+  INFO("case " << n << " (" << k.str() << ")");
+  REQUIRE(gpt_reference().metadata().at(n) == k.str());
+  Rng rng(3);
+  GPT<E> model(k.config, rng);
+  GptKeyLister<S> keys;
+  model.visit(keys);
+  std::string joined;
+  for (const auto& key : keys.names) joined += (joined.empty() ? "" : ",") + key;
+  CHECK(joined == gpt_reference().metadata().at(n + ".keys"));  // nanoGPT's state_dict keys, in its order
+  GptReferenceLoader<S> loader{n + "."};
+  model.visit(loader);
+  const auto idx = testing::load_labels(gpt_reference(), n + ".idx");
+  const auto targets = testing::load_labels(gpt_reference(), n + ".targets");
+  typename GPT<E>::Cache c;
+  const testing::MatchOptions first_dot{.case_ends_at_first_dot = true};
+  const Tensor<S>& logits = model.forward(idx, k.batch, k.t, c);
+  testing::expect_matches(gpt_reference(), logits, n + ".logits", first_dot);
+  CrossEntropyLoss<E> loss(Reduction::Mean, 0.0, /*ignore_index=*/-1);
+  typename CrossEntropyLoss<E>::Cache lc;
+  const S value = loss.forward(logits, targets, lc);
+  testing::expect_matches(gpt_reference(), Tensor<S>({1}, value), n + ".loss", first_dot);
+  model.backward(loss.backward(lc), c);
+  GptGradChecker<S> grads{n + "."};
+  model.visit(grads);
+}
+
+}  // namespace
+
+TEST_CASE("GPT matches nanoGPT: keys, logits, loss and every gradient (float64 and float32)",
+          "[models][gpt][reference]") {
+  for (const auto& k : kGptCases) {
+    run_gpt_reference<double>(k);
+    run_gpt_reference<float>(k);
+  }
+}
+
+TEST_CASE("GPT gradients by central differences, every parameter (float64)", "[models][gpt]") {
+  Rng rng(91);
+  GPTConfig config{.block_size = 5, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 4};
+  GPT<CpuLocal64> model(config, rng);
+  // Larger weights than nanoGPT's 0.02: the gradients then depend on every path.
+  struct Scramble {
+    Rng* rng;
+    void parameter(const std::string&, Parameter<double, Cpu>& p) { testing::normal_fill(p.value, *rng, 0.5); }
+    void buffer(const std::string&, T64&) {}
+  } scramble{&rng};
+  model.visit(scramble);
+  const std::vector<std::int64_t> idx = {1, 6, 0, 3, 3, 2, 5, 4};  // (2, 4)
+  const T64 g = testing::random_tensor({2, 4, 7}, rng);
+  GPT<CpuLocal64>::Cache c;
+  model.forward(idx, 2, 4, c);
+  model.backward(g, c);
+  struct Check {
+    GPT<CpuLocal64>* model;
+    const std::vector<std::int64_t>* idx;
+    const T64* g;
+    void parameter(const std::string& name, Parameter<double, Cpu>& p) {
+      INFO("parameter " << name);
+      const T64 saved = p.value;
+      testing::check_loss_gradient(saved, p.grad, [&](const T64& z) {
+        p.value = z;
+        GPT<CpuLocal64>::Cache fresh;
+        return testing::dot(model->forward(*idx, 2, 4, fresh), *g);
+      });
+      p.value = saved;
+    }
+    void buffer(const std::string&, T64&) {}
+  } check{&model, &idx, &g};
+  model.visit(check);
+}
+
+TEST_CASE("GPT: nanoGPT's initialization, parameter count and tie", "[models][gpt]") {
+  Rng rng(92);
+  GPTConfig config{.block_size = 64, .vocab_size = 300, .n_layer = 4, .n_head = 4, .n_embd = 64};
+  GPT<CpuLocal> model(config, rng);
+  const auto stddev = [](const Tensor<float>& t) {
+    double s = 0;
+    for (float v : t) s += static_cast<double>(v) * v;
+    return std::sqrt(s / static_cast<double>(t.numel()));
+  };
+  CHECK(stddev(model.wte().weight().value) == Approx(0.02).epsilon(0.03));
+  CHECK(stddev(model.blocks()[0].mlp_c_fc().weight().value) == Approx(0.02).epsilon(0.03));
+  const double residual = 0.02 / std::sqrt(2.0 * 4);
+  CHECK(stddev(model.blocks()[1].attn().c_proj().weight().value) == Approx(residual).epsilon(0.05));
+  CHECK(stddev(model.blocks()[3].mlp_c_proj().weight().value) == Approx(residual).epsilon(0.05));
+  CHECK(stddev(model.blocks()[2].mlp_c_proj().bias().value) == 0.0);
+  CHECK(model.ln_f().weight().value.at(5) == 1.0f);
+  // nanoGPT's get_num_params(): per block 12 C^2 + 13 C (weights and biases), wte V C, ln_f 2 C;
+  // wpe counted only when asked.
+  const std::int64_t c = 64, per_block = 12 * c * c + 13 * c;
+  CHECK(model.num_params() == 4 * per_block + 300 * c + 2 * c);
+  CHECK(model.num_params(false) == 4 * per_block + 300 * c + 2 * c + 64 * c);
+  // The tie: lm_head.weight is wte's tensor, visited as a buffer.
+  GptKeyLister<float> keys;
+  model.visit(keys);
+  CHECK(keys.names.back() == "lm_head.weight");
+  CHECK(std::count(keys.parameters.begin(), keys.parameters.end(), "lm_head.weight") == 0);
+  CHECK(keys.parameters.front() == "transformer.wte.weight");
+  CHECK(GPTConfig::gpt2().vocab_size == 50257);
+}
+
+TEST_CASE("GPT rejects bad configurations, sequences and token ids", "[models][gpt][errors]") {
+  Rng rng(93);
+  CHECK_THROWS_WITH(GPT<CpuLocal64>(GPTConfig{.n_head = 5}, rng), Catch::Contains("multiple of n_head"));
+  CHECK_THROWS_WITH(GPT<CpuLocal64>(GPTConfig{.dropout = 0.1}, rng), Catch::Contains("dropout must be 0"));
+  GPT<CpuLocal64> model({.block_size = 4, .vocab_size = 5, .n_layer = 1, .n_head = 1, .n_embd = 2}, rng);
+  GPT<CpuLocal64>::Cache c;
+  const std::vector<std::int64_t> five(5, 0);
+  CHECK_THROWS_WITH(model.forward(five, 1, 5, c), Catch::Contains("sequence of length 5") &&
+                                                      Catch::Contains("block size is only 4"));
+  const std::vector<std::int64_t> bad = {0, 1, 2, 3, 4, 5};
+  CHECK_THROWS_WITH(model.forward(bad, 2, 3, c), Catch::Contains("ids[1, 2] = 5") && Catch::Contains("[0, 5)"));
+  CHECK_THROWS_AS(model.forward(bad, 2, 2, c), ShapeError);
+  CHECK_THROWS_WITH(model.backward(T64({1, 2, 5}), c), Catch::Contains("before forward"));
+}
