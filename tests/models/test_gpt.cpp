@@ -197,3 +197,92 @@ TEST_CASE("GPT rejects bad configurations, sequences and token ids", "[models][g
   CHECK_THROWS_AS(model.forward(bad, 2, 2, c), ShapeError);
   CHECK_THROWS_WITH(model.backward(T64({1, 2, 5}), c), Catch::Contains("before forward"));
 }
+
+namespace {
+// A small GPT with weights larger than nanoGPT's 0.02, so that every position matters.
+template <class E>
+GPT<E> scrambled_gpt(const GPTConfig& config, std::uint64_t seed) {
+  Rng rng(seed);
+  GPT<E> model(config, rng);
+  struct Scramble {
+    Rng* rng;
+    void parameter(const std::string&, Parameter<typename E::Scalar, Cpu>& p) {
+      for (auto& v : p.value) v = static_cast<typename E::Scalar>(rng->normal(0.0, 0.5));
+    }
+    void buffer(const std::string&, Tensor<typename E::Scalar>&) {}
+  } scramble{&rng};
+  model.visit(scramble);
+  return model;
+}
+}  // namespace
+
+TEST_CASE("GPT forward_cached equals the full forward, chunk by chunk", "[models][gpt][generate]") {
+  const GPTConfig config{.block_size = 8, .vocab_size = 9, .n_layer = 2, .n_head = 2, .n_embd = 8};
+  const std::vector<std::int64_t> idx = {1, 5, 2, 8, 0, 3, 3, 7, 4, 4, 6, 1, 2, 0, 5, 8};  // (2, 8)
+  auto check = [&](auto tag, double tolerance) {
+    using E = decltype(tag);
+    using S = typename E::Scalar;
+    GPT<E> model = scrambled_gpt<E>(config, 94);
+    typename GPT<E>::Cache full_cache, c;
+    const Tensor<S> full = model.forward(idx, 2, 8, full_cache);
+    typename GPT<E>::KVState kv;
+    std::int64_t done = 0;
+    for (std::int64_t chunk : {3, 1, 2, 1, 1}) {  // 3 + 1 + 2 + 1 + 1 = 8 positions
+      std::vector<std::int64_t> part;
+      for (std::int64_t b = 0; b < 2; ++b)
+        for (std::int64_t i = done; i < done + chunk; ++i) part.push_back(idx[static_cast<std::size_t>(b * 8 + i)]);
+      const Tensor<S>& logits = model.forward_cached(part, 2, chunk, kv, c);
+      REQUIRE(logits.shape() == Shape{2, chunk, 9});
+      T64 want({2, chunk, 9}), got({2, chunk, 9});
+      for (std::int64_t b = 0; b < 2; ++b)
+        for (std::int64_t i = 0; i < chunk; ++i)
+          for (std::int64_t j = 0; j < 9; ++j) {
+            want.at(b, i, j) = static_cast<double>(full.at(b, done + i, j));
+            got.at(b, i, j) = static_cast<double>(logits.at(b, i, j));
+          }
+      INFO("positions " << done << " to " << done + chunk - 1);
+      CHECK(testing::relative_error(got, want) < tolerance);
+      done += chunk;
+    }
+    CHECK(kv.length() == 8);
+    const std::vector<std::int64_t> one = {1, 2};
+    CHECK_THROWS_WITH(model.forward_cached(one, 2, 1, kv, c), Catch::Contains("block size is only 8"));
+    CHECK_THROWS_WITH(model.backward(Tensor<S>({2, 1, 9}), c), Catch::Contains("forward_cached"));
+  };
+  check(CpuLocal64{}, 1e-13);
+  check(CpuLocal{}, 1e-5);
+}
+
+TEST_CASE("GPT generate: the key/value cache gives the tokens the full forward gives", "[models][gpt][generate]") {
+  const GPTConfig config{.block_size = 8, .vocab_size = 9, .n_layer = 2, .n_head = 2, .n_embd = 8};
+  GPT<CpuLocal> model = scrambled_gpt<CpuLocal>(config, 95);
+  const std::vector<std::int64_t> prompt = {1, 5, 2, 4, 4, 6};  // 2 sequences of 3
+  for (std::optional<std::int64_t> top_k : {std::optional<std::int64_t>{}, std::optional<std::int64_t>{3}}) {
+    INFO("top_k " << (top_k ? *top_k : 0));
+    // 3 + 12 = 15 > block_size 8: the window slides for the last 7 tokens.
+    GPT<CpuLocal>::GenerateOptions o{.max_new_tokens = 12, .temperature = 0.8, .top_k = top_k, .kv_cache = true};
+    Rng cached_rng(7), full_rng(7);
+    const auto cached = model.generate(prompt, 2, o, cached_rng);
+    o.kv_cache = false;
+    const auto full = model.generate(prompt, 2, o, full_rng);
+    REQUIRE(cached.size() == 30);
+    CHECK(cached == full);
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t i = 0; i < 3; ++i) CHECK(cached[static_cast<std::size_t>(b * 15 + i)] == prompt[static_cast<std::size_t>(b * 3 + i)]);
+    for (std::int64_t id : cached) CHECK((id >= 0 && id < 9));
+  }
+  // top_k = 1 is greedy: every new token is the argmax of the full forward's last logits.
+  Rng rng(8);
+  const auto greedy = model.generate(std::vector<std::int64_t>{3, 1}, 1, {.max_new_tokens = 5, .top_k = 1}, rng);
+  for (std::size_t len = 2; len < greedy.size(); ++len) {
+    GPT<CpuLocal>::Cache c;
+    const std::vector<std::int64_t> context(greedy.begin(), greedy.begin() + static_cast<std::ptrdiff_t>(len));
+    const Tensor<float>& logits = model.forward(context, 1, static_cast<std::int64_t>(len), c);
+    std::int64_t best = 0;
+    for (std::int64_t j = 1; j < 9; ++j)
+      if (logits.at(0, static_cast<std::int64_t>(len) - 1, j) > logits.at(0, static_cast<std::int64_t>(len) - 1, best)) best = j;
+    CHECK(greedy[len] == best);
+  }
+  CHECK_THROWS_AS(model.generate(prompt, 2, {.temperature = 0.0}, rng), ArgumentError);
+  CHECK_THROWS_AS(model.generate(prompt, 4, {}, rng), ShapeError);
+}

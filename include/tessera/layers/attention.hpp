@@ -27,6 +27,7 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/kernels/attention.hpp"
+#include "tessera/kernels/elementwise.hpp"
 #include "tessera/layers/linear.hpp"
 
 namespace tessera {
@@ -139,6 +140,15 @@ class SelfAttention {
     Tensor lse;                            // (B, H, T)
     Tensor dheads, dqkv;                   // backward's (B, T, C) and (B, T, 3C)
     AttentionDims dims;
+    bool cached = false;  // filled by forward_cached, which has no backward
+  };
+
+  // Keys and values of the positions seen so far, for generation (forward_cached): k and v
+  // (B, H, capacity, head size), rows [0, length) filled.
+  struct KVCache {
+    Tensor k, v;
+    std::int64_t length = 0;
+    void clear() { length = 0; }
   };
 
   SelfAttention(std::int64_t n_embd, std::int64_t n_head, Rng& rng, bool causal = true, bool bias = true)
@@ -150,6 +160,7 @@ class SelfAttention {
                   ": expected input (B, T, ", n_embd_, "), got ", x.shape());
     const std::int64_t batch = x.dim(0), t = x.dim(1), hs = n_embd_ / n_head_;
     c.dims = {batch, n_head_, t, t, hs, hs};
+    c.cached = false;
     const Tensor& qkv = c_attn_.forward(x, c.attn);
     c.heads.resize({batch, t, n_embd_});
     c.lse.resize({batch, n_head_, t});
@@ -159,8 +170,46 @@ class SelfAttention {
     return c_proj_.forward(c.heads, c.proj);
   }
 
+  // Inference with a key/value cache: x (B, T, C) holds the next T positions of sequences whose
+  // first kv.length positions went through here before; their keys and values are appended to kv
+  // (capacity: positions in all, allocated on first use) and the T queries attend to every key up
+  // to their own position (causal_offset = kv.length). The result equals the rows of a forward
+  // over the whole sequence. No backward.
+  const Tensor& forward_cached(const Tensor& x, KVCache& kv, std::int64_t capacity, Cache& c) {
+    TESSERA_CHECK(x.rank() == 3 && x.dim(2) == n_embd_ && x.dim(0) > 0 && x.dim(1) > 0, ShapeError, name(),
+                  ": expected input (B, T, ", n_embd_, "), got ", x.shape());
+    const std::int64_t batch = x.dim(0), t = x.dim(1), hs = n_embd_ / n_head_;
+    if (kv.length == 0 || kv.k.rank() != 4 || kv.k.dim(0) != batch || kv.k.dim(2) != capacity) {
+      TESSERA_CHECK(kv.length == 0, ShapeError, name(), ": the key/value cache holds ", kv.length,
+                    " positions of another batch or capacity (clear() it to start new sequences)");
+      kv.k.resize({batch, n_head_, capacity, hs});
+      kv.v.resize({batch, n_head_, capacity, hs});
+    }
+    TESSERA_CHECK(kv.length + t <= capacity, ShapeError, name(), ": ", kv.length, " cached positions plus ", t,
+                  " new ones exceed the cache's capacity of ", capacity);
+    const Tensor& qkv = c_attn_.forward(x, c.attn);
+    const S* base = qkv.data();
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 0; h < n_head_; ++h) {
+        const S* src = base + b * t * 3 * n_embd_ + h * hs;
+        const std::int64_t dst = ((b * n_head_ + h) * capacity + kv.length) * hs;
+        copy_2d(D{}, kv.k.data() + dst, hs, src + n_embd_, 3 * n_embd_, hs, t);
+        copy_2d(D{}, kv.v.data() + dst, hs, src + 2 * n_embd_, 3 * n_embd_, hs, t);
+      }
+    kv.length += t;
+    c.dims = {batch, n_head_, t, kv.length, hs, hs, /*causal_offset=*/kv.length - t};
+    c.cached = true;
+    c.heads.resize({batch, t, n_embd_});
+    c.lse.resize({batch, n_head_, t});
+    const AttentionLayout cached{n_head_ * capacity * hs, capacity * hs, hs};
+    attention_forward(D{}, c.dims, base, qkv_layout(t), kv.k.data(), cached, kv.v.data(), cached, scale(), causal_,
+                      c.heads.data(), heads_layout(t), c.lse.data());
+    return c_proj_.forward(c.heads, c.proj);
+  }
+
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.heads.rank() == 3, Error, name(), "::backward called before forward on this cache");
+    TESSERA_CHECK(!c.cached, Error, name(), "::backward after forward_cached: the key/value cache path is inference only");
     const Tensor& dheads = c_proj_.backward(dy, c.proj);
     const std::int64_t t = c.dims.queries;
     const Tensor& qkv = c.attn.y;

@@ -25,8 +25,12 @@
 // F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -97,13 +101,23 @@ class GPTBlock {
         gelu_(GeluOp{.approximate = GeluApproximate::Tanh}), c_proj_(4 * c.n_embd, c.n_embd, rng, c.bias) {}
 
   const Tensor& forward(const Tensor& x, Cache& c) {
-    const Tensor& a = attn_.forward(ln_1_.forward(x, c.ln_1), c.attn);
+    return finish_forward(x, attn_.forward(ln_1_.forward(x, c.ln_1), c.attn), c);
+  }
+  // h = x + a (the attention branch's output), then h + mlp(ln_2(h)).
+  const Tensor& finish_forward(const Tensor& x, const Tensor& a, Cache& c) {
     c.h.resize(x.shape());
     add(D{}, x.data(), a.data(), x.numel(), c.h.data());
     const Tensor& m = c_proj_.forward(gelu_.forward(c_fc_.forward(ln_2_.forward(c.h, c.ln_2), c.c_fc), c.gelu), c.c_proj);
     c.y.resize(x.shape());
     add(D{}, c.h.data(), m.data(), x.numel(), c.y.data());
     return c.y;
+  }
+
+  // forward for generation: the attention reads and extends the key/value cache kv.
+  const Tensor& forward_cached(const Tensor& x, typename SelfAttention<E>::KVCache& kv, std::int64_t capacity,
+                               Cache& c) {
+    const Tensor& a = attn_.forward_cached(ln_1_.forward(x, c.ln_1), kv, capacity, c.attn);
+    return finish_forward(x, a, c);
   }
 
   // dh = dy + d(mlp branch)/dh;  dx = dh + d(attn branch)/dx.
@@ -168,31 +182,81 @@ class GPT {
 
   // idx: B T token ids (row-major (B, T)) -> logits (B, T, V).
   const Tensor& forward(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, Cache& c) {
-    TESSERA_CHECK(batch > 0 && t > 0 && static_cast<std::int64_t>(idx.size()) == batch * t, ShapeError, name(),
-                  ": ", idx.size(), " token ids given for (B, T) = (", batch, ", ", t, ")");
-    TESSERA_CHECK(t <= config_.block_size, ShapeError, name(), ": cannot forward a sequence of length ", t,
-                  ", the block size is only ", config_.block_size);
-    const std::int64_t ch = config_.n_embd;
-    const Tensor& tok = wte_.forward(idx, Shape{batch, t}, c.wte);  // checks every id against the vocabulary
-    c.positions.resize(static_cast<std::size_t>(t));
-    for (std::int64_t i = 0; i < t; ++i) c.positions[static_cast<std::size_t>(i)] = i;
-    const Tensor& pos = wpe_.forward(c.positions, Shape{t}, c.wpe);
-    c.x = tok;
-    add_broadcast_rows(D{}, pos.data(), batch, t * ch, c.x.data());
-    c.h.resize(h_.size());
-    const Tensor* x = &c.x;
-    for (std::size_t i = 0; i < h_.size(); ++i) x = &h_[i].forward(*x, c.h[i]);
-    const Tensor& xf = ln_f_.forward(*x, c.ln_f);
-    c.logits.resize({batch, t, config_.vocab_size});
-    // lm_head: (B T, C) x (C, V), the weight being wte's (V, C).
-    gemm_in<typename E::Compute>(D{}, false, true, batch * t, config_.vocab_size, ch, S(1), xf.data(), ch,
-                                 wte_.weight().value.data(), ch, S(0), c.logits.data(), config_.vocab_size);
-    return c.logits;
+    return run(idx, batch, t, 0, c, nullptr);
   }
+
   const Tensor& forward(const tessera::Tensor<std::int64_t, Cpu>& idx, Cache& c) {
     TESSERA_CHECK(idx.rank() == 2, ShapeError, name(), ": expected token ids (B, T), got ", idx.shape());
     return forward(std::span<const std::int64_t>(idx.data(), static_cast<std::size_t>(idx.numel())), idx.dim(0),
                    idx.dim(1), c);
+  }
+
+  // The key/value caches of every block, for forward_cached: the positions [0, length()) of the B
+  // sequences seen so far.
+  struct KVState {
+    std::vector<typename SelfAttention<E>::KVCache> blocks;
+    std::int64_t length() const { return blocks.empty() ? 0 : blocks.front().length; }
+    void clear() {
+      for (auto& b : blocks) b.clear();
+    }
+  };
+
+  // The next t positions of B sequences (idx (B, t), row-major) after the kv.length() already seen:
+  // logits (B, t, V) equal to the last t rows of a forward over the whole sequence, and kv extended.
+  // Inference only (no backward); the sequence must stay within block_size.
+  const Tensor& forward_cached(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, KVState& kv,
+                               Cache& c) {
+    kv.blocks.resize(h_.size());
+    return run(idx, batch, t, kv.length(), c, &kv.blocks);
+  }
+
+  // nanoGPT's generate: max_new_tokens times, the logits of the last position (the context cropped
+  // to the last block_size tokens), divided by temperature, cut to the top_k largest (the rest -inf),
+  // softmax, one token drawn from rng and appended. prompt: B sequences of T0 >= 1 ids, row-major.
+  // Returns (B, T0 + max_new_tokens) ids, row-major. With kv_cache, each block keeps the keys and
+  // values of the positions seen and a step runs the new token alone; while the sequence fits the
+  // block this gives the tokens the full forward gives (its logits agree to rounding), and once the
+  // window slides every position shifts, so the cache is filled again from the cropped context.
+  struct GenerateOptions {
+    std::int64_t max_new_tokens = 100;
+    double temperature = 1.0;
+    std::optional<std::int64_t> top_k;
+    bool kv_cache = true;
+  };
+  std::vector<std::int64_t> generate(std::span<const std::int64_t> prompt, std::int64_t batch,
+                                     const GenerateOptions& o, Rng& rng) {
+    TESSERA_CHECK(batch > 0 && !prompt.empty() && static_cast<std::int64_t>(prompt.size()) % batch == 0, ShapeError,
+                  name(), "::generate: ", prompt.size(), " prompt ids do not make ", batch, " sequences of >= 1 id");
+    TESSERA_CHECK(o.max_new_tokens >= 0 && o.temperature > 0 && std::isfinite(o.temperature) &&
+                      (!o.top_k || *o.top_k >= 1),
+                  ArgumentError, name(), "::generate: max_new_tokens=", o.max_new_tokens, ", temperature=", o.temperature,
+                  " and top_k=", o.top_k ? *o.top_k : 0, " must be >= 0, > 0 and >= 1");
+    const std::int64_t t0 = static_cast<std::int64_t>(prompt.size()) / batch, v = config_.vocab_size;
+    const std::int64_t total = t0 + o.max_new_tokens;
+    std::vector<std::int64_t> seq(static_cast<std::size_t>(batch * total));
+    for (std::int64_t b = 0; b < batch; ++b)
+      std::copy_n(prompt.begin() + b * t0, t0, seq.begin() + b * total);
+    Cache c;
+    KVState kv;
+    std::vector<std::int64_t> window;
+    tessera::Tensor<S, Cpu> last({batch, v});
+    for (std::int64_t len = t0; len < total; ++len) {
+      const std::int64_t ctx = std::min(len, config_.block_size);
+      // The tokens to run: the whole cropped context, or (cache filled and the window not sliding)
+      // only the newest one.
+      const bool incremental = o.kv_cache && kv.length() == ctx - 1 && len <= config_.block_size;
+      const std::int64_t first = incremental ? len - 1 : len - ctx, t = len - first;
+      window.resize(static_cast<std::size_t>(batch * t));
+      for (std::int64_t b = 0; b < batch; ++b)
+        std::copy_n(seq.begin() + b * total + first, t, window.begin() + b * t);
+      if (o.kv_cache && !incremental) kv.clear();
+      const Tensor& logits = o.kv_cache ? forward_cached(window, batch, t, kv, c) : forward(window, batch, t, c);
+      for (std::int64_t b = 0; b < batch; ++b)
+        D::copy_to_host(last.data() + b * v, logits.data() + ((b * t) + t - 1) * v, static_cast<std::size_t>(v) * sizeof(S));
+      for (std::int64_t b = 0; b < batch; ++b)
+        seq[static_cast<std::size_t>(b * total + len)] = sample(last.data() + b * v, o, rng);
+    }
+    return seq;
   }
 
   // Accumulates every parameter's gradient from dL/dlogits (B, T, V).
@@ -250,6 +314,58 @@ class GPT {
   std::string name() const { return "GPT(" + config_.str() + ")"; }
 
  private:
+  // The forward of positions [pos0, pos0 + t) of B sequences; with kv, through the blocks' key/value
+  // caches (which must hold positions [0, pos0) already).
+  const Tensor& run(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, std::int64_t pos0, Cache& c,
+                    std::vector<typename SelfAttention<E>::KVCache>* kv) {
+    TESSERA_CHECK(batch > 0 && t > 0 && static_cast<std::int64_t>(idx.size()) == batch * t, ShapeError, name(),
+                  ": ", idx.size(), " token ids given for (B, T) = (", batch, ", ", t, ")");
+    TESSERA_CHECK(pos0 + t <= config_.block_size, ShapeError, name(), ": cannot forward a sequence of length ",
+                  pos0 + t, ", the block size is only ", config_.block_size);
+    const std::int64_t ch = config_.n_embd;
+    const Tensor& tok = wte_.forward(idx, Shape{batch, t}, c.wte);  // checks every id against the vocabulary
+    c.positions.resize(static_cast<std::size_t>(t));
+    for (std::int64_t i = 0; i < t; ++i) c.positions[static_cast<std::size_t>(i)] = pos0 + i;
+    const Tensor& pos = wpe_.forward(c.positions, Shape{t}, c.wpe);
+    c.x = tok;
+    add_broadcast_rows(D{}, pos.data(), batch, t * ch, c.x.data());
+    c.h.resize(h_.size());
+    const Tensor* x = &c.x;
+    for (std::size_t i = 0; i < h_.size(); ++i)
+      x = kv ? &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]) : &h_[i].forward(*x, c.h[i]);
+    const Tensor& xf = ln_f_.forward(*x, c.ln_f);
+    c.logits.resize({batch, t, config_.vocab_size});
+    // lm_head: (B T, C) x (C, V), the weight being wte's (V, C).
+    gemm_in<typename E::Compute>(D{}, false, true, batch * t, config_.vocab_size, ch, S(1), xf.data(), ch,
+                                 wte_.weight().value.data(), ch, S(0), c.logits.data(), config_.vocab_size);
+    return c.logits;
+  }
+
+  // One token from a row of logits: temperature, top-k, softmax (in double), inverse CDF of rng.
+  std::int64_t sample(const S* logits, const GenerateOptions& o, Rng& rng) const {
+    const std::int64_t v = config_.vocab_size;
+    std::vector<double> p(static_cast<std::size_t>(v));
+    for (std::int64_t j = 0; j < v; ++j) p[static_cast<std::size_t>(j)] = static_cast<double>(logits[j]) / o.temperature;
+    if (o.top_k && *o.top_k < v) {
+      std::vector<double> sorted = p;
+      std::nth_element(sorted.begin(), sorted.begin() + (*o.top_k - 1), sorted.end(), std::greater<double>());
+      const double kth = sorted[static_cast<std::size_t>(*o.top_k - 1)];
+      for (double& x : p)
+        if (x < kth) x = -std::numeric_limits<double>::infinity();
+    }
+    const double m = *std::max_element(p.begin(), p.end());
+    double sum = 0;
+    for (double& x : p) sum += (x = std::exp(x - m));
+    double u = rng.uniform() * sum;
+    for (std::int64_t j = 0; j < v; ++j) {
+      u -= p[static_cast<std::size_t>(j)];
+      if (u < 0) return j;
+    }
+    for (std::int64_t j = v; j-- > 0;)  // rounding left u >= 0: the last token with mass
+      if (p[static_cast<std::size_t>(j)] > 0) return j;
+    return v - 1;
+  }
+
   static const GPTConfig& checked(const GPTConfig& c) {
     c.check();
     return c;

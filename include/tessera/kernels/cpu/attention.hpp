@@ -47,17 +47,21 @@ struct AttentionLayout {
 };
 
 // The sizes of one attention call: B, H, T queries, S keys, d = head_dim (q and k), dv (v, out).
+// causal_offset: with causal, query i sees keys j <= i + causal_offset. 0 is torch's is_causal
+// (the top-left triangle); S - T aligns the last query with the last key, as a key/value cache
+// needs (the T new queries are positions S - T, ..., S - 1 of the sequence).
 struct AttentionDims {
   std::int64_t batch = 0, heads = 0, queries = 0, keys = 0, head_dim = 0, value_dim = 0;
+  std::int64_t causal_offset = 0;
 };
 
 namespace detail {
 inline constexpr std::int64_t kQueryTile = 64;
 inline constexpr std::int64_t kKeyTile = 64;
 
-// Keys [0, end) that query i may see: all, or j <= i.
-inline std::int64_t visible_keys(bool causal, std::int64_t i, std::int64_t keys) {
-  return causal ? std::min(keys, i + 1) : keys;
+// Keys [0, end) that query i may see: all, or j <= i + offset (none when that is negative).
+inline std::int64_t visible_keys(bool causal, std::int64_t i, const AttentionDims& n) {
+  return causal ? std::clamp<std::int64_t>(i + 1 + n.causal_offset, 0, n.keys) : n.keys;
 }
 }  // namespace detail
 
@@ -89,14 +93,14 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
       std::fill(acc, acc + rows * dv, S(0));
       std::fill(m, m + rows, neg_inf);
       std::fill(l, l + rows, S(0));
-      const std::int64_t key_end = detail::visible_keys(causal, i0 + rows - 1, n.keys);
+      const std::int64_t key_end = detail::visible_keys(causal, i0 + rows - 1, n);
       for (std::int64_t j0 = 0; j0 < key_end; j0 += kKeyTile) {
         const std::int64_t cols = std::min(kKeyTile, key_end - j0);
         gemm(Cpu{}, false, true, rows, cols, d, static_cast<S>(scale), qi, ql.row, kh + j0 * kl.row, kl.row, S(0),
              tile, kKeyTile);
         for (std::int64_t r = 0; r < rows; ++r) {
           S* s = tile + r * kKeyTile;
-          const std::int64_t valid = std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n.keys) - j0, 0, cols);
+          const std::int64_t valid = std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n) - j0, 0, cols);
           S mx = neg_inf;
           for (std::int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
           const S m_new = std::max(m[r], mx);
@@ -171,18 +175,19 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
       }
       for (std::int64_t j0 = 0; j0 < n.keys; j0 += kKeyTile) {
         const std::int64_t cols = std::min(kKeyTile, n.keys - j0);
-        // Causal: query tiles that end before key j0 see none of this tile.
-        const std::int64_t first = causal ? (std::min(j0, n.queries) / kQueryTile) * kQueryTile : 0;
+        // Causal: query tiles whose last query sees no key of this tile are skipped.
+        const std::int64_t first =
+            causal ? (std::clamp<std::int64_t>(j0 - n.causal_offset, 0, n.queries) / kQueryTile) * kQueryTile : 0;
         for (std::int64_t i0 = first; i0 < n.queries; i0 += kQueryTile) {
           const std::int64_t rows = std::min(kQueryTile, n.queries - i0);
-          if (causal && i0 + rows - 1 < j0) continue;
+          if (causal && detail::visible_keys(causal, i0 + rows - 1, n) <= j0) continue;
           gemm(Cpu{}, false, true, rows, cols, d, sc, qh + i0 * ql.row, ql.row, kh + j0 * kl.row, kl.row, S(0), p,
                kKeyTile);
           for (std::int64_t r = 0; r < rows; ++r) {
             S* pr = p + r * kKeyTile;
             const S li = lse_h[i0 + r];
             const std::int64_t valid =
-                std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n.keys) - j0, 0, cols);
+                std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n) - j0, 0, cols);
             for (std::int64_t c = 0; c < valid; ++c) pr[c] = std::exp(pr[c] - li);
             std::fill(pr + valid, pr + cols, S(0));
           }
