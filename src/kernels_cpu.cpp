@@ -32,6 +32,7 @@
 #include "tessera/data/fashion_mnist.hpp"
 #include "tessera/data/idx.hpp"
 #include "tessera/data/loader.hpp"
+#include "tessera/data/text.hpp"
 #include "tessera/io/flags.hpp"
 #include "tessera/io/json.hpp"
 #include "tessera/io/safetensors.hpp"
