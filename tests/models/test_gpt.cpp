@@ -286,3 +286,21 @@ TEST_CASE("GPT generate: the key/value cache gives the tokens the full forward g
   CHECK_THROWS_AS(model.generate(prompt, 2, {.temperature = 0.0}, rng), ArgumentError);
   CHECK_THROWS_AS(model.generate(prompt, 4, {}, rng), ShapeError);
 }
+
+TEST_CASE("GPT: nanoGPT's AdamW rule is decay_norm_and_bias = false (2-D tensors are exactly the weights)",
+          "[models][gpt]") {
+  Rng rng(96);
+  GPT<CpuLocal> model({.block_size = 8, .vocab_size = 11, .n_layer = 2, .n_head = 2, .n_embd = 8}, rng);
+  struct Kinds {
+    int weights = 0, others = 0;
+    void parameter(const std::string& name, Parameter<float, Cpu>& p) {
+      INFO(name);
+      CHECK((p.value.rank() >= 2) == (p.kind == ParamKind::Weight));  // nanoGPT: p.dim() >= 2 decays
+      ++(p.kind == ParamKind::Weight ? weights : others);
+    }
+    void buffer(const std::string&, Tensor<float>&) {}
+  } kinds;
+  model.visit(kinds);
+  CHECK(kinds.weights == 2 + 2 * 4);        // wte, wpe; c_attn, c_proj, c_fc, mlp.c_proj per block
+  CHECK(kinds.others == 2 * 8 + 2);         // 4 LayerNorm tensors and 4 biases per block; ln_f's 2
+}

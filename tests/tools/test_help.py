@@ -30,6 +30,7 @@ COMMANDS = [
     ("check_compile_fail.py", [], "check_compile_fail.py"),
     ("precompile_header.py", [], "precompile_header.py"),
     ("read_checkpoint.py", [], "read_checkpoint.py"),
+    ("convert_gpt2.py", [], "convert_gpt2.py"),
 ]
 
 

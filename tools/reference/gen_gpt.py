@@ -111,6 +111,27 @@ class GPT(nn.Module):
         return logits, loss
 
 
+def write_hf_layout(state, path):
+    """gpt_tiny's weights as Hugging Face's GPT2Model saves them (the hub's model.safetensors): no
+    "transformer." prefix, the four Conv1D weights per block stored (in, out), each block's causal
+    mask buffer ".attn.bias" (1, 1, block, block) and ".attn.masked_bias", no lm_head (tied). The
+    converter (tools/convert_gpt2.py) must turn it back into gpt_tiny's state dict
+    (tests/tools/test_convert_gpt2.py)."""
+    hf = {}
+    for k, v in state.items():
+        if k == "lm_head.weight":
+            continue
+        name = k[len("transformer."):]
+        if name.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")):
+            v = v.t().contiguous()
+        hf[name] = v.float().numpy()
+        if name.endswith("ln_1.weight"):
+            block = state["transformer.wpe.weight"].shape[0]
+            hf[name.replace("ln_1.weight", "attn.bias")] = np.tril(np.ones((block, block), np.float32))[None, None]
+            hf[name.replace("ln_1.weight", "attn.masked_bias")] = np.array(-1e4, np.float32)
+    save(path, hf, {"format": "pt"})
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / max(float(b.norm()), 1e-300))
@@ -158,8 +179,11 @@ def main():
             tensors[f"{name}.torch_f32_err.{k}"] = np.array(rel_err(f32[k], v), dtype=np.float64)
         metadata[name] = config_str(c)
         metadata[f"{name}.keys"] = ",".join(shapes.keys())
+        if name == "gpt_tiny":
+            tiny_state = state
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    write_hf_layout(tiny_state, os.path.join(root, "tests", "data", "gpt2_hf_tiny.safetensors"))
     path = os.path.join(root, "tests", "data", "gpt.safetensors")
     save(path, tensors, metadata)
     print(f"wrote {path}: {len(tensors)} tensors, {os.path.getsize(path)} bytes")
