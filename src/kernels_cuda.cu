@@ -5,13 +5,16 @@
 #include <cstdint>
 
 #include "tessera/kernels/cuda/adam.cuh"
+#include "tessera/kernels/cuda/attention.cuh"
 #include "tessera/kernels/cuda/batch_norm.cuh"
 #include "tessera/kernels/cuda/conv2d.cuh"
 #include "tessera/kernels/cuda/elementwise.cuh"
+#include "tessera/kernels/cuda/embedding.cuh"
 #include "tessera/kernels/cuda/gemm.cuh"
 #include "tessera/kernels/cuda/lamb.cuh"
 #include "tessera/kernels/cuda/lars.cuh"
 #include "tessera/kernels/cuda/loss.cuh"
+#include "tessera/kernels/cuda/norm.cuh"
 #include "tessera/kernels/cuda/pool.cuh"
 #include "tessera/kernels/cuda/sgd.cuh"
 #include "tessera/kernels/cuda/softmax.cuh"

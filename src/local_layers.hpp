@@ -39,15 +39,12 @@
   INSTANCES(, NLLLoss)                      \
   INSTANCES(, Mlp)                          \
   INSTANCES(, ResNet, BasicBlock)           \
-  INSTANCES(, ResNet, Bottleneck)
-
-// The transformer layers and GPT, CPU only until their CUDA kernels exist (their headers declare only the
-// CPU instances extern: TESSERA_LOCAL_EXTERN_CPU).
-#define TESSERA_LOCAL_CPU_ONLY_LAYER_LIST(INSTANCES) \
-  INSTANCES(, Embedding)                            \
-  INSTANCES(, LayerNorm)                            \
-  INSTANCES(, RMSNorm)                              \
-  INSTANCES(, ScaledDotProductAttention)            \
-  INSTANCES(, SelfAttention)                        \
-  INSTANCES(, GPTBlock)                             \
+  INSTANCES(, ResNet, Bottleneck)           \
+  INSTANCES(, Embedding)                    \
+  INSTANCES(, LayerNorm)                    \
+  INSTANCES(, RMSNorm)                      \
+  INSTANCES(, ScaledDotProductAttention)    \
+  INSTANCES(, SelfAttention)                \
+  INSTANCES(, GPTBlock)                     \
   INSTANCES(, GPT)
+

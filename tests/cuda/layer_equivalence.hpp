@@ -17,15 +17,19 @@
 #include "tessera/core/init.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/layers/activation.hpp"
+#include "tessera/layers/attention.hpp"
 #include "tessera/layers/batch_norm.hpp"
 #include "tessera/layers/conv2d.hpp"
+#include "tessera/layers/embedding.hpp"
 #include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
+#include "tessera/layers/norm.hpp"
 #include "tessera/layers/pool.hpp"
 #include "tessera/layers/softmax.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/losses/mse.hpp"
 #include "tessera/losses/nll.hpp"
+#include "tessera/models/gpt.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"
 #include "tessera/optim/adam.hpp"
@@ -46,6 +50,8 @@ inline constexpr std::string_view kEquivalenceCases[] = {
     "adaptive_avg_pool", "adaptive_avg_pool_upsample", "mlp", "resnet_basic_blocks", "resnet_bottleneck_imagenet_stem", "resnet_bottleneck_inference", "cross_entropy",
     "cross_entropy_smoothing", "cross_entropy_ignore", "nll", "softmax_channels", "log_softmax_last",
     "linear_rank3", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
+    "layer_norm", "layer_norm_no_bias", "rms_norm", "embedding", "sdpa_cross", "sdpa_causal_cached",
+    "self_attention", "self_attention_tiles", "gpt", "cross_entropy_btv",
 };
 
 template <class S, class D>
@@ -129,9 +135,81 @@ Outputs loss_outputs(std::string_view name) {
           {"correct", {static_cast<double>(count_correct(logits, labels))}}};
 }
 
+// The transformer cases whose inputs are not one tensor: token ids (Embedding, GPT), three
+// tensors (attention), (B, T, V) logits with ignored positions.
+template <class E>
+Outputs transformer_outputs(std::string_view name) {
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  Rng init(3), rng(31);
+  const std::vector<std::int64_t> ids = {3, 0, 7, 3, 9, 2, 2, 5, 1, 8, 3, 6};  // (2, 6), repeats
+  if (name == "embedding") {
+    Embedding<E> emb(10, 70, init, /*padding_idx=*/2);
+    typename Embedding<E>::Cache c;
+    const auto& y = emb.forward(ids, Shape{2, 6}, c);
+    emb.backward(seeded<S, D>(y.shape(), rng), c);
+    return {{"y", host_values(y)}, {"grad.weight", host_values(emb.weight().grad)}};
+  }
+  if (name == "gpt") {
+    GPT<E> model({.block_size = 8, .vocab_size = 10, .n_layer = 2, .n_head = 2, .n_embd = 16}, init);
+    typename GPT<E>::Cache c;
+    const auto& logits = model.forward(ids, 2, 6, c);
+    model.backward(seeded<S, D>(logits.shape(), rng), c);
+    Outputs out{{"logits", host_values(logits)}};
+    for (auto& [key, p] : named_tensors(model).parameters) out["grad." + key] = host_values(p->grad);
+    typename GPT<E>::KVState kv;  // the key/value-cache path: the last 2 positions after the first 4
+    typename GPT<E>::Cache cc;
+    model.forward_cached(std::vector<std::int64_t>{3, 0, 7, 3, 9, 2, 2, 5}, 2, 4, kv, cc);
+    out["cached_logits"] = host_values(model.forward_cached(std::vector<std::int64_t>{9, 2, 1, 8}, 2, 2, kv, cc));
+    return out;
+  }
+  if (name == "cross_entropy_btv") {
+    CrossEntropyLoss<E> loss(Reduction::Mean, 0.0, /*ignore_index=*/-1);
+    typename CrossEntropyLoss<E>::Cache c;
+    const auto logits = seeded<S, D>({2, 6, 300}, rng, 3.0);
+    std::vector<std::int64_t> labels = {0, 299, -1, 150, 3, 3, 256, -1, 7, 8, 9, 10};
+    const double value = loss.forward(logits, labels, c);
+    return {{"loss", {value}}, {"dlogits", host_values(loss.backward(c))}};
+  }
+  // Attention: cross (T 7, S 70 keys: more than the CPU's 64-key tile) or causal with a
+  // key/value cache's offset (T 5 new queries after 45 cached keys).
+  const bool cached = name == "sdpa_causal_cached";
+  AttentionDims n{2, 3, cached ? 5 : 7, cached ? 50 : 70, 8, 6, cached ? 45 : 0};
+  const auto q = seeded<S, D>({n.batch, n.heads, n.queries, n.head_dim}, rng);
+  const auto k = seeded<S, D>({n.batch, n.heads, n.keys, n.head_dim}, rng);
+  const auto v = seeded<S, D>({n.batch, n.heads, n.keys, n.value_dim}, rng);
+  const auto dout = seeded<S, D>({n.batch, n.heads, n.queries, n.value_dim}, rng);
+  Tensor<S, D> out({n.batch, n.heads, n.queries, n.value_dim}), lse({n.batch, n.heads, n.queries});
+  Tensor<S, D> dq(q.shape()), dk(k.shape()), dv(v.shape());
+  const auto ql = AttentionLayout::contiguous(n.heads, n.queries, n.head_dim);
+  const auto kl = AttentionLayout::contiguous(n.heads, n.keys, n.head_dim);
+  const auto vl = AttentionLayout::contiguous(n.heads, n.keys, n.value_dim);
+  const auto ol = AttentionLayout::contiguous(n.heads, n.queries, n.value_dim);
+  attention_forward(D{}, n, q.data(), ql, k.data(), kl, v.data(), vl, 0.3, cached, out.data(), ol, lse.data());
+  attention_backward(D{}, n, q.data(), ql, k.data(), kl, v.data(), vl, out.data(), dout.data(), ol, lse.data(), 0.3,
+                     cached, dq.data(), ql, dk.data(), kl, dv.data(), vl);
+  return {{"out", host_values(out)}, {"lse", host_values(lse)}, {"dq", host_values(dq)}, {"dk", host_values(dk)},
+          {"dv", host_values(dv)}};
+}
+
 template <class E>
 Outputs run_equivalence_case(std::string_view name) {
   Rng init(3);
+  if (name == "embedding" || name == "gpt" || name == "cross_entropy_btv" || name.starts_with("sdpa"))
+    return transformer_outputs<E>(name);
+  if (name == "layer_norm" || name == "layer_norm_no_bias") {  // rows of 300: more than one block's threads
+    LayerNorm<E> layer(Shape{300}, 1e-5, true, name == "layer_norm");
+    return layer_outputs(layer, {2, 5, 300}, 26);
+  }
+  if (name == "rms_norm") {
+    RMSNorm<E> layer(Shape{4, 30}, 1e-6);
+    return layer_outputs(layer, {3, 4, 30}, 27);
+  }
+  if (name == "self_attention" || name == "self_attention_tiles") {
+    const bool tiles = name == "self_attention_tiles";  // 70 positions: two CPU tiles
+    SelfAttention<E> layer(16, tiles ? 2 : 4, init, /*causal=*/true);
+    return layer_outputs(layer, {2, tiles ? 70 : 9, 16}, 28);
+  }
   if (name == "linear" || name == "linear_no_bias") {
     Linear<E> layer(37, 19, init, name == "linear");
     return layer_outputs(layer, {9, 37}, 1);

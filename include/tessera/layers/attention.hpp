@@ -258,7 +258,7 @@ class SelfAttention {
 // The class of any other Env is this one renamed (comm/local_env.hpp).
 TESSERA_SAME_CODE_AS_LOCAL(ScaledDotProductAttention);
 TESSERA_SAME_CODE_AS_LOCAL(SelfAttention);
-TESSERA_LOCAL_EXTERN_CPU(ScaledDotProductAttention)
-TESSERA_LOCAL_EXTERN_CPU(SelfAttention)
+TESSERA_LOCAL_EXTERN(ScaledDotProductAttention)
+TESSERA_LOCAL_EXTERN(SelfAttention)
 
 }  // namespace tessera

@@ -116,6 +116,6 @@ class Embedding {
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).
 TESSERA_SAME_CODE_AS_LOCAL(Embedding);
-TESSERA_LOCAL_EXTERN_CPU(Embedding)
+TESSERA_LOCAL_EXTERN(Embedding)
 
 }  // namespace tessera

@@ -208,7 +208,7 @@ class RMSNorm {
 // The class of any other Env is this one renamed (comm/local_env.hpp).
 TESSERA_SAME_CODE_AS_LOCAL(LayerNorm);
 TESSERA_SAME_CODE_AS_LOCAL(RMSNorm);
-TESSERA_LOCAL_EXTERN_CPU(LayerNorm)
-TESSERA_LOCAL_EXTERN_CPU(RMSNorm)
+TESSERA_LOCAL_EXTERN(LayerNorm)
+TESSERA_LOCAL_EXTERN(RMSNorm)
 
 }  // namespace tessera

@@ -396,7 +396,7 @@ class GPT {
 // The class of any other Env is this one renamed (comm/local_env.hpp).
 TESSERA_SAME_CODE_AS_LOCAL(GPTBlock);
 TESSERA_SAME_CODE_AS_LOCAL(GPT);
-TESSERA_LOCAL_EXTERN_CPU(GPTBlock)
-TESSERA_LOCAL_EXTERN_CPU(GPT)
+TESSERA_LOCAL_EXTERN(GPTBlock)
+TESSERA_LOCAL_EXTERN(GPT)
 
 }  // namespace tessera

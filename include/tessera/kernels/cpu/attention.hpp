@@ -32,28 +32,10 @@
 #include "tessera/core/scratch.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/attention_dims.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 
 namespace tessera {
-
-// Strides, in elements, of one attention operand: batch, head and row (the last index is 1).
-struct AttentionLayout {
-  std::int64_t batch = 0, head = 0, row = 0;
-  // A contiguous (B, H, rows, width) tensor.
-  static AttentionLayout contiguous(std::int64_t heads, std::int64_t rows, std::int64_t width) {
-    return {heads * rows * width, rows * width, width};
-  }
-  std::int64_t offset(std::int64_t b, std::int64_t h) const { return b * batch + h * head; }
-};
-
-// The sizes of one attention call: B, H, T queries, S keys, d = head_dim (q and k), dv (v, out).
-// causal_offset: with causal, query i sees keys j <= i + causal_offset. 0 is torch's is_causal
-// (the top-left triangle); S - T aligns the last query with the last key, as a key/value cache
-// needs (the T new queries are positions S - T, ..., S - 1 of the sequence).
-struct AttentionDims {
-  std::int64_t batch = 0, heads = 0, queries = 0, keys = 0, head_dim = 0, value_dim = 0;
-  std::int64_t causal_offset = 0;
-};
 
 namespace detail {
 inline constexpr std::int64_t kQueryTile = 64;

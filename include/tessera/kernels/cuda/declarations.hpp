@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "tessera/core/random.hpp"
+#include "tessera/kernels/attention_dims.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/batch_norm.hpp"
 #include "tessera/kernels/cpu/optim.hpp"
@@ -153,6 +154,32 @@ template <class S>
 void nll_backward(Cuda, const S* logp, const std::int64_t* labels, std::int64_t n, std::int64_t classes,
                   double smoothing, std::int64_t ignore_index, double scale, bool through_softmax, S* dx);
 
+// The transformer layers' kernels (norm.cuh, embedding.cuh, attention.cuh).
+template <class S>
+void layer_norm_forward(Cuda, const S* x, std::int64_t rows, std::int64_t n, const S* weight, const S* bias, double eps,
+                        S* y, S* mean, S* rstd);
+template <class S>
+void layer_norm_backward(Cuda, const S* x, const S* dy, const S* mean, const S* rstd, const S* weight,
+                         std::int64_t rows, std::int64_t n, S* dx, S* dweight, S* dbias);
+template <class S>
+void rms_norm_forward(Cuda, const S* x, std::int64_t rows, std::int64_t n, const S* weight, double eps, S* y, S* rstd);
+template <class S>
+void rms_norm_backward(Cuda, const S* x, const S* dy, const S* rstd, const S* weight, std::int64_t rows, std::int64_t n,
+                       S* dx, S* dweight);
+template <class S>
+void embedding_forward(Cuda, const S* weight, std::int64_t dim, const std::int64_t* ids, std::int64_t count, S* y);
+template <class S>
+void embedding_backward(Cuda, const S* dy, const std::int64_t* ids, std::int64_t count, std::int64_t dim,
+                        std::int64_t skip_id, S* dweight);
+template <class S>
+void attention_forward(Cuda, const AttentionDims& n, const S* q, AttentionLayout ql, const S* k, AttentionLayout kl,
+                       const S* v, AttentionLayout vl, double scale, bool causal, S* out, AttentionLayout ol, S* lse);
+template <class S>
+void attention_backward(Cuda, const AttentionDims& n, const S* q, AttentionLayout ql, const S* k, AttentionLayout kl,
+                        const S* v, AttentionLayout vl, const S* out, const S* dout, AttentionLayout ol, const S* lse,
+                        double scale, bool causal, S* dq, AttentionLayout dql, S* dk, AttentionLayout dkl, S* dv,
+                        AttentionLayout dvl);
+
 // Optimizers (sgd.cuh, adam.cuh, lars.cuh, lamb.cuh).
 template <class S>
 void sgd_update(Cuda, std::int64_t n, S* p, const S* g, S* buf, const SgdStep& c);
@@ -234,6 +261,23 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
                                  std::int64_t);                                                                    \
   template void nll_backward<S>(Cuda, const S*, const std::int64_t*, std::int64_t, std::int64_t, double,           \
                                 std::int64_t, double, bool, S*);                                                   \
+  template void layer_norm_forward<S>(Cuda, const S*, std::int64_t, std::int64_t, const S*, const S*, double, S*,   \
+                                      S*, S*);                                                                     \
+  template void layer_norm_backward<S>(Cuda, const S*, const S*, const S*, const S*, const S*, std::int64_t,       \
+                                       std::int64_t, S*, S*, S*);                                                  \
+  template void rms_norm_forward<S>(Cuda, const S*, std::int64_t, std::int64_t, const S*, double, S*, S*);          \
+  template void rms_norm_backward<S>(Cuda, const S*, const S*, const S*, const S*, std::int64_t, std::int64_t, S*,  \
+                                     S*);                                                                          \
+  template void embedding_forward<S>(Cuda, const S*, std::int64_t, const std::int64_t*, std::int64_t, S*);          \
+  template void embedding_backward<S>(Cuda, const S*, const std::int64_t*, std::int64_t, std::int64_t,             \
+                                      std::int64_t, S*);                                                           \
+  template void attention_forward<S>(Cuda, const AttentionDims&, const S*, AttentionLayout, const S*,              \
+                                     AttentionLayout, const S*, AttentionLayout, double, bool, S*, AttentionLayout, \
+                                     S*);                                                                          \
+  template void attention_backward<S>(Cuda, const AttentionDims&, const S*, AttentionLayout, const S*,             \
+                                      AttentionLayout, const S*, AttentionLayout, const S*, const S*,              \
+                                      AttentionLayout, const S*, double, bool, S*, AttentionLayout, S*,            \
+                                      AttentionLayout, S*, AttentionLayout);                                       \
   template void sgd_update<S>(Cuda, std::int64_t, S*, const S*, S*, const SgdStep&);                               \
   template void adam_update<S>(Cuda, std::int64_t, S*, const S*, S*, S*, S*, const AdamStep&);                     \
   template double l2_norm<S>(Cuda, const S*, std::int64_t);                                                        \
