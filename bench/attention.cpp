@@ -23,20 +23,12 @@
 
 #include "tessera/tessera.hpp"
 
+#include "proc_status.hpp"
+
 using namespace tessera;
 using E = CpuLocal;
 
 namespace {
-
-long long proc_status_bytes(const char* key) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const std::string prefix = std::string(key) + ":";
-  while (std::getline(f, line)) {
-    if (line.rfind(prefix, 0) == 0) return std::atoll(line.c_str() + prefix.size()) * 1024;
-  }
-  throw Error(std::string("/proc/self/status: no ") + key + " line (not Linux?)");
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -33,22 +33,12 @@
 #include "tessera/tessera.hpp"
 
 #include "alloc_counter.hpp"
+#include "proc_status.hpp"
 
 using namespace tessera;
 using E = CpuLocal;
 
 namespace {
-
-// A "VmHWM:" / "VmRSS:" line of /proc/self/status, in bytes (the kernel writes kB).
-long long proc_status_bytes(const char* key) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const std::string prefix = std::string(key) + ":";
-  while (std::getline(f, line)) {
-    if (line.rfind(prefix, 0) == 0) return std::atoll(line.c_str() + prefix.size()) * 1024;
-  }
-  throw Error(std::string("/proc/self/status: no ") + key + " line (not Linux?)");
-}
 
 struct InferenceResult {
   std::int64_t batch;

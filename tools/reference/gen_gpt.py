@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/reference/
+from gen_norm_act_loss import rel_err  # noqa: E402
 from tessera_tools.safetensors_io import save  # noqa: E402
 
 # name: (block_size, vocab_size, n_layer, n_head, n_embd, bias, B, T, targets ignored)
@@ -130,11 +132,6 @@ def write_hf_layout(state, path):
             hf[name.replace("ln_1.weight", "attn.bias")] = np.tril(np.ones((block, block), np.float32))[None, None]
             hf[name.replace("ln_1.weight", "attn.masked_bias")] = np.array(-1e4, np.float32)
     save(path, hf, {"format": "pt"})
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / max(float(b.norm()), 1e-300))
 
 
 def run(c, state, idx, targets, dtype):

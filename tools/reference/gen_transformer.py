@@ -29,11 +29,12 @@ import math
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/reference/
+from gen_norm_act_loss import add_case  # noqa: E402  (float64 and float32 runs, PyTorch's own f32 error)
 from tessera_tools.safetensors_io import save  # noqa: E402
 
 # name: (x shape, normalized shape, eps, elementwise_affine, bias, offset added to x)
@@ -110,11 +111,6 @@ def attn_config(c):
 def ce_btv_config(c):
     b, t, v, ignore_index, ignored = c
     return f"B={b} T={t} V={v} ignore_index={ignore_index} ignored={ignored}"
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / max(float(b.norm()), 1e-300))
 
 
 def leaf(t, dtype):
@@ -202,16 +198,6 @@ def run_ce_btv(c, i, dtype):
     loss = F.cross_entropy(logits.view(-1, v), i["labels"].long().view(-1), ignore_index=ignore_index)
     loss.backward()
     return {"loss": loss.detach(), "dlogits": logits.grad}
-
-
-def add_case(tensors, name, inputs, run):
-    ref = run(torch.float64)
-    f32 = run(torch.float32)
-    for k, v in inputs.items():
-        tensors[f"{name}.{k}"] = v.double().numpy()
-    for k, v in ref.items():
-        tensors[f"{name}.{k}"] = v.detach().numpy()
-        tensors[f"{name}.torch_f32_err.{k}"] = np.array(rel_err(f32[k], v), dtype=np.float64)
 
 
 def main():
