@@ -304,3 +304,33 @@ TEST_CASE("GPT: nanoGPT's AdamW rule is decay_norm_and_bias = false (2-D tensors
   CHECK(kinds.weights == 2 + 2 * 4);        // wte, wpe; c_attn, c_proj, c_fc, mlp.c_proj per block
   CHECK(kinds.others == 2 * 8 + 2);         // 4 LayerNorm tensors and 4 biases per block; ln_f's 2
 }
+
+TEST_CASE("GPT activation checkpointing gives the same logits and gradients, bit for bit", "[models][gpt]") {
+  const GPTConfig config{.block_size = 16, .vocab_size = 12, .n_layer = 3, .n_head = 2, .n_embd = 8};
+  std::vector<std::int64_t> idx(2 * 16);
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<std::int64_t>((i * 7 + 3) % 12);
+  auto grads_of = [&](bool checkpointing) {
+    GPT<CpuLocal> model = scrambled_gpt<CpuLocal>(config, 97);
+    model.set_activation_checkpointing(checkpointing);
+    CrossEntropyLoss<CpuLocal> loss;
+    std::vector<std::vector<float>> out;
+    for (int step = 0; step < 2; ++step) {  // twice: the second step reuses the caches
+      GPT<CpuLocal>::Cache c;
+      CrossEntropyLoss<CpuLocal>::Cache lc;
+      const Tensor<float>& logits = model.forward(idx, 2, 16, c);
+      out.emplace_back(logits.begin(), logits.end());
+      loss.forward(logits, idx, lc);
+      model.backward(loss.backward(lc), c);
+    }
+    struct Grads {
+      std::vector<std::vector<float>>* out;
+      void parameter(const std::string&, Parameter<float, Cpu>& p) { out->emplace_back(p.grad.begin(), p.grad.end()); }
+      void buffer(const std::string&, Tensor<float>&) {}
+    } g{&out};
+    model.visit(g);
+    return out;
+  };
+  const auto plain = grads_of(false), checkpointed = grads_of(true);
+  REQUIRE(plain.size() == checkpointed.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) CHECK(plain[i] == checkpointed[i]);
+}

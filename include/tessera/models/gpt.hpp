@@ -171,6 +171,12 @@ class GPT {
     Tensor x;                             // (B, T, C) token + position embeddings
     Tensor logits;                        // (B, T, V)
     Tensor dx, dpos;                      // backward's (B, T, C) and (T, C)
+    // Activation checkpointing: each block's output (B, T, C), the one cache every block runs in,
+    // and the gradient carried between blocks (the next recompute overwrites that cache).
+    std::vector<Tensor> outputs;
+    typename GPTBlock<E>::Cache scratch;
+    Tensor dcarry;
+    bool checkpointed = false;  // how forward ran
   };
 
   GPT(const GPTConfig& config, Rng& rng) : config_(checked(config)), wte_(config.vocab_size, config.n_embd, rng),
@@ -275,7 +281,17 @@ class GPT {
     gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, w.value.data(), ch,
                                  S(0), c.dx.data(), ch);
     const Tensor* dx = &ln_f_.backward(c.dx, c.ln_f);
-    for (std::size_t i = h_.size(); i-- > 0;) dx = &h_[i].backward(*dx, c.h[i]);
+    if (c.checkpointed) {
+      // Block by block from the last: its forward again from its saved input (the same numbers,
+      // bit for bit: the kernels are deterministic and there is no dropout), then its backward.
+      for (std::size_t i = h_.size(); i-- > 0;) {
+        c.dcarry = *dx;
+        h_[i].forward(i == 0 ? c.x : c.outputs[i - 1], c.scratch);
+        dx = &h_[i].backward(c.dcarry, c.scratch);
+      }
+    } else {
+      for (std::size_t i = h_.size(); i-- > 0;) dx = &h_[i].backward(*dx, c.h[i]);
+    }
     wte_.backward(*dx, c.wte);
     c.dpos.resize({t, ch});
     c.dpos.fill(S(0));
@@ -306,6 +322,15 @@ class GPT {
     return non_embedding ? n - wpe_.weight().value.numel() : n;
   }
 
+  // Activation checkpointing (torch.utils.checkpoint around every block): forward keeps each
+  // block's (B, T, C) output only and backward recomputes the block's forward before its backward.
+  // The gradients are the same bit for bit; the activations held go from about n_layer (18 C + H)
+  // values per token (a block's caches: ln_1 C, qkv 3C, heads C, c_proj C, h C, ln_2 C, c_fc 4C,
+  // GELU 4C, mlp c_proj C, y C, and H log-sum-exps) to n_layer C plus one block's; one more block
+  // forward per step (about a third more compute). bench/activation_memory.cpp measures it.
+  void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+  bool activation_checkpointing() const { return checkpointing_; }
+
   const GPTConfig& config() const { return config_; }
   Embedding<E>& wte() { return wte_; }
   Embedding<E>& wpe() { return wpe_; }
@@ -331,8 +356,21 @@ class GPT {
     add_broadcast_rows(D{}, pos.data(), batch, t * ch, c.x.data());
     c.h.resize(h_.size());
     const Tensor* x = &c.x;
-    for (std::size_t i = 0; i < h_.size(); ++i)
-      x = kv ? &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]) : &h_[i].forward(*x, c.h[i]);
+    c.checkpointed = checkpointing_ && kv == nullptr;
+    if (c.checkpointed) {
+      // Keep only each block's output; its activations are dropped and recomputed in backward.
+      c.h.clear();
+      c.outputs.resize(h_.size());
+      for (std::size_t i = 0; i < h_.size(); ++i) {
+        c.outputs[i] = h_[i].forward(*x, c.scratch);
+        x = &c.outputs[i];
+      }
+      c.scratch = {};
+    } else {
+      c.outputs.clear();
+      for (std::size_t i = 0; i < h_.size(); ++i)
+        x = kv ? &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]) : &h_[i].forward(*x, c.h[i]);
+    }
     const Tensor& xf = ln_f_.forward(*x, c.ln_f);
     c.logits.resize({batch, t, config_.vocab_size});
     // lm_head: (B T, C) x (C, V), the weight being wte's (V, C).
@@ -388,6 +426,7 @@ class GPT {
   }
 
   GPTConfig config_;
+  bool checkpointing_ = false;
   Embedding<E> wte_, wpe_;
   std::vector<GPTBlock<E>> h_;
   LayerNorm<E> ln_f_;
