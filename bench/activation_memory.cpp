@@ -54,11 +54,9 @@ Measured measure(const GPTConfig& config, std::int64_t batch, std::int64_t t, bo
   CrossEntropyLoss<E> loss;
   GPT<E>::Cache cache;
   CrossEntropyLoss<E>::Cache loss_cache;
-  auto step = [&] {
-    model.backward(loss.backward(loss_cache), cache);
-  };
+  auto backward = [&] { model.backward(loss.backward(loss_cache), cache); };
   loss.forward(model.forward(idx, batch, t, cache), idx, loss_cache);  // warm-up
-  step();
+  backward();
   cache = {};
   loss_cache = {};
   struct Zero {
@@ -72,7 +70,7 @@ Measured measure(const GPTConfig& config, std::int64_t batch, std::int64_t t, bo
   loss.forward(model.forward(idx, batch, t, cache), idx, loss_cache);
   Measured m;
   m.forward_peak = allocator.stats().peak_requested_bytes_in_use - before;
-  step();
+  backward();
   m.step_peak = allocator.stats().peak_requested_bytes_in_use - before;
   struct Grads {
     std::vector<float>* out;

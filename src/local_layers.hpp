@@ -41,8 +41,8 @@
   INSTANCES(, ResNet, BasicBlock)           \
   INSTANCES(, ResNet, Bottleneck)           \
   INSTANCES(, Embedding)                    \
-  INSTANCES(, LayerNorm)                    \
-  INSTANCES(, RMSNorm)                      \
+  INSTANCES(, detail::NormLayer, true)      \
+  INSTANCES(, detail::NormLayer, false)     \
   INSTANCES(, ScaledDotProductAttention)    \
   INSTANCES(, SelfAttention)                \
   INSTANCES(, GPTBlock)                     \

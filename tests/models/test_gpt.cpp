@@ -108,6 +108,22 @@ void run_gpt_reference(const GptCase& k) {
   model.visit(grads);
 }
 
+// A small GPT with weights larger than nanoGPT's 0.02, so that every position matters.
+template <class E>
+GPT<E> scrambled_gpt(const GPTConfig& config, std::uint64_t seed) {
+  Rng rng(seed);
+  GPT<E> model(config, rng);
+  struct Scramble {
+    Rng* rng;
+    void parameter(const std::string&, Parameter<typename E::Scalar, Cpu>& p) {
+      for (auto& v : p.value) v = static_cast<typename E::Scalar>(rng->normal(0.0, 0.5));
+    }
+    void buffer(const std::string&, Tensor<typename E::Scalar>&) {}
+  } scramble{&rng};
+  model.visit(scramble);
+  return model;
+}
+
 }  // namespace
 
 TEST_CASE("GPT matches nanoGPT: keys, logits, loss and every gradient (float64 and float32)",
@@ -120,15 +136,9 @@ TEST_CASE("GPT matches nanoGPT: keys, logits, loss and every gradient (float64 a
 
 TEST_CASE("GPT gradients by central differences, every parameter (float64)", "[models][gpt]") {
   Rng rng(91);
-  GPTConfig config{.block_size = 5, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 4};
-  GPT<CpuLocal64> model(config, rng);
   // Larger weights than nanoGPT's 0.02: the gradients then depend on every path.
-  struct Scramble {
-    Rng* rng;
-    void parameter(const std::string&, Parameter<double, Cpu>& p) { testing::normal_fill(p.value, *rng, 0.5); }
-    void buffer(const std::string&, T64&) {}
-  } scramble{&rng};
-  model.visit(scramble);
+  GPT<CpuLocal64> model =
+      scrambled_gpt<CpuLocal64>({.block_size = 5, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 4}, 91);
   const std::vector<std::int64_t> idx = {1, 6, 0, 3, 3, 2, 5, 4};  // (2, 4)
   const T64 g = testing::random_tensor({2, 4, 7}, rng);
   GPT<CpuLocal64>::Cache c;
@@ -198,23 +208,6 @@ TEST_CASE("GPT rejects bad configurations, sequences and token ids", "[models][g
   CHECK_THROWS_WITH(model.backward(T64({1, 2, 5}), c), Catch::Contains("before forward"));
 }
 
-namespace {
-// A small GPT with weights larger than nanoGPT's 0.02, so that every position matters.
-template <class E>
-GPT<E> scrambled_gpt(const GPTConfig& config, std::uint64_t seed) {
-  Rng rng(seed);
-  GPT<E> model(config, rng);
-  struct Scramble {
-    Rng* rng;
-    void parameter(const std::string&, Parameter<typename E::Scalar, Cpu>& p) {
-      for (auto& v : p.value) v = static_cast<typename E::Scalar>(rng->normal(0.0, 0.5));
-    }
-    void buffer(const std::string&, Tensor<typename E::Scalar>&) {}
-  } scramble{&rng};
-  model.visit(scramble);
-  return model;
-}
-}  // namespace
 
 TEST_CASE("GPT forward_cached equals the full forward, chunk by chunk", "[models][gpt][generate]") {
   const GPTConfig config{.block_size = 8, .vocab_size = 9, .n_layer = 2, .n_head = 2, .n_embd = 8};

@@ -40,25 +40,18 @@ std::int64_t normalized_rows(const char* layer, const Shape& normalized, const T
   return x.numel() / normalized.numel();
 }
 
-// dy must have the shape forward's x had, and x must still have it (the cache points to it).
-template <class Tensor, class Cache>
-void check_norm_backward(const std::string& layer, const Tensor& dy, const Cache& c) {
-  TESSERA_CHECK(dy.shape() == c.x_shape, ShapeError, layer, "::backward: dy ", dy.shape(), " does not match the input ",
-                c.x_shape);
-  TESSERA_CHECK(c.x->shape() == c.x_shape, ShapeError, layer, "::backward: the input changed shape to ", c.x->shape(),
-                " since forward (keep it alive and unchanged)");
-}
-
 inline Shape checked_normalized_shape(const char* layer, const Shape& shape) {
   bool ok = shape.rank() > 0;
   for (std::int64_t d : shape) ok = ok && d > 0;
   TESSERA_CHECK(ok, ArgumentError, layer, ": normalized_shape ", shape, " must have rank >= 1 and positive extents");
   return shape;
 }
-}  // namespace detail
 
-template <class E>
-class LayerNorm {
+// LayerNorm (Centered) and RMSNorm: one class, as their maths differ only by the centring and the
+// bias (kernels/cpu/norm.hpp). eps unset: 1e-5 for LayerNorm, the scalar type's machine epsilon for
+// RMSNorm (torch's eps=None); bias defaults to Centered, and RMSNorm has none.
+template <class E, bool Centered>
+class NormLayer {
  public:
   using Env = E;
   using S = typename E::Scalar;
@@ -67,44 +60,59 @@ class LayerNorm {
   static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
-    Shape x_shape;  // x's shape at forward, checked again by backward
+    Shape x_shape;      // x's shape at forward, checked again by backward
     Tensor y, dx;
-    Tensor mean, rstd;  // (rows): the statistics forward normalized with
+    Tensor mean, rstd;  // (rows): the statistics forward normalized with (no mean for RMSNorm)
   };
 
-  explicit LayerNorm(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true, bool bias = true)
-      : shape_(detail::checked_normalized_shape("LayerNorm", normalized_shape)), eps_(eps),
+  explicit NormLayer(Shape normalized_shape, std::optional<double> eps = std::nullopt, bool elementwise_affine = true,
+                     bool bias = Centered)
+      : shape_(checked_normalized_shape(kind(), normalized_shape)),
+        eps_(eps.value_or(Centered ? 1e-5 : static_cast<double>(std::numeric_limits<S>::epsilon()))),
         affine_(elementwise_affine), has_bias_(elementwise_affine && bias) {
-    TESSERA_CHECK(eps >= 0, ArgumentError, "LayerNorm: eps=", eps, " must be >= 0");
+    TESSERA_CHECK(eps_ >= 0, ArgumentError, kind(), ": eps=", eps_, " must be >= 0");
+    TESSERA_CHECK(Centered || !bias, ArgumentError, "RMSNorm has no bias (torch.nn.RMSNorm neither)");
     if (affine_) {
       weight_ = Parameter<S, D>(shape_, ParamKind::Norm);
       weight_.value.fill(S(1));
     }
     if (has_bias_) bias_ = Parameter<S, D>(shape_, ParamKind::Norm);  // zeros
   }
-  explicit LayerNorm(std::int64_t normalized_size, double eps = 1e-5, bool elementwise_affine = true, bool bias = true)
-      : LayerNorm(Shape{normalized_size}, eps, elementwise_affine, bias) {}
+  explicit NormLayer(std::int64_t normalized_size, std::optional<double> eps = std::nullopt,
+                     bool elementwise_affine = true, bool bias = Centered)
+      : NormLayer(Shape{normalized_size}, eps, elementwise_affine, bias) {}
 
   const Tensor& forward(const Tensor& x, Cache& c) {
-    const std::int64_t rows = detail::normalized_rows("LayerNorm", shape_, x);
+    const std::int64_t rows = normalized_rows(kind(), shape_, x);
     c.x = &x;
     c.x_shape = x.shape();
     c.y.resize(x.shape());
-    c.mean.resize({rows});
     c.rstd.resize({rows});
-    layer_norm_forward(D{}, x.data(), rows, shape_.numel(), weight_ptr(), bias_ptr(), eps_, c.y.data(), c.mean.data(),
-                       c.rstd.data());
+    if constexpr (Centered) {
+      c.mean.resize({rows});
+      layer_norm_forward(D{}, x.data(), rows, shape_.numel(), weight_ptr(), bias_ptr(), eps_, c.y.data(), c.mean.data(),
+                         c.rstd.data());
+    } else {
+      rms_norm_forward(D{}, x.data(), rows, shape_.numel(), weight_ptr(), eps_, c.y.data(), c.rstd.data());
+    }
     return c.y;
   }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
-    detail::check_norm_backward(name(), dy, c);
-    const std::int64_t rows = c.mean.numel();
+    TESSERA_CHECK(dy.shape() == c.x_shape, ShapeError, name(), "::backward: dy ", dy.shape(), " does not match the input ",
+                  c.x_shape);
+    TESSERA_CHECK(c.x->shape() == c.x_shape, ShapeError, name(), "::backward: the input changed shape to ",
+                  c.x->shape(), " since forward (keep it alive and unchanged)");
+    const std::int64_t rows = c.rstd.numel();
     if (needs_input_grad_) c.dx.resize(dy.shape());
-    layer_norm_backward(D{}, c.x->data(), dy.data(), c.mean.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(),
-                        needs_input_grad_ ? c.dx.data() : nullptr, affine_ ? weight_.grad.data() : nullptr,
-                        has_bias_ ? bias_.grad.data() : nullptr);
+    S* dx = needs_input_grad_ ? c.dx.data() : nullptr;
+    S* dweight = affine_ ? weight_.grad.data() : nullptr;
+    if constexpr (Centered)
+      layer_norm_backward(D{}, c.x->data(), dy.data(), c.mean.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(),
+                          dx, dweight, has_bias_ ? bias_.grad.data() : nullptr);
+    else
+      rms_norm_backward(D{}, c.x->data(), dy.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(), dx, dweight);
     if (affine_) weight_.grad_ready();
     if (has_bias_) bias_.grad_ready();
     return c.dx;
@@ -121,10 +129,11 @@ class LayerNorm {
   const Shape& normalized_shape() const { return shape_; }
   double eps() const { return eps_; }
   Parameter<S, D>& weight() { return weight_; }
-  Parameter<S, D>& bias() { return bias_; }
-  std::string name() const { return detail::cat("LayerNorm(", shape_, ", eps=", eps_, ")"); }
+  Parameter<S, D>& bias() { return bias_; }  // empty without one (always for RMSNorm)
+  std::string name() const { return cat(kind(), "(", shape_, ", eps=", eps_, ")"); }
 
  private:
+  static const char* kind() { return Centered ? "LayerNorm" : "RMSNorm"; }
   const S* weight_ptr() const { return affine_ ? weight_.value.data() : nullptr; }
   const S* bias_ptr() const { return has_bias_ ? bias_.value.data() : nullptr; }
 
@@ -135,80 +144,16 @@ class LayerNorm {
   Parameter<S, D> weight_, bias_;
 };
 
-template <class E>
-class RMSNorm {
- public:
-  using Env = E;
-  using S = typename E::Scalar;
-  using D = typename E::Device;
-  using Tensor = tessera::Tensor<S, D>;
-  static constexpr bool kBackwardReadsOutput = false;
-  struct Cache {
-    const Tensor* x = nullptr;
-    Shape x_shape;  // x's shape at forward, checked again by backward
-    Tensor y, dx;
-    Tensor rstd;  // (rows)
-  };
-
-  // eps unset: the scalar type's machine epsilon, as torch's eps=None.
-  explicit RMSNorm(Shape normalized_shape, std::optional<double> eps = std::nullopt, bool elementwise_affine = true)
-      : shape_(detail::checked_normalized_shape("RMSNorm", normalized_shape)),
-        eps_(eps.value_or(std::numeric_limits<S>::epsilon())), affine_(elementwise_affine) {
-    TESSERA_CHECK(eps_ >= 0, ArgumentError, "RMSNorm: eps=", eps_, " must be >= 0");
-    if (affine_) {
-      weight_ = Parameter<S, D>(shape_, ParamKind::Norm);
-      weight_.value.fill(S(1));
-    }
-  }
-  explicit RMSNorm(std::int64_t normalized_size, std::optional<double> eps = std::nullopt, bool elementwise_affine = true)
-      : RMSNorm(Shape{normalized_size}, eps, elementwise_affine) {}
-
-  const Tensor& forward(const Tensor& x, Cache& c) {
-    const std::int64_t rows = detail::normalized_rows("RMSNorm", shape_, x);
-    c.x = &x;
-    c.x_shape = x.shape();
-    c.y.resize(x.shape());
-    c.rstd.resize({rows});
-    rms_norm_forward(D{}, x.data(), rows, shape_.numel(), affine_ ? weight_.value.data() : nullptr, eps_, c.y.data(),
-                     c.rstd.data());
-    return c.y;
-  }
-
-  const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
-    detail::check_norm_backward(name(), dy, c);
-    if (needs_input_grad_) c.dx.resize(dy.shape());
-    rms_norm_backward(D{}, c.x->data(), dy.data(), c.rstd.data(), affine_ ? weight_.value.data() : nullptr,
-                      c.rstd.numel(), shape_.numel(), needs_input_grad_ ? c.dx.data() : nullptr,
-                      affine_ ? weight_.grad.data() : nullptr);
-    if (affine_) weight_.grad_ready();
-    return c.dx;
-  }
-
-  template <class V>
-  void visit(V& v, const std::string& prefix) {
-    if (affine_) v.parameter(prefix + "weight", weight_);
-  }
-  void set_mode(Mode) {}
-  void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
-
-  const Shape& normalized_shape() const { return shape_; }
-  double eps() const { return eps_; }
-  Parameter<S, D>& weight() { return weight_; }
-  std::string name() const { return detail::cat("RMSNorm(", shape_, ", eps=", eps_, ")"); }
-
- private:
-  Shape shape_;
-  double eps_;
-  bool affine_;
-  bool needs_input_grad_ = true;
-  Parameter<S, D> weight_;
-};
-
 // The class of any other Env is this one renamed (comm/local_env.hpp).
-TESSERA_SAME_CODE_AS_LOCAL(LayerNorm);
-TESSERA_SAME_CODE_AS_LOCAL(RMSNorm);
-TESSERA_LOCAL_EXTERN(LayerNorm)
-TESSERA_LOCAL_EXTERN(RMSNorm)
+TESSERA_SAME_CODE_AS_LOCAL_WITH(NormLayer, bool, Centered);
+}  // namespace detail
+
+template <class E>
+using LayerNorm = detail::NormLayer<E, true>;
+template <class E>
+using RMSNorm = detail::NormLayer<E, false>;
+
+TESSERA_LOCAL_EXTERN(detail::NormLayer, true)
+TESSERA_LOCAL_EXTERN(detail::NormLayer, false)
 
 }  // namespace tessera

@@ -19,8 +19,9 @@ namespace tessera {
 
 namespace cuda_detail {
 
-// 48 KiB of shared memory in doubles: 6144 per block, halved where two arrays are kept.
-inline constexpr std::int64_t kMaxAttentionKeys = 6144;
+// A block may use 48 KiB of shared memory without opting in: the row's doubles (halved where two
+// arrays are kept) plus block_reduce's 32, so 6016 keys (47 KiB) leave it room.
+inline constexpr std::int64_t kMaxAttentionKeys = 6016;
 inline constexpr unsigned kAttentionThreads = 128;
 
 __device__ inline std::int64_t attention_visible(bool causal, std::int64_t i, const AttentionDims& n) {
