@@ -146,6 +146,10 @@ class DataParallelMeter {
 inline void print_traffic(int ranks, double parameters, double bytes_per_value, double steps, double peer_bytes,
                           double loopback_bytes) {
   const double g = parameters * bytes_per_value, per_step = 2.0 * (ranks - 1) / ranks * g;
+  if (ranks == 1) {
+    std::printf("cost: all-reduce per rank and step = 2(p-1)/p x G = 0 on one rank (nothing to average)\n");
+    return;
+  }
   std::printf("cost: all-reduce per rank and step = 2(p-1)/p x G = 2 x %d/%d x %.1f KiB = %.1f KiB\n", ranks - 1, ranks,
               g / 1024, per_step / 1024);
   if (peer_bytes >= 0)

@@ -20,6 +20,7 @@
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
 #include "tessera/data/text.hpp"
+#include "tessera/data/token_loader.hpp"
 #include "tessera/data/transforms.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/attention.hpp"

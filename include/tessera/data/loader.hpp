@@ -103,8 +103,12 @@ struct LoaderState {
 template <class S>
 struct Batch {
   Tensor<S> images;                  // (n, C, H, W)
-  std::vector<std::int64_t> labels;  // (n)
+  std::vector<std::int64_t> labels;  // (n); a language model's batch: the (n T) next tokens
   std::int64_t index = -1;           // batch index within the epoch
+  // A language model's batch (data/text.hpp's TokenLoader) holds token ids in place of images:
+  // (n, T) inputs whose targets, row-major, are `labels`. Empty for an image batch.
+  Tensor<std::int64_t> tokens;
+  std::int64_t samples() const { return tokens.numel() > 0 ? tokens.dim(0) : static_cast<std::int64_t>(labels.size()); }
 };
 
 // The RNG seed of epoch `epoch`: distinct epochs and seeds give unrelated permutations.

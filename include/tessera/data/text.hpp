@@ -142,7 +142,9 @@ TESSERA_LINKAGE void write_token_file(const std::filesystem::path& path, std::sp
     const unsigned char le[2] = {static_cast<unsigned char>(v & 0xFF), static_cast<unsigned char>(v >> 8)};
     std::memcpy(&words[i], le, 2);  // little-endian on any host, as numpy's '<u2'
   }
-  const std::filesystem::path tmp = path.string() + ".tmp";
+  // A temporary name of this process's own: two programs preparing the same corpus at once (the
+  // threads, MPI and Gloo builds of one example in a parallel test run) each rename a whole file.
+  const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     TESSERA_CHECK(out.good(), IoError, "write_token_file: cannot create ", tmp.string(), ": ", std::strerror(errno));

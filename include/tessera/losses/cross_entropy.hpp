@@ -87,16 +87,18 @@ class CrossEntropyLoss {
   std::int64_t ignore_index_;
 };
 
-// Number of rows whose argmax (first maximum on ties) equals the label: top-1 hits.
+// Number of rows whose argmax (first maximum on ties) equals the label: top-1 hits. Logits
+// (N, C), or (*, C) with classes last (a language model's (B, T, V): N = B T rows).
 template <class S, class D>
 std::int64_t count_correct(const Tensor<S, D>& logits, std::span<const std::int64_t> labels) {
-  TESSERA_CHECK(logits.rank() == 2 && static_cast<std::int64_t>(labels.size()) == logits.dim(0), ShapeError,
-                "count_correct: expected logits (N, C) and N labels, got logits ", logits.shape(), " and ",
-                labels.size(), " labels");
+  const std::int64_t classes = logits.rank() >= 2 ? logits.dim(logits.rank() - 1) : 0;
+  TESSERA_CHECK(logits.rank() >= 2 && classes > 0 && static_cast<std::int64_t>(labels.size()) == logits.numel() / classes,
+                ShapeError, "count_correct: expected logits (N, C) or (*, C) and one label per row, got logits ",
+                logits.shape(), " and ", labels.size(), " labels");
   if constexpr (!D::host_accessible) {
     return count_correct(to_host(logits), labels);  // a (N, C) copy: small next to the step
   }
-  const std::int64_t n = logits.dim(0), classes = logits.dim(1);
+  const std::int64_t n = logits.numel() / classes;
   std::int64_t hits = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const S* z = logits.data() + i * classes;

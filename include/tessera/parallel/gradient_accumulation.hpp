@@ -32,24 +32,37 @@ class GradientAccumulation : public StrategyBase<E> {
   std::string name() const { return "GradientAccumulation(" + std::to_string(count_) + ")"; }
   int micro_batches() const { return count_; }
 
+  // Splits the batch's samples (images, or a language model's token windows with their T labels
+  // each) into count_ contiguous micro-batches.
   double run_micro_batches(const Batch<S>& batch, const MicroStep<S>& step) {
-    const auto n = static_cast<std::int64_t>(batch.labels.size());
+    const bool tokens = batch.tokens.numel() > 0;
+    const Tensor<S>* images = &batch.images;
+    const std::int64_t n = batch.samples();
     TESSERA_CHECK(n >= count_, ArgumentError, "GradientAccumulation: a batch of ", n, " samples cannot be split into ",
                   count_, " micro-batches (at least one sample each)");
-    TESSERA_CHECK(batch.images.dim(0) == n, ArgumentError, "GradientAccumulation: the batch has ", n,
-                  " labels but ", batch.images.dim(0), " images");
-    const std::int64_t row = batch.images.numel() / std::max<std::int64_t>(n, 1);
+    // Per sample: the input row's length and how many labels it has (T for token windows).
+    const std::int64_t labels_per = static_cast<std::int64_t>(batch.labels.size()) / std::max<std::int64_t>(n, 1);
+    TESSERA_CHECK(tokens ? batch.tokens.rank() == 2 && labels_per * n == static_cast<std::int64_t>(batch.labels.size())
+                         : images->dim(0) == n,
+                  ArgumentError, "GradientAccumulation: the batch has ", batch.labels.size(), " labels but ",
+                  tokens ? "tokens " : "images ", tokens ? batch.tokens.shape() : images->shape());
+    const std::int64_t row = (tokens ? batch.tokens.numel() : images->numel()) / std::max<std::int64_t>(n, 1);
     slices_.resize(static_cast<std::size_t>(count_));
     double loss = 0;
     std::int64_t begin = 0;
     for (int i = 0; i < count_; ++i) {
       const std::int64_t size = n / count_ + (i < n % count_ ? 1 : 0);
       Batch<S>& micro = slices_[static_cast<std::size_t>(i)];
-      Shape shape = batch.images.shape();
-      shape[0] = size;
-      micro.images.resize(shape);
-      std::copy_n(batch.images.data() + begin * row, size * row, micro.images.data());
-      micro.labels.assign(batch.labels.begin() + begin, batch.labels.begin() + begin + size);
+      if (tokens) {
+        micro.tokens.resize({size, batch.tokens.dim(1)});
+        std::copy_n(batch.tokens.data() + begin * row, size * row, micro.tokens.data());
+      } else {
+        Shape shape = images->shape();
+        shape[0] = size;
+        micro.images.resize(shape);
+        std::copy_n(images->data() + begin * row, size * row, micro.images.data());
+      }
+      micro.labels.assign(batch.labels.begin() + begin * labels_per, batch.labels.begin() + (begin + size) * labels_per);
       micro.index = batch.index;
       const MicroBatch mb{i, count_, static_cast<double>(size) / static_cast<double>(n)};
       loss += mb.weight * step(micro, mb);

@@ -1,5 +1,7 @@
 // Trainer: the loop the examples share. Per step: forward, softmax cross-entropy, backward,
-// optimizer step with the scheduled learning rate (set per iteration, so warmup is smooth).
+// optimizer step with the scheduled learning rate (set per iteration, so warmup is smooth). The
+// model is an image classifier (a Layer, batches from a DataLoader) or a language model (a
+// TokenModel such as GPT, batches of token windows from a TokenLoader).
 // Per epoch: mean loss, accuracy, images/s, test accuracy; a progress bar or plain lines; one JSON
 // line per epoch in the metrics file; optionally a checkpoint.
 //
@@ -26,12 +28,15 @@
 #include <array>
 #include <bit>
 #include <chrono>
+#include <concepts>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tessera/core/concepts.hpp"
@@ -48,6 +53,41 @@
 #include "tessera/train/timeline.hpp"
 
 namespace tessera {
+
+// What the Trainer trains: a Layer (images (n, C, H, W) -> logits (n, classes)), or a TokenModel,
+// a language model such as GPT (token ids (n, T) -> logits (n, T, V), whose backward takes
+// dL/dlogits and returns nothing: token ids have no gradient). Its loss is the cross-entropy of
+// every position's logits against the next token (the batch's labels), its accuracy the share of
+// next tokens predicted (top-1), and its throughput counted in tokens.
+template <class M>
+concept TokenModel = requires { typename M::Env; typename M::Tensor; typename M::Cache; } &&
+    requires(M& m, const Tensor<std::int64_t, Cpu>& ids, typename M::Cache& c, const typename M::Tensor& dlogits) {
+      { m.forward(ids, c) } -> std::same_as<const typename M::Tensor&>;
+      m.backward(dlogits, c);
+      m.set_mode(Mode::Train);
+      m.visit(std::declval<VisitorArchetype&>(), std::string());
+      { m.name() } -> std::convertible_to<std::string>;
+    };
+
+// What fit() reads batches from: DataLoader (images) or TokenLoader (data/token_loader.hpp).
+template <class L, class S>
+concept BatchSource = requires(L& l, const L& cl, Batch<S>& b, std::int64_t epoch, const LoaderState& st) {
+  l.start_epoch(epoch);
+  { l.next(b) } -> std::same_as<bool>;
+  l.set_state(st);
+  { cl.state() } -> std::same_as<LoaderState>;
+  { cl.batches_per_epoch() } -> std::convertible_to<std::int64_t>;
+  { cl.dataset_size() } -> std::convertible_to<std::int64_t>;
+  { cl.options() } -> std::convertible_to<const LoaderOptions&>;
+};
+
+namespace detail {
+template <class M>
+consteval bool check_trainable_model() {
+  if constexpr (TokenModel<M>) return true;
+  else return check_layer<M>();
+}
+}  // namespace detail
 
 struct TrainOptions {
   std::int64_t epochs = 1;
@@ -93,6 +133,9 @@ struct TrainOptions {
   const StopSignals* stop_signals = nullptr;
 };
 
+// The figures count predictions: images, or for a TokenModel tokens (a batch of n windows of T
+// tokens is n T predictions: the losses are means over tokens and images_per_second is then tokens
+// per second; the progress line and the metrics say "tok/s" and "tokens_per_second").
 // With a checkpoint_group of N ranks, the training figures are global, the same on every rank:
 // train_loss and train_accuracy over the samples of all ranks (what one process training on the
 // global batches reports), seconds the slowest rank's, images_per_second all ranks' samples over
@@ -143,7 +186,7 @@ struct OptimizerStateFromRankState {
 
 template <class Model, class Optimizer, class Strat = NoStrategy<typename Model::Env>>
 class Trainer {
-  static_assert(check_layer<Model>());
+  static_assert(detail::check_trainable_model<Model>());
   static_assert(!requires { typename Optimizer::Env; } || check_same_env<typename Model::Env, typename Optimizer::Env>());
   static_assert(check_strategy<Strat>());
   static_assert(check_same_env<typename Model::Env, typename Strat::Env>());
@@ -217,7 +260,8 @@ class Trainer {
   // stop_after > 0, until that many: the schedule still spans options.epochs, as when a job's time
   // limit stops it), evaluating on `test` after each epoch. Resumes where load() left off. Returns
   // the completed epochs (an epoch cut short by options.stop_after_steps is not among them).
-  std::vector<EpochResult> fit(DataLoader<S>& train, DataLoader<S>* test = nullptr, std::int64_t stop_after = 0) {
+  template <BatchSource<S> Loader>
+  std::vector<EpochResult> fit(Loader& train, std::type_identity_t<Loader>* test = nullptr, std::int64_t stop_after = 0) {
     const std::int64_t last = stop_after > 0 ? std::min(stop_after, options_.epochs) : options_.epochs;
     if (!settings_checked_) {
       check_settings_agree(train);
@@ -233,7 +277,8 @@ class Trainer {
     return results;
   }
 
-  EpochResult train_epoch(DataLoader<S>& train, DataLoader<S>* test) {
+  template <BatchSource<S> Loader>
+  EpochResult train_epoch(Loader& train, std::type_identity_t<Loader>* test) {
     check_loader_matches_state(train);
     const std::int64_t epoch = state_.epoch;
     const std::int64_t batches = train.batches_per_epoch();
@@ -268,10 +313,10 @@ class Trainer {
       if (options_.verbose) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         // Per step, this rank's own figures (no collective per step); labelled so when there are others.
-        std::snprintf(stats, sizeof stats, "%sloss %.4f acc %.2f%% %.0f img/s lr %.4g",
+        std::snprintf(stats, sizeof stats, "%sloss %.4f acc %.2f%% %.0f %s lr %.4g",
                       options_.checkpoint_group.size() > 1 ? "this rank: " : "", loss_sum / static_cast<double>(seen),
                       100.0 * static_cast<double>(correct_) / static_cast<double>(seen),
-                      static_cast<double>(seen) / std::max(secs, 1e-9), optimizer_.lr());
+                      static_cast<double>(seen) / std::max(secs, 1e-9), kUnit, optimizer_.lr());
         progress.update(done, stats);
       }
       if (done < batches) {
@@ -345,8 +390,8 @@ class Trainer {
         std::snprintf(ranks, sizeof ranks, " (all %d ranks; %.0f per rank)", r.ranks, r.images_per_second / r.ranks);
       char tested[64] = "";  // fit() without a test loader: no test figures (not zeros)
       if (test) std::snprintf(tested, sizeof tested, " | test loss %.4f acc %.2f%%", r.test_loss, 100 * r.test_accuracy);
-      std::printf("epoch %lld: train loss %.4f acc %.2f%%%s | %.1f s, %.0f img/s%s\n", static_cast<long long>(r.epoch),
-                  r.train_loss, 100 * r.train_accuracy, tested, r.seconds, r.images_per_second, ranks);
+      std::printf("epoch %lld: train loss %.4f acc %.2f%%%s | %.1f s, %.0f %s%s\n", static_cast<long long>(r.epoch),
+                  r.train_loss, 100 * r.train_accuracy, tested, r.seconds, r.images_per_second, kUnit, ranks);
       std::fflush(stdout);
     }
     // Checkpoint first: if the process dies between the two, a resume redoes this epoch's
@@ -359,8 +404,9 @@ class Trainer {
                        .add("test_loss", r.test_loss)
                        .add("test_accuracy", r.test_accuracy)
                        .add("seconds", r.seconds)
-                       .add("images_per_second", r.images_per_second)
-                       .add("rank_images_per_second", r.rank_images_per_second)
+                       .add(TokenModel<Model> ? "tokens_per_second" : "images_per_second", r.images_per_second)
+                       .add(TokenModel<Model> ? "rank_tokens_per_second" : "rank_images_per_second",
+                            r.rank_images_per_second)
                        .add("ranks", r.ranks)
                        .add("data_wait_fraction", r.data_wait_fraction)
                        .add("lr", r.lr));
@@ -369,7 +415,8 @@ class Trainer {
 
   // Mean loss and accuracy over a whole loader, in eval mode (BN uses running statistics), forward
   // only (Mode::Inference: convolutions fused with the BatchNorm, ReLU and residual add after them).
-  std::pair<double, double> evaluate(DataLoader<S>& loader) {
+  template <BatchSource<S> Loader>
+  std::pair<double, double> evaluate(Loader& loader) {
     model_.set_mode(Mode::Inference);
     loader.start_epoch(0);
     double loss_sum = 0;
@@ -381,7 +428,7 @@ class Trainer {
         loss_sum += r.loss * static_cast<double>(n);
         correct += r.correct;
       } else {
-        const auto& logits = model_.forward(on_device(eval_batch_.images), model_cache_);
+        const auto& logits = forward(eval_batch_);
         loss_sum += static_cast<double>(loss_.forward(logits, eval_batch_.labels, loss_cache_)) * static_cast<double>(n);
         correct += count_correct(logits, eval_batch_.labels);
       }
@@ -406,7 +453,8 @@ class Trainer {
   }
   // Also checks at once that the checkpoint's data-loader position fits `train` (world size, batch
   // size, seed, dataset size), so that a mismatch is reported before anything says "resumed".
-  void load(const std::string& path, const DataLoader<S>& train) {
+  template <BatchSource<S> Loader>
+  void load(const std::string& path, const Loader& train) {
     load(path);
     check_loader_matches_state(train);
   }
@@ -417,6 +465,25 @@ class Trainer {
 
  private:
   static constexpr bool kRunsModel = detail::strategy_runs_model<Strat>();
+  static_assert(!(kRunsModel && TokenModel<Model>), "Trainer: a strategy that runs the model itself (a pipeline) "
+                "takes image batches; a TokenModel's pipeline is not supported by the Trainer");
+  static constexpr const char* kUnit = TokenModel<Model> ? "tok/s" : "img/s";
+
+  // The model's logits for a batch: images through a Layer, token ids through a TokenModel.
+  const typename Model::Tensor& forward(const Batch<S>& batch) {
+    if constexpr (TokenModel<Model>) {
+      TESSERA_CHECK(batch.tokens.rank() == 2 && batch.tokens.numel() > 0 &&
+                        static_cast<std::int64_t>(batch.labels.size()) == batch.tokens.numel(),
+                    ArgumentError, "Trainer: ", model_.name(), " reads token ids (n, T) with n T next-token labels, "
+                    "but the batch has tokens ", batch.tokens.shape(), " and ", batch.labels.size(), " labels (an image "
+                    "loader? use a TokenLoader)");
+      return model_.forward(batch.tokens, model_cache_);
+    } else {
+      TESSERA_CHECK(batch.tokens.numel() == 0, ArgumentError, "Trainer: the batch holds token ids ",
+                    batch.tokens.shape(), " but the model takes images (a TokenLoader feeds a TokenModel such as GPT)");
+      return model_.forward(on_device(batch.images), model_cache_);
+    }
+  }
 
   // A checkpoint holds one copy of the model and of the optimizer, rank 0's: right for replicas,
   // wrong for a model split over ranks (each pipeline stage trains and steps its own units only).
@@ -479,7 +546,7 @@ class Trainer {
     std::optional<Timeline::Span> span;
     strategy_.before_forward(mb);
     if (t) span.emplace(t->span("forward"));
-    const auto& logits = model_.forward(on_device(micro.images), model_cache_);  // (n, classes)
+    const auto& logits = forward(micro);  // (n, classes), or a TokenModel's (n, T, V)
     const S loss = loss_.forward(logits, micro.labels, loss_cache_);
     correct_ += count_correct(logits, micro.labels);
     strategy_.before_backward(mb);
@@ -608,7 +675,8 @@ class Trainer {
   // The world size comes first: another world size is an elastic resume (check_resume_world_size
   // is the one place that decides), which keeps the global batch, so the per-rank batch size
   // changes with it; the position is then re-split from its global-sample form.
-  void check_loader_matches_state(const DataLoader<S>& loader) {
+  template <BatchSource<S> Loader>
+  void check_loader_matches_state(const Loader& loader) {
     const auto& o = loader.options();
     const std::string file = loaded_from_.empty() ? "the checkpoint" : "'" + loaded_from_ + "'";
     const bool resuming = state_.global_step != 0;
@@ -660,7 +728,8 @@ class Trainer {
   // the run). With a checkpoint group of more than one rank, the first fit() compares them (one
   // all_gather of two int64 when they agree) and throws AgreementError on every rank naming the
   // first setting that differs and the ranks holding each value.
-  void check_settings_agree(const DataLoader<S>& train) {
+  template <BatchSource<S> Loader>
+  void check_settings_agree(const Loader& train) {
     CheckpointGroup group = options_.checkpoint_group;
     if (group.size() <= 1) return;
     AgreementRecord record("Trainer");

@@ -1,0 +1,145 @@
+// 15_gpt: a GPT (nanoGPT's model) learns English from the fortunes package, one byte per token,
+// data-parallel over ranks. The Trainer that drives the image examples drives it: a TokenLoader
+// hands it windows of text, the GPT predicts the next byte at every position, DataParallel averages
+// the gradients, AdamW steps with nanoGPT's rule (2-D weights decay; biases and LayerNorms do not)
+// and schedule (linear warmup, cosine decay to min_lr).
+//
+//   build/examples/15_gpt_threads --ranks=2
+//   mpirun -n 2 build/examples/15_gpt_mpi
+//   tools/tessera-run -n 2 build/examples/15_gpt_gloo
+//
+// It prints a progress bar per evaluation interval, the validation loss over the whole validation
+// split after each, the cost model (FLOPs per token, all-reduce bytes per step) beside the measured
+// figures, and a sample. It exits 1 unless: the validation loss ends below --max-val-loss (default:
+// the entropy of the bytes' frequencies, which a model that ignores context cannot beat); the
+// replicas are bit-identical; the sample through the key/value cache equals the full forward's.
+// --trace=trace.json records steps 4-7 (DataParallel's bucket all-reduces under backward);
+// --json=result.json and --init-out=init.safetensors serve the PyTorch twin (bench/compare_gpt.py).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numbers>
+#include <string>
+
+#include "tessera/tessera.hpp"
+#include "tessera/build_env.hpp"
+#include "common/gpt_report.hpp"
+#include "common/rank_status.hpp"
+
+using namespace tessera;
+
+namespace {
+
+using E = BuildEnv;  // CpuThreads, CpuMpi or CpuGloo: chosen by the build, nowhere else
+using Comm = E::Comm;
+
+struct Options {
+  std::int64_t steps = 1000, eval_every = 250, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
+  std::int64_t sample = 300, top_k = 40, val_batches = 0;
+  double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99, temperature = 0.8;
+  double max_val_loss = 0;
+  int threads = 1, ranks = 2, progress = -1;
+  std::uint64_t seed = 1;
+  std::string data_dir, prompt, json, init_out, trace;
+};
+
+int run(Comm& comm, const Options& o) {
+  TESSERA_CHECK(o.batch % comm.size() == 0, ArgumentError, "--batch=", o.batch, " (the global batch, in windows) must "
+                "be divisible by the ", comm.size(), " ranks");
+  Cpu::set_num_threads(o.threads);
+  const PreparedCorpus corpus = examples::fortunes_tokens(comm, o.data_dir);
+  const TokenFile train_file(corpus.train, 256), val_file(corpus.val, 256);
+  const GPTConfig config{.block_size = o.block, .vocab_size = 256, .n_layer = o.layers, .n_head = o.heads,
+                         .n_embd = o.embd};
+  Rng rng(o.seed);
+  GPT<E> model(config, rng);
+  const double params = static_cast<double>(model.num_params(false)), non_embedding = static_cast<double>(model.num_params());
+  if (comm.rank() == 0) {
+    std::printf("15_gpt: %s, %.2fM parameters, on %d rank(s) x %d thread(s); %lld steps of %lld windows x %lld "
+                "tokens\n", model.name().c_str(), params / 1e6, comm.size(), o.threads, static_cast<long long>(o.steps),
+                static_cast<long long>(o.batch), static_cast<long long>(o.block));
+    if (!o.init_out.empty()) save_state_dict(o.init_out, model);  // where the PyTorch twin starts
+  }
+  DataParallel<E> dp(model, comm);  // rank 0's weights on every rank
+  AdamW<E> adamw(dp.parameters(), {.lr = o.lr, .beta2 = o.beta2, .weight_decay = o.weight_decay,
+                                   .decay_norm_and_bias = false});
+  // An "epoch" is one evaluation interval: the Trainer evaluates on the validation split after each.
+  TokenLoader<float> train(train_file.all(), o.block, {.batch_size = o.batch / comm.size(), .shuffle = true,
+                           .seed = o.seed, .rank = comm.rank(), .world_size = comm.size()}, o.eval_every, "fortunes train");
+  TokenLoader<float> val(val_file.all(), o.block, {.batch_size = 32, .shuffle = false}, o.val_batches, "fortunes val");
+  // nanoGPT's get_lr(it): warmup to lr over `warmup` steps, then a cosine to min_lr at the last step.
+  const auto lr_at = [&](double epoch) {
+    const double it = std::round(epoch * static_cast<double>(o.eval_every));
+    if (it < o.warmup) return o.lr * (it + 1) / (o.warmup + 1);
+    const double r = std::min(1.0, (it - o.warmup) / std::max(1.0, static_cast<double>(o.steps) - o.warmup));
+    return o.min_lr + 0.5 * (1 + std::cos(std::numbers::pi * r)) * (o.lr - o.min_lr);
+  };
+  Timeline timeline(comm);
+  Trainer trainer(model, adamw, dp, lr_at,
+                  {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,
+                   .verbose = comm.rank() == 0, .timeline = o.trace.empty() ? nullptr : &timeline,
+                   .timeline_first_step = 3, .timeline_steps = 4, .trace_path = o.trace,
+                   .checkpoint_group = CheckpointGroup(comm)});
+  comm.barrier();
+  const double peer0 = examples::peer_bytes(comm), lo0 = comm.rank() == 0 ? examples::loopback_bytes() : -1;
+  const auto epochs = trainer.fit(train, &val);
+  const double peer1 = examples::peer_bytes(comm), lo1 = comm.rank() == 0 ? examples::loopback_bytes() : -1;
+  examples::check_replicas_identical(comm, model, "after training");
+  double seconds = 0;
+  for (const auto& e : epochs) seconds += e.seconds;
+  const double steps = static_cast<double>(trainer.state().global_step);
+  const double tokens_per_second = steps * static_cast<double>(o.batch * o.block) / seconds;
+  if (comm.rank() != 0) return 0;
+  examples::print_gpt_cost(config, params, non_embedding, comm.size(), tokens_per_second, steps, peer0, peer1, lo0, lo1);
+  const bool sample_ok = examples::print_sample(model, o.prompt, o.sample, o.temperature, o.top_k, o.seed);
+  const double val_loss = epochs.back().test_loss, unigram = examples::unigram_entropy(train_file.all(), 256);
+  const double bound = o.max_val_loss > 0 ? o.max_val_loss : unigram;
+  std::printf("check: validation loss %.4f nats (%.3f bits per byte) < %.4f (%s)\n", val_loss,
+              val_loss / std::numbers::ln2, bound, o.max_val_loss > 0 ? "--max-val-loss" : "the bytes' unigram entropy");
+  if (!o.json.empty())
+    MetricsWriter(o.json).write(JsonRecord().add("val_loss", val_loss).add("train_loss", epochs.back().train_loss)
+                                    .add("tokens_per_second", tokens_per_second).add("train_seconds", seconds)
+                                    .add("steps", steps).add("ranks", comm.size()).add("threads", o.threads)
+                                    .add("parameters", params).add("unigram_entropy", unigram)
+                                    .add("gemm", cpu_gemm_kernel()));
+  return val_loss < bound && sample_ok ? 0 : 1;
+}
+
+Options parse(int argc, char** argv) {
+  Flags flags(argc, argv);
+  Options o;
+  o.steps = flags.get("steps", o.steps, {.min = 1}, "optimizer steps in all");
+  o.eval_every = flags.get("eval-every", o.eval_every, {.min = 1}, "steps between validations (divides --steps)");
+  TESSERA_CHECK(o.steps % o.eval_every == 0, ArgumentError, "--eval-every=", o.eval_every, " must divide --steps=", o.steps);
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch in windows, split over the ranks");
+  o.block = flags.get("block", o.block, {.min = 2}, "tokens per window (the model's block size)");
+  o.layers = flags.get("layers", o.layers, {.min = 1}, "transformer blocks");
+  o.heads = flags.get("heads", o.heads, {.min = 1}, "attention heads (divide --embd)");
+  o.embd = flags.get("embd", o.embd, {.min = 1}, "embedding width");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "AdamW's peak learning rate");
+  o.min_lr = flags.get("min-lr", o.min_lr, {.min = 0}, "the learning rate the cosine ends at");
+  o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "steps of linear warmup");
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "AdamW's decay of the 2-D weights");
+  o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2 (nanoGPT: 0.99 for small data)");
+  o.val_batches = flags.get("val-batches", o.val_batches, {.min = 0}, "validation batches of 32 windows (0: all)");
+  o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
+  o.sample = flags.get("sample", o.sample, {.min = 0}, "tokens to generate after training");
+  o.temperature = flags.get("temperature", o.temperature, {.above = 0}, "sampling temperature");
+  o.top_k = flags.get("top-k", o.top_k, {.min = 1}, "sample among the k likeliest tokens");
+  o.prompt = flags.get("prompt", o.prompt, "the sample's start (empty: a newline)");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>, "data-parallel ranks");
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights, windows and sample"));
+  o.progress = flags.get("progress", o.progress, {.min = -1, .max = 1}, "1 bar, 0 lines, -1 bar on a terminal");
+  o.data_dir = flags.get("data-dir", std::string("data/fortunes"), "where the corpus's token files are (made if missing)");
+  o.json = flags.output_path("json", o.json, "the result as one JSON line (bench/compare_gpt.py)");
+  o.init_out = flags.output_path("init-out", o.init_out, "the initial weights, nanoGPT's keys (the PyTorch twin's)");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of steps 4-7");
+  flags.finish();
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return examples::run_checked<E>("15_gpt", argc, argv, parse, run); }
