@@ -85,24 +85,17 @@ int run(Comm& comm, const Options& o) {
   const auto epochs = trainer.fit(train, &val);
   const double peer1 = examples::peer_bytes(comm), lo1 = comm.rank() == 0 ? examples::loopback_bytes() : -1;
   examples::check_replicas_identical(comm, model, "after training");
-  double seconds = 0;
-  for (const auto& e : epochs) seconds += e.seconds;
-  const double steps = static_cast<double>(trainer.state().global_step);
-  const double tokens_per_second = steps * static_cast<double>(o.batch * o.block) / seconds;
+  examples::GptRun r{.steps = static_cast<double>(trainer.state().global_step), .ranks = comm.size(),
+                     .threads = o.threads, .parameters = params};
+  for (const auto& e : epochs) r.seconds += e.seconds;
+  r.tokens_per_second = r.steps * static_cast<double>(o.batch * o.block) / r.seconds;
+  r.val_loss = epochs.back().test_loss;
+  r.train_loss = epochs.back().train_loss;
   if (comm.rank() != 0) return 0;
-  examples::print_gpt_cost(config, params, non_embedding, comm.size(), tokens_per_second, steps, peer0, peer1, lo0, lo1);
+  examples::print_gpt_cost(config, params, non_embedding, comm.size(), r.tokens_per_second, r.steps, peer0, peer1, lo0, lo1);
   const bool sample_ok = examples::print_sample(model, o.prompt, o.sample, o.temperature, o.top_k, o.seed);
-  const double val_loss = epochs.back().test_loss, unigram = examples::unigram_entropy(train_file.all(), 256);
-  const double bound = o.max_val_loss > 0 ? o.max_val_loss : unigram;
-  std::printf("check: validation loss %.4f nats (%.3f bits per byte) < %.4f (%s)\n", val_loss,
-              val_loss / std::numbers::ln2, bound, o.max_val_loss > 0 ? "--max-val-loss" : "the bytes' unigram entropy");
-  if (!o.json.empty())
-    MetricsWriter(o.json).write(JsonRecord().add("val_loss", val_loss).add("train_loss", epochs.back().train_loss)
-                                    .add("tokens_per_second", tokens_per_second).add("train_seconds", seconds)
-                                    .add("steps", steps).add("ranks", comm.size()).add("threads", o.threads)
-                                    .add("parameters", params).add("unigram_entropy", unigram)
-                                    .add("gemm", cpu_gemm_kernel()));
-  return val_loss < bound && sample_ok ? 0 : 1;
+  const bool loss_ok = examples::check_val_loss(r, train_file.all(), o.max_val_loss, o.json);
+  return loss_ok && sample_ok ? 0 : 1;
 }
 
 Options parse(int argc, char** argv) {

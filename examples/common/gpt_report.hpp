@@ -1,13 +1,17 @@
-// What example 15 (a GPT on English text) prepares, prints and checks around its training, kept
-// out of its main: the corpus's token files, the cost model (compute per token and all-reduce bytes
-// per step) beside the measured figures, a generated sample (with and without the key/value cache:
-// the same tokens), and its result as one JSON line for bench/compare_gpt.py.
+// What examples 15 and 16 (a GPT on English text, data- and tensor-parallel) prepare, print and check
+// around their training, kept out of their mains: the corpus's token files, the cost models
+// (compute per token, all-reduce bytes per step; all_gather and reduce_scatter bytes per block)
+// beside the measured figures, a generated sample (with and without the key/value cache: the same
+// tokens), the split model's first step against the dense one, and a run as one JSON line for
+// bench/compare_gpt.py.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <numbers>
 #include <string>
 #include <vector>
 
@@ -68,6 +72,35 @@ inline void print_gpt_cost(const tessera::GPTConfig& c, double params, double no
                 loopback_before >= 0 ? loopback_after - loopback_before : -1);
 }
 
+// What a training run of the example measured.
+struct GptRun {
+  double steps = 0;
+  int ranks = 1, threads = 1;
+  double parameters = 0, seconds = 0, tokens_per_second = 0, val_loss = 0, train_loss = 0;
+};
+
+// The check: the validation loss below max_val_loss, or (0) below the unigram entropy of the
+// training bytes, which a model that ignores context cannot beat. Writes the run as one JSON line
+// to `json` (empty: none). Returns whether the check holds.
+inline bool check_val_loss(const GptRun& r, tessera::TokenSpan train, double max_val_loss, const std::string& json) {
+  const double unigram = unigram_entropy(train, 256), bound = max_val_loss > 0 ? max_val_loss : unigram;
+  std::printf("check: validation loss %.4f nats (%.3f bits per byte) < %.4f (%s)\n", r.val_loss,
+              r.val_loss / std::numbers::ln2, bound, max_val_loss > 0 ? "--max-val-loss" : "the bytes' unigram entropy");
+  if (!json.empty())
+    tessera::MetricsWriter(json).write(tessera::JsonRecord()
+                                           .add("val_loss", r.val_loss)
+                                           .add("train_loss", r.train_loss)
+                                           .add("tokens_per_second", r.tokens_per_second)
+                                           .add("train_seconds", r.seconds)
+                                           .add("steps", r.steps)
+                                           .add("ranks", r.ranks)
+                                           .add("threads", r.threads)
+                                           .add("parameters", r.parameters)
+                                           .add("unigram_entropy", unigram)
+                                           .add("gemm", tessera::cpu_gemm_kernel()));
+  return r.val_loss < bound;
+}
+
 // A sample from the prompt, drawn twice from the same seed: through the key/value cache and through
 // the full forward. Prints the first; returns whether the two are the same tokens.
 template <class Model>
@@ -85,6 +118,78 @@ bool print_sample(Model& model, const std::string& prompt, std::int64_t tokens, 
   std::printf("check: the sample through the key/value cache and through the full forward %s\n",
               same ? "are the same tokens" : "DIFFER");
   return same;
+}
+
+// Example 16's check before training: one forward + backward of the split model and of the dense
+// GPT on the same batch, on every rank; the logits and every gradient (each rank's slice of the
+// dense one) compared, the worst relative difference over all ranks printed against `tolerance`.
+// Beside it the bytes per block and step: the formula (TensorParallelGPT's header derives it) and
+// what the collectives inside each block moved, where the communicator counts it (threads), or the
+// whole step's bytes on the loopback interface (Gloo). Returns whether the step matches and any
+// counted bytes equal the formula.
+template <class Comm, class Dense, class Split>
+bool check_tensor_parallel_step(Comm& comm, Dense& dense, Split& split, const tessera::Batch<float>& batch,
+                                double tolerance) {
+  using E = typename Split::Env;
+  tessera::CrossEntropyLoss<E> ce;
+  typename tessera::CrossEntropyLoss<E>::Cache ce_dense, ce_split;
+  typename Dense::Cache dense_cache;
+  typename Split::Cache split_cache;
+  auto dense_named = tessera::named_tensors(dense), split_named = tessera::named_tensors(split);
+  for (auto* named : {&dense_named, &split_named})
+    for (auto& [name, p] : named->parameters) p->grad.zero();
+  const auto& dense_logits = dense.forward(batch.tokens, dense_cache);
+  ce.forward(dense_logits, batch.labels, ce_dense);
+  dense.backward(ce.backward(ce_dense), dense_cache);
+  split.reset_measured_bytes();
+  comm.barrier();
+  const double lo0 = comm.rank() == 0 ? loopback_bytes() : -1;
+  const auto& split_logits = split.forward(batch.tokens, split_cache);
+  ce.forward(split_logits, batch.labels, ce_split);
+  split.backward(ce.backward(ce_split), split_cache);
+  comm.barrier();
+  const double lo1 = comm.rank() == 0 ? loopback_bytes() : -1;
+  const auto relative = [](const float* a, const float* b, std::int64_t n) {
+    double worst = 0, scale = 1;
+    for (std::int64_t i = 0; i < n; ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+    }
+    return worst / scale;
+  };
+  double worst[1] = {relative(split_logits.data(), dense_logits.data(), dense_logits.numel())};
+  for (auto& [name, p] : split_named.parameters)
+    for (auto& [dense_name, q] : dense_named.parameters)
+      if (dense_name == name) {
+        const auto expected = split.shard_of(name, q->grad);
+        worst[0] = std::max(worst[0], relative(p->grad.data(), expected.data(), expected.numel()));
+      }
+  comm.all_reduce(std::span<double>(worst), tessera::ReduceOp::Max);
+  const auto& c = split.config();
+  const double formula = Split::block_bytes_per_step(batch.tokens.dim(0), batch.tokens.dim(1), c.n_embd, comm.size());
+  bool bytes_ok = true;
+  if (comm.rank() == 0) {
+    std::printf("check: one step against the dense GPT: logits and every gradient within %.2e relative (tolerance "
+                "%.0e)\n", worst[0], tolerance);
+    std::printf("cost: per block and step, per rank: 8 (p-1)/p x B T h x 4 B = 8 x %d/%d x %lld x %lld x %lld x 4 B = "
+                "%.1f KiB (forward: all_gather ln_1, reduce_scatter attn, all_gather ln_2, reduce_scatter mlp; "
+                "backward: the conjugates)\n", comm.size() - 1, comm.size(), static_cast<long long>(batch.tokens.dim(0)),
+                static_cast<long long>(batch.tokens.dim(1)), static_cast<long long>(c.n_embd), formula / 1024);
+    const auto& measured = split.measured_block_bytes();
+    for (std::size_t i = 0; i < measured.size(); ++i) {
+      std::printf("cost: block %zu: measured %.1f KiB moved between the ranks' buffers (%.3fx the formula)\n", i,
+                  measured[i] / 1024, measured[i] / formula);
+      bytes_ok = bytes_ok && measured[i] == formula;
+    }
+    const double whole = static_cast<double>(c.n_layer) * formula +
+                         split.other_bytes_per_step(batch.tokens.dim(0), batch.tokens.dim(1));
+    if (measured.empty() && lo0 >= 0)
+      std::printf("cost: the whole step by formula %.1f KiB per rank (blocks, ln_f's all_gather, the replicated "
+                  "gradients' all-reduce); on the loopback interface %.1f KiB per rank (%.2fx; 0 where the backend "
+                  "moves bytes through shared memory)\n", whole / 1024, (lo1 - lo0) / comm.size() / 1024,
+                  (lo1 - lo0) / comm.size() / whole);
+  }
+  return worst[0] <= tolerance && bytes_ok;
 }
 
 }  // namespace examples

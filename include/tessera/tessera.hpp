@@ -56,6 +56,7 @@
 #include "tessera/parallel/strategy.hpp"
 #include "tessera/parallel/sync_batch_norm.hpp"
 #include "tessera/parallel/tensor_parallel.hpp"
+#include "tessera/parallel/tensor_parallel_gpt.hpp"
 #include "tessera/parallel/tensor_parallel_resnet.hpp"
 #include "tessera/parallel/zero.hpp"
 #include "tessera/optim/sgd.hpp"

@@ -1,12 +1,14 @@
 // Pipeline equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run): one
 // stage per rank, GPipe and 1F1B, an MLP and a BN-free ResNet with 4 micro-batches and ResNet-20
 // with BN at one micro-batch, each checked against the unsplit model on the same rank; on 4 ranks
-// also 2 data-parallel replicas x 2 pipeline stages.
+// also 2 data-parallel replicas x 2 pipeline stages. And the other model parallelism, a GPT's
+// tensor + sequence parallelism over all ranks, against the dense GPT (float32, 1e-5).
 #include <cstdio>
 #include <exception>
 
 #include "comm/program.hpp"
 #include "parallel/pipeline_equivalence.hpp"
+#include "parallel/tp_gpt_equivalence.hpp"
 
 int main(int argc, char** argv) {
   using namespace tessera;
@@ -24,8 +26,9 @@ int main(int argc, char** argv) {
     }
     if (comm.size() == 4)
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
+    for (auto& f : testing::tp_gpt_equivalence<float>(comm)) failures.push_back(f);
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
-    std::printf("rank %d of %d (%s): pipeline equivalence, %zu failures\n", rank, comm.size(), testing::backend_name(),
+    std::printf("rank %d of %d (%s): pipeline and tensor-parallel GPT equivalence, %zu failures\n", rank, comm.size(), testing::backend_name(),
                 failures.size());
     comm.barrier();
     return failures.empty() ? 0 : 1;

@@ -2,10 +2,12 @@
 // gathering the output), RowParallelLinear (split or already-parallel input) and the
 // tensor-parallel MLP block equal the dense layers built from the same seed, in forward (y),
 // backward (dL/dx) and in every parameter gradient (each rank's slice of the dense gradient).
+// The tensor + sequence parallel GPT against the dense one (parallel/tp_gpt_equivalence.hpp).
 #include <catch2/catch.hpp>
 
 #include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
+#include "parallel/tp_gpt_equivalence.hpp"
 #include "tessera/parallel/tensor_parallel.hpp"
 
 using namespace tessera;
@@ -328,4 +330,28 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
     worst[comm.rank()] = d;
   });
   for (double d : worst) CHECK(d < 1e-12);
+}
+
+TEST_CASE("TensorParallelGPT (tensor + sequence parallel) equals the dense GPT on 2, 3 and 4 thread ranks (float32)",
+          "[parallel][gpt]") {
+  for (int ranks : {2, 3, 4}) {
+    DYNAMIC_SECTION(ranks << " ranks") {
+      ThreadWorld world(ranks);
+      std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
+      std::vector<testing::TpGptReport> reports(static_cast<std::size_t>(ranks));
+      world.run([&](ThreadComm& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        failures[r] = testing::tp_gpt_equivalence<float>(comm, {}, &reports[r]);
+      });
+      for (const auto& rank_failures : failures)
+        for (const auto& f : rank_failures) FAIL_CHECK(f);
+      for (const auto& r : reports) {
+        INFO("largest relative difference " << r.worst << "; bytes moved " << r.moved_bytes << ", formula "
+                                            << r.formula_bytes);
+        CHECK(r.compared > 100);  // logits and every gradient and parameter, per step
+        CHECK(r.moved_bytes == r.formula_bytes);
+        CHECK(r.formula_bytes > 0);
+      }
+    }
+  }
 }

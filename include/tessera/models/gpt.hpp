@@ -143,6 +143,8 @@ class GPTBlock {
   }
   void set_mode(Mode) {}
 
+  LayerNorm<E>& ln_1() { return ln_1_; }
+  LayerNorm<E>& ln_2() { return ln_2_; }
   SelfAttention<E>& attn() { return attn_; }
   Linear<E>& mlp_c_fc() { return c_fc_; }
   Linear<E>& mlp_c_proj() { return c_proj_; }

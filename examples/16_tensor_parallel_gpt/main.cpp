@@ -1,0 +1,129 @@
+// 16_tensor_parallel_gpt: example 15's GPT split over the ranks as Megatron-LM splits it, with
+// sequence parallelism (Korthikanti et al. 2022): every rank holds 1/p of each block's attention
+// heads and MLP columns, and 1/p of the sequence between them; all ranks train on the same batch.
+// Per block an all_gather of the LayerNorm's output over the sequence feeds the column-parallel
+// layer (c_attn, c_fc), and a reduce_scatter of the row-parallel layer's partial sums (c_proj)
+// hands each rank the sum for its positions; backward swaps the two.
+//
+//   build/examples/16_tensor_parallel_gpt_threads --ranks=2
+//   mpirun -n 4 build/examples/16_tensor_parallel_gpt_mpi
+//   tools/tessera-run -n 2 build/examples/16_tensor_parallel_gpt_gloo
+//
+// Before training it runs one step of the split model and of the dense GPT on every rank and
+// compares the logits, the loss and every gradient (each rank's slice), and prints the bytes per
+// block by formula beside those measured (the threads build counts what its collectives copy
+// between the ranks; Gloo's cross the loopback interface). Then the Trainer trains the split model
+// (the TensorParallel strategy) and prints the validation loss after each interval. It exits 1
+// unless the step matches the dense one within --tolerance, the counted bytes equal the formula,
+// and the validation loss ends below the bytes' unigram entropy (or --max-val-loss).
+// --trace=trace.json records steps 4-5: every all_gather and reduce_scatter as a span.
+#include <cmath>
+#include <cstdio>
+#include <numbers>
+#include <string>
+
+#include "tessera/tessera.hpp"
+#include "tessera/build_env.hpp"
+#include "common/gpt_report.hpp"
+#include "common/rank_status.hpp"
+
+using namespace tessera;
+
+namespace {
+
+using E = BuildEnv;  // CpuThreads, CpuMpi or CpuGloo: chosen by the build, nowhere else
+using Comm = E::Comm;
+
+struct Options {
+  std::int64_t steps = 600, eval_every = 200, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
+  std::int64_t val_batches = 0;
+  double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99, tolerance = 1e-5;
+  double max_val_loss = 0;
+  int threads = 1, ranks = 2, progress = -1;
+  std::uint64_t seed = 1;
+  std::string data_dir, trace;
+};
+
+int run(Comm& comm, const Options& o) {
+  Cpu::set_num_threads(o.threads);
+  const PreparedCorpus corpus = examples::fortunes_tokens(comm, o.data_dir);
+  const TokenFile train_file(corpus.train, 256), val_file(corpus.val, 256);
+  const GPTConfig config{.block_size = o.block, .vocab_size = 256, .n_layer = o.layers, .n_head = o.heads,
+                         .n_embd = o.embd};
+  Rng rng(o.seed);
+  GPT<E> dense(config, rng);                 // the same weights on every rank (checked)
+  TensorParallelGPT<E> model(dense, comm);   // this rank's slices of them
+  if (comm.rank() == 0)
+    std::printf("16_tensor_parallel_gpt: %s on %d ranks: %lld heads and %lld MLP columns per rank and block, %lld "
+                "positions of each window between the blocks' layers\n", model.name().c_str(), comm.size(),
+                static_cast<long long>(o.heads / comm.size()), static_cast<long long>(4 * o.embd / comm.size()),
+                static_cast<long long>(o.block / comm.size()));
+  // Every rank reads the same windows: the batch is not split, the model is.
+  TokenLoader<float> train(train_file.all(), o.block, {.batch_size = o.batch, .shuffle = true, .seed = o.seed},
+                           o.eval_every, "fortunes train");
+  TokenLoader<float> val(val_file.all(), o.block, {.batch_size = 32, .shuffle = false}, o.val_batches, "fortunes val");
+  Batch<float> first;
+  train.start_epoch(0);
+  train.next(first);
+  const bool step_ok = examples::check_tensor_parallel_step(comm, dense, model, first, o.tolerance);
+  AdamW<E> adamw(named_tensors(model), {.lr = o.lr, .beta2 = o.beta2, .weight_decay = o.weight_decay,
+                                        .decay_norm_and_bias = false});
+  TensorParallel<E> tensor(comm, model);  // tells the Trainer that all ranks see each sample
+  const auto lr_at = [&](double epoch) {  // nanoGPT's get_lr, as in 15
+    const double it = std::round(epoch * static_cast<double>(o.eval_every));
+    if (it < o.warmup) return o.lr * (it + 1) / (o.warmup + 1);
+    const double r = std::min(1.0, (it - o.warmup) / std::max(1.0, static_cast<double>(o.steps) - o.warmup));
+    return o.min_lr + 0.5 * (1 + std::cos(std::numbers::pi * r)) * (o.lr - o.min_lr);
+  };
+  Timeline timeline(comm);
+  Trainer trainer(model, adamw, tensor, lr_at,
+                  {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,
+                   .verbose = comm.rank() == 0, .timeline = o.trace.empty() ? nullptr : &timeline,
+                   .timeline_first_step = 3, .timeline_steps = 2, .trace_path = o.trace,
+                   .checkpoint_group = CheckpointGroup(comm)});
+  const auto epochs = trainer.fit(train, &val);
+  examples::GptRun r{.steps = static_cast<double>(trainer.state().global_step), .ranks = comm.size(),
+                     .threads = o.threads, .parameters = static_cast<double>(dense.num_params(false))};
+  for (const auto& e : epochs) r.seconds += e.seconds;
+  r.tokens_per_second = r.steps * static_cast<double>(o.batch * o.block) / r.seconds;
+  r.val_loss = epochs.back().test_loss;
+  r.train_loss = epochs.back().train_loss;
+  if (comm.rank() != 0) return 0;
+  std::printf("trained %.0f steps at %.0f tokens/s (all ranks together: each token once)\n", r.steps,
+              r.tokens_per_second);
+  return examples::check_val_loss(r, train_file.all(), o.max_val_loss, "") && step_ok ? 0 : 1;
+}
+
+Options parse(int argc, char** argv) {
+  Flags flags(argc, argv);
+  Options o;
+  o.steps = flags.get("steps", o.steps, {.min = 1}, "optimizer steps in all");
+  o.eval_every = flags.get("eval-every", o.eval_every, {.min = 1}, "steps between validations (divides --steps)");
+  TESSERA_CHECK(o.steps % o.eval_every == 0, ArgumentError, "--eval-every=", o.eval_every, " must divide --steps=", o.steps);
+  o.batch = flags.get("batch", o.batch, {.min = 1}, "windows per batch (every rank sees all of them)");
+  o.block = flags.get("block", o.block, {.min = 2}, "tokens per window (divides over the ranks)");
+  o.layers = flags.get("layers", o.layers, {.min = 1}, "transformer blocks");
+  o.heads = flags.get("heads", o.heads, {.min = 1}, "attention heads (divide over the ranks)");
+  o.embd = flags.get("embd", o.embd, {.min = 1}, "embedding width");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "AdamW's peak learning rate");
+  o.min_lr = flags.get("min-lr", o.min_lr, {.min = 0}, "the learning rate the cosine ends at");
+  o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "steps of linear warmup");
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "AdamW's decay of the 2-D weights");
+  o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2");
+  o.val_batches = flags.get("val-batches", o.val_batches, {.min = 0}, "validation batches of 32 windows (0: all)");
+  o.tolerance = flags.get("tolerance", o.tolerance, {.above = 0}, "the one-step check against the dense GPT");
+  o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>, "tensor-parallel ranks");
+  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights and windows"));
+  o.progress = flags.get("progress", o.progress, {.min = -1, .max = 1}, "1 bar, 0 lines, -1 bar on a terminal");
+  o.data_dir = flags.get("data-dir", std::string("data/fortunes"), "where the corpus's token files are (made if missing)");
+  o.trace = flags.output_path("trace", o.trace, "Chrome trace of steps 4-5");
+  flags.finish();
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return examples::run_checked<E>("16_tensor_parallel_gpt", argc, argv, parse, run); }
