@@ -14,6 +14,7 @@
 #include <cmath>
 #include <concepts>
 #include <string>
+#include <type_traits>
 
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
@@ -148,13 +149,15 @@ struct GeluOp {
   GeluApproximate approximate = GeluApproximate::None;
   template <class Dev, class S>
   void forward(Dev d, const S* x, std::int64_t n, S* y) const {
-    if (approximate == GeluApproximate::Tanh) map_forward(d, detail::GeluTanhMath{}, x, n, y);
-    else gelu_forward(d, x, n, y);
+    if (approximate != GeluApproximate::Tanh) gelu_forward(d, x, n, y);
+    else if constexpr (std::is_same_v<Dev, Cpu>) gelu_tanh_forward(d, x, n, y);  // vectorized, compiled at -O3
+    else map_forward(d, detail::GeluTanhMath{}, x, n, y);
   }
   template <class Dev, class S>
   void backward(Dev d, const S* dy, const S* x, const S* y, std::int64_t n, S* dx) const {
-    if (approximate == GeluApproximate::Tanh) map_backward(d, detail::GeluTanhMath{}, dy, x, y, n, dx);
-    else gelu_backward(d, dy, x, n, dx);
+    if (approximate != GeluApproximate::Tanh) gelu_backward(d, dy, x, n, dx);
+    else if constexpr (std::is_same_v<Dev, Cpu>) gelu_tanh_backward(d, dy, x, n, dx);
+    else map_backward(d, detail::GeluTanhMath{}, dy, x, y, n, dx);
   }
 };
 

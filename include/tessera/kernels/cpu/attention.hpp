@@ -32,6 +32,7 @@
 #include "tessera/core/scratch.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/cpu/fast_exp.hpp"
 #include "tessera/kernels/attention_dims.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 
@@ -84,6 +85,7 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
           S* s = tile + r * kKeyTile;
           const std::int64_t valid = std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n) - j0, 0, cols);
           S mx = neg_inf;
+#pragma omp simd reduction(max : mx)
           for (std::int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
           const S m_new = std::max(m[r], mx);
           if (m_new == neg_inf) {  // nothing visible yet (or every score -inf): no mass
@@ -92,8 +94,9 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
           }
           const S alpha = std::exp(m[r] - m_new);
           S sum = 0;
+#pragma omp simd reduction(+ : sum)
           for (std::int64_t c = 0; c < valid; ++c) {
-            s[c] = std::exp(s[c] - m_new);
+            s[c] = detail::exp_le0(s[c] - m_new);
             sum += s[c];
           }
           std::fill(s + valid, s + cols, S(0));
@@ -170,7 +173,7 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
             const S li = lse_h[i0 + r];
             const std::int64_t valid =
                 std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n) - j0, 0, cols);
-            for (std::int64_t c = 0; c < valid; ++c) pr[c] = std::exp(pr[c] - li);
+            for (std::int64_t c = 0; c < valid; ++c) pr[c] = detail::exp_le0(pr[c] - li);
             std::fill(pr + valid, pr + cols, S(0));
           }
           const S* doi = doh + i0 * ol.row;

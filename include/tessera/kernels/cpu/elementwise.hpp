@@ -4,6 +4,8 @@
 //   relu_backward     dx = dy * (y > 0), and dy where y is NaN (torch's threshold_backward)   (from the output)
 //   gelu_forward      y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))      (exact form, PyTorch's default)
 //   gelu_backward     dx = dy (Phi(x) + x phi(x)),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+//   gelu_tanh_forward y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)     (approximate='tanh')
+//   gelu_tanh_backward dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 x^2)),  t = tanh(u)
 //   dropout_mask      mask_i = keep_i / (1 - p), keep_i ~ Bernoulli(1 - p), drawn in order from rng
 //   multiply          out = a * b
 //
@@ -11,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <numbers>
@@ -18,6 +21,7 @@
 #include "tessera/core/random.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/cpu/fast_exp.hpp"
 
 namespace tessera {
 
@@ -74,6 +78,44 @@ void gelu_backward(Cpu, const S* dy, const S* x, std::int64_t n, S* dx) {
     const S cdf = S(0.5) * (S(1) + std::erf(v * inv_sqrt2));
     const S pdf = inv_sqrt_2pi * std::exp(S(-0.5) * v * v);
     dx[i] = dy[i] * (cdf + v * pdf);
+  }
+}
+
+namespace detail {
+// 1 + tanh(u) without cancellation where tanh(u) is near -1: with e = exp(-2|u|),
+// 1 + tanh(u) = 2 / (1 + e) for u >= 0 and 2e / (1 + e) for u < 0 (|u| capped at 43, where e is
+// float's smallest normal and 1 + tanh(u) rounds to 0 or 2 anyway).
+inline float one_plus_tanh(float u) {
+  const float e = exp_nonpositive(-2.0f * std::min(std::abs(u), 43.0f));
+  const float q = 2.0f / (1.0f + e);
+  return u >= 0.0f ? q : q * e;
+}
+template <class S>
+S one_plus_tanh(S u) {
+  return S(1) + std::tanh(u);  // float64: the library's, as torch's double kernels
+}
+inline constexpr double kGeluTanhScale = 0.7978845608028654;  // sqrt(2 / pi)
+inline constexpr double kGeluTanhCubic = 0.044715;
+}  // namespace detail
+
+template <class S>
+void gelu_tanh_forward(Cpu, const S* x, std::int64_t n, S* y) {
+  const S k = S(detail::kGeluTanhScale), c = S(detail::kGeluTanhCubic);
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const S v = x[i];
+    y[i] = S(0.5) * v * detail::one_plus_tanh(k * (v + c * v * v * v));
+  }
+}
+
+template <class S>
+void gelu_tanh_backward(Cpu, const S* dy, const S* x, std::int64_t n, S* dx) {
+  const S k = S(detail::kGeluTanhScale), c = S(detail::kGeluTanhCubic);
+#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const S v = x[i];
+    const S a = detail::one_plus_tanh(k * (v + c * v * v * v));  // 1 + t; 1 - t^2 = a (2 - a)
+    dx[i] = dy[i] * (S(0.5) * a + S(0.5) * v * a * (S(2) - a) * k * (S(1) + S(3) * c * v * v));
   }
 }
 
@@ -168,6 +210,8 @@ void add_broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S
   PREFIX template void relu_backward<S>(Cpu, const S*, const S*, std::int64_t, S*);                            \
   PREFIX template void gelu_forward<S>(Cpu, const S*, std::int64_t, S*);                                       \
   PREFIX template void gelu_backward<S>(Cpu, const S*, const S*, std::int64_t, S*);                            \
+  PREFIX template void gelu_tanh_forward<S>(Cpu, const S*, std::int64_t, S*);                                  \
+  PREFIX template void gelu_tanh_backward<S>(Cpu, const S*, const S*, std::int64_t, S*);                       \
   PREFIX template void dropout_mask<S>(Cpu, std::int64_t, double, Rng&, S*);                                   \
   PREFIX template void multiply<S>(Cpu, const S*, const S*, std::int64_t, S*);                                 \
   PREFIX template void add<S>(Cpu, const S*, const S*, std::int64_t, S*);                                      \

@@ -25,6 +25,7 @@
 
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/cpu/fast_exp.hpp"
 
 namespace tessera {
 
@@ -42,16 +43,23 @@ void softmax_forward(Cpu, const S* x, std::int64_t outer, std::int64_t dim, std:
     const S* xr = x + o * dim * inner + i;
     S* yr = y + o * dim * inner + i;
     S m = -std::numeric_limits<S>::infinity();
+#pragma omp simd reduction(max : m)
     for (std::int64_t j = 0; j < dim; ++j) m = std::max(m, xr[j * inner]);
+    // e^(x - m) in S (vectorized for float where the classes are contiguous), summed in double.
     double sum = 0;
-    for (std::int64_t j = 0; j < dim; ++j) sum += std::exp(static_cast<double>(xr[j * inner] - m));
+    if (inner == 1) {
+#pragma omp simd reduction(+ : sum)
+      for (std::int64_t j = 0; j < dim; ++j) sum += static_cast<double>(detail::exp_le0(xr[j] - m));
+    } else {
+      for (std::int64_t j = 0; j < dim; ++j) sum += static_cast<double>(detail::exp_le0(xr[j * inner] - m));
+    }
     if (log) {
       const double shift = std::log(sum);
       for (std::int64_t j = 0; j < dim; ++j) yr[j * inner] = static_cast<S>(static_cast<double>(xr[j * inner] - m) - shift);
     } else {
       const double inv = 1.0 / sum;
       for (std::int64_t j = 0; j < dim; ++j)
-        yr[j * inner] = static_cast<S>(std::exp(static_cast<double>(xr[j * inner] - m)) * inv);
+        yr[j * inner] = static_cast<S>(static_cast<double>(detail::exp_le0(xr[j * inner] - m)) * inv);
     }
   }
 }
@@ -72,7 +80,7 @@ void softmax_backward(Cpu, const S* y, const S* dy, std::int64_t outer, std::int
     }
     for (std::int64_t j = 0; j < dim; ++j) {
       const std::int64_t k = base + j * inner;
-      dx[k] = log ? static_cast<S>(dy[k] - std::exp(y[k]) * static_cast<S>(dot))
+      dx[k] = log ? static_cast<S>(dy[k] - detail::exp_le0(y[k]) * static_cast<S>(dot))
                   : static_cast<S>(y[k] * (dy[k] - static_cast<S>(dot)));
     }
   }
@@ -113,7 +121,11 @@ void nll_backward(Cpu, const S* logp, const std::int64_t* labels, std::int64_t n
       continue;
     }
     const S* row = logp + i * classes;
-    for (std::int64_t j = 0; j < classes; ++j) g[j] = ((through_softmax ? std::exp(row[j]) : S(0)) - off) * s;
+    if (through_softmax) {
+      for (std::int64_t j = 0; j < classes; ++j) g[j] = (detail::exp_le0(row[j]) - off) * s;  // logp <= 0
+    } else {
+      for (std::int64_t j = 0; j < classes; ++j) g[j] = -off * s;
+    }
     g[labels[i]] -= on * s;
   }
 }
