@@ -16,9 +16,7 @@
 // --trace=trace.json records steps 4-7 (DataParallel's bucket all-reduces under backward);
 // --json=result.json and --init-out=init.safetensors serve the PyTorch twin (bench/compare_gpt.py).
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <numbers>
 #include <string>
 
 #include "tessera/tessera.hpp"
@@ -67,13 +65,8 @@ int run(Comm& comm, const Options& o) {
   TokenLoader<float> train(train_file.all(), o.block, {.batch_size = o.batch / comm.size(), .shuffle = true,
                            .seed = o.seed, .rank = comm.rank(), .world_size = comm.size()}, o.eval_every, "fortunes train");
   TokenLoader<float> val(val_file.all(), o.block, {.batch_size = 32, .shuffle = false}, o.val_batches, "fortunes val");
-  // nanoGPT's get_lr(it): warmup to lr over `warmup` steps, then a cosine to min_lr at the last step.
-  const auto lr_at = [&](double epoch) {
-    const double it = std::round(epoch * static_cast<double>(o.eval_every));
-    if (it < o.warmup) return o.lr * (it + 1) / (o.warmup + 1);
-    const double r = std::min(1.0, (it - o.warmup) / std::max(1.0, static_cast<double>(o.steps) - o.warmup));
-    return o.min_lr + 0.5 * (1 + std::cos(std::numbers::pi * r)) * (o.lr - o.min_lr);
-  };
+  const examples::NanoGptLr lr_at{o.lr, o.min_lr, o.warmup, static_cast<double>(o.steps),
+                                  static_cast<double>(o.eval_every)};  // nanoGPT's warmup + cosine
   Timeline timeline(comm);
   Trainer trainer(model, adamw, dp, lr_at,
                   {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,

@@ -17,9 +17,7 @@
 // unless the step matches the dense one within --tolerance, the counted bytes equal the formula,
 // and the validation loss ends below the bytes' unigram entropy (or --max-val-loss).
 // --trace=trace.json records steps 4-5: every all_gather and reduce_scatter as a span.
-#include <cmath>
 #include <cstdio>
-#include <numbers>
 #include <string>
 
 #include "tessera/tessera.hpp"
@@ -69,12 +67,8 @@ int run(Comm& comm, const Options& o) {
   AdamW<E> adamw(named_tensors(model), {.lr = o.lr, .beta2 = o.beta2, .weight_decay = o.weight_decay,
                                         .decay_norm_and_bias = false});
   TensorParallel<E> tensor(comm, model);  // tells the Trainer that all ranks see each sample
-  const auto lr_at = [&](double epoch) {  // nanoGPT's get_lr, as in 15
-    const double it = std::round(epoch * static_cast<double>(o.eval_every));
-    if (it < o.warmup) return o.lr * (it + 1) / (o.warmup + 1);
-    const double r = std::min(1.0, (it - o.warmup) / std::max(1.0, static_cast<double>(o.steps) - o.warmup));
-    return o.min_lr + 0.5 * (1 + std::cos(std::numbers::pi * r)) * (o.lr - o.min_lr);
-  };
+  const examples::NanoGptLr lr_at{o.lr, o.min_lr, o.warmup, static_cast<double>(o.steps),
+                                  static_cast<double>(o.eval_every)};  // nanoGPT's warmup + cosine
   Timeline timeline(comm);
   Trainer trainer(model, adamw, tensor, lr_at,
                   {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,

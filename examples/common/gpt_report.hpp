@@ -72,6 +72,19 @@ inline void print_gpt_cost(const tessera::GPTConfig& c, double params, double no
                 loopback_before >= 0 ? loopback_after - loopback_before : -1);
 }
 
+// nanoGPT's get_lr(it) as the Trainer's schedule (a function of the fractional epoch; an epoch here
+// is steps_per_epoch steps): linear warmup to lr over `warmup` steps, then a cosine to min_lr at the
+// last step.
+struct NanoGptLr {
+  double lr, min_lr, warmup, steps, steps_per_epoch;
+  double operator()(double epoch) const {
+    const double it = std::round(epoch * steps_per_epoch);
+    if (it < warmup) return lr * (it + 1) / (warmup + 1);
+    const double r = std::min(1.0, (it - warmup) / std::max(1.0, steps - warmup));
+    return min_lr + 0.5 * (1 + std::cos(std::numbers::pi * r)) * (lr - min_lr);
+  }
+};
+
 // What a training run of the example measured.
 struct GptRun {
   double steps = 0;
@@ -120,6 +133,16 @@ bool print_sample(Model& model, const std::string& prompt, std::int64_t tokens, 
   return same;
 }
 
+// The largest |a - b| over the largest |b| (or 1, where that is smaller).
+inline double relative_difference(const float* a, const float* b, std::int64_t n) {
+  double worst = 0, scale = 1;
+  for (std::int64_t i = 0; i < n; ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return worst / scale;
+}
+
 // Example 16's check before training: one forward + backward of the split model and of the dense
 // GPT on the same batch, on every rank; the logits and every gradient (each rank's slice of the
 // dense one) compared, the worst relative difference over all ranks printed against `tolerance`.
@@ -149,20 +172,12 @@ bool check_tensor_parallel_step(Comm& comm, Dense& dense, Split& split, const te
   split.backward(ce.backward(ce_split), split_cache);
   comm.barrier();
   const double lo1 = comm.rank() == 0 ? loopback_bytes() : -1;
-  const auto relative = [](const float* a, const float* b, std::int64_t n) {
-    double worst = 0, scale = 1;
-    for (std::int64_t i = 0; i < n; ++i) {
-      worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
-      scale = std::max(scale, std::abs(static_cast<double>(b[i])));
-    }
-    return worst / scale;
-  };
-  double worst[1] = {relative(split_logits.data(), dense_logits.data(), dense_logits.numel())};
+  double worst[1] = {relative_difference(split_logits.data(), dense_logits.data(), dense_logits.numel())};
   for (auto& [name, p] : split_named.parameters)
     for (auto& [dense_name, q] : dense_named.parameters)
       if (dense_name == name) {
         const auto expected = split.shard_of(name, q->grad);
-        worst[0] = std::max(worst[0], relative(p->grad.data(), expected.data(), expected.numel()));
+        worst[0] = std::max(worst[0], relative_difference(p->grad.data(), expected.data(), expected.numel()));
       }
   comm.all_reduce(std::span<double>(worst), tessera::ReduceOp::Max);
   const auto& c = split.config();

@@ -1,7 +1,7 @@
 // DataParallel equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run):
 // every rank checks that its parameters equal one process training on the whole batch and are
 // bit-identical across ranks, in float64, float32, with bf16 buckets on the wire, with gradient
-// accumulation, and for ResNet-20 with SyncBatchNorm (BatchNorm running statistics included);
+// accumulation, a GPT under DataParallel and ZeRO-1 (token windows, AdamW), and for ResNet-20 with SyncBatchNorm (BatchNorm running statistics included);
 // rank 1 launched with another bucket size or learning rate ending in the named agreement error on
 // every rank; and the parameter server's synchronous mode against one process, its SSP and
 // asynchronous modes against their bounds.
@@ -10,6 +10,7 @@
 
 #include "comm/program.hpp"
 #include "parallel/dp_equivalence.hpp"
+#include "parallel/gpt_dp_equivalence.hpp"
 #include "parallel/ps_equivalence.hpp"
 
 int main(int argc, char** argv) {
@@ -28,6 +29,8 @@ int main(int argc, char** argv) {
     add("zero1 sgd", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Sgd, {.per_rank_batch = 4, .steps = 3}));
     add("zero1 adam", testing::strategy_equivalence<double>(comm, testing::Strategy::Zero1Adam, {.per_rank_batch = 4, .steps = 3}));
     add("local sgd k=1", testing::strategy_equivalence<double>(comm, testing::Strategy::LocalSgdPeriod1, {.per_rank_batch = 4, .steps = 3}));
+    add("gpt data parallel", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::DataParallel));
+    add("gpt zero1", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::Zero1));
     add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
     // Ranks launched with different settings end in a named error on every rank, and the
     // communicator stays usable for what follows.

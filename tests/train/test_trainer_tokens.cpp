@@ -2,7 +2,8 @@
 // seed, epoch and batch; ranks' shares of one global batch; consecutive windows for evaluation), and
 // the Trainer driving GPT through the strategy protocol: one step equals the hand-written step,
 // gradient accumulation equals the whole batch, DataParallel on two thread ranks equals one process,
-// fit() learns a pattern, and an image batch given to a token model is refused by name.
+// fit() learns a pattern, and an image batch given to a token model is refused by name; a GPT under
+// DataParallel and ZeRO-1 against one process (parallel/gpt_dp_equivalence.hpp, also on MPI and Gloo).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/gpt_dp_equivalence.hpp"
 #include "support/temp_dir.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/data/token_loader.hpp"
@@ -263,4 +265,22 @@ TEST_CASE("Trainer + GPT: fit() learns the motif; validation over consecutive wi
   const std::string first_line((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CHECK(first_line.find("\"tokens_per_second\"") != std::string::npos);
   CHECK(first_line.find("images_per_second") == std::string::npos);
+}
+
+TEST_CASE("GPT under DataParallel and ZeRO-1 equals one process on 2 and 4 thread ranks (float64, AdamW)",
+          "[train][gpt][parallel]") {
+  for (int ranks : {2, 4})
+    for (auto strategy : {testing::GptDpStrategy::DataParallel, testing::GptDpStrategy::Zero1}) {
+      DYNAMIC_SECTION(ranks << " ranks, " << (strategy == testing::GptDpStrategy::Zero1 ? "Zero1" : "DataParallel")) {
+        std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
+        ThreadWorld world(ranks);
+        world.run([&](ThreadComm& comm) {
+          failures[static_cast<std::size_t>(comm.rank())] = testing::gpt_dp_equivalence<double>(comm, strategy);
+        });
+        for (const auto& rank_failures : failures) {
+          CHECK(rank_failures.empty());
+          for (const auto& f : rank_failures) FAIL_CHECK(f);
+        }
+      }
+    }
 }
