@@ -31,10 +31,9 @@ namespace {
 using E = BuildEnv;  // CpuThreads, CpuMpi or CpuGloo: chosen by the build, nowhere else
 using Comm = E::Comm;
 
-struct Options {
-  std::int64_t steps = 1000, eval_every = 250, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
-  std::int64_t sample = 300, top_k = 40, val_batches = 0;
-  double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99, temperature = 0.8;
+struct Options : examples::GptRecipe {
+  std::int64_t sample = 300, top_k = 40;
+  double temperature = 0.8;
   double max_val_loss = 0;
   int threads = 1, ranks = 2, progress = -1;
   std::uint64_t seed = 1;
@@ -94,20 +93,11 @@ int run(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.steps = flags.get("steps", o.steps, {.min = 1}, "optimizer steps in all");
-  o.eval_every = flags.get("eval-every", o.eval_every, {.min = 1}, "steps between validations (divides --steps)");
-  TESSERA_CHECK(o.steps % o.eval_every == 0, ArgumentError, "--eval-every=", o.eval_every, " must divide --steps=", o.steps);
+  examples::parse_gpt_recipe(flags, o);
   o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch in windows, split over the ranks");
   o.block = flags.get("block", o.block, {.min = 2}, "tokens per window (the model's block size)");
-  o.layers = flags.get("layers", o.layers, {.min = 1}, "transformer blocks");
   o.heads = flags.get("heads", o.heads, {.min = 1}, "attention heads (divide --embd)");
-  o.embd = flags.get("embd", o.embd, {.min = 1}, "embedding width");
-  o.lr = flags.get("lr", o.lr, {.above = 0}, "AdamW's peak learning rate");
-  o.min_lr = flags.get("min-lr", o.min_lr, {.min = 0}, "the learning rate the cosine ends at");
-  o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "steps of linear warmup");
-  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "AdamW's decay of the 2-D weights");
   o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2 (nanoGPT: 0.99 for small data)");
-  o.val_batches = flags.get("val-batches", o.val_batches, {.min = 0}, "validation batches of 32 windows (0: all)");
   o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
   o.sample = flags.get("sample", o.sample, {.min = 0}, "tokens to generate after training");
   o.temperature = flags.get("temperature", o.temperature, {.above = 0}, "sampling temperature");

@@ -32,11 +32,9 @@ namespace {
 using E = BuildEnv;  // CpuThreads, CpuMpi or CpuGloo: chosen by the build, nowhere else
 using Comm = E::Comm;
 
-struct Options {
-  std::int64_t steps = 600, eval_every = 200, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
-  std::int64_t val_batches = 0;
-  double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99, tolerance = 1e-5;
-  double max_val_loss = 0;
+struct Options : examples::GptRecipe {
+  Options() : GptRecipe{.steps = 600, .eval_every = 200} {}
+  double tolerance = 1e-5, max_val_loss = 0;
   int threads = 1, ranks = 2, progress = -1;
   std::uint64_t seed = 1;
   std::string data_dir, trace;
@@ -91,20 +89,10 @@ int run(Comm& comm, const Options& o) {
 Options parse(int argc, char** argv) {
   Flags flags(argc, argv);
   Options o;
-  o.steps = flags.get("steps", o.steps, {.min = 1}, "optimizer steps in all");
-  o.eval_every = flags.get("eval-every", o.eval_every, {.min = 1}, "steps between validations (divides --steps)");
-  TESSERA_CHECK(o.steps % o.eval_every == 0, ArgumentError, "--eval-every=", o.eval_every, " must divide --steps=", o.steps);
+  examples::parse_gpt_recipe(flags, o);
   o.batch = flags.get("batch", o.batch, {.min = 1}, "windows per batch (every rank sees all of them)");
   o.block = flags.get("block", o.block, {.min = 2}, "tokens per window (divides over the ranks)");
-  o.layers = flags.get("layers", o.layers, {.min = 1}, "transformer blocks");
   o.heads = flags.get("heads", o.heads, {.min = 1}, "attention heads (divide over the ranks)");
-  o.embd = flags.get("embd", o.embd, {.min = 1}, "embedding width");
-  o.lr = flags.get("lr", o.lr, {.above = 0}, "AdamW's peak learning rate");
-  o.min_lr = flags.get("min-lr", o.min_lr, {.min = 0}, "the learning rate the cosine ends at");
-  o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "steps of linear warmup");
-  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "AdamW's decay of the 2-D weights");
-  o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2");
-  o.val_batches = flags.get("val-batches", o.val_batches, {.min = 0}, "validation batches of 32 windows (0: all)");
   o.tolerance = flags.get("tolerance", o.tolerance, {.above = 0}, "the one-step check against the dense GPT");
   o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
   o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");

@@ -72,6 +72,27 @@ inline void print_gpt_cost(const tessera::GPTConfig& c, double params, double no
                 loopback_before >= 0 ? loopback_after - loopback_before : -1);
 }
 
+// The training recipe examples 15 and 16 share (nanoGPT's small-data defaults), and its flags.
+struct GptRecipe {
+  std::int64_t steps = 1000, eval_every = 250, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
+  std::int64_t val_batches = 0;
+  double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99;
+};
+inline void parse_gpt_recipe(tessera::Flags& flags, GptRecipe& o) {
+  o.steps = flags.get("steps", o.steps, {.min = 1}, "optimizer steps in all");
+  o.eval_every = flags.get("eval-every", o.eval_every, {.min = 1}, "steps between validations (divides --steps)");
+  TESSERA_CHECK(o.steps % o.eval_every == 0, tessera::ArgumentError, "--eval-every=", o.eval_every,
+                " must divide --steps=", o.steps);
+  o.layers = flags.get("layers", o.layers, {.min = 1}, "transformer blocks");
+  o.embd = flags.get("embd", o.embd, {.min = 1}, "embedding width");
+  o.lr = flags.get("lr", o.lr, {.above = 0}, "AdamW's peak learning rate");
+  o.min_lr = flags.get("min-lr", o.min_lr, {.min = 0}, "the learning rate the cosine ends at");
+  o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "steps of linear warmup");
+  o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "AdamW's decay of the 2-D weights");
+  o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2 (nanoGPT: 0.99 for small data)");
+  o.val_batches = flags.get("val-batches", o.val_batches, {.min = 0}, "validation batches of 32 windows (0: all)");
+}
+
 // nanoGPT's get_lr(it) as the Trainer's schedule (a function of the fractional epoch; an epoch here
 // is steps_per_epoch steps): linear warmup to lr over `warmup` steps, then a cosine to min_lr at the
 // last step.
