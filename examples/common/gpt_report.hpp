@@ -1,9 +1,9 @@
-// What examples 15 and 16 (a GPT on English text, data- and tensor-parallel) prepare, print and check
-// around their training, kept out of their mains: the corpus's token files, the cost models
-// (compute per token, all-reduce bytes per step; all_gather and reduce_scatter bytes per block)
-// beside the measured figures, a generated sample (with and without the key/value cache: the same
-// tokens), the split model's first step against the dense one, and a run as one JSON line for
-// bench/compare_gpt.py.
+// What examples 15, 16 and 17 (a GPT on English text, data-, tensor- and pipeline-parallel) prepare,
+// print and check around their training, kept out of their mains: the corpus's token files, the
+// cost models (compute per token, all-reduce bytes per step; all_gather and reduce_scatter bytes per
+// block; activation, gradient and tied-embedding bytes per pipeline stage) beside the measured
+// figures, a generated sample (with and without the key/value cache: the same tokens), the split
+// model's first step against the dense one, and a run as one JSON line for bench/compare_gpt.py.
 #pragma once
 
 #include <algorithm>
@@ -224,6 +224,65 @@ bool check_tensor_parallel_step(Comm& comm, Dense& dense, Split& split, const te
                   "gradients' all-reduce); on the loopback interface %.1f KiB per rank (%.2fx; 0 where the backend "
                   "moves bytes through shared memory)\n", whole / 1024, (lo1 - lo0) / comm.size() / 1024,
                   (lo1 - lo0) / comm.size() / whole);
+  }
+  return worst[0] <= tolerance && bytes_ok;
+}
+
+// Example 17's check before training: one step of the pipeline and of the whole GPT (the same
+// weights, on every rank) on the same batch; each stage's gradients compared with the whole model's,
+// the worst relative difference over all stages printed against `tolerance`. Then, per stage, the
+// units it holds and the bytes it sent in that step beside the formula: per micro-batch the (B/M,
+// T, C) activations and a 64-byte shape header forward, their gradient backward, and once per step
+// wte's (V, C) gradient between the first and the last stage (the tie with lm_head), each at
+// sizeof(float). The step's gradients are left zero. Returns whether both agree.
+template <class Comm, class Model, class Pipe>
+bool check_pipeline_step(Comm& comm, Model& whole, Model& staged, Pipe& pipe, const tessera::Batch<float>& batch,
+                         int micro_batches, double tolerance) {
+  using E = typename Model::Env;
+  tessera::CrossEntropyLoss<E> ce;
+  typename tessera::CrossEntropyLoss<E>::Cache ce_cache;
+  typename Model::Cache cache;
+  auto whole_named = tessera::named_tensors(whole);
+  auto stage_named = pipe.stage_parameters();
+  for (auto* named : {&whole_named, &stage_named})
+    for (auto& [name, p] : named->parameters) p->grad.zero();
+  ce.forward(whole.forward(batch.tokens, cache), batch.labels, ce_cache);
+  whole.backward(ce.backward(ce_cache), cache);
+  pipe.train_step(batch.tokens, batch.labels);
+  double worst[1] = {0};
+  for (auto& [name, p] : stage_named.parameters)
+    for (auto& [whole_name, q] : whole_named.parameters)
+      if (whole_name == name) worst[0] = std::max(worst[0], relative_difference(p->grad.data(), q->grad.data(), q->grad.numel()));
+  for (auto& [name, p] : stage_named.parameters) p->grad.zero();
+  comm.all_reduce(std::span<double>(worst), tessera::ReduceOp::Max);
+  const auto& st = pipe.last_step();
+  const std::int64_t mine[5] = {static_cast<std::int64_t>(pipe.boundaries()[static_cast<std::size_t>(comm.rank())]),
+                                static_cast<std::int64_t>(pipe.boundaries()[static_cast<std::size_t>(comm.rank()) + 1]),
+                                st.bytes_sent_forward, st.bytes_sent_backward, st.bytes_sent_tied};
+  std::vector<std::int64_t> all(5 * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+  const auto& c = whole.config();
+  const std::int64_t p = comm.size(), activations = batch.tokens.numel() * c.n_embd * 4;
+  bool bytes_ok = true;
+  if (comm.rank() == 0) {
+    std::printf("check: one step against the whole GPT: every stage's gradients within %.2e relative (tolerance "
+                "%.0e)\n", worst[0], tolerance);
+    std::printf("cost: per step, B T C x 4 B = %lld x %lld x %lld x 4 B = %.1f KiB of activations forward over each "
+                "stage boundary (plus %d x 64 B of shape headers) and as much gradient backward; wte's V C x 4 B = "
+                "%.1f KiB between the first and the last stage\n", static_cast<long long>(batch.tokens.dim(0)),
+                static_cast<long long>(batch.tokens.dim(1)), static_cast<long long>(c.n_embd), activations / 1024.0,
+                micro_batches, static_cast<double>(c.vocab_size * c.n_embd * 4) / 1024.0);
+    for (std::int64_t s = 0; s < p; ++s) {
+      const std::int64_t* r = all.data() + 5 * s;
+      const std::int64_t forward = s < p - 1 ? activations + micro_batches * 64 : 0, backward = s > 0 ? activations : 0,
+                         tied = p > 1 && (s == 0 || s == p - 1) ? c.vocab_size * c.n_embd * 4 : 0;
+      std::printf("cost: stage %lld, units %s..%s: sent %.1f / %.1f / %.1f KiB (activations / gradients / wte), "
+                  "formula %.1f / %.1f / %.1f KiB\n", static_cast<long long>(s),
+                  whole.unit_name(static_cast<std::size_t>(r[0])).c_str(),
+                  whole.unit_name(static_cast<std::size_t>(r[1] - 1)).c_str(), r[2] / 1024.0, r[3] / 1024.0,
+                  r[4] / 1024.0, forward / 1024.0, backward / 1024.0, tied / 1024.0);
+      bytes_ok = bytes_ok && r[2] == forward && r[3] == backward && r[4] == tied;
+    }
   }
   return worst[0] <= tolerance && bytes_ok;
 }

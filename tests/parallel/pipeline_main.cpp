@@ -1,13 +1,15 @@
 // Pipeline equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run): one
 // stage per rank, GPipe and 1F1B, an MLP and a BN-free ResNet with 4 micro-batches and ResNet-20
 // with BN at one micro-batch, each checked against the unsplit model on the same rank; on 4 ranks
-// also 2 data-parallel replicas x 2 pipeline stages. And the other model parallelism, a GPT's
-// tensor + sequence parallelism over all ranks, against the dense GPT (float32, 1e-5).
+// also 2 data-parallel replicas x 2 pipeline stages. A pipeline over a GPT's blocks (its tied wte on
+// the first and the last stage) against one process, both schedules (float32, 1e-5). And the other
+// model parallelism, a GPT's tensor + sequence parallelism over all ranks, against the dense GPT.
 #include <cstdio>
 #include <exception>
 
 #include "comm/program.hpp"
 #include "parallel/pipeline_equivalence.hpp"
+#include "parallel/pp_gpt_equivalence.hpp"
 #include "parallel/tp_gpt_equivalence.hpp"
 
 int main(int argc, char** argv) {
@@ -26,9 +28,12 @@ int main(int argc, char** argv) {
     }
     if (comm.size() == 4)
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
+    for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})
+      for (auto& f : testing::pp_gpt_equivalence<float>(comm, {.micro_batches = 4, .schedule = schedule}))
+        failures.push_back(f);
     for (auto& f : testing::tp_gpt_equivalence<float>(comm)) failures.push_back(f);
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
-    std::printf("rank %d of %d (%s): pipeline and tensor-parallel GPT equivalence, %zu failures\n", rank, comm.size(), testing::backend_name(),
+    std::printf("rank %d of %d (%s): pipeline (MLP, ResNet, GPT) and tensor-parallel GPT equivalence, %zu failures\n", rank, comm.size(), testing::backend_name(),
                 failures.size());
     comm.barrier();
     return failures.empty() ? 0 : 1;

@@ -3,17 +3,21 @@
 // the Trainer driving GPT through the strategy protocol: one step equals the hand-written step,
 // gradient accumulation equals the whole batch, DataParallel on two thread ranks equals one process,
 // fit() learns a pattern, and an image batch given to a token model is refused by name; a GPT under
-// DataParallel and ZeRO-1 against one process (parallel/gpt_dp_equivalence.hpp, also on MPI and Gloo).
+// DataParallel and ZeRO-1 against one process (parallel/gpt_dp_equivalence.hpp, also on MPI and Gloo);
+// a pipeline over GPT's blocks against one process (parallel/pp_gpt_equivalence.hpp, also on MPI and
+// Gloo), and under the Trainer stacked with DataParallel.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "parallel/gpt_dp_equivalence.hpp"
+#include "parallel/pp_gpt_equivalence.hpp"
 #include "support/temp_dir.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/data/token_loader.hpp"
@@ -22,6 +26,7 @@
 #include "tessera/optim/adam.hpp"
 #include "tessera/parallel/data_parallel.hpp"
 #include "tessera/parallel/gradient_accumulation.hpp"
+#include "tessera/parallel/pipeline.hpp"
 #include "tessera/train/trainer.hpp"
 
 using namespace tessera;
@@ -283,4 +288,74 @@ TEST_CASE("GPT under DataParallel and ZeRO-1 equals one process on 2 and 4 threa
         }
       }
     }
+}
+
+TEST_CASE("Pipeline over GPT blocks equals one process on 2, 3 and 4 thread stages (float32)", "[parallel][gpt]") {
+  struct Variant {
+    int stages;
+    PipelineSchedule schedule;
+    int micro_batches;
+    bool checkpointing;
+  };
+  for (const Variant v : {Variant{2, PipelineSchedule::GPipe, 2, false}, Variant{2, PipelineSchedule::OneFOneB, 4, true},
+                          Variant{3, PipelineSchedule::OneFOneB, 2, false}, Variant{4, PipelineSchedule::OneFOneB, 4, false},
+                          Variant{5, PipelineSchedule::GPipe, 1, false}}) {
+    DYNAMIC_SECTION(v.stages << " stages, " << schedule_name(v.schedule) << ", " << v.micro_batches
+                             << " micro-batches" << (v.checkpointing ? ", checkpointed" : "")) {
+      std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(v.stages));
+      ThreadWorld world(v.stages);
+      world.run([&](ThreadComm& comm) {
+        failures[static_cast<std::size_t>(comm.rank())] = testing::pp_gpt_equivalence<float>(
+            comm, {.micro_batches = v.micro_batches, .schedule = v.schedule, .checkpointing = v.checkpointing});
+      });
+      for (const auto& rank_failures : failures) {
+        CHECK(rank_failures.empty());
+        for (const auto& f : rank_failures) FAIL_CHECK(f);
+      }
+    }
+  }
+}
+
+TEST_CASE("Trainer + GPT: stack(DataParallel, Pipeline) on 2 replicas x 2 stages equals one process (float64)",
+          "[train][gpt][parallel]") {
+  const auto stream = tokens_stream(600, 7);
+  std::map<std::string, std::vector<double>> expected;
+  double expected_loss = 0;
+  {
+    Rng rng(6);
+    GPT<CpuLocal64> model(tokens_config(), rng);
+    AdamW<CpuLocal64> opt(named_tensors(model), {.lr = 3e-3});
+    Trainer trainer(model, opt, tokens_lr, tokens_quiet());
+    TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(8, true), 3);
+    expected_loss = trainer.fit(loader).at(0).train_loss;
+    for (auto& [name, p] : named_tensors(model).parameters)
+      expected[name] = std::vector<double>(p->value.data(), p->value.data() + p->value.numel());
+  }
+  std::vector<double> difference(4, 1.0), loss(4, 0.0);
+  ThreadWorld world(4);
+  world.run([&](ThreadComm& comm) {
+    const int replica = comm.rank() / 2, stage = comm.rank() % 2;
+    ThreadComm pipe_comm = comm.split(replica, stage), data_comm = comm.split(stage, replica);
+    Rng rng(6);
+    GPT<CpuThreads64> model(tokens_config(), rng);
+    Pipeline pipe(model, pipe_comm, {.micro_batches = 2});
+    DataParallel dp(pipe.stage(), data_comm);
+    AdamW<CpuThreads64> opt(pipe.stage_parameters(), {.lr = 3e-3});
+    auto strategy = stack(dp, pipe);
+    TrainOptions o = tokens_quiet();
+    o.checkpoint_group = CheckpointGroup(comm);
+    Trainer trainer(model, opt, strategy, tokens_lr, o);
+    TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(4, true, replica, 2), 3);
+    loss[static_cast<std::size_t>(comm.rank())] = trainer.fit(loader).at(0).train_loss;
+    double worst = 0;
+    for (auto& [name, p] : pipe.stage_parameters().parameters)
+      for (std::int64_t i = 0; i < p->value.numel(); ++i)
+        worst = std::max(worst, std::abs(p->value.data()[i] - expected.at(name)[static_cast<std::size_t>(i)]));
+    difference[static_cast<std::size_t>(comm.rank())] = worst;
+  });
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(difference[static_cast<std::size_t>(r)] < 1e-12);
+    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - expected_loss) < 1e-12);
+  }
 }

@@ -3,6 +3,7 @@
 // of backward still runs; by default nothing happens).
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -44,6 +45,17 @@ struct Parameter {
   void grad_ready() {
     if (on_grad_ready) on_grad_ready(*this);
   }
+};
+
+// A parameter that two units of a model read (GPT's token embedding, which is also its output
+// layer, lm_head): a pipeline whose stages hold the two units apart keeps a copy on each stage
+// and sums the two gradients before the optimizer steps, so the copies stay equal (Megatron's
+// embedding group). Units are the model's pipeline units (parallel/pipeline.hpp).
+template <class S, class D>
+struct TiedParameter {
+  std::string name;
+  std::size_t first_unit = 0, second_unit = 0;
+  Parameter<S, D>* parameter = nullptr;
 };
 
 // Names as PyTorch's state_dict spells them ("layer1.0.conv1.weight"), gathered once after

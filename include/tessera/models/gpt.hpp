@@ -179,6 +179,9 @@ class GPT {
     typename GPTBlock<E>::Cache scratch;
     Tensor dcarry;
     bool checkpointed = false;  // how forward ran
+    const Tensor* blocks_input = nullptr;  // the first block's input (c.x, or a pipeline stage's received one)
+    std::size_t first_block = 0;           // the blocks this forward ran: [first_block, end_block)
+    std::size_t end_block = 0;
   };
 
   GPT(const GPTConfig& config, Rng& rng) : config_(checked(config)), wte_(config.vocab_size, config.n_embd, rng),
@@ -268,46 +271,95 @@ class GPT {
   }
 
   // Accumulates every parameter's gradient from dL/dlogits (B, T, V).
-  void backward(const Tensor& dlogits, Cache& c) {
-    TESSERA_CHECK(c.logits.rank() == 3 && dlogits.shape() == c.logits.shape(), ShapeError, name(),
-                  "::backward: dlogits ", dlogits.shape(), " does not match the logits ", c.logits.shape(),
-                  " (or backward before forward)");
-    const std::int64_t batch = c.logits.dim(0), t = c.logits.dim(1), v = config_.vocab_size, ch = config_.n_embd;
-    const Tensor& xf = c.ln_f.y;
-    Parameter<S, D>& w = wte_.weight();
-    // lm_head: dW += dlogits^T xf (V, C), into wte's gradient (grad_ready comes with the embedding's part);
-    // dxf = dlogits W (B T, C).
-    gemm_in<typename E::Compute>(D{}, true, false, v, ch, batch * t, S(1), dlogits.data(), v, xf.data(), ch, S(1),
-                                 w.grad.data(), ch);
-    c.dx.resize({batch, t, ch});
-    gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, w.value.data(), ch,
-                                 S(0), c.dx.data(), ch);
-    const Tensor* dx = &ln_f_.backward(c.dx, c.ln_f);
-    if (c.checkpointed) {
-      // Block by block from the last: its forward again from its saved input (the same numbers,
-      // bit for bit: the kernels are deterministic and there is no dropout), then its backward.
-      for (std::size_t i = h_.size(); i-- > 0;) {
+  void backward(const Tensor& dlogits, Cache& c) { backward_units(dlogits, c, 0, unit_count()); }
+
+  // Pipeline units (parallel/pipeline.hpp): 0 the embeddings (token ids -> x (B, T, C)), 1 to
+  // n_layer the blocks (transformer.h.0 ...), n_layer + 1 the head (ln_f, lm_head -> logits
+  // (B, T, V)). The head reads wte's weight (the tie): a stage holding the head without unit 0
+  // holds wte as its own parameter too, and tied_parameters() tells the pipeline to sum the two
+  // stages' gradients of it.
+  std::size_t unit_count() const { return h_.size() + 2; }
+  std::string unit_name(std::size_t u) const {
+    if (u == 0) return "embeddings";
+    if (u <= h_.size()) return "h." + std::to_string(u - 1);
+    return "head";
+  }
+  // Units [0, end) from token ids (B, T).
+  const Tensor& forward_units(const tessera::Tensor<std::int64_t, Cpu>& idx, Cache& c, std::size_t begin,
+                              std::size_t end) {
+    TESSERA_CHECK(begin == 0 && end >= 1 && end <= unit_count(), ArgumentError, name(), ": units [", begin, ", ", end,
+                  ") from token ids: token ids enter unit 0 (of ", unit_count(), ")");
+    TESSERA_CHECK(idx.rank() == 2, ShapeError, name(), ": expected token ids (B, T), got ", idx.shape());
+    embed(std::span<const std::int64_t>(idx.data(), static_cast<std::size_t>(idx.numel())), idx.dim(0), idx.dim(1), 0, c);
+    c.checkpointed = checkpointing_;
+    return forward_from(c.x, c, 1, end);
+  }
+  // Units [begin, end), begin >= 1, from unit begin - 1's output x (B, T, C).
+  const Tensor& forward_units(const Tensor& x, Cache& c, std::size_t begin, std::size_t end) {
+    TESSERA_CHECK(begin >= 1 && begin < end && end <= unit_count(), ArgumentError, name(), ": units [", begin, ", ",
+                  end, ") of ", unit_count(), " from activations (unit 0 takes token ids)");
+    TESSERA_CHECK(x.rank() == 3 && x.dim(2) == config_.n_embd && x.dim(1) <= config_.block_size, ShapeError, name(),
+                  ": unit ", begin, " (", unit_name(begin), ") takes activations (B, T <= ", config_.block_size, ", ",
+                  config_.n_embd, "), got ", x.shape());
+    c.checkpointed = checkpointing_;
+    return forward_from(x, c, begin, end);
+  }
+  // Backward of units [begin, end) from dL/d(unit end - 1's output): accumulates their parameters'
+  // gradients and returns dL/d(unit begin's input) (an empty tensor when begin is 0: ids have none).
+  const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    TESSERA_CHECK(begin < end && end <= unit_count(), ArgumentError, name(), "::backward_units: units [", begin, ", ",
+                  end, ") of ", unit_count());
+    TESSERA_CHECK(c.blocks_input != nullptr, Error, name(), "::backward called before forward on this cache");
+    const std::size_t blocks_end = std::min(end - 1, h_.size()), blocks_begin = std::max<std::size_t>(begin, 1) - 1;
+    TESSERA_CHECK(blocks_begin >= c.first_block && blocks_end <= c.end_block, ArgumentError, name(),
+                  "::backward_units: units [", begin, ", ", end, ") were not all run forward on this cache");
+    const Tensor* dx = &dy;
+    if (end == unit_count()) dx = &head_backward(dy, c, /*fire_tie=*/begin > 0);
+    for (std::size_t i = blocks_end; i-- > blocks_begin;) {
+      if (c.checkpointed) {
+        const Tensor& input = i == c.first_block ? *c.blocks_input : c.outputs[i - 1];
+        // Its forward again from its saved input (the same numbers, bit for bit: the kernels are
+        // deterministic and there is no dropout), then its backward; the next recompute
+        // overwrites the one cache.
         c.dcarry = *dx;
-        h_[i].forward(i == 0 ? c.x : c.outputs[i - 1], c.scratch);
+        h_[i].forward(input, c.scratch);
         dx = &h_[i].backward(c.dcarry, c.scratch);
+      } else {
+        dx = &h_[i].backward(*dx, c.h[i]);
       }
-    } else {
-      for (std::size_t i = h_.size(); i-- > 0;) dx = &h_[i].backward(*dx, c.h[i]);
     }
+    if (begin > 0) return *dx;
+    TESSERA_CHECK(dx->rank() == 3 && c.x.rank() == 3 && dx->shape() == c.x.shape(), ShapeError, name(),
+                  "::backward_units: dL/dx ", dx->shape(), " does not match the embeddings ", c.x.shape());
+    const std::int64_t batch = c.x.dim(0), t = c.x.dim(1), ch = config_.n_embd;
     wte_.backward(*dx, c.wte);
     c.dpos.resize({t, ch});
     c.dpos.fill(S(0));
     add_column_sums(D{}, dx->data(), batch, t * ch, c.dpos.data());
     wpe_.backward(c.dpos, c.wpe);
+    return no_input_grad_;
+  }
+  template <class V>
+  void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
+    if (begin == 0) {
+      wte_.visit(v, prefix + "transformer.wte.");
+      wpe_.visit(v, prefix + "transformer.wpe.");
+    }
+    for (std::size_t u = std::max<std::size_t>(begin, 1); u < end && u <= h_.size(); ++u)
+      h_[u - 1].visit(v, prefix + "transformer.h." + std::to_string(u - 1) + ".");
+    if (end == unit_count()) {
+      if (begin > 0) wte_.visit(v, prefix + "transformer.wte.");  // the head's copy of the tie
+      ln_f_.visit(v, prefix + "transformer.ln_f.");
+      v.buffer(prefix + "lm_head.weight", wte_.weight().value);  // the tie (see the top)
+    }
+  }
+  std::vector<TiedParameter<S, D>> tied_parameters() {
+    return {{"transformer.wte.weight", 0, unit_count() - 1, &wte_.weight()}};
   }
 
   template <class V>
   void visit(V& v, const std::string& prefix = "") {
-    wte_.visit(v, prefix + "transformer.wte.");
-    wpe_.visit(v, prefix + "transformer.wpe.");
-    for (std::size_t i = 0; i < h_.size(); ++i) h_[i].visit(v, prefix + "transformer.h." + std::to_string(i) + ".");
-    ln_f_.visit(v, prefix + "transformer.ln_f.");
-    v.buffer(prefix + "lm_head.weight", wte_.weight().value);  // the tie (see the top)
+    visit_units(v, prefix, 0, unit_count());
   }
   void set_mode(Mode) {}
 
@@ -345,6 +397,19 @@ class GPT {
   // caches (which must hold positions [0, pos0) already).
   const Tensor& run(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, std::int64_t pos0, Cache& c,
                     std::vector<typename SelfAttention<E>::KVCache>* kv) {
+    embed(idx, batch, t, pos0, c);
+    c.checkpointed = checkpointing_ && kv == nullptr;
+    if (kv == nullptr) return forward_from(c.x, c, 1, unit_count());
+    c.outputs.clear();
+    c.h.resize(h_.size());
+    const Tensor* x = &c.x;
+    for (std::size_t i = 0; i < h_.size(); ++i) x = &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]);
+    c.blocks_input = &c.x, c.first_block = 0, c.end_block = h_.size();
+    return head(*x, c);
+  }
+
+  // c.x = wte[idx] + wpe[pos0 .. pos0 + t): (B, T, C).
+  void embed(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, std::int64_t pos0, Cache& c) {
     TESSERA_CHECK(batch > 0 && t > 0 && static_cast<std::int64_t>(idx.size()) == batch * t, ShapeError, name(),
                   ": ", idx.size(), " token ids given for (B, T) = (", batch, ", ", t, ")");
     TESSERA_CHECK(pos0 + t <= config_.block_size, ShapeError, name(), ": cannot forward a sequence of length ",
@@ -356,29 +421,58 @@ class GPT {
     const Tensor& pos = wpe_.forward(c.positions, Shape{t}, c.wpe);
     c.x = tok;
     add_broadcast_rows(D{}, pos.data(), batch, t * ch, c.x.data());
-    c.h.resize(h_.size());
-    const Tensor* x = &c.x;
-    c.checkpointed = checkpointing_ && kv == nullptr;
+  }
+
+  // Units [begin, end), begin >= 1, from x: the blocks among them (each block's output kept in its
+  // cache, or with checkpointing only the output), then the head if end is the last unit.
+  const Tensor& forward_from(const Tensor& x_in, Cache& c, std::size_t begin, std::size_t end) {
+    const std::size_t first = begin - 1, last = std::min(end - 1, h_.size());
+    c.blocks_input = &x_in, c.first_block = first, c.end_block = std::max(first, last);
+    const Tensor* x = &x_in;
     if (c.checkpointed) {
       // Keep only each block's output; its activations are dropped and recomputed in backward.
       c.h.clear();
       c.outputs.resize(h_.size());
-      for (std::size_t i = 0; i < h_.size(); ++i) {
+      for (std::size_t i = first; i < last; ++i) {
         c.outputs[i] = h_[i].forward(*x, c.scratch);
         x = &c.outputs[i];
       }
       c.scratch = {};
     } else {
       c.outputs.clear();
-      for (std::size_t i = 0; i < h_.size(); ++i)
-        x = kv ? &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]) : &h_[i].forward(*x, c.h[i]);
+      c.h.resize(h_.size());
+      for (std::size_t i = first; i < last; ++i) x = &h_[i].forward(*x, c.h[i]);
     }
-    const Tensor& xf = ln_f_.forward(*x, c.ln_f);
+    return end == unit_count() ? head(*x, c) : *x;
+  }
+
+  // logits = ln_f(x) wte^T: (B T, C) x (C, V), the weight being wte's (V, C).
+  const Tensor& head(const Tensor& x, Cache& c) {
+    const std::int64_t batch = x.dim(0), t = x.dim(1), ch = config_.n_embd;
+    const Tensor& xf = ln_f_.forward(x, c.ln_f);
     c.logits.resize({batch, t, config_.vocab_size});
-    // lm_head: (B T, C) x (C, V), the weight being wte's (V, C).
     gemm_in<typename E::Compute>(D{}, false, true, batch * t, config_.vocab_size, ch, S(1), xf.data(), ch,
                                  wte_.weight().value.data(), ch, S(0), c.logits.data(), config_.vocab_size);
     return c.logits;
+  }
+
+  // lm_head: dW += dlogits^T xf (V, C), into wte's gradient; dxf = dlogits W (B T, C); then ln_f's
+  // backward. fire_tie: this stage does not run the embedding, whose backward would signal the
+  // weight's gradient ready, so the head does.
+  const Tensor& head_backward(const Tensor& dlogits, Cache& c, bool fire_tie) {
+    TESSERA_CHECK(c.logits.rank() == 3 && dlogits.shape() == c.logits.shape(), ShapeError, name(),
+                  "::backward: dlogits ", dlogits.shape(), " does not match the logits ", c.logits.shape(),
+                  " (or backward before forward)");
+    const std::int64_t batch = c.logits.dim(0), t = c.logits.dim(1), v = config_.vocab_size, ch = config_.n_embd;
+    const Tensor& xf = c.ln_f.y;
+    Parameter<S, D>& w = wte_.weight();
+    gemm_in<typename E::Compute>(D{}, true, false, v, ch, batch * t, S(1), dlogits.data(), v, xf.data(), ch, S(1),
+                                 w.grad.data(), ch);
+    if (fire_tie) w.grad_ready();
+    c.dx.resize({batch, t, ch});
+    gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, w.value.data(), ch,
+                                 S(0), c.dx.data(), ch);
+    return ln_f_.backward(c.dx, c.ln_f);
   }
 
   // One token from a row of logits: temperature, top-k, softmax (in double), inverse CDF of rng.
@@ -432,6 +526,7 @@ class GPT {
   Embedding<E> wte_, wpe_;
   std::vector<GPTBlock<E>> h_;
   LayerNorm<E> ln_f_;
+  Tensor no_input_grad_;  // what backward_units returns for unit 0 (token ids have no gradient)
 };
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).

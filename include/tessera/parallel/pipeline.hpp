@@ -61,9 +61,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
@@ -88,6 +91,21 @@ concept Stageable = requires(M& m, const typename M::Tensor& t, typename M::Cach
   { m.unit_name(i) } -> std::convertible_to<std::string>;
 };
 
+namespace detail {
+// A language model's first unit takes token ids (B, T) (GPT's embeddings), the others activations.
+template <class M>
+concept TakesTokenIds = requires(M& m, const Tensor<std::int64_t, Cpu>& ids, typename M::Cache& c, std::size_t i) {
+  { m.forward_units(ids, c, i, i) } -> std::same_as<const typename M::Tensor&>;
+};
+// The parameters two units read (GPT's wte, also its lm_head): optional, none when absent.
+template <class M>
+auto tied_parameters(M& m) {
+  using P = TiedParameter<typename M::Env::Scalar, typename M::Env::Device>;
+  if constexpr (requires { { m.tied_parameters() } -> std::convertible_to<std::vector<P>>; }) return std::vector<P>(m.tied_parameters());
+  else return std::vector<P>{};
+}
+}  // namespace detail
+
 enum class PipelineSchedule { GPipe, OneFOneB };
 
 inline const char* schedule_name(PipelineSchedule s) { return s == PipelineSchedule::GPipe ? "GPipe" : "1F1B"; }
@@ -108,6 +126,9 @@ struct PipelineStepStats {
   // Bytes this stage sent: activations to the next stage (shape headers included) and
   // gradients to the previous one.
   std::int64_t bytes_sent_forward = 0, bytes_sent_backward = 0;
+  // Bytes of tied parameters' gradients sent to the stage holding the other unit (GPT's wte,
+  // between the first and the last stage).
+  std::int64_t bytes_sent_tied = 0;
   double idle_fraction() const { return step_seconds > 0 ? 1.0 - busy_seconds / step_seconds : 0.0; }
 };
 
@@ -165,6 +186,9 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   using S = typename Env::Scalar;
   using D = typename Env::Device;
   using Tensor = typename Model::Tensor;
+  // What stage 0 reads: images (N, ...) for a Layer, token ids (N, T) for a language model.
+  static constexpr bool kTokenInput = detail::TakesTokenIds<Model>;
+  using Input = std::conditional_t<kTokenInput, tessera::Tensor<std::int64_t, Cpu>, Tensor>;
 
   // The part of the model on this rank, as a model-like object for optimizers, checkpoints and a
   // DataParallel over the stage (hybrid data x pipeline parallelism).
@@ -184,7 +208,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
 
   // comm: the world, or a group from split, of the model Env's Comm type.
   template <class C>
-  Pipeline(Model& model, C& comm, PipelineOptions options, const Tensor* sample = nullptr, Loss loss = Loss())
+  Pipeline(Model& model, C& comm, PipelineOptions options, const Input* sample = nullptr, Loss loss = Loss())
       : model_(model), comm_(comm_of_env<Env>(comm)), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
     check_agreement(comm_, agreement_record());
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
@@ -200,6 +224,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     slots_ = options_.schedule == PipelineSchedule::GPipe ? m : std::min(m, p - s);
     slot_.resize(static_cast<std::size_t>(slots_));
     loss_caches_.resize(static_cast<std::size_t>(slots_));
+    find_ties();
   }
 
   Stage& stage() { return stage_; }
@@ -229,12 +254,12 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // overlapping it with that backward. Returns the batch's mean loss and correct predictions
   // (classification losses), the same on every stage.
   template <class Hooks>
-  ModelStepResult run_model(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+  ModelStepResult run_model(const Input& x, std::span<const std::int64_t> labels, Hooks& hooks) {
     return step(x, labels, hooks);
   }
   // Forward only (the model in Eval or Inference mode): the batch's mean loss and correct
   // predictions, computed on the last stage and the same on every stage.
-  ModelStepResult evaluate_batch(const Tensor& x, std::span<const std::int64_t> labels) {
+  ModelStepResult evaluate_batch(const Input& x, std::span<const std::int64_t> labels) {
     const int p = comm_.size(), s = comm_.rank();
     const Tensor& logits = predict(x);
     std::array<double, 2> result{0, 0};
@@ -252,26 +277,25 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // over the batch on every rank.
   // Forward only, the whole batch as one micro-batch (for evaluation; put the model in Eval mode
   // first). Returns the logits on the last stage and an empty tensor on the others.
-  const Tensor& predict(const Tensor& x) {
+  const Tensor& predict(const Input& x) {
     const int p = comm_.size(), s = comm_.rank();
     Slot& sl = slot_[0];
     sl.wait_sends();
-    const Tensor* in = &x;
     if (s > 0) {
       std::array<std::int64_t, 8> header{};
       comm_.recv(std::span<std::int64_t>(header), s - 1);
       sl.input.resize(shape_from_header(header, s - 1));
       comm_.recv(std::span<S>(sl.input.data(), static_cast<std::size_t>(sl.input.numel())), s - 1);
-      in = &sl.input;
     }
-    const Tensor& out = model_.forward_units(*in, sl.cache, begin_, end_);
+    const Tensor& out = s == 0 ? model_.forward_units(x, sl.cache, begin_, end_)
+                               : model_.forward_units(sl.input, sl.cache, begin_, end_);
     if (s == p - 1) return out;
     send_activation(sl, out);
     sl.wait_sends();  // the next predict or step may reuse the buffers
     return empty_;
   }
 
-  S train_step(const Tensor& x, std::span<const std::int64_t> labels) {
+  S train_step(const Input& x, std::span<const std::int64_t> labels) {
     return static_cast<S>(step(x, labels, static_cast<StrategyBase<Env>&>(*this)).loss);
   }
 
@@ -279,7 +303,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   static constexpr bool kCountsCorrect = std::is_same_v<Loss, CrossEntropyLoss<Env>>;
 
   template <class Hooks>
-  ModelStepResult step(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+  ModelStepResult step(const Input& x, std::span<const std::int64_t> labels, Hooks& hooks) {
     const auto started = std::chrono::steady_clock::now();
     stats_ = {};
     in_flight_ = 0;
@@ -298,8 +322,13 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       hooks.before_forward(micro(i));
       forward_micro_batch(i);
     };
+    // A tied parameter's gradient is final only once the other stage's part is added: its
+    // grad_ready (a DataParallel over the stage's replicas launches its bucket there) is held back
+    // during the last backward and given after the exchange below.
+    TieHold hold(ties_);
     auto bwd = [&](int i) {
       hooks.before_backward(micro(i));
+      if (i == m - 1) hold.engage();
       backward_micro_batch(i);
       hooks.after_backward(micro(i));
     };
@@ -320,6 +349,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       for (auto& sl : slot_) sl.wait_sends();
       note_communication("wait for sends", waiting);
     }
+    exchange_tied_gradients();
+    hold.release();
     // The mean loss (and the correct predictions) live on the last stage; every rank returns them.
     std::array<double, 2> result{static_cast<double>(loss_sum_ / static_cast<S>(m)), static_cast<double>(correct_)};
     const auto broadcasting = std::chrono::steady_clock::now();
@@ -337,7 +368,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // slots, ... (the schedule guarantees i's backward is done before i + slots's forward).
   struct Slot {
     typename Model::Cache cache{};
-    Tensor input;                        // received activations (or stage 0's slice of x)
+    Tensor input;                        // received activations (or stage 0's slice of images)
+    Input ids;                           // stage 0's slice of token ids (a language model)
     Tensor output_grad;                  // received dL/d(output), or the scaled loss gradient
     std::array<std::int64_t, 8> header{};  // shape of the activations sent forward
     Shape output_shape;
@@ -357,9 +389,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       const std::int64_t per = x_->dim(0) / m;
       Shape shape = x_->shape();
       shape[0] = per;
-      sl.input.resize(shape);
       const std::int64_t row = x_->numel() / x_->dim(0);
-      D::copy(sl.input.data(), x_->data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
+      if constexpr (kTokenInput) {
+        sl.ids.resize(shape);
+        std::copy_n(x_->data() + i * per * row, per * row, sl.ids.data());
+      } else {
+        sl.input.resize(shape);
+        D::copy(sl.input.data(), x_->data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
+      }
     } else {
       const auto waiting = std::chrono::steady_clock::now();
       std::array<std::int64_t, 8> header{};
@@ -369,13 +406,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       note_message("recv A", i, " from stage ", s - 1, 0, waiting);
     }
     const auto began = std::chrono::steady_clock::now();
-    const Tensor& out = model_.forward_units(sl.input, sl.cache, begin_, end_);
+    const Tensor& out = stage_forward(sl);
     sl.output_shape = out.shape();
     if (s == p - 1) {
-      const std::int64_t per = out.dim(0);
+      // One label per row of logits: (n, classes) per image, (n, T, V) per token.
+      const std::int64_t per = out.rank() >= 1 ? out.numel() / std::max<std::int64_t>(out.dim(out.rank() - 1), 1) : 0;
       TESSERA_CHECK(static_cast<std::int64_t>(labels_.size()) == per * m, ShapeError, "Pipeline: ",
-                    labels_.size(), " labels on the last stage for a batch of ", per * m, " (", m,
-                    " micro-batches of ", per, ")");
+                    labels_.size(), " labels on the last stage for a batch of ", per * m, " predictions (", m,
+                    " micro-batches of logits ", out.shape(), ")");
       const auto micro_labels = labels_.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per));
       loss_sum_ += loss_.forward(out, micro_labels, loss_caches_[static_cast<std::size_t>(i % slots_)]);
       if constexpr (kCountsCorrect) correct_ += count_correct(out, micro_labels);
@@ -413,6 +451,90 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     }
     --in_flight_;
   }
+
+  // This stage's units on slot sl's input: stage 0 reads its slice of the batch (token ids for a
+  // language model), the others the activations received.
+  const Tensor& stage_forward(Slot& sl) {
+    if constexpr (kTokenInput) {
+      if (comm_.rank() == 0) return model_.forward_units(sl.ids, sl.cache, begin_, end_);
+    }
+    return model_.forward_units(sl.input, sl.cache, begin_, end_);
+  }
+
+  // Tied parameters (detail::tied_parameters) whose two units sit on this stage and another: the
+  // parameter and the peer stage.
+  struct Tie {
+    Parameter<S, D>* parameter;
+    int peer;
+    std::string name;
+  };
+  void find_ties() {
+    auto stage_of = [&](std::size_t unit) {
+      return static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), unit) - bounds_.begin()) - 1;
+    };
+    for (const auto& t : detail::tied_parameters(model_)) {
+      const int a = stage_of(t.first_unit), b = stage_of(t.second_unit), me = comm_.rank();
+      if (a != b && (me == a || me == b)) ties_.push_back({t.parameter, me == a ? b : a, t.name});
+    }
+    for (const Tie& t : ties_) tie_buffers_.emplace_back(t.parameter->grad.shape());
+  }
+  // Both stages of a tie send their gradient and add the other's: g = g_mine + g_peer, the same
+  // bits on both (addition commutes), as one process's single copy gets both parts.
+  void exchange_tied_gradients() {
+    for (std::size_t k = 0; k < ties_.size(); ++k) {
+      const auto started = std::chrono::steady_clock::now();
+      Tensor& g = ties_[k].parameter->grad;
+      Tensor& other = tie_buffers_[k];
+      const auto n = static_cast<std::size_t>(g.numel());
+      Work sent = comm_.send_async(std::span<const S>(g.data(), n), ties_[k].peer);
+      comm_.recv(std::span<S>(other.data(), n), ties_[k].peer);
+      sent.wait();
+      add(D{}, g.data(), other.data(), g.numel(), g.data());
+      stats_.bytes_sent_tied += g.numel() * static_cast<std::int64_t>(sizeof(S));
+      if (options_.timeline) {
+        char kib[48];
+        std::snprintf(kib, sizeof kib, " with stage %d, %.1f KiB", ties_[k].peer, static_cast<double>(g.bytes()) / 1024.0);
+        options_.timeline->add("sum tied " + ties_[k].name + kib, "p2p", started, std::chrono::steady_clock::now(),
+                               SpanSink::kCommunication);
+      }
+    }
+  }
+  // Holds back the tied parameters' grad_ready hooks from engage() to release(), then gives each
+  // held call; restores the hooks whatever happens in between.
+  class TieHold {
+   public:
+    explicit TieHold(std::vector<Tie>& ties) : ties_(ties) {}
+    TieHold(const TieHold&) = delete;
+    TieHold& operator=(const TieHold&) = delete;
+    ~TieHold() { restore(); }
+    void engage() {
+      if (engaged_) return;
+      engaged_ = true;
+      for (Tie& t : ties_) {
+        saved_.push_back(std::move(t.parameter->on_grad_ready));
+        fired_.push_back(0);
+        t.parameter->on_grad_ready = [this, k = saved_.size() - 1](Parameter<S, D>&) { ++fired_[k]; };
+      }
+    }
+    void release() {
+      if (!engaged_) return;
+      restore();
+      for (std::size_t k = 0; k < ties_.size(); ++k)
+        for (int f = 0; f < fired_[k]; ++f) ties_[k].parameter->grad_ready();
+    }
+
+   private:
+    void restore() {
+      if (!engaged_) return;
+      engaged_ = false;
+      for (std::size_t k = 0; k < saved_.size(); ++k) ties_[k].parameter->on_grad_ready = std::move(saved_[k]);
+      saved_.clear();
+    }
+    std::vector<Tie>& ties_;
+    std::vector<std::function<void(Parameter<S, D>&)>> saved_;
+    std::vector<int> fired_;
+    bool engaged_ = false;
+  };
 
   // Activations to the next stage: their shape (rank, dims) first, then the values.
   // i: the micro-batch, for the timeline; predict() sends with i = -1 (not recorded).
@@ -506,7 +628,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   }
 
   // Per-unit costs for balancing (see the header comment), identical on every rank.
-  std::vector<double> costs(const Tensor* sample) {
+  std::vector<double> costs(const Input* sample) {
     const std::size_t units = model_.unit_count();
     if (!options_.unit_costs.empty()) {
       TESSERA_CHECK(options_.unit_costs.size() == units, ArgumentError, "Pipeline: ", options_.unit_costs.size(),
@@ -526,14 +648,13 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       for (auto& [name, t] : named.buffers) saved.push_back(*t);
       // The fastest of three passes per unit: the first pass also allocates and touches memory.
       typename Model::Cache cache{};
-      std::vector<const Tensor*> inputs(units + 1);
-      inputs[0] = sample;
+      std::vector<const Tensor*> inputs(units + 1);  // inputs[u]: unit u's, for u >= 1
       std::vector<double> best(units, std::numeric_limits<double>::infinity());
       for (int pass = 0; pass < 3; ++pass) {
         std::vector<double> t_unit(units, 0.0);
         for (std::size_t u = 0; u < units; ++u) {
           const auto t = std::chrono::steady_clock::now();
-          inputs[u + 1] = &model_.forward_units(*inputs[u], cache, u, u + 1);
+          inputs[u + 1] = u == 0 ? &model_.forward_units(*sample, cache, 0, 1) : &model_.forward_units(*inputs[u], cache, u, u + 1);
           t_unit[u] = seconds_since(t);
         }
         Tensor dy(inputs[units]->shape());
@@ -578,15 +699,18 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   Loss loss_;
   std::vector<typename Loss::Cache> loss_caches_;
   PipelineStepStats stats_;
+  std::vector<Tie> ties_;
+  std::vector<Tensor> tie_buffers_;
   int in_flight_ = 0;
   S loss_sum_ = 0;
   std::int64_t correct_ = 0;  // the step's correct predictions (last stage)
-  const Tensor* x_ = nullptr;
+  const Input* x_ = nullptr;
   std::span<const std::int64_t> labels_;
   Tensor empty_;
 };
 
-template <class Model, class C>
-Pipeline(Model&, C&, PipelineOptions, const typename Model::Tensor* = nullptr) -> Pipeline<Model>;
+// The sample (images or token ids, or nullptr) does not change the type.
+template <class Model, class C, class... Sample>
+Pipeline(Model&, C&, PipelineOptions, Sample...) -> Pipeline<Model>;
 
 }  // namespace tessera

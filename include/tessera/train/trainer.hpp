@@ -235,7 +235,7 @@ class Trainer {
     optimizer_.zero_grad();
     S loss;
     if constexpr (kRunsModel) {  // a pipeline: its stages run forward, loss and backward
-      const ModelStepResult r = strategy_.run_model(on_device(batch.images), batch.labels, strategy_);
+      const ModelStepResult r = strategy_.run_model(model_input(batch), batch.labels, strategy_);
       correct_ += r.correct;
       loss = static_cast<S>(r.loss);
     } else {
@@ -424,7 +424,7 @@ class Trainer {
     while (loader.next(eval_batch_)) {
       const auto n = static_cast<std::int64_t>(eval_batch_.labels.size());
       if constexpr (kRunsModel) {
-        const ModelStepResult r = strategy_.evaluate_batch(on_device(eval_batch_.images), eval_batch_.labels);
+        const ModelStepResult r = strategy_.evaluate_batch(model_input(eval_batch_), eval_batch_.labels);
         loss_sum += r.loss * static_cast<double>(n);
         correct += r.correct;
       } else {
@@ -465,24 +465,32 @@ class Trainer {
 
  private:
   static constexpr bool kRunsModel = detail::strategy_runs_model<Strat>();
-  static_assert(!(kRunsModel && TokenModel<Model>), "Trainer: a strategy that runs the model itself (a pipeline) "
-                "takes image batches; a TokenModel's pipeline is not supported by the Trainer");
   static constexpr const char* kUnit = TokenModel<Model> ? "tok/s" : "img/s";
 
-  // The model's logits for a batch: images through a Layer, token ids through a TokenModel.
-  const typename Model::Tensor& forward(const Batch<S>& batch) {
+  // What the model reads from a batch: its token ids (a TokenModel), or its images where the model is.
+  decltype(auto) model_input(const Batch<S>& batch) {
+    check_batch_kind(batch);
+    if constexpr (TokenModel<Model>) return (batch.tokens);
+    else return on_device(batch.images);
+  }
+  void check_batch_kind(const Batch<S>& batch) const {
     if constexpr (TokenModel<Model>) {
       TESSERA_CHECK(batch.tokens.rank() == 2 && batch.tokens.numel() > 0 &&
                         static_cast<std::int64_t>(batch.labels.size()) == batch.tokens.numel(),
                     ArgumentError, "Trainer: ", model_.name(), " reads token ids (n, T) with n T next-token labels, "
                     "but the batch has tokens ", batch.tokens.shape(), " and ", batch.labels.size(), " labels (an image "
                     "loader? use a TokenLoader)");
-      return model_.forward(batch.tokens, model_cache_);
     } else {
       TESSERA_CHECK(batch.tokens.numel() == 0, ArgumentError, "Trainer: the batch holds token ids ",
                     batch.tokens.shape(), " but the model takes images (a TokenLoader feeds a TokenModel such as GPT)");
-      return model_.forward(on_device(batch.images), model_cache_);
     }
+  }
+
+  // The model's logits for a batch: images through a Layer, token ids through a TokenModel.
+  const typename Model::Tensor& forward(const Batch<S>& batch) {
+    check_batch_kind(batch);
+    if constexpr (TokenModel<Model>) return model_.forward(batch.tokens, model_cache_);
+    else return model_.forward(on_device(batch.images), model_cache_);
   }
 
   // A checkpoint holds one copy of the model and of the optimizer, rank 0's: right for replicas,
