@@ -34,10 +34,7 @@ using Comm = E::Comm;
 struct Options : examples::GptRecipe {
   std::int64_t sample = 300, top_k = 40;
   double temperature = 0.8;
-  double max_val_loss = 0;
-  int threads = 1, ranks = 2, progress = -1;
-  std::uint64_t seed = 1;
-  std::string data_dir, prompt, json, init_out, trace;
+  std::string prompt, json, init_out;
 };
 
 int run(Comm& comm, const Options& o) {
@@ -68,10 +65,7 @@ int run(Comm& comm, const Options& o) {
                                   static_cast<double>(o.eval_every)};  // nanoGPT's warmup + cosine
   Timeline timeline(comm);
   Trainer trainer(model, adamw, dp, lr_at,
-                  {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,
-                   .verbose = comm.rank() == 0, .timeline = o.trace.empty() ? nullptr : &timeline,
-                   .timeline_first_step = 3, .timeline_steps = 4, .trace_path = o.trace,
-                   .checkpoint_group = CheckpointGroup(comm)});
+                  examples::gpt_train_options(comm, o, timeline, 4));
   comm.barrier();
   const double peer0 = examples::peer_bytes(comm), lo0 = comm.rank() == 0 ? examples::loopback_bytes() : -1;
   const auto epochs = trainer.fit(train, &val);
@@ -98,20 +92,13 @@ Options parse(int argc, char** argv) {
   o.block = flags.get("block", o.block, {.min = 2}, "tokens per window (the model's block size)");
   o.heads = flags.get("heads", o.heads, {.min = 1}, "attention heads (divide --embd)");
   o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2 (nanoGPT: 0.99 for small data)");
-  o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
+  examples::parse_gpt_run<Comm>(flags, o, "data-parallel ranks", "4-7");
   o.sample = flags.get("sample", o.sample, {.min = 0}, "tokens to generate after training");
   o.temperature = flags.get("temperature", o.temperature, {.above = 0}, "sampling temperature");
   o.top_k = flags.get("top-k", o.top_k, {.min = 1}, "sample among the k likeliest tokens");
   o.prompt = flags.get("prompt", o.prompt, "the sample's start (empty: a newline)");
-  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>, "data-parallel ranks");
-  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights, windows and sample"));
-  o.progress = flags.get("progress", o.progress, {.min = -1, .max = 1}, "1 bar, 0 lines, -1 bar on a terminal");
-  o.data_dir = flags.get("data-dir", std::string("data/fortunes"), "where the corpus's token files are (made if missing)");
   o.json = flags.output_path("json", o.json, "the result as one JSON line (bench/compare_gpt.py)");
   o.init_out = flags.output_path("init-out", o.init_out, "the initial weights, nanoGPT's keys (the PyTorch twin's)");
-  o.trace = flags.output_path("trace", o.trace, "Chrome trace of steps 4-7");
   flags.finish();
   return o;
 }

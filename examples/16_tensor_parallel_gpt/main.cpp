@@ -34,10 +34,7 @@ using Comm = E::Comm;
 
 struct Options : examples::GptRecipe {
   Options() : GptRecipe{.steps = 600, .eval_every = 200} {}
-  double tolerance = 1e-5, max_val_loss = 0;
-  int threads = 1, ranks = 2, progress = -1;
-  std::uint64_t seed = 1;
-  std::string data_dir, trace;
+  double tolerance = 1e-5;
 };
 
 int run(Comm& comm, const Options& o) {
@@ -69,10 +66,7 @@ int run(Comm& comm, const Options& o) {
                                   static_cast<double>(o.eval_every)};  // nanoGPT's warmup + cosine
   Timeline timeline(comm);
   Trainer trainer(model, adamw, tensor, lr_at,
-                  {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,
-                   .verbose = comm.rank() == 0, .timeline = o.trace.empty() ? nullptr : &timeline,
-                   .timeline_first_step = 3, .timeline_steps = 2, .trace_path = o.trace,
-                   .checkpoint_group = CheckpointGroup(comm)});
+                  examples::gpt_train_options(comm, o, timeline, 2));
   const auto epochs = trainer.fit(train, &val);
   examples::GptRun r{.steps = static_cast<double>(trainer.state().global_step), .ranks = comm.size(),
                      .threads = o.threads, .parameters = static_cast<double>(dense.num_params(false))};
@@ -94,14 +88,7 @@ Options parse(int argc, char** argv) {
   o.block = flags.get("block", o.block, {.min = 2}, "tokens per window (divides over the ranks)");
   o.heads = flags.get("heads", o.heads, {.min = 1}, "attention heads (divide over the ranks)");
   o.tolerance = flags.get("tolerance", o.tolerance, {.above = 0}, "the one-step check against the dense GPT");
-  o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
-  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
-  o.ranks = flags.ranks("ranks", o.ranks, !SharedMemoryCommunicator<Comm>, "tensor-parallel ranks");
-  check_thread_budget(SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
-  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights and windows"));
-  o.progress = flags.get("progress", o.progress, {.min = -1, .max = 1}, "1 bar, 0 lines, -1 bar on a terminal");
-  o.data_dir = flags.get("data-dir", std::string("data/fortunes"), "where the corpus's token files are (made if missing)");
-  o.trace = flags.output_path("trace", o.trace, "Chrome trace of steps 4-5");
+  examples::parse_gpt_run<Comm>(flags, o, "tensor-parallel ranks", "4-5");
   flags.finish();
   return o;
 }

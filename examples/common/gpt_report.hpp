@@ -72,11 +72,16 @@ inline void print_gpt_cost(const tessera::GPTConfig& c, double params, double no
                 loopback_before >= 0 ? loopback_after - loopback_before : -1);
 }
 
-// The training recipe examples 15 and 16 share (nanoGPT's small-data defaults), and its flags.
+// The training recipe examples 15, 16 and 17 share (nanoGPT's small-data defaults), how they run
+// (threads, ranks, seed, output) and the flags of both.
 struct GptRecipe {
   std::int64_t steps = 1000, eval_every = 250, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
   std::int64_t val_batches = 0;
   double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99;
+  double max_val_loss = 0;
+  int threads = 1, ranks = 2, progress = -1;
+  std::uint64_t seed = 1;
+  std::string data_dir, trace;
 };
 inline void parse_gpt_recipe(tessera::Flags& flags, GptRecipe& o) {
   o.steps = flags.get("steps", o.steps, {.min = 1}, "optimizer steps in all");
@@ -91,6 +96,28 @@ inline void parse_gpt_recipe(tessera::Flags& flags, GptRecipe& o) {
   o.weight_decay = flags.get("weight-decay", o.weight_decay, {.min = 0}, "AdamW's decay of the 2-D weights");
   o.beta2 = flags.get("beta2", o.beta2, {.min = 0, .max = 1}, "AdamW's beta2 (nanoGPT: 0.99 for small data)");
   o.val_batches = flags.get("val-batches", o.val_batches, {.min = 0}, "validation batches of 32 windows (0: all)");
+}
+// The run's flags, after the example's own: what the ranks are (ranks_help), the check's bound,
+// threads, seed, progress, the corpus's folder and the trace of `traced` steps.
+template <class Comm>
+void parse_gpt_run(tessera::Flags& flags, GptRecipe& o, const char* ranks_help, const char* traced) {
+  o.max_val_loss = flags.get("max-val-loss", o.max_val_loss, {.min = 0}, "the check's bound (0: the unigram entropy)");
+  o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
+  o.ranks = flags.ranks("ranks", o.ranks, !tessera::SharedMemoryCommunicator<Comm>, ranks_help);
+  tessera::check_thread_budget(tessera::SharedMemoryCommunicator<Comm> ? o.ranks : 1, "--ranks", o.threads, "--threads");
+  o.seed = static_cast<std::uint64_t>(flags.get("seed", std::int64_t{1}, "seed of the weights and the windows (and of 15's sample)"));
+  o.progress = flags.get("progress", o.progress, {.min = -1, .max = 1}, "1 bar, 0 lines, -1 bar on a terminal");
+  o.data_dir = flags.get("data-dir", std::string("data/fortunes"), "where the corpus's token files are (made if missing)");
+  o.trace = flags.output_path("trace", o.trace, std::string("Chrome trace of steps ") + traced);
+}
+// The Trainer's options for a GPT run: an "epoch" is one evaluation interval; progress and
+// figures on rank 0; steps 4 to 3 + traced_steps recorded when --trace is given.
+template <class Comm>
+tessera::TrainOptions gpt_train_options(Comm& comm, const GptRecipe& o, tessera::Timeline& timeline,
+                                        std::int64_t traced_steps) {
+  return {.epochs = o.steps / o.eval_every, .progress = comm.rank() == 0 ? o.progress : 0,
+          .verbose = comm.rank() == 0, .timeline = o.trace.empty() ? nullptr : &timeline, .timeline_first_step = 3,
+          .timeline_steps = traced_steps, .trace_path = o.trace, .checkpoint_group = tessera::CheckpointGroup(comm)};
 }
 
 // nanoGPT's get_lr(it) as the Trainer's schedule (a function of the fractional epoch; an epoch here
@@ -236,8 +263,8 @@ bool check_tensor_parallel_step(Comm& comm, Dense& dense, Split& split, const te
 // wte's (V, C) gradient between the first and the last stage (the tie with lm_head), each at
 // sizeof(float). The step's gradients are left zero. Returns whether both agree.
 template <class Comm, class Model, class Pipe>
-bool check_pipeline_step(Comm& comm, Model& whole, Model& staged, Pipe& pipe, const tessera::Batch<float>& batch,
-                         int micro_batches, double tolerance) {
+bool check_pipeline_step(Comm& comm, Model& whole, Pipe& pipe, const tessera::Batch<float>& batch, int micro_batches,
+                         double tolerance) {
   using E = typename Model::Env;
   tessera::CrossEntropyLoss<E> ce;
   typename tessera::CrossEntropyLoss<E>::Cache ce_cache;

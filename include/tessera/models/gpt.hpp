@@ -353,6 +353,18 @@ class GPT {
       v.buffer(prefix + "lm_head.weight", wte_.weight().value);  // the tie (see the top)
     }
   }
+  // Each unit's training FLOPs per token (forward and backward, nanoGPT's estimate_mfu terms at
+  // T = block_size): a block 72 C^2 (its 12 C^2 weights, 6 FLOPs each) + 12 C T (attention), the
+  // head 6 V C (lm_head), the embeddings 6 C (a lookup and an add). The pipeline balances its
+  // stages by them: by parameter count the embeddings would weigh as much as the head and cost
+  // next to nothing.
+  std::vector<double> unit_costs() const {
+    const auto ch = static_cast<double>(config_.n_embd);
+    std::vector<double> costs(unit_count(), 72 * ch * ch + 12 * ch * static_cast<double>(config_.block_size));
+    costs.front() = 6 * ch;
+    costs.back() = 6 * static_cast<double>(config_.vocab_size) * ch;
+    return costs;
+  }
   std::vector<TiedParameter<S, D>> tied_parameters() {
     return {{"transformer.wte.weight", 0, unit_count() - 1, &wte_.weight()}};
   }

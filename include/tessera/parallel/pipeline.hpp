@@ -34,7 +34,8 @@
 // Balancing: options.boundaries fixes the split; otherwise the units are split to minimize the
 // most expensive stage, with options.unit_costs if given, else costs measured on rank 0 (forward +
 // backward of each unit on the sample micro-batch passed to rank 0's constructor, broadcast so
-// every rank splits the same way), else each unit's parameter count plus one (a crude estimate).
+// every rank splits the same way), else the model's own unit_costs() where it has one (GPT: FLOPs
+// per token), else each unit's parameter count plus one (a crude estimate).
 // Every stage of a balanced split holds at least one unit with parameters: a stage of only ReLUs
 // and poolings has nothing to train (its optimizer refused "no parameters to optimize", so
 // example 06 at --stages=4 failed); more stages than such units is refused by name.
@@ -52,6 +53,13 @@
 // receive ("recv A3 from stage 0": waiting for micro-batch 3's activations; "recv G3 from stage
 // 2": its gradient) and every send as issued ("send A3 to stage 1, 12.5 KiB"). The stage's idle
 // time is the step span minus its F/B spans: mostly the receive waits, the bubble.
+//
+// Language models: a model whose first unit takes token ids (GPT: embeddings, blocks, head) reads
+// them on stage 0, (N, T) int64, and the last stage takes one label per row of logits (N T next
+// tokens for (N, T, V)). A parameter two units read (GPT's wte, also lm_head: tied_parameters())
+// whose units sit on two stages has a copy on each; after the last backward the two stages send
+// each other their gradient of it and add (g_a + g_b on both, the same bits), before its
+// grad_ready reaches a DataParallel over the stage, so the copies take the same steps.
 //
 // Requires: every rank builds the same model (same seed); the model outlives the Pipeline.
 #pragma once
@@ -672,8 +680,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       for (auto& [name, p] : named.parameters) p->grad.zero();
       for (std::size_t k = 0; k < saved.size(); ++k) *named.buffers[k].second = saved[k];
     } else if (!measured[0]) {
-      c = unit_parameters();
-      for (double& n : c) n += 1.0;
+      if constexpr (requires { { model_.unit_costs() } -> std::convertible_to<std::vector<double>>; }) {
+        c = model_.unit_costs();  // the model's own estimate (GPT: FLOPs per token)
+        TESSERA_CHECK(c.size() == units, ArgumentError, "Pipeline: the model's unit_costs() gives ", c.size(),
+                      " costs for ", units, " units");
+      } else {
+        c = unit_parameters();
+        for (double& n : c) n += 1.0;
+      }
     }
     if (measured[0]) comm_.broadcast(std::span<double>(c), 0);
     return c;
