@@ -5,7 +5,8 @@
 // fit() learns a pattern, and an image batch given to a token model is refused by name; a GPT under
 // DataParallel and ZeRO-1 against one process (parallel/gpt_dp_equivalence.hpp, also on MPI and Gloo);
 // a pipeline over GPT's blocks against one process (parallel/pp_gpt_equivalence.hpp, also on MPI and
-// Gloo), and under the Trainer stacked with DataParallel.
+// Gloo), and under the Trainer stacked with DataParallel; the tensor-parallel GPT stacked with
+// DataParallel (data x tensor parallelism) under the Trainer.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include "tessera/parallel/data_parallel.hpp"
 #include "tessera/parallel/gradient_accumulation.hpp"
 #include "tessera/parallel/pipeline.hpp"
+#include "tessera/parallel/tensor_parallel_gpt.hpp"
 #include "tessera/train/trainer.hpp"
 
 using namespace tessera;
@@ -351,6 +353,54 @@ TEST_CASE("Trainer + GPT: stack(DataParallel, Pipeline) on 2 replicas x 2 stages
     for (auto& [name, p] : pipe.stage_parameters().parameters)
       for (std::int64_t i = 0; i < p->value.numel(); ++i)
         worst = std::max(worst, std::abs(p->value.data()[i] - expected.at(name)[static_cast<std::size_t>(i)]));
+    difference[static_cast<std::size_t>(comm.rank())] = worst;
+  });
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(difference[static_cast<std::size_t>(r)] < 1e-12);
+    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - expected_loss) < 1e-12);
+  }
+}
+
+TEST_CASE("Trainer + GPT: stack(DataParallel, TensorParallel) on 2 replicas x 2 tensor ranks equals one process "
+          "(float64)", "[train][gpt][parallel]") {
+  const auto stream = tokens_stream(600, 7);
+  const GPTConfig config{.block_size = 8, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 8};
+  std::map<std::string, Tensor<double, Cpu>> expected;
+  double expected_loss = 0;
+  {
+    Rng rng(6);
+    GPT<CpuLocal64> model(config, rng);
+    AdamW<CpuLocal64> opt(named_tensors(model), {.lr = 3e-3});
+    Trainer trainer(model, opt, tokens_lr, tokens_quiet());
+    TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(8, true), 3);
+    expected_loss = trainer.fit(loader).at(0).train_loss;
+    for (auto& [name, p] : named_tensors(model).parameters) expected[name] = p->value;
+  }
+  std::vector<double> difference(4, 1.0), loss(4, 0.0);
+  ThreadWorld world(4);
+  world.run([&](ThreadComm& comm) {
+    const int replica = comm.rank() / 2, part = comm.rank() % 2;
+    ThreadComm tensor_comm = comm.split(replica, part), data_comm = comm.split(part, replica);
+    Rng rng(6);
+    GPT<CpuThreads64> dense(config, rng);
+    TensorParallelGPT<CpuThreads64> model(dense, tensor_comm);
+    DataParallel dp(model, data_comm);
+    TensorParallel<CpuThreads64> tensor(tensor_comm, model);
+    AdamW<CpuThreads64> opt(dp.parameters(), {.lr = 3e-3});
+    auto strategy = stack(dp, tensor);
+    TrainOptions o = tokens_quiet();
+    o.checkpoint_group = CheckpointGroup(comm);
+    Trainer trainer(model, opt, strategy, tokens_lr, o);
+    TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(4, true, replica, 2), 3);
+    loss[static_cast<std::size_t>(comm.rank())] = trainer.fit(loader).at(0).train_loss;
+    double worst = 0;
+    for (auto& [name, p] : named_tensors(model).parameters) {
+      const Tensor<double, Cpu> slice = model.shard_of(name, expected.at(name));
+      REQUIRE(slice.shape() == p->value.shape());
+      for (std::int64_t i = 0; i < p->value.numel(); ++i)
+        worst = std::max(worst, std::abs(p->value.data()[i] - slice.data()[i]));
+    }
     difference[static_cast<std::size_t>(comm.rank())] = worst;
   });
   for (int r = 0; r < 4; ++r) {

@@ -7,6 +7,7 @@
 #include <functional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tessera/core/concepts.hpp"
@@ -56,6 +57,50 @@ struct TiedParameter {
   std::string name;
   std::size_t first_unit = 0, second_unit = 0;
   Parameter<S, D>* parameter = nullptr;
+};
+
+// Holds back the grad_ready hooks of some parameters whose gradient is not final when their layer's
+// backward ends (a pipeline's tied wte until the other stage's part is added; a tensor-parallel
+// model's replicated parameters until their sum over the ranks), so that a strategy acting on
+// grad_ready (DataParallel's bucket all-reduce) sees the final gradient: from hold() the hooks
+// only count their calls; release() restores them and makes each held call, or with
+// every_parameter_once one call per parameter (the holder computed every one of these gradients,
+// some outside a layer's backward). The destructor restores the hooks whatever happened in
+// between (calls held then are dropped: the step failed).
+template <class S, class D>
+class GradReadyHold {
+ public:
+  explicit GradReadyHold(std::vector<Parameter<S, D>*> parameters) : parameters_(std::move(parameters)) {}
+  GradReadyHold(const GradReadyHold&) = delete;
+  GradReadyHold& operator=(const GradReadyHold&) = delete;
+  ~GradReadyHold() { restore(); }
+  void hold() {
+    if (held_) return;
+    held_ = true;
+    saved_.clear();
+    calls_.assign(parameters_.size(), 0);
+    for (std::size_t k = 0; k < parameters_.size(); ++k) {
+      saved_.push_back(std::move(parameters_[k]->on_grad_ready));
+      parameters_[k]->on_grad_ready = [this, k](Parameter<S, D>&) { ++calls_[k]; };
+    }
+  }
+  void release(bool every_parameter_once = false) {
+    if (!held_) return;
+    restore();
+    for (std::size_t k = 0; k < parameters_.size(); ++k)
+      for (int call = 0; call < (every_parameter_once ? 1 : calls_[k]); ++call) parameters_[k]->grad_ready();
+  }
+
+ private:
+  void restore() {
+    if (!held_) return;
+    held_ = false;
+    for (std::size_t k = 0; k < parameters_.size(); ++k) parameters_[k]->on_grad_ready = std::move(saved_[k]);
+  }
+  std::vector<Parameter<S, D>*> parameters_;
+  std::vector<std::function<void(Parameter<S, D>&)>> saved_;
+  std::vector<int> calls_;
+  bool held_ = false;
 };
 
 // Names as PyTorch's state_dict spells them ("layer1.0.conv1.weight"), gathered once after

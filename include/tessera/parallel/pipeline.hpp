@@ -333,10 +333,10 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     // A tied parameter's gradient is final only once the other stage's part is added: its
     // grad_ready (a DataParallel over the stage's replicas launches its bucket there) is held back
     // during the last backward and given after the exchange below.
-    TieHold hold(ties_);
+    GradReadyHold<S, D> hold(tied_parameters_);
     auto bwd = [&](int i) {
       hooks.before_backward(micro(i));
-      if (i == m - 1) hold.engage();
+      if (i == m - 1) hold.hold();
       backward_micro_batch(i);
       hooks.after_backward(micro(i));
     };
@@ -484,7 +484,10 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       const int a = stage_of(t.first_unit), b = stage_of(t.second_unit), me = comm_.rank();
       if (a != b && (me == a || me == b)) ties_.push_back({t.parameter, me == a ? b : a, t.name});
     }
-    for (const Tie& t : ties_) tie_buffers_.emplace_back(t.parameter->grad.shape());
+    for (const Tie& t : ties_) {
+      tie_buffers_.emplace_back(t.parameter->grad.shape());
+      tied_parameters_.push_back(t.parameter);
+    }
   }
   // Both stages of a tie send their gradient and add the other's: g = g_mine + g_peer, the same
   // bits on both (addition commutes), as one process's single copy gets both parts.
@@ -507,43 +510,6 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       }
     }
   }
-  // Holds back the tied parameters' grad_ready hooks from engage() to release(), then gives each
-  // held call; restores the hooks whatever happens in between.
-  class TieHold {
-   public:
-    explicit TieHold(std::vector<Tie>& ties) : ties_(ties) {}
-    TieHold(const TieHold&) = delete;
-    TieHold& operator=(const TieHold&) = delete;
-    ~TieHold() { restore(); }
-    void engage() {
-      if (engaged_) return;
-      engaged_ = true;
-      for (Tie& t : ties_) {
-        saved_.push_back(std::move(t.parameter->on_grad_ready));
-        fired_.push_back(0);
-        t.parameter->on_grad_ready = [this, k = saved_.size() - 1](Parameter<S, D>&) { ++fired_[k]; };
-      }
-    }
-    void release() {
-      if (!engaged_) return;
-      restore();
-      for (std::size_t k = 0; k < ties_.size(); ++k)
-        for (int f = 0; f < fired_[k]; ++f) ties_[k].parameter->grad_ready();
-    }
-
-   private:
-    void restore() {
-      if (!engaged_) return;
-      engaged_ = false;
-      for (std::size_t k = 0; k < saved_.size(); ++k) ties_[k].parameter->on_grad_ready = std::move(saved_[k]);
-      saved_.clear();
-    }
-    std::vector<Tie>& ties_;
-    std::vector<std::function<void(Parameter<S, D>&)>> saved_;
-    std::vector<int> fired_;
-    bool engaged_ = false;
-  };
-
   // Activations to the next stage: their shape (rank, dims) first, then the values.
   // i: the micro-batch, for the timeline; predict() sends with i = -1 (not recorded).
   void send_activation(Slot& sl, const Tensor& out, int i = -1) {
@@ -715,6 +681,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   PipelineStepStats stats_;
   std::vector<Tie> ties_;
   std::vector<Tensor> tie_buffers_;
+  std::vector<Parameter<S, D>*> tied_parameters_;
   int in_flight_ = 0;
   S loss_sum_ = 0;
   std::int64_t correct_ = 0;  // the step's correct predictions (last stage)

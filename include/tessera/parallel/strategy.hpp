@@ -23,12 +23,13 @@
 // A strategy that splits the model over ranks (Pipeline: each stage runs some of its units) runs
 // forward, loss and backward itself: it says so with `static constexpr bool kRunsModel = true`,
 // and the Trainer calls, instead of run_micro_batches,
-//   r = s.run_model(images, labels, hooks)      its own micro-batch loop, calling hooks.before_forward,
+//   r = s.run_model(input, labels, hooks)       its own micro-batch loop (input: the batch's images, or
+//                                               its token ids for a TokenModel), calling hooks.before_forward,
 //                                               hooks.before_backward and hooks.after_backward (the
 //                                               whole stack's) around each micro-batch, in its order
 //                                               (1F1B interleaves them); r: mean loss and correct
 //                                               predictions, the same on every rank it spans
-//   r = s.evaluate_batch(images, labels)        forward only, the same figures
+//   r = s.evaluate_batch(input, labels)         forward only, the same figures
 // and s.sample_copies() tells how many ranks of the Trainer's group see each sample (a pipeline's
 // P stages), so that the epoch's figures count each sample once.
 //

@@ -29,17 +29,21 @@
 // the tensor-parallel model computes the dense one's logits, loss and gradients (their slices),
 // to rounding. The replicated gradients are summed over the ranks at the end of backward (their
 // growth since backward began, so gradient accumulation over micro-batches stays exact). T must
-// divide over the ranks, and n_head as well. Not stackable with DataParallel yet: the replicated
-// parameters' grad_ready fires before their sum. Inference with a key/value cache is GPT's.
+// divide over the ranks, and n_head as well. The replicated parameters' grad_ready is held back
+// until that sum (GradReadyHold), so a DataParallel over the tensor groups' replicas
+// (stack(dp, tensor), data x tensor parallelism) averages final gradients. Inference with a
+// key/value cache is GPT's.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/parameter.hpp"
 #include "tessera/core/span_sink.hpp"
 #include "tessera/kernels/attention.hpp"
 #include "tessera/kernels/elementwise.hpp"
@@ -139,6 +143,10 @@ class TensorParallelGPT {
                   "::backward: dlogits ", dlogits.shape(), " does not match the logits ", c.logits.shape(),
                   " (or backward before forward)");
     pack_replicated_grads(c.replicated_before);
+    std::vector<Parameter<S, D>*> replicated;
+    for_each_replicated([&](Parameter<S, D>& p) { replicated.push_back(&p); });
+    GradReadyHold<S, D> hold(std::move(replicated));  // each rank's part is not the gradient yet
+    hold.hold();
     const std::int64_t batch = c.batch, t = c.t, tl = t / p_, v = config_.vocab_size, ch = config_.n_embd;
     // This rank's positions of the logits: lm_head's gradient over them, and their dxf.
     c.dlogits.resize({batch, tl, v});
@@ -162,6 +170,7 @@ class TensorParallelGPT {
     add_column_sums(D{}, dx->data(), batch, tl * ch, c.dpos.data());
     wpe_.backward(c.dpos, c.wpe);
     sum_replicated_grads(c.replicated_before);
+    hold.release(/*every_parameter_once=*/true);  // the row layers' biases are summed here, not in a layer
   }
 
   // nanoGPT's names; the split tensors hold this rank's slice (shard_of says which).

@@ -14,7 +14,8 @@
 //
 // Strategies (parallel/strategy.hpp): Trainer(model, optimizer, strategy, schedule, options) drives
 // any strategy or Stack of them through the protocol's hooks: DataParallel, LocalSgd,
-// GradientAccumulation, stack(dp, accumulation). A strategy's per-rank state (DataParallel's top-k
+// GradientAccumulation, stack(dp, accumulation), a Pipeline (of a Layer or of a TokenModel such as
+// GPT: it runs the model itself), stack(dp, pipe). A strategy's per-rank state (DataParallel's top-k
 // residuals, LocalSgd's step count) is saved with each checkpoint in one file per rank beside it,
 // "<path>.rank<r>.strategy" (strategy_state_path), and loaded with it; a resume then continues
 // exactly as the uninterrupted run would. When the strategy says the ranks' optimizer states
