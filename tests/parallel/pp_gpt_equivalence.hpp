@@ -32,6 +32,7 @@ struct PpGptCase {
   PipelineSchedule schedule = PipelineSchedule::OneFOneB;
   int steps = 3;
   bool checkpointing = false;  // the staged GPT recomputes its blocks' forwards in backward
+  bool measure_costs = false;  // balance by units' times measured on rank 0 (a sample of ids)
   double tolerance = 1e-5;     // of the largest magnitude of each compared tensor (float32)
 };
 
@@ -55,12 +56,16 @@ std::vector<std::string> pp_gpt_equivalence(Comm& comm, const PpGptCase& k = {})
   using E = Env<Cpu, Comm, S>;
   std::vector<std::string> failures;
   const int rank = comm.rank(), stages = comm.size();
-  const std::string where = "Pipeline(" + std::string(schedule_name(k.schedule)) + (k.checkpointing ? ", checkpointed" : "") + ") over GPT on " +
+  const std::string where = "Pipeline(" + std::string(schedule_name(k.schedule)) + (k.checkpointing ? ", checkpointed" : "") +
+                            (k.measure_costs ? ", measured costs" : "") + ") over GPT on " +
                             std::to_string(stages) + " stages (stage " + std::to_string(rank) + "): ";
   Rng rng_reference(17), rng_staged(17);
   GPT<E> reference(k.config, rng_reference), staged(k.config, rng_staged);
   staged.set_activation_checkpointing(k.checkpointing);
-  Pipeline pipe(staged, comm, {.micro_batches = k.micro_batches, .schedule = k.schedule});
+  Tensor<std::int64_t, Cpu> sample({k.batch / k.micro_batches, k.t});
+  for (std::int64_t i = 0; i < sample.numel(); ++i) sample.data()[i] = i % k.config.vocab_size;
+  Pipeline pipe(staged, comm, {.micro_batches = k.micro_batches, .schedule = k.schedule},
+                k.measure_costs && rank == 0 ? &sample : nullptr);
   auto reference_named = named_tensors(reference);
   auto stage_named = pipe.stage_parameters();
   Sgd<E> reference_sgd(reference_named, {.lr = 0.1, .momentum = 0.9});

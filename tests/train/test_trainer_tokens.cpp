@@ -297,18 +297,23 @@ TEST_CASE("Pipeline over GPT blocks equals one process on 2, 3 and 4 thread stag
     int stages;
     PipelineSchedule schedule;
     int micro_batches;
-    bool checkpointing;
+    bool checkpointing, measure_costs;
   };
-  for (const Variant v : {Variant{2, PipelineSchedule::GPipe, 2, false}, Variant{2, PipelineSchedule::OneFOneB, 4, true},
-                          Variant{3, PipelineSchedule::OneFOneB, 2, false}, Variant{4, PipelineSchedule::OneFOneB, 4, false},
-                          Variant{5, PipelineSchedule::GPipe, 1, false}}) {
+  for (const Variant v : {Variant{2, PipelineSchedule::GPipe, 2, false, false},
+                          Variant{2, PipelineSchedule::OneFOneB, 4, true, false},
+                          Variant{3, PipelineSchedule::OneFOneB, 2, false, false},
+                          Variant{3, PipelineSchedule::GPipe, 2, true, true},
+                          Variant{4, PipelineSchedule::OneFOneB, 4, false, false},
+                          Variant{5, PipelineSchedule::GPipe, 1, false, false}}) {
     DYNAMIC_SECTION(v.stages << " stages, " << schedule_name(v.schedule) << ", " << v.micro_batches
-                             << " micro-batches" << (v.checkpointing ? ", checkpointed" : "")) {
+                             << " micro-batches" << (v.checkpointing ? ", checkpointed" : "")
+                             << (v.measure_costs ? ", measured costs" : "")) {
       std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(v.stages));
       ThreadWorld world(v.stages);
       world.run([&](ThreadComm& comm) {
         failures[static_cast<std::size_t>(comm.rank())] = testing::pp_gpt_equivalence<float>(
-            comm, {.micro_batches = v.micro_batches, .schedule = v.schedule, .checkpointing = v.checkpointing});
+            comm, {.micro_batches = v.micro_batches, .schedule = v.schedule, .checkpointing = v.checkpointing,
+                   .measure_costs = v.measure_costs});
       });
       for (const auto& rank_failures : failures) {
         CHECK(rank_failures.empty());

@@ -439,7 +439,10 @@ class GPT {
   // cache, or with checkpointing only the output), then the head if end is the last unit.
   const Tensor& forward_from(const Tensor& x_in, Cache& c, std::size_t begin, std::size_t end) {
     const std::size_t first = begin - 1, last = std::min(end - 1, h_.size());
-    c.blocks_input = &x_in, c.first_block = first, c.end_block = std::max(first, last);
+    // The blocks backward may run: these, or (one unit after another on one cache, as the pipeline
+    // measures each unit's cost) these and those the calls before ran up to here.
+    if (c.blocks_input == nullptr || first != c.end_block) c.blocks_input = &x_in, c.first_block = first;
+    c.end_block = std::max(first, last);
     const Tensor* x = &x_in;
     if (c.checkpointed) {
       // Keep only each block's output; its activations are dropped and recomputed in backward.
