@@ -71,12 +71,8 @@ int run(Comm& comm, const Options& o) {
   const auto epochs = trainer.fit(train, &val);
   const double peer1 = examples::peer_bytes(comm), lo1 = comm.rank() == 0 ? examples::loopback_bytes() : -1;
   examples::check_replicas_identical(comm, model, "after training");
-  examples::GptRun r{.steps = static_cast<double>(trainer.state().global_step), .ranks = comm.size(),
-                     .threads = o.threads, .parameters = params};
-  for (const auto& e : epochs) r.seconds += e.seconds;
-  r.tokens_per_second = r.steps * static_cast<double>(o.batch * o.block) / r.seconds;
-  r.val_loss = epochs.back().test_loss;
-  r.train_loss = epochs.back().train_loss;
+  const examples::GptRun r = examples::gpt_run(epochs, static_cast<double>(trainer.state().global_step), comm.size(),
+                                                o.threads, params, o.batch * o.block);
   if (comm.rank() != 0) return 0;
   examples::print_gpt_cost(config, params, non_embedding, comm.size(), r.tokens_per_second, r.steps, peer0, peer1, lo0, lo1);
   const bool sample_ok = examples::print_sample(model, o.prompt, o.sample, o.temperature, o.top_k, o.seed);

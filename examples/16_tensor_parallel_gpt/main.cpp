@@ -68,12 +68,8 @@ int run(Comm& comm, const Options& o) {
   Trainer trainer(model, adamw, tensor, lr_at,
                   examples::gpt_train_options(comm, o, timeline, 2));
   const auto epochs = trainer.fit(train, &val);
-  examples::GptRun r{.steps = static_cast<double>(trainer.state().global_step), .ranks = comm.size(),
-                     .threads = o.threads, .parameters = static_cast<double>(dense.num_params(false))};
-  for (const auto& e : epochs) r.seconds += e.seconds;
-  r.tokens_per_second = r.steps * static_cast<double>(o.batch * o.block) / r.seconds;
-  r.val_loss = epochs.back().test_loss;
-  r.train_loss = epochs.back().train_loss;
+  const examples::GptRun r = examples::gpt_run(epochs, static_cast<double>(trainer.state().global_step), comm.size(),
+                                                o.threads, static_cast<double>(dense.num_params(false)), o.batch * o.block);
   if (comm.rank() != 0) return 0;
   std::printf("trained %.0f steps at %.0f tokens/s (all ranks together: each token once)\n", r.steps,
               r.tokens_per_second);

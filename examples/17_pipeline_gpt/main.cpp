@@ -89,12 +89,8 @@ int run(Comm& comm, const Options& o) {
   double idle[1] = {pipe.last_step().idle_fraction()};
   comm.all_reduce(std::span<double>(idle), ReduceOp::Max);
   const bool tie_ok = tied_copies_identical(comm, model);
-  examples::GptRun r{.steps = static_cast<double>(trainer.state().global_step), .ranks = comm.size(),
-                     .threads = o.threads, .parameters = static_cast<double>(model.num_params(false))};
-  for (const auto& e : epochs) r.seconds += e.seconds;
-  r.tokens_per_second = r.steps * static_cast<double>(o.batch * o.block) / r.seconds;
-  r.val_loss = epochs.back().test_loss;
-  r.train_loss = epochs.back().train_loss;
+  const examples::GptRun r = examples::gpt_run(epochs, static_cast<double>(trainer.state().global_step), comm.size(),
+                                                o.threads, static_cast<double>(model.num_params(false)), o.batch * o.block);
   if (comm.rank() != 0) return 0;
   std::printf("trained %.0f steps at %.0f tokens/s; the last step's most idle stage sat %.0f%% idle (bubble "
               "(P-1)/(M+P-1) = %.0f%% with equal stages)\n", r.steps, r.tokens_per_second, 100 * idle[0],

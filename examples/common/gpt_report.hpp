@@ -140,6 +140,17 @@ struct GptRun {
   double parameters = 0, seconds = 0, tokens_per_second = 0, val_loss = 0, train_loss = 0;
 };
 
+// The run's figures from the Trainer's epochs: all `steps` steps of batch x block tokens each.
+template <class Epochs>
+GptRun gpt_run(const Epochs& epochs, double steps, int ranks, int threads, double parameters, std::int64_t tokens_per_step) {
+  GptRun r{.steps = steps, .ranks = ranks, .threads = threads, .parameters = parameters};
+  for (const auto& e : epochs) r.seconds += e.seconds;
+  r.tokens_per_second = r.steps * static_cast<double>(tokens_per_step) / r.seconds;
+  r.val_loss = epochs.back().test_loss;
+  r.train_loss = epochs.back().train_loss;
+  return r;
+}
+
 // The check: the validation loss below max_val_loss, or (0) below the unigram entropy of the
 // training bytes, which a model that ignores context cannot beat. Writes the run as one JSON line
 // to `json` (empty: none). Returns whether the check holds.

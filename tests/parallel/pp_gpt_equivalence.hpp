@@ -73,14 +73,16 @@ std::vector<std::string> pp_gpt_equivalence(Comm& comm, const PpGptCase& k = {})
   typename GPT<E>::Cache cache;
   CrossEntropyLoss<E> ce;
   typename CrossEntropyLoss<E>::Cache ce_cache;
-  const auto compare = [&](const char* what, const std::string& name, const Tensor<S, Cpu>& mine, int step) {
+  // The stage's gradient (or, after the step, value) of `name` against the whole model's.
+  const auto compare = [&](bool gradient, const std::string& name, const Tensor<S, Cpu>& mine, int step) {
     const auto it = std::find_if(reference_named.parameters.begin(), reference_named.parameters.end(),
                                  [&](const auto& d) { return d.first == name; });
     if (it == reference_named.parameters.end()) {
       failures.push_back(where + "the whole model has no parameter " + name);
       return;
     }
-    const Tensor<S, Cpu>& expected = std::string(what) == "the gradient" ? it->second->grad : it->second->value;
+    const Tensor<S, Cpu>& expected = gradient ? it->second->grad : it->second->value;
+    const char* what = gradient ? "the gradient" : "the value after the step";
     const double d = tp_gpt_relative_difference(mine.data(), expected.data(), mine.numel());
     if (!(d <= k.tolerance))
       failures.push_back(where + "step " + std::to_string(step) + ": " + what + " of " + name + " differs by " +
@@ -110,10 +112,10 @@ std::vector<std::string> pp_gpt_equivalence(Comm& comm, const PpGptCase& k = {})
                          " bytes (activations / gradients / tied wte); the formula says " +
                          std::to_string(expected_bytes.forward) + " / " + std::to_string(expected_bytes.backward) +
                          " / " + std::to_string(expected_bytes.tied));
-    for (auto& [name, p] : stage_named.parameters) compare("the gradient", name, p->grad, step);
+    for (auto& [name, p] : stage_named.parameters) compare(true, name, p->grad, step);
     reference_sgd.step();
     stage_sgd.step();
-    for (auto& [name, p] : stage_named.parameters) compare("the value after the step", name, p->value, step);
+    for (auto& [name, p] : stage_named.parameters) compare(false, name, p->value, step);
   }
   // The two copies of the tie: the last stage sends its wte, the first compares bit for bit.
   if (stages > 1) {

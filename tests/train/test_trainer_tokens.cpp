@@ -83,6 +83,24 @@ TrainOptions tokens_quiet() {
 }
 double tokens_lr(double) { return 3e-3; }
 
+// One process trained for one epoch of 3 global batches of 8 windows (AdamW, float64): the
+// parameters and the epoch's loss that the data x model parallel runs below must give.
+struct TokensOneProcess {
+  std::map<std::string, Tensor<double, Cpu>> parameters;
+  double loss = 0;
+};
+TokensOneProcess tokens_one_process(const std::vector<std::uint16_t>& stream) {
+  Rng rng(6);
+  GPT<CpuLocal64> model(tokens_config(), rng);
+  AdamW<CpuLocal64> opt(named_tensors(model), {.lr = 3e-3});
+  Trainer trainer(model, opt, tokens_lr, tokens_quiet());
+  TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(8, true), 3);
+  TokensOneProcess out;
+  out.loss = trainer.fit(loader).at(0).train_loss;
+  for (auto& [name, p] : named_tensors(model).parameters) out.parameters[name] = p->value;
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("TokenLoader: next-token labels, ranks' shares of one global batch, resumable", "[train][data][text]") {
@@ -326,18 +344,7 @@ TEST_CASE("Pipeline over GPT blocks equals one process on 2, 3 and 4 thread stag
 TEST_CASE("Trainer + GPT: stack(DataParallel, Pipeline) on 2 replicas x 2 stages equals one process (float64)",
           "[train][gpt][parallel]") {
   const auto stream = tokens_stream(600, 7);
-  std::map<std::string, std::vector<double>> expected;
-  double expected_loss = 0;
-  {
-    Rng rng(6);
-    GPT<CpuLocal64> model(tokens_config(), rng);
-    AdamW<CpuLocal64> opt(named_tensors(model), {.lr = 3e-3});
-    Trainer trainer(model, opt, tokens_lr, tokens_quiet());
-    TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(8, true), 3);
-    expected_loss = trainer.fit(loader).at(0).train_loss;
-    for (auto& [name, p] : named_tensors(model).parameters)
-      expected[name] = std::vector<double>(p->value.data(), p->value.data() + p->value.numel());
-  }
+  const TokensOneProcess expected = tokens_one_process(stream);
   std::vector<double> difference(4, 1.0), loss(4, 0.0);
   ThreadWorld world(4);
   world.run([&](ThreadComm& comm) {
@@ -357,38 +364,27 @@ TEST_CASE("Trainer + GPT: stack(DataParallel, Pipeline) on 2 replicas x 2 stages
     double worst = 0;
     for (auto& [name, p] : pipe.stage_parameters().parameters)
       for (std::int64_t i = 0; i < p->value.numel(); ++i)
-        worst = std::max(worst, std::abs(p->value.data()[i] - expected.at(name)[static_cast<std::size_t>(i)]));
+        worst = std::max(worst, std::abs(p->value.data()[i] - expected.parameters.at(name).data()[i]));
     difference[static_cast<std::size_t>(comm.rank())] = worst;
   });
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
     CHECK(difference[static_cast<std::size_t>(r)] < 1e-12);
-    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - expected_loss) < 1e-12);
+    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - expected.loss) < 1e-12);
   }
 }
 
 TEST_CASE("Trainer + GPT: stack(DataParallel, TensorParallel) on 2 replicas x 2 tensor ranks equals one process "
           "(float64)", "[train][gpt][parallel]") {
   const auto stream = tokens_stream(600, 7);
-  const GPTConfig config{.block_size = 8, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 8};
-  std::map<std::string, Tensor<double, Cpu>> expected;
-  double expected_loss = 0;
-  {
-    Rng rng(6);
-    GPT<CpuLocal64> model(config, rng);
-    AdamW<CpuLocal64> opt(named_tensors(model), {.lr = 3e-3});
-    Trainer trainer(model, opt, tokens_lr, tokens_quiet());
-    TokenLoader<double> loader(tokens_span(stream), 8, tokens_options(8, true), 3);
-    expected_loss = trainer.fit(loader).at(0).train_loss;
-    for (auto& [name, p] : named_tensors(model).parameters) expected[name] = p->value;
-  }
+  const TokensOneProcess expected = tokens_one_process(stream);
   std::vector<double> difference(4, 1.0), loss(4, 0.0);
   ThreadWorld world(4);
   world.run([&](ThreadComm& comm) {
     const int replica = comm.rank() / 2, part = comm.rank() % 2;
     ThreadComm tensor_comm = comm.split(replica, part), data_comm = comm.split(part, replica);
     Rng rng(6);
-    GPT<CpuThreads64> dense(config, rng);
+    GPT<CpuThreads64> dense(tokens_config(), rng);
     TensorParallelGPT<CpuThreads64> model(dense, tensor_comm);
     DataParallel dp(model, data_comm);
     TensorParallel<CpuThreads64> tensor(tensor_comm, model);
@@ -401,7 +397,7 @@ TEST_CASE("Trainer + GPT: stack(DataParallel, TensorParallel) on 2 replicas x 2 
     loss[static_cast<std::size_t>(comm.rank())] = trainer.fit(loader).at(0).train_loss;
     double worst = 0;
     for (auto& [name, p] : named_tensors(model).parameters) {
-      const Tensor<double, Cpu> slice = model.shard_of(name, expected.at(name));
+      const Tensor<double, Cpu> slice = model.shard_of(name, expected.parameters.at(name));
       REQUIRE(slice.shape() == p->value.shape());
       for (std::int64_t i = 0; i < p->value.numel(); ++i)
         worst = std::max(worst, std::abs(p->value.data()[i] - slice.data()[i]));
@@ -411,6 +407,6 @@ TEST_CASE("Trainer + GPT: stack(DataParallel, TensorParallel) on 2 replicas x 2 
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
     CHECK(difference[static_cast<std::size_t>(r)] < 1e-12);
-    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - expected_loss) < 1e-12);
+    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - expected.loss) < 1e-12);
   }
 }

@@ -65,15 +65,23 @@ struct TiedParameter {
 // grad_ready (DataParallel's bucket all-reduce) sees the final gradient: from hold() the hooks
 // only count their calls; release() restores them and makes each held call, or with
 // every_parameter_once one call per parameter (the holder computed every one of these gradients,
-// some outside a layer's backward). The destructor restores the hooks whatever happened in
-// between (calls held then are dropped: the step failed).
+// some outside a layer's backward). A Scope around the step restores the hooks whatever happens
+// in it (calls held then are dropped: the step failed). Built once with its parameters (add) and
+// reused every step: after the first, hold and release allocate nothing.
 template <class S, class D>
 class GradReadyHold {
  public:
-  explicit GradReadyHold(std::vector<Parameter<S, D>*> parameters) : parameters_(std::move(parameters)) {}
+  GradReadyHold() = default;
   GradReadyHold(const GradReadyHold&) = delete;
   GradReadyHold& operator=(const GradReadyHold&) = delete;
-  ~GradReadyHold() { restore(); }
+  ~GradReadyHold() { abandon(); }
+  // Restores the hooks on leaving the scope (after release(), nothing is left to restore).
+  struct Scope {
+    GradReadyHold& hold;
+    ~Scope() { hold.abandon(); }
+  };
+  void add(Parameter<S, D>& p) { parameters_.push_back(&p); }
+  bool empty() const { return parameters_.empty(); }
   void hold() {
     if (held_) return;
     held_ = true;
@@ -86,17 +94,18 @@ class GradReadyHold {
   }
   void release(bool every_parameter_once = false) {
     if (!held_) return;
-    restore();
+    abandon();
     for (std::size_t k = 0; k < parameters_.size(); ++k)
       for (int call = 0; call < (every_parameter_once ? 1 : calls_[k]); ++call) parameters_[k]->grad_ready();
   }
-
- private:
-  void restore() {
+  // The hooks back, the held calls dropped.
+  void abandon() {
     if (!held_) return;
     held_ = false;
     for (std::size_t k = 0; k < parameters_.size(); ++k) parameters_[k]->on_grad_ready = std::move(saved_[k]);
   }
+
+ private:
   std::vector<Parameter<S, D>*> parameters_;
   std::vector<std::function<void(Parameter<S, D>&)>> saved_;
   std::vector<int> calls_;

@@ -291,7 +291,6 @@ class GPT {
                   ") from token ids: token ids enter unit 0 (of ", unit_count(), ")");
     TESSERA_CHECK(idx.rank() == 2, ShapeError, name(), ": expected token ids (B, T), got ", idx.shape());
     embed(std::span<const std::int64_t>(idx.data(), static_cast<std::size_t>(idx.numel())), idx.dim(0), idx.dim(1), 0, c);
-    c.checkpointed = checkpointing_;
     return forward_from(c.x, c, 1, end);
   }
   // Units [begin, end), begin >= 1, from unit begin - 1's output x (B, T, C).
@@ -301,7 +300,6 @@ class GPT {
     TESSERA_CHECK(x.rank() == 3 && x.dim(2) == config_.n_embd && x.dim(1) <= config_.block_size, ShapeError, name(),
                   ": unit ", begin, " (", unit_name(begin), ") takes activations (B, T <= ", config_.block_size, ", ",
                   config_.n_embd, "), got ", x.shape());
-    c.checkpointed = checkpointing_;
     return forward_from(x, c, begin, end);
   }
   // Backward of units [begin, end) from dL/d(unit end - 1's output): accumulates their parameters'
@@ -410,8 +408,8 @@ class GPT {
   const Tensor& run(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, std::int64_t pos0, Cache& c,
                     std::vector<typename SelfAttention<E>::KVCache>* kv) {
     embed(idx, batch, t, pos0, c);
-    c.checkpointed = checkpointing_ && kv == nullptr;
     if (kv == nullptr) return forward_from(c.x, c, 1, unit_count());
+    c.checkpointed = false;  // generation: no backward
     c.outputs.clear();
     c.h.resize(h_.size());
     const Tensor* x = &c.x;
@@ -439,6 +437,7 @@ class GPT {
   // cache, or with checkpointing only the output), then the head if end is the last unit.
   const Tensor& forward_from(const Tensor& x_in, Cache& c, std::size_t begin, std::size_t end) {
     const std::size_t first = begin - 1, last = std::min(end - 1, h_.size());
+    c.checkpointed = checkpointing_;
     // The blocks backward may run: these, or (one unit after another on one cache, as the pipeline
     // measures each unit's cost) these and those the calls before ran up to here.
     if (c.blocks_input == nullptr || first != c.end_block) c.blocks_input = &x_in, c.first_block = first;

@@ -333,10 +333,10 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     // A tied parameter's gradient is final only once the other stage's part is added: its
     // grad_ready (a DataParallel over the stage's replicas launches its bucket there) is held back
     // during the last backward and given after the exchange below.
-    GradReadyHold<S, D> hold(tied_parameters_);
+    typename GradReadyHold<S, D>::Scope restore_hooks{tie_hold_};
     auto bwd = [&](int i) {
       hooks.before_backward(micro(i));
-      if (i == m - 1) hold.hold();
+      if (i == m - 1) tie_hold_.hold();
       backward_micro_batch(i);
       hooks.after_backward(micro(i));
     };
@@ -358,7 +358,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       note_communication("wait for sends", waiting);
     }
     exchange_tied_gradients();
-    hold.release();
+    tie_hold_.release();
     // The mean loss (and the correct predictions) live on the last stage; every rank returns them.
     std::array<double, 2> result{static_cast<double>(loss_sum_ / static_cast<S>(m)), static_cast<double>(correct_)};
     const auto broadcasting = std::chrono::steady_clock::now();
@@ -486,7 +486,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     }
     for (const Tie& t : ties_) {
       tie_buffers_.emplace_back(t.parameter->grad.shape());
-      tied_parameters_.push_back(t.parameter);
+      tie_hold_.add(*t.parameter);
     }
   }
   // Both stages of a tie send their gradient and add the other's: g = g_mine + g_peer, the same
@@ -681,7 +681,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   PipelineStepStats stats_;
   std::vector<Tie> ties_;
   std::vector<Tensor> tie_buffers_;
-  std::vector<Parameter<S, D>*> tied_parameters_;
+  GradReadyHold<S, D> tie_hold_;  // the ties' grad_ready, held from the last backward to their sum
   int in_flight_ = 0;
   S loss_sum_ = 0;
   std::int64_t correct_ = 0;  // the step's correct predictions (last stage)

@@ -99,6 +99,7 @@ class TensorParallelGPT {
     check_agreement(comm, record, "every rank must build the dense GPT with the same configuration and seed");
     blocks_.reserve(dense.blocks().size());
     for (auto& b : dense.blocks()) blocks_.emplace_back(b, config_, p_, rank_);
+    for_each_replicated([&](Parameter<S, D>& p) { replicated_hold_.add(p); });
   }
 
   // ids (B, T), row-major, the same on every rank -> logits (B, T, V), the same on every rank.
@@ -143,10 +144,8 @@ class TensorParallelGPT {
                   "::backward: dlogits ", dlogits.shape(), " does not match the logits ", c.logits.shape(),
                   " (or backward before forward)");
     pack_replicated_grads(c.replicated_before);
-    std::vector<Parameter<S, D>*> replicated;
-    for_each_replicated([&](Parameter<S, D>& p) { replicated.push_back(&p); });
-    GradReadyHold<S, D> hold(std::move(replicated));  // each rank's part is not the gradient yet
-    hold.hold();
+    typename GradReadyHold<S, D>::Scope restore_hooks{replicated_hold_};
+    replicated_hold_.hold();  // each rank's part of a replicated gradient is not the gradient yet
     const std::int64_t batch = c.batch, t = c.t, tl = t / p_, v = config_.vocab_size, ch = config_.n_embd;
     // This rank's positions of the logits: lm_head's gradient over them, and their dxf.
     c.dlogits.resize({batch, tl, v});
@@ -170,7 +169,7 @@ class TensorParallelGPT {
     add_column_sums(D{}, dx->data(), batch, tl * ch, c.dpos.data());
     wpe_.backward(c.dpos, c.wpe);
     sum_replicated_grads(c.replicated_before);
-    hold.release(/*every_parameter_once=*/true);  // the row layers' biases are summed here, not in a layer
+    replicated_hold_.release(/*every_parameter_once=*/true);  // the row layers' biases are summed here, not in a layer
   }
 
   // nanoGPT's names; the split tensors hold this rank's slice (shard_of says which).
@@ -451,6 +450,7 @@ class TensorParallelGPT {
   std::vector<Block> blocks_;
   LayerNorm<E> ln_f_;
   std::vector<S> now_;
+  GradReadyHold<S, D> replicated_hold_;  // the replicated parameters' grad_ready until their sum
   int current_ = -1;               // the block running now, or -1
   std::vector<double> measured_;   // bytes moved inside each block (counting communicators only)
 };
