@@ -159,7 +159,8 @@ def trial(args, backend, n, fault, rng):
         job.kill_all()
     text = job.text()
     job.kill_all()  # a stopped rank the launcher left behind
-    peer_patterns = [rf"no answer: rank {victim} \(", rf"not reached: rank {victim} \(", rf"\(peer: rank {victim}\)",
+    # The victim may follow survivors that already gave up and exited: "no answer: rank 0 (...); rank 1 (...)".
+    peer_patterns = [rf"(no answer|not reached): (rank \d+ \([^)]*\); )*rank {victim} \(", rf"\(peer: rank {victim}\)",
                      rf"process rank {victim} with PID", rf"tessera-run: rank {victim} ", rf"rank\(s\) {victim} never joined"]
     return {
         "too_late": False, "victim": victim, "delay_s": round(delay, 3), "took_s": round(took, 3), "hang": hang,
