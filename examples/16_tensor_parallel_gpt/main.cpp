@@ -42,7 +42,7 @@ int run(Comm& comm, const Options& o) {
   const PreparedCorpus corpus = examples::fortunes_tokens(comm, o.data_dir);
   const TokenFile train_file(corpus.train, 256), val_file(corpus.val, 256);
   const GPTConfig config{.block_size = o.block, .vocab_size = 256, .n_layer = o.layers, .n_head = o.heads,
-                         .n_embd = o.embd};
+                         .n_embd = o.embd, .dropout = o.dropout};
   Rng rng(o.seed);
   GPT<E> dense(config, rng);                 // the same weights on every rank (checked)
   TensorParallelGPT<E> model(dense, comm);   // this rank's slices of them

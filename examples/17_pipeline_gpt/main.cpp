@@ -61,7 +61,7 @@ int run(Comm& comm, const Options& o) {
   const PreparedCorpus corpus = examples::fortunes_tokens(comm, o.data_dir);
   const TokenFile train_file(corpus.train, 256), val_file(corpus.val, 256);
   const GPTConfig config{.block_size = o.block, .vocab_size = 256, .n_layer = o.layers, .n_head = o.heads,
-                         .n_embd = o.embd};
+                         .n_embd = o.embd, .dropout = o.dropout};
   Rng rng(o.seed), rng_whole(o.seed);
   GPT<E> model(config, rng), whole(config, rng_whole);  // the same weights on every rank; whole: the check's
   const PipelineSchedule schedule = o.schedule == "gpipe" ? PipelineSchedule::GPipe : PipelineSchedule::OneFOneB;

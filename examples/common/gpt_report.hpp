@@ -78,7 +78,7 @@ struct GptRecipe {
   std::int64_t steps = 1000, eval_every = 250, batch = 16, block = 64, layers = 4, heads = 4, embd = 128;
   std::int64_t val_batches = 0;
   double lr = 1e-3, min_lr = 1e-4, warmup = 100, weight_decay = 0.1, beta2 = 0.99;
-  double max_val_loss = 0;
+  double max_val_loss = 0, dropout = 0;
   int threads = 1, ranks = 2, progress = -1;
   std::uint64_t seed = 1;
   std::string data_dir, trace;
@@ -90,6 +90,7 @@ inline void parse_gpt_recipe(tessera::Flags& flags, GptRecipe& o) {
                 " must divide --steps=", o.steps);
   o.layers = flags.get("layers", o.layers, {.min = 1}, "transformer blocks");
   o.embd = flags.get("embd", o.embd, {.min = 1}, "embedding width");
+  o.dropout = flags.get("dropout", o.dropout, {.min = 0, .below = 1}, "nanoGPT's dropout p (0: none, its pretraining value)");
   o.lr = flags.get("lr", o.lr, {.above = 0}, "AdamW's peak learning rate");
   o.min_lr = flags.get("min-lr", o.min_lr, {.min = 0}, "the learning rate the cosine ends at");
   o.warmup = flags.get("warmup", o.warmup, {.min = 0}, "steps of linear warmup");

@@ -2,6 +2,7 @@
 // (nanoGPT's block) and CrossEntropyLoss over (B, T, V): float64 central-difference checks, PyTorch
 // reference data (tests/data/transformer.safetensors from tools/reference/gen_transformer.py) in
 // float64 and float32, and errors that name the layer and the index.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +15,8 @@
 #include "tessera/comm/local.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/io/safetensors.hpp"
+#include "tessera/kernels/attention.hpp"
+#include "tessera/kernels/dropout_key.hpp"
 #include "tessera/layers/attention.hpp"
 #include "tessera/layers/embedding.hpp"
 #include "tessera/layers/norm.hpp"
@@ -410,6 +413,119 @@ TEST_CASE("SelfAttention gradients by central differences (float64)", "[layers][
     testing::check_gradients(block, testing::random_tensor({2, 5, 8}, rng), rng);
   }
   SelfAttention<E64> tiles(4, 1, rng, /*causal=*/true, /*bias=*/false);  // 70 > one 64-row tile
+  testing::check_gradients(tiles, testing::random_tensor({1, 70, 4}, rng), rng);
+}
+
+namespace {
+// SelfAttention with nanoGPT's two dropouts on and their keys fixed (one training step's masks):
+// a deterministic function of x, so central differences apply.
+struct KeyedSelfAttention {
+  using Env = E64;
+  using Tensor = T64;
+  using Cache = SelfAttention<E64>::Cache;
+  SelfAttention<E64> attention;
+  DropoutKey attn_key, resid_key;
+  const T64& forward(const T64& x, Cache& c) {
+    c.attn_dropout = attn_key;
+    c.resid_dropout = resid_key;
+    return attention.forward(x, c);
+  }
+  const T64& backward(const T64& dy, Cache& c) { return attention.backward(dy, c); }
+  template <class V>
+  void visit(V& v, const std::string& prefix) {
+    attention.visit(v, prefix);
+  }
+  void set_mode(Mode m) { attention.set_mode(m); }
+};
+}  // namespace
+
+TEST_CASE("Dropout keys: the share dropped is p, kept values scaled by 1/(1-p), a mask per global position",
+          "[layers][dropout]") {
+  const std::int64_t batch = 64, t = 10, width = 100;
+  const std::vector<double> ones(static_cast<std::size_t>(batch * t * width), 1.0);
+  for (double p : {0.1, 0.5}) {
+    INFO("p " << p);
+    const DropoutKey key{.p = p, .key = 42};
+    std::vector<double> y(ones.size());
+    dropout_rows(Cpu{}, key, batch, t, width, ones.data(), y.data());
+    std::int64_t dropped = 0;
+    for (double v : y) {
+      dropped += v == 0.0;
+      if (v != 0.0) CHECK(v == 1.0 / (1.0 - p));
+    }
+    // 64,000 draws: the share's standard deviation is at most 0.002, so 0.01 is 5 of them.
+    CHECK(static_cast<double>(dropped) / static_cast<double>(y.size()) == Approx(p).margin(0.01));
+    // Rows [32, 64) alone with batch_offset 32, and positions [4, 10) with seq_offset 4: the very
+    // values of the whole call (a pipeline's micro-batch, a sequence-parallel rank's positions).
+    std::vector<double> part(static_cast<std::size_t>(32 * t * width));
+    DropoutKey rows = key;
+    rows.batch_offset = 32;
+    dropout_rows(Cpu{}, rows, 32, t, width, ones.data(), part.data());
+    CHECK(std::equal(part.begin(), part.end(), y.begin() + 32 * t * width));
+    DropoutKey positions = key;
+    positions.seq_offset = 4;
+    std::vector<double> tail(static_cast<std::size_t>(6 * width));
+    dropout_rows(Cpu{}, positions, 1, 6, width, ones.data(), tail.data());
+    CHECK(std::equal(tail.begin(), tail.end(), y.begin() + 4 * width));
+    // Another site's key: another mask (they agree on about p^2 + (1-p)^2 of the elements).
+    std::vector<double> other(ones.size());
+    dropout_rows(Cpu{}, DropoutKey{.p = p, .key = DropoutKey::site_key(42, 1)}, batch, t, width, ones.data(),
+                 other.data());
+    std::int64_t same = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) same += (y[i] == 0.0) == (other[i] == 0.0);
+    CHECK(static_cast<double>(same) / static_cast<double>(y.size()) == Approx(p * p + (1 - p) * (1 - p)).margin(0.01));
+  }
+  std::vector<double> y(ones.size());
+  dropout_rows(Cpu{}, DropoutKey{}, batch, t, width, ones.data(), y.data());  // p = 0: the identity
+  CHECK(y == ones);
+}
+
+TEST_CASE("Attention dropout: the fused kernel computes (softmax o M) v, and its gradients by central differences",
+          "[layers][attention][dropout]") {
+  Rng rng(89);
+  // By hand, on 70 queries and keys (two tiles each way), at a batch and head offset.
+  const std::int64_t heads = 2, t = 70, d = 3;
+  const T64 q = testing::random_tensor({heads, t, d}, rng), k = testing::random_tensor({heads, t, d}, rng),
+            v = testing::random_tensor({heads, t, d}, rng);
+  const auto layout = AttentionLayout::contiguous(heads, t, d);
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    AttentionDims n{1, heads, t, t, d, d};
+    n.dropout = {.p = 0.25, .key = 1234, .batch_offset = 3, .head_offset = 5};
+    T64 out({heads, t, d}), lse({heads, t});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    attention_forward(Cpu{}, n, q.data(), layout, k.data(), layout, v.data(), layout, scale, causal, out.data(),
+                      layout, lse.data());
+    std::vector<double> p(static_cast<std::size_t>(t)), mask(static_cast<std::size_t>(t));
+    double worst = 0;
+    std::int64_t dropped = 0, visible = 0;
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < t; ++i) {
+        const std::int64_t keys = causal ? i + 1 : t;
+        double mx = -1e300, sum = 0;
+        for (std::int64_t j = 0; j < keys; ++j) {
+          double s = 0;
+          for (std::int64_t e = 0; e < d; ++e) s += q[(h * t + i) * d + e] * k[(h * t + j) * d + e];
+          p[j] = s * scale;
+          mx = std::max(mx, p[j]);
+        }
+        for (std::int64_t j = 0; j < keys; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        dropout_row_mask(n.dropout.row(0, h, i), n.dropout.threshold(), 1.0 / 0.75, 0, keys, mask.data());
+        for (std::int64_t j = 0; j < keys; ++j) dropped += mask[j] == 0.0;
+        visible += keys;
+        for (std::int64_t e = 0; e < d; ++e) {
+          double o = 0;
+          for (std::int64_t j = 0; j < keys; ++j) o += p[j] / sum * mask[j] * v[(h * t + j) * d + e];
+          worst = std::max(worst, std::abs(o - out[(h * t + i) * d + e]));
+        }
+      }
+    CHECK(worst < 1e-12);
+    CHECK(static_cast<double>(dropped) / static_cast<double>(visible) == Approx(0.25).margin(0.03));
+  }
+  // Central differences through SelfAttention with both dropouts, over one tile and over two.
+  KeyedSelfAttention small{SelfAttention<E64>(8, 2, rng, true), {.p = 0.3, .key = 77}, {.p = 0.3, .key = 78}};
+  testing::check_gradients(small, testing::random_tensor({2, 5, 8}, rng), rng);
+  KeyedSelfAttention tiles{SelfAttention<E64>(4, 1, rng, false, false), {.p = 0.5, .key = 79}, {.p = 0.1, .key = 80}};
   testing::check_gradients(tiles, testing::random_tensor({1, 70, 4}, rng), rng);
 }
 

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,32 @@ GPT<E> scrambled_gpt(const GPTConfig& config, std::uint64_t seed) {
   return model;
 }
 
+// Backward of sum(logits * g) against central differences of it, every parameter (float64).
+void check_gpt_gradients(GPT<CpuLocal64>& model, const std::vector<std::int64_t>& idx, std::int64_t batch,
+                         std::int64_t t, const T64& g) {
+  GPT<CpuLocal64>::Cache c;
+  model.forward(idx, batch, t, c);
+  model.backward(g, c);
+  struct Check {
+    GPT<CpuLocal64>* model;
+    const std::vector<std::int64_t>* idx;
+    const T64* g;
+    std::int64_t batch, t;
+    void parameter(const std::string& name, Parameter<double, Cpu>& p) {
+      INFO("parameter " << name);
+      const T64 saved = p.value;
+      testing::check_loss_gradient(saved, p.grad, [&](const T64& z) {
+        p.value = z;
+        GPT<CpuLocal64>::Cache fresh;
+        return testing::dot(model->forward(*idx, batch, t, fresh), *g);
+      });
+      p.value = saved;
+    }
+    void buffer(const std::string&, T64&) {}
+  } check{&model, &idx, &g, batch, t};
+  model.visit(check);
+}
+
 }  // namespace
 
 TEST_CASE("GPT matches nanoGPT: keys, logits, loss and every gradient (float64 and float32)",
@@ -141,26 +168,7 @@ TEST_CASE("GPT gradients by central differences, every parameter (float64)", "[m
       scrambled_gpt<CpuLocal64>({.block_size = 5, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 4}, 91);
   const std::vector<std::int64_t> idx = {1, 6, 0, 3, 3, 2, 5, 4};  // (2, 4)
   const T64 g = testing::random_tensor({2, 4, 7}, rng);
-  GPT<CpuLocal64>::Cache c;
-  model.forward(idx, 2, 4, c);
-  model.backward(g, c);
-  struct Check {
-    GPT<CpuLocal64>* model;
-    const std::vector<std::int64_t>* idx;
-    const T64* g;
-    void parameter(const std::string& name, Parameter<double, Cpu>& p) {
-      INFO("parameter " << name);
-      const T64 saved = p.value;
-      testing::check_loss_gradient(saved, p.grad, [&](const T64& z) {
-        p.value = z;
-        GPT<CpuLocal64>::Cache fresh;
-        return testing::dot(model->forward(*idx, 2, 4, fresh), *g);
-      });
-      p.value = saved;
-    }
-    void buffer(const std::string&, T64&) {}
-  } check{&model, &idx, &g};
-  model.visit(check);
+  check_gpt_gradients(model, idx, 2, 4, g);
 }
 
 TEST_CASE("GPT: nanoGPT's initialization, parameter count and tie", "[models][gpt]") {
@@ -196,7 +204,8 @@ TEST_CASE("GPT: nanoGPT's initialization, parameter count and tie", "[models][gp
 TEST_CASE("GPT rejects bad configurations, sequences and token ids", "[models][gpt][errors]") {
   Rng rng(93);
   CHECK_THROWS_WITH(GPT<CpuLocal64>(GPTConfig{.n_head = 5}, rng), Catch::Contains("multiple of n_head"));
-  CHECK_THROWS_WITH(GPT<CpuLocal64>(GPTConfig{.dropout = 0.1}, rng), Catch::Contains("dropout must be 0"));
+  CHECK_THROWS_WITH(GPT<CpuLocal64>(GPTConfig{.dropout = 1.0}, rng), Catch::Contains("dropout must lie in [0, 1)"));
+  CHECK_THROWS_WITH(GPT<CpuLocal64>(GPTConfig{.dropout = -0.1}, rng), Catch::Contains("dropout=-0.1"));
   GPT<CpuLocal64> model({.block_size = 4, .vocab_size = 5, .n_layer = 1, .n_head = 1, .n_embd = 2}, rng);
   GPT<CpuLocal64>::Cache c;
   const std::vector<std::int64_t> five(5, 0);
@@ -322,6 +331,128 @@ TEST_CASE("GPT activation checkpointing gives the same logits and gradients, bit
     } g{&out};
     model.visit(g);
     return out;
+  };
+  const auto plain = grads_of(false), checkpointed = grads_of(true);
+  REQUIRE(plain.size() == checkpointed.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) CHECK(plain[i] == checkpointed[i]);
+}
+
+namespace {
+// Every gradient of a model, in visit order.
+template <class E>
+std::vector<std::vector<typename E::Scalar>> gpt_grads(GPT<E>& model) {
+  using S = typename E::Scalar;
+  std::vector<std::vector<S>> out;
+  struct Grads {
+    std::vector<std::vector<S>>* out;
+    void parameter(const std::string&, Parameter<S, Cpu>& p) { out->emplace_back(p.grad.begin(), p.grad.end()); }
+    void buffer(const std::string&, Tensor<S>&) {}
+  } g{&out};
+  model.visit(g);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("GPT dropout: weights of p = 0, eval drops nothing, each step new masks, held keys replay",
+          "[models][gpt][dropout]") {
+  const GPTConfig base{.block_size = 16, .vocab_size = 12, .n_layer = 2, .n_head = 2, .n_embd = 8};
+  GPTConfig dropped = base;
+  dropped.dropout = 0.2;
+  std::vector<std::int64_t> idx(2 * 16);
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<std::int64_t>((i * 5 + 1) % 12);
+  Rng r0(7), r1(7);
+  GPT<CpuLocal> plain(base, r0), model(dropped, r1);
+  GPT<CpuLocal>::Cache c0, c1;
+  const Tensor<float>& plain_logits = plain.forward(idx, 2, 16, c0);
+  const std::vector<float> reference(plain_logits.begin(), plain_logits.end());
+  // The generator is drawn after the weights: they are p = 0's, and in Eval mode so are the logits.
+  model.set_mode(Mode::Eval);
+  const Tensor<float>& eval = model.forward(idx, 2, 16, c1);
+  CHECK(std::vector<float>(eval.begin(), eval.end()) == reference);
+  model.set_mode(Mode::Train);
+  const Tensor<float>& train1 = model.forward(idx, 2, 16, c1);
+  const std::vector<float> step1(train1.begin(), train1.end());
+  const Tensor<float>& step2 = model.forward(idx, 2, 16, c1);
+  CHECK(step1 != reference);
+  CHECK(std::vector<float>(step2.begin(), step2.end()) != step1);  // each training forward draws new masks
+  // A held key replays one step's masks; the draw sequence is the generator's, so a model whose
+  // generator sits at the same state draws the same key.
+  Rng r2(7);
+  GPT<CpuLocal> twin(dropped, r2);
+  const std::uint64_t key = twin.dropout_rng().next_u64();
+  twin.hold_dropout_key(key);
+  GPT<CpuLocal>::Cache c2;
+  const Tensor<float>& held_logits = twin.forward(idx, 2, 16, c2);
+  const std::vector<float> held(held_logits.begin(), held_logits.end());
+  twin.release_dropout_key();
+  Rng r3(7);
+  GPT<CpuLocal> fresh(dropped, r3);
+  GPT<CpuLocal>::Cache c3;
+  const Tensor<float>& first = fresh.forward(idx, 2, 16, c3);
+  CHECK(std::vector<float>(first.begin(), first.end()) == held);
+  // Rows keep their masks whatever batch they come in: rows [1, 2) alone with batch_offset 1 give
+  // the second row of the two-row forward.
+  twin.hold_dropout_key(key, 1);
+  GPT<CpuLocal>::Cache c4;
+  const Tensor<float>& second_row = twin.forward(std::span<const std::int64_t>(idx).subspan(16), 1, 16, c4);
+  twin.release_dropout_key();
+  CHECK(std::vector<float>(second_row.begin(), second_row.end()) ==
+        std::vector<float>(held.begin() + 16 * 12, held.end()));
+  // Generation drops nothing, in whatever mode.
+  Rng g1(3), g2(3);
+  const std::vector<std::int64_t> prompt = {1, 2};
+  CHECK(model.generate(prompt, 1, {.max_new_tokens = 6, .kv_cache = false}, g1) ==
+        plain.generate(prompt, 1, {.max_new_tokens = 6, .kv_cache = false}, g2));
+  // Checkpoints keep the generator (the state dict does not: nanoGPT's keys only).
+  GptKeyLister<float> keys;
+  model.visit(keys);
+  CHECK(std::count(keys.names.begin(), keys.names.end(), "transformer.drop.rng") == 0);
+  struct Rngs {
+    std::vector<std::string> names;
+    void parameter(const std::string&, Parameter<float, Cpu>&) {}
+    void buffer(const std::string&, Tensor<float>&) {}
+    void rng(const std::string& name, Rng&) { names.push_back(name); }
+  } rngs;
+  model.visit(rngs);
+  CHECK(rngs.names == std::vector<std::string>{"transformer.drop.rng"});
+  plain.visit(rngs);
+  CHECK(rngs.names.size() == 1);  // p = 0: no generator to keep
+}
+
+TEST_CASE("GPT dropout: central differences with a held key, every parameter (float64)", "[models][gpt][dropout]") {
+  Rng rng(95);
+  GPT<CpuLocal64> model = scrambled_gpt<CpuLocal64>(
+      {.block_size = 5, .vocab_size = 7, .n_layer = 2, .n_head = 2, .n_embd = 4, .dropout = 0.3}, 95);
+  model.hold_dropout_key(0x5eed);  // one step's masks, on every evaluation
+  const std::vector<std::int64_t> idx = {1, 6, 0, 3, 3, 2, 5, 4};  // (2, 4)
+  const T64 g = testing::random_tensor({2, 4, 7}, rng);
+  GPT<CpuLocal64>::Cache c;
+  model.forward(idx, 2, 4, c);
+  std::int64_t zeros = 0;
+  for (double v : c.x) zeros += v == 0.0;
+  CHECK(zeros > 0);  // transformer.drop dropped some of the 32 embedding values
+  check_gpt_gradients(model, idx, 2, 4, g);
+}
+
+TEST_CASE("GPT dropout with activation checkpointing: the recompute replays the masks, bit for bit",
+          "[models][gpt][dropout]") {
+  const GPTConfig config{.block_size = 16, .vocab_size = 12, .n_layer = 3, .n_head = 2, .n_embd = 8, .dropout = 0.25};
+  std::vector<std::int64_t> idx(2 * 16);
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<std::int64_t>((i * 7 + 3) % 12);
+  auto grads_of = [&](bool checkpointing) {
+    GPT<CpuLocal> model = scrambled_gpt<CpuLocal>(config, 98);
+    model.set_activation_checkpointing(checkpointing);
+    CrossEntropyLoss<CpuLocal> loss;
+    std::vector<float> losses;
+    for (int step = 0; step < 2; ++step) {  // two steps: two draws
+      GPT<CpuLocal>::Cache c;
+      CrossEntropyLoss<CpuLocal>::Cache lc;
+      losses.push_back(loss.forward(model.forward(idx, 2, 16, c), idx, lc));
+      model.backward(loss.backward(lc), c);
+    }
+    auto grads = gpt_grads(model);
+    grads.push_back(losses);
+    return grads;
   };
   const auto plain = grads_of(false), checkpointed = grads_of(true);
   REQUIRE(plain.size() == checkpointed.size());

@@ -32,6 +32,13 @@ int main(int argc, char** argv) {
       for (auto& f : testing::pp_gpt_equivalence<float>(comm, {.micro_batches = 4, .schedule = schedule}))
         failures.push_back(f);
     for (auto& f : testing::tp_gpt_equivalence<float>(comm)) failures.push_back(f);
+    // Dropout: the masks are functions of global positions, so the stages and ranks stay exact.
+    testing::PpGptCase pp_dropout{.micro_batches = 4, .checkpointing = true};
+    pp_dropout.config.dropout = 0.2;
+    for (auto& f : testing::pp_gpt_equivalence<float>(comm, pp_dropout)) failures.push_back(f);
+    testing::TpGptCase tp_dropout;
+    tp_dropout.config.dropout = 0.2;
+    for (auto& f : testing::tp_gpt_equivalence<float>(comm, tp_dropout)) failures.push_back(f);
     for (const auto& f : failures) std::fprintf(stderr, "FAILED %s\n", f.c_str());
     std::printf("rank %d of %d (%s): pipeline (MLP, ResNet, GPT) and tensor-parallel GPT equivalence, %zu failures\n", rank, comm.size(), testing::backend_name(),
                 failures.size());

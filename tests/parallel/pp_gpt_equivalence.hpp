@@ -6,7 +6,9 @@
 // gradients: the two copies must stay equal bit for bit. Each stage's bytes sent must equal the
 // formula: per micro-batch (B/M, T, C) activations plus a 64-byte shape header forward, the same
 // activations' gradient backward, and wte's gradient (V, C) once per step between the two ends.
-// Collective: every rank calls it. Returns failures as text.
+// With config.dropout > 0 both models draw one dropout key per step from the same generator, and
+// each micro-batch's masks are those of its rows in the whole batch (models/gpt.hpp), so the
+// comparison stays exact. Collective: every rank calls it. Returns failures as text.
 #pragma once
 
 #include <algorithm>
@@ -57,7 +59,8 @@ std::vector<std::string> pp_gpt_equivalence(Comm& comm, const PpGptCase& k = {})
   std::vector<std::string> failures;
   const int rank = comm.rank(), stages = comm.size();
   const std::string where = "Pipeline(" + std::string(schedule_name(k.schedule)) + (k.checkpointing ? ", checkpointed" : "") +
-                            (k.measure_costs ? ", measured costs" : "") + ") over GPT on " +
+                            (k.measure_costs ? ", measured costs" : "") + ") over GPT" +
+                            (k.config.dropout > 0 ? " with dropout " + tp_gpt_number(k.config.dropout) : "") + " on " +
                             std::to_string(stages) + " stages (stage " + std::to_string(rank) + "): ";
   Rng rng_reference(17), rng_staged(17);
   GPT<E> reference(k.config, rng_reference), staged(k.config, rng_staged);

@@ -332,16 +332,20 @@ TEST_CASE("Hybrid: 2 data-parallel replicas x 2 tensor-parallel ranks equal one 
   for (double d : worst) CHECK(d < 1e-12);
 }
 
-TEST_CASE("TensorParallelGPT (tensor + sequence parallel) equals the dense GPT on 2, 3 and 4 thread ranks (float32)",
+TEST_CASE("TensorParallelGPT (tensor + sequence parallel) equals the dense GPT on 2, 3 and 4 thread ranks, "
+          "dropout too (float32)",
           "[parallel][gpt]") {
-  for (int ranks : {2, 3, 4}) {
-    DYNAMIC_SECTION(ranks << " ranks") {
+  for (int ranks : {2, 3, 4})
+   for (double dropout : {0.0, 0.2}) {
+    DYNAMIC_SECTION(ranks << " ranks, dropout " << dropout) {
       ThreadWorld world(ranks);
       std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
       std::vector<testing::TpGptReport> reports(static_cast<std::size_t>(ranks));
       world.run([&](ThreadComm& comm) {
         const auto r = static_cast<std::size_t>(comm.rank());
-        failures[r] = testing::tp_gpt_equivalence<float>(comm, {}, &reports[r]);
+        testing::TpGptCase k;
+        k.config.dropout = dropout;
+        failures[r] = testing::tp_gpt_equivalence<float>(comm, k, &reports[r]);
       });
       for (const auto& rank_failures : failures)
         for (const auto& f : rank_failures) FAIL_CHECK(f);

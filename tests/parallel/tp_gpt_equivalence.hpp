@@ -58,8 +58,9 @@ std::vector<std::string> tp_gpt_equivalence(Comm& comm, const TpGptCase& k = {},
   TpGptReport& r = report ? *report : local_report;
   using E = Env<Cpu, Comm, S>;
   std::vector<std::string> failures;
-  const std::string where = "TensorParallelGPT on " + std::to_string(comm.size()) + " ranks (rank " +
-                            std::to_string(comm.rank()) + "): ";
+  const std::string where = "TensorParallelGPT" +
+                            (k.config.dropout > 0 ? " with dropout " + tp_gpt_number(k.config.dropout) : "") + " on " +
+                            std::to_string(comm.size()) + " ranks (rank " + std::to_string(comm.rank()) + "): ";
   Rng rng(17);
   GPT<E> dense(k.config, rng);
   TensorParallelGPT<E> split(dense, comm);

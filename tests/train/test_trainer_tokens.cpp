@@ -310,28 +310,33 @@ TEST_CASE("GPT under DataParallel and ZeRO-1 equals one process on 2 and 4 threa
     }
 }
 
-TEST_CASE("Pipeline over GPT blocks equals one process on 2, 3 and 4 thread stages (float32)", "[parallel][gpt]") {
+TEST_CASE("Pipeline over GPT blocks equals one process on 2 to 5 thread stages, dropout too (float32)",
+          "[parallel][gpt]") {
   struct Variant {
     int stages;
     PipelineSchedule schedule;
     int micro_batches;
     bool checkpointing, measure_costs;
+    double dropout = 0;
   };
   for (const Variant v : {Variant{2, PipelineSchedule::GPipe, 2, false, false},
                           Variant{2, PipelineSchedule::OneFOneB, 4, true, false},
                           Variant{3, PipelineSchedule::OneFOneB, 2, false, false},
                           Variant{3, PipelineSchedule::GPipe, 2, true, true},
                           Variant{4, PipelineSchedule::OneFOneB, 4, false, false},
-                          Variant{5, PipelineSchedule::GPipe, 1, false, false}}) {
+                          Variant{5, PipelineSchedule::GPipe, 1, false, false},
+                          Variant{2, PipelineSchedule::OneFOneB, 4, false, false, 0.2},
+                          Variant{3, PipelineSchedule::GPipe, 2, true, true, 0.1}}) {
     DYNAMIC_SECTION(v.stages << " stages, " << schedule_name(v.schedule) << ", " << v.micro_batches
                              << " micro-batches" << (v.checkpointing ? ", checkpointed" : "")
-                             << (v.measure_costs ? ", measured costs" : "")) {
+                             << (v.measure_costs ? ", measured costs" : "") << ", dropout " << v.dropout) {
       std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(v.stages));
       ThreadWorld world(v.stages);
       world.run([&](ThreadComm& comm) {
-        failures[static_cast<std::size_t>(comm.rank())] = testing::pp_gpt_equivalence<float>(
-            comm, {.micro_batches = v.micro_batches, .schedule = v.schedule, .checkpointing = v.checkpointing,
-                   .measure_costs = v.measure_costs});
+        testing::PpGptCase k{.micro_batches = v.micro_batches, .schedule = v.schedule,
+                             .checkpointing = v.checkpointing, .measure_costs = v.measure_costs};
+        k.config.dropout = v.dropout;
+        failures[static_cast<std::size_t>(comm.rank())] = testing::pp_gpt_equivalence<float>(comm, k);
       });
       for (const auto& rank_failures : failures) {
         CHECK(rank_failures.empty());

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "tessera/core/host_device.hpp"
+#include "tessera/kernels/dropout_key.hpp"
 
 namespace tessera {
 
@@ -22,9 +23,12 @@ struct AttentionLayout {
 // causal_offset: with causal, query i sees keys j <= i + causal_offset. 0 is torch's is_causal
 // (the top-left triangle); S - T aligns the last query with the last key, as a key/value cache
 // needs (the T new queries are positions S - T, ..., S - 1 of the sequence).
+// dropout: torch's dropout_p on the probabilities (nanoGPT's attn_dropout), element (b, h, i, j)
+// masked by its DropoutKey (kernels/dropout_key.hpp); the CPU kernels only (the CUDA ones refuse).
 struct AttentionDims {
   std::int64_t batch = 0, heads = 0, queries = 0, keys = 0, head_dim = 0, value_dim = 0;
   std::int64_t causal_offset = 0;
+  DropoutKey dropout;
 };
 
 }  // namespace tessera

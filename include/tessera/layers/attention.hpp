@@ -14,8 +14,11 @@
 //   -> per head ScaledDotProductAttention (causal unless told otherwise) -> (B, T, C) -> c_proj
 // c_attn is Linear(C, 3C) and c_proj Linear(C, C), both with bias unless bias = false. The heads
 // are read from and written to qkv and the (B, T, C) result in place (strided), never transposed.
-// Dropout (nanoGPT's attn_dropout and resid_dropout) is not part of the block: with p = 0, as in
-// nanoGPT's pretraining configurations, they are the identity.
+// Dropout (nanoGPT's attn_dropout on the probabilities and resid_dropout on c_proj's output):
+// the caller puts a DropoutKey (kernels/dropout_key.hpp) for each into the cache before a training
+// forward (GPT does, with its p and step); inactive keys, the default, make both the identity.
+// The masks are functions of each element's global position, so backward computes them again and
+// nothing of them is stored. The CUDA kernels refuse an active key.
 #pragma once
 
 #include <cmath>
@@ -27,6 +30,7 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/kernels/attention.hpp"
+#include "tessera/kernels/dropout_key.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/layers/linear.hpp"
 
@@ -141,6 +145,8 @@ class SelfAttention {
     Tensor dheads, dqkv;                   // backward's (B, T, C) and (B, T, 3C)
     AttentionDims dims;
     bool cached = false;  // filled by forward_cached, which has no backward
+    DropoutKey attn_dropout, resid_dropout;  // set by the caller per training forward; inactive: none
+    Tensor dropped, dproj;                   // resid_dropout's output (B, T, C) and dL/d(c_proj's output)
   };
 
   // Keys and values of the positions seen so far, for generation (forward_cached): k and v
@@ -160,6 +166,7 @@ class SelfAttention {
                   ": expected input (B, T, ", n_embd_, "), got ", x.shape());
     const std::int64_t batch = x.dim(0), t = x.dim(1), hs = n_embd_ / n_head_;
     c.dims = {batch, n_head_, t, t, hs, hs};
+    c.dims.dropout = c.attn_dropout;
     c.cached = false;
     const Tensor& qkv = c_attn_.forward(x, c.attn);
     c.heads.resize({batch, t, n_embd_});
@@ -167,7 +174,11 @@ class SelfAttention {
     const S* base = qkv.data();
     attention_forward(D{}, c.dims, base, qkv_layout(t), base + n_embd_, qkv_layout(t), base + 2 * n_embd_,
                       qkv_layout(t), scale(), causal_, c.heads.data(), heads_layout(t), c.lse.data());
-    return c_proj_.forward(c.heads, c.proj);
+    const Tensor& y = c_proj_.forward(c.heads, c.proj);
+    if (!c.resid_dropout.active()) return y;
+    c.dropped.resize(y.shape());
+    dropout_rows(D{}, c.resid_dropout, batch, t, n_embd_, y.data(), c.dropped.data());
+    return c.dropped;
   }
 
   // Inference with a key/value cache: x (B, T, C) holds the next T positions of sequences whose
@@ -197,7 +208,7 @@ class SelfAttention {
         copy_2d(D{}, kv.v.data() + dst, hs, src + 2 * n_embd_, 3 * n_embd_, hs, t);
       }
     kv.length += t;
-    c.dims = {batch, n_head_, t, kv.length, hs, hs, /*causal_offset=*/kv.length - t};
+    c.dims = {batch, n_head_, t, kv.length, hs, hs, /*causal_offset=*/kv.length - t};  // inference: no dropout
     c.cached = true;
     c.heads.resize({batch, t, n_embd_});
     c.lse.resize({batch, n_head_, t});
@@ -210,8 +221,16 @@ class SelfAttention {
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.heads.rank() == 3, Error, name(), "::backward called before forward on this cache");
     TESSERA_CHECK(!c.cached, Error, name(), "::backward after forward_cached: the key/value cache path is inference only");
-    const Tensor& dheads = c_proj_.backward(dy, c.proj);
     const std::int64_t t = c.dims.queries;
+    const Tensor* dproj = &dy;
+    if (c.resid_dropout.active()) {  // the same mask again, on the gradient
+      TESSERA_CHECK(dy.shape() == c.dropped.shape(), ShapeError, name(), "::backward: dy ", dy.shape(),
+                    " does not match the output ", c.dropped.shape());
+      c.dproj.resize(dy.shape());
+      dropout_rows(D{}, c.resid_dropout, c.dims.batch, t, n_embd_, dy.data(), c.dproj.data());
+      dproj = &c.dproj;
+    }
+    const Tensor& dheads = c_proj_.backward(*dproj, c.proj);
     const Tensor& qkv = c.attn.y;
     c.dqkv.resize(qkv.shape());
     const S* base = qkv.data();

@@ -19,8 +19,18 @@
 // the buffer lm_head.weight, so that a state dict holds both keys as nanoGPT's does, a strict load
 // requires both, and optimizers and strategies see the parameter once.
 //
-// Dropout: nanoGPT's dropout is 0 in pretraining, where every dropout is the identity; this model
-// has none and refuses a config with dropout != 0 (the fused attention has no dropout inside).
+// Dropout (config.dropout = p, nanoGPT's four sites, in Train mode only): transformer.drop on the
+// embeddings' sum, and per block attn.attn_dropout on the attention probabilities (inside the fused
+// kernel), attn.resid_dropout on attn.c_proj's output and mlp.dropout on mlp.c_proj's output. The
+// masks are not drawn element by element from a stream as torch draws them: each is a hash of the
+// step's draw, the site and the element's global position (kernels/dropout_key.hpp), so a pipeline
+// stage's micro-batch, a tensor-parallel rank's heads and sequence positions and a recomputing
+// backward see the very masks of one process, and backward stores none. One 64-bit draw per
+// training forward comes from the model's dropout generator (seeded from the initialization rng
+// after the weights, so the weights are those of dropout = 0; checkpoints keep it as
+// "transformer.drop.rng"). A caller that runs one step as several forwards (a pipeline's
+// micro-batches) holds one draw over them with hold_dropout_key. Eval mode and generate() drop
+// nothing. The CPU applies dropout; the CUDA kernels refuse p > 0 by name.
 // The (B, T, V) logits feed CrossEntropyLoss (classes last), as nanoGPT's
 // F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1).
 #pragma once
@@ -33,11 +43,13 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/init.hpp"
+#include "tessera/kernels/dropout_key.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/kernels/gemm.hpp"
 #include "tessera/layers/activation.hpp"
@@ -72,8 +84,7 @@ struct GPTConfig {
     TESSERA_CHECK(block_size > 0 && vocab_size > 0 && n_layer > 0 && n_head > 0 && n_embd > 0, ArgumentError, str(),
                   ": every size must be positive");
     TESSERA_CHECK(n_embd % n_head == 0, ArgumentError, str(), ": n_embd must be a multiple of n_head");
-    TESSERA_CHECK(dropout == 0.0, ArgumentError, str(),
-                  ": dropout must be 0 (nanoGPT's pretraining value); this GPT has no dropout layers");
+    TESSERA_CHECK(dropout >= 0.0 && dropout < 1.0, ArgumentError, str(), ": dropout must lie in [0, 1)");
   }
 };
 
@@ -93,7 +104,23 @@ class GPTBlock {
     typename GELU<E>::Cache gelu;
     Tensor h, y;    // x + attn(ln_1(x)); h + mlp(ln_2(h))
     Tensor dh, dx;  // backward's
+    DropoutKey mlp_dropout;  // mlp.dropout (attn's two sites are in attn); set by GPT per forward
+    Tensor mlp_out, dmlp;    // mlp.dropout's output and dL/d(mlp.c_proj's output)
   };
+
+  // The dropout sites of block i in the step whose draw is step.key (step: p, the draw and this
+  // call's offsets; p = 0: none): 3i + 1 the attention probabilities, 3i + 2 attn.c_proj's output,
+  // 3i + 3 mlp.c_proj's output (site 0 is the embeddings').
+  static void key_dropout(Cache& c, const DropoutKey& step, std::size_t i) {
+    c.attn.attn_dropout = site(step, 3 * i + 1);
+    c.attn.resid_dropout = site(step, 3 * i + 2);
+    c.mlp_dropout = site(step, 3 * i + 3);
+  }
+  static DropoutKey site(const DropoutKey& step, std::uint64_t number) {
+    DropoutKey k = step;
+    k.key = DropoutKey::site_key(step.key, number);
+    return k;
+  }
 
   GPTBlock(const GPTConfig& c, Rng& rng)
       : ln_1_(c.n_embd, 1e-5, true, c.bias), attn_(c.n_embd, c.n_head, rng, /*causal=*/true, c.bias),
@@ -107,9 +134,14 @@ class GPTBlock {
   const Tensor& finish_forward(const Tensor& x, const Tensor& a, Cache& c) {
     c.h.resize(x.shape());
     add(D{}, x.data(), a.data(), x.numel(), c.h.data());
-    const Tensor& m = c_proj_.forward(gelu_.forward(c_fc_.forward(ln_2_.forward(c.h, c.ln_2), c.c_fc), c.gelu), c.c_proj);
+    const Tensor* m = &c_proj_.forward(gelu_.forward(c_fc_.forward(ln_2_.forward(c.h, c.ln_2), c.c_fc), c.gelu), c.c_proj);
+    if (c.mlp_dropout.active()) {
+      c.mlp_out.resize(x.shape());
+      dropout_rows(D{}, c.mlp_dropout, x.dim(0), x.dim(1), x.dim(2), m->data(), c.mlp_out.data());
+      m = &c.mlp_out;
+    }
     c.y.resize(x.shape());
-    add(D{}, c.h.data(), m.data(), x.numel(), c.y.data());
+    add(D{}, c.h.data(), m->data(), x.numel(), c.y.data());
     return c.y;
   }
 
@@ -124,7 +156,13 @@ class GPTBlock {
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.h.rank() == 3 && dy.shape() == c.h.shape(), ShapeError, "GPTBlock::backward: dy ", dy.shape(),
                   " does not match the output ", c.h.shape(), " (or backward before forward)");
-    const Tensor& dmlp = ln_2_.backward(c_fc_.backward(gelu_.backward(c_proj_.backward(dy, c.c_proj), c.gelu), c.c_fc), c.ln_2);
+    const Tensor* dm = &dy;
+    if (c.mlp_dropout.active()) {  // the same mask again, on the gradient
+      c.dmlp.resize(dy.shape());
+      dropout_rows(D{}, c.mlp_dropout, dy.dim(0), dy.dim(1), dy.dim(2), dy.data(), c.dmlp.data());
+      dm = &c.dmlp;
+    }
+    const Tensor& dmlp = ln_2_.backward(c_fc_.backward(gelu_.backward(c_proj_.backward(*dm, c.c_proj), c.gelu), c.c_fc), c.ln_2);
     c.dh.resize(dy.shape());
     add(D{}, dy.data(), dmlp.data(), dy.numel(), c.dh.data());
     const Tensor& dattn = ln_1_.backward(attn_.backward(c.dh, c.attn), c.ln_1);
@@ -179,6 +217,8 @@ class GPT {
     typename GPTBlock<E>::Cache scratch;
     Tensor dcarry;
     bool checkpointed = false;  // how forward ran
+    DropoutKey dropout;         // this forward's dropout: p (0: none), the step's draw, the batch offset
+    Tensor demb;                // dL/d(the embeddings' sum) through transformer.drop
     const Tensor* blocks_input = nullptr;  // the first block's input (c.x, or a pipeline stage's received one)
     std::size_t first_block = 0;           // the blocks this forward ran: [first_block, end_block)
     std::size_t end_block = 0;
@@ -189,11 +229,14 @@ class GPT {
     h_.reserve(static_cast<std::size_t>(config.n_layer));
     for (std::int64_t i = 0; i < config.n_layer; ++i) h_.emplace_back(config, rng);
     init_weights(rng);
+    if (config_.dropout > 0) dropout_rng_.reseed(rng.next_u64());  // after the weights: they stay dropout 0's
+    TESSERA_CHECK(config_.dropout == 0 || (std::is_same_v<D, Cpu>), ArgumentError, name(), ": dropout > 0 on ", D::name,
+                  " is not implemented (the CPU applies it; the CUDA kernels do not): use dropout = 0 there");
   }
 
   // idx: B T token ids (row-major (B, T)) -> logits (B, T, V).
   const Tensor& forward(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, Cache& c) {
-    return run(idx, batch, t, 0, c, nullptr);
+    return run(idx, batch, t, 0, c, nullptr, /*dropout=*/true);
   }
 
   const Tensor& forward(const tessera::Tensor<std::int64_t, Cpu>& idx, Cache& c) {
@@ -218,7 +261,7 @@ class GPT {
   const Tensor& forward_cached(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, KVState& kv,
                                Cache& c) {
     kv.blocks.resize(h_.size());
-    return run(idx, batch, t, kv.length(), c, &kv.blocks);
+    return run(idx, batch, t, kv.length(), c, &kv.blocks, /*dropout=*/false);
   }
 
   // nanoGPT's generate: max_new_tokens times, the logits of the last position (the context cropped
@@ -261,7 +304,8 @@ class GPT {
       for (std::int64_t b = 0; b < batch; ++b)
         std::copy_n(seq.begin() + b * total + first, t, window.begin() + b * t);
       if (o.kv_cache && !incremental) kv.clear();
-      const Tensor& logits = o.kv_cache ? forward_cached(window, batch, t, kv, c) : forward(window, batch, t, c);
+      const Tensor& logits =
+          o.kv_cache ? forward_cached(window, batch, t, kv, c) : run(window, batch, t, 0, c, nullptr, /*dropout=*/false);
       for (std::int64_t b = 0; b < batch; ++b)
         D::copy_to_host(last.data() + b * v, logits.data() + ((b * t) + t - 1) * v, static_cast<std::size_t>(v) * sizeof(S));
       for (std::int64_t b = 0; b < batch; ++b)
@@ -290,6 +334,7 @@ class GPT {
     TESSERA_CHECK(begin == 0 && end >= 1 && end <= unit_count(), ArgumentError, name(), ": units [", begin, ", ", end,
                   ") from token ids: token ids enter unit 0 (of ", unit_count(), ")");
     TESSERA_CHECK(idx.rank() == 2, ShapeError, name(), ": expected token ids (B, T), got ", idx.shape());
+    begin_dropout(c);
     embed(std::span<const std::int64_t>(idx.data(), static_cast<std::size_t>(idx.numel())), idx.dim(0), idx.dim(1), 0, c);
     return forward_from(c.x, c, 1, end);
   }
@@ -300,6 +345,7 @@ class GPT {
     TESSERA_CHECK(x.rank() == 3 && x.dim(2) == config_.n_embd && x.dim(1) <= config_.block_size, ShapeError, name(),
                   ": unit ", begin, " (", unit_name(begin), ") takes activations (B, T <= ", config_.block_size, ", ",
                   config_.n_embd, "), got ", x.shape());
+    begin_dropout(c);
     return forward_from(x, c, begin, end);
   }
   // Backward of units [begin, end) from dL/d(unit end - 1's output): accumulates their parameters'
@@ -317,9 +363,10 @@ class GPT {
       if (c.checkpointed) {
         const Tensor& input = i == c.first_block ? *c.blocks_input : c.outputs[i - 1];
         // Its forward again from its saved input (the same numbers, bit for bit: the kernels are
-        // deterministic and there is no dropout), then its backward; the next recompute
-        // overwrites the one cache.
+        // deterministic and the dropout masks functions of the key forward used), then its
+        // backward; the next recompute overwrites the one cache.
         c.dcarry = *dx;
+        GPTBlock<E>::key_dropout(c.scratch, c.dropout, i);
         h_[i].forward(input, c.scratch);
         dx = &h_[i].backward(c.dcarry, c.scratch);
       } else {
@@ -330,6 +377,11 @@ class GPT {
     TESSERA_CHECK(dx->rank() == 3 && c.x.rank() == 3 && dx->shape() == c.x.shape(), ShapeError, name(),
                   "::backward_units: dL/dx ", dx->shape(), " does not match the embeddings ", c.x.shape());
     const std::int64_t batch = c.x.dim(0), t = c.x.dim(1), ch = config_.n_embd;
+    if (c.dropout.active()) {  // transformer.drop's mask again, on the gradient
+      c.demb.resize(dx->shape());
+      dropout_rows(D{}, GPTBlock<E>::site(c.dropout, 0), batch, t, ch, dx->data(), c.demb.data());
+      dx = &c.demb;
+    }
     wte_.backward(*dx, c.wte);
     c.dpos.resize({t, ch});
     c.dpos.fill(S(0));
@@ -350,6 +402,10 @@ class GPT {
       ln_f_.visit(v, prefix + "transformer.ln_f.");
       v.buffer(prefix + "lm_head.weight", wte_.weight().value);  // the tie (see the top)
     }
+    // The dropout generator, on every stage (each draws the step's key): checkpoints keep it. A
+    // state dict has no generators (its visitor ignores them).
+    if constexpr (requires { v.rng(prefix, dropout_rng_); })
+      if (config_.dropout > 0) v.rng(prefix + "transformer.drop.rng", dropout_rng_);
   }
   // Each unit's training FLOPs per token (forward and backward, nanoGPT's estimate_mfu terms at
   // T = block_size): a block 72 C^2 (its 12 C^2 weights, 6 FLOPs each) + 12 C T (attention), the
@@ -371,7 +427,22 @@ class GPT {
   void visit(V& v, const std::string& prefix = "") {
     visit_units(v, prefix, 0, unit_count());
   }
-  void set_mode(Mode) {}
+  void set_mode(Mode mode) { mode_ = mode; }
+  Mode mode() const { return mode_; }
+
+  // Dropout's draws. A training forward draws one key from dropout_rng() unless a caller holds one:
+  // a pipeline draws next_dropout_key() once per step on every stage and holds it over the step's
+  // micro-batches, each with its first row's place in the whole batch (batch_offset), so that each
+  // micro-batch sees the rows' masks of the one-process step. release_dropout_key() ends the hold.
+  std::uint64_t next_dropout_key() { return dropout_rng_.next_u64(); }
+  void hold_dropout_key(std::uint64_t key, std::int64_t batch_offset = 0) {
+    TESSERA_CHECK(batch_offset >= 0, ArgumentError, name(), "::hold_dropout_key: batch_offset=", batch_offset,
+                  " must be >= 0");
+    held_key_ = key;
+    held_batch_offset_ = batch_offset;
+  }
+  void release_dropout_key() { held_key_.reset(); }
+  Rng& dropout_rng() { return dropout_rng_; }
 
   // nanoGPT's get_num_params(non_embedding=True): every parameter once, without the position
   // embedding (the token embedding stays: it is also lm_head).
@@ -381,6 +452,7 @@ class GPT {
       std::int64_t* n;
       void parameter(const std::string&, Parameter<S, D>& p) { *n += p.value.numel(); }
       void buffer(const std::string&, Tensor&) {}
+      void rng(const std::string&, Rng&) {}
     } counter{&n};
     visit(counter);
     return non_embedding ? n - wpe_.weight().value.numel() : n;
@@ -405,15 +477,23 @@ class GPT {
  private:
   // The forward of positions [pos0, pos0 + t) of B sequences; with kv, through the blocks' key/value
   // caches (which must hold positions [0, pos0) already).
+  // dropout: a training forward's (false: generation, which drops nothing).
   const Tensor& run(std::span<const std::int64_t> idx, std::int64_t batch, std::int64_t t, std::int64_t pos0, Cache& c,
-                    std::vector<typename SelfAttention<E>::KVCache>* kv) {
+                    std::vector<typename SelfAttention<E>::KVCache>* kv, bool dropout) {
+    if (dropout)
+      begin_dropout(c);
+    else
+      c.dropout = {};
     embed(idx, batch, t, pos0, c);
     if (kv == nullptr) return forward_from(c.x, c, 1, unit_count());
     c.checkpointed = false;  // generation: no backward
     c.outputs.clear();
     c.h.resize(h_.size());
     const Tensor* x = &c.x;
-    for (std::size_t i = 0; i < h_.size(); ++i) x = &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]);
+    for (std::size_t i = 0; i < h_.size(); ++i) {
+      GPTBlock<E>::key_dropout(c.h[i], c.dropout, i);
+      x = &h_[i].forward_cached(*x, (*kv)[i], config_.block_size, c.h[i]);
+    }
     c.blocks_input = &c.x, c.first_block = 0, c.end_block = h_.size();
     return head(*x, c);
   }
@@ -431,6 +511,18 @@ class GPT {
     const Tensor& pos = wpe_.forward(c.positions, Shape{t}, c.wpe);
     c.x = tok;
     add_broadcast_rows(D{}, pos.data(), batch, t * ch, c.x.data());
+    if (c.dropout.active())  // transformer.drop, in place (the blocks read the dropped sum)
+      dropout_rows(D{}, GPTBlock<E>::site(c.dropout, 0), batch, t, ch, c.x.data(), c.x.data());
+  }
+
+  // This forward's dropout (c.dropout): none outside Train mode or with p = 0; else the held key or
+  // a new draw.
+  void begin_dropout(Cache& c) {
+    c.dropout = {};
+    if (mode_ != Mode::Train || config_.dropout == 0) return;
+    c.dropout.p = config_.dropout;
+    c.dropout.key = held_key_ ? *held_key_ : next_dropout_key();
+    c.dropout.batch_offset = held_key_ ? held_batch_offset_ : 0;
   }
 
   // Units [begin, end), begin >= 1, from x: the blocks among them (each block's output kept in its
@@ -448,6 +540,7 @@ class GPT {
       c.h.clear();
       c.outputs.resize(h_.size());
       for (std::size_t i = first; i < last; ++i) {
+        GPTBlock<E>::key_dropout(c.scratch, c.dropout, i);
         c.outputs[i] = h_[i].forward(*x, c.scratch);
         x = &c.outputs[i];
       }
@@ -455,7 +548,10 @@ class GPT {
     } else {
       c.outputs.clear();
       c.h.resize(h_.size());
-      for (std::size_t i = first; i < last; ++i) x = &h_[i].forward(*x, c.h[i]);
+      for (std::size_t i = first; i < last; ++i) {
+        GPTBlock<E>::key_dropout(c.h[i], c.dropout, i);
+        x = &h_[i].forward(*x, c.h[i]);
+      }
     }
     return end == unit_count() ? head(*x, c) : *x;
   }
@@ -537,6 +633,10 @@ class GPT {
 
   GPTConfig config_;
   bool checkpointing_ = false;
+  Mode mode_ = Mode::Train;
+  Rng dropout_rng_;                        // one draw per training step (used when dropout > 0)
+  std::optional<std::uint64_t> held_key_;  // hold_dropout_key's
+  std::int64_t held_batch_offset_ = 0;
   Embedding<E> wte_, wpe_;
   std::vector<GPTBlock<E>> h_;
   LayerNorm<E> ln_f_;

@@ -197,6 +197,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // What stage 0 reads: images (N, ...) for a Layer, token ids (N, T) for a language model.
   static constexpr bool kTokenInput = detail::TakesTokenIds<Model>;
   using Input = std::conditional_t<kTokenInput, tessera::Tensor<std::int64_t, Cpu>, Tensor>;
+  // A model with dropout masks keyed by position (GPT, models/gpt.hpp) draws one key per step on
+  // every stage, held over the step's micro-batches, each with its first row's place in the whole
+  // batch: every stage and micro-batch then masks exactly as the one-process step does.
+  static constexpr bool kHoldsDropout = requires(Model& mo) {
+    { mo.next_dropout_key() } -> std::same_as<std::uint64_t>;
+    mo.hold_dropout_key(std::uint64_t{}, std::int64_t{});
+    mo.release_dropout_key();
+  };
 
   // The part of the model on this rank, as a model-like object for optimizers, checkpoints and a
   // DataParallel over the stage (hybrid data x pipeline parallelism).
@@ -320,6 +328,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     x_ = &x;
     labels_ = labels;
     const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
+    if constexpr (kHoldsDropout) dropout_key_ = model_.next_dropout_key();  // this step's, on every stage
     if (s == 0) {
       TESSERA_CHECK(x.rank() >= 1 && x.dim(0) % m == 0 && x.dim(0) > 0, ShapeError, "Pipeline: the batch of ",
                     x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(), ") does not split into ", m,
@@ -414,7 +423,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       note_message("recv A", i, " from stage ", s - 1, 0, waiting);
     }
     const auto began = std::chrono::steady_clock::now();
-    const Tensor& out = stage_forward(sl);
+    const Tensor& out = stage_forward(sl, i);
     sl.output_shape = out.shape();
     if (s == p - 1) {
       // One label per row of logits: (n, classes) per image, (n, T, V) per token.
@@ -462,12 +471,25 @@ class Pipeline : public StrategyBase<typename Model::Env> {
 
   // This stage's units on slot sl's input: stage 0 reads its slice of the batch (token ids for a
   // language model), the others the activations received.
-  const Tensor& stage_forward(Slot& sl) {
+  // Micro-batch i (of equal ones) starts at row i x its rows of the whole batch.
+  const Tensor& stage_forward(Slot& sl, int i) {
+    if constexpr (kHoldsDropout) {
+      const std::int64_t rows = kTokenInput && comm_.rank() == 0 ? sl.ids.dim(0) : sl.input.dim(0);
+      model_.hold_dropout_key(dropout_key_, i * rows);
+    }
+    DropoutRelease release{kHoldsDropout ? &model_ : nullptr};
     if constexpr (kTokenInput) {
       if (comm_.rank() == 0) return model_.forward_units(sl.ids, sl.cache, begin_, end_);
     }
     return model_.forward_units(sl.input, sl.cache, begin_, end_);
   }
+  struct DropoutRelease {
+    Model* model;
+    ~DropoutRelease() {
+      if constexpr (kHoldsDropout)
+        if (model != nullptr) model->release_dropout_key();
+    }
+  };
 
   // Tied parameters (detail::tied_parameters) whose two units sit on this stage and another: the
   // parameter and the peer stage.
@@ -622,6 +644,10 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       for (auto& [name, t] : named.buffers) saved.push_back(*t);
       // The fastest of three passes per unit: the first pass also allocates and touches memory.
       typename Model::Cache cache{};
+      // A fixed dropout key: measuring must not draw from the generator, or rank 0's draws would
+      // run ahead of the other stages'.
+      if constexpr (kHoldsDropout) model_.hold_dropout_key(0, 0);
+      DropoutRelease release{kHoldsDropout ? &model_ : nullptr};
       std::vector<const Tensor*> inputs(units + 1);  // inputs[u]: unit u's, for u >= 1
       std::vector<double> best(units, std::numeric_limits<double>::infinity());
       for (int pass = 0; pass < 3; ++pass) {
@@ -687,6 +713,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   std::int64_t correct_ = 0;  // the step's correct predictions (last stage)
   const Input* x_ = nullptr;
   std::span<const std::int64_t> labels_;
+  std::uint64_t dropout_key_ = 0;  // this step's dropout draw (kHoldsDropout)
   Tensor empty_;
 };
 

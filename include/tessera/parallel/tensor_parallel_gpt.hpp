@@ -33,6 +33,13 @@
 // until that sum (GradReadyHold), so a DataParallel over the tensor groups' replicas
 // (stack(dp, tensor), data x tensor parallelism) averages final gradients. Inference with a
 // key/value cache is GPT's.
+//
+// Dropout (config.dropout > 0, Train mode): the dense GPT's four sites with its masks, which are
+// functions of each element's global position (kernels/dropout_key.hpp): transformer.drop and the
+// two residual dropouts on this rank's positions (seq_offset r Tl, after the reduce_scatter and
+// the bias, where the dense model applies them to c_proj's output), attn_dropout on this rank's
+// heads (head_offset r H/p) of the whole gathered sequence. Every rank draws the step's key from a
+// copy of the dense model's dropout generator, so the ranks and the one process agree.
 #pragma once
 
 #include <algorithm>
@@ -46,6 +53,7 @@
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/span_sink.hpp"
 #include "tessera/kernels/attention.hpp"
+#include "tessera/kernels/dropout_key.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/kernels/gemm.hpp"
 #include "tessera/models/gpt.hpp"
@@ -84,12 +92,15 @@ class TensorParallelGPT {
     Tensor blocks;                             // (p, B, Tl, h): what the collectives move
     std::vector<S> replicated_before;          // the replicated gradients when backward began
     std::int64_t batch = 0, t = 0;
+    DropoutKey dropout;                        // this forward's: p (0: none), the step's draw
+    Tensor demb;                               // dL/d(the embeddings' sum) through transformer.drop
   };
 
   // The rank's slices of `dense` (every rank builds it from the same seed: checked).
   TensorParallelGPT(GPT<E>& dense, Comm& comm)
       : comm_(&comm), config_(dense.config()), p_(comm.size()), rank_(comm.rank()),
-        wte_(dense.wte()), wpe_(dense.wpe()), ln_f_(dense.ln_f()) {
+        wte_(dense.wte()), wpe_(dense.wpe()), ln_f_(dense.ln_f()), dropout_rng_(dense.dropout_rng()),
+        mode_(dense.mode()) {
     TESSERA_CHECK(config_.n_head % p_ == 0 && config_.n_embd % p_ == 0, ArgumentError, "TensorParallelGPT: n_head=",
                   config_.n_head, " and n_embd=", config_.n_embd, " must divide over ", p_, " ranks");
     AgreementRecord record("TensorParallelGPT");
@@ -118,6 +129,10 @@ class TensorParallelGPT {
     for (std::int64_t i = 0; i < tl; ++i) c.positions[static_cast<std::size_t>(i)] = t0 + i;
     c.x = wte_.forward(c.ids, Shape{batch, tl}, c.wte);
     add_broadcast_rows(D{}, wpe_.forward(c.positions, Shape{tl}, c.wpe).data(), batch, tl * ch, c.x.data());
+    c.dropout = {};
+    if (mode_ == Mode::Train && config_.dropout > 0) c.dropout = {.p = config_.dropout, .key = dropout_rng_.next_u64()};
+    if (c.dropout.active())  // transformer.drop on this rank's positions
+      dropout_rows(D{}, sequence_site(c, 0), batch, tl, ch, c.x.data(), c.x.data());
     c.h.resize(blocks_.size());
     const Tensor* x = &c.x;
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
@@ -163,6 +178,11 @@ class TensorParallelGPT {
       dx = &blocks_[i].backward(*dx, c.h[i], c, *this);
     }
     current_ = -1;
+    if (c.dropout.active()) {
+      c.demb.resize(dx->shape());
+      dropout_rows(D{}, sequence_site(c, 0), batch, tl, ch, dx->data(), c.demb.data());
+      dx = &c.demb;
+    }
     wte_.backward(*dx, c.wte);
     c.dpos.resize({tl, ch});
     c.dpos.fill(S(0));
@@ -180,8 +200,10 @@ class TensorParallelGPT {
     for (std::size_t i = 0; i < blocks_.size(); ++i) blocks_[i].visit(v, prefix + "transformer.h." + std::to_string(i) + ".");
     ln_f_.visit(v, prefix + "transformer.ln_f.");
     v.buffer(prefix + "lm_head.weight", wte_.weight().value);
+    if constexpr (requires { v.rng(prefix, dropout_rng_); })
+      if (config_.dropout > 0) v.rng(prefix + "transformer.drop.rng", dropout_rng_);
   }
-  void set_mode(Mode) {}
+  void set_mode(Mode mode) { mode_ = mode; }
   // Records every collective as a span on the communication lane (nullptr: stop).
   void set_timeline(SpanSink* timeline) { timeline_ = timeline; }
 
@@ -276,6 +298,7 @@ class TensorParallelGPT {
       g.gather_sequence(ln_1_.forward(x, b.ln_1), b.g1, c, "all_gather ln_1 (sequence)");
       const Tensor& qkv = c_attn_.forward(b.g1, b.c_attn);
       b.dims = {batch, heads_, t, t, local_ / heads_, local_ / heads_};
+      b.dims.dropout = g.head_site(c, 3 * g.current_ + 1);
       b.heads.resize({batch, t, local_});
       b.lse.resize({batch, heads_, t});
       attention_forward(D{}, b.dims, qkv.data(), qkv_layout(t), qkv.data() + local_, qkv_layout(t),
@@ -283,12 +306,16 @@ class TensorParallelGPT {
                         b.lse.data());
       g.scatter_sequence(attn_proj_.forward(b.heads, b.attn_proj), b.a, c, "reduce_scatter attn (sequence)");
       if (has_bias_) add_broadcast_rows(D{}, attn_bias_.value.data(), b.a.numel() / ch_, ch_, b.a.data());
+      if (c.dropout.active())  // resid_dropout, on this rank's positions
+        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 2), batch, t / g.p_, ch_, b.a.data(), b.a.data());
       b.h.resize(x.shape());
       add(D{}, x.data(), b.a.data(), x.numel(), b.h.data());
       g.gather_sequence(ln_2_.forward(b.h, b.ln_2), b.g2, c, "all_gather ln_2 (sequence)");
       const Tensor& f = gelu_.forward(c_fc_.forward(b.g2, b.c_fc), b.gelu);
       g.scatter_sequence(mlp_proj_.forward(f, b.mlp_proj), b.m, c, "reduce_scatter mlp (sequence)");
       if (has_bias_) add_broadcast_rows(D{}, mlp_bias_.value.data(), b.m.numel() / ch_, ch_, b.m.data());
+      if (c.dropout.active())  // mlp.dropout, on this rank's positions
+        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 3), batch, t / g.p_, ch_, b.m.data(), b.m.data());
       b.y.resize(x.shape());
       add(D{}, b.h.data(), b.m.data(), x.numel(), b.y.data());
       return b.y;
@@ -298,15 +325,27 @@ class TensorParallelGPT {
     // gradient through the row and column layers, scattered back and through the LayerNorm.
     const Tensor& backward(const Tensor& dy, BlockCache& b, Cache& c, TensorParallelGPT& g) {
       const std::int64_t rows = dy.numel() / ch_, t = c.t;
-      if (has_bias_) add_column_sums(D{}, dy.data(), rows, ch_, mlp_bias_.grad.data());
-      g.gather_sequence(dy, b.dfull, c, "all_gather d mlp (sequence)");
+      const Tensor* dm = &dy;  // dL/d(the MLP branch before mlp.dropout)
+      if (c.dropout.active()) {
+        b.dbranch.resize(dy.shape());
+        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 3), c.batch, t / g.p_, ch_, dy.data(), b.dbranch.data());
+        dm = &b.dbranch;
+      }
+      if (has_bias_) add_column_sums(D{}, dm->data(), rows, ch_, mlp_bias_.grad.data());
+      g.gather_sequence(*dm, b.dfull, c, "all_gather d mlp (sequence)");
       const Tensor& dfc = c_fc_.backward(gelu_.backward(mlp_proj_.backward(b.dfull, b.mlp_proj), b.gelu), b.c_fc);
       g.scatter_sequence(dfc, b.dbranch, c, "reduce_scatter d ln_2 (sequence)");
       const Tensor& dln2 = ln_2_.backward(b.dbranch, b.ln_2);
       b.dh.resize(dy.shape());
       add(D{}, dy.data(), dln2.data(), dy.numel(), b.dh.data());
-      if (has_bias_) add_column_sums(D{}, b.dh.data(), rows, ch_, attn_bias_.grad.data());
-      g.gather_sequence(b.dh, b.dfull, c, "all_gather d attn (sequence)");
+      const Tensor* da = &b.dh;  // dL/d(the attention branch before resid_dropout)
+      if (c.dropout.active()) {
+        b.dbranch.resize(dy.shape());
+        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 2), c.batch, t / g.p_, ch_, b.dh.data(), b.dbranch.data());
+        da = &b.dbranch;
+      }
+      if (has_bias_) add_column_sums(D{}, da->data(), rows, ch_, attn_bias_.grad.data());
+      g.gather_sequence(*da, b.dfull, c, "all_gather d attn (sequence)");
       const Tensor& dheads = attn_proj_.backward(b.dfull, b.attn_proj);
       const Tensor& qkv = b.c_attn.y;
       b.dqkv.resize(qkv.shape());
@@ -442,6 +481,19 @@ class TensorParallelGPT {
     });
   }
 
+  // Dropout site `number` (GPTBlock::key_dropout's numbering) of this forward: on this rank's
+  // positions of a (B, Tl, h) activation, or on this rank's heads of the attention probabilities.
+  DropoutKey sequence_site(const Cache& c, std::uint64_t number) const {
+    DropoutKey k = GPTBlock<E>::site(c.dropout, number);
+    k.seq_offset = rank_ * (c.t / p_);
+    return k;
+  }
+  DropoutKey head_site(const Cache& c, std::uint64_t number) const {
+    DropoutKey k = GPTBlock<E>::site(c.dropout, number);
+    k.head_offset = rank_ * (config_.n_head / p_);
+    return k;
+  }
+
   Comm* comm_;
   GPTConfig config_;
   int p_, rank_;
@@ -449,6 +501,8 @@ class TensorParallelGPT {
   Embedding<E> wte_, wpe_;
   std::vector<Block> blocks_;
   LayerNorm<E> ln_f_;
+  Rng dropout_rng_;  // a copy of the dense model's: every rank draws the step's key the one process draws
+  Mode mode_;
   std::vector<S> now_;
   GradReadyHold<S, D> replicated_hold_;  // the replicated parameters' grad_ready until their sum
   int current_ = -1;               // the block running now, or -1

@@ -15,6 +15,13 @@
 //   dv += p^T dout     dp = dout v^T     ds = p (dp - D)  with D_i = sum_e dout_ie out_ie
 //   dq += scale ds k   dk += scale ds^T q
 // So the extra memory is lse (T per head) plus one tile set per thread: linear in T, not T^2.
+//
+// Dropout on the probabilities (n.dropout, torch's dropout_p): out = (p o M) v with M = keep/(1-p)
+// per element (kernels/dropout_key.hpp: a hash of (b, h, i, j), so backward computes M again and
+// stores nothing). Forward sums the undropped p into l (the softmax is of the scores) and
+// multiplies the tile by M only for the product with v. Backward: dv += (p o M)^T dout,
+// dp = (dout v^T) o M, ds = p (dp - D), where D_i = sum_j (p o M)_ij (dout v^T)_ij = sum_e
+// dout_ie out_ie still (out is the dropped product).
 // The tile products are gemm's serial products (kernels/cpu/gemm.hpp: OpenBLAS or Eigen on the
 // calling thread). Forward splits (head, query tile) pairs over the OpenMP team, backward the
 // heads (dq of a head collects from every key tile, so one thread owns a head).
@@ -35,6 +42,7 @@
 #include "tessera/kernels/cpu/fast_exp.hpp"
 #include "tessera/kernels/attention_dims.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/dropout_key.hpp"
 
 namespace tessera {
 
@@ -58,6 +66,9 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
   const std::int64_t query_tiles = (n.queries + kQueryTile - 1) / kQueryTile;
   const std::int64_t items = n.batch * n.heads * query_tiles;
   const S neg_inf = -std::numeric_limits<S>::infinity();
+  const bool drop = n.dropout.active();
+  const std::uint64_t threshold = n.dropout.threshold();
+  const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
 #pragma omp parallel
   {
     // Per thread: scores/probabilities (Br, Bc), the output accumulator (Br, dv), m and l (Br).
@@ -100,6 +111,11 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
             sum += s[c];
           }
           std::fill(s + valid, s + cols, S(0));
+          if (drop) {  // after the sum: l is the softmax's denominator, of every probability
+            const std::uint64_t row = n.dropout.row(b, h, i0 + r);
+            for (std::int64_t c = 0; c < valid; ++c)
+              s[c] *= DropoutKey::mix(row + static_cast<std::uint64_t>(j0 + c)) >= threshold ? keep_scale : S(0);
+          }
           l[r] = l[r] * alpha + sum;
           m[r] = m_new;
           if (alpha != S(1)) {
@@ -130,12 +146,17 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
   using detail::kQueryTile;
   const std::int64_t d = n.head_dim, dvw = n.value_dim, heads = n.batch * n.heads;
   const S sc = static_cast<S>(scale);
+  const bool drop = n.dropout.active();
+  const std::uint64_t threshold = n.dropout.threshold();
+  const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
 #pragma omp parallel
   {
-    // Per thread: p and ds tiles (Br, Bc), and D (T).
-    S* p = scratch<S>(2 * kQueryTile * kKeyTile + n.queries);
+    // Per thread: p and ds tiles (Br, Bc), and D (T); with dropout also the mask M and p o M.
+    S* p = scratch<S>((drop ? 4 : 2) * kQueryTile * kKeyTile + n.queries);
     S* ds = p + kQueryTile * kKeyTile;
     S* dvec = ds + kQueryTile * kKeyTile;
+    S* mask = dvec + n.queries;
+    S* pm = mask + kQueryTile * kKeyTile;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) {
       const std::int64_t b = bh / n.heads, h = bh % n.heads;
@@ -175,16 +196,27 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
                 std::clamp<std::int64_t>(detail::visible_keys(causal, i0 + r, n) - j0, 0, cols);
             for (std::int64_t c = 0; c < valid; ++c) pr[c] = detail::exp_le0(pr[c] - li);
             std::fill(pr + valid, pr + cols, S(0));
+            if (drop) {
+              S* mr = mask + r * kKeyTile;
+              dropout_row_mask(n.dropout.row(b, h, i0 + r), threshold, keep_scale, j0, cols, mr);
+              for (std::int64_t c = 0; c < cols; ++c) pm[r * kKeyTile + c] = pr[c] * mr[c];
+            }
           }
           const S* doi = doh + i0 * ol.row;
-          // dv_j += p^T dout_i;  dp = dout_i v_j^T (into ds)
-          gemm(Cpu{}, true, false, cols, dvw, rows, S(1), p, kKeyTile, doi, ol.row, S(1), dvh + j0 * dvl.row, dvl.row);
+          // dv_j += (p o M)^T dout_i;  dp = dout_i v_j^T (into ds)
+          gemm(Cpu{}, true, false, cols, dvw, rows, S(1), drop ? pm : p, kKeyTile, doi, ol.row, S(1),
+               dvh + j0 * dvl.row, dvl.row);
           gemm(Cpu{}, false, true, rows, cols, dvw, S(1), doi, ol.row, vh + j0 * vl.row, vl.row, S(0), ds, kKeyTile);
           for (std::int64_t r = 0; r < rows; ++r) {
             const S di = dvec[i0 + r];
             S* dsr = ds + r * kKeyTile;
             const S* pr = p + r * kKeyTile;
-            for (std::int64_t c = 0; c < cols; ++c) dsr[c] = pr[c] * (dsr[c] - di);
+            if (drop) {
+              const S* mr = mask + r * kKeyTile;
+              for (std::int64_t c = 0; c < cols; ++c) dsr[c] = pr[c] * (dsr[c] * mr[c] - di);
+            } else {
+              for (std::int64_t c = 0; c < cols; ++c) dsr[c] = pr[c] * (dsr[c] - di);
+            }
           }
           // dq_i += scale ds k_j;  dk_j += scale ds^T q_i
           gemm(Cpu{}, false, false, rows, d, cols, sc, ds, kKeyTile, kh + j0 * kl.row, kl.row, S(1),

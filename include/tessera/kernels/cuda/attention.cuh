@@ -146,6 +146,8 @@ __global__ void attention_dkdv_kernel(AttentionDims n, const S* q, AttentionLayo
 }
 
 inline void check_attention_size(const AttentionDims& n) {
+  TESSERA_CHECK(!n.dropout.active(), ArgumentError, "attention on the GPU: dropout p=", n.dropout.p,
+                " is not implemented by the CUDA kernels (the CPU ones apply it); use p = 0 on the GPU");
   TESSERA_CHECK(n.keys <= kMaxAttentionKeys && 2 * n.queries <= kMaxAttentionKeys, ShapeError,
                 "attention on the GPU: ", n.queries, " queries and ", n.keys, " keys; this kernel takes at most ",
                 kMaxAttentionKeys, " keys and ", kMaxAttentionKeys / 2, " queries per head");
