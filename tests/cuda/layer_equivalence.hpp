@@ -41,8 +41,10 @@ namespace tessera::testing {
 
 using Outputs = std::map<std::string, std::vector<double>>;
 
-// Every case, in the order they run. Dropout is not here: its masks come from different random
-// streams on the two devices; tests/cuda/layer_equivalence_cuda.cpp checks its distribution.
+// Every case, in the order they run. The Dropout layer is not here: its masks come from different
+// random streams on the two devices (tests/cuda/layer_equivalence_cuda.cpp checks its
+// distribution). Keyed dropout (DropoutKey: the GPT's and attention's) is: its masks are functions
+// of position, the same on both devices.
 inline constexpr std::string_view kEquivalenceCases[] = {
     "linear", "linear_no_bias", "relu", "gelu", "gelu_tanh", "leaky_relu", "flatten", "conv2d_3x3", "conv2d_strided_grouped_dilated",
     "conv2d_1x1_no_bias", "batch_norm_train", "batch_norm_eval", "batch_norm_2d_input", "max_pool", "avg_pool",
@@ -51,7 +53,7 @@ inline constexpr std::string_view kEquivalenceCases[] = {
     "cross_entropy_smoothing", "cross_entropy_ignore", "nll", "softmax_channels", "log_softmax_last",
     "linear_rank3", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
     "layer_norm", "layer_norm_no_bias", "rms_norm", "embedding", "sdpa_cross", "sdpa_causal_cached",
-    "self_attention", "self_attention_tiles", "gpt", "cross_entropy_btv",
+    "self_attention", "self_attention_tiles", "gpt", "cross_entropy_btv", "sdpa_dropout", "gpt_dropout",
 };
 
 template <class S, class D>
@@ -150,6 +152,16 @@ Outputs transformer_outputs(std::string_view name) {
     emb.backward(seeded<S, D>(y.shape(), rng), c);
     return {{"y", host_values(y)}, {"grad.weight", host_values(emb.weight().grad)}};
   }
+  if (name == "gpt_dropout") {  // a training step's masks at all four sites, at a batch offset
+    GPT<E> model({.block_size = 8, .vocab_size = 10, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.2}, init);
+    model.hold_dropout_key(0xd20b, 3);
+    typename GPT<E>::Cache c;
+    const auto& logits = model.forward(ids, 2, 6, c);
+    model.backward(seeded<S, D>(logits.shape(), rng), c);
+    Outputs out{{"logits", host_values(logits)}};
+    for (auto& [key, p] : named_tensors(model).parameters) out["grad." + key] = host_values(p->grad);
+    return out;
+  }
   if (name == "gpt") {
     GPT<E> model({.block_size = 8, .vocab_size = 10, .n_layer = 2, .n_head = 2, .n_embd = 16}, init);
     typename GPT<E>::Cache c;
@@ -175,6 +187,7 @@ Outputs transformer_outputs(std::string_view name) {
   // key/value cache's offset (T 5 new queries after 45 cached keys).
   const bool cached = name == "sdpa_causal_cached";
   AttentionDims n{2, 3, cached ? 5 : 7, cached ? 50 : 70, 8, 6, cached ? 45 : 0};
+  if (name == "sdpa_dropout") n.dropout = {.p = 0.3, .key = 99, .batch_offset = 1, .head_offset = 2};
   const auto q = seeded<S, D>({n.batch, n.heads, n.queries, n.head_dim}, rng);
   const auto k = seeded<S, D>({n.batch, n.heads, n.keys, n.head_dim}, rng);
   const auto v = seeded<S, D>({n.batch, n.heads, n.keys, n.value_dim}, rng);
@@ -195,7 +208,7 @@ Outputs transformer_outputs(std::string_view name) {
 template <class E>
 Outputs run_equivalence_case(std::string_view name) {
   Rng init(3);
-  if (name == "embedding" || name == "gpt" || name == "cross_entropy_btv" || name.starts_with("sdpa"))
+  if (name == "embedding" || name.starts_with("gpt") || name == "cross_entropy_btv" || name.starts_with("sdpa"))
     return transformer_outputs<E>(name);
   if (name == "layer_norm" || name == "layer_norm_no_bias") {  // rows of 300: more than one block's threads
     LayerNorm<E> layer(Shape{300}, 1e-5, true, name == "layer_norm");

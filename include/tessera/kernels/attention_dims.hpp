@@ -24,7 +24,7 @@ struct AttentionLayout {
 // (the top-left triangle); S - T aligns the last query with the last key, as a key/value cache
 // needs (the T new queries are positions S - T, ..., S - 1 of the sequence).
 // dropout: torch's dropout_p on the probabilities (nanoGPT's attn_dropout), element (b, h, i, j)
-// masked by its DropoutKey (kernels/dropout_key.hpp); the CPU kernels only (the CUDA ones refuse).
+// masked by its DropoutKey (kernels/dropout_key.hpp), the same masks on the CPU and the GPU.
 struct AttentionDims {
   std::int64_t batch = 0, heads = 0, queries = 0, keys = 0, head_dim = 0, value_dim = 0;
   std::int64_t causal_offset = 0;

@@ -51,8 +51,14 @@ struct DropoutKey {
     return mix(z + static_cast<std::uint64_t>(t + seq_offset));
   }
   // Elements whose hash lies below this are dropped: p 2^64, so P(keep) = 1 - p to 2^-64.
-  std::uint64_t threshold() const { return p > 0 ? static_cast<std::uint64_t>(std::ldexp(p, 64)) : 0; }
-  double scale() const { return 1.0 / (1.0 - p); }
+  TESSERA_HOST_DEVICE std::uint64_t threshold() const {
+    return p > 0 ? static_cast<std::uint64_t>(ldexp(p, 64)) : 0;  // < 2^64 for every double p < 1
+  }
+  TESSERA_HOST_DEVICE double scale() const { return 1.0 / (1.0 - p); }
+  // Element j's mask value (keep / (1 - p), or 0) in the row whose hash is `row`.
+  TESSERA_HOST_DEVICE double mask(std::uint64_t row, std::int64_t j) const {
+    return mix(row + static_cast<std::uint64_t>(j)) >= threshold() ? scale() : 0.0;
+  }
 };
 
 // One row's mask values (keep / (1 - p) or 0) for elements [j0, j0 + n) of row hash `row`.
@@ -81,11 +87,11 @@ void dropout_rows(Cpu, const DropoutKey& key, std::int64_t batch, std::int64_t t
   }
 }
 
-// Other devices: not implemented, said by name (a GPT or SelfAttention with dropout > 0 on a GPU).
+// A device without its own overload (the CUDA one is in kernels/cuda/elementwise.cuh): said by name.
 template <class Dev, class S>
 void dropout_rows(Dev, const DropoutKey& key, std::int64_t, std::int64_t, std::int64_t, const S*, S*) {
   TESSERA_CHECK(false, ArgumentError, "dropout p=", key.p, " on ", Dev::name,
-                ": not implemented there (the CPU applies it); use dropout = 0 on this device");
+                ": this device has no dropout kernel; use dropout = 0 on it");
 }
 
 }  // namespace tessera

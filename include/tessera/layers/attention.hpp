@@ -18,7 +18,7 @@
 // the caller puts a DropoutKey (kernels/dropout_key.hpp) for each into the cache before a training
 // forward (GPT does, with its p and step); inactive keys, the default, make both the identity.
 // The masks are functions of each element's global position, so backward computes them again and
-// nothing of them is stored. The CUDA kernels refuse an active key.
+// nothing of them is stored. The CPU and CUDA kernels compute the same masks.
 #pragma once
 
 #include <cmath>

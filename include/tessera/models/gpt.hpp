@@ -30,7 +30,7 @@
 // after the weights, so the weights are those of dropout = 0; checkpoints keep it as
 // "transformer.drop.rng"). A caller that runs one step as several forwards (a pipeline's
 // micro-batches) holds one draw over them with hold_dropout_key. Eval mode and generate() drop
-// nothing. The CPU applies dropout; the CUDA kernels refuse p > 0 by name.
+// nothing. The CPU and CUDA kernels compute the same masks.
 // The (B, T, V) logits feed CrossEntropyLoss (classes last), as nanoGPT's
 // F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1).
 #pragma once
@@ -43,7 +43,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "tessera/comm/local_env.hpp"
@@ -230,8 +229,6 @@ class GPT {
     for (std::int64_t i = 0; i < config.n_layer; ++i) h_.emplace_back(config, rng);
     init_weights(rng);
     if (config_.dropout > 0) dropout_rng_.reseed(rng.next_u64());  // after the weights: they stay dropout 0's
-    TESSERA_CHECK(config_.dropout == 0 || (std::is_same_v<D, Cpu>), ArgumentError, name(), ": dropout > 0 on ", D::name,
-                  " is not implemented (the CPU applies it; the CUDA kernels do not): use dropout = 0 there");
   }
 
   // idx: B T token ids (row-major (B, T)) -> logits (B, T, V).

@@ -3,7 +3,9 @@
 // or per key row (dk, dv), its scores in shared memory in double, so a row holds at most
 // kMaxAttentionKeys keys (forward, dq) or queries (dk, dv); the extra memory is still the per-row
 // log-sum-exp and D = rowsum(dout out), never a (T, S) matrix. A fused tensor-core kernel
-// (FlashAttention's, cuDNN's SDPA) is issue 47's.
+// (FlashAttention's, cuDNN's SDPA) is issue 47's. Dropout (n.dropout) multiplies each probability
+// by its mask M_ij, computed again wherever it is needed (kernels/dropout_key.hpp: the CPU's very
+// masks): out = (P o M) v, dv_j = sum_i P_ij M_ij dout_i, ds_ij = P_ij (M_ij dout_i . v_j - D_i).
 #pragma once
 
 #include <cmath>
@@ -58,6 +60,11 @@ __global__ void attention_forward_kernel(AttentionDims n, const S* q, AttentionL
   double local_sum = 0;
   for (std::int64_t j = threadIdx.x; j < visible; j += blockDim.x) local_sum += (p[j] = exp(p[j] - m));
   const double l = block_reduce<false>(local_sum, scratch);  // its barriers publish p to the block
+  if (n.dropout.active()) {  // after the sum: l is the softmax's denominator, of every probability
+    const std::uint64_t hash = n.dropout.row(b, h, i);
+    for (std::int64_t j = threadIdx.x; j < visible; j += blockDim.x) p[j] *= n.dropout.mask(hash, j);
+    __syncthreads();
+  }
   S* oi = out + ol.offset(b, h) + i * ol.row;
   for (std::int64_t e = threadIdx.x; e < n.value_dim; e += blockDim.x) {
     double acc = 0;
@@ -93,9 +100,11 @@ __global__ void attention_dq_kernel(AttentionDims n, const S* q, AttentionLayout
   const S* doi = dout + ol.offset(b, h) + i * ol.row;
   const std::int64_t visible = attention_visible(causal, i, n);
   const double li = double(lse[row]), di = dvec[row];
+  const std::uint64_t hash = n.dropout.active() ? n.dropout.row(b, h, i) : 0;
   for (std::int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
     const double pij = exp(scale * attention_dot(qi, kh + j * kl.row, n.head_dim) - li);
-    ds[j] = pij * (attention_dot(doi, vh + j * vl.row, n.value_dim) - di);
+    const double mij = n.dropout.active() ? n.dropout.mask(hash, j) : 1.0;
+    ds[j] = pij * (mij * attention_dot(doi, vh + j * vl.row, n.value_dim) - di);
   }
   __syncthreads();
   S* dqi = dq + dql.offset(b, h) + i * dql.row;
@@ -124,8 +133,9 @@ __global__ void attention_dkdv_kernel(AttentionDims n, const S* q, AttentionLayo
   for (std::int64_t i = threadIdx.x; i < n.queries; i += blockDim.x) {
     if (j < attention_visible(causal, i, n)) {
       const double pij = exp(scale * attention_dot(qh + i * ql.row, kj, n.head_dim) - double(lse[bh * n.queries + i]));
-      p[i] = pij;
-      ds[i] = pij * (attention_dot(doh + i * ol.row, vj, n.value_dim) - dvec[bh * n.queries + i]);
+      const double mij = n.dropout.active() ? n.dropout.mask(n.dropout.row(b, h, i), j) : 1.0;
+      p[i] = pij * mij;  // dv's weights: the dropped probabilities
+      ds[i] = pij * (mij * attention_dot(doh + i * ol.row, vj, n.value_dim) - dvec[bh * n.queries + i]);
     } else {
       p[i] = ds[i] = 0;
     }
@@ -146,8 +156,6 @@ __global__ void attention_dkdv_kernel(AttentionDims n, const S* q, AttentionLayo
 }
 
 inline void check_attention_size(const AttentionDims& n) {
-  TESSERA_CHECK(!n.dropout.active(), ArgumentError, "attention on the GPU: dropout p=", n.dropout.p,
-                " is not implemented by the CUDA kernels (the CPU ones apply it); use p = 0 on the GPU");
   TESSERA_CHECK(n.keys <= kMaxAttentionKeys && 2 * n.queries <= kMaxAttentionKeys, ShapeError,
                 "attention on the GPU: ", n.queries, " queries and ", n.keys, " keys; this kernel takes at most ",
                 kMaxAttentionKeys, " keys and ", kMaxAttentionKeys / 2, " queries per head");

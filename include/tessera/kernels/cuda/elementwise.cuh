@@ -7,6 +7,7 @@
 
 #include "tessera/core/random.hpp"
 #include "tessera/kernels/cuda/launch.cuh"
+#include "tessera/kernels/dropout_key.hpp"
 
 namespace tessera {
 
@@ -77,6 +78,17 @@ __global__ void dropout_mask_kernel(std::int64_t n, std::uint64_t seed, std::uin
   TESSERA_CUDA_FOR(i, n) {
     const std::uint64_t u = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(i)));
     mask[i] = (u >> 11) < threshold ? scale : S(0);
+  }
+}
+
+// y = x * mask of a (B, T, C) activation, the mask a function of each element's global position
+// (kernels/dropout_key.hpp): the very values the CPU's dropout_rows gives.
+template <class S>
+__global__ void dropout_rows_kernel(DropoutKey key, std::int64_t t, std::int64_t width, std::int64_t n, const S* x,
+                                    S* y) {
+  TESSERA_CUDA_FOR(i, n) {
+    const std::int64_t bt = i / width;
+    y[i] = x[i] * static_cast<S>(key.mask(key.row(bt / t, 0, bt % t), i % width));
   }
 }
 
@@ -176,6 +188,12 @@ void dropout_mask(Cuda, std::int64_t n, double p, Rng& rng, S* mask) {
   const auto threshold = static_cast<std::uint64_t>((1.0 - p) * 0x1.0p53);
   TESSERA_CUDA_LAUNCH(cuda_detail::dropout_mask_kernel<S>, n, n, rng.next_u64(), threshold, static_cast<S>(1.0 / (1.0 - p)),
                       mask);
+}
+template <class S>
+void dropout_rows(Cuda, const DropoutKey& key, std::int64_t batch, std::int64_t t, std::int64_t width, const S* x,
+                  S* y) {
+  const std::int64_t n = batch * t * width;
+  TESSERA_CUDA_LAUNCH(cuda_detail::dropout_rows_kernel<S>, n, key, t, width, n, x, y);
 }
 template <class S>
 void broadcast_rows(Cuda, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
