@@ -529,6 +529,43 @@ TEST_CASE("Attention dropout: the fused kernel computes (softmax o M) v, and its
   testing::check_gradients(tiles, testing::random_tensor({1, 70, 4}, rng), rng);
 }
 
+TEST_CASE("ScaledDotProductAttention dropout_p: Train drops, Eval does not, backward uses forward's masks (float64)",
+          "[layers][attention][dropout]") {
+  Rng rng(90);
+  const T64 q = testing::random_tensor({3, 9, 4}, rng), k = testing::random_tensor({3, 11, 4}, rng),
+            v = testing::random_tensor({3, 11, 5}, rng), g = testing::random_tensor({3, 9, 5}, rng);
+  const auto values = [](const T64& t) { return std::vector<double>(t.begin(), t.end()); };
+  ScaledDotProductAttention<E64> plain(false), dropped(false, std::nullopt, 0.4, 7);
+  ScaledDotProductAttention<E64>::Cache cp, cd;
+  const std::vector<double> reference = values(plain.forward(q, k, v, cp));
+  dropped.set_mode(Mode::Eval);
+  CHECK(values(dropped.forward(q, k, v, cd)) == reference);
+  CHECK(!cd.dims.dropout.active());
+  dropped.set_mode(Mode::Train);
+  const std::vector<double> first = values(dropped.forward(q, k, v, cd));
+  const AttentionDims n = cd.dims;  // this forward's key
+  REQUIRE(n.dropout.active());
+  CHECK(first != reference);
+  const auto grads = dropped.backward(g, cd);
+  // Central differences of sum(out * g) under the forward's masks: the kernel with its dims.
+  const auto loss = [&](const T64& qq, const T64& kk, const T64& vv) {
+    T64 out({3, 9, 5}), lse({3, 9});
+    attention_forward(Cpu{}, n, qq.data(), AttentionLayout::contiguous(3, 9, 4), kk.data(),
+                      AttentionLayout::contiguous(3, 11, 4), vv.data(), AttentionLayout::contiguous(3, 11, 5), cd.scale,
+                      false, out.data(), AttentionLayout::contiguous(3, 9, 5), lse.data());
+    return testing::dot(out, g);
+  };
+  double forward_loss = 0;
+  for (std::size_t i = 0; i < first.size(); ++i) forward_loss += first[i] * g[static_cast<std::int64_t>(i)];
+  CHECK(loss(q, k, v) == Approx(forward_loss).epsilon(1e-14));
+  testing::check_loss_gradient(q, grads.dq, [&](const T64& z) { return loss(z, k, v); });
+  testing::check_loss_gradient(k, grads.dk, [&](const T64& z) { return loss(q, z, v); });
+  testing::check_loss_gradient(v, grads.dv, [&](const T64& z) { return loss(q, k, z); });
+  ScaledDotProductAttention<E64>::Cache again;
+  CHECK(values(dropped.forward(q, k, v, again)) != first);  // the next forward draws a new key
+  CHECK_THROWS_WITH((ScaledDotProductAttention<E64>(false, std::nullopt, 1.0)), Catch::Contains("dropout_p=1"));
+}
+
 TEST_CASE("ScaledDotProductAttention and SelfAttention match PyTorch (float64 and float32)",
           "[layers][attention][reference]") {
   for (const auto& k : kAttentions) {

@@ -1,12 +1,15 @@
 // Attention layers (the fused kernel, its maths and its memory: kernels/cpu/attention.hpp).
 //
 // ScaledDotProductAttention: torch.nn.functional.scaled_dot_product_attention(q, k, v,
-// is_causal, scale) without a mask or dropout:
+// dropout_p, is_causal, scale) without a mask:
 //   q (*, T, d), k (*, S, d), v (*, S, dv) -> out (*, T, dv) = softmax(scale q k^T [+ causal mask]) v
 // with the leading dimensions (*) equal in all three (for example (B, H)), scale = 1/sqrt(d)
 // unless given, and is_causal: query i sees keys j <= i. Backward gives dq, dk and dv. No (T, S)
 // matrix is stored: the cache keeps the inputs' addresses, the output and one log-sum-exp per
-// query row.
+// query row. dropout_p: each forward in Train mode draws one key from the object's generator
+// (seed) and drops each probability with probability p (kernels/dropout_key.hpp: its mask a hash
+// of (head, query, key), kept in the cache as its key, so backward computes it again); Eval mode
+// drops nothing, as nn.MultiheadAttention passes dropout_p = 0 outside training.
 //
 // SelfAttention: multi-head self-attention as nanoGPT's CausalSelfAttention, with its parameter
 // names (so its state_dict keys are nanoGPT's):
@@ -29,6 +32,7 @@
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/random.hpp"
 #include "tessera/kernels/attention.hpp"
 #include "tessera/kernels/dropout_key.hpp"
 #include "tessera/kernels/elementwise.hpp"
@@ -47,7 +51,7 @@ class ScaledDotProductAttention {
     const Tensor *q = nullptr, *k = nullptr, *v = nullptr;
     Tensor out, lse;  // out (*, T, dv); lse (*, T): each query row's log-sum-exp
     Tensor dq, dk, dv;
-    AttentionDims dims;
+    AttentionDims dims;  // dims.dropout: this forward's mask key (inactive: none)
     double scale = 0;
   };
   struct Grads {
@@ -56,14 +60,18 @@ class ScaledDotProductAttention {
     const Tensor& dv;
   };
 
-  explicit ScaledDotProductAttention(bool is_causal = false, std::optional<double> scale = std::nullopt)
-      : causal_(is_causal), scale_(scale) {
+  explicit ScaledDotProductAttention(bool is_causal = false, std::optional<double> scale = std::nullopt,
+                                     double dropout_p = 0.0, std::uint64_t seed = 0)
+      : causal_(is_causal), scale_(scale), dropout_p_(dropout_p), rng_(seed) {
     TESSERA_CHECK(!scale || std::isfinite(*scale), ArgumentError, "ScaledDotProductAttention: scale=", *scale,
                   " must be finite");
+    TESSERA_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, ArgumentError, "ScaledDotProductAttention: dropout_p=",
+                  dropout_p, " must lie in [0, 1)");
   }
 
   const Tensor& forward(const Tensor& q, const Tensor& k, const Tensor& v, Cache& c) {
     c.dims = checked_dims(q, k, v);
+    if (dropout_p_ > 0 && mode_ == Mode::Train) c.dims.dropout = {.p = dropout_p_, .key = rng_.next_u64()};
     const AttentionDims& n = c.dims;
     c.q = &q;
     c.k = &k;
@@ -101,7 +109,12 @@ class ScaledDotProductAttention {
   }
 
   bool is_causal() const { return causal_; }
-  std::string name() const { return detail::cat("ScaledDotProductAttention(is_causal=", causal_, ")"); }
+  double dropout_p() const { return dropout_p_; }
+  void set_mode(Mode mode) { mode_ = mode; }
+  Rng& rng() { return rng_; }  // the dropout keys' generator: a checkpoint can save and restore it
+  std::string name() const {
+    return detail::cat("ScaledDotProductAttention(is_causal=", causal_, ", dropout_p=", dropout_p_, ")");
+  }
 
  private:
   // The kernel's sizes: batch 1 and every leading index a "head".
@@ -128,6 +141,9 @@ class ScaledDotProductAttention {
 
   bool causal_;
   std::optional<double> scale_;
+  double dropout_p_;
+  Rng rng_;
+  Mode mode_ = Mode::Train;
 };
 
 template <class E>
