@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "tessera/core/error.hpp"
 #include "tessera/core/host_device.hpp"
 #include "tessera/device/cpu.hpp"
 
@@ -55,9 +54,13 @@ struct DropoutKey {
     return p > 0 ? static_cast<std::uint64_t>(ldexp(p, 64)) : 0;  // < 2^64 for every double p < 1
   }
   TESSERA_HOST_DEVICE double scale() const { return 1.0 / (1.0 - p); }
+  // Whether element j of the row whose hash is `row` keeps its value (threshold: threshold()'s).
+  TESSERA_HOST_DEVICE static bool keeps(std::uint64_t row, std::int64_t j, std::uint64_t threshold) {
+    return mix(row + static_cast<std::uint64_t>(j)) >= threshold;
+  }
   // Element j's mask value (keep / (1 - p), or 0) in the row whose hash is `row`.
   TESSERA_HOST_DEVICE double mask(std::uint64_t row, std::int64_t j) const {
-    return mix(row + static_cast<std::uint64_t>(j)) >= threshold() ? scale() : 0.0;
+    return keeps(row, j, threshold()) ? scale() : 0.0;
   }
 };
 
@@ -65,8 +68,7 @@ struct DropoutKey {
 template <class S>
 inline void dropout_row_mask(std::uint64_t row, std::uint64_t threshold, S scale, std::int64_t j0, std::int64_t n,
                              S* mask) {
-  for (std::int64_t j = 0; j < n; ++j)
-    mask[j] = DropoutKey::mix(row + static_cast<std::uint64_t>(j0 + j)) >= threshold ? scale : S(0);
+  for (std::int64_t j = 0; j < n; ++j) mask[j] = DropoutKey::keeps(row, j0 + j, threshold) ? scale : S(0);
 }
 
 // y = x * mask for a (B, T, C) activation (coordinates (b, 0, t, c)): forward with x the input,
@@ -82,16 +84,9 @@ void dropout_rows(Cpu, const DropoutKey& key, std::int64_t batch, std::int64_t t
     const std::uint64_t row = key.row(bt / t, 0, bt % t);
     const S* xr = x + bt * width;
     S* yr = y + bt * width;
-    for (std::int64_t j = 0; j < width; ++j)
-      yr[j] = xr[j] * (DropoutKey::mix(row + static_cast<std::uint64_t>(j)) >= threshold ? scale : S(0));
+    for (std::int64_t j = 0; j < width; ++j) yr[j] = xr[j] * (DropoutKey::keeps(row, j, threshold) ? scale : S(0));
   }
 }
-
-// A device without its own overload (the CUDA one is in kernels/cuda/elementwise.cuh): said by name.
-template <class Dev, class S>
-void dropout_rows(Dev, const DropoutKey& key, std::int64_t, std::int64_t, std::int64_t, const S*, S*) {
-  TESSERA_CHECK(false, ArgumentError, "dropout p=", key.p, " on ", Dev::name,
-                ": this device has no dropout kernel; use dropout = 0 on it");
-}
+// The CUDA overload: kernels/cuda/elementwise.cuh.
 
 }  // namespace tessera

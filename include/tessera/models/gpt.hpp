@@ -107,13 +107,16 @@ class GPTBlock {
     Tensor mlp_out, dmlp;    // mlp.dropout's output and dL/d(mlp.c_proj's output)
   };
 
-  // The dropout sites of block i in the step whose draw is step.key (step: p, the draw and this
-  // call's offsets; p = 0: none): 3i + 1 the attention probabilities, 3i + 2 attn.c_proj's output,
-  // 3i + 3 mlp.c_proj's output (site 0 is the embeddings').
+  // The dropout sites' numbers: 0 the embeddings' (GPT's), then per block i 3i + 1 the attention
+  // probabilities, 3i + 2 attn.c_proj's output, 3i + 3 mlp.c_proj's output.
+  enum DropoutSite : std::uint64_t { kAttention = 1, kAttentionOutput = 2, kMlpOutput = 3 };
+  static std::uint64_t site_number(std::size_t i, DropoutSite s) { return 3 * static_cast<std::uint64_t>(i) + s; }
+  // Block i's dropout keys in the step whose draw is step.key (step: p, the draw and this call's
+  // offsets; p = 0: none).
   static void key_dropout(Cache& c, const DropoutKey& step, std::size_t i) {
-    c.attn.attn_dropout = site(step, 3 * i + 1);
-    c.attn.resid_dropout = site(step, 3 * i + 2);
-    c.mlp_dropout = site(step, 3 * i + 3);
+    c.attn.attn_dropout = site(step, site_number(i, kAttention));
+    c.attn.resid_dropout = site(step, site_number(i, kAttentionOutput));
+    c.mlp_dropout = site(step, site_number(i, kMlpOutput));
   }
   static DropoutKey site(const DropoutKey& step, std::uint64_t number) {
     DropoutKey k = step;

@@ -298,7 +298,7 @@ class TensorParallelGPT {
       g.gather_sequence(ln_1_.forward(x, b.ln_1), b.g1, c, "all_gather ln_1 (sequence)");
       const Tensor& qkv = c_attn_.forward(b.g1, b.c_attn);
       b.dims = {batch, heads_, t, t, local_ / heads_, local_ / heads_};
-      b.dims.dropout = g.head_site(c, 3 * g.current_ + 1);
+      b.dims.dropout = g.head_site(c, g.block_site(GPTBlock<E>::kAttention));
       b.heads.resize({batch, t, local_});
       b.lse.resize({batch, heads_, t});
       attention_forward(D{}, b.dims, qkv.data(), qkv_layout(t), qkv.data() + local_, qkv_layout(t),
@@ -307,7 +307,8 @@ class TensorParallelGPT {
       g.scatter_sequence(attn_proj_.forward(b.heads, b.attn_proj), b.a, c, "reduce_scatter attn (sequence)");
       if (has_bias_) add_broadcast_rows(D{}, attn_bias_.value.data(), b.a.numel() / ch_, ch_, b.a.data());
       if (c.dropout.active())  // resid_dropout, on this rank's positions
-        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 2), batch, t / g.p_, ch_, b.a.data(), b.a.data());
+        dropout_rows(D{}, g.sequence_site(c, g.block_site(GPTBlock<E>::kAttentionOutput)), batch, t / g.p_, ch_,
+                     b.a.data(), b.a.data());
       b.h.resize(x.shape());
       add(D{}, x.data(), b.a.data(), x.numel(), b.h.data());
       g.gather_sequence(ln_2_.forward(b.h, b.ln_2), b.g2, c, "all_gather ln_2 (sequence)");
@@ -315,7 +316,8 @@ class TensorParallelGPT {
       g.scatter_sequence(mlp_proj_.forward(f, b.mlp_proj), b.m, c, "reduce_scatter mlp (sequence)");
       if (has_bias_) add_broadcast_rows(D{}, mlp_bias_.value.data(), b.m.numel() / ch_, ch_, b.m.data());
       if (c.dropout.active())  // mlp.dropout, on this rank's positions
-        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 3), batch, t / g.p_, ch_, b.m.data(), b.m.data());
+        dropout_rows(D{}, g.sequence_site(c, g.block_site(GPTBlock<E>::kMlpOutput)), batch, t / g.p_, ch_, b.m.data(),
+                     b.m.data());
       b.y.resize(x.shape());
       add(D{}, b.h.data(), b.m.data(), x.numel(), b.y.data());
       return b.y;
@@ -328,7 +330,8 @@ class TensorParallelGPT {
       const Tensor* dm = &dy;  // dL/d(the MLP branch before mlp.dropout)
       if (c.dropout.active()) {
         b.dbranch.resize(dy.shape());
-        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 3), c.batch, t / g.p_, ch_, dy.data(), b.dbranch.data());
+        dropout_rows(D{}, g.sequence_site(c, g.block_site(GPTBlock<E>::kMlpOutput)), c.batch, t / g.p_, ch_, dy.data(),
+                     b.dbranch.data());
         dm = &b.dbranch;
       }
       if (has_bias_) add_column_sums(D{}, dm->data(), rows, ch_, mlp_bias_.grad.data());
@@ -341,7 +344,8 @@ class TensorParallelGPT {
       const Tensor* da = &b.dh;  // dL/d(the attention branch before resid_dropout)
       if (c.dropout.active()) {
         b.dbranch.resize(dy.shape());
-        dropout_rows(D{}, g.sequence_site(c, 3 * g.current_ + 2), c.batch, t / g.p_, ch_, b.dh.data(), b.dbranch.data());
+        dropout_rows(D{}, g.sequence_site(c, g.block_site(GPTBlock<E>::kAttentionOutput)), c.batch, t / g.p_, ch_,
+                     b.dh.data(), b.dbranch.data());
         da = &b.dbranch;
       }
       if (has_bias_) add_column_sums(D{}, da->data(), rows, ch_, attn_bias_.grad.data());
@@ -487,6 +491,10 @@ class TensorParallelGPT {
     DropoutKey k = GPTBlock<E>::site(c.dropout, number);
     k.seq_offset = rank_ * (c.t / p_);
     return k;
+  }
+  // Site `s` of the block running now (GPTBlock's numbering).
+  std::uint64_t block_site(typename GPTBlock<E>::DropoutSite s) const {
+    return GPTBlock<E>::site_number(static_cast<std::size_t>(current_), s);
   }
   DropoutKey head_site(const Cache& c, std::uint64_t number) const {
     DropoutKey k = GPTBlock<E>::site(c.dropout, number);

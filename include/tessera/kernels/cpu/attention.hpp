@@ -20,8 +20,8 @@
 // per element (kernels/dropout_key.hpp: a hash of (b, h, i, j), so backward computes M again and
 // stores nothing). Forward sums the undropped p into l (the softmax is of the scores) and
 // multiplies the tile by M only for the product with v. Backward: dv += (p o M)^T dout,
-// dp = (dout v^T) o M, ds = p (dp - D), where D_i = sum_j (p o M)_ij (dout v^T)_ij = sum_e
-// dout_ie out_ie still (out is the dropped product).
+// dp = (dout v^T) o M, ds = p (dp - D) = (p o M) o (dout v^T) - p D, where D_i = sum_j
+// (p o M)_ij (dout v^T)_ij = sum_e dout_ie out_ie still (out is the dropped product).
 // The tile products are gemm's serial products (kernels/cpu/gemm.hpp: OpenBLAS or Eigen on the
 // calling thread). Forward splits (head, query tile) pairs over the OpenMP team, backward the
 // heads (dq of a head collects from every key tile, so one thread owns a head).
@@ -114,7 +114,7 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
           if (drop) {  // after the sum: l is the softmax's denominator, of every probability
             const std::uint64_t row = n.dropout.row(b, h, i0 + r);
             for (std::int64_t c = 0; c < valid; ++c)
-              s[c] *= DropoutKey::mix(row + static_cast<std::uint64_t>(j0 + c)) >= threshold ? keep_scale : S(0);
+              s[c] *= DropoutKey::keeps(row, j0 + c, threshold) ? keep_scale : S(0);
           }
           l[r] = l[r] * alpha + sum;
           m[r] = m_new;
@@ -151,12 +151,11 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
   const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
 #pragma omp parallel
   {
-    // Per thread: p and ds tiles (Br, Bc), and D (T); with dropout also the mask M and p o M.
-    S* p = scratch<S>((drop ? 4 : 2) * kQueryTile * kKeyTile + n.queries);
+    // Per thread: p and ds tiles (Br, Bc), and D (T); with dropout also p o M (Br, Bc).
+    S* p = scratch<S>((drop ? 3 : 2) * kQueryTile * kKeyTile + n.queries);
     S* ds = p + kQueryTile * kKeyTile;
     S* dvec = ds + kQueryTile * kKeyTile;
-    S* mask = dvec + n.queries;
-    S* pm = mask + kQueryTile * kKeyTile;
+    S* pm = dvec + n.queries;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) {
       const std::int64_t b = bh / n.heads, h = bh % n.heads;
@@ -197,9 +196,9 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
             for (std::int64_t c = 0; c < valid; ++c) pr[c] = detail::exp_le0(pr[c] - li);
             std::fill(pr + valid, pr + cols, S(0));
             if (drop) {
-              S* mr = mask + r * kKeyTile;
-              dropout_row_mask(n.dropout.row(b, h, i0 + r), threshold, keep_scale, j0, cols, mr);
-              for (std::int64_t c = 0; c < cols; ++c) pm[r * kKeyTile + c] = pr[c] * mr[c];
+              S* pmr = pm + r * kKeyTile;
+              dropout_row_mask(n.dropout.row(b, h, i0 + r), threshold, keep_scale, j0, cols, pmr);
+              for (std::int64_t c = 0; c < cols; ++c) pmr[c] *= pr[c];
             }
           }
           const S* doi = doh + i0 * ol.row;
@@ -212,8 +211,8 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
             S* dsr = ds + r * kKeyTile;
             const S* pr = p + r * kKeyTile;
             if (drop) {
-              const S* mr = mask + r * kKeyTile;
-              for (std::int64_t c = 0; c < cols; ++c) dsr[c] = pr[c] * (dsr[c] * mr[c] - di);
+              const S* pmr = pm + r * kKeyTile;
+              for (std::int64_t c = 0; c < cols; ++c) dsr[c] = pmr[c] * dsr[c] - pr[c] * di;
             } else {
               for (std::int64_t c = 0; c < cols; ++c) dsr[c] = pr[c] * (dsr[c] - di);
             }
