@@ -19,7 +19,7 @@ fi
 # Only what the unit tests need: no communicator libraries, examples or benchmarks. -g1: line
 # tables only, which is what the reports' stack traces print (file:line), without the type and
 # variable information of -g that a debugger wants and the build pays for.
-options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false -Dunity_size=3
+options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false
   "-Dcpp_args=-g1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
   -Dtests=enabled -Dexamples=disabled -Dbench=disabled -Dmpi=disabled -Dgloo=disabled -Dcuda=disabled -Dnccl=disabled)
 if [ -f "$build/build.ninja" ]; then

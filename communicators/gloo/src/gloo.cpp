@@ -6,9 +6,12 @@
 #define TESSERA_COMPILING_GLOO 1
 
 #include "tessera/comm/gloo.hpp"
+#include "tessera/parallel/data_parallel.hpp"
 
 namespace tessera {
 
 TESSERA_GLOO_ALL_INSTANCES()
+// DataParallel over GlooComm, which the backend's programs declare extern (parallel/data_parallel.hpp).
+template class DataParallel<CpuGloo>;
 
 }  // namespace tessera

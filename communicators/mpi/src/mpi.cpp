@@ -5,7 +5,10 @@
 #define TESSERA_COMPILING_MPI 1
 
 #include "tessera/comm/mpi.hpp"
+#include "tessera/parallel/data_parallel.hpp"
 
 namespace tessera {
 TESSERA_MPI_ALL_INSTANCES()
+// DataParallel over MpiComm, which the backend's programs declare extern (parallel/data_parallel.hpp).
+template class DataParallel<CpuMpi>;
 }  // namespace tessera

@@ -86,6 +86,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/comm/threads.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
@@ -628,6 +629,21 @@ class DataParallel final : public StrategyBase<E>, UpdateGuard {
 // DataParallel dp(model, comm): the Env is the model's.
 template <class Model, class C>
 DataParallel(Model&, C&, DataParallelOptions = {}) -> DataParallel<typename Model::Env>;
+
+// DataParallel of the CPU backends' float Envs, which nearly every multi-rank CPU program of the
+// meson build instantiates (the examples once per backend), is compiled once: CpuThreads' in
+// tessera_layers (src/strategies_cpu.cpp), declared extern here where the build links it
+// (core/linkage.hpp's define). A backend with a library of its own compiles its Env's there and
+// declares it extern at the end of its header, when this definition precedes it
+// (TESSERA_DATA_PARALLEL_DEFINED), as it does in every program of the build (the precompiled
+// header, src/pch, holds tessera.hpp). Not here: a backend's macro tested in this header would
+// differ between the backends' programs and void the precompiled header they share. Only the
+// constructor, a template on the model, is still compiled in the program (docs/testing.md has
+// what that saves).
+#if TESSERA_CPU_KERNELS_EXTERN
+extern template class DataParallel<CpuThreads>;
+#endif
+#define TESSERA_DATA_PARALLEL_DEFINED 1
 
 }  // namespace tessera
 

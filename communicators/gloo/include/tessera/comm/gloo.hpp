@@ -1243,4 +1243,11 @@ static_assert(BHalfCommunicator<GlooComm> && comm_concepts::has_async<GlooComm, 
 using CpuGloo = Env<Cpu, GlooComm, float>;
 using CpuGloo64 = Env<Cpu, GlooComm, double>;
 
+// DataParallel<CpuGloo> is compiled once, in tessera_gloo (src/gloo.cpp), and declared extern in the
+// backend's programs when DataParallel's definition precedes this header (as in every program of
+// the meson build: parallel/data_parallel.hpp says why here). Elsewhere the program compiles it.
+#if defined(TESSERA_COMPILED_GLOO) && !defined(TESSERA_COMPILING_GLOO) && defined(TESSERA_DATA_PARALLEL_DEFINED)
+extern template class DataParallel<CpuGloo>;
+#endif
+
 }  // namespace tessera

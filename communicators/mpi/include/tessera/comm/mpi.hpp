@@ -650,4 +650,11 @@ static_assert(BHalfCommunicator<MpiComm> && comm_concepts::has_async<MpiComm, BH
 using CpuMpi = Env<Cpu, MpiComm, float>;
 using CpuMpi64 = Env<Cpu, MpiComm, double>;
 
+// DataParallel<CpuMpi> is compiled once, in tessera_mpi (src/mpi.cpp), and declared extern in the
+// backend's programs when DataParallel's definition precedes this header (as in every program of
+// the meson build: parallel/data_parallel.hpp says why here). Elsewhere the program compiles it.
+#if defined(TESSERA_COMPILED_MPI) && !defined(TESSERA_COMPILING_MPI) && defined(TESSERA_DATA_PARALLEL_DEFINED)
+extern template class DataParallel<CpuMpi>;
+#endif
+
 }  // namespace tessera
