@@ -16,7 +16,13 @@
 #include "tessera/comm/threads.hpp"
 
 using namespace tessera;
-using namespace tessera::testing;
+// Names, not the namespace: this file shares a unity file with others (tests/meson.build), and a
+// using-directive for tessera::testing would make their `detail::` ambiguous.
+using tessera::testing::ElasticCase;
+using tessera::testing::ElasticResult;
+using tessera::testing::ElasticStrategy;
+using tessera::testing::elastic_run;
+using tessera::testing::max_difference;
 namespace fs = std::filesystem;
 
 namespace {
