@@ -130,7 +130,7 @@ TEST_CASE("decode_image: broken files give an IoError naming the file and the re
       {"broken_bmp_named.png", "unsupported image format"}};
   for (const auto& [file, reason] : cases) {
     INFO(file);
-    const std::string message = error_of([&] { read_image(kImages + file, 3); });
+    const std::string message = error_of([&file = file] { read_image(kImages + file, 3); });
     CHECK_THAT(message, Catch::Contains(kImages + file));
     CHECK_THAT(message, Catch::Contains(reason));
     CHECK_THROWS_AS(read_image(kImages + file, 3), IoError);

@@ -34,9 +34,9 @@ void on_threads(int ranks, Check check) {
 }  // namespace
 
 TEST_CASE("ParameterServer with staleness bound 0 equals one process (float64)", "[parallel][parameter_server]") {
-  for (auto [ranks, servers] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{4, 2}}) {
+  for (const auto& [ranks, servers] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{4, 2}}) {
     DYNAMIC_SECTION(ranks << " ranks, " << servers << " servers") {
-      on_threads(ranks, [&](ThreadComm& comm) {
+      on_threads(ranks, [servers = servers](ThreadComm& comm) {
         return testing::ps_equivalence<double>(comm, {.num_servers = servers, .steps = 3});
       });
     }

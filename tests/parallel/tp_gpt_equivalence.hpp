@@ -124,8 +124,9 @@ std::vector<std::string> tp_gpt_equivalence(Comm& comm, const TpGptCase& k = {},
       failures.push_back(where + "step " + std::to_string(step) + ": loss " + std::to_string(split_loss) + " vs " +
                          std::to_string(dense_loss));
     for (auto& [name, p] : split_named.parameters) {
+      // Captured by an init-capture: C++20 lets a lambda capture a structured binding, clang 14 does not.
       const auto it = std::find_if(dense_named.parameters.begin(), dense_named.parameters.end(),
-                                   [&](const auto& d) { return d.first == name; });
+                                   [&name = name](const auto& d) { return d.first == name; });
       if (it == dense_named.parameters.end()) {
         failures.push_back(where + "the dense model has no parameter " + name);
         continue;
@@ -136,7 +137,7 @@ std::vector<std::string> tp_gpt_equivalence(Comm& comm, const TpGptCase& k = {},
     split_sgd.step();
     for (auto& [name, p] : split_named.parameters) {
       const auto it = std::find_if(dense_named.parameters.begin(), dense_named.parameters.end(),
-                                   [&](const auto& d) { return d.first == name; });
+                                   [&name = name](const auto& d) { return d.first == name; });
       if (it != dense_named.parameters.end()) compare("the value after the step", name, p->value, it->second->value, step);
     }
   }

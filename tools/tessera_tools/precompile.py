@@ -54,8 +54,10 @@ def without_outputs(command: Sequence[str]) -> list[str]:
     return kept
 
 
-def header_command(reference_command: list[str], header: str, output: str, depfile: str) -> list[str]:
-    """The reference's compile command, turned into one that precompiles `header` into `output`."""
+def header_command(reference_command: list[str], header: str, output: str, depfile: str,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The reference's compile command, turned into one that precompiles `header` into `output`,
+    with `extra` options that only the header's compile takes (clang's -fpch-instantiate-templates)."""
     args = without_outputs(reference_command)
     if "-c" not in args[:-1]:
         raise ValueError(f"the reference's command compiles no source (-c SOURCE): {' '.join(reference_command)}")
@@ -63,7 +65,7 @@ def header_command(reference_command: list[str], header: str, output: str, depfi
     del args[i:i + 2]
     if not args:
         raise ValueError("the reference's compile command is empty")
-    return [*args, "-x", "c++-header", header, "-o", output, "-MD", "-MQ", output, "-MF", depfile]
+    return [*args, *extra, "-x", "c++-header", header, "-o", output, "-MD", "-MQ", output, "-MF", depfile]
 
 
 def reference_entry(compdb: pathlib.Path, reference: str) -> dict[str, str]:
@@ -88,13 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="where the reference's object goes, relative to the build directory (its target's private "
                          "directory, e.g. pch/pch_reference.p/)")
     ap.add_argument("--header", required=True, help="the header to precompile")
-    ap.add_argument("--output", required=True, help="the .gch to write (the header's path plus .gch)")
+    ap.add_argument("--output", required=True,
+                    help="the precompiled header to write (the header's path plus .gch for g++, .pch for clang)")
     ap.add_argument("--depfile", required=True, help="the dependency file to write for ninja")
+    ap.add_argument("--extra-arg", action="append", default=[], metavar="OPTION",
+                    help="an option for the header's compile alone (repeatable), e.g. -fpch-instantiate-templates")
     args = ap.parse_args(argv)
     try:
         entry = reference_entry(pathlib.Path(args.compdb), args.reference)
         command = entry.get("arguments") or shlex.split(entry["command"])
-        cmd = header_command(list(command), args.header, args.output, args.depfile)
+        cmd = header_command(list(command), args.header, args.output, args.depfile, args.extra_arg)
     except ValueError as e:
         print(f"precompile_header.py: {e}", file=sys.stderr)
         return 1
