@@ -73,8 +73,9 @@ int run(Comm& world, const Options& o) {
                 " (each trial's global batch) must be divisible by the ", group_size, " ranks of a group (",
                 world.size(), " ranks / --groups=", o.groups, ")");
   Cpu::set_num_threads(o.threads);
-  auto [full_train, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
-  const auto [search_train, validation] = examples::hold_out(full_train, o.validation);
+  const examples::FashionMnist data = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
+  const auto held_out = examples::hold_out(data.train, o.validation);  // named, not bound: the lambdas capture them
+  const Dataset &search_train = held_out.first, &validation = held_out.second, &test_set = data.test;
   SearchSpace space;
   space.add("lr", 1e-3, 0.5, SearchScale::Log).add("momentum", 0.0, 0.99).add("weight_decay", 1e-6, 1e-2, SearchScale::Log);
   HyperparameterSearch search(world,

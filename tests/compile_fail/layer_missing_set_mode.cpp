@@ -2,7 +2,7 @@
 // layer type on the line above it, and nothing else.
 // expect: Tessera Layer: missing `void set_mode(Mode)`
 // expect: Swish
-// max-lines: 10
+// max-lines: 8
 #include "tessera/tessera.hpp"
 
 template <class E>

@@ -2,7 +2,7 @@
 // saved or all-reduced, so it does not compile.
 // expect: Tessera Layer: missing `template <class V> void visit(V& v, const std::string& prefix)`
 // expect: Scale
-// max-lines: 10
+// max-lines: 8
 #include "tessera/tessera.hpp"
 
 template <class E>

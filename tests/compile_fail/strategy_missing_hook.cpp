@@ -1,7 +1,7 @@
 // A strategy written without StrategyBase that forgot the hooks around the optimizer step: the
 // Trainer would have nowhere to wait for its gradients, so it does not compile.
 // expect: Tessera Strategy: missing `void before_optimizer_step()` and `void after_optimizer_step()`
-// max-lines: 20
+// max-lines: 16
 #include "tessera/tessera.hpp"
 
 struct EveryOtherStep {

@@ -1,7 +1,7 @@
 // Two strategies that each own the micro-batch loop cannot stack: a step has one loop.
 // expect: Tessera strategy stack: two strategies own the micro-batch loop
 // expect: GradientAccumulation
-// max-lines: 20
+// max-lines: 16
 #include "tessera/tessera.hpp"
 
 int main() {

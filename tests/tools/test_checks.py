@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT
 from tessera_tools import precompile
-from tessera_tools.checks import api_docs, headers
+from tessera_tools.checks import api_docs, compile_fail, headers
 
 
 def test_headers_self_test() -> None:
@@ -82,6 +82,47 @@ def test_precompiled_header_is_used(tmp_path: pathlib.Path) -> None:
     r = subprocess.run(flags + ["-include", "h.hpp", "-H", "-fsyntax-only", "a.cpp"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stderr.startswith("! "), r.stderr[:500]
+
+
+@pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ (Debian: clang)")
+def test_precompiled_header_is_used_by_clang(tmp_path: pathlib.Path) -> None:
+    """The same with clang (src/pch/meson.build): a .pch made with -fpch-instantiate-templates is
+    the one a unit with `-include h.hpp` loads (clang's -print-stats names the files it loaded)."""
+    (tmp_path / "h.hpp").write_text("#include <vector>\n")
+    (tmp_path / "a.cpp").write_text("int main() { return static_cast<int>(std::vector<int>{}.size()); }\n")
+    flags = ["clang++", "-std=c++20", "-O1", "-DX=1"]
+    use = flags + ["-include", "h.hpp", "-Xclang", "-print-stats", "-fsyntax-only", "a.cpp"]
+    compdb = tmp_path / "compile_commands.json"
+    compdb.write_text(json.dumps([{"directory": str(tmp_path), "file": "ref.cpp", "output": "ref.p/ref.o",
+                                   "command": " ".join(flags + ["-o", "ref.p/ref.o", "-c", "ref.cpp"])}]))
+    text = subprocess.run(use, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "h.hpp.pch" not in text.stderr
+    assert precompile.main(["--compdb", str(compdb), "--reference", "ref.p/", "--header", "h.hpp",
+                            "--output", "h.hpp.pch", "--depfile", "h.d",
+                            "--extra-arg=-fpch-instantiate-templates"]) == 0
+    r = subprocess.run(use, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "h.hpp.pch" in r.stderr, r.stderr[-500:]
+
+
+def test_compile_fail_counts_lines_without_the_include_chain(tmp_path: pathlib.Path) -> None:
+    """A made-up compiler that fails with an include chain and two lines of diagnostics: the
+    chain is not counted against `// max-lines:`, the diagnostics are."""
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\n"
+                        "echo 'In file included from a.hpp:3,' >&2\n"
+                        "echo '                 from s.cpp:1:' >&2\n"
+                        "echo 'In file included from b.hpp:9:' >&2\n"
+                        "echo 's.cpp:2:1: error: the sentence' >&2\n"
+                        "echo 's.cpp:2:1: note: a note' >&2\n"
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    source = tmp_path / "s.cpp"
+    source.write_text("// expect: the sentence\n// max-lines: 2\n")
+    report, ok = compile_fail.check(source, [str(compiler)])
+    assert ok, report
+    source.write_text("// expect: the sentence\n// max-lines: 1\n")
+    report, ok = compile_fail.check(source, [str(compiler)])
+    assert not ok and "2 lines of compiler output" in report, report
 
 
 def test_checkpoint_listed(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,6 +71,15 @@ concept FusesInference = requires(A& a, B& b, const typename A::Tensor& x, typen
                                   typename A::Cache& ca, typename B::Cache& cb) {
   a.forward_epilogue(x, ca, y, b.inference_epilogue(cb, a.out_channels()));
 };
+// Whether the last two of Ls fuse in inference: false for fewer than two. A trait rather than
+// `size >= 2 && FusesInference<tuple_element_t<size - 2, ...>, ...>`, whose tuple_element_t clang
+// instantiates (a hard error) for one layer, where `&&` would not have evaluated it.
+template <class... Ls>
+struct LastTwoFuseInference : std::false_type {};
+template <class A, class B>
+struct LastTwoFuseInference<A, B> : std::bool_constant<FusesInference<LayerSlot<A>, LayerSlot<B>>> {};
+template <class A, class B, class C, class... Rest>
+struct LastTwoFuseInference<A, B, C, Rest...> : LastTwoFuseInference<B, C, Rest...> {};
 }  // namespace detail
 
 template <class... Ls>
@@ -145,8 +154,7 @@ class Sequential {
   // its BatchNorm: y = relu(forward(x) + addend), the last convolution finishing its output with
   // the BatchNorm, the addend and the ReLU in one pass (layers/residual.hpp).
   const Tensor& forward_add_relu(const Tensor& x, Cache& cache, const Tensor& addend, Tensor& y)
-    requires(kSize >= 2 && detail::FusesInference<detail::LayerSlot<std::tuple_element_t<kSize - 2, std::tuple<Ls...>>>,
-                                                  detail::LayerSlot<std::tuple_element_t<kSize - 1, std::tuple<Ls...>>>>)
+    requires(detail::LastTwoFuseInference<Ls...>::value)
   {
     constexpr std::size_t conv = kSize - 2;
     TESSERA_CHECK(mode_ == Mode::Inference, Error, "Sequential::forward_add_relu needs Mode::Inference");
