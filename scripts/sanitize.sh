@@ -17,20 +17,19 @@ if [ "${1:-}" = --build ]; then
   shift 2
 fi
 
-# Only what the unit tests need: no communicator libraries, examples or benchmarks. -g1: line
-# tables only, which is what the reports' stack traces print (file:line), without the type and
-# variable information of -g that a debugger wants and the build pays for.
 # clang: the main build is g++'s, so every unit test also compiles with a second compiler here
 # (clang 14 refused what g++ 12 let pass: a lambda capturing a structured binding, a constraint
 # naming tuple_element_t<-1>), and it builds and runs faster (2026-12-01, one run each, same hour:
 # 310 s against 337 for build and run; docs/testing.md). A directory configured before keeps its
-# compiler (meson does not change it on --reconfigure).
-# clang's runtime (libclang-rt-14-dev) must be there too: without it -print-file-name answers
-# the bare name.
+# compiler (meson does not change it on --reconfigure). clang's sanitizer runtime
+# (libclang-rt-14-dev) must be there too: without it -print-file-name answers the bare name.
 if [ -z "${CXX:-}" ] && command -v clang++ >/dev/null && command -v clang >/dev/null &&
   [ -f "$(clang++ -print-file-name=libclang_rt.asan-x86_64.a)" ]; then
   export CXX=clang++ CC=clang
 fi
+# Only what the unit tests need: no communicator libraries, examples or benchmarks. -g1: line
+# tables only, which is what the reports' stack traces print (file:line), without the type and
+# variable information of -g that a debugger wants and the build pays for.
 options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false
   "-Dcpp_args=-g1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
   -Dtests=enabled -Dexamples=disabled -Dbench=disabled -Dmpi=disabled -Dgloo=disabled -Dcuda=disabled -Dnccl=disabled)

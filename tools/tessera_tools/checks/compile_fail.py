@@ -38,7 +38,7 @@ def check(source: pathlib.Path, base: list[str]) -> tuple[str, bool]:
     if limit and len(counted) > int(limit.group(1)):
         problems.append(f"{len(counted)} lines of compiler output (the include chain aside), more than {limit.group(1)}")
     said = next((l[l.index("error:"):] for l in lines if "error:" in l), "(no error line)")
-    report = [f"{'ok' if not problems else 'FAILED':6} {source.name}: {len(lines)} lines; {said}"]
+    report = [f"{'ok' if not problems else 'FAILED':6} {source.name}: {len(counted)} lines; {said}"]
     if problems:
         report.append("       " + "; ".join(problems))
         report += ["       | " + l for l in lines[:40]]
