@@ -4,12 +4,14 @@
 // every forward path of the CPU convolution (bands, whole-sample groups, the 1x1 direct path, the
 // one-block team, both Winograd layouts), at 1 and 2 threads, in float64 and float32; then the
 // composites (Sequential, Residual, ResNet): the same outputs, backward refused with a message,
-// and the same cache usable for training again afterwards.
+// and the same cache usable for training again afterwards. Conv2d's Winograd filter, transformed
+// once in Mode::Inference, is checked to follow weights changed behind its back.
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "tessera/comm/local.hpp"
 #include "tessera/core/env.hpp"
@@ -129,6 +131,68 @@ TEST_CASE("Conv2d's inference epilogue equals the eval BatchNorm, add and ReLU o
             check_epilogue<E32>(cc, with_addend, relu, 2e-6);
           }
         }
+}
+
+// y from a copy of conv in Mode::Eval: the convolution of conv's current weights, computed afresh.
+template <class E>
+Tensor<typename E::Scalar> eval_output(const Conv2d<E>& conv, const Tensor<typename E::Scalar>& x) {
+  Conv2d<E> fresh = conv;
+  fresh.set_mode(Mode::Eval);
+  typename Conv2d<E>::Cache cache;
+  return fresh.forward(x, cache);
+}
+
+template <class E>
+void check_kept_winograd_filter(std::int64_t c, std::int64_t k, std::int64_t hw) {
+  using S = typename E::Scalar;
+  Rng rng(11);
+  Conv2d<E> conv(c, k, 3, rng, 1, 1, true);
+  conv.set_algorithm(ConvAlgorithm::Winograd);
+  const Tensor<S> x = random_tensor({2, c, hw, hw}, rng).template cast<S>();
+  const Tensor<S> want = eval_output(conv, x);
+  Tensor<S>& w = conv.weight().value;  // held since before the mode, as a caller may
+  conv.set_mode(Mode::Inference);
+  typename Conv2d<E>::Cache cache;
+  // The filter transformed on the first forward, kept for the second: the eval output, bit for bit.
+  CHECK(max_relative_difference(conv.forward(x, cache), want) == 0);
+  const Tensor<S> second = conv.forward(x, cache);
+  CHECK(max_relative_difference(second, want) == 0);
+  // A weight changed in place, still in Mode::Inference: the output follows it.
+  w[5] = w[5] + S(0.25);
+  const Tensor<S> changed = eval_output(conv, x);
+  CHECK(max_relative_difference(changed, want) > 1e-3);
+  CHECK(max_relative_difference(conv.forward(x, cache), changed) == 0);
+  // Two different weights exchanged (the same values, in other places): it follows that too.
+  REQUIRE(w[0] != w[c * 9]);
+  std::swap(w[0], w[c * 9]);
+  const Tensor<S> swapped = eval_output(conv, x);
+  CHECK(max_relative_difference(swapped, changed) > 1e-3);
+  CHECK(max_relative_difference(conv.forward(x, cache), swapped) == 0);
+  // The fused epilogue path takes the same filter.
+  BatchNorm2d<E> bn(k);
+  randomize(bn, rng);
+  bn.set_mode(Mode::Inference);
+  typename BatchNorm2d<E>::Cache bn_cache;
+  Tensor<S> fused;
+  conv.forward_epilogue(x, cache, fused, bn.inference_epilogue(bn_cache, k));
+  bn.set_mode(Mode::Eval);
+  typename BatchNorm2d<E>::Cache eval_bn_cache;
+  CHECK(max_relative_difference(fused, bn.forward(swapped, eval_bn_cache)) <= 1e-6);
+}
+
+TEST_CASE("Conv2d in Mode::Inference transforms its Winograd filter once, and again when the weights change",
+          "[layers][conv][inference]") {
+  for (int threads : {1, 2}) {
+    Threads t(threads);
+    DYNAMIC_SECTION("tile vectors, " << threads << " thread(s)") {
+      check_kept_winograd_filter<E64>(8, 12, 12);
+      check_kept_winograd_filter<E32>(8, 12, 12);
+    }
+    DYNAMIC_SECTION("channel blocks, " << threads << " thread(s)") {
+      check_kept_winograd_filter<E64>(32, 32, 13);
+      check_kept_winograd_filter<E32>(32, 32, 13);
+    }
+  }
 }
 
 TEST_CASE("Sequential in Mode::Inference fuses Conv2d-BatchNorm2d(-ReLU) and refuses backward",

@@ -15,7 +15,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
@@ -81,8 +83,13 @@ class Conv2d {
     c.y_shape = Shape{x.dim(0), o_.out_channels, g.out_height, g.out_width};
     c.y.resize(c.y_shape);
     const Conv2dBlocking b = blocking(g, x.dim(0));
-    conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), o_.bias ? bias_.value.data() : nullptr,
-                   c.y.data(), scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0));
+    S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
+    const S* bias = o_.bias ? bias_.value.data() : nullptr;
+    if constexpr (std::is_same_v<D, Cpu>)
+      conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), bias, c.y.data(), workspace,
+                     prepared_winograd_filter(g, b));
+    else
+      conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), bias, c.y.data(), workspace);
     return c.y;
   }
 
@@ -102,8 +109,12 @@ class Conv2d {
     e.addend = addend != nullptr ? addend->data() : nullptr;
     y.resize(c.y_shape);
     const Conv2dBlocking b = blocking(g, x.dim(0));
-    conv2d_forward_epilogue(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), e, y.data(),
-                            scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0));
+    S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
+    if constexpr (std::is_same_v<D, Cpu>)
+      conv2d_forward_epilogue(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), e, y.data(), workspace,
+                              prepared_winograd_filter(g, b));
+    else
+      conv2d_forward_epilogue(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), e, y.data(), workspace);
     return y;
   }
 
@@ -135,7 +146,14 @@ class Conv2d {
     v.parameter(prefix + "weight", weight_);
     if (o_.bias) v.parameter(prefix + "bias", bias_);
   }
-  void set_mode(Mode) {}
+  // Leaving Mode::Inference frees the transformed filter kept for it (prepared_winograd_filter).
+  void set_mode(Mode m) {
+    mode_ = m;
+    if (m != Mode::Inference) {
+      winograd_filter_ = Tensor();
+      winograd_filter_of_ = 0;
+    }
+  }
   std::int64_t out_channels() const { return o_.out_channels; }
   // The stem of a network need not compute dL/dx: saves the w^T dy product and col2im.
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
@@ -210,6 +228,41 @@ class Conv2d {
     return conv2d_blocking(g, batch, sizeof(S), block_columns_, algorithm_, E::bf16_compute);
   }
 
+  // In Mode::Inference on the CPU, where Winograd was chosen: the transformed filter U (36 C K
+  // elements, four times the weights), computed on the first forward and handed to the next ones
+  // instead of being computed again by each (its share of a ResNet-50 inference: bench/README.md,
+  // "Inference and training memory"). The weights are not frozen by the mode (a checkpoint may be
+  // loaded, a caller may hold weight()), so every forward compares their fingerprint with U's: one
+  // multiply-add per weight against the transform's 36 outputs of about 30 flops each per 9
+  // weights. Null otherwise.
+  const S* prepared_winograd_filter(const Conv2dGeometry& g, const Conv2dBlocking& b) {
+    if (mode_ != Mode::Inference || !b.winograd) return nullptr;
+    const std::uint64_t fingerprint = weight_fingerprint();
+    if (winograd_filter_.numel() == 0 || fingerprint != winograd_filter_of_) {
+      winograd_filter_.resize({winograd_filter_elements(g)});
+      conv2d_prepare_winograd_filter(Cpu{}, g, weight_.value.data(), winograd_filter_.data());
+      winograd_filter_of_ = fingerprint;
+    }
+    return winograd_filter_.data();
+  }
+  // sum over i of (bits(w_i) + 1) (2 i + 1) mod 2^64: an odd factor is invertible mod 2^64, so a
+  // change to any one weight changes it, and so does exchanging two. In vectors (simd): one
+  // 64-bit multiply-add per weight.
+  std::uint64_t weight_fingerprint() const {
+    using Bits = std::conditional_t<sizeof(S) == 4, std::uint32_t, std::uint64_t>;
+    static_assert(sizeof(S) == sizeof(Bits));
+    const S* w = weight_.value.data();
+    const std::int64_t n = weight_.value.numel();
+    std::uint64_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (std::int64_t i = 0; i < n; ++i) {
+      Bits bits;
+      std::memcpy(&bits, w + i, sizeof(S));
+      sum += (static_cast<std::uint64_t>(bits) + 1) * (2 * static_cast<std::uint64_t>(i) + 1);
+    }
+    return sum;
+  }
+
   Conv2dOptions o_;
   std::string name_;
   bool needs_input_grad_ = true;
@@ -217,6 +270,9 @@ class Conv2d {
   ConvAlgorithm algorithm_ = ConvAlgorithm::Auto;
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
+  Mode mode_ = Mode::Train;
+  Tensor winograd_filter_;  // prepared_winograd_filter's U, and the weights' fingerprint it is of
+  std::uint64_t winograd_filter_of_ = 0;
 };
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).

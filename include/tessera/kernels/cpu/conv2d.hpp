@@ -357,8 +357,8 @@ namespace detail {
 // conv2d_forward, and with an epilogue (bias then null) conv2d_forward_epilogue.
 template <class S>
 void conv2d_forward_impl(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
-                         const S* bias, const ConvEpilogue<S>* e, S* y, S* workspace) {
-  if (b.winograd) return winograd_conv2d_forward(g, b, batch, x, w, bias, y, workspace, e);
+                         const S* bias, const ConvEpilogue<S>* e, S* y, S* workspace, const S* winograd_filter) {
+  if (b.winograd) return winograd_conv2d_forward(g, b, batch, x, w, bias, y, workspace, e, winograd_filter);
   const std::int64_t bands = b.bands(g), blocks = b.groups(batch) * bands;
   const std::int64_t work = batch * g.out_plane() * g.out_channels * g.group_col_rows();
   if (blocks == 1 && b.threads > 1 && work > kParallelGrain) {
@@ -422,19 +422,31 @@ void conv2d_forward_impl(const Conv2dGeometry& g, const Conv2dBlocking& b, std::
 }  // namespace detail
 
 // y (N, K, H', W') = conv(x (N, C, H, W), w) + b; b may be null. `workspace` holds
-// b.workspace_elements(g, false) elements (b from conv2d_blocking for this batch).
+// b.workspace_elements(g, false) elements (b from conv2d_blocking for this batch). When
+// b.winograd, winograd_filter may be w's transformed filter (conv2d_prepare_winograd_filter),
+// which is then not computed again; it is ignored otherwise.
 template <class S>
 void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
-                    const S* bias, S* y, S* workspace) {
-  detail::conv2d_forward_impl(g, b, batch, x, w, bias, static_cast<const ConvEpilogue<S>*>(nullptr), y, workspace);
+                    const S* bias, S* y, S* workspace, const S* winograd_filter = nullptr) {
+  detail::conv2d_forward_impl(g, b, batch, x, w, bias, static_cast<const ConvEpilogue<S>*>(nullptr), y, workspace,
+                              winograd_filter);
 }
 
 // Forward only (Mode::Inference): y = the epilogue e of conv(x, w) (ConvEpilogue: the next eval
 // BatchNorm, a residual addend, a ReLU), each block's output finished while still in cache.
 template <class S>
 void conv2d_forward_epilogue(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
-                             const S* w, const ConvEpilogue<S>& e, S* y, S* workspace) {
-  detail::conv2d_forward_impl(g, b, batch, x, w, static_cast<const S*>(nullptr), &e, y, workspace);
+                             const S* w, const ConvEpilogue<S>& e, S* y, S* workspace,
+                             const S* winograd_filter = nullptr) {
+  detail::conv2d_forward_impl(g, b, batch, x, w, static_cast<const S*>(nullptr), &e, y, workspace, winograd_filter);
+}
+
+// u (winograd_filter_elements(g)) = the Winograd F(4x4, 3x3) transform of w (K, C, 3, 3) that
+// conv2d_forward computes first on every call where conv2d_blocking chose Winograd for g; given
+// back to conv2d_forward, it saves that work while w does not change (Conv2d in Mode::Inference).
+template <class S>
+void conv2d_prepare_winograd_filter(Cpu, const Conv2dGeometry& g, const S* w, S* u) {
+  winograd_prepare_filter(g, w, u);
 }
 
 // db (K) += sum over n, oh, ow of dy (N, K, H', W').
@@ -492,9 +504,10 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
 #define TESSERA_CPU_CONV2D_INSTANCES(PREFIX, S)                                                                   \
   PREFIX template void conv2d_forward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t, const S*, \
-                                         const S*, const S*, S*, S*);                                              \
+                                         const S*, const S*, S*, S*, const S*);                                    \
   PREFIX template void conv2d_forward_epilogue<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,   \
-                                                  const S*, const S*, const ConvEpilogue<S>&, S*, S*);             \
+                                                  const S*, const S*, const ConvEpilogue<S>&, S*, S*, const S*);   \
+  PREFIX template void conv2d_prepare_winograd_filter<S>(Cpu, const Conv2dGeometry&, const S*, S*);                 \
   PREFIX template void conv2d_bias_backward<S>(Cpu, std::int64_t, std::int64_t, std::int64_t, const S*, S*);       \
   PREFIX template void conv2d_backward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,          \
                                           const S*, const S*, const S*, S*, S*, S*);

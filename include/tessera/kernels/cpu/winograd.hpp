@@ -867,23 +867,48 @@ void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std
 
 }  // namespace detail
 
+// The transformed filter U of the forward pass, as winograd_conv2d_forward computes it first from w
+// (K, C, 3, 3): (36, K, C), or U^T (36, C, K) for the channel-blocked path. 36 K C elements, four
+// times the weights: a layer that runs forward only with fixed weights (Mode::Inference) computes
+// it once and hands it to every forward (`prepared_filter`).
+inline std::int64_t winograd_filter_elements(const Conv2dGeometry& g) {
+  return detail::kWinogradPositions * g.out_channels * g.channels;
+}
+template <class S>
+void winograd_prepare_filter(const Conv2dGeometry& g, const S* w, S* u) {
+  const std::int64_t k = g.out_channels, c = g.channels;
+  const bool blocked = detail::winograd_channel_blocked<S>(c, k);
+  const std::int64_t rows = blocked ? c : k;
+  detail::run_in_team_if(rows > 1 && winograd_filter_elements(g) > detail::kParallelGrain, [&] {
+    std::int64_t r0, r1;
+    detail::team_share(rows, r0, r1);
+    detail::winograd_filter_transform(w, rows, blocked ? k : c, blocked, false, r0, r1, u);
+  });
+}
+
 // y = conv3x3(x, w) + bias by F(4x4, 3x3); b.winograd is set (conv2d_blocking chose it for g).
 // With an epilogue e (bias then null), each block's output rows get it right after the output
-// transform wrote them.
+// transform wrote them. With prepared_filter (winograd_prepare_filter of this w), U is not
+// computed again.
 template <class S>
 void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
-                             const S* w, const S* bias, S* y, S* workspace, const ConvEpilogue<S>* e = nullptr) {
+                             const S* w, const S* bias, S* y, S* workspace, const ConvEpilogue<S>* e = nullptr,
+                             const S* prepared_filter = nullptr) {
   const std::int64_t k = g.out_channels, c = g.channels;
   const detail::WinogradPass pass = detail::winograd_forward_pass(g);
   const std::int64_t blocks = b.groups(batch) * pass.bands(b.rows);
   const bool blocked = detail::winograd_channel_blocked<S>(c, k);
-  S* u = workspace;  // U (36, K, C), or U^T (36, C, K) for the channel-blocked path
+  // U (36, K, C), or U^T (36, C, K) for the channel-blocked path: given, or computed into the
+  // workspace's shared part.
+  const S* u = prepared_filter != nullptr ? prepared_filter : workspace;
   const auto run = [&] {
-    std::int64_t r0, r1;
-    const std::int64_t rows = blocked ? c : k;
-    detail::team_share(rows, r0, r1);
-    detail::winograd_filter_transform(w, rows, blocked ? k : c, blocked, false, r0, r1, u);
+    if (prepared_filter == nullptr) {
+      std::int64_t r0, r1;
+      const std::int64_t rows = blocked ? c : k;
+      detail::team_share(rows, r0, r1);
+      detail::winograd_filter_transform(w, rows, blocked ? k : c, blocked, false, r0, r1, workspace);
 #pragma omp barrier
+    }
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + Cpu::thread_index() * b.thread_elements(g));
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < blocks; ++i) {
