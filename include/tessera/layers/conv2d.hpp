@@ -149,10 +149,7 @@ class Conv2d {
   // Leaving Mode::Inference frees the transformed filter kept for it (prepared_winograd_filter).
   void set_mode(Mode m) {
     mode_ = m;
-    if (m != Mode::Inference) {
-      winograd_filter_ = Tensor();
-      winograd_filter_of_ = 0;
-    }
+    if (m != Mode::Inference) winograd_filter_ = Tensor();
   }
   std::int64_t out_channels() const { return o_.out_channels; }
   // The stem of a network need not compute dL/dx: saves the w^T dy product and col2im.
@@ -240,7 +237,7 @@ class Conv2d {
     const std::uint64_t fingerprint = weight_fingerprint();
     if (winograd_filter_.numel() == 0 || fingerprint != winograd_filter_of_) {
       winograd_filter_.resize({winograd_filter_elements(g)});
-      conv2d_prepare_winograd_filter(Cpu{}, g, weight_.value.data(), winograd_filter_.data());
+      winograd_prepare_filter(g, weight_.value.data(), winograd_filter_.data());
       winograd_filter_of_ = fingerprint;
     }
     return winograd_filter_.data();

@@ -423,7 +423,7 @@ void conv2d_forward_impl(const Conv2dGeometry& g, const Conv2dBlocking& b, std::
 
 // y (N, K, H', W') = conv(x (N, C, H, W), w) + b; b may be null. `workspace` holds
 // b.workspace_elements(g, false) elements (b from conv2d_blocking for this batch). When
-// b.winograd, winograd_filter may be w's transformed filter (conv2d_prepare_winograd_filter),
+// b.winograd, winograd_filter may be w's transformed filter (winograd_prepare_filter),
 // which is then not computed again; it is ignored otherwise.
 template <class S>
 void conv2d_forward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
@@ -439,14 +439,6 @@ void conv2d_forward_epilogue(Cpu, const Conv2dGeometry& g, const Conv2dBlocking&
                              const S* w, const ConvEpilogue<S>& e, S* y, S* workspace,
                              const S* winograd_filter = nullptr) {
   detail::conv2d_forward_impl(g, b, batch, x, w, static_cast<const S*>(nullptr), &e, y, workspace, winograd_filter);
-}
-
-// u (winograd_filter_elements(g)) = the Winograd F(4x4, 3x3) transform of w (K, C, 3, 3) that
-// conv2d_forward computes first on every call where conv2d_blocking chose Winograd for g; given
-// back to conv2d_forward, it saves that work while w does not change (Conv2d in Mode::Inference).
-template <class S>
-void conv2d_prepare_winograd_filter(Cpu, const Conv2dGeometry& g, const S* w, S* u) {
-  winograd_prepare_filter(g, w, u);
 }
 
 // db (K) += sum over n, oh, ow of dy (N, K, H', W').
@@ -507,7 +499,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
                                          const S*, const S*, S*, S*, const S*);                                    \
   PREFIX template void conv2d_forward_epilogue<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,   \
                                                   const S*, const S*, const ConvEpilogue<S>&, S*, S*, const S*);   \
-  PREFIX template void conv2d_prepare_winograd_filter<S>(Cpu, const Conv2dGeometry&, const S*, S*);                 \
+  PREFIX template void winograd_prepare_filter<S>(const Conv2dGeometry&, const S*, S*);                              \
   PREFIX template void conv2d_bias_backward<S>(Cpu, std::int64_t, std::int64_t, std::int64_t, const S*, S*);       \
   PREFIX template void conv2d_backward<S>(Cpu, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t,          \
                                           const S*, const S*, const S*, S*, S*, S*);

@@ -874,16 +874,23 @@ void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std
 inline std::int64_t winograd_filter_elements(const Conv2dGeometry& g) {
   return detail::kWinogradPositions * g.out_channels * g.channels;
 }
+namespace detail {
+// This thread's share of U's rows (all of them outside a team): the forward pass's filter
+// transform, in winograd_conv2d_forward and winograd_prepare_filter alike.
+template <class S>
+void winograd_forward_filter_share(const Conv2dGeometry& g, const S* w, S* u) {
+  const std::int64_t k = g.out_channels, c = g.channels;
+  const bool blocked = winograd_channel_blocked<S>(c, k);
+  std::int64_t r0, r1;
+  team_share(blocked ? c : k, r0, r1);
+  winograd_filter_transform(w, blocked ? c : k, blocked ? k : c, blocked, false, r0, r1, u);
+}
+}  // namespace detail
+
 template <class S>
 void winograd_prepare_filter(const Conv2dGeometry& g, const S* w, S* u) {
-  const std::int64_t k = g.out_channels, c = g.channels;
-  const bool blocked = detail::winograd_channel_blocked<S>(c, k);
-  const std::int64_t rows = blocked ? c : k;
-  detail::run_in_team_if(rows > 1 && winograd_filter_elements(g) > detail::kParallelGrain, [&] {
-    std::int64_t r0, r1;
-    detail::team_share(rows, r0, r1);
-    detail::winograd_filter_transform(w, rows, blocked ? k : c, blocked, false, r0, r1, u);
-  });
+  detail::run_in_team_if(winograd_filter_elements(g) > detail::kParallelGrain,
+                         [&] { detail::winograd_forward_filter_share(g, w, u); });
 }
 
 // y = conv3x3(x, w) + bias by F(4x4, 3x3); b.winograd is set (conv2d_blocking chose it for g).
@@ -897,16 +904,12 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   const std::int64_t k = g.out_channels, c = g.channels;
   const detail::WinogradPass pass = detail::winograd_forward_pass(g);
   const std::int64_t blocks = b.groups(batch) * pass.bands(b.rows);
-  const bool blocked = detail::winograd_channel_blocked<S>(c, k);
   // U (36, K, C), or U^T (36, C, K) for the channel-blocked path: given, or computed into the
   // workspace's shared part.
   const S* u = prepared_filter != nullptr ? prepared_filter : workspace;
   const auto run = [&] {
     if (prepared_filter == nullptr) {
-      std::int64_t r0, r1;
-      const std::int64_t rows = blocked ? c : k;
-      detail::team_share(rows, r0, r1);
-      detail::winograd_filter_transform(w, rows, blocked ? k : c, blocked, false, r0, r1, workspace);
+      detail::winograd_forward_filter_share(g, w, workspace);
 #pragma omp barrier
     }
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + Cpu::thread_index() * b.thread_elements(g));
