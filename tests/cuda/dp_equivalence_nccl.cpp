@@ -3,7 +3,8 @@
 // process (CudaLocal) training on the whole batch, and all ranks with identical parameters.
 // Cases: LeNet-5 with SGD + momentum; LeNet-5 with 4 accumulated micro-steps, both ways DataParallel
 // offers (the loss / k of PyTorch DDP, and average_micro_steps); a small ResNet with
-// SyncBatchNorm (running statistics compared too). One process per GPU, launched by tessera-run
+// SyncBatchNorm (running statistics compared too); LeNet-5 under FullyShardedDataParallel (ZeRO-2
+// and ZeRO-3, parameters gathered back). One process per GPU, launched by tessera-run
 // (the NCCL id through its file store); exits 77 without a GPU.
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include "tessera/models/resnet.hpp"
 #include "tessera/optim/sgd.hpp"
 #include "tessera/parallel/data_parallel.hpp"
+#include "tessera/parallel/fully_sharded.hpp"
 #include "tessera/parallel/sync_batch_norm.hpp"
 
 using namespace tessera;
@@ -73,6 +75,21 @@ double compare(const std::vector<std::pair<std::string, Tensor<float, Cuda>*>>& 
   return worst;
 }
 
+// The reference of every case: one GPU, SGD with momentum on each whole global batch.
+constexpr SgdOptions kSgd{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
+template <class Model>
+NamedTensors<Reference> train_reference(Model& reference, const Data& data, const Shape& sample, std::int64_t global,
+                                        int steps) {
+  auto named = named_tensors(reference);
+  Sgd<Reference> sgd(named, kSgd);
+  for (int s = 0; s < steps; ++s) {
+    sgd.zero_grad();
+    forward_backward(reference, data, sample, s * global, global);
+    sgd.step();
+  }
+  return named;
+}
+
 // Maker::make<Env>(seed) builds the model for an Env: once for the reference, once for the ranks.
 template <class Maker>
 std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t per_rank, int steps,
@@ -80,16 +97,8 @@ std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t pe
   const int p = comm.size(), r = comm.rank();
   const std::int64_t global = per_rank * p, piece = per_rank / micro_steps;
   const Data data(global * steps, sample[1], sample[2]);
-  const SgdOptions options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
-
   auto reference = Maker::template make<Reference>(7);
-  auto reference_named = named_tensors(reference);
-  Sgd<Reference> reference_sgd(reference_named, options);
-  for (int s = 0; s < steps; ++s) {
-    reference_sgd.zero_grad();
-    forward_backward(reference, data, sample, s * global, global);
-    reference_sgd.step();
-  }
+  const auto reference_named = train_reference(reference, data, sample, global, steps);
 
   auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));  // the broadcast must fix ranks > 0
   if (sync_bn) convert_sync_batch_norm(model, comm);
@@ -98,7 +107,7 @@ std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t pe
   // Gradients of k micro-steps are summed, as with PyTorch DDP: each micro-step's loss is scaled
   // by 1/k for the gradient of the mean over the whole batch, unless DataParallel averages them.
   const float loss_scale = average_micro_steps ? 1.0f : 1.0f / static_cast<float>(micro_steps);
-  Sgd<E> sgd(dp.parameters(), options);
+  Sgd<E> sgd(dp.parameters(), kSgd);
   for (int s = 0; s < steps; ++s) {
     sgd.zero_grad();
     for (int m = 0; m < micro_steps; ++m) {
@@ -137,6 +146,39 @@ std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t pe
   return problem;
 }
 
+// LeNet-5 under FullyShardedDataParallel at `stage`, SGD + momentum, against one GPU.
+std::string run_fsdp_case(NcclComm& comm, int stage) {
+  const int p = comm.size(), r = comm.rank();
+  constexpr std::int64_t per_rank = 8, steps = 3;
+  const std::int64_t global = per_rank * p;
+  const Shape sample{1, 1, 28, 28};
+  const Data data(global * steps, 1, 28);
+  auto reference = lenet5<Reference>(1, 28, 10, 7);
+  const auto reference_named = train_reference(reference, data, sample, global, steps);
+  auto model = lenet5<E>(1, 28, 10, r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  FullyShardedDataParallel fsdp(model, comm, {.stage = stage});
+  Sgd<E> sgd(fsdp.shard_parameters(), kSgd);
+  FullyShardedOptimizer optimizer(fsdp, sgd);
+  for (int s = 0; s < steps; ++s) {
+    const std::int64_t first = s * global + r * per_rank;
+    Tensor<float, Cpu> host(Shape{per_rank, 1, 28, 28});
+    std::copy_n(data.images.begin() + first * data.image, per_rank * data.image, host.data());
+    optimizer.zero_grad();
+    fsdp.train_step(to_device<Cuda>(host), std::span<const std::int64_t>(data.labels).subspan(first, per_rank));
+    optimizer.step();
+  }
+  fsdp.gather_full();
+  auto named = named_tensors(model);
+  std::vector<std::pair<std::string, Tensor<float, Cuda>*>> mine, want;
+  for (std::size_t i = 0; i < named.parameters.size(); ++i) {
+    mine.emplace_back(named.parameters[i].first, &named.parameters[i].second->value);
+    want.emplace_back(reference_named.parameters[i].first, &reference_named.parameters[i].second->value);
+  }
+  double fingerprint = 0;
+  const double worst = compare(mine, want, fingerprint);
+  return worst <= 2e-4 ? std::string() : detail::cat("parameters differ from one GPU by ", worst, " (relative)");
+}
+
 struct Lenet {
   template <class Env>
   static auto make(std::uint64_t seed) {
@@ -172,6 +214,8 @@ int main() {
         {"lenet accumulation x4", run_case(comm, lenet, {1, 1, 28, 28}, 8, 2, 4, false)},
         {"lenet accumulation x4, averaged", run_case(comm, lenet, {1, 1, 28, 28}, 8, 2, 4, false, true)},
         {"resnet + SyncBatchNorm", run_case(comm, resnet, {1, 3, 16, 16}, 4, 2, 1, true)},
+        {"lenet fsdp stage 2", run_fsdp_case(comm, 2)},
+        {"lenet fsdp stage 3", run_fsdp_case(comm, 3)},
     };
     int failed = 0;
     for (const auto& c : cases) {

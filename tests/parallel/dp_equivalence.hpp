@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessera/comm/local.hpp"
+#include "tessera/data/loader.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/models/lenet.hpp"
 #include "tessera/models/resnet.hpp"
@@ -51,6 +52,14 @@ struct DpData {
   }
   std::span<const std::int64_t> batch_labels(std::int64_t first, std::int64_t n) const {
     return std::span<const std::int64_t>(labels).subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(n));
+  }
+  // Samples [first, first + n) as the Trainer takes them.
+  Batch<S> trainer_batch(std::int64_t first, std::int64_t n) const {
+    Batch<S> b;
+    b.images = batch(first, n);
+    const auto l = batch_labels(first, n);
+    b.labels.assign(l.begin(), l.end());
+    return b;
   }
 };
 

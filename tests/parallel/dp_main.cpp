@@ -2,6 +2,7 @@
 // every rank checks that its parameters equal one process training on the whole batch and are
 // bit-identical across ranks, in float64, float32, with bf16 buckets on the wire, with gradient
 // accumulation, a GPT under DataParallel and ZeRO-1 (token windows, AdamW), and for ResNet-20 with SyncBatchNorm (BatchNorm running statistics included);
+// ZeRO-2 and ZeRO-3 (FullyShardedDataParallel) with SGD and AdamW, LeNet-5 and ResNet-20;
 // rank 1 launched with another bucket size or learning rate ending in the named agreement error on
 // every rank; and the parameter server's synchronous mode against one process, its SSP and
 // asynchronous modes against their bounds.
@@ -10,6 +11,7 @@
 
 #include "comm/program.hpp"
 #include "parallel/dp_equivalence.hpp"
+#include "parallel/fsdp_equivalence.hpp"
 #include "parallel/gpt_dp_equivalence.hpp"
 #include "parallel/ps_equivalence.hpp"
 
@@ -32,6 +34,19 @@ int main(int argc, char** argv) {
     add("gpt data parallel", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::DataParallel));
     add("gpt zero1", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::Zero1));
     add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
+    // ZeRO-2 and ZeRO-3 (parallel/fully_sharded.hpp): each rank's shard stepped alone, the whole
+    // model gathered back equal to one process.
+    using testing::FsdpOptimizer;
+    for (int stage : {2, 3}) {
+      const std::string name = "fsdp stage " + std::to_string(stage);
+      add((name + " sgd").c_str(), testing::fsdp_equivalence<double>(comm, {.stage = stage}));
+      add((name + " adamw").c_str(), testing::fsdp_equivalence<double>(comm, {.stage = stage, .optimizer = FsdpOptimizer::AdamW}));
+      add((name + " resnet20+syncbn sgd").c_str(),
+          testing::fsdp_equivalence<double>(comm, {.stage = stage, .per_rank_batch = 2, .steps = 2}, testing::MakeResnet20{}));
+    }
+    add("fsdp stage 3 micro-batches", testing::fsdp_equivalence<double>(comm, {.stage = 3, .micro_batches = 2}));
+    add("fsdp stage 3 float32", testing::fsdp_equivalence<float>(comm, {.stage = 3, .optimizer = FsdpOptimizer::AdamW,
+                                                                         .per_rank_batch = 8, .tolerance = 1e-5}));
     // Ranks launched with different settings end in a named error on every rank, and the
     // communicator stays usable for what follows.
     add("rank 1 with another bucket size", testing::dp_mismatch<double>(comm, testing::Mismatch::BucketSize));

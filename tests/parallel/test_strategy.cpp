@@ -31,15 +31,6 @@ namespace {
 
 constexpr std::int64_t kClasses = 10;
 
-template <class S>
-Batch<S> make_batch(const testing::DpData<S>& data, std::int64_t first, std::int64_t n) {
-  Batch<S> b;
-  b.images = data.batch(first, n);
-  const auto labels = data.batch_labels(first, n);
-  b.labels.assign(labels.begin(), labels.end());
-  return b;
-}
-
 template <class Model>
 std::vector<double> flat_parameters(Model& model) {
   std::vector<double> out;
@@ -64,7 +55,7 @@ std::vector<double> one_process_parameters(const testing::DpData<double>& data, 
   auto reference = lenet5<CpuLocal64>(1, 28, kClasses, 7);
   Sgd<CpuLocal64> sgd(named_tensors(reference), {.lr = 0.05, .momentum = 0.9});
   Trainer one_process(reference, sgd, constant_lr, quiet());
-  for (std::int64_t s = 0; s < steps; ++s) one_process.train_step(make_batch(data, s * global, global));
+  for (std::int64_t s = 0; s < steps; ++s) one_process.train_step(data.trainer_batch(s * global, global));
   return flat_parameters(reference);
 }
 
@@ -89,14 +80,14 @@ TEST_CASE("GradientAccumulation: k micro-batches step like one step on the whole
   Trainer one_step(whole, whole_sgd, constant_lr, quiet());
   Trainer accumulated(split, split_sgd, accumulate, constant_lr, quiet());
   for (std::int64_t s = 0; s < steps; ++s) {
-    const auto b = make_batch(data, s * batch, batch);
+    const auto b = data.trainer_batch(s * batch, batch);
     const double expected = one_step.train_step(b);
     CHECK(accumulated.train_step(b) == Approx(expected).epsilon(1e-12));
   }
   CHECK(largest_difference(flat_parameters(whole), flat_parameters(split)) < 1e-12);
   CHECK(accumulated.state().global_step == steps);  // one optimizer step per batch, not per micro-batch
 
-  CHECK_THROWS_WITH(accumulated.train_step(make_batch(data, 0, 3)),
+  CHECK_THROWS_WITH(accumulated.train_step(data.trainer_batch(0, 3)),
                     Catch::Contains("a batch of 3 samples cannot be split into 4 micro-batches"));
   CHECK_THROWS_WITH(GradientAccumulation<CpuLocal64>(0), Catch::Contains("micro_batches=0 must be >= 1"));
 }
@@ -123,7 +114,7 @@ TEST_CASE("stack(DataParallel, GradientAccumulation): 2 ranks x 2 micro-batches 
     // Only the last micro-batch's backward communicates: were the first one's buckets sent too,
     // the second backward's hooks would fire again and DataParallel would throw.
     for (std::int64_t s = 0; s < steps; ++s)
-      trainer.train_step(make_batch(data, s * global + comm.rank() * per_rank, per_rank));
+      trainer.train_step(data.trainer_batch(s * global + comm.rank() * per_rank, per_rank));
     difference[static_cast<std::size_t>(comm.rank())] = largest_difference(flat_parameters(model), expected);
     names[static_cast<std::size_t>(comm.rank())] = strategy.name();
   });
@@ -159,7 +150,7 @@ TEST_CASE("Top-k residuals are checkpointed: a resumed run continues bit for bit
       Trainer trainer(model, sgd, dp, constant_lr, o);
       if (load) trainer.load(path);
       for (std::int64_t s = from; s < to; ++s)
-        run.losses[r].push_back(trainer.train_step(make_batch(data, s * global + comm.rank() * per_rank, per_rank)));
+        run.losses[r].push_back(trainer.train_step(data.trainer_batch(s * global + comm.rank() * per_rank, per_rank)));
       for (std::size_t p = 0; p < dp.parameters().parameters.size(); ++p)
         for (double v : dp.residual_of(p)) run.residual_at_cut[r] = std::max(run.residual_at_cut[r], std::abs(v));
       if (save) trainer.save(path);
@@ -232,7 +223,7 @@ TEST_CASE("A user-written strategy stacks after DataParallel and sees the averag
   Sgd<CpuLocal64> reference_sgd(named_tensors(reference), {.lr = 0.05});
   RoundGradients<CpuLocal64> reference_codec(named_tensors(reference));
   Trainer one_process(reference, reference_sgd, reference_codec, constant_lr, quiet());
-  one_process.train_step(make_batch(data, 0, global));
+  one_process.train_step(data.trainer_batch(0, global));
   const auto expected = flat_parameters(reference);
   std::vector<double> difference(ranks, 1.0);
   ThreadWorld world(ranks);
@@ -245,7 +236,7 @@ TEST_CASE("A user-written strategy stacks after DataParallel and sees the averag
     TrainOptions o = quiet();
     o.checkpoint_group = CheckpointGroup(comm);
     Trainer trainer(model, sgd, strategy, constant_lr, o);
-    trainer.train_step(make_batch(data, comm.rank() * per_rank, per_rank));
+    trainer.train_step(data.trainer_batch(comm.rank() * per_rank, per_rank));
     difference[static_cast<std::size_t>(comm.rank())] = largest_difference(flat_parameters(model), expected);
   });
   // Averages that differ in the last bits can round to neighbouring multiples: at most one step of
@@ -274,7 +265,7 @@ TEST_CASE("LocalSgd under the Trainer keeps its period across a resume (float64,
       Trainer trainer(model, sgd, local, constant_lr, o);
       if (load) trainer.load(path);
       for (std::int64_t s = from; s < to; ++s)
-        trainer.train_step(make_batch(data, s * global + comm.rank() * per_rank, per_rank));
+        trainer.train_step(data.trainer_batch(s * global + comm.rank() * per_rank, per_rank));
       if (save) trainer.save(path);
       out[static_cast<std::size_t>(comm.rank())] = flat_parameters(model);
     });
@@ -329,7 +320,7 @@ TEST_CASE("A user-written gradient codec (float32 on the wire) trains like one p
     o.checkpoint_group = CheckpointGroup(comm);
     Trainer trainer(model, sgd, dp, constant_lr, o);
     for (std::int64_t s = 0; s < steps; ++s)
-      trainer.train_step(make_batch(data, s * global + comm.rank() * per_rank, per_rank));
+      trainer.train_step(data.trainer_batch(s * global + comm.rank() * per_rank, per_rank));
     difference[r] = largest_difference(flat_parameters(model), expected);
     names[r] = dp.name();
     // Ranks that install codecs of different names would issue different collectives.
@@ -361,7 +352,7 @@ TEST_CASE("Pipeline under the Trainer: 2 stages step like one process (float64)"
   {
     Sgd<CpuLocal64> sgd(named_tensors(reference), {.lr = 0.05, .momentum = 0.9});
     Trainer one_process(reference, sgd, constant_lr, quiet());
-    for (std::int64_t s = 0; s < steps; ++s) one_process.train_step(make_batch(data, s * batch, batch));
+    for (std::int64_t s = 0; s < steps; ++s) one_process.train_step(data.trainer_batch(s * batch, batch));
   }
   std::map<std::string, std::vector<double>> expected;
   for (auto& [name, p] : named_tensors(reference).parameters) expected[name].assign(p->value.data(), p->value.data() + p->value.numel());
@@ -377,7 +368,7 @@ TEST_CASE("Pipeline under the Trainer: 2 stages step like one process (float64)"
     TrainOptions o = quiet();
     o.checkpoint_group = CheckpointGroup(comm);
     Trainer trainer(model, sgd, pipe, constant_lr, o);
-    for (std::int64_t s = 0; s < steps; ++s) trainer.train_step(make_batch(data, s * batch, batch));
+    for (std::int64_t s = 0; s < steps; ++s) trainer.train_step(data.trainer_batch(s * batch, batch));
     double worst = 0;
     for (auto& [name, p] : pipe.stage_parameters().parameters) {
       const std::vector<double> mine(p->value.data(), p->value.data() + p->value.numel());

@@ -1,0 +1,620 @@
+// FullyShardedDataParallel: data parallelism with the gradients and the optimizer state sharded
+// across ranks (ZeRO stage 2), and the parameters too (stage 3, "fully sharded": PyTorch FSDP's
+// FULL_SHARD, DeepSpeed ZeRO-3; Rajbhandari et al. 2020). Every rank trains on its own part of each
+// global batch, as under DataParallel, and the N ranks step like one process on the whole batch.
+//
+//   FullyShardedDataParallel fsdp(model, comm, {.stage = 3});   // broadcasts rank 0's parameters
+//   AdamW<E> adamw(fsdp.shard_parameters(), {...});             // any element-wise optimizer
+//   FullyShardedOptimizer optimizer(fsdp, adamw);               // checks the settings agree
+//   Trainer trainer(model, optimizer, fsdp, schedule, options); // or: optimizer.zero_grad();
+//                                                               //  fsdp.train_step(x, labels);
+//                                                               //  optimizer.step();
+//
+// Shard units. The model is cut into shard units: runs of its units (Sequential's layers, ResNet's
+// blocks, an MLP's Linears: the Stageable models of parallel/pipeline.hpp), one model unit each by
+// default, or the runs options.unit_boundaries gives. The parameters of shard unit u, flattened in
+// the order of the model's parameter list, are F_u elements, padded to N s_u with
+// s_u = ceil(F_u / N); rank r owns elements [r s_u, (r + 1) s_u) and keeps them, with their
+// gradients and optimizer state, as one Parameter per (model parameter ∩ its range), under the
+// model parameter's name and kind (shard_parameters(), as Zero1's), so weight-decay masks work.
+//
+// One micro-batch (the strategy runs the model: kRunsModel, as a pipeline does):
+//   forward, u = 0 .. U-1:  all_gather u's shards into the model's tensors (u + 1's gather started
+//                           before u computes: the prefetch), forward u; stage 3 then releases u's
+//                           parameters (the last unit's stay: backward needs them at once)
+//   loss, dL/dlogits / M    (M micro-batches: the mean over the batch)
+//   backward, u = U-1 .. 0: stage 3 gathers u again (u - 1's gather prefetched), allocates u's
+//                           gradients (zeros), backward u, releases u's parameters (stage 3) and,
+//                           once packed, its gradients; reduce_scatter(Avg) of the packed gradients
+//                           runs in the background while u - 1 computes, and its result, this
+//                           rank's s_u averaged elements, is added to the shard's gradients
+//   optimizer step:         on the shard only; stage 2 gathers the updated values at the next
+//                           forward (all units, prefetched one ahead), stage 3 at each unit's use
+// Communication per step: an all_gather per unit (stage 3: two, forward and backward) and a
+// reduce_scatter per unit: 2 Ψ elements for stage 2 (as DataParallel's all-reduce), 3 Ψ for stage 3.
+//
+// Memory per rank, Ψ parameter elements of b bytes, N ranks, K tensors of optimizer state per
+// parameter (Adam: 2):                 parameters     gradients     optimizer state
+//   DataParallel                        Ψ b            Ψ b           K Ψ b
+//   stage 2                             Ψ b + Ψ b / N  Ψ b / N       K Ψ b / N
+//   stage 3                             Ψ b / N        Ψ b / N       K Ψ b / N
+// plus, while a unit is in use, its gathered parameters and gradients and the flat buffers of the
+// collectives in flight (a few units' worth: peak_unit_elements()). The shard's own values are the
+// master copy (the Ψ b / N of both stages); stage 2's model tensors are a gathered replica of them.
+//
+// Outside a step the model's parameters are not current under stage 3 (they are released; empty
+// tensors) and, under stage 2, not until the next forward after an optimizer step. gather_full()
+// gathers every unit into the model (collective), e.g. to read or save it; release_full() gives the
+// memory back (stage 3).
+//
+// Agreement: the constructor checks (one all_gather of two int64) that every rank holds the same
+// stage, unit boundaries, micro-batch count and parameter names and shapes, before any collective
+// whose size depends on them. FullyShardedOptimizer (below), the one way to step the shard,
+// compares the learning rate across ranks at the first and then every
+// options.consistency_check_every steps: each rank updates its own shard, so one rank stepping
+// with other settings would train on silently with a model no process computes.
+//
+// Not yet: models with tied parameters (GPT's wte, read by two units), checkpoints (the Trainer
+// refuses them with a strategy that runs the model) and LARS/LAMB (whole-tensor norms).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "tessera/comm/communicator.hpp"
+#include "tessera/core/env.hpp"
+#include "tessera/core/error.hpp"
+#include "tessera/core/parameter.hpp"
+#include "tessera/core/span_sink.hpp"
+#include "tessera/core/tensor.hpp"
+#include "tessera/kernels/elementwise.hpp"
+#include "tessera/losses/cross_entropy.hpp"
+#include "tessera/optim/lamb.hpp"
+#include "tessera/optim/lars.hpp"
+#include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/pipeline.hpp"
+#include "tessera/parallel/strategy.hpp"
+
+namespace tessera {
+
+struct FullyShardedOptions {
+  int stage = 3;  // 2: gradients and optimizer state sharded; 3: parameters too
+  // Shard units as model-unit indices 0 = b_0 < b_1 < ... < b_K = unit_count(); empty: one shard
+  // unit per model unit.
+  std::vector<std::size_t> unit_boundaries;
+  int micro_batches = 1;  // gradient accumulation: the batch splits into this many equal parts
+  bool prefetch = true;   // start the next unit's gather before computing the current one
+  // The optimizer's learning rate compared across ranks at the first and then every this many
+  // steps; 0: never.
+  int consistency_check_every = 100;
+  SpanSink* timeline = nullptr;  // optional: each gather and reduce_scatter on the communication lane
+};
+
+// What the last step moved and held, on this rank.
+struct FullyShardedStepStats {
+  std::int64_t gathered_elements = 0;        // received by all_gathers (N s_u per unit gathered)
+  std::int64_t reduce_scattered_elements = 0;  // sent into reduce_scatters (N s_u per unit)
+  int gathers = 0, reduce_scatters = 0;
+};
+
+template <Stageable Model, class Loss = CrossEntropyLoss<typename Model::Env>>
+class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, UpdateGuard {
+ public:
+  using Env = typename Model::Env;
+  using S = typename Env::Scalar;
+  using D = typename Env::Device;
+  using Comm = typename Env::Comm;
+  using Tensor = typename Model::Tensor;
+  static_assert(AsyncCommunicator<Comm>, "FullyShardedDataParallel needs all_gather_async and reduce_scatter_async");
+  static_assert(!detail::TakesTokenIds<Model>,
+                "FullyShardedDataParallel: language models (token ids into unit 0, GPT's tied wte) are not "
+                "supported yet; use Zero1 or DataParallel for them");
+  // The strategy protocol (parallel/strategy.hpp): it runs the model (unit by unit, gathering and
+  // releasing around each) and its micro-batch loop.
+  static constexpr bool kOwnsMicroBatchLoop = true;
+  static constexpr bool kRunsModel = true;
+
+  template <class C>
+  FullyShardedDataParallel(Model& model, C& comm, FullyShardedOptions options = {}, Loss loss = Loss())
+      : model_(model), comm_(comm_of_env<Env>(comm)), options_(std::move(options)), loss_(std::move(loss)),
+        named_(named_tensors(model)) {
+    check_agreement(comm_, agreement_record());
+    TESSERA_CHECK(options_.stage == 2 || options_.stage == 3, ArgumentError, "FullyShardedDataParallel: stage=",
+                  options_.stage, " must be 2 (gradients and optimizer state sharded) or 3 (parameters too)");
+    TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "FullyShardedDataParallel: micro_batches=",
+                  options_.micro_batches, " must be at least 1");
+    TESSERA_CHECK(options_.consistency_check_every >= 0, ArgumentError,
+                  "FullyShardedDataParallel: consistency_check_every=", options_.consistency_check_every,
+                  " must be >= 0 (0: no check)");
+    TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "FullyShardedDataParallel: the model has no parameters");
+    TESSERA_CHECK(detail::tied_parameters(model_).empty(), ArgumentError,
+                  "FullyShardedDataParallel: the model has tied parameters (read by two units); they are not "
+                  "supported yet");
+    for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
+    for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
+    build_units();
+    // The shard now holds this rank's part of every value; the model keeps what its stage keeps.
+    for (auto& [name, p] : named_.parameters) {
+      p->grad.release();
+      if (options_.stage == 3) p->value.release();
+    }
+    resident_.assign(units_.size(), options_.stage == 2);
+  }
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+  ~FullyShardedDataParallel() {
+    for (auto& u : units_) {  // never leave a collective writing into freed memory
+      try {
+        u.gather_work.wait();
+        u.reduce_work.wait();
+      } catch (...) {
+      }
+    }
+    for (auto& piece : pieces_)
+      if (piece.param.update_guard == this) piece.param.update_guard = nullptr;
+  }
+
+  // This rank's shard, as parameters for an optimizer (valid as long as this object lives).
+  const NamedTensors<Env>& shard_parameters() const { return shard_named_; }
+  // Elements of the shard (the sum of s_u over the units), and of the whole model (Ψ).
+  std::int64_t shard_elements() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n += u.shard;
+    return n;
+  }
+  std::int64_t model_elements() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n += u.elements;
+    return n;
+  }
+  // The largest unit's padded elements (N s_u): what one gathered unit and its buffers take.
+  std::int64_t peak_unit_elements() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n = std::max(n, u.shard * comm_.size());
+    return n;
+  }
+  std::size_t unit_count() const { return units_.size(); }
+  // Model units [begin, end) of shard unit k.
+  std::pair<std::size_t, std::size_t> unit_range(std::size_t k) const { return {units_[k].begin, units_[k].end}; }
+  int stage() const { return options_.stage; }
+  const FullyShardedStepStats& last_step() const { return stats_; }
+
+  std::string name() const {
+    return "FullyShardedDataParallel(stage " + std::to_string(options_.stage) + ", " + std::to_string(units_.size()) +
+           " units)";
+  }
+  // Each rank trains on its own samples.
+  int sample_copies() const { return 1; }
+  void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
+
+  // One training step as the Trainer calls it (parallel/strategy.hpp): the micro-batches of this
+  // rank's batch x with hooks (the whole stack's) around each; the shard's gradients receive the
+  // average over ranks of the batch's mean-loss gradient (added: the Trainer zeroes them before).
+  // Returns this rank's mean loss and correct predictions.
+  template <class Hooks>
+  ModelStepResult run_model(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+    return step(x, labels, hooks);
+  }
+  // The same without a Trainer: then call the optimizer's step() (and zero_grad() before this).
+  ModelStepResult train_step(const Tensor& x, std::span<const std::int64_t> labels) {
+    return step(x, labels, static_cast<StrategyBase<Env>&>(*this));
+  }
+  // Forward only (the model in Eval or Inference mode): this batch's mean loss and correct
+  // predictions.
+  ModelStepResult evaluate_batch(const Tensor& x, std::span<const std::int64_t> labels) {
+    const Tensor& logits = predict(x);
+    typename Loss::Cache cache;
+    ModelStepResult r;
+    r.loss = static_cast<double>(loss_.forward(logits, labels, cache));
+    if constexpr (kCountsCorrect) r.correct = count_correct(logits, labels);
+    return r;
+  }
+  // Forward only: the logits (valid until the next forward).
+  const Tensor& predict(const Tensor& x) {
+    finish_reductions();
+    return forward_pass(x, eval_cache_, /*keep_last=*/false);
+  }
+
+  // Every unit's parameters into the model's tensors (collective), current until the next
+  // optimizer step; release_full() gives stage 3's memory back.
+  void gather_full() {
+    finish_reductions();
+    for (std::size_t k = 0; k < units_.size(); ++k) {
+      start_gather(k);
+      finish_gather(k);
+    }
+  }
+  void release_full() {
+    if (options_.stage == 3)
+      for (std::size_t k = 0; k < units_.size(); ++k) release_parameters(k);
+  }
+
+  void before_optimizer_step() { finish_reductions(); }
+
+ private:
+  template <class, class>
+  friend class FullyShardedOptimizer;
+
+  // The update guard of the shard's parameters: only FullyShardedOptimizer::step() may update
+  // them (it checks the settings first); the shard's gradients must then be complete (the last
+  // reduce_scatters waited for), and the model's gathered values are stale after it.
+  void before_update() override {
+    TESSERA_CHECK(in_step_, Error, "FullyShardedDataParallel on rank ", comm_.rank(),
+                  ": optimizer.step() called directly on the shard; step through FullyShardedOptimizer(fsdp, "
+                  "optimizer), which checks that every rank steps with the same settings");
+    finish_reductions();
+    std::fill(resident_.begin(), resident_.end(), false);
+  }
+
+  static constexpr bool kCountsCorrect = std::is_same_v<Loss, CrossEntropyLoss<Env>>;
+  using Clock = SpanSink::Clock;
+
+  // The part of one model parameter that this rank owns, as a parameter of its own.
+  struct Piece {
+    std::size_t param_index;    // into named_.parameters
+    std::int64_t param_offset;  // first element within it
+    std::int64_t shard_offset;  // first element within the unit's shard
+    std::int64_t length;
+    Parameter<S, D> param;
+  };
+  struct Unit {
+    std::size_t begin = 0, end = 0;      // model units
+    std::vector<std::size_t> params;     // into named_.parameters, in order
+    std::vector<std::int64_t> offset;    // flat offset of each
+    std::vector<Shape> shapes;           // each parameter's shape (stage 3 releases the tensors)
+    std::int64_t elements = 0, shard = 0;  // F_u, s_u
+    std::vector<std::size_t> pieces;     // into pieces_
+    Tensor send, gathered;               // s_u values out, N s_u in (while gathering)
+    Tensor grad_flat, grad_shard;        // N s_u packed gradients, s_u averaged (while reducing)
+    Work gather_work, reduce_work;
+    bool gathering = false, reducing = false;
+    Clock::time_point gather_began, reduce_began;
+  };
+
+  AgreementRecord agreement_record() {
+    AgreementRecord record("FullyShardedDataParallel");
+    record.add("strategy", "FullyShardedDataParallel");
+    record.add("device", D::name);
+    record.add("options.stage", options_.stage);
+    record.add_list("options.unit_boundaries", options_.unit_boundaries);
+    record.add("options.micro_batches", options_.micro_batches);
+    record.add("options.prefetch", options_.prefetch);
+    record.add("options.consistency_check_every", options_.consistency_check_every);
+    const std::size_t units = model_.unit_count();
+    record.add("model.units", units);
+    for (std::size_t u = 0; u < units; ++u) record.add("model.unit[" + std::to_string(u) + "]", model_.unit_name(u));
+    record.add_named_tensors(named_, "model.");
+    return record;
+  }
+
+  void build_units() {
+    const std::size_t model_units = model_.unit_count();
+    std::vector<std::size_t> bounds = options_.unit_boundaries;
+    if (bounds.empty())
+      for (std::size_t u = 0; u <= model_units; ++u) bounds.push_back(u);
+    TESSERA_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == model_units, ArgumentError,
+                  "FullyShardedDataParallel: unit_boundaries must run from 0 to the model's ", model_units, " units");
+    for (std::size_t k = 0; k + 1 < bounds.size(); ++k)
+      TESSERA_CHECK(bounds[k] < bounds[k + 1], ArgumentError, "FullyShardedDataParallel: shard unit ", k,
+                    " would be empty (boundaries ", bounds[k], " and ", bounds[k + 1], ")");
+    // Which model parameter each model unit holds: visit_units names them, in the order of the
+    // model's whole list.
+    std::vector<std::size_t> owner(named_.parameters.size(), model_units);
+    for (std::size_t u = 0; u < model_units; ++u) {
+      NamedTensors<Env> in_unit;
+      model_.visit_units(in_unit, "", u, u + 1);
+      for (const auto& entry : in_unit.parameters) {
+        const auto it = std::find_if(named_.parameters.begin(), named_.parameters.end(),
+                                     [&](const auto& e) { return e.second == entry.second; });
+        TESSERA_CHECK(it != named_.parameters.end(), ArgumentError, "FullyShardedDataParallel: unit ", u,
+                      " holds a parameter '", entry.first, "' that the model's visit does not list");
+        owner[static_cast<std::size_t>(it - named_.parameters.begin())] = u;
+      }
+    }
+    const std::int64_t ranks = comm_.size(), rank = comm_.rank();
+    for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
+      Unit& unit = units_.emplace_back();
+      unit.begin = bounds[k];
+      unit.end = bounds[k + 1];
+      for (std::size_t i = 0; i < named_.parameters.size(); ++i) {
+        if (owner[i] < unit.begin || owner[i] >= unit.end) continue;
+        const Parameter<S, D>& p = *named_.parameters[i].second;
+        unit.params.push_back(i);
+        unit.offset.push_back(unit.elements);
+        unit.shapes.push_back(p.value.shape());
+        unit.elements += p.value.numel();
+      }
+      unit.shard = (unit.elements + ranks - 1) / ranks;
+      // This rank's range [first, last) of the unit's flat parameters, cut at parameter edges.
+      const std::int64_t first = unit.shard * rank, last = first + unit.shard;
+      for (std::size_t j = 0; j < unit.params.size(); ++j) {
+        const Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+        const std::int64_t begin = std::max(unit.offset[j], first), end = std::min(unit.offset[j] + p.value.numel(), last);
+        if (begin >= end) continue;
+        Piece piece{unit.params[j], begin - unit.offset[j], begin - first, end - begin, Parameter<S, D>(Shape{end - begin}, p.kind)};
+        D::copy(piece.param.value.data(), p.value.data() + piece.param_offset, static_cast<std::size_t>(piece.length) * sizeof(S));
+        unit.pieces.push_back(pieces_.size());
+        pieces_.push_back(std::move(piece));
+      }
+    }
+    for (std::size_t i = 0; i < owner.size(); ++i)
+      TESSERA_CHECK(owner[i] < model_units, ArgumentError, "FullyShardedDataParallel: parameter '",
+                    named_.parameters[i].first, "' belongs to no unit of the model (visit_units never names it)");
+    // Names only once the vector stops growing (NamedTensors keeps pointers).
+    for (auto& piece : pieces_) {
+      shard_named_.parameter(named_.parameters[piece.param_index].first, piece.param);
+      piece.param.update_guard = this;
+    }
+    if (pieces_.empty()) {  // more ranks than elements: an empty piece keeps optimizers happy
+      empty_piece_ = Parameter<S, D>(Shape{0});
+      shard_named_.parameter(named_.parameters[0].first + ".empty_shard", empty_piece_);
+    }
+  }
+
+  template <class Hooks>
+  ModelStepResult step(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+    const int m = options_.micro_batches;
+    TESSERA_CHECK(x.rank() >= 1 && x.dim(0) > 0 && x.dim(0) % m == 0, ShapeError, "FullyShardedDataParallel: the batch of ",
+                  x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(), ") does not split into ", m,
+                  " equal micro-batches");
+    TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == x.dim(0), ShapeError, "FullyShardedDataParallel: ",
+                  labels.size(), " labels for a batch of ", x.dim(0), " samples");
+    finish_reductions();
+    stats_ = {};
+    const std::int64_t per = x.dim(0) / m, row = x.numel() / x.dim(0);
+    Shape shape = x.shape();
+    shape[0] = per;
+    double loss_sum = 0;
+    std::int64_t correct = 0;
+    for (int i = 0; i < m; ++i) {
+      const MicroBatch mb{i, m, 1.0 / m};
+      hooks.before_forward(mb);
+      const Tensor* input = &x;
+      if (m > 1) {
+        micro_input_.resize(shape);
+        D::copy(micro_input_.data(), x.data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
+        input = &micro_input_;
+      }
+      const Tensor& logits = forward_pass(*input, cache_, /*keep_last=*/true);
+      const auto micro_labels = labels.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per));
+      loss_sum += static_cast<double>(loss_.forward(logits, micro_labels, loss_cache_));
+      if constexpr (kCountsCorrect) correct += count_correct(logits, micro_labels);
+      // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits).
+      const Tensor& g = loss_.backward(loss_cache_);
+      output_grad_.resize(g.shape());
+      scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(m), output_grad_.data());
+      hooks.before_backward(mb);
+      backward_pass(output_grad_);
+      hooks.after_backward(mb);
+    }
+    return {loss_sum / m, correct};
+  }
+
+  // Forward through every unit, each gathered first (the next one's gather started before it
+  // computes). keep_last: the last unit's parameters stay for the backward that follows.
+  const Tensor& forward_pass(const Tensor& x, typename Model::Cache& cache, bool keep_last) {
+    const std::size_t n = units_.size();
+    const Tensor* h = &x;
+    if (!resident_[0]) start_gather(0);
+    for (std::size_t k = 0; k < n; ++k) {
+      if (options_.prefetch && k + 1 < n && !resident_[k + 1]) start_gather(k + 1);
+      if (!resident_[k]) finish_gather(k);
+      const auto began = Clock::now();
+      h = &model_.forward_units(*h, cache, units_[k].begin, units_[k].end);
+      note_compute("forward " + unit_label(k), began);
+      if (options_.stage == 3 && !(keep_last && k + 1 == n)) release_parameters(k);
+      if (!options_.prefetch && k + 1 < n && !resident_[k + 1]) start_gather(k + 1);
+    }
+    return *h;
+  }
+
+  // Backward through every unit, last first: gather (stage 3), gradients allocated, backward,
+  // gradients packed and reduce-scattered in the background.
+  void backward_pass(const Tensor& output_grad) {
+    const std::size_t n = units_.size();
+    const Tensor* g = &output_grad;
+    if (!resident_[n - 1]) start_gather(n - 1);
+    for (std::size_t k = n; k-- > 0;) {
+      if (options_.prefetch && k > 0 && !resident_[k - 1]) start_gather(k - 1);
+      if (!resident_[k]) finish_gather(k);
+      Unit& unit = units_[k];
+      for (std::size_t j = 0; j < unit.params.size(); ++j) {
+        Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+        p.grad.resize(unit.shapes[j]);
+        p.grad.zero();
+      }
+      const auto began = Clock::now();
+      g = &model_.backward_units(*g, cache_, unit.begin, unit.end);
+      note_compute("backward " + unit_label(k), began);
+      if (options_.stage == 3) release_parameters(k);
+      start_reduction(k);
+      if (!options_.prefetch && k > 0 && !resident_[k - 1]) start_gather(k - 1);
+    }
+  }
+
+  // all_gather of unit k's shards into its flat buffer, in the background.
+  void start_gather(std::size_t k) {
+    Unit& unit = units_[k];
+    if (unit.gathering || unit.elements == 0) return;
+    const std::int64_t ranks = comm_.size();
+    unit.send.resize({unit.shard});
+    unit.send.zero();  // the last rank's padding
+    for (std::size_t j : unit.pieces) {
+      const Piece& piece = pieces_[j];
+      D::copy(unit.send.data() + piece.shard_offset, piece.param.value.data(), static_cast<std::size_t>(piece.length) * sizeof(S));
+    }
+    unit.gathered.resize({unit.shard * ranks});
+    unit.gather_began = Clock::now();
+    unit.gather_work = comm_.all_gather_async(std::span<const S>(unit.send.data(), static_cast<std::size_t>(unit.shard)),
+                                              std::span<S>(unit.gathered.data(), static_cast<std::size_t>(unit.shard * ranks)));
+    unit.gathering = true;
+    stats_.gathered_elements += unit.shard * ranks;
+    ++stats_.gathers;
+  }
+  // Waits for unit k's gather and copies it into the model's parameters (allocated if released).
+  void finish_gather(std::size_t k) {
+    Unit& unit = units_[k];
+    if (unit.elements == 0) {
+      resident_[k] = true;
+      return;
+    }
+    if (!unit.gathering) start_gather(k);
+    unit.gather_work.wait();
+    unit.gathering = false;
+    note_communication("all_gather " + unit_label(k), unit.shard * comm_.size(), unit.gather_began);
+    for (std::size_t j = 0; j < unit.params.size(); ++j) {
+      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+      p.value.resize(unit.shapes[j]);
+      D::copy(p.value.data(), unit.gathered.data() + unit.offset[j], p.value.bytes());
+    }
+    unit.send.release();
+    unit.gathered.release();
+    resident_[k] = true;
+  }
+  void release_parameters(std::size_t k) {
+    for (std::size_t i : units_[k].params) named_.parameters[i].second->value.release();
+    resident_[k] = units_[k].elements == 0;
+  }
+
+  // Unit k's gradients packed (then released) and reduce-scattered in the background; the previous
+  // reduction of this unit, if any, is finished first.
+  void start_reduction(std::size_t k) {
+    Unit& unit = units_[k];
+    if (unit.elements == 0) return;
+    finish_reduction(k);
+    const std::int64_t ranks = comm_.size();
+    unit.grad_flat.resize({unit.shard * ranks});
+    for (std::size_t j = 0; j < unit.params.size(); ++j) {
+      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+      D::copy(unit.grad_flat.data() + unit.offset[j], p.grad.data(), p.grad.bytes());
+      p.grad.release();
+    }
+    fill_elements(D{}, unit.grad_flat.data() + unit.elements, unit.shard * ranks - unit.elements, S(0));  // padding
+    unit.grad_shard.resize({unit.shard});
+    unit.reduce_began = Clock::now();
+    unit.reduce_work = comm_.reduce_scatter_async(
+        std::span<const S>(unit.grad_flat.data(), static_cast<std::size_t>(unit.shard * ranks)),
+        std::span<S>(unit.grad_shard.data(), static_cast<std::size_t>(unit.shard)), ReduceOp::Avg);
+    unit.reducing = true;
+    stats_.reduce_scattered_elements += unit.shard * ranks;
+    ++stats_.reduce_scatters;
+  }
+  // Waits for unit k's reduction and adds the averaged gradients to the shard's.
+  void finish_reduction(std::size_t k) {
+    Unit& unit = units_[k];
+    if (!unit.reducing) return;
+    unit.reduce_work.wait();
+    unit.reducing = false;
+    note_communication("reduce_scatter " + unit_label(k), unit.shard * comm_.size(), unit.reduce_began);
+    for (std::size_t j : unit.pieces) {
+      Piece& piece = pieces_[j];
+      add(D{}, piece.param.grad.data(), unit.grad_shard.data() + piece.shard_offset, piece.length, piece.param.grad.data());
+    }
+    unit.grad_flat.release();
+    unit.grad_shard.release();
+  }
+  void finish_reductions() {
+    for (std::size_t k = units_.size(); k-- > 0;) finish_reduction(k);
+  }
+
+  // Every rank must update its shard with the same settings: each rank updates its own part, so
+  // one rank stepping with another learning rate trains on silently with a model no process
+  // computes. Compared at the first and then every options.consistency_check_every steps.
+  void check_consistency(double lr) {
+    const int every = options_.consistency_check_every;
+    if (every <= 0 || updates_ % every != 0) return;
+    AgreementRecord record("FullyShardedDataParallel");
+    record.add("optimizer.lr", lr);
+    check_agreement(comm_, record,
+                    "at optimizer step " + std::to_string(updates_ + 1) +
+                        ": every rank must step its shard with the same optimizer settings (learning rate, "
+                        "schedule); settings given per rank cause this. FullyShardedOptions::consistency_check_every "
+                        "sets how often this is checked (0: never)");
+  }
+
+ private:
+  std::string unit_label(std::size_t k) const {
+    const Unit& u = units_[k];
+    return u.end - u.begin == 1 ? model_.unit_name(u.begin)
+                                : model_.unit_name(u.begin) + ".." + model_.unit_name(u.end - 1);
+  }
+  void note_compute(const std::string& what, Clock::time_point began) {
+    if (options_.timeline) options_.timeline->add(what, "compute", began, Clock::now(), SpanSink::kCompute);
+  }
+  void note_communication(const std::string& what, std::int64_t elements, Clock::time_point began) {
+    if (options_.timeline)
+      options_.timeline->add(what + " (" + std::to_string(elements * static_cast<std::int64_t>(sizeof(S)) / 1024) + " KiB)",
+                             "communication", began, Clock::now(), SpanSink::kCommunication);
+  }
+
+  Model& model_;
+  Comm& comm_;
+  FullyShardedOptions options_;
+  Loss loss_;
+  NamedTensors<Env> named_;
+  std::vector<Unit> units_;
+  std::vector<Piece> pieces_;
+  Parameter<S, D> empty_piece_;
+  NamedTensors<Env> shard_named_;
+  std::vector<bool> resident_;  // unit k's parameters are in the model and current
+  bool in_step_ = false;        // inside FullyShardedOptimizer::step()
+  std::int64_t updates_ = 0;
+  typename Model::Cache cache_{}, eval_cache_{};
+  typename Loss::Cache loss_cache_{};
+  Tensor micro_input_, output_grad_;
+  FullyShardedStepStats stats_;
+};
+
+template <class Model, class C>
+FullyShardedDataParallel(Model&, C&, FullyShardedOptions = {}) -> FullyShardedDataParallel<Model>;
+
+// A FullyShardedDataParallel and the optimizer of its shard as one optimizer (the Optimizer
+// concept), for the Trainer:
+//
+//   FullyShardedDataParallel fsdp(model, comm, {.stage = 3});
+//   AdamW<E> adamw(fsdp.shard_parameters(), {...});
+//   FullyShardedOptimizer optimizer(fsdp, adamw);
+//   Trainer trainer(model, optimizer, fsdp, schedule, options);
+//
+// step() compares the learning rate across ranks (at the first and every consistency_check_every
+// steps), then steps the shard. Refers to both (they must outlive it).
+template <class Strategy, class Optimizer>
+class FullyShardedOptimizer {
+ public:
+  using Env = typename Strategy::Env;
+  static_assert(!std::is_same_v<Optimizer, Lars<typename Optimizer::Env>> &&
+                    !std::is_same_v<Optimizer, Lamb<typename Optimizer::Env>>,
+                "FullyShardedOptimizer: LARS and LAMB need whole-tensor norms; a shard only has part of a tensor");
+
+  FullyShardedOptimizer(Strategy& fsdp, Optimizer& optimizer) : fsdp_(fsdp), optimizer_(optimizer) {}
+
+  void step() {
+    fsdp_.check_consistency(static_cast<double>(optimizer_.lr()));
+    ++fsdp_.updates_;
+    fsdp_.in_step_ = true;
+    try {
+      optimizer_.step();
+    } catch (...) {
+      fsdp_.in_step_ = false;
+      throw;
+    }
+    fsdp_.in_step_ = false;
+  }
+  void zero_grad() { optimizer_.zero_grad(); }
+  double lr() const { return optimizer_.lr(); }
+  void set_lr(double lr) { optimizer_.set_lr(lr); }
+  std::int64_t steps() const { return optimizer_.steps(); }
+  Optimizer& optimizer() { return optimizer_; }
+
+ private:
+  Strategy& fsdp_;
+  Optimizer& optimizer_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,115 @@
+// FullyShardedDataParallel (ZeRO-2 and ZeRO-3) against one process, on any communicator: N ranks
+// each training on their part of every global batch, each updating its own shard, must end with
+// the parameters of one process training on the whole batch (gathered back with gather_full()),
+// for SGD with momentum and for AdamW. Collective: every rank calls it. Returns failures as text.
+#pragma once
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "parallel/dp_equivalence.hpp"
+#include "tessera/optim/adam.hpp"
+#include "tessera/optim/sgd.hpp"
+#include "tessera/parallel/fully_sharded.hpp"
+#include "tessera/parallel/sync_batch_norm.hpp"
+
+namespace tessera::testing {
+
+enum class FsdpOptimizer { SgdMomentum, AdamW };
+
+struct FsdpCase {
+  int stage = 3;
+  FsdpOptimizer optimizer = FsdpOptimizer::SgdMomentum;
+  int per_rank_batch = 4;
+  int steps = 3;
+  int micro_batches = 1;
+  bool prefetch = true;
+  std::vector<std::size_t> unit_boundaries;  // empty: one shard unit per model unit
+  double tolerance = 1e-12;
+};
+
+inline std::string describe(const FsdpCase& c) {
+  return "stage " + std::to_string(c.stage) + (c.optimizer == FsdpOptimizer::AdamW ? ", AdamW" : ", SGD momentum") +
+         (c.micro_batches > 1 ? ", " + std::to_string(c.micro_batches) + " micro-batches" : "") +
+         (c.prefetch ? "" : ", no prefetch");
+}
+
+// Maker: MakeLenet, or MakeResnet20 (its BatchNorms are converted to SyncBatchNorm on the sharded
+// copy, so that they see the global batch as the reference's do).
+template <class S, class Comm, class Maker = MakeLenet>
+std::vector<std::string> fsdp_equivalence(Comm& comm, const FsdpCase& c, Maker = {}) {
+  using Reference = Env<Cpu, LocalComm, S>;
+  using E = Env<Cpu, Comm, S>;
+  const int p = comm.size(), r = comm.rank();
+  const std::int64_t b = c.per_rank_batch, global = b * p;
+  const DpData<S> data(global * c.steps);
+  const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .decay_norm_and_bias = false};
+  const AdamWOptions adamw_options{.lr = 1e-3, .weight_decay = 1e-2};
+  const bool adamw = c.optimizer == FsdpOptimizer::AdamW;
+
+  auto reference = Maker::template make<Reference>(7);
+  auto reference_params = named_tensors(reference);
+  Sgd<Reference> reference_sgd(reference_params, sgd_options);
+  AdamW<Reference> reference_adamw(reference_params, adamw_options);
+  for (int step = 0; step < c.steps; ++step) {
+    adamw ? reference_adamw.zero_grad() : reference_sgd.zero_grad();
+    forward_backward<S>(reference, data, step * global, global);
+    adamw ? reference_adamw.step() : reference_sgd.step();
+  }
+
+  // Ranks other than 0 start from other weights, which the constructor's broadcast must replace.
+  auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
+  if constexpr (std::is_same_v<Maker, MakeResnet20>) convert_sync_batch_norm(model, comm);
+  FullyShardedDataParallel fsdp(model, comm,
+                                {.stage = c.stage, .unit_boundaries = c.unit_boundaries,
+                                 .micro_batches = c.micro_batches, .prefetch = c.prefetch});
+  Sgd<E> sgd(fsdp.shard_parameters(), sgd_options);
+  AdamW<E> adamw_optimizer(fsdp.shard_parameters(), adamw_options);
+  FullyShardedOptimizer sharded_sgd(fsdp, sgd);
+  FullyShardedOptimizer sharded_adamw(fsdp, adamw_optimizer);
+  for (int step = 0; step < c.steps; ++step) {
+    adamw ? sharded_adamw.zero_grad() : sharded_sgd.zero_grad();
+    const auto x = data.batch(step * global + r * b, b);
+    fsdp.train_step(x, data.batch_labels(step * global + r * b, b));
+    adamw ? sharded_adamw.step() : sharded_sgd.step();
+  }
+
+  std::vector<std::string> failures;
+  const std::string where = "rank " + std::to_string(r) + " (" + describe(c) + "): ";
+  const std::int64_t shard = fsdp.shard_elements(), whole = fsdp.model_elements();
+  if (!(shard * p >= whole && shard * p < whole + p * static_cast<std::int64_t>(fsdp.unit_count())))
+    failures.push_back(where + "the shard holds " + std::to_string(shard) + " elements for a model of " +
+                       std::to_string(whole) + " over " + std::to_string(p) + " ranks");
+  auto model_params = named_tensors(model);
+  if (c.stage == 3)
+    for (auto& [name, q] : model_params.parameters)
+      if (!q->value.empty()) failures.push_back(where + "stage 3 left parameter " + name + " gathered between steps");
+  fsdp.gather_full();
+  double worst = 0;
+  std::string worst_name;
+  for (std::size_t i = 0; i < model_params.parameters.size(); ++i) {
+    const auto& mine = model_params.parameters[i].second->value;
+    const auto& want = reference_params.parameters[i].second->value;
+    if (mine.shape() != want.shape()) {
+      failures.push_back(where + model_params.parameters[i].first + " has shape " + mine.shape().str() +
+                         " after gather_full(), " + want.shape().str() + " expected");
+      continue;
+    }
+    for (std::int64_t k = 0; k < mine.numel(); ++k) {
+      const double diff = std::abs(static_cast<double>(mine.data()[k]) - static_cast<double>(want.data()[k])) /
+                          std::max(1.0, std::abs(static_cast<double>(want.data()[k])));
+      if (diff > worst) worst = diff, worst_name = model_params.parameters[i].first;
+    }
+  }
+  if (!(worst <= c.tolerance)) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3g", worst);
+    failures.push_back(where + "parameters differ from one process by " + text + " (relative) in " + worst_name);
+  }
+  fsdp.release_full();
+  return failures;
+}
+
+}  // namespace tessera::testing
