@@ -47,6 +47,7 @@
 #include "tessera/optim/lars.hpp"
 #include "tessera/optim/schedule.hpp"
 #include "tessera/parallel/data_parallel.hpp"
+#include "tessera/parallel/fully_sharded.hpp"
 #include "tessera/parallel/gradient_accumulation.hpp"
 #include "tessera/parallel/gradient_codec.hpp"
 #include "tessera/parallel/hogwild.hpp"

@@ -93,6 +93,52 @@ TEST_CASE("CachingAllocator: requested bytes and their peak, next to the rounded
   CHECK(alloc.stats().bytes_in_use == 0);
 }
 
+// A limit on the bytes in use: a request past it throws OutOfMemoryError naming the request, the
+// innermost MemoryScope and the use, and leaves the allocator as it was; small and large requests.
+TEST_CASE("CachingAllocator: a memory limit ends in a named error, not a killed process", "[core]") {
+  CachingAllocator alloc;
+  alloc.set_limit(std::size_t{3} << 20);  // 3 MiB
+  CHECK(alloc.limit() == std::size_t{3} << 20);
+  void* a = alloc.allocate(std::size_t{2} << 20);
+  void* b = alloc.allocate(1000);
+  const auto before = alloc.stats();
+  {
+    const MemoryScope outer("the forward pass");
+    const MemoryScope inner("unit 3's gathered parameters");
+    CHECK_THROWS_AS(alloc.allocate(std::size_t{3} << 19), OutOfMemoryError);
+    CHECK_THROWS_WITH(alloc.allocate(std::size_t{3} << 19),
+                         Catch::Matchers::Contains("memory limit of 3.0 MiB") &&
+                             Catch::Matchers::Contains("allocating 1.5 MiB for unit 3's gathered parameters") &&
+                             Catch::Matchers::Contains("with 2.0 MiB in use"));
+  }
+  CHECK(MemoryScope::current() == nullptr);
+  CHECK_THROWS_WITH(alloc.allocate(std::size_t{1} << 20), Catch::Matchers::Contains("allocating 1.0 MiB,"));  // no scope
+  const auto after = alloc.stats();
+  CHECK(after.bytes_in_use == before.bytes_in_use);
+  CHECK(after.requested_bytes_in_use == before.requested_bytes_in_use);
+  void* c = alloc.allocate(std::size_t{1} << 19);  // still fits: 2 MiB + 1 KiB + 0.5 MiB
+  alloc.deallocate(c, std::size_t{1} << 19);
+  alloc.set_limit(0);  // none
+  void* d = alloc.allocate(std::size_t{8} << 20);
+  alloc.deallocate(d, std::size_t{8} << 20);
+  alloc.deallocate(b, 1000);
+  alloc.deallocate(a, std::size_t{2} << 20);
+  CHECK(alloc.stats().bytes_in_use == 0);
+}
+
+TEST_CASE("parse_memory_size: TESSERA_MEMORY_LIMIT's sizes", "[core]") {
+  CHECK(parse_memory_size("1048576", "x") == std::size_t{1} << 20);
+  CHECK(parse_memory_size("512M", "x") == std::size_t{512} << 20);
+  CHECK(parse_memory_size("512MiB", "x") == std::size_t{512} << 20);
+  CHECK(parse_memory_size("1.5G", "x") == std::size_t{3} << 29);
+  CHECK(parse_memory_size("64k", "x") == std::size_t{64} << 10);
+  for (const char* bad : {"", "M", "12X", "-1G", "1e30T"})
+    CHECK_THROWS_WITH(parse_memory_size(bad, "TESSERA_MEMORY_LIMIT"),
+                         Catch::Matchers::StartsWith("TESSERA_MEMORY_LIMIT: '" + std::string(bad) + "' is not a memory size"));
+  CHECK(format_bytes(640) == "640 B");
+  CHECK(format_bytes(std::size_t{3} << 29) == "1.5 GiB");
+}
+
 // A Backing with segments of kSegment bytes (0: each one the request) that counts its live blocks,
 // so the tests see every segment come and go.
 template <std::size_t kSegment>
@@ -195,7 +241,7 @@ TEST_CASE("CachingAllocator: committed segments split only into large pieces; fa
   CHECK(p != nullptr);
   CHECK(alloc.stats().bytes_cached == 0);  // the segment is the request itself
   alloc.deallocate(p, 3 * MiB);
-  CHECK_THROWS_WITH(alloc.allocate(32 * MiB), Catch::Contains("out of test memory allocating 33554432 bytes"));
+  CHECK_THROWS_WITH(alloc.allocate(32 * MiB), Catch::Contains("out of test memory allocating 32.0 MiB (0 B in use)"));
 }
 
 TEST_CASE("Rng: reproducible, uniform range, normal moments, state round-trip", "[core]") {

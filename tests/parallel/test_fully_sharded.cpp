@@ -4,10 +4,13 @@
 // errors. MPI and Gloo run the same equivalence as multi-process programs (parallel/dp_main.cpp).
 #include <catch2/catch.hpp>
 
+#include <mutex>
+
 #include "parallel/fsdp_equivalence.hpp"
 #include "support/text.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/models/lenet.hpp"
+#include "tessera/models/mlp.hpp"
 #include "tessera/parallel/data_parallel.hpp"
 #include "tessera/train/trainer.hpp"
 
@@ -210,5 +213,125 @@ TEST_CASE("FullyShardedDataParallel: what each rank holds between steps", "[para
     CHECK(shard[r] * 4 <= model_elements[r] + 5 * 3);
     CHECK(held_stage2[r] == model_elements[r]);  // the values, no gradients
     CHECK(held_stage3[r] == 0);                  // neither
+  }
+}
+
+// The point of sharding: a model that does not fit. Four ranks on threads share one process's
+// allocator, so its limit is theirs together. Each strategy's peak over two AdamW steps of an MLP
+// 784-512x8-10 (2.24 M parameters, 9 MB: DataParallel holds per rank values, gradients, their
+// bucket copy and two Adam moments, 5 x 9 MB; stage 3 a quarter of the values, gradients and
+// moments, plus the few units in use and, while it is built, the whole model) is measured first;
+// under a limit between the two, DataParallel's step ends in the named error and stage 3 trains to
+// the loss it reaches without a limit.
+TEST_CASE("FullyShardedDataParallel: under a memory limit DataParallel passes, stage 3 trains", "[parallel][fsdp]") {
+  constexpr int ranks = 4, steps = 2;
+  constexpr std::int64_t per_rank = 4;
+  const testing::DpData<float> data(per_rank * ranks * steps);
+  CachingAllocator& allocator = Cpu::allocator();
+  const auto make = [] { return Mlp<CpuThreads>(784, std::vector<std::int64_t>(8, 512), 10, 7); };
+  // Trains `steps` steps under strategy kind (0: DataParallel, 1: stage 3); returns the last loss
+  // of each rank and leaves the peak of bytes in use since `base` in *peak.
+  const auto train = [&](int kind, std::size_t* peak) {
+    std::vector<double> loss(ranks, 0);
+    allocator.release_cached();
+    const std::size_t base = allocator.stats().bytes_in_use;
+    allocator.reset_peak();
+    ThreadWorld world(ranks);
+    world.run([&](ThreadComm& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      auto model = make();
+      TrainOptions o = fsdp_quiet();
+      if (kind == 0) {
+        DataParallel dp(model, comm);
+        AdamW<CpuThreads> adamw(dp.parameters(), {});
+        Trainer trainer(model, adamw, dp, fsdp_lr, o);
+        for (int s = 0; s < steps; ++s)
+          loss[r] = trainer.train_step(data.trainer_batch((s * ranks + comm.rank()) * per_rank, per_rank));
+      } else {
+        FullyShardedDataParallel fsdp(model, comm, {.stage = 3});
+        AdamW<CpuThreads> adamw(fsdp.shard_parameters(), {});
+        FullyShardedOptimizer optimizer(fsdp, adamw);
+        Trainer trainer(model, optimizer, fsdp, fsdp_lr, o);
+        for (int s = 0; s < steps; ++s)
+          loss[r] = trainer.train_step(data.trainer_batch((s * ranks + comm.rank()) * per_rank, per_rank));
+      }
+    });
+    if (peak) *peak = allocator.stats().peak_bytes_in_use - base;
+    return loss;
+  };
+  std::size_t dp_peak = 0, fsdp_peak = 0;
+  const auto dp_loss = train(0, &dp_peak);
+  const auto fsdp_loss = train(1, &fsdp_peak);
+  INFO("peak bytes in use: DataParallel " << dp_peak << ", stage 3 " << fsdp_peak);
+  REQUIRE(fsdp_peak < 0.6 * static_cast<double>(dp_peak));
+  for (int r = 0; r < ranks; ++r) CHECK(std::abs(fsdp_loss[r] - dp_loss[r]) < 1e-5);
+
+  struct LimitScope {  // the process's allocator gets its limit back whatever happens
+    CachingAllocator& a;
+    ~LimitScope() { a.set_limit(0); }
+  } restore{allocator};
+  allocator.release_cached();
+  allocator.set_limit(allocator.stats().bytes_in_use + (dp_peak + fsdp_peak) / 2);
+  std::string error;
+  try {
+    train(0, nullptr);
+  } catch (const OutOfMemoryError& e) {
+    error = e.what();
+  }
+  CHECK_THAT(error, Catch::Contains("memory limit of") && Catch::Contains("would be passed allocating") &&
+                        Catch::Contains(" for the "));
+  allocator.release_cached();
+  const auto capped = train(1, nullptr);
+  for (int r = 0; r < ranks; ++r) CHECK(std::abs(capped[r] - fsdp_loss[r]) < 1e-6);
+}
+
+// The prefetch, as the timeline shows it: unit k + 1's all_gather is issued before unit k's forward
+// starts and waited for after it ends (the span covers the compute); without prefetch every gather
+// ends before its unit's forward begins. Backward: unit k's reduce_scatter span covers unit k - 1's
+// backward.
+TEST_CASE("FullyShardedDataParallel: the next unit's gather runs during this unit's compute", "[parallel][fsdp]") {
+  struct Recorder final : SpanSink {
+    struct Span {
+      std::string name;
+      Clock::time_point begin, end;
+    };
+    std::mutex mutex;
+    std::vector<Span> spans;
+    void add(std::string name, const char*, Clock::time_point begin, Clock::time_point end, int) override {
+      const std::lock_guard<std::mutex> lock(mutex);
+      spans.push_back({std::move(name), begin, end});
+    }
+    const Span& find(const std::string& prefix) const {
+      for (const auto& s : spans)
+        if (s.name.rfind(prefix, 0) == 0) return s;
+      FAIL("no span " << prefix);
+      return spans.front();
+    }
+  };
+  const testing::DpData<double> data(8);
+  for (const bool prefetch : {true, false}) {
+    Recorder recorder;
+    ThreadWorld world(2);
+    world.run([&](ThreadComm& comm) {
+      auto model = lenet5<CpuThreads64>(1, 28, 10, 7);
+      FullyShardedDataParallel fsdp(model, comm, {.stage = 3, .prefetch = prefetch});
+      if (comm.rank() == 0) fsdp.set_timeline(&recorder);
+      fsdp.train_step(data.batch(comm.rank() * 4, 4), data.batch_labels(comm.rank() * 4, 4));
+    });
+    INFO((prefetch ? "prefetch" : "no prefetch"));
+    // LeNet-5's units: conv1, relu1, pool1, conv2, ...: the next unit with parameters after conv1
+    // is conv2, whose gather is issued before conv1's forward (with prefetch).
+    const auto& conv1 = recorder.find("forward conv1");
+    const auto& gather_conv2 = recorder.find("all_gather conv2");
+    if (prefetch) {
+      CHECK(gather_conv2.begin <= conv1.begin);
+      CHECK(gather_conv2.end >= conv1.end);
+    } else {
+      CHECK(gather_conv2.begin >= conv1.end);
+    }
+    const auto& backward_conv1 = recorder.find("backward conv1");
+    const auto& reduce_conv2 = recorder.find("reduce_scatter conv2");
+    CHECK(reduce_conv2.begin <= backward_conv1.begin);
+    CHECK(reduce_conv2.end >= backward_conv1.end);
   }
 }

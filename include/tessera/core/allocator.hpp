@@ -15,6 +15,12 @@
 //    takes 1 GiB segments, whose pages the kernel commits only when touched, so one segment
 //    serves a whole network and reuse stays in pages already resident; device memory is committed
 //    by cudaMalloc, so its segments are exactly the request (0).
+// A limit (set_limit; for the host allocator also the environment variable TESSERA_MEMORY_LIMIT,
+// e.g. "512M", "2G") caps the bytes in use: a request that would pass it throws OutOfMemoryError
+// naming the request, what it was for (the innermost MemoryScope on the calling thread: "all_gather
+// of unit layer2", "backward") and the bytes in use, instead of the process growing until the
+// operating system kills it (or a GPU's cudaMalloc fails without saying for what). One process's
+// allocator serves all of its ranks when ranks are threads: the limit is then theirs together.
 // Blocks are 64-byte aligned (one cache line, enough for AVX-512 loads).
 // Thread-safe: the data loader's prefetch thread allocates while the training thread does.
 // The memory behind it is a policy (Backing: allocate(bytes) -> pointer or nullptr, release(p),
@@ -25,11 +31,15 @@
 #include <array>
 #include <bit>
 #include <cstddef>
+#include <cctype>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <iterator>
 #include <mutex>
 #include <new>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <sys/mman.h>
@@ -39,6 +49,60 @@
 #include "tessera/core/linkage.hpp"
 
 namespace tessera {
+
+// What the calling thread is allocating for, while it lives (nested scopes: the innermost
+// speaks): the allocator's out-of-memory error quotes it. A pointer store on construction and
+// destruction: cheap enough around every phase of a step. `what` must outlive the scope.
+class MemoryScope {
+ public:
+  explicit MemoryScope(const char* what) noexcept : outer_(innermost()) { innermost() = what; }
+  MemoryScope(const MemoryScope&) = delete;
+  MemoryScope& operator=(const MemoryScope&) = delete;
+  ~MemoryScope() { innermost() = outer_; }
+  // The innermost scope's text on this thread, or nullptr.
+  static const char* current() noexcept { return innermost(); }
+
+ private:
+  static const char*& innermost() noexcept {
+    thread_local const char* what = nullptr;
+    return what;
+  }
+  const char* outer_;
+};
+
+// "1.5 GiB", "12.0 MiB", "640 B": byte counts in error texts.
+inline std::string format_bytes(std::size_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char text[32];
+  std::snprintf(text, sizeof text, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return text;
+}
+
+// Parses a memory size: a number of bytes with an optional suffix K, M, G or T (powers of 1024;
+// "KiB", "MB" and the like read the same), e.g. "512M", "1.5G", "1048576". Throws ArgumentError
+// naming `what` (where the text came from) otherwise.
+inline std::size_t parse_memory_size(const std::string& text, const char* what) {
+  std::size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (...) {
+    used = 0;
+  }
+  std::string suffix = text.substr(used);
+  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  double scale = 0;
+  for (const auto& [name, factor] : {std::pair<const char*, double>{"", 1}, {"B", 1}, {"K", 0x1p10}, {"KB", 0x1p10},
+                                     {"KIB", 0x1p10}, {"M", 0x1p20}, {"MB", 0x1p20}, {"MIB", 0x1p20}, {"G", 0x1p30},
+                                     {"GB", 0x1p30}, {"GIB", 0x1p30}, {"T", 0x1p40}, {"TB", 0x1p40}, {"TIB", 0x1p40}})
+    if (suffix == name) scale = factor;
+  TESSERA_CHECK(used > 0 && value >= 0 && scale > 0 && value * scale < 0x1p62, ArgumentError, what, ": '", text,
+                "' is not a memory size (bytes, or a number with K, M, G or T: 512M, 1.5G)");
+  return static_cast<std::size_t>(value * scale);
+}
 
 struct AllocatorStats {
   std::size_t system_allocations = 0;  // calls that reached the backing memory (aligned_alloc, cudaMalloc)
@@ -89,6 +153,7 @@ class BasicCachingAllocator {
     const std::size_t block = std::size_t{1} << cls;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      check_limit(block, bytes);
       auto& list = free_[static_cast<std::size_t>(cls)];
       if (!list.empty()) {
         void* p = list.back();
@@ -152,6 +217,17 @@ class BasicCachingAllocator {
     return stats_;
   }
 
+  // At most `bytes` in use (in whole blocks, as bytes_in_use counts them); 0: no limit. Requests
+  // past it throw OutOfMemoryError; what is already in use stays.
+  void set_limit(std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    limit_ = bytes;
+  }
+  std::size_t limit() const noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
+  }
+
  private:
   // A range of a segment, in use or free. ranges_ holds them all, sorted by address, so a
   // segment's ranges are neighbours; a vector rather than a tree, so that a steady step, whose
@@ -178,14 +254,30 @@ class BasicCachingAllocator {
     stats_.requested_bytes_in_use += requested;
     stats_.peak_requested_bytes_in_use = std::max(stats_.peak_requested_bytes_in_use, stats_.requested_bytes_in_use);
   }
+  // For what the calling thread allocates: " for <scope>", or nothing.
+  static std::string purpose() {
+    const char* what = MemoryScope::current();
+    return what ? std::string(" for ") + what : std::string();
+  }
   [[noreturn]] void throw_out_of_memory(std::size_t bytes) {
-    throw Error(detail::cat("CachingAllocator: out of ", Backing::kName, " memory allocating ", bytes, " bytes (",
-                            stats_.bytes_in_use, " bytes in use)"));
+    throw OutOfMemoryError(detail::cat("CachingAllocator: out of ", Backing::kName, " memory allocating ",
+                                       format_bytes(bytes), purpose(), " (", format_bytes(stats_.bytes_in_use),
+                                       " in use)"));
+  }
+  // `block` bytes more in use would pass the limit: the named error (the mutex is held).
+  void check_limit(std::size_t block, std::size_t requested) const {
+    if (limit_ == 0 || stats_.bytes_in_use + block <= limit_) return;
+    throw OutOfMemoryError(detail::cat(
+        "CachingAllocator: the ", Backing::kName, " memory limit of ", format_bytes(limit_), " (", limit_,
+        " bytes: TESSERA_MEMORY_LIMIT or set_limit) would be passed allocating ", format_bytes(requested), purpose(),
+        ", with ", format_bytes(stats_.bytes_in_use), " in use (peak ", format_bytes(stats_.peak_bytes_in_use),
+        "); raise the limit, lower the batch size, or shard the model (FullyShardedDataParallel)"));
   }
 
   // bytes: the request rounded to kLargeGranule.
   void* allocate_large(std::size_t bytes, std::size_t requested) {
     std::lock_guard<std::mutex> lock(mutex_);
+    check_limit(bytes, requested);
     std::size_t best = ranges_.size();
     for (std::size_t i = 0; i < ranges_.size(); ++i) {
       const Range& r = ranges_[i];
@@ -289,6 +381,7 @@ class BasicCachingAllocator {
   std::array<std::vector<void*>, 64> free_{};
   std::vector<Range> ranges_;
   AllocatorStats stats_{};
+  std::size_t limit_ = 0;
 };
 
 using CachingAllocator = BasicCachingAllocator<HostMemory>;

@@ -44,6 +44,14 @@ class CommError : public Error {
   using Error::Error;
 };
 
+// Memory ran out: the allocator's limit (BasicCachingAllocator::set_limit, TESSERA_MEMORY_LIMIT)
+// would be passed, or the system or device had no more. The text says how much was asked for, for
+// what (the innermost MemoryScope), and how much was in use.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 template <class... Parts>
 std::string cat(Parts&&... parts) {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -26,8 +27,14 @@ struct Cpu {
 
   // Deliberately never destroyed (as PyTorch's allocators): tensors with static or thread
   // storage may be freed after every function-local static is gone.
+  // TESSERA_MEMORY_LIMIT ("512M", "2G") sets its limit (BasicCachingAllocator::set_limit).
   static CachingAllocator& allocator() {
-    static CachingAllocator* instance = new CachingAllocator;
+    static CachingAllocator* instance = [] {
+      auto* a = new CachingAllocator;
+      if (const char* limit = std::getenv("TESSERA_MEMORY_LIMIT"); limit != nullptr && *limit != '\0')
+        a->set_limit(parse_memory_size(limit, "TESSERA_MEMORY_LIMIT"));
+      return a;
+    }();
     return *instance;
   }
   static void* allocate(std::size_t bytes) { return allocator().allocate(bytes); }

@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "tessera/comm/communicator.hpp"
+#include "tessera/core/allocator.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/parameter.hpp"
@@ -138,12 +139,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
                   "supported yet");
     for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
+    // The model's gradients first, then (stage 3) each unit's values once its pieces are copied:
+    // the construction's peak stays the model's own.
+    for (auto& [name, p] : named_.parameters) p->grad.release();
     build_units();
-    // The shard now holds this rank's part of every value; the model keeps what its stage keeps.
-    for (auto& [name, p] : named_.parameters) {
-      p->grad.release();
-      if (options_.stage == 3) p->value.release();
-    }
     resident_.assign(units_.size(), options_.stage == 2);
   }
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
@@ -342,6 +341,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
         unit.pieces.push_back(pieces_.size());
         pieces_.push_back(std::move(piece));
       }
+      if (options_.stage == 3)
+        for (std::size_t i : unit.params) named_.parameters[i].second->value.release();
     }
     for (std::size_t i = 0; i < owner.size(); ++i)
       TESSERA_CHECK(owner[i] < model_units, ArgumentError, "FullyShardedDataParallel: parameter '",
@@ -381,7 +382,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
         D::copy(micro_input_.data(), x.data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
         input = &micro_input_;
       }
-      const Tensor& logits = forward_pass(*input, cache_, /*keep_last=*/true);
+      const Tensor& logits = [&]() -> const Tensor& {
+        const MemoryScope memory("the forward pass (activations)");
+        return forward_pass(*input, cache_, /*keep_last=*/true);
+      }();
       const auto micro_labels = labels.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per));
       loss_sum += static_cast<double>(loss_.forward(logits, micro_labels, loss_cache_));
       if constexpr (kCountsCorrect) correct += count_correct(logits, micro_labels);
@@ -390,52 +394,71 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
       output_grad_.resize(g.shape());
       scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(m), output_grad_.data());
       hooks.before_backward(mb);
-      backward_pass(output_grad_);
+      {
+        const MemoryScope memory("the backward pass (gradients)");
+        backward_pass(output_grad_);
+      }
       hooks.after_backward(mb);
     }
     return {loss_sum / m, correct};
   }
 
-  // Forward through every unit, each gathered first (the next one's gather started before it
-  // computes). keep_last: the last unit's parameters stay for the backward that follows.
+  // Forward through every unit, each gathered first: the next unit holding parameters has its
+  // gather started before this one computes (parameter-free units, a ReLU or a pooling, in between
+  // do not use up the prefetch). keep_last: the last unit's parameters stay for the backward that
+  // follows.
   const Tensor& forward_pass(const Tensor& x, typename Model::Cache& cache, bool keep_last) {
     const std::size_t n = units_.size();
     const Tensor* h = &x;
-    if (!resident_[0]) start_gather(0);
     for (std::size_t k = 0; k < n; ++k) {
-      if (options_.prefetch && k + 1 < n && !resident_[k + 1]) start_gather(k + 1);
+      const std::size_t next = next_with_parameters(k);
+      if (options_.prefetch && next < n && !resident_[next]) start_gather(next);
       if (!resident_[k]) finish_gather(k);
       const auto began = Clock::now();
       h = &model_.forward_units(*h, cache, units_[k].begin, units_[k].end);
       note_compute("forward " + unit_label(k), began);
       if (options_.stage == 3 && !(keep_last && k + 1 == n)) release_parameters(k);
-      if (!options_.prefetch && k + 1 < n && !resident_[k + 1]) start_gather(k + 1);
     }
     return *h;
   }
 
-  // Backward through every unit, last first: gather (stage 3), gradients allocated, backward,
-  // gradients packed and reduce-scattered in the background.
+  // Backward through every unit, last first: gather (stage 3; the previous unit with parameters
+  // prefetched), gradients allocated, backward, gradients packed and reduce-scattered in the
+  // background.
   void backward_pass(const Tensor& output_grad) {
     const std::size_t n = units_.size();
     const Tensor* g = &output_grad;
-    if (!resident_[n - 1]) start_gather(n - 1);
     for (std::size_t k = n; k-- > 0;) {
-      if (options_.prefetch && k > 0 && !resident_[k - 1]) start_gather(k - 1);
+      const std::size_t previous = previous_with_parameters(k);
+      if (options_.prefetch && previous < n && !resident_[previous]) start_gather(previous);
       if (!resident_[k]) finish_gather(k);
       Unit& unit = units_[k];
-      for (std::size_t j = 0; j < unit.params.size(); ++j) {
-        Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
-        p.grad.resize(unit.shapes[j]);
-        p.grad.zero();
+      {
+        const MemoryScope memory("a shard unit's gradients (FullyShardedDataParallel)");
+        for (std::size_t j = 0; j < unit.params.size(); ++j) {
+          Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+          p.grad.resize(unit.shapes[j]);
+          p.grad.zero();
+        }
       }
       const auto began = Clock::now();
       g = &model_.backward_units(*g, cache_, unit.begin, unit.end);
       note_compute("backward " + unit_label(k), began);
       if (options_.stage == 3) release_parameters(k);
       start_reduction(k);
-      if (!options_.prefetch && k > 0 && !resident_[k - 1]) start_gather(k - 1);
     }
+  }
+
+  // The first unit after k, or before k, that holds parameters (units_.size() when none).
+  std::size_t next_with_parameters(std::size_t k) const {
+    for (std::size_t j = k + 1; j < units_.size(); ++j)
+      if (units_[j].elements > 0) return j;
+    return units_.size();
+  }
+  std::size_t previous_with_parameters(std::size_t k) const {
+    for (std::size_t j = k; j-- > 0;)
+      if (units_[j].elements > 0) return j;
+    return units_.size();
   }
 
   // all_gather of unit k's shards into its flat buffer, in the background.
@@ -443,6 +466,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     Unit& unit = units_[k];
     if (unit.gathering || unit.elements == 0) return;
     const std::int64_t ranks = comm_.size();
+    const MemoryScope memory("a shard unit's all_gather (FullyShardedDataParallel)");
     unit.send.resize({unit.shard});
     unit.send.zero();  // the last rank's padding
     for (std::size_t j : unit.pieces) {
@@ -468,6 +492,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     unit.gather_work.wait();
     unit.gathering = false;
     note_communication("all_gather " + unit_label(k), unit.shard * comm_.size(), unit.gather_began);
+    const MemoryScope memory("a shard unit's gathered parameters (FullyShardedDataParallel)");
     for (std::size_t j = 0; j < unit.params.size(); ++j) {
       Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
       p.value.resize(unit.shapes[j]);
@@ -489,6 +514,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     if (unit.elements == 0) return;
     finish_reduction(k);
     const std::int64_t ranks = comm_.size();
+    const MemoryScope memory("a shard unit's reduce_scatter (FullyShardedDataParallel)");
     unit.grad_flat.resize({unit.shard * ranks});
     for (std::size_t j = 0; j < unit.params.size(); ++j) {
       Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
@@ -504,6 +530,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     unit.reducing = true;
     stats_.reduce_scattered_elements += unit.shard * ranks;
     ++stats_.reduce_scatters;
+    // The reduction started before this one ran while this unit computed: done by now, most
+    // likely. Finishing it here keeps two units' gradient buffers alive, not every unit's.
+    if (reducing_ < units_.size() && reducing_ != k) finish_reduction(reducing_);
+    reducing_ = k;
   }
   // Waits for unit k's reduction and adds the averaged gradients to the shard's.
   void finish_reduction(std::size_t k) {
@@ -563,6 +593,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   Parameter<S, D> empty_piece_;
   NamedTensors<Env> shard_named_;
   std::vector<bool> resident_;  // unit k's parameters are in the model and current
+  std::size_t reducing_ = static_cast<std::size_t>(-1);  // the unit whose reduction started last
   bool in_step_ = false;        // inside FullyShardedOptimizer::step()
   std::int64_t updates_ = 0;
   typename Model::Cache cache_{}, eval_cache_{};

@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "tessera/core/allocator.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/data/loader.hpp"
@@ -247,6 +248,7 @@ class Trainer {
     strategy_.before_optimizer_step();
     if (options_.before_step) options_.before_step();
     if (t) span.emplace(t->span("optimizer step"));
+    const MemoryScope memory("the optimizer step (optimizer state)");
     optimizer_.step();
     strategy_.after_optimizer_step();
     span.reset();
@@ -555,11 +557,13 @@ class Trainer {
     std::optional<Timeline::Span> span;
     strategy_.before_forward(mb);
     if (t) span.emplace(t->span("forward"));
+    std::optional<MemoryScope> memory(std::in_place, "the forward pass (activations)");
     const auto& logits = forward(micro);  // (n, classes), or a TokenModel's (n, T, V)
     const S loss = loss_.forward(logits, micro.labels, loss_cache_);
     correct_ += count_correct(logits, micro.labels);
     strategy_.before_backward(mb);
     if (t) span.emplace(t->span("backward"));
+    memory.emplace("the backward pass (gradients)");
     const auto& dlogits = loss_.backward(loss_cache_);
     if (mb.weight == 1.0) {
       model_.backward(dlogits, model_cache_);
