@@ -43,6 +43,14 @@ class RankMemory {
     comm_.barrier();
   }
 
+  // Restarts the high-water mark here, keeping the phase's baseline (to leave a phase's start,
+  // e.g. building a model, out of the peak of what follows). Collective.
+  void restart_peak() {
+    comm_.barrier();
+    if (reads()) Device::allocator().reset_peak();
+    comm_.barrier();
+  }
+
   // Bytes in use now above the phase's baseline, per rank: as requested (the tensors' own sizes)
   // and as held in the allocator's rounded blocks. Collective; the values are rank 0's, and on a
   // process backend every rank's own.
