@@ -47,6 +47,10 @@ int main(int argc, char** argv) {
     add("fsdp stage 3 micro-batches", testing::fsdp_equivalence<double>(comm, {.stage = 3, .micro_batches = 2}));
     add("fsdp stage 3 float32", testing::fsdp_equivalence<float>(comm, {.stage = 3, .optimizer = FsdpOptimizer::AdamW,
                                                                          .per_rank_batch = 8, .tolerance = 1e-5}));
+    add("fsdp stage 3 bfloat16 wire",
+        testing::fsdp_equivalence<float>(comm, {.stage = 3, .optimizer = FsdpOptimizer::AdamW, .per_rank_batch = 8,
+                                                .param_dtype = ShardDType::BFloat16, .reduce_dtype = ShardDType::BFloat16,
+                                                .tolerance = 3e-2, .at_least = 1e-7}));
     // Ranks launched with different settings end in a named error on every rank, and the
     // communicator stays usable for what follows.
     add("rank 1 with another bucket size", testing::dp_mismatch<double>(comm, testing::Mismatch::BucketSize));

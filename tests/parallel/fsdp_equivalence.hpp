@@ -27,13 +27,19 @@ struct FsdpCase {
   int micro_batches = 1;
   bool prefetch = true;
   std::vector<std::size_t> unit_boundaries;  // empty: one shard unit per model unit
+  ShardDType param_dtype = ShardDType::Same, reduce_dtype = ShardDType::Same;
   double tolerance = 1e-12;
+  // With a 16-bit wire: the parameters must also differ from one process by at least this much
+  // (the rounding shows), so a wire that silently stayed at full precision fails.
+  double at_least = 0;
 };
 
 inline std::string describe(const FsdpCase& c) {
   return "stage " + std::to_string(c.stage) + (c.optimizer == FsdpOptimizer::AdamW ? ", AdamW" : ", SGD momentum") +
          (c.micro_batches > 1 ? ", " + std::to_string(c.micro_batches) + " micro-batches" : "") +
-         (c.prefetch ? "" : ", no prefetch");
+         (c.prefetch ? "" : ", no prefetch") +
+         (c.param_dtype != ShardDType::Same ? std::string(", parameters in ") + to_string(c.param_dtype) : "") +
+         (c.reduce_dtype != ShardDType::Same ? std::string(", gradients in ") + to_string(c.reduce_dtype) : "");
 }
 
 // Maker: MakeLenet, or MakeResnet20 (its BatchNorms are converted to SyncBatchNorm on the sharded
@@ -63,8 +69,8 @@ std::vector<std::string> fsdp_equivalence(Comm& comm, const FsdpCase& c, Maker =
   auto model = Maker::template make<E>(r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
   if constexpr (std::is_same_v<Maker, MakeResnet20>) convert_sync_batch_norm(model, comm);
   FullyShardedDataParallel fsdp(model, comm,
-                                {.stage = c.stage, .unit_boundaries = c.unit_boundaries,
-                                 .micro_batches = c.micro_batches, .prefetch = c.prefetch});
+                                {.stage = c.stage, .unit_boundaries = c.unit_boundaries, .micro_batches = c.micro_batches,
+                                 .prefetch = c.prefetch, .param_dtype = c.param_dtype, .reduce_dtype = c.reduce_dtype});
   Sgd<E> sgd(fsdp.shard_parameters(), sgd_options);
   AdamW<E> adamw_optimizer(fsdp.shard_parameters(), adamw_options);
   FullyShardedOptimizer sharded_sgd(fsdp, sgd);
@@ -103,6 +109,8 @@ std::vector<std::string> fsdp_equivalence(Comm& comm, const FsdpCase& c, Maker =
       if (diff > worst) worst = diff, worst_name = model_params.parameters[i].first;
     }
   }
+  if (!(worst >= c.at_least))
+    failures.push_back(where + "parameters equal one process's to " + std::to_string(worst) + ": the 16-bit wire was not used");
   if (!(worst <= c.tolerance)) {
     char text[32];
     std::snprintf(text, sizeof text, "%.3g", worst);

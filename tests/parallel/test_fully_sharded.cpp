@@ -61,6 +61,35 @@ TEST_CASE("FullyShardedDataParallel: float32 agrees with one process to 1e-5", "
   run_fsdp<float>(2, {.stage = 3, .optimizer = testing::FsdpOptimizer::AdamW, .per_rank_batch = 8, .tolerance = 1e-5});
 }
 
+// Mixed precision as FSDP's MixedPrecision: parameters gathered and gradients reduced in 16 bits,
+// the master shard and AdamW's state in float32. Three steps of LeNet-5 then differ from one
+// process by the rounding (a relative 2^-9 per bfloat16 value, 2^-12 per float16 one, compounded
+// by the updates), and the wire carries half the bytes.
+TEST_CASE("FullyShardedDataParallel: 16-bit gathers and reductions, float32 master shard", "[parallel][fsdp]") {
+  for (const ShardDType wire : {ShardDType::BFloat16, ShardDType::Float16})
+    DYNAMIC_SECTION(to_string(wire)) {
+      const double tolerance = wire == ShardDType::BFloat16 ? 3e-2 : 5e-3;
+      run_fsdp<float>(2, {.stage = 3, .optimizer = testing::FsdpOptimizer::AdamW, .per_rank_batch = 8,
+                          .param_dtype = wire, .reduce_dtype = wire, .tolerance = tolerance, .at_least = 1e-7});
+      run_fsdp<float>(2, {.stage = 2, .per_rank_batch = 8, .reduce_dtype = wire, .tolerance = tolerance, .at_least = 1e-7});
+    }
+  ThreadWorld world(2);
+  std::vector<FullyShardedStepStats> stats(2);
+  const testing::DpData<float> data(8);
+  world.run([&](ThreadComm& comm) {
+    for (const ShardDType wire : {ShardDType::Same, ShardDType::BFloat16}) {
+      auto model = lenet5<CpuThreads>(1, 28, 10, 7);
+      FullyShardedDataParallel fsdp(model, comm, {.stage = 3, .param_dtype = wire, .reduce_dtype = wire});
+      fsdp.train_step(data.batch(comm.rank() * 4, 4), data.batch_labels(comm.rank() * 4, 4));
+      if (comm.rank() == 0) stats[wire == ShardDType::Same ? 0 : 1] = fsdp.last_step();
+    }
+  });
+  CHECK(stats[1].gathered_elements == stats[0].gathered_elements);
+  CHECK(stats[0].gathered_bytes == 4 * stats[0].gathered_elements);
+  CHECK(stats[1].gathered_bytes * 2 == stats[0].gathered_bytes);
+  CHECK(stats[1].reduce_scattered_bytes * 2 == stats[0].reduce_scattered_bytes);
+}
+
 TEST_CASE("FullyShardedDataParallel: micro-batches, grouped units and no prefetch change nothing", "[parallel][fsdp]") {
   SECTION("micro-batches") { run_fsdp<double>(2, {.stage = 3, .per_rank_batch = 4, .micro_batches = 2}); }
   SECTION("shard units of several layers") {

@@ -54,6 +54,10 @@
 // options.consistency_check_every steps: each rank updates its own shard, so one rank stepping
 // with other settings would train on silently with a model no process computes.
 //
+// Mixed precision (options.param_dtype, reduce_dtype; ShardDType below): units gathered and
+// gradients reduce-scattered in bfloat16 or float16, half the bytes on the wire, the master shard
+// and the optimizer's state in the Env's scalar.
+//
 // Not yet: models with tied parameters (GPT's wte, read by two units), checkpoints (the Trainer
 // refuses them with a strategy that runs the model) and LARS/LAMB (whole-tensor norms).
 #pragma once
@@ -71,6 +75,7 @@
 #include "tessera/core/allocator.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/half.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/span_sink.hpp"
 #include "tessera/core/tensor.hpp"
@@ -84,6 +89,18 @@
 
 namespace tessera {
 
+// What a shard unit's parameters are gathered in, and its gradients reduce-scattered in: the Env's
+// scalar, or a 16-bit float (PyTorch FSDP's MixedPrecision param_dtype and reduce_dtype). The
+// shard's master values, its gradients and the optimizer's state stay in the Env's scalar; the model
+// then computes with 16-bit-rounded weights (in its own arithmetic), and each rank's gradients are
+// rounded to 16 bits once before the average, which is reduced in float and rounded once more.
+// Host devices only (the casts run on the host).
+enum class ShardDType { Same, BFloat16, Float16 };
+
+inline const char* to_string(ShardDType t) {
+  return t == ShardDType::Same ? "same" : t == ShardDType::BFloat16 ? "bfloat16" : "float16";
+}
+
 struct FullyShardedOptions {
   int stage = 3;  // 2: gradients and optimizer state sharded; 3: parameters too
   // Shard units as model-unit indices 0 = b_0 < b_1 < ... < b_K = unit_count(); empty: one shard
@@ -91,6 +108,8 @@ struct FullyShardedOptions {
   std::vector<std::size_t> unit_boundaries;
   int micro_batches = 1;  // gradient accumulation: the batch splits into this many equal parts
   bool prefetch = true;   // start the next unit's gather before computing the current one
+  ShardDType param_dtype = ShardDType::Same;   // parameters all-gathered in this type
+  ShardDType reduce_dtype = ShardDType::Same;  // gradients reduce-scattered in this type
   // The optimizer's learning rate compared across ranks at the first and then every this many
   // steps; 0: never.
   int consistency_check_every = 100;
@@ -101,6 +120,7 @@ struct FullyShardedOptions {
 struct FullyShardedStepStats {
   std::int64_t gathered_elements = 0;        // received by all_gathers (N s_u per unit gathered)
   std::int64_t reduce_scattered_elements = 0;  // sent into reduce_scatters (N s_u per unit)
+  std::int64_t gathered_bytes = 0, reduce_scattered_bytes = 0;  // the same in bytes of the wire type
   int gathers = 0, reduce_scatters = 0;
 };
 
@@ -130,6 +150,9 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
                   options_.stage, " must be 2 (gradients and optimizer state sharded) or 3 (parameters too)");
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "FullyShardedDataParallel: micro_batches=",
                   options_.micro_batches, " must be at least 1");
+    TESSERA_CHECK(D::host_accessible || (options_.param_dtype == ShardDType::Same && options_.reduce_dtype == ShardDType::Same),
+                  ArgumentError, "FullyShardedDataParallel: param_dtype and reduce_dtype other than Same cast on the "
+                  "host; on the device '", D::name, "' use ShardDType::Same");
     TESSERA_CHECK(options_.consistency_check_every >= 0, ArgumentError,
                   "FullyShardedDataParallel: consistency_check_every=", options_.consistency_check_every,
                   " must be >= 0 (0: no check)");
@@ -254,6 +277,13 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   static constexpr bool kCountsCorrect = std::is_same_v<Loss, CrossEntropyLoss<Env>>;
   using Clock = SpanSink::Clock;
 
+  // A unit's buffers on a 16-bit wire: send and gathered (N s_u) values, packed gradients (N s_u)
+  // and their averaged shard (s_u). Host vectors, emptied once used.
+  template <class W>
+  struct Wire16 {
+    std::vector<W> send, gathered, grad, shard;
+  };
+
   // The part of one model parameter that this rank owns, as a parameter of its own.
   struct Piece {
     std::size_t param_index;    // into named_.parameters
@@ -272,6 +302,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     Tensor send, gathered;               // s_u values out, N s_u in (while gathering)
     Tensor grad_flat, grad_shard;        // N s_u packed gradients, s_u averaged (while reducing)
     Work gather_work, reduce_work;
+    Wire16<BHalf> bf16;  // the same buffers on a 16-bit wire (param_dtype, reduce_dtype)
+    Wire16<Half> fp16;
     bool gathering = false, reducing = false;
     Clock::time_point gather_began, reduce_began;
   };
@@ -284,6 +316,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     record.add_list("options.unit_boundaries", options_.unit_boundaries);
     record.add("options.micro_batches", options_.micro_batches);
     record.add("options.prefetch", options_.prefetch);
+    record.add("options.param_dtype", to_string(options_.param_dtype));
+    record.add("options.reduce_dtype", to_string(options_.reduce_dtype));
     record.add("options.consistency_check_every", options_.consistency_check_every);
     const std::size_t units = model_.unit_count();
     record.add("model.units", units);
@@ -467,18 +501,25 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     if (unit.gathering || unit.elements == 0) return;
     const std::int64_t ranks = comm_.size();
     const MemoryScope memory("a shard unit's all_gather (FullyShardedDataParallel)");
-    unit.send.resize({unit.shard});
-    unit.send.zero();  // the last rank's padding
-    for (std::size_t j : unit.pieces) {
-      const Piece& piece = pieces_[j];
-      D::copy(unit.send.data() + piece.shard_offset, piece.param.value.data(), static_cast<std::size_t>(piece.length) * sizeof(S));
-    }
-    unit.gathered.resize({unit.shard * ranks});
     unit.gather_began = Clock::now();
-    unit.gather_work = comm_.all_gather_async(std::span<const S>(unit.send.data(), static_cast<std::size_t>(unit.shard)),
-                                              std::span<S>(unit.gathered.data(), static_cast<std::size_t>(unit.shard * ranks)));
+    if (options_.param_dtype == ShardDType::BFloat16) {
+      start_gather_16<BHalf>(unit);
+    } else if (options_.param_dtype == ShardDType::Float16) {
+      start_gather_16<Half>(unit);
+    } else {
+      unit.send.resize({unit.shard});
+      unit.send.zero();  // the last rank's padding
+      for (std::size_t j : unit.pieces) {
+        const Piece& piece = pieces_[j];
+        D::copy(unit.send.data() + piece.shard_offset, piece.param.value.data(), static_cast<std::size_t>(piece.length) * sizeof(S));
+      }
+      unit.gathered.resize({unit.shard * ranks});
+      unit.gather_work = comm_.all_gather_async(std::span<const S>(unit.send.data(), static_cast<std::size_t>(unit.shard)),
+                                                std::span<S>(unit.gathered.data(), static_cast<std::size_t>(unit.shard * ranks)));
+    }
     unit.gathering = true;
     stats_.gathered_elements += unit.shard * ranks;
+    stats_.gathered_bytes += unit.shard * ranks * wire_bytes(options_.param_dtype);
     ++stats_.gathers;
   }
   // Waits for unit k's gather and copies it into the model's parameters (allocated if released).
@@ -493,13 +534,19 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     unit.gathering = false;
     note_communication("all_gather " + unit_label(k), unit.shard * comm_.size(), unit.gather_began);
     const MemoryScope memory("a shard unit's gathered parameters (FullyShardedDataParallel)");
-    for (std::size_t j = 0; j < unit.params.size(); ++j) {
-      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
-      p.value.resize(unit.shapes[j]);
-      D::copy(p.value.data(), unit.gathered.data() + unit.offset[j], p.value.bytes());
+    if (options_.param_dtype == ShardDType::BFloat16) {
+      finish_gather_16<BHalf>(unit);
+    } else if (options_.param_dtype == ShardDType::Float16) {
+      finish_gather_16<Half>(unit);
+    } else {
+      for (std::size_t j = 0; j < unit.params.size(); ++j) {
+        Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+        p.value.resize(unit.shapes[j]);
+        D::copy(p.value.data(), unit.gathered.data() + unit.offset[j], p.value.bytes());
+      }
+      unit.send.release();
+      unit.gathered.release();
     }
-    unit.send.release();
-    unit.gathered.release();
     resident_[k] = true;
   }
   void release_parameters(std::size_t k) {
@@ -515,20 +562,27 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     finish_reduction(k);
     const std::int64_t ranks = comm_.size();
     const MemoryScope memory("a shard unit's reduce_scatter (FullyShardedDataParallel)");
-    unit.grad_flat.resize({unit.shard * ranks});
-    for (std::size_t j = 0; j < unit.params.size(); ++j) {
-      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
-      D::copy(unit.grad_flat.data() + unit.offset[j], p.grad.data(), p.grad.bytes());
-      p.grad.release();
-    }
-    fill_elements(D{}, unit.grad_flat.data() + unit.elements, unit.shard * ranks - unit.elements, S(0));  // padding
-    unit.grad_shard.resize({unit.shard});
     unit.reduce_began = Clock::now();
-    unit.reduce_work = comm_.reduce_scatter_async(
-        std::span<const S>(unit.grad_flat.data(), static_cast<std::size_t>(unit.shard * ranks)),
-        std::span<S>(unit.grad_shard.data(), static_cast<std::size_t>(unit.shard)), ReduceOp::Avg);
+    if (options_.reduce_dtype == ShardDType::BFloat16) {
+      start_reduction_16<BHalf>(unit);
+    } else if (options_.reduce_dtype == ShardDType::Float16) {
+      start_reduction_16<Half>(unit);
+    } else {
+      unit.grad_flat.resize({unit.shard * ranks});
+      for (std::size_t j = 0; j < unit.params.size(); ++j) {
+        Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+        D::copy(unit.grad_flat.data() + unit.offset[j], p.grad.data(), p.grad.bytes());
+        p.grad.release();
+      }
+      fill_elements(D{}, unit.grad_flat.data() + unit.elements, unit.shard * ranks - unit.elements, S(0));  // padding
+      unit.grad_shard.resize({unit.shard});
+      unit.reduce_work = comm_.reduce_scatter_async(
+          std::span<const S>(unit.grad_flat.data(), static_cast<std::size_t>(unit.shard * ranks)),
+          std::span<S>(unit.grad_shard.data(), static_cast<std::size_t>(unit.shard)), ReduceOp::Avg);
+    }
     unit.reducing = true;
     stats_.reduce_scattered_elements += unit.shard * ranks;
+    stats_.reduce_scattered_bytes += unit.shard * ranks * wire_bytes(options_.reduce_dtype);
     ++stats_.reduce_scatters;
     // The reduction started before this one ran while this unit computed: done by now, most
     // likely. Finishing it here keeps two units' gradient buffers alive, not every unit's.
@@ -542,12 +596,78 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     unit.reduce_work.wait();
     unit.reducing = false;
     note_communication("reduce_scatter " + unit_label(k), unit.shard * comm_.size(), unit.reduce_began);
+    if (options_.reduce_dtype == ShardDType::BFloat16) {
+      finish_reduction_16<BHalf>(unit);
+    } else if (options_.reduce_dtype == ShardDType::Float16) {
+      finish_reduction_16<Half>(unit);
+    } else {
+      for (std::size_t j : unit.pieces) {
+        Piece& piece = pieces_[j];
+        add(D{}, piece.param.grad.data(), unit.grad_shard.data() + piece.shard_offset, piece.length, piece.param.grad.data());
+      }
+      unit.grad_flat.release();
+      unit.grad_shard.release();
+    }
+  }
+
+  // The 16-bit wire (param_dtype, reduce_dtype other than Same; host devices, checked at
+  // construction): values and gradients cast on the way out and back.
+  std::int64_t wire_bytes(ShardDType t) const {
+    return t == ShardDType::Same ? static_cast<std::int64_t>(sizeof(S)) : std::int64_t{2};
+  }
+  template <class W>
+  Wire16<W>& wire16(Unit& unit) {
+    if constexpr (std::is_same_v<W, BHalf>) return unit.bf16;
+    else return unit.fp16;
+  }
+  template <class W>
+  void start_gather_16(Unit& unit) {
+    Wire16<W>& w = wire16<W>(unit);
+    w.send.assign(static_cast<std::size_t>(unit.shard), W(0.0f));
+    for (std::size_t j : unit.pieces) {
+      const Piece& piece = pieces_[j];
+      const S* v = piece.param.value.data();
+      for (std::int64_t i = 0; i < piece.length; ++i) w.send[static_cast<std::size_t>(piece.shard_offset + i)] = W(static_cast<float>(v[i]));
+    }
+    w.gathered.resize(static_cast<std::size_t>(unit.shard * comm_.size()));
+    unit.gather_work = comm_.all_gather_async(std::span<const W>(w.send), std::span<W>(w.gathered));
+  }
+  template <class W>
+  void finish_gather_16(Unit& unit) {
+    Wire16<W>& w = wire16<W>(unit);
+    for (std::size_t j = 0; j < unit.params.size(); ++j) {
+      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+      p.value.resize(unit.shapes[j]);
+      const W* from = w.gathered.data() + unit.offset[j];
+      for (std::int64_t e = 0; e < p.value.numel(); ++e) p.value.data()[e] = static_cast<S>(static_cast<float>(from[e]));
+    }
+    std::vector<W>().swap(w.send);
+    std::vector<W>().swap(w.gathered);
+  }
+  template <class W>
+  void start_reduction_16(Unit& unit) {
+    Wire16<W>& w = wire16<W>(unit);
+    w.grad.assign(static_cast<std::size_t>(unit.shard * comm_.size()), W(0.0f));  // zeros in the padding
+    for (std::size_t j = 0; j < unit.params.size(); ++j) {
+      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+      W* to = w.grad.data() + unit.offset[j];
+      for (std::int64_t e = 0; e < p.grad.numel(); ++e) to[e] = W(static_cast<float>(p.grad.data()[e]));
+      p.grad.release();
+    }
+    w.shard.resize(static_cast<std::size_t>(unit.shard));
+    unit.reduce_work = comm_.reduce_scatter_async(std::span<const W>(w.grad), std::span<W>(w.shard), ReduceOp::Avg);
+  }
+  template <class W>
+  void finish_reduction_16(Unit& unit) {
+    Wire16<W>& w = wire16<W>(unit);
     for (std::size_t j : unit.pieces) {
       Piece& piece = pieces_[j];
-      add(D{}, piece.param.grad.data(), unit.grad_shard.data() + piece.shard_offset, piece.length, piece.param.grad.data());
+      S* g = piece.param.grad.data();
+      for (std::int64_t i = 0; i < piece.length; ++i)
+        g[i] += static_cast<S>(static_cast<float>(w.shard[static_cast<std::size_t>(piece.shard_offset + i)]));
     }
-    unit.grad_flat.release();
-    unit.grad_shard.release();
+    std::vector<W>().swap(w.grad);
+    std::vector<W>().swap(w.shard);
   }
   void finish_reductions() {
     for (std::size_t k = units_.size(); k-- > 0;) finish_reduction(k);
