@@ -10,8 +10,9 @@
 // --bucket-kib=1024 --consistency-check-every=100 (DataParallel's replica checksum; 0: off, with
 // TESSERA_COMM_CHECK_EVERY=0 the agreement checks' cost is measured: bench/check_overhead.py --dp)
 // --strategy=dp|fsdp2|fsdp3 (DataParallel, or FullyShardedDataParallel at stage 2 or 3; a sharded
-// strategy wraps one rank too) --optimizer=sgd|adamw (SGD with momentum: one state tensor per
-// parameter; AdamW: two).
+// strategy wraps one rank too; with --optimizer=adamw and --model=resnet20 or mlp, the combinations
+// measured, so that the benchmark compiles no others) --optimizer=sgd|adamw (SGD with momentum: one
+// state tensor per parameter; AdamW: two).
 // Memory (the allocator's requested bytes, as a formula of tensor sizes predicts them; per rank: the
 // process's over --ranks for the threads build, whose ranks share one allocator): what the model and
 // the strategy keep after construction ("parameters and gradients", DataParallel's bucket copy
@@ -30,6 +31,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
@@ -65,8 +67,10 @@ double requested_in_use(const Comm& comm) {
 // Runs warmup + timed steps; returns the seconds of the timed steps on this rank and the memory.
 // One rank under --strategy=dp: plain training, no DataParallel at all (the baseline of the scaling
 // efficiency). `before_model`: requested bytes before the model was built.
-template <class Model>
+template <bool kShardable, class Model>
 Timing run_steps(Model& model, Comm& comm, const Options& o, double before_model) {
+  TESSERA_CHECK(o.strategy == "dp" || (kShardable && o.optimizer == "adamw"), ArgumentError, "dp_scaling: --strategy=",
+                o.strategy, " runs with --optimizer=adamw and --model=resnet20 or mlp");
   const SyntheticImages data(o.batch * 4, 1, 28, 28, 10, 7);
   DataLoader<float> loader(data, {.batch_size = o.batch, .shuffle = false, .prefetch = false});
   Batch<float> batch;
@@ -79,12 +83,14 @@ Timing run_steps(Model& model, Comm& comm, const Options& o, double before_model
     dp.emplace(model, comm, DataParallelOptions{.bucket_bytes = static_cast<std::size_t>(o.bucket_kib) * 1024,
                                                 .first_bucket_bytes = std::min<std::size_t>(1u << 20, static_cast<std::size_t>(o.bucket_kib) * 1024),
                                                 .consistency_check_every = o.consistency_check_every});
-  if (o.strategy != "dp") fsdp.emplace(model, comm, FullyShardedOptions{.stage = o.strategy == "fsdp2" ? 2 : 3});
+  if constexpr (kShardable)
+    if (o.strategy != "dp") fsdp.emplace(model, comm, FullyShardedOptions{.stage = o.strategy == "fsdp2" ? 2 : 3});
   auto named = named_tensors(model);
   const NamedTensors<E>& trained = fsdp ? fsdp->shard_parameters() : named;
   if (fsdp) timing.parameters = fsdp->model_elements();  // stage 3 has released the model's tensors
   else
     for (auto& [name, p] : named.parameters) timing.parameters += p->value.numel();
+  comm.barrier();  // threads share one allocator: every rank's model built and sharded first
   timing.kept_bytes = requested_in_use(comm) - before_model;
   const double psi = static_cast<double>(timing.parameters) * sizeof(float), n = comm.size();
   const int k = o.optimizer == "adamw" ? 2 : 1;
@@ -94,6 +100,7 @@ Timing run_steps(Model& model, Comm& comm, const Options& o, double before_model
   // TrainOptions::before_step runs just before it), then warmup and timed steps.
   const auto time_steps = [&](auto& trainer, double& before_update) {
     trainer.train_step(batch);
+    comm.barrier();
     timing.state_bytes = requested_in_use(comm) - before_update;
     for (int i = 1; i < o.warmup; ++i) trainer.train_step(batch);
     comm.barrier();
@@ -116,12 +123,20 @@ Timing run_steps(Model& model, Comm& comm, const Options& o, double before_model
   const auto train = [&](auto& optimizer) {
     double before_update = 0;
     TrainOptions options{.verbose = false};
-    options.before_step = [&] { before_update = requested_in_use(comm); };
-    if (fsdp) {
-      FullyShardedOptimizer sharded(*fsdp, optimizer);
-      Trainer trainer(model, sharded, *fsdp, ConstantLr{0.01}, options);
-      time_steps(trainer, before_update);
-    } else if (dp) {
+    options.before_step = [&] {  // every rank, at the same point of the step
+      comm.barrier();
+      before_update = requested_in_use(comm);
+      comm.barrier();
+    };
+    if constexpr (kShardable && std::is_same_v<std::remove_cvref_t<decltype(optimizer)>, AdamW<E>>) {
+      if (fsdp) {
+        FullyShardedOptimizer sharded(*fsdp, optimizer);
+        Trainer trainer(model, sharded, *fsdp, ConstantLr{0.01}, options);
+        time_steps(trainer, before_update);
+        return;
+      }
+    }
+    if (dp) {
       Trainer trainer(model, optimizer, *dp, ConstantLr{0.01}, options);
       time_steps(trainer, before_update);
     } else {
@@ -145,14 +160,14 @@ Timing run(Comm& comm, const Options& o) {
   const double before_model = requested_in_use(comm);
   if (o.model == "resnet20") {
     auto model = resnet20<E>({.in_channels = 1, .num_classes = 10});
-    return run_steps(model, comm, o, before_model);
+    return run_steps<true>(model, comm, o, before_model);
   }
   if (o.model == "mlp") {  // 784-1024xL-10: 12.3 M parameters in 13 units at L = 12 (memory, not speed)
     auto model = Mlp<E>(784, std::vector<std::int64_t>(static_cast<std::size_t>(o.layers), 1024), 10, 7);
-    return run_steps(model, comm, o, before_model);
+    return run_steps<true>(model, comm, o, before_model);
   }
   auto model = lenet5<E>();
-  return run_steps(model, comm, o, before_model);
+  return run_steps<false>(model, comm, o, before_model);
 }
 
 // `worst`: the largest over ranks of the seconds, the exposed communication and the four memory figures.
