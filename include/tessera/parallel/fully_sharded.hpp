@@ -79,6 +79,7 @@
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/span_sink.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/optim/lamb.hpp"
@@ -231,9 +232,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   // predictions.
   ModelStepResult evaluate_batch(const Tensor& x, std::span<const std::int64_t> labels) {
     const Tensor& logits = predict(x);
-    typename Loss::Cache cache;
     ModelStepResult r;
-    r.loss = static_cast<double>(loss_.forward(logits, labels, cache));
+    r.loss = static_cast<double>(loss_.forward(logits, labels, eval_loss_cache_));
     if constexpr (kCountsCorrect) r.correct = count_correct(logits, labels);
     return r;
   }
@@ -247,10 +247,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   // optimizer step; release_full() gives stage 3's memory back.
   void gather_full() {
     finish_reductions();
-    for (std::size_t k = 0; k < units_.size(); ++k) {
-      start_gather(k);
-      finish_gather(k);
-    }
+    for (std::size_t k = 0; k < units_.size(); ++k)
+      if (!resident_[k]) finish_gather(k);  // starts the gather first
   }
   void release_full() {
     if (options_.stage == 3)
@@ -278,10 +276,11 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   using Clock = SpanSink::Clock;
 
   // A unit's buffers on a 16-bit wire: send and gathered (N s_u) values, packed gradients (N s_u)
-  // and their averaged shard (s_u). Host vectors, emptied once used.
+  // and their averaged shard (s_u). Host tensors of the caching allocator (released once used, so a
+  // step after the first takes them from its cache and its counters see them).
   template <class W>
   struct Wire16 {
-    std::vector<W> send, gathered, grad, shard;
+    tessera::Tensor<W, Cpu> send, gathered, grad, shard;
   };
 
   // The part of one model parameter that this rank owns, as a parameter of its own.
@@ -623,14 +622,16 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   template <class W>
   void start_gather_16(Unit& unit) {
     Wire16<W>& w = wire16<W>(unit);
-    w.send.assign(static_cast<std::size_t>(unit.shard), W(0.0f));
+    w.send.resize({unit.shard});
+    std::fill(w.send.data(), w.send.data() + unit.shard, W(0.0f));  // the last rank's padding
     for (std::size_t j : unit.pieces) {
       const Piece& piece = pieces_[j];
       const S* v = piece.param.value.data();
-      for (std::int64_t i = 0; i < piece.length; ++i) w.send[static_cast<std::size_t>(piece.shard_offset + i)] = W(static_cast<float>(v[i]));
+      for (std::int64_t i = 0; i < piece.length; ++i) w.send.data()[piece.shard_offset + i] = W(static_cast<float>(v[i]));
     }
-    w.gathered.resize(static_cast<std::size_t>(unit.shard * comm_.size()));
-    unit.gather_work = comm_.all_gather_async(std::span<const W>(w.send), std::span<W>(w.gathered));
+    w.gathered.resize({unit.shard * comm_.size()});
+    unit.gather_work = comm_.all_gather_async(std::span<const W>(w.send.data(), static_cast<std::size_t>(unit.shard)),
+                                              std::span<W>(w.gathered.data(), static_cast<std::size_t>(unit.shard * comm_.size())));
   }
   template <class W>
   void finish_gather_16(Unit& unit) {
@@ -641,21 +642,24 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
       const W* from = w.gathered.data() + unit.offset[j];
       for (std::int64_t e = 0; e < p.value.numel(); ++e) p.value.data()[e] = static_cast<S>(static_cast<float>(from[e]));
     }
-    std::vector<W>().swap(w.send);
-    std::vector<W>().swap(w.gathered);
+    w.send.release();
+    w.gathered.release();
   }
   template <class W>
   void start_reduction_16(Unit& unit) {
     Wire16<W>& w = wire16<W>(unit);
-    w.grad.assign(static_cast<std::size_t>(unit.shard * comm_.size()), W(0.0f));  // zeros in the padding
+    const std::int64_t packed = unit.shard * comm_.size();
+    w.grad.resize({packed});
+    std::fill(w.grad.data() + unit.elements, w.grad.data() + packed, W(0.0f));  // zeros in the padding
     for (std::size_t j = 0; j < unit.params.size(); ++j) {
       Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
       W* to = w.grad.data() + unit.offset[j];
       for (std::int64_t e = 0; e < p.grad.numel(); ++e) to[e] = W(static_cast<float>(p.grad.data()[e]));
       p.grad.release();
     }
-    w.shard.resize(static_cast<std::size_t>(unit.shard));
-    unit.reduce_work = comm_.reduce_scatter_async(std::span<const W>(w.grad), std::span<W>(w.shard), ReduceOp::Avg);
+    w.shard.resize({unit.shard});
+    unit.reduce_work = comm_.reduce_scatter_async(std::span<const W>(w.grad.data(), static_cast<std::size_t>(packed)),
+                                                  std::span<W>(w.shard.data(), static_cast<std::size_t>(unit.shard)), ReduceOp::Avg);
   }
   template <class W>
   void finish_reduction_16(Unit& unit) {
@@ -664,10 +668,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
       Piece& piece = pieces_[j];
       S* g = piece.param.grad.data();
       for (std::int64_t i = 0; i < piece.length; ++i)
-        g[i] += static_cast<S>(static_cast<float>(w.shard[static_cast<std::size_t>(piece.shard_offset + i)]));
+        g[i] += static_cast<S>(static_cast<float>(w.shard.data()[piece.shard_offset + i]));
     }
-    std::vector<W>().swap(w.grad);
-    std::vector<W>().swap(w.shard);
+    w.grad.release();
+    w.shard.release();
   }
   void finish_reductions() {
     for (std::size_t k = units_.size(); k-- > 0;) finish_reduction(k);
@@ -717,7 +721,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   bool in_step_ = false;        // inside FullyShardedOptimizer::step()
   std::int64_t updates_ = 0;
   typename Model::Cache cache_{}, eval_cache_{};
-  typename Loss::Cache loss_cache_{};
+  typename Loss::Cache loss_cache_{}, eval_loss_cache_{};
   Tensor micro_input_, output_grad_;
   FullyShardedStepStats stats_;
 };
