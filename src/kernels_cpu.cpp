@@ -40,6 +40,7 @@
 #include "tessera/layers/pool.hpp"
 #include "tessera/parallel/agreement.hpp"
 #include "tessera/train/checkpoint.hpp"
+#include "tessera/train/sharded_checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/preemption.hpp"
 #include "tessera/train/timeline.hpp"

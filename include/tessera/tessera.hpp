@@ -62,6 +62,7 @@
 #include "tessera/parallel/zero.hpp"
 #include "tessera/optim/sgd.hpp"
 #include "tessera/train/checkpoint.hpp"
+#include "tessera/train/sharded_checkpoint.hpp"
 #include "tessera/io/flags.hpp"
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/preemption.hpp"

@@ -1,10 +1,12 @@
 // Elastic resume as a multi-process program (MPI under mpirun, Gloo under tessera-run), driven by
-// tests/parallel/elastic_test.py, for DataParallel + SGD and Zero1 + Adam (parallel/elastic_resume.hpp):
+// tests/parallel/elastic_test.py, for DataParallel + SGD, Zero1 + Adam and FullyShardedDataParallel
+// (stage 3) + AdamW, whose checkpoint is a directory of per-rank shards (parallel/elastic_resume.hpp):
 //
 //   elastic_<backend> save PREFIX      at N ranks: an uninterrupted run, whose final loss and
 //                                      parameters rank 0 writes to PREFIX.<strategy>.ref, and a run
 //                                      stopped at step 8 (mid-epoch 2) with its checkpoint in
-//                                      PREFIX.<strategy>.safetensors
+//                                      PREFIX.<strategy>.safetensors (FSDP: the directory
+//                                      PREFIX.fsdp3.shards, each rank writing its own file)
 //   elastic_<backend> resume PREFIX    at M ranks: resumes from that checkpoint and compares with
 //                                      the .ref: "<strategy> N -> M: loss ... max |param diff| ..."
 //                                      on rank 0; exit 1 beyond 1e-11
@@ -25,6 +27,7 @@ using namespace tessera;
 using namespace tessera::testing;
 
 std::string file_name(const std::string& prefix, ElasticStrategy s, const char* ext) {
+  if (s == ElasticStrategy::Fsdp3AdamW) return prefix + ".fsdp3" + (std::strcmp(ext, ".ref") == 0 ? ext : ".shards");
   return prefix + (s == ElasticStrategy::DataParallelSgd ? ".dp" : ".zero1") + ext;
 }
 
@@ -42,7 +45,7 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--per-rank-batch=", 17) == 0) per_rank_batch = std::atoll(argv[i] + 17);
   return run_ranks([&](TestComm& comm) {
     int failures = 0;
-    for (ElasticStrategy strategy : {ElasticStrategy::DataParallelSgd, ElasticStrategy::Zero1Adam}) {
+    for (ElasticStrategy strategy : {ElasticStrategy::DataParallelSgd, ElasticStrategy::Zero1Adam, ElasticStrategy::Fsdp3AdamW}) {
       const std::string ckpt = file_name(prefix, strategy, ".safetensors"), ref = file_name(prefix, strategy, ".ref");
       if (save) {
         const ElasticResult straight = elastic_run<double>(comm, {.strategy = strategy});

@@ -1,17 +1,23 @@
 // Elastic resume, on any communicator: a data-parallel run (DataParallel + SGD with momentum, or
-// Zero1 + Adam, whose optimizer state is sharded) of a small MLP in float64 with a global batch
-// of 16, stopped in the middle of epoch 2 with a checkpoint, and resumed at another world size.
+// Zero1 + Adam, whose optimizer state is sharded, or FullyShardedDataParallel + AdamW, with its
+// sharded or one-file checkpoints) of a small MLP in float64 with a global batch of 16 (24 to
+// resume at 3 ranks), stopped in the middle of epoch 2 with a checkpoint, and resumed at another
+// world size.
 // Keeping the global batch, the resumed run must end where an uninterrupted run ends, up to
 // floating-point summation order. Collective: every rank calls elastic_run.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "tessera/comm/threads.hpp"
 #include "tessera/core/env.hpp"
 #include "tessera/data/loader.hpp"
 #include "tessera/data/synthetic.hpp"
@@ -23,15 +29,27 @@
 #include "tessera/optim/schedule.hpp"
 #include "tessera/optim/sgd.hpp"
 #include "tessera/parallel/data_parallel.hpp"
+#include "tessera/parallel/fully_sharded.hpp"
 #include "tessera/parallel/zero.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/trainer.hpp"
 
 namespace tessera::testing {
 
-enum class ElasticStrategy { DataParallelSgd, Zero1Adam };
+// FullyShardedDataParallel stage 3 and stage 2, with AdamW, and DataParallel with the same AdamW
+// (which resumes from the one file a sharded checkpoint consolidates into).
+enum class ElasticStrategy { DataParallelSgd, Zero1Adam, Fsdp3AdamW, Fsdp2AdamW, DataParallelAdamW };
 
-inline const char* to_string(ElasticStrategy s) { return s == ElasticStrategy::DataParallelSgd ? "dp+sgd" : "zero1+adam"; }
+inline const char* to_string(ElasticStrategy s) {
+  switch (s) {
+    case ElasticStrategy::DataParallelSgd: return "dp+sgd";
+    case ElasticStrategy::Zero1Adam: return "zero1+adam";
+    case ElasticStrategy::Fsdp3AdamW: return "fsdp3+adamw";
+    case ElasticStrategy::Fsdp2AdamW: return "fsdp2+adamw";
+    case ElasticStrategy::DataParallelAdamW: return "dp+adamw";
+  }
+  return "?";
+}
 
 struct ElasticCase {
   ElasticStrategy strategy = ElasticStrategy::DataParallelSgd;
@@ -40,6 +58,7 @@ struct ElasticCase {
   std::int64_t stop_after_steps = 0;     // > 0: stop there (mid-epoch) with a checkpoint
   std::string checkpoint, resume;        // save to / resume from
   std::int64_t per_rank_batch = 0;       // > 0: this instead of global_batch / world size (a refusal test)
+  bool consolidated = false;             // FSDP: one-file checkpoints instead of a directory of shards
 };
 
 struct ElasticResult {
@@ -54,15 +73,29 @@ inline const Dataset& elastic_data() {
   return d;
 }
 
+// The model: 100 inputs, 32 hidden, 4 classes, weights from `seed`.
+template <class E>
+using ElasticNet = Sequential<Flatten<E>, Linear<E>, ReLU<E>, Linear<E>>;
+template <class E>
+ElasticNet<E> elastic_model(std::uint64_t seed) {
+  Rng rng(seed);
+  return ElasticNet<E>{Flatten<E>(), Linear<E>(100, 32, rng), ReLU<E>(), Linear<E>(32, 4, rng)};
+}
+
+// A fresh directory under the system's temporary one, unique to this process.
+inline std::filesystem::path elastic_temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
 template <class S, class Comm>
 ElasticResult elastic_run(Comm& comm, const ElasticCase& c) {
   using E = Env<Cpu, Comm, S>;
-  using Net = Sequential<Flatten<E>, Linear<E>, ReLU<E>, Linear<E>>;
   const int rank = comm.rank(), ranks = comm.size();
   // Ranks start from different weights on purpose: the strategies broadcast rank 0's, and a
   // resume loads the same file everywhere.
-  Rng rng(4 + static_cast<std::uint64_t>(rank));
-  Net model{Flatten<E>(), Linear<E>(100, 32, rng), ReLU<E>(), Linear<E>(32, 4, rng)};
+  auto model = elastic_model<E>(4 + static_cast<std::uint64_t>(rank));
   const std::int64_t batch = c.per_rank_batch > 0 ? c.per_rank_batch : c.global_batch / ranks;
   DataLoader<S> loader(elastic_data(), {.batch_size = batch, .seed = 1, .rank = rank, .world_size = ranks});
   const TrainOptions options{.epochs = c.epochs,
@@ -87,6 +120,20 @@ ElasticResult elastic_run(Comm& comm, const ElasticCase& c) {
     Sgd<E> sgd(dp.parameters(), {.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4});
     Trainer trainer(model, sgd, schedule, options);
     train(trainer);
+  } else if (c.strategy == ElasticStrategy::Fsdp3AdamW || c.strategy == ElasticStrategy::Fsdp2AdamW) {
+    FullyShardedDataParallel fsdp(model, comm,
+                                  {.stage = c.strategy == ElasticStrategy::Fsdp3AdamW ? 3 : 2,
+                                   .sharded_checkpoints = !c.consolidated});
+    AdamW<E> adamw(fsdp.shard_parameters(), {.lr = 1e-2, .weight_decay = 1e-2});
+    FullyShardedOptimizer optimizer(fsdp, adamw);
+    Trainer trainer(model, optimizer, fsdp, [](double) { return 1e-2; }, options);
+    train(trainer);
+    fsdp.gather_full();  // the parameters into the model, to be read below
+  } else if (c.strategy == ElasticStrategy::DataParallelAdamW) {
+    DataParallel dp(model, comm);
+    AdamW<E> adamw(dp.parameters(), {.lr = 1e-2, .weight_decay = 1e-2});
+    Trainer trainer(model, adamw, [](double) { return 1e-2; }, options);
+    train(trainer);
   } else {
     Zero1 zero(model, comm);
     Adam<E> adam(zero.shard_parameters(), {.lr = 1e-2, .weight_decay = 1e-4});
@@ -102,6 +149,17 @@ ElasticResult elastic_run(Comm& comm, const ElasticCase& c) {
   int identical = out.ranks_identical ? 1 : 0;
   comm.all_reduce(std::span<int>(&identical, 1), ReduceOp::Min);
   out.ranks_identical = identical == 1;
+  return out;
+}
+
+// elastic_run on `ranks` thread ranks; rank 0's result.
+inline ElasticResult elastic_run_threads(int ranks, const ElasticCase& c) {
+  ElasticResult out;
+  ThreadWorld world(ranks);
+  world.run([&](ThreadComm& comm) {
+    ElasticResult mine = elastic_run<double>(comm, c);
+    if (comm.rank() == 0) out = std::move(mine);
+  });
   return out;
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Elastic resume over a process backend: checkpoints taken mid-epoch at 2 and 4 ranks resume at
-1 and 4, and at 2, each ending where an uninterrupted run ends (the program compares and exits 1
+"""Elastic resume over a process backend: checkpoints taken mid-epoch at 2 and 4 ranks (DataParallel,
+Zero1, and FullyShardedDataParallel's directory of per-rank shards) resume at 1 and 4, and at 2, each ending where an uninterrupted run ends (the program compares and exits 1
 otherwise; tests/parallel/elastic_main.cpp); resuming at 3 ranks, which cannot split the global
 batch of 16, fails naming the file, both world sizes and the batch.
 
@@ -52,8 +52,8 @@ def main():
             for m in resumes:
                 rc, out = launch(m, "resume", prefix)
                 lines = [l for l in out.splitlines() if f" {saved} -> {m} " in l]
-                if rc != 0 or len(lines) != 2:
-                    failures.append(f"resume {saved} -> {m}: exit {rc}, {len(lines)} result lines (want 2)")
+                if rc != 0 or len(lines) != 3:
+                    failures.append(f"resume {saved} -> {m}: exit {rc}, {len(lines)} result lines (want 3)")
         # 3 ranks cannot split 16: the ranks fail with the message (every rank, which the ThreadComm
         # test checks; a launcher stops the others once the first has exited).
         prefix = os.path.join(work, "n2")

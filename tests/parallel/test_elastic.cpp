@@ -22,26 +22,13 @@ using tessera::testing::ElasticCase;
 using tessera::testing::ElasticResult;
 using tessera::testing::ElasticStrategy;
 using tessera::testing::elastic_run;
+using tessera::testing::elastic_run_threads;
 using tessera::testing::max_difference;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path elastic_dir() {
-  auto dir = fs::temp_directory_path() / ("tessera_elastic_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  return dir;
-}
-
-ElasticResult run_threads(int ranks, const ElasticCase& c) {
-  ElasticResult out;
-  ThreadWorld world(ranks);
-  world.run([&](ThreadComm& comm) {
-    ElasticResult mine = elastic_run<double>(comm, c);
-    if (comm.rank() == 0) out = std::move(mine);
-  });
-  return out;
-}
+fs::path elastic_dir() { return tessera::testing::elastic_temp_dir("tessera_elastic"); }
 
 // The message of the ArgumentError every rank throws ("" if none did; "ranks disagree" if they differ).
 std::string refusal(int ranks, const ElasticCase& c) {
@@ -69,11 +56,11 @@ TEST_CASE("Elastic resume: N -> M ranks mid-epoch ends where an uninterrupted ru
     // 2 -> 2: the plain resume, which with Zero1 needs the other ranks' shards from the file too.
     for (auto [from, to] : {std::pair{2, 1}, std::pair{2, 4}, std::pair{4, 2}, std::pair{2, 2}}) {
       const std::string ckpt = (dir / ("ckpt_" + std::to_string(from) + ".safetensors")).string();
-      const ElasticResult straight = run_threads(from, {.strategy = strategy});
+      const ElasticResult straight = elastic_run_threads(from, {.strategy = strategy});
       // 6 steps per epoch: step 8 stops after batch 2 of epoch 2.
-      const ElasticResult first = run_threads(from, {.strategy = strategy, .stop_after_steps = 8, .checkpoint = ckpt});
-      const ElasticResult resumed = run_threads(to, {.strategy = strategy, .resume = ckpt});
-      const ElasticResult straight_m = run_threads(to, {.strategy = strategy});
+      const ElasticResult first = elastic_run_threads(from, {.strategy = strategy, .stop_after_steps = 8, .checkpoint = ckpt});
+      const ElasticResult resumed = elastic_run_threads(to, {.strategy = strategy, .resume = ckpt});
+      const ElasticResult straight_m = elastic_run_threads(to, {.strategy = strategy});
       const double diff = max_difference(straight.params, resumed.params);
       char line[320];
       std::snprintf(line, sizeof line,
@@ -107,7 +94,7 @@ TEST_CASE("Elastic resume: a world size that does not divide the global batch is
           "[parallel][elastic]") {
   const auto dir = elastic_dir();
   const std::string ckpt = (dir / "ckpt_2.safetensors").string();
-  run_threads(2, {.stop_after_steps = 8, .checkpoint = ckpt});
+  elastic_run_threads(2, {.stop_after_steps = 8, .checkpoint = ckpt});
   // 3 ranks cannot split a global batch of 16.
   const std::string three = refusal(3, {.resume = ckpt, .per_rank_batch = 5});
   CHECK_THAT(three, Catch::Contains("'" + ckpt + "' was saved by a run at world size 2 (2 ranks) with a global batch of "
@@ -120,7 +107,7 @@ TEST_CASE("Elastic resume: a world size that does not divide the global batch is
                           Catch::Contains("at world size 4 the loader's batch_size must be 4, but it is 8"));
   // Zero1 too (its optimizer state in the file is whole tensors, so only the batch decides).
   const std::string zckpt = (dir / "zero_2.safetensors").string();
-  run_threads(2, {.strategy = ElasticStrategy::Zero1Adam, .stop_after_steps = 8, .checkpoint = zckpt});
+  elastic_run_threads(2, {.strategy = ElasticStrategy::Zero1Adam, .stop_after_steps = 8, .checkpoint = zckpt});
   CHECK_THAT(refusal(3, {.strategy = ElasticStrategy::Zero1Adam, .resume = zckpt, .per_rank_batch = 5}),
              Catch::Contains("world size 3, which does not divide the global batch 16"));
   fs::remove_all(dir);
@@ -129,7 +116,7 @@ TEST_CASE("Elastic resume: a world size that does not divide the global batch is
 TEST_CASE("Zero1 checkpoints hold whole tensors under the unsharded names, loadable without ZeRO", "[parallel][elastic]") {
   const auto dir = elastic_dir();
   const std::string ckpt = (dir / "zero.safetensors").string();
-  run_threads(4, {.strategy = ElasticStrategy::Zero1Adam, .stop_after_steps = 8, .checkpoint = ckpt});
+  elastic_run_threads(4, {.strategy = ElasticStrategy::Zero1Adam, .stop_after_steps = 8, .checkpoint = ckpt});
   const SafetensorsFile file = SafetensorsFile::load(ckpt);
   CHECK(file.info("optim.exp_avg.1.weight").shape == Shape{32, 100});
   CHECK(file.info("optim.exp_avg_sq.3.bias").shape == Shape{4});
@@ -143,9 +130,7 @@ TEST_CASE("Zero1 checkpoints hold whole tensors under the unsharded names, loada
   CHECK(zeros < sq.numel() / 10);  // (inputs that are exactly 0 leave a few at zero)
   // One process with a plain Adam over the whole model reads it.
   using E = Env<Cpu, LocalComm, double>;
-  Rng rng(4);
-  Sequential<Flatten<E>, Linear<E>, ReLU<E>, Linear<E>> model{Flatten<E>(), Linear<E>(100, 32, rng), ReLU<E>(),
-                                                              Linear<E>(32, 4, rng)};
+  auto model = tessera::testing::elastic_model<E>(4);
   auto named = named_tensors(model);
   Adam<E> adam(named, {.lr = 1e-2, .weight_decay = 1e-4});
   const TrainState state = load_checkpoint(ckpt, model, adam);

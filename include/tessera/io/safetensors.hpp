@@ -143,6 +143,11 @@ void convert_elements(const std::byte* src, DType t, Dst* dst, std::size_t n) {
 class SafetensorsFile {
  public:
   static SafetensorsFile load(const std::string& path);
+  // The header only (names, dtypes, shapes, metadata; validated as load() does against the file's
+  // size), without reading the data: raw() and the readers then throw. For a reader that first
+  // decides which of many files it needs (a sharded checkpoint's loader).
+  static SafetensorsFile load_header(const std::string& path);
+  bool has_data() const { return has_data_; }
 
   const std::string& path() const;
   bool has(const std::string& name) const;
@@ -178,6 +183,8 @@ class SafetensorsFile {
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
   std::vector<std::byte> data_;
+  bool has_data_ = false;
+  static SafetensorsFile read(const std::string& path, bool with_data);
 };
 
 class SafetensorsWriter {
@@ -387,7 +394,10 @@ TESSERA_LINKAGE auto detail::HeaderParser::finish() -> void {
   throw IoError(cat("safetensors: ", path_, ": malformed header at byte ", i_, ": ", msg));
 }
 
-TESSERA_LINKAGE SafetensorsFile SafetensorsFile::load(const std::string& path) {
+TESSERA_LINKAGE SafetensorsFile SafetensorsFile::load(const std::string& path) { return read(path, true); }
+TESSERA_LINKAGE SafetensorsFile SafetensorsFile::load_header(const std::string& path) { return read(path, false); }
+
+TESSERA_LINKAGE SafetensorsFile SafetensorsFile::read(const std::string& path, bool with_data) {
   std::ifstream in(path, std::ios::binary);
   TESSERA_CHECK(in, IoError, "safetensors: cannot open '", path, "': ", std::strerror(errno));
   in.seekg(0, std::ios::end);
@@ -423,6 +433,8 @@ TESSERA_LINKAGE SafetensorsFile SafetensorsFile::load(const std::string& path) {
     TESSERA_CHECK(ranges[i].first >= ranges[i - 1].second, IoError, "safetensors: '", path,
                   "': tensors overlap at byte ", ranges[i].first);
 
+  if (!with_data) return f;
+  f.has_data_ = true;
   f.data_.resize(data_size);
   in.read(reinterpret_cast<char*>(f.data_.data()), static_cast<std::streamsize>(data_size));
   TESSERA_CHECK(static_cast<std::uint64_t>(in.gcount()) == data_size, IoError, "safetensors: '", path,
@@ -448,7 +460,11 @@ TESSERA_LINKAGE std::vector<std::string> SafetensorsFile::names() const {
 
 TESSERA_LINKAGE const std::map<std::string, std::string>& SafetensorsFile::metadata() const { return metadata_; }
 
-TESSERA_LINKAGE const std::byte* SafetensorsFile::raw(const std::string& name) const { return data_.data() + info(name).begin; }
+TESSERA_LINKAGE const std::byte* SafetensorsFile::raw(const std::string& name) const {
+  TESSERA_CHECK(has_data_, Error, "safetensors: '", path_, "' was read with load_header(): its tensor '", name,
+                "' has no data here (read the file with load())");
+  return data_.data() + info(name).begin;
+}
 
 TESSERA_LINKAGE void SafetensorsWriter::add_raw(const std::string& name, DType dtype, const Shape& shape, const void* data, std::size_t bytes) {
   TESSERA_CHECK(bytes == static_cast<std::size_t>(shape.numel()) * dtype_size(dtype), IoError,

@@ -9,10 +9,13 @@
 // the step counter.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tessera/core/env.hpp"
@@ -42,6 +45,61 @@ concept StatefulOptimizer = Optimizer<O> && requires(O& o, StateVisitorArchetype
   o.visit_state(v);
   { co.steps() } -> std::convertible_to<std::int64_t>;
 };
+
+namespace detail {
+
+// Forwards an optimizer's integers ("optim.step") to a checkpoint visitor; its tensors stay out.
+template <class V>
+struct StateIntegersOf {
+  V& v;
+  template <class T>
+  void buffer(const std::string&, T&) {}
+  void integer(const std::string& name, std::int64_t& x) { v.integer(name, x); }
+};
+
+// An optimizer's state tensors, in visit order.
+template <class S, class D>
+struct StateTensorCollector {
+  std::vector<std::pair<std::string, Tensor<S, D>*>> tensors;
+  template <class T>
+  void buffer(const std::string& name, T& t) {
+    static_assert(std::is_same_v<T, Tensor<S, D>>, "optimizer state of another scalar or device than the shard's");
+    tensors.emplace_back(name, &t);
+  }
+  void integer(const std::string&, std::int64_t&) {}
+};
+
+// The optimizer state of a sharded strategy's shard (Zero1, FullyShardedDataParallel) by kind:
+// state named "optim.<kind>.<parameter name>" (Sgd's, Adam's; no dot in <kind>), each kind in
+// first-seen order with its tensor per piece of the shard, piece_of[parameter name] (null where
+// the piece has none, or is empty). `who` names the strategy in the error for any other name.
+template <class S, class D, StatefulOptimizer O>
+std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> state_by_kind(O& optimizer,
+                                                                             const std::map<std::string, std::size_t>& piece_of,
+                                                                             std::size_t pieces, const char* who) {
+  StateTensorCollector<S, D> c;
+  optimizer.visit_state(c);
+  std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> out;
+  for (auto& [name, t] : c.tensors) {
+    const std::size_t dot = name.find('.', 6);
+    const bool named = name.rfind("optim.", 0) == 0 && dot != std::string::npos;
+    // An empty piece (a rank that owns no elements of some unit) holds nothing, but its kind still
+    // counts: every rank must list the same kinds, which collectives then run over.
+    const bool empty = t->numel() == 0;
+    TESSERA_CHECK(named && (empty || piece_of.count(name.substr(dot + 1))), ArgumentError, who, ": optimizer state '",
+                  name, "' is not named optim.<kind>.<parameter of this rank's shard>; it cannot be checkpointed");
+    const std::string kind = name.substr(6, dot - 6);
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == kind; });
+    if (it == out.end()) {
+      out.emplace_back(kind, std::vector<Tensor<S, D>*>(pieces, nullptr));
+      it = out.end() - 1;
+    }
+    if (!empty) it->second[piece_of.at(name.substr(dot + 1))] = t;
+  }
+  return out;
+}
+
+}  // namespace detail
 
 // Goyal et al. (2017): when the minibatch grows k-fold, multiply the learning rate by k.
 // linear_scaling_rule(0.1, 8192) == 3.2 (ResNet-50's 0.1 per 256 images).

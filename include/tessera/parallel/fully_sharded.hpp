@@ -58,13 +58,19 @@
 // gradients reduce-scattered in bfloat16 or float16, half the bytes on the wire, the master shard
 // and the optimizer's state in the Env's scalar.
 //
-// Not yet: models with tied parameters (GPT's wte, read by two units), checkpoints (the Trainer
-// refuses them with a strategy that runs the model) and LARS/LAMB (whole-tensor norms).
+// Checkpoints: FullyShardedOptimizer writes sharded ones (each rank its shard, no gather;
+// train/sharded_checkpoint.hpp) and one-file ones (save_checkpoint: whole tensors, loadable by one
+// process); both load at another world size. The Trainer writes the kind options.sharded_checkpoints
+// says.
+//
+// Not yet: models with tied parameters (GPT's wte, read by two units) and LARS/LAMB (whole-tensor
+// norms).
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -115,6 +121,12 @@ struct FullyShardedOptions {
   // steps; 0: never.
   int consistency_check_every = 100;
   SpanSink* timeline = nullptr;  // optional: each gather and reduce_scatter on the communication lane
+  // The Trainer's checkpoints (TrainOptions::checkpoint_path): a directory with one shard file per
+  // rank, no gather (train/sharded_checkpoint.hpp), or false: one file of whole tensors, what
+  // save_checkpoint writes for one process (every rank gathers the whole model and optimizer state
+  // for it). Both load at another world size, and a sharded one converts to one file
+  // (consolidate_sharded_checkpoint).
+  bool sharded_checkpoints = true;
 };
 
 // What the last step moved and held, on this rank.
@@ -257,6 +269,13 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
 
   void before_optimizer_step() { finish_reductions(); }
 
+  // After the shard's values were replaced (a checkpoint loaded into the pieces): every unit is
+  // gathered again before its next use.
+  void shards_loaded() {
+    finish_reductions();
+    std::fill(resident_.begin(), resident_.end(), false);
+  }
+
  private:
   template <class, class>
   friend class FullyShardedOptimizer;
@@ -318,6 +337,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     record.add("options.param_dtype", to_string(options_.param_dtype));
     record.add("options.reduce_dtype", to_string(options_.reduce_dtype));
     record.add("options.consistency_check_every", options_.consistency_check_every);
+    record.add("options.sharded_checkpoints", options_.sharded_checkpoints);
     const std::size_t units = model_.unit_count();
     record.add("model.units", units);
     for (std::size_t u = 0; u < units; ++u) record.add("model.unit[" + std::to_string(u) + "]", model_.unit_name(u));
@@ -335,6 +355,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     for (std::size_t k = 0; k + 1 < bounds.size(); ++k)
       TESSERA_CHECK(bounds[k] < bounds[k + 1], ArgumentError, "FullyShardedDataParallel: shard unit ", k,
                     " would be empty (boundaries ", bounds[k], " and ", bounds[k + 1], ")");
+    for (const auto& [name, p] : named_.parameters) param_shapes_.push_back(p->value.shape());
     // Which model parameter each model unit holds: visit_units names them, in the order of the
     // model's whole list.
     std::vector<std::size_t> owner(named_.parameters.size(), model_units);
@@ -716,6 +737,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   std::vector<Piece> pieces_;
   Parameter<S, D> empty_piece_;
   NamedTensors<Env> shard_named_;
+  std::vector<Shape> param_shapes_;  // of named_.parameters (stage 3 releases the tensors)
   std::vector<bool> resident_;  // unit k's parameters are in the model and current
   std::size_t reducing_ = static_cast<std::size_t>(-1);  // the unit whose reduction started last
   bool in_step_ = false;        // inside FullyShardedOptimizer::step()
@@ -767,9 +789,112 @@ class FullyShardedOptimizer {
   std::int64_t steps() const { return optimizer_.steps(); }
   Optimizer& optimizer() { return optimizer_; }
 
+  // Checkpoints. Sharded (train/sharded_checkpoint.hpp): each rank its pieces, of the model's
+  // parameters and of each kind of the optimizer's state, under the whole tensors' names.
+  bool sharded_checkpoints() const { return fsdp_.options_.sharded_checkpoints; }
+  template <class V>
+  void visit_shards(V& v) {
+    auto& f = fsdp_;
+    for (auto& piece : f.pieces_)
+      v.piece(f.named_.parameters[piece.param_index].first, f.param_shapes_[piece.param_index], piece.param_offset,
+              piece.param.value);
+    for (auto& [kind, tensors] : state_pieces())
+      for (std::size_t j = 0; j < tensors.size(); ++j)
+        if (tensors[j]) {
+          const auto& piece = f.pieces_[j];
+          v.piece("optim." + kind + "." + f.named_.parameters[piece.param_index].first,
+                  f.param_shapes_[piece.param_index], piece.param_offset, *tensors[j]);
+        }
+    IntegersOf<V> integers{v};
+    optimizer_.visit_state(integers);
+  }
+  void shards_loaded() { fsdp_.shards_loaded(); }
+
+  // One file of whole tensors (save_checkpoint / load_checkpoint with the optional members of
+  // train/checkpoint.hpp): the model gathered into its tensors, the state as whole tensors under the
+  // names a one-process optimizer gives them ("optim.exp_avg.fc.weight"), so that one process, or
+  // any world size, loads the file. The whole tensors exist during a save or load only.
+  template <class V>
+  void visit_state(V& v) {
+    const auto pieces = state_pieces();
+    auto& f = fsdp_;
+    const std::size_t params = f.named_.parameters.size();
+    if (whole_.size() != pieces.size() * params) {
+      whole_.clear();
+      for (std::size_t k = 0; k < pieces.size(); ++k)
+        for (const Shape& shape : f.param_shapes_) whole_.emplace_back(shape).zero();
+    }
+    for (std::size_t k = 0; k < pieces.size(); ++k)
+      for (std::size_t i = 0; i < params; ++i)
+        v.buffer("optim." + pieces[k].first + "." + f.named_.parameters[i].first, whole_[k * params + i]);
+    IntegersOf<V> integers{v};
+    optimizer_.visit_state(integers);
+  }
+  // Before a save, collective: the model's values gathered, and each kind of state, unit by unit.
+  void checkpoint_gather() {
+    auto& f = fsdp_;
+    f.gather_full();
+    const auto pieces = state_pieces();
+    const std::int64_t ranks = f.comm_.size();
+    whole_.clear();
+    for (const auto& [kind, tensors] : pieces) {
+      const std::size_t first = whole_.size();
+      for (const Shape& shape : f.param_shapes_) whole_.emplace_back(shape);
+      for (auto& unit : f.units_) {
+        if (unit.elements == 0) continue;
+        typename Strategy::Tensor send({unit.shard}), all({unit.shard * ranks});
+        send.zero();
+        for (std::size_t j : unit.pieces)
+          if (tensors[j])
+            D::copy(send.data() + f.pieces_[j].shard_offset, tensors[j]->data(),
+                    static_cast<std::size_t>(f.pieces_[j].length) * sizeof(S));
+        f.comm_.all_gather(std::span<const S>(send.data(), static_cast<std::size_t>(unit.shard)),
+                           std::span<S>(all.data(), static_cast<std::size_t>(unit.shard * ranks)));
+        for (std::size_t j = 0; j < unit.params.size(); ++j) {
+          auto& t = whole_[first + unit.params[j]];
+          D::copy(t.data(), all.data() + unit.offset[j], t.bytes());
+        }
+      }
+    }
+  }
+  // Before a load reads the file, collective: the model's tensors back (stage 3), to be loaded into.
+  void checkpoint_before_load() { fsdp_.gather_full(); }
+  // After a load: this rank's pieces of what the model's tensors and the whole state now hold.
+  void checkpoint_scatter() {
+    auto& f = fsdp_;
+    const auto pieces = state_pieces();
+    const std::size_t params = f.named_.parameters.size();
+    for (auto& piece : f.pieces_)
+      D::copy(piece.param.value.data(), f.named_.parameters[piece.param_index].second->value.data() + piece.param_offset,
+              static_cast<std::size_t>(piece.length) * sizeof(S));
+    for (std::size_t k = 0; k < pieces.size(); ++k)
+      for (std::size_t j = 0; j < f.pieces_.size(); ++j)
+        if (pieces[k].second[j])
+          D::copy(pieces[k].second[j]->data(), whole_[k * params + f.pieces_[j].param_index].data() + f.pieces_[j].param_offset,
+                  static_cast<std::size_t>(f.pieces_[j].length) * sizeof(S));
+  }
+  void checkpoint_release() {
+    whole_.clear();
+    fsdp_.release_full();
+  }
+
  private:
+  using S = typename Strategy::S;
+  using D = typename Strategy::D;
+
+  template <class V>
+  using IntegersOf = detail::StateIntegersOf<V>;
+  // The kinds of the optimizer's state ("exp_avg", "exp_avg_sq"), each with its tensor per piece.
+  std::vector<std::pair<std::string, std::vector<tessera::Tensor<S, D>*>>> state_pieces() {
+    auto& f = fsdp_;
+    std::map<std::string, std::size_t> piece_of;
+    for (std::size_t j = 0; j < f.pieces_.size(); ++j) piece_of[f.named_.parameters[f.pieces_[j].param_index].first] = j;
+    return detail::state_by_kind<S, D>(optimizer_, piece_of, f.pieces_.size(), "FullyShardedOptimizer");
+  }
+
   Strategy& fsdp_;
   Optimizer& optimizer_;
+  std::vector<tessera::Tensor<S, D>> whole_;  // [kind][model parameter], during a save or load only
 };
 
 }  // namespace tessera

@@ -343,49 +343,14 @@ class Zero1Optimizer {
   void checkpoint_release() { whole_.clear(); }
 
  private:
-  // Forwards the optimizer's integers to a checkpoint visitor; its (shard) tensors stay out.
   template <class V>
-  struct IntegersOf {
-    V& v;
-    template <class T>
-    void buffer(const std::string&, T&) {}
-    void integer(const std::string& name, std::int64_t& x) { v.integer(name, x); }
-  };
-  // The optimizer's state tensors, in visit order.
-  struct Collector {
-    std::vector<std::pair<std::string, Tensor<S, D>*>> tensors;
-    template <class T>
-    void buffer(const std::string& name, T& t) {
-      static_assert(std::is_same_v<T, Tensor<S, D>>, "Zero1Optimizer: optimizer state of another scalar or device");
-      tensors.emplace_back(name, &t);
-    }
-    void integer(const std::string&, std::int64_t&) {}
-  };
-
+  using IntegersOf = detail::StateIntegersOf<V>;
   // Kinds of state in first-seen order, each with its tensor per segment (null: the empty piece
   // of a rank with no elements). The same on every rank (one optimizer type and settings).
   std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> state_pieces() {
-    Collector c;
-    optimizer_.visit_state(c);
     std::map<std::string, std::size_t> segment_of;
-    for (std::size_t j = 0; j < zero_.segments_.size(); ++j)
-      segment_of[zero_.shard_named_.parameters[j].first] = j;
-    std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> out;
-    for (auto& [name, t] : c.tensors) {
-      const std::size_t dot = name.find('.', 6);
-      TESSERA_CHECK(name.rfind("optim.", 0) == 0 && dot != std::string::npos && segment_of.count(name.substr(dot + 1)),
-                    ArgumentError, "Zero1Optimizer: optimizer state '", name,
-                    "' is not named optim.<kind>.<parameter of this rank's shard>; its shards cannot be gathered");
-      const std::string kind = name.substr(6, dot - 6);
-      auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == kind; });
-      if (it == out.end()) {
-        out.emplace_back(kind, std::vector<Tensor<S, D>*>(zero_.segments_.size(), nullptr));
-        it = out.end() - 1;
-      }
-      const std::size_t j = segment_of.at(name.substr(dot + 1));
-      if (zero_.segments_[j].length > 0) it->second[j] = t;
-    }
-    return out;
+    for (std::size_t j = 0; j < zero_.segments_.size(); ++j) segment_of[zero_.shard_named_.parameters[j].first] = j;
+    return detail::state_by_kind<S, D>(optimizer_, segment_of, zero_.segments_.size(), "Zero1Optimizer");
   }
   std::vector<std::string> state_kinds() {
     std::vector<std::string> kinds;

@@ -41,10 +41,15 @@
 // (DataParallel's TopK residuals) is not in this file: the Trainer writes it beside it, one file
 // per rank (train/trainer.hpp), and starts it afresh at another world size.
 //
-// Optional optimizer members (Zero1Optimizer has them), called on every rank of the group:
-//   checkpoint_gather()   collective, before a save: make visit_state present whole tensors
-//   checkpoint_scatter()  after a successful load: take this rank's part of what visit_state loaded
-//   checkpoint_release()  after every save and load, also a failed one: free the whole tensors
+// Optional optimizer members (Zero1Optimizer and FullyShardedOptimizer have them), called on every
+// rank of the group:
+//   checkpoint_gather()       collective, before a save: make visit_state present whole tensors
+//   checkpoint_before_load()  collective, before a load reads the file: give the model's tensors
+//                             their shapes (FullyShardedDataParallel's stage 3 releases them)
+//   checkpoint_scatter()      after a successful load: take this rank's part of what visit_state loaded
+//   checkpoint_release()      after every save and load, also a failed one: free the whole tensors
+// FullyShardedDataParallel also writes sharded checkpoints, a directory with one file per rank
+// (train/sharded_checkpoint.hpp), which the Trainer chooses by FullyShardedOptions.
 #pragma once
 
 #include <algorithm>
@@ -340,11 +345,8 @@ struct CheckpointLoader {
   void rng(const std::string& name, Rng& r);
 };
 
-template <class Model, class Optimizer>
-void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
-  static_assert(check_visitable<Model>());
-  model.visit(v, "");
-  optimizer.visit_state(v);
+// The training position's entries (metadata, in every checkpoint format).
+void visit_train_state(TrainState& state, auto& v) {
   v.integer("train.epoch", state.epoch);
   v.integer("train.global_step", state.global_step);
   v.integer("train.loader_epoch", state.loader_epoch);
@@ -354,6 +356,14 @@ void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
   v.integer("train.loader_samples", state.loader_samples);
   v.integer("train.loader_world_size", state.loader_world_size);
   v.optional_integer("train.loader_next_sample", state.loader_next_sample);
+}
+
+template <class Model, class Optimizer>
+void visit_all(Model& model, Optimizer& optimizer, TrainState& state, auto& v) {
+  static_assert(check_visitable<Model>());
+  model.visit(v, "");
+  optimizer.visit_state(v);
+  visit_train_state(state, v);
 }
 
 // The file's format version: 1 or 2. Anything else is an IoError that says what the file is.
@@ -372,6 +382,10 @@ TESSERA_LINKAGE std::string checkpoint_problems_text(const std::string& path, co
 template <class Optimizer>
 void optimizer_checkpoint_gather(Optimizer& o) {
   if constexpr (requires { o.checkpoint_gather(); }) o.checkpoint_gather();
+}
+template <class Optimizer>
+void optimizer_checkpoint_before_load(Optimizer& o) {
+  if constexpr (requires { o.checkpoint_before_load(); }) o.checkpoint_before_load();
 }
 template <class Optimizer>
 void optimizer_checkpoint_scatter(Optimizer& o) {
@@ -462,6 +476,8 @@ TrainState load_checkpoint(const std::string& path, Model& model, Optimizer& opt
   std::string rng_prefix;
   bool keep_rngs = false;
   detail::ReleaseCheckpointState<Optimizer> release{optimizer};
+  // Collective, so on every rank before anything that can fail on some ranks only.
+  detail::optimizer_checkpoint_before_load(optimizer);  // FullyShardedOptimizer: the model's tensors back
   std::exception_ptr failure;
   try {
     file.emplace(SafetensorsFile::load(path));

@@ -52,6 +52,7 @@
 #include "tessera/train/metrics.hpp"
 #include "tessera/train/preemption.hpp"
 #include "tessera/train/progress.hpp"
+#include "tessera/train/sharded_checkpoint.hpp"
 #include "tessera/train/timeline.hpp"
 
 namespace tessera {
@@ -442,15 +443,23 @@ class Trainer {
             seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0};
   }
 
-  // The checkpoint, then each rank's strategy state beside it (when the strategy has any).
+  // The checkpoint, then each rank's strategy state beside it (when the strategy has any). With an
+  // optimizer that checkpoints as shards (FullyShardedOptimizer) and asks for them, `path` is a
+  // directory of per-rank shards (train/sharded_checkpoint.hpp); load() reads either kind.
   void save(const std::string& path) {
     refuse_split_model_checkpoint(path);
-    save_checkpoint(path, model_, optimizer_, state_, options_.checkpoint_group, options_.checkpoint_options);
+    if (writes_shards())
+      save_sharded(path);
+    else
+      save_checkpoint(path, model_, optimizer_, state_, options_.checkpoint_group, options_.checkpoint_options);
     save_strategy_state(path);
   }
   void load(const std::string& path) {
     refuse_split_model_checkpoint(path);
-    state_ = load_checkpoint(path, model_, optimizer_, options_.checkpoint_group, options_.checkpoint_options);
+    if (is_sharded_checkpoint(path))
+      state_ = load_sharded(path);
+    else
+      state_ = load_checkpoint(path, model_, optimizer_, options_.checkpoint_group, options_.checkpoint_options);
     loaded_from_ = path;
     load_strategy_state(path);
   }
@@ -497,11 +506,30 @@ class Trainer {
   }
 
   // A checkpoint holds one copy of the model and of the optimizer, rank 0's: right for replicas,
-  // wrong for a model split over ranks (each pipeline stage trains and steps its own units only).
+  // wrong for a model split over ranks (each pipeline stage trains and steps its own units only),
+  // unless the optimizer gathers the parts or writes them as shards (FullyShardedOptimizer).
   void refuse_split_model_checkpoint(const std::string& path) const {
-    TESSERA_CHECK(!kRunsModel, ArgumentError, "Trainer: checkpoint '", path, "' with ", strategy_.name(),
-                  ": its ranks each hold part of the model and of the optimizer state, and a checkpoint holds rank "
-                  "0's; checkpoints of a split model are not supported yet (train without checkpoint_path)");
+    TESSERA_CHECK(!kRunsModel || ShardedCheckpointOptimizer<Optimizer>, ArgumentError, "Trainer: checkpoint '", path,
+                  "' with ", strategy_.name(), ": its ranks each hold part of the model and of the optimizer state, "
+                  "and a checkpoint holds rank 0's; checkpoints of a split model are not supported yet (train "
+                  "without checkpoint_path)");
+  }
+  bool writes_shards() const {
+    if constexpr (ShardedCheckpointOptimizer<Optimizer>) return optimizer_.sharded_checkpoints();
+    else return false;
+  }
+  void save_sharded(const std::string& path) {
+    if constexpr (ShardedCheckpointOptimizer<Optimizer>)
+      save_sharded_checkpoint(path, model_, optimizer_, state_, options_.checkpoint_group, options_.checkpoint_options);
+  }
+  TrainState load_sharded(const std::string& path) {
+    if constexpr (ShardedCheckpointOptimizer<Optimizer>) {
+      return load_sharded_checkpoint(path, model_, optimizer_, options_.checkpoint_group, options_.checkpoint_options);
+    } else {
+      throw ArgumentError(detail::cat("Trainer: '", path, "' is a sharded checkpoint (a directory of per-rank shards, ",
+                                      "which FullyShardedDataParallel writes); load it under FullyShardedDataParallel, ",
+                                      "or make it one file with consolidate_sharded_checkpoint(dir, file)"));
+    }
   }
 
   // Whether this step is recorded on the timeline (TrainOptions::timeline_first_step, timeline_steps).
