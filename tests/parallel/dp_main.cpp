@@ -33,6 +33,8 @@ int main(int argc, char** argv) {
     add("local sgd k=1", testing::strategy_equivalence<double>(comm, testing::Strategy::LocalSgdPeriod1, {.per_rank_batch = 4, .steps = 3}));
     add("gpt data parallel", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::DataParallel));
     add("gpt zero1", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::Zero1));
+    add("gpt fsdp stage 2", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::Fsdp2));
+    add("gpt fsdp stage 3", testing::gpt_dp_equivalence<double>(comm, testing::GptDpStrategy::Fsdp3));
     add("resnet20+syncbn", testing::dp_equivalence_resnet20_sync_bn<double>(comm, {.per_rank_batch = 4, .steps = 2}));
     // ZeRO-2 and ZeRO-3 (parallel/fully_sharded.hpp): each rank's shard stepped alone, the whole
     // model gathered back equal to one process.

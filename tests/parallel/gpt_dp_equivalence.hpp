@@ -1,4 +1,5 @@
-// A GPT under DataParallel and under ZeRO-1 against one process, on any communicator: every rank
+// A GPT under DataParallel, ZeRO-1 and FullyShardedDataParallel (ZeRO-2 and ZeRO-3, with the tied
+// wte as a unit of its own) against one process, on any communicator: every rank
 // trains on its share of each global batch of token windows (TokenLoader's split), with AdamW and
 // nanoGPT's decay rule, and must end with the parameters of one process that trained on the whole
 // global batches. Ranks start from different seeds: both strategies broadcast rank 0's weights.
@@ -18,11 +19,22 @@
 #include "tessera/models/gpt.hpp"
 #include "tessera/optim/adam.hpp"
 #include "tessera/parallel/data_parallel.hpp"
+#include "tessera/parallel/fully_sharded.hpp"
 #include "tessera/parallel/zero.hpp"
 
 namespace tessera::testing {
 
-enum class GptDpStrategy { DataParallel, Zero1 };
+enum class GptDpStrategy { DataParallel, Zero1, Fsdp2, Fsdp3 };
+
+inline const char* to_string(GptDpStrategy s) {
+  switch (s) {
+    case GptDpStrategy::DataParallel: return "DataParallel";
+    case GptDpStrategy::Zero1: return "Zero1";
+    case GptDpStrategy::Fsdp2: return "FSDP stage 2";
+    case GptDpStrategy::Fsdp3: return "FSDP stage 3";
+  }
+  return "?";
+}
 
 template <class S, class Comm>
 std::vector<std::string> gpt_dp_equivalence(Comm& comm, GptDpStrategy strategy, int steps = 3,
@@ -81,7 +93,7 @@ std::vector<std::string> gpt_dp_equivalence(Comm& comm, GptDpStrategy strategy, 
       forward_backward(model, batch);
       opt.step();  // waits for DataParallel's all-reduces first
     }
-  } else {
+  } else if (strategy == GptDpStrategy::Zero1) {
     Zero1 zero(model, comm);
     AdamW<E> opt(zero.shard_parameters(), adamw);
     while (mine.next(batch)) {
@@ -89,6 +101,18 @@ std::vector<std::string> gpt_dp_equivalence(Comm& comm, GptDpStrategy strategy, 
       forward_backward(model, batch);
       zero.step(opt);
     }
+  } else {
+    // Two micro-batches: the accumulation inside the strategy changes nothing either.
+    FullyShardedDataParallel fsdp(model, comm,
+                                  {.stage = strategy == GptDpStrategy::Fsdp2 ? 2 : 3, .micro_batches = strategy == GptDpStrategy::Fsdp3 ? 3 : 1});
+    AdamW<E> adamw_shard(fsdp.shard_parameters(), adamw);
+    FullyShardedOptimizer opt(fsdp, adamw_shard);
+    while (mine.next(batch)) {
+      opt.zero_grad();
+      fsdp.train_step(batch.tokens, batch.labels);
+      opt.step();
+    }
+    fsdp.gather_full();  // the whole model back, to compare
   }
   double worst = 0;
   for (std::size_t i = 0; i < model_params.parameters.size(); ++i) {
@@ -100,7 +124,7 @@ std::vector<std::string> gpt_dp_equivalence(Comm& comm, GptDpStrategy strategy, 
   }
   std::vector<std::string> failures;
   if (!(worst <= tolerance))
-    failures.push_back("GPT " + std::string(strategy == GptDpStrategy::DataParallel ? "DataParallel" : "Zero1") +
+    failures.push_back("GPT " + std::string(to_string(strategy)) +
                        ", rank " + std::to_string(r) + " of " + std::to_string(p) +
                        ": parameters differ from one process by " + std::to_string(worst));
   return failures;

@@ -2,7 +2,8 @@
 // sharded checkpoint, taken mid-epoch through the Trainer, resumes on 2, 3 and 4 ranks (stage 3 and
 // stage 2) and ends where the uninterrupted run ends (float64; bit for bit at the same world size);
 // the one-file form (save_checkpoint's, and consolidate_sharded_checkpoint's from a directory) loads
-// in a run without FSDP; and a shard set that is incomplete, corrupt, truncated or mixed from two
+// in a run without FSDP; GPT's tied wte round-trips (lm_head.weight written once, as an alias);
+// and a shard set that is incomplete, corrupt, truncated or mixed from two
 // saves is refused on every rank, naming the shard, with nothing loaded.
 #include <catch2/catch.hpp>
 #include <unistd.h>
@@ -17,7 +18,9 @@
 #include <tuple>
 
 #include "parallel/elastic_resume.hpp"
+#include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
+#include "tessera/models/gpt.hpp"
 #include "tessera/train/sharded_checkpoint.hpp"
 
 using namespace tessera;
@@ -239,5 +242,75 @@ TEST_CASE("FSDP sharded checkpoints: an incomplete, corrupt or mixed shard set i
     });
     CHECK(refused_naming(errors, {"world size 4", "world size 5", "global batch of 24"}));
   }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("FSDP sharded checkpoints of GPT: the tied wte (lm_head.weight) round-trips, and one process loads the consolidated file",
+          "[parallel][fsdp][elastic][gpt]") {
+  const auto dir = fsdp_checkpoint_dir();
+  const std::string shards = (dir / "gpt").string(), one = (dir / "gpt.safetensors").string();
+  const GPTConfig config{.block_size = 8, .vocab_size = 13, .n_layer = 2, .n_head = 2, .n_embd = 8, .dropout = 0.1};
+  std::vector<double> trained;  // rank 0's gathered parameters after two steps
+  std::vector<double> reloaded(3, -1);
+  const auto flat = [](auto& model) {
+    std::vector<double> out;
+    for (auto& [name, p] : named_tensors(model).parameters) out.insert(out.end(), p->value.begin(), p->value.end());
+    return out;
+  };
+  {
+    ThreadWorld world(2);
+    world.run([&](ThreadComm& comm) {
+      using E = Env<Cpu, ThreadComm, double>;
+      Rng rng(9), data(3 + static_cast<std::uint64_t>(comm.rank()));
+      GPT<E> model(config, rng);
+      FullyShardedDataParallel fsdp(model, comm, {.stage = 3});
+      AdamW<E> adamw(fsdp.shard_parameters(), {.lr = 1e-2});
+      FullyShardedOptimizer optimizer(fsdp, adamw);
+      Tensor<std::int64_t, Cpu> ids({3, 8});
+      std::vector<std::int64_t> labels(24);
+      for (int s = 0; s < 2; ++s) {
+        for (std::int64_t k = 0; k < ids.numel(); ++k) ids.data()[k] = static_cast<std::int64_t>(data.below(13));
+        for (auto& l : labels) l = static_cast<std::int64_t>(data.below(13));
+        optimizer.zero_grad();
+        fsdp.train_step(ids, labels);
+        optimizer.step();
+      }
+      save_sharded_checkpoint(shards, model, optimizer, TrainState{.global_step = 2}, CheckpointGroup(comm));
+      fsdp.gather_full();
+      if (comm.rank() == 0) trained = flat(model);
+      fsdp.release_full();
+    });
+  }
+  consolidate_sharded_checkpoint(shards, one);
+  const SafetensorsFile file = SafetensorsFile::load(one);
+  REQUIRE(file.has("lm_head.weight"));
+  CHECK(std::memcmp(file.raw("lm_head.weight"), file.raw("transformer.wte.weight"),
+                    file.info("transformer.wte.weight").end - file.info("transformer.wte.weight").begin) == 0);
+  CHECK(file.metadata().count("transformer.drop.rng"));        // rank 0's dropout generator
+  CHECK(file.metadata().count("rank1.transformer.drop.rng"));  // and rank 1's
+  // One process, a fresh model from another seed, reads it: the parameters are the trained ones.
+  using Local = Env<Cpu, LocalComm, double>;
+  Rng other(77);
+  GPT<Local> single(config, other);
+  auto named = named_tensors(single);
+  AdamW<Local> adamw(named, {.lr = 1e-2});
+  const TrainState state = load_checkpoint(one, single, adamw);
+  CHECK(state.global_step == 2);
+  CHECK(adamw.steps() == 2);
+  CHECK(max_difference(flat(single), trained) == 0);
+  // Three thread ranks of FSDP load the shards back, as saved.
+  ThreadWorld world(3);
+  world.run([&](ThreadComm& comm) {
+    using E = Env<Cpu, ThreadComm, double>;
+    Rng rng(55);
+    GPT<E> model(config, rng);
+    FullyShardedDataParallel fsdp(model, comm, {.stage = 2});
+    AdamW<E> shard_opt(fsdp.shard_parameters(), {.lr = 1e-2});
+    FullyShardedOptimizer optimizer(fsdp, shard_opt);
+    load_sharded_checkpoint(shards, model, optimizer, CheckpointGroup(comm));
+    fsdp.gather_full();
+    reloaded[static_cast<std::size_t>(comm.rank())] = max_difference(flat(model), trained);
+  });
+  for (double d : reloaded) CHECK(d == 0);
   fs::remove_all(dir);
 }

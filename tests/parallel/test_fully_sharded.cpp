@@ -1,14 +1,19 @@
 // FullyShardedDataParallel (ZeRO-2 and ZeRO-3) over ThreadComm: equivalence with one process
-// (LeNet-5 and ResNet-20 with SyncBatchNorm, float64 and float32, 2 to 4 ranks, SGD with momentum
+// (LeNet-5, ResNet-20 with SyncBatchNorm, and GPT with its tied wte and dropout; float64 and
+// float32, 2 to 4 ranks, SGD with momentum
 // and AdamW, micro-batches, shard units of several model units), what each rank holds, and the
 // errors. MPI and Gloo run the same equivalence as multi-process programs (parallel/dp_main.cpp).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <mutex>
+#include <span>
 
 #include "parallel/fsdp_equivalence.hpp"
 #include "support/text.hpp"
+#include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
+#include "tessera/models/gpt.hpp"
 #include "tessera/models/lenet.hpp"
 #include "tessera/models/mlp.hpp"
 #include "tessera/parallel/data_parallel.hpp"
@@ -363,4 +368,73 @@ TEST_CASE("FullyShardedDataParallel: the next unit's gather runs during this uni
     CHECK(reduce_conv2.begin <= backward_conv1.begin);
     CHECK(reduce_conv2.end >= backward_conv1.end);
   }
+}
+
+TEST_CASE("FullyShardedDataParallel: GPT (token ids, tied wte) with dropout equals one process, micro-batches too",
+          "[parallel][fsdp][gpt]") {
+  // Every rank builds the model from one seed, so each draws the step's dropout key as one process
+  // does; rank r's rows are rows [r n, (r + 1) n) of the global batch, and its held key's row
+  // offset puts its masks where one process has them.
+  using Reference = Env<Cpu, LocalComm, double>;
+  using E = Env<Cpu, ThreadComm, double>;
+  const GPTConfig config{.block_size = 8, .vocab_size = 13, .n_layer = 2, .n_head = 2, .n_embd = 8, .dropout = 0.2};
+  const AdamWOptions adamw{.lr = 1e-2, .weight_decay = 0.1};
+  constexpr std::int64_t global = 6, t = 8, steps = 2;
+  Rng data(5);
+  Tensor<std::int64_t, Cpu> ids({steps * global, t});
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(steps * global * t));
+  for (std::int64_t k = 0; k < ids.numel(); ++k) ids.data()[k] = static_cast<std::int64_t>(data.below(13));
+  for (auto& l : labels) l = static_cast<std::int64_t>(data.below(13));
+  const auto rows = [&](std::int64_t first, std::int64_t n) {
+    Tensor<std::int64_t, Cpu> out({n, t});
+    std::copy_n(ids.data() + first * t, n * t, out.data());
+    return out;
+  };
+  const auto row_labels = [&](std::int64_t first, std::int64_t n) {
+    return std::span<const std::int64_t>(labels).subspan(static_cast<std::size_t>(first * t), static_cast<std::size_t>(n * t));
+  };
+  Rng reference_rng(9);
+  GPT<Reference> reference(config, reference_rng);
+  auto reference_params = named_tensors(reference);
+  AdamW<Reference> reference_opt(reference_params, adamw);
+  for (std::int64_t s = 0; s < steps; ++s) {
+    reference_opt.zero_grad();
+    GPT<Reference>::Cache cache;
+    CrossEntropyLoss<Reference> ce;
+    CrossEntropyLoss<Reference>::Cache ce_cache;
+    ce.forward(reference.forward(rows(s * global, global), cache), row_labels(s * global, global), ce_cache);
+    reference.backward(ce.backward(ce_cache), cache);
+    reference_opt.step();
+  }
+  for (int ranks : {2, 3})
+    for (int stage : {2, 3})
+      for (int micro_batches : {1, 2})
+        DYNAMIC_SECTION(ranks << " ranks, stage " << stage << ", " << micro_batches << " micro-batches") {
+          std::vector<double> worst(static_cast<std::size_t>(ranks), 0.0);
+          ThreadWorld world(ranks);
+          world.run([&](ThreadComm& comm) {
+            Rng rng(9);
+            GPT<E> model(config, rng);
+            const std::int64_t n = global / ranks;
+            FullyShardedDataParallel fsdp(model, comm, {.stage = stage, .micro_batches = n % micro_batches == 0 ? micro_batches : 1});
+            AdamW<E> shard_opt(fsdp.shard_parameters(), adamw);
+            FullyShardedOptimizer opt(fsdp, shard_opt);
+            for (std::int64_t s = 0; s < steps; ++s) {
+              opt.zero_grad();
+              const std::int64_t first = s * global + comm.rank() * n;
+              fsdp.train_step(rows(first, n), row_labels(first, n));
+              opt.step();
+            }
+            fsdp.gather_full();
+            auto params = named_tensors(model);
+            double w = 0;
+            for (std::size_t i = 0; i < params.parameters.size(); ++i) {
+              const auto& got = params.parameters[i].second->value;
+              const auto& want = reference_params.parameters[i].second->value;
+              for (std::int64_t k = 0; k < got.numel(); ++k) w = std::max(w, std::abs(got.data()[k] - want.data()[k]));
+            }
+            worst[static_cast<std::size_t>(comm.rank())] = w;
+          });
+          for (double w : worst) CHECK(w < 1e-12);
+        }
 }

@@ -292,11 +292,12 @@ TEST_CASE("Trainer + GPT: fit() learns the motif; validation over consecutive wi
   CHECK(first_line.find("images_per_second") == std::string::npos);
 }
 
-TEST_CASE("GPT under DataParallel and ZeRO-1 equals one process on 2 and 4 thread ranks (float64, AdamW)",
-          "[train][gpt][parallel]") {
-  for (int ranks : {2, 4})
-    for (auto strategy : {testing::GptDpStrategy::DataParallel, testing::GptDpStrategy::Zero1}) {
-      DYNAMIC_SECTION(ranks << " ranks, " << (strategy == testing::GptDpStrategy::Zero1 ? "Zero1" : "DataParallel")) {
+TEST_CASE("GPT under DataParallel, ZeRO-1, ZeRO-2 and ZeRO-3 equals one process on 2, 3 and 4 thread ranks (float64, AdamW)",
+          "[train][gpt][parallel][fsdp]") {
+  for (int ranks : {2, 3, 4})
+    for (auto strategy : {testing::GptDpStrategy::DataParallel, testing::GptDpStrategy::Zero1,
+                          testing::GptDpStrategy::Fsdp2, testing::GptDpStrategy::Fsdp3}) {
+      DYNAMIC_SECTION(ranks << " ranks, " << testing::to_string(strategy)) {
         std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(ranks));
         ThreadWorld world(ranks);
         world.run([&](ThreadComm& comm) {

@@ -63,8 +63,16 @@
 // process); both load at another world size. The Trainer writes the kind options.sharded_checkpoints
 // says.
 //
-// Not yet: models with tied parameters (GPT's wte, read by two units) and LARS/LAMB (whole-tensor
-// norms).
+// Language models (GPT): unit 0 reads token ids (n, T), the loss takes n T labels (one per row of
+// logits (n, T, V)). A parameter two units read (GPT's wte, also its lm_head: tied_parameters())
+// forms a shard unit of its own, gathered before the first unit's forward and kept until after
+// the first unit's backward (both uses add into its one gradient), then reduce-scattered: FSDP's
+// rule that a shared parameter lives in the unit that encloses both users (here: the whole step).
+// A model with position-keyed dropout masks (GPT) draws one key per step and holds it with each
+// micro-batch's first row at rank x rows + micro-batch x its rows: every unit masks as one forward
+// does, micro-batches do not change the masks, and ranks draw distinct masks for their rows.
+//
+// Not yet: LARS/LAMB (whole-tensor norms).
 #pragma once
 
 #include <algorithm>
@@ -146,9 +154,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   using Comm = typename Env::Comm;
   using Tensor = typename Model::Tensor;
   static_assert(AsyncCommunicator<Comm>, "FullyShardedDataParallel needs all_gather_async and reduce_scatter_async");
-  static_assert(!detail::TakesTokenIds<Model>,
-                "FullyShardedDataParallel: language models (token ids into unit 0, GPT's tied wte) are not "
-                "supported yet; use Zero1 or DataParallel for them");
+  // What unit 0 reads: images (n, ...) for a Layer, token ids (n, T) for a language model.
+  static constexpr bool kTokenInput = detail::TakesTokenIds<Model>;
+  using Input = std::conditional_t<kTokenInput, tessera::Tensor<std::int64_t, Cpu>, Tensor>;
+  static constexpr bool kHoldsDropout = detail::HoldsDropoutKey<Model>;
   // The strategy protocol (parallel/strategy.hpp): it runs the model (unit by unit, gathering and
   // releasing around each) and its micro-batch loop.
   static constexpr bool kOwnsMicroBatchLoop = true;
@@ -170,9 +179,6 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
                   "FullyShardedDataParallel: consistency_check_every=", options_.consistency_check_every,
                   " must be >= 0 (0: no check)");
     TESSERA_CHECK(!named_.parameters.empty(), ArgumentError, "FullyShardedDataParallel: the model has no parameters");
-    TESSERA_CHECK(detail::tied_parameters(model_).empty(), ArgumentError,
-                  "FullyShardedDataParallel: the model has tied parameters (read by two units); they are not "
-                  "supported yet");
     for (auto& [name, p] : named_.parameters) comm_.broadcast(std::span<S>(p->value.data(), p->value.numel()), 0);
     for (auto& [name, t] : named_.buffers) comm_.broadcast(std::span<S>(t->data(), t->numel()), 0);
     // The model's gradients first, then (stage 3) each unit's values once its pieces are copied:
@@ -233,16 +239,16 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   // average over ranks of the batch's mean-loss gradient (added: the Trainer zeroes them before).
   // Returns this rank's mean loss and correct predictions.
   template <class Hooks>
-  ModelStepResult run_model(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+  ModelStepResult run_model(const Input& x, std::span<const std::int64_t> labels, Hooks& hooks) {
     return step(x, labels, hooks);
   }
   // The same without a Trainer: then call the optimizer's step() (and zero_grad() before this).
-  ModelStepResult train_step(const Tensor& x, std::span<const std::int64_t> labels) {
+  ModelStepResult train_step(const Input& x, std::span<const std::int64_t> labels) {
     return step(x, labels, static_cast<StrategyBase<Env>&>(*this));
   }
   // Forward only (the model in Eval or Inference mode): this batch's mean loss and correct
   // predictions.
-  ModelStepResult evaluate_batch(const Tensor& x, std::span<const std::int64_t> labels) {
+  ModelStepResult evaluate_batch(const Input& x, std::span<const std::int64_t> labels) {
     const Tensor& logits = predict(x);
     ModelStepResult r;
     r.loss = static_cast<double>(loss_.forward(logits, labels, eval_loss_cache_));
@@ -250,8 +256,11 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     return r;
   }
   // Forward only: the logits (valid until the next forward).
-  const Tensor& predict(const Tensor& x) {
+  const Tensor& predict(const Input& x) {
     finish_reductions();
+    // A fixed key: a forward in Train mode must not draw once per unit.
+    if constexpr (kHoldsDropout) model_.hold_dropout_key(0, 0);
+    DropoutRelease release{kHoldsDropout ? &model_ : nullptr};
     return forward_pass(x, eval_cache_, /*keep_last=*/false);
   }
 
@@ -311,6 +320,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     Parameter<S, D> param;
   };
   struct Unit {
+    bool tied = false;                   // the tied parameters' unit (runs no model units)
     std::size_t begin = 0, end = 0;      // model units
     std::vector<std::size_t> params;     // into named_.parameters, in order
     std::vector<std::int64_t> offset;    // flat offset of each
@@ -342,6 +352,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     record.add("model.units", units);
     for (std::size_t u = 0; u < units; ++u) record.add("model.unit[" + std::to_string(u) + "]", model_.unit_name(u));
     record.add_named_tensors(named_, "model.");
+    for (const auto& t : detail::tied_parameters(model_))
+      record.add("model.tied." + t.name, std::to_string(t.first_unit) + " " + std::to_string(t.second_unit));
     return record;
   }
 
@@ -358,7 +370,11 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     for (const auto& [name, p] : named_.parameters) param_shapes_.push_back(p->value.shape());
     // Which model parameter each model unit holds: visit_units names them, in the order of the
     // model's whole list.
+    // A tied parameter (read by two units) belongs to the tied unit, after the others.
     std::vector<std::size_t> owner(named_.parameters.size(), model_units);
+    std::vector<bool> tied(named_.parameters.size(), false);
+    for (const auto& t : detail::tied_parameters(model_))
+      for (std::size_t i = 0; i < named_.parameters.size(); ++i) tied[i] = tied[i] || named_.parameters[i].second == t.parameter;
     for (std::size_t u = 0; u < model_units; ++u) {
       NamedTensors<Env> in_unit;
       model_.visit_units(in_unit, "", u, u + 1);
@@ -370,13 +386,16 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
         owner[static_cast<std::size_t>(it - named_.parameters.begin())] = u;
       }
     }
+    const bool has_tied = std::find(tied.begin(), tied.end(), true) != tied.end();
+    if (has_tied) bounds.push_back(model_units);  // the tied unit: [model_units, model_units)
     const std::int64_t ranks = comm_.size(), rank = comm_.rank();
     for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
       Unit& unit = units_.emplace_back();
-      unit.begin = bounds[k];
-      unit.end = bounds[k + 1];
+      unit.tied = has_tied && k + 2 == bounds.size();
+      unit.begin = unit.tied ? 0 : bounds[k];
+      unit.end = unit.tied ? 0 : bounds[k + 1];
       for (std::size_t i = 0; i < named_.parameters.size(); ++i) {
-        if (owner[i] < unit.begin || owner[i] >= unit.end) continue;
+        if (unit.tied ? !tied[i] : (tied[i] || owner[i] < unit.begin || owner[i] >= unit.end)) continue;
         const Parameter<S, D>& p = *named_.parameters[i].second;
         unit.params.push_back(i);
         unit.offset.push_back(unit.elements);
@@ -398,8 +417,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
       if (options_.stage == 3)
         for (std::size_t i : unit.params) named_.parameters[i].second->value.release();
     }
+    run_units_ = units_.size() - (has_tied ? 1 : 0);
+    tied_unit_ = has_tied ? run_units_ : units_.size();
     for (std::size_t i = 0; i < owner.size(); ++i)
-      TESSERA_CHECK(owner[i] < model_units, ArgumentError, "FullyShardedDataParallel: parameter '",
+      TESSERA_CHECK(owner[i] < model_units || tied[i], ArgumentError, "FullyShardedDataParallel: parameter '",
                     named_.parameters[i].first, "' belongs to no unit of the model (visit_units never names it)");
     // Names only once the vector stops growing (NamedTensors keeps pointers).
     for (auto& piece : pieces_) {
@@ -413,13 +434,16 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   }
 
   template <class Hooks>
-  ModelStepResult step(const Tensor& x, std::span<const std::int64_t> labels, Hooks& hooks) {
+  ModelStepResult step(const Input& x, std::span<const std::int64_t> labels, Hooks& hooks) {
     const int m = options_.micro_batches;
-    TESSERA_CHECK(x.rank() >= 1 && x.dim(0) > 0 && x.dim(0) % m == 0, ShapeError, "FullyShardedDataParallel: the batch of ",
-                  x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(), ") does not split into ", m,
-                  " equal micro-batches");
-    TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == x.dim(0), ShapeError, "FullyShardedDataParallel: ",
-                  labels.size(), " labels for a batch of ", x.dim(0), " samples");
+    TESSERA_CHECK(x.rank() >= (kTokenInput ? 2 : 1) && x.dim(0) > 0 && x.dim(0) % m == 0, ShapeError,
+                  "FullyShardedDataParallel: the batch of ", x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(),
+                  ") does not split into ", m, " equal micro-batches");
+    // One label per row of logits: per sample (n, classes), per token (n, T, V).
+    const std::int64_t labels_per_sample = kTokenInput ? x.dim(1) : 1;
+    TESSERA_CHECK(static_cast<std::int64_t>(labels.size()) == x.dim(0) * labels_per_sample, ShapeError,
+                  "FullyShardedDataParallel: ", labels.size(), " labels for a batch of ", x.dim(0), " samples",
+                  kTokenInput ? " of " + std::to_string(labels_per_sample) + " tokens" : std::string());
     finish_reductions();
     stats_ = {};
     const std::int64_t per = x.dim(0) / m, row = x.numel() / x.dim(0);
@@ -427,20 +451,27 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     shape[0] = per;
     double loss_sum = 0;
     std::int64_t correct = 0;
+    if constexpr (kHoldsDropout) dropout_key_ = model_.next_dropout_key();  // this step's
     for (int i = 0; i < m; ++i) {
       const MicroBatch mb{i, m, 1.0 / m};
       hooks.before_forward(mb);
-      const Tensor* input = &x;
+      const Input* input = &x;
       if (m > 1) {
-        micro_input_.resize(shape);
-        D::copy(micro_input_.data(), x.data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
-        input = &micro_input_;
+        Input& part = micro_input();
+        part.resize(shape);
+        if constexpr (kTokenInput) std::copy_n(x.data() + i * per * row, per * row, part.data());
+        else D::copy(part.data(), x.data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
+        input = &part;
       }
+      // Rows [rank x n + i x per, ...) of the N ranks' batch: masks as one process's, distinct per rank.
+      if constexpr (kHoldsDropout) model_.hold_dropout_key(dropout_key_, comm_.rank() * x.dim(0) + i * per);
+      DropoutRelease release{kHoldsDropout ? &model_ : nullptr};
       const Tensor& logits = [&]() -> const Tensor& {
         const MemoryScope memory("the forward pass (activations)");
         return forward_pass(*input, cache_, /*keep_last=*/true);
       }();
-      const auto micro_labels = labels.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per));
+      const auto micro_labels = labels.subspan(static_cast<std::size_t>(i * per * labels_per_sample),
+                                               static_cast<std::size_t>(per * labels_per_sample));
       loss_sum += static_cast<double>(loss_.forward(logits, micro_labels, loss_cache_));
       if constexpr (kCountsCorrect) correct += count_correct(logits, micro_labels);
       // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits).
@@ -461,18 +492,25 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   // gather started before this one computes (parameter-free units, a ReLU or a pooling, in between
   // do not use up the prefetch). keep_last: the last unit's parameters stay for the backward that
   // follows.
-  const Tensor& forward_pass(const Tensor& x, typename Model::Cache& cache, bool keep_last) {
-    const std::size_t n = units_.size();
-    const Tensor* h = &x;
+  const Tensor& forward_pass(const Input& x, typename Model::Cache& cache, bool keep_last) {
+    const std::size_t n = run_units_;
+    if (tied_unit_ < units_.size() && !resident_[tied_unit_]) finish_gather(tied_unit_);  // kept over the step
+    const Tensor* h = nullptr;
     for (std::size_t k = 0; k < n; ++k) {
       const std::size_t next = next_with_parameters(k);
       if (options_.prefetch && next < n && !resident_[next]) start_gather(next);
       if (!resident_[k]) finish_gather(k);
       const auto began = Clock::now();
-      h = &model_.forward_units(*h, cache, units_[k].begin, units_[k].end);
+      if constexpr (kTokenInput) {
+        h = k == 0 ? &model_.forward_units(x, cache, units_[k].begin, units_[k].end)
+                   : &model_.forward_units(*h, cache, units_[k].begin, units_[k].end);
+      } else {
+        h = &model_.forward_units(k == 0 ? x : *h, cache, units_[k].begin, units_[k].end);
+      }
       note_compute("forward " + unit_label(k), began);
       if (options_.stage == 3 && !(keep_last && k + 1 == n)) release_parameters(k);
     }
+    if (options_.stage == 3 && !keep_last && tied_unit_ < units_.size()) release_parameters(tied_unit_);
     return *h;
   }
 
@@ -480,32 +518,41 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   // prefetched), gradients allocated, backward, gradients packed and reduce-scattered in the
   // background.
   void backward_pass(const Tensor& output_grad) {
-    const std::size_t n = units_.size();
+    const std::size_t n = run_units_;
+    if (tied_unit_ < units_.size()) {  // gradients for both uses of the tied parameters, zeroed once
+      if (!resident_[tied_unit_]) finish_gather(tied_unit_);
+      allocate_gradients(units_[tied_unit_]);
+    }
     const Tensor* g = &output_grad;
     for (std::size_t k = n; k-- > 0;) {
       const std::size_t previous = previous_with_parameters(k);
       if (options_.prefetch && previous < n && !resident_[previous]) start_gather(previous);
       if (!resident_[k]) finish_gather(k);
       Unit& unit = units_[k];
-      {
-        const MemoryScope memory("a shard unit's gradients (FullyShardedDataParallel)");
-        for (std::size_t j = 0; j < unit.params.size(); ++j) {
-          Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
-          p.grad.resize(unit.shapes[j]);
-          p.grad.zero();
-        }
-      }
+      allocate_gradients(unit);
       const auto began = Clock::now();
       g = &model_.backward_units(*g, cache_, unit.begin, unit.end);
       note_compute("backward " + unit_label(k), began);
       if (options_.stage == 3) release_parameters(k);
       start_reduction(k);
     }
+    if (tied_unit_ < units_.size()) {
+      if (options_.stage == 3) release_parameters(tied_unit_);
+      start_reduction(tied_unit_);
+    }
+  }
+  void allocate_gradients(Unit& unit) {
+    const MemoryScope memory("a shard unit's gradients (FullyShardedDataParallel)");
+    for (std::size_t j = 0; j < unit.params.size(); ++j) {
+      Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
+      p.grad.resize(unit.shapes[j]);
+      p.grad.zero();
+    }
   }
 
   // The first unit after k, or before k, that holds parameters (units_.size() when none).
   std::size_t next_with_parameters(std::size_t k) const {
-    for (std::size_t j = k + 1; j < units_.size(); ++j)
+    for (std::size_t j = k + 1; j < run_units_; ++j)
       if (units_[j].elements > 0) return j;
     return units_.size();
   }
@@ -716,6 +763,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
  private:
   std::string unit_label(std::size_t k) const {
     const Unit& u = units_[k];
+    if (u.tied) return "tied parameters";
     return u.end - u.begin == 1 ? model_.unit_name(u.begin)
                                 : model_.unit_name(u.begin) + ".." + model_.unit_name(u.end - 1);
   }
@@ -745,6 +793,21 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   typename Model::Cache cache_{}, eval_cache_{};
   typename Loss::Cache loss_cache_{}, eval_loss_cache_{};
   Tensor micro_input_, output_grad_;
+  tessera::Tensor<std::int64_t, Cpu> micro_ids_;  // a micro-batch's token ids (kTokenInput)
+  Input& micro_input() {
+    if constexpr (kTokenInput) return micro_ids_;
+    else return micro_input_;
+  }
+  std::size_t run_units_ = 0;   // the units that run model units (all but the tied unit)
+  std::size_t tied_unit_ = 0;   // the tied parameters' unit (units_.size() when none)
+  std::uint64_t dropout_key_ = 0;  // this step's (kHoldsDropout)
+  struct DropoutRelease {
+    Model* model;
+    ~DropoutRelease() {
+      if constexpr (kHoldsDropout)
+        if (model != nullptr) model->release_dropout_key();
+    }
+  };
   FullyShardedStepStats stats_;
 };
 

@@ -105,6 +105,15 @@ template <class M>
 concept TakesTokenIds = requires(M& m, const Tensor<std::int64_t, Cpu>& ids, typename M::Cache& c, std::size_t i) {
   { m.forward_units(ids, c, i, i) } -> std::same_as<const typename M::Tensor&>;
 };
+// A model whose dropout masks are keyed by position (GPT, models/gpt.hpp): a strategy that runs it
+// unit by unit or in micro-batches draws one key per step and holds it, with each micro-batch's
+// first row's place in the batch, so that every unit and micro-batch masks as the one-process step.
+template <class M>
+concept HoldsDropoutKey = requires(M& m) {
+  { m.next_dropout_key() } -> std::same_as<std::uint64_t>;
+  m.hold_dropout_key(std::uint64_t{}, std::int64_t{});
+  m.release_dropout_key();
+};
 // The parameters two units read (GPT's wte, also its lm_head): optional, none when absent.
 template <class M>
 auto tied_parameters(M& m) {
@@ -200,11 +209,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // A model with dropout masks keyed by position (GPT, models/gpt.hpp) draws one key per step on
   // every stage, held over the step's micro-batches, each with its first row's place in the whole
   // batch: every stage and micro-batch then masks exactly as the one-process step does.
-  static constexpr bool kHoldsDropout = requires(Model& mo) {
-    { mo.next_dropout_key() } -> std::same_as<std::uint64_t>;
-    mo.hold_dropout_key(std::uint64_t{}, std::int64_t{});
-    mo.release_dropout_key();
-  };
+  static constexpr bool kHoldsDropout = detail::HoldsDropoutKey<Model>;
 
   // The part of the model on this rank, as a model-like object for optimizers, checkpoints and a
   // DataParallel over the stage (hybrid data x pipeline parallelism).

@@ -16,7 +16,9 @@
 // safetensors alone does not do). Also: this rank's random generators ("rng.<name>"), the training
 // position and the optimizer's integers (the same in every file), "shard.save" (an id that the
 // files of one save share), "shard.rank" and "shard.ranks". Rank 0's file also holds the model's
-// buffers (BatchNorm's running statistics), whole: rank 0's, as every checkpoint of replicas does.
+// buffers (BatchNorm's running statistics), whole: rank 0's, as every checkpoint of replicas does;
+// a buffer that is a parameter's own tensor (GPT's lm_head.weight, the tie) is written as
+// "alias.<buffer>" = "<parameter>" instead, and loads with the parameter's pieces.
 //
 // Commit. Rank 0 removes the old index; the ranks agree that it is gone; each writes its file
 // (atomically, SafetensorsWriter::write); the ranks agree that all succeeded; then rank 0 writes
@@ -139,11 +141,21 @@ struct ShardSaver {
   std::string path;
   bool buffers = false;  // rank 0 writes the model's buffers
 
+  std::map<const void*, std::string> parameter_of;  // each parameter's value tensor -> its name
+
   template <class P>
-  void parameter(const std::string&, P&) {}  // the parameters come as pieces
+  void parameter(const std::string& name, P& p) {  // the parameters come as pieces
+    parameter_of[&p.value] = name;
+  }
   template <class S, class D>
   void buffer(const std::string& name, Tensor<S, D>& t) {
-    if (buffers) add(name, t);
+    if (!buffers) return;
+    // A buffer that is a parameter's own tensor (GPT's lm_head.weight, wte's): its pieces hold it.
+    if (const auto it = parameter_of.find(&t); it != parameter_of.end()) {
+      writer.set_metadata("alias." + name, it->second);
+      return;
+    }
+    add(name, t);
   }
   void integer_buffer(const std::string& name, std::int64_t& v) {
     if (!buffers) return;
@@ -207,12 +219,20 @@ struct ShardLoader {
   std::vector<std::string> problems;
   std::set<std::string> pieces_seen;
 
+  std::set<const void*> parameter_values;
+
   template <class P>
-  void parameter(const std::string& name, P&) {
+  void parameter(const std::string& name, P& p) {
     whole.seen.insert(name);  // a model parameter's name in rank 0's file is a piece, not unexpected
+    parameter_values.insert(&p.value);
   }
   template <class S, class D>
   void buffer(const std::string& name, Tensor<S, D>& t) {
+    if (parameter_values.count(&t)) {  // a parameter's own tensor (ShardSaver::buffer): loaded as pieces
+      if (!set.headers[0].metadata().count("alias." + name))
+        problems.push_back("missing entry 'alias." + name + "' (the buffer '" + name + "' is a parameter's tensor)");
+      return;
+    }
     whole.buffer(name, t);
   }
   void integer_buffer(const std::string& name, std::int64_t& v) { whole.integer_buffer(name, v); }
@@ -660,7 +680,11 @@ TESSERA_LINKAGE void consolidate_sharded_checkpoint(const std::string& dir, cons
   }
   if (!problems.empty()) throw IoError(detail::shard_problems_text(who, dir, problems));
   SafetensorsWriter writer;
-  // Whole tensors from their pieces; rank 0's other tensors (buffers) as they are.
+  // Whole tensors from their pieces (and under the names of buffers that alias them); rank 0's
+  // other tensors (buffers) as they are.
+  std::multimap<std::string, std::string> aliases;  // parameter -> buffer
+  for (const auto& [key, value] : files[0].metadata())
+    if (key.rfind("alias.", 0) == 0) aliases.emplace(value, key.substr(6));
   for (const auto& [name, pieces] : set.pieces) {
     const std::size_t size = dtype_size(pieces.front().dtype);
     std::vector<std::byte> bytes(static_cast<std::size_t>(pieces.front().whole.numel()) * size);
@@ -668,6 +692,8 @@ TESSERA_LINKAGE void consolidate_sharded_checkpoint(const std::string& dir, cons
       std::memcpy(bytes.data() + static_cast<std::size_t>(p.first) * size, files[static_cast<std::size_t>(p.rank)].raw(name),
                   static_cast<std::size_t>(p.length) * size);
     writer.add_raw(name, pieces.front().dtype, pieces.front().whole, bytes.data(), bytes.size());
+    const auto [first, last] = aliases.equal_range(name);
+    for (auto it = first; it != last; ++it) writer.add_raw(it->second, pieces.front().dtype, pieces.front().whole, bytes.data(), bytes.size());
   }
   for (const auto& name : files[0].names()) {
     if (set.pieces.count(name)) continue;
@@ -677,7 +703,7 @@ TESSERA_LINKAGE void consolidate_sharded_checkpoint(const std::string& dir, cons
   // Metadata: rank 0's integers; every rank's generators under save_checkpoint's per-rank names.
   for (const auto& [key, value] : files[0].metadata())
     if (key.rfind("piece.", 0) != 0 && key.rfind("checksum.", 0) != 0 && key.rfind("shard.", 0) != 0 &&
-        key.rfind("rng.", 0) != 0 && key != "format")
+        key.rfind("rng.", 0) != 0 && key.rfind("alias.", 0) != 0 && key != "format")
       writer.set_metadata(key, value);
   for (int r = 0; r < n; ++r)
     for (const auto& [key, value] : files[static_cast<std::size_t>(r)].metadata())
