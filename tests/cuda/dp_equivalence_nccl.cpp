@@ -4,8 +4,8 @@
 // Cases: LeNet-5 with SGD + momentum; LeNet-5 with 4 accumulated micro-steps, both ways DataParallel
 // offers (the loss / k of PyTorch DDP, and average_micro_steps); a small ResNet with
 // SyncBatchNorm (running statistics compared too); LeNet-5 under FullyShardedDataParallel (ZeRO-2
-// and ZeRO-3, parameters gathered back). One process per GPU, launched by tessera-run
-// (the NCCL id through its file store); exits 77 without a GPU.
+// and ZeRO-3, parameters gathered back; and their 16-bit wires, cast on the GPU). One process per
+// GPU, launched by tessera-run (the NCCL id through its file store); exits 77 without a GPU.
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -146,8 +146,10 @@ std::string run_case(NcclComm& comm, Maker, const Shape& sample, std::int64_t pe
   return problem;
 }
 
-// LeNet-5 under FullyShardedDataParallel at `stage`, SGD + momentum, against one GPU.
-std::string run_fsdp_case(NcclComm& comm, int stage) {
+// LeNet-5 under FullyShardedDataParallel at `stage`, SGD + momentum, against one GPU. With a
+// 16-bit wire (`wire`: parameters gathered and gradients reduce-scattered in bfloat16, cast on the
+// GPU) the parameters differ by the rounding (within 3e-2, as on the CPU) and must differ at all.
+std::string run_fsdp_case(NcclComm& comm, int stage, ShardDType wire = ShardDType::Same) {
   const int p = comm.size(), r = comm.rank();
   constexpr std::int64_t per_rank = 8, steps = 3;
   const std::int64_t global = per_rank * p;
@@ -156,7 +158,7 @@ std::string run_fsdp_case(NcclComm& comm, int stage) {
   auto reference = lenet5<Reference>(1, 28, 10, 7);
   const auto reference_named = train_reference(reference, data, sample, global, steps);
   auto model = lenet5<E>(1, 28, 10, r == 0 ? 7 : 100 + static_cast<std::uint64_t>(r));
-  FullyShardedDataParallel fsdp(model, comm, {.stage = stage});
+  FullyShardedDataParallel fsdp(model, comm, {.stage = stage, .param_dtype = wire, .reduce_dtype = wire});
   Sgd<E> sgd(fsdp.shard_parameters(), kSgd);
   FullyShardedOptimizer optimizer(fsdp, sgd);
   for (int s = 0; s < steps; ++s) {
@@ -176,6 +178,10 @@ std::string run_fsdp_case(NcclComm& comm, int stage) {
   }
   double fingerprint = 0;
   const double worst = compare(mine, want, fingerprint);
+  if (wire != ShardDType::Same)
+    return worst <= 3e-2 && worst > 1e-7 ? std::string()
+                                         : detail::cat("with a ", to_string(wire), " wire, parameters differ from one GPU by ",
+                                                       worst, " (relative; expected within (1e-7, 3e-2])");
   return worst <= 2e-4 ? std::string() : detail::cat("parameters differ from one GPU by ", worst, " (relative)");
 }
 
@@ -216,6 +222,8 @@ int main() {
         {"resnet + SyncBatchNorm", run_case(comm, resnet, {1, 3, 16, 16}, 4, 2, 1, true)},
         {"lenet fsdp stage 2", run_fsdp_case(comm, 2)},
         {"lenet fsdp stage 3", run_fsdp_case(comm, 3)},
+        {"lenet fsdp stage 3, bfloat16 wire", run_fsdp_case(comm, 3, ShardDType::BFloat16)},
+        {"lenet fsdp stage 2, float16 wire", run_fsdp_case(comm, 2, ShardDType::Float16)},
     };
     int failed = 0;
     for (const auto& c : cases) {

@@ -109,7 +109,7 @@ namespace tessera {
 // shard's master values, its gradients and the optimizer's state stay in the Env's scalar; the model
 // then computes with 16-bit-rounded weights (in its own arithmetic), and each rank's gradients are
 // rounded to 16 bits once before the average, which is reduced in float and rounded once more.
-// Host devices only (the casts run on the host).
+// The casts run on the device that holds the shard (cast_to_wire and its pair, kernels/elementwise).
 enum class ShardDType { Same, BFloat16, Float16 };
 
 inline const char* to_string(ShardDType t) {
@@ -172,9 +172,6 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
                   options_.stage, " must be 2 (gradients and optimizer state sharded) or 3 (parameters too)");
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "FullyShardedDataParallel: micro_batches=",
                   options_.micro_batches, " must be at least 1");
-    TESSERA_CHECK(D::host_accessible || (options_.param_dtype == ShardDType::Same && options_.reduce_dtype == ShardDType::Same),
-                  ArgumentError, "FullyShardedDataParallel: param_dtype and reduce_dtype other than Same cast on the "
-                  "host; on the device '", D::name, "' use ShardDType::Same");
     TESSERA_CHECK(options_.consistency_check_every >= 0, ArgumentError,
                   "FullyShardedDataParallel: consistency_check_every=", options_.consistency_check_every,
                   " must be >= 0 (0: no check)");
@@ -304,11 +301,12 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   using Clock = SpanSink::Clock;
 
   // A unit's buffers on a 16-bit wire: send and gathered (N s_u) values, packed gradients (N s_u)
-  // and their averaged shard (s_u). Host tensors of the caching allocator (released once used, so a
-  // step after the first takes them from its cache and its counters see them).
+  // and their averaged shard (s_u). Tensors of the shard's device and its caching allocator
+  // (released once used, so a step after the first takes them from its cache and its counters
+  // see them).
   template <class W>
   struct Wire16 {
-    tessera::Tensor<W, Cpu> send, gathered, grad, shard;
+    tessera::Tensor<W, D> send, gathered, grad, shard;
   };
 
   // The part of one model parameter that this rank owns, as a parameter of its own.
@@ -677,8 +675,8 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     }
   }
 
-  // The 16-bit wire (param_dtype, reduce_dtype other than Same; host devices, checked at
-  // construction): values and gradients cast on the way out and back.
+  // The 16-bit wire (param_dtype, reduce_dtype other than Same): values and gradients cast on the
+  // way out and back, on the shard's device.
   std::int64_t wire_bytes(ShardDType t) const {
     return t == ShardDType::Same ? static_cast<std::int64_t>(sizeof(S)) : std::int64_t{2};
   }
@@ -691,11 +689,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
   void start_gather_16(Unit& unit) {
     Wire16<W>& w = wire16<W>(unit);
     w.send.resize({unit.shard});
-    std::fill(w.send.data(), w.send.data() + unit.shard, W(0.0f));  // the last rank's padding
+    w.send.zero();  // the last rank's padding
     for (std::size_t j : unit.pieces) {
       const Piece& piece = pieces_[j];
-      const S* v = piece.param.value.data();
-      for (std::int64_t i = 0; i < piece.length; ++i) w.send.data()[piece.shard_offset + i] = W(static_cast<float>(v[i]));
+      cast_to_wire(D{}, piece.param.value.data(), piece.length, w.send.data() + piece.shard_offset);
     }
     w.gathered.resize({unit.shard * comm_.size()});
     unit.gather_work = comm_.all_gather_async(std::span<const W>(w.send.data(), static_cast<std::size_t>(unit.shard)),
@@ -707,8 +704,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     for (std::size_t j = 0; j < unit.params.size(); ++j) {
       Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
       p.value.resize(unit.shapes[j]);
-      const W* from = w.gathered.data() + unit.offset[j];
-      for (std::int64_t e = 0; e < p.value.numel(); ++e) p.value.data()[e] = static_cast<S>(static_cast<float>(from[e]));
+      cast_from_wire(D{}, w.gathered.data() + unit.offset[j], p.value.numel(), p.value.data());
     }
     w.send.release();
     w.gathered.release();
@@ -718,11 +714,10 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     Wire16<W>& w = wire16<W>(unit);
     const std::int64_t packed = unit.shard * comm_.size();
     w.grad.resize({packed});
-    std::fill(w.grad.data() + unit.elements, w.grad.data() + packed, W(0.0f));  // zeros in the padding
+    fill_elements(D{}, w.grad.data() + unit.elements, packed - unit.elements, W(0.0f));  // zeros in the padding
     for (std::size_t j = 0; j < unit.params.size(); ++j) {
       Parameter<S, D>& p = *named_.parameters[unit.params[j]].second;
-      W* to = w.grad.data() + unit.offset[j];
-      for (std::int64_t e = 0; e < p.grad.numel(); ++e) to[e] = W(static_cast<float>(p.grad.data()[e]));
+      cast_to_wire(D{}, p.grad.data(), p.grad.numel(), w.grad.data() + unit.offset[j]);
       p.grad.release();
     }
     w.shard.resize({unit.shard});
@@ -734,9 +729,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     Wire16<W>& w = wire16<W>(unit);
     for (std::size_t j : unit.pieces) {
       Piece& piece = pieces_[j];
-      S* g = piece.param.grad.data();
-      for (std::int64_t i = 0; i < piece.length; ++i)
-        g[i] += static_cast<S>(static_cast<float>(w.shard.data()[piece.shard_offset + i]));
+      add_from_wire(D{}, w.shard.data() + piece.shard_offset, piece.length, piece.param.grad.data());
     }
     w.grad.release();
     w.shard.release();

@@ -182,6 +182,24 @@ void scale_elements(Cpu, const S* x, std::int64_t n, S scale, S* out) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = scale * x[i];
 }
 
+// A 16-bit wire (W: Half or BHalf; a sharded strategy's gathers and reductions): values rounded
+// to W through float, read back through float, and added back through float.
+template <class S, class W>
+void cast_to_wire(Cpu, const S* x, std::int64_t n, W* out) {
+#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = W(static_cast<float>(x[i]));
+}
+template <class S, class W>
+void cast_from_wire(Cpu, const W* x, std::int64_t n, S* out) {
+#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(static_cast<float>(x[i]));
+}
+template <class S, class W>
+void add_from_wire(Cpu, const W* x, std::int64_t n, S* out) {
+#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold)
+  for (std::int64_t i = 0; i < n; ++i) out[i] += static_cast<S>(static_cast<float>(x[i]));
+}
+
 // Strided blocks (pitches in elements): dst rows of `width` elements at dst_pitch apart get the
 // src rows at src_pitch apart (copy_2d), or have them added (accumulate_2d). For gathering and
 // scattering column slices (tensor parallelism).

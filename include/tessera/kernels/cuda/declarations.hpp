@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "tessera/core/half.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/kernels/attention_dims.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
@@ -66,6 +67,12 @@ template <class S>
 void unscale_and_flag(Cuda, S* g, std::int64_t n, S inv_scale, std::int32_t* found_nonfinite);
 template <class S>
 void scale_elements(Cuda, const S* x, std::int64_t n, S scale, S* out);
+template <class S, class W>
+void cast_to_wire(Cuda, const S* x, std::int64_t n, W* out);
+template <class S, class W>
+void cast_from_wire(Cuda, const W* x, std::int64_t n, S* out);
+template <class S, class W>
+void add_from_wire(Cuda, const W* x, std::int64_t n, S* out);
 template <class S>
 void copy_2d(Cuda, S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch, std::int64_t width,
              std::int64_t rows);
@@ -289,7 +296,13 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
   template void lamb_moments<S>(Cuda, std::int64_t, const S*, const S*, S*, S*, S*, LambCoefficients<S>);          \
   template void lamb_apply<S>(Cuda, std::int64_t, S*, const S*, S);
 // Tensor<T, Cuda>::fill for the integer element types a program keeps on the GPU (GradScaler's
-// found-inf flag, labels, masks).
+// found-inf flag, labels, masks), and the 16-bit ones of a sharded strategy's wire.
 #define TESSERA_CUDA_FILL_INSTANCES(T) template void fill_elements<T>(Cuda, T*, std::int64_t, T);
+// The 16-bit wire's casts (FullyShardedDataParallel's param_dtype and reduce_dtype), S float or
+// double, W Half or BHalf.
+#define TESSERA_CUDA_WIRE_INSTANCES(S, W)                                 \
+  template void cast_to_wire<S, W>(Cuda, const S*, std::int64_t, W*);   \
+  template void cast_from_wire<S, W>(Cuda, const W*, std::int64_t, S*); \
+  template void add_from_wire<S, W>(Cuda, const W*, std::int64_t, S*);
 
 }  // namespace tessera

@@ -3,8 +3,12 @@
 // device's stream; none synchronizes.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
+#include "tessera/core/half.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/kernels/cuda/launch.cuh"
 #include "tessera/kernels/dropout_key.hpp"
@@ -123,6 +127,25 @@ __global__ void scale_elements_kernel(const S* x, std::int64_t n, S scale, S* ou
   TESSERA_CUDA_FOR(i, n) out[i] = scale * x[i];
 }
 
+// The 16-bit wire, on the bits: Half and BHalf hold one std::uint16_t (core/half.hpp), converted
+// with CUDA's round-to-nearest-even intrinsics, as the host's conversions round.
+__device__ inline std::uint16_t float_to_wire_bits(float v, BHalf*) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+__device__ inline std::uint16_t float_to_wire_bits(float v, Half*) { return __half_as_ushort(__float2half_rn(v)); }
+__device__ inline float wire_bits_to_float(std::uint16_t b, BHalf*) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+__device__ inline float wire_bits_to_float(std::uint16_t b, Half*) { return __half2float(__ushort_as_half(b)); }
+template <class S, class W>
+__global__ void cast_to_wire_kernel(const S* x, std::int64_t n, std::uint16_t* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] = float_to_wire_bits(static_cast<float>(x[i]), static_cast<W*>(nullptr));
+}
+template <class S, class W>
+__global__ void cast_from_wire_kernel(const std::uint16_t* x, std::int64_t n, S* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] = static_cast<S>(wire_bits_to_float(x[i], static_cast<W*>(nullptr)));
+}
+template <class S, class W>
+__global__ void add_from_wire_kernel(const std::uint16_t* x, std::int64_t n, S* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] += static_cast<S>(wire_bits_to_float(x[i], static_cast<W*>(nullptr)));
+}
+
 template <class S>
 __global__ void accumulate_2d_kernel(S* dst, std::int64_t dst_pitch, const S* src, std::int64_t src_pitch,
                                      std::int64_t width, std::int64_t rows) {
@@ -212,6 +235,23 @@ void unscale_and_flag(Cuda, S* g, std::int64_t n, S inv_scale, std::int32_t* fou
 template <class S>
 void scale_elements(Cuda, const S* x, std::int64_t n, S scale, S* out) {
   TESSERA_CUDA_LAUNCH(cuda_detail::scale_elements_kernel<S>, n, x, n, scale, out);
+}
+
+template <class S, class W>
+void cast_to_wire(Cuda, const S* x, std::int64_t n, W* out) {
+  static_assert(sizeof(W) == sizeof(std::uint16_t), "a 16-bit wire type (Half, BHalf)");
+  auto* const cast_to_wire_kernel = &cuda_detail::cast_to_wire_kernel<S, W>;
+  TESSERA_CUDA_LAUNCH(cast_to_wire_kernel, n, x, n, reinterpret_cast<std::uint16_t*>(out));
+}
+template <class S, class W>
+void cast_from_wire(Cuda, const W* x, std::int64_t n, S* out) {
+  auto* const cast_from_wire_kernel = &cuda_detail::cast_from_wire_kernel<S, W>;
+  TESSERA_CUDA_LAUNCH(cast_from_wire_kernel, n, reinterpret_cast<const std::uint16_t*>(x), n, out);
+}
+template <class S, class W>
+void add_from_wire(Cuda, const W* x, std::int64_t n, S* out) {
+  auto* const add_from_wire_kernel = &cuda_detail::add_from_wire_kernel<S, W>;
+  TESSERA_CUDA_LAUNCH(add_from_wire_kernel, n, reinterpret_cast<const std::uint16_t*>(x), n, out);
 }
 
 template <class S>
