@@ -505,7 +505,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
       } else {
         h = &model_.forward_units(k == 0 ? x : *h, cache, units_[k].begin, units_[k].end);
       }
-      note_compute("forward " + unit_label(k), began);
+      note_compute("forward ", k, began);
       if (options_.stage == 3 && !(keep_last && k + 1 == n)) release_parameters(k);
     }
     if (options_.stage == 3 && !keep_last && tied_unit_ < units_.size()) release_parameters(tied_unit_);
@@ -530,7 +530,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
       allocate_gradients(unit);
       const auto began = Clock::now();
       g = &model_.backward_units(*g, cache_, unit.begin, unit.end);
-      note_compute("backward " + unit_label(k), began);
+      note_compute("backward ", k, began);
       if (options_.stage == 3) release_parameters(k);
       start_reduction(k);
     }
@@ -597,7 +597,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     if (!unit.gathering) start_gather(k);
     unit.gather_work.wait();
     unit.gathering = false;
-    note_communication("all_gather " + unit_label(k), unit.shard * comm_.size(), unit.gather_began);
+    note_communication("all_gather ", k, unit.gather_began);
     const MemoryScope memory("a shard unit's gathered parameters (FullyShardedDataParallel)");
     if (options_.param_dtype == ShardDType::BFloat16) {
       finish_gather_16<BHalf>(unit);
@@ -660,7 +660,7 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     if (!unit.reducing) return;
     unit.reduce_work.wait();
     unit.reducing = false;
-    note_communication("reduce_scatter " + unit_label(k), unit.shard * comm_.size(), unit.reduce_began);
+    note_communication("reduce_scatter ", k, unit.reduce_began);
     if (options_.reduce_dtype == ShardDType::BFloat16) {
       finish_reduction_16<BHalf>(unit);
     } else if (options_.reduce_dtype == ShardDType::Float16) {
@@ -760,13 +760,16 @@ class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, Updat
     return u.end - u.begin == 1 ? model_.unit_name(u.begin)
                                 : model_.unit_name(u.begin) + ".." + model_.unit_name(u.end - 1);
   }
-  void note_compute(const std::string& what, Clock::time_point began) {
-    if (options_.timeline) options_.timeline->add(what, "compute", began, Clock::now(), SpanSink::kCompute);
-  }
-  void note_communication(const std::string& what, std::int64_t elements, Clock::time_point began) {
+  // Spans on the timeline, their names built only when one records (a step allocates nothing else).
+  void note_compute(const char* what, std::size_t k, Clock::time_point began) {
     if (options_.timeline)
-      options_.timeline->add(what + " (" + std::to_string(elements * static_cast<std::int64_t>(sizeof(S)) / 1024) + " KiB)",
-                             "communication", began, Clock::now(), SpanSink::kCommunication);
+      options_.timeline->add(what + unit_label(k), "compute", began, Clock::now(), SpanSink::kCompute);
+  }
+  void note_communication(const char* what, std::size_t k, Clock::time_point began) {
+    if (!options_.timeline) return;
+    const std::int64_t bytes = units_[k].shard * comm_.size() * static_cast<std::int64_t>(sizeof(S));
+    options_.timeline->add(what + unit_label(k) + " (" + std::to_string(bytes / 1024) + " KiB)", "communication", began,
+                           Clock::now(), SpanSink::kCommunication);
   }
 
   Model& model_;

@@ -219,6 +219,19 @@ inline bool rng_from_string(const std::string& text, Rng::State& s) {
   return n == 6;
 }
 
+// A save refuses NaN and infinities (unless options allow them), naming the tensor and element.
+template <class S>
+void check_finite_for_save(const char* who, const std::string& path, const CheckpointOptions& options,
+                           const std::string& name, const Tensor<S, Cpu>& t) {
+  if constexpr (std::is_floating_point_v<S>) {
+    if (options.allow_non_finite) return;
+    const std::string bad = non_finite_report<S>(name, t.shape(), t.data());
+    TESSERA_CHECK(bad.empty(), ArgumentError, who, ": '", path, "': ", bad,
+                  "; nothing was written (a diverged run? pass CheckpointOptions{.allow_non_finite = true} to "
+                  "save it anyway)");
+  }
+}
+
 struct CheckpointSaver {
   SafetensorsWriter& writer;
   const CheckpointOptions& options;
@@ -249,13 +262,7 @@ struct CheckpointSaver {
 
   template <class S>
   void check_finite(const std::string& name, const Tensor<S, Cpu>& t) {
-    if constexpr (std::is_floating_point_v<S>) {
-      if (options.allow_non_finite) return;
-      const std::string bad = non_finite_report<S>(name, t.shape(), t.data());
-      TESSERA_CHECK(bad.empty(), ArgumentError, "save_checkpoint: '", path, "': ", bad,
-                    "; nothing was written (a diverged run? pass CheckpointOptions{.allow_non_finite = true} to "
-                    "save it anyway)");
-    }
+    check_finite_for_save("save_checkpoint", path, options, name, t);
   }
 };
 

@@ -123,7 +123,6 @@ TESSERA_LINKAGE bool parse_piece_entry(const std::string& text, std::int64_t& fi
 // Every shard file's header, checked against the index and each other; throws IoError listing
 // every problem (a missing file is named with the rank that wrote it).
 struct ShardSet {
-  std::string dir;
   ShardIndex index;
   std::vector<SafetensorsFile> headers;                    // [rank]
   std::map<std::string, std::vector<SavedPiece>> pieces;   // name -> its pieces, in element order
@@ -182,12 +181,7 @@ struct ShardSaver {
   }
   template <class S>
   void add_host(const std::string& name, const Tensor<S, Cpu>& t) {
-    if constexpr (std::is_floating_point_v<S>) {
-      const std::string bad = options.allow_non_finite ? std::string() : non_finite_report<S>(name, t.shape(), t.data());
-      TESSERA_CHECK(bad.empty(), ArgumentError, "save_sharded_checkpoint: '", path, "': ", bad,
-                    "; nothing was written (a diverged run? pass CheckpointOptions{.allow_non_finite = true} to "
-                    "save it anyway)");
-    }
+    check_finite_for_save("save_sharded_checkpoint", path, options, name, t);
     writer.add(name, t);
     writer.set_metadata("checksum." + name, hex64(checksum64(t.data(), t.bytes())));
   }
@@ -196,14 +190,13 @@ struct ShardSaver {
 // A piece this rank asks for.
 struct PieceRequest {
   std::string name;
-  Shape whole;
   std::int64_t first = 0, length = 0;
 };
 struct PiecePlanner {
   std::vector<PieceRequest> requests;
   template <class S, class D>
-  void piece(const std::string& name, const Shape& whole, std::int64_t first, Tensor<S, D>& t) {
-    if (t.numel() > 0) requests.push_back({name, whole, first, t.numel()});
+  void piece(const std::string& name, const Shape&, std::int64_t first, Tensor<S, D>& t) {
+    if (t.numel() > 0) requests.push_back({name, first, t.numel()});
   }
   void integer(const std::string&, std::int64_t&) {}
 };
@@ -569,7 +562,6 @@ TESSERA_LINKAGE void detail::remove_other_shard_files(const std::string& dir, in
 
 TESSERA_LINKAGE auto detail::open_shard_set(const std::string& dir, const char* who) -> ShardSet {
   ShardSet set;
-  set.dir = dir;
   try {
     set.index = read_shard_index(dir);
   } catch (const IoError& e) {
