@@ -97,5 +97,13 @@ for ((s = 0; s < shards; s++)); do
     cat "$build/shard-$s.log"
   fi
 done
+# A failing shard's whole output is long and CI shows only the end of the log: the failed cases and
+# assertions (Catch2's FAILED blocks) and any sanitizer report go last, where they are read.
+if ((rc != 0)); then
+  for ((s = 0; s < shards; s++)); do
+    grep -n -B 14 -A 6 -E "FAILED:|ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" \
+      "$build/shard-$s.log" | head -120 | sed "s|^|shard $s: |"
+  done
+fi
 echo "sanitize.sh: tessera_tests under ASan+UBSan: $total cases in $shards shards: exit $rc in $(($(date +%s) - start)) s"
 exit "$rc"

@@ -175,11 +175,15 @@ TEST_CASE("ThreadComm: a stalled rank makes the others time out naming it", "[co
   a.join();
   b.join();
   for (int r : {0, 1}) {
-    INFO(errors[r]);
+    INFO(errors[r] << " (waited " << waited[r] << " s)");
     CHECK(errors[r].find("barrier() on rank " + std::to_string(r) + " of 3") != std::string::npos);
     CHECK(errors[r].find("timed out after 0.3 s waiting for rank(s) 2") != std::string::npos);
     CHECK(waited[r] >= 0.29);
-    CHECK(waited[r] < 0.6);  // within 2x the timeout
+    // Woken by the timeout, not by a later deadline (the default is 300 s). The bound is loose on
+    // purpose: under ASan on a loaded 2-core CI box a waiter can wake well after its deadline (a
+    // sanitizer CI run failed two assertions in one case of the shard holding this one, most
+    // likely the former bound of 0.6 s for both waiters).
+    CHECK(waited[r] < 3.0);
   }
   // The communicator is broken from now on: later calls fail at once, saying why.
   std::vector<float> x(1);
