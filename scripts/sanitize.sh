@@ -7,25 +7,32 @@
 #
 #   scripts/sanitize.sh                      build-sanitize/, all cases
 #   scripts/sanitize.sh --build DIR [CATCH2 ARGS...]   e.g. '[data]' for one area
-# The compiler is clang++ where it is installed (scripts/setup.sh installs it for the fuzzers), the
-# one meson picks otherwise; CXX chooses another. See tests/fuzz/README.md.
+# The compiler is the one of clang++ and g++ that the main build does not use (below); CXX chooses
+# another. See tests/fuzz/README.md.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="$root/build-sanitize"
+main_build="$root/build"
 if [ "${1:-}" = --build ]; then
   build="$2"
+  main_build="$(dirname "$build")"  # meson's test passes <main build>/sanitize
   shift 2
 fi
 
-# clang: the main build is g++'s, so every unit test also compiles with a second compiler here
-# (clang 14 refused what g++ 12 let pass: a lambda capturing a structured binding, a constraint
-# naming tuple_element_t<-1>), and it builds and runs faster (2026-12-01, one run each, same hour:
-# 310 s against 337 for build and run; docs/testing.md). A directory configured before keeps its
-# compiler (meson does not change it on --reconfigure). clang's sanitizer runtime
-# (libclang-rt-14-dev) must be there too: without it -print-file-name answers the bare name.
-if [ -z "${CXX:-}" ] && command -v clang++ >/dev/null && command -v clang >/dev/null &&
-  [ -f "$(clang++ -print-file-name=libclang_rt.asan-x86_64.a)" ]; then
-  export CXX=clang++ CC=clang
+# A second compiler: this build takes the one of clang++ and g++ that the main build (build/, or
+# the directory above --build's) does not use, so every unit test compiles under both. The main
+# build is clang's where it is installed (scripts/setup.sh), so this one is g++'s; with a g++ main
+# build it is clang's (which refused what g++ 12 let pass: a lambda capturing a structured
+# binding, a constraint naming tuple_element_t<-1>), given clang's sanitizer runtime
+# (libclang-rt-14-dev: without it -print-file-name answers the bare name). CXX chooses another; a
+# directory configured before keeps its compiler (meson does not change it on --reconfigure).
+if [ -z "${CXX:-}" ]; then
+  if grep -q -m1 -E '^ command = (ccache )?clang\+\+ ' "$main_build/build.ninja" 2>/dev/null; then
+    command -v g++ >/dev/null && export CXX=g++ CC=gcc
+  elif command -v clang++ >/dev/null && command -v clang >/dev/null &&
+    [ -f "$(clang++ -print-file-name=libclang_rt.asan-x86_64.a)" ]; then
+    export CXX=clang++ CC=clang
+  fi
 fi
 # Only what the unit tests need: no communicator libraries, examples or benchmarks. -g1: line
 # tables only, which is what the reports' stack traces print (file:line), without the type and

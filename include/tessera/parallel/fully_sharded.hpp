@@ -145,8 +145,10 @@ struct FullyShardedStepStats {
   int gathers = 0, reduce_scatters = 0;
 };
 
+// final, as Zero1: UpdateGuard's destructor is protected and not virtual, so nothing may derive
+// from a strategy that is destroyed as itself (clang warns about it through std::optional).
 template <Stageable Model, class Loss = CrossEntropyLoss<typename Model::Env>>
-class FullyShardedDataParallel : public StrategyBase<typename Model::Env>, UpdateGuard {
+class FullyShardedDataParallel final : public StrategyBase<typename Model::Env>, UpdateGuard {
  public:
   using Env = typename Model::Env;
   using S = typename Env::Scalar;

@@ -83,7 +83,15 @@ inline void copy_row(S* dst, const S* src, std::int64_t n) {
 #if TESSERA_X86_DISPATCH
 TESSERA_TARGET_AVX512 inline void copy_row_stride2_avx512(float* dst, const float* src, std::int64_t n) {
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  for (std::int64_t i = 0; i < n; i += 16) {
+  std::int64_t i = 0;
+  // Whole vectors while both loads stay inside the row (src[2 i + 31] <= src[2 (n - 1)]), then one
+  // masked pass: g++ peels the masks out of a single masked loop by itself, clang does not (it
+  // kept both loads masked in every pass: im2col 45.5 samples per 1,000 of sgemm's against 31.6 in a
+  // ResNet-50 profile).
+  for (; i + 17 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_permutex2var_ps(_mm512_loadu_ps(src + 2 * i), even,
+                                                     _mm512_loadu_ps(src + 2 * i + 16)));
+  for (; i < n; i += 16) {
     const std::int64_t lanes = std::min<std::int64_t>(16, n - i), span = 2 * lanes - 1;  // elements read
     const __m512 lo = _mm512_maskz_loadu_ps(lanes16(span), src + 2 * i);
     const __m512 hi = _mm512_maskz_loadu_ps(lanes16(span - 16), src + 2 * i + 16);

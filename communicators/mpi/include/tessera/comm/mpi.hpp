@@ -633,7 +633,8 @@ TESSERA_MPI_LINKAGE Work MpiComm::make_work(MPI_Request request, What what, std:
   constexpr bool collective =
       std::is_same_v<What, detail::CallSignature> || std::is_same_v<What, detail::CallCheckOf>;
   const std::int64_t index = collective ? handle->core.board()->entered.load(std::memory_order_relaxed) : 0;
-  auto wait = [handle, what, poll, index]() { handle->core.wait(what, index, poll); };
+  // `call = index`: for a point-to-point call index is the constant 0, which clang would not capture.
+  auto wait = [handle, what, poll, call = index]() { handle->core.wait(what, call, poll); };
   return Work(std::move(wait), [poll] { return poll(); });
 }
 
