@@ -57,10 +57,9 @@ else
     options+=(--native-file build/cuda-native.ini)
   fi
   # The compiler: clang++ where it is installed with its OpenMP runtime (the packages above), else
-  # the system's c++ (g++). clang builds every target in about half of g++'s compile-seconds (718
-  # against 1,293 on 2 cores, the examples' -O0 objects in 2.7 s against 6.7) and trains as fast
-  # (bench/README.md, "Build and test time"); the sanitizer build keeps g++ compiling every unit
-  # test. CXX=g++ (or any compiler) chooses another; a build directory keeps the compiler it was
+  # the system's c++ (g++). clang builds every target in about half of g++'s compile-seconds and
+  # trains as fast (docs/testing.md, "clang++ is the build's compiler"); the sanitizer build keeps
+  # g++ compiling every unit test. CXX=g++ (or any compiler) chooses another; a build directory keeps the compiler it was
   # configured with (remove it to switch).
   if [ -z "${CXX:-}" ] && command -v clang++ >/dev/null && command -v clang >/dev/null &&
     printf '#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n' |

@@ -116,8 +116,8 @@ struct Bf16Source {
 // out[panel][pair][width] words, zero-padded to whole panels and an even k. width is a template
 // argument so that the loop over a panel's vectors unrolls (3 for B's 48, 1 for A's 8) with its
 // loads in flight together: g++ did that only where it inlined the call, clang nowhere, and the
-// packing, bound by those loads, took about a quarter more of a bfloat16 ResNet-50 step under clang
-// (ResNet-50 b8 bfloat16, clang / g++: 0.954 before, 1.001 after; bench/README.md).
+// packing, bound by those loads, took a larger share of a bfloat16 ResNet-50 step under clang
+// (docs/testing.md, "clang++ is the build's compiler").
 template <std::int64_t width>
 TESSERA_BF16_TARGET inline void bf16_pack(const Bf16Source& src, std::int64_t r0, std::int64_t rows, std::int64_t k0,
                                           std::int64_t kk, std::uint32_t* out) {

@@ -86,8 +86,8 @@ TESSERA_TARGET_AVX512 inline void copy_row_stride2_avx512(float* dst, const floa
   std::int64_t i = 0;
   // Whole vectors while both loads stay inside the row (src[2 i + 31] <= src[2 (n - 1)]), then one
   // masked pass: g++ peels the masks out of a single masked loop by itself, clang does not (it
-  // kept both loads masked in every pass: im2col 45.5 samples per 1,000 of sgemm's against 31.6 in a
-  // ResNet-50 profile).
+  // kept both loads masked in every pass, and im2col took a larger share of a ResNet-50 step:
+  // docs/testing.md, "clang++ is the build's compiler").
   for (; i + 17 <= n; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_permutex2var_ps(_mm512_loadu_ps(src + 2 * i), even,
                                                      _mm512_loadu_ps(src + 2 * i + 16)));
