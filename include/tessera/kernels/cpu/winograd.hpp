@@ -65,7 +65,7 @@ namespace detail {
 // its first n lanes only.
 // (Wider than the target's registers would change the ABI of these helpers: -Wpsabi.)
 // The width is the compile-time target's, so this layout and the 16-lane helpers written for it
-// (the masked store below, pixels_to_vectors) stay under the compiler's own AVX-512 macro; the
+// (the masked store below, to_channel_block's transposition) stay under the compiler's own AVX-512 macro; the
 // kernels that do not depend on it are chosen at run time (kernels/cpu/capability.hpp).
 #if defined(__AVX512F__)
 constexpr int kWinogradVectorBytes = 64;
@@ -504,46 +504,16 @@ void winograd_output_gradient_transform(const WinogradPass& p, const WinogradBlo
 //   M^T[xi] (T, K) = V^T[xi] (T, C) U[xi]^T        dU[xi] (K, C) += dM^T[xi]^T (K, T) V^T[xi] (T, C)
 // and the output pixels go back to NCHW by the inverse transposition.
 
-// The L channels [c0, c0 + L) of n <= L consecutive pixels (channel rows `stride` apart), one
-// vector of channels per pixel: to[j][l] = from[l stride + j]; pixels whose to[j] is null are
-// skipped.
-template <class S>
-void pixels_to_vectors(const S* from, std::int64_t stride, std::int64_t n, S* const* to) {
-  constexpr std::int64_t L = WinogradVector<S>::width;
+// The two transpositions below walk L consecutive pixels of a plane at a time, pixel j at
+// frame row y, column x (x wrapping at the image width w). With AVX-512 (float) the L channels
+// of those pixels are one 16 x 16 register transpose; its 16 vectors are stored (or loaded) one
+// pixel at a time in a loop unrolled at compile time, so that each vector's index is a constant:
+// through a table of destinations indexed at run time, clang kept the 16 vectors on the stack
+// and a ResNet-20 step at one thread spent a fifth of its time here (bench/README.md, "The
+// channel-blocked transposition under clang").
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<S, float>) {
-    const __mmask16 m = lanes16(n);
-    __m512i w[16];
-    for (int l = 0; l < 16; ++l) w[l] = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, from + l * stride));
-    transpose16(w);
-    for (std::int64_t j = 0; j < n; ++j)
-      if (to[j]) _mm512_storeu_ps(to[j], _mm512_castsi512_ps(w[j]));
-    return;
-  }
+#define TESSERA_UNROLL16 _Pragma("GCC unroll 16")
 #endif
-  for (std::int64_t j = 0; j < n; ++j)
-    if (to[j])
-      for (std::int64_t l = 0; l < L; ++l) to[j][l] = from[l * stride + j];
-}
-
-// The inverse: to[l stride + j] = from[j][l] for j < n <= L.
-template <class S>
-void vectors_to_pixels(const S* const* from, std::int64_t n, S* to, std::int64_t stride) {
-  constexpr std::int64_t L = WinogradVector<S>::width;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<S, float>) {
-    __m512i w[16];
-    for (int j = 0; j < 16; ++j)
-      w[j] = j < n ? _mm512_castps_si512(_mm512_loadu_ps(from[j])) : _mm512_setzero_si512();
-    transpose16(w);
-    const __mmask16 m = lanes16(n);
-    for (int l = 0; l < 16; ++l) _mm512_mask_storeu_ps(to + l * stride, m, _mm512_castsi512_ps(w[l]));
-    return;
-  }
-#endif
-  for (std::int64_t j = 0; j < n; ++j)
-    for (std::int64_t l = 0; l < L; ++l) to[l * stride + j] = from[j][l];
-}
 
 // frame (count, hb, wb, L) <- channels [c0, c0 + L) of `count` samples of in (count, channels, h, w):
 //   frame[s][y][x][l] = in[s][c0 + l][y0 + y][x - x0], zero where that pixel lies outside the plane
@@ -555,7 +525,7 @@ void to_channel_block(const S* in, std::int64_t count, std::int64_t channels, st
   constexpr std::int64_t L = WinogradVector<S>::width;
   const std::int64_t ya = std::clamp<std::int64_t>(-y0, 0, hb), yb = std::clamp<std::int64_t>(h - y0, ya, hb);
   const std::int64_t xb = std::clamp<std::int64_t>(x0 + w, x0, wb);  // frame columns [x0, xb) have a pixel
-  const std::int64_t row = wb * L;
+  const std::int64_t row = wb * L, stride = h * w;
   for (std::int64_t s = 0; s < count; ++s) {
     S* f = frame + s * hb * row;
     std::fill(f, f + ya * row, S(0));
@@ -564,17 +534,32 @@ void to_channel_block(const S* in, std::int64_t count, std::int64_t channels, st
       std::fill(f + y * row, f + y * row + x0 * L, S(0));
       std::fill(f + y * row + xb * L, f + (y + 1) * row, S(0));
     }
-    const S* plane = in + (s * channels + c0) * h * w;
+    const S* plane = in + (s * channels + c0) * stride;
     const std::int64_t last = (y0 + yb) * w;
     std::int64_t y = ya, x = 0;  // frame row and source column of pixel q
     for (std::int64_t q = (y0 + ya) * w; q < last; q += L) {
       const std::int64_t n = std::min(L, last - q);
-      S* to[L];
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<S, float>) {
+        const __mmask16 m = lanes16(n);
+        __m512i v[16];  // v[l]: channel c0 + l of the 16 pixels; after the transpose v[j]: pixel j's channels
+        TESSERA_UNROLL16
+        for (int l = 0; l < 16; ++l) v[l] = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, plane + q + l * stride));
+        transpose16(v);
+        TESSERA_UNROLL16
+        for (int j = 0; j < 16; ++j)
+          if (j < n) {
+            if (x0 + x < wb) _mm512_storeu_ps(f + y * row + (x0 + x) * L, _mm512_castsi512_ps(v[j]));
+            if (++x == w) x = 0, ++y;
+          }
+        continue;
+      }
+#endif
       for (std::int64_t j = 0; j < n; ++j) {
-        to[j] = x0 + x < wb ? f + y * row + (x0 + x) * L : nullptr;
+        if (x0 + x < wb)
+          for (std::int64_t l = 0; l < L; ++l) f[y * row + (x0 + x) * L + l] = plane[q + l * stride + j];
         if (++x == w) x = 0, ++y;
       }
-      pixels_to_vectors(plane + q, h * w, n, to);
     }
   }
 }
@@ -586,22 +571,42 @@ void from_channel_block(const S* frame, std::int64_t count, std::int64_t hb, std
                         std::int64_t channels, std::int64_t h, std::int64_t w, std::int64_t c0, std::int64_t y0,
                         S* out) {
   constexpr std::int64_t L = WinogradVector<S>::width;
+  const std::int64_t stride = h * w;
   for (std::int64_t s = 0; s < count; ++s) {
     const S* f = frame + s * hb * wb * L;
-    S* plane = out + (s * channels + c0) * h * w;
+    S* plane = out + (s * channels + c0) * stride;
     const std::int64_t last = (y0 + rows) * w;
     std::int64_t y = 0, x = 0;
     for (std::int64_t q = y0 * w; q < last; q += L) {
       const std::int64_t n = std::min(L, last - q);
-      const S* from[L];
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<S, float>) {
+        __m512i v[16];  // v[j]: pixel j's channels; after the transpose v[l]: channel c0 + l of the 16 pixels
+        TESSERA_UNROLL16
+        for (int j = 0; j < 16; ++j) {
+          v[j] = _mm512_setzero_si512();
+          if (j < n) {
+            v[j] = _mm512_castps_si512(_mm512_loadu_ps(f + (y * wb + x) * L));
+            if (++x == w) x = 0, ++y;
+          }
+        }
+        transpose16(v);
+        const __mmask16 m = lanes16(n);
+        TESSERA_UNROLL16
+        for (int l = 0; l < 16; ++l) _mm512_mask_storeu_ps(plane + q + l * stride, m, _mm512_castsi512_ps(v[l]));
+        continue;
+      }
+#endif
       for (std::int64_t j = 0; j < n; ++j) {
-        from[j] = f + (y * wb + x) * L;
+        for (std::int64_t l = 0; l < L; ++l) plane[q + l * stride + j] = f[(y * wb + x) * L + l];
         if (++x == w) x = 0, ++y;
       }
-      vectors_to_pixels(from, n, plane + q, h * w);
     }
   }
 }
+#if defined(__AVX512F__)
+#undef TESSERA_UNROLL16
+#endif
 
 // Whether a convolution (or one pass of it) runs the channel-blocked path: both channel counts
 // multiples of L.
