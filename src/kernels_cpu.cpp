@@ -27,6 +27,7 @@
 #include "tessera/comm/monitor.hpp"
 #include "tessera/comm/threads.hpp"
 #include "tessera/core/allocator.hpp"
+#include "tessera/core/random.hpp"
 #include "tessera/core/shape.hpp"
 #include "tessera/data/dataset.hpp"
 #include "tessera/data/fashion_mnist.hpp"

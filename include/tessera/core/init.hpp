@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
@@ -26,28 +27,44 @@ std::int64_t fan(const Tensor<S, D>& w, FanMode mode) {
 
 namespace detail {
 // Draws on the host in element order (so a seed gives the same values on every device), then
-// copies to the device when it is not the host.
-template <class S, class D, class Draw>
-void fill_from_host(Tensor<S, D>& t, Draw draw) {
+// copies to the device when it is not the host. draws(out, n) writes n consecutive values.
+template <class S, class D, class Draws>
+void fill_from_host(Tensor<S, D>& t, Draws draws) {
   if constexpr (D::host_accessible) {
-    for (auto& v : t) v = static_cast<S>(draw());
+    draws(t.data(), t.numel());
   } else {
     Tensor<S, Cpu> host(t.shape());
-    for (auto& v : host) v = static_cast<S>(draw());
+    draws(host.data(), host.numel());
     D::copy_to_device(t.data(), host.data(), host.bytes());
     D::synchronize();
   }
 }
+
+// float and double draw through Rng's compiled loops; another element type one value at a time.
+template <class S>
+constexpr bool rng_fills_v = std::is_same_v<S, float> || std::is_same_v<S, double>;
 }  // namespace detail
 
 template <class S, class D>
 void uniform_(Tensor<S, D>& t, double lo, double hi, Rng& rng) {
-  detail::fill_from_host(t, [&] { return rng.uniform(lo, hi); });
+  detail::fill_from_host(t, [&](S* out, std::int64_t n) {
+    if constexpr (detail::rng_fills_v<S>) {
+      rng.fill_uniform(out, n, lo, hi);
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(rng.uniform(lo, hi));
+    }
+  });
 }
 
 template <class S, class D>
 void normal_(Tensor<S, D>& t, double mean, double stddev, Rng& rng) {
-  detail::fill_from_host(t, [&] { return rng.normal(mean, stddev); });
+  detail::fill_from_host(t, [&](S* out, std::int64_t n) {
+    if constexpr (detail::rng_fills_v<S>) {
+      rng.fill_normal(out, n, mean, stddev);
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(rng.normal(mean, stddev));
+    }
+  });
 }
 
 // He initialization for layers followed by ReLU: std = sqrt(2 / fan).
