@@ -128,8 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # --cuda stops after nvcc's front end (cudafe++ over the host and device code, cicc
                 # over the device code) and writes the host half as C++ instead of compiling it: a
                 # header that leans on an include it lacks fails there already, and the host
-                # compiler sees every .cuh anyway in the build's CUDA sources. About half of a
-                # whole compile (-c) per header (bench/README.md, "Build and test time").
+                # compiler sees every .cuh anyway in the build's CUDA sources. Each header costs
+                # about half of a whole compile (-c) this way (bench/README.md, "Figures behind
+                # design choices in the headers").
                 r = subprocess.run([args.cuda_compiler, "-std=c++20", "--expt-relaxed-constexpr", "-arch=sm_80",
                                     *includes, "--cuda", str(unit), "-o", str(pathlib.Path(tmp) / "unit.cpp.ii")],
                                    capture_output=True, text=True)
