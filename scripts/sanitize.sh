@@ -40,7 +40,7 @@ fi
 # unit tests' sources in two unity files instead of five (the main build keeps 6 to a file, so a
 # contributor's edit recompiles fewer sources); the headers and templates they share are parsed and
 # instantiated twice instead of five times: 325 instead of 369 compile-seconds for those files, 318
-# instead of 327 s wall for the whole build (one run each, same hour, 2026-12-02; bench/README.md).
+# instead of 327 s wall for the whole build (one run each, same hour, 2026-12-02; docs/testing.md).
 options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false -Dunity_size=15
   "-Dcpp_args=-g1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
   -Dtests=enabled -Dexamples=disabled -Dbench=disabled -Dmpi=disabled -Dgloo=disabled -Dcuda=disabled -Dnccl=disabled)
