@@ -37,9 +37,9 @@ fi
 # Only what the unit tests need: no communicator libraries, examples or benchmarks. -g1: line
 # tables only, which is what the reports' stack traces print (file:line), without the type and
 # variable information of -g that a debugger wants and the build pays for. -Dunity_size=15: the
-# unit tests' sources 15 to a unity file, two files today instead of five (the main build keeps 6 to a file, so a
-# contributor's edit recompiles fewer sources); the headers and templates they share are parsed and
-# instantiated twice instead of five times: 325 instead of 369 compile-seconds for those files, 318
+# unit tests' sources 15 to a unity file, two files today instead of five (the main build keeps 6
+# to a file, so a contributor's edit recompiles fewer sources); the headers and templates they
+# share are parsed and instantiated twice instead of five times: 325 instead of 369 compile-seconds for those files, 318
 # instead of 327 s wall for the whole build (one run each, same hour, 2026-12-02; docs/testing.md).
 options=(--buildtype=plain -Db_sanitize=address,undefined -Db_lundef=false -Dunity_size=15
   "-Dcpp_args=-g1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
