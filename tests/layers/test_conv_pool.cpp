@@ -671,6 +671,46 @@ TEST_CASE("MaxPool2d breaks ties and propagates NaN like PyTorch", "[layers][poo
           }
     }
   }
+  SECTION("float32 3x3 windows of stride 2 (ResNet's stem, their own kernel): widths 3 to 40, padding, ceil mode") {
+    // Each window scanned in row-major order over its clipped extent, the maximum starting at -inf
+    // on the window's first element: PyTorch's rule, written out. Values from a set of 4 with NaNs
+    // and -infs, so ties, NaNs and all -inf windows reach every column, the padded edges included.
+    Rng rng(6);
+    for (std::int64_t width = 3; width <= 40; ++width)
+      for (const std::int64_t pad : {0, 1})
+        for (const bool ceil_mode : {false, true}) {
+          const std::int64_t height = 5 + width % 4;
+          Tensor<float> x({2, 1, height, width});
+          for (std::int64_t i = 0; i < x.numel(); ++i) {
+            const auto r = static_cast<int>(rng.uniform() * 6);
+            x[i] = r == 4   ? std::numeric_limits<float>::quiet_NaN()
+                   : r == 5 ? -std::numeric_limits<float>::infinity()
+                            : static_cast<float>(r);
+          }
+          MaxPool2d<E32> pool({.kernel = 3, .stride = 2, .padding = pad, .ceil_mode = ceil_mode});
+          MaxPool2d<E32>::Cache cache;
+          const Tensor<float>& y = pool.forward(x, cache);
+          const std::int64_t oh_count = y.dim(2), ow_count = y.dim(3);
+          for (std::int64_t p = 0; p < 2; ++p)
+            for (std::int64_t oh = 0; oh < oh_count; ++oh)
+              for (std::int64_t ow = 0; ow < ow_count; ++ow) {
+                const std::int64_t h0 = std::max<std::int64_t>(2 * oh - pad, 0), h1 = std::min(2 * oh - pad + 3, height);
+                const std::int64_t w0 = std::max<std::int64_t>(2 * ow - pad, 0), w1 = std::min(2 * ow - pad + 3, width);
+                float best = -std::numeric_limits<float>::infinity();
+                std::int64_t at = h0 * width + w0;
+                for (std::int64_t h = h0; h < h1; ++h)
+                  for (std::int64_t w = w0; w < w1; ++w) {
+                    const float v = x[p * height * width + h * width + w];
+                    if (v > best || std::isnan(v)) best = v, at = h * width + w;
+                  }
+                const std::int64_t o = (p * oh_count + oh) * ow_count + ow;
+                INFO("width " << width << " pad " << pad << " ceil " << ceil_mode << " plane " << p << " window (" << oh
+                              << ", " << ow << ")");
+                CHECK(cache.argmax[o] == at);
+                CHECK((std::isnan(best) ? std::isnan(y[o]) : y[o] == best));
+              }
+        }
+  }
 }
 
 TEST_CASE("Conv2d accumulates parameter gradients and can skip dx", "[layers][conv]") {

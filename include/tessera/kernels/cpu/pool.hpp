@@ -178,6 +178,70 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
   }
 }
 
+// The window loop with k and s known at compile time, for ResNet's 3x3 stride-2 stem pooling
+// (112x112 -> 56x56). Each input row's k taps are compared in registers in one pass over the output
+// row, where the generic loop makes one pass per tap and loads and stores the running maximum and
+// argmax each time; with s known, the compiler loads row[ow s + j - p] as whole vectors and splits
+// them by shuffles, where clang left the generic loop scalar and branchy for s = 2 (bench/README,
+// "Figures behind design choices in the headers"). Taps are visited in the generic loop's order
+// (h, then j), so values and argmax are identical. Columns with a tap in the padding go through the
+// same comparisons one by one.
+template <int kKernel, int kStride, class S>
+void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
+  const std::int64_t pad = g.pad, width = g.width, ow_count = g.out_width;
+  // Inner columns, every tap inside the row: ow s - p >= 0 and ow s - p + k <= W.
+  const std::int64_t inner_lo = std::min(ow_count, (pad + kStride - 1) / kStride);
+  const std::int64_t inner_hi =
+      width + pad < kKernel ? inner_lo : std::clamp((width + pad - kKernel) / kStride + 1, inner_lo, ow_count);
+  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * kKernel * kKernel;
+#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
+  for (std::int64_t p = 0; p < planes; ++p) {
+    const S* in = x + p * g.in_plane();
+    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+      S* best = y + p * g.out_plane() + oh * ow_count;
+      std::int32_t* at = argmax + p * g.out_plane() + oh * ow_count;
+      const std::int64_t h0 = std::max<std::int64_t>(oh * kStride - pad, 0);
+      const std::int64_t h1 = std::min(oh * kStride - pad + kKernel, g.height);
+      for (std::int64_t ow = 0; ow < ow_count; ++ow) {
+        best[ow] = -std::numeric_limits<S>::infinity();
+        at[ow] = static_cast<std::int32_t>(h0 * width + std::max<std::int64_t>(ow * kStride - pad, 0));
+      }
+      for (std::int64_t h = h0; h < h1; ++h) {
+        const S* row = in + h * width;
+        const auto edge_column = [&](std::int64_t ow) {
+          for (std::int64_t j = 0; j < kKernel; ++j) {
+            const std::int64_t iw = ow * kStride + j - pad;
+            if (iw < 0 || iw >= width) continue;
+            const S v = row[iw];
+            if (v > best[ow] || v != v) {
+              best[ow] = v;
+              at[ow] = static_cast<std::int32_t>(h * width + iw);
+            }
+          }
+        };
+        for (std::int64_t ow = 0; ow < inner_lo; ++ow) edge_column(ow);
+#pragma omp simd
+        for (std::int64_t ow = inner_lo; ow < inner_hi; ++ow) {
+          const S* window = row + ow * kStride - pad;
+          const auto first = static_cast<std::int32_t>(h * width + ow * kStride - pad);
+          S m = best[ow];
+          std::int32_t a = at[ow];
+#pragma GCC unroll 16
+          for (int j = 0; j < kKernel; ++j) {
+            const S v = window[j];
+            const bool take = v > m || v != v;
+            m = take ? v : m;
+            a = take ? first + j : a;
+          }
+          best[ow] = m;
+          at[ow] = a;
+        }
+        for (std::int64_t ow = inner_hi; ow < ow_count; ++ow) edge_column(ow);
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 // y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W).
@@ -189,6 +253,10 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
   if (detail::max_pool_2x2_windows(g)) {
     detail::max_pool2d_forward_2x2(g, planes, x, y, argmax);
+    return;
+  }
+  if (g.kernel == 3 && g.stride == 2) {
+    detail::max_pool2d_forward_fixed<3, 2>(g, planes, x, y, argmax);
     return;
   }
 #pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
