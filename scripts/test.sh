@@ -9,8 +9,7 @@
 #                             `full` suite, each slow for the reason docs/testing.md gives
 #                             (header check, sanitizer build, fuzzing, Slurm, network namespaces, consumer
 #                             packages, fault campaigns, CUDA builds), after building every target;
-#                             the `waits` suite runs beside the rest, and the `background` suite
-#                             at the lowest priority in the cores they leave idle
+#                             the `waits` suite runs beside the rest
 #
 # Other arguments go to `meson test` (a test name, --suite comm, --list, ...).
 set -uo pipefail
@@ -31,30 +30,22 @@ else
   scripts/setup.sh --configure-only || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
   select=(--no-suite full)
 fi
-rm -f build/meson-logs/testlog.json build/meson-logs/testlog-waits.json build/meson-logs/testlog-background.json
+rm -f build/meson-logs/testlog.json build/meson-logs/testlog-waits.json
 if [ "$tier" = full ] && [ ${#args[@]} -eq 0 ]; then
   # The `waits` suite (Slurm, the fault campaigns, the network namespaces) spends its minutes
   # waiting on timeouts, polls and shaped links, with a core mostly idle: it runs beside the rest
-  # (everything is built by now, so no run builds), its report printed when all are done.
+  # (everything is built by now, so neither run builds), its report printed when both are done.
   # Its processes run at a higher priority (nice -5, as root) than the compiles and training
   # beside them, so that their short bursts of work, which its time limits measure, come first.
   nice -n -5 meson test -C build --no-rebuild --print-errorlogs --num-processes 1 --suite waits \
     --logbase testlog-waits >build/meson-logs/waits.out 2>&1 &
   waits=$!
-  # The `background` suite (the header checks: compiles only, no clock) runs at the lowest
-  # priority (nice 19): the scheduler gives it the cores that the tests in front leave idle
-  # (about a tenth of both over the tier: their serial stretches, process starts, waits) and
-  # little else (docs/testing.md, "How long each tier takes").
-  nice -n 19 meson test -C build --no-rebuild --print-errorlogs --num-processes 1 --suite background \
-    --logbase testlog-background >build/meson-logs/background.out 2>&1 &
-  background=$!
-  trap 'kill $waits $background 2>/dev/null' EXIT INT TERM
-  meson test -C build --no-rebuild --print-errorlogs --num-processes 1 --no-suite waits --no-suite background
+  trap 'kill $waits 2>/dev/null' EXIT INT TERM
+  meson test -C build --no-rebuild --print-errorlogs --num-processes 1 --no-suite waits
   status=$?
   wait $waits || status=1
-  wait $background || status=1
   trap - EXIT INT TERM
-  cat build/meson-logs/waits.out build/meson-logs/background.out
+  cat build/meson-logs/waits.out
 else
   meson test -C build --print-errorlogs --num-processes 1 "${select[@]}" "${args[@]}"
   status=$?
@@ -64,8 +55,7 @@ import json, sys
 tier, seconds, status = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 counts = {"OK": 0, "FAIL": 0, "SKIP": 0, "TIMEOUT": 0, "ERROR": 0, "EXPECTEDFAIL": 0, "UNEXPECTEDPASS": 0}
 lines = []
-for log in ("build/meson-logs/testlog.json", "build/meson-logs/testlog-waits.json",
-            "build/meson-logs/testlog-background.json"):
+for log in ("build/meson-logs/testlog.json", "build/meson-logs/testlog-waits.json"):
     try:
         lines += open(log).read().splitlines()
     except OSError:
