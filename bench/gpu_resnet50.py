@@ -20,6 +20,12 @@ TESSERA_CUDNN_BENCHMARK=1 (algorithms timed once per shape, the fastest kept: th
 tessera_* and tessera_cudnn_benchmark_* in the JSON, both in float32 math; and with that and
 TESSERA_MATH_PRECISION=tf32 (TF32 tensor cores in convolutions and GEMMs), tessera_tf32_*, which
 is compared with the peer's default TF32 run (pytorch_tf32_tessera_tf32_ratio).
+bfloat16: Tessera with TESSERA_MATH_PRECISION=bfloat16 (and cuDNN benchmark: bf16 copies of each
+convolution's operands, bf16 tensor-core products with fp32 sums, float weights and activations,
+kernels/cuda/conv2d.cuh) against PyTorch under torch.autocast(dtype=torch.bfloat16), both memory
+formats tried (tessera_bf16_*, pytorch_bf16_*). Peak memory: Tessera's from example 08's memory
+lines (the model, the momentum and the first step's peak above them, requested bytes), PyTorch's
+torch.cuda.max_memory_allocated over its timed loop (*_peak_mib).
 The JSON records the peer's configuration. No GPU bench is a timed test: this prints JSON.
 """
 import argparse
@@ -34,9 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import cpu_model, default_result, write_result  # noqa: E402
 
 
+MIB_MEASURED = re.compile(r"\| ([0-9.]+) MiB measured")
+
+
 def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False, precision="float32"):
     """Runs example 08 and reads its 'steady state: X img/s' line (the first step is warm-up, and
-    with cudnn_benchmark it is also where cuDNN's algorithms are timed, as in PyTorch)."""
+    with cudnn_benchmark it is also where cuDNN's algorithms are timed, as in PyTorch); returns
+    (images/s, peak MiB): the peak is the sum of its three 'memory per rank' figures (parameters,
+    gradients and buffers; momentum; the first step's peak above them), None if it printed none."""
     env = dict(os.environ, TESSERA_CUDNN_BENCHMARK="1" if cudnn_benchmark else "0", TESSERA_MATH_PRECISION=precision)
     out = subprocess.run([binary, f"--batch={batch}", f"--steps={steps}"], capture_output=True, text=True,
                          timeout=600, env=env)
@@ -45,11 +56,14 @@ def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False, preci
     m = re.search(r"steady state: ([0-9.]+) img/s", out.stdout)
     if not m:
         raise RuntimeError(f"{binary} printed no 'steady state' line:\n{out.stdout[-2000:]}")
-    return float(m.group(1))
+    memory = [float(x) for line in out.stdout.splitlines() if line.startswith("memory per rank:")
+              for x in MIB_MEASURED.findall(line)]
+    return float(m.group(1)), (round(sum(memory), 1) if len(memory) == 3 else None)
 
 
-def torch_images_per_second(torch, torchvision, batch, steps, channels_last, tf32):
-    """The same training step in PyTorch; returns steady-state images/s (first 2 steps warm up)."""
+def torch_images_per_second(torch, torchvision, batch, steps, channels_last, tf32, bf16=False):
+    """The same training step in PyTorch, under autocast to bfloat16 when bf16; returns (steady-state
+    images/s, peak MiB allocated over the run). The first 2 steps warm up."""
     torch.backends.cudnn.allow_tf32 = tf32
     device = torch.device("cuda")
     model = torchvision.models.resnet50(num_classes=1000, zero_init_residual=True).to(device)
@@ -65,21 +79,24 @@ def torch_images_per_second(torch, torchvision, batch, steps, channels_last, tf3
     x = torch.randn(batch, 3, 224, 224, device=device, generator=gen).contiguous(memory_format=memory_format)
     y = torch.randint(0, 1000, (batch,), device=device, generator=gen)
     model.train()
+    torch.cuda.reset_peak_memory_stats(device)
     warmup = 2
     for step in range(warmup + steps):
         if step == warmup:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         loss.item()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / 2**20
     del model, opt, x, y
     torch.cuda.empty_cache()
-    return batch * steps / seconds
+    return batch * steps / seconds, round(peak, 1)
 
 
 def main():
@@ -101,43 +118,54 @@ def main():
 
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        tessera, tessera_bench, tessera_tf32 = [], [], []
-        configs = [(tf32, cl) for tf32 in (True, False) for cl in (False, True)]
+        # Tessera's runs: (cudnn_benchmark, precision) -> [(images/s, peak MiB)]
+        mine = {"tessera": (False, "float32"), "tessera_cudnn_benchmark": (True, "float32"),
+                "tessera_tf32": (True, "tf32"), "tessera_bf16": (True, "bfloat16")}
+        tessera = {k: [] for k in mine}
+        # The peer's: (precision, channels_last) -> [(images/s, peak MiB)]
+        configs = [(p, cl) for p in ("tf32", "fp32", "bf16") for cl in (False, True)]
         peer = {c: [] for c in configs}
         for run in range(args.runs):  # alternate Tessera and PyTorch so drift hits both alike
-            tessera.append(tessera_images_per_second(args.tessera, batch, args.steps + 1))
-            tessera_bench.append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=True))
-            tessera_tf32.append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=True,
-                                                          precision="tf32"))
+            for k, (bench, precision) in mine.items():
+                tessera[k].append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=bench,
+                                                            precision=precision))
             for c in configs:
-                peer[c].append(torch_images_per_second(torch, torchvision, batch, args.steps, c[1], c[0]))
-            print(f"batch {batch} run {run + 1}: tessera {tessera[-1]:.1f}, cudnn benchmark {tessera_bench[-1]:.1f}, "
-                  f"tf32 {tessera_tf32[-1]:.1f}; "
-                  "pytorch " +
-                  ", ".join(f"{'tf32' if c[0] else 'fp32'} {'channels_last' if c[1] else 'NCHW'} {peer[c][-1]:.1f}"
-                            for c in configs) + " img/s", file=sys.stderr, flush=True)
-        t, tb, tt = statistics.median(tessera), statistics.median(tessera_bench), statistics.median(tessera_tf32)
+                peer[c].append(torch_images_per_second(torch, torchvision, batch, args.steps, c[1], c[0] == "tf32",
+                                                       bf16=c[0] == "bf16"))
+            print(f"batch {batch} run {run + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in tessera.items()) +
+                  "; pytorch " + ", ".join(f"{c[0]} {'channels_last' if c[1] else 'NCHW'} {peer[c][-1][0]:.1f}"
+                                           for c in configs) + " img/s", file=sys.stderr, flush=True)
+        speed = {k: statistics.median(r[0] for r in v) for k, v in tessera.items()}
         # tessera_*: cuDNN's heuristics (the default); tessera_cudnn_benchmark_*: algorithms timed
         # once per shape (TESSERA_CUDNN_BENCHMARK=1), the setting the peer runs with.
-        row = {"model": "resnet50", "batch": batch, "tessera_img_s": round(t, 1), "tessera_runs": tessera,
-               "tessera_cudnn_benchmark_img_s": round(tb, 1), "tessera_cudnn_benchmark_runs": tessera_bench,
-               "tessera_tf32_img_s": round(tt, 1), "tessera_tf32_runs": tessera_tf32}
-        for tf32, key in ((True, "pytorch_tf32"), (False, "pytorch_fp32")):
-            best_cl = statistics.median(peer[(tf32, True)]) > statistics.median(peer[(tf32, False)])
-            p = statistics.median(peer[(tf32, best_cl)])
-            row.update({key + "_img_s": round(p, 1), key + "_ratio": round(t / p, 3),
-                        key + "_cudnn_benchmark_ratio": round(tb / p, 3), key + "_runs": peer[(tf32, best_cl)],
-                        key + "_memory_format": "channels_last" if best_cl else "NCHW",
-                        key + "_other_format_img_s": round(statistics.median(peer[(tf32, not best_cl)]), 1)})
-        row["pytorch_tf32_tessera_tf32_ratio"] = round(tt / row["pytorch_tf32_img_s"], 3)
+        row = {"model": "resnet50", "batch": batch}
+        for k, v in tessera.items():
+            row.update({k + "_img_s": round(speed[k], 1), k + "_runs": [r[0] for r in v], k + "_peak_mib": v[-1][1]})
+        t, tb = speed["tessera"], speed["tessera_cudnn_benchmark"]
+        for precision in ("tf32", "fp32", "bf16"):
+            key = "pytorch_" + precision
+            best_cl = statistics.median(r[0] for r in peer[(precision, True)]) > \
+                statistics.median(r[0] for r in peer[(precision, False)])
+            runs = peer[(precision, best_cl)]
+            p = statistics.median(r[0] for r in runs)
+            other = statistics.median(r[0] for r in peer[(precision, not best_cl)])
+            row.update({key + "_img_s": round(p, 1), key + "_runs": [r[0] for r in runs],
+                        key + "_peak_mib": runs[-1][1], key + "_memory_format": "channels_last" if best_cl else "NCHW",
+                        key + "_other_format_img_s": round(other, 1)})
+            if precision != "bf16":
+                row.update({key + "_ratio": round(t / p, 3), key + "_cudnn_benchmark_ratio": round(tb / p, 3)})
+        row["pytorch_tf32_tessera_tf32_ratio"] = round(speed["tessera_tf32"] / row["pytorch_tf32_img_s"], 3)
+        row["pytorch_bf16_tessera_bf16_ratio"] = round(speed["tessera_bf16"] / row["pytorch_bf16_img_s"], 3)
         rows.append(row)
     result = {
-        "benchmark": "gpu_resnet50", "gpu": gpu, "cpu": cpu_model(), "dtype": "float32",
+        "benchmark": "gpu_resnet50", "gpu": gpu, "cpu": cpu_model(),
+        "dtype": "float32 storage (tf32 and bf16 products in the *_tf32_* and *_bf16_* runs)",
         "runs": args.runs, "steps_per_run": args.steps, "statistic": "median images/s",
         "peer": {"framework": "PyTorch " + torch.__version__, "cuda": torch.version.cuda,
                  "cudnn": torch.backends.cudnn.version(), "cudnn_benchmark": True,
                  "cudnn_allow_tf32": "pytorch_tf32_*: True (PyTorch's default); pytorch_fp32_*: False",
                  "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                 "autocast": "pytorch_bf16_*: torch.autocast('cuda', dtype=torch.bfloat16) over forward and loss",
                  "data": "on the GPU before timing"},
         "rows": rows,
     }
@@ -148,7 +176,10 @@ def main():
                     f"({r['pytorch_tf32_cudnn_benchmark_ratio']}; tessera tf32 {r['tessera_tf32_img_s']}, "
                     f"{r['pytorch_tf32_tessera_tf32_ratio']}); pytorch fp32 {r['pytorch_fp32_img_s']} "
                     f"({r['pytorch_fp32_memory_format']}), ratio {r['pytorch_fp32_ratio']} "
-                    f"({r['pytorch_fp32_cudnn_benchmark_ratio']})"
+                    f"({r['pytorch_fp32_cudnn_benchmark_ratio']}); tessera bf16 {r['tessera_bf16_img_s']}, pytorch "
+                    f"bf16 {r['pytorch_bf16_img_s']} ({r['pytorch_bf16_memory_format']}), ratio "
+                    f"{r['pytorch_bf16_tessera_bf16_ratio']}; peak MiB tessera "
+                    f"{r['tessera_cudnn_benchmark_peak_mib']}, pytorch fp32 {r['pytorch_fp32_peak_mib']}"
                     for r in rows), file=sys.stderr)
 
 

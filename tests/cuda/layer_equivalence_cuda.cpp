@@ -13,6 +13,7 @@
 namespace tessera::testing {
 
 Outputs cuda_equivalence_case(std::string_view name) { return run_equivalence_case<CudaLocal>(name); }
+Outputs cuda_equivalence_case_bf16(std::string_view name) { return run_equivalence_case<CudaLocalBf16>(name); }
 
 int cuda_device_count() { return Cuda::device_count(); }
 

@@ -3,9 +3,12 @@
 //
 // Tolerance: float32 on both devices, relative 2e-4 of max(1, |cpu|) per element: cuBLAS and
 // Eigen sum products in different orders, and the GPU's exp/erf differ from glibc's in the last
-// bits; the differences are a few float ulps times the length of the longest sum.
+// bits; the differences are a few float ulps times the length of the longest sum. The bfloat16
+// cases (kBf16Cases: CudaLocalBf16 against the CPU's float32) have bounds of their own, stated
+// and derived there.
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -19,7 +22,8 @@ Outputs cpu_equivalence_case(std::string_view name) { return run_equivalence_cas
 int main() {
   using namespace tessera::testing;
   if (cuda_device_count() == 0) {
-    std::printf("no CUDA device: %zu equivalence cases and 3 GPU checks skipped\n", std::size(kEquivalenceCases));
+    std::printf("no CUDA device: %zu equivalence cases, %zu bfloat16 cases and 3 GPU checks skipped\n",
+                std::size(kEquivalenceCases), std::size(kBf16Cases));
     return 77;
   }
   int failed = 0;
@@ -58,6 +62,43 @@ int main() {
   for (std::string_view name : kEquivalenceCases)
     if (name.starts_with("conv2d") || name.starts_with("resnet")) compare(name, " (benchmark)");
   cuda_set_cudnn_benchmark(false);
+  // bfloat16 products: each output's largest difference as a fraction of its largest |value|
+  // (the parameter gradients as one output), within the case's bound, and above zero for a layer
+  // whose products bf16 must change (else Env<Cuda, ..., BFloat16> did not reach cuBLAS or cuDNN).
+  for (const auto& [name, bound] : kBf16Cases) {
+    std::string problem;
+    double worst = 0;
+    try {
+      const Outputs cpu = cpu_equivalence_case(name), gpu = cuda_equivalence_case_bf16(name);
+      std::map<std::string, std::pair<double, double>> groups;  // output -> (largest |cpu|, largest difference)
+      for (const auto& [key, want] : cpu) {
+        const auto it = gpu.find(key);
+        if (it == gpu.end() || it->second.size() != want.size()) {
+          problem = "output '" + key + "' missing or of another size on the GPU";
+          break;
+        }
+        auto& [scale, diff] = groups[key.starts_with("grad.") ? "gradients" : key];
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          scale = std::max(scale, std::abs(want[i]));
+          diff = std::max(diff, std::abs(it->second[i] - want[i]));
+          if (!std::isfinite(it->second[i])) problem = key + "[" + std::to_string(i) + "] is not finite";
+        }
+      }
+      for (const auto& [key, scale_diff] : groups) {
+        const double relative = scale_diff.second / std::max(scale_diff.first, 1e-30);
+        worst = std::max(worst, relative);
+        if (problem.empty() && !(relative <= bound))
+          problem = key + " differs from float32 by " + std::to_string(relative) + " of its largest value";
+      }
+      if (problem.empty() && (name == "linear" || name == "conv2d_3x3") && worst == 0)
+        problem = "equals float32 exactly: the bfloat16 products did not run";
+    } catch (const std::exception& e) {
+      problem = std::string("threw: ") + e.what();
+    }
+    std::printf("%-26s %s (max diff %.2e of scale, bound %.0e)%s%s\n", (std::string(name) + " (bf16)").c_str(),
+                problem.empty() ? "ok" : "FAILED", worst, bound, problem.empty() ? "" : ": ", problem.c_str());
+    failed += !problem.empty();
+  }
   const std::pair<const char*, std::string (*)()> checks[] = {
       {"dropout (distribution)", cuda_dropout_check},
       {"mixed precision", cuda_mixed_precision_check},

@@ -11,5 +11,7 @@ namespace tessera {
 
 using CudaLocal = Env<Cuda, LocalComm, float>;
 using CudaLocal64 = Env<Cuda, LocalComm, double>;
+// float weights, bfloat16 products (core/env.hpp): cuBLAS's and cuDNN's bf16 tensor-core paths.
+using CudaLocalBf16 = Env<Cuda, LocalComm, float, BFloat16>;
 
 }  // namespace tessera

@@ -6,11 +6,14 @@
 // their float64 twins) live next to each communicator, so a backend stays in its own header.
 //
 // Compute is the precision of the matrix products (Linear, Conv2d): the Scalar itself (default),
-// or BFloat16 for mixed precision on the CPU, as PyTorch's CPU autocast to bfloat16: parameters,
-// gradients, optimizer state and activations stay float (the "master" copies), each product rounds
-// its operands to bfloat16 and accumulates in float (kernels/cpu/gemm_bf16.hpp; AVX512-BF16 where
-// the CPU has it, detected at run time, else the float product). Aliases CpuLocalBf16 and
-// CpuThreadsBf16; any other communicator as Env<Cpu, MpiComm, float, BFloat16>.
+// or BFloat16 for mixed precision, as PyTorch's autocast to bfloat16: parameters, gradients,
+// optimizer state and activations stay float (the "master" copies), each product rounds its
+// operands to bfloat16 and accumulates in float. On the CPU, kernels/cpu/gemm_bf16.hpp
+// (AVX512-BF16 where the CPU has it, detected at run time, else the float product); on the GPU,
+// cuBLAS's bf16 tensor-core products and cuDNN's bf16 convolutions, whose outputs are also rounded
+// to bfloat16 before they are widened into the float tensor, as autocast's are
+// (kernels/cuda/conv2d.cuh). Aliases CpuLocalBf16, CpuThreadsBf16, CudaLocalBf16 and
+// CudaNcclBf16; any other communicator as Env<Cpu, MpiComm, float, BFloat16>.
 //
 // Impossible bundles fail where the Env is first used, with a sentence naming the fix:
 // a Device that is not a device, a Scalar that is not float/double, or a communicator that

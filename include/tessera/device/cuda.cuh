@@ -93,9 +93,10 @@ using CudaCachingAllocator = BasicCachingAllocator<CudaMemory>;
 // PyTorch's default for convolutions (torch.backends.cudnn.allow_tf32) and what
 // torch.backends.cuda.matmul.allow_tf32 = True adds for matrix products; Float16 and BFloat16 let
 // cuBLAS round the fp32 inputs of every product to fp16 / bf16 on tensor cores, accumulating in
-// fp32 (CUBLAS_COMPUTE_32F_FAST_16F / _16BF), and let cuDNN's convolutions do the same
-// (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; its legacy API converts to fp16 in both cases). Pair the
-// 16-bit ones with GradScaler (train/grad_scaler.hpp); TF32's range needs no loss scaling.
+// fp32 (CUBLAS_COMPUTE_32F_FAST_16F / _16BF), and cuDNN's convolutions do the same (Float16:
+// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; BFloat16: bf16 copies of the operands, as a layer of
+// Env<Cuda, Comm, float, BFloat16> always does, kernels/cuda/conv2d.cuh). Pair Float16 with
+// GradScaler (train/grad_scaler.hpp); bf16 and TF32 have fp32's range.
 enum class MathPrecision { Float32, Float16, BFloat16, TensorFloat32 };
 static_assert(static_cast<int>(MathPrecision::Float32) == 0, "Cuda::setting defaults to 0: Float32");
 

@@ -6,7 +6,8 @@
 //
 // gemm_in<Compute> is the product a layer of Env E runs: gemm_in<typename E::Compute>. Compute is
 // the Scalar (the plain gemm) or BFloat16 (gemm_bf16: operands rounded to bfloat16, float sums;
-// a CPU policy, see core/env.hpp).
+// on the CPU, kernels/cpu/gemm_bf16.hpp; on the GPU, cuBLAS's CUBLAS_COMPUTE_32F_FAST_16BF; see
+// core/env.hpp).
 #pragma once
 
 #include <cstdint>
@@ -30,9 +31,7 @@ template <class Compute, class D, class S>
 void gemm_in(D device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha,
              const S* a, std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
   if constexpr (std::is_same_v<Compute, BFloat16>) {
-    static_assert(std::is_same_v<S, float> && D::host_accessible,
-                  "bfloat16 compute (Env<..., float, BFloat16>) is a CPU policy: there is no GPU kernel for it "
-                  "yet; use Env<Cuda, Comm, float>");
+    static_assert(std::is_same_v<S, float>, "bfloat16 compute (Env<..., float, BFloat16>) keeps float weights");
     gemm_bf16(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
     gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

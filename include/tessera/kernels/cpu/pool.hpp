@@ -226,7 +226,9 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
           const auto first = static_cast<std::int32_t>(h * width + ow * kStride - pad);
           S m = best[ow];
           std::int32_t a = at[ow];
+#if !defined(__CUDACC__)  // nvcc's front end, which sees this header through the CUDA launchers' declarations, warns
 #pragma GCC unroll 16
+#endif
           for (int j = 0; j < kKernel; ++j) {
             const S v = window[j];
             const bool take = v > m || v != v;

@@ -13,12 +13,23 @@
 // the chosen entry's math type, and its workspace is asked for with that descriptor (the
 // heuristic's perf.memory may be for another math type).
 //
-// Math. CUDNN_FMA_MATH under MathPrecision::Float32 and BFloat16 (no TF32 rounding: results match
-// the CPU to float precision); under TensorFloat32, tensor-core entries too, with
-// CUDNN_TENSOR_OP_MATH (fp32 data, TF32 products: PyTorch's default cudnn.allow_tf32); under
-// Float16, with CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (fp32 data rounded to fp16). BFloat16
-// stays in fp32 here because the legacy API's conversion is to fp16 only, whose range (65504)
-// activations and scaled gradients can exceed; BFloat16 changes only cuBLAS's products.
+// Math. CUDNN_FMA_MATH under MathPrecision::Float32 (no TF32 rounding: results match the CPU to
+// float precision); under TensorFloat32, tensor-core entries too, with CUDNN_TENSOR_OP_MATH (fp32
+// data, TF32 products: PyTorch's default cudnn.allow_tf32); under Float16, with
+// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (fp32 data rounded to fp16).
+//
+// bfloat16. A layer of Env<Cuda, Comm, float, BFloat16> (Conv2dBlocking::bf16), or any float
+// layer under MathPrecision::BFloat16, convolves in bfloat16 as PyTorch's autocast does: x, w
+// (and dy) are rounded to bfloat16 copies (cast_to_wire, round to nearest even), cuDNN convolves
+// them with fp32 accumulation on the tensor cores (its PSEUDO_BFLOAT16 configuration: bf16 data,
+// CUDNN_DATA_FLOAT compute), and the bf16 result is widened back into the layer's float tensor
+// (y, dx) or added to its float gradient (dw += the bf16 dw: the sum over steps and micro-batches
+// stays fp32). The legacy API converts fp32 data only to fp16 (ALLOW_CONVERSION), whose range
+// (65504) activations and scaled gradients can exceed, hence the explicit copies. Relative to the
+// float result each output carries its operands' rounding (at most 2^-8 of each, 8 significant
+// bits, the products summed in fp32) and its own (2^-8 more): about 1e-2 of the output's scale at
+// worst (tests/cuda/layer_equivalence.hpp, kBf16Cases). The copies live in a second per-device
+// buffer beside the workspace, grown like it.
 //
 // Workspace. One buffer per device, grown to the largest size any plan asked for and reused by
 // every convolution: all of them run on the device's one stream, so they never overlap.
@@ -51,8 +62,17 @@ constexpr cudnnDataType_t cudnn_data_type() {
   return std::is_same_v<S, float> ? CUDNN_DATA_FLOAT : CUDNN_DATA_DOUBLE;
 }
 
+// Whether a float convolution runs in bfloat16 (see the header): asked by its Env, or by the
+// process's math precision. Double never does.
+template <class S>
+bool conv_in_bf16(const Conv2dBlocking& b) {
+  return std::is_same_v<S, float> && (b.bf16 || Cuda::math_precision() == MathPrecision::BFloat16);
+}
+
 struct ConvPlan {
-  cudnnTensorDescriptor_t x = nullptr, y = nullptr, bias = nullptr;
+  // x, y and w in the convolution's data type (bf16 in a bfloat16 plan); y_out and bias in the
+  // layer's Scalar, for the bias added to the widened output.
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr, y_out = nullptr, bias = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   // One per direction: each carries the math type its chosen algorithm runs in.
   cudnnConvolutionDescriptor_t conv_forward = nullptr, conv_backward_data = nullptr, conv_backward_filter = nullptr;
@@ -103,27 +123,33 @@ auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t co
                               " MiB of workspace"));
 }
 
+// `bf16`: the plan of a bfloat16 convolution (conv_in_bf16), float layers only.
 template <class S>
-ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
-  using Key = std::array<std::int64_t, 18>;
-  // Reduced precision applies to float data under Float16 and TensorFloat32 only (see the header);
-  // double always computes in double.
+ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch, bool bf16) {
+  using Key = std::array<std::int64_t, 19>;
+  // Reduced precision applies to float data under Float16 and TensorFloat32 (see the header), and
+  // to bfloat16 plans, whose bf16 data the tensor cores take as it is; double always computes in
+  // double.
   const MathPrecision precision = Cuda::math_precision();
   const cudnnMathType_t widest = !std::is_same_v<S, float>                      ? CUDNN_FMA_MATH
+                                 : bf16                                        ? CUDNN_TENSOR_OP_MATH
                                  : precision == MathPrecision::Float16        ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION
                                  : precision == MathPrecision::TensorFloat32 ? CUDNN_TENSOR_OP_MATH
                                                                               : CUDNN_FMA_MATH;
   const bool benchmark = Cuda::cudnn_benchmark();
   const Key key{Cuda::current_device(), static_cast<std::int64_t>(sizeof(S)), batch, g.channels, g.height, g.width,
                 g.out_channels, g.groups, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w,
-                g.dilation_h, g.dilation_w, widest, benchmark};
+                g.dilation_h, g.dilation_w, widest, benchmark, bf16};
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<ConvPlan>> plans;  // kept for the process, like the handles
   std::lock_guard lock(mutex);
   auto& slot = plans[key];
   if (slot) return *slot;
   auto plan = std::make_unique<ConvPlan>();
-  constexpr cudnnDataType_t type = cudnn_data_type<S>();
+  constexpr cudnnDataType_t scalar_type = cudnn_data_type<S>();
+  // The data's type, and the type the convolution computes (accumulates) in: bf16 data with fp32
+  // sums in a bfloat16 plan (cuDNN's PSEUDO_BFLOAT16 configuration), else both the Scalar.
+  const cudnnDataType_t type = bf16 ? CUDNN_DATA_BFLOAT16 : scalar_type;
   const int n = cudnn_dim(batch, "batch"), c = cudnn_dim(g.channels, "channels"), h = cudnn_dim(g.height, "height"),
             wd = cudnn_dim(g.width, "width"), k = cudnn_dim(g.out_channels, "out_channels"),
             oh = cudnn_dim(g.out_height, "out_height"), ow = cudnn_dim(g.out_width, "out_width");
@@ -134,11 +160,13 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
                 g.width, " has more than 2^31 elements; split the batch");
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->x));
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->y));
+  TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->y_out));
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->bias));
   TESSERA_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan->w));
   TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NCHW, type, n, c, h, wd));
   TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y, CUDNN_TENSOR_NCHW, type, n, k, oh, ow));
-  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->bias, CUDNN_TENSOR_NCHW, type, 1, k, 1, 1));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y_out, CUDNN_TENSOR_NCHW, scalar_type, n, k, oh, ow));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->bias, CUDNN_TENSOR_NCHW, scalar_type, 1, k, 1, 1));
   TESSERA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan->w, type, CUDNN_TENSOR_NCHW, k, static_cast<int>(g.channels / g.groups),
                                                  static_cast<int>(g.kernel_h), static_cast<int>(g.kernel_w)));
   const auto make_conv = [&](cudnnConvolutionDescriptor_t& conv) {
@@ -146,7 +174,7 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
     TESSERA_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(
         conv, static_cast<int>(g.pad_h), static_cast<int>(g.pad_w), static_cast<int>(g.stride_h),
         static_cast<int>(g.stride_w), static_cast<int>(g.dilation_h), static_cast<int>(g.dilation_w),
-        CUDNN_CROSS_CORRELATION, type));
+        CUDNN_CROSS_CORRELATION, scalar_type));
     TESSERA_CUDNN_CHECK(cudnnSetConvolutionGroupCount(conv, static_cast<int>(g.groups)));
     // The heuristics are asked under the widest math type allowed; pick_algorithm then sets it.
     TESSERA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, widest));
@@ -210,16 +238,18 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch) {
   return *slot;
 }
 
-// The device's shared convolution workspace, at least `bytes` long.
-inline void* conv_workspace(std::size_t bytes) {
+// The device's shared convolution buffers, at least `bytes` long: kWorkspace, cuDNN's workspace;
+// kBf16Copies, the bfloat16 copies of a bfloat16 convolution's operands and results.
+enum ConvBuffer { kWorkspace = 0, kBf16Copies = 1 };
+inline void* conv_buffer(ConvBuffer which, std::size_t bytes) {
   struct Buffer {
     void* p = nullptr;
     std::size_t bytes = 0;
   };
   static std::mutex mutex;
-  static std::array<Buffer, Cuda::kMaxDevices> buffers{};
+  static std::array<std::array<Buffer, 2>, Cuda::kMaxDevices> buffers{};
   std::lock_guard lock(mutex);
-  Buffer& b = buffers[static_cast<std::size_t>(Cuda::current_device())];
+  Buffer& b = buffers[static_cast<std::size_t>(Cuda::current_device())][which];
   if (b.bytes < bytes) {
     // Forget the old block before allocating: if the allocation throws (out of memory), the
     // buffer is empty rather than pointing at a block the cache may hand out again.
@@ -231,6 +261,23 @@ inline void* conv_workspace(std::size_t bytes) {
     b.bytes = bytes;
   }
   return b.p;
+}
+inline void* conv_workspace(std::size_t bytes) { return conv_buffer(kWorkspace, bytes); }
+
+// The bfloat16 copies of one convolution, each 256-byte aligned (as cudaMalloc's blocks, which
+// the tensor-core kernels' vector loads want): x (and, in backward, dx: x's copy is read before
+// dx is written), y (or dy), w and dw.
+struct Bf16Copies {
+  BHalf *x, *y, *w, *dw;
+};
+inline Bf16Copies bf16_copies(const Conv2dGeometry& g, std::int64_t batch) {
+  const auto bytes = [](std::int64_t elements) { return (static_cast<std::size_t>(elements) * 2 + 255) / 256 * 256; };
+  const std::size_t x = bytes(batch * g.channels * g.height * g.width);
+  const std::size_t y = bytes(batch * g.out_channels * g.out_plane());
+  const std::size_t w = bytes(g.out_channels * (g.channels / g.groups) * g.kernel_h * g.kernel_w);
+  auto* base = static_cast<unsigned char*>(conv_buffer(kBf16Copies, x + y + 2 * w));
+  return {reinterpret_cast<BHalf*>(base), reinterpret_cast<BHalf*>(base + x), reinterpret_cast<BHalf*>(base + x + y),
+          reinterpret_cast<BHalf*>(base + x + y + w)};
 }
 
 // db (K) += sum over n and the plane of dy (N, K, plane): one block per channel.
@@ -248,16 +295,29 @@ __global__ void conv_bias_backward_kernel(std::int64_t batch, std::int64_t chann
 
 }  // namespace cuda_detail
 
+// Of the CPU blocking only `bf16` is read (Env<Cuda, Comm, float, BFloat16>); cuDNN blocks itself.
 template <class S>
-void conv2d_forward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& /*cpu_blocking*/, std::int64_t batch,
-                    const S* x, const S* w, const S* bias, S* y, S* /*cpu_workspace*/) {
+void conv2d_forward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x, const S* w,
+                    const S* bias, S* y, S* /*cpu_workspace*/) {
   if (batch == 0) return;
-  auto& plan = cuda_detail::conv_plan<S>(g, batch);
+  const bool bf16 = cuda_detail::conv_in_bf16<S>(b);
+  auto& plan = cuda_detail::conv_plan<S>(g, batch, bf16);
   void* workspace = cuda_detail::conv_workspace(plan.workspace_bytes);
-  const S one = 1, zero = 0;
-  TESSERA_CUDNN_CHECK(cudnnConvolutionForward(Cuda::cudnn(), &one, plan.x, x, plan.w, w, plan.conv_forward, plan.forward,
-                                              workspace, plan.workspace_bytes, &zero, plan.y, y));
-  if (bias != nullptr) TESSERA_CUDNN_CHECK(cudnnAddTensor(Cuda::cudnn(), &one, plan.bias, bias, &one, plan.y, y));
+  const S one = 1, zero = 0;  // fp32 for a bfloat16 plan too: cuDNN's scaling factors follow the compute type
+  if (bf16) {
+    const cuda_detail::Bf16Copies copies = cuda_detail::bf16_copies(g, batch);
+    const std::int64_t ny = batch * g.out_channels * g.out_plane();
+    cast_to_wire(Cuda{}, x, batch * g.channels * g.height * g.width, copies.x);
+    cast_to_wire(Cuda{}, w, g.out_channels * (g.channels / g.groups) * g.kernel_h * g.kernel_w, copies.w);
+    TESSERA_CUDNN_CHECK(cudnnConvolutionForward(Cuda::cudnn(), &one, plan.x, copies.x, plan.w, copies.w,
+                                                plan.conv_forward, plan.forward, workspace, plan.workspace_bytes,
+                                                &zero, plan.y, copies.y));
+    cast_from_wire(Cuda{}, copies.y, ny, y);
+  } else {
+    TESSERA_CUDNN_CHECK(cudnnConvolutionForward(Cuda::cudnn(), &one, plan.x, x, plan.w, w, plan.conv_forward,
+                                                plan.forward, workspace, plan.workspace_bytes, &zero, plan.y, y));
+  }
+  if (bias != nullptr) TESSERA_CUDNN_CHECK(cudnnAddTensor(Cuda::cudnn(), &one, plan.bias, bias, &one, plan.y_out, y));
 }
 
 template <class S>
@@ -270,12 +330,33 @@ void conv2d_bias_backward(Cuda, std::int64_t batch, std::int64_t channels, std::
 
 // dw += dL/dw (beta = 1: gradients accumulate, as on the CPU); dx = dL/dx unless dx is null.
 template <class S>
-void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& /*cpu_blocking*/, std::int64_t batch,
-                     const S* x, const S* w, const S* dy, S* dw, S* dx, S* /*cpu_workspace*/) {
+void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
+                     const S* w, const S* dy, S* dw, S* dx, S* /*cpu_workspace*/) {
   if (batch == 0) return;
-  auto& plan = cuda_detail::conv_plan<S>(g, batch);
+  const bool bf16 = cuda_detail::conv_in_bf16<S>(b);
+  auto& plan = cuda_detail::conv_plan<S>(g, batch, bf16);
   void* workspace = cuda_detail::conv_workspace(plan.workspace_bytes);
   const S one = 1, zero = 0;
+  if (bf16) {
+    // dw: the bf16 sum over the batch, then added to the fp32 gradient; dx widened from bf16. The
+    // copy of x is dead once the filter gradient is computed, so dx's bf16 result takes its place.
+    const cuda_detail::Bf16Copies copies = cuda_detail::bf16_copies(g, batch);
+    const std::int64_t nx = batch * g.channels * g.height * g.width;
+    const std::int64_t nw = g.out_channels * (g.channels / g.groups) * g.kernel_h * g.kernel_w;
+    cast_to_wire(Cuda{}, x, nx, copies.x);
+    cast_to_wire(Cuda{}, dy, batch * g.out_channels * g.out_plane(), copies.y);
+    TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, copies.x, plan.y, copies.y,
+                                                       plan.conv_backward_filter, plan.backward_filter, workspace,
+                                                       plan.workspace_bytes, &zero, plan.w, copies.dw));
+    add_from_wire(Cuda{}, copies.dw, nw, dw);
+    if (dx == nullptr) return;
+    cast_to_wire(Cuda{}, w, nw, copies.w);
+    TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, copies.w, plan.y, copies.y,
+                                                     plan.conv_backward_data, plan.backward_data, workspace,
+                                                     plan.workspace_bytes, &zero, plan.x, copies.x));
+    cast_from_wire(Cuda{}, copies.x, nx, dx);
+    return;
+  }
   TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, x, plan.y, dy, plan.conv_backward_filter,
                                                      plan.backward_filter, workspace, plan.workspace_bytes, &one, plan.w,
                                                      dw));

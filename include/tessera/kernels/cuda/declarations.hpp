@@ -86,6 +86,9 @@ void add_broadcast_rows(Cuda, const S* b, std::int64_t rows, std::int64_t cols, 
 template <class S>
 void gemm(Cuda, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
           std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc);
+template <class S>  // float only: bfloat16 products, float sums (TESSERA_CUDA_BF16_INSTANCES)
+void gemm_bf16(Cuda, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
+               std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc);
 
 // Convolution through cuDNN (conv2d.cuh): the CPU blocking and workspace arguments are unused.
 template <class S>
@@ -295,6 +298,10 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
   template void lars_update<S>(Cuda, std::int64_t, S*, const S*, S*, S, S, S);                                     \
   template void lamb_moments<S>(Cuda, std::int64_t, const S*, const S*, S*, S*, S*, LambCoefficients<S>);          \
   template void lamb_apply<S>(Cuda, std::int64_t, S*, const S*, S);
+// The launchers of float only: the bfloat16 products of Env<Cuda, Comm, float, BFloat16>.
+#define TESSERA_CUDA_BF16_INSTANCES                                                                                 \
+  template void gemm_bf16<float>(Cuda, bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const float*,   \
+                                 std::int64_t, const float*, std::int64_t, float, float*, std::int64_t);
 // Tensor<T, Cuda>::fill for the integer element types a program keeps on the GPU (GradScaler's
 // found-inf flag, labels, masks), and the 16-bit ones of a sharded strategy's wire.
 #define TESSERA_CUDA_FILL_INSTANCES(T) template void fill_elements<T>(Cuda, T*, std::int64_t, T);

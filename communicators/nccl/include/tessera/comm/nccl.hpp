@@ -798,5 +798,6 @@ static_assert(BHalfCommunicator<NcclComm> && comm_concepts::has_async<NcclComm, 
 // One process per GPU, gradients reduced by NCCL.
 using CudaNccl = Env<Cuda, NcclComm, float>;
 using CudaNccl64 = Env<Cuda, NcclComm, double>;
+using CudaNcclBf16 = Env<Cuda, NcclComm, float, BFloat16>;  // float weights, bfloat16 products (core/env.hpp)
 
 }  // namespace tessera
