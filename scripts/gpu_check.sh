@@ -48,6 +48,11 @@ run_test nccl-data-parallel-1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/d
 run_test example_08_cuda 300 "$bin/08_resnet50_cuda" --steps=2 --batch=4
 run_test example_08_data_nccl_1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/08_resnet50_nccl" --threads=1 \
   --steps=2 --batch=2 --image=64 --classes=10
+run_test example_08_cuda_bf16 300 env TESSERA_MATH_PRECISION=bfloat16 "$bin/08_resnet50_cuda" --steps=2 --batch=4
+for s in pipeline:1 tensor; do
+  run_test "example_08_${s%%:*}_nccl_1" 300 python3 "$root/tools/tessera-run" -n 1 "$bin/08_resnet50_nccl" --threads=1 \
+    --steps=2 --batch=2 --image=64 --classes=10 --strategy=$s --verify
+done
 gpus=$(nvidia-smi -L | wc -l)
 for t in nccl-2 nccl-4 nccl-host-buffers-2 nccl-faults nccl-data-parallel-2 example_04_nccl example_06_nccl \
          example_07_nccl example_08_data_nccl; do
