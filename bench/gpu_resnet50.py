@@ -15,12 +15,14 @@ from the host), both memory formats (NCHW and channels_last) tried, the faster k
 with PyTorch's default TF32 convolutions (cudnn.allow_tf32 = True: tensor cores, 10-bit mantissa
 products), and with TF32 off, the math Tessera uses in float32 (CUDNN_FMA_MATH, full fp32 products,
 kernels/cuda/conv2d.cuh), so the JSON separates the cost of the precision choice from the rest.
-Tessera runs three times: with its default cuDNN algorithms (heuristics, deterministic first), with
+Tessera runs five times: with its default cuDNN algorithms (heuristics, deterministic first), with
 TESSERA_CUDNN_BENCHMARK=1 (algorithms timed once per shape, the fastest kept: the peer's setting),
-tessera_* and tessera_cudnn_benchmark_* in the JSON, both in float32 math; and with that and
-TESSERA_MATH_PRECISION=tf32 (TF32 tensor cores in convolutions and GEMMs), tessera_tf32_*, which
-is compared with the peer's default TF32 run (pytorch_tf32_tessera_tf32_ratio).
-bfloat16: Tessera with TESSERA_MATH_PRECISION=bfloat16 (and cuDNN benchmark: bf16 copies of each
+tessera_* and tessera_cudnn_benchmark_* in the JSON, both in float32 math and NCHW; that again in
+channels_last (--memory-format=channels_last: NHWC activations, cuDNN's NHWC tensor-core kernels),
+tessera_cudnn_benchmark_channels_last_*; and with that and TESSERA_MATH_PRECISION=tf32 (TF32
+tensor cores in convolutions and GEMMs), tessera_tf32_*, in channels_last, which is compared with
+the peer's default TF32 run (pytorch_tf32_tessera_tf32_ratio).
+bfloat16: Tessera in channels_last with TESSERA_MATH_PRECISION=bfloat16 (and cuDNN benchmark: bf16 copies of each
 convolution's operands, bf16 tensor-core products with fp32 sums, float weights and activations,
 kernels/cuda/conv2d.cuh) against PyTorch under torch.autocast(dtype=torch.bfloat16), both memory
 formats tried (tessera_bf16_*, pytorch_bf16_*). Peak memory: Tessera's from example 08's memory
@@ -43,14 +45,15 @@ from bench_common import cpu_model, default_result, write_result  # noqa: E402
 MIB_MEASURED = re.compile(r"\| ([0-9.]+) MiB measured")
 
 
-def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False, precision="float32"):
+def tessera_images_per_second(binary, batch, steps, cudnn_benchmark=False, precision="float32",
+                              memory_format="contiguous"):
     """Runs example 08 and reads its 'steady state: X img/s' line (the first step is warm-up, and
     with cudnn_benchmark it is also where cuDNN's algorithms are timed, as in PyTorch); returns
     (images/s, peak MiB): the peak is the sum of its three 'memory per rank' figures (parameters,
     gradients and buffers; momentum; the first step's peak above them), None if it printed none."""
     env = dict(os.environ, TESSERA_CUDNN_BENCHMARK="1" if cudnn_benchmark else "0", TESSERA_MATH_PRECISION=precision)
-    out = subprocess.run([binary, f"--batch={batch}", f"--steps={steps}"], capture_output=True, text=True,
-                         timeout=600, env=env)
+    out = subprocess.run([binary, f"--batch={batch}", f"--steps={steps}", f"--memory-format={memory_format}"],
+                         capture_output=True, text=True, timeout=600, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{binary} --batch={batch} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
     m = re.search(r"steady state: ([0-9.]+) img/s", out.stdout)
@@ -118,17 +121,21 @@ def main():
 
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        # Tessera's runs: (cudnn_benchmark, precision) -> [(images/s, peak MiB)]
-        mine = {"tessera": (False, "float32"), "tessera_cudnn_benchmark": (True, "float32"),
-                "tessera_tf32": (True, "tf32"), "tessera_bf16": (True, "bfloat16")}
+        # Tessera's runs: (cudnn_benchmark, precision, memory format) -> [(images/s, peak MiB)]. NCHW
+        # in float32 (against earlier results), channels_last (example 08's default on the GPU) in
+        # every precision.
+        mine = {"tessera": (False, "float32", "contiguous"),
+                "tessera_cudnn_benchmark": (True, "float32", "contiguous"),
+                "tessera_cudnn_benchmark_channels_last": (True, "float32", "channels_last"),
+                "tessera_tf32": (True, "tf32", "channels_last"), "tessera_bf16": (True, "bfloat16", "channels_last")}
         tessera = {k: [] for k in mine}
         # The peer's: (precision, channels_last) -> [(images/s, peak MiB)]
         configs = [(p, cl) for p in ("tf32", "fp32", "bf16") for cl in (False, True)]
         peer = {c: [] for c in configs}
         for run in range(args.runs):  # alternate Tessera and PyTorch so drift hits both alike
-            for k, (bench, precision) in mine.items():
+            for k, (bench, precision, memory_format) in mine.items():
                 tessera[k].append(tessera_images_per_second(args.tessera, batch, args.steps + 1, cudnn_benchmark=bench,
-                                                            precision=precision))
+                                                            precision=precision, memory_format=memory_format))
             for c in configs:
                 peer[c].append(torch_images_per_second(torch, torchvision, batch, args.steps, c[1], c[0] == "tf32",
                                                        bf16=c[0] == "bf16"))
@@ -153,7 +160,9 @@ def main():
                         key + "_peak_mib": runs[-1][1], key + "_memory_format": "channels_last" if best_cl else "NCHW",
                         key + "_other_format_img_s": round(other, 1)})
             if precision != "bf16":
-                row.update({key + "_ratio": round(t / p, 3), key + "_cudnn_benchmark_ratio": round(tb / p, 3)})
+                row.update({key + "_ratio": round(t / p, 3), key + "_cudnn_benchmark_ratio": round(tb / p, 3),
+                            key + "_cudnn_benchmark_channels_last_ratio":
+                                round(speed["tessera_cudnn_benchmark_channels_last"] / p, 3)})
         row["pytorch_tf32_tessera_tf32_ratio"] = round(speed["tessera_tf32"] / row["pytorch_tf32_img_s"], 3)
         row["pytorch_bf16_tessera_bf16_ratio"] = round(speed["tessera_bf16"] / row["pytorch_bf16_img_s"], 3)
         rows.append(row)

@@ -46,6 +46,7 @@ run_test cuda-layers 300 "$bin/test_cuda_layers"
 run_test nccl-1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/conformance_nccl"
 run_test nccl-data-parallel-1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/dp_nccl"
 run_test example_08_cuda 300 "$bin/08_resnet50_cuda" --steps=2 --batch=4
+run_test example_08_cuda_contiguous 300 "$bin/08_resnet50_cuda" --steps=2 --batch=4 --memory-format=contiguous
 run_test example_08_data_nccl_1 300 python3 "$root/tools/tessera-run" -n 1 "$bin/08_resnet50_nccl" --threads=1 \
   --steps=2 --batch=2 --image=64 --classes=10
 run_test example_08_cuda_bf16 300 env TESSERA_MATH_PRECISION=bfloat16 "$bin/08_resnet50_cuda" --steps=2 --batch=4

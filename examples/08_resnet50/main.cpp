@@ -47,9 +47,9 @@ void train(Comm& comm, const Options& o) {
   auto named = named_tensors(model);
   const auto model_bytes = memory.held();  // parameters, gradients, BatchNorm buffers, buckets
   if (rank == 0)
-    std::printf("%s: %zu parameters, %d rank(s) x batch %lld, %lldx%lld, %d threads per rank%s\n", model.name().c_str(),
+    std::printf("%s: %zu parameters, %d rank(s) x batch %lld, %lldx%lld %s, %d threads per rank%s\n", model.name().c_str(),
                 count_parameters(named), ranks, static_cast<long long>(o.batch), static_cast<long long>(o.image),
-                static_cast<long long>(o.image), Cpu::num_threads(),
+                static_cast<long long>(o.image), to_string(o.memory_format), Cpu::num_threads(),
                 parallel ? (o.sync_bn ? ", DataParallel + SyncBatchNorm" : ", DataParallel") : "");
 
   Sgd<E> sgd(named, sgd_options(o.batch * ranks));

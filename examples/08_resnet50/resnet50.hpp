@@ -17,13 +17,6 @@ namespace resnet50_example {
 
 using namespace tessera;
 
-struct Options {
-  std::int64_t batch = 8, steps = 5, image = 224, classes = 1000;
-  int threads = 0, ranks = 1, micro_batches = 1;
-  bool sync_bn = false, verify = false;
-  std::string strategy = "data";
-};
-
 // The one policy bundle: device, scalar and communicator. Layers read the device and scalar; the
 // strategies take the communicator type from it.
 using E = BuildEnv;
@@ -31,10 +24,22 @@ using Device = E::Device;
 using Comm = E::Comm;
 using Model = ResNet<E, Bottleneck>;
 
+struct Options {
+  std::int64_t batch = 8, steps = 5, image = 224, classes = 1000;
+  int threads = 0, ranks = 1, micro_batches = 1;
+  bool sync_bn = false, verify = false;
+  std::string strategy = "data";
+  // NHWC on the GPU, where cuDNN's tensor-core convolutions run in it; NCHW on the CPU, whose
+  // kernels are planar (core/memory_format.hpp).
+  MemoryFormat memory_format = Device::host_accessible ? MemoryFormat::Contiguous : MemoryFormat::ChannelsLast;
+};
+
 using Upload = examples::DeviceBatch<Device>;
 
 inline Model make_resnet50(const Options& o) {
-  return resnet50<E>({.in_channels = 3, .num_classes = o.classes, .zero_init_residual = true, .seed = 1});
+  Model model = resnet50<E>({.in_channels = 3, .num_classes = o.classes, .zero_init_residual = true, .seed = 1});
+  model.set_memory_format(o.memory_format);
+  return model;
 }
 inline SgdOptions sgd_options(std::int64_t global_batch) {
   return {.lr = linear_scaling_rule(0.1, global_batch), .momentum = 0.9, .weight_decay = 1e-4, .decay_norm_and_bias = false};
@@ -86,6 +91,10 @@ inline Options parse_options(int argc, char** argv, int& ranks) {
   o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1},
                               "micro-batches per step, pipeline:P only (must divide --batch)");
   o.verify = flags.get("verify", o.verify, "compare with the unsplit model trained on rank 0 (pipeline, tensor)");
+  o.memory_format = parse_memory_format(
+      flags.get("memory-format", std::string(to_string(o.memory_format)),
+                "activations' layout: contiguous (NCHW) or channels_last (NHWC; default on the GPU)"),
+      "--memory-format");
   flags.finish();
   const bool split = o.strategy != "data";
   TESSERA_CHECK(!split || o.strategy == "tensor" ||
@@ -104,6 +113,10 @@ inline Options parse_options(int argc, char** argv, int& ranks) {
                 "--strategy=pipeline:P only (--strategy=", o.strategy, ")");
   TESSERA_CHECK(stages == 0 || !flags.has("ranks") || o.ranks == stages, ArgumentError, "--ranks=", o.ranks,
                 " with --strategy=", o.strategy, ": a pipeline runs one rank per stage (", stages, ")");
+  // Tensor parallelism splits and gathers activations along their channels, written for NCHW.
+  TESSERA_CHECK(o.strategy != "tensor" || !flags.has("memory-format") || o.memory_format == MemoryFormat::Contiguous,
+                ArgumentError, "--memory-format=channels_last applies to --strategy=data and pipeline:P only");
+  if (o.strategy == "tensor") o.memory_format = MemoryFormat::Contiguous;
   TESSERA_CHECK(split || !o.verify, ArgumentError, "--verify applies to --strategy=pipeline:P and ",
                 "--strategy=tensor (data parallelism keeps full replicas: there is no split to check)");
   // Ranks spawned in-process (threads) for each strategy; a process backend takes its world

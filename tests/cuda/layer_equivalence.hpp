@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tessera/core/init.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/attention.hpp"
@@ -65,6 +66,9 @@ inline constexpr Bf16Case kBf16Cases[] = {
     {"conv2d_strided_grouped_dilated", 1.2e-2}, {"conv2d_1x1_no_bias", 1e-2}, {"mlp", 1e-2},
     {"self_attention", 1e-2}, {"self_attention_tiles", 2e-2}, {"gpt", 1.2e-2}, {"gpt_dropout", 1.5e-2},
     {"resnet_bottleneck_inference", 3e-2}, {"resnet_basic_blocks", 5e-2},
+    // bfloat16 in NHWC: the same roundings, so the same bounds.
+    {"conv2d_3x3:channels_last", 1e-2}, {"conv2d_1x1_no_bias:channels_last", 1e-2},
+    {"resnet_bottleneck_inference:channels_last", 3e-2}, {"resnet_basic_blocks:channels_last", 5e-2},
 };
 
 // Every case, in the order they run. The Dropout layer is not here: its masks come from different
@@ -80,7 +84,28 @@ inline constexpr std::string_view kEquivalenceCases[] = {
     "linear_rank3", "mse", "sgd_nesterov", "adam", "adamw_amsgrad", "lars", "lamb",
     "layer_norm", "layer_norm_no_bias", "rms_norm", "embedding", "sdpa_cross", "sdpa_causal_cached",
     "self_attention", "self_attention_tiles", "gpt", "cross_entropy_btv", "sdpa_dropout", "gpt_dropout",
+    // Channels last (core/memory_format.hpp): the layer in NHWC on both devices, so the GPU's NHWC
+    // kernels (cuDNN with NHWC descriptors and filters, the row-wise BatchNorm passes, the pooling
+    // kernels in memory order) are checked against the CPU's NHWC reference, which
+    // tests/layers/test_memory_format.cpp checks against NCHW.
+    "conv2d_3x3:channels_last", "conv2d_strided_grouped_dilated:channels_last", "conv2d_1x1_no_bias:channels_last",
+    "batch_norm_train:channels_last", "batch_norm_eval:channels_last", "max_pool:channels_last",
+    "avg_pool:channels_last", "global_avg_pool:channels_last", "max_pool_ceil:channels_last",
+    "avg_pool_ceil_exclude_pad:channels_last", "avg_pool_divisor_override:channels_last",
+    "adaptive_avg_pool:channels_last", "flatten:channels_last", "resnet_basic_blocks:channels_last",
+    "resnet_bottleneck_imagenet_stem:channels_last", "resnet_bottleneck_inference:channels_last",
 };
+
+// The memory format the case being run puts its layer in (a ":channels_last" suffix on its name).
+inline MemoryFormat& case_memory_format() {
+  static MemoryFormat format = MemoryFormat::Contiguous;
+  return format;
+}
+template <class L>
+void apply_case_memory_format(L& layer) {
+  if constexpr (requires { layer.set_memory_format(MemoryFormat::ChannelsLast); })
+    layer.set_memory_format(case_memory_format());
+}
 
 template <class S, class D>
 std::vector<double> host_values(const Tensor<S, D>& t) {
@@ -103,6 +128,7 @@ Outputs layer_outputs(L& layer, const Shape& in, std::uint64_t seed) {
   using D = typename E::Device;
   Rng rng(seed);
   const auto x = seeded<S, D>(in, rng);
+  apply_case_memory_format(layer);
   typename L::Cache cache{};
   const auto& y = layer.forward(x, cache);
   const auto dy = seeded<S, D>(y.shape(), rng);
@@ -232,7 +258,21 @@ Outputs transformer_outputs(std::string_view name) {
 }
 
 template <class E>
+Outputs run_case(std::string_view name);
+
+template <class E>
 Outputs run_equivalence_case(std::string_view name) {
+  constexpr std::string_view kChannelsLast = ":channels_last";
+  const bool nhwc = name.ends_with(kChannelsLast);
+  case_memory_format() = nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  struct Reset {
+    ~Reset() { case_memory_format() = MemoryFormat::Contiguous; }
+  } reset;
+  return run_case<E>(nhwc ? name.substr(0, name.size() - kChannelsLast.size()) : name);
+}
+
+template <class E>
+Outputs run_case(std::string_view name) {
   Rng init(3);
   if (name == "embedding" || name.starts_with("gpt") || name == "cross_entropy_btv" || name.starts_with("sdpa"))
     return transformer_outputs<E>(name);
@@ -360,6 +400,7 @@ Outputs run_equivalence_case(std::string_view name) {
     using S = typename E::Scalar;
     using D = typename E::Device;
     ResNet<E, Bottleneck> model({1, 1}, {4, 8}, true, ResNetOptions{.in_channels = 3, .num_classes = 7, .seed = 24});
+    apply_case_memory_format(model);
     Rng rng(25);
     const auto x = seeded<S, D>({2, 3, 32, 32}, rng);
     typename ResNet<E, Bottleneck>::Cache cache;

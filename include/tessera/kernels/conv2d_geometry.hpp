@@ -25,6 +25,8 @@ struct Conv2dGeometry {
   std::int64_t kernel_h = 1, kernel_w = 1, stride_h = 1, stride_w = 1;
   std::int64_t pad_h = 0, pad_w = 0, dilation_h = 1, dilation_w = 1;
   std::int64_t out_height = 0, out_width = 0;  // H', W'
+  // x and y in NHWC (MemoryFormat::ChannelsLast); the GPU's kernels only: the CPU's are planar.
+  bool channels_last = false;
 
   std::int64_t in_plane() const { return height * width; }
   std::int64_t out_plane() const { return out_height * out_width; }

@@ -41,6 +41,8 @@ class Pointwise : public ParameterFree {
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
+  // Element by element: the same in every memory format (core/memory_format.hpp).
+  static constexpr bool kElementwise = true;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;

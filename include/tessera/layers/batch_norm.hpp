@@ -46,6 +46,7 @@
 
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/kernels/batch_norm.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
@@ -146,6 +147,8 @@ class BatchNorm2d {
   }
   void set_mode(Mode mode) { mode_ = mode; }
   Mode mode() const { return mode_; }
+  // The layout of 4-D inputs (core/memory_format.hpp): channels_last normalizes NHWC rows.
+  void set_memory_format(MemoryFormat f) { format_ = f; }
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 
   // Synchronized statistics over a group (nullptr: this rank's batch only, the default).
@@ -247,7 +250,8 @@ class BatchNorm2d {
   BatchNormShape shape_of(const Tensor& x) const {
     TESSERA_CHECK((x.rank() == 4 || x.rank() == 2) && x.dim(1) == channels_, ShapeError, name(),
                   ": expected input (N, ", channels_, ", H, W) or (N, ", channels_, "), got ", x.shape());
-    return {x.dim(0), channels_, x.rank() == 4 ? x.dim(2) * x.dim(3) : 1};
+    return {x.dim(0), channels_, x.rank() == 4 ? x.dim(2) * x.dim(3) : 1,
+            x.rank() == 4 && format_ == MemoryFormat::ChannelsLast};
   }
 
   // Sums a (C) and b (C) over the group (and the count when count >= 0, returned summed).
@@ -273,6 +277,7 @@ class BatchNorm2d {
   StatsAllReduce stats_all_reduce_;
   tessera::Tensor<double, D> stats_buffer_;  // all_reduce_stats' message, kept across steps
   Mode mode_ = Mode::Train;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
   bool needs_input_grad_ = true;
   Parameter<S, D> weight_, bias_;
   Tensor running_mean_, running_var_;

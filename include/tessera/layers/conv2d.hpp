@@ -11,6 +11,10 @@
 // and ReLU after the layer (ConvEpilogue) to each block of its output while that is in cache.
 // The im2col column buffers hold nothing between forward and backward, so they come from the
 // calling thread's scratch memory (core/scratch.hpp), shared with every other layer.
+// Memory format (set_memory_format, core/memory_format.hpp): in channels_last x, y and their
+// gradients are NHWC. On the GPU cuDNN convolves them as they are (kernels/cuda/conv2d.cuh); on
+// the CPU the layer transposes them around its planar kernels (a reference, two passes more per
+// tensor, the planar copies kept in the cache for backward).
 #pragma once
 
 #include <algorithm>
@@ -23,10 +27,12 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/init.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/core/scratch.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/conv2d.hpp"
+#include "tessera/kernels/elementwise.hpp"
 
 namespace tessera {
 
@@ -49,6 +55,8 @@ class Conv2d {
     const Tensor* x = nullptr;
     Tensor y, dx;
     Shape y_shape;  // y's shape, still known once y is released
+    // channels_last on the CPU: x, and y or dy then dx, in NCHW for the planar kernels.
+    Tensor x_planar, planar, dx_planar;
   };
 
   Conv2d(Conv2dOptions o, Rng& rng) : o_(o), name_(describe(o)) {
@@ -85,11 +93,14 @@ class Conv2d {
     const Conv2dBlocking b = blocking(g, x.dim(0));
     S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
     const S* bias = o_.bias ? bias_.value.data() : nullptr;
+    const S* xd = planar_reference() ? to_planar(x, c.x_planar) : x.data();
+    S* yd = planar_reference() ? planar_buffer(c.planar, c.y_shape) : c.y.data();
     if constexpr (std::is_same_v<D, Cpu>)
-      conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), bias, c.y.data(), workspace,
+      conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace,
                      prepared_winograd_filter(g, b));
     else
-      conv2d_forward(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), bias, c.y.data(), workspace);
+      conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace);
+    if (planar_reference()) from_planar(c.planar, c.y);
     return c.y;
   }
 
@@ -110,11 +121,15 @@ class Conv2d {
     y.resize(c.y_shape);
     const Conv2dBlocking b = blocking(g, x.dim(0));
     S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
+    const S* xd = planar_reference() ? to_planar(x, c.x_planar) : x.data();
+    S* yd = planar_reference() ? planar_buffer(c.planar, c.y_shape) : y.data();
+    if (planar_reference() && addend != nullptr) e.addend = to_planar(*addend, c.dx);  // c.dx: free in inference
     if constexpr (std::is_same_v<D, Cpu>)
-      conv2d_forward_epilogue(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), e, y.data(), workspace,
+      conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace,
                               prepared_winograd_filter(g, b));
     else
-      conv2d_forward_epilogue(D{}, g, b, x.dim(0), x.data(), weight_.value.data(), e, y.data(), workspace);
+      conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace);
+    if (planar_reference()) from_planar(c.planar, y);
     return y;
   }
 
@@ -128,16 +143,22 @@ class Conv2d {
     const std::int64_t n = x.dim(0);
     TESSERA_CHECK((Shape{n, o_.out_channels, g.out_height, g.out_width}) == c.y_shape, ShapeError, name_,
                   "::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
+    const S* dyd = planar_reference() ? to_planar(dy, c.planar) : dy.data();
     if (o_.bias) {
-      conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dy.data(), bias_.grad.data());
+      if (g.channels_last)  // NHWC dy: (N H' W', C_out) rows
+        add_column_sums(D{}, dyd, n * g.out_plane(), o_.out_channels, bias_.grad.data());
+      else
+        conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dyd, bias_.grad.data());
       bias_.grad_ready();
     }
     if (needs_input_grad_) c.dx.resize(x.shape());
+    S* dxd = !needs_input_grad_ ? nullptr : planar_reference() ? planar_buffer(c.dx_planar, x.shape()) : c.dx.data();
     const Conv2dBlocking b = blocking(g, n);
-    conv2d_backward(D{}, g, b, n, x.data(), weight_.value.data(), dy.data(), weight_.grad.data(),
-                    needs_input_grad_ ? c.dx.data() : nullptr,
+    conv2d_backward(D{}, g, b, n, planar_reference() ? c.x_planar.data() : x.data(), weight_.value.data(), dyd,
+                    weight_.grad.data(), dxd,
                     scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
     weight_.grad_ready();
+    if (planar_reference() && needs_input_grad_) from_planar(c.dx_planar, c.dx);
     return c.dx;
   }
 
@@ -154,6 +175,9 @@ class Conv2d {
   std::int64_t out_channels() const { return o_.out_channels; }
   // The stem of a network need not compute dL/dx: saves the w^T dy product and col2im.
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  // The layout of x, y and their gradients (core/memory_format.hpp); the weight keeps PyTorch's.
+  void set_memory_format(MemoryFormat f) { format_ = f; }
+  MemoryFormat memory_format() const { return format_; }
   // Output positions per block (one im2col buffer, one gemm; see kernels/cpu/conv2d.hpp): 0
   // (default) sizes blocks to the L2 cache; n > 0 asks for about n columns. For tests and tuning.
   void set_block_columns(std::int64_t n) { block_columns_ = n; }
@@ -210,6 +234,8 @@ class Conv2d {
     g.pad_w = o_.pad_w;
     g.dilation_h = o_.dilation_h;
     g.dilation_w = o_.dilation_w;
+    // The GPU convolves NHWC as it is; the CPU's kernels are planar (planar_reference).
+    g.channels_last = !D::host_accessible && format_ == MemoryFormat::ChannelsLast;
     g.out_height = conv_output_extent(g.height, o_.kernel_h, o_.stride_h, o_.pad_h, o_.dilation_h);
     g.out_width = conv_output_extent(g.width, o_.kernel_w, o_.stride_w, o_.pad_w, o_.dilation_w);
     if (g.out_height <= 0 || g.out_width <= 0) {
@@ -219,6 +245,24 @@ class Conv2d {
                                    o_.in_channels, ", H, W) with H >= ", min_h, " and W >= ", min_w));
     }
     return g;
+  }
+
+  // channels_last on the CPU: the planar kernels between transposes (see the top).
+  bool planar_reference() const { return D::host_accessible && format_ == MemoryFormat::ChannelsLast; }
+  // t (N, C, H, W) in NHWC -> planar (NCHW); returns planar's data.
+  static const S* to_planar(const Tensor& t, Tensor& planar) {
+    planar.resize(t.shape());
+    nhwc_to_nchw(D{}, t.dim(0), t.dim(1), t.dim(2) * t.dim(3), t.data(), planar.data());
+    return planar.data();
+  }
+  static S* planar_buffer(Tensor& planar, const Shape& shape) {
+    planar.resize(shape);
+    return planar.data();
+  }
+  // planar (NCHW) -> t (NHWC), t shaped like planar.
+  static void from_planar(const Tensor& planar, Tensor& t) {
+    t.resize(planar.shape());
+    nchw_to_nhwc(D{}, planar.dim(0), planar.dim(1), planar.dim(2) * planar.dim(3), planar.data(), t.data());
   }
 
   Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch) const {
@@ -268,6 +312,7 @@ class Conv2d {
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
   Mode mode_ = Mode::Train;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
   Tensor winograd_filter_;  // prepared_winograd_filter's U, and the weights' fingerprint it is of
   std::uint64_t winograd_filter_of_ = 0;
 };

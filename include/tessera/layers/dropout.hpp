@@ -26,6 +26,8 @@ class Dropout {
   using S = typename E::Scalar;
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
+  // Element by element (its mask drawn in memory order): any memory format (core/memory_format.hpp).
+  static constexpr bool kElementwise = true;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;

@@ -9,7 +9,9 @@
 
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/kernels/elementwise.hpp"
 
 namespace tessera {
 
@@ -31,7 +33,9 @@ class Flatten {
     if (x.rank() == 2) return x;
     const std::int64_t n = x.dim(0);
     c.y.resize({n, n > 0 ? x.numel() / n : 0});
-    D::copy(c.y.data(), x.data(), x.bytes());
+    // channels_last (N, C, H, W) flattens in PyTorch's order, (c, h, w), as x.flatten(1) does.
+    if (reorders(x)) nhwc_to_nchw(D{}, n, x.dim(1), x.dim(2) * x.dim(3), x.data(), c.y.data());
+    else D::copy(c.y.data(), x.data(), x.bytes());
     return c.y;
   }
 
@@ -48,7 +52,8 @@ class Flatten {
     if (x.rank() == 2) return dy;
     if (needs_input_grad_) {
       c.dx.resize(x.shape());
-      D::copy(c.dx.data(), dy.data(), dy.bytes());
+      if (reorders(x)) nchw_to_nhwc(D{}, n, x.dim(1), x.dim(2) * x.dim(3), dy.data(), c.dx.data());
+      else D::copy(c.dx.data(), dy.data(), dy.bytes());
     }
     return c.dx;
   }
@@ -57,9 +62,15 @@ class Flatten {
   void visit(V&, const std::string&) {}
   void set_mode(Mode) {}
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  void set_memory_format(MemoryFormat f) { format_ = f; }
 
  private:
+  bool reorders(const Tensor& x) const {
+    return format_ == MemoryFormat::ChannelsLast && x.rank() == 4 && x.dim(1) > 1 && x.dim(2) * x.dim(3) > 1;
+  }
+
   bool needs_input_grad_ = true;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).

@@ -14,6 +14,7 @@
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/init.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/parameter.hpp"
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/kernels/gemm.hpp"
@@ -61,6 +62,9 @@ class Linear {
   const Tensor& forward(const Tensor& x, Cache& c) {
     TESSERA_CHECK(x.rank() >= 1 && x.shape().dim(-1) == in_, ShapeError, "Linear(", in_, ", ", out_,
                   "): expected input (*, ", in_, ") (the last dimension is in_features), got ", x.shape());
+    TESSERA_CHECK(format_ == MemoryFormat::Contiguous || x.rank() != 4, ArgumentError, "Linear(", in_, ", ", out_,
+                  "): a 4-D input ", x.shape(), " in channels_last has its last dimension (W) apart in memory; ",
+                  "flatten or pool it first");
     const auto n = x.numel() / in_;
     c.x = &x;
     Shape y_shape = x.shape();
@@ -96,6 +100,8 @@ class Linear {
     if (has_bias_) v.parameter(prefix + "bias", bias_);
   }
   void set_mode(Mode) {}
+  // (N, F) inputs are the same in every memory format; a 4-D one in channels_last is refused.
+  void set_memory_format(MemoryFormat f) { format_ = f; }
   // The first layer of a network need not compute dL/dx (nobody consumes it).
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 
@@ -113,6 +119,7 @@ class Linear {
   bool needs_input_grad_ = true;
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).

@@ -29,7 +29,9 @@
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/linkage.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/kernels/elementwise.hpp"
 #include "tessera/kernels/pool.hpp"
 
 namespace tessera {
@@ -61,10 +63,10 @@ class Pool2dConfig {
                bool count_include_pad = true, std::optional<std::int64_t> divisor_override = std::nullopt);
 
   template <class S, class D>
-  Pool2dGeometry geometry(const Tensor<S, D>& x) const {
-    return geometry(x.shape());
+  Pool2dGeometry geometry(const Tensor<S, D>& x, MemoryFormat f = MemoryFormat::Contiguous) const {
+    return geometry(x.shape(), f);
   }
-  Pool2dGeometry geometry(const Shape& x) const;
+  Pool2dGeometry geometry(const Shape& x, MemoryFormat f = MemoryFormat::Contiguous) const;
 
   const std::string& name() const { return name_; }
 
@@ -104,7 +106,7 @@ TESSERA_LINKAGE Pool2dConfig::Pool2dConfig(const char* kind, std::int64_t kernel
                 ": divisor_override must not be zero");
 }
 
-TESSERA_LINKAGE Pool2dGeometry Pool2dConfig::geometry(const Shape& x) const {
+TESSERA_LINKAGE Pool2dGeometry Pool2dConfig::geometry(const Shape& x, MemoryFormat f) const {
   TESSERA_CHECK(x.rank() == 4, ShapeError, name_, ": expected input (N, C, H, W), got ", x);
   // Smallest H giving one window: H + 2 padding >= kernel, or in ceil mode a window may start
   // inside the image and run past its padded end (ceil((H + 2p - k) / s) >= 0).
@@ -121,6 +123,8 @@ TESSERA_LINKAGE Pool2dGeometry Pool2dConfig::geometry(const Shape& x) const {
   g.out_width = out_extent(g.width);
   g.count_include_pad = count_include_pad_;
   g.divisor_override = divisor_override_;
+  g.channels = x.dim(1);
+  g.channels_last = f == MemoryFormat::ChannelsLast;
   return g;
 }
 #endif  // TESSERA_HEADER_DEFINITIONS
@@ -151,7 +155,7 @@ class MaxPool2d {
 
   // y (N, C, H', W') = max over each window of x (N, C, H, W)
   const Tensor& forward(const Tensor& x, Cache& c) {
-    const Pool2dGeometry g = config_.geometry(x);
+    const Pool2dGeometry g = config_.geometry(x, format_);
     c.x = &x;
     c.y.resize({x.dim(0), x.dim(1), g.out_height, g.out_width});
     c.argmax.resize(c.y.shape());
@@ -169,7 +173,7 @@ class MaxPool2d {
     TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, config_.name(), "::backward: dy ", dy.shape(),
                   " does not match the output ", c.y_shape);
     if (!needs_input_grad_) return c.dx;
-    const Pool2dGeometry g = config_.geometry(c.x_shape);
+    const Pool2dGeometry g = config_.geometry(c.x_shape, format_);
     c.dx.resize(c.x_shape);
     max_pool2d_backward(D{}, g, c.x_shape.dim(0) * c.x_shape.dim(1), dy.data(), c.argmax.data(), c.dx.data());
     return c.dx;
@@ -179,11 +183,13 @@ class MaxPool2d {
   void visit(V&, const std::string&) {}
   void set_mode(Mode) {}
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  void set_memory_format(MemoryFormat f) { format_ = f; }
   const std::string& name() const { return config_.name(); }
 
  private:
   detail::Pool2dConfig config_;
   bool needs_input_grad_ = true;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 template <class E>
@@ -206,7 +212,7 @@ class AvgPool2d {
 
   // y (N, C, H', W') = sum over each window of x (N, C, H, W) / divisor (kernel^2 by default)
   const Tensor& forward(const Tensor& x, Cache& c) {
-    const Pool2dGeometry g = config_.geometry(x);
+    const Pool2dGeometry g = config_.geometry(x, format_);
     c.x = &x;
     c.y.resize({x.dim(0), x.dim(1), g.out_height, g.out_width});
     avg_pool2d_forward(D{}, g, x.dim(0) * x.dim(1), x.data(), c.y.data());
@@ -219,7 +225,7 @@ class AvgPool2d {
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, config_.name(), "::backward: dy ", dy.shape(),
                   " does not match the output ", c.y.shape());
     if (!needs_input_grad_) return c.dx;
-    const Pool2dGeometry g = config_.geometry(*c.x);
+    const Pool2dGeometry g = config_.geometry(*c.x, format_);
     c.dx.resize(c.x->shape());
     avg_pool2d_backward(D{}, g, c.x->dim(0) * c.x->dim(1), dy.data(), c.dx.data());
     return c.dx;
@@ -229,11 +235,13 @@ class AvgPool2d {
   void visit(V&, const std::string&) {}
   void set_mode(Mode) {}
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  void set_memory_format(MemoryFormat f) { format_ = f; }
   const std::string& name() const { return config_.name(); }
 
  private:
   detail::Pool2dConfig config_;
   bool needs_input_grad_ = true;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 template <class E>
@@ -246,6 +254,7 @@ class AdaptiveAvgPool2d {
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;
+    Tensor planar_in, planar_out;  // channels_last with an output larger than 1 x 1: NCHW copies
   };
 
   explicit AdaptiveAvgPool2d(std::int64_t output_size) : AdaptiveAvgPool2d(output_size, output_size) {}
@@ -261,8 +270,16 @@ class AdaptiveAvgPool2d {
     const AdaptivePool2dGeometry g = geometry(x);
     c.x = &x;
     c.y.resize({x.dim(0), x.dim(1), out_height_, out_width_});
+    const bool nhwc = format_ == MemoryFormat::ChannelsLast;
     if (g.out_plane() == 1) {
-      global_avg_pool_forward(D{}, x.dim(0) * x.dim(1), g.in_plane(), x.data(), c.y.data());
+      if (nhwc) global_avg_pool_channels_last_forward(D{}, x.dim(0), x.dim(1), g.in_plane(), x.data(), c.y.data());
+      else global_avg_pool_forward(D{}, x.dim(0) * x.dim(1), g.in_plane(), x.data(), c.y.data());
+    } else if (nhwc) {  // the planar kernel between transposes
+      c.planar_in.resize(x.shape());
+      c.planar_out.resize(c.y.shape());
+      nhwc_to_nchw(D{}, x.dim(0), x.dim(1), g.in_plane(), x.data(), c.planar_in.data());
+      adaptive_avg_pool2d_forward(D{}, g, x.dim(0) * x.dim(1), c.planar_in.data(), c.planar_out.data());
+      nchw_to_nhwc(D{}, x.dim(0), x.dim(1), g.out_plane(), c.planar_out.data(), c.y.data());
     } else {
       adaptive_avg_pool2d_forward(D{}, g, x.dim(0) * x.dim(1), x.data(), c.y.data());
     }
@@ -277,10 +294,19 @@ class AdaptiveAvgPool2d {
     if (!needs_input_grad_) return c.dx;
     const AdaptivePool2dGeometry g = geometry(*c.x);
     c.dx.resize(c.x->shape());
+    const std::int64_t n = c.x->dim(0), channels = c.x->dim(1);
+    const bool nhwc = format_ == MemoryFormat::ChannelsLast;
     if (g.out_plane() == 1) {
-      global_avg_pool_backward(D{}, c.x->dim(0) * c.x->dim(1), g.in_plane(), dy.data(), c.dx.data());
+      if (nhwc) global_avg_pool_channels_last_backward(D{}, n, channels, g.in_plane(), dy.data(), c.dx.data());
+      else global_avg_pool_backward(D{}, n * channels, g.in_plane(), dy.data(), c.dx.data());
+    } else if (nhwc) {
+      c.planar_out.resize(dy.shape());
+      c.planar_in.resize(c.x->shape());
+      nhwc_to_nchw(D{}, n, channels, g.out_plane(), dy.data(), c.planar_out.data());
+      adaptive_avg_pool2d_backward(D{}, g, n * channels, c.planar_out.data(), c.planar_in.data());
+      nchw_to_nhwc(D{}, n, channels, g.in_plane(), c.planar_in.data(), c.dx.data());
     } else {
-      adaptive_avg_pool2d_backward(D{}, g, c.x->dim(0) * c.x->dim(1), dy.data(), c.dx.data());
+      adaptive_avg_pool2d_backward(D{}, g, n * channels, dy.data(), c.dx.data());
     }
     return c.dx;
   }
@@ -289,6 +315,7 @@ class AdaptiveAvgPool2d {
   void visit(V&, const std::string&) {}
   void set_mode(Mode) {}
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  void set_memory_format(MemoryFormat f) { format_ = f; }
   const std::string& name() const { return name_; }
 
  private:
@@ -301,6 +328,7 @@ class AdaptiveAvgPool2d {
   std::int64_t out_height_, out_width_;
   std::string name_;
   bool needs_input_grad_ = true;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 template <class E>
@@ -321,7 +349,10 @@ class GlobalAvgPool {
                   "GlobalAvgPool: expected input (N, C, H, W) with H, W > 0, got ", x.shape());
     c.x = &x;
     c.y.resize({x.dim(0), x.dim(1)});
-    global_avg_pool_forward(D{}, x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), x.data(), c.y.data());
+    if (format_ == MemoryFormat::ChannelsLast)
+      global_avg_pool_channels_last_forward(D{}, x.dim(0), x.dim(1), x.dim(2) * x.dim(3), x.data(), c.y.data());
+    else
+      global_avg_pool_forward(D{}, x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), x.data(), c.y.data());
     return c.y;
   }
 
@@ -333,7 +364,10 @@ class GlobalAvgPool {
     if (!needs_input_grad_) return c.dx;
     const Tensor& x = *c.x;
     c.dx.resize(x.shape());
-    global_avg_pool_backward(D{}, x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), dy.data(), c.dx.data());
+    if (format_ == MemoryFormat::ChannelsLast)
+      global_avg_pool_channels_last_backward(D{}, x.dim(0), x.dim(1), x.dim(2) * x.dim(3), dy.data(), c.dx.data());
+    else
+      global_avg_pool_backward(D{}, x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), dy.data(), c.dx.data());
     return c.dx;
   }
 
@@ -341,9 +375,12 @@ class GlobalAvgPool {
   void visit(V&, const std::string&) {}
   void set_mode(Mode) {}
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  // channels_last: x (N, C, H, W) in NHWC; y (N, C) is the same in both formats.
+  void set_memory_format(MemoryFormat f) { format_ = f; }
 
  private:
   bool needs_input_grad_ = true;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).

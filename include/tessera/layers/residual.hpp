@@ -14,6 +14,7 @@
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/elementwise.hpp"
 
@@ -87,6 +88,11 @@ class Residual {
     mode_ = mode;
     main_.set_mode(mode);
     if (projection_) projection_->set_mode(mode);
+  }
+  // The add and its ReLU are elementwise: the branches' format is the block's.
+  void set_memory_format(MemoryFormat f) {
+    apply_memory_format(main_, f, "Residual");
+    if (projection_) apply_memory_format(*projection_, f, "Residual");
   }
 
   // torchvision names: the main branch's layers sit directly under the block ("layer1.0.conv1"),

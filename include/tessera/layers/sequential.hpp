@@ -22,6 +22,7 @@
 
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/core/tensor.hpp"
 
 namespace tessera {
@@ -148,6 +149,10 @@ class Sequential {
   void set_mode(Mode mode) {
     mode_ = mode;
     std::apply([mode](auto&... layer) { (layer.set_mode(mode), ...); }, layers_);
+  }
+  // Each layer's memory format (core/memory_format.hpp); refused when a layer works on NCHW only.
+  void set_memory_format(MemoryFormat f) {
+    std::apply([f](auto&... layer) { (apply_memory_format(layer, f, "Sequential"), ...); }, layers_);
   }
 
   // Forward only (Mode::Inference), for a residual block whose branch ends in a convolution and

@@ -11,6 +11,10 @@
 // on every compiler; with zero_init_residual the last BN of every block starts at gamma = 0, so each
 // block starts as the identity (Goyal et al., section 5.1).
 //
+// Memory format (set_memory_format, core/memory_format.hpp): in channels_last every activation
+// is NHWC; the input stays NCHW (as data loaders give it) and is transposed once on entry, and the
+// output (N, classes) is the same in both. The fastest format on a GPU (docs/cuda.md).
+//
 // Shapes, ImageNet ResNet-50 at 224x224: x (N, 3, 224, 224) -> stem (N, 64, 56, 56) -> layer1
 // (N, 256, 56, 56) -> layer2 (N, 512, 28, 28) -> layer3 (N, 1024, 14, 14) -> layer4 (N, 2048, 7, 7)
 // -> pool (N, 2048) -> fc (N, classes).
@@ -23,6 +27,7 @@
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/core/init.hpp"
+#include "tessera/core/memory_format.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/batch_norm.hpp"
 #include "tessera/layers/conv2d.hpp"
@@ -122,6 +127,7 @@ class ResNet {
     std::vector<typename BlockType::Cache> blocks;
     typename GlobalAvgPool<E>::Cache avgpool;
     typename Linear<E>::Cache fc;
+    Tensor input, dinput;  // channels_last: the input in NHWC, and its gradient back in NCHW
   };
 
   ResNet(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths, bool imagenet_stem,
@@ -141,6 +147,11 @@ class ResNet {
       if (u == 0) {
         TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
                       in_channels_, ", H, W), got ", x.shape());
+        if (format_ == MemoryFormat::ChannelsLast) {
+          c.input.resize(x.shape());
+          nchw_to_nhwc(D{}, x.dim(0), x.dim(1), x.dim(2) * x.dim(3), x.data(), c.input.data());
+          h = &c.input;
+        }
         // BatchNorm and ReLU fused (layers/batch_norm.hpp): bn1's own output is never formed;
         // forward only, into conv1's epilogue as well (layers/sequential.hpp).
         if (mode_ == Mode::Inference) {
@@ -182,6 +193,11 @@ class ResNet {
         const Tensor& dconv = bn1_.backward_relu(*g, c.bn1);
         if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
         g = &conv1_.backward(dconv, c.conv1);
+        if (format_ == MemoryFormat::ChannelsLast && g->rank() == 4) {  // dL/dx asked for: back to NCHW
+          c.dinput.resize(g->shape());
+          nhwc_to_nchw(D{}, g->dim(0), g->dim(1), g->dim(2) * g->dim(3), g->data(), c.dinput.data());
+          g = &c.dinput;
+        }
         release_input_grad(bn1_, c.bn1);
         release_output(conv1_, c.conv1);
         if (maxpool_) release_output(relu_, c.relu);  // else the stem's output: released below
@@ -237,6 +253,16 @@ class ResNet {
     fc_.set_mode(mode);
   }
   void set_needs_input_grad(bool needed) { conv1_.set_needs_input_grad(needed); }
+  // Every layer's layout of 4-D activations (see the top); Contiguous by default.
+  void set_memory_format(MemoryFormat f) {
+    format_ = f;
+    conv1_.set_memory_format(f);
+    bn1_.set_memory_format(f);
+    if (maxpool_) maxpool_->set_memory_format(f);
+    for (auto& b : blocks_) b.set_memory_format(f);
+    avgpool_.set_memory_format(f);
+  }
+  MemoryFormat memory_format() const { return format_; }
 
   template <class V>
   void visit(V& v, const std::string& prefix) {
@@ -296,6 +322,7 @@ class ResNet {
   GlobalAvgPool<E> avgpool_;
   Linear<E> fc_;
   Mode mode_ = Mode::Train;
+  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 template <class E>

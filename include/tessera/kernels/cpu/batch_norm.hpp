@@ -46,9 +46,11 @@
 
 namespace tessera {
 
-// x viewed as (n, c, hw): element (i, ch, s) at (i * c + ch) * hw + s.
+// x viewed as (n, c, hw): element (i, ch, s) at (i * c + ch) * hw + s, or with channels_last
+// (MemoryFormat::ChannelsLast) at (i * hw + s) * c + ch: rows of c values, one per pixel.
 struct BatchNormShape {
   std::int64_t n = 0, c = 0, hw = 1;
+  bool channels_last = false;
   // constexpr: callable from CUDA kernels too (nvcc --expt-relaxed-constexpr).
   constexpr std::int64_t numel() const { return n * c * hw; }
   constexpr std::int64_t count() const { return n * hw; }  // values per channel
@@ -141,8 +143,74 @@ void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, con
 }
 }  // namespace detail
 
+namespace detail {
+// Channels last: x is n hw rows of c values. body(r0, r1) on each thread of a team for its
+// contiguous run of rows (the same split of memory as batch_norm_planes').
+template <class Body>
+void batch_norm_rows(BatchNormShape s, const Body& body) {
+  const std::int64_t rows = s.n * s.hw;
+  if (s.numel() < kBatchNormParallelThreshold || rows < 2) {
+    body(std::int64_t{0}, rows);
+    return;
+  }
+#pragma omp parallel
+  {
+    std::int64_t r0, r1;
+    team_share(rows, r0, r1);
+    body(r0, r1);
+  }
+}
+// out_a[ch], out_b[ch]: sums over the rows, where row(r, a, b) adds row r's contributions to the
+// channel vectors a (c) and b (c). Per-thread partial vectors added in thread order, as
+// batch_norm_channel_sums does.
+template <class Row>
+void batch_norm_row_sums(BatchNormShape s, double* out_a, double* out_b, const Row& row) {
+  const std::int64_t rows = s.n * s.hw;
+  if (s.numel() < kBatchNormParallelThreshold || rows < 2) {
+    std::fill(out_a, out_a + s.c, 0.0);
+    std::fill(out_b, out_b + s.c, 0.0);
+    for (std::int64_t r = 0; r < rows; ++r) row(r, out_a, out_b);
+    return;
+  }
+  thread_local std::vector<double> scratch;
+  const std::size_t need = static_cast<std::size_t>(Cpu::num_threads() * 2 * s.c);
+  if (scratch.size() < need) scratch.resize(need);
+  double* partial = scratch.data();
+#pragma omp parallel
+  {
+    const std::int64_t t = Cpu::thread_index(), team = Cpu::team_size();
+    double* a = partial + t * 2 * s.c;
+    double* b = a + s.c;
+    std::fill(a, a + 2 * s.c, 0.0);
+    std::int64_t r0, r1, c0, c1;
+    team_share(rows, r0, r1);
+    for (std::int64_t r = r0; r < r1; ++r) row(r, a, b);
+#pragma omp barrier
+    team_share(s.c, c0, c1);
+    for (std::int64_t ch = c0; ch < c1; ++ch) {
+      double sa = 0, sb = 0;
+      for (std::int64_t u = 0; u < team; ++u) sa += partial[u * 2 * s.c + ch], sb += partial[u * 2 * s.c + s.c + ch];
+      out_a[ch] = sa;
+      out_b[ch] = sb;
+    }
+  }
+}
+}  // namespace detail
+
 template <class S>
 void batch_norm_local_stats(Cpu, const S* x, BatchNormShape s, double* sum, double* sumsq) {
+  if (s.channels_last) {
+    detail::batch_norm_row_sums(s, sum, sumsq, [&](std::int64_t r, double* a, double* b) {
+      const S* xr = x + r * s.c;
+#pragma omp simd
+      for (std::int64_t ch = 0; ch < s.c; ++ch) {
+        const double v = xr[ch];
+        a[ch] += v;
+        b[ch] += v * v;
+      }
+    });
+    return;
+  }
   detail::batch_norm_channel_sums(s, sum, sumsq, [&](std::int64_t i, std::int64_t ch, double& acc, double& acc2) {
     const S* row = x + (i * s.c + ch) * s.hw;
     double a = 0, a2 = 0;
@@ -197,6 +265,20 @@ void batch_norm_invstd(Cpu, std::int64_t channels, const S* var, double eps, S* 
 template <class S>
 void batch_norm_normalize(Cpu, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
                           const S* beta, S* y, bool relu = false) {
+  if (s.channels_last) {  // the same expression per element, the channel's constants from vectors
+    detail::batch_norm_rows(s, [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const S* xr = x + r * s.c;
+        S* yr = y + r * s.c;
+#pragma omp simd
+        for (std::int64_t ch = 0; ch < s.c; ++ch) {
+          const S v = batch_norm_value(xr[ch], mean[ch], gamma[ch] * invstd[ch], beta[ch]);
+          yr[ch] = relu && v < S(0) ? S(0) : v;
+        }
+      }
+    });
+    return;
+  }
   detail::batch_norm_planes(s, [&](std::int64_t p0, std::int64_t p1) {
     for (std::int64_t p = p0; p < p1; ++p) {
       const std::int64_t ch = p % s.c;
@@ -227,6 +309,22 @@ void batch_norm_backward_local_sums(Cpu, const S* dy, const S* x, BatchNormShape
                                     const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu = false,
                                     const S* gamma = nullptr, const S* beta = nullptr) {
   // sum_dy_xhat holds sum dy (x - mean) until the end, when each channel is scaled by invstd.
+  if (s.channels_last) {
+    detail::batch_norm_row_sums(s, sum_dy, sum_dy_xhat, [&](std::int64_t r, double* a, double* b) {
+      const S* dyr = dy + r * s.c;
+      const S* xr = x + r * s.c;
+#pragma omp simd
+      for (std::int64_t ch = 0; ch < s.c; ++ch) {
+        const double g =
+            relu ? detail::relu_pass_masked(batch_norm_value(xr[ch], mean[ch], gamma[ch] * invstd[ch], beta[ch]), dyr[ch])
+                 : dyr[ch];
+        a[ch] += g;
+        b[ch] += g * (static_cast<double>(xr[ch]) - static_cast<double>(mean[ch]));
+      }
+    });
+    for (std::int64_t ch = 0; ch < s.c; ++ch) sum_dy_xhat[ch] *= static_cast<double>(invstd[ch]);
+    return;
+  }
   detail::batch_norm_channel_sums(s, sum_dy, sum_dy_xhat, [&](std::int64_t i, std::int64_t ch, double& acc_dy,
                                                               double& acc_xmu) {
     const double mu = mean[ch];
@@ -265,6 +363,36 @@ void batch_norm_backward_input(Cpu, const S* dy, const S* x, BatchNormShape s, c
                                const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
                                S* dx, bool relu = false, const S* beta = nullptr) {
   const double m = static_cast<double>(count);
+  if (s.channels_last) {
+    // The per-channel a, b, c of the planar loop below, as vectors (this thread's scratch).
+    thread_local std::vector<S> coefficients;
+    coefficients.resize(static_cast<std::size_t>(3 * s.c));
+    S* ca = coefficients.data();
+    S* cb = ca + s.c;
+    S* cc = cb + s.c;
+    for (std::int64_t ch = 0; ch < s.c; ++ch) {
+      const double is = invstd[ch];
+      const double k = static_cast<double>(gamma[ch]) * is;
+      ca[ch] = static_cast<S>(k);
+      cb[ch] = static_cast<S>(-k * is * sum_dy_xhat[ch] / m);
+      cc[ch] = static_cast<S>(-k * sum_dy[ch] / m);
+    }
+    detail::batch_norm_rows(s, [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const S* dyr = dy + r * s.c;
+        const S* xr = x + r * s.c;
+        S* dxr = dx + r * s.c;
+#pragma omp simd
+        for (std::int64_t ch = 0; ch < s.c; ++ch) {
+          const S g = relu ? detail::relu_pass_masked(
+                                 batch_norm_value(xr[ch], mean[ch], gamma[ch] * invstd[ch], beta[ch]), dyr[ch])
+                           : dyr[ch];
+          dxr[ch] = ca[ch] * g + cb[ch] * (xr[ch] - mean[ch]) + cc[ch];
+        }
+      }
+    });
+    return;
+  }
   detail::batch_norm_planes(s, [&](std::int64_t p0, std::int64_t p1) {
     for (std::int64_t p = p0; p < p1; ++p) {
       const std::int64_t ch = p % s.c;
@@ -298,6 +426,26 @@ template <class S>
 void batch_norm_backward_input_affine(Cpu, const S* dy, BatchNormShape s, const S* invstd, const S* gamma, S* dx,
                                       bool relu = false, const S* x = nullptr, const S* mean = nullptr,
                                       const S* beta = nullptr) {
+  if (s.channels_last) {
+    detail::batch_norm_rows(s, [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const S* dyr = dy + r * s.c;
+        S* dxr = dx + r * s.c;
+        if (relu) {
+          const S* xr = x + r * s.c;
+#pragma omp simd
+          for (std::int64_t ch = 0; ch < s.c; ++ch) {
+            const S a = gamma[ch] * invstd[ch];
+            dxr[ch] = a * detail::relu_pass_masked(batch_norm_value(xr[ch], mean[ch], a, beta[ch]), dyr[ch]);
+          }
+        } else {
+#pragma omp simd
+          for (std::int64_t ch = 0; ch < s.c; ++ch) dxr[ch] = gamma[ch] * invstd[ch] * dyr[ch];
+        }
+      }
+    });
+    return;
+  }
   detail::batch_norm_planes(s, [&](std::int64_t p0, std::int64_t p1) {
     for (std::int64_t p = p0; p < p1; ++p) {
       const std::int64_t ch = p % s.c;

@@ -221,6 +221,34 @@ void add_broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S
     for (std::int64_t j = 0; j < cols; ++j) y[i * cols + j] += b[j];
 }
 
+// Memory-format conversions (core/memory_format.hpp) of n images of c channels by hw pixels:
+// nchw_to_nhwc writes y[(i hw + s) c + ch] = x[(i c + ch) hw + s], nhwc_to_nchw the inverse. Each
+// image is a (c, hw) matrix transposed in tiles of 32 x 32, so both the reads and the writes stay
+// within a few cache lines per tile.
+namespace detail {
+inline constexpr std::int64_t kTransposeTile = 32;
+// y (cols, rows) = x (rows, cols) transposed, for one image.
+template <class S>
+void transpose_tiles(const S* x, std::int64_t rows, std::int64_t cols, S* y) {
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kTransposeTile)
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kTransposeTile) {
+      const std::int64_t r1 = std::min(rows, r0 + kTransposeTile), c1 = std::min(cols, c0 + kTransposeTile);
+      for (std::int64_t r = r0; r < r1; ++r)
+        for (std::int64_t k = c0; k < c1; ++k) y[k * rows + r] = x[r * cols + k];
+    }
+}
+}  // namespace detail
+template <class S>
+void nchw_to_nhwc(Cpu, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y) {
+#pragma omp parallel for schedule(static) if (n * c * hw > (1 << 16))
+  for (std::int64_t i = 0; i < n; ++i) detail::transpose_tiles(x + i * c * hw, c, hw, y + i * c * hw);
+}
+template <class S>
+void nhwc_to_nchw(Cpu, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y) {
+#pragma omp parallel for schedule(static) if (n * c * hw > (1 << 16))
+  for (std::int64_t i = 0; i < n; ++i) detail::transpose_tiles(x + i * c * hw, hw, c, y + i * c * hw);
+}
+
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp); map_forward/map_backward
 // take the caller's functor and stay templates.
 #define TESSERA_CPU_ELEMENTWISE_INSTANCES(PREFIX, S)                                                             \
@@ -241,7 +269,9 @@ void add_broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S
   PREFIX template void copy_2d<S>(Cpu, S*, std::int64_t, const S*, std::int64_t, std::int64_t, std::int64_t);  \
   PREFIX template void accumulate_2d<S>(Cpu, S*, std::int64_t, const S*, std::int64_t, std::int64_t,          \
                                         std::int64_t);                                                         \
-  PREFIX template void add_broadcast_rows<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);
+  PREFIX template void add_broadcast_rows<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);                   \
+  PREFIX template void nchw_to_nhwc<S>(Cpu, std::int64_t, std::int64_t, std::int64_t, const S*, S*);          \
+  PREFIX template void nhwc_to_nchw<S>(Cpu, std::int64_t, std::int64_t, std::int64_t, const S*, S*);
 TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_ELEMENTWISE_INSTANCES)
 
 }  // namespace tessera

@@ -41,10 +41,41 @@ struct Pool2dGeometry {
   std::int64_t out_height = 0, out_width = 0;  // H', W'
   bool count_include_pad = true;               // average pooling only
   std::int64_t divisor_override = 0;           // average pooling only; 0: none (torch forbids 0)
+  // The planes are N C images' channels, p = n C + c. Contiguous (NCHW): plane p is a block of
+  // rows x cols values; channels_last (NHWC): element (p, row, col) at ((n rows + row) cols + col) C + c.
+  std::int64_t channels = 1;
+  bool channels_last = false;
 
   // constexpr: callable from CUDA kernels too (nvcc --expt-relaxed-constexpr).
   constexpr std::int64_t in_plane() const { return height * width; }
   constexpr std::int64_t out_plane() const { return out_height * out_width; }
+
+  // The memory position of element (p, row, col) of a rows x cols input or output.
+  constexpr std::int64_t offset(std::int64_t p, std::int64_t row, std::int64_t col, std::int64_t rows,
+                                std::int64_t cols) const {
+    if (!channels_last) return (p * rows + row) * cols + col;
+    return (((p / channels) * rows + row) * cols + col) * channels + p % channels;
+  }
+  constexpr std::int64_t in_offset(std::int64_t p, std::int64_t h, std::int64_t w) const {
+    return offset(p, h, w, height, width);
+  }
+  constexpr std::int64_t out_offset(std::int64_t p, std::int64_t oh, std::int64_t ow) const {
+    return offset(p, oh, ow, out_height, out_width);
+  }
+  // The inverse of offset: memory position e of a rows x cols array -> (p, row, col).
+  constexpr void locate(std::int64_t e, std::int64_t rows, std::int64_t cols, std::int64_t& p, std::int64_t& row,
+                        std::int64_t& col) const {
+    if (!channels_last) {
+      p = e / (rows * cols);
+      row = e % (rows * cols) / cols;
+      col = e % cols;
+      return;
+    }
+    const std::int64_t pixel = e / channels, image = pixel / (rows * cols), within = pixel % (rows * cols);
+    p = image * channels + e % channels;
+    row = within / cols;
+    col = within % cols;
+  }
 
   // Average pooling's divisor factor along one axis for output index o over an input of extent
   // `in`: e(o) with count_include_pad, else c(o) (see the header comment).
@@ -250,8 +281,51 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
 // Each output row is built tap by tap over all its columns at once: the inner loop runs along ow
 // with no branches, so it vectorizes; taps are visited in row-major window order and only a
 // strictly larger value (or a NaN) replaces the current maximum, which keeps PyTorch's argmax.
+namespace detail {
+// Channels last (Pool2dGeometry::channels_last): output by output in memory order, each window
+// visited in row-major order as the planar loops do, so the maxima, argmaxes and sums are theirs
+// (the backward sums may add in another order). A reference for the CPU, where Tessera's
+// convolutions are planar; the fast NHWC kernels are the GPU's (kernels/cuda/pool.cuh).
+template <class S>
+void max_pool2d_forward_channels_last(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y,
+                                      std::int32_t* argmax) {
+  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
+  for (std::int64_t o = 0; o < planes * g.out_plane(); ++o) {
+    std::int64_t p, oh, ow;
+    g.locate(o, g.out_height, g.out_width, p, oh, ow);
+    const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0), h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+    const std::int64_t w0 = std::max<std::int64_t>(ow * g.stride - g.pad, 0), w1 = std::min(ow * g.stride - g.pad + g.kernel, g.width);
+    S best = -std::numeric_limits<S>::infinity();
+    auto at = static_cast<std::int32_t>(h0 * g.width + w0);
+    for (std::int64_t h = h0; h < h1; ++h)
+      for (std::int64_t w = w0; w < w1; ++w) {
+        const S v = x[g.in_offset(p, h, w)];
+        if (v > best || v != v) {
+          best = v;
+          at = static_cast<std::int32_t>(h * g.width + w);
+        }
+      }
+    y[o] = best;
+    argmax[o] = at;
+  }
+}
+// Each image's outputs are contiguous in both formats: images split over the threads.
+template <class Body>
+void pool_images(const Pool2dGeometry& g, std::int64_t planes, const Body& body) {
+  const std::int64_t images = planes / g.channels;
+  [[maybe_unused]] const std::int64_t work = planes * (g.in_plane() + g.out_plane() * g.kernel * g.kernel);
+#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
+  for (std::int64_t i = 0; i < images; ++i) body(i);
+}
+}  // namespace detail
+
 template <class S>
 void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
+  if (g.channels_last) {
+    detail::max_pool2d_forward_channels_last(g, planes, x, y, argmax);
+    return;
+  }
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
   if (detail::max_pool_2x2_windows(g)) {
     detail::max_pool2d_forward_2x2(g, planes, x, y, argmax);
@@ -296,6 +370,15 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
 template <class S>
 void max_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* dy, const std::int32_t* argmax,
                          S* dx) {
+  if (g.channels_last) {
+    detail::pool_images(g, planes, [&](std::int64_t i) {
+      const std::int64_t c = g.channels, in = c * g.in_plane(), out = c * g.out_plane();
+      std::fill(dx + i * in, dx + (i + 1) * in, S(0));
+      for (std::int64_t o = i * out; o < (i + 1) * out; ++o)
+        dx[i * in + std::int64_t{argmax[o]} * c + o % c] += dy[o];
+    });
+    return;
+  }
   [[maybe_unused]] const std::int64_t work = planes * (g.in_plane() + g.out_plane());
 #pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
   for (std::int64_t p = 0; p < planes; ++p) {
@@ -314,6 +397,22 @@ template <class S>
 void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
   const bool uniform = g.uniform_avg_divisor();
   const S scale = S(1) / static_cast<S>(g.avg_divisor(0, 0));
+  if (g.channels_last) {
+    detail::pool_images(g, planes, [&](std::int64_t i) {
+      const std::int64_t out = g.channels * g.out_plane();
+      for (std::int64_t o = i * out; o < (i + 1) * out; ++o) {
+        std::int64_t p, oh, ow;
+        g.locate(o, g.out_height, g.out_width, p, oh, ow);
+        const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0), h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+        const std::int64_t w0 = std::max<std::int64_t>(ow * g.stride - g.pad, 0), w1 = std::min(ow * g.stride - g.pad + g.kernel, g.width);
+        S sum = 0;
+        for (std::int64_t h = h0; h < h1; ++h)
+          for (std::int64_t w = w0; w < w1; ++w) sum += x[g.in_offset(p, h, w)];
+        y[o] = uniform ? sum * scale : sum / static_cast<S>(g.avg_divisor(oh, ow));
+      }
+    });
+    return;
+  }
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
 #pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
   for (std::int64_t p = 0; p < planes; ++p) {
@@ -346,6 +445,22 @@ template <class S>
 void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
   const bool uniform = g.uniform_avg_divisor();
   const S scale = S(1) / static_cast<S>(g.avg_divisor(0, 0));
+  if (g.channels_last) {
+    detail::pool_images(g, planes, [&](std::int64_t i) {
+      const std::int64_t in = g.channels * g.in_plane(), out = g.channels * g.out_plane();
+      std::fill(dx + i * in, dx + (i + 1) * in, S(0));
+      for (std::int64_t o = i * out; o < (i + 1) * out; ++o) {
+        std::int64_t p, oh, ow;
+        g.locate(o, g.out_height, g.out_width, p, oh, ow);
+        const S share = uniform ? dy[o] * scale : dy[o] / static_cast<S>(g.avg_divisor(oh, ow));
+        const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0), h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
+        const std::int64_t w0 = std::max<std::int64_t>(ow * g.stride - g.pad, 0), w1 = std::min(ow * g.stride - g.pad + g.kernel, g.width);
+        for (std::int64_t h = h0; h < h1; ++h)
+          for (std::int64_t w = w0; w < w1; ++w) dx[g.in_offset(p, h, w)] += share;
+      }
+    });
+    return;
+  }
   [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
 #pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
   for (std::int64_t p = 0; p < planes; ++p) {
@@ -446,6 +561,36 @@ void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, cons
   for (std::int64_t p = 0; p < planes; ++p) std::fill(dx + p * plane, dx + (p + 1) * plane, dy[p] * scale);
 }
 
+// Channels last: y (n, c) = mean over the plane of x (n, plane, c); dx (n, plane, c) = dy / plane.
+// The sums run over the plane in order, as global_avg_pool_forward's, so y is the same.
+template <class S>
+void global_avg_pool_channels_last_forward(Cpu, std::int64_t n, std::int64_t c, std::int64_t plane, const S* x, S* y) {
+  const S scale = S(1) / static_cast<S>(plane);
+#pragma omp parallel for schedule(static) if (n * c * plane > detail::kPoolParallelGrain)
+  for (std::int64_t i = 0; i < n; ++i) {
+    S* out = y + i * c;
+    std::fill(out, out + c, S(0));
+    for (std::int64_t k = 0; k < plane; ++k) {
+      const S* row = x + (i * plane + k) * c;
+#pragma omp simd
+      for (std::int64_t ch = 0; ch < c; ++ch) out[ch] += row[ch];
+    }
+    for (std::int64_t ch = 0; ch < c; ++ch) out[ch] *= scale;
+  }
+}
+template <class S>
+void global_avg_pool_channels_last_backward(Cpu, std::int64_t n, std::int64_t c, std::int64_t plane, const S* dy,
+                                            S* dx) {
+  const S scale = S(1) / static_cast<S>(plane);
+#pragma omp parallel for schedule(static) if (n * c * plane > detail::kPoolParallelGrain)
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t k = 0; k < plane; ++k) {
+      S* row = dx + (i * plane + k) * c;
+#pragma omp simd
+      for (std::int64_t ch = 0; ch < c; ++ch) row[ch] = dy[i * c + ch] * scale;
+    }
+}
+
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).
 #define TESSERA_CPU_POOL_INSTANCES(PREFIX, S)                                                                       \
   PREFIX template void max_pool2d_forward<S>(Cpu, const Pool2dGeometry&, std::int64_t, const S*, S*, std::int32_t*); \
@@ -457,7 +602,11 @@ void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, cons
   PREFIX template void adaptive_avg_pool2d_backward<S>(Cpu, const AdaptivePool2dGeometry&, std::int64_t, const S*,     \
                                                        S*);                                                         \
   PREFIX template void global_avg_pool_forward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);                    \
-  PREFIX template void global_avg_pool_backward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);
+  PREFIX template void global_avg_pool_backward<S>(Cpu, std::int64_t, std::int64_t, const S*, S*);                   \
+  PREFIX template void global_avg_pool_channels_last_forward<S>(Cpu, std::int64_t, std::int64_t, std::int64_t,       \
+                                                                const S*, S*);                                       \
+  PREFIX template void global_avg_pool_channels_last_backward<S>(Cpu, std::int64_t, std::int64_t, std::int64_t,      \
+                                                                 const S*, S*);
 TESSERA_CPU_KERNEL_INSTANCES(TESSERA_CPU_POOL_INSTANCES)
 
 }  // namespace tessera

@@ -10,7 +10,8 @@
 // multiple of 16 / sizeof(S) and every pointer is 16-byte aligned, a thread loads and stores 16
 // bytes at a time. Per-channel sums accumulate in double; with more than one split each block
 // writes its partial sums and one more kernel adds them per channel in split order, so the result
-// does not depend on timing (no atomics).
+// does not depend on timing (no atomics). Channels last (NHWC) has its own passes, below the
+// planar ones (a channel's values are C apart there).
 #pragma once
 
 #include <algorithm>
@@ -246,6 +247,140 @@ __global__ void bn_affine_grads_kernel(std::int64_t channels, const double* sum_
   }
 }
 
+// Channels last (BatchNormShape::channels_last): x is R = N HW rows of C values. The sums run on a
+// grid of (ceil(C / 32), splits) blocks of 32 x 8 threads: thread (tx, ty) of block (b, j) takes
+// channel 32 b + tx over every 8th row of the block's run [j R / splits, (j + 1) R / splits), so a
+// warp reads 32 neighbouring channels of one row (whole cache lines); the 8 row sums of a channel
+// are added in row order in shared memory, then the splits' partial sums in split order
+// (bn_combine_kernel), as in the planar passes. The elementwise passes take one element per thread
+// (channel = index mod C), with the per-channel constants read through the cache.
+inline constexpr int kRowChannels = 32, kRowThreads = 8;
+
+inline ChannelGrid row_grid(BatchNormShape s) {
+  ChannelGrid g;
+  g.channels = s.c;
+  const std::int64_t channel_blocks = (s.c + kRowChannels - 1) / kRowChannels;
+  g.splits = std::max<std::int64_t>(1, (kTargetBlocks + channel_blocks - 1) / channel_blocks);
+  g.splits = std::min(g.splits, std::max<std::int64_t>(1, s.count() / (kRowThreads * kMinValuesPerThread)));
+  g.splits = std::min<std::int64_t>(g.splits, 65535);
+  return g;
+}
+inline dim3 row_blocks(const ChannelGrid& g) {
+  return dim3(static_cast<unsigned>((g.channels + kRowChannels - 1) / kRowChannels), static_cast<unsigned>(g.splits), 1);
+}
+
+// This thread's rows [r, end) step kRowThreads, and its channel (ch < 0: none).
+struct RowWalk {
+  std::int64_t ch, r, end;
+};
+__device__ inline RowWalk row_walk(BatchNormShape s) {
+  const std::int64_t rows = s.n * s.hw, splits = gridDim.y, j = blockIdx.y;
+  const std::int64_t ch = static_cast<std::int64_t>(blockIdx.x) * kRowChannels + threadIdx.x;
+  return {ch < s.c ? ch : -1, j * rows / splits + threadIdx.y, (j + 1) * rows / splits};
+}
+
+// Adds the block's kRowThreads partial sums of each channel in row order and writes them as
+// store_channel_sums does (b scaled by b_scale[ch] when given).
+template <class S>
+__device__ void store_row_sums(BatchNormShape s, double a, double b, const S* b_scale, double* out_a, double* out_b,
+                               double* partial) {
+  __shared__ double sa[kRowThreads][kRowChannels], sb[kRowThreads][kRowChannels];
+  sa[threadIdx.y][threadIdx.x] = a;
+  sb[threadIdx.y][threadIdx.x] = b;
+  __syncthreads();
+  const std::int64_t ch = static_cast<std::int64_t>(blockIdx.x) * kRowChannels + threadIdx.x;
+  if (threadIdx.y != 0 || ch >= s.c) return;
+  double ta = 0, tb = 0;
+  for (int k = 0; k < kRowThreads; ++k) ta += sa[k][threadIdx.x], tb += sb[k][threadIdx.x];
+  if (b_scale != nullptr) tb *= double(b_scale[ch]);
+  const std::int64_t splits = gridDim.y, j = blockIdx.y;
+  if (splits == 1) {
+    out_a[ch] = ta;
+    out_b[ch] = tb;
+  } else {
+    partial[j * s.c + ch] = ta;
+    partial[(splits + j) * s.c + ch] = tb;
+  }
+}
+
+template <class S>
+__global__ void bn_rows_local_stats_kernel(const S* x, BatchNormShape s, double* sum, double* sumsq, double* partial) {
+  const RowWalk w = row_walk(s);
+  double a = 0, b = 0;
+  if (w.ch >= 0)
+    for (std::int64_t r = w.r; r < w.end; r += kRowThreads) {
+      const double v = x[r * s.c + w.ch];
+      a += v;
+      b += v * v;
+    }
+  store_row_sums<S>(s, a, b, nullptr, sum, sumsq, partial);
+}
+
+template <class S>
+__global__ void bn_rows_backward_local_sums_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
+                                                   const S* invstd, double* sum_dy, double* sum_dy_xhat,
+                                                   double* partial, bool relu, const S* gamma, const S* beta) {
+  const RowWalk w = row_walk(s);
+  double acc = 0, acc_xmu = 0;
+  if (w.ch >= 0) {
+    const S m = mean[w.ch];
+    const S scale = relu ? gamma[w.ch] * invstd[w.ch] : S(0), shift = relu ? beta[w.ch] : S(0);
+    const double mu = m;
+    for (std::int64_t r = w.r; r < w.end; r += kRowThreads) {
+      const std::int64_t i = r * s.c + w.ch;
+      const double g = relu ? relu_pass(batch_norm_value(x[i], m, scale, shift), dy[i]) : dy[i];
+      acc += g;
+      acc_xmu += g * (double(x[i]) - mu);
+    }
+  }
+  store_row_sums<S>(s, acc, acc_xmu, invstd, sum_dy, sum_dy_xhat, partial);
+}
+
+template <class S>
+__global__ void bn_rows_normalize_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                                         const S* beta, S* y, bool relu) {
+  TESSERA_CUDA_FOR(i, s.numel()) {
+    const std::int64_t ch = i % s.c;
+    const S v = batch_norm_value(x[i], mean[ch], gamma[ch] * invstd[ch], beta[ch]);
+    y[i] = relu && v < S(0) ? S(0) : v;
+  }
+}
+
+// The planar kernel's a, b, c per channel, computed once: coefficients (3 C) = [a | b | c].
+template <class S>
+__global__ void bn_rows_coefficients_kernel(std::int64_t channels, const S* invstd, const S* gamma,
+                                            const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
+                                            S* coefficients) {
+  TESSERA_CUDA_FOR(ch, channels) {
+    const double m = double(count), is = invstd[ch], k = double(gamma[ch]) * is;
+    coefficients[ch] = S(k);
+    coefficients[channels + ch] = S(-k * is * sum_dy_xhat[ch] / m);
+    coefficients[2 * channels + ch] = S(-k * sum_dy[ch] / m);
+  }
+}
+
+template <class S>
+__global__ void bn_rows_backward_input_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
+                                              const S* invstd, const S* gamma, const S* coefficients, S* dx, bool relu,
+                                              const S* beta) {
+  TESSERA_CUDA_FOR(i, s.numel()) {
+    const std::int64_t ch = i % s.c;
+    const S mu = mean[ch];
+    const S g = relu ? relu_pass(batch_norm_value(x[i], mu, gamma[ch] * invstd[ch], beta[ch]), dy[i]) : dy[i];
+    dx[i] = coefficients[ch] * g + coefficients[s.c + ch] * (x[i] - mu) + coefficients[2 * s.c + ch];
+  }
+}
+
+template <class S>
+__global__ void bn_rows_backward_input_affine_kernel(const S* dy, BatchNormShape s, const S* invstd, const S* gamma,
+                                                     S* dx, bool relu, const S* x, const S* mean, const S* beta) {
+  TESSERA_CUDA_FOR(i, s.numel()) {
+    const std::int64_t ch = i % s.c;
+    const S a = gamma[ch] * invstd[ch];
+    dx[i] = relu ? a * relu_pass(batch_norm_value(x[i], mean[ch], a, beta[ch]), dy[i]) : a * dy[i];
+  }
+}
+
 // Launches kernel<S, V> on g's grid, with V = kPackValues<S> where g is vectorized.
 #define TESSERA_BN_LAUNCH(kernel, S, g, ...)                                                                    \
   do {                                                                                                         \
@@ -283,6 +418,16 @@ class PartialSums {
 template <class S>
 void batch_norm_local_stats(Cuda, const S* x, BatchNormShape s, double* sum, double* sumsq) {
   if (s.c == 0) return;
+  if (s.channels_last) {
+    const cuda_detail::ChannelGrid g = cuda_detail::row_grid(s);
+    const cuda_detail::PartialSums partial(g);
+    cuda_detail::bn_rows_local_stats_kernel<S>
+        <<<cuda_detail::row_blocks(g), dim3(cuda_detail::kRowChannels, cuda_detail::kRowThreads), 0, Cuda::stream()>>>(
+            x, s, sum, sumsq, partial.data());
+    TESSERA_CUDA_CHECK(cudaGetLastError());
+    partial.combine(g, sum, sumsq);
+    return;
+  }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x);
   const cuda_detail::PartialSums partial(g);
   TESSERA_BN_LAUNCH(cuda_detail::bn_local_stats_kernel, S, g, x, s, sum, sumsq, partial.data());
@@ -307,6 +452,10 @@ template <class S>
 void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
                           const S* beta, S* y, bool relu) {
   if (s.numel() == 0) return;
+  if (s.channels_last) {
+    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_normalize_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta, y, relu);
+    return;
+  }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x, y);
   TESSERA_BN_LAUNCH(cuda_detail::bn_normalize_kernel, S, g, x, s, mean, invstd, gamma, beta, y, relu);
 }
@@ -315,6 +464,16 @@ void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShap
                                     const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu,
                                     const S* gamma, const S* beta) {
   if (s.c == 0) return;
+  if (s.channels_last) {
+    const cuda_detail::ChannelGrid g = cuda_detail::row_grid(s);
+    const cuda_detail::PartialSums partial(g);
+    cuda_detail::bn_rows_backward_local_sums_kernel<S>
+        <<<cuda_detail::row_blocks(g), dim3(cuda_detail::kRowChannels, cuda_detail::kRowThreads), 0, Cuda::stream()>>>(
+            dy, x, s, mean, invstd, sum_dy, sum_dy_xhat, partial.data(), relu, gamma, beta);
+    TESSERA_CUDA_CHECK(cudaGetLastError());
+    partial.combine(g, sum_dy, sum_dy_xhat);
+    return;
+  }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, x);
   const cuda_detail::PartialSums partial(g);
   TESSERA_BN_LAUNCH(cuda_detail::bn_backward_local_sums_kernel, S, g, dy, x, s, mean, invstd, sum_dy, sum_dy_xhat,
@@ -326,6 +485,17 @@ void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, 
                                const S* gamma, const double* sum_dy, const double* sum_dy_xhat, std::int64_t count,
                                S* dx, bool relu, const S* beta) {
   if (s.numel() == 0) return;
+  if (s.channels_last) {
+    // 3 C coefficients from the device's cache, freed once the kernels are queued (stream order).
+    const std::size_t bytes = static_cast<std::size_t>(3 * s.c) * sizeof(S);
+    S* coefficients = static_cast<S*>(Cuda::allocate(bytes));
+    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_coefficients_kernel<S>, s.c, s.c, invstd, gamma, sum_dy, sum_dy_xhat,
+                        count, coefficients);
+    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_backward_input_kernel<S>, s.numel(), dy, x, s, mean, invstd, gamma,
+                        coefficients, dx, relu, beta);
+    Cuda::deallocate(coefficients, bytes);
+    return;
+  }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, x, dx);
   TESSERA_BN_LAUNCH(cuda_detail::bn_backward_input_kernel, S, g, dy, x, s, mean, invstd, gamma, sum_dy, sum_dy_xhat,
                     count, dx, relu, beta);
@@ -335,6 +505,11 @@ void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const
                                       bool relu, const S* x, const S* mean,
                                       const S* beta) {
   if (s.numel() == 0) return;
+  if (s.channels_last) {
+    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_backward_input_affine_kernel<S>, s.numel(), dy, s, invstd, gamma, dx, relu,
+                        x, mean, beta);
+    return;
+  }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, dy, dx, x);
   TESSERA_BN_LAUNCH(cuda_detail::bn_backward_input_affine_kernel, S, g, dy, s, invstd, gamma, dx, relu, x, mean, beta);
 }

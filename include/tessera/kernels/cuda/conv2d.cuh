@@ -31,6 +31,15 @@
 // worst (tests/cuda/layer_equivalence.hpp, kBf16Cases). The copies live in a second per-device
 // buffer beside the workspace, grown like it.
 //
+// Channels last (Conv2dGeometry::channels_last, MemoryFormat::ChannelsLast). x, y and their
+// gradients are NHWC and described so to cuDNN, whose tensor-core kernels work in that layout (on
+// NCHW tensors it transposes internally). cuDNN wants an NHWC convolution's filter in NHWC too,
+// (K, kh, kw, C/G), while the layer keeps PyTorch's (K, C/G, kh, kw) for state_dicts and
+// optimizers: each call transposes the filter into a scratch copy (nchw_to_nhwc with K images of
+// C/G channels by kh kw pixels), and backward computes dw in that layout and adds it back
+// transposed. The filters are small next to the activations (ResNet-50: 25.5 M values against
+// about 23 M activations per image), and the scratch is one buffer per device, reused.
+//
 // Workspace. One buffer per device, grown to the largest size any plan asked for and reused by
 // every convolution: all of them run on the device's one stream, so they never overlap.
 #pragma once
@@ -126,7 +135,7 @@ auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t co
 // `bf16`: the plan of a bfloat16 convolution (conv_in_bf16), float layers only.
 template <class S>
 ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch, bool bf16) {
-  using Key = std::array<std::int64_t, 19>;
+  using Key = std::array<std::int64_t, 20>;
   // Reduced precision applies to float data under Float16 and TensorFloat32 (see the header), and
   // to bfloat16 plans, whose bf16 data the tensor cores take as it is; double always computes in
   // double.
@@ -139,7 +148,7 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch, bool bf16) {
   const bool benchmark = Cuda::cudnn_benchmark();
   const Key key{Cuda::current_device(), static_cast<std::int64_t>(sizeof(S)), batch, g.channels, g.height, g.width,
                 g.out_channels, g.groups, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w,
-                g.dilation_h, g.dilation_w, widest, benchmark, bf16};
+                g.dilation_h, g.dilation_w, widest, benchmark, bf16, g.channels_last};
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<ConvPlan>> plans;  // kept for the process, like the handles
   std::lock_guard lock(mutex);
@@ -163,11 +172,12 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch, bool bf16) {
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->y_out));
   TESSERA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->bias));
   TESSERA_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan->w));
-  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NCHW, type, n, c, h, wd));
-  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y, CUDNN_TENSOR_NCHW, type, n, k, oh, ow));
-  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y_out, CUDNN_TENSOR_NCHW, scalar_type, n, k, oh, ow));
+  const cudnnTensorFormat_t layout = g.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->x, layout, type, n, c, h, wd));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y, layout, type, n, k, oh, ow));
+  TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y_out, layout, scalar_type, n, k, oh, ow));
   TESSERA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->bias, CUDNN_TENSOR_NCHW, scalar_type, 1, k, 1, 1));
-  TESSERA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan->w, type, CUDNN_TENSOR_NCHW, k, static_cast<int>(g.channels / g.groups),
+  TESSERA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan->w, type, layout, k, static_cast<int>(g.channels / g.groups),
                                                  static_cast<int>(g.kernel_h), static_cast<int>(g.kernel_w)));
   const auto make_conv = [&](cudnnConvolutionDescriptor_t& conv) {
     TESSERA_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv));
@@ -240,14 +250,15 @@ ConvPlan& conv_plan(const Conv2dGeometry& g, std::int64_t batch, bool bf16) {
 
 // The device's shared convolution buffers, at least `bytes` long: kWorkspace, cuDNN's workspace;
 // kBf16Copies, the bfloat16 copies of a bfloat16 convolution's operands and results.
-enum ConvBuffer { kWorkspace = 0, kBf16Copies = 1 };
+// kChannelsLastFilters, the filter and its gradient in NHWC (channels_last_filters).
+enum ConvBuffer { kWorkspace = 0, kBf16Copies = 1, kChannelsLastFilters = 2 };
 inline void* conv_buffer(ConvBuffer which, std::size_t bytes) {
   struct Buffer {
     void* p = nullptr;
     std::size_t bytes = 0;
   };
   static std::mutex mutex;
-  static std::array<std::array<Buffer, 2>, Cuda::kMaxDevices> buffers{};
+  static std::array<std::array<Buffer, 3>, Cuda::kMaxDevices> buffers{};
   std::lock_guard lock(mutex);
   Buffer& b = buffers[static_cast<std::size_t>(Cuda::current_device())][which];
   if (b.bytes < bytes) {
@@ -280,6 +291,32 @@ inline Bf16Copies bf16_copies(const Conv2dGeometry& g, std::int64_t batch) {
           reinterpret_cast<BHalf*>(base + x + y + w)};
 }
 
+// A channels-last convolution's filters (see the header), each 256-byte aligned: w and dw in
+// (K, kh, kw, C/G), and dw back in (K, C/G, kh, kw) before it is added to the layer's gradient.
+template <class S>
+struct NhwcFilters {
+  S *w, *dw, *dw_planar;
+};
+template <class S>
+NhwcFilters<S> channels_last_filters(const Conv2dGeometry& g) {
+  const std::size_t bytes = (static_cast<std::size_t>(g.weight_elements()) * sizeof(S) + 255) / 256 * 256;
+  auto* base = static_cast<unsigned char*>(conv_buffer(kChannelsLastFilters, 3 * bytes));
+  return {reinterpret_cast<S*>(base), reinterpret_cast<S*>(base + bytes), reinterpret_cast<S*>(base + 2 * bytes)};
+}
+// The filter as cuDNN takes it for g: w itself (NCHW), or its NHWC copy in f.w.
+template <class S>
+const S* filter_for(const Conv2dGeometry& g, const S* w, const NhwcFilters<S>& f) {
+  if (!g.channels_last) return w;
+  nchw_to_nhwc(Cuda{}, g.out_channels, g.channels / g.groups, g.taps(), w, f.w);
+  return f.w;
+}
+// dw += f.dw (NHWC) transposed back.
+template <class S>
+void add_nhwc_filter_grad(const Conv2dGeometry& g, const NhwcFilters<S>& f, S* dw) {
+  nhwc_to_nchw(Cuda{}, g.out_channels, g.channels / g.groups, g.taps(), f.dw, f.dw_planar);
+  add(Cuda{}, dw, f.dw_planar, g.weight_elements(), dw);
+}
+
 // db (K) += sum over n and the plane of dy (N, K, plane): one block per channel.
 template <class S>
 __global__ void conv_bias_backward_kernel(std::int64_t batch, std::int64_t channels, std::int64_t plane, const S* dy,
@@ -304,6 +341,9 @@ void conv2d_forward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
   auto& plan = cuda_detail::conv_plan<S>(g, batch, bf16);
   void* workspace = cuda_detail::conv_workspace(plan.workspace_bytes);
   const S one = 1, zero = 0;  // fp32 for a bfloat16 plan too: cuDNN's scaling factors follow the compute type
+  const cuda_detail::NhwcFilters<S> filters =
+      g.channels_last ? cuda_detail::channels_last_filters<S>(g) : cuda_detail::NhwcFilters<S>{};
+  w = cuda_detail::filter_for(g, w, filters);
   if (bf16) {
     const cuda_detail::Bf16Copies copies = cuda_detail::bf16_copies(g, batch);
     const std::int64_t ny = batch * g.out_channels * g.out_plane();
@@ -337,6 +377,13 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
   auto& plan = cuda_detail::conv_plan<S>(g, batch, bf16);
   void* workspace = cuda_detail::conv_workspace(plan.workspace_bytes);
   const S one = 1, zero = 0;
+  // Channels last: dw is computed in NHWC into the scratch (beta = 0) and added back transposed.
+  const cuda_detail::NhwcFilters<S> filters =
+      g.channels_last ? cuda_detail::channels_last_filters<S>(g) : cuda_detail::NhwcFilters<S>{};
+  w = cuda_detail::filter_for(g, w, filters);
+  S* const dw_layer = dw;
+  if (g.channels_last) dw = filters.dw;
+  const S dw_beta = g.channels_last ? zero : one;
   if (bf16) {
     // dw: the bf16 sum over the batch, then added to the fp32 gradient; dx widened from bf16. The
     // copy of x is dead once the filter gradient is computed, so dx's bf16 result takes its place.
@@ -348,7 +395,12 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
     TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, copies.x, plan.y, copies.y,
                                                        plan.conv_backward_filter, plan.backward_filter, workspace,
                                                        plan.workspace_bytes, &zero, plan.w, copies.dw));
-    add_from_wire(Cuda{}, copies.dw, nw, dw);
+    if (g.channels_last) {
+      cast_from_wire(Cuda{}, copies.dw, nw, dw);
+      cuda_detail::add_nhwc_filter_grad(g, filters, dw_layer);
+    } else {
+      add_from_wire(Cuda{}, copies.dw, nw, dw);
+    }
     if (dx == nullptr) return;
     cast_to_wire(Cuda{}, w, nw, copies.w);
     TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, copies.w, plan.y, copies.y,
@@ -358,8 +410,9 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
     return;
   }
   TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, x, plan.y, dy, plan.conv_backward_filter,
-                                                     plan.backward_filter, workspace, plan.workspace_bytes, &one, plan.w,
-                                                     dw));
+                                                     plan.backward_filter, workspace, plan.workspace_bytes, &dw_beta,
+                                                     plan.w, dw));
+  if (g.channels_last) cuda_detail::add_nhwc_filter_grad(g, filters, dw_layer);
   if (dx != nullptr)
     TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, w, plan.y, dy, plan.conv_backward_data,
                                                      plan.backward_data, workspace, plan.workspace_bytes, &zero, plan.x,
@@ -374,7 +427,7 @@ template <class S>
 void conv2d_forward_epilogue(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                              const S* w, const ConvEpilogue<S>& e, S* y, S* workspace) {
   conv2d_forward(Cuda{}, g, b, batch, x, w, e.bias, y, workspace);
-  const BatchNormShape shape{batch, g.out_channels, g.out_plane()};
+  const BatchNormShape shape{batch, g.out_channels, g.out_plane(), g.channels_last};
   batch_norm_normalize(Cuda{}, y, shape, e.mean, e.invstd, e.gamma, e.beta, y, e.relu && e.addend == nullptr);
   if (e.addend == nullptr) return;
   if (e.relu) add_relu_forward(Cuda{}, y, e.addend, shape.numel(), y);

@@ -81,6 +81,10 @@ void accumulate_2d(Cuda, S* dst, std::int64_t dst_pitch, const S* src, std::int6
                    std::int64_t rows);
 template <class S>
 void add_broadcast_rows(Cuda, const S* b, std::int64_t rows, std::int64_t cols, S* y);
+template <class S>
+void nchw_to_nhwc(Cuda, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y);
+template <class S>
+void nhwc_to_nchw(Cuda, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y);
 
 // Matrix product through cuBLAS (gemm.cuh).
 template <class S>
@@ -151,6 +155,11 @@ template <class S>
 void global_avg_pool_forward(Cuda, std::int64_t planes, std::int64_t plane, const S* x, S* y);
 template <class S>
 void global_avg_pool_backward(Cuda, std::int64_t planes, std::int64_t plane, const S* dy, S* dx);
+template <class S>
+void global_avg_pool_channels_last_forward(Cuda, std::int64_t n, std::int64_t c, std::int64_t plane, const S* x, S* y);
+template <class S>
+void global_avg_pool_channels_last_backward(Cuda, std::int64_t n, std::int64_t c, std::int64_t plane, const S* dy,
+                                            S* dx);
 
 // Losses and softmax (loss.cuh, softmax.cuh).
 template <class S>
@@ -234,6 +243,8 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
   template void copy_2d<S>(Cuda, S*, std::int64_t, const S*, std::int64_t, std::int64_t, std::int64_t);            \
   template void accumulate_2d<S>(Cuda, S*, std::int64_t, const S*, std::int64_t, std::int64_t, std::int64_t);      \
   template void add_broadcast_rows<S>(Cuda, const S*, std::int64_t, std::int64_t, S*);                             \
+  template void nchw_to_nhwc<S>(Cuda, std::int64_t, std::int64_t, std::int64_t, const S*, S*);                    \
+  template void nhwc_to_nchw<S>(Cuda, std::int64_t, std::int64_t, std::int64_t, const S*, S*);                    \
   template void gemm<S>(Cuda, bool, bool, std::int64_t, std::int64_t, std::int64_t, S, const S*, std::int64_t,     \
                         const S*, std::int64_t, S, S*, std::int64_t);                                              \
   template void conv2d_forward<S>(Cuda, const Conv2dGeometry&, const Conv2dBlocking&, std::int64_t, const S*,      \
@@ -268,6 +279,10 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
   template void adaptive_avg_pool2d_backward<S>(Cuda, const AdaptivePool2dGeometry&, std::int64_t, const S*, S*);  \
   template void global_avg_pool_forward<S>(Cuda, std::int64_t, std::int64_t, const S*, S*);                        \
   template void global_avg_pool_backward<S>(Cuda, std::int64_t, std::int64_t, const S*, S*);                       \
+  template void global_avg_pool_channels_last_forward<S>(Cuda, std::int64_t, std::int64_t, std::int64_t, const S*, \
+                                                        S*);                                                       \
+  template void global_avg_pool_channels_last_backward<S>(Cuda, std::int64_t, std::int64_t, std::int64_t,          \
+                                                         const S*, S*);                                            \
   template double squared_error_forward<S>(Cuda, const S*, const S*, std::int64_t, S*);                            \
   template void softmax_forward<S>(Cuda, const S*, std::int64_t, std::int64_t, std::int64_t, bool, S*);            \
   template void softmax_backward<S>(Cuda, const S*, const S*, std::int64_t, std::int64_t, std::int64_t, bool, S*); \

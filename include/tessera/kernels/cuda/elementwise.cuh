@@ -159,6 +159,38 @@ __global__ void add_broadcast_rows_kernel(const S* b, std::int64_t rows, std::in
   TESSERA_CUDA_FOR(i, rows * cols) y[i] += b[i % cols];
 }
 
+// y (cols, rows) = x (rows, cols) transposed, image blockIdx.z of `images`: tiles of 32 x 32
+// staged in shared memory (one column of padding against bank conflicts), so that both the global
+// reads and the writes are whole 128-byte rows of a warp.
+inline constexpr int kTransposeTile = 32, kTransposeRows = 8;
+template <class S>
+__global__ void transpose_images_kernel(const S* x, std::int64_t rows, std::int64_t cols, S* y) {
+  __shared__ S tile[kTransposeTile][kTransposeTile + 1];
+  const std::int64_t image = static_cast<std::int64_t>(blockIdx.z) * rows * cols;
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kTransposeTile;
+  const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kTransposeTile;
+  for (int k = threadIdx.y; k < kTransposeTile; k += kTransposeRows) {
+    const std::int64_t r = r0 + k, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) tile[k][threadIdx.x] = x[image + r * cols + c];
+  }
+  __syncthreads();
+  for (int k = threadIdx.y; k < kTransposeTile; k += kTransposeRows) {
+    const std::int64_t c = c0 + k, r = r0 + threadIdx.x;
+    if (r < rows && c < cols) y[image + c * rows + r] = tile[threadIdx.x][k];
+  }
+}
+template <class S>
+void transpose_images(std::int64_t n, std::int64_t rows, std::int64_t cols, const S* x, S* y) {
+  if (n == 0 || rows == 0 || cols == 0) return;
+  TESSERA_CHECK(n <= 65535 && (rows + kTransposeTile - 1) / kTransposeTile <= 65535, ArgumentError,
+                "memory-format conversion of ", n, " images of ", rows, " x ", cols,
+                ": more than 65535 images or row tiles for one launch");
+  const dim3 blocks(static_cast<unsigned>((cols + kTransposeTile - 1) / kTransposeTile),
+                    static_cast<unsigned>((rows + kTransposeTile - 1) / kTransposeTile), static_cast<unsigned>(n));
+  transpose_images_kernel<S><<<blocks, dim3(kTransposeTile, kTransposeRows), 0, Cuda::stream()>>>(x, rows, cols, y);
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace cuda_detail
 
 // The user's functor is copied to the device by value (its members are its state); value and
@@ -269,6 +301,16 @@ void accumulate_2d(Cuda, S* dst, std::int64_t dst_pitch, const S* src, std::int6
 template <class S>
 void add_broadcast_rows(Cuda, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
   TESSERA_CUDA_LAUNCH(cuda_detail::add_broadcast_rows_kernel<S>, rows * cols, b, rows, cols, y);
+}
+
+// Memory-format conversions (kernels/cpu/elementwise.hpp): each image a (c, hw) matrix transposed.
+template <class S>
+void nchw_to_nhwc(Cuda, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y) {
+  cuda_detail::transpose_images(n, c, hw, x, y);
+}
+template <class S>
+void nhwc_to_nchw(Cuda, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y) {
+  cuda_detail::transpose_images(n, hw, c, x, y);
 }
 
 }  // namespace tessera
