@@ -60,6 +60,51 @@ TEST_CASE("Residual: zero-initialized last BN makes the block start as relu(shor
   for (std::int64_t i = 0; i < x.numel(); ++i) REQUIRE(y[i] == Approx(std::max(x[i], 0.0)).margin(1e-12));
 }
 
+// The block's end in one pass (BatchNorm2d::forward_add_relu: BN, the shortcut's add and the ReLU)
+// against the three steps run apart, bit for bit, in train and eval mode, both memory formats,
+// float32 (where a different rounding order would show), identity and projection shortcuts.
+template <class Block>
+void check_fused_block_end(Block block, const Shape& x_shape, Mode mode, MemoryFormat format) {
+  using Tensor = typename Block::Tensor;
+  Block apart = block;
+  block.set_mode(mode);
+  apart.set_mode(mode);
+  block.set_memory_format(format);
+  apart.set_memory_format(format);
+  Rng rng(4);
+  const Tensor x = testing::random_tensor(x_shape, rng).cast<float>();
+  typename Block::Cache c;
+  const Tensor& y = block.forward(x, c);
+  // Apart: the branch whole (its last BatchNorm writes its own y), the shortcut, add_relu_forward.
+  typename Block::Main::Cache mc;
+  const Tensor& m = apart.main().forward(x, mc);
+  Tensor s = x;
+  if (apart.projection() != nullptr) {
+    typename ConvBn<CpuLocal>::Cache pc;
+    s = apart.projection()->forward(x, pc);
+  }
+  Tensor want(m.shape());
+  add_relu_forward(Cpu{}, m.data(), s.data(), m.numel(), want.data());
+  REQUIRE(y.shape() == want.shape());
+  std::int64_t differ = 0;
+  for (std::int64_t i = 0; i < y.numel(); ++i) differ += y[i] != want[i];
+  CHECK(differ == 0);
+  // And backward runs from the fused forward's cache, as from the unfused one (the gradient checks
+  // above cover its values).
+  const Tensor dy = testing::random_tensor(y.shape(), rng).template cast<float>();
+  if (mode != Mode::Inference) CHECK(block.backward(dy, c).shape() == x.shape());
+}
+
+TEST_CASE("Residual: BatchNorm, add and ReLU fused at the block's end equal the three steps bit for bit", "[layers]") {
+  for (Mode mode : {Mode::Train, Mode::Eval})
+    for (MemoryFormat f : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+      Rng rng(5);
+      check_fused_block_end(Bottleneck<CpuLocal>(16, 4, 1, rng, false), {2, 16, 9, 9}, mode, f);
+      check_fused_block_end(Bottleneck<CpuLocal>(8, 4, 2, rng, false), {2, 8, 9, 9}, mode, f);
+      check_fused_block_end(BasicBlock<CpuLocal>(8, 8, 1, rng, false), {3, 8, 7, 7}, mode, f);
+    }
+}
+
 TEST_CASE("Linear matches PyTorch (float64 and float32)", "[layers]") {
   auto f = SafetensorsFile::load(TESSERA_REFERENCE_DATA_DIR "/models.safetensors");
   Rng rng(0);

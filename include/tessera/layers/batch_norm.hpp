@@ -113,6 +113,18 @@ class BatchNorm2d {
   void recompute_output_relu(Cache& c, typename ReLU<E>::Cache& r) { renormalize(c, r.y, true); }
   const Tensor& backward_relu(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true); }
 
+  // Train or Eval, at the end of a residual block (Residual, through Sequential::forward_norm_add_relu):
+  // y = relu(forward(x) + addend) in one pass, the unfused steps' value per element
+  // (batch_norm_normalize_add_relu). This layer's y is never formed; its backward, which reads x,
+  // is unchanged, and the block's takes dL/dy through the ReLU as before.
+  const Tensor& forward_add_relu(const Tensor& x, Cache& c, const Tensor& addend, Tensor& y) {
+    TESSERA_CHECK(addend.shape() == x.shape(), ShapeError, name(), ": the residual addend ", addend.shape(),
+                  " does not match the input ", x.shape(), " (a block that changes shape needs a projection)");
+    y.resize(x.shape());
+    normalize(x, c, y, false, addend.data());
+    return y;
+  }
+
   // Forward only (Mode::Inference), fused into the convolution before it (Sequential, Residual,
   // the ResNet stem): the running statistics as that convolution's epilogue (ConvEpilogue; the
   // caller adds the addend and the ReLU). This layer's y is never formed and c refuses backward.
@@ -169,8 +181,9 @@ class BatchNorm2d {
   std::int64_t num_batches_tracked() const { return num_batches_tracked_; }
 
  private:
-  // The statistics (train) or the running ones (eval) into c, then y (c.y or a fused ReLU's).
-  void normalize(const Tensor& x, Cache& c, Tensor& y, bool relu) {
+  // The statistics (train) or the running ones (eval) into c, then y (c.y, a fused ReLU's, or a
+  // residual block's relu(y + addend)).
+  void normalize(const Tensor& x, Cache& c, Tensor& y, bool relu, const S* addend = nullptr) {
     const BatchNormShape s = shape_of(x);
     c.x = &x;
     c.train = mode_ == Mode::Train;
@@ -194,8 +207,12 @@ class BatchNorm2d {
       D::copy(c.mean.data(), running_mean_.data(), running_mean_.bytes());
       batch_norm_invstd(D{}, channels_, running_var_.data(), eps_, c.invstd.data());
     }
-    batch_norm_normalize(D{}, x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
-                         bias_.value.data(), y.data(), relu);
+    if (addend != nullptr)
+      batch_norm_normalize_add_relu(D{}, x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
+                                    bias_.value.data(), addend, y.data());
+    else
+      batch_norm_normalize(D{}, x.data(), s, c.mean.data(), c.invstd.data(), weight_.value.data(),
+                           bias_.value.data(), y.data(), relu);
   }
 
   void check_differentiable(const Cache& c) const {

@@ -55,6 +55,17 @@ class Residual {
         return c.y;
       }
     }
+    // Train or Eval, a branch ending in a BatchNorm: the shortcut first, then the BatchNorm writes
+    // relu(its output + shortcut) straight into y (Sequential::forward_norm_add_relu), the values
+    // of the three steps below in one pass.
+    if constexpr (requires(Tensor& y) { main_.forward_norm_add_relu(x, c.main, x, y); }) {
+      const Tensor& s = projection_ ? projection_->forward(x, c.projection) : x;
+      main_.forward_norm_add_relu(x, c.main, s, c.y);
+      if constexpr (!backward_reads_output<Projection>()) {
+        if (projection_) release_output(*projection_, c.projection);
+      }
+      return c.y;
+    }
     const Tensor& m = main_.forward(x, c.main);
     const Tensor& s = projection_ ? projection_->forward(x, c.projection) : x;
     TESSERA_CHECK(m.shape() == s.shape(), ShapeError, "Residual: main branch gives ", m.shape(),

@@ -171,6 +171,20 @@ class Sequential {
     if constexpr (conv > 0) tessera::release_output(std::get<conv - 1>(layers_), std::get<conv - 1>(cache));
     return out;
   }
+  // Train or Eval, for a residual block whose branch ends in a BatchNorm2d: y = relu(forward(x) +
+  // addend), the BatchNorm writing the sum's ReLU itself (BatchNorm2d::forward_add_relu), so the
+  // branch's output is never stored apart (layers/residual.hpp).
+  const Tensor& forward_norm_add_relu(const Tensor& x, Cache& cache, const Tensor& addend, Tensor& y)
+    requires(requires(LastSlot& last, typename LastSlot::Cache& c, const Tensor& t, Tensor& out) {
+      last.forward_add_relu(t, c, t, out);
+    })
+  {
+    const Tensor& h = forward_units(x, cache, 0, kSize - 1);
+    const Tensor& out = std::get<kSize - 1>(layers_).forward_add_relu(h, std::get<kSize - 1>(cache), addend, y);
+    if constexpr (kSize > 1)  // as forward_one does after a layer
+      release_dead_output<LastSlot>(std::get<kSize - 2>(layers_), std::get<kSize - 2>(cache), h, out);
+    return out;
+  }
   void set_needs_input_grad(bool needed) {
     if constexpr (requires { std::get<0>(layers_).set_needs_input_grad(needed); })
       std::get<0>(layers_).set_needs_input_grad(needed);

@@ -301,6 +301,48 @@ void batch_norm_normalize(Cpu, const S* x, BatchNormShape s, const S* mean, cons
   });
 }
 
+// y = max(bn(x) + addend, 0): the end of a residual block (BatchNorm, the shortcut's add and the
+// ReLU) in one pass over x, addend and y instead of three, with the unfused steps' roundings
+// (batch_norm_value rounded to S, then the add, then the ReLU as add_relu_forward's), so y is
+// theirs bit for bit. The BatchNorm's own output is never formed: its backward reads x.
+template <class S>
+void batch_norm_normalize_add_relu(Cpu, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                                   const S* beta, const S* addend, S* y) {
+  if (s.channels_last) {
+    detail::batch_norm_rows(s, [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const S* xr = x + r * s.c;
+        const S* ar = addend + r * s.c;
+        S* yr = y + r * s.c;
+#pragma omp simd
+        for (std::int64_t ch = 0; ch < s.c; ++ch) {
+          const S v = batch_norm_value(xr[ch], mean[ch], gamma[ch] * invstd[ch], beta[ch]);
+          const S sum = v + ar[ch];
+          yr[ch] = sum < S(0) ? S(0) : sum;
+        }
+      }
+    });
+    return;
+  }
+  detail::batch_norm_planes(s, [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t ch = p % s.c;
+      const S scale = gamma[ch] * invstd[ch];
+      const S mu = mean[ch];
+      const S shift = beta[ch];
+      const S* xr = x + p * s.hw;
+      const S* ar = addend + p * s.hw;
+      S* yr = y + p * s.hw;
+#pragma omp simd
+      for (std::int64_t k = 0; k < s.hw; ++k) {
+        const S v = batch_norm_value(xr[k], mu, scale, shift);
+        const S sum = v + ar[k];
+        yr[k] = sum < S(0) ? S(0) : sum;
+      }
+    }
+  });
+}
+
 // sum_dy[c] = sum dy;  sum_dy_xhat[c] = sum dy * (x - mean) * invstd   (the local dbeta and dgamma).
 // With `relu`, dy is the fused ReLU's output gradient and what is summed is dy_bn (see the top);
 // gamma and beta are read only then.
@@ -486,6 +528,8 @@ void batch_norm_accumulate_affine_grads(Cpu, std::int64_t channels, const double
   PREFIX template void batch_norm_invstd<S>(Cpu, std::int64_t, const S*, double, S*);                               \
   PREFIX template void batch_norm_normalize<S>(Cpu, const S*, BatchNormShape, const S*, const S*, const S*,         \
                                                const S*, S*, bool);                                                 \
+  PREFIX template void batch_norm_normalize_add_relu<S>(Cpu, const S*, BatchNormShape, const S*, const S*,        \
+                                                        const S*, const S*, const S*, S*);                          \
   PREFIX template void batch_norm_backward_local_sums<S>(Cpu, const S*, const S*, BatchNormShape, const S*,         \
                                                          const S*, double*, double*, bool, const S*, const S*);     \
   PREFIX template void batch_norm_backward_input<S>(Cpu, const S*, const S*, BatchNormShape, const S*, const S*,    \

@@ -164,6 +164,27 @@ __global__ void bn_normalize_kernel(const S* x, BatchNormShape s, const S* mean,
   }
 }
 
+// y = max(bn(x) + addend, 0), the unfused steps' roundings (kernels/cpu/batch_norm.hpp).
+template <class S, int V>
+__global__ void bn_normalize_add_relu_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd,
+                                             const S* gamma, const S* beta, const S* addend, S* y) {
+  const std::int64_t ch = blockIdx.x;
+  const S m = mean[ch], scale = gamma[ch] * invstd[ch], shift = beta[ch];
+  const auto* xs = reinterpret_cast<const Pack<S, V>*>(x);
+  const auto* as = reinterpret_cast<const Pack<S, V>*>(addend);
+  auto* ys = reinterpret_cast<Pack<S, V>*>(y);
+  for (detail::ChannelWalk w = block_walk<V>(s); w.valid(); w.next()) {
+    Pack<S, V> p = xs[w.unit()];
+    const Pack<S, V> a = as[w.unit()];
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const S sum = batch_norm_value(p.v[q], m, scale, shift) + a.v[q];
+      p.v[q] = sum < S(0) ? S(0) : sum;
+    }
+    ys[w.unit()] = p;
+  }
+}
+
 // sum_dy = sum g and sum_dy_xhat = invstd sum g (x - mean), g = dy (through the fused ReLU's mask).
 template <class S, int V>
 __global__ void bn_backward_local_sums_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
@@ -346,6 +367,16 @@ __global__ void bn_rows_normalize_kernel(const S* x, BatchNormShape s, const S* 
   }
 }
 
+template <class S>
+__global__ void bn_rows_normalize_add_relu_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd,
+                                                  const S* gamma, const S* beta, const S* addend, S* y) {
+  TESSERA_CUDA_FOR(i, s.numel()) {
+    const std::int64_t ch = i % s.c;
+    const S sum = batch_norm_value(x[i], mean[ch], gamma[ch] * invstd[ch], beta[ch]) + addend[i];
+    y[i] = sum < S(0) ? S(0) : sum;
+  }
+}
+
 // The planar kernel's a, b, c per channel, computed once: coefficients (3 C) = [a | b | c].
 template <class S>
 __global__ void bn_rows_coefficients_kernel(std::int64_t channels, const S* invstd, const S* gamma,
@@ -458,6 +489,18 @@ void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, con
   }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x, y);
   TESSERA_BN_LAUNCH(cuda_detail::bn_normalize_kernel, S, g, x, s, mean, invstd, gamma, beta, y, relu);
+}
+template <class S>
+void batch_norm_normalize_add_relu(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                                   const S* beta, const S* addend, S* y) {
+  if (s.numel() == 0) return;
+  if (s.channels_last) {
+    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_normalize_add_relu_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta,
+                        addend, y);
+    return;
+  }
+  const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x, addend, y);
+  TESSERA_BN_LAUNCH(cuda_detail::bn_normalize_add_relu_kernel, S, g, x, s, mean, invstd, gamma, beta, addend, y);
 }
 template <class S>
 void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean,

@@ -419,19 +419,22 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
                                                      dx));
 }
 
-// Forward only (Mode::Inference; ConvEpilogue): cuDNN's convolution, then the eval BatchNorm
-// (with the ReLU unless an addend follows) and the residual add(+ReLU) in place, the kernels the
-// unfused layers run, so the numbers are theirs. Fusing these into cuDNN's epilogue is left to
-// a measurement on a GPU.
+// Forward only (Mode::Inference; ConvEpilogue): cuDNN's convolution, then the eval BatchNorm,
+// the residual add and the ReLU in place in one pass (batch_norm_normalize_add_relu; the ReLU
+// alone or the add alone as the unfused kernels), with the unfused layers' roundings, so the
+// numbers are theirs. Fusing these into cuDNN's own epilogue (its graph API) is left to a
+// measurement on a GPU.
 template <class S>
 void conv2d_forward_epilogue(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                              const S* w, const ConvEpilogue<S>& e, S* y, S* workspace) {
   conv2d_forward(Cuda{}, g, b, batch, x, w, e.bias, y, workspace);
   const BatchNormShape shape{batch, g.out_channels, g.out_plane(), g.channels_last};
+  if (e.addend != nullptr && e.relu) {  // a residual block's end: one pass (batch_norm_normalize_add_relu)
+    batch_norm_normalize_add_relu(Cuda{}, y, shape, e.mean, e.invstd, e.gamma, e.beta, e.addend, y);
+    return;
+  }
   batch_norm_normalize(Cuda{}, y, shape, e.mean, e.invstd, e.gamma, e.beta, y, e.relu && e.addend == nullptr);
-  if (e.addend == nullptr) return;
-  if (e.relu) add_relu_forward(Cuda{}, y, e.addend, shape.numel(), y);
-  else add(Cuda{}, y, e.addend, shape.numel(), y);
+  if (e.addend != nullptr) add(Cuda{}, y, e.addend, shape.numel(), y);
 }
 
 }  // namespace tessera

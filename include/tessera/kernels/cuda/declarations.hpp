@@ -122,6 +122,9 @@ template <class S>
 void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
                           const S* beta, S* y, bool relu = false);
 template <class S>
+void batch_norm_normalize_add_relu(Cuda, const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
+                                   const S* beta, const S* addend, S* y);
+template <class S>
 void batch_norm_backward_local_sums(Cuda, const S* dy, const S* x, BatchNormShape s, const S* mean,
                                     const S* invstd, double* sum_dy, double* sum_dy_xhat, bool relu = false,
                                     const S* gamma = nullptr, const S* beta = nullptr);
@@ -262,6 +265,8 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
   template void batch_norm_invstd<S>(Cuda, std::int64_t, const S*, double, S*);                                    \
   template void batch_norm_normalize<S>(Cuda, const S*, BatchNormShape, const S*, const S*, const S*, const S*,    \
                                         S*, bool);                                                                 \
+  template void batch_norm_normalize_add_relu<S>(Cuda, const S*, BatchNormShape, const S*, const S*, const S*,   \
+                                                 const S*, const S*, S*);                                          \
   template void batch_norm_backward_local_sums<S>(Cuda, const S*, const S*, BatchNormShape, const S*, const S*,    \
                                                   double*, double*, bool, const S*, const S*);                     \
   template void batch_norm_backward_input<S>(Cuda, const S*, const S*, BatchNormShape, const S*, const S*,         \
