@@ -128,6 +128,7 @@ auto pick_algorithm(const Perf* perf, int count, cudnnConvolutionDescriptor_t co
     }
   throw CudaError(detail::cat("cuDNN has no ", what, " algorithm for a convolution of ", g.channels, "x", g.height, "x",
                               g.width, " to ", g.out_channels, " channels with kernel ", g.kernel_h, "x", g.kernel_w,
+                              g.channels_last ? " in NHWC (channels_last)" : "",
                               widest == CUDNN_FMA_MATH ? " in FMA math" : "", " within ", kMaxWorkspaceBytes >> 20,
                               " MiB of workspace"));
 }
