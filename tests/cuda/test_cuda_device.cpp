@@ -2,6 +2,7 @@
 // host <-> device copies through pinned memory, cuBLAS on the device's stream against a CPU
 // product, a cuDNN handle, and errors that name the library, the call and its file:line.
 // Exits 77 (Meson: skipped) when no GPU is visible, after checking that this is reported cleanly.
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -98,6 +99,31 @@ int main() {
       for (std::size_t i = 0; i < n; ++i) same = same && back[i] == static_cast<float>(k * 10000 + static_cast<int>(i));
       check(same, "upload " + std::to_string(k) + " arrived intact through the staging buffers");
       Cuda::deallocate(targets[static_cast<std::size_t>(k)], n * sizeof(float));
+    }
+
+    // Uploads on the copy stream into two buffers in turn (upload_rotating's contract), each read on
+    // the compute stream right after: every read sees its own batch, so the compute stream waited
+    // for the copy, and no copy overwrote a buffer before the read queued ahead of it ran.
+    {
+      std::array<float*, 2> rotating{static_cast<float*>(Cuda::allocate(n * sizeof(float))),
+                                     static_cast<float*>(Cuda::allocate(n * sizeof(float)))};
+      std::vector<float*> reads;
+      for (int k = 0; k < 6; ++k) {
+        for (std::size_t i = 0; i < n; ++i) batch[i] = static_cast<float>(k * 1000 + static_cast<int>(i % 1000));
+        Cuda::upload_rotating(rotating[static_cast<std::size_t>(k % 2)], batch.data(), n * sizeof(float), k < 2);
+        reads.push_back(static_cast<float*>(Cuda::allocate(n * sizeof(float))));
+        Cuda::copy(reads.back(), rotating[static_cast<std::size_t>(k % 2)], n * sizeof(float));  // compute stream
+      }
+      for (int k = 0; k < 6; ++k) {
+        Cuda::copy_to_host(back.data(), reads[static_cast<std::size_t>(k)], n * sizeof(float));
+        Cuda::synchronize();
+        bool same = true;
+        for (std::size_t i = 0; i < n; ++i)
+          same = same && back[i] == static_cast<float>(k * 1000 + static_cast<int>(i % 1000));
+        check(same, "rotating upload " + std::to_string(k) + " read back intact on the compute stream");
+        Cuda::deallocate(reads[static_cast<std::size_t>(k)], n * sizeof(float));
+      }
+      for (float* p : rotating) Cuda::deallocate(p, n * sizeof(float));
     }
 
     // cuBLAS on the stream: C = A B for 3x4 times 4x2 (column-major), against the CPU.

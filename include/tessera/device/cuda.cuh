@@ -210,6 +210,49 @@ class Cuda {
     slot.in_flight = true;
   }
 
+  // upload, with the transfer on the device's copy stream, so that it overlaps the kernels queued
+  // before it (the previous step's backward and optimizer step) instead of waiting behind them.
+  // The compute stream waits for the transfer before anything queued after this call. The contract
+  // that makes the overlap safe: the caller rotates between two destination buffers (the
+  // Trainer's on_device), so dst was last read by work queued before the
+  // *previous* call; the copy waits for exactly that work (an event recorded on the compute stream
+  // at each call), not for the work queued since. The Trainer keeps to it: each of its uploads is a
+  // micro-batch (or an evaluation batch) whose forward and backward are queued before the next
+  // upload. A caller with one buffer, or whose reads of a buffer are queued after the next upload
+  // (examples/common's reports upload twice per step), uses upload.
+  // `fresh_destination`: dst was (re)allocated since the previous call. The caching allocator may
+  // have handed it a block whose last users, on the compute stream, are still queued, so the copy
+  // then waits for everything queued so far, as upload's does.
+  static void upload_rotating(void* dst, const void* host, std::size_t bytes, bool fresh_destination) {
+    if (bytes == 0) return;
+    DeviceState& s = state();
+    std::lock_guard lock(s.staging_mutex);
+    auto& slot = s.staging[s.next_staging];
+    s.next_staging = (s.next_staging + 1) % s.staging.size();
+    if (slot.in_flight) TESSERA_CUDA_CHECK(cudaEventSynchronize(slot.done));
+    if (slot.bytes < bytes) {
+      if (slot.host) TESSERA_CUDA_CHECK(cudaFreeHost(slot.host));
+      slot.host = nullptr;
+      TESSERA_CUDA_CHECK(cudaMallocHost(&slot.host, bytes));
+      slot.bytes = bytes;
+    }
+    if (slot.done == nullptr) TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    if (s.copy_stream == nullptr) {
+      TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
+      TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.queued_before_upload, cudaEventDisableTiming));
+      TESSERA_CUDA_CHECK(cudaEventRecord(s.queued_before_upload, s.stream));  // nothing to wait for yet
+    }
+    std::memcpy(slot.host, host, bytes);
+    // dst's last readers were queued before the previous call: wait for them (the event), then copy.
+    if (fresh_destination) TESSERA_CUDA_CHECK(cudaEventRecord(s.queued_before_upload, s.stream));
+    TESSERA_CUDA_CHECK(cudaStreamWaitEvent(s.copy_stream, s.queued_before_upload, 0));
+    TESSERA_CUDA_CHECK(cudaEventRecord(s.queued_before_upload, s.stream));  // the next call's wait
+    TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, s.copy_stream));
+    TESSERA_CUDA_CHECK(cudaEventRecord(slot.done, s.copy_stream));
+    TESSERA_CUDA_CHECK(cudaStreamWaitEvent(s.stream, slot.done, 0));  // kernels after this call see dst
+    slot.in_flight = true;
+  }
+
   static cudaStream_t stream() { return state().stream; }
   static cublasHandle_t cublas() { return state().cublas; }
   static cudnnHandle_t cudnn() { return state().cudnn; }
@@ -252,6 +295,9 @@ class Cuda {
     std::array<Staging, 2> staging{};
     std::size_t next_staging = 0;
     std::mutex staging_mutex;
+    // upload_rotating's: the copy stream, and the compute stream's work queued before the last call.
+    cudaStream_t copy_stream = nullptr;
+    cudaEvent_t queued_before_upload = nullptr;
     explicit DeviceState(int device) {
       TESSERA_CUDA_CHECK(cudaSetDevice(device));
       TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -547,17 +547,27 @@ class Trainer {
     if (!options_.trace_path.empty()) options_.timeline->write(options_.checkpoint_group, options_.trace_path);
   }
 
-  // The batch's images where the model is: the host batch itself on the CPU, else a copy in a
-  // device tensor kept across steps (the model's caches point at it until backward), sent through
-  // the device's page-locked staging buffers so the loader prepares the next batch meanwhile.
+  // The batch's images where the model is: the host batch itself on the CPU, else a copy in one of
+  // two device tensors used in turn and kept across steps (the model's caches point at one until
+  // backward), sent through the device's page-locked staging buffers on its copy stream
+  // (Cuda::upload_rotating), so this step's transfer overlaps the last step's backward and the
+  // loader prepares the next batch meanwhile.
   const Tensor<S, typename E::Device>& on_device(const Tensor<S, Cpu>& images) {
     using D = typename E::Device;
     if constexpr (std::is_same_v<D, Cpu>) {
       return images;
     } else {
-      device_images_.resize(images.shape());
-      D::upload(device_images_.data(), images.data(), images.bytes());  // staged, asynchronous
-      return device_images_;
+      // Both sized at once, so the first step's memory already counts the second.
+      bool fresh = false;
+      for (auto& buffer : device_images_) {
+        const S* before = buffer.data();
+        buffer.resize(images.shape());
+        fresh = fresh || buffer.data() != before;
+      }
+      auto& dst = device_images_[next_device_images_];
+      next_device_images_ = 1 - next_device_images_;
+      D::upload_rotating(dst.data(), images.data(), images.bytes(), fresh);  // staged, asynchronous
+      return dst;
     }
   }
 
@@ -814,7 +824,8 @@ class Trainer {
   typename Model::Cache model_cache_{};
   typename CrossEntropyLoss<E>::Cache loss_cache_{};
   Batch<S> batch_, eval_batch_;
-  Tensor<S, typename E::Device> device_images_;  // on_device's copy (GPU models only)
+  std::array<Tensor<S, typename E::Device>, 2> device_images_;  // on_device's copies, in turn (GPU models only)
+  std::size_t next_device_images_ = 0;
   Tensor<S, typename E::Device> weighted_dlogits_;  // micro_step: the loss gradient x the micro-batch's weight
   MicroStep<S> micro_step_;                          // calls micro_step (built once: no allocation per step)
   std::vector<std::int64_t> stop_flags_;             // agreed_stop_signal's all_gather
