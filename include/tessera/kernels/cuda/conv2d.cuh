@@ -37,8 +37,9 @@
 // (K, kh, kw, C/G), while the layer keeps PyTorch's (K, C/G, kh, kw) for state_dicts and
 // optimizers: each call transposes the filter into a scratch copy (nchw_to_nhwc with K images of
 // C/G channels by kh kw pixels), and backward computes dw in that layout and adds it back
-// transposed. The filters are small next to the activations (ResNet-50: 25.5 M values against
-// about 23 M activations per image), and the scratch is one buffer per device, reused.
+// transposed. The filters are small next to the activations (ResNet-50: 25.5 M weights, against
+// about 25 M activation values kept per image of the batch), and the scratch is one buffer per
+// device, reused.
 //
 // Workspace. One buffer per device, grown to the largest size any plan asked for and reused by
 // every convolution: all of them run on the device's one stream, so they never overlap.
