@@ -275,13 +275,6 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
   }
 }
 
-}  // namespace detail
-
-// y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W).
-// Each output row is built tap by tap over all its columns at once: the inner loop runs along ow
-// with no branches, so it vectorizes; taps are visited in row-major window order and only a
-// strictly larger value (or a NaN) replaces the current maximum, which keeps PyTorch's argmax.
-namespace detail {
 // Channels last (Pool2dGeometry::channels_last): output by output in memory order, each window
 // visited in row-major order as the planar loops do, so the maxima, argmaxes and sums are theirs
 // (the backward sums may add in another order). A reference for the CPU, where Tessera's
@@ -320,6 +313,10 @@ void pool_images(const Pool2dGeometry& g, std::int64_t planes, const Body& body)
 }
 }  // namespace detail
 
+// y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W).
+// Each output row is built tap by tap over all its columns at once: the inner loop runs along ow
+// with no branches, so it vectorizes; taps are visited in row-major window order and only a
+// strictly larger value (or a NaN) replaces the current maximum, which keeps PyTorch's argmax.
 template <class S>
 void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
   if (g.channels_last) {
