@@ -357,11 +357,35 @@ __global__ void bn_rows_backward_local_sums_kernel(const S* dy, const S* x, Batc
   store_row_sums<S>(s, acc, acc_xmu, invstd, sum_dy, sum_dy_xhat, partial);
 }
 
+// The elementwise passes over rows: thread (tx, ty) of block (bx, by) takes channels 32 bx + tx
+// (+ 32 gridDim.x ...) of rows 8 by + ty (+ 8 gridDim.y ...), element i = r C + ch; a warp reads
+// 32 neighbouring channels of one row, and no thread divides to find its channel.
+#define TESSERA_ROWS_FOR(i, ch, s)                                                                                \
+  for (std::int64_t r_ = static_cast<std::int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r_ < (s).n * (s).hw; \
+       r_ += static_cast<std::int64_t>(gridDim.y) * blockDim.y)                                                \
+    for (std::int64_t ch = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = r_ * (s).c + ch; \
+         ch < (s).c; ch += static_cast<std::int64_t>(gridDim.x) * blockDim.x, i = r_ * (s).c + ch)
+inline dim3 rows_elementwise_blocks(BatchNormShape s) {
+  const std::int64_t channel_blocks = std::min<std::int64_t>((s.c + kRowChannels - 1) / kRowChannels, 1024);
+  const std::int64_t row_blocks = std::clamp<std::int64_t>((kTargetBlocks * 8 + channel_blocks - 1) / channel_blocks, 1,
+                                                           (s.n * s.hw + kRowThreads - 1) / kRowThreads);
+  return dim3(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(std::min<std::int64_t>(row_blocks, 65535)), 1);
+}
+// Launches kernel<S> over the rows when s has elements, and checks the launch.
+#define TESSERA_BN_ROWS_LAUNCH(kernel, s, ...)                                                                   \
+  do {                                                                                                         \
+    if ((s).numel() > 0) {                                                                                     \
+      kernel<<<::tessera::cuda_detail::rows_elementwise_blocks(s),                                             \
+               dim3(::tessera::cuda_detail::kRowChannels, ::tessera::cuda_detail::kRowThreads), 0,              \
+               ::tessera::Cuda::stream()>>>(__VA_ARGS__);                                                      \
+      ::tessera::detail::cuda_check(cudaGetLastError(), #kernel, __FILE__, __LINE__);                          \
+    }                                                                                                          \
+  } while (0)
+
 template <class S>
 __global__ void bn_rows_normalize_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd, const S* gamma,
                                          const S* beta, S* y, bool relu) {
-  TESSERA_CUDA_FOR(i, s.numel()) {
-    const std::int64_t ch = i % s.c;
+  TESSERA_ROWS_FOR(i, ch, s) {
     const S v = batch_norm_value(x[i], mean[ch], gamma[ch] * invstd[ch], beta[ch]);
     y[i] = relu && v < S(0) ? S(0) : v;
   }
@@ -370,8 +394,7 @@ __global__ void bn_rows_normalize_kernel(const S* x, BatchNormShape s, const S* 
 template <class S>
 __global__ void bn_rows_normalize_add_relu_kernel(const S* x, BatchNormShape s, const S* mean, const S* invstd,
                                                   const S* gamma, const S* beta, const S* addend, S* y) {
-  TESSERA_CUDA_FOR(i, s.numel()) {
-    const std::int64_t ch = i % s.c;
+  TESSERA_ROWS_FOR(i, ch, s) {
     const S sum = batch_norm_value(x[i], mean[ch], gamma[ch] * invstd[ch], beta[ch]) + addend[i];
     y[i] = sum < S(0) ? S(0) : sum;
   }
@@ -394,8 +417,7 @@ template <class S>
 __global__ void bn_rows_backward_input_kernel(const S* dy, const S* x, BatchNormShape s, const S* mean,
                                               const S* invstd, const S* gamma, const S* coefficients, S* dx, bool relu,
                                               const S* beta) {
-  TESSERA_CUDA_FOR(i, s.numel()) {
-    const std::int64_t ch = i % s.c;
+  TESSERA_ROWS_FOR(i, ch, s) {
     const S mu = mean[ch];
     const S g = relu ? relu_pass(batch_norm_value(x[i], mu, gamma[ch] * invstd[ch], beta[ch]), dy[i]) : dy[i];
     dx[i] = coefficients[ch] * g + coefficients[s.c + ch] * (x[i] - mu) + coefficients[2 * s.c + ch];
@@ -405,8 +427,7 @@ __global__ void bn_rows_backward_input_kernel(const S* dy, const S* x, BatchNorm
 template <class S>
 __global__ void bn_rows_backward_input_affine_kernel(const S* dy, BatchNormShape s, const S* invstd, const S* gamma,
                                                      S* dx, bool relu, const S* x, const S* mean, const S* beta) {
-  TESSERA_CUDA_FOR(i, s.numel()) {
-    const std::int64_t ch = i % s.c;
+  TESSERA_ROWS_FOR(i, ch, s) {
     const S a = gamma[ch] * invstd[ch];
     dx[i] = relu ? a * relu_pass(batch_norm_value(x[i], mean[ch], a, beta[ch]), dy[i]) : a * dy[i];
   }
@@ -484,7 +505,7 @@ void batch_norm_normalize(Cuda, const S* x, BatchNormShape s, const S* mean, con
                           const S* beta, S* y, bool relu) {
   if (s.numel() == 0) return;
   if (s.channels_last) {
-    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_normalize_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta, y, relu);
+    TESSERA_BN_ROWS_LAUNCH(cuda_detail::bn_rows_normalize_kernel<S>, s, x, s, mean, invstd, gamma, beta, y, relu);
     return;
   }
   const cuda_detail::ChannelGrid g = cuda_detail::channel_grid<S>(s, x, y);
@@ -495,7 +516,7 @@ void batch_norm_normalize_add_relu(Cuda, const S* x, BatchNormShape s, const S* 
                                    const S* beta, const S* addend, S* y) {
   if (s.numel() == 0) return;
   if (s.channels_last) {
-    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_normalize_add_relu_kernel<S>, s.numel(), x, s, mean, invstd, gamma, beta,
+    TESSERA_BN_ROWS_LAUNCH(cuda_detail::bn_rows_normalize_add_relu_kernel<S>, s, x, s, mean, invstd, gamma, beta,
                         addend, y);
     return;
   }
@@ -534,7 +555,7 @@ void batch_norm_backward_input(Cuda, const S* dy, const S* x, BatchNormShape s, 
     S* coefficients = static_cast<S*>(Cuda::allocate(bytes));
     TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_coefficients_kernel<S>, s.c, s.c, invstd, gamma, sum_dy, sum_dy_xhat,
                         count, coefficients);
-    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_backward_input_kernel<S>, s.numel(), dy, x, s, mean, invstd, gamma,
+    TESSERA_BN_ROWS_LAUNCH(cuda_detail::bn_rows_backward_input_kernel<S>, s, dy, x, s, mean, invstd, gamma,
                         coefficients, dx, relu, beta);
     Cuda::deallocate(coefficients, bytes);
     return;
@@ -549,7 +570,7 @@ void batch_norm_backward_input_affine(Cuda, const S* dy, BatchNormShape s, const
                                       const S* beta) {
   if (s.numel() == 0) return;
   if (s.channels_last) {
-    TESSERA_CUDA_LAUNCH(cuda_detail::bn_rows_backward_input_affine_kernel<S>, s.numel(), dy, s, invstd, gamma, dx, relu,
+    TESSERA_BN_ROWS_LAUNCH(cuda_detail::bn_rows_backward_input_affine_kernel<S>, s, dy, s, invstd, gamma, dx, relu,
                         x, mean, beta);
     return;
   }
@@ -563,5 +584,7 @@ void batch_norm_accumulate_affine_grads(Cuda, std::int64_t channels, const doubl
 }
 
 #undef TESSERA_BN_LAUNCH
+#undef TESSERA_BN_ROWS_LAUNCH
+#undef TESSERA_ROWS_FOR
 
 }  // namespace tessera
