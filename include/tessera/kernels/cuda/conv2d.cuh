@@ -37,7 +37,7 @@
 // (K, kh, kw, C/G), while the layer keeps PyTorch's (K, C/G, kh, kw) for state_dicts and
 // optimizers: each call transposes the filter into a scratch copy (nchw_to_nhwc with K images of
 // C/G channels by kh kw pixels), and backward computes dw in that layout and adds it back
-// transposed. The filters are small next to the activations (ResNet-50: 25.5 M weights, against
+// transposed (one accumulating transpose). The filters are small next to the activations (ResNet-50: 25.5 M weights, against
 // about 25 M activation values kept per image of the batch), and the scratch is one buffer per
 // device, reused.
 //
@@ -294,16 +294,16 @@ inline Bf16Copies bf16_copies(const Conv2dGeometry& g, std::int64_t batch) {
 }
 
 // A channels-last convolution's filters (see the header), each 256-byte aligned: w and dw in
-// (K, kh, kw, C/G), and dw back in (K, C/G, kh, kw) before it is added to the layer's gradient.
+// (K, kh, kw, C/G).
 template <class S>
 struct NhwcFilters {
-  S *w, *dw, *dw_planar;
+  S *w, *dw;
 };
 template <class S>
 NhwcFilters<S> channels_last_filters(const Conv2dGeometry& g) {
   const std::size_t bytes = (static_cast<std::size_t>(g.weight_elements()) * sizeof(S) + 255) / 256 * 256;
-  auto* base = static_cast<unsigned char*>(conv_buffer(kChannelsLastFilters, 3 * bytes));
-  return {reinterpret_cast<S*>(base), reinterpret_cast<S*>(base + bytes), reinterpret_cast<S*>(base + 2 * bytes)};
+  auto* base = static_cast<unsigned char*>(conv_buffer(kChannelsLastFilters, 2 * bytes));
+  return {reinterpret_cast<S*>(base), reinterpret_cast<S*>(base + bytes)};
 }
 // The filter as cuDNN takes it for g: w itself (NCHW), or its NHWC copy in f.w.
 template <class S>
@@ -312,11 +312,10 @@ const S* filter_for(const Conv2dGeometry& g, const S* w, const NhwcFilters<S>& f
   nchw_to_nhwc(Cuda{}, g.out_channels, g.channels / g.groups, g.taps(), w, f.w);
   return f.w;
 }
-// dw += f.dw (NHWC) transposed back.
+// dw += f.dw (NHWC) transposed back, in one pass.
 template <class S>
 void add_nhwc_filter_grad(const Conv2dGeometry& g, const NhwcFilters<S>& f, S* dw) {
-  nhwc_to_nchw(Cuda{}, g.out_channels, g.channels / g.groups, g.taps(), f.dw, f.dw_planar);
-  add(Cuda{}, dw, f.dw_planar, g.weight_elements(), dw);
+  transpose_images(g.out_channels, g.taps(), g.channels / g.groups, f.dw, dw, /*accumulate=*/true);
 }
 
 // db (K) += sum over n and the plane of dy (N, K, plane): one block per channel.

@@ -164,7 +164,7 @@ __global__ void add_broadcast_rows_kernel(const S* b, std::int64_t rows, std::in
 // reads and the writes are whole 128-byte rows of a warp.
 inline constexpr int kTransposeTile = 32, kTransposeRows = 8;
 template <class S>
-__global__ void transpose_images_kernel(const S* x, std::int64_t rows, std::int64_t cols, S* y) {
+__global__ void transpose_images_kernel(const S* x, std::int64_t rows, std::int64_t cols, S* y, bool accumulate) {
   __shared__ S tile[kTransposeTile][kTransposeTile + 1];
   const std::int64_t image = static_cast<std::int64_t>(blockIdx.z) * rows * cols;
   const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kTransposeTile;
@@ -176,18 +176,23 @@ __global__ void transpose_images_kernel(const S* x, std::int64_t rows, std::int6
   __syncthreads();
   for (int k = threadIdx.y; k < kTransposeTile; k += kTransposeRows) {
     const std::int64_t c = c0 + k, r = r0 + threadIdx.x;
-    if (r < rows && c < cols) y[image + c * rows + r] = tile[threadIdx.x][k];
+    if (r < rows && c < cols) {
+      S& out = y[image + c * rows + r];
+      out = accumulate ? out + tile[threadIdx.x][k] : tile[threadIdx.x][k];
+    }
   }
 }
+// accumulate: y += the transpose (a gradient added back in another layout), else y = it.
 template <class S>
-void transpose_images(std::int64_t n, std::int64_t rows, std::int64_t cols, const S* x, S* y) {
+void transpose_images(std::int64_t n, std::int64_t rows, std::int64_t cols, const S* x, S* y, bool accumulate = false) {
   if (n == 0 || rows == 0 || cols == 0) return;
   TESSERA_CHECK(n <= 65535 && (rows + kTransposeTile - 1) / kTransposeTile <= 65535, ArgumentError,
                 "memory-format conversion of ", n, " images of ", rows, " x ", cols,
                 ": more than 65535 images or row tiles for one launch");
   const dim3 blocks(static_cast<unsigned>((cols + kTransposeTile - 1) / kTransposeTile),
                     static_cast<unsigned>((rows + kTransposeTile - 1) / kTransposeTile), static_cast<unsigned>(n));
-  transpose_images_kernel<S><<<blocks, dim3(kTransposeTile, kTransposeRows), 0, Cuda::stream()>>>(x, rows, cols, y);
+  transpose_images_kernel<S><<<blocks, dim3(kTransposeTile, kTransposeRows), 0, Cuda::stream()>>>(x, rows, cols, y,
+                                                                                                  accumulate);
   TESSERA_CUDA_CHECK(cudaGetLastError());
 }
 
