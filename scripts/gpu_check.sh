@@ -61,9 +61,10 @@ for t in nccl-2 nccl-4 nccl-host-buffers-2 nccl-faults nccl-data-parallel-2 exam
   skipped=$((skipped + 1))
 done
 
-# Per batch and run: four Tessera runs (float32 with and without cuDNN benchmark, TF32, bfloat16) and
-# six of PyTorch's (fp32, TF32 and autocast bfloat16, each in both memory formats); two runs fit the
-# device's 10-minute command with the tests and the profile.
+# Per batch and run: five Tessera runs (float32 NCHW with and without cuDNN benchmark, float32, TF32
+# and bfloat16 in channels_last) and six of PyTorch's (fp32, TF32 and autocast bfloat16, each in both
+# memory formats); two runs are meant to fit the device's 10-minute command with the tests and the
+# profile (GPU_BENCH_RUNS=1 if they do not).
 PYTHONUNBUFFERED=1 timeout 480 python3 "$root/bench/gpu_resnet50.py" --tessera "$bin/08_resnet50_cuda" \
   --batches "${GPU_BENCH_BATCHES:-32,128}" --runs "${GPU_BENCH_RUNS:-2}" --steps 10 --out "$out/gpu_resnet50.json" \
   >"$out/gpu_resnet50.stdout" 2>"$out/gpu_resnet50.log" || { echo "gpu_resnet50 failed:"; tail -20 "$out/gpu_resnet50.log"; }
