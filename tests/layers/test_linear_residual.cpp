@@ -92,7 +92,7 @@ void check_fused_block_end(Block block, const Shape& x_shape, Mode mode, MemoryF
   // And backward runs from the fused forward's cache, as from the unfused one (the gradient checks
   // above cover its values).
   const Tensor dy = testing::random_tensor(y.shape(), rng).template cast<float>();
-  if (mode != Mode::Inference) CHECK(block.backward(dy, c).shape() == x.shape());
+  CHECK(block.backward(dy, c).shape() == x.shape());
 }
 
 TEST_CASE("Residual: BatchNorm, add and ReLU fused at the block's end equal the three steps bit for bit", "[layers]") {

@@ -34,19 +34,14 @@ Tensor<S> random_of(const Shape& shape, Rng& rng) {
   return random_tensor(shape, rng).cast<S>();
 }
 
-// NCHW <-> NHWC of a 4-D tensor; other ranks are the same in both formats.
+// A 4-D tensor NCHW -> NHWC (to_nhwc) or back; other ranks are the same in both formats.
 template <class S>
-Tensor<S> to_format(const Tensor<S>& x, MemoryFormat f) {
-  if (x.rank() != 4 || f == MemoryFormat::Contiguous) return x;
+Tensor<S> converted(const Tensor<S>& x, bool to_nhwc) {
+  if (x.rank() != 4) return x;
   Tensor<S> y(x.shape());
-  nchw_to_nhwc(Cpu{}, x.dim(0), x.dim(1), x.dim(2) * x.dim(3), x.data(), y.data());
-  return y;
-}
-template <class S>
-Tensor<S> to_planar(const Tensor<S>& x, MemoryFormat f) {
-  if (x.rank() != 4 || f == MemoryFormat::Contiguous) return x;
-  Tensor<S> y(x.shape());
-  nhwc_to_nchw(Cpu{}, x.dim(0), x.dim(1), x.dim(2) * x.dim(3), x.data(), y.data());
+  const std::int64_t n = x.dim(0), c = x.dim(1), hw = x.dim(2) * x.dim(3);
+  if (to_nhwc) nchw_to_nhwc(Cpu{}, n, c, hw, x.data(), y.data());
+  else nhwc_to_nchw(Cpu{}, n, c, hw, x.data(), y.data());
   return y;
 }
 
@@ -71,16 +66,16 @@ void check_formats_agree(const L& layer, const Shape& x_shape, Rng& rng, double 
   nhwc.set_memory_format(MemoryFormat::ChannelsLast);
   for (int step = 0; step < 2; ++step) {
     const Tensor<S> x = random_of<S>(x_shape, rng);
-    const Tensor<S> x_nhwc = to_format(x, MemoryFormat::ChannelsLast);
+    const Tensor<S> x_nhwc = converted(x, true);
     typename L::Cache cp, cn;
     const Tensor<S>& yp = planar.forward(x, cp);
     const Tensor<S>& yn = nhwc.forward(x_nhwc, cn);
     INFO("step " << step << ", input " << x_shape);
-    CHECK(distance(to_planar(yn, MemoryFormat::ChannelsLast), yp) <= tol);
+    CHECK(distance(converted(yn, false), yp) <= tol);
     const Tensor<S> dy = random_of<S>(yp.shape(), rng);
     const Tensor<S>& dxp = planar.backward(dy, cp);
-    const Tensor<S>& dxn = nhwc.backward(to_format(dy, MemoryFormat::ChannelsLast), cn);
-    CHECK(distance(to_planar(dxn, MemoryFormat::ChannelsLast), dxp) <= tol);
+    const Tensor<S>& dxn = nhwc.backward(converted(dy, true), cn);
+    CHECK(distance(converted(dxn, false), dxp) <= tol);
   }
   auto np = named_tensors(planar), nn = named_tensors(nhwc);
   REQUIRE(np.parameters.size() == nn.parameters.size());

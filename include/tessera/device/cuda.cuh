@@ -194,17 +194,7 @@ class Cuda {
     if (bytes == 0) return;
     DeviceState& s = state();
     std::lock_guard lock(s.staging_mutex);
-    auto& slot = s.staging[s.next_staging];
-    s.next_staging = (s.next_staging + 1) % s.staging.size();
-    if (slot.in_flight) TESSERA_CUDA_CHECK(cudaEventSynchronize(slot.done));
-    if (slot.bytes < bytes) {
-      if (slot.host) TESSERA_CUDA_CHECK(cudaFreeHost(slot.host));
-      slot.host = nullptr;
-      TESSERA_CUDA_CHECK(cudaMallocHost(&slot.host, bytes));
-      slot.bytes = bytes;
-    }
-    if (slot.done == nullptr) TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
-    std::memcpy(slot.host, host, bytes);
+    auto& slot = staged(s, host, bytes);
     TESSERA_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, s.stream));
     TESSERA_CUDA_CHECK(cudaEventRecord(slot.done, s.stream));
     slot.in_flight = true;
@@ -213,13 +203,13 @@ class Cuda {
   // upload, with the transfer on the device's copy stream, so that it overlaps the kernels queued
   // before it (the previous step's backward and optimizer step) instead of waiting behind them.
   // The compute stream waits for the transfer before anything queued after this call. The contract
-  // that makes the overlap safe: the caller rotates between two destination buffers (the
-  // Trainer's on_device), so dst was last read by work queued before the
-  // *previous* call; the copy waits for exactly that work (an event recorded on the compute stream
-  // at each call), not for the work queued since. The Trainer keeps to it: each of its uploads is a
-  // micro-batch (or an evaluation batch) whose forward and backward are queued before the next
-  // upload. A caller with one buffer, or whose reads of a buffer are queued after the next upload
-  // (examples/common's reports upload twice per step), uses upload.
+  // that makes the overlap safe: the caller rotates between two destination buffers (the Trainer's
+  // on_device), so dst was last read by work queued before the *previous* call; the copy waits for
+  // exactly that work (an event recorded on the compute stream at each call), not for the work
+  // queued since. The Trainer keeps to it: each of its uploads is a micro-batch (or an evaluation
+  // batch) whose forward and backward are queued before the next upload. A caller with one buffer,
+  // or whose reads of a buffer are queued after the next upload (examples/common's reports upload
+  // twice per step), uses upload.
   // `fresh_destination`: dst was (re)allocated since the previous call. The caching allocator may
   // have handed it a block whose last users, on the compute stream, are still queued, so the copy
   // then waits for everything queued so far, as upload's does.
@@ -227,22 +217,12 @@ class Cuda {
     if (bytes == 0) return;
     DeviceState& s = state();
     std::lock_guard lock(s.staging_mutex);
-    auto& slot = s.staging[s.next_staging];
-    s.next_staging = (s.next_staging + 1) % s.staging.size();
-    if (slot.in_flight) TESSERA_CUDA_CHECK(cudaEventSynchronize(slot.done));
-    if (slot.bytes < bytes) {
-      if (slot.host) TESSERA_CUDA_CHECK(cudaFreeHost(slot.host));
-      slot.host = nullptr;
-      TESSERA_CUDA_CHECK(cudaMallocHost(&slot.host, bytes));
-      slot.bytes = bytes;
-    }
-    if (slot.done == nullptr) TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    auto& slot = staged(s, host, bytes);
     if (s.copy_stream == nullptr) {
       TESSERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
       TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&s.queued_before_upload, cudaEventDisableTiming));
       TESSERA_CUDA_CHECK(cudaEventRecord(s.queued_before_upload, s.stream));  // nothing to wait for yet
     }
-    std::memcpy(slot.host, host, bytes);
     // dst's last readers were queued before the previous call: wait for them (the event), then copy.
     if (fresh_destination) TESSERA_CUDA_CHECK(cudaEventRecord(s.queued_before_upload, s.stream));
     TESSERA_CUDA_CHECK(cudaStreamWaitEvent(s.copy_stream, s.queued_before_upload, 0));
@@ -307,6 +287,22 @@ class Cuda {
       TESSERA_CUDNN_CHECK(cudnnSetStream(cudnn, stream));
     }
   };
+  // The next staging slot, once its previous transfer is done, grown to `bytes` and holding a copy
+  // of host (upload and upload_rotating; s.staging_mutex held).
+  static DeviceState::Staging& staged(DeviceState& s, const void* host, std::size_t bytes) {
+    auto& slot = s.staging[s.next_staging];
+    s.next_staging = (s.next_staging + 1) % s.staging.size();
+    if (slot.in_flight) TESSERA_CUDA_CHECK(cudaEventSynchronize(slot.done));
+    if (slot.bytes < bytes) {
+      if (slot.host) TESSERA_CUDA_CHECK(cudaFreeHost(slot.host));
+      slot.host = nullptr;
+      TESSERA_CUDA_CHECK(cudaMallocHost(&slot.host, bytes));
+      slot.bytes = bytes;
+    }
+    if (slot.done == nullptr) TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    std::memcpy(slot.host, host, bytes);
+    return slot;
+  }
   struct States {
     std::array<DeviceState*, kMaxDevices> of_device{};
     std::mutex mutex;

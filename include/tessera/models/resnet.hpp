@@ -147,7 +147,7 @@ class ResNet {
       if (u == 0) {
         TESSERA_CHECK(x.rank() == 4 && x.dim(1) == in_channels_, ShapeError, name_, ": expected input (N, ",
                       in_channels_, ", H, W), got ", x.shape());
-        if (format_ == MemoryFormat::ChannelsLast) {
+        if (memory_format() == MemoryFormat::ChannelsLast) {
           c.input.resize(x.shape());
           nchw_to_nhwc(D{}, x.dim(0), x.dim(1), x.dim(2) * x.dim(3), x.data(), c.input.data());
           h = &c.input;
@@ -193,7 +193,7 @@ class ResNet {
         const Tensor& dconv = bn1_.backward_relu(*g, c.bn1);
         if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
         g = &conv1_.backward(dconv, c.conv1);
-        if (format_ == MemoryFormat::ChannelsLast && g->rank() == 4) {  // dL/dx asked for: back to NCHW
+        if (memory_format() == MemoryFormat::ChannelsLast && g->rank() == 4) {  // dL/dx asked for: back to NCHW
           c.dinput.resize(g->shape());
           nhwc_to_nchw(D{}, g->dim(0), g->dim(1), g->dim(2) * g->dim(3), g->data(), c.dinput.data());
           g = &c.dinput;
@@ -255,14 +255,13 @@ class ResNet {
   void set_needs_input_grad(bool needed) { conv1_.set_needs_input_grad(needed); }
   // Every layer's layout of 4-D activations (see the top); Contiguous by default.
   void set_memory_format(MemoryFormat f) {
-    format_ = f;
     conv1_.set_memory_format(f);
     bn1_.set_memory_format(f);
     if (maxpool_) maxpool_->set_memory_format(f);
     for (auto& b : blocks_) b.set_memory_format(f);
     avgpool_.set_memory_format(f);
   }
-  MemoryFormat memory_format() const { return format_; }
+  MemoryFormat memory_format() const { return conv1_.memory_format(); }
 
   template <class V>
   void visit(V& v, const std::string& prefix) {
@@ -322,7 +321,6 @@ class ResNet {
   GlobalAvgPool<E> avgpool_;
   Linear<E> fc_;
   Mode mode_ = Mode::Train;
-  MemoryFormat format_ = MemoryFormat::Contiguous;
 };
 
 template <class E>

@@ -87,89 +87,42 @@ inline S relu_pass_masked(S y, S dy) {
 }  // namespace detail
 
 namespace detail {
-// body(p0, p1) on each thread of a team (once, p in [0, planes), outside one) for its contiguous
-// run of the flat plane index p = sample * c + channel.
+// body(u0, u1) on each thread of a team (once, u in [0, units), outside one) for its contiguous
+// run of units: the flat plane index p = sample * c + channel, or in channels last the rows
+// (one pixel's c values each), so each thread reads and writes one contiguous share of memory.
 template <class Body>
-void batch_norm_planes(BatchNormShape s, const Body& body) {
-  const std::int64_t planes = s.n * s.c;
-  if (s.numel() < kBatchNormParallelThreshold || planes < 2) {
-    body(std::int64_t{0}, planes);
+void batch_norm_units(BatchNormShape s, std::int64_t units, const Body& body) {
+  if (s.numel() < kBatchNormParallelThreshold || units < 2) {
+    body(std::int64_t{0}, units);
     return;
   }
 #pragma omp parallel
   {
-    std::int64_t p0, p1;
-    team_share(planes, p0, p1);
-    body(p0, p1);
+    std::int64_t u0, u1;
+    team_share(units, u0, u1);
+    body(u0, u1);
   }
 }
+template <class Body>
+void batch_norm_planes(BatchNormShape s, const Body& body) {
+  batch_norm_units(s, s.n * s.c, body);
+}
+template <class Body>
+void batch_norm_rows(BatchNormShape s, const Body& body) {
+  batch_norm_units(s, s.n * s.hw, body);
+}
 
-// out_a[ch] = sum over samples of a(i, ch), out_b likewise, where plane(i, ch, a, b) adds plane
-// (i, ch)'s contribution to a and b. Each thread sums its run of planes into its own row of
+// out_a[ch], out_b[ch]: sums over `units`, where unit(u, a, b) adds unit u's contributions to the
+// channel vectors a (c) and b (c). Each thread sums its run of units into its own row of
 // `scratch` (team x 2c doubles, this calling thread's: the ranks of ThreadComm call concurrently;
-// it only grows), then each channel's partial sums are added in thread order. One
-// thread adds in the same order as a plain loop over samples.
-template <class Plane>
-void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, const Plane& plane) {
-  const std::int64_t planes = s.n * s.c;
+// it only grows), then each channel's partial sums are added in thread order. One thread adds in
+// the same order as a plain loop over the units.
+template <class Unit>
+void batch_norm_unit_sums(BatchNormShape s, std::int64_t units, double* out_a, double* out_b, const Unit& unit) {
   if (s.numel() < kBatchNormParallelThreshold) {
     std::fill(out_a, out_a + s.c, 0.0);
     std::fill(out_b, out_b + s.c, 0.0);
-    for (std::int64_t p = 0; p < planes; ++p) plane(p / s.c, p % s.c, out_a[p % s.c], out_b[p % s.c]);
-    return;
-  }
-  thread_local std::vector<double> scratch;
-  const std::size_t need = static_cast<std::size_t>(Cpu::num_threads() * 2 * s.c);
-  if (scratch.size() < need) scratch.resize(need);
-  double* rows = scratch.data();
-#pragma omp parallel
-  {
-    const std::int64_t t = Cpu::thread_index(), team = Cpu::team_size();
-    double* a = rows + t * 2 * s.c;
-    double* b = a + s.c;
-    std::fill(a, a + 2 * s.c, 0.0);
-    std::int64_t p0, p1, c0, c1;
-    team_share(planes, p0, p1);
-    for (std::int64_t p = p0; p < p1; ++p) plane(p / s.c, p % s.c, a[p % s.c], b[p % s.c]);
-#pragma omp barrier
-    team_share(s.c, c0, c1);
-    for (std::int64_t ch = c0; ch < c1; ++ch) {
-      double sa = 0, sb = 0;
-      for (std::int64_t u = 0; u < team; ++u) sa += rows[u * 2 * s.c + ch], sb += rows[u * 2 * s.c + s.c + ch];
-      out_a[ch] = sa;
-      out_b[ch] = sb;
-    }
-  }
-}
-}  // namespace detail
-
-namespace detail {
-// Channels last: x is n hw rows of c values. body(r0, r1) on each thread of a team for its
-// contiguous run of rows (the same split of memory as batch_norm_planes').
-template <class Body>
-void batch_norm_rows(BatchNormShape s, const Body& body) {
-  const std::int64_t rows = s.n * s.hw;
-  if (s.numel() < kBatchNormParallelThreshold || rows < 2) {
-    body(std::int64_t{0}, rows);
-    return;
-  }
-#pragma omp parallel
-  {
-    std::int64_t r0, r1;
-    team_share(rows, r0, r1);
-    body(r0, r1);
-  }
-}
-// out_a[ch], out_b[ch]: sums over the rows, where row(r, a, b) adds row r's contributions to the
-// channel vectors a (c) and b (c). Per-thread partial vectors added in thread order, as
-// batch_norm_channel_sums does.
-template <class Row>
-void batch_norm_row_sums(BatchNormShape s, double* out_a, double* out_b, const Row& row) {
-  const std::int64_t rows = s.n * s.hw;
-  if (s.numel() < kBatchNormParallelThreshold || rows < 2) {
-    std::fill(out_a, out_a + s.c, 0.0);
-    std::fill(out_b, out_b + s.c, 0.0);
-    for (std::int64_t r = 0; r < rows; ++r) row(r, out_a, out_b);
+    for (std::int64_t u = 0; u < units; ++u) unit(u, out_a, out_b);
     return;
   }
   thread_local std::vector<double> scratch;
@@ -182,18 +135,30 @@ void batch_norm_row_sums(BatchNormShape s, double* out_a, double* out_b, const R
     double* a = partial + t * 2 * s.c;
     double* b = a + s.c;
     std::fill(a, a + 2 * s.c, 0.0);
-    std::int64_t r0, r1, c0, c1;
-    team_share(rows, r0, r1);
-    for (std::int64_t r = r0; r < r1; ++r) row(r, a, b);
+    std::int64_t u0, u1, c0, c1;
+    team_share(units, u0, u1);
+    for (std::int64_t u = u0; u < u1; ++u) unit(u, a, b);
 #pragma omp barrier
     team_share(s.c, c0, c1);
     for (std::int64_t ch = c0; ch < c1; ++ch) {
       double sa = 0, sb = 0;
-      for (std::int64_t u = 0; u < team; ++u) sa += partial[u * 2 * s.c + ch], sb += partial[u * 2 * s.c + s.c + ch];
+      for (std::int64_t k = 0; k < team; ++k) sa += partial[k * 2 * s.c + ch], sb += partial[k * 2 * s.c + s.c + ch];
       out_a[ch] = sa;
       out_b[ch] = sb;
     }
   }
+}
+// The planes' sums: plane(i, ch, a, b) adds plane (i, ch)'s contribution to the scalars a and b.
+template <class Plane>
+void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, const Plane& plane) {
+  batch_norm_unit_sums(s, s.n * s.c, out_a, out_b, [&](std::int64_t p, double* a, double* b) {
+    plane(p / s.c, p % s.c, a[p % s.c], b[p % s.c]);
+  });
+}
+// Channels last: row(r, a, b) adds row r's c values' contributions to the channel vectors a and b.
+template <class Row>
+void batch_norm_row_sums(BatchNormShape s, double* out_a, double* out_b, const Row& row) {
+  batch_norm_unit_sums(s, s.n * s.hw, out_a, out_b, row);
 }
 }  // namespace detail
 
