@@ -45,6 +45,12 @@ int main(int argc, char** argv) {
       add((name + " adamw").c_str(), testing::fsdp_equivalence<double>(comm, {.stage = stage, .optimizer = FsdpOptimizer::AdamW}));
       add((name + " resnet20+syncbn sgd").c_str(),
           testing::fsdp_equivalence<double>(comm, {.stage = stage, .per_rank_batch = 2, .steps = 2}, testing::MakeResnet20{}));
+      // AdamW: 1e-12, or twice one process's distance from itself with its batches shuffled
+      // (fsdp_equivalence.hpp), whichever is larger.
+      add((name + " resnet20+syncbn adamw").c_str(),
+          testing::fsdp_equivalence<double>(comm, {.stage = stage, .optimizer = FsdpOptimizer::AdamW, .per_rank_batch = 2,
+                                                   .steps = 2, .reordered_references = 12},
+                                            testing::MakeResnet20{}));
     }
     add("fsdp stage 3 micro-batches", testing::fsdp_equivalence<double>(comm, {.stage = 3, .micro_batches = 2}));
     add("fsdp stage 3 float32", testing::fsdp_equivalence<float>(comm, {.stage = 3, .optimizer = FsdpOptimizer::AdamW,

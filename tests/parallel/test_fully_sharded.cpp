@@ -45,20 +45,21 @@ TEST_CASE("FullyShardedDataParallel: stages 2 and 3 at 2, 3 and 4 ranks equal on
         }
 }
 
-// AdamW to 1e-10 rather than 1e-12 against one process: its update divides by sqrt(v) + eps, so
-// a gradient component near zero (ResNet-20 has some) carries its rounding error into the weights
-// multiplied by up to lr / eps = 1e5, and the sum over ranks rounds differently from the sum over
-// one batch (1.1e-12 at 2 ranks, 1.5e-12 at 4, both stages). DataParallel differs from one process
-// by exactly as much: against it FSDP is held to 1e-15 (measured: bit for bit).
+// AdamW on ResNet-20 is held to 1e-12 or to twice the reference's own floor, whichever is larger:
+// one process trained again with each batch's samples shuffled differs from itself by up to a few
+// 1e-12 (fsdp_equivalence.hpp says why), so 1e-12 alone would fail one process against itself.
+// Measured: FSDP 2.35e-12 from one process at 2 ranks, 1.08e-12 at 4; the shuffled references
+// 0.25e-12 to 3.7e-12. Against DataParallel (the same local gradients averaged) it is held to
+// 1e-15 (measured: bit for bit).
 TEST_CASE("FullyShardedDataParallel: ResNet-20 with SyncBatchNorm equals one process (float64)", "[parallel][fsdp]") {
   for (int stage : {2, 3})
-    for (int ranks : {2, 4})
+    for (int ranks : {2, 3, 4})
       for (auto optimizer : {testing::FsdpOptimizer::SgdMomentum, testing::FsdpOptimizer::AdamW})
         DYNAMIC_SECTION("stage " << stage << ", " << ranks << " ranks, "
                                  << (optimizer == testing::FsdpOptimizer::AdamW ? "AdamW" : "SGD")) {
-          const double tolerance = optimizer == testing::FsdpOptimizer::AdamW ? 1e-10 : 1e-12;
+          const bool adamw = optimizer == testing::FsdpOptimizer::AdamW;
           run_fsdp<double>(ranks, {.stage = stage, .optimizer = optimizer, .per_rank_batch = 2, .steps = 2,
-                                   .tolerance = tolerance, .dp_tolerance = 1e-15},
+                                   .dp_tolerance = 1e-15, .reordered_references = adamw ? 12 : 0},
                            testing::MakeResnet20{});
         }
 }
