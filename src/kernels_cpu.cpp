@@ -40,6 +40,7 @@
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/layers/pool.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/pipeline_schedule.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/sharded_checkpoint.hpp"
 #include "tessera/train/metrics.hpp"
