@@ -58,6 +58,8 @@ struct PipeCase {
   PipeModel model = PipeModel::Mlp;
   int micro_batches = 4;
   PipelineSchedule schedule = PipelineSchedule::OneFOneB;
+  int stages_per_rank = 2;                    // Interleaved1F1B's v
+  std::optional<PipelineScheduleTable> table;  // in place of `schedule`
   int batch = 8;  // global batch
   int steps = 3;
   double tolerance = 1e-12;
@@ -87,10 +89,12 @@ std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model 
                                            std::int64_t image, int* peak = nullptr) {
   using E = Env<Cpu, Comm, S>;
   std::vector<std::string> failures;
-  const std::string what = std::string(model_name(c.model)) + " " + schedule_name(c.schedule) + " P=" +
+  const std::string what = std::string(model_name(c.model)) + " " + (c.table ? c.table->name : schedule_name(c.schedule)) + " P=" +
                            std::to_string(comm.size()) + " M=" + std::to_string(c.micro_batches) + " stage " +
                            std::to_string(comm.rank()) + ": ";
-  Pipeline<Model> pipe(model_pipe, comm, {.micro_batches = c.micro_batches, .schedule = c.schedule});
+  Pipeline<Model> pipe(model_pipe, comm,
+                       {.micro_batches = c.micro_batches, .schedule = c.schedule, .stages_per_rank = c.stages_per_rank,
+                        .table = c.table});
   auto stage_params = pipe.stage_parameters();
   auto ref_params = named_tensors(model_ref);
   std::map<std::string, Parameter<S, Cpu>*> ref_by_name;
@@ -109,7 +113,8 @@ std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model 
     model_ref.backward(loss.backward(loss_cache), cache);
     // The pipeline; stage 0 alone reads x, the last stage alone the labels.
     sgd_pipe.zero_grad();
-    const bool first = comm.rank() == 0, last = comm.rank() == comm.size() - 1;
+    const auto& table = pipe.schedule();  // the last stage's rank reads the labels (rank 0 in V placement)
+    const bool first = comm.rank() == 0, last = comm.rank() == table.rank_of(table.stage_count() - 1);
     const Tensor<S, Cpu> empty;
     const S pipe_loss = pipe.train_step(first ? x : empty, last ? std::span<const std::int64_t>(y)
                                                                 : std::span<const std::int64_t>());
@@ -137,9 +142,14 @@ std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model 
     if (worst_value > c.tolerance)
       failures.push_back(what + "step " + std::to_string(step) + " parameters differ by " + std::to_string(worst_value));
   }
-  // Activation memory bound: 1F1B holds at most P - s micro-batches; GPipe all M.
+  // Activation memory bound: 1F1B holds at most P - s micro-batches; GPipe all M; another table
+  // what its simulation holds (stage activation sets, several per micro-batch when a rank runs
+  // several stages).
   const int p = comm.size(), s = comm.rank();
-  const int bound = c.schedule == PipelineSchedule::OneFOneB ? std::min(c.micro_batches, p - s) : c.micro_batches;
+  const bool formula = !c.table && (c.schedule == PipelineSchedule::OneFOneB || c.schedule == PipelineSchedule::GPipe);
+  const int bound = !formula ? simulate_pipeline(pipe.schedule(), {}).peak_activations[static_cast<std::size_t>(s)]
+                    : c.schedule == PipelineSchedule::OneFOneB ? std::min(c.micro_batches, p - s)
+                                                               : c.micro_batches;
   if (pipe.last_step().peak_in_flight != bound)
     failures.push_back(what + "held " + std::to_string(pipe.last_step().peak_in_flight) +
                        " micro-batches at the peak, expected " + std::to_string(bound));

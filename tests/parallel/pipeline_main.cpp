@@ -26,6 +26,22 @@ int main(int argc, char** argv) {
                comm, {.model = PipeModel::ResNet20, .micro_batches = 1, .schedule = schedule, .batch = 4, .steps = 2}))
         failures.push_back(f);
     }
+    // Two stages per rank (the MLP has 6 units with parameters, so up to 3 ranks): interleaved
+    // 1F1B, and the V placement of ZB-V's order with each backward whole.
+    if (comm.size() <= 3) {
+      const int p = comm.size(), m = 2 * p;
+      for (auto& f : testing::pipeline_equivalence<double>(
+               comm, {.micro_batches = m, .schedule = PipelineSchedule::Interleaved1F1B, .batch = 2 * m}))
+        failures.push_back(f);
+      PipelineScheduleTable v = zb_v_table(p, m);
+      for (auto& row : v.actions) {
+        std::erase_if(row, [](const PipelineAction& a) { return a.op == PipelineOp::BackwardWeight; });
+        for (auto& a : row)
+          if (a.op == PipelineOp::BackwardInput) a.op = PipelineOp::Backward;
+      }
+      for (auto& f : testing::pipeline_equivalence<double>(comm, {.micro_batches = m, .table = v, .batch = 2 * m}))
+        failures.push_back(f);
+    }
     if (comm.size() == 4)
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
     for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})

@@ -36,6 +36,75 @@ TEST_CASE("Pipeline: GPipe and 1F1B on 2-4 stages equal the unsplit MLP and BN-f
       }
 }
 
+namespace {
+// A zero-bubble table with each I and W joined into one B at the I's place: the same order of
+// forwards and backwards as the table, runnable by a model whose backward is whole.
+PipelineScheduleTable joined_backward(PipelineScheduleTable t) {
+  for (auto& row : t.actions) {
+    std::erase_if(row, [](const PipelineAction& a) { return a.op == PipelineOp::BackwardWeight; });
+    for (auto& a : row)
+      if (a.op == PipelineOp::BackwardInput) a.op = PipelineOp::Backward;
+  }
+  t.name += " (backward whole)";
+  return t;
+}
+}  // namespace
+
+// Several stages per rank: interleaved 1F1B (Loop placement, v = 2 and 3), the V placement (its
+// first and last stage on rank 0, the turn at stages P - 1 and P on one rank) and a table read
+// from torch's CSV, each equal to the unsplit model.
+TEST_CASE("Pipeline: interleaved, V-placed and CSV tables equal the unsplit model (float64)", "[parallel][pipeline]") {
+  SECTION("Interleaved1F1B") {
+    check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 4, .schedule = PipelineSchedule::Interleaved1F1B});
+    check_pipeline(3, {.model = PipeModel::Mlp, .micro_batches = 6, .schedule = PipelineSchedule::Interleaved1F1B,
+                       .stages_per_rank = 2, .batch = 12});
+    check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 4, .schedule = PipelineSchedule::Interleaved1F1B,
+                       .stages_per_rank = 3});
+    check_pipeline(2, {.model = PipeModel::PlainResNet, .micro_batches = 4, .schedule = PipelineSchedule::Interleaved1F1B});
+  }
+  SECTION("V placement") {
+    check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 4, .table = joined_backward(zb_v_table(2, 4))});
+    check_pipeline(3, {.model = PipeModel::Mlp, .micro_batches = 3, .table = joined_backward(zb_v_table(3, 3)), .batch = 6});
+    check_pipeline(2, {.model = PipeModel::PlainResNet, .micro_batches = 2, .table = joined_backward(zb_v_table(2, 2))});
+  }
+  SECTION("a table from CSV") {
+    // Interleaved's table with two steps of rank 1 exchanged where nothing depends on them.
+    auto t = parse_pipeline_csv(to_csv(interleaved_1f1b_table(2, 2, 4)), "from csv");
+    check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 4, .table = t});
+    check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 4, .table = joined_backward(zb_h1_table(2, 4))});
+  }
+}
+
+TEST_CASE("Pipeline: tables it cannot run are refused on every rank before the first step", "[parallel][pipeline]") {
+  ThreadWorld world(2);
+  std::vector<std::string> errors(2);
+  const auto refused = [&](PipelineOptions options) {
+    world.run([&](ThreadComm& comm) {
+      using E = Env<Cpu, ThreadComm, double>;
+      Mlp<E> model(64, {32, 32, 24, 16, 16}, 10, 5);
+      try {
+        Pipeline<Mlp<E>> pipe(model, comm, options);
+        errors[comm.rank()] = "";
+      } catch (const Error& e) {
+        errors[comm.rank()] = e.what();
+      }
+    });
+    CHECK(errors[0] == errors[1]);
+    return errors[0];
+  };
+  CHECK_THAT(refused({.micro_batches = 4, .schedule = PipelineSchedule::ZBH1}),
+             Catch::Contains("'ZBH1' splits backwards into I (input gradient) and W (weight gradient)"));
+  CHECK_THAT(refused({.micro_batches = 3, .schedule = PipelineSchedule::Interleaved1F1B}),
+             Catch::Contains("3 micro-batches is not a multiple of the 2 ranks"));
+  CHECK_THAT(refused({.micro_batches = 4, .table = one_f_one_b_table(3, 4)}),
+             Catch::Contains("schedule '1F1B' has 3 rows (ranks), the communicator 2 ranks"));
+  CHECK_THAT(refused({.micro_batches = 2, .table = one_f_one_b_table(2, 4)}),
+             Catch::Contains("runs 4 micro-batches, options.micro_batches is 2"));
+  auto crossed = one_f_one_b_table(2, 2);
+  std::swap(crossed.actions[1][0], crossed.actions[1][1]);  // 1B0 before 1F0
+  CHECK_THAT(refused({.micro_batches = 2, .table = crossed}), Catch::Contains("rank 1 runs 1B0 (action 0) before 1F0"));
+}
+
 TEST_CASE("Pipeline: more micro-batches than stages, and one micro-batch", "[parallel]") {
   for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB}) {
     check_pipeline(2, {.model = PipeModel::Mlp, .micro_batches = 8, .schedule = schedule, .batch = 16, .steps = 2});

@@ -94,6 +94,12 @@ TEST_CASE("Pipeline tables: actions and CSV round-trip torch.distributed.pipelin
       CHECK(back.placement == table.placement);
       CHECK(refusal(back).empty());
     }
+  // torch 2.5's spelling: B for the input gradient when W's follow; main's late-2024 BW for a whole one.
+  const auto older = parse_pipeline_csv("0F0,0B0,0W0\n1F0,1B0,1W0\n", "torch 2.5");
+  CHECK(older.actions[0][1] == PipelineAction{0, PipelineOp::BackwardInput, 0});
+  CHECK(refusal(older).empty());
+  CHECK(parse_pipeline_action("3BW1") == PipelineAction{3, PipelineOp::Backward, 1});
+  CHECK_THROWS_WITH(parse_pipeline_action("1UNSHARD"), Catch::Contains("no micro-batch number"));
   // Empty cells (torch pads short rows) and Windows line ends are read as nothing.
   const auto padded = parse_pipeline_csv("0F0,,0B0\r\n1F0,1B0,\n\n", "padded");
   CHECK(padded.actions[0].size() == 2);

@@ -17,7 +17,9 @@
 // micro-batch's statistics, so with BN and M > 1 the result differs from the unsplit model (as in
 // GPipe); with M = 1 it is equal.
 //
-// Schedules (P stages, M micro-batches; F_i / B_i = forward / backward of micro-batch i):
+// Schedules (P ranks, M micro-batches; F_i / B_i = forward / backward of micro-batch i) are tables
+// of actions per rank (parallel/pipeline_schedule.hpp), checked before the first step; this class
+// runs any table of F and B actions:
 //   GPipe:  F_0 .. F_{M-1}, then B_0 .. B_{M-1}. Every stage holds all M micro-batches'
 //           activations at the peak.
 //   1F1B:   PipeDream-flush. Stage s first runs w = min(P-1-s, M) forwards, then alternates one
@@ -25,8 +27,19 @@
 //           micro-batches of activations are held at any time, whatever M is.
 // Both leave every stage idle for the same (P-1)/(M+P-1) of the step (the bubble) when all stages
 // cost the same; 1F1B's gain is memory.
+//   Interleaved1F1B (options.stages_per_rank = v): the model is cut into S = v P stages, rank r
+//           running stages r, r + P, ...; the bubble is (P-1)/(v M + P - 1), v times less, for
+//           more activation memory and v times the messages.
+//   options.table: any other table, e.g. one written by torch.distributed.pipelining
+//           (read_pipeline_csv), including V placement (rank r runs stages r and 2P - 1 - r).
+// The zero-bubble tables (ZBH1, ZBV) split each backward into I and W, which needs units that
+// split theirs; they are refused by name until then.
+// With several stages per rank, stage k's activations go to the rank of stage k + 1 (on the same
+// rank: handed over without a message); a pair of ranks delivers in order, so a message that
+// arrives before it is needed waits in a buffer. Each stage keeps as many activation slots as
+// the table holds micro-batches in it at once.
 //
-// Messages: activations go s -> s+1 with a shape header (8 int64) first; gradients s+1 -> s
+// Messages: activations go k -> k+1 with a shape header (8 int64) first; gradients k+1 -> k
 // without one (the receiver knows the shape it sent). Sends are asynchronous (a stage never blocks
 // on a peer that is itself sending), receives blocking with the communicator's timeout, so a dead
 // stage becomes a CommError naming the peer, not a hang.
@@ -71,6 +84,8 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -86,6 +101,7 @@
 #include "tessera/kernels/elementwise.hpp"
 #include "tessera/losses/cross_entropy.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/pipeline_schedule.hpp"
 #include "tessera/parallel/strategy.hpp"
 
 namespace tessera {
@@ -123,14 +139,28 @@ auto tied_parameters(M& m) {
 }
 }  // namespace detail
 
-enum class PipelineSchedule { GPipe, OneFOneB };
+// The built-in schedules (parallel/pipeline_schedule.hpp writes their tables).
+enum class PipelineSchedule { GPipe, OneFOneB, Interleaved1F1B, ZBH1, ZBV };
 
-inline const char* schedule_name(PipelineSchedule s) { return s == PipelineSchedule::GPipe ? "GPipe" : "1F1B"; }
+inline const char* schedule_name(PipelineSchedule s) {
+  switch (s) {
+    case PipelineSchedule::GPipe: return "GPipe";
+    case PipelineSchedule::OneFOneB: return "1F1B";
+    case PipelineSchedule::Interleaved1F1B: return "Interleaved1F1B";
+    case PipelineSchedule::ZBH1: return "ZBH1";
+    case PipelineSchedule::ZBV: return "ZBV";
+  }
+  return "?";
+}
 
 struct PipelineOptions {
   int micro_batches = 4;
   PipelineSchedule schedule = PipelineSchedule::OneFOneB;
-  std::vector<std::size_t> boundaries;  // P + 1 unit indices, 0 = b_0 < b_1 < ... < b_P = units
+  int stages_per_rank = 2;  // Interleaved1F1B's v (ZBV always has 2; the others 1)
+  // Any table that check_pipeline_table accepts (e.g. read_pipeline_csv of torch's CSV), in place
+  // of `schedule`; its micro-batch count must be micro_batches.
+  std::optional<PipelineScheduleTable> table;
+  std::vector<std::size_t> boundaries;  // S + 1 unit indices (S = P x stages per rank), 0 = b_0 < ... < b_S = units
   std::vector<double> unit_costs;       // one per unit: relative cost used for balancing
   SpanSink* timeline = nullptr;         // optional (a Timeline): see "Timeline" in the header comment
 };
@@ -211,40 +241,47 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // batch: every stage and micro-batch then masks exactly as the one-process step does.
   static constexpr bool kHoldsDropout = detail::HoldsDropoutKey<Model>;
 
-  // The part of the model on this rank, as a model-like object for optimizers, checkpoints and a
-  // DataParallel over the stage (hybrid data x pipeline parallelism).
+  // The part of the model on this rank (one run of units per stage it holds), as a model-like
+  // object for optimizers, checkpoints and a DataParallel over the stage (hybrid data x pipeline).
   class Stage {
    public:
     using Env = typename Model::Env;
-    Stage(Model& model, std::size_t begin, std::size_t end) : model_(&model), begin_(begin), end_(end) {}
+    Stage(Model& model, std::vector<std::pair<std::size_t, std::size_t>> ranges)
+        : model_(&model), ranges_(std::move(ranges)) {}
     template <class V>
     void visit(V& v, const std::string& prefix) {
-      model_->visit_units(v, prefix, begin_, end_);
+      for (const auto& [begin, end] : ranges_) model_->visit_units(v, prefix, begin, end);
     }
 
    private:
     Model* model_;
-    std::size_t begin_, end_;
+    std::vector<std::pair<std::size_t, std::size_t>> ranges_;
   };
 
   // comm: the world, or a group from split, of the model Env's Comm type.
   template <class C>
   Pipeline(Model& model, C& comm, PipelineOptions options, const Input* sample = nullptr, Loss loss = Loss())
-      : model_(model), comm_(comm_of_env<Env>(comm)), options_(std::move(options)), stage_(model, 0, 0), loss_(std::move(loss)) {
-    check_agreement(comm_, agreement_record());
+      : model_(model), comm_(comm_of_env<Env>(comm)), options_(std::move(options)), stage_(model, {}), loss_(std::move(loss)) {
     TESSERA_CHECK(options_.micro_batches >= 1, ArgumentError, "Pipeline: micro_batches=", options_.micro_batches,
                   " must be at least 1");
+    std::string table_error;
+    try {
+      table_ = make_table();
+    } catch (const ArgumentError& e) {
+      table_error = e.what();
+    }
+    check_agreement(comm_, agreement_record(table_error));  // every rank, even one whose table was refused
+    if (!table_error.empty()) throw ArgumentError(table_error);
     const std::size_t units = model_.unit_count();
-    bounds_ = options_.boundaries.empty() ? balanced_boundaries(costs(sample), comm_.size(), trainable_units())
+    const int stages = table_.stage_count();
+    bounds_ = options_.boundaries.empty() ? balanced_boundaries(costs(sample), stages, trainable_units())
                                           : options_.boundaries;
     check_boundaries(units);
-    begin_ = bounds_[static_cast<std::size_t>(comm_.rank())];
-    end_ = bounds_[static_cast<std::size_t>(comm_.rank()) + 1];
-    stage_ = Stage(model_, begin_, end_);
-    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
-    slots_ = options_.schedule == PipelineSchedule::GPipe ? m : std::min(m, p - s);
-    slot_.resize(static_cast<std::size_t>(slots_));
-    loss_caches_.resize(static_cast<std::size_t>(slots_));
+    mine_ = table_.stages_of(comm_.rank());
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    for (const int k : mine_) ranges.emplace_back(bounds_[static_cast<std::size_t>(k)], bounds_[static_cast<std::size_t>(k) + 1]);
+    stage_ = Stage(model_, ranges);
+    plan();
     find_ties();
   }
 
@@ -252,28 +289,41 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   NamedTensors<Env> stage_parameters() { return named_tensors(stage_); }
   int stage_index() const { return comm_.rank(); }
   int stage_count() const { return comm_.size(); }
-  // Unit boundaries of every stage: stage s runs [boundaries()[s], boundaries()[s+1]).
+  // The schedule this pipeline runs (compute actions only; the transfers follow from them).
+  const PipelineScheduleTable& schedule() const { return table_; }
+  // The model stages this rank runs (one per rank, or v with interleaving, 2 with ZB-V).
+  const std::vector<int>& stages() const { return mine_; }
+  // Unit boundaries of every model stage: stage k runs [boundaries()[k], boundaries()[k+1]). With
+  // one stage per rank, stage k is rank k's.
   const std::vector<std::size_t>& boundaries() const { return bounds_; }
   const PipelineStepStats& last_step() const { return stats_; }
-  // Micro-batch activation sets this stage keeps allocated (M for GPipe, min(M, P - s) for 1F1B).
-  int activation_slots() const { return slots_; }
+  // Micro-batch activation sets this rank keeps allocated, over its stages (M for GPipe,
+  // min(M, P - s) for 1F1B, what the table needs otherwise).
+  int activation_slots() const {
+    int n = 0;
+    for (const auto& c : chunks_) n += static_cast<int>(c.slots.size());
+    return n;
+  }
   // Records later steps into `timeline` (nullptr: stop recording); the split stays as it is.
   void set_timeline(SpanSink* timeline) { options_.timeline = timeline; }
 
   std::string name() const {
-    return std::string("Pipeline(") + schedule_name(options_.schedule) + ", " + std::to_string(comm_.size()) +
-           " stages, " + std::to_string(options_.micro_batches) + " micro-batches)";
+    return "Pipeline(" + table_.name + ", " + std::to_string(comm_.size()) + " stages" +
+           (table_.stages_per_rank > 1 ? " x " + std::to_string(table_.stages_per_rank) : std::string()) + ", " +
+           std::to_string(options_.micro_batches) + " micro-batches)";
   }
   // Every stage of the pipeline sees each sample of its batch.
   int sample_copies() const { return comm_.size(); }
 
   // One training step, as the Trainer calls it: train_step with `hooks` (the Trainer's whole
-  // strategy stack) called around each micro-batch i of M: hooks.before_forward before F_i,
-  // hooks.before_backward before B_i and hooks.after_backward after it, in the schedule's order,
-  // with MicroBatch{i, M, 1/M}. B_{M-1} is every stage's last backward under both schedules, so a
-  // DataParallel over the replicas of this stage (hybrid data x pipeline) all-reduces there,
-  // overlapping it with that backward. Returns the batch's mean loss and correct predictions
-  // (classification losses), the same on every stage.
+  // strategy stack) called around each micro-batch i of M, with MicroBatch{i, M, 1/M}:
+  // hooks.before_forward before this rank's first F of i, hooks.before_backward before its first
+  // backward of i and hooks.after_backward after its last. When micro-batch M - 1's backwards are
+  // this rank's last (GPipe, 1F1B), a DataParallel over the replicas of this stage (hybrid data x
+  // pipeline) all-reduces during them, overlapping that backward; otherwise (interleaving, split
+  // backwards) the parameters' grad_ready is held until the step's last backward and given once
+  // per parameter then. Returns the batch's mean loss and correct predictions (classification
+  // losses), the same on every stage.
   template <class Hooks>
   ModelStepResult run_model(const Input& x, std::span<const std::int64_t> labels, Hooks& hooks) {
     return step(x, labels, hooks);
@@ -281,47 +331,135 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // Forward only (the model in Eval or Inference mode): the batch's mean loss and correct
   // predictions, computed on the last stage and the same on every stage.
   ModelStepResult evaluate_batch(const Input& x, std::span<const std::int64_t> labels) {
-    const int p = comm_.size(), s = comm_.rank();
+    const int last_rank = table_.rank_of(table_.stage_count() - 1);
     const Tensor& logits = predict(x);
     std::array<double, 2> result{0, 0};
-    if (s == p - 1) {
+    if (comm_.rank() == last_rank) {
       result[0] = static_cast<double>(loss_.forward(logits, labels, loss_caches_[0]));
       if constexpr (kCountsCorrect) result[1] = static_cast<double>(count_correct(logits, labels));
     }
-    comm_.broadcast(std::span<double>(result), p - 1);
+    comm_.broadcast(std::span<double>(result), last_rank);
     return {result[0], static_cast<std::int64_t>(result[1])};
   }
 
-  // One training step on the global batch x (N, ...) with labels (N): x is read on stage 0 and
-  // labels on the last stage only (other ranks may pass empty ones). Accumulates this stage's
-  // parameter gradients (the caller zeroes them and steps the optimizer) and returns the mean loss
-  // over the batch on every rank.
   // Forward only, the whole batch as one micro-batch (for evaluation; put the model in Eval mode
-  // first). Returns the logits on the last stage and an empty tensor on the others.
+  // first): every stage in model order. Returns the logits on the rank of the last stage and an
+  // empty tensor on the others.
   const Tensor& predict(const Input& x) {
-    const int p = comm_.size(), s = comm_.rank();
-    Slot& sl = slot_[0];
-    sl.wait_sends();
-    if (s > 0) {
-      std::array<std::int64_t, 8> header{};
-      comm_.recv(std::span<std::int64_t>(header), s - 1);
-      sl.input.resize(shape_from_header(header, s - 1));
-      comm_.recv(std::span<S>(sl.input.data(), static_cast<std::size_t>(sl.input.numel())), s - 1);
+    const int me = comm_.rank(), last = table_.stage_count() - 1;
+    const Tensor* out = nullptr;
+    for (std::size_t c = 0; c < mine_.size(); ++c) {
+      const int k = mine_[c];
+      Slot& sl = chunks_[c].slots[0];
+      sl.wait_sends();
+      const Tensor* in = nullptr;
+      if (k > 0 && table_.rank_of(k - 1) != me) {
+        const int from = table_.rank_of(k - 1);
+        std::array<std::int64_t, 8> header{};
+        comm_.recv(std::span<std::int64_t>(header), from);
+        sl.input.resize(shape_from_header(header, from));
+        comm_.recv(std::span<S>(sl.input.data(), static_cast<std::size_t>(sl.input.numel())), from);
+        in = &sl.input;
+      } else if (k > 0) {
+        in = out;  // the stage before, on this rank (V placement)
+      }
+      out = k == 0 ? &model_.forward_units(x, sl.cache, chunks_[c].begin, chunks_[c].end)
+                   : &model_.forward_units(*in, sl.cache, chunks_[c].begin, chunks_[c].end);
+      if (k < last && table_.rank_of(k + 1) != me) {
+        send_activation(sl, *out, table_.rank_of(k + 1));
+        sl.wait_sends();  // the next predict or step may reuse the buffers
+      }
     }
-    const Tensor& out = s == 0 ? model_.forward_units(x, sl.cache, begin_, end_)
-                               : model_.forward_units(sl.input, sl.cache, begin_, end_);
-    if (s == p - 1) return out;
-    send_activation(sl, out);
-    sl.wait_sends();  // the next predict or step may reuse the buffers
-    return empty_;
+    return mine_.back() == last ? *out : empty_;
   }
 
+  // One training step on the global batch x (N, ...) with labels (N): x is read on stage 0 and
+  // labels on the last stage only (other ranks may pass empty ones). Accumulates this rank's
+  // parameter gradients (the caller zeroes them and steps the optimizer) and returns the mean loss
+  // over the batch on every rank.
   S train_step(const Input& x, std::span<const std::int64_t> labels) {
     return static_cast<S>(step(x, labels, static_cast<StrategyBase<Env>&>(*this)).loss);
   }
 
  private:
   static constexpr bool kCountsCorrect = std::is_same_v<Loss, CrossEntropyLoss<Env>>;
+
+  // The table to run: options.table, or the built-in schedule's; checked before any step.
+  PipelineScheduleTable make_table() const {
+    PipelineScheduleTable t = options_.table ? options_.table->compute_only()
+                                             : pipeline_table(schedule_name(options_.schedule), comm_.size(),
+                                                              options_.micro_batches, options_.stages_per_rank);
+    TESSERA_CHECK(t.ranks == comm_.size(), ArgumentError, "Pipeline: schedule '", t.name, "' has ", t.ranks,
+                  " rows (ranks), the communicator ", comm_.size(), " ranks");
+    TESSERA_CHECK(t.micro_batches == options_.micro_batches, ArgumentError, "Pipeline: schedule '", t.name,
+                  "' runs ", t.micro_batches, " micro-batches, options.micro_batches is ", options_.micro_batches);
+    check_pipeline_table(t);
+    TESSERA_CHECK(!t.splits_backward(), ArgumentError, "Pipeline: schedule '", t.name,
+                  "' splits backwards into I (input gradient) and W (weight gradient); the model's units run "
+                  "their backward whole (B) here, so use GPipe, 1F1B, Interleaved1F1B or a table of F and B actions");
+    return t;
+  }
+
+  // From the table, once: each stage's activation slots (a slot holds a micro-batch from its F to
+  // the end of its backward; micro-batches reuse freed ones), where the hooks go, and the order of
+  // the messages each other rank sends this one (a pair of ranks delivers in order, so a message
+  // that arrives before it is needed waits in a buffer).
+  void plan() {
+    const int me = comm_.rank(), m = options_.micro_batches, stages = table_.stage_count();
+    local_.assign(static_cast<std::size_t>(stages), -1);
+    chunks_.clear();
+    for (std::size_t c = 0; c < mine_.size(); ++c) {
+      const auto k = static_cast<std::size_t>(mine_[c]);
+      local_[k] = static_cast<int>(c);
+      chunks_.push_back(Chunk{mine_[c], bounds_[k], bounds_[k + 1], {}, std::vector<int>(static_cast<std::size_t>(m), -1)});
+    }
+    const auto& row = table_.actions[static_cast<std::size_t>(me)];
+    std::vector<std::vector<char>> busy(chunks_.size());
+    first_forward_.assign(static_cast<std::size_t>(m), -1);
+    first_backward_.assign(static_cast<std::size_t>(m), -1);
+    last_backward_.assign(static_cast<std::size_t>(m), -1);
+    for (std::size_t pos = 0; pos < row.size(); ++pos) {
+      const PipelineAction& a = row[pos];
+      const auto c = static_cast<std::size_t>(local_[static_cast<std::size_t>(a.stage)]);
+      const auto i = static_cast<std::size_t>(a.micro_batch);
+      auto& used = busy[c];
+      if (a.op == PipelineOp::Forward) {
+        const auto free = std::find(used.begin(), used.end(), 0);
+        const auto slot = static_cast<int>(free - used.begin());
+        if (free == used.end()) used.push_back(1);
+        else *free = 1;
+        chunks_[c].slot_of[i] = slot;
+        if (first_forward_[i] < 0) first_forward_[i] = static_cast<int>(pos);
+      } else {
+        if (first_backward_[i] < 0) first_backward_[i] = static_cast<int>(pos);
+        last_backward_[i] = static_cast<int>(pos);
+        used[static_cast<std::size_t>(chunks_[c].slot_of[i])] = 0;
+      }
+    }
+    for (std::size_t c = 0; c < chunks_.size(); ++c) chunks_[c].slots.resize(std::max<std::size_t>(busy[c].size(), 1));
+    const int last = stages - 1;
+    loss_caches_.resize(local_[static_cast<std::size_t>(last)] >= 0
+                            ? chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(last)])].slots.size()
+                            : 1);
+    // Micro-batch M - 1's backwards last on this rank: a DataParallel over the stage all-reduces
+    // during them. Otherwise every parameter's grad_ready waits for the end of the step.
+    hold_all_ = false;
+    for (std::size_t pos = static_cast<std::size_t>(first_backward_.back()) + 1; pos < row.size(); ++pos)
+      hold_all_ = hold_all_ || (row[pos].op != PipelineOp::Forward && row[pos].micro_batch != m - 1);
+    if (hold_all_)
+      for (auto& [name, p] : named_tensors(stage_).parameters) all_hold_.add(*p);
+    incoming_.assign(static_cast<std::size_t>(comm_.size()), {});
+    next_incoming_.assign(static_cast<std::size_t>(comm_.size()), 0);
+    for (int q = 0; q < comm_.size(); ++q) {
+      if (q == me) continue;
+      for (const PipelineAction& a : table_.actions[static_cast<std::size_t>(q)]) {
+        if (a.op == PipelineOp::Forward && a.stage < last && table_.rank_of(a.stage + 1) == me)
+          incoming_[static_cast<std::size_t>(q)].push_back({true, a.stage, a.micro_batch});
+        if (a.op == PipelineOp::Backward && a.stage > 0 && table_.rank_of(a.stage - 1) == me)
+          incoming_[static_cast<std::size_t>(q)].push_back({false, a.stage, a.micro_batch});
+      }
+    }
+  }
 
   template <class Hooks>
   ModelStepResult step(const Input& x, std::span<const std::int64_t> labels, Hooks& hooks) {
@@ -332,67 +470,68 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     correct_ = 0;
     x_ = &x;
     labels_ = labels;
-    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
+    const int me = comm_.rank(), m = options_.micro_batches, last_rank = table_.rank_of(table_.stage_count() - 1);
     if constexpr (kHoldsDropout) dropout_key_ = model_.next_dropout_key();  // this step's, on every stage
-    if (s == 0) {
+    if (me == 0) {
       TESSERA_CHECK(x.rank() >= 1 && x.dim(0) % m == 0 && x.dim(0) > 0, ShapeError, "Pipeline: the batch of ",
                     x.rank() >= 1 ? x.dim(0) : 0, " samples (input ", x.shape(), ") does not split into ", m,
                     " equal micro-batches");
     }
+    std::fill(next_incoming_.begin(), next_incoming_.end(), std::size_t{0});
     auto micro = [m](int i) { return MicroBatch{i, m, 1.0 / m}; };
-    auto fwd = [&](int i) {
-      hooks.before_forward(micro(i));
-      forward_micro_batch(i);
-    };
     // A tied parameter's gradient is final only once the other stage's part is added: its
     // grad_ready (a DataParallel over the stage's replicas launches its bucket there) is held back
     // during the last backward and given after the exchange below.
-    typename GradReadyHold<S, D>::Scope restore_hooks{tie_hold_};
-    auto bwd = [&](int i) {
-      hooks.before_backward(micro(i));
-      if (i == m - 1) tie_hold_.hold();
-      backward_micro_batch(i);
-      hooks.after_backward(micro(i));
-    };
-    if (options_.schedule == PipelineSchedule::GPipe) {
-      for (int i = 0; i < m; ++i) fwd(i);
-      for (int i = 0; i < m; ++i) bwd(i);
-    } else {
-      const int warmup = std::min(p - 1 - s, m);
-      for (int i = 0; i < warmup; ++i) fwd(i);
-      for (int i = 0; i < m - warmup; ++i) {
-        fwd(warmup + i);
-        bwd(i);
+    typename GradReadyHold<S, D>::Scope restore_ties{tie_hold_};
+    typename GradReadyHold<S, D>::Scope restore_all{all_hold_};
+    if (hold_all_) all_hold_.hold();
+    const auto& row = table_.actions[static_cast<std::size_t>(me)];
+    for (std::size_t pos = 0; pos < row.size(); ++pos) {
+      const PipelineAction& a = row[pos];
+      const auto i = static_cast<std::size_t>(a.micro_batch);
+      if (a.op == PipelineOp::Forward) {
+        if (static_cast<int>(pos) == first_forward_[i]) hooks.before_forward(micro(a.micro_batch));
+        forward_micro_batch(a.stage, a.micro_batch);
+        continue;
       }
-      for (int i = m - warmup; i < m; ++i) bwd(i);
+      if (static_cast<int>(pos) == first_backward_[i]) {
+        hooks.before_backward(micro(a.micro_batch));
+        if (a.micro_batch == m - 1 && !hold_all_) tie_hold_.hold();
+      }
+      backward_micro_batch(a.stage, a.micro_batch);
+      if (static_cast<int>(pos) == last_backward_[i]) hooks.after_backward(micro(a.micro_batch));
     }
     {
       const auto waiting = std::chrono::steady_clock::now();
-      for (auto& sl : slot_) sl.wait_sends();
+      for (auto& c : chunks_)
+        for (auto& sl : c.slots) sl.wait_sends();
       note_communication("wait for sends", waiting);
     }
     exchange_tied_gradients();
-    tie_hold_.release();
+    if (hold_all_) all_hold_.release(/*every_parameter_once=*/true);
+    else tie_hold_.release();
     // The mean loss (and the correct predictions) live on the last stage; every rank returns them.
     std::array<double, 2> result{static_cast<double>(loss_sum_ / static_cast<S>(m)), static_cast<double>(correct_)};
     const auto broadcasting = std::chrono::steady_clock::now();
-    comm_.broadcast(std::span<double>(result), p - 1);
+    comm_.broadcast(std::span<double>(result), last_rank);
     note_communication("broadcast loss", broadcasting);
     const auto ended = std::chrono::steady_clock::now();
     stats_.step_seconds = std::chrono::duration<double>(ended - started).count();
     if (options_.timeline)
-      options_.timeline->add("train_step [" + model_.unit_name(begin_) + ".." + model_.unit_name(end_ - 1) + "]",
+      options_.timeline->add("train_step [" + model_.unit_name(chunks_.front().begin) + ".." +
+                                 model_.unit_name(chunks_.back().end - 1) + "]",
                              "step", started, ended, SpanSink::kCompute);
     return {result[0], static_cast<std::int64_t>(result[1])};
   }
 
-  // One micro-batch's worth of state on this stage, reused round-robin by micro-batches i, i +
-  // slots, ... (the schedule guarantees i's backward is done before i + slots's forward).
+  // One micro-batch's worth of state of one stage on this rank, reused by the micro-batches the
+  // plan assigns to it (never two at once).
   struct Slot {
     typename Model::Cache cache{};
     Tensor input;                        // received activations (or stage 0's slice of images)
     Input ids;                           // stage 0's slice of token ids (a language model)
-    Tensor output_grad;                  // received dL/d(output), or the scaled loss gradient
+    Tensor output_grad;                  // dL/d(output): received, handed down, or the scaled loss gradient
+    const Tensor* output = nullptr;      // the stage's output (in cache), for the next stage on this rank
     std::array<std::int64_t, 8> header{};  // shape of the activations sent forward
     Shape output_shape;
     Work send_activation_header, send_activation, send_grad;
@@ -402,12 +541,33 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       send_grad.wait();
     }
   };
+  // A stage this rank runs: units [begin, end), its slots, and each micro-batch's slot.
+  struct Chunk {
+    int stage;
+    std::size_t begin, end;
+    std::vector<Slot> slots;
+    std::vector<int> slot_of;
+  };
+  // A message another rank sends this one: activations of `stage` (to stage + 1) or its input
+  // gradient (to stage - 1), of micro-batch i.
+  struct Message {
+    bool activation;
+    int stage;
+    int micro_batch;
+  };
 
-  void forward_micro_batch(int i) {
-    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
-    Slot& sl = slot_[static_cast<std::size_t>(i % slots_)];
+  Slot& slot(int stage, int i) {
+    Chunk& c = chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(stage)])];
+    return c.slots[static_cast<std::size_t>(c.slot_of[static_cast<std::size_t>(i)])];
+  }
+
+  void forward_micro_batch(int k, int i) {
+    const int me = comm_.rank(), m = options_.micro_batches, last = table_.stage_count() - 1;
+    Chunk& ch = chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(k)])];
+    Slot& sl = slot(k, i);
     sl.wait_sends();  // the previous user of this slot may still be sending from its buffers
-    if (s == 0) {
+    const Tensor* in = nullptr;
+    if (k == 0) {
       const std::int64_t per = x_->dim(0) / m;
       Shape shape = x_->shape();
       shape[0] = per;
@@ -418,75 +578,83 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       } else {
         sl.input.resize(shape);
         D::copy(sl.input.data(), x_->data() + i * per * row, static_cast<std::size_t>(per * row) * sizeof(S));
+        in = &sl.input;
       }
+    } else if (table_.rank_of(k - 1) == me) {
+      in = slot(k - 1, i).output;  // the stage before, on this rank (V placement)
     } else {
-      const auto waiting = std::chrono::steady_clock::now();
-      std::array<std::int64_t, 8> header{};
-      comm_.recv(std::span<std::int64_t>(header), s - 1);
-      sl.input.resize(shape_from_header(header, s - 1));
-      comm_.recv(std::span<S>(sl.input.data(), static_cast<std::size_t>(sl.input.numel())), s - 1);
-      note_message("recv A", i, " from stage ", s - 1, 0, waiting);
+      take(true, k - 1, i, sl.input);
+      in = &sl.input;
     }
     const auto began = std::chrono::steady_clock::now();
-    const Tensor& out = stage_forward(sl, i);
+    const Tensor& out = run_units(in, sl, ch, i);
+    sl.output = &out;
     sl.output_shape = out.shape();
-    if (s == p - 1) {
+    if (k == last) {
       // One label per row of logits: (n, classes) per image, (n, T, V) per token.
       const std::int64_t per = out.rank() >= 1 ? out.numel() / std::max<std::int64_t>(out.dim(out.rank() - 1), 1) : 0;
       TESSERA_CHECK(static_cast<std::int64_t>(labels_.size()) == per * m, ShapeError, "Pipeline: ",
                     labels_.size(), " labels on the last stage for a batch of ", per * m, " predictions (", m,
                     " micro-batches of logits ", out.shape(), ")");
       const auto micro_labels = labels_.subspan(static_cast<std::size_t>(i * per), static_cast<std::size_t>(per));
-      loss_sum_ += loss_.forward(out, micro_labels, loss_caches_[static_cast<std::size_t>(i % slots_)]);
+      auto& loss_cache = loss_caches_[static_cast<std::size_t>(ch.slot_of[static_cast<std::size_t>(i)])];
+      loss_sum_ += loss_.forward(out, micro_labels, loss_cache);
       if constexpr (kCountsCorrect) correct_ += count_correct(out, micro_labels);
     }
-    note_busy('F', i, began);
-    if (s < p - 1) send_activation(sl, out, i);
+    note_busy('F', i, k, began);
+    if (k < last && table_.rank_of(k + 1) != me) send_activation(sl, out, table_.rank_of(k + 1), i, k + 1);
     stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight_);
   }
 
-  void backward_micro_batch(int i) {
-    const int p = comm_.size(), s = comm_.rank(), m = options_.micro_batches;
-    Slot& sl = slot_[static_cast<std::size_t>(i % slots_)];
+  void backward_micro_batch(int k, int i) {
+    const int me = comm_.rank(), m = options_.micro_batches, last = table_.stage_count() - 1;
+    Chunk& ch = chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(k)])];
+    Slot& sl = slot(k, i);
     sl.send_grad.wait();
-    if (s == p - 1) {
+    if (k == last) {
       // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits).
-      const Tensor& g = loss_.backward(loss_caches_[static_cast<std::size_t>(i % slots_)]);
+      const Tensor& g = loss_.backward(loss_caches_[static_cast<std::size_t>(ch.slot_of[static_cast<std::size_t>(i)])]);
       sl.output_grad.resize(g.shape());
       scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(m), sl.output_grad.data());
-    } else {
-      const auto waiting = std::chrono::steady_clock::now();
-      sl.output_grad.resize(sl.output_shape);
-      comm_.recv(std::span<S>(sl.output_grad.data(), static_cast<std::size_t>(sl.output_grad.numel())), s + 1);
-      note_message("recv G", i, " from stage ", s + 1, 0, waiting);
-    }
+    } else if (table_.rank_of(k + 1) != me) {
+      take(false, k + 1, i, sl.output_grad);
+    }  // else the stage after, on this rank, wrote it into sl.output_grad
     const auto began = std::chrono::steady_clock::now();
-    const Tensor& dx = model_.backward_units(sl.output_grad, sl.cache, begin_, end_);
-    note_busy('B', i, began);
-    if (s > 0) {
-      TESSERA_CHECK(dx.shape() == sl.input.shape(), ShapeError, "Pipeline: stage ", s, " produced dL/dx ", dx.shape(),
-                    " for an input of ", sl.input.shape(), " (does its first unit compute input gradients?)");
-      const auto sending = std::chrono::steady_clock::now();
-      sl.send_grad = comm_.send_async(std::span<const S>(dx.data(), static_cast<std::size_t>(dx.numel())), s - 1);
-      stats_.bytes_sent_backward += dx.numel() * static_cast<std::int64_t>(sizeof(S));
-      note_message("send G", i, " to stage ", s - 1, dx.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
+    const Tensor& dx = model_.backward_units(sl.output_grad, sl.cache, ch.begin, ch.end);
+    note_busy('B', i, k, began);
+    if (k > 0) {
+      const bool local = table_.rank_of(k - 1) == me;
+      const Shape& input_shape = local ? slot(k - 1, i).output_shape : sl.input.shape();
+      TESSERA_CHECK(dx.shape() == input_shape, ShapeError, "Pipeline: stage ", k, " produced dL/dx ", dx.shape(),
+                    " for an input of ", input_shape, " (does its first unit compute input gradients?)");
+      if (local) {  // into the slot of the stage before, which holds micro-batch i until its backward
+        Tensor& to = slot(k - 1, i).output_grad;
+        to.resize(dx.shape());
+        D::copy(to.data(), dx.data(), dx.bytes());
+      } else {
+        const int to = table_.rank_of(k - 1);
+        const auto sending = std::chrono::steady_clock::now();
+        sl.send_grad = comm_.send_async(std::span<const S>(dx.data(), static_cast<std::size_t>(dx.numel())), to);
+        stats_.bytes_sent_backward += dx.numel() * static_cast<std::int64_t>(sizeof(S));
+        note_message("send G", i, " to stage ", k - 1, dx.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
+      }
     }
     --in_flight_;
   }
 
-  // This stage's units on slot sl's input: stage 0 reads its slice of the batch (token ids for a
-  // language model), the others the activations received.
-  // Micro-batch i (of equal ones) starts at row i x its rows of the whole batch.
-  const Tensor& stage_forward(Slot& sl, int i) {
+  // The stage's units on its input: stage 0 reads its slice of the batch (token ids for a
+  // language model), the others `in`. Micro-batch i (of equal ones) starts at row i x its rows of
+  // the whole batch.
+  const Tensor& run_units(const Tensor* in, Slot& sl, Chunk& ch, int i) {
     if constexpr (kHoldsDropout) {
-      const std::int64_t rows = kTokenInput && comm_.rank() == 0 ? sl.ids.dim(0) : sl.input.dim(0);
+      const std::int64_t rows = kTokenInput && ch.stage == 0 ? sl.ids.dim(0) : in->dim(0);
       model_.hold_dropout_key(dropout_key_, i * rows);
     }
     DropoutRelease release{kHoldsDropout ? &model_ : nullptr};
     if constexpr (kTokenInput) {
-      if (comm_.rank() == 0) return model_.forward_units(sl.ids, sl.cache, begin_, end_);
+      if (ch.stage == 0) return model_.forward_units(sl.ids, sl.cache, ch.begin, ch.end);
     }
-    return model_.forward_units(sl.input, sl.cache, begin_, end_);
+    return model_.forward_units(*in, sl.cache, ch.begin, ch.end);
   }
   struct DropoutRelease {
     Model* model;
@@ -496,6 +664,45 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     }
   };
 
+  // Message (activation?, stage, i) into `into`: from the buffer if it came already, else
+  // received from its sender, after the messages that sender sent before it (into buffers).
+  void take(bool activation, int stage, int i, Tensor& into) {
+    const auto key = std::make_tuple(activation, stage, i);
+    auto found = arrived_.find(key);
+    if (found == arrived_.end()) {
+      receive_until(table_.rank_of(stage), key);
+      found = arrived_.find(key);
+    }
+    std::swap(into, found->second);
+    spare_.push_back(std::move(found->second));
+    arrived_.erase(found);
+  }
+  void receive_until(int from, const std::tuple<bool, int, int>& wanted) {
+    auto& plan = incoming_[static_cast<std::size_t>(from)];
+    auto& next = next_incoming_[static_cast<std::size_t>(from)];
+    for (;;) {
+      TESSERA_CHECK(next < plan.size(), Error, "Pipeline rank ", comm_.rank(), ": waiting for ",
+                    std::get<0>(wanted) ? "activations" : "gradients", " of stage ", std::get<1>(wanted),
+                    ", micro-batch ", std::get<2>(wanted), ", which rank ", from, "'s schedule never sends");
+      const Message msg = plan[next++];
+      Tensor buffer;
+      if (!spare_.empty()) buffer = std::move(spare_.back()), spare_.pop_back();
+      const auto waiting = std::chrono::steady_clock::now();
+      if (msg.activation) {
+        std::array<std::int64_t, 8> header{};
+        comm_.recv(std::span<std::int64_t>(header), from);
+        buffer.resize(shape_from_header(header, msg.stage));
+      } else {
+        buffer.resize(slot(msg.stage - 1, msg.micro_batch).output_shape);  // the gradient of what this rank sent
+      }
+      comm_.recv(std::span<S>(buffer.data(), static_cast<std::size_t>(buffer.numel())), from);
+      note_message(msg.activation ? "recv A" : "recv G", msg.micro_batch, " from stage ", msg.stage, 0, waiting);
+      const auto key = std::make_tuple(msg.activation, msg.stage, msg.micro_batch);
+      arrived_[key] = std::move(buffer);
+      if (key == wanted) return;
+    }
+  }
+
   // Tied parameters (detail::tied_parameters) whose two units sit on this stage and another: the
   // parameter and the peer stage.
   struct Tie {
@@ -504,11 +711,12 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     std::string name;
   };
   void find_ties() {
-    auto stage_of = [&](std::size_t unit) {
-      return static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), unit) - bounds_.begin()) - 1;
+    auto rank_of_unit = [&](std::size_t unit) {
+      return table_.rank_of(static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), unit) - bounds_.begin()) - 1);
     };
     for (const auto& t : detail::tied_parameters(model_)) {
-      const int a = stage_of(t.first_unit), b = stage_of(t.second_unit), me = comm_.rank();
+      // Both units on one rank (ZB-V's first and last stage share rank 0) share one copy: nothing to exchange.
+      const int a = rank_of_unit(t.first_unit), b = rank_of_unit(t.second_unit), me = comm_.rank();
       if (a != b && (me == a || me == b)) ties_.push_back({t.parameter, me == a ? b : a, t.name});
     }
     for (const Tie& t : ties_) {
@@ -537,20 +745,20 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       }
     }
   }
-  // Activations to the next stage: their shape (rank, dims) first, then the values.
-  // i: the micro-batch, for the timeline; predict() sends with i = -1 (not recorded).
-  void send_activation(Slot& sl, const Tensor& out, int i = -1) {
+  // Activations to the rank of the next stage: their shape (rank, dims) first, then the values.
+  // i: the micro-batch and `stage` the receiving one, for the timeline; predict() sends with
+  // i = -1 (not recorded).
+  void send_activation(Slot& sl, const Tensor& out, int next, int i = -1, int stage = -1) {
     TESSERA_CHECK(out.rank() <= 7, ShapeError, "Pipeline: activations of rank ", out.rank(), " (at most 7)");
     sl.header.fill(0);
     sl.header[0] = out.rank();
     for (std::int64_t d = 0; d < out.rank(); ++d) sl.header[static_cast<std::size_t>(d + 1)] = out.dim(d);
-    const int next = comm_.rank() + 1;
     const auto sending = std::chrono::steady_clock::now();
     sl.send_activation_header = comm_.send_async(std::span<const std::int64_t>(sl.header), next);
     sl.send_activation = comm_.send_async(std::span<const S>(out.data(), static_cast<std::size_t>(out.numel())), next);
     if (i >= 0)
       stats_.bytes_sent_forward += static_cast<std::int64_t>(sizeof sl.header) + out.numel() * static_cast<std::int64_t>(sizeof(S));
-    if (i >= 0) note_message("send A", i, " to stage ", next, out.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
+    if (i >= 0) note_message("send A", i, " to stage ", stage, out.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
   }
 
   Shape shape_from_header(const std::array<std::int64_t, 8>& h, int from) const {
@@ -565,12 +773,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     return shape;
   }
 
-  // kind 'F' or 'B' of micro-batch i; the span's name is built only when a timeline records it.
-  void note_busy(char kind, int i, std::chrono::steady_clock::time_point began) {
+  // kind 'F' or 'B' of micro-batch i on stage k ("F3", or "F3 (stage 5)" when a rank runs several);
+  // the span's name is built only when a timeline records it.
+  void note_busy(char kind, int i, int k, std::chrono::steady_clock::time_point began) {
     const auto ended = std::chrono::steady_clock::now();
     stats_.busy_seconds += std::chrono::duration<double>(ended - began).count();
     if (options_.timeline)
-      options_.timeline->add(kind + std::to_string(i), "compute", began, ended, SpanSink::kCompute);
+      options_.timeline->add(kind + std::to_string(i) + (mine_.size() > 1 ? " (stage " + std::to_string(k) + ")" : ""),
+                             "compute", began, ended, SpanSink::kCompute);
   }
   // A point-to-point message of micro-batch i on the communication lane, from `began` to now:
   // "recv A3 from stage 0", "send G3 to stage 1, 12.5 KiB" (bytes > 0 for sends).
@@ -594,11 +804,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   }
 
   // What every stage must hold alike. The whole model, not only this stage: every rank builds it.
-  AgreementRecord agreement_record() {
+  // table_error: why this rank's table was refused ("" when it was not), so that ranks with
+  // different settings fail together on the difference rather than one alone.
+  AgreementRecord agreement_record(const std::string& table_error) {
     AgreementRecord record("Pipeline");
     record.add("strategy", "Pipeline");
     record.add("options.micro_batches", options_.micro_batches);
-    record.add("options.schedule", schedule_name(options_.schedule));
+    record.add("options.schedule", table_error.empty() ? table_.name : "refused: " + table_error);
+    record.add("schedule.table", table_error.empty() ? to_csv(table_) : std::string("(none)"));
     record.add_list("options.boundaries", options_.boundaries);
     record.add_list("options.unit_costs", options_.unit_costs);
     const std::size_t units = model_.unit_count();
@@ -691,9 +904,10 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   }
 
   void check_boundaries(std::size_t units) const {
-    const auto p = static_cast<std::size_t>(comm_.size());
+    const auto p = static_cast<std::size_t>(table_.stage_count());
     TESSERA_CHECK(bounds_.size() == p + 1 && bounds_.front() == 0 && bounds_.back() == units, ArgumentError,
-                  "Pipeline: boundaries must be ", p + 1, " unit indices from 0 to ", units, " (one stage per rank)");
+                  "Pipeline: boundaries must be ", p + 1, " unit indices from 0 to ", units, " (", p,
+                  " stages: ", comm_.size(), " ranks x ", table_.stages_per_rank, " per rank)");
     for (std::size_t k = 0; k < p; ++k)
       TESSERA_CHECK(bounds_[k] < bounds_[k + 1], ArgumentError, "Pipeline: stage ", k, " would be empty (boundaries ",
                     bounds_[k], " and ", bounds_[k + 1], ")");
@@ -702,11 +916,19 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   Model& model_;
   Comm& comm_;
   PipelineOptions options_;
-  std::vector<std::size_t> bounds_;
-  std::size_t begin_ = 0, end_ = 0;
+  PipelineScheduleTable table_;  // compute actions only
+  std::vector<std::size_t> bounds_;  // S + 1
+  std::vector<int> mine_;            // the stages this rank runs, in model order
+  std::vector<int> local_;           // [stage]: its index in mine_ / chunks_, or -1
   Stage stage_;
-  int slots_ = 1;
-  std::vector<Slot> slot_;
+  std::vector<Chunk> chunks_;
+  std::vector<int> first_forward_, first_backward_, last_backward_;  // [micro-batch]: positions in this rank's row
+  bool hold_all_ = false;
+  GradReadyHold<S, D> all_hold_;  // every parameter of the rank, when hold_all_
+  std::vector<std::vector<Message>> incoming_;  // [rank]: what it sends this one, in its order
+  std::vector<std::size_t> next_incoming_;
+  std::map<std::tuple<bool, int, int>, Tensor> arrived_;  // received before they are needed
+  std::vector<Tensor> spare_;                             // buffers to receive into, reused
   Loss loss_;
   std::vector<typename Loss::Cache> loss_caches_;
   PipelineStepStats stats_;

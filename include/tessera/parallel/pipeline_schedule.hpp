@@ -302,8 +302,9 @@ TESSERA_LINKAGE std::string to_string(const PipelineAction& a) {
 TESSERA_LINKAGE std::string to_string(StagePlacement p) { return p == StagePlacement::Loop ? "loop" : "V"; }
 
 TESSERA_LINKAGE PipelineAction parse_pipeline_action(std::string_view text) {
-  // <stage><op><micro-batch>: digits, letters and '_', digits. torch's older tables (2.4) wrote
-  // the full backward as "B" too, and "BACKWARD"/"FORWARD"/"WEIGHT" spelled out in some dumps.
+  // <stage><op><micro-batch>: digits, letters and '_', digits, as torch's _Action.from_str reads
+  // them (which also takes a missing micro-batch, for actions of whole stages such as UNSHARD that
+  // a pipeline of this library has no use for: refused here by name).
   std::string_view rest = text;
   while (!rest.empty() && std::isspace(static_cast<unsigned char>(rest.front()))) rest.remove_prefix(1);
   while (!rest.empty() && std::isspace(static_cast<unsigned char>(rest.back()))) rest.remove_suffix(1);
@@ -327,7 +328,8 @@ TESSERA_LINKAGE PipelineAction parse_pipeline_action(std::string_view text) {
   number(rest.substr(0, digits), a.stage, "stage");
   number(rest.substr(tail), a.micro_batch, "micro-batch");
   const std::string_view op = rest.substr(digits, tail - digits);
-  static constexpr std::array<std::pair<std::string_view, PipelineOp>, 4> kLongNames = {{
+  static constexpr std::array<std::pair<std::string_view, PipelineOp>, 5> kLongNames = {{
+      {"BW", PipelineOp::Backward},  // main's name for the whole backward in late 2024
       {"FORWARD", PipelineOp::Forward},
       {"FULL_BACKWARD", PipelineOp::Backward},
       {"BACKWARD_INPUT", PipelineOp::BackwardInput},
@@ -784,6 +786,15 @@ TESSERA_LINKAGE PipelineScheduleTable parse_pipeline_csv(std::string_view csv, s
     }
   }
   while (!t.actions.empty() && t.actions.back().empty()) t.actions.pop_back();  // trailing blank lines
+  // torch 2.5 wrote the input gradient as B when the table also had W's (2.6 on: I, and B the
+  // whole backward). A table with W's and no I is of that kind.
+  bool has_i = false, has_w = false;
+  for (const auto& row : t.actions)
+    for (const auto& a : row) has_i = has_i || a.op == PipelineOp::BackwardInput, has_w = has_w || a.op == PipelineOp::BackwardWeight;
+  if (has_w && !has_i)
+    for (auto& row : t.actions)
+      for (auto& a : row)
+        if (a.op == PipelineOp::Backward) a.op = PipelineOp::BackwardInput;
   TESSERA_CHECK(!t.actions.empty(), ArgumentError, "pipeline schedule '", t.name, "': no actions");
   t.ranks = static_cast<int>(t.actions.size());
   int stages = 0, m = 0;
