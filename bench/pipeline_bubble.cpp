@@ -1,12 +1,14 @@
 // Pipeline parallelism: the bubble and the activation memory, one MPI process per stage.
 //
 //   mpirun -n 2 build/bench/pipeline_mpi [--steps=12] [--batch=128] [--trace=pipeline_trace.json]
+//       [--models=mlp,resnet20] [--schedules=gpipe,1f1b] [--micro-batches=1,4,8,16]
 //
-// For each model, schedule (GPipe, 1F1B) and number of micro-batches M (1, 4, 8, 16), it runs
-// training steps and reports per stage:
-//   - the idle fraction of a step (1 - this stage's compute time / the slowest stage's step time;
-//     median over the steps after the first) against the ideal bubble (P-1)/(M+P-1); stages are
-//     balanced by per-layer costs measured on rank 0;
+// For each model, schedule (GPipe, 1F1B, Interleaved1F1B with 2 stages per rank, ZBH1, ZBV) and
+// number of micro-batches M, it runs training steps and reports per rank:
+//   - the idle fraction of a step (1 - this rank's compute time / the slowest rank's step time;
+//     median over the steps after the first) against the ideal bubble: the schedule's table
+//     simulated with F, I and W of equal cost (a whole B two), which for GPipe and 1F1B is
+//     (P-1)/(M+P-1); stages are balanced by per-layer costs measured on rank 0;
 //   - the micro-batches of activations held at the peak and the bytes the step allocated on top of
 //     what existed before it (CachingAllocator's high-water mark over the first step: the
 //     per-micro-batch activation slots, received inputs, loss caches and scratch).
@@ -15,6 +17,7 @@
 // One JSON line per (model, schedule, M, stage) from rank 0; --trace writes one 1F1B step at M = 4.
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -30,8 +33,18 @@ using E = CpuMpi;  // one MPI process per stage: a shared allocator would mix th
 namespace {
 
 struct Result {
-  double idle = 0, step_ms = 0, peak_in_flight = 0, step_bytes = 0, slots = 0;
+  double idle = 0, step_ms = 0, peak_in_flight = 0, step_bytes = 0, slots = 0, ideal = 0;
 };
+
+PipelineSchedule parse_schedule(const std::string& name) {
+  for (PipelineSchedule s : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB, PipelineSchedule::Interleaved1F1B,
+                             PipelineSchedule::ZBH1, PipelineSchedule::ZBV}) {
+    std::string lower = schedule_name(s);
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    if (lower == name) return s;
+  }
+  throw ArgumentError("--schedules: '" + name + "' is not a schedule");
+}
 
 template <class Model>
 Result measure(Model& model, E::Comm& comm, int micro_batches, PipelineSchedule schedule, std::int64_t batch,
@@ -79,6 +92,7 @@ Result measure(Model& model, E::Comm& comm, int micro_batches, PipelineSchedule 
   r.step_ms = median(ms);
   r.peak_in_flight = pipe.last_step().peak_in_flight;
   r.slots = pipe.activation_slots();
+  r.ideal = simulate_pipeline(pipe.schedule(), {}).bubble_fraction();
   return r;
 }
 
@@ -93,13 +107,20 @@ int main(int argc, char** argv) {
     TESSERA_CHECK(batch % 16 == 0, ArgumentError, "--batch=", batch, ": must be a multiple of 16 (it is split into 1, 4, "
                   "8 and 16 micro-batches)");
     const std::string trace = flags.output_path("trace", "");
+    const auto models = flags.list("models", "mlp,resnet20", {"mlp", "resnet20"});
+    const auto schedules = flags.list("schedules", "gpipe,1f1b", {"gpipe", "1f1b", "interleaved1f1b", "zbh1", "zbv"});
+    const auto micro_list = flags.list("micro-batches", "1,4,8,16", {"1", "2", "4", "8", "16"});
     flags.finish();
     auto comm = E::Comm::from_env();
     Cpu::set_num_threads(1);
     const int p = comm.size();
-    for (const std::string model_name : {"mlp", "resnet20"}) {
-      for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB}) {
-        for (int m : {1, 4, 8, 16}) {
+    for (const std::string& model_name : models) {
+      for (const std::string& schedule_text : schedules) {
+        const PipelineSchedule schedule = parse_schedule(schedule_text);
+        for (const std::string& m_text : micro_list) {
+          const int m = std::stoi(m_text);
+          // Interleaving takes the micro-batches in rounds of one per rank.
+          if (schedule == PipelineSchedule::Interleaved1F1B && m % p != 0) continue;
           Result r;
           if (model_name == "mlp") {
             Mlp<E> model(512, {512, 512, 512, 512, 512, 512, 512, 512}, 10, 1);
@@ -108,18 +129,18 @@ int main(int argc, char** argv) {
             auto model = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
             r = measure(model, comm, m, schedule, batch, {1, 28, 28}, std::max(4, steps / 3), nullptr);
           }
-          std::array<double, 5> mine{r.idle, r.step_ms, r.peak_in_flight, r.step_bytes, r.slots};
+          std::array<double, 6> mine{r.idle, r.step_ms, r.peak_in_flight, r.step_bytes, r.slots, r.ideal};
           std::vector<double> all(mine.size() * static_cast<std::size_t>(p));
           comm.all_gather(std::span<const double>(mine), std::span<double>(all));
           if (comm.rank() == 0)
             for (int s = 0; s < p; ++s) {
-              const double* v = all.data() + 5 * s;
+              const double* v = all.data() + mine.size() * static_cast<std::size_t>(s);
               std::printf("{\"bench\": \"pipeline\", \"model\": \"%s\", \"schedule\": \"%s\", \"stages\": %d, "
                           "\"micro_batches\": %d, \"batch\": %lld, \"stage\": %d, \"idle_fraction\": %.4f, "
                           "\"ideal_bubble\": %.4f, \"step_ms\": %.3f, \"peak_in_flight\": %.0f, \"activation_slots\": %.0f, "
                           "\"step_alloc_bytes\": %.0f}\n",
                           model_name.c_str(), schedule_name(schedule), p, m, static_cast<long long>(batch), s, v[0],
-                          static_cast<double>(p - 1) / (m + p - 1), v[1], v[2], v[4], v[3]);
+                          v[5], v[1], v[2], v[4], v[3]);
               std::fflush(stdout);
             }
         }

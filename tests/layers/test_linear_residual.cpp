@@ -1,6 +1,7 @@
 // Linear, Sequential and Residual: gradient checks, PyTorch reference, shape errors, hooks.
 #include <catch2/catch.hpp>
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 
 #include "support/gradcheck.hpp"
@@ -12,6 +13,7 @@
 #include "tessera/layers/linear.hpp"
 #include "tessera/layers/residual.hpp"
 #include "tessera/layers/sequential.hpp"
+#include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"
 #include "tessera/io/safetensors.hpp"
 
@@ -351,5 +353,48 @@ TEST_CASE("Sequential: fused BatchNorm-ReLU equals the layers one by one, whole 
     const auto& relu_out = std::get<2>(c).y;
     CHECK(std::count(relu_out.begin(), relu_out.end(), 0.0) > 0);
     CHECK(std::count(relu_out.begin(), relu_out.end(), 0.0) < relu_out.numel());
+  }
+}
+
+// The backward in two halves (zero-bubble pipelines run the weight gradients later): I then W
+// gives backward's dL/dx and parameter gradients bit for bit, for Linear and for the MLP's units.
+TEMPLATE_TEST_CASE("Linear and MLP: backward_input then backward_weight equal backward bit for bit", "[layers]", float, double) {
+  using E = Env<Cpu, LocalComm, TestType>;
+  Rng data(31);
+  Tensor<TestType, Cpu> x(Shape{6, 20}), dy(Shape{6, 12});
+  for (std::int64_t k = 0; k < x.numel(); ++k) x.data()[k] = static_cast<TestType>(data.normal());
+  for (std::int64_t k = 0; k < dy.numel(); ++k) dy.data()[k] = static_cast<TestType>(data.normal());
+  const auto bits = [](const Tensor<TestType, Cpu>& a, const Tensor<TestType, Cpu>& b) {
+    return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+  };
+  {
+    Rng r1(5), r2(5);
+    Linear<E> whole(20, 12, r1), split(20, 12, r2);
+    typename Linear<E>::Cache c1, c2;
+    whole.forward(x, c1);
+    split.forward(x, c2);
+    const auto& dx_whole = whole.backward(dy, c1);
+    const auto& dx_split = split.backward_input(dy, c2);
+    CHECK(bits(dx_whole, dx_split));
+    CHECK(std::all_of(split.weight().grad.data(), split.weight().grad.data() + split.weight().grad.numel(),
+                      [](TestType g) { return g == 0; }));  // nothing yet
+    split.backward_weight(c2);
+    CHECK(bits(whole.weight().grad, split.weight().grad));
+    CHECK(bits(whole.bias().grad, split.bias().grad));
+    CHECK_THROWS_WITH(split.backward_weight(c2), Catch::Contains("without backward_input"));
+  }
+  {
+    Mlp<E> whole(20, {16, 14}, 12, 9), split(20, {16, 14}, 12, 9);
+    typename Mlp<E>::Cache c1, c2;
+    whole.forward(x, c1);
+    split.forward(x, c2);
+    whole.backward_units(dy, c1, 1, 3);
+    split.backward_units_input(dy, c2, 1, 3);
+    split.backward_units_weight(c2, 1, 3);
+    auto a = named_tensors(whole), b = named_tensors(split);
+    for (std::size_t k = 0; k < a.parameters.size(); ++k) {
+      INFO(a.parameters[k].first);
+      CHECK(bits(a.parameters[k].second->grad, b.parameters[k].second->grad));
+    }
   }
 }

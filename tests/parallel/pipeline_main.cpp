@@ -42,6 +42,15 @@ int main(int argc, char** argv) {
       for (auto& f : testing::pipeline_equivalence<double>(comm, {.micro_batches = m, .table = v, .batch = 2 * m}))
         failures.push_back(f);
     }
+    // Zero bubble, the MLP's backward split into I and W: ZB-H1 (one stage per rank), ZB-V (two).
+    {
+      const int m = 2 * comm.size();
+      for (auto& f : testing::pipeline_equivalence<double>(comm, {.micro_batches = m, .schedule = PipelineSchedule::ZBH1, .batch = 2 * m}))
+        failures.push_back(f);
+      if (comm.size() <= 3)
+        for (auto& f : testing::pipeline_equivalence<double>(comm, {.micro_batches = m, .schedule = PipelineSchedule::ZBV, .batch = 2 * m}))
+          failures.push_back(f);
+    }
     if (comm.size() == 4)
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
     for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})

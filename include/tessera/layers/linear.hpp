@@ -46,6 +46,7 @@ class Linear {
   static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
+    const Tensor* dy = nullptr;  // between backward_input and backward_weight
     Tensor y, dx;
     Shape y_shape;  // y's shape, still known once y is released
   };
@@ -78,20 +79,27 @@ class Linear {
   }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.x != nullptr, Error, "Linear::backward called before forward on this cache");
-    const Tensor& x = *c.x;
-    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, "Linear(", in_, ", ", out_, ")::backward: dy ",
-                  dy.shape(), " does not match output ", c.y_shape);
-    const auto n = c.y_shape.numel() / out_;
-    TESSERA_CHECK(x.rank() == c.y_shape.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
-                  in_, ", ", out_, ")::backward: the input changed shape to ", x.shape(),
-                  " since forward (keep it alive and unchanged)");
-    detail::linear_parameter_grads<typename E::Compute>(dy.data(), x.data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);
-    if (needs_input_grad_) {
-      c.dx.resize(x.shape());
-      gemm_in<typename E::Compute>(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0), c.dx.data(), in_);
-    }
-    return c.dx;
+    const auto n = backward_rows(dy, c, "backward");
+    detail::linear_parameter_grads<typename E::Compute>(dy.data(), c.x->data(), n, out_, in_, weight_, has_bias_ ? &bias_ : nullptr);
+    return input_grad(dy, c, n);
+  }
+  // The backward in two halves, for pipeline schedules that run the weight gradients later (zero
+  // bubble, parallel/pipeline_schedule.hpp): backward_input returns dL/dx = dy W and keeps dy's
+  // address; backward_weight then adds dL/dW = dy^T x and dL/db. The same products as backward, so
+  // the same bits. dy and x must stay alive and unchanged until backward_weight (a pipeline's slot
+  // or the next layer's cache holds them).
+  const Tensor& backward_input(const Tensor& dy, Cache& c) {
+    const auto n = backward_rows(dy, c, "backward_input");
+    c.dy = &dy;
+    return input_grad(dy, c, n);
+  }
+  void backward_weight(Cache& c) {
+    TESSERA_CHECK(c.dy != nullptr, Error, "Linear(", in_, ", ", out_,
+                  ")::backward_weight called without backward_input on this cache");
+    const auto n = backward_rows(*c.dy, c, "backward_weight");
+    detail::linear_parameter_grads<typename E::Compute>(c.dy->data(), c.x->data(), n, out_, in_, weight_,
+                                                        has_bias_ ? &bias_ : nullptr);
+    c.dy = nullptr;
   }
 
   template <class V>
@@ -114,6 +122,27 @@ class Linear {
   Parameter<S, D>& bias() { return bias_; }
 
  private:
+  // Rows of dy after checking it and the cached input against forward's shapes.
+  std::int64_t backward_rows(const Tensor& dy, const Cache& c, const char* what) const {
+    TESSERA_CHECK(c.x != nullptr, Error, "Linear::", what, " called before forward on this cache");
+    const Tensor& x = *c.x;
+    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, "Linear(", in_, ", ", out_, ")::", what, ": dy ",
+                  dy.shape(), " does not match output ", c.y_shape);
+    const auto n = c.y_shape.numel() / out_;
+    TESSERA_CHECK(x.rank() == c.y_shape.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
+                  in_, ", ", out_, ")::", what, ": the input changed shape to ", x.shape(),
+                  " since forward (keep it alive and unchanged)");
+    return n;
+  }
+  const Tensor& input_grad(const Tensor& dy, Cache& c, std::int64_t n) {
+    if (needs_input_grad_) {
+      c.dx.resize(c.x->shape());
+      gemm_in<typename E::Compute>(D{}, false, false, n, in_, out_, S(1), dy.data(), out_, weight_.value.data(), in_, S(0),
+                                   c.dx.data(), in_);
+    }
+    return c.dx;
+  }
+
   std::int64_t in_, out_;
   bool has_bias_;
   bool needs_input_grad_ = true;

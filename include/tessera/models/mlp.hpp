@@ -66,6 +66,20 @@ class Mlp {
     }
     return *g;
   }
+  // The backward of units [begin, end) in two halves (Linear::backward_input / backward_weight),
+  // for zero-bubble pipeline schedules: the input gradient first, the weight gradients later from
+  // the same cache. Together the same bits as backward_units.
+  const Tensor& backward_units_input(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    const Tensor* g = &dy;
+    for (std::size_t i = end; i-- > begin;) {
+      if (i < relu_.size()) g = &relu_[i].backward(*g, c.relu[i]);
+      g = &linear_[i].backward_input(*g, c.linear[i]);
+    }
+    return *g;
+  }
+  void backward_units_weight(Cache& c, std::size_t begin, std::size_t end) {
+    for (std::size_t i = end; i-- > begin;) linear_[i].backward_weight(c.linear[i]);
+  }
   template <class V>
   void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
     for (std::size_t i = begin; i < end; ++i) linear_[i].visit(v, prefix + std::to_string(2 * i + 1) + ".");

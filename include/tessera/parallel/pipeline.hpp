@@ -32,8 +32,10 @@
 //           more activation memory and v times the messages.
 //   options.table: any other table, e.g. one written by torch.distributed.pipelining
 //           (read_pipeline_csv), including V placement (rank r runs stages r and 2P - 1 - r).
-// The zero-bubble tables (ZBH1, ZBV) split each backward into I and W, which needs units that
-// split theirs; they are refused by name until then.
+//   ZBH1, ZBV: zero bubble, each backward split into I (the input gradient, which the stage below
+//           waits for) and W (the weight gradients, moved into idle time). A model whose units
+//           split their backward (detail::SplitsBackward: Mlp) runs them apart; another runs its
+//           whole backward as I and nothing as W (the same result, less of the gain).
 // With several stages per rank, stage k's activations go to the rank of stage k + 1 (on the same
 // rank: handed over without a message); a pair of ranks delivers in order, so a message that
 // arrives before it is needed waits in a buffer. Each stage keeps as many activation slots as
@@ -129,6 +131,15 @@ concept HoldsDropoutKey = requires(M& m) {
   { m.next_dropout_key() } -> std::same_as<std::uint64_t>;
   m.hold_dropout_key(std::uint64_t{}, std::int64_t{});
   m.release_dropout_key();
+};
+// A model whose units run their backward in two halves (Mlp: Linear::backward_input and
+// backward_weight): the input gradient, then the weight gradients from the same cache. A model
+// without them runs its whole backward for a schedule's I and nothing for its W: the same result,
+// without the time W would have moved.
+template <class M>
+concept SplitsBackward = requires(M& m, const typename M::Tensor& t, typename M::Cache& c, std::size_t i) {
+  { m.backward_units_input(t, c, i, i) } -> std::same_as<const typename M::Tensor&>;
+  m.backward_units_weight(c, i, i);
 };
 // The parameters two units read (GPT's wte, also its lm_head): optional, none when absent.
 template <class M>
@@ -240,6 +251,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // every stage, held over the step's micro-batches, each with its first row's place in the whole
   // batch: every stage and micro-batch then masks exactly as the one-process step does.
   static constexpr bool kHoldsDropout = detail::HoldsDropoutKey<Model>;
+  // Whether a schedule's I and W run apart (detail::SplitsBackward), or I runs the whole backward.
+  static constexpr bool kSplitsBackward = detail::SplitsBackward<Model>;
 
   // The part of the model on this rank (one run of units per stage it holds), as a model-like
   // object for optimizers, checkpoints and a DataParallel over the stage (hybrid data x pipeline).
@@ -394,9 +407,6 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     TESSERA_CHECK(t.micro_batches == options_.micro_batches, ArgumentError, "Pipeline: schedule '", t.name,
                   "' runs ", t.micro_batches, " micro-batches, options.micro_batches is ", options_.micro_batches);
     check_pipeline_table(t);
-    TESSERA_CHECK(!t.splits_backward(), ArgumentError, "Pipeline: schedule '", t.name,
-                  "' splits backwards into I (input gradient) and W (weight gradient); the model's units run "
-                  "their backward whole (B) here, so use GPipe, 1F1B, Interleaved1F1B or a table of F and B actions");
     return t;
   }
 
@@ -433,7 +443,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       } else {
         if (first_backward_[i] < 0) first_backward_[i] = static_cast<int>(pos);
         last_backward_[i] = static_cast<int>(pos);
-        used[static_cast<std::size_t>(chunks_[c].slot_of[i])] = 0;
+        if (a.op != PipelineOp::BackwardInput) used[static_cast<std::size_t>(chunks_[c].slot_of[i])] = 0;  // W still reads it
       }
     }
     for (std::size_t c = 0; c < chunks_.size(); ++c) chunks_[c].slots.resize(std::max<std::size_t>(busy[c].size(), 1));
@@ -455,7 +465,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       for (const PipelineAction& a : table_.actions[static_cast<std::size_t>(q)]) {
         if (a.op == PipelineOp::Forward && a.stage < last && table_.rank_of(a.stage + 1) == me)
           incoming_[static_cast<std::size_t>(q)].push_back({true, a.stage, a.micro_batch});
-        if (a.op == PipelineOp::Backward && a.stage > 0 && table_.rank_of(a.stage - 1) == me)
+        if ((a.op == PipelineOp::Backward || a.op == PipelineOp::BackwardInput) && a.stage > 0 &&
+            table_.rank_of(a.stage - 1) == me)
           incoming_[static_cast<std::size_t>(q)].push_back({false, a.stage, a.micro_batch});
       }
     }
@@ -498,7 +509,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
         hooks.before_backward(micro(a.micro_batch));
         if (a.micro_batch == m - 1 && !hold_all_) tie_hold_.hold();
       }
-      backward_micro_batch(a.stage, a.micro_batch);
+      if (a.op == PipelineOp::BackwardWeight) weight_micro_batch(a.stage, a.micro_batch);
+      else backward_micro_batch(a.stage, a.micro_batch, a.op == PipelineOp::BackwardInput);
       if (static_cast<int>(pos) == last_backward_[i]) hooks.after_backward(micro(a.micro_batch));
     }
     {
@@ -606,7 +618,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight_);
   }
 
-  void backward_micro_batch(int k, int i) {
+  // B (input_only false) or I of micro-batch i on stage k.
+  void backward_micro_batch(int k, int i, bool input_only) {
     const int me = comm_.rank(), m = options_.micro_batches, last = table_.stage_count() - 1;
     Chunk& ch = chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(k)])];
     Slot& sl = slot(k, i);
@@ -620,8 +633,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
       take(false, k + 1, i, sl.output_grad);
     }  // else the stage after, on this rank, wrote it into sl.output_grad
     const auto began = std::chrono::steady_clock::now();
-    const Tensor& dx = model_.backward_units(sl.output_grad, sl.cache, ch.begin, ch.end);
-    note_busy('B', i, k, began);
+    const Tensor& dx = input_only ? backward_input(sl, ch) : model_.backward_units(sl.output_grad, sl.cache, ch.begin, ch.end);
+    note_busy(input_only ? 'I' : 'B', i, k, began);
     if (k > 0) {
       const bool local = table_.rank_of(k - 1) == me;
       const Shape& input_shape = local ? slot(k - 1, i).output_shape : sl.input.shape();
@@ -639,6 +652,21 @@ class Pipeline : public StrategyBase<typename Model::Env> {
         note_message("send G", i, " to stage ", k - 1, dx.numel() * static_cast<std::int64_t>(sizeof(S)), sending);
       }
     }
+    if (!input_only) --in_flight_;
+  }
+  const Tensor& backward_input(Slot& sl, Chunk& ch) {
+    if constexpr (detail::SplitsBackward<Model>) return model_.backward_units_input(sl.output_grad, sl.cache, ch.begin, ch.end);
+    else return model_.backward_units(sl.output_grad, sl.cache, ch.begin, ch.end);  // the whole backward now
+  }
+  // W of micro-batch i on stage k: the weight gradients from what I left in the slot (nothing left
+  // for a model whose units do not split their backward); the slot is free after it.
+  void weight_micro_batch(int k, int i) {
+    const auto began = std::chrono::steady_clock::now();
+    if constexpr (detail::SplitsBackward<Model>) {
+      Chunk& ch = chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(k)])];
+      model_.backward_units_weight(slot(k, i).cache, ch.begin, ch.end);
+    }
+    note_busy('W', i, k, began);
     --in_flight_;
   }
 
@@ -773,7 +801,7 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     return shape;
   }
 
-  // kind 'F' or 'B' of micro-batch i on stage k ("F3", or "F3 (stage 5)" when a rank runs several);
+  // kind 'F', 'B', 'I' or 'W' of micro-batch i on stage k ("F3", or "F3 (stage 5)" when a rank runs several);
   // the span's name is built only when a timeline records it.
   void note_busy(char kind, int i, int k, std::chrono::steady_clock::time_point began) {
     const auto ended = std::chrono::steady_clock::now();
