@@ -51,8 +51,10 @@ int main(int argc, char** argv) {
         for (auto& f : testing::pipeline_equivalence<double>(comm, {.micro_batches = m, .schedule = PipelineSchedule::ZBV, .batch = 2 * m}))
           failures.push_back(f);
     }
-    if (comm.size() == 4)
+    if (comm.size() == 4) {
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
+      for (auto& f : testing::hybrid_equivalence<double>(comm, 2, 3, PipelineSchedule::ZBH1)) failures.push_back(f);
+    }
     for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})
       for (auto& f : testing::pp_gpt_equivalence<float>(comm, {.micro_batches = 4, .schedule = schedule}))
         failures.push_back(f);

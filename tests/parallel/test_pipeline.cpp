@@ -216,10 +216,13 @@ TEST_CASE("Pipeline: bad boundaries and a batch that does not split are named", 
 TEST_CASE("Hybrid: 2 data-parallel replicas x 2 pipeline stages equal one process on the global batch", "[parallel]") {
   ThreadWorld world(4);
   std::vector<std::vector<std::string>> failures(4);
-  world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::hybrid_equivalence<double>(comm, 2); });
-  for (const auto& f : failures) {
-    INFO(testing::joined(f));
-    CHECK(f.empty());
+  for (PipelineSchedule schedule : {PipelineSchedule::OneFOneB, PipelineSchedule::ZBH1}) {
+    INFO(schedule_name(schedule));
+    world.run([&](ThreadComm& comm) { failures[comm.rank()] = testing::hybrid_equivalence<double>(comm, 2, 3, schedule); });
+    for (const auto& f : failures) {
+      INFO(testing::joined(f));
+      CHECK(f.empty());
+    }
   }
 }
 
