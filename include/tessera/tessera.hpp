@@ -43,6 +43,7 @@
 #include "tessera/models/mlp.hpp"
 #include "tessera/models/resnet.hpp"
 #include "tessera/optim/adam.hpp"
+#include "tessera/optim/clip.hpp"
 #include "tessera/optim/lamb.hpp"
 #include "tessera/optim/lars.hpp"
 #include "tessera/optim/schedule.hpp"

@@ -7,9 +7,12 @@
 #include "support/text.hpp"
 #include "parallel/pipeline_equivalence.hpp"
 #include "tessera/comm/threads.hpp"
+#include "tessera/optim/clip.hpp"
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <map>
 
 using namespace tessera;
 using testing::PipeModel;
@@ -241,4 +244,63 @@ TEST_CASE("Pipeline: a failing stage stops the others instead of leaving them wa
                     }),
                     Catch::Contains("5 labels on the last stage for a batch of 8"));
   CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
+}
+
+// Clipping after a zero-bubble step: the gradients are final when train_step returns (every W ran
+// inside it), so the stages' norm summed over the pipeline group is the one-process norm, and each
+// stage scales as one process does. A NaN on one stage makes every stage refuse alike.
+TEST_CASE("Pipeline: clip_grad_norm over the stages after ZB-H1 equals one process's", "[parallel][pipeline]") {
+  using E = Env<Cpu, ThreadComm, double>;
+  const auto x = testing::pipe_images<double>(8, 8, 0);
+  const auto y = testing::pipe_labels(8, 0);
+  // One process, and torch's formula by hand.
+  Mlp<E> reference(64, {32, 32, 24, 16, 16}, 10, 5);
+  auto ref_params = named_tensors(reference);
+  {
+    typename Mlp<E>::Cache cache{};
+    CrossEntropyLoss<E> loss;
+    typename CrossEntropyLoss<E>::Cache lc;
+    loss.forward(reference.forward(x, cache), y, lc);
+    reference.backward(loss.backward(lc), cache);
+  }
+  double sum = 0;
+  for (auto& [name, p] : ref_params.parameters)
+    for (std::int64_t k = 0; k < p->grad.numel(); ++k) sum += p->grad.data()[k] * p->grad.data()[k];
+  const double max_norm = 0.05, total = std::sqrt(sum);
+  REQUIRE(total > max_norm);  // so it clips
+  const double first_before = ref_params.parameters[0].second->grad.data()[0];
+  CHECK(clip_grad_norm(ref_params, max_norm) == Approx(total).epsilon(1e-14));
+  CHECK(ref_params.parameters[0].second->grad.data()[0] == Approx(first_before * max_norm / (total + 1e-6)).epsilon(1e-14));
+  CHECK(clip_grad_norm(ref_params, 1e9) == Approx(max_norm * total / (total + 1e-6)).epsilon(1e-12));  // under the bound: unchanged
+  CHECK_THROWS_WITH(clip_grad_norm(ref_params, 1.0, {.norm_type = 1.0}), Catch::Contains("only the 2-norm"));
+
+  ThreadWorld world(2);
+  std::vector<std::string> failures(2), errors(2);
+  world.run([&](ThreadComm& comm) {
+    Mlp<E> model(64, {32, 32, 24, 16, 16}, 10, 5);
+    Pipeline<Mlp<E>> pipe(model, comm, {.micro_batches = 4, .schedule = PipelineSchedule::ZBH1});
+    const Tensor<double, Cpu> empty;
+    pipe.train_step(comm.rank() == 0 ? x : empty, comm.rank() == 1 ? std::span<const std::int64_t>(y) : std::span<const std::int64_t>());
+    const double norm = clip_grad_norm(pipe.norm_parameters(), max_norm, comm);
+    if (std::abs(norm - total) > 1e-12 * total) failures[comm.rank()] += "norm " + std::to_string(norm) + " vs " + std::to_string(total);
+    std::map<std::string, Parameter<double, Cpu>*> want;
+    for (auto& [name, p] : ref_params.parameters) want[name] = p;
+    for (auto& [name, p] : pipe.stage_parameters().parameters)
+      for (std::int64_t k = 0; k < p->grad.numel(); ++k)
+        if (std::abs(p->grad.data()[k] - want.at(name)->grad.data()[k]) > 1e-15) {
+          failures[comm.rank()] += " " + name + " differs";
+          break;
+        }
+    if (comm.rank() == 1) pipe.stage_parameters().parameters[0].second->grad.data()[3] = std::nan("");
+    try {
+      clip_grad_norm(pipe.norm_parameters(), max_norm, comm, {.error_if_nonfinite = true});
+    } catch (const ArgumentError& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  CHECK(failures[0].empty());
+  CHECK(failures[1].empty());
+  INFO(failures[0] << failures[1]);
+  CHECK_THAT(errors[0], Catch::Contains("holds a NaN or an infinity"));
+  CHECK_THAT(errors[1], Catch::Contains("holds a NaN or an infinity"));
 }

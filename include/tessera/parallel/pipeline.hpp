@@ -300,6 +300,15 @@ class Pipeline : public StrategyBase<typename Model::Env> {
 
   Stage& stage() { return stage_; }
   NamedTensors<Env> stage_parameters() { return named_tensors(stage_); }
+  // The stage's parameters with each tied one (held by two stages, summed equal after the step)
+  // counted by the lower rank only: what clip_grad_norm(..., pipeline group) sums over the stages.
+  NamedTensors<Env> norm_parameters() {
+    NamedTensors<Env> named = named_tensors(stage_);
+    for (const Tie& t : ties_)
+      if (comm_.rank() > t.peer)
+        std::erase_if(named.parameters, [&](const auto& entry) { return entry.second == t.parameter; });
+    return named;
+  }
   int stage_index() const { return comm_.rank(); }
   int stage_count() const { return comm_.size(); }
   // The schedule this pipeline runs (compute actions only; the transfers follow from them).
