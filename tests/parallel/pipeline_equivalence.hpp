@@ -5,8 +5,10 @@
 // programs).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -63,6 +65,10 @@ struct PipeCase {
   int batch = 8;  // global batch
   int steps = 3;
   double tolerance = 1e-12;
+  // The reference runs the micro-batches one after another, accumulating gradients of loss / M:
+  // with BatchNorm the statistics are then each micro-batch's, as on the pipeline's stages (and as
+  // in torch.distributed.pipelining). Without BatchNorm it is the whole batch's run.
+  bool reference_per_micro_batch = false;
 };
 
 inline const char* model_name(PipeModel m) {
@@ -105,12 +111,25 @@ std::vector<std::string> run_pipeline_case(Comm& comm, const PipeCase& c, Model 
   for (int step = 0; step < c.steps; ++step) {
     const auto x = pipe_images<S>(c.batch, image, step);
     const auto y = pipe_labels(c.batch, step);
-    // The reference: the whole model on the whole batch.
+    // The reference: the whole model on the whole batch, or on each micro-batch in turn.
     sgd_ref.zero_grad();
-    typename Model::Cache cache{};
-    typename CrossEntropyLoss<E>::Cache loss_cache;
-    const S ref_loss = loss.forward(model_ref.forward(x, cache), y, loss_cache);
-    model_ref.backward(loss.backward(loss_cache), cache);
+    S ref_loss = 0;
+    const int parts = c.reference_per_micro_batch ? c.micro_batches : 1;
+    const std::int64_t rows = c.batch / parts, per_row = x.numel() / c.batch;
+    for (int part = 0; part < parts; ++part) {
+      Shape part_shape = x.shape();
+      part_shape[0] = rows;
+      Tensor<S, Cpu> xp(part_shape);
+      std::copy_n(x.data() + part * rows * per_row, rows * per_row, xp.data());
+      const std::span<const std::int64_t> yp(y.data() + part * rows, static_cast<std::size_t>(rows));
+      typename Model::Cache cache{};
+      typename CrossEntropyLoss<E>::Cache loss_cache;
+      ref_loss += loss.forward(model_ref.forward(xp, cache), yp, loss_cache) / static_cast<S>(parts);
+      const Tensor<S, Cpu>& g = loss.backward(loss_cache);
+      Tensor<S, Cpu> scaled(g.shape());
+      for (std::int64_t k = 0; k < g.numel(); ++k) scaled.data()[k] = g.data()[k] * (S(1) / static_cast<S>(parts));  // as the pipeline scales
+      model_ref.backward(parts == 1 ? g : scaled, cache);
+    }
     // The pipeline; stage 0 alone reads x, the last stage alone the labels.
     sgd_pipe.zero_grad();
     const auto& table = pipe.schedule();  // the last stage's rank reads the labels (rank 0 in V placement)

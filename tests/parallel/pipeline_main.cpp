@@ -1,9 +1,11 @@
 // Pipeline equivalence as a multi-process program (MPI under mpirun, Gloo under tessera-run): one
 // stage per rank, GPipe and 1F1B, an MLP and a BN-free ResNet with 4 micro-batches and ResNet-20
-// with BN at one micro-batch, each checked against the unsplit model on the same rank; on 4 ranks
+// with BN at one micro-batch, each checked against the unsplit model on the same rank; ResNet-20
+// and the GPT under interleaved 1F1B, ZB-H1 and ZB-V as well; on 4 ranks
 // also 2 data-parallel replicas x 2 pipeline stages. A pipeline over a GPT's blocks (its tied wte on
 // the first and the last stage) against one process, both schedules (float32, 1e-5). And the other
 // model parallelism, a GPT's tensor + sequence parallelism over all ranks, against the dense GPT.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 
@@ -51,6 +53,17 @@ int main(int argc, char** argv) {
         for (auto& f : testing::pipeline_equivalence<double>(comm, {.micro_batches = m, .schedule = PipelineSchedule::ZBV, .batch = 2 * m}))
           failures.push_back(f);
     }
+    // ResNet-20 with BatchNorm, 2P micro-batches, under every schedule (the reference runs the
+    // same micro-batches in turn: the statistics are each micro-batch's); ZB-H1 and ZB-V split the
+    // blocks' backward into input and weight halves.
+    for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB, PipelineSchedule::Interleaved1F1B,
+                                      PipelineSchedule::ZBH1, PipelineSchedule::ZBV}) {
+      const int m = 2 * comm.size();
+      for (auto& f : testing::pipeline_equivalence<double>(
+               comm, {.model = PipeModel::ResNet20, .micro_batches = m, .schedule = schedule, .batch = 2 * m, .steps = 2,
+                      .reference_per_micro_batch = true}))
+        failures.push_back(f);
+    }
     if (comm.size() == 4) {
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2)) failures.push_back(f);
       for (auto& f : testing::hybrid_equivalence<double>(comm, 2, 3, PipelineSchedule::ZBH1)) failures.push_back(f);
@@ -58,6 +71,13 @@ int main(int argc, char** argv) {
     for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB})
       for (auto& f : testing::pp_gpt_equivalence<float>(comm, {.micro_batches = 4, .schedule = schedule}))
         failures.push_back(f);
+    // The GPT under the newer schedules: 2 stages per rank need 2P units (n_layer + 2).
+    for (PipelineSchedule schedule : {PipelineSchedule::Interleaved1F1B, PipelineSchedule::ZBH1, PipelineSchedule::ZBV}) {
+      const int m = 2 * comm.size();
+      testing::PpGptCase k{.batch = m, .micro_batches = m, .schedule = schedule};
+      k.config.n_layer = std::max<std::int64_t>(3, 2 * comm.size() - 2);
+      for (auto& f : testing::pp_gpt_equivalence<float>(comm, k)) failures.push_back(f);
+    }
     for (auto& f : testing::tp_gpt_equivalence<float>(comm)) failures.push_back(f);
     // Dropout: the masks are functions of global positions, so the stages and ranks stay exact.
     testing::PpGptCase pp_dropout{.micro_batches = 4, .checkpointing = true};

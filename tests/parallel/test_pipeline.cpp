@@ -138,6 +138,22 @@ TEST_CASE("Pipeline: ResNet-20 with BatchNorm equals the unsplit model when the 
     }
 }
 
+// With BatchNorm the statistics are each micro-batch's: the reference runs the micro-batches in
+// turn (PipeCase::reference_per_micro_batch). Every built-in schedule, the zero-bubble ones with
+// the blocks' backward split into input and weight halves.
+TEST_CASE("Pipeline: ResNet-20 with BatchNorm under every schedule equals the unsplit model on the same micro-batches",
+          "[parallel][pipeline]") {
+  static_assert(Pipeline<ResNet<Env<Cpu, ThreadComm, double>, BasicBlock>>::kSplitsBackward);
+  for (PipelineSchedule schedule : {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB, PipelineSchedule::Interleaved1F1B,
+                                    PipelineSchedule::ZBH1, PipelineSchedule::ZBV})
+    DYNAMIC_SECTION(schedule_name(schedule) << " P=2 M=4") {
+      check_pipeline(2, {.model = PipeModel::ResNet20, .micro_batches = 4, .schedule = schedule, .batch = 8, .steps = 2,
+                         .reference_per_micro_batch = true});
+    }
+  check_pipeline(4, {.model = PipeModel::ResNet20, .micro_batches = 8, .schedule = PipelineSchedule::ZBH1, .batch = 16,
+                     .steps = 2, .reference_per_micro_batch = true});
+}
+
 TEST_CASE("Pipeline: 1F1B holds at most P - s micro-batches, GPipe all M", "[parallel]") {
   ThreadWorld world(4);
   std::vector<int> gpipe(4), one_f_one_b(4);

@@ -347,6 +347,40 @@ TEST_CASE("Pipeline over GPT blocks equals one process on 2 to 5 thread stages, 
   }
 }
 
+TEST_CASE("Pipeline over GPT: interleaved 1F1B, ZB-H1 and ZB-V equal one process, the blocks' backward split in two "
+          "(float32)",
+          "[parallel][gpt][pipeline]") {
+  struct Variant {
+    int ranks;
+    PipelineSchedule schedule;
+    int micro_batches;
+    std::int64_t n_layer = 3;  // units: n_layer + 2, at least the stages (2 per rank unless ZB-H1)
+    bool checkpointing = false;
+    double dropout = 0;
+  };
+  for (const Variant v : {Variant{2, PipelineSchedule::ZBH1, 4}, Variant{3, PipelineSchedule::ZBH1, 6, 3, false, 0.1},
+                          Variant{4, PipelineSchedule::ZBH1, 8, 3}, Variant{2, PipelineSchedule::ZBH1, 4, 3, true},
+                          Variant{2, PipelineSchedule::Interleaved1F1B, 4}, Variant{2, PipelineSchedule::ZBV, 4},
+                          Variant{3, PipelineSchedule::ZBV, 6, 4, false, 0.2}}) {
+    DYNAMIC_SECTION(v.ranks << " ranks, " << schedule_name(v.schedule) << ", " << v.micro_batches << " micro-batches"
+                            << (v.checkpointing ? ", checkpointed" : "") << ", dropout " << v.dropout) {
+      std::vector<std::vector<std::string>> failures(static_cast<std::size_t>(v.ranks));
+      ThreadWorld world(v.ranks);
+      world.run([&](ThreadComm& comm) {
+        testing::PpGptCase k{.batch = v.micro_batches, .micro_batches = v.micro_batches, .schedule = v.schedule,
+                             .checkpointing = v.checkpointing};
+        k.config.n_layer = v.n_layer;
+        k.config.dropout = v.dropout;
+        failures[static_cast<std::size_t>(comm.rank())] = testing::pp_gpt_equivalence<float>(comm, k);
+      });
+      for (const auto& rank_failures : failures) {
+        CHECK(rank_failures.empty());
+        for (const auto& f : rank_failures) FAIL_CHECK(f);
+      }
+    }
+  }
+}
+
 TEST_CASE("Trainer + GPT: stack(DataParallel, Pipeline) on 2 replicas x 2 stages equals one process (float64)",
           "[train][gpt][parallel]") {
   const auto stream = tokens_stream(600, 7);

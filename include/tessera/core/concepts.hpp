@@ -80,6 +80,12 @@ concept HasBackward = requires(L& l, const typename L::Tensor& t, typename L::Ca
   { l.backward(t, c) } -> std::same_as<const typename L::Tensor&>;
 };
 template <class L>
+concept HasBackwardInput = requires(L& l, const typename L::Tensor& t, typename L::Cache& c) {
+  { l.backward_input(t, c) } -> std::same_as<const typename L::Tensor&>;
+};
+template <class L>
+concept HasBackwardWeight = requires(L& l, typename L::Cache& c) { l.backward_weight(c); };
+template <class L>
 concept HasSetMode = requires(L& l) { l.set_mode(Mode::Train); };
 template <class L>
 concept HasVisit = requires(L& l, VisitorArchetype& v, const std::string& prefix) { l.visit(v, prefix); };
@@ -105,6 +111,12 @@ consteval bool check_layer() {
     static_assert(has_forward, "Tessera Layer: missing `const Tensor& forward(const Tensor& x, Cache& cache)`");
     static_assert(has_backward, "Tessera Layer: missing `const Tensor& backward(const Tensor& dy, Cache& cache)` "
                                 "(returns dL/dx, accumulates parameter gradients)");
+    constexpr bool has_input_half = detail::HasBackwardInput<L>, has_weight_half = detail::HasBackwardWeight<L>;
+    static_assert(has_input_half == has_weight_half,
+                  "Tessera Layer: a split backward, for zero-bubble pipeline schedules, takes both halves: "
+                  "`const Tensor& backward_input(const Tensor& dy, Cache&)` returns dL/dx and keeps in the "
+                  "cache what `void backward_weight(Cache&)` then needs to accumulate the parameter gradients, "
+                  "the two together giving backward's bits (a layer without parameters needs neither)");
   }
   constexpr bool has_set_mode = detail::HasSetMode<L>, has_visit = detail::HasVisit<L>;
   static_assert(has_set_mode, "Tessera Layer: missing `void set_mode(Mode)` (Train/Eval; empty if the layer "
@@ -114,6 +126,26 @@ consteval bool check_layer() {
                            "is never updated, saved or all-reduced; a layer without any derives from "
                            "tessera::ParameterFree");
   return Layer<L>;
+}
+
+// Split backward (optional), for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp),
+// which run the input gradient (I) a stage upstream waits for first and the weight gradients (W)
+// later, in what would be a bubble:
+//   const Tensor& backward_input(const Tensor& dy, Cache&);   returns dL/dx; keeps what W needs
+//   void backward_weight(Cache&);                             accumulates dL/dtheta
+// The two together must give backward's bits; the caller keeps x and dy alive and unchanged from
+// one to the other. A layer with parameters but no split runs its whole backward as the input
+// half (correct, but its weight work cannot fill a bubble); one without parameters needs none.
+template <class L>
+concept SplitsBackward = detail::HasBackwardInput<L> && detail::HasBackwardWeight<L>;
+template <class L, class T, class C>
+const T& split_backward_input(L& layer, const T& dy, C& cache) {
+  if constexpr (SplitsBackward<L>) return layer.backward_input(dy, cache);
+  else return layer.backward(dy, cache);
+}
+template <class L, class C>
+void split_backward_weight(L& layer, C& cache) {
+  if constexpr (SplitsBackward<L>) layer.backward_weight(cache);
 }
 
 // Activation memory (docs/design.md, "Activation memory"). A layer's Cache keeps its output y for

@@ -234,27 +234,16 @@ class SelfAttention {
     return c_proj_.forward(c.heads, c.proj);
   }
 
-  const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.heads.rank() == 3, Error, name(), "::backward called before forward on this cache");
-    TESSERA_CHECK(!c.cached, Error, name(), "::backward after forward_cached: the key/value cache path is inference only");
-    const std::int64_t t = c.dims.queries;
-    const Tensor* dproj = &dy;
-    if (c.resid_dropout.active()) {  // the same mask again, on the gradient
-      TESSERA_CHECK(dy.shape() == c.dropped.shape(), ShapeError, name(), "::backward: dy ", dy.shape(),
-                    " does not match the output ", c.dropped.shape());
-      c.dproj.resize(dy.shape());
-      dropout_rows(D{}, c.resid_dropout, c.dims.batch, t, n_embd_, dy.data(), c.dproj.data());
-      dproj = &c.dproj;
-    }
-    const Tensor& dheads = c_proj_.backward(*dproj, c.proj);
-    const Tensor& qkv = c.attn.y;
-    c.dqkv.resize(qkv.shape());
-    const S* base = qkv.data();
-    S* dbase = c.dqkv.data();
-    attention_backward(D{}, c.dims, base, qkv_layout(t), base + n_embd_, qkv_layout(t), base + 2 * n_embd_,
-                       qkv_layout(t), c.heads.data(), dheads.data(), heads_layout(t), c.lse.data(), scale(), causal_,
-                       dbase, qkv_layout(t), dbase + n_embd_, qkv_layout(t), dbase + 2 * n_embd_, qkv_layout(t));
-    return c_attn_.backward(c.dqkv, c.attn);
+  const Tensor& backward(const Tensor& dy, Cache& c) { return backward_impl(dy, c, false); }
+  // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // backward_input runs c_proj's and c_attn's input halves around the attention's own backward
+  // (which has no parameters); backward_weight adds both projections' weight gradients from what
+  // they kept. The same products as backward's, so the same bits. x and dy must stay alive and
+  // unchanged until backward_weight.
+  const Tensor& backward_input(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true); }
+  void backward_weight(Cache& c) {
+    c_proj_.backward_weight(c.proj);
+    c_attn_.backward_weight(c.attn);
   }
 
   template <class V>
@@ -275,6 +264,30 @@ class SelfAttention {
   }
 
  private:
+  // input_only: the projections' input halves (backward_input), their weight halves left for later.
+  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool input_only) {
+    TESSERA_CHECK(c.heads.rank() == 3, Error, name(), "::backward called before forward on this cache");
+    TESSERA_CHECK(!c.cached, Error, name(), "::backward after forward_cached: the key/value cache path is inference only");
+    const std::int64_t t = c.dims.queries;
+    const Tensor* dproj = &dy;
+    if (c.resid_dropout.active()) {  // the same mask again, on the gradient
+      TESSERA_CHECK(dy.shape() == c.dropped.shape(), ShapeError, name(), "::backward: dy ", dy.shape(),
+                    " does not match the output ", c.dropped.shape());
+      c.dproj.resize(dy.shape());
+      dropout_rows(D{}, c.resid_dropout, c.dims.batch, t, n_embd_, dy.data(), c.dproj.data());
+      dproj = &c.dproj;
+    }
+    const Tensor& dheads = input_only ? c_proj_.backward_input(*dproj, c.proj) : c_proj_.backward(*dproj, c.proj);
+    const Tensor& qkv = c.attn.y;
+    c.dqkv.resize(qkv.shape());
+    const S* base = qkv.data();
+    S* dbase = c.dqkv.data();
+    attention_backward(D{}, c.dims, base, qkv_layout(t), base + n_embd_, qkv_layout(t), base + 2 * n_embd_,
+                       qkv_layout(t), c.heads.data(), dheads.data(), heads_layout(t), c.lse.data(), scale(), causal_,
+                       dbase, qkv_layout(t), dbase + n_embd_, qkv_layout(t), dbase + 2 * n_embd_, qkv_layout(t));
+    return input_only ? c_attn_.backward_input(c.dqkv, c.attn) : c_attn_.backward(c.dqkv, c.attn);
+  }
+
   static std::int64_t checked_heads(std::int64_t n_embd, std::int64_t n_head) {
     TESSERA_CHECK(n_embd > 0 && n_head > 0 && n_embd % n_head == 0, ArgumentError, "SelfAttention: n_embd=", n_embd,
                   " must be a positive multiple of n_head=", n_head);

@@ -72,6 +72,10 @@ class BatchNorm2d {
     Tensor y, dx;
     Tensor mean, invstd;                   // (C): the statistics the forward normalized with
     tessera::Tensor<double, D> sum, sum2;  // (C): per-channel sums, scratch for forward and backward
+    // (C): this rank's sum dy and sum dy xhat, kept from backward_input for backward_weight (sum and
+    // sum2 then hold the group's, under SyncBatchNorm).
+    tessera::Tensor<double, D> weight_sum, weight_sum2;
+    bool weight_grads_pending = false;
     bool train = false;
     bool forward_only = false;  // fused into the convolution before it (Mode::Inference): no backward
     std::int64_t count = 0;  // M: values per channel the statistics were taken over (all ranks)
@@ -112,6 +116,22 @@ class BatchNorm2d {
   }
   void recompute_output_relu(Cache& c, typename ReLU<E>::Cache& r) { renormalize(c, r.y, true); }
   const Tensor& backward_relu(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true); }
+
+  // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // backward_input (backward_relu_input for the fused pair) forms dx and keeps this rank's sum dy
+  // and sum dy xhat, which dx needs anyway; backward_weight adds them to dbeta and dgamma. The same
+  // sums as backward's, so the same bits; the W half is C additions, as cheap as it gets.
+  const Tensor& backward_input(const Tensor& dy, Cache& c) { return backward_impl(dy, c, false, true); }
+  const Tensor& backward_relu_input(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true, true); }
+  void backward_weight(Cache& c) {
+    TESSERA_CHECK(c.weight_grads_pending, Error, name(),
+                  "::backward_weight called without backward_input on this cache");
+    batch_norm_accumulate_affine_grads(D{}, channels_, c.weight_sum.data(), c.weight_sum2.data(), weight_.grad.data(),
+                                       bias_.grad.data());
+    weight_.grad_ready();
+    bias_.grad_ready();
+    c.weight_grads_pending = false;
+  }
 
   // Train or Eval, at the end of a residual block (Residual, through Sequential::forward_norm_add_relu):
   // y = relu(forward(x) + addend) in one pass, the unfused steps' value per element
@@ -230,7 +250,8 @@ class BatchNorm2d {
                          bias_.value.data(), y.data(), relu);
   }
 
-  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool relu) {
+  // defer_weight: keep the local sums for backward_weight instead of adding them to the grads now.
+  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool relu, bool defer_weight = false) {
     check_differentiable(c);
     TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
     const Tensor& x = *c.x;
@@ -245,9 +266,18 @@ class BatchNorm2d {
     const S* beta = bias_.value.data();
     batch_norm_backward_local_sums(D{}, dy.data(), x.data(), s, c.mean.data(), c.invstd.data(), sum_dy,
                                    sum_dy_xhat, relu, gamma, beta);
-    batch_norm_accumulate_affine_grads(D{}, channels_, sum_dy, sum_dy_xhat, weight_.grad.data(), bias_.grad.data());
-    weight_.grad_ready();
-    bias_.grad_ready();
+    if (defer_weight) {
+      c.weight_sum.resize({channels_});
+      c.weight_sum2.resize({channels_});
+      const std::size_t bytes = static_cast<std::size_t>(channels_) * sizeof(double);
+      D::copy(c.weight_sum.data(), sum_dy, bytes);
+      D::copy(c.weight_sum2.data(), sum_dy_xhat, bytes);
+      c.weight_grads_pending = true;
+    } else {
+      batch_norm_accumulate_affine_grads(D{}, channels_, sum_dy, sum_dy_xhat, weight_.grad.data(), bias_.grad.data());
+      weight_.grad_ready();
+      bias_.grad_ready();
+    }
     if (needs_input_grad_) {
       c.dx.resize(x.shape());
       // Synchronized: dx needs the group's sums (every rank must run this backward, as it ran forward).

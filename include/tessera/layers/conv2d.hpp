@@ -53,6 +53,7 @@ class Conv2d {
   static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
+    const Tensor* dy = nullptr;  // between backward_input and backward_weight
     Tensor y, dx;
     Shape y_shape;  // y's shape, still known once y is released
     // channels_last on the CPU: x, and y or dy then dx, in NCHW for the planar kernels.
@@ -135,31 +136,29 @@ class Conv2d {
 
   // dy (N, C_out, H', W') -> dx (N, C_in, H, W); weight.grad and bias.grad accumulate.
   const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.x != nullptr, Error, name_, "::backward called before forward on this cache");
-    const Tensor& x = *c.x;
-    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, name_, "::backward: dy ", dy.shape(),
-                  " does not match the output ", c.y_shape);
-    const Conv2dGeometry g = geometry(x);
-    const std::int64_t n = x.dim(0);
-    TESSERA_CHECK((Shape{n, o_.out_channels, g.out_height, g.out_width}) == c.y_shape, ShapeError, name_,
-                  "::backward: the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
+    const Conv2dGeometry g = checked_backward_geometry(dy, c, "backward");
     const S* dyd = planar_reference() ? to_planar(dy, c.planar) : dy.data();
-    if (o_.bias) {
-      if (g.channels_last)  // NHWC dy: (N H' W', C_out) rows
-        add_column_sums(D{}, dyd, n * g.out_plane(), o_.out_channels, bias_.grad.data());
-      else
-        conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dyd, bias_.grad.data());
-      bias_.grad_ready();
-    }
-    if (needs_input_grad_) c.dx.resize(x.shape());
-    S* dxd = !needs_input_grad_ ? nullptr : planar_reference() ? planar_buffer(c.dx_planar, x.shape()) : c.dx.data();
-    const Conv2dBlocking b = blocking(g, n);
-    conv2d_backward(D{}, g, b, n, planar_reference() ? c.x_planar.data() : x.data(), weight_.value.data(), dyd,
-                    weight_.grad.data(), dxd,
-                    scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
-    weight_.grad_ready();
-    if (planar_reference() && needs_input_grad_) from_planar(c.dx_planar, c.dx);
-    return c.dx;
+    bias_grad(g, dyd, c.x->dim(0));
+    return grads(g, c, dyd, /*weight=*/true, /*input=*/needs_input_grad_);
+  }
+  // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // backward_input returns dx = the transposed convolution of dy with W and keeps dy's address;
+  // backward_weight then adds dL/dW (x correlated with dy) and dL/db. The kernels run the same
+  // blocks in the same order as backward's (kernels/cpu/conv2d.hpp), so the bits are backward's.
+  // x and dy must stay alive and unchanged until backward_weight.
+  const Tensor& backward_input(const Tensor& dy, Cache& c) {
+    const Conv2dGeometry g = checked_backward_geometry(dy, c, "backward_input");
+    c.dy = &dy;
+    const S* dyd = planar_reference() ? to_planar(dy, c.planar) : dy.data();
+    return grads(g, c, dyd, /*weight=*/false, /*input=*/needs_input_grad_);
+  }
+  void backward_weight(Cache& c) {
+    TESSERA_CHECK(c.dy != nullptr, Error, name_, "::backward_weight called without backward_input on this cache");
+    const Conv2dGeometry g = checked_backward_geometry(*c.dy, c, "backward_weight");
+    const S* dyd = planar_reference() ? c.planar.data() : c.dy->data();  // backward_input's NCHW copy of dy
+    bias_grad(g, dyd, c.x->dim(0));
+    grads(g, c, dyd, /*weight=*/true, /*input=*/false);
+    c.dy = nullptr;
   }
 
   template <class V>
@@ -217,6 +216,40 @@ class Conv2d {
     return s + ")";
   }
 
+  // The geometry of the cached input, after checking dy and x against forward's shapes.
+  Conv2dGeometry checked_backward_geometry(const Tensor& dy, const Cache& c, const char* what) const {
+    TESSERA_CHECK(c.x != nullptr, Error, name_, "::", what, " called before forward on this cache");
+    const Tensor& x = *c.x;
+    TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, name_, "::", what, ": dy ", dy.shape(),
+                  " does not match the output ", c.y_shape);
+    const Conv2dGeometry g = geometry(x);
+    TESSERA_CHECK((Shape{x.dim(0), o_.out_channels, g.out_height, g.out_width}) == c.y_shape, ShapeError, name_,
+                  "::", what, ": the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
+    return g;
+  }
+  // bias.grad += the sum of dy over N, H', W'.
+  void bias_grad(const Conv2dGeometry& g, const S* dyd, std::int64_t n) {
+    if (!o_.bias) return;
+    if (g.channels_last)  // NHWC dy: (N H' W', C_out) rows
+      add_column_sums(D{}, dyd, n * g.out_plane(), o_.out_channels, bias_.grad.data());
+    else
+      conv2d_bias_backward(D{}, n, o_.out_channels, g.out_plane(), dyd, bias_.grad.data());
+    bias_.grad_ready();
+  }
+  // weight.grad += dL/dW when `weight`, c.dx = dL/dx when `input`.
+  const Tensor& grads(const Conv2dGeometry& g, Cache& c, const S* dyd, bool weight, bool input) {
+    const Tensor& x = *c.x;
+    const std::int64_t n = x.dim(0);
+    if (input) c.dx.resize(x.shape());
+    S* dxd = !input ? nullptr : planar_reference() ? planar_buffer(c.dx_planar, x.shape()) : c.dx.data();
+    const Conv2dBlocking b = blocking(g, n);
+    conv2d_backward(D{}, g, b, n, planar_reference() ? c.x_planar.data() : x.data(), weight_.value.data(), dyd,
+                    weight ? weight_.grad.data() : nullptr, dxd,
+                    scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
+    if (weight) weight_.grad_ready();
+    if (planar_reference() && input) from_planar(c.dx_planar, c.dx);
+    return c.dx;
+  }
   Conv2dGeometry geometry(const Tensor& x) const {
     TESSERA_CHECK(x.rank() == 4 && x.dim(1) == o_.in_channels, ShapeError, name_, ": expected input (N, ",
                   o_.in_channels, ", H, W), got ", x.shape());

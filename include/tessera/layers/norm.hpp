@@ -60,6 +60,7 @@ class NormLayer {
   static constexpr bool kBackwardReadsOutput = false;
   struct Cache {
     const Tensor* x = nullptr;
+    const Tensor* dy = nullptr;  // between backward_input and backward_weight
     Shape x_shape;      // x's shape at forward, checked again by backward
     Tensor y, dx;
     Tensor mean, rstd;  // (rows): the statistics forward normalized with (no mean for RMSNorm)
@@ -99,23 +100,23 @@ class NormLayer {
   }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.x != nullptr, Error, name(), "::backward called before forward on this cache");
-    TESSERA_CHECK(dy.shape() == c.x_shape, ShapeError, name(), "::backward: dy ", dy.shape(), " does not match the input ",
-                  c.x_shape);
-    TESSERA_CHECK(c.x->shape() == c.x_shape, ShapeError, name(), "::backward: the input changed shape to ",
-                  c.x->shape(), " since forward (keep it alive and unchanged)");
-    const std::int64_t rows = c.rstd.numel();
-    if (needs_input_grad_) c.dx.resize(dy.shape());
-    S* dx = needs_input_grad_ ? c.dx.data() : nullptr;
-    S* dweight = affine_ ? weight_.grad.data() : nullptr;
-    if constexpr (Centered)
-      layer_norm_backward(D{}, c.x->data(), dy.data(), c.mean.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(),
-                          dx, dweight, has_bias_ ? bias_.grad.data() : nullptr);
-    else
-      rms_norm_backward(D{}, c.x->data(), dy.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(), dx, dweight);
-    if (affine_) weight_.grad_ready();
-    if (has_bias_) bias_.grad_ready();
-    return c.dx;
+    check_backward(dy, c, "backward");
+    return grads(dy, c, /*weight=*/true, /*input=*/needs_input_grad_);
+  }
+  // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // backward_input forms dx (row sums) and keeps dy's address; backward_weight adds dweight and
+  // dbias (column sums). backward runs the same two kernels (kernels/cpu/norm.hpp), so the bits
+  // are backward's. x and dy must stay alive and unchanged until backward_weight.
+  const Tensor& backward_input(const Tensor& dy, Cache& c) {
+    check_backward(dy, c, "backward_input");
+    c.dy = &dy;
+    return grads(dy, c, /*weight=*/false, /*input=*/needs_input_grad_);
+  }
+  void backward_weight(Cache& c) {
+    TESSERA_CHECK(c.dy != nullptr, Error, name(), "::backward_weight called without backward_input on this cache");
+    check_backward(*c.dy, c, "backward_weight");
+    grads(*c.dy, c, /*weight=*/true, /*input=*/false);
+    c.dy = nullptr;
   }
 
   template <class V>
@@ -133,6 +134,30 @@ class NormLayer {
   std::string name() const { return cat(kind(), "(", shape_, ", eps=", eps_, ")"); }
 
  private:
+  void check_backward(const Tensor& dy, const Cache& c, const char* what) const {
+    TESSERA_CHECK(c.x != nullptr, Error, name(), "::", what, " called before forward on this cache");
+    TESSERA_CHECK(dy.shape() == c.x_shape, ShapeError, name(), "::", what, ": dy ", dy.shape(),
+                  " does not match the input ", c.x_shape);
+    TESSERA_CHECK(c.x->shape() == c.x_shape, ShapeError, name(), "::", what, ": the input changed shape to ",
+                  c.x->shape(), " since forward (keep it alive and unchanged)");
+  }
+  // c.dx = dL/dx when `input`; the parameter gradients accumulate when `weight`.
+  const Tensor& grads(const Tensor& dy, Cache& c, bool weight, bool input) {
+    const std::int64_t rows = c.rstd.numel();
+    if (input) c.dx.resize(dy.shape());
+    S* dx = input ? c.dx.data() : nullptr;
+    S* dweight = weight && affine_ ? weight_.grad.data() : nullptr;
+    S* dbias = weight && has_bias_ ? bias_.grad.data() : nullptr;
+    if constexpr (Centered)
+      layer_norm_backward(D{}, c.x->data(), dy.data(), c.mean.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(),
+                          dx, dweight, dbias);
+    else
+      rms_norm_backward(D{}, c.x->data(), dy.data(), c.rstd.data(), weight_ptr(), rows, shape_.numel(), dx, dweight);
+    if (weight && affine_) weight_.grad_ready();
+    if (weight && has_bias_) bias_.grad_ready();
+    return c.dx;
+  }
+
   static const char* kind() { return Centered ? "LayerNorm" : "RMSNorm"; }
   const S* weight_ptr() const { return affine_ ? weight_.value.data() : nullptr; }
   const S* bias_ptr() const { return has_bias_ ? bias_.value.data() : nullptr; }

@@ -38,6 +38,8 @@ class Residual {
     typename Main::Cache main;
     typename Projection::Cache projection;
     Tensor y, dsum, dx;
+    // Between backward_input and backward_weight: whether each branch handed ds on as its dL/dx.
+    bool main_handed_on = false, shortcut_handed_on = false;
   };
 
   explicit Residual(Main main, std::optional<Projection> projection = std::nullopt)
@@ -80,19 +82,19 @@ class Residual {
   }
 
   const Tensor& backward(const Tensor& dy, Cache& c) {
-    check_backward_allowed(mode_, "Residual");
-    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Residual::backward: dy ", dy.shape(),
-                  " does not match the output ", c.y.shape());
-    c.dsum.resize(dy.shape());
-    relu_backward(D{}, dy.data(), c.y.data(), dy.numel(), c.dsum.data());  // ds = dy * [y > 0]
-    const Tensor& dmain = main_.backward(c.dsum, c.main);
-    const Tensor& dshortcut = projection_ ? projection_->backward(c.dsum, c.projection) : c.dsum;
-    c.dx.resize(dmain.shape());
-    add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
-    if (&dmain != &c.dsum) release_input_grad(main_, c.main);
-    if (projection_ && &dshortcut != &c.dsum) release_input_grad(*projection_, c.projection);
-    c.dsum.release();
+    backward_impl(dy, c, /*input_only=*/false);
+    release_branch_grads(c);
     return c.dx;
+  }
+  // The backward in two halves, for zero-bubble pipeline schedules (core/concepts.hpp,
+  // SplitsBackward): backward_input runs both branches' input halves and sums dx; backward_weight
+  // their weight halves, then releases what backward releases. ds stays in the cache between the
+  // two (the branches' last layers read it back), so only the block's input x must stay alive.
+  const Tensor& backward_input(const Tensor& dy, Cache& c) { return backward_impl(dy, c, /*input_only=*/true); }
+  void backward_weight(Cache& c) {
+    split_backward_weight(main_, c.main);
+    if (projection_) split_backward_weight(*projection_, c.projection);
+    release_branch_grads(c);
   }
 
   void set_mode(Mode mode) {
@@ -119,6 +121,29 @@ class Residual {
   Projection* projection() { return projection_ ? &*projection_ : nullptr; }
 
  private:
+  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool input_only) {
+    check_backward_allowed(mode_, "Residual");
+    TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Residual::backward: dy ", dy.shape(),
+                  " does not match the output ", c.y.shape());
+    c.dsum.resize(dy.shape());
+    relu_backward(D{}, dy.data(), c.y.data(), dy.numel(), c.dsum.data());  // ds = dy * [y > 0]
+    const Tensor& dmain = input_only ? split_backward_input(main_, c.dsum, c.main) : main_.backward(c.dsum, c.main);
+    const Tensor& dshortcut = !projection_ ? c.dsum
+                              : input_only ? split_backward_input(*projection_, c.dsum, c.projection)
+                                           : projection_->backward(c.dsum, c.projection);
+    c.dx.resize(dmain.shape());
+    add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
+    c.main_handed_on = &dmain == &c.dsum;
+    c.shortcut_handed_on = &dshortcut == &c.dsum;
+    return c.dx;
+  }
+  // The branches' input gradients and ds, dead once dx is formed and every weight half has run.
+  void release_branch_grads(Cache& c) {
+    if (!c.main_handed_on) release_input_grad(main_, c.main);
+    if (projection_ && !c.shortcut_handed_on) release_input_grad(*projection_, c.projection);
+    c.dsum.release();
+  }
+
   Main main_;
   std::optional<Projection> projection_;
   Mode mode_ = Mode::Train;

@@ -91,7 +91,13 @@ class Sequential {
  public:
   using Env = typename First::Env;
   using Tensor = typename First::Tensor;
-  using Cache = std::tuple<typename detail::LayerSlot<Ls>::Cache...>;
+  // The layers' caches side by side (std::get<I>(cache) is layer I's), and what the input half of
+  // a split backward leaves for its weight half: whether layer I handed on the very gradient
+  // layer I + 1 returned (the second layer of a fused pair, Dropout in eval), which decides what
+  // may be released once the weight half is done.
+  struct Cache : std::tuple<typename detail::LayerSlot<Ls>::Cache...> {
+    std::array<bool, sizeof...(Ls)> handed_on{};
+  };
   static constexpr std::size_t kSize = sizeof...(Ls);
   using FirstSlot = detail::LayerSlot<std::tuple_element_t<0, std::tuple<Ls...>>>;
   using LastSlot = detail::LayerSlot<std::tuple_element_t<kSize - 1, std::tuple<Ls...>>>;
@@ -128,6 +134,29 @@ class Sequential {
       ((last - I >= begin && last - I < end ? backward_one<last - I>(current, cache, begin, end) : void()), ...);
     }(std::index_sequence_for<Ls...>{});
     return *current;
+  }
+  // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp;
+  // core/concepts.hpp, SplitsBackward): the input half runs each layer's backward_input (its whole
+  // backward if it does not split; a parameter-free layer has nothing else to do) and releases
+  // nothing, since the weight halves still read the layers' inputs and output gradients; the weight
+  // half then runs the layers' backward_weight from the last to the first, releasing each buffer
+  // as backward would have once it is dead. Together the bits are backward's.
+  const Tensor& backward_input(const Tensor& dy, Cache& cache) { return backward_units_input(dy, cache, 0, kSize); }
+  void backward_weight(Cache& cache) { backward_units_weight(cache, 0, kSize); }
+  const Tensor& backward_units_input(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
+    check_backward_allowed(mode_, "Sequential");
+    const Tensor* current = &dy;
+    constexpr std::size_t last = kSize - 1;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((last - I >= begin && last - I < end ? backward_one<last - I, true>(current, cache, begin, end) : void()), ...);
+    }(std::index_sequence_for<Ls...>{});
+    return *current;
+  }
+  void backward_units_weight(Cache& cache, std::size_t begin, std::size_t end) {
+    constexpr std::size_t last = kSize - 1;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((last - I >= begin && last - I < end ? weight_one<last - I>(cache, end) : void()), ...);
+    }(std::index_sequence_for<Ls...>{});
   }
   // The output of the last layer and the input gradient of the first, for the caller to release
   // once it has consumed them.
@@ -296,16 +325,39 @@ class Sequential {
     }
     return std::get<I>(layers_).forward(x, std::get<I>(cache));
   }
-  // Likewise backward: the first layer of a fused pair takes dy through both, the second passes it on.
-  template <std::size_t I>
+  // Likewise backward: the first layer of a fused pair takes dy through both, the second passes it
+  // on. InputOnly: the input half of a split backward (backward_units_input).
+  template <std::size_t I, bool InputOnly = false>
   const Tensor& backward_layer(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
+    auto& layer = std::get<I>(layers_);
+    auto& c = std::get<I>(cache);
     if constexpr (fuses_with_next<I>()) {
-      if (I + 1 < end) return std::get<I>(layers_).backward_relu(dy, std::get<I>(cache));
+      if (I + 1 < end) {
+        if constexpr (InputOnly && requires { layer.backward_relu_input(dy, c); }) return layer.backward_relu_input(dy, c);
+        else return layer.backward_relu(dy, c);
+      }
     }
     if constexpr (fuses_with_previous<I>()) {
       if (I - 1 >= begin) return dy;
     }
-    return std::get<I>(layers_).backward(dy, std::get<I>(cache));
+    if constexpr (InputOnly) return split_backward_input(layer, dy, c);
+    else return layer.backward(dy, c);
+  }
+  // The weight half of layer I (after layers I + 1 ... end - 1 had theirs), then the releases
+  // backward_one made after layer I's backward, now that nothing reads those buffers.
+  template <std::size_t I>
+  void weight_one(Cache& cache, std::size_t end) {
+    split_backward_weight(std::get<I>(layers_), std::get<I>(cache));
+    const bool handed_on = cache.handed_on[I];
+    if constexpr (I + 1 < kSize) {
+      if (I + 1 < end) {
+        if (!handed_on) tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));
+        tessera::release_output(std::get<I>(layers_), std::get<I>(cache));
+      }
+    }
+    if constexpr (fuses_with_next<I>() && I + 2 < kSize) {
+      if (I + 2 < end && !handed_on) tessera::release_input_grad(std::get<I + 2>(layers_), std::get<I + 2>(cache));
+    }
   }
 
   // Layer I's forward on *current; then layer I-1's output (when layer I-1 ran in this call,
@@ -330,7 +382,8 @@ class Sequential {
   // dead after its backward (layer I+1's backward ran before) and released too, as PyTorch frees
   // saved tensors as its backward passes them.
   // A fused pair's first layer consumes the gradient layer I+2 returned: that one it releases.
-  template <std::size_t I>
+  // InputOnly: the input half of a split backward, which releases nothing (weight_one does, later).
+  template <std::size_t I, bool InputOnly = false>
   void backward_one(const Tensor*& current, Cache& cache, std::size_t begin, std::size_t end) {
     if constexpr (I >= 2) {
       if constexpr (recomputed<I - 1>()) {
@@ -346,7 +399,11 @@ class Sequential {
       }
     }
     const Tensor* in = current;
-    current = &backward_layer<I>(*in, cache, begin, end);
+    current = &backward_layer<I, InputOnly>(*in, cache, begin, end);
+    if constexpr (InputOnly) {
+      cache.handed_on[I] = current == in;
+      return;
+    }
     if constexpr (I + 1 < kSize) {
       if (I + 1 < end) {
         if (current != in) tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));

@@ -155,22 +155,18 @@ class GPTBlock {
   }
 
   // dh = dy + d(mlp branch)/dh;  dx = dh + d(attn branch)/dx.
-  const Tensor& backward(const Tensor& dy, Cache& c) {
-    TESSERA_CHECK(c.h.rank() == 3 && dy.shape() == c.h.shape(), ShapeError, "GPTBlock::backward: dy ", dy.shape(),
-                  " does not match the output ", c.h.shape(), " (or backward before forward)");
-    const Tensor* dm = &dy;
-    if (c.mlp_dropout.active()) {  // the same mask again, on the gradient
-      c.dmlp.resize(dy.shape());
-      dropout_rows(D{}, c.mlp_dropout, dy.dim(0), dy.dim(1), dy.dim(2), dy.data(), c.dmlp.data());
-      dm = &c.dmlp;
-    }
-    const Tensor& dmlp = ln_2_.backward(c_fc_.backward(gelu_.backward(c_proj_.backward(*dm, c.c_proj), c.gelu), c.c_fc), c.ln_2);
-    c.dh.resize(dy.shape());
-    add(D{}, dy.data(), dmlp.data(), dy.numel(), c.dh.data());
-    const Tensor& dattn = ln_1_.backward(attn_.backward(c.dh, c.attn), c.ln_1);
-    c.dx.resize(dy.shape());
-    add(D{}, c.dh.data(), dattn.data(), dy.numel(), c.dx.data());
-    return c.dx;
+  const Tensor& backward(const Tensor& dy, Cache& c) { return backward_impl(dy, c, false); }
+  // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // backward_input runs every sublayer's input half (LayerNorm, SelfAttention and Linear split
+  // theirs; GELU has no parameters), backward_weight their weight halves from what each kept in c.
+  // Every intermediate gradient lives in c, so only dy itself must stay alive until backward_weight.
+  const Tensor& backward_input(const Tensor& dy, Cache& c) { return backward_impl(dy, c, true); }
+  void backward_weight(Cache& c) {
+    c_proj_.backward_weight(c.c_proj);
+    c_fc_.backward_weight(c.c_fc);
+    ln_2_.backward_weight(c.ln_2);
+    attn_.backward_weight(c.attn);
+    ln_1_.backward_weight(c.ln_1);
   }
 
   template <class V>
@@ -190,6 +186,34 @@ class GPTBlock {
   Linear<E>& mlp_c_proj() { return c_proj_; }
 
  private:
+  // input_only: the sublayers' input halves (backward_input).
+  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool input_only) {
+    TESSERA_CHECK(c.h.rank() == 3 && dy.shape() == c.h.shape(), ShapeError, "GPTBlock::backward: dy ", dy.shape(),
+                  " does not match the output ", c.h.shape(), " (or backward before forward)");
+    const Tensor* dm = &dy;
+    if (c.mlp_dropout.active()) {  // the same mask again, on the gradient
+      c.dmlp.resize(dy.shape());
+      dropout_rows(D{}, c.mlp_dropout, dy.dim(0), dy.dim(1), dy.dim(2), dy.data(), c.dmlp.data());
+      dm = &c.dmlp;
+    }
+    const Tensor* g = dm;
+    if (input_only) {
+      g = &c_proj_.backward_input(*g, c.c_proj);
+      g = &gelu_.backward(*g, c.gelu);
+      g = &c_fc_.backward_input(*g, c.c_fc);
+      g = &ln_2_.backward_input(*g, c.ln_2);
+    } else {
+      g = &ln_2_.backward(c_fc_.backward(gelu_.backward(c_proj_.backward(*g, c.c_proj), c.gelu), c.c_fc), c.ln_2);
+    }
+    c.dh.resize(dy.shape());
+    add(D{}, dy.data(), g->data(), dy.numel(), c.dh.data());
+    const Tensor& dattn = input_only ? ln_1_.backward_input(attn_.backward_input(c.dh, c.attn), c.ln_1)
+                                     : ln_1_.backward(attn_.backward(c.dh, c.attn), c.ln_1);
+    c.dx.resize(dy.shape());
+    add(D{}, c.dh.data(), dattn.data(), dy.numel(), c.dx.data());
+    return c.dx;
+  }
+
   LayerNorm<E> ln_1_;
   SelfAttention<E> attn_;
   LayerNorm<E> ln_2_;
@@ -222,6 +246,11 @@ class GPT {
     DropoutKey dropout;         // this forward's dropout: p (0: none), the step's draw, the batch offset
     Tensor demb;                // dL/d(the embeddings' sum) through transformer.drop
     const Tensor* blocks_input = nullptr;  // the first block's input (c.x, or a pipeline stage's received one)
+    // Between backward_units_input and backward_units_weight: the units, dlogits, dL/d(embeddings).
+    bool weight_pending = false;
+    std::size_t pending_begin = 0, pending_end = 0;
+    const Tensor* dlogits = nullptr;
+    const Tensor* demb_source = nullptr;
     std::size_t first_block = 0;           // the blocks this forward ran: [first_block, end_block)
     std::size_t end_block = 0;
   };
@@ -351,43 +380,31 @@ class GPT {
   // Backward of units [begin, end) from dL/d(unit end - 1's output): accumulates their parameters'
   // gradients and returns dL/d(unit begin's input) (an empty tensor when begin is 0: ids have none).
   const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
-    TESSERA_CHECK(begin < end && end <= unit_count(), ArgumentError, name(), "::backward_units: units [", begin, ", ",
-                  end, ") of ", unit_count());
-    TESSERA_CHECK(c.blocks_input != nullptr, Error, name(), "::backward called before forward on this cache");
-    const std::size_t blocks_end = std::min(end - 1, h_.size()), blocks_begin = std::max<std::size_t>(begin, 1) - 1;
-    TESSERA_CHECK(blocks_begin >= c.first_block && blocks_end <= c.end_block, ArgumentError, name(),
-                  "::backward_units: units [", begin, ", ", end, ") were not all run forward on this cache");
-    const Tensor* dx = &dy;
-    if (end == unit_count()) dx = &head_backward(dy, c, /*fire_tie=*/begin > 0);
-    for (std::size_t i = blocks_end; i-- > blocks_begin;) {
-      if (c.checkpointed) {
-        const Tensor& input = i == c.first_block ? *c.blocks_input : c.outputs[i - 1];
-        // Its forward again from its saved input (the same numbers, bit for bit: the kernels are
-        // deterministic and the dropout masks functions of the key forward used), then its
-        // backward; the next recompute overwrites the one cache.
-        c.dcarry = *dx;
-        GPTBlock<E>::key_dropout(c.scratch, c.dropout, i);
-        h_[i].forward(input, c.scratch);
-        dx = &h_[i].backward(c.dcarry, c.scratch);
-      } else {
-        dx = &h_[i].backward(*dx, c.h[i]);
-      }
+    return backward_units_impl(dy, c, begin, end, /*input_only=*/false);
+  }
+  // The same backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // backward_units_input returns dL/d(unit begin's input) and leaves the weight gradients to
+  // backward_units_weight, which adds them from what the caches kept, in backward_units' order
+  // (the head's share of the tied wte first, the embedding's last), so the bits are backward_units'.
+  // The embeddings (unit 0) have no input gradient: all their work is the W half. With activation
+  // checkpointing the blocks share one recomputed cache, so their backward runs whole in the input
+  // half (correct; no weight work left to fill a bubble). dy must stay alive until the W half.
+  const Tensor& backward_units_input(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    return backward_units_impl(dy, c, begin, end, /*input_only=*/true);
+  }
+  void backward_units_weight(Cache& c, std::size_t begin, std::size_t end) {
+    TESSERA_CHECK(c.weight_pending && c.pending_begin == begin && c.pending_end == end, Error, name(),
+                  "::backward_units_weight: units [", begin, ", ", end, ") had no backward_units_input on this cache");
+    c.weight_pending = false;
+    if (end == unit_count()) {
+      wte_weight_grad(*c.dlogits, c, /*fire_tie=*/begin > 0);
+      ln_f_.backward_weight(c.ln_f);
     }
-    if (begin > 0) return *dx;
-    TESSERA_CHECK(dx->rank() == 3 && c.x.rank() == 3 && dx->shape() == c.x.shape(), ShapeError, name(),
-                  "::backward_units: dL/dx ", dx->shape(), " does not match the embeddings ", c.x.shape());
-    const std::int64_t batch = c.x.dim(0), t = c.x.dim(1), ch = config_.n_embd;
-    if (c.dropout.active()) {  // transformer.drop's mask again, on the gradient
-      c.demb.resize(dx->shape());
-      dropout_rows(D{}, GPTBlock<E>::site(c.dropout, 0), batch, t, ch, dx->data(), c.demb.data());
-      dx = &c.demb;
+    if (!c.checkpointed) {
+      const std::size_t blocks_end = std::min(end - 1, h_.size()), blocks_begin = std::max<std::size_t>(begin, 1) - 1;
+      for (std::size_t i = blocks_end; i-- > blocks_begin;) h_[i].backward_weight(c.h[i]);
     }
-    wte_.backward(*dx, c.wte);
-    c.dpos.resize({t, ch});
-    c.dpos.fill(S(0));
-    add_column_sums(D{}, dx->data(), batch, t * ch, c.dpos.data());
-    wpe_.backward(c.dpos, c.wpe);
-    return no_input_grad_;
+    if (begin == 0) embeddings_backward(*c.demb_source, c);
   }
   template <class V>
   void visit_units(V& v, const std::string& prefix, std::size_t begin, std::size_t end) {
@@ -569,20 +586,76 @@ class GPT {
   // lm_head: dW += dlogits^T xf (V, C), into wte's gradient; dxf = dlogits W (B T, C); then ln_f's
   // backward. fire_tie: this stage does not run the embedding, whose backward would signal the
   // weight's gradient ready, so the head does.
-  const Tensor& head_backward(const Tensor& dlogits, Cache& c, bool fire_tie) {
+  // input_only: backward_units_input (the weight halves wait in the caches).
+  const Tensor& backward_units_impl(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end, bool input_only) {
+    TESSERA_CHECK(begin < end && end <= unit_count(), ArgumentError, name(), "::backward_units: units [", begin, ", ",
+                  end, ") of ", unit_count());
+    TESSERA_CHECK(c.blocks_input != nullptr, Error, name(), "::backward called before forward on this cache");
+    const std::size_t blocks_end = std::min(end - 1, h_.size()), blocks_begin = std::max<std::size_t>(begin, 1) - 1;
+    TESSERA_CHECK(blocks_begin >= c.first_block && blocks_end <= c.end_block, ArgumentError, name(),
+                  "::backward_units: units [", begin, ", ", end, ") were not all run forward on this cache");
+    if (input_only) {
+      c.weight_pending = true;
+      c.pending_begin = begin;
+      c.pending_end = end;
+    }
+    const Tensor* dx = &dy;
+    if (end == unit_count()) dx = &head_backward(dy, c, /*fire_tie=*/begin > 0, input_only);
+    for (std::size_t i = blocks_end; i-- > blocks_begin;) {
+      if (c.checkpointed) {
+        const Tensor& input = i == c.first_block ? *c.blocks_input : c.outputs[i - 1];
+        // Its forward again from its saved input (the same numbers, bit for bit: the kernels are
+        // deterministic and the dropout masks functions of the key forward used), then its
+        // backward; the next recompute overwrites the one cache.
+        c.dcarry = *dx;
+        GPTBlock<E>::key_dropout(c.scratch, c.dropout, i);
+        h_[i].forward(input, c.scratch);
+        dx = &h_[i].backward(c.dcarry, c.scratch);
+      } else {
+        dx = input_only ? &h_[i].backward_input(*dx, c.h[i]) : &h_[i].backward(*dx, c.h[i]);
+      }
+    }
+    if (begin > 0) return *dx;
+    TESSERA_CHECK(dx->rank() == 3 && c.x.rank() == 3 && dx->shape() == c.x.shape(), ShapeError, name(),
+                  "::backward_units: dL/dx ", dx->shape(), " does not match the embeddings ", c.x.shape());
+    if (c.dropout.active()) {  // transformer.drop's mask again, on the gradient
+      c.demb.resize(dx->shape());
+      dropout_rows(D{}, GPTBlock<E>::site(c.dropout, 0), c.x.dim(0), c.x.dim(1), config_.n_embd, dx->data(),
+                   c.demb.data());
+      dx = &c.demb;
+    }
+    if (input_only) c.demb_source = dx;  // the embeddings' backward is all weight: it waits
+    else embeddings_backward(*dx, c);
+    return no_input_grad_;
+  }
+  // wte and wpe from dL/d(the embeddings' sum) (B, T, C).
+  void embeddings_backward(const Tensor& demb, Cache& c) {
+    const std::int64_t batch = c.x.dim(0), t = c.x.dim(1), ch = config_.n_embd;
+    wte_.backward(demb, c.wte);
+    c.dpos.resize({t, ch});
+    c.dpos.fill(S(0));
+    add_column_sums(D{}, demb.data(), batch, t * ch, c.dpos.data());
+    wpe_.backward(c.dpos, c.wpe);
+  }
+  // The tied lm_head's share of wte's gradient: += dlogits^T ln_f(x) (V, C).
+  void wte_weight_grad(const Tensor& dlogits, Cache& c, bool fire_tie) {
+    const std::int64_t rows = c.logits.dim(0) * c.logits.dim(1), v = config_.vocab_size, ch = config_.n_embd;
+    Parameter<S, D>& w = wte_.weight();
+    gemm_in<typename E::Compute>(D{}, true, false, v, ch, rows, S(1), dlogits.data(), v, c.ln_f.y.data(), ch, S(1),
+                                 w.grad.data(), ch);
+    if (fire_tie) w.grad_ready();
+  }
+  const Tensor& head_backward(const Tensor& dlogits, Cache& c, bool fire_tie, bool input_only) {
     TESSERA_CHECK(c.logits.rank() == 3 && dlogits.shape() == c.logits.shape(), ShapeError, name(),
                   "::backward: dlogits ", dlogits.shape(), " does not match the logits ", c.logits.shape(),
                   " (or backward before forward)");
     const std::int64_t batch = c.logits.dim(0), t = c.logits.dim(1), v = config_.vocab_size, ch = config_.n_embd;
-    const Tensor& xf = c.ln_f.y;
-    Parameter<S, D>& w = wte_.weight();
-    gemm_in<typename E::Compute>(D{}, true, false, v, ch, batch * t, S(1), dlogits.data(), v, xf.data(), ch, S(1),
-                                 w.grad.data(), ch);
-    if (fire_tie) w.grad_ready();
+    if (input_only) c.dlogits = &dlogits;
+    else wte_weight_grad(dlogits, c, fire_tie);
     c.dx.resize({batch, t, ch});
-    gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, w.value.data(), ch,
-                                 S(0), c.dx.data(), ch);
-    return ln_f_.backward(c.dx, c.ln_f);
+    gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, wte_.weight().value.data(),
+                                 ch, S(0), c.dx.data(), ch);
+    return input_only ? ln_f_.backward_input(c.dx, c.ln_f) : ln_f_.backward(c.dx, c.ln_f);
   }
 
   // One token from a row of logits: temperature, top-k, softmax (in double), inverse CDF of rng.

@@ -178,36 +178,30 @@ class ResNet {
     return *h;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
-    check_backward_allowed(mode_, name_);
-    // Each gradient is released once the unit before has consumed it (core/concepts.hpp).
-    const Tensor* g = &dy;
+    return backward_units_impl(dy, c, begin, end, /*input_only=*/false);
+  }
+  // The same backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp):
+  // the input half runs each unit's backward_input (the blocks', fc's, conv1's and bn1's) and
+  // releases the gradients between units, which no weight half reads (a block's reads its own ds,
+  // fc's the stage's dy); the weight half runs the units' backward_weight from the last to the
+  // first and then releases each unit's output as backward does. Together backward_units' bits.
+  // dy must stay alive until the weight half.
+  const Tensor& backward_units_input(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
+    return backward_units_impl(dy, c, begin, end, /*input_only=*/true);
+  }
+  void backward_units_weight(Cache& c, std::size_t begin, std::size_t end) {
     for (std::size_t u = end; u-- > begin;) {
       if (u == blocks_.size() + 1) {
-        const Tensor& dpooled = fc_.backward(*g, c.fc);
-        g = &avgpool_.backward(dpooled, c.avgpool);
-        release_input_grad(fc_, c.fc);
+        fc_.backward_weight(c.fc);
       } else if (u >= 1) {
-        g = &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
+        blocks_[u - 1].backward_weight(c.blocks[u - 1]);
       } else {
-        if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
-        const Tensor& dconv = bn1_.backward_relu(*g, c.bn1);
-        if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
-        g = &conv1_.backward(dconv, c.conv1);
-        if (memory_format() == MemoryFormat::ChannelsLast && g->rank() == 4) {  // dL/dx asked for: back to NCHW
-          c.dinput.resize(g->shape());
-          nhwc_to_nchw(D{}, g->dim(0), g->dim(1), g->dim(2) * g->dim(3), g->data(), c.dinput.data());
-          g = &c.dinput;
-        }
-        release_input_grad(bn1_, c.bn1);
-        release_output(conv1_, c.conv1);
-        if (maxpool_) release_output(relu_, c.relu);  // else the stem's output: released below
+        bn1_.backward_weight(c.bn1);
+        conv1_.backward_weight(c.conv1);
+        release_stem(c);
       }
-      if (u + 1 < end) {  // *g's producer and the consumer of unit u's output ran in this call:
-        release_unit_input_grad(u + 1, c);  // both are dead now
-        release_unit_output(u, c);
-      }
+      if (u + 1 < end) release_unit_output(u, c);
     }
-    return *g;
   }
   // Frees unit u's output once the unit after it and unit u itself have run backward.
   void release_unit_output(std::size_t u, Cache& c) {
@@ -278,6 +272,43 @@ class ResNet {
   const std::vector<std::string>& block_names() const { return block_names_; }
 
  private:
+  // input_only: the units' input halves (backward_units_input).
+  const Tensor& backward_units_impl(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end, bool input_only) {
+    check_backward_allowed(mode_, name_);
+    // Each gradient is released once the unit before has consumed it (core/concepts.hpp).
+    const Tensor* g = &dy;
+    for (std::size_t u = end; u-- > begin;) {
+      if (u == blocks_.size() + 1) {
+        const Tensor& dpooled = input_only ? fc_.backward_input(*g, c.fc) : fc_.backward(*g, c.fc);
+        g = &avgpool_.backward(dpooled, c.avgpool);
+        release_input_grad(fc_, c.fc);
+      } else if (u >= 1) {
+        g = input_only ? &blocks_[u - 1].backward_input(*g, c.blocks[u - 1]) : &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
+      } else {
+        if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
+        const Tensor& dconv = input_only ? bn1_.backward_relu_input(*g, c.bn1) : bn1_.backward_relu(*g, c.bn1);
+        if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
+        g = input_only ? &conv1_.backward_input(dconv, c.conv1) : &conv1_.backward(dconv, c.conv1);
+        if (memory_format() == MemoryFormat::ChannelsLast && g->rank() == 4) {  // dL/dx asked for: back to NCHW
+          c.dinput.resize(g->shape());
+          nhwc_to_nchw(D{}, g->dim(0), g->dim(1), g->dim(2) * g->dim(3), g->data(), c.dinput.data());
+          g = &c.dinput;
+        }
+        if (!input_only) release_stem(c);  // conv1's weight half reads bn1's dL/dx
+      }
+      if (u + 1 < end) {  // *g's producer and the consumer of unit u's output ran in this call:
+        release_unit_input_grad(u + 1, c);  // both are dead now (unit u's output: once its weight half ran)
+        if (!input_only) release_unit_output(u, c);
+      }
+    }
+    return *g;
+  }
+  // The stem's buffers, dead once conv1 has run its backward (whole or both halves).
+  void release_stem(Cache& c) {
+    release_input_grad(bn1_, c.bn1);
+    release_output(conv1_, c.conv1);
+    if (maxpool_) release_output(relu_, c.relu);  // else the stem's output: released by the caller's unit walk
+  }
   ResNet(const std::vector<int>& stage_blocks, const std::vector<std::int64_t>& widths, bool imagenet_stem,
          const ResNetOptions& o, Rng rng)
       : in_channels_(check_options(stage_blocks, widths, o)),

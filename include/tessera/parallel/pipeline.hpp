@@ -91,6 +91,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -142,6 +143,32 @@ concept SplitsBackward = requires(M& m, const typename M::Tensor& t, typename M:
   m.backward_units_weight(c, i, i);
 };
 // The parameters two units read (GPT's wte, also its lm_head): optional, none when absent.
+// A visitor that forwards each object (parameter, buffer, generator) to v the first time only.
+template <class V>
+struct VisitOnce {
+  V& v;
+  std::unordered_set<const void*> seen;
+  bool first(const void* p) { return seen.insert(p).second; }
+  template <class P>
+  void parameter(const std::string& name, P& p) {
+    if (first(&p)) v.parameter(name, p);
+  }
+  template <class T>
+    requires requires(V& w, const std::string& n, T& t) { w.buffer(n, t); }
+  void buffer(const std::string& name, T& t) {
+    if (first(&t)) v.buffer(name, t);
+  }
+  template <class R>
+    requires requires(V& w, const std::string& n, R& r) { w.rng(n, r); }
+  void rng(const std::string& name, R& r) {
+    if (first(&r)) v.rng(name, r);
+  }
+  template <class I>
+    requires requires(V& w, const std::string& n, I& i) { w.integer_buffer(n, i); }
+  void integer_buffer(const std::string& name, I& i) {
+    if (first(&i)) v.integer_buffer(name, i);
+  }
+};
 template <class M>
 auto tied_parameters(M& m) {
   using P = TiedParameter<typename M::Env::Scalar, typename M::Env::Device>;
@@ -261,9 +288,12 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     using Env = typename Model::Env;
     Stage(Model& model, std::vector<std::pair<std::size_t, std::size_t>> ranges)
         : model_(&model), ranges_(std::move(ranges)) {}
+    // Every parameter, buffer and generator once: in V placement rank 0 holds the first and the
+    // last stage, and a GPT's two units of the tie (wte) then hand over the same parameter.
     template <class V>
     void visit(V& v, const std::string& prefix) {
-      for (const auto& [begin, end] : ranges_) model_->visit_units(v, prefix, begin, end);
+      detail::VisitOnce<V> once{v, {}};
+      for (const auto& [begin, end] : ranges_) model_->visit_units(once, prefix, begin, end);
     }
 
    private:

@@ -324,7 +324,7 @@ void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, con
   const S* cm = in + first;
   std::int64_t ldc = plane;
   if (!direct) {
-    im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, col, cols);
+    if (dw_acc != nullptr) im2col(Cpu{}, g, in, blk.count, blk.oh0, blk.oh1, col, cols);
     cm = col;
     ldc = cols;
   }
@@ -337,9 +337,10 @@ void conv2d_backward_block(const Conv2dGeometry& g, const Conv2dBlocking& b, con
     dym = stage;
     lddy = cols;
   }
-  for (std::int64_t grp = 0; grp < g.groups; ++grp)
-    conv_gemm(b, false, true, kg, rows_g, cols, dym + grp * kg * lddy, lddy, cm + grp * rows_g * ldc, ldc, S(1),
-              dw_acc + grp * kg * rows_g, rows_g);
+  if (dw_acc != nullptr)
+    for (std::int64_t grp = 0; grp < g.groups; ++grp)
+      conv_gemm(b, false, true, kg, rows_g, cols, dym + grp * kg * lddy, lddy, cm + grp * rows_g * ldc, ldc, S(1),
+                dw_acc + grp * kg * rows_g, rows_g);
   if (dx == nullptr) return;
   // w^T dy goes straight into dx on the direct path, else into col (no longer needed) for col2im.
   S* dcol = direct ? dx + blk.n0 * in_sample + first : col;
@@ -458,8 +459,10 @@ void conv2d_bias_backward(Cpu, std::int64_t batch, std::int64_t channels, std::i
   }
 }
 
-// dw (K, C/G, kh, kw) += dL/dw and, unless dx is null, dx (N, C, H, W) = dL/dx, from x and
-// dy (N, K, H', W'). `workspace` holds b.workspace_elements(g, true) elements.
+// dw (K, C/G, kh, kw) += dL/dw unless dw is null, and dx (N, C, H, W) = dL/dx unless dx is null,
+// from x and dy (N, K, H', W'). `workspace` holds b.workspace_elements(g, true) elements. Either
+// half alone (Conv2d::backward_input, backward_weight) runs the same blocks in the same order as
+// both together, so its result has the same bits.
 template <class S>
 void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                      const S* w, const S* dy, S* dw, S* dx, S* workspace) {
@@ -471,8 +474,8 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
     const std::int64_t t = Cpu::thread_index();
     S* col = workspace + t * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
-    S* dw_acc = t == 0 ? dw : partial + (t - 1) * weights;
-    if (t > 0) std::fill(dw_acc, dw_acc + weights, S(0));
+    S* dw_acc = dw == nullptr ? nullptr : t == 0 ? dw : partial + (t - 1) * weights;
+    if (dw_acc != nullptr && t > 0) std::fill(dw_acc, dw_acc + weights, S(0));
 #pragma omp for schedule(static)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       S* dx_group = dx ? dx + grp * in_group : nullptr;
@@ -484,6 +487,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
         detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, grp, band), x, w, dy, dw_acc, dx, col,
                                       stage);
     }
+    if (dw == nullptr) return;  // dx only (Conv2d::backward_input): no accumulators to add
     // The loop's implicit barrier has passed: every private accumulator is complete.
     const std::int64_t team = Cpu::team_size();
 #pragma omp for schedule(static)

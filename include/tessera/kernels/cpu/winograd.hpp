@@ -933,13 +933,14 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   detail::run_in_team_if(blocks > 1 && batch * g.out_plane() * k * c * 9 > detail::kParallelGrain, run);
 }
 
-// dw (K, C, 3, 3) += dL/dw and, unless dx is null, dx = dL/dx, by F(4x4, 3x3) (header comment).
+// dw (K, C, 3, 3) += dL/dw unless dw is null, and dx = dL/dx unless dx is null, by F(4x4, 3x3)
+// (header comment).
 template <class S>
 void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                               const S* w, const S* dy, S* dw, S* dx, S* workspace) {
   const std::int64_t k = g.out_channels, c = g.channels, filters = detail::kWinogradPositions * k * c;
   const detail::WinogradPass fwd = detail::winograd_forward_pass(g), back = detail::winograd_input_grad_pass(g);
-  const std::int64_t weight_blocks = b.groups(batch) * fwd.bands(b.rows);
+  const std::int64_t weight_blocks = dw ? b.groups(batch) * fwd.bands(b.rows) : 0;
   const std::int64_t input_blocks = dx ? b.groups(batch) * back.bands(b.rows) : 0;
   const bool blocked = detail::winograd_channel_blocked<S>(c, k);
   S* u_flipped = workspace;                                                     // see below
@@ -947,7 +948,7 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   const auto run = [&] {
     const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
     S* my_du = du + me * filters;
-    std::fill(my_du, my_du + filters, S(0));
+    if (dw) std::fill(my_du, my_du + filters, S(0));
     if (dx) {  // the flipped filter (36, C, K), or its transpose (36, K, C) for the channel-blocked path
       std::int64_t r0, r1;
       const std::int64_t rows = blocked ? k : c;
@@ -978,6 +979,7 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
         gemm(Cpu{}, false, true, k, c, tiles, S(1), buf.m + xi * k * tiles, tiles, buf.v + xi * c * tiles, tiles, S(1),
              my_du + xi * k * c, c);
     }
+    if (!dw) return;  // dx only
     // The loop's barrier has passed: every thread's dU is complete.
     std::int64_t k0, k1;
     detail::team_share(k, k0, k1);

@@ -369,7 +369,8 @@ void conv2d_bias_backward(Cuda, std::int64_t batch, std::int64_t channels, std::
   TESSERA_CUDA_CHECK(cudaGetLastError());
 }
 
-// dw += dL/dw (beta = 1: gradients accumulate, as on the CPU); dx = dL/dx unless dx is null.
+// dw += dL/dw (beta = 1: gradients accumulate, as on the CPU) unless dw is null; dx = dL/dx unless
+// dx is null.
 template <class S>
 void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, const S* x,
                      const S* w, const S* dy, S* dw, S* dx, S* /*cpu_workspace*/) {
@@ -383,7 +384,7 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
       g.channels_last ? cuda_detail::channels_last_filters<S>(g) : cuda_detail::NhwcFilters<S>{};
   w = cuda_detail::filter_for(g, w, filters);
   S* const dw_layer = dw;
-  if (g.channels_last) dw = filters.dw;
+  if (g.channels_last && dw != nullptr) dw = filters.dw;
   const S dw_beta = g.channels_last ? zero : one;
   if (bf16) {
     // dw: the bf16 sum over the batch, then added to the fp32 gradient; dx widened from bf16. The
@@ -391,16 +392,18 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
     const cuda_detail::Bf16Copies copies = cuda_detail::bf16_copies(g, batch);
     const std::int64_t nx = batch * g.channels * g.height * g.width;
     const std::int64_t nw = g.out_channels * (g.channels / g.groups) * g.kernel_h * g.kernel_w;
-    cast_to_wire(Cuda{}, x, nx, copies.x);
+    if (dw != nullptr) cast_to_wire(Cuda{}, x, nx, copies.x);  // the filter gradient's input only
     cast_to_wire(Cuda{}, dy, batch * g.out_channels * g.out_plane(), copies.y);
-    TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, copies.x, plan.y, copies.y,
-                                                       plan.conv_backward_filter, plan.backward_filter, workspace,
-                                                       plan.workspace_bytes, &zero, plan.w, copies.dw));
-    if (g.channels_last) {
-      cast_from_wire(Cuda{}, copies.dw, nw, dw);
-      cuda_detail::add_nhwc_filter_grad(g, filters, dw_layer);
-    } else {
-      add_from_wire(Cuda{}, copies.dw, nw, dw);
+    if (dw != nullptr) {
+      TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, copies.x, plan.y, copies.y,
+                                                         plan.conv_backward_filter, plan.backward_filter, workspace,
+                                                         plan.workspace_bytes, &zero, plan.w, copies.dw));
+      if (g.channels_last) {
+        cast_from_wire(Cuda{}, copies.dw, nw, dw);
+        cuda_detail::add_nhwc_filter_grad(g, filters, dw_layer);
+      } else {
+        add_from_wire(Cuda{}, copies.dw, nw, dw);
+      }
     }
     if (dx == nullptr) return;
     cast_to_wire(Cuda{}, w, nw, copies.w);
@@ -410,10 +413,12 @@ void conv2d_backward(Cuda, const Conv2dGeometry& g, const Conv2dBlocking& b, std
     cast_from_wire(Cuda{}, copies.x, nx, dx);
     return;
   }
-  TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, x, plan.y, dy, plan.conv_backward_filter,
-                                                     plan.backward_filter, workspace, plan.workspace_bytes, &dw_beta,
-                                                     plan.w, dw));
-  if (g.channels_last) cuda_detail::add_nhwc_filter_grad(g, filters, dw_layer);
+  if (dw != nullptr) {
+    TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(Cuda::cudnn(), &one, plan.x, x, plan.y, dy,
+                                                       plan.conv_backward_filter, plan.backward_filter, workspace,
+                                                       plan.workspace_bytes, &dw_beta, plan.w, dw));
+    if (g.channels_last) cuda_detail::add_nhwc_filter_grad(g, filters, dw_layer);
+  }
   if (dx != nullptr)
     TESSERA_CUDNN_CHECK(cudnnConvolutionBackwardData(Cuda::cudnn(), &one, plan.w, w, plan.y, dy, plan.conv_backward_data,
                                                      plan.backward_data, workspace, plan.workspace_bytes, &zero, plan.x,
