@@ -159,3 +159,31 @@ TEST_CASE("Pipeline tables: malformed tables are refused naming the action", "[p
     CHECK_THAT(refusal(t), Catch::Contains("stages 1 and 2 are both on rank 1, nothing to transfer"));
   }
 }
+
+// The simulator's Python port (tools/tessera_tools/simulate/schedules.py) builds the same tables:
+// both are pinned to these files, compared cell by cell here and in tests/tools/test_simulate.py.
+TEST_CASE("Pipeline tables: the built-in schedules equal the golden tables the simulator shares", "[parallel][pipeline]") {
+  struct Golden {
+    const char* name;
+    int ranks, micro_batches, stages_per_rank;
+    const char* file;
+  };
+  const Golden goldens[] = {
+      {"GPipe", 2, 4, 1, "gpipe_p2_m4.csv"},        {"1F1B", 2, 4, 1, "1f1b_p2_m4.csv"},
+      {"1F1B", 4, 8, 1, "1f1b_p4_m8.csv"},          {"1F1B", 3, 5, 1, "1f1b_p3_m5.csv"},
+      {"Interleaved1F1B", 2, 4, 2, "interleaved1f1b_p2_m4_v2.csv"},
+      {"Interleaved1F1B", 4, 8, 2, "interleaved1f1b_p4_m8_v2.csv"},
+      {"Interleaved1F1B", 3, 6, 3, "interleaved1f1b_p3_m6_v3.csv"},
+      {"ZBH1", 2, 4, 1, "zbh1_p2_m4.csv"},          {"ZBH1", 4, 8, 1, "zbh1_p4_m8.csv"},
+      {"ZBH1", 3, 5, 1, "zbh1_p3_m5.csv"},          {"ZBV", 2, 4, 2, "zbv_p2_m4.csv"},
+      {"ZBV", 4, 8, 2, "zbv_p4_m8.csv"},            {"ZBV", 3, 6, 2, "zbv_p3_m6.csv"},
+      {"ZBV", 4, 3, 2, "zbv_p4_m3.csv"},
+  };
+  for (const Golden& g : goldens) {
+    INFO(g.file);
+    const std::string path = std::string(TESSERA_REFERENCE_DATA_DIR) + "/pipeline_tables/" + g.file;
+    const PipelineScheduleTable built = pipeline_table(g.name, g.ranks, g.micro_batches, g.stages_per_rank);
+    CHECK(to_csv(built) == to_csv(read_pipeline_csv(path)));
+    CHECK(read_pipeline_csv(path).placement == built.placement);
+  }
+}

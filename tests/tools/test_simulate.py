@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT
-from tessera_tools.simulate import collectives, data_parallel, inputs, measure, model_parallel
+from tessera_tools.simulate import collectives, data_parallel, inputs, measure, model_parallel, schedules
 from tessera_tools.simulate.data_parallel import DpOptions
 from tessera_tools.simulate.inputs import ALGORITHMS, DEFAULT_WORKERS, InputError, Network, Profile
 
@@ -234,19 +234,106 @@ def test_pipeline_and_tensor_parallel() -> None:
     # stage split minimizes the largest stage
     assert model_parallel.partition([1, 1, 1, 1, 4], 2) == [0, 4]
     act = even_profile(800, 4)
+    # 1F1B on 2 stages, F 50 ms and B 100 ms per micro-batch, each message alpha + (activation/m)/beta,
+    # one at a time per link and direction. Worked by hand, action by action (rank 0 runs F0 F1 B0
+    # F2 B1 F3 B2 B3, rank 1 F0 B0 F1 B1 ...): with 21 ms messages rank 0's B0 waits for rank 1's
+    # B0 (ends 221 ms) plus its message, and every later B on rank 0 waits for the round trip of
+    # its micro-batch: the last ends at 834 ms (the old steady-state formula said 792).
     r = model_parallel.simulate_pipeline(act, network(g=8, ai=1e-3, bi=1e4), 2, 4, "1f1b")
     send = 1e-3 + 800 / 4 / 1e4  # one boundary, a micro-batch's activation: 21 ms
-    # pipeline p2p: alpha + (activation/m)/beta on fill and drain
-    assert close(r.step_s, 2 * 0.15 + 2 * send + 3 * 0.15), str(r)
+    assert close(send, 0.021) and close(r.step_s, 0.834), str(r)
+    assert close(r.p2p_s, 2 * 4 * send)  # every micro-batch crosses the boundary both ways
+    # 201 ms messages, longer than a stage's 150 ms slot: the link sets the pace. By hand: rank 0's
+    # B_i start at 602, 803, 1304 and 1505 ms (the forward link carries F3 only from 953 ms).
     r = model_parallel.simulate_pipeline(act, network(g=8, ai=1e-3, bi=1e3), 2, 4, "1f1b")
-    send = 1e-3 + 800 / 4 / 1e3  # 201 ms: longer than a stage's slot, so the link sets the pace
-    assert close(r.step_s, 2 * 0.15 + 2 * send + 3 * send), str(r)
+    assert close(r.step_s, 1.605), str(r)
     t = model_parallel.simulate_tp(act, network(g=8, ai=1e-3, bi=1e4), 2, 2)
     tp_comm = 4 * (2 + 2) * (2 * 1e-3 + 800 / 1e4)  # 4 layers x (2 fwd + 2 bwd) ring all-reduces on 2 ranks
     # tensor parallel: 2+2 all-reduces per layer
     assert close(t.comm_s, tp_comm) and close(t.step_s, 1.2 / 2 + tp_comm)
     # tensor parallel on 1 worker: no communication
     assert model_parallel.simulate_tp(act, free, 1, 2).comm_s == 0
+
+
+# --- pipeline schedules as tables ---------------------------------------------------------------
+
+GOLDEN_TABLES = ROOT / "tests" / "data" / "pipeline_tables"
+
+
+def golden_case(path: pathlib.Path) -> tuple[str, int, int, int]:
+    name, p, m, *v = path.stem.split("_")
+    return name, int(p[1:]), int(m[1:]), int(v[0][1:]) if v else 2
+
+
+@pytest.mark.parametrize("path", sorted(GOLDEN_TABLES.glob("*.csv")), ids=lambda p: p.stem)
+def test_schedule_tables_equal_the_cpp_ones(path: pathlib.Path) -> None:
+    # The same files pin the C++ tables (tests/parallel/test_pipeline_schedule.cpp)
+    name, p, m, v = golden_case(path)
+    built = schedules.table(name, p, m, v)
+    assert built.to_csv() == path.read_text()
+    read = schedules.parse_csv(path.read_text(), path.name)
+    assert (read.ranks, read.stages_per_rank, read.micro_batches, read.placement) == \
+        (built.ranks, built.stages_per_rank, built.micro_batches, built.placement)
+
+
+def test_schedule_bubbles_hand_computed() -> None:
+    # F, I, W one unit each at P = 4, M = 8 (each rank busy 24 units, or 48 with two stages):
+    # 1F1B and GPipe (p-1)/(m+p-1) = 3/11 (9 idle of 33), interleaved with v = 2 3/19 (Megatron:
+    # the bubble over v), ZB-H1 1/9 (3 idle of 27), ZB-V 1/17 (3 idle of 51)
+    assert close(schedules.unit_bubble(schedules.table("1f1b", 4, 8)), 3 / 11)
+    assert close(schedules.unit_bubble(schedules.table("gpipe", 4, 8)), 3 / 11)
+    assert close(schedules.unit_bubble(schedules.table("interleaved1f1b", 4, 8, 2)), 3 / 19)
+    assert close(schedules.unit_bubble(schedules.table("zbh1", 4, 8)), 1 / 9)
+    assert abs(schedules.unit_bubble(schedules.table("zbv", 4, 8)) - 1 / 17) < 1e-12
+
+
+def test_schedule_csv_forms_and_refusals() -> None:
+    # torch 2.5 wrote the input gradient as B beside W's; 2.6 writes I
+    old = schedules.parse_csv("0F0,0B0,0W0\n", "old.csv")
+    assert [str(a) for a in old.actions[0]] == ["0F0", "0I0", "0W0"]
+    assert [str(a) for a in schedules.parse_csv("0F0,,0BW0\n").actions[0]] == ["0F0", "0B0"]
+    expect_error(lambda: schedules.parse_csv("0F0,0X0\n", "bad.csv"), "bad.csv", "row 1", "cell 2", "'0X0'")
+    expect_error(lambda: schedules.parse_csv("0F0,1F0\n1F1\n", "t.csv"), "t.csv", "another rank")
+    expect_error(lambda: schedules.table("zb-h2", 2, 4), "zb-h2", "unknown")
+    expect_error(lambda: schedules.table("interleaved1f1b", 2, 3), "not a multiple of the 2 ranks")
+    deadlock = schedules.parse_csv("0F0,0B0\n1B0,1F0\n", "dead.csv")
+    even = even_profile(0, 4)
+    expect_error(lambda: model_parallel.simulate_pipeline(even, network(g=8), 2, 1, "", table=deadlock),
+                 "dead.csv", "deadlocks", "rank 1 at 1B0")
+
+
+def test_zero_bubble_simulation_and_stage_halves() -> None:
+    # Balanced stages, free links: the simulated idle is the schedule's own bubble; a layer's
+    # backward_weight_s moves work from I to W (here none: I and W as in the unit table's ratio)
+    layers = [{"name": f"l{i}", "forward_s": 0.1, "backward_s": 0.2, "backward_weight_s": 0.1, "grad_bytes": 4,
+               "activation_bytes": 0} for i in range(8)]
+    prof = profile(layers, optimizer=0.0)
+    free = network(g=8, ai=0.0, bi=1e30)
+    for name, v in (("1f1b", 1), ("interleaved1f1b", 2), ("zbh1", 1), ("zbv", 2)):
+        r = model_parallel.simulate_pipeline(prof, free, 4, 8, name, v)
+        assert r.stages == 4 * v and abs(r.idle - r.bubble_ideal) < 1e-12, (name, r)
+        # the step: the busiest rank's compute over (1 - its idle share); compute is 2.4 s / 4
+        assert close(r.compute_s, 0.6) and close(r.step_s * (1 - r.idle), 0.6), (name, r)
+    expect_error(lambda: profile([{"name": "x", "backward_s": 1.0, "backward_weight_s": 2.0, "grad_bytes": 4}]),
+                 "layers[0].backward_weight_s", "more than")
+
+
+def test_pipeline_command_with_a_table(tmp_path: pathlib.Path) -> None:
+    table = tmp_path / "zbh1.csv"
+    table.write_text(schedules.table("zbh1", 2, 4).to_csv())
+    out = subprocess.run([sys.executable, str(TOOL), "pipeline", "--profile", str(SIMULATOR / "transformer_1b3.json"),
+                          "--network", str(SIMULATOR / "loopback_mpi.json"), "--micro-batches", "4", "--table",
+                          str(table), "--json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["workers"] for r in rows] == [2] and rows[0]["schedule"] == str(table)
+    direct = subprocess.run([sys.executable, str(TOOL), "pipeline", "--profile", str(SIMULATOR / "transformer_1b3.json"),
+                             "--network", str(SIMULATOR / "loopback_mpi.json"), "--micro-batches", "4", "--schedule",
+                             "zbh1", "--stages", "2", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(direct.stdout)["rows"][0]["step_s"] == rows[0]["step_s"]
+    bad = subprocess.run([sys.executable, str(TOOL), "pipeline", "--profile", str(SIMULATOR / "transformer_1b3.json"),
+                          "--network", str(SIMULATOR / "loopback_mpi.json"), "--micro-batches", "8", "--table",
+                          str(table)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "runs 4 micro-batches, --micro-batches is 8" in bad.stderr
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tessera_tools.simulate import schedules
 from tessera_tools.simulate.collectives import allreduce_s
 from tessera_tools.simulate.data_parallel import BUCKET_BYTES, FIRST_BUCKET_BYTES, DpOptions, dp_rows
 from tessera_tools.simulate.inputs import (ALGORITHMS, FLAT_ALGORITHMS, InputError, Network, Profile, load_network,
@@ -14,6 +15,8 @@ from tessera_tools.simulate.inputs import (ALGORITHMS, FLAT_ALGORITHMS, InputErr
 from tessera_tools.simulate.measure import fit_network, profile_from_trace
 from tessera_tools.simulate.model_parallel import simulate_pipeline, simulate_tp
 from tessera_tools.simulate.output import Column, OutputOptions, emit, ms
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbh1", "zbv")
 
 DESCRIPTION = """Scaling simulator: predicted step time and scaling efficiency of data-parallel, pipeline and
 tensor-parallel training for 1 to 1024 workers, from a model profile (per-layer backward time and
@@ -24,7 +27,8 @@ The equations are in docs/simulator.md; example inputs in tools/simulator/.
                       [--workers 1,2,4,...] [--bucket-bytes B] [--first-bucket-bytes B] [--baseline P0]
                       [--jitter CV] [--set FIELD=VALUE ...] [--measured M.json] [--plot F.png] [--json]
   tessera-simulate pipeline --profile P.json --network N.json --micro-batches M [--stages 1,2,4]
-                            [--schedule 1f1b|gpipe]
+                            [--schedule gpipe|1f1b|interleaved1f1b|zbh1|zbv] [--stages-per-rank V]
+                            [--table T.csv (torch.distributed.pipelining's CSV, in place of --schedule)]
   tessera-simulate tp --profile P.json --network N.json [--workers 1,2,4,8] [--allreduces-per-layer 2]
   tessera-simulate allreduce --network N.json --bytes N [--algorithm A] [--workers ...]
   tessera-simulate profile --trace trace.json --checkpoint ckpt.safetensors --bucket-kib K --batch B
@@ -57,11 +61,16 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("--jitter", type=float, metavar="CV",
                     help="coefficient of variation of a worker's forward + backward time (the slowest of P "
                          "sets the pace); default: the profile's compute_cv, else 0")
-    pp = sub.add_parser("pipeline", help="pipeline parallelism (GPipe, 1F1B)")
+    pp = sub.add_parser("pipeline", help="pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V)")
     model_args(pp, "1,2,4,8")
-    pp.add_argument("--stages", dest="workers", help="the same as --workers: one worker per stage")
+    pp.add_argument("--stages", dest="workers", help="the same as --workers: the pipeline's workers")
     pp.add_argument("--micro-batches", type=int, required=True)
-    pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    pp.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                    help="interleaved1f1b runs --stages-per-rank stages per worker, zbv 2 (in a V)")
+    pp.add_argument("--stages-per-rank", type=int, default=2, help="interleaved 1F1B's v (default 2)")
+    pp.add_argument("--table", metavar="T.csv",
+                    help="a schedule in torch.distributed.pipelining's CSV form (one row per worker) in place "
+                         "of --schedule; its rows set the workers and its micro-batches --micro-batches")
     tp = sub.add_parser("tp", help="tensor parallelism (Megatron)")
     model_args(tp, "1,2,4,8")
     tp.add_argument("--allreduces-per-layer", type=int, default=2,
@@ -135,20 +144,33 @@ def run_pipeline(args: argparse.Namespace, profile: Profile, network: Network, w
                  header: dict[str, str]) -> None:
     if args.micro_batches < 1:
         raise InputError("--micro-batches must be >= 1")
-    too_many = [p for p in workers if p > len(profile.layers)]
-    if too_many:
-        raise InputError(f"--workers {too_many}: more stages than the profile's "
-                         f"{len(profile.layers)} layers")
-    rows = [simulate_pipeline(profile, network, p, args.micro_batches, args.schedule) for p in workers]
-    one = simulate_pipeline(profile, network, 1, args.micro_batches, args.schedule)
-    for r in rows:  # strong scaling of one replica: speedup / workers
+    if args.stages_per_rank < 1:
+        raise InputError("--stages-per-rank must be >= 1")
+    table = None
+    if args.table:
+        try:
+            with open(args.table) as f:
+                table = schedules.parse_csv(f.read(), args.table)
+        except OSError as e:
+            raise InputError(f"{args.table}: cannot read: {e.strerror}") from None
+        if table.micro_batches != args.micro_batches:
+            raise InputError(f"{args.table}: runs {table.micro_batches} micro-batches, --micro-batches is "
+                             f"{args.micro_batches}")
+        workers = [table.ranks]
+    rows = [simulate_pipeline(profile, network, p, args.micro_batches, args.schedule, args.stages_per_rank, table)
+            for p in workers]
+    # Strong scaling of one replica: speedup / workers, against the whole model on one worker
+    # (one stage: every schedule is then the same sequence of forwards and backwards).
+    one = simulate_pipeline(profile, network, 1, args.micro_batches, "gpipe")
+    for r in rows:
         r.efficiency = one.step_s / (r.workers * r.step_s)
     columns: list[Column] = [
         ("stages", 6, lambda r: str(r.stages)), ("M", 4, lambda r: str(r.micro_batches)),
         ("step ms", 10, ms("step_s")), ("compute ms", 10, ms("compute_s")),
         ("p2p ms", 9, ms("p2p_s")), ("bubble", 7, lambda r: f"{r.bubble_ideal:.1%}"),
         ("idle", 7, lambda r: f"{r.idle:.1%}"), ("efficiency", 10, lambda r: f"{r.efficiency:.1%}")]
-    header["title"] = f"pipeline ({args.schedule}, M={args.micro_batches}): {profile.name}"
+    name = table.name if table else rows[0].schedule if rows else args.schedule
+    header["title"] = f"pipeline ({name}, M={args.micro_batches}): {profile.name}"
     header["baseline"] = "efficiency = step time on 1 worker / (P x step time on P)"
     emit(output_options(args), header, columns, rows,
          [(args.command, [r.workers for r in rows], [r.efficiency or 0.0 for r in rows])], "workers P (log2)")

@@ -26,6 +26,7 @@ class Layer:
     grad_bytes: int
     activation_bytes: int | None  # what it sends to the next stage / all-reduces under tensor parallelism
     param_bytes: list[int]        # one entry per parameter tensor, summing to grad_bytes
+    backward_weight_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble pipelines)
 
 
 @dataclass
@@ -154,8 +155,16 @@ def load_profile(path: str, data: Any = None) -> Profile:
         if sum(param_bytes) != grad_bytes:
             raise InputError(f"{path}: field '{where}param_bytes' sums to {sum(param_bytes)}, "
                              f"but '{where}grad_bytes' is {grad_bytes}")
+        # The weight-gradient half of backward (a zero-bubble schedule runs it apart): measured, or
+        # half, as the two products of a dense or convolutional layer's backward are the same size.
+        weight_s = number(raw, "backward_weight_s", path, where, required=False,
+                          default=backward_s / 2 if grad_bytes else 0.0)
+        assert weight_s is not None
+        if weight_s > backward_s:
+            raise InputError(f"{path}: field '{where}backward_weight_s' is {weight_s}, more than "
+                             f"'{where}backward_s' ({backward_s})")
         parsed.append(Layer(layer_name, backward_s, forward_s if forward_s is not None else 0.0, grad_bytes,
-                            activation_bytes, param_bytes))
+                            activation_bytes, param_bytes, weight_s))
     if not any(layer.param_bytes for layer in parsed):
         raise InputError(f"{path}: no layer has parameters (param_bytes, or grad_bytes alone, of some layer)")
     total_backward = sum(layer.backward_s for layer in parsed)

@@ -1,11 +1,12 @@
-"""Pipeline parallelism (GPipe / 1F1B) and tensor parallelism (Megatron): one step of one
-replica split over p workers."""
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, or a table from a CSV) and
+tensor parallelism (Megatron): one step of one replica split over p workers."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tessera_tools.simulate import schedules
 from tessera_tools.simulate.collectives import allreduce_s, compute_scale, link
 from tessera_tools.simulate.inputs import InputError, Network, Profile
 
@@ -17,10 +18,11 @@ class PipelineRow:
     micro_batches: int
     step_s: float
     compute_s: float     # the busiest stage's
-    bubble_ideal: float  # (p-1)/(m+p-1)
+    bubble_ideal: float  # the schedule's own: F, I, W of one unit each ((p-1)/(m+p-1) for GPipe, 1F1B)
     idle: float
     p2p_s: float
     efficiency: float | None = None  # strong scaling against one worker, from the command
+    schedule: str = "1F1B"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,43 +65,51 @@ def partition(costs: Sequence[float], stages: int) -> list[int]:
     return starts[::-1]
 
 
-def simulate_pipeline(profile: Profile, network: Network, p: int, micro_batches: int, schedule: str) -> PipelineRow:
-    """One pipeline step of p stages (one worker each) and m micro-batches; times in seconds."""
-    layers = profile.layers[::-1]  # forward order
-    s = compute_scale(profile, network, p)
+def simulate_pipeline(profile: Profile, network: Network, p: int, micro_batches: int, schedule: str,
+                      stages_per_rank: int = 2, table: schedules.Table | None = None) -> PipelineRow:
+    """One pipeline step on p workers and m micro-batches under a schedule (schedules.BUILT_IN, or
+    `table` read from a CSV), simulated action by action (schedules.simulate); times in seconds.
+    The layers are split into the table's stages (P, or P v with several stages per worker) by
+    the same balancing as Pipeline's; a layer's backward splits into its input and weight halves by
+    its backward_weight_s (default half: the two products of a dense or convolutional layer)."""
     m = micro_batches
-    starts = partition([layer.forward_s + layer.backward_s for layer in layers], p) + [len(layers)]
+    t = table if table is not None else schedules.table(schedule, p, m, stages_per_rank)
+    if t.ranks != p or t.micro_batches != m:
+        raise InputError(f"pipeline schedule '{t.name}': a table of {t.ranks} ranks and {t.micro_batches} "
+                         f"micro-batches, asked for {p} workers and {m} micro-batches")
+    layers = profile.layers[::-1]  # forward order
+    if t.stages > len(layers):
+        raise InputError(f"{profile.path}: {len(layers)} layers, fewer than the {t.stages} stages of "
+                         f"'{t.name}' on {p} workers")
+    s = compute_scale(profile, network, p)
+    starts = partition([layer.forward_s + layer.backward_s for layer in layers], t.stages) + [len(layers)]
     g = network.workers_per_node
     fwd: list[float] = []
-    bwd: list[float] = []
+    bwd_in: list[float] = []
+    bwd_w: list[float] = []
     send: list[float] = []
-    for k in range(p):
+    for k in range(t.stages):
         group = layers[starts[k]:starts[k + 1]]
         fwd.append(sum(layer.forward_s for layer in group) * s / m)
-        bwd.append(sum(layer.backward_s for layer in group) * s / m)
-        if k < p - 1:
+        bwd_w.append(sum(layer.backward_weight_s for layer in group) * s / m)
+        bwd_in.append(sum(layer.backward_s - layer.backward_weight_s for layer in group) * s / m)
+        if k < t.stages - 1:
             a = group[-1].activation_bytes
+            here, there = t.rank_of(k), t.rank_of(k + 1)
+            if here == there:
+                send.append(0.0)  # the next stage on the same worker: handed over in memory
+                continue
             if a is None:
                 raise InputError(f"{profile.path}: layer '{group[-1].name}' has no activation_bytes "
                                  f"(the bytes it sends to the next pipeline stage, whole per-worker batch)")
-            alpha, beta = link(network, "inter" if (k + 1) % g == 0 else "intra", p)
+            alpha, beta = link(network, "inter" if here // g != there // g else "intra", p)
             send.append(alpha + a / m / beta)  # activations forward, gradients of the same size back
-    # The first micro-batch crosses every stage and link forward and back (fill and drain); each
-    # further one adds one slot of the busiest stage, or of the busiest link when a transfer takes
-    # longer (sends are asynchronous: a link carries activations one way, gradients the other).
-    link_slot = max(send, default=0.0)
-    if schedule == "gpipe":  # all forwards, then all backwards: each phase fills and drains
-        t = (sum(fwd) + sum(send) + (m - 1) * max(max(fwd), link_slot)
-             + sum(bwd) + sum(send) + (m - 1) * max(max(bwd), link_slot))
-    else:  # 1F1B: in the steady state the busiest stage alternates one forward, one backward
-        t = sum(fwd) + sum(bwd) + 2 * sum(send) + (m - 1) * max(max(fwd[k] + bwd[k] for k in range(p)), link_slot)
-    t += profile.optimizer_s * s / p  # each stage updates only its own parameters (balanced)
-    busy = sum(fwd) + sum(bwd)
-    return PipelineRow(workers=p, stages=p, micro_batches=m, step_s=t,
-                       compute_s=max(fwd[k] + bwd[k] for k in range(p)) * m,
-                       bubble_ideal=(p - 1) / (m + p - 1),
-                       idle=1 - busy * m / (p * (t - profile.optimizer_s * s / p)),
-                       p2p_s=2 * m * sum(send))
+    sim = schedules.simulate(t, schedules.StageCosts(fwd, bwd_in, bwd_w, send))
+    optimizer = profile.optimizer_s * s / p  # each worker updates only its own parameters (balanced)
+    crossing = sum(send)
+    return PipelineRow(workers=p, stages=t.stages, micro_batches=m, step_s=sim.makespan + optimizer,
+                       compute_s=max(sim.busy), bubble_ideal=schedules.unit_bubble(t),
+                       idle=sim.bubble_fraction(), p2p_s=2 * m * crossing, schedule=t.name)
 
 
 def simulate_tp(profile: Profile, network: Network, t: int, allreduces_per_layer: int) -> TpRow:
