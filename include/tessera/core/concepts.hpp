@@ -147,6 +147,23 @@ template <class L, class C>
 void split_backward_weight(L& layer, C& cache) {
   if constexpr (SplitsBackward<L>) layer.backward_weight(cache);
 }
+// What a split layer's weight half reads back, so that a composite layer frees the rest between
+// the halves (optional; the defaults are the safe ones, and a layer without a split reads nothing):
+//   static constexpr bool kWeightReadsInput = false;       backward_weight never reads x
+//   static constexpr bool kWeightReadsOutputGrad = false;  backward_weight never reads dy
+// BatchNorm2d reads neither (its weight half adds sums the input half kept).
+template <class L>
+consteval bool weight_reads_input() {
+  if constexpr (!SplitsBackward<L>) return false;
+  else if constexpr (requires { L::kWeightReadsInput; }) return L::kWeightReadsInput;
+  else return true;
+}
+template <class L>
+consteval bool weight_reads_output_grad() {
+  if constexpr (!SplitsBackward<L>) return false;
+  else if constexpr (requires { L::kWeightReadsOutputGrad; }) return L::kWeightReadsOutputGrad;
+  else return true;
+}
 
 // Activation memory (docs/design.md, "Activation memory"). A layer's Cache keeps its output y for
 // the next layer and its input gradient dx for the layer before; both are dead long before the

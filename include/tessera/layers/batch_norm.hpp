@@ -67,6 +67,9 @@ class BatchNorm2d {
   // Backward reads x (the batch statistics' input) and the saved statistics, never y: a ReLU
   // or a residual add after this layer lets its y go (core/concepts.hpp).
   static constexpr bool kBackwardReadsOutput = false;
+  // The weight half (backward_weight) adds sums the input half kept: it reads neither x nor dy.
+  static constexpr bool kWeightReadsInput = false;
+  static constexpr bool kWeightReadsOutputGrad = false;
   struct Cache {
     const Tensor* x = nullptr;
     Tensor y, dx;

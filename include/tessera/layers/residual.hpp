@@ -34,6 +34,9 @@ class Residual {
   // reads them) and the branches' input gradients once summed.
   static constexpr bool kBackwardReadsInput = backward_reads_input<Main>() || backward_reads_input<Projection>();
   static constexpr bool kBackwardReadsOutput = true;
+  // The weight half reads x through the branches' first layers, and ds (kept in the cache), never dy.
+  static constexpr bool kWeightReadsInput = weight_reads_input<Main>() || weight_reads_input<Projection>();
+  static constexpr bool kWeightReadsOutputGrad = false;
   struct Cache {
     typename Main::Cache main;
     typename Projection::Cache projection;
@@ -89,7 +92,7 @@ class Residual {
   // The backward in two halves, for zero-bubble pipeline schedules (core/concepts.hpp,
   // SplitsBackward): backward_input runs both branches' input halves and sums dx; backward_weight
   // their weight halves, then releases what backward releases. ds stays in the cache between the
-  // two (the branches' last layers read it back), so only the block's input x must stay alive.
+  // two when a branch's last layer reads it back, so only the block's input x must stay alive.
   const Tensor& backward_input(const Tensor& dy, Cache& c) { return backward_impl(dy, c, /*input_only=*/true); }
   void backward_weight(Cache& c) {
     split_backward_weight(main_, c.main);
@@ -135,6 +138,13 @@ class Residual {
     add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
     c.main_handed_on = &dmain == &c.dsum;
     c.shortcut_handed_on = &dshortcut == &c.dsum;
+    // The input half frees what no weight half reads: the branches' input gradients, and ds
+    // unless a branch's last layer reads it back (a BatchNorm at the end does not).
+    if (input_only) {
+      if (!c.main_handed_on) release_input_grad(main_, c.main);
+      if (projection_ && !c.shortcut_handed_on) release_input_grad(*projection_, c.projection);
+      if constexpr (!weight_reads_output_grad<Main>() && !weight_reads_output_grad<Projection>()) c.dsum.release();
+    }
     return c.dx;
   }
   // The branches' input gradients and ds, dead once dx is formed and every weight half has run.

@@ -95,8 +95,10 @@ class Sequential {
   // a split backward leaves for its weight half: whether layer I handed on the very gradient
   // layer I + 1 returned (the second layer of a fused pair, Dropout in eval), which decides what
   // may be released once the weight half is done.
+  // passed_on[I]: whether layer I's forward returned its input itself (Dropout in eval, the second
+  // layer of a fused pair), so that layer I - 1's output is read beyond layer I.
   struct Cache : std::tuple<typename detail::LayerSlot<Ls>::Cache...> {
-    std::array<bool, sizeof...(Ls)> handed_on{};
+    std::array<bool, sizeof...(Ls)> handed_on{}, passed_on{};
   };
   static constexpr std::size_t kSize = sizeof...(Ls);
   using FirstSlot = detail::LayerSlot<std::tuple_element_t<0, std::tuple<Ls...>>>;
@@ -105,6 +107,8 @@ class Sequential {
   // layer's; inside, each output is released once it is dead and each gradient once consumed.
   static constexpr bool kBackwardReadsInput = backward_reads_input<FirstSlot>();
   static constexpr bool kBackwardReadsOutput = backward_reads_output<LastSlot>();
+  static constexpr bool kWeightReadsInput = weight_reads_input<FirstSlot>();
+  static constexpr bool kWeightReadsOutputGrad = weight_reads_output_grad<LastSlot>();
 
   explicit Sequential(Ls... layers) : layers_(detail::LayerSlot<Ls>(std::move(layers))...) {
     for (std::size_t i = 0; i < kSize; ++i) names_[i] = std::to_string(i);
@@ -210,6 +214,7 @@ class Sequential {
   {
     const Tensor& h = forward_units(x, cache, 0, kSize - 1);
     const Tensor& out = std::get<kSize - 1>(layers_).forward_add_relu(h, std::get<kSize - 1>(cache), addend, y);
+    cache.passed_on[kSize - 1] = false;
     if constexpr (kSize > 1)  // as forward_one does after a layer
       release_dead_output<LastSlot>(std::get<kSize - 2>(layers_), std::get<kSize - 2>(cache), h, out);
     return out;
@@ -366,6 +371,7 @@ class Sequential {
   template <std::size_t I>
   void forward_one(const Tensor*& current, Cache& cache, std::size_t begin, std::size_t end) {
     const Tensor& out = forward_layer<I>(*current, cache, begin, end);
+    cache.passed_on[I] = &out == current;
     if constexpr (I > 0) {
       if (I > begin) release_dead_output<Slot<I>>(std::get<I - 1>(layers_), std::get<I - 1>(cache), *current, out);
     }
@@ -401,7 +407,23 @@ class Sequential {
     const Tensor* in = current;
     current = &backward_layer<I, InputOnly>(*in, cache, begin, end);
     if constexpr (InputOnly) {
-      cache.handed_on[I] = current == in;
+      // Only what a weight half still reads stays: layer I's dy (unless handed on: then it is
+      // layer I - 1's too) and layer I's output (layer I + 1's x, or beyond when layer I + 1
+      // passed it on). weight_one frees the rest.
+      const bool handed_on = current == in;
+      cache.handed_on[I] = handed_on;
+      if constexpr (I + 1 < kSize) {
+        if (I + 1 < end) {
+          if (!handed_on && !weight_reads_output_grad<Slot<I>>())
+            tessera::release_input_grad(std::get<I + 1>(layers_), std::get<I + 1>(cache));
+          if constexpr (!weight_reads_input<Slot<I + 1>>()) {
+            if (!cache.passed_on[I + 1]) tessera::release_output(std::get<I>(layers_), std::get<I>(cache));
+          }
+        }
+      }
+      if constexpr (fuses_with_next<I>() && I + 2 < kSize && !weight_reads_output_grad<Slot<I>>()) {
+        if (I + 2 < end && !handed_on) tessera::release_input_grad(std::get<I + 2>(layers_), std::get<I + 2>(cache));
+      }
       return;
     }
     if constexpr (I + 1 < kSize) {

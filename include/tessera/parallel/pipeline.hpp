@@ -142,7 +142,6 @@ concept SplitsBackward = requires(M& m, const typename M::Tensor& t, typename M:
   { m.backward_units_input(t, c, i, i) } -> std::same_as<const typename M::Tensor&>;
   m.backward_units_weight(c, i, i);
 };
-// The parameters two units read (GPT's wte, also its lm_head): optional, none when absent.
 // A visitor that forwards each object (parameter, buffer, generator) to v the first time only.
 template <class V>
 struct VisitOnce {
@@ -169,6 +168,7 @@ struct VisitOnce {
     if (first(&i)) v.integer_buffer(name, i);
   }
 };
+// The parameters two units read (GPT's wte, also its lm_head): optional, none when absent.
 template <class M>
 auto tied_parameters(M& m) {
   using P = TiedParameter<typename M::Env::Scalar, typename M::Env::Device>;
