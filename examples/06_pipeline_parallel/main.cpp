@@ -1,6 +1,6 @@
 // 06_pipeline_parallel: LeNet-5 on Fashion-MNIST split into P pipeline stages, one per rank, each
-// batch cut into M micro-batches, GPipe or 1F1B; optionally R data-parallel replicas of the whole
-// pipeline (hybrid). One source, one binary per communicator:
+// batch cut into M micro-batches, under GPipe, 1F1B, interleaved 1F1B, ZB-H1 or ZB-V (each backward
+// split into input and weight halves), or torch's CSV; optionally R data-parallel replicas (hybrid):
 //
 //   build/examples/06_pipeline_parallel_threads --stages=2 --micro-batches=4
 //   mpirun -n 2 build/examples/06_pipeline_parallel_mpi --schedule=gpipe
@@ -32,7 +32,7 @@ struct Options {
   bool stages_given = false;  // under a launcher, --stages not given means "as many as it started"
   double lr = 0.05;
   std::uint64_t seed = 1;
-  std::string schedule = "1f1b", data_dir, trace;
+  std::string schedule = "1f1b", schedule_csv, data_dir, trace;
 };
 
 using E = BuildEnv;  // CpuThreads, CpuMpi, CpuGloo or CudaNccl: chosen by the build, nowhere else
@@ -58,14 +58,16 @@ void train(Comm& world, const Options& o, int stages) {
   TESSERA_CHECK(loader.next(first), Error, "no training data");
 
   auto model = lenet5<E>(1, 28, 10, o.seed);  // every rank builds all of it; each runs its stage
-  const examples::PipelineShape shape{stages, replicas, o.micro_batches, o.batch,
-                                      o.schedule == "gpipe" ? PipelineSchedule::GPipe : PipelineSchedule::OneFOneB};
   // Balance: rank 0 times each layer on one micro-batch, and the split evens out the stages' times.
   Tensor<float> sample(Shape{first.images.dim(0) / o.micro_batches, 1, 28, 28});
   std::copy_n(first.images.data(), sample.numel(), sample.data());
   const auto on_device = to_device<Device>(sample);
-  Pipeline pipe(model, pipe_comm, {.micro_batches = o.micro_batches, .schedule = shape.schedule},
+  // The schedule is a table of actions per rank: a built-in one, or torch's CSV (--schedule-csv).
+  const auto table = o.schedule_csv.empty() ? pipeline_table(o.schedule, stages, o.micro_batches)
+                                            : read_pipeline_csv(o.schedule_csv);
+  Pipeline pipe(model, pipe_comm, {.micro_batches = o.micro_batches, .table = table},
                 pipe_comm.rank() == 0 ? &on_device : nullptr);
+  const examples::PipelineShape shape{stages, replicas, o.micro_batches, o.batch, pipe.schedule()};
   if (world.rank() == 0) examples::print_split("06_pipeline_parallel: LeNet-5", model, pipe, shape);
   examples::RankMemory<Device, Comm> memory(world);
   auto whole = lenet5<E>(1, 28, 10, o.seed);
@@ -88,15 +90,7 @@ void train(Comm& world, const Options& o, int stages) {
   const auto idle = steps.idle_fractions(pipe_comm, 1, steps.size() - 1);
   examples::report_pipeline<Device>(world, pipe_comm, model, pipe, shape, idle, steps.first(), activations,
                                     memory.ranks_per_process());
-  if (!o.trace.empty()) {
-    const auto traced = steps.idle_fractions(pipe_comm, kTracedStep, 1);
-    if (world.rank() == 0) {
-      std::printf("timeline of one step: %s; that step's idle fraction per stage (1 - F/B time / slowest stage's step):",
-                  o.trace.c_str());
-      for (double f : traced) std::printf(" %.3f", f);
-      std::printf("\n");
-    }
-  }
+  if (!o.trace.empty()) examples::report_traced_step(world, pipe_comm, steps, kTracedStep, o.trace);
 }
 
 Options parse(int argc, char** argv) {
@@ -105,8 +99,9 @@ Options parse(int argc, char** argv) {
   o.epochs = flags.get("epochs", o.epochs, {.min = 1}, "passes over the training set");
   o.batch = flags.get("batch", o.batch, {.min = 1}, "global batch, split over the replicas, then into micro-batches");
   o.micro_batches = flags.get("micro-batches", o.micro_batches, {.min = 1}, "micro-batches per replica's batch (M)");
-  o.schedule = flags.choice("schedule", o.schedule, {"1f1b", "gpipe"},
-                            "micro-batch order: one forward/one backward, or all forwards first");
+  o.schedule = flags.choice("schedule", o.schedule, {"1f1b", "gpipe", "interleaved1f1b", "zbh1", "zbv"},
+                            "1F1B, GPipe, interleaved 1F1B (2 stages per rank), zero bubble H1 or V");
+  o.schedule_csv = flags.get("schedule-csv", std::string(), "a schedule table in torch's CSV form, run in place of --schedule");
   o.lr = flags.get("lr", o.lr, {.above = 0}, "SGD learning rate (momentum 0.9), decayed to 0 by a cosine");
   o.threads = flags.threads("threads", o.threads, "OpenMP threads per rank");
   // the max keeps stages x replicas an int

@@ -92,13 +92,21 @@ class PipelineSteps {
   std::vector<tessera::PipelineStepStats> steps_;
 };
 
+// stages: the pipeline's ranks (P); the table may give each several model stages (interleaved
+// 1F1B v, ZB-V 2).
 struct PipelineShape {
   int stages = 1, replicas = 1, micro_batches = 1;
   std::int64_t batch = 0;  // global
-  tessera::PipelineSchedule schedule = tessera::PipelineSchedule::OneFOneB;
-  // Micro-batches whose activations stage s holds at once: all M under GPipe, min(M, P - s) under 1F1B.
-  int slots(int s) const {
-    return schedule == tessera::PipelineSchedule::GPipe ? micro_batches : std::min(micro_batches, stages - s);
+  tessera::PipelineScheduleTable table;  // the pipeline's (Pipeline::schedule())
+  tessera::PipelineSimulation ideal = tessera::simulate_pipeline(table, {});  // F, I and W of one unit each
+  // Micro-batches whose activations rank s holds at once, from the table: all M under GPipe,
+  // min(M, P - s) under 1F1B (the formulas equal the simulation; tests/parallel/test_pipeline_schedule.cpp).
+  int slots(int s) const { return ideal.peak_activations.at(static_cast<std::size_t>(s)); }
+  bool one_stage_per_rank() const { return table.stages_per_rank == 1; }
+  const char* bound() const {
+    if (table.name == "GPipe") return "GPipe: all M";
+    if (table.name == "1F1B") return "1F1B: at most P - s";
+    return "the table's simulation";
   }
 };
 
@@ -107,14 +115,18 @@ struct PipelineShape {
 template <class Model, class Pipe>
 void print_split(const char* title, Model& model, Pipe& pipe, const PipelineShape& shape) {
   std::printf("%s, %d stage(s) x %d replica(s), %s, global batch %lld = %d x %d micro-batches of %lld\n", title,
-              shape.stages, shape.replicas, tessera::schedule_name(shape.schedule), static_cast<long long>(shape.batch),
+              shape.stages, shape.replicas, shape.table.name.c_str(), static_cast<long long>(shape.batch),
               shape.replicas, shape.micro_batches,
               static_cast<long long>(shape.batch / shape.replicas / shape.micro_batches));
   std::string units;
   for (std::size_t u = 0; u < model.unit_count(); ++u) units += (u ? " " : "") + model.unit_name(u);
-  for (int s = 0; s < shape.stages; ++s)
-    std::printf("  stage %d: layers %s..%s of %zu (%s)\n", s, model.unit_name(pipe.boundaries()[s]).c_str(),
+  const auto& t = pipe.schedule();
+  for (int s = 0; s < t.stage_count(); ++s) {
+    std::printf("  stage %d: layers %s..%s of %zu (%s)", s, model.unit_name(pipe.boundaries()[s]).c_str(),
                 model.unit_name(pipe.boundaries()[s + 1] - 1).c_str(), model.unit_count(), units.c_str());
+    if (t.stages_per_rank > 1) std::printf(" on rank %d", t.rank_of(s));
+    std::printf("\n");
+  }
 }
 
 // Bytes per step across each stage boundary, by formula and as sent in the first step (`all`:
@@ -125,6 +137,23 @@ void report_traffic(Pipe& pipe, const PipelineShape& shape, const std::vector<st
   const auto field = [&](int s, std::size_t f) { return all[fields * static_cast<std::size_t>(s) + f]; };
   const int p = shape.stages, m = shape.micro_batches;
   const std::int64_t per_pipeline = shape.batch / shape.replicas;
+  if (!shape.one_stage_per_rank()) {
+    // Several stages per rank: what each rank sends, over every boundary it sits on (none between
+    // two of its own stages: handed over in memory). Forward: samples x bytes per sample + a
+    // 64-byte header per micro-batch; backward the same values without headers.
+    const auto& t = shape.table;
+    for (int r = 0; r < p; ++r) {
+      double formula = 0;
+      for (int k = 0; k + 1 < t.stage_count(); ++k) {
+        const std::int64_t per_sample = values[pipe.boundaries()[static_cast<std::size_t>(k) + 1] - 1] * 4;
+        if (t.rank_of(k) == r && t.rank_of(k + 1) != r) formula += static_cast<double>(per_pipeline * per_sample) + 64.0 * m;
+        if (t.rank_of(k + 1) == r && t.rank_of(k) != r) formula += static_cast<double>(per_pipeline * per_sample);
+      }
+      std::printf("cost: rank %d sends per step %.1f KiB by formula, %.1f KiB sent in the first step\n", r,
+                  formula / 1024, (field(r, 1) + field(r, 2)) / 1024);
+    }
+    return;
+  }
   // Bytes per step across boundary s: the pipeline's samples' activations there go forward and
   // their gradients come back, 2 x samples x (bytes per sample at the boundary), plus a 64-byte
   // shape header per micro-batch. Bytes per sample: one sample through the units before it.
@@ -144,6 +173,17 @@ void report_activation_memory(Comm& world, Pipe& pipe, const PipelineShape& shap
   const auto field = [&](int s, std::size_t f) { return all[fields * static_cast<std::size_t>(s) + f]; };
   const int p = shape.stages;
   const std::int64_t micro = shape.batch / shape.replicas / shape.micro_batches;
+  if (!shape.one_stage_per_rank()) {  // the formula below is a stage's; print what each rank held
+    for (int s = 0; s < p; ++s) {
+      std::printf("memory: rank %d: %d stage activation sets at the peak", s, shape.slots(s));
+      if (ranks_per_process == 1) std::printf(" | %.1f KiB in the first step", field(s, 3) / 1024);
+      std::printf("\n");
+    }
+    if (ranks_per_process > 1)  // thread ranks share one allocator: only their sum is measured
+      std::printf("memory: all %d ranks: %.1f KiB, the peak of this process's allocator in the first step\n",
+                  world.size(), field(0, 3) * ranks_per_process / 1024);
+    return;
+  }
   // Activation memory per stage: one set per micro-batch slot, each (samples per micro-batch) x 4 B
   // x the values a sample leaves there: every unit's output, the stage's input, and the gradients
   // crossing its boundaries. Measured: the allocator's peak during the first step, in bytes
@@ -193,23 +233,39 @@ void report_pipeline(Comm& world, Comm& pipe_comm, Model& model, Pipe& pipe, con
   std::vector<double> all(kFields * static_cast<std::size_t>(pipe_comm.size()));
   pipe_comm.all_gather(std::span<const double>(mine), std::span<double>(all));
   const auto field = [&](int s, std::size_t f) { return all[kFields * static_cast<std::size_t>(s) + f]; };
-  const char* schedule = tessera::schedule_name(shape.schedule);
+  const std::string schedule = shape.table.name;
   for (int s = 0; s < shape.stages; ++s)
     TESSERA_CHECK(static_cast<int>(field(s, 0)) == shape.slots(s), tessera::Error, "stage ", s, " held the activations "
                   "of ", field(s, 0), " micro-batches at once; the ", schedule, " schedule holds ", shape.slots(s));
   if (world.rank() != 0) return;
+  const bool classic = schedule == "GPipe" || schedule == "1F1B";
   std::printf("check: every stage held the activations of as many micro-batches as %s allows at most (%s) ok\n",
-              schedule, shape.schedule == tessera::PipelineSchedule::GPipe ? "M" : "min(M, P - s)");
+              schedule.c_str(), schedule == "GPipe" ? "M" : schedule == "1F1B" ? "min(M, P - s)" : "its table's simulation");
   const int p = shape.stages, m = shape.micro_batches;
-  std::printf("bubble: ideal (P-1)/(M+P-1) = %.3f; measured idle fraction per stage:",
-              static_cast<double>(p - 1) / static_cast<double>(m + p - 1));
+  if (classic)
+    std::printf("bubble: ideal (P-1)/(M+P-1) = %.3f; measured idle fraction per stage:",
+                static_cast<double>(p - 1) / static_cast<double>(m + p - 1));
+  else
+    std::printf("bubble: ideal (the %s table with F, I, W of equal cost) = %.3f; measured idle fraction per rank:",
+                schedule.c_str(), shape.ideal.bubble_fraction());
   for (double f : idle) std::printf(" %.3f", f);
   std::printf("\nmicro-batches of activations held at the peak per stage:");
   for (int s = 0; s < p; ++s) std::printf(" %.0f", field(s, 0));
-  std::printf(" (%s)\n", shape.schedule == tessera::PipelineSchedule::GPipe ? "GPipe: all M" : "1F1B: at most P - s");
+  std::printf(" (%s)\n", shape.bound());
   const auto values = unit_output_values_per_sample<Device>(model, tessera::Shape{1, 1, 28, 28});
   report_traffic(pipe, shape, values, all, kFields);
   report_activation_memory(world, pipe, shape, values, all, kFields, ranks_per_process);
+}
+
+// The traced step's idle fraction per stage, beside the path of its timeline.
+template <class Comm>
+void report_traced_step(Comm& world, Comm& pipe_comm, const PipelineSteps& steps, std::size_t step, const std::string& path) {
+  const auto traced = steps.idle_fractions(pipe_comm, step, 1);
+  if (world.rank() != 0) return;
+  std::printf("timeline of one step: %s; that step's idle fraction per stage (1 - F/B time / slowest stage's step):",
+              path.c_str());
+  for (double f : traced) std::printf(" %.3f", f);
+  std::printf("\n");
 }
 
 }  // namespace examples

@@ -12,9 +12,15 @@ from typing import Any
 from tessera_tools.report.formatting import JsonDict
 from tessera_tools.report.plotting import pyplot, save
 
+MICRO_BATCH = r"[FBIW]\d+( \(stage \d+\))?"
 TRACE_COLOURS: tuple[tuple[Callable[[JsonDict], Any], str, str], ...] = (  # (predicate on a span, colour, legend label): the first match colours it
-    (lambda e: re.fullmatch(r"F\d+", e["name"]), "#4c72b0", "forward of micro-batch i (F_i)"),
-    (lambda e: re.fullmatch(r"B\d+", e["name"]), "#dd8452", "backward of micro-batch i (B_i)"),
+    # A pipeline's actions, "F3" or, where a rank runs several stages, "F3 (stage 1)".
+    (lambda e: re.fullmatch(MICRO_BATCH.replace("[FBIW]", "F"), e["name"]), "#4c72b0", "forward of micro-batch i (F_i)"),
+    (lambda e: re.fullmatch(MICRO_BATCH.replace("[FBIW]", "B"), e["name"]), "#dd8452", "backward of micro-batch i (B_i)"),
+    (lambda e: re.fullmatch(MICRO_BATCH.replace("[FBIW]", "I"), e["name"]), "#e5ae38",
+     "input gradient of micro-batch i (I_i)"),
+    (lambda e: re.fullmatch(MICRO_BATCH.replace("[FBIW]", "W"), e["name"]), "#17becf",
+     "weight gradients of micro-batch i (W_i)"),
     (lambda e: e["name"] == "forward", "#4c72b0", "forward"),
     (lambda e: e["name"] == "backward", "#dd8452", "backward"),
     (lambda e: e["name"] == "optimizer step", "#55a868", "optimizer step"),
@@ -94,8 +100,9 @@ def plot_trace(path: str, out: str, last_steps: int = 0, title: str | None = Non
         width = e["dur"] / 1000.0
         ax.barh(y, width, left=to_ms(e["ts"]), height=0.7, color=colour, edgecolor="white", linewidth=0.3)
         # Micro-batch names inside their boxes where they fit.
-        if re.fullmatch(r"[FB]\d+", e["name"]) and width > (end - begin) / 1000.0 / 60:
-            ax.text(to_ms(e["ts"]) + width / 2, y, e["name"], ha="center", va="center", fontsize=7, color="white")
+        if re.fullmatch(MICRO_BATCH, e["name"]) and width > (end - begin) / 1000.0 / 60:
+            ax.text(to_ms(e["ts"]) + width / 2, y, e["name"].split(" ")[0], ha="center", va="center", fontsize=7,
+                    color="white")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {pid} {lane_names.get((pid, tid), 'lane %d' % tid)}" for pid, tid in rows])
     ax.invert_yaxis()
