@@ -181,7 +181,7 @@ TEST_CASE("Pipeline tables: the built-in schedules equal the golden tables the s
   };
   for (const Golden& g : goldens) {
     INFO(g.file);
-    const std::string path = std::string(TESSERA_REFERENCE_DATA_DIR) + "/pipeline_tables/" + g.file;
+    const std::string path = std::string(TESSERA_REFERENCE_DATA_DIR) + "/../parallel/pipeline_tables/" + g.file;
     const PipelineScheduleTable built = pipeline_table(g.name, g.ranks, g.micro_batches, g.stages_per_rank);
     CHECK(to_csv(built) == to_csv(read_pipeline_csv(path)));
     CHECK(read_pipeline_csv(path).placement == built.placement);

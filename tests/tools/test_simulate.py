@@ -257,7 +257,7 @@ def test_pipeline_and_tensor_parallel() -> None:
 
 # --- pipeline schedules as tables ---------------------------------------------------------------
 
-GOLDEN_TABLES = ROOT / "tests" / "data" / "pipeline_tables"
+GOLDEN_TABLES = ROOT / "tests" / "parallel" / "pipeline_tables"
 
 
 def golden_case(path: pathlib.Path) -> tuple[str, int, int, int]:
@@ -274,6 +274,86 @@ def test_schedule_tables_equal_the_cpp_ones(path: pathlib.Path) -> None:
     read = schedules.parse_csv(path.read_text(), path.name)
     assert (read.ranks, read.stages_per_rank, read.micro_batches, read.placement) == \
         (built.ranks, built.stages_per_rank, built.micro_batches, built.placement)
+
+
+def torch_pipelining_rules(t: schedules.Table) -> None:
+    """What torch.distributed.pipelining (2.6 on) demands of a compute-only table it loads from CSV
+    (PipelineScheduleMulti._load_csv): its _validate_schedule (a row per rank, each stage on one rank,
+    per stage M forwards, every I or B after its F in the row, every W after its I, as many W as I,
+    B + I = M), then _add_send_recv lowering the rows to sends and receives in order, rank by rank,
+    which must never stall. Written here from those rules (Debian's torch 1.13 lacks the module)."""
+    m, stages = t.micro_batches, t.stages
+    owner: dict[int, int] = {}
+    done: dict[tuple[int, str], set[int]] = {}
+    for rank, row in enumerate(t.actions):
+        for step, a in enumerate(row):
+            where = f"rank {rank}, step {step} ({a})"
+            assert owner.setdefault(a.stage, rank) == rank, f"{where}: stage {a.stage} on two ranks"
+            seen = done.setdefault((a.stage, a.op), set())
+            if a.op in ("B", "I"):
+                assert a.micro in done.get((a.stage, "F"), set()), f"{where}: backward before its forward"
+            if a.op == "W":
+                assert a.micro in done.get((a.stage, "I"), set()), f"{where}: W before its I"
+            seen.add(a.micro)
+    for s in range(stages):
+        count = {op: len(done.get((s, op), set())) for op in "FBIW"}
+        assert count["F"] == m, f"stage {s}: {count['F']} forwards, expected {m}"
+        assert count["I"] == count["W"], f"stage {s}: I={count['I']}, W={count['W']}"
+        assert count["B"] + count["I"] == m, f"stage {s}: B={count['B']}, I={count['I']}, expected {m} backwards"
+    # _add_send_recv: a rank's next action runs once what it needs is on the rank (its own earlier
+    # action, or a receive its peer's send put there); a pass over the ranks that runs none stalls.
+    rank_of = {s: r for s, r in owner.items()}
+    have: list[set[tuple[int, str, int]]] = [set() for _ in t.actions]
+    rows = [list(row) for row in t.actions]
+    while any(rows):
+        progress = False
+        for r, row in enumerate(rows):
+            if not row:
+                continue
+            a = row[0]
+            if a.op == "F" and a.stage > 0:
+                ready = (a.stage, "RECV_F", a.micro) in have[r] or (a.stage - 1, "F", a.micro) in have[r]
+            elif a.op in ("B", "I") and a.stage < stages - 1:
+                ready = any(k in have[r] for k in ((a.stage, "RECV_B", a.micro), (a.stage + 1, "I", a.micro),
+                                                   (a.stage + 1, "B", a.micro)))
+            else:
+                ready = True
+            if not ready:
+                continue
+            have[r].add((a.stage, a.op, a.micro))
+            peer = a.stage + 1 if a.op == "F" else a.stage - 1 if a.op in ("B", "I") else -1
+            if 0 <= peer < stages and rank_of[peer] != r:
+                have[rank_of[peer]].add((peer, "RECV_F" if a.op == "F" else "RECV_B", a.micro))
+            row.pop(0)
+            progress = True
+        assert progress, f"lowering to sends and receives stalls at {[str(row[0]) for row in rows if row]}"
+
+
+@pytest.mark.parametrize("name", schedules.BUILT_IN)
+def test_built_in_tables_pass_torch_rules(name: str) -> None:
+    # every golden file (the C++ tables, cell for cell) and more sizes of the same generators
+    for path in sorted(GOLDEN_TABLES.glob(f"{name}_*.csv")):
+        torch_pipelining_rules(schedules.parse_csv(path.read_text(), path.name))
+    for p in (1, 2, 3, 4, 6):
+        for m in (p, 2 * p, 3 * p + (0 if name == "interleaved1f1b" else 1)):
+            torch_pipelining_rules(schedules.table(name, p, m))
+    # and the rules are not vacuous: each refuses its kind of mistake
+    t = schedules.table(name, 2, 4)
+    bad = [list(row) for row in t.actions]
+    first_backward = next(k for k, a in enumerate(bad[0]) if a.op in ("B", "I"))
+    bad[0].insert(0, bad[0].pop(first_backward))  # a backward before its forward
+    with pytest.raises(AssertionError, match="backward before its forward"):
+        torch_pipelining_rules(schedules.Table(t.name, t.ranks, t.stages_per_rank, t.micro_batches, t.placement, bad))
+    if name in ("1f1b", "zbh1"):  # rank 1 runs all its forwards, the last micro-batch first: rank 0 stalls
+        crossed = [list(row) for row in t.actions]  # on its first backward, rank 1 on micro-batch 3's input
+        crossed[1] = [a for a in crossed[1] if a.op == "F"][::-1] + [a for a in crossed[1] if a.op != "F"]
+        with pytest.raises(AssertionError, match="stalls"):
+            torch_pipelining_rules(schedules.Table(t.name, t.ranks, 1, t.micro_batches, t.placement, crossed))
+    missing = [list(row) for row in t.actions]
+    missing[0] = [a for a in missing[0] if not (a.op == "F" and a.micro == 0 and a.stage == 0)]
+    with pytest.raises(AssertionError):
+        torch_pipelining_rules(schedules.Table(t.name, t.ranks, t.stages_per_rank, t.micro_batches, t.placement,
+                                               missing))
 
 
 def test_schedule_bubbles_hand_computed() -> None:

@@ -5,7 +5,7 @@
 //
 //   auto table = interleaved_1f1b_table(/*ranks=*/4, /*stages_per_rank=*/2, /*micro_batches=*/8);
 //   check_pipeline_table(table);            // throws, naming the bad action, before any step
-//   std::string csv = to_csv(table);        // rank r's actions on row r: "0F0,0F1,...,0B7"
+//   std::string csv = to_csv(table);        // rank r's actions on row r: "0F0,0F1,,,0B0,..."
 //   auto same = parse_pipeline_csv(csv);    // placement and sizes read from the actions
 //   auto sim = simulate_pipeline(table, {.forward = 1, .backward_input = 1, .backward_weight = 1});
 //
@@ -38,6 +38,7 @@
 #include <array>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <limits>
@@ -480,7 +481,8 @@ inline std::vector<PipelineNeed> pipeline_needs(const PipelineScheduleTable& t, 
 struct PipelineRun {
   std::vector<std::vector<double>> start, end;
 };
-inline PipelineRun run_pipeline_table(const PipelineScheduleTable& t, const PipelineOpCosts& costs) {
+// unit_steps: every action takes one step, a whole B too (torch's grid; to_csv), transfers none.
+inline PipelineRun run_pipeline_table(const PipelineScheduleTable& t, const PipelineOpCosts& costs, bool unit_steps = false) {
   const bool transfers = t.has_transfers();
   const auto ranks = static_cast<std::size_t>(t.ranks);
   // Where each (stage, op, micro-batch) is: rank and position.
@@ -497,6 +499,7 @@ inline PipelineRun run_pipeline_table(const PipelineScheduleTable& t, const Pipe
     return it == at.end() ? std::pair<int, std::size_t>{-1, 0} : it->second;
   };
   const auto cost = [&](PipelineOp op) {
+    if (unit_steps) return 1.0;
     switch (op) {
       case PipelineOp::Forward: return costs.forward;
       case PipelineOp::Backward: return costs.backward_input + costs.backward_weight;
@@ -749,9 +752,30 @@ TESSERA_LINKAGE PipelineScheduleTable detail::greedy_zero_bubble(PipelineSchedul
 }
 
 TESSERA_LINKAGE std::string to_csv(const PipelineScheduleTable& t) {
+  // A compute-only table goes on torch's grid: each action in the step it would start if every
+  // action took one step (a whole B too), blank cells where a rank waits, as torch's own schedules
+  // dump theirs. torch's lock-step runtime (PipelineScheduleMulti) posts a rank's receives from its
+  // neighbours' cells of the same step, so a table it loads must be aligned so; its newer runtime
+  // and parse_pipeline_csv read the order alone. A table with transfers, or one that cannot run,
+  // is written compact.
+  std::vector<std::vector<double>> steps;
+  if (!t.has_transfers()) {
+    try {
+      steps = detail::run_pipeline_table(t, {}, /*unit_steps=*/true).start;
+    } catch (const ArgumentError&) {
+      steps.clear();
+    }
+  }
   std::string out;
-  for (const auto& row : t.actions) {
-    for (std::size_t k = 0; k < row.size(); ++k) out += (k ? "," : "") + to_string(row[k]);
+  for (std::size_t r = 0; r < t.actions.size(); ++r) {
+    const auto& row = t.actions[r];
+    std::vector<std::string> cells;
+    for (std::size_t k = 0; k < row.size(); ++k) {
+      const auto step = steps.empty() ? k : static_cast<std::size_t>(std::lround(steps[r][k]));
+      if (cells.size() <= step) cells.resize(step + 1);  // blank cells: the rank waits
+      cells[step] = to_string(row[k]);
+    }
+    for (std::size_t c = 0; c < cells.size(); ++c) out += (c ? "," : "") + cells[c];
     out += '\n';
   }
   return out;

@@ -3,7 +3,7 @@ builds them (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) and as torch.distribute
 writes them to CSV (one row per rank, cells "<stage><op><micro-batch>", blank cells skipped), and
 a simulation of a table in time with per-stage costs.
 
-Both implementations are pinned to the same golden tables (tests/data/pipeline_tables/*.csv):
+Both implementations are pinned to the same golden tables (tests/parallel/pipeline_tables/*.csv):
 the C++ test and tests/tools/test_simulate.py compare their tables with them cell by cell.
 
 The simulation runs every rank's actions in order, each as soon as what it needs has ended: F of
@@ -58,7 +58,21 @@ class Table:
         return [k for k in range(self.stages) if self.rank_of(k) == rank]
 
     def to_csv(self) -> str:
-        return "".join(",".join(str(a) for a in row) + "\n" for row in self.actions)
+        """torch's grid: each action in the step it would start if every action took one step (a whole
+        B too), blank cells where a rank waits, as torch's own schedules dump theirs; the lock-step
+        runtime (PipelineScheduleMulti) posts a rank's receives from its neighbours' cells of the same
+        step, so a table it loads must be aligned so. A table that cannot run is written compact."""
+        try:
+            steps = simulate(self, StageCosts([], [], [], []), unit_steps=True).start
+        except InputError:
+            return "".join(",".join(str(a) for a in row) + "\n" for row in self.actions)
+        lines = []
+        for row, starts in zip(self.actions, steps):
+            cells = [""] * (int(round(starts[-1])) + 1 if starts else 0)
+            for a, step in zip(row, starts):
+                cells[int(round(step))] = str(a)
+            lines.append(",".join(cells) + "\n")
+        return "".join(lines)
 
 
 def _empty(name: str, ranks: int, v: int, m: int, placement: str) -> Table:
@@ -292,7 +306,8 @@ class Simulation:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy)
 
 
-def simulate(t: Table, costs: StageCosts) -> Simulation:
+def simulate(t: Table, costs: StageCosts, unit_steps: bool = False) -> Simulation:
+    """unit_steps: every action takes one step and messages none (torch's grid; costs unused)."""
     where: dict[tuple[int, str, int], tuple[int, int]] = {}
     for r, row in enumerate(t.actions):
         for k, a in enumerate(row):
@@ -302,6 +317,8 @@ def simulate(t: Table, costs: StageCosts) -> Simulation:
         return where.get((stage, "B", micro)) or where.get((stage, "I", micro))
 
     def cost(a: Action) -> float:
+        if unit_steps:
+            return 1.0
         s = a.stage
         return {"F": costs.forward[s], "I": costs.backward_input[s], "W": costs.backward_weight[s],
                 "B": costs.backward_input[s] + costs.backward_weight[s]}[a.op]
@@ -353,7 +370,7 @@ def simulate(t: Table, costs: StageCosts) -> Simulation:
                 if 0 <= target <= last and t.rank_of(target) != r:
                     link_key = (min(a.stage, target), "forward" if a.op == "F" else "backward")
                     sent = max(end[r][-1], link_free.get(link_key, 0.0))
-                    arrival[(a.stage, a.op, a.micro)] = sent + costs.transfer[min(a.stage, target)]
+                    arrival[(a.stage, a.op, a.micro)] = sent + (0.0 if unit_steps else costs.transfer[min(a.stage, target)])
                     link_free[link_key] = arrival[(a.stage, a.op, a.micro)]
     stuck = [f"rank {r} at {t.actions[r][nxt[r]]}" for r in range(ranks) if nxt[r] < len(t.actions[r])]
     if stuck:
