@@ -3,7 +3,7 @@
 // with BN at one micro-batch, each checked against the unsplit model on the same rank; ResNet-20
 // and the GPT under interleaved 1F1B, ZB-H1 and ZB-V as well; on 4 ranks
 // also 2 data-parallel replicas x 2 pipeline stages. A pipeline over a GPT's blocks (its tied wte on
-// the first and the last stage) against one process, both schedules (float32, 1e-5). And the other
+// the first and the last stage) against one process, every schedule (float32, 1e-6). And the other
 // model parallelism, a GPT's tensor + sequence parallelism over all ranks, against the dense GPT.
 #include <algorithm>
 #include <cstdio>

@@ -36,7 +36,7 @@ struct PpGptCase {
   int steps = 3;
   bool checkpointing = false;  // the staged GPT recomputes its blocks' forwards in backward
   bool measure_costs = false;  // balance by units' times measured on rank 0 (a sample of ids)
-  double tolerance = 1e-5;     // of the largest magnitude of each compared tensor (float32)
+  double tolerance = 1e-6;     // of the largest magnitude of each compared tensor (float32)
 };
 
 // The bytes stage `stage` of `stages` sends in one training step (PipelineStepStats' three counts).
