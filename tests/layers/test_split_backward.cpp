@@ -20,6 +20,7 @@
 #include "tessera/layers/pool.hpp"
 #include "tessera/layers/sequential.hpp"
 #include "tessera/models/gpt.hpp"
+#include "tessera/models/resnet.hpp"
 
 using namespace tessera;
 
@@ -246,6 +247,52 @@ TEMPLATE_TEST_CASE("Sequential: backward_input then backward_weight equal backwa
     CHECK(std::get<6>(c1).y.numel() == std::get<6>(c2).y.numel());
     CHECK(std::get<6>(c2).dx.numel() == 0);
     (void)y1;
+  }
+}
+
+TEMPLATE_TEST_CASE("Residual blocks and ResNet units: backward_input then backward_weight equal backward bit for bit",
+                   "[layers][models]", float, double) {
+  using E = Env<Cpu, LocalComm, TestType>;
+  Rng data(17);
+  SECTION("BasicBlock with a projection (stride 2)") {
+    const auto x = split_normal<TestType>({2, 4, 8, 8}, data);
+    check_split_backward<BasicBlock<E>>(
+        [] {
+          Rng rng(3);
+          return BasicBlock<E>(4, 8, 2, rng, false);
+        },
+        x, split_normal<TestType>({2, 8, 4, 4}, data));
+  }
+  SECTION("Bottleneck, identity shortcut") {
+    const auto x = split_normal<TestType>({2, 16, 6, 6}, data);
+    check_split_backward<Bottleneck<E>>(
+        [] {
+          Rng rng(3);
+          return Bottleneck<E>(16, 4, 1, rng, false);
+        },
+        x, split_normal<TestType>({2, 16, 6, 6}, data));
+  }
+  SECTION("ResNet-20 units, the stem and the head included, as two pipeline stages") {
+    auto whole = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 5});
+    auto split = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 5});
+    const auto x = split_normal<TestType>({4, 1, 12, 12}, data);
+    const auto dy = split_normal<TestType>({4, 10}, data);
+    typename decltype(whole)::Cache a1, a2, b1, b2;
+    const std::size_t cut = 5, units = whole.unit_count();
+    const auto& h1 = whole.forward_units(x, a1, 0, cut);
+    const auto& h2 = split.forward_units(x, a2, 0, cut);
+    REQUIRE(split_same_bits(h1, h2));
+    whole.forward_units(h1, b1, cut, units);
+    split.forward_units(h2, b2, cut, units);
+    const auto& g1 = whole.backward_units(dy, b1, cut, units);
+    const auto& g2 = split.backward_units_input(dy, b2, cut, units);
+    CHECK(split_same_bits(g1, g2));
+    CHECK(split_grads_zero(split));
+    split.backward_units_weight(b2, cut, units);
+    whole.backward_units(g1, a1, 0, cut);
+    split.backward_units_input(g2, a2, 0, cut);
+    split.backward_units_weight(a2, 0, cut);
+    split_same_grads(whole, split);
   }
 }
 
