@@ -104,7 +104,7 @@ def main():
         med["simulator_error"] = (med["predicted_ms"] - med["step_ms"]) / med["step_ms"]
         return med
 
-    names = [n for n in ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1", "ZBV")]
+    names = ["GPipe", "1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
     bubble = {n: summary(timed, n) for n in names}
     step = {n: summary(mlp, n) for n in names}
     base = bubble["1F1B"]

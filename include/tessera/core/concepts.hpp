@@ -147,6 +147,12 @@ template <class L, class C>
 void split_backward_weight(L& layer, C& cache) {
   if constexpr (SplitsBackward<L>) layer.backward_weight(cache);
 }
+// A composite's sublayer during its backward (input_only false) or its input half (true): one code
+// path for both, so the two can only differ in which half runs.
+template <class L, class T, class C>
+const T& backward_or_input(L& layer, const T& dy, C& cache, bool input_only) {
+  return input_only ? split_backward_input(layer, dy, cache) : layer.backward(dy, cache);
+}
 // What a split layer's weight half reads back, so that a composite layer frees the rest between
 // the halves (optional; the defaults are the safe ones, and a layer without a split reads nothing):
 //   static constexpr bool kWeightReadsInput = false;       backward_weight never reads x

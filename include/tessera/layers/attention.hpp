@@ -277,7 +277,7 @@ class SelfAttention {
       dropout_rows(D{}, c.resid_dropout, c.dims.batch, t, n_embd_, dy.data(), c.dproj.data());
       dproj = &c.dproj;
     }
-    const Tensor& dheads = input_only ? c_proj_.backward_input(*dproj, c.proj) : c_proj_.backward(*dproj, c.proj);
+    const Tensor& dheads = backward_or_input(c_proj_, *dproj, c.proj, input_only);
     const Tensor& qkv = c.attn.y;
     c.dqkv.resize(qkv.shape());
     const S* base = qkv.data();
@@ -285,7 +285,7 @@ class SelfAttention {
     attention_backward(D{}, c.dims, base, qkv_layout(t), base + n_embd_, qkv_layout(t), base + 2 * n_embd_,
                        qkv_layout(t), c.heads.data(), dheads.data(), heads_layout(t), c.lse.data(), scale(), causal_,
                        dbase, qkv_layout(t), dbase + n_embd_, qkv_layout(t), dbase + 2 * n_embd_, qkv_layout(t));
-    return input_only ? c_attn_.backward_input(c.dqkv, c.attn) : c_attn_.backward(c.dqkv, c.attn);
+    return backward_or_input(c_attn_, c.dqkv, c.attn, input_only);
   }
 
   static std::int64_t checked_heads(std::int64_t n_embd, std::int64_t n_head) {

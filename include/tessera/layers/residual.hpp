@@ -130,28 +130,23 @@ class Residual {
                   " does not match the output ", c.y.shape());
     c.dsum.resize(dy.shape());
     relu_backward(D{}, dy.data(), c.y.data(), dy.numel(), c.dsum.data());  // ds = dy * [y > 0]
-    const Tensor& dmain = input_only ? split_backward_input(main_, c.dsum, c.main) : main_.backward(c.dsum, c.main);
-    const Tensor& dshortcut = !projection_ ? c.dsum
-                              : input_only ? split_backward_input(*projection_, c.dsum, c.projection)
-                                           : projection_->backward(c.dsum, c.projection);
+    const Tensor& dmain = backward_or_input(main_, c.dsum, c.main, input_only);
+    const Tensor& dshortcut = projection_ ? backward_or_input(*projection_, c.dsum, c.projection, input_only) : c.dsum;
     c.dx.resize(dmain.shape());
     add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
     c.main_handed_on = &dmain == &c.dsum;
     c.shortcut_handed_on = &dshortcut == &c.dsum;
     // The input half frees what no weight half reads: the branches' input gradients, and ds
     // unless a branch's last layer reads it back (a BatchNorm at the end does not).
-    if (input_only) {
-      if (!c.main_handed_on) release_input_grad(main_, c.main);
-      if (projection_ && !c.shortcut_handed_on) release_input_grad(*projection_, c.projection);
-      if constexpr (!weight_reads_output_grad<Main>() && !weight_reads_output_grad<Projection>()) c.dsum.release();
-    }
+    if (input_only) release_branch_grads(c, !weight_reads_output_grad<Main>() && !weight_reads_output_grad<Projection>());
     return c.dx;
   }
-  // The branches' input gradients and ds, dead once dx is formed and every weight half has run.
-  void release_branch_grads(Cache& c) {
+  // The branches' input gradients, dead once dx is formed, and ds (release_dsum) once no weight
+  // half reads it. Releasing twice is harmless: the second finds nothing.
+  void release_branch_grads(Cache& c, bool release_dsum = true) {
     if (!c.main_handed_on) release_input_grad(main_, c.main);
     if (projection_ && !c.shortcut_handed_on) release_input_grad(*projection_, c.projection);
-    c.dsum.release();
+    if (release_dsum) c.dsum.release();
   }
 
   Main main_;

@@ -91,12 +91,11 @@ class Sequential {
  public:
   using Env = typename First::Env;
   using Tensor = typename First::Tensor;
-  // The layers' caches side by side (std::get<I>(cache) is layer I's), and what the input half of
-  // a split backward leaves for its weight half: whether layer I handed on the very gradient
-  // layer I + 1 returned (the second layer of a fused pair, Dropout in eval), which decides what
-  // may be released once the weight half is done.
-  // passed_on[I]: whether layer I's forward returned its input itself (Dropout in eval, the second
-  // layer of a fused pair), so that layer I - 1's output is read beyond layer I.
+  // The layers' caches side by side (std::get<I>(cache) is layer I's), and what a split backward
+  // needs to know to release buffers between its halves (the second layer of a fused pair, or
+  // Dropout in eval, passes its argument through):
+  //   handed_on[I]: layer I's backward returned the very gradient layer I + 1 returned;
+  //   passed_on[I]: layer I's forward returned its input, so layer I - 1's output is read beyond it.
   struct Cache : std::tuple<typename detail::LayerSlot<Ls>::Cache...> {
     std::array<bool, sizeof...(Ls)> handed_on{}, passed_on{};
   };
@@ -142,9 +141,9 @@ class Sequential {
   // The backward in two halves, for zero-bubble pipeline schedules (parallel/pipeline_schedule.hpp;
   // core/concepts.hpp, SplitsBackward): the input half runs each layer's backward_input (its whole
   // backward if it does not split; a parameter-free layer has nothing else to do) and releases
-  // nothing, since the weight halves still read the layers' inputs and output gradients; the weight
-  // half then runs the layers' backward_weight from the last to the first, releasing each buffer
-  // as backward would have once it is dead. Together the bits are backward's.
+  // only what no weight half reads (weight_reads_input, weight_reads_output_grad); the weight half
+  // then runs the layers' backward_weight from the last to the first, releasing the rest as
+  // backward would have once it is dead. Together the bits are backward's.
   const Tensor& backward_input(const Tensor& dy, Cache& cache) { return backward_units_input(dy, cache, 0, kSize); }
   void backward_weight(Cache& cache) { backward_units_weight(cache, 0, kSize); }
   const Tensor& backward_units_input(const Tensor& dy, Cache& cache, std::size_t begin, std::size_t end) {
@@ -388,7 +387,8 @@ class Sequential {
   // dead after its backward (layer I+1's backward ran before) and released too, as PyTorch frees
   // saved tensors as its backward passes them.
   // A fused pair's first layer consumes the gradient layer I+2 returned: that one it releases.
-  // InputOnly: the input half of a split backward, which releases nothing (weight_one does, later).
+  // InputOnly: the input half of a split backward, which releases only what no weight half reads
+  // (weight_one releases the rest, later).
   template <std::size_t I, bool InputOnly = false>
   void backward_one(const Tensor*& current, Cache& cache, std::size_t begin, std::size_t end) {
     if constexpr (I >= 2) {

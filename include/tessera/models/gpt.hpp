@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "tessera/comm/local_env.hpp"
+#include "tessera/core/concepts.hpp"
 #include "tessera/core/error.hpp"
 #include "tessera/core/init.hpp"
 #include "tessera/kernels/dropout_key.hpp"
@@ -196,19 +197,14 @@ class GPTBlock {
       dropout_rows(D{}, c.mlp_dropout, dy.dim(0), dy.dim(1), dy.dim(2), dy.data(), c.dmlp.data());
       dm = &c.dmlp;
     }
-    const Tensor* g = dm;
-    if (input_only) {
-      g = &c_proj_.backward_input(*g, c.c_proj);
-      g = &gelu_.backward(*g, c.gelu);
-      g = &c_fc_.backward_input(*g, c.c_fc);
-      g = &ln_2_.backward_input(*g, c.ln_2);
-    } else {
-      g = &ln_2_.backward(c_fc_.backward(gelu_.backward(c_proj_.backward(*g, c.c_proj), c.gelu), c.c_fc), c.ln_2);
-    }
+    const auto half = [input_only](auto& layer, const Tensor& g, auto& cache) -> const Tensor& {
+      return backward_or_input(layer, g, cache, input_only);
+    };
+    const Tensor& dmlp =
+        half(ln_2_, half(c_fc_, gelu_.backward(half(c_proj_, *dm, c.c_proj), c.gelu), c.c_fc), c.ln_2);
     c.dh.resize(dy.shape());
-    add(D{}, dy.data(), g->data(), dy.numel(), c.dh.data());
-    const Tensor& dattn = input_only ? ln_1_.backward_input(attn_.backward_input(c.dh, c.attn), c.ln_1)
-                                     : ln_1_.backward(attn_.backward(c.dh, c.attn), c.ln_1);
+    add(D{}, dy.data(), dmlp.data(), dy.numel(), c.dh.data());
+    const Tensor& dattn = half(ln_1_, half(attn_, c.dh, c.attn), c.ln_1);
     c.dx.resize(dy.shape());
     add(D{}, c.dh.data(), dattn.data(), dy.numel(), c.dx.data());
     return c.dx;
@@ -612,7 +608,7 @@ class GPT {
         h_[i].forward(input, c.scratch);
         dx = &h_[i].backward(c.dcarry, c.scratch);
       } else {
-        dx = input_only ? &h_[i].backward_input(*dx, c.h[i]) : &h_[i].backward(*dx, c.h[i]);
+        dx = &backward_or_input(h_[i], *dx, c.h[i], input_only);
       }
     }
     if (begin > 0) return *dx;
@@ -655,7 +651,7 @@ class GPT {
     c.dx.resize({batch, t, ch});
     gemm_in<typename E::Compute>(D{}, false, false, batch * t, ch, v, S(1), dlogits.data(), v, wte_.weight().value.data(),
                                  ch, S(0), c.dx.data(), ch);
-    return input_only ? ln_f_.backward_input(c.dx, c.ln_f) : ln_f_.backward(c.dx, c.ln_f);
+    return backward_or_input(ln_f_, c.dx, c.ln_f, input_only);
   }
 
   // One token from a row of logits: temperature, top-k, softmax (in double), inverse CDF of rng.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tessera/comm/local_env.hpp"
+#include "tessera/core/concepts.hpp"
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
@@ -59,23 +60,13 @@ class Mlp {
     return *h;
   }
   const Tensor& backward_units(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
-    const Tensor* g = &dy;
-    for (std::size_t i = end; i-- > begin;) {
-      if (i < relu_.size()) g = &relu_[i].backward(*g, c.relu[i]);
-      g = &linear_[i].backward(*g, c.linear[i]);
-    }
-    return *g;
+    return backward_units_impl(dy, c, begin, end, /*input_only=*/false);
   }
   // The backward of units [begin, end) in two halves (Linear::backward_input / backward_weight),
   // for zero-bubble pipeline schedules: the input gradient first, the weight gradients later from
   // the same cache. Together the same bits as backward_units.
   const Tensor& backward_units_input(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end) {
-    const Tensor* g = &dy;
-    for (std::size_t i = end; i-- > begin;) {
-      if (i < relu_.size()) g = &relu_[i].backward(*g, c.relu[i]);
-      g = &linear_[i].backward_input(*g, c.linear[i]);
-    }
-    return *g;
+    return backward_units_impl(dy, c, begin, end, /*input_only=*/true);
   }
   void backward_units_weight(Cache& c, std::size_t begin, std::size_t end) {
     for (std::size_t i = end; i-- > begin;) linear_[i].backward_weight(c.linear[i]);
@@ -94,6 +85,15 @@ class Mlp {
   std::string name() const { return "MLP"; }
 
  private:
+  const Tensor& backward_units_impl(const Tensor& dy, Cache& c, std::size_t begin, std::size_t end, bool input_only) {
+    const Tensor* g = &dy;
+    for (std::size_t i = end; i-- > begin;) {
+      if (i < relu_.size()) g = &relu_[i].backward(*g, c.relu[i]);
+      g = &backward_or_input(linear_[i], *g, c.linear[i], input_only);
+    }
+    return *g;
+  }
+
   Flatten<E> flatten_;
   std::vector<Linear<E>> linear_;
   std::vector<ReLU<E>> relu_;

@@ -279,16 +279,16 @@ class ResNet {
     const Tensor* g = &dy;
     for (std::size_t u = end; u-- > begin;) {
       if (u == blocks_.size() + 1) {
-        const Tensor& dpooled = input_only ? fc_.backward_input(*g, c.fc) : fc_.backward(*g, c.fc);
+        const Tensor& dpooled = backward_or_input(fc_, *g, c.fc, input_only);
         g = &avgpool_.backward(dpooled, c.avgpool);
         release_input_grad(fc_, c.fc);
       } else if (u >= 1) {
-        g = input_only ? &blocks_[u - 1].backward_input(*g, c.blocks[u - 1]) : &blocks_[u - 1].backward(*g, c.blocks[u - 1]);
+        g = &backward_or_input(blocks_[u - 1], *g, c.blocks[u - 1], input_only);
       } else {
         if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
         const Tensor& dconv = input_only ? bn1_.backward_relu_input(*g, c.bn1) : bn1_.backward_relu(*g, c.bn1);
         if (maxpool_) release_input_grad(*maxpool_, c.maxpool);
-        g = input_only ? &conv1_.backward_input(dconv, c.conv1) : &conv1_.backward(dconv, c.conv1);
+        g = &backward_or_input(conv1_, dconv, c.conv1, input_only);
         if (memory_format() == MemoryFormat::ChannelsLast && g->rank() == 4) {  // dL/dx asked for: back to NCHW
           c.dinput.resize(g->shape());
           nhwc_to_nchw(D{}, g->dim(0), g->dim(1), g->dim(2) * g->dim(3), g->data(), c.dinput.data());

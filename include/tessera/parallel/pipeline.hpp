@@ -34,8 +34,9 @@
 //           (read_pipeline_csv), including V placement (rank r runs stages r and 2P - 1 - r).
 //   ZBH1, ZBV: zero bubble, each backward split into I (the input gradient, which the stage below
 //           waits for) and W (the weight gradients, moved into idle time). A model whose units
-//           split their backward (detail::SplitsBackward: Mlp) runs them apart; another runs its
-//           whole backward as I and nothing as W (the same result, less of the gain).
+//           split their backward (detail::SplitsUnitBackward: Mlp, ResNet, GPT, Sequential) runs
+//           them apart; another runs its whole backward as I and nothing as W (the same result,
+//           less of the gain).
 // With several stages per rank, stage k's activations go to the rank of stage k + 1 (on the same
 // rank: handed over without a message); a pair of ranks delivers in order, so a message that
 // arrives before it is needed waits in a buffer. Each stage keeps as many activation slots as
@@ -133,12 +134,12 @@ concept HoldsDropoutKey = requires(M& m) {
   m.hold_dropout_key(std::uint64_t{}, std::int64_t{});
   m.release_dropout_key();
 };
-// A model whose units run their backward in two halves (Mlp: Linear::backward_input and
-// backward_weight): the input gradient, then the weight gradients from the same cache. A model
-// without them runs its whole backward for a schedule's I and nothing for its W: the same result,
-// without the time W would have moved.
+// A model whose units run their backward in two halves (Mlp, ResNet, GPT, Sequential: their
+// layers' backward_input and backward_weight): the input gradient, then the weight gradients from
+// the same cache. A model without them runs its whole backward for a schedule's I and nothing for
+// its W: the same result, without the time W would have moved.
 template <class M>
-concept SplitsBackward = requires(M& m, const typename M::Tensor& t, typename M::Cache& c, std::size_t i) {
+concept SplitsUnitBackward = requires(M& m, const typename M::Tensor& t, typename M::Cache& c, std::size_t i) {
   { m.backward_units_input(t, c, i, i) } -> std::same_as<const typename M::Tensor&>;
   m.backward_units_weight(c, i, i);
 };
@@ -278,8 +279,8 @@ class Pipeline : public StrategyBase<typename Model::Env> {
   // every stage, held over the step's micro-batches, each with its first row's place in the whole
   // batch: every stage and micro-batch then masks exactly as the one-process step does.
   static constexpr bool kHoldsDropout = detail::HoldsDropoutKey<Model>;
-  // Whether a schedule's I and W run apart (detail::SplitsBackward), or I runs the whole backward.
-  static constexpr bool kSplitsBackward = detail::SplitsBackward<Model>;
+  // Whether a schedule's I and W run apart (detail::SplitsUnitBackward), or I runs the whole backward.
+  static constexpr bool kSplitsBackward = detail::SplitsUnitBackward<Model>;
 
   // The part of the model on this rank (one run of units per stage it holds), as a model-like
   // object for optimizers, checkpoints and a DataParallel over the stage (hybrid data x pipeline).
@@ -694,14 +695,14 @@ class Pipeline : public StrategyBase<typename Model::Env> {
     if (!input_only) --in_flight_;
   }
   const Tensor& backward_input(Slot& sl, Chunk& ch) {
-    if constexpr (detail::SplitsBackward<Model>) return model_.backward_units_input(sl.output_grad, sl.cache, ch.begin, ch.end);
+    if constexpr (detail::SplitsUnitBackward<Model>) return model_.backward_units_input(sl.output_grad, sl.cache, ch.begin, ch.end);
     else return model_.backward_units(sl.output_grad, sl.cache, ch.begin, ch.end);  // the whole backward now
   }
   // W of micro-batch i on stage k: the weight gradients from what I left in the slot (nothing left
   // for a model whose units do not split their backward); the slot is free after it.
   void weight_micro_batch(int k, int i) {
     const auto began = std::chrono::steady_clock::now();
-    if constexpr (detail::SplitsBackward<Model>) {
+    if constexpr (detail::SplitsUnitBackward<Model>) {
       Chunk& ch = chunks_[static_cast<std::size_t>(local_[static_cast<std::size_t>(k)])];
       model_.backward_units_weight(slot(k, i).cache, ch.begin, ch.end);
     }
