@@ -20,6 +20,16 @@
 // (TrainState::loader_next_sample = next_batch x G), and a run at another world size with the
 // same G continues at batch next_sample / G (Trainer does this). Where N is not a multiple of the
 // world size, the padding (or drop_tail's dropped samples) at the epoch's end depends on it.
+// Global batches split unevenly (global_batch_size = G > 0, batch_size 0): batch i is the
+// permutation's entries [i G, min((i + 1) G, N)) at every world size, and rank r takes those at
+// offsets r, r + W, r + 2W, ... of it: ceil((g - r) / W) of a batch of g samples, so ranks may
+// differ by one. No padding: the epoch covers each sample once; a last batch of fewer than W
+// samples (some rank would get none) is dropped, as is any partial last batch with drop_last.
+// Each batch carries `weight` = W n_r / g, the factor by which this rank's mean-loss gradient is
+// scaled so that the average over the W ranks (an all_reduce(Avg)) is the gradient of the mean
+// loss over the whole batch (the Trainer applies it). The position (epoch, batch) then means the
+// same samples at every world size, which is what lets a data-parallel group change size between
+// two steps (train/elastic.hpp) and continue the one-process trajectory.
 // Batches. Batch i of an epoch holds this rank's samples [i * B, min((i + 1) * B, samples)):
 // images (n, C, H, W) converted to S, labels (n). drop_last drops a final batch with n < B.
 // A SampleSource writes sample k of epoch e as a function of (k, e) only (its augmentation is
@@ -75,7 +85,20 @@ struct LoaderOptions {
   int world_size = 1;
   bool drop_tail = false;  // ranks: drop N mod world_size samples instead of padding (see above)
   int workers = 1;         // background threads preparing batches when prefetching (torch's num_workers)
+  // > 0: every batch is a global batch of this many samples split over the world_size ranks
+  // (see "Global batches" above); batch_size must then be 0.
+  std::int64_t global_batch_size = 0;
 };
+
+// The batch a loader's position counts in, and the world size it is split over: a position
+// (epoch, next_batch) means the samples [next_batch x batch x world, ...) of the epoch's
+// permutation. A global-batch loader's position is world-size independent: (G, 1).
+inline std::int64_t position_batch(const LoaderOptions& o) {
+  return o.global_batch_size > 0 ? o.global_batch_size : o.batch_size;
+}
+inline std::int64_t position_world(const LoaderOptions& o) {
+  return o.global_batch_size > 0 ? 1 : o.world_size;
+}
 
 // Samples that are made on demand rather than held in a Dataset: decoded files, augmented crops.
 // read(k, epoch, out) writes sample k (C * H * W floats, shape sample_shape()) and returns its
@@ -105,6 +128,9 @@ struct Batch {
   Tensor<S> images;                  // (n, C, H, W)
   std::vector<std::int64_t> labels;  // (n); a language model's batch: the (n T) next tokens
   std::int64_t index = -1;           // batch index within the epoch
+  // This rank's share of the global batch, as the factor its mean-loss gradient is scaled by
+  // (world_size x n / global batch samples; 1 when every rank holds equal shares).
+  double weight = 1.0;
   // A language model's batch (data/text.hpp's TokenLoader) holds token ids in place of images:
   // (n, T) inputs whose targets, row-major, are `labels`. Empty for an image batch.
   Tensor<std::int64_t> tokens;
@@ -209,6 +235,7 @@ class DataLoader {
     out.images.swap(ready.images);
     out.labels.swap(ready.labels);
     out.index = ready.index;
+    out.weight = ready.weight;
     ready_[slot] = -1;
     ++next_;
     lock.unlock();
@@ -238,23 +265,46 @@ class DataLoader {
  private:
   void init() {
     TESSERA_CHECK(size_ > 0, ArgumentError, "DataLoader(", name_, "): the dataset is empty");
-    TESSERA_CHECK(opt_.batch_size > 0, ArgumentError, "DataLoader(", name_, "): batch_size=", opt_.batch_size,
-                  " must be positive");
+    TESSERA_CHECK(opt_.global_batch_size >= 0, ArgumentError, "DataLoader(", name_, "): global_batch_size=",
+                  opt_.global_batch_size, " must be >= 0");
+    TESSERA_CHECK(opt_.global_batch_size == 0 || opt_.batch_size == 0, ArgumentError, "DataLoader(", name_,
+                  "): give batch_size (per rank) or global_batch_size (split over the ranks), not both (",
+                  opt_.batch_size, " and ", opt_.global_batch_size, ")");
+    TESSERA_CHECK(opt_.batch_size > 0 || opt_.global_batch_size > 0, ArgumentError, "DataLoader(", name_,
+                  "): batch_size=", opt_.batch_size, " must be positive");
     TESSERA_CHECK(opt_.world_size >= 1 && opt_.rank >= 0 && opt_.rank < opt_.world_size, ArgumentError,
                   "DataLoader(", name_, "): rank=", opt_.rank, " world_size=", opt_.world_size,
                   " need 0 <= rank < world_size");
     TESSERA_CHECK(opt_.workers >= 1 && opt_.workers <= 256, ArgumentError, "DataLoader(", name_, "): workers=",
                   opt_.workers, " must be in [1, 256]");
     const std::int64_t n = size_;
-    samples_ = opt_.drop_tail ? n / opt_.world_size : (n + opt_.world_size - 1) / opt_.world_size;
-    TESSERA_CHECK(samples_ > 0, ArgumentError, "DataLoader(", name_, "): drop_tail leaves no samples for ",
-                  opt_.world_size, " ranks out of ", n);
-    batches_ = opt_.drop_last ? samples_ / opt_.batch_size : (samples_ + opt_.batch_size - 1) / opt_.batch_size;
+    std::int64_t rows = 0;  // the most samples a batch of this rank holds
+    if (opt_.global_batch_size > 0) {
+      const std::int64_t g = opt_.global_batch_size, w = opt_.world_size, tail = n % g;
+      TESSERA_CHECK(g >= w, ArgumentError, "DataLoader(", name_, "): global_batch_size=", g, " is smaller than the ",
+                    w, " ranks it is split over (some rank would get no sample)");
+      batches_ = n / g + (tail >= w && !opt_.drop_last ? 1 : 0);
+      TESSERA_CHECK(batches_ > 0, ArgumentError, "DataLoader(", name_, "): ", n, " samples do not fill one global "
+                    "batch of ", g, opt_.drop_last ? " (drop_last)" : "");
+      batch_first_.assign(static_cast<std::size_t>(batches_ + 1), 0);
+      for (std::int64_t b = 0; b < batches_; ++b) {
+        const std::int64_t size = std::min(g, n - b * g);
+        const std::int64_t mine = (size - opt_.rank + w - 1) / w;
+        batch_first_[static_cast<std::size_t>(b + 1)] = batch_first_[static_cast<std::size_t>(b)] + mine;
+        rows = std::max(rows, mine);
+      }
+      samples_ = batch_first_.back();
+    } else {
+      samples_ = opt_.drop_tail ? n / opt_.world_size : (n + opt_.world_size - 1) / opt_.world_size;
+      TESSERA_CHECK(samples_ > 0, ArgumentError, "DataLoader(", name_, "): drop_tail leaves no samples for ",
+                    opt_.world_size, " ranks out of ", n);
+      batches_ = opt_.drop_last ? samples_ / opt_.batch_size : (samples_ + opt_.batch_size - 1) / opt_.batch_size;
+      rows = std::min(opt_.batch_size, samples_);
+    }
     perm_.resize(static_cast<std::size_t>(n));
     indices_.resize(static_cast<std::size_t>(samples_));
     reset(0, 0);
     if (opt_.prefetch) {
-      const std::int64_t rows = std::min(opt_.batch_size, samples_);
       ring_.resize(static_cast<std::size_t>(std::max(kSlots, 2 * opt_.workers)));
       ready_.assign(ring_.size(), -1);
       errors_.resize(ring_.size());
@@ -306,14 +356,29 @@ class DataLoader {
     } else {
       std::iota(perm_.begin(), perm_.end(), std::int64_t{0});
     }
+    if (opt_.global_batch_size > 0) {  // batch b: entries b G + r, b G + r + W, ... below (b + 1) G and N
+      const std::int64_t g = opt_.global_batch_size;
+      for (std::int64_t b = 0; b < batches_; ++b) {
+        std::int64_t k = batch_first_[static_cast<std::size_t>(b)];
+        for (std::int64_t e = b * g + opt_.rank; e < std::min((b + 1) * g, n); e += opt_.world_size)
+          indices_[static_cast<std::size_t>(k++)] = perm_[static_cast<std::size_t>(e)];
+      }
+      return;
+    }
     for (std::int64_t i = 0; i < samples_; ++i) {
       indices_[static_cast<std::size_t>(i)] = perm_[static_cast<std::size_t>((opt_.rank + i * opt_.world_size) % n)];
     }
   }
 
   void fill(Batch<S>& out, std::int64_t b, std::int64_t epoch, bool parallel) const {
-    const std::int64_t first = b * opt_.batch_size;
-    const std::int64_t rows = std::min(opt_.batch_size, samples_ - first);
+    std::int64_t first = b * opt_.batch_size, rows = std::min(opt_.batch_size, samples_ - first);
+    out.weight = 1.0;
+    if (opt_.global_batch_size > 0) {
+      first = batch_first_[static_cast<std::size_t>(b)];
+      rows = batch_first_[static_cast<std::size_t>(b + 1)] - first;
+      const std::int64_t g = std::min(opt_.global_batch_size, size_ - b * opt_.global_batch_size);
+      out.weight = static_cast<double>(opt_.world_size * rows) / static_cast<double>(g);
+    }
     const std::int64_t per = shape_[0] * shape_[1] * shape_[2];
     out.images.resize({rows, shape_[0], shape_[1], shape_[2]});  // (n, C, H, W)
     out.labels.resize(static_cast<std::size_t>(rows));
@@ -405,6 +470,7 @@ class DataLoader {
   std::int64_t batches_ = 0;
   std::vector<std::int64_t> perm_;     // (N) the epoch's permutation of the dataset
   std::vector<std::int64_t> indices_;  // (samples_) this rank's share of it
+  std::vector<std::int64_t> batch_first_;  // global batches: batch b is indices_[batch_first_[b], batch_first_[b + 1])
 
   // Consumer side: written only by the calling thread (under mutex_ when prefetching).
   bool initialized_ = false;

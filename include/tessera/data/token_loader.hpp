@@ -41,6 +41,8 @@ class TokenLoader {
       : tokens_(tokens), block_(block_size), opt_(options), name_(std::move(name)) {
     TESSERA_CHECK(block_size > 0 && tokens.size > block_size, ArgumentError, "TokenLoader(", name_, "): ",
                   tokens.size, " tokens hold no window of ", block_size, " tokens plus its next token");
+    TESSERA_CHECK(opt_.global_batch_size == 0, ArgumentError, "TokenLoader(", name_, "): global_batch_size=",
+                  opt_.global_batch_size, " is not supported (it splits batches unevenly); give batch_size per rank");
     TESSERA_CHECK(opt_.batch_size > 0, ArgumentError, "TokenLoader(", name_, "): batch_size=", opt_.batch_size,
                   " must be positive");
     TESSERA_CHECK(opt_.world_size >= 1 && opt_.rank >= 0 && opt_.rank < opt_.world_size, ArgumentError,

@@ -134,6 +134,11 @@ struct TrainOptions {
   // signal. The program then exits kExitStoppedForResume (train/preemption.hpp). Null: signals
   // keep their usual effect.
   const StopSignals* stop_signals = nullptr;
+  // Called after every optimizer step, at the step boundary (state().global_step counts the step),
+  // before the stop and checkpoint checks; an exception it throws leaves fit() there with the state
+  // consistent (the elastic driver, train/elastic.hpp, leaves this way to change the group). Empty:
+  // nothing.
+  std::function<void()> after_step;
 };
 
 // The figures count predictions: images, or for a TokenModel tokens (a batch of n windows of T
@@ -237,6 +242,10 @@ class Trainer {
     Timeline* t = record ? options_.timeline : nullptr;
     optimizer_.zero_grad();
     S loss;
+    batch_weight_ = batch.weight;  // micro_step scales this rank's loss gradient by it (data/loader.hpp)
+    TESSERA_CHECK(!kRunsModel || batch.weight == 1.0, ArgumentError, "Trainer: ", strategy_.name(), " computes the "
+                  "loss itself and cannot weight a rank's share of an unevenly split batch (weight ", batch.weight,
+                  "); split the global batch evenly (batch_size per rank)");
     if constexpr (kRunsModel) {  // a pipeline: its stages run forward, loss and backward
       const ModelStepResult r = strategy_.run_model(model_input(batch), batch.labels, strategy_);
       correct_ += r.correct;
@@ -313,7 +322,8 @@ class Trainer {
       ++done;
       state_.loader_epoch = epoch;
       state_.loader_next_batch = done;
-      state_.loader_next_sample = done * train.options().batch_size * train.options().world_size;
+      state_.loader_next_sample = done * position_batch(train.options()) * position_world(train.options());
+      if (options_.after_step) options_.after_step();
       if (options_.verbose) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         // Per step, this rank's own figures (no collective per step); labelled so when there are others.
@@ -472,6 +482,9 @@ class Trainer {
   }
 
   const TrainState& state() const { return state_; }
+  // Continues from `state` (the elastic driver's: taken from a healthy peer's memory instead of a
+  // checkpoint file); fit() then checks it against its loader as it checks a loaded one.
+  void set_state(const TrainState& state) { state_ = state; }
   // The signal that stopped fit() (TrainOptions::stop_signals), or 0.
   int stopped_by() const { return stopped_by_; }
 
@@ -603,11 +616,12 @@ class Trainer {
     if (t) span.emplace(t->span("backward"));
     memory.emplace("the backward pass (gradients)");
     const auto& dlogits = loss_.backward(loss_cache_);
-    if (mb.weight == 1.0) {
+    const double weight = mb.weight * batch_weight_;
+    if (weight == 1.0) {
       model_.backward(dlogits, model_cache_);
     } else {  // d(w L)/dlogits = w dL/dlogits
       weighted_dlogits_.resize(dlogits.shape());
-      scale_elements(typename E::Device{}, dlogits.data(), dlogits.numel(), static_cast<S>(mb.weight),
+      scale_elements(typename E::Device{}, dlogits.data(), dlogits.numel(), static_cast<S>(weight),
                      weighted_dlogits_.data());
       model_.backward(weighted_dlogits_, model_cache_);
     }
@@ -732,21 +746,23 @@ class Trainer {
     const std::string file = loaded_from_.empty() ? "the checkpoint" : "'" + loaded_from_ + "'";
     const bool resuming = state_.global_step != 0;
     const std::int64_t saved_world = state_.loader_world_size, saved_batch = state_.loader_batch_size;
-    if (resuming && saved_world != 0 && saved_world != o.world_size && saved_batch != 0) {
+    const std::int64_t o_batch = position_batch(o), o_world = position_world(o);
+    if (resuming && saved_world != 0 && saved_world != o_world && saved_batch != 0) {
       const std::int64_t global = saved_batch * saved_world;
-      check_resume_world_size(file, saved_world, o.world_size, global);
-      TESSERA_CHECK(o.batch_size * o.world_size == global, ArgumentError, "Trainer: ", file,
+      // A global-batch loader splits any global batch over any world size.
+      if (o.global_batch_size == 0) check_resume_world_size(file, saved_world, o.world_size, global);
+      TESSERA_CHECK(o_batch * o_world == global, ArgumentError, "Trainer: ", file,
                     " was saved at world size ", saved_world, " with a global batch of ", global, " (", saved_world,
                     " x ", saved_batch, "); an elastic resume keeps the global batch, so at world size ", o.world_size,
                     " the loader's batch_size must be ", global / o.world_size, ", but it is ", o.batch_size,
-                    " (a global batch of ", o.batch_size * o.world_size, ")");
+                    " (a global batch of ", o_batch * o_world, ")");
       // Batch i of an epoch holds the same samples at every world size with this global batch.
       const std::int64_t sample = state_.loader_next_sample;
       TESSERA_CHECK(sample % global == 0, ArgumentError, "Trainer: ", file, ": the position in the epoch, sample ",
                     sample, ", is not at a global batch boundary (", global, ")");
       state_.loader_next_batch = sample / global;
-      state_.loader_batch_size = o.batch_size;
-      state_.loader_world_size = o.world_size;
+      state_.loader_batch_size = o_batch;
+      state_.loader_world_size = o_world;
       if (options_.verbose) {
         std::printf("elastic resume: %s was saved at world size %lld, continuing at world size %lld (%lld x %lld = "
                     "global batch %lld) in epoch %lld at sample %lld%s\n",
@@ -758,8 +774,7 @@ class Trainer {
         std::fflush(stdout);
       }
     }
-    const std::int64_t now[] = {o.batch_size, static_cast<std::int64_t>(o.seed), loader.dataset_size(),
-                                o.world_size};
+    const std::int64_t now[] = {o_batch, static_cast<std::int64_t>(o.seed), loader.dataset_size(), o_world};
     std::int64_t* saved[] = {&state_.loader_batch_size, &state_.loader_seed, &state_.loader_samples,
                              &state_.loader_world_size};
     const char* what[] = {"batch size", "seed", "dataset size", "world size"};
@@ -769,7 +784,7 @@ class Trainer {
                     now[i], "; resume with the same settings");
       *saved[i] = now[i];
     }
-    if (state_.loader_next_sample == 0) state_.loader_next_sample = state_.loader_next_batch * o.batch_size * o.world_size;
+    if (state_.loader_next_sample == 0) state_.loader_next_sample = state_.loader_next_batch * o_batch * o_world;
   }
 
   // Ranks launched with different training settings (a learning rate, seed, batch or epoch
@@ -798,6 +813,7 @@ class Trainer {
     record.add("train loader: drop_last", lo.drop_last);
     record.add("train loader: world_size", lo.world_size);
     record.add("train loader: drop_tail", lo.drop_tail);
+    record.add("train loader: global_batch_size", lo.global_batch_size);
     // The learning rate at the start and at each quarter of the run: a different base rate,
     // warm-up or decay shows in one of them.
     for (int quarter = 0; quarter <= 4; ++quarter) {
@@ -828,6 +844,7 @@ class Trainer {
   std::size_t next_device_images_ = 0;
   Tensor<S, typename E::Device> weighted_dlogits_;  // micro_step: the loss gradient x the micro-batch's weight
   MicroStep<S> micro_step_;                          // calls micro_step (built once: no allocation per step)
+  double batch_weight_ = 1.0;                         // the step's Batch::weight (this rank's share)
   std::vector<std::int64_t> stop_flags_;             // agreed_stop_signal's all_gather
   bool strategy_started_ = false;
   bool recorded_last_step_ = false;  // this (or the last) step is on the timeline

@@ -70,6 +70,11 @@ failures and signals:
   on to every rank and the launcher waits: a Tessera program given --checkpoint saves it at the
   next step and exits 75, which does not stop the others; when ranks exit 75 and none failed,
   the launcher exits 75 too (run again with --resume to continue).
+  --elastic: a rank that fails does not stop the others (a program built on ElasticTrainer goes
+  on without it); with --replace K, each failed rank's slot gets a new process (the same
+  TESSERA_RANK, TESSERA_ELASTIC_JOIN=1), K in all, which joins the running group. The launcher
+  then exits 0 when the ranks still running at the end all succeed, else with the last
+  failure's status.
 
 guards (usage errors, before any rank starts):
   MPI programs    a program linking an MPI library (libmpi*, libmpich*; found with ldd, or in
@@ -165,6 +170,10 @@ def parser() -> argparse.ArgumentParser:
                     help='forward output without the "[rank R] " prefix')
     ap.add_argument("--allow-mpi", action="store_true",
                     help="start a program that links an MPI library anyway (see guards below)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="a failed rank does not stop the others (see failures and signals below)")
+    ap.add_argument("--replace", type=int, default=0, metavar="K",
+                    help="with --elastic: start a replacement for each failed rank, K in all (default 0)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return ap
 
@@ -209,6 +218,10 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     too_few_files = ensure_descriptors(nproc)
     if too_few_files:
         ap.error(too_few_files)
+    if args.replace < 0:
+        ap.error(f"--replace {args.replace}: must be >= 0")
+    if args.replace > 0 and not args.elastic:
+        ap.error("--replace needs --elastic (without it a failed rank stops the job)")
     if not command:
         ap.error("no program given")
     program = command[0]
@@ -231,7 +244,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                      f"needed), or pass --allow-mpi if it links MPI but communicates through Gloo or NCCL")
     return LaunchOptions(nproc=nproc, command=command, hosts=hosts, rsh=rsh, store=args.store, iface=args.iface,
                          timeout=args.timeout, grace=float(args.grace), bind_to=args.bind_to,
-                         no_prefix=args.no_prefix, allow_mpi=args.allow_mpi)
+                         no_prefix=args.no_prefix, allow_mpi=args.allow_mpi, elastic=args.elastic,
+                         replace=args.replace)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

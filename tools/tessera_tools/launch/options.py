@@ -19,3 +19,5 @@ class LaunchOptions:
     bind_to: str = "none"
     no_prefix: bool = False
     allow_mpi: bool = False
+    elastic: bool = False         # a failed rank does not stop the others (an elastic program goes on)
+    replace: int = 0              # --elastic: replacements to start in all, one per failed rank

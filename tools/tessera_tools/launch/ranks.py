@@ -130,6 +130,11 @@ class Launcher:
         self.hurry = False              # a signal while stopping: do not wait out the grace period
         self.temp_dir: str | None = None  # the store directory this launch made (removed at the end)
         self.reaper: subprocess.Popen[bytes] | None = None
+        # What spawn() worked out once, for spawn_rank (a replacement is started the same way).
+        self.base_env: dict[str, str] = {}
+        self.places: list[Any] | None = None
+        self.cpus: list[int] | None = None
+        self.own_cpus: set[int] | None = None
 
     def on_usr1(self, signum: int, _frame: FrameType | None) -> None:
         """SIGUSR1 goes on to every running rank (a Tessera program given --checkpoint then saves
@@ -163,35 +168,47 @@ class Launcher:
         places = placement(o.hosts, n) if o.hosts else None
         own_cpus = os.sched_getaffinity(0) if o.bind_to == "core" else None
         cpus = sorted(own_cpus) if own_cpus else None
+        self.base_env, self.places, self.cpus, self.own_cpus = base, places, cpus, own_cpus
         for rank in range(n):
             if self.signum is not None:
                 break  # interrupted while starting: run() stops the ranks started so far
-            env = dict(base, TESSERA_RANK=str(rank), TESSERA_LOCAL_RANK=str(rank))
-            argv = o.command
-            if places is not None:
-                place = places[rank]
-                env.update(TESSERA_LOCAL_RANK=str(place.local_rank), TESSERA_LOCAL_WORLD_SIZE=str(place.local_size))
-                argv = remote_argv(o.rsh, place.host, {k: v for k, v in env.items() if k.startswith("TESSERA_")},
-                                   o.command, os.getcwd())
-            # A child inherits the CPU set of the thread that forks it: this (main) thread takes
-            # the rank's CPU for the fork and its own set back after, so the rank is bound
-            # before any thread of it starts.
-            if cpus and own_cpus:
-                os.sched_setaffinity(0, {cpus[rank]})
-            try:
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
-            finally:
-                if cpus and own_cpus:
-                    os.sched_setaffinity(0, own_cpus)
+            self.spawn_rank(rank)
+
+    def spawn_rank(self, rank: int, joining: bool = False) -> None:
+        """Starts slot `rank`'s process: the launch's own, or (joining) a replacement that joins
+        the running group (TESSERA_ELASTIC_JOIN=1, the same TESSERA_RANK)."""
+        o = self.options
+        env = dict(self.base_env, TESSERA_RANK=str(rank), TESSERA_LOCAL_RANK=str(rank))
+        if joining:
+            env["TESSERA_ELASTIC_JOIN"] = "1"
+        argv = o.command
+        if self.places is not None:
+            place = self.places[rank]
+            env.update(TESSERA_LOCAL_RANK=str(place.local_rank), TESSERA_LOCAL_WORLD_SIZE=str(place.local_size))
+            argv = remote_argv(o.rsh, place.host, {k: v for k, v in env.items() if k.startswith("TESSERA_")},
+                               o.command, os.getcwd())
+        # A child inherits the CPU set of the thread that forks it: this (main) thread takes
+        # the rank's CPU for the fork and its own set back after, so the rank is bound
+        # before any thread of it starts.
+        if self.cpus and self.own_cpus:
+            os.sched_setaffinity(0, {self.cpus[rank]})
+        try:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        finally:
+            if self.cpus and self.own_cpus:
+                os.sched_setaffinity(0, self.own_cpus)
+        if joining:
+            self.procs[rank] = proc
+        else:
             self.procs.append(proc)
-            self.tell_reaper(proc.pid)  # its own process group: start_new_session
-            prefix = b"" if o.no_prefix else f"[rank {rank}] ".encode()
-            assert proc.stdout is not None and proc.stderr is not None
-            for pipe, stream in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                self.start_thread(self.out.forward, pipe, stream, prefix)
-            self.start_thread(self.wait_for, rank, proc)
+        self.tell_reaper(proc.pid)  # its own process group: start_new_session
+        prefix = b"" if o.no_prefix else f"[rank {rank}] ".encode()
+        assert proc.stdout is not None and proc.stderr is not None
+        for pipe, stream in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            self.start_thread(self.out.forward, pipe, stream, prefix)
+        self.start_thread(self.wait_for, rank, proc)
 
     def start_reaper(self) -> None:
         """A watcher in a session of its own that outlives a launcher killed by SIGKILL (which no
@@ -280,7 +297,9 @@ class Launcher:
     def wait_ranks(self) -> int:
         status: int | None = None
         skipped, ended, stopped = False, 0, 0
-        while ended < len(self.procs) and status is None:
+        started = len(self.procs)
+        replacements = self.options.replace
+        while ended < started and status is None:
             if self.signum is not None:
                 name = signal.Signals(self.signum).name
                 self.out.log(f"received {name}{self.stop_message()}")
@@ -295,6 +314,18 @@ class Launcher:
                 skipped = True
             elif returncode == STOPPED_FOR_RESUME:
                 stopped += 1  # not a failure: the others are finishing their checkpoint too
+            elif returncode != 0 and self.options.elastic and self.running():
+                if replacements > 0 and self.signum is None:
+                    replacements -= 1
+                    self.out.log(f"rank {rank} {describe(returncode)}; the others go on (--elastic); starting a "
+                                 f"replacement for it ({replacements} more allowed)")
+                    try:
+                        self.spawn_rank(rank, joining=True)
+                        started += 1
+                    except OSError as error:
+                        self.out.log(f"cannot start a replacement for rank {rank}: {error}")
+                else:
+                    self.out.log(f"rank {rank} {describe(returncode)}; the others go on (--elastic)")
             elif returncode != 0:
                 self.out.log(f"rank {rank} {describe(returncode)}{self.stop_message()}")
                 status = exit_status(returncode)

@@ -1251,3 +1251,6 @@ extern template class DataParallel<CpuGloo>;
 #endif
 
 }  // namespace tessera
+
+// The elastic group over this backend (comm/elastic.hpp): ElasticGroupOf<GlooComm>.
+#include "tessera/comm/gloo_elastic.hpp"

@@ -1,0 +1,332 @@
+// GlooElasticGroup: an elastic data-parallel group (comm/elastic.hpp) over Gloo, agreeing on its
+// membership through the rendezvous store every rank already has (TESSERA_STORE).
+//
+//   auto group = GlooElasticGroup::from_env();   // a rank of the launch (TESSERA_RANK), or a
+//                                                // replacement when TESSERA_ELASTIC_JOIN=1
+//   group.comm()                                 // this generation's GlooComm
+//
+// Members. A member is "<slot>.<incarnation>": the launch rank it holds (0 .. N-1, N =
+// TESSERA_WORLD_SIZE) and how many processes held that slot before it (0 for the launch's own).
+// Generation 0 is the launch: the GlooComm every program gets (prefix P, TESSERA_STORE_PREFIX),
+// members in slot order. Generation g > 0 connects under prefix "P.g<g>".
+//
+// The store's keys, under "P.elastic." (every key is written once: Gloo's stores refuse to
+// overwrite):
+//   id.<member>         host and pid, written when the member starts: its peers on this host can
+//                       tell at once that it died (its pid is gone), without waiting for a timeout
+//   g<g>.in.<member>    the member checked in for generation g (it survived and wants to go on)
+//   g<g>.members        the decision: generation g's members in rank order, "0.0,2.0,1.1"
+//   g<g>.grow           "<step>": generation g admits the waiting replacements after that step
+//   want.<slot>.<k>     a replacement asks to join as incarnation k of the slot
+//
+// Failure (reform). Each survivor closes its communicator first (so that peers still blocked in a
+// collective with it fail at once instead of at their timeout), checks in, and waits until every
+// old member has checked in or is seen dead, at most `settle`. The first member in the old order
+// that checked in writes the decision: the checked-in members in their old order, then the
+// replacements waiting for vacant slots. The others read it; a member that is not in it (it
+// checked in too late: it was stopped) throws CommError and must exit. If the deciding member
+// dies before writing, the next one decides.
+//
+// Growth. At every join_check_every-th step boundary the rank 0 member looks for want.<slot>.<k>
+// of each vacant slot (k: the slot's next incarnation, known to every member from the decisions);
+// when one is there it writes g<g>.grow = step + 2 and every member, which reads that key at each
+// boundary, grows at that step. Two steps ahead is enough: a member that reaches the boundary of
+// step s + 2 has finished that step's all-reduce, which rank 0 entered after writing the key.
+//
+// A replacement writes its want key and reads the decisions g1, g2, ... (learning the history
+// every member knows) until one lists it; bounded by the communicator's timeout.
+//
+// Detection of a dead peer on another host relies on the collective's error (a reset connection)
+// and on `settle`: a peer on another host is never probed, only waited for.
+#pragma once
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tessera/comm/elastic.hpp"
+#include "tessera/comm/gloo.hpp"
+
+namespace tessera {
+
+class GlooElasticGroup {
+ public:
+  using Comm = GlooComm;
+
+  // A member of the launch (TESSERA_RANK of TESSERA_WORLD_SIZE), or, with TESSERA_ELASTIC_JOIN=1,
+  // a replacement for slot TESSERA_RANK that joins the running group.
+  static GlooElasticGroup from_env(CommOptions comm_options = {}, ElasticOptions options = {}) {
+    const LaunchEnv env = LaunchEnv::from_environment();
+    const char* prefix = std::getenv("TESSERA_STORE_PREFIX");
+    const char* join = std::getenv("TESSERA_ELASTIC_JOIN");
+    const bool joining = join != nullptr && std::string(join) == "1";
+    TESSERA_CHECK(join == nullptr || joining || std::string(join) == "0" || std::string(join).empty(), ArgumentError,
+                  "TESSERA_ELASTIC_JOIN='", join, "': must be 1 (join a running group) or 0");
+    return GlooElasticGroup(env.store, env.rank, env.size, prefix != nullptr && *prefix ? prefix : "tessera",
+                            joining, comm_options, options);
+  }
+
+  GlooElasticGroup(std::string store_url, int slot, int slots, std::string prefix, bool joining,
+                   CommOptions comm_options = {}, ElasticOptions options = {})
+      : url_(std::move(store_url)), prefix_(std::move(prefix)), slots_(slots), comm_options_(comm_options),
+        options_(options) {
+    TESSERA_CHECK(slots >= 1 && slot >= 0 && slot < slots, ArgumentError, "GlooElasticGroup: slot ", slot,
+                  " of ", slots, ": need 0 <= slot < world size");
+    TESSERA_CHECK(options.min_size >= 1 && options.max_changes >= 0 && options.join_check_every >= 1 &&
+                      options.settle.count() >= 0, ArgumentError, "GlooElasticGroup: options need min_size >= 1, "
+                  "max_changes >= 0, join_check_every >= 1 and settle >= 0");
+    store_ = std::make_shared<detail::PrefixedStore>(detail::open_gloo_store(url_), prefix_ + ".elastic");
+    next_incarnation_.assign(static_cast<std::size_t>(slots), 1);
+    if (!joining) {
+      me_ = member_id(slot, 0);
+      publish_id();
+      for (int q = 0; q < slots; ++q) members_.push_back(member_id(q, 0));
+      comm_.emplace(url_, slot, slots, comm_options_, prefix_);
+      return;
+    }
+    joined_late_ = true;
+    join_running_group(slot);
+  }
+
+  GlooComm& comm() {
+    TESSERA_CHECK(comm_.has_value(), CommError, "GlooElasticGroup ", me_, ": no communicator (generation ",
+                  generation_, " was never connected)");
+    return *comm_;
+  }
+  int rank() const { return index_of(me_); }
+  int size() const { return static_cast<int>(members_.size()); }
+  std::int64_t generation() const { return generation_; }
+  const std::string& member() const { return me_; }
+  // This process joined a running group as a replacement (it held no training state then).
+  bool joined_late() const { return joined_late_; }
+  const std::vector<std::string>& members() const { return members_; }
+  const std::vector<MembershipChange>& history() const { return history_; }
+  const ElasticOptions& options() const { return options_; }
+
+  // After a CommError: agree with the survivors on the next generation and connect it.
+  void reform(const std::string& cause) { change(cause, -1); }
+
+  // At the boundary after `step` optimizer steps (the same on every member).
+  bool growth_due(std::int64_t step) {
+    if (grow_at_ < 0 && rank() == 0 && step % options_.join_check_every == 0 && !waiting_replacements().empty()) {
+      grow_at_ = step + 2;
+      set(cat("g", generation_, ".grow"), std::to_string(grow_at_));
+    }
+    if (grow_at_ < 0 && has(cat("g", generation_, ".grow"))) grow_at_ = std::stoll(get(cat("g", generation_, ".grow")));
+    return step == grow_at_;
+  }
+  void grow(std::int64_t step) { change("replacement(s) joined", step); }
+
+ private:
+  static std::string member_id(int slot, std::int64_t incarnation) { return cat(slot, ".", incarnation); }
+  static int slot_of(const std::string& id) { return std::stoi(id.substr(0, id.find('.'))); }
+  static std::int64_t incarnation_of(const std::string& id) { return std::stoll(id.substr(id.find('.') + 1)); }
+
+  template <class... A>
+  static std::string cat(const A&... a) {
+    return detail::cat(a...);
+  }
+  bool has(const std::string& key) { return store_->has({key}); }
+  std::string get(const std::string& key) {
+    const auto bytes = store_->get(key);
+    return std::string(bytes.begin(), bytes.end());
+  }
+  void set(const std::string& key, const std::string& value) {
+    store_->set(key, std::vector<char>(value.begin(), value.end()));
+  }
+  int index_of(const std::string& id) const {
+    const auto at = std::find(members_.begin(), members_.end(), id);
+    return at == members_.end() ? -1 : static_cast<int>(at - members_.begin());
+  }
+  std::chrono::milliseconds settle() const {
+    return options_.settle.count() > 0 ? options_.settle : comm_options_.timeout;
+  }
+  std::string where() const {
+    return cat("GlooElasticGroup (member ", me_, ", generation ", generation_, ", store ", url_, ")");
+  }
+
+  void publish_id() {
+    const std::string record = detail::JoinRecord::mine(slots_, false).text();
+    set(cat("id.", me_), record);
+  }
+
+  // False only when `id` surely exited: a process of this host whose pid is gone or a zombie
+  // (killed, not yet reaped by its parent).
+  bool alive(const std::string& id) {
+    if (!has(cat("id.", id))) return true;
+    const auto record = detail::JoinRecord::parse(store_->get(cat("id.", id)));
+    if (record.pid <= 0 || record.host != detail::JoinRecord::this_host()) return true;
+    if (::kill(static_cast<pid_t>(record.pid), 0) != 0 && errno == ESRCH) return false;
+    std::ifstream stat("/proc/" + std::to_string(record.pid) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) return true;
+    const auto close = line.rfind(')');
+    return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+  }
+
+  // Replacements asking for a slot no member holds, at the slot's next incarnation, still alive.
+  std::vector<std::string> waiting_replacements() {
+    std::vector<std::string> found;
+    for (int slot = 0; slot < slots_; ++slot) {
+      bool held = false;
+      for (const auto& m : members_) held = held || slot_of(m) == slot;
+      if (held) continue;
+      const std::string id = member_id(slot, next_incarnation_[static_cast<std::size_t>(slot)]);
+      if (has(cat("want.", id)) && alive(id)) found.push_back(id);
+    }
+    return found;
+  }
+
+  // Reads a decision and learns each slot's next incarnation from it.
+  std::vector<std::string> read_decision(std::int64_t generation) {
+    std::vector<std::string> ids;
+    std::stringstream in(get(cat("g", generation, ".members")));
+    for (std::string id; std::getline(in, id, ',');) {
+      if (id.empty()) continue;
+      ids.push_back(id);
+      auto& next = next_incarnation_[static_cast<std::size_t>(slot_of(id))];
+      next = std::max(next, incarnation_of(id) + 1);
+    }
+    return ids;
+  }
+
+  // A replacement: claim the slot's next free incarnation, then follow the decisions until one
+  // lists this process.
+  void join_running_group(int slot) {
+    const auto deadline = std::chrono::steady_clock::now() + comm_options_.timeout;
+    std::int64_t k = 1;
+    while (has(cat("want.", member_id(slot, k))) && k < 1'000'000) ++k;
+    me_ = member_id(slot, k);
+    publish_id();
+    set(cat("want.", me_), me_);
+    for (std::int64_t g = 1;; ++g) {
+      while (!has(cat("g", g, ".members"))) {
+        TESSERA_CHECK(std::chrono::steady_clock::now() < deadline, CommError, where(), ": waited ",
+                      detail::seconds_text(comm_options_.timeout), " to be admitted and no group admitted it (is "
+                      "the group running, with the same TESSERA_STORE and TESSERA_STORE_PREFIX?)");
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      members_ = read_decision(g);
+      generation_ = g;
+      if (index_of(me_) >= 0) break;
+      TESSERA_CHECK(g < 1'000'000, CommError, where(), ": no decision admitted it");
+    }
+    connect(cat("joined as a replacement for slot ", slot));
+  }
+
+  void connect(const std::string& why) {
+    (void)why;
+    comm_.emplace(url_, index_of(me_), size(), comm_options_, cat(prefix_, ".g", generation_));
+  }
+
+  // One membership change: grow_step >= 0 for a growth at that step, -1 after a failure.
+  void change(const std::string& cause, std::int64_t grow_step) {
+    const auto start = std::chrono::steady_clock::now();
+    TESSERA_CHECK(static_cast<int>(history_.size()) < options_.max_changes, CommError, where(), ": ",
+                  options_.max_changes, " membership changes already (ElasticOptions::max_changes); giving up after: ",
+                  cause);
+    comm_.reset();  // closes this member's sockets: peers blocked on it fail now, not at their timeout
+    const std::vector<std::string> before = members_;
+    const std::int64_t next = generation_ + 1;
+    set(cat("g", next, ".in.", me_), "1");
+    const auto deadline = start + settle();
+    const std::string decided = cat("g", next, ".members");
+    std::vector<std::string> in;
+    // Wait for every old member to check in or be seen dead, at most `settle`.
+    for (;;) {
+      in.clear();
+      std::size_t dead = 0;
+      for (const auto& m : before) {
+        if (has(cat("g", next, ".in.", m))) in.push_back(m);
+        else if (!alive(m)) ++dead;
+      }
+      if (in.size() + dead == before.size() || has(decided) || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    // The first checked-in member decides; if it dies before deciding, the next one does.
+    const auto decide_by = deadline + settle();
+    while (!has(decided)) {
+      std::string leader;
+      for (const auto& m : in)
+        if (m == me_ || alive(m)) {
+          leader = m;
+          break;
+        }
+      if (leader == me_) {
+        std::string list;
+        for (const auto& m : in) list += (list.empty() ? "" : ",") + m;
+        for (const auto& j : waiting_replacements()) list += "," + j;
+        try {
+          set(decided, list);
+        } catch (const std::exception&) {
+          // Another member decided at the same moment (Gloo's stores refuse a second write): theirs holds.
+        }
+        break;
+      }
+      TESSERA_CHECK(std::chrono::steady_clock::now() < decide_by, CommError, where(), ": member ", leader,
+                    " was to decide generation ", next, " and did not within ", detail::seconds_text(settle()),
+                    " (it is stopped or cut off); giving up after: ", cause);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    members_ = read_decision(next);
+    generation_ = next;
+    grow_at_ = -1;
+    if (index_of(me_) < 0)
+      throw CommError(cat(where(), ": this member was left out of generation ", next, " (members ", list_text(members_),
+                          "): it did not check in within ", detail::seconds_text(settle()), " of the failure (stopped "
+                          "or cut off?), and the others went on without it; after: ", cause));
+    TESSERA_CHECK(size() >= options_.min_size, CommError, where(), ": ", size(), " member(s) left (",
+                  list_text(members_), "), fewer than ElasticOptions::min_size = ", options_.min_size, "; after: ",
+                  cause);
+    MembershipChange record;
+    record.generation = next;
+    record.step = grow_step;
+    record.size_before = static_cast<int>(before.size());
+    record.size_after = size();
+    for (const auto& m : before)
+      if (index_of(m) < 0) record.left.push_back(m);
+    for (const auto& m : members_)
+      if (std::find(before.begin(), before.end(), m) == before.end()) record.joined.push_back(m);
+    record.cause = cause;
+    connect(cause);
+    record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    history_.push_back(std::move(record));
+  }
+
+  static std::string list_text(const std::vector<std::string>& ids) {
+    std::string out;
+    for (const auto& id : ids) out += (out.empty() ? "" : ", ") + id;
+    return out;
+  }
+
+  std::string url_, prefix_, me_;
+  int slots_ = 1;
+  CommOptions comm_options_;
+  ElasticOptions options_;
+  std::shared_ptr<detail::PrefixedStore> store_;
+  std::optional<GlooComm> comm_;
+  std::vector<std::string> members_;                 // this generation's, in rank order
+  std::vector<std::int64_t> next_incarnation_;       // per slot: the incarnation a replacement takes next
+  std::int64_t generation_ = 0;
+  std::int64_t grow_at_ = -1;                        // the step this generation grows at (-1: none yet)
+  bool joined_late_ = false;
+  std::vector<MembershipChange> history_;
+};
+
+template <>
+struct ElasticGroupFor<GlooComm> {
+  using type = GlooElasticGroup;
+};
+
+}  // namespace tessera

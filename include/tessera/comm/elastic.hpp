@@ -1,0 +1,78 @@
+// Elastic groups: a data-parallel group that loses a rank (killed, stopped past the timeout, cut
+// off) or gains one (a replacement) between two steps, without restarting the processes that stay
+// (torchft's per-step quorum, where TorchElastic stops and restarts every worker).
+//
+// A backend that can do it provides a group type (GlooElasticGroup over Gloo's rendezvous store)
+// and names it with ElasticGroupFor<Comm>. The group holds the communicator of its current
+// generation and changes it in two ways:
+//
+//   g.reform(cause)      after a collective threw CommError: the survivors check in through the
+//                        store, agree on the new membership (the first surviving member in the old
+//                        order decides; the others follow the store), and connect a new
+//                        communicator at generation + 1; a member that is dead, or that does not
+//                        check in within ElasticOptions::settle, is left out
+//   g.growth_due(step)   at a step boundary: whether replacements wait and the members agreed to
+//   g.grow(step)         admit them at this step (the same on every member), then admit them
+//
+// train/elastic.hpp's ElasticTrainer drives a group: it rebuilds the strategy and loader at each
+// generation and heals the state from a healthy member (a replacement gets everything from it).
+//
+// Backends without one: Open MPI without ULFM ends the job when a process dies (mpirun), so MpiComm
+// has none; NCCL's ncclCommAbort/re-init path needs a store-based quorum like Gloo's around it and is
+// not built; ThreadComm's ranks share one process, whose death ends them all.
+#pragma once
+
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessera {
+
+struct ElasticOptions {
+  // Fewer members than this after a failure: the group gives up (CommError), as a job must when
+  // too few replicas remain to hold the global batch in memory or to finish in time.
+  int min_size = 1;
+  // Membership changes allowed in one run (failures and growths together): bounds a run whose
+  // members keep failing.
+  int max_changes = 64;
+  // After a failure, how long the survivors wait for each other to check in; a member that neither
+  // checks in nor is seen dead (a process of this host that is gone) within it is left out: it is
+  // stopped, hung or cut off. 0: the communicator's timeout (a survivor may need that long to see
+  // the failure: a stopped peer is noticed only when a collective times out).
+  std::chrono::milliseconds settle{0};
+  // Every this many steps the group looks in the store for replacements waiting to join.
+  int join_check_every = 1;
+};
+
+// One change of membership, as every member records it.
+struct MembershipChange {
+  std::int64_t generation = 0;  // the new generation
+  std::int64_t step = 0;        // optimizer steps taken when it happened (the heal's agreed step)
+  int size_before = 0, size_after = 0;
+  std::vector<std::string> left, joined;  // member ids ("<slot>.<incarnation>")
+  std::string cause;                      // the error that started it, or "replacement(s) joined"
+  double seconds = 0;                     // from the failure (or the growth step) to the new communicator
+};
+
+// The elastic group of communicator type C (a backend specializes it: `using type = ...`).
+template <class C>
+struct ElasticGroupFor {};
+template <class C>
+using ElasticGroupOf = typename ElasticGroupFor<C>::type;
+
+template <class G>
+concept ElasticGroup = requires(G& g, const G& cg, const std::string& cause, std::int64_t step) {
+  typename G::Comm;
+  { g.comm() } -> std::same_as<typename G::Comm&>;
+  g.reform(cause);
+  { g.growth_due(step) } -> std::same_as<bool>;
+  g.grow(step);
+  { cg.generation() } -> std::convertible_to<std::int64_t>;
+  { cg.joined_late() } -> std::convertible_to<bool>;
+  { cg.member() } -> std::convertible_to<std::string>;
+  { cg.history() } -> std::convertible_to<const std::vector<MembershipChange>&>;
+};
+
+}  // namespace tessera
