@@ -955,3 +955,59 @@ TEST_CASE("SyntheticImages: shapes, N(0, 1) pixels, labels in range, determinist
   CHECK(b.images.shape() == Shape{32, 3, 224, 224});
   CHECK_THROWS_AS(SyntheticImages(0, 3, 2, 2, 10, 1), ArgumentError);
 }
+
+TEST_CASE("DataLoader: global batches split unevenly cover the same samples at every world size",
+          "[data][loader]") {
+  for (const std::int64_t n : {100, 103, 17}) {
+    for (const std::int64_t global : {8, 10}) {
+      const Dataset ds = indexed_dataset(n);
+      const auto perm = epoch_permutation(n, 11, 1);
+      for (const int world : {1, 2, 3, 4}) {
+        INFO("n " << n << ", global batch " << global << ", world " << world);
+        const std::int64_t tail = n % global;
+        const std::int64_t batches = n / global + (tail >= world ? 1 : 0);
+        std::vector<std::vector<std::int64_t>> batch_ids(static_cast<std::size_t>(batches));
+        std::vector<double> weight_sum(static_cast<std::size_t>(batches), 0.0);
+        for (int rank = 0; rank < world; ++rank) {
+          DataLoader<float> loader(ds, LoaderOptions{.shuffle = true, .seed = 11, .rank = rank, .world_size = world,
+                                                     .global_batch_size = global});
+          REQUIRE(loader.batches_per_epoch() == batches);
+          loader.start_epoch(1);
+          Batch<float> b;
+          while (loader.next(b)) {
+            const auto ids = batch_samples(b, ds);
+            const std::int64_t size = std::min(global, n - b.index * global);
+            // Rank r holds the batch's entries r, r + W, ... of the permutation, in order.
+            for (std::size_t j = 0; j < ids.size(); ++j)
+              REQUIRE(ids[j] == perm[static_cast<std::size_t>(b.index * global + rank +
+                                                              static_cast<std::int64_t>(j) * world)]);
+            CHECK(b.weight == static_cast<double>(world) * static_cast<double>(ids.size()) / static_cast<double>(size));
+            weight_sum[static_cast<std::size_t>(b.index)] += b.weight / world;
+            auto& all = batch_ids[static_cast<std::size_t>(b.index)];
+            all.insert(all.end(), ids.begin(), ids.end());
+          }
+        }
+        for (std::int64_t i = 0; i < batches; ++i) {
+          // Together: exactly the permutation's entries [i G, (i + 1) G), whatever the world size.
+          auto got = batch_ids[static_cast<std::size_t>(i)];
+          std::vector<std::int64_t> want(perm.begin() + i * global, perm.begin() + std::min(n, (i + 1) * global));
+          std::sort(got.begin(), got.end());
+          std::sort(want.begin(), want.end());
+          CHECK(got == want);
+          CHECK(std::abs(weight_sum[static_cast<std::size_t>(i)] - 1.0) < 1e-12);  // the shares' weights average to 1
+        }
+      }
+    }
+  }
+  const Dataset ds = indexed_dataset(10);
+  CHECK_THROWS_WITH((DataLoader<float>(ds, LoaderOptions{.batch_size = 2, .global_batch_size = 4})),
+                    Catch::Contains("not both"));
+  CHECK_THROWS_WITH((DataLoader<float>(ds, LoaderOptions{.rank = 0, .world_size = 5, .global_batch_size = 4})),
+                    Catch::Contains("smaller than the 5 ranks"));
+  CHECK_THROWS_WITH((DataLoader<float>(ds, LoaderOptions{.drop_last = true, .global_batch_size = 11})),
+                    Catch::Contains("do not fill one global batch"));
+  // A position (epoch, batch) means the same samples at any world size: its batch is G, its world 1.
+  const LoaderOptions o{.world_size = 3, .global_batch_size = 12};
+  CHECK(position_batch(o) == 12);
+  CHECK(position_world(o) == 1);
+}

@@ -436,3 +436,52 @@ TEST_CASE("FSDP sharded checkpoints of GPT: the tied wte (lm_head.weight) round-
   for (double d : reloaded) CHECK(d == 0);
   fs::remove_all(dir);
 }
+
+TEST_CASE("Global batches split unevenly over 3 ranks train as one process (the weights of Batch::weight)",
+          "[parallel][elastic]") {
+  // 52 samples, global batch 16: three batches of 16 (6, 5, 5 per rank) and a last one of 4
+  // (2, 1, 1). float64: the same parameters up to summation order.
+  Dataset ds;
+  ds.name = "random";
+  ds.num_classes = 10;
+  ds.images.resize({52, 1, 28, 28});
+  Rng rng(5);
+  for (auto& v : ds.images) v = static_cast<float>(rng.normal());
+  for (std::int64_t i = 0; i < 52; ++i) ds.labels.push_back(i % 10);
+  const auto flat = [](auto& model) {
+    std::vector<double> out;
+    for (auto& [name, p] : named_tensors(model).parameters) out.insert(out.end(), p->value.begin(), p->value.end());
+    return out;
+  };
+  const TrainOptions quiet{.epochs = 2, .verbose = false};
+  const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9};
+  std::vector<double> one;
+  {
+    auto model = lenet5<CpuLocal64>(1, 28, 10, 3);
+    Sgd<CpuLocal64> sgd(named_tensors(model), sgd_options);
+    DataLoader<double> loader(ds, {.seed = 9, .global_batch_size = 16});
+    Trainer trainer(model, sgd, ConstantLr{0.05}, quiet);
+    trainer.fit(loader);
+    one = flat(model);
+  }
+  std::vector<std::vector<double>> split(3);
+  ThreadWorld world(3);
+  world.run([&](ThreadComm& comm) {
+    auto model = lenet5<CpuThreads64>(1, 28, 10, 3);
+    DataParallel dp(model, comm);
+    Sgd<CpuThreads64> sgd(dp.parameters(), sgd_options);
+    DataLoader<double> loader(ds, {.seed = 9, .rank = comm.rank(), .world_size = 3, .global_batch_size = 16});
+    TrainOptions o = quiet;
+    o.checkpoint_group = CheckpointGroup(comm);
+    Trainer trainer(model, sgd, dp, ConstantLr{0.05}, o);
+    const auto results = trainer.fit(loader);
+    REQUIRE(results.size() == 2);
+    split[static_cast<std::size_t>(comm.rank())] = flat(model);
+  });
+  for (const auto& rank : split) {
+    REQUIRE(rank.size() == one.size());
+    double worst = 0;
+    for (std::size_t k = 0; k < one.size(); ++k) worst = std::max(worst, std::abs(rank[k] - one[k]));
+    CHECK(worst < 1e-12);
+  }
+}

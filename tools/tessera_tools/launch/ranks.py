@@ -296,7 +296,7 @@ class Launcher:
 
     def wait_ranks(self) -> int:
         status: int | None = None
-        skipped, ended, stopped = False, 0, 0
+        skipped, ended, stopped, succeeded = False, 0, 0, 0
         started = len(self.procs)
         replacements = self.options.replace
         while ended < started and status is None:
@@ -310,12 +310,18 @@ class Launcher:
             except queue.Empty:
                 continue  # wake up now and then to notice signals
             ended += 1
-            if returncode == 77:
+            if returncode == 0:
+                succeeded += 1
+            elif returncode == 77:
                 skipped = True
             elif returncode == STOPPED_FOR_RESUME:
                 stopped += 1  # not a failure: the others are finishing their checkpoint too
-            elif returncode != 0 and self.options.elastic and self.running():
-                if replacements > 0 and self.signum is None:
+            elif returncode != 0 and self.options.elastic and (self.running() or succeeded):
+                # With --elastic a rank's failure is the group's business while others run; one
+                # that fails after the group finished (a stopped rank, continued and left out) too.
+                if not self.running():
+                    self.out.log(f"rank {rank} {describe(returncode)} after the others finished (--elastic)")
+                elif replacements > 0 and self.signum is None:
                     replacements -= 1
                     self.out.log(f"rank {rank} {describe(returncode)}; the others go on (--elastic); starting a "
                                  f"replacement for it ({replacements} more allowed)")

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Elastic fault campaign: a rank of a 4-rank elastic Gloo job is killed (kill -9) or stopped
+(SIGSTOP) at a random time of training; the survivors must go on without restarting, and with
+--replace a new process must join and the group return to 4.
+
+  python3 bench/elastic_campaign.py [--build build] [--faults kill,stop] [--replace 0,1]
+                                    [--trials 100] [--timeout 2] [--out FILE]
+
+Each trial runs `tools/tessera-run -n 4 --elastic [--replace 1]` on examples/19_elastic_gloo
+(LeNet-5, Fashion-MNIST, --check-every=1: DataParallel compares the replicas' parameter checksums
+after every step) with TESSERA_COMM_TIMEOUT=<timeout>. Once rank 0 reports training progress it
+waits a random delay (uniform in [0, --max-delay] s), then signals a random rank's process; a
+stopped one is continued after the job's final line (it must then find itself left out and exit).
+Per trial it records:
+
+  hang         the job had not ended --budget seconds after the fault (killed then; goal 0)
+  continued    a new generation of 3 ranks formed and the job printed its final line
+  kept         the survivors' processes, when the new generation formed, were the ones started at
+               launch (the same pids: nothing was restarted)
+  steps_lost   optimizer steps the group went back: the largest step a survivor reported at the
+               failure minus the step it healed to (goal 0: at most the step in flight is redone)
+  diverged     the members' parameter checksums differ after a change or at the end, or
+               DataParallel's per-step comparison failed (goal 0)
+  rejoined     (--replace) the final line says 4 ranks and the replacement's checksum at its join
+               equals the others'
+  recovery_s   from the fault to the new generation's first line (detection + check-in + mesh +
+               heal); a stop costs the timeout first
+  accuracy     the final test accuracy, and its difference from an uninterrupted run's (same
+               settings, run first)
+
+Results: one JSON line per (fault, replace) in --out (default bench/out/elastic_campaign_<date>.json),
+with the CPU model and medians; a table at the end. tests/parallel/elastic_fault_test.py runs one
+trial of each kind through run_trial().
+"""
+import argparse
+import datetime
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINAL_RE = re.compile(r"final: (\d+) ranks \(generation (\d+), (\d+) change\(s\)\), test accuracy ([\d.]+)%, "
+                      r"replicas identical \(([0-9a-f]+)\)")
+GEN_RE = re.compile(r"elastic: generation (\d+): (\d+) -> (\d+) ranks.* at step (\d+), state from rank (\d+); "
+                    r"membership ([\d.]+) s, heal ([\d.]+) s")
+MEMBER_RE = re.compile(r"member (\S+): rank (\d+) of (\d+) at step (\d+), parameters ([0-9a-f]+)")
+FAIL_RE = re.compile(r"tessera: elastic: member (\S+) .* after step (\d+): ")
+
+
+class Job:
+    """The launcher, its output lines timestamped as they arrive."""
+
+    def __init__(self, argv, env):
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.lines = []  # (monotonic time, text)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in iter(self.proc.stdout.readline, b""):
+            self.lines.append((time.monotonic(), line.decode("utf-8", "replace")))
+
+    def text(self):
+        return "".join(text for _, text in self.lines)
+
+    def first(self, pattern, after=0.0):
+        for t, text in list(self.lines):
+            if t >= after and re.search(pattern, text):
+                return t, text
+        return None
+
+    def rank_pids(self):
+        """The ranks' processes: the launcher's children other than its reaper (a python process)."""
+        try:
+            out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        except OSError:
+            return []
+        pids = []
+        for word in out.split():
+            try:
+                with open(f"/proc/{word}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+            except OSError:
+                continue
+            if cmd and b"19_elastic" in cmd[0]:
+                pids.append(int(word))
+        return sorted(pids)
+
+    def kill_all(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.rank_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def example_args(args):
+    return [f"--epochs={args.epochs}", f"--limit={args.limit}", "--check-every=1", f"--settle={args.settle}",
+            f"--seed={args.seed}"]
+
+
+def launch(args, replace):
+    program = os.path.join(args.build, "examples", "19_elastic_gloo")
+    argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "-n", "4", "--elastic"]
+    if replace:
+        argv += ["--replace", "1"]
+    argv += ["--timeout", str(args.timeout), program] + example_args(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return Job(argv, env)
+
+
+def uninterrupted(args):
+    """The accuracy of the same run without a fault."""
+    job = launch(args, False)
+    try:
+        job.proc.wait(timeout=args.budget * 4)
+    except subprocess.TimeoutExpired:
+        job.kill_all()
+        raise SystemExit("the uninterrupted run did not finish")
+    m = FINAL_RE.search(job.text())
+    if job.proc.returncode != 0 or not m:
+        raise SystemExit(f"the uninterrupted run failed (exit {job.proc.returncode}):\n{job.text()[-3000:]}")
+    return float(m.group(4))
+
+
+def run_trial(args, fault, replace, rng, baseline=None):
+    """One trial; returns its record (see the module's docstring)."""
+    job = launch(args, replace)
+    record = {"fault": fault, "replace": replace}
+    try:
+        started = time.monotonic()
+        while job.first(r"\] epoch 1/") is None and job.proc.poll() is None:
+            if time.monotonic() - started > args.budget * 3:
+                job.kill_all()
+                return dict(record, error="training never started", output=job.text()[-3000:])
+            time.sleep(0.01)
+        pids = job.rank_pids()
+        time.sleep(rng.uniform(0, args.max_delay))
+        if job.proc.poll() is not None or len(pids) != 4:
+            job.kill_all()
+            return dict(record, too_late=True)
+        victim = rng.choice(pids)
+        fault_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        record["victim_slot"] = pids.index(victim)
+        survivors = [p for p in pids if p != victim]
+        # The job must end within the budget. A stopped victim is continued once the others have
+        # formed their new generation (a stall that ends after the timeout): it must find itself
+        # left out and exit, and with --replace its slot gets a new process.
+        continued_victim = False
+        while job.proc.poll() is None and time.monotonic() - fault_at < args.budget:
+            if fault == "stop" and not continued_victim and job.first(r"elastic: generation 1: ", fault_at):
+                os.kill(victim, signal.SIGCONT)
+                continued_victim = True
+            if "survivors_kept" not in record and job.first(r"elastic: generation 1: ", fault_at):
+                record["survivors_kept"] = all(os.path.exists(f"/proc/{p}") for p in survivors)
+            time.sleep(0.01)
+        if fault == "stop" and not continued_victim:
+            os.kill(victim, signal.SIGCONT)
+        record["hang"] = job.proc.poll() is None
+        if record["hang"]:
+            job.kill_all()
+        job.proc.wait()
+        job.reader.join(timeout=5)
+        text = job.text()
+        return dict(record, **judge(job, text, fault_at, replace, baseline))
+    finally:
+        job.kill_all()
+
+
+def judge(job, text, fault_at, replace, baseline):
+    out = {"exit": job.proc.returncode}
+    final = FINAL_RE.search(text)
+    first_change = job.first(r"elastic: generation 1: 4 -> 3", fault_at)
+    out["continued"] = bool(final) and first_change is not None
+    out["recovery_s"] = round(first_change[0] - fault_at, 4) if first_change else None
+    gens = [m.groups() for m in GEN_RE.finditer(text)]
+    failures = [int(m.group(2)) for m in FAIL_RE.finditer(text)]
+    if gens and failures:
+        out["steps_lost"] = max(failures) - int(gens[0][3])
+    checks = {}
+    for m in MEMBER_RE.finditer(text):
+        checks.setdefault((m.group(3), m.group(4)), set()).add(m.group(5))
+    out["diverged"] = (any(len(v) > 1 for v in checks.values()) or "disagree" in text or "differ" in text
+                       or (final is None and out["continued"]))
+    if final:
+        out["final_ranks"] = int(final.group(1))
+        out["accuracy"] = float(final.group(4))
+        if baseline is not None:
+            out["accuracy_delta"] = round(out["accuracy"] - baseline, 4)
+    if replace:
+        grew = [g for g in gens if g[1] == "3" and g[2] == "4"]
+        out["rejoined"] = bool(final) and int(final.group(1)) == 4 and bool(grew) and all(
+            len(v) == 1 for (size, _), v in checks.items() if size == "4")
+    if gens:
+        out["membership_s"] = float(gens[0][5])
+        out["heal_s"] = float(gens[0][6])
+    if not out["continued"]:
+        out["output"] = text[-4000:]
+    return out
+
+
+def summarize(records, fault, replace):
+    rows = [r for r in records if not r.get("too_late")]
+    rec = [r["recovery_s"] for r in rows if r.get("recovery_s") is not None]
+    deltas = [abs(r["accuracy_delta"]) for r in rows if "accuracy_delta" in r]
+    return {
+        "fault": fault, "replace": replace, "trials": len(rows),
+        "hangs": sum(1 for r in rows if r.get("hang")),
+        "continued": sum(1 for r in rows if r.get("continued")),
+        "survivors_kept": sum(1 for r in rows if r.get("survivors_kept")),
+        "diverged": sum(1 for r in rows if r.get("diverged")),
+        "rejoined": sum(1 for r in rows if r.get("rejoined")) if replace else None,
+        "steps_lost_max": max((r["steps_lost"] for r in rows if "steps_lost" in r), default=None),
+        "recovery_median_s": round(statistics.median(rec), 4) if rec else None,
+        "recovery_max_s": round(max(rec), 4) if rec else None,
+        "accuracy_delta_max": round(max(deltas), 4) if deltas else None,
+        "accuracy_delta_median": round(statistics.median(deltas), 4) if deltas else None,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--faults", default="kill,stop")
+    ap.add_argument("--replace", default="0,1", help="rows without (0) and with (1) a replacement")
+    ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--timeout", type=float, default=2.0, help="TESSERA_COMM_TIMEOUT of the ranks")
+    ap.add_argument("--settle", type=float, default=0.0, help="the example's --settle (0: the timeout)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-delay", type=float, default=1.0, help="fault at a random time this long after training starts")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds after the fault before a job counts as hung")
+    ap.add_argument("--random-seed", type=int, default=12345)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rng = random.Random(args.random_seed)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_common import cpu_model  # noqa: E402
+    baseline = uninterrupted(args)
+    print(f"uninterrupted run: test accuracy {baseline:.2f}%", flush=True)
+    out = args.out or os.path.join(ROOT, "bench", "out", f"elastic_campaign_{datetime.date.today()}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    rows = []
+    for fault in args.faults.split(","):
+        for replace in [int(x) for x in args.replace.split(",")]:
+            records = []
+            while len([r for r in records if not r.get("too_late")]) < args.trials:
+                r = run_trial(args, fault, bool(replace), rng, baseline)
+                records.append(r)
+                bad = r.get("hang") or not r.get("continued") or r.get("diverged") or (replace and not r.get("rejoined"))
+                if bad and not r.get("too_late"):
+                    print(f"  {fault} replace={replace}: BAD trial: {json.dumps({k: v for k, v in r.items() if k != 'output'})}\n"
+                          f"{r.get('output', '')[-1500:]}", flush=True)
+            row = summarize(records, fault, bool(replace))
+            row.update(cpu=cpu_model(), timeout_s=args.timeout, ranks=4, backend="gloo", epochs=args.epochs,
+                       limit=args.limit, uninterrupted_accuracy=baseline,
+                       date=datetime.datetime.now().isoformat(timespec="seconds"))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print(f"\n{'fault':6} {'repl':4} {'trials':6} {'hangs':5} {'cont.':5} {'kept':5} {'div.':4} {'rejoin':6} "
+          f"{'lost':4} {'recovery med/max s':18} {'|dacc| med/max':14}")
+    for r in rows:
+        print(f"{r['fault']:6} {int(r['replace']):4} {r['trials']:6} {r['hangs']:5} {r['continued']:5} "
+              f"{r['survivors_kept']:5} {r['diverged']:4} {str(r['rejoined']):6} {str(r['steps_lost_max']):4} "
+              f"{r['recovery_median_s']}/{r['recovery_max_s']:<10} {r['accuracy_delta_median']}/{r['accuracy_delta_max']}")
+
+
+if __name__ == "__main__":
+    main()
