@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""Elastic fault campaign: a rank of a 4-rank elastic Gloo job is killed (kill -9) or stopped
-(SIGSTOP) at a random time of training; the survivors must go on without restarting, and with
---replace a new process must join and the group return to 4.
+"""Elastic fault campaign: a rank of a 4-rank elastic Gloo job is killed (kill -9), stopped
+(SIGSTOP) or cut off (its network link taken down) at a random time of training; the survivors
+must go on without restarting, and with --replace a new process must join and the group return to 4.
 
-  python3 bench/elastic_campaign.py [--build build] [--faults kill,stop] [--replace 0,1]
-                                    [--trials 100] [--timeout 2] [--out FILE]
+  python3 bench/elastic_campaign.py [--build build] [--faults kill,stop,link] [--replace 0,1]
+                                    [--trials 100] [--timeout 2] [--netns] [--out FILE]
+
+--netns (as root; needed for the link fault) puts each rank on a host of its own: a Linux network
+namespace joined to the others by a bridge (tests/net/netns_test.py's Network, created per
+campaign and always deleted), started through tessera-run --hosts with `ip netns exec` and
+--iface eth0. A link fault takes the victim's eth0 down; it comes back up once the others have
+formed their new generation (the victim must then find itself left out and exit).
 
 Each trial runs `tools/tessera-run -n 4 --elastic [--replace 1]` on examples/19_elastic_gloo
 (LeNet-5, Fashion-MNIST, --check-every=1: DataParallel compares the replicas' parameter checksums
@@ -115,6 +121,8 @@ def example_args(args):
 def launch(args, replace):
     program = os.path.join(args.build, "examples", "19_elastic_gloo")
     argv = [sys.executable, os.path.join(ROOT, "tools", "tessera-run"), "-n", "4", "--elastic"]
+    if getattr(args, "network", None) is not None:
+        argv += ["--hosts", ",".join(args.network.hosts), "--rsh", "ip netns exec {host} sh -c", "--iface", "eth0"]
     if replace:
         argv += ["--replace", "1"]
     argv += ["--timeout", str(args.timeout), program] + example_args(args)
@@ -153,23 +161,27 @@ def run_trial(args, fault, replace, rng, baseline=None):
             job.kill_all()
             return dict(record, too_late=True)
         victim = rng.choice(pids)
+        slot = slot_of(victim)
         fault_at = time.monotonic()
-        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        record["victim_slot"] = pids.index(victim)
+        if fault == "link":
+            args.network.link(slot, "down")
+        else:
+            os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        record["victim_slot"] = slot
         survivors = [p for p in pids if p != victim]
         # The job must end within the budget. A stopped victim is continued once the others have
         # formed their new generation (a stall that ends after the timeout): it must find itself
         # left out and exit, and with --replace its slot gets a new process.
         continued_victim = False
         while job.proc.poll() is None and time.monotonic() - fault_at < args.budget:
-            if fault == "stop" and not continued_victim and job.first(r"elastic: generation 1: ", fault_at):
-                os.kill(victim, signal.SIGCONT)
+            if fault != "kill" and not continued_victim and job.first(r"elastic: generation 1: ", fault_at):
+                resume_victim(args, fault, victim, slot)
                 continued_victim = True
             if "survivors_kept" not in record and job.first(r"elastic: generation 1: ", fault_at):
                 record["survivors_kept"] = all(os.path.exists(f"/proc/{p}") for p in survivors)
             time.sleep(0.01)
-        if fault == "stop" and not continued_victim:
-            os.kill(victim, signal.SIGCONT)
+        if fault != "kill" and not continued_victim:
+            resume_victim(args, fault, victim, slot)
         record["hang"] = job.proc.poll() is None
         if record["hang"]:
             job.kill_all()
@@ -179,6 +191,29 @@ def run_trial(args, fault, replace, rng, baseline=None):
         return dict(record, **judge(job, text, fault_at, replace, baseline))
     finally:
         job.kill_all()
+
+
+def slot_of(pid):
+    """The slot (TESSERA_RANK) a rank's process was started as."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for entry in f.read().split(b"\0"):
+                if entry.startswith(b"TESSERA_RANK="):
+                    return int(entry.split(b"=", 1)[1])
+    except OSError:
+        pass
+    return -1
+
+
+def resume_victim(args, fault, victim, slot):
+    """Ends a stop or a link fault: the victim runs (or is reachable) again."""
+    if fault == "stop":
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    elif fault == "link":
+        args.network.link(slot, "up")
 
 
 def judge(job, text, fault_at, replace, baseline):
@@ -246,8 +281,30 @@ def main():
     ap.add_argument("--max-delay", type=float, default=1.0, help="fault at a random time this long after training starts")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds after the fault before a job counts as hung")
     ap.add_argument("--random-seed", type=int, default=12345)
+    ap.add_argument("--netns", action="store_true", help="one network namespace per rank (root; the link fault needs it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.network = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` deletes the namespaces
+    if "link" in args.faults.split(",") and not args.netns:
+        ap.error("the link fault needs --netns (a link to take down)")
+    if args.netns:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "net"))
+        import netns_test  # noqa: E402
+        why = netns_test.can_run()
+        if why:
+            raise SystemExit(f"--netns: {why}")
+        netns_test.remove_stale_namespaces()
+        args.network = netns_test.Network(4)
+        args.network.up()
+    try:
+        campaign(args)
+    finally:
+        if args.network is not None:
+            args.network.down()
+
+
+def campaign(args):
     rng = random.Random(args.random_seed)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_common import cpu_model  # noqa: E402
@@ -268,6 +325,7 @@ def main():
                           f"{r.get('output', '')[-1500:]}", flush=True)
             row = summarize(records, fault, bool(replace))
             row.update(cpu=cpu_model(), timeout_s=args.timeout, ranks=4, backend="gloo", epochs=args.epochs,
+                       netns=args.network is not None,
                        limit=args.limit, uninterrupted_accuracy=baseline,
                        date=datetime.datetime.now().isoformat(timespec="seconds"))
             rows.append(row)
@@ -279,7 +337,8 @@ def main():
     for r in rows:
         print(f"{r['fault']:6} {int(r['replace']):4} {r['trials']:6} {r['hangs']:5} {r['continued']:5} "
               f"{r['survivors_kept']:5} {r['diverged']:4} {str(r['rejoined']):6} {str(r['steps_lost_max']):4} "
-              f"{r['recovery_median_s']}/{r['recovery_max_s']:<10} {r['accuracy_delta_median']}/{r['accuracy_delta_max']}")
+              f"{str(r['recovery_median_s']) + '/' + str(r['recovery_max_s']):18} "
+              f"{r['accuracy_delta_median']}/{r['accuracy_delta_max']}")
 
 
 if __name__ == "__main__":

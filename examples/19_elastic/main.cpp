@@ -130,7 +130,7 @@ Options parse(int argc, char** argv) {
   o.check_every = flags.get("check-every", o.check_every, {.min = 0},
                             "compare the replicas' parameters every N steps (0: never)");
   o.settle = flags.get("settle", o.settle, {.min = 0},
-                       "seconds the survivors wait for each other after a failure (0: the comm timeout)");
+                       "seconds the survivors wait for each other after a failure (0: twice the comm timeout)");
   o.min_ranks = static_cast<int>(flags.get("min-ranks", std::int64_t{1}, {.min = 1}, "fewer left: give up"));
   o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 1}, "fail below this test accuracy");
   flags.finish();

@@ -37,10 +37,11 @@ struct ElasticOptions {
   // Membership changes allowed in one run (failures and growths together): bounds a run whose
   // members keep failing.
   int max_changes = 64;
-  // After a failure, how long the survivors wait for each other to check in; a member that neither
-  // checks in nor is seen dead (a process of this host that is gone) within it is left out: it is
-  // stopped, hung or cut off. 0: the communicator's timeout (a survivor may need that long to see
-  // the failure: a stopped peer is noticed only when a collective times out).
+  // After a failure, how long each survivor waits, from its own check-in, for the others; a
+  // member that neither checks in nor is seen dead (a process of this host that is gone, or a host
+  // that refuses a connection to its status server) within it is left out: it is stopped, hung or
+  // cut off. 0: twice the communicator's timeout (a survivor notices a stopped peer only when a
+  // collective times out, and may wait out one more already running on its worker thread).
   std::chrono::milliseconds settle{0};
   // Every this many steps the group looks in the store for replacements waiting to join.
   int join_check_every = 1;

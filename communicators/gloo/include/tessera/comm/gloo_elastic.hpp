@@ -12,20 +12,27 @@
 //
 // The store's keys, under "P.elastic." (every key is written once: Gloo's stores refuse to
 // overwrite):
-//   id.<member>         host and pid, written when the member starts: its peers on this host can
-//                       tell at once that it died (its pid is gone), without waiting for a timeout
-//   g<g>.in.<member>    the member checked in for generation g (it survived and wants to go on)
+//   id.<member>         host, pid and status-server address, written when the member starts: its
+//                       peers on this host can tell at once that it died (its pid is gone), and any
+//                       peer can tell whether the network still reaches it
+//   g<g>.in.<member>    the member checked in for generation g (it survived and wants to go on),
+//                       with the old members whose status server it reached just before
 //   g<g>.members        the decision: generation g's members in rank order, "0.0,2.0,1.1"
 //   g<g>.grow           "<step>": generation g admits the waiting replacements after that step
 //   want.<slot>.<k>     a replacement asks to join as incarnation k of the slot
 //
 // Failure (reform). Each survivor closes its communicator first (so that peers still blocked in a
-// collective with it fail at once instead of at their timeout), checks in, and waits until every
-// old member has checked in or is seen dead, at most `settle`. The first member in the old order
-// that checked in writes the decision: the checked-in members in their old order, then the
-// replacements waiting for vacant slots. The others read it; a member that is not in it (it
-// checked in too late: it was stopped) throws CommError and must exit. If the deciding member
-// dies before writing, the next one decides.
+// collective with it fail at once instead of at their timeout), tries a TCP connection to every
+// old member's status server (comm/monitor.hpp; at most a second), checks in with the list of
+// those it reached, and waits until every old member has checked in or is seen dead, at most
+// `settle`. The first member in the old order that checked in writes the decision: the largest
+// set of checked-in members that all reached each other (ties: the one holding the earliest
+// members), in their old order, then the replacements waiting for vacant slots. The store is a
+// file system or a server every member reaches even when the network between members is cut, so
+// without the reachability lists a member cut off by a link down would check in and be kept, and
+// every new mesh would fail to connect. The others read the decision; a member that is not in it
+// (it checked in too late: it was stopped; or it is cut off) throws CommError and must exit. If
+// the deciding member dies before writing, the next one decides.
 //
 // Growth. At every join_check_every-th step boundary the rank 0 member looks for want.<slot>.<k>
 // of each vacant slot (k: the slot's next incarnation, known to every member from the decisions);
@@ -40,7 +47,11 @@
 // and on `settle`: a peer on another host is never probed, only waited for.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -149,16 +160,112 @@ class GlooElasticGroup {
     const auto at = std::find(members_.begin(), members_.end(), id);
     return at == members_.end() ? -1 : static_cast<int>(at - members_.begin());
   }
+  // Twice the timeout by default: a survivor notices a stopped or cut-off peer when a collective
+  // times out, and may first wait out one more that was already running on its worker thread.
   std::chrono::milliseconds settle() const {
-    return options_.settle.count() > 0 ? options_.settle : comm_options_.timeout;
+    return options_.settle.count() > 0 ? options_.settle : 2 * comm_options_.timeout;
   }
   std::string where() const {
     return cat("GlooElasticGroup (member ", me_, ", generation ", generation_, ", store ", url_, ")");
   }
 
   void publish_id() {
-    const std::string record = detail::JoinRecord::mine(slots_, false).text();
+    const detail::MonitorAddress monitor = detail::ProgressServer::instance().address();
+    const std::string record = cat(detail::JoinRecord::mine(slots_, false).text(), " monitor=", monitor.ipv4, ":",
+                                   monitor.port, ":", monitor.host_key);
     set(cat("id.", me_), record);
+  }
+
+  // The status server of member `id`, from its id record (port 0: unknown).
+  detail::MonitorAddress monitor_of(const std::string& id) {
+    detail::MonitorAddress a;
+    if (!has(cat("id.", id))) return a;
+    const std::string record = get(cat("id.", id));
+    const auto at = record.find(" monitor=");
+    if (at == std::string::npos) return a;
+    long long ip = 0, port = 0, key = 0;
+    if (std::sscanf(record.c_str() + at, " monitor=%lld:%lld:%lld", &ip, &port, &key) == 3) a = {ip, port, key};
+    return a;
+  }
+
+  // Whether a TCP connection to the status server at `a` opens within `patience`: the network
+  // reaches that member (a stopped process's kernel still accepts; a dead one refuses; a cut link
+  // or a stopped host does not answer). A member of this host and network namespace is asked on
+  // 127.0.0.1, as the monitor does.
+  enum class Probe { Reached, Silent, Refused };
+  static Probe probe(const detail::MonitorAddress& a, std::chrono::milliseconds patience) {
+    if (a.port <= 0) return Probe::Reached;  // no status server: nothing to tell, assume the network is fine
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return Probe::Reached;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(a.port));
+    addr.sin_addr.s_addr = htonl(a.host_key == detail::monitor_host_key() ? INADDR_LOOPBACK
+                                                                           : static_cast<std::uint32_t>(a.ipv4));
+    int error = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 ? 0 : errno;
+    if (error == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      socklen_t len = sizeof error;
+      if (::poll(&p, 1, static_cast<int>(patience.count())) != 1 ||
+          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0)
+        error = ETIMEDOUT;
+    }
+    ::close(fd);
+    // Refused: the host answers and nothing listens there any more, so the process is gone.
+    return error == 0 ? Probe::Reached : error == ECONNREFUSED ? Probe::Refused : Probe::Silent;
+  }
+
+  // The old members (other than this one) whose status server answers, probed at once; those
+  // whose host refused the connection (the process is gone) go to refused_.
+  std::vector<std::string> reachable(const std::vector<std::string>& members) {
+    std::vector<detail::MonitorAddress> where;
+    for (const auto& m : members) where.push_back(m == me_ ? detail::MonitorAddress{} : monitor_of(m));
+    std::vector<Probe> answers(members.size(), Probe::Reached);
+    const auto patience = std::min(std::chrono::milliseconds(1000), settle() / 2);
+    std::vector<std::thread> probes;
+    for (std::size_t k = 0; k < members.size(); ++k)
+      if (members[k] != me_) probes.emplace_back([&, k] { answers[k] = probe(where[k], patience); });
+    for (auto& t : probes) t.join();
+    std::vector<std::string> out;
+    refused_.clear();
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      if (members[k] == me_) continue;
+      if (answers[k] == Probe::Reached) out.push_back(members[k]);
+      if (answers[k] == Probe::Refused) refused_.push_back(members[k]);
+    }
+    return out;
+  }
+
+  // The largest set of `in` (in their order) whose members all reached each other: from each
+  // member in turn, add every later-listed one that reaches, and is reached by, all chosen so far;
+  // the largest set wins, the earliest start among equals.
+  std::vector<std::string> connected_members(const std::vector<std::string>& in, std::int64_t next) {
+    std::map<std::string, std::vector<std::string>> reached;
+    for (const auto& m : in) {
+      std::stringstream list(get(cat("g", next, ".in.", m)));
+      for (std::string id; std::getline(list, id, ',');)
+        if (!id.empty()) reached[m].push_back(id);
+    }
+    const auto mutual = [&](const std::string& a, const std::string& b) {
+      const auto& ra = reached[a];
+      const auto& rb = reached[b];
+      return std::find(ra.begin(), ra.end(), b) != ra.end() && std::find(rb.begin(), rb.end(), a) != rb.end();
+    };
+    std::vector<std::string> best;
+    for (std::size_t start = 0; start < in.size(); ++start) {
+      std::vector<std::string> chosen{in[start]};
+      for (std::size_t k = 0; k < in.size(); ++k) {
+        if (k == start) continue;
+        bool all = true;
+        for (const auto& c : chosen) all = all && mutual(in[k], c);
+        if (all) chosen.push_back(in[k]);
+      }
+      if (chosen.size() > best.size()) best = chosen;
+    }
+    std::vector<std::string> ordered;  // back in the old order
+    for (const auto& m : in)
+      if (std::find(best.begin(), best.end(), m) != best.end()) ordered.push_back(m);
+    return ordered;
   }
 
   // False only when `id` surely exited: a process of this host whose pid is gone or a zombie
@@ -239,8 +346,11 @@ class GlooElasticGroup {
     comm_.reset();  // closes this member's sockets: peers blocked on it fail now, not at their timeout
     const std::vector<std::string> before = members_;
     const std::int64_t next = generation_ + 1;
-    set(cat("g", next, ".in.", me_), "1");
-    const auto deadline = start + settle();
+    std::string reached;
+    for (const auto& m : reachable(before)) reached += (reached.empty() ? "" : ",") + m;
+    set(cat("g", next, ".in.", me_), reached.empty() ? "," : reached);
+    // From this member's check-in, not from the failure: its probes took up to a second.
+    const auto deadline = std::chrono::steady_clock::now() + settle();
     const std::string decided = cat("g", next, ".members");
     std::vector<std::string> in;
     // Wait for every old member to check in or be seen dead, at most `settle`.
@@ -249,23 +359,37 @@ class GlooElasticGroup {
       std::size_t dead = 0;
       for (const auto& m : before) {
         if (has(cat("g", next, ".in.", m))) in.push_back(m);
-        else if (!alive(m)) ++dead;
+        else if (!alive(m) || std::find(refused_.begin(), refused_.end(), m) != refused_.end()) ++dead;
       }
       if (in.size() + dead == before.size() || has(decided) || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    // The first checked-in member decides; if it dies before deciding, the next one does.
+    // The first checked-in member that reached another member decides (if it dies before deciding,
+    // the next one does). A member that reached nobody is most likely the one cut off: it leads
+    // only when no connected member has checked in a whole `settle` after its own wait ended.
     const auto decide_by = deadline + settle();
     while (!has(decided)) {
-      std::string leader;
-      for (const auto& m : in)
-        if (m == me_ || alive(m)) {
-          leader = m;
-          break;
-        }
+      in.clear();
+      for (const auto& m : before)
+        if (has(cat("g", next, ".in.", m))) in.push_back(m);
+      // Isolated: reached no member although some other is not known to be gone.
+      const auto gone = [&](const std::string& m) {
+        return m != me_ && (!alive(m) || std::find(refused_.begin(), refused_.end(), m) != refused_.end());
+      };
+      std::string leader, isolated_leader;
+      for (const auto& m : in) {
+        if (gone(m)) continue;
+        bool others = false;
+        for (const auto& o : before) others = others || (o != m && !gone(o));
+        const bool isolated = others && get(cat("g", next, ".in.", m)) == ",";
+        if (!isolated && leader.empty()) leader = m;
+        if (isolated && isolated_leader.empty()) isolated_leader = m;
+      }
+      const bool late = std::chrono::steady_clock::now() >= decide_by;
+      if (leader.empty() && late) leader = isolated_leader;
       if (leader == me_) {
         std::string list;
-        for (const auto& m : in) list += (list.empty() ? "" : ",") + m;
+        for (const auto& m : connected_members(in, next)) list += (list.empty() ? "" : ",") + m;
         for (const auto& j : waiting_replacements()) list += "," + j;
         try {
           set(decided, list);
@@ -274,9 +398,9 @@ class GlooElasticGroup {
         }
         break;
       }
-      TESSERA_CHECK(std::chrono::steady_clock::now() < decide_by, CommError, where(), ": member ", leader,
-                    " was to decide generation ", next, " and did not within ", detail::seconds_text(settle()),
-                    " (it is stopped or cut off); giving up after: ", cause);
+      TESSERA_CHECK(std::chrono::steady_clock::now() < decide_by + settle(), CommError, where(), ": member ",
+                    leader.empty() ? isolated_leader : leader, " was to decide generation ", next, " and did not "
+                    "within ", detail::seconds_text(settle()), " (it is stopped or cut off); giving up after: ", cause);
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     members_ = read_decision(next);
@@ -322,6 +446,7 @@ class GlooElasticGroup {
   std::int64_t grow_at_ = -1;                        // the step this generation grows at (-1: none yet)
   bool joined_late_ = false;
   std::vector<MembershipChange> history_;
+  std::vector<std::string> refused_;  // old members whose status server refused this change's probe: gone
 };
 
 template <>
