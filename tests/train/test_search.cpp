@@ -1,12 +1,19 @@
 // HyperparameterSearch on ThreadComm ranks: grid, random and evolutionary search over groups,
-// failed and diverged trials, the JSON-lines log and resuming from it.
+// failed and diverged trials, the JSON-lines log and resuming from it; coordination through a
+// SearchChannel (files, or a channel of the test's own), and groups retired when their
+// communicator breaks, when a rank goes silent or when they miss trial_timeout. (A process killed
+// with SIGKILL: tests/train/search_fault_test.py, over Gloo.)
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -226,4 +233,192 @@ TEST_CASE("Search: bad options are refused", "[train][search][errors]") {
   });
   CHECK_THROWS_AS(SearchSpace().add("lr", 0.0, 1.0, SearchScale::Log), ArgumentError);
   CHECK_THROWS_AS(SearchSpace().add("lr", 0.1, 1.0).add("lr", 0.1, 1.0), ArgumentError);
+}
+
+namespace {
+// A SearchChannel in memory, shared by the threads: the test's own, as a Redis-backed one would
+// be a user's. From the moment `mute` is set, the muted rank's puts (its keys end in ".<rank>") are dropped:
+// to the others, that rank's heartbeat and records stop, as if its process had died.
+class MemoryChannel final : public SearchChannel {
+ public:
+  void put(const std::string& key, const std::string& value) override {
+    std::lock_guard lock(mutex_);
+    const std::string tail = "." + std::to_string(muted_rank);
+    const bool its_own = key.size() > tail.size() && key.compare(key.size() - tail.size(), tail.size(), tail) == 0 &&
+                         key.find("results.") == std::string::npos;  // results.<round> is the coordinator's
+    if (mute && its_own) return;
+    values_[key] = value;
+  }
+  std::optional<std::string> get(const std::string& key) override {
+    std::lock_guard lock(mutex_);
+    auto it = values_.find(key);
+    return it == values_.end() ? std::nullopt : std::optional<std::string>(it->second);
+  }
+  void erase(const std::string& key) override {
+    std::lock_guard lock(mutex_);
+    values_.erase(key);
+  }
+  std::string where() const override { return "memory"; }
+  std::size_t size() {
+    std::lock_guard lock(mutex_);
+    return values_.size();
+  }
+  std::atomic<bool> mute{false};
+  int muted_rank = -1;
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, std::string> values_;
+};
+
+SearchOptions evolution_options(std::uint64_t seed) {
+  return {.groups = 2, .strategy = SearchStrategy::Evolution,
+          .evolution = {.population = 6, .generations = 3, .tournament_size = 2, .elitism = 1}, .seed = seed};
+}
+
+// What must not depend on who ran a trial or how it failed: id, configuration, status, score.
+void check_same_outcome(const std::vector<TrialRecord>& a, const std::vector<TrialRecord>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO("trial " << a[i].id << ": " << a[i].error << " / " << b[i].error);
+    CHECK(a[i].id == b[i].id);
+    CHECK(a[i].config == b[i].config);
+    CHECK(a[i].failed == b[i].failed);
+    CHECK(a[i].carried == b[i].carried);
+    CHECK(a[i].score == b[i].score);
+  }
+}
+
+const TrialRecord& best_of(const std::vector<TrialRecord>& records) {
+  const TrialRecord* b = &records.at(0);
+  for (const auto& r : records)
+    if (r.score > b->score) b = &r;
+  return *b;
+}
+
+// The trial that group 1 trains first (trial 1, the second of round 0) fails in one of these ways.
+enum class Fault { None, Diverge, BreakGroup, Silent, Late };
+
+// A synthetic trial with a group all_reduce (as data parallelism does) that fails trial
+// `target_seed` per `fault` on group 1.
+auto faulty_trial(Fault fault, std::uint64_t target_seed, MemoryChannel* channel = nullptr) {
+  return [=](const TrialConfig& c, ThreadComm& group, TrialReport& report) {
+    const bool target = report.seed == target_seed;
+    if (target && fault == Fault::BreakGroup && group.rank() == 1) {
+      // Another count than rank 2's all_reduce below: the call check fails both, and a failed
+      // call breaks the group's communicator for good, as a dead peer does.
+      std::vector<double> two = {1.0, 2.0};
+      group.all_reduce(std::span<double>(two), ReduceOp::Sum);
+    }
+    if (target && fault == Fault::Silent) {
+      if (group.rank() == 1) channel->mute = true;  // world rank 3 "dies" to the others
+      std::this_thread::sleep_for(std::chrono::milliseconds(2000));  // past heartbeat_timeout
+      throw std::runtime_error("rank 3 is gone");  // what its survivors would say later
+    }
+    if (target && fault == Fault::Late) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+    std::vector<double> score = {synthetic_score(c)};
+    group.all_reduce(std::span<double>(score), ReduceOp::Avg);
+    report.epoch({{"loss", target && fault == Fault::Diverge ? std::nan("") : 1.0 - score[0]}});
+    return score[0];
+  };
+}
+}  // namespace
+
+TEST_CASE("Search: Channel coordination (files, or the user's channel) gives the Collectives records",
+          "[train][search]") {
+  SearchOptions collectives = evolution_options(31);
+  collectives.coordination = SearchCoordination::Collectives;
+  const auto reference = run_search(4, collectives, lr_momentum(), faulty_trial(Fault::None, 0));
+  std::uint64_t diverging = reference.at(1).seed;
+  const auto with_nan = run_search(4, collectives, lr_momentum(), faulty_trial(Fault::Diverge, diverging));
+  REQUIRE(with_nan.at(1).failed);
+
+  const std::filesystem::path dir = "/tmp/tessera_search_channel_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  SearchOptions files = evolution_options(31);
+  files.coordination_dir = dir.string();  // Auto: a directory given means Channel
+  ThreadWorld world(4);
+  world.run([&](ThreadComm& comm) {
+    HyperparameterSearch search(comm, files, lr_momentum());
+    CHECK(search.coordination() == SearchCoordination::Channel);
+  });
+  check_same_outcome(run_search(4, files, lr_momentum(), faulty_trial(Fault::None, 0)), reference);
+  check_same_outcome(run_search(4, files, lr_momentum(), faulty_trial(Fault::Diverge, diverging)), with_nan);
+  CHECK(std::filesystem::is_empty(dir));  // every key erased at the end
+  std::filesystem::remove_all(dir);
+
+  auto memory = std::make_shared<MemoryChannel>();
+  SearchOptions own = evolution_options(31);
+  own.channel = memory;
+  check_same_outcome(run_search(4, own, lr_momentum(), faulty_trial(Fault::Diverge, diverging)), with_nan);
+  CHECK(memory->size() == 0);
+
+  // Threads without a directory: Collectives, as before.
+  ThreadWorld plain(2);
+  plain.run([&](ThreadComm& comm) {
+    HyperparameterSearch search(comm, {.groups = 2}, lr_momentum());
+    CHECK(search.coordination() == SearchCoordination::Collectives);
+  });
+}
+
+TEST_CASE("Search: a group that loses a rank fails only its trial, is retired, and the best is as if it diverged",
+          "[train][search]") {
+  SearchOptions collectives = evolution_options(37);
+  collectives.coordination = SearchCoordination::Collectives;
+  const auto reference = run_search(4, collectives, lr_momentum(), faulty_trial(Fault::None, 0));
+  const std::uint64_t target = reference.at(1).seed;
+  REQUIRE(reference.at(1).group == 1);
+  const auto diverged = run_search(4, collectives, lr_momentum(), faulty_trial(Fault::Diverge, target));
+
+  auto check_retired = [&](const std::vector<TrialRecord>& records, const char* cause) {
+    INFO(records.at(1).error);
+    CHECK(records.at(1).failed);
+    CHECK_THAT(records.at(1).error, Catch::Contains(cause));
+    for (std::size_t i = 2; i < records.size(); ++i)
+      if (!records[i].carried) CHECK(records[i].group == 0);  // group 1 trains nothing more
+    check_same_outcome(records, diverged);
+    CHECK(best_of(records).id == best_of(diverged).id);
+    CHECK(best_of(records).score == best_of(diverged).score);
+  };
+  SECTION("its communicator breaks (rank 3 calls another collective), over collectives and over a channel") {
+    check_retired(run_search(4, collectives, lr_momentum(), faulty_trial(Fault::BreakGroup, target)),
+                  "world ranks 2 to 3; the group is retired");
+    SearchOptions channel = evolution_options(37);
+    channel.channel = std::make_shared<MemoryChannel>();
+    check_retired(run_search(4, channel, lr_momentum(), faulty_trial(Fault::BreakGroup, target)),
+                  "world ranks 2 to 3; the group is retired");
+  }
+  SECTION("rank 3 goes silent (its heartbeat and records stop): named by the coordinator") {
+    auto memory = std::make_shared<MemoryChannel>();
+    memory->muted_rank = 3;
+    SearchOptions channel = evolution_options(37);
+    channel.channel = memory;
+    // Long enough that a loaded machine (a sanitizer build) does not miss a beat of the others.
+    channel.heartbeat_timeout = std::chrono::milliseconds(1000);
+    const auto start = std::chrono::steady_clock::now();
+    check_retired(run_search(4, channel, lr_momentum(), faulty_trial(Fault::Silent, target, memory.get())),
+                  "world rank 3 stopped answering: no heartbeat for");
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(20));
+  }
+  SECTION("group 1 sends nothing within trial_timeout") {
+    SearchOptions channel = evolution_options(37);
+    channel.channel = std::make_shared<MemoryChannel>();
+    channel.trial_timeout = std::chrono::milliseconds(1000);
+    check_retired(run_search(4, channel, lr_momentum(), faulty_trial(Fault::Late, target)),
+                  "sent no record of trial 1 within trial_timeout");
+  }
+}
+
+TEST_CASE("Search: with every group retired, run() says which trials cannot run", "[train][search][errors]") {
+  auto memory = std::make_shared<MemoryChannel>();
+  ThreadWorld world(2, {.timeout = std::chrono::milliseconds(200)});
+  CHECK_THROWS_WITH(world.run([&](ThreadComm& comm) {
+    HyperparameterSearch search(comm, {.groups = 1, .strategy = SearchStrategy::Random, .trials = 3, .channel = memory},
+                                lr_momentum());
+    search.run([](const TrialConfig& c, ThreadComm& group, TrialReport&) {
+      if (group.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      else group.barrier();  // rank 1 never joins: the group's communicator breaks
+      return synthetic_score(c);
+    });
+  }), Catch::Contains("every group has been retired") && Catch::Contains("trial(s) 1, 2 cannot run"));
 }
