@@ -52,7 +52,8 @@ class Launch:
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
         self.lines = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True)
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),
+                                       daemon=True)
         self.reader.start()
 
     def wait_marker(self, name, seconds=60.0):
@@ -154,7 +155,8 @@ def main():
             os.kill(pid, signal.SIGKILL)
         code, took, out = stopped.finish()
         print(out)
-        check(code is not None and code != 0, f"kill rank 0: the launch ends with a failure, no hang (status {code})", out)
+        check(code is not None and code != 0,
+              f"kill rank 0: the launch ends with a failure, no hang (status {code})", out)
         if pid is not None:
             since = time.monotonic() - killed_at
             check(since < COMM_TIMEOUT + 10, f"kill rank 0: the survivors stop within the heartbeat timeout "

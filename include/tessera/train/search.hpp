@@ -59,10 +59,10 @@
 // fails the trial once a member's heartbeat has been silent for heartbeat_timeout (default: the
 // communicator's timeout), naming the world rank. A group that sends no record within
 // trial_timeout of its round's start is failed and retired likewise. Every wait is bounded:
-// polls every 20 ms, the coordinator's by trial_timeout, the others' by the coordinator's
+// polls (kPoll apart), the coordinator's by trial_timeout, the others' by the coordinator's
 // heartbeat (a dead coordinator is named within heartbeat_timeout: CommError, the search stops;
 // the coordinator's own death cannot be survived, since it holds the log and decides the
-// rounds) and by 2 x trial_timeout + heartbeat_timeout in all. Under Collectives a dead
+// rounds) and by twice trial_timeout plus heartbeat_timeout in all. Under Collectives a dead
 // process ends the world communicator in all backends (ThreadComm, MPI, Gloo), so the job then
 // stops with that named error.
 // Either way the log keeps every finished trial and a rerun resumes from it.
@@ -680,7 +680,8 @@ class HyperparameterSearch {
         if (!retired_[g]) assignment[g] = static_cast<std::int64_t>(pending[next++]);
       if (std::all_of(assignment.begin(), assignment.end(), [](std::int64_t a) { return a < 0; })) {
         std::string ids;
-        for (std::size_t k = next; k < pending.size(); ++k) ids += (ids.empty() ? "" : ", ") + std::to_string(trials[pending[k]].id);
+        for (std::size_t k = next; k < pending.size(); ++k)
+          ids += (ids.empty() ? "" : ", ") + std::to_string(trials[pending[k]].id);
         throw CommError(detail::cat("HyperparameterSearch: every group has been retired (each lost a rank or its "
                                     "communicator; see the failed trials in the log), so trial(s) ", ids,
                                     " cannot run; rerun to resume from the log"));
@@ -701,7 +702,8 @@ class HyperparameterSearch {
   // What every rank applies after a round, the same text on all of them:
   //   retired <0|1 per group>
   //   <trial index> <record JSON>     one line per trial of the round, in trial order
-  static std::string results_text(const std::vector<bool>& retired, const std::vector<std::pair<std::int64_t, std::string>>& records) {
+  static std::string results_text(const std::vector<bool>& retired,
+                                   const std::vector<std::pair<std::int64_t, std::string>>& records) {
     std::string out = "retired";
     for (bool r : retired) out += r ? " 1" : " 0";
     out += "\n";
@@ -854,7 +856,7 @@ class HyperparameterSearch {
   }
 
   // A follower's wait for a key the coordinator puts: bounded by the coordinator's heartbeat, by
-  // its abort notice, and by 2 x trial_timeout + heartbeat_timeout in all.
+  // its abort notice, and by twice trial_timeout plus heartbeat_timeout in all.
   std::string wait_for_coordinator(const std::string& key, const std::string& what) {
     const auto limit = 2 * options_.trial_timeout + heartbeat_timeout_;
     const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -911,8 +913,8 @@ class HyperparameterSearch {
     std::string prefix;
     if (world_.rank() == 0) {
       std::random_device device;
-      const std::uint64_t nonce = (static_cast<std::uint64_t>(device()) << 32) ^ device() ^
-                                  static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+      const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+      const std::uint64_t nonce = (static_cast<std::uint64_t>(device()) << 32) ^ device() ^ static_cast<std::uint64_t>(now);
       char text[32];
       std::snprintf(text, sizeof text, "search-%016llx.", static_cast<unsigned long long>(nonce));
       prefix = text;
@@ -920,9 +922,11 @@ class HyperparameterSearch {
     std::vector<std::int64_t> words = detail::pack_string(prefix, 8);
     world_.broadcast(std::span<std::int64_t>(words), 0);
     keys_ = detail::unpack_string(words);
-    if (options_.channel) channel_ = options_.channel;
-    else channel_ = std::make_shared<FileSearchChannel>(options_.coordination_dir.empty() ? detail::file_store_directory()
-                                                                                      : options_.coordination_dir);
+    if (options_.channel)
+      channel_ = options_.channel;
+    else
+      channel_ = std::make_shared<FileSearchChannel>(
+          options_.coordination_dir.empty() ? detail::file_store_directory() : options_.coordination_dir);
     heartbeat_timeout_ = options_.heartbeat_timeout.count() > 0 ? options_.heartbeat_timeout : comm_timeout();
     heartbeat_ = std::make_unique<detail::SearchHeartbeat>(*channel_, keys_ + "alive." + std::to_string(world_.rank()),
                                                            heartbeat_period());
@@ -951,7 +955,8 @@ class HyperparameterSearch {
     }
     for (std::int64_t r = 0; r < round_; ++r) {
       channel_->erase(keys_ + "results." + std::to_string(r));
-      for (int rank = 0; rank < world_.size(); ++rank) channel_->erase(keys_ + "record." + std::to_string(r) + "." + std::to_string(rank));
+      for (int rank = 0; rank < world_.size(); ++rank)
+        channel_->erase(keys_ + "record." + std::to_string(r) + "." + std::to_string(rank));
     }
     for (int rank = 0; rank < world_.size(); ++rank) {
       channel_->erase(keys_ + "alive." + std::to_string(rank));
