@@ -4,7 +4,7 @@
 //
 //   build/examples/10_hyperparameter_search_threads --ranks=4 --groups=2
 //   mpirun -n 4 build/examples/10_hyperparameter_search_mpi --groups=2
-//   tools/tessera-run -n 4 build/examples/10_hyperparameter_search_gloo --groups=2
+//   tools/tessera-run --elastic -n 4 build/examples/10_hyperparameter_search_gloo --groups=2   (a dead rank: README)
 //
 // Each trial trains with the Trainer on the first --limit images minus the last --validation and
 // is scored on those; every trial is logged to --log (rerun with the same flags to resume). Then
