@@ -223,7 +223,9 @@ def judge(job, text, fault_at, replace, baseline):
     out["continued"] = bool(final) and first_change is not None
     out["recovery_s"] = round(first_change[0] - fault_at, 4) if first_change else None
     gens = [m.groups() for m in GEN_RE.finditer(text)]
-    failures = [int(m.group(2)) for m in FAIL_RE.finditer(text)]
+    # The survivors' reports of the first failure: those before the first new generation's line.
+    first_gen = text.find("elastic: generation 1:")
+    failures = [int(m.group(2)) for m in FAIL_RE.finditer(text[:first_gen if first_gen >= 0 else len(text)])]
     if gens and failures:
         out["steps_lost"] = max(failures) - int(gens[0][3])
     checks = {}
@@ -243,8 +245,7 @@ def judge(job, text, fault_at, replace, baseline):
     if gens:
         out["membership_s"] = float(gens[0][5])
         out["heal_s"] = float(gens[0][6])
-    if not out["continued"]:
-        out["output"] = text[-4000:]
+    out["output"] = text
     return out
 
 
@@ -321,8 +322,11 @@ def campaign(args):
                 records.append(r)
                 bad = r.get("hang") or not r.get("continued") or r.get("diverged") or (replace and not r.get("rejoined"))
                 if bad and not r.get("too_late"):
-                    print(f"  {fault} replace={replace}: BAD trial: {json.dumps({k: v for k, v in r.items() if k != 'output'})}\n"
-                          f"{r.get('output', '')[-1500:]}", flush=True)
+                    kept = f"{os.path.splitext(out)[0]}_bad_{fault}_{replace}_{len(records)}.txt"
+                    with open(kept, "w") as f:
+                        f.write(r.get("output", ""))
+                    print(f"  {fault} replace={replace}: BAD trial (output in {kept}): "
+                          f"{json.dumps({k: v for k, v in r.items() if k != 'output'})}", flush=True)
             row = summarize(records, fault, bool(replace))
             row.update(cpu=cpu_model(), timeout_s=args.timeout, ranks=4, backend="gloo", epochs=args.epochs,
                        netns=args.network is not None,

@@ -8,18 +8,25 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "parallel/elastic_resume.hpp"
 #include "tessera/comm/local.hpp"
 #include "tessera/comm/threads.hpp"
+#include "tessera/comm/threads_elastic.hpp"
 #include "tessera/models/gpt.hpp"
+#include "tessera/train/elastic.hpp"
 #include "tessera/train/sharded_checkpoint.hpp"
 
 using namespace tessera;
@@ -437,33 +444,55 @@ TEST_CASE("FSDP sharded checkpoints of GPT: the tied wte (lm_head.weight) round-
   fs::remove_all(dir);
 }
 
+namespace {
+
+// n random 1x28x28 images, labels i % 10.
+Dataset random_images(std::int64_t n, std::uint64_t seed) {
+  Dataset ds;
+  ds.name = "random";
+  ds.num_classes = 10;
+  ds.images.resize({n, 1, 28, 28});
+  Rng rng(seed);
+  for (auto& v : ds.images) v = static_cast<float>(rng.normal());
+  for (std::int64_t i = 0; i < n; ++i) ds.labels.push_back(i % 10);
+  return ds;
+}
+
+template <class Model>
+std::vector<double> flat_parameters(Model& model) {
+  std::vector<double> out;
+  for (auto& [name, p] : named_tensors(model).parameters) out.insert(out.end(), p->value.begin(), p->value.end());
+  return out;
+}
+
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t k = 0; k < a.size(); ++k) worst = std::max(worst, std::abs(a[k] - b[k]));
+  return worst;
+}
+
+// LeNet-5 trained by one process on `ds` with global batches of 16 (float64): the reference.
+std::vector<double> one_process_lenet(const Dataset& ds, std::int64_t epochs) {
+  auto model = lenet5<CpuLocal64>(1, 28, 10, 3);
+  Sgd<CpuLocal64> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
+  DataLoader<double> loader(ds, {.seed = 9, .global_batch_size = 16});
+  Trainer trainer(model, sgd, ConstantLr{0.05}, {.epochs = epochs, .verbose = false});
+  trainer.fit(loader);
+  return flat_parameters(model);
+}
+
+}  // namespace
+
 TEST_CASE("Global batches split unevenly over 3 ranks train as one process (the weights of Batch::weight)",
           "[parallel][elastic]") {
   // 52 samples, global batch 16: three batches of 16 (6, 5, 5 per rank) and a last one of 4
   // (2, 1, 1). float64: the same parameters up to summation order.
-  Dataset ds;
-  ds.name = "random";
-  ds.num_classes = 10;
-  ds.images.resize({52, 1, 28, 28});
-  Rng rng(5);
-  for (auto& v : ds.images) v = static_cast<float>(rng.normal());
-  for (std::int64_t i = 0; i < 52; ++i) ds.labels.push_back(i % 10);
-  const auto flat = [](auto& model) {
-    std::vector<double> out;
-    for (auto& [name, p] : named_tensors(model).parameters) out.insert(out.end(), p->value.begin(), p->value.end());
-    return out;
-  };
+  const Dataset ds = random_images(52, 5);
+  const auto flat = [](auto& model) { return flat_parameters(model); };
   const TrainOptions quiet{.epochs = 2, .verbose = false};
   const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9};
-  std::vector<double> one;
-  {
-    auto model = lenet5<CpuLocal64>(1, 28, 10, 3);
-    Sgd<CpuLocal64> sgd(named_tensors(model), sgd_options);
-    DataLoader<double> loader(ds, {.seed = 9, .global_batch_size = 16});
-    Trainer trainer(model, sgd, ConstantLr{0.05}, quiet);
-    trainer.fit(loader);
-    one = flat(model);
-  }
+  const std::vector<double> one = one_process_lenet(ds, 2);
   std::vector<std::vector<double>> split(3);
   ThreadWorld world(3);
   world.run([&](ThreadComm& comm) {
@@ -483,5 +512,96 @@ TEST_CASE("Global batches split unevenly over 3 ranks train as one process (the 
     double worst = 0;
     for (std::size_t k = 0; k < one.size(); ++k) worst = std::max(worst, std::abs(rank[k] - one[k]));
     CHECK(worst < 1e-12);
+  }
+}
+
+namespace {
+
+// 4 threads train LeNet-5 under ElasticTrainer; `fault(group, step)` runs after every step on
+// every member (it may throw, or sleep past the timeout). Returns each member's final parameters
+// (keyed by member id) and the trainer's events of the member that ends as rank 0.
+struct ElasticThreadsRun {
+  std::map<std::string, std::vector<double>> parameters;
+  std::vector<std::string> survivors;
+  std::vector<ElasticEvent> events;
+};
+
+template <class Fault>
+ElasticThreadsRun elastic_threads_run(const Dataset& ds, Fault fault, bool replace, CommOptions comm = {}) {
+  ElasticThreadsRun out;
+  std::mutex mutex;
+  ThreadElasticHub hub(4, comm);
+  std::function<void(ThreadElasticGroup&)> member;
+  member = [&](ThreadElasticGroup& group) {
+    auto model = lenet5<CpuThreads64>(1, 28, 10, 3);
+    Sgd<CpuThreads64> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
+    TrainOptions options{.epochs = 2, .verbose = false};
+    options.after_step = [&] { fault(group, hub, member, replace); };
+    ElasticTrainer<ThreadElasticGroup, decltype(model), Sgd<CpuThreads64>, DataParallel<CpuThreads64>> trainer(
+        group, model, sgd,
+        [&](std::optional<DataParallel<CpuThreads64>>& dp, ThreadComm& c) {
+          dp.emplace(model, c, DataParallelOptions{.consistency_check_every = 1});
+        },
+        ConstantLr{0.05}, options);
+    trainer.fit(ds, {.seed = 9, .global_batch_size = 16}, static_cast<DataLoader<double>*>(nullptr));
+    std::lock_guard lock(mutex);
+    out.parameters[group.member()] = flat_parameters(model);
+    out.survivors.push_back(group.member());
+    if (group.comm().rank() == 0) out.events = trainer.events();
+  };
+  hub.run(member);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors end where one process ends",
+          "[parallel][elastic]") {
+  // 96 samples, global batch 16: 6 steps per epoch, 12 in all. The member of slot 2 throws after
+  // step 5; the others fail in step 6's all-reduce, regroup as 3 and redo step 6 split 6/5/5.
+  const Dataset ds = random_images(96, 7);
+  const std::vector<double> one = one_process_lenet(ds, 2);
+  SECTION("without a replacement") {
+    const auto run = elastic_threads_run(ds, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&, bool) {
+      static thread_local int steps = 0;
+      if (g.member() == "2.0" && ++steps == 5) throw std::runtime_error("slot 2 dies");
+    }, false);
+    REQUIRE(run.survivors.size() == 3);
+    for (const auto& [member, p] : run.parameters) {
+      INFO("member " << member);
+      CHECK(max_abs_difference(p, one) < 1e-10);
+    }
+    REQUIRE(run.events.size() == 1);
+    CHECK(run.events[0].change.size_before == 4);
+    CHECK(run.events[0].change.size_after == 3);
+    CHECK(run.events[0].change.left == std::vector<std::string>{"2.0"});
+    CHECK(run.events[0].healed_step == 5);  // no step lost
+  }
+  SECTION("with a replacement, which ends bit-identical to the others") {
+    // Member 0.0 plays the launcher: once the group has lost slot 2, it starts a replacement.
+    const auto run = elastic_threads_run(ds, [](ThreadElasticGroup& g, ThreadElasticHub& hub, auto& member, bool) {
+      static thread_local int steps = 0;
+      static std::atomic<bool> replaced{false};
+      if (g.member() == "2.0" && ++steps == 5) throw std::runtime_error("slot 2 dies");
+      if (g.member() == "0.0" && g.generation() == 1 && !replaced.exchange(true)) hub.replace(2, member);
+    }, true);
+    REQUIRE(run.survivors.size() == 4);
+    REQUIRE(run.parameters.count("2.1") == 1);
+    for (const auto& [member, p] : run.parameters) {
+      INFO("member " << member);
+      CHECK(p == run.parameters.at("0.0"));  // bit for bit
+      CHECK(max_abs_difference(p, one) < 1e-10);
+    }
+    REQUIRE(!run.events.empty());
+    CHECK(run.events.back().change.size_after == 4);
+  }
+  SECTION("a stalled rank is left out after the timeout and told so when it runs again") {
+    const auto run = elastic_threads_run(ds, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&, bool) {
+      static thread_local int steps = 0;
+      if (g.member() == "1.0" && ++steps == 3) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    }, false, CommOptions{.timeout = std::chrono::milliseconds(200)});
+    REQUIRE(run.survivors.size() == 3);
+    CHECK(run.parameters.count("1.0") == 0);
+    for (const auto& [member, p] : run.parameters) CHECK(max_abs_difference(p, one) < 1e-10);
   }
 }
