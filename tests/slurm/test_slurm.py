@@ -47,7 +47,7 @@ def check_job(slurm: LocalSlurm, log_dir: pathlib.Path, backend: str, program: s
     expect(rc == 0, f"{backend} job of {tasks} tasks exited {rc}:\n{out}{err}\n"
                     f"{(pathlib.Path(log_dir) / f'job-{job}.out').read_text() if rc else ''}")
     for r in range(tasks):
-        expect(f"rank {r}: exit 0" in out, f"summary lacks rank {r}: {out}")
+        expect(re.search(rf"rank {r} \({slurm.node}\): exit 0", out), f"summary lacks rank {r} on {slurm.node}: {out}")
         text = (logs / f"rank-{r}.log").read_text()
         expect(re.search(rf"rank {r}: \d+ checks, 0 failed", text), f"rank {r}'s log has no passed checks:\n{text}")
     batch = (pathlib.Path(log_dir) / f"job-{job}.out").read_text()
@@ -65,10 +65,10 @@ def check_failure(slurm: LocalSlurm, log_dir: pathlib.Path, work: pathlib.Path) 
     rc, out, err, job, seconds = submit_and_wait(slurm, log_dir, "--backend=gloo", "--ntasks-per-node=2",
                                                  "--cpus-per-task=2", "--", str(failing))
     expect(rc != 0, f"a job whose rank 1 failed exited 0:\n{out}")
-    expect("rank 1: exit 3" in out and "error: rank 1 cannot read its shard" in out,
+    expect(f"rank 1 ({slurm.node}): exit 3" in out and "error: rank 1 cannot read its shard" in out,
            f"the summary does not show rank 1's failure and error:\n{out}")
     # Rank 0 either never recorded an exit (none) or recorded 143 (SIGTERM) as srun stopped it.
-    expect(re.search(r"rank 0: exit (none|143 \(signal 15:) \(?stopped by Slurm", out) is not None,
+    expect(re.search(rf"rank 0 \({slurm.node}\): exit (none|143 \(signal 15:) \(?stopped by Slurm", out) is not None,
            f"the summary does not say rank 0 was stopped:\n{out}")
     expect(seconds < 45, f"the other ranks were not stopped: the job took {seconds:.0f} s (they sleep 60 s)")
     rank0 = (pathlib.Path(log_dir) / f"job-{job}" / "rank-0.log").read_text()

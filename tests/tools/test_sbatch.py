@@ -6,10 +6,13 @@ programs before its jobs on a local Slurm.
 """
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 from conftest import ROOT
 
@@ -187,6 +190,7 @@ def test_wait_follows_the_job_to_its_end(tmp_path: pathlib.Path) -> None:
         (["RUNNING ExitCode=0:0", "REQUEUED ExitCode=0:0", "PENDING ExitCode=0:0", "FAILED ExitCode=3:0"], 3),
         (["RUNNING ExitCode=0:0", "CANCELLED ExitCode=0:9"], 137),
         (["PENDING ExitCode=0:0", "CANCELLED ExitCode=0:0"], 1),
+        (["RUNNING ExitCode=0:0", "NODE_FAIL ExitCode=0:0 Reason=NodeDown"], 1),
     ]
     program = stub_program(tmp_path / "prog_gloo")
     for i, (states, status) in enumerate(cases):
@@ -196,6 +200,10 @@ def test_wait_follows_the_job_to_its_end(tmp_path: pathlib.Path) -> None:
                             timeout=60)
         expect(rc == status, f"states {states}: exit {rc}, expected {status}: {out}{err}")
         expect("submitted job 42" in out and "job 42 wrote no summary" in out, f"states {states}: {out}{err}")
+        final = states[-1].split()[0]
+        said = f"job 42 ended {final}" in out if final != "COMPLETED" else "ended" not in out
+        expect(said, f"states {states}: the final state is not said (only when not COMPLETED): {out}")
+        expect("Reason=NodeDown" in out or "NodeDown" not in states[-1], f"the reason is not given: {out}")
         calls = (bin_dir / "calls").read_text().splitlines()
         expect(len(calls) == len(states) and all(c == "show job --oneliner 42" for c in calls),
                f"states {states}: scontrol called {calls}")
@@ -213,3 +221,70 @@ def test_wait_for_a_purged_job_asks_the_accounting(tmp_path: pathlib.Path) -> No
     rc, out, err = tool("--wait", f"--sbatch={sbatch}", f"--log-dir={tmp_path / 'logs1'}", "--", str(program),
                         timeout=60)
     expect(rc != 0 and "no longer knows job 42" in err, f"a purged job without a final record: exit {rc}: {err}")
+
+
+FAKE_NODES = {"node1": "State=IDLE", "node2": "State=DOWN+NOT_RESPONDING Reason=Not responding [root@2026-01-01]"}
+
+
+def run_batch_script(tmp_path: pathlib.Path, srun_body: str) -> tuple[subprocess.Popen[str], pathlib.Path]:
+    """The batch script of a 2-node, 4-rank gloo job, started under a fake srun (SRUN_BODY: what
+    it does for the ranks; the multi-node checks, one task per node, pass) and a fake scontrol that knows node1 (up)
+    and node2 (not answering). Returns the running script and its log folder."""
+    program = stub_program(tmp_path / "prog_gloo")
+    log_dir = tmp_path / "logs"
+    rc, script, err = tool("--dry-run", "--nodes=2", "--ntasks-per-node=2", "--iface=eth0", f"--log-dir={log_dir}",
+                           "--", str(program))
+    expect(rc == 0, f"dry run failed: {err}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\ncase "$*" in *--ntasks-per-node=1*) exit 0;; esac\n'
+                                  'for r in 0 1; do echo node1 > "$LOG_DIR/rank-$r.node"; done\n'
+                                  'for r in 2 3; do echo node2 > "$LOG_DIR/rank-$r.node"; done\n' + srun_body)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\ncase \"$3\" in\n" + "".join(
+        f"  {node}) echo 'NodeName={node} Arch=x86_64 {state}';;\n" for node, state in FAKE_NODES.items()) + "esac\n")
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_CPUS_PER_TASK": "1", "SLURM_JOB_NODELIST": "node[1-2]"}
+    job = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return job, log_dir / "job-7"
+
+
+def test_summary_names_the_node_of_a_lost_rank(tmp_path: pathlib.Path) -> None:
+    """Each rank's node is in the summary; a rank without an exit status whose node Slurm marks
+    DOWN or NOT_RESPONDING is named as lost with that node (tests/slurm/test_slurm_two_nodes.py
+    takes a real node down)."""
+    job, logs = run_batch_script(tmp_path, 'for r in 0 1; do echo 3 > "$LOG_DIR/rank-$r.exit"; echo "rank $r: '
+                                           'CommError: no answer: rank 2; rank 3" >> "$LOG_DIR/rank-$r.log"; done\n'
+                                           'exit 3\n')
+    out = job.communicate(timeout=30)[0]
+    expect(job.returncode == 3, f"the script did not exit with srun's status: {job.returncode}\n{out}")
+    for r in (0, 1):
+        expect(f"rank {r} (node1): exit 3" in out and f"rank {r}: CommError: no answer: rank 2; rank 3" in out,
+               f"rank {r}'s node, status or error is missing:\n{out}")
+    for r in (2, 3):
+        expect(f"rank {r} (node2): exit none: node2 stopped answering Slurm (State=DOWN+NOT_RESPONDING, "
+               "Reason=Not responding [root@2026-01-01]): the node died or its network failed" in out,
+               f"rank {r} is not named as lost with node2:\n{out}")
+    expect("ranks lost with their node: 2 3" in out and (logs / "summary.txt").read_text() in out,
+           f"no list of the lost ranks, or no summary.txt:\n{out}")
+
+
+def test_summary_written_when_the_job_is_stopped(tmp_path: pathlib.Path) -> None:
+    """SIGTERM to every process of the batch step (scancel, the time limit, a node failure that
+    ends the job) still leaves the summary, with what srun collected in the meantime."""
+    job, logs = run_batch_script(tmp_path, "trap 'for r in 0 1; do echo 143 > \"$LOG_DIR/rank-$r.exit\"; done; "
+                                           "exit 143' TERM\nsleep 30 & wait\n")
+    deadline = time.monotonic() + 20
+    while not (logs / "rank-3.node").exists():
+        expect(time.monotonic() < deadline and job.poll() is None, "the fake ranks did not start")
+        time.sleep(0.05)
+    time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGTERM)
+    out = job.communicate(timeout=30)[0]
+    expect(job.returncode == 143 and "job 7 start 1: stopped by SIGTERM" in out, f"no summary after SIGTERM "
+                                                                                  f"(exit {job.returncode}):\n{out}")
+    expect("rank 0 (node1): exit 143 (signal 15" in out and "rank 3 (node2): exit none: node2 stopped answering" in out,
+           f"the summary after SIGTERM lacks the ranks' states:\n{out}")

@@ -42,8 +42,12 @@ logs and failures:
   The batch script's own output goes to LOG_DIR/job-<id>.out, each rank's to
   LOG_DIR/job-<id>/rank-<r>.log. srun stops the other ranks when one fails
   (--kill-on-bad-exit); the script then writes LOG_DIR/job-<id>/summary.txt (also at the end of
-  job-<id>.out): each rank's exit status, and the failed rank's error lines and last lines.
-  With --wait, tessera-sbatch waits for the job, prints the summary and exits with the job's
+  job-<id>.out): each rank's node and exit status, and the failed rank's error lines and last
+  lines. A rank that left no exit status on a node Slurm marks DOWN or NOT_RESPONDING is named
+  as lost with that node ("rank 2 (node2): exit none: node2 stopped answering Slurm ..."). A
+  SIGTERM to the script (scancel, the time limit, a node failure that ends the job) still
+  leaves the summary. With --wait, tessera-sbatch waits for the job, prints the summary (and the
+  job's final state when it is not COMPLETED: NODE_FAIL, TIMEOUT, ...) and exits with the job's
   status.
 
 requeue and checkpoints:
@@ -338,6 +342,10 @@ def wait_for_job(scontrol: str, job_id: str, poll_limit: float = 2.0, outage_lim
                 fields = dict(re.findall(r"(\w+)=(\S*)", answer))
                 state = fields.get("JobState", "")
                 if state in FINAL_STATES:
+                    if state != "COMPLETED":  # NODE_FAIL, TIMEOUT, ...: what the summary cannot say
+                        reason = fields.get("Reason", "None")
+                        print(f"job {job_id} ended {state} (ExitCode={fields.get('ExitCode', '?')}"
+                              f"{'' if reason == 'None' else ', Reason=' + reason})", flush=True)
                     return job_status(state, fields.get("ExitCode", ""))
             elif "invalid job id" in error.lower():
                 status = final_from_accounting(scontrol, job_id)

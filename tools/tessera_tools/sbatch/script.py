@@ -136,39 +136,81 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         lines.append('PROGRAM+=(--checkpoint="$CHECKPOINT" "${RESUME[@]}")')
     lines += [
         "",
-        "# Each rank's exit status goes to rank-<r>.exit, for the summary below; a rank that srun",
-        "# stopped after another one failed writes none.",
+        "# Each rank records its node as it starts (rank-<r>.node) and its exit status as it ends",
+        "# (rank-<r>.exit), for the summary below; a rank that srun stopped after another one failed,",
+        "# or whose node died, records no exit status.",
         'for r in $(seq 0 $((SLURM_NTASKS - 1))); do echo "=== start $START ===" >> "$LOG_DIR/rank-$r.log"; done',
-        'rm -f "$LOG_DIR"/rank-*.exit',
+        'rm -f "$LOG_DIR"/rank-*.exit "$LOG_DIR"/rank-*.node',
         "# The wrapper outlives the signals meant for the program (Slurm signals every process of",
         "# the step), so that it still records the program's exit status. A rank that stopped on a",
         "# signal with its checkpoint saved (75) exits 0 to srun: a bad exit would make srun kill the",
         "# ranks still finishing theirs, rank 0 perhaps while it writes the checkpoint.",
-        "TASK='trap : USR1 TERM; \"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$SLURM_PROCID.exit\"; "
-        "[ $code = 75 ] && exit 0; exit $code'",
+        "TASK='trap : USR1 TERM; echo \"${SLURMD_NODENAME:-$(hostname)}\" > \"$LOG_DIR/rank-$SLURM_PROCID.node\"; "
+        "\"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$SLURM_PROCID.exit\"; [ $code = 75 ] && exit 0; exit $code'",
         "export LOG_DIR",
         f"LAUNCH=({' '.join(srun)})",
         'echo "launch: ${LAUNCH[*]} ${PROGRAM[*]}"',
-        '"${LAUNCH[@]}" bash -c "$TASK" rank "${PROGRAM[@]}"',
+        "# srun runs in the background so that a SIGTERM to this script (scancel, the time limit, a",
+        "# requeue, a node failure that ends the job) still leaves the summary: bash runs a trap only",
+        "# between commands, and a signal interrupts `wait`. srun got the SIGTERM too and stops the",
+        "# ranks; it is given 2 s to collect their exit statuses (the script then exits 143).",
+        'STOPPED=""',
+        "trap 'STOPPED=1' TERM",
+        '"${LAUNCH[@]}" bash -c "$TASK" rank "${PROGRAM[@]}" &',
+        "SRUN_PID=$!",
+        'wait "$SRUN_PID"',
         "STATUS=$?",
+        '[ -n "$STOPPED" ] && for _ in $(seq 20); do kill -0 "$SRUN_PID" 2>/dev/null || break; sleep 0.1; done',
+        "# From here a SIGTERM (the job ending as the summary is written) is ignored, by this shell and",
+        "# the commands it starts; Slurm's SIGKILL, KillWait seconds later, still ends them.",
+        "trap '' TERM",
         "",
-        "# Summary: every rank's status, and what the failed ones said.",
+        "# Summary: every rank's node and status, and what the failed ones said. A rank without an exit",
+        "# status whose node Slurm marks DOWN or NOT_RESPONDING was lost with its node (power, network).",
+        "declare -A NODE_STATE  # scontrol asked once per node, and only for ranks without an exit status",
         "{",
-        '  echo "job $SLURM_JOB_ID start $START: srun exited with $STATUS"',
+        '  if [ -n "$STOPPED" ]; then echo "job $SLURM_JOB_ID start $START: stopped by SIGTERM (scancel, the time '
+        'limit, a requeue, or a node failure: see job-$SLURM_JOB_ID.out)"; '
+        'else echo "job $SLURM_JOB_ID start $START: srun exited with $STATUS"; fi',
+        '  lost=""',
+        '  missing=""',
         '  for r in $(seq 0 $((SLURM_NTASKS - 1))); do',
+        '    node=$(cat "$LOG_DIR/rank-$r.node" 2>/dev/null || echo "no node")',
         # A rank that srun stopped may still record its exit: 128 + the signal (143: SIGTERM), when
         # the wrapping shell outlives its program by an instant. Both say what happened.
-        '    if [ -f "$LOG_DIR/rank-$r.exit" ]; then code=$(cat "$LOG_DIR/rank-$r.exit"); '
-        'else code="none (stopped by Slurm after another rank failed, or killed)"; fi',
+        '    dead=""',
+        '    if [ -f "$LOG_DIR/rank-$r.exit" ]; then',
+        '      code=$(cat "$LOG_DIR/rank-$r.exit")',
+        '    elif [ ! -f "$LOG_DIR/rank-$r.node" ]; then',
+        '      code="none: it never started (srun\'s errors are in job-$SLURM_JOB_ID.out)"; missing="$missing $r"',
+        "    else",
+        '      missing="$missing $r"',
+        '      [ -n "${NODE_STATE[$node]+set}" ] || '
+        'NODE_STATE[$node]=$(scontrol show node "$node" --oneliner 2>/dev/null)',
+        '      state=$(grep -o "State=[^ ]*" <<< "${NODE_STATE[$node]}")',
+        '      case "$state" in *DOWN*|*NOT_RESPONDING*|*FAIL*)',
+        '        dead=1; lost="$lost $r"',
+        '        code="none: $node stopped answering Slurm ($state, $(grep -o "Reason=.*" <<< "${NODE_STATE[$node]}" '
+        '|| echo "no reason given")): the node died or its network failed";;',
+        '      *) code="none (stopped by Slurm after another rank failed, or killed)";;',
+        "      esac",
+        "    fi",
         '    case "$code" in 129|13[0-9]|14[0-9]|15[0-9]) '
         'code="$code (signal $((code - 128)): stopped by Slurm after another rank failed, or killed)";; '
         '75) code="75 (stopped on a signal with its checkpoint saved)";; esac',
-        '    echo "rank $r: exit $code"',
+        '    echo "rank $r ($node): exit $code"',
         '    if [ "$code" != 0 ] && [ -f "$LOG_DIR/rank-$r.exit" ]; then',
         '      echo "--- rank $r: error lines ---"; grep -i -m 10 "error" "$LOG_DIR/rank-$r.log"',
         '      echo "--- rank $r: last lines ---"; tail -n 15 "$LOG_DIR/rank-$r.log"',
+        '    elif [ -n "$dead" ]; then',
+        '      echo "--- rank $r: last lines before its node stopped answering ---"; tail -n 5 "$LOG_DIR/rank-$r.log"',
         "    fi",
         "  done",
+        '  if [ -n "$lost" ]; then echo "ranks lost with their node:$lost"; fi',
+        # srun (22.05) exits 0 when it could not launch the tasks: no rank may go missing in a success.
+        '  if [ "$STATUS" = 0 ] && [ -n "$missing" ]; then',
+        '    echo "srun exited 0, but ranks$missing left no exit status: the job failed"; STATUS=1',
+        "  fi",
         '} > "$LOG_DIR/summary.txt"',
         'cat "$LOG_DIR/summary.txt"',
     ]
@@ -176,10 +218,11 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         lines += [
             "",
             "# Every rank stopped on a signal (the time limit near) with the checkpoint saved: back to",
-            "# the queue, and the next start resumes from it.",
+            "# the queue, and the next start resumes from it. Not when this script got a SIGTERM: Slurm",
+            "# is then ending the job itself, or requeueing it (a node failure, an administrator).",
             'stopped=0',
-            'for r in $(seq 0 $((SLURM_NTASKS - 1))); do [ "$(cat "$LOG_DIR/rank-$r.exit" 2>/dev/null)" = 75 ] '
-            '&& stopped=$((stopped + 1)); done',
+            '[ -n "$STOPPED" ] || for r in $(seq 0 $((SLURM_NTASKS - 1))); do '
+            '[ "$(cat "$LOG_DIR/rank-$r.exit" 2>/dev/null)" = 75 ] && stopped=$((stopped + 1)); done',
             'if [ "$stopped" -gt 0 ] && [ "$stopped" = "$SLURM_NTASKS" ]; then',
             ('  echo "every rank saved its checkpoint on a signal; --no-requeue: resubmit to resume from $CHECKPOINT"; '
              'STATUS=75' if args.no_requeue else
