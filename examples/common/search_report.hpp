@@ -35,14 +35,18 @@ std::vector<double> retrain_on_test(Comm& world, Search& search, const tessera::
   const TrialConfig default_config = {{"lr", 0.01}, {"momentum", 0.0}, {"weight_decay", 0.0}};
   const int g = search.group_index();
   std::vector<double> test_acc(2, 0.0);
+  // A retired group means a dead rank: the world cannot reduce any more, so the coordinator's
+  // group (group 0, world rank 0 prints) retrains both on its own, if it is whole.
+  const bool degraded = search.any_group_retired();
+  if (degraded && (g != 0 || search.group_retired())) return test_acc;
   for (int which = 0; which < 2; ++which) {
-    if ((which == 0 && g != 0) || (which == 1 && g != groups - 1)) continue;
+    if (!degraded && ((which == 0 && g != 0) || (which == 1 && g != groups - 1))) continue;
     TrialReport report;
     report.seed = seed;
     const double acc = train_trial(which == 0 ? default_config : best, search.group(), report);
     if (search.group().rank() == 0) test_acc[static_cast<std::size_t>(which)] = acc;
   }
-  world.all_reduce(std::span<double>(test_acc), ReduceOp::Max);
+  if (!degraded) world.all_reduce(std::span<double>(test_acc), ReduceOp::Max);
   return test_acc;
 }
 

@@ -2,7 +2,8 @@
 // off) or gains one (a replacement) between two steps, without restarting the processes that stay
 // (torchft's per-step quorum, where TorchElastic stops and restarts every worker).
 //
-// A backend that can do it provides a group type (GlooElasticGroup over Gloo's rendezvous store)
+// A backend that can do it provides a group type (GlooElasticGroup over Gloo's rendezvous store,
+// ThreadElasticGroup over a hub in memory)
 // and names it with ElasticGroupFor<Comm>. The group holds the communicator of its current
 // generation and changes it in two ways:
 //
@@ -17,9 +18,10 @@
 // train/elastic.hpp's ElasticTrainer drives a group: it rebuilds the strategy and loader at each
 // generation and heals the state from a healthy member (a replacement gets everything from it).
 //
-// Backends without one: Open MPI without ULFM ends the job when a process dies (mpirun), so MpiComm
-// has none; NCCL's ncclCommAbort/re-init path needs a store-based quorum like Gloo's around it and is
-// not built; ThreadComm's ranks share one process, whose death ends them all.
+// Groups exist for Gloo (gloo_elastic.hpp) and for threads (threads_elastic.hpp: a rank that dies is
+// a thread whose function threw; the process's own death ends them all). Backends without one:
+// Open MPI without ULFM ends the job when a process dies (mpirun), so MpiComm has none; NCCL's
+// ncclCommAbort and re-init path needs a store-based quorum like Gloo's around it and is not built.
 #pragma once
 
 #include <chrono>

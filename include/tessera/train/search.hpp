@@ -527,6 +527,9 @@ class HyperparameterSearch {
   SearchCoordination coordination() const { return mode_; }
   // Whether this rank's group has been retired (a rank of it died, or its communicator broke).
   bool group_retired() const { return retired_[static_cast<std::size_t>(group_index())]; }
+  // Whether any group has been retired: every rank knows (it travels with each round's results),
+  // and the world communicator is then unusable (a rank of it is dead).
+  bool any_group_retired() const { return std::find(retired_.begin(), retired_.end(), true) != retired_.end(); }
 
   // The best record so far (highest score), or nullptr.
   const TrialRecord* best() const {
