@@ -26,6 +26,10 @@
 #include "tessera/comm/threads.hpp"
 #include "tessera/comm/threads_elastic.hpp"
 #include "tessera/models/gpt.hpp"
+#include "tessera/models/lenet.hpp"
+#include "tessera/optim/schedule.hpp"
+#include "tessera/optim/sgd.hpp"
+#include "tessera/parallel/data_parallel.hpp"
 #include "tessera/train/elastic.hpp"
 #include "tessera/train/sharded_checkpoint.hpp"
 
