@@ -69,6 +69,10 @@ class LocalSlurm:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def command(self, client: str) -> list[str]:
+        """How this test runs a client command (sinfo, scancel, ...)."""
+        return [self.paths[client]]
+
     def start(self) -> None:
         missing = [p for p, path in self.paths.items() if path is None]
         if missing:
@@ -76,7 +80,7 @@ class LocalSlurm:
         if os.geteuid() != 0:
             raise Unavailable("the local Slurm runs its daemons as root; not root here")
         munge = self.root / "munge"
-        for d in (munge, self.root / "state", self.root / "spool"):
+        for d in (munge, self.root / "state", self.root / "spool", self.root / "tmp"):
             d.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)
         munge.chmod(0o755)  # munged wants the socket's folder reachable by everyone
@@ -91,35 +95,51 @@ class LocalSlurm:
 
         self.conf = self.root / "slurm.conf"
         (self.root / "plugstack.conf").write_text("")
-        self.conf.write_text(self._conf_text())
+        self.conf.write_text("\n".join(self._conf_lines()) + "\n")
         env = self.env()
+        self._start_daemons(env)
+        nodes = len(self.node_names())
+
+        def nodes_idle() -> bool:
+            done = subprocess.run(self.command("sinfo") + ["-h", "-N", "-o", "%T"], env=env, capture_output=True,
+                                  text=True, timeout=10)
+            return done.returncode == 0 and done.stdout.split() == ["idle"] * nodes
+        self._wait(nodes_idle, 30, "the nodes to be idle", self.root / "slurmctld.log")
+
+    def node_names(self) -> list[str]:
+        return [self.node]
+
+    def _start_daemons(self, env: dict[str, str]) -> None:
         self._spawn([self.paths["slurmctld"], "-D", "-i", "-f", str(self.conf)], "slurmctld", env)
         self._spawn([self.paths["slurmd"], "-D", "-f", str(self.conf), "-N", self.node], "slurmd", env)
 
-        def node_idle() -> bool:
-            done = subprocess.run([self.paths["sinfo"], "-h", "-N", "-o", "%T"], env=env, capture_output=True,
-                                  text=True, timeout=10)
-            return done.returncode == 0 and done.stdout.strip() == "idle"
-        self._wait(node_idle, 30, "the node to be idle", self.root / "slurmctld.log")
-
-    def _conf_text(self) -> str:
-        r = self.root
-        return "\n".join([
-            "ClusterName=tesseratest",
+    def _conf_lines(self) -> list[str]:
+        return self._common_conf_lines() + [
             f"SlurmctldHost={self.node}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
             f"SlurmdPort={free_port()}",
+            f"SlurmdSpoolDir={self.root / 'spool'}",
+            f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+            f"SlurmdLogFile={self.root / 'slurmd.log'}",
+            # srun --mpi=pmix makes /tmp/spmix_appdir_<uid>_<job>.<step>, and job ids start at 1 in
+            # every fresh Slurm: one left in /tmp by a killed run fails the next run's launch.
+            f"TmpFS={self.root / 'tmp'}",
+            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=4000 State=UNKNOWN",
+            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+        ]
+
+    def _common_conf_lines(self) -> list[str]:
+        r = self.root
+        return [
+            "ClusterName=tesseratest",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire}",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'slurmd.log'}",
             f"PlugStackConfig={r / 'plugstack.conf'}",
             # No cgroups in a container: track processes by parent id, bind nothing.
             "ProctrackType=proctrack/linuxproc",
@@ -132,9 +152,7 @@ class LocalSlurm:
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "MinJobAge=600",  # finished jobs stay visible to scontrol for the test's checks
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=4000 State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n"
+        ]
 
     def _spawn(self, command: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
         log = open(self.root / f"{name}.stdout", "w")
@@ -155,12 +173,13 @@ class LocalSlurm:
 
     def stop(self) -> None:
         # Cancel what is left first, so no slurmstepd or rank outlives its daemons.
-        if self.processes and all(p.poll() is None for p in self.processes):
-            subprocess.run([self.paths["scancel"], "--full", "--partition=debug"], env=self.env(),
+        # munged and slurmctld must answer for that; slurmd of a node taken down need not.
+        if len(self.processes) >= 2 and all(p.poll() is None for p in self.processes[:2]):
+            subprocess.run(self.command("scancel") + ["--full", "--partition=debug"], env=self.env(),
                            capture_output=True, timeout=10)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
-                queue = subprocess.run([self.paths["squeue"], "-h"], env=self.env(), capture_output=True,
+                queue = subprocess.run(self.command("squeue") + ["-h"], env=self.env(), capture_output=True,
                                        text=True, timeout=10)
                 if queue.returncode != 0 or not queue.stdout.strip():
                     break
