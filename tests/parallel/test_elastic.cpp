@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,7 @@
 #include "tessera/optim/schedule.hpp"
 #include "tessera/optim/sgd.hpp"
 #include "tessera/parallel/data_parallel.hpp"
+#include "tessera/parallel/local_sgd.hpp"
 #include "tessera/train/elastic.hpp"
 #include "tessera/train/sharded_checkpoint.hpp"
 
@@ -530,7 +532,7 @@ struct ElasticThreadsRun {
   std::vector<ElasticEvent> events;
 };
 
-template <class Fault>
+template <class Strat = DataParallel<CpuThreads64>, class Fault>
 ElasticThreadsRun elastic_threads_run(const Dataset& ds, Fault fault, bool replace, CommOptions comm = {}) {
   ElasticThreadsRun out;
   std::mutex mutex;
@@ -541,10 +543,13 @@ ElasticThreadsRun elastic_threads_run(const Dataset& ds, Fault fault, bool repla
     Sgd<CpuThreads64> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
     TrainOptions options{.epochs = 2, .verbose = false};
     options.after_step = [&] { fault(group, hub, member, replace); };
-    ElasticTrainer<ThreadElasticGroup, decltype(model), Sgd<CpuThreads64>, DataParallel<CpuThreads64>> trainer(
+    ElasticTrainer<ThreadElasticGroup, decltype(model), Sgd<CpuThreads64>, Strat> trainer(
         group, model, sgd,
-        [&](std::optional<DataParallel<CpuThreads64>>& dp, ThreadComm& c) {
-          dp.emplace(model, c, DataParallelOptions{.consistency_check_every = 1});
+        [&](std::optional<Strat>& strategy, ThreadComm& c) {
+          if constexpr (std::is_same_v<Strat, DataParallel<CpuThreads64>>)
+            strategy.emplace(model, c, DataParallelOptions{.consistency_check_every = 1});
+          else
+            strategy.emplace(model, c, LocalSgdOptions{.period = 3});
         },
         ConstantLr{0.05}, options);
     trainer.fit(ds, {.seed = 9, .global_batch_size = 16}, static_cast<DataLoader<double>*>(nullptr));
@@ -608,4 +613,20 @@ TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors en
     CHECK(run.parameters.count("1.0") == 0);
     for (const auto& [member, p] : run.parameters) CHECK(max_abs_difference(p, one) < 1e-10);
   }
+}
+
+TEST_CASE("ElasticTrainer on threads: LocalSgd goes on after a rank dies", "[parallel][elastic]") {
+  // Local SGD is not the one-process trajectory, so no reference: the survivors regroup, heal to
+  // the member with the most steps (its parameters and momentum), and finish with finite values.
+  const Dataset ds = random_images(96, 7);
+  const auto run = elastic_threads_run<LocalSgd<CpuThreads64>>(
+      ds, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&, bool) {
+        static thread_local int steps = 0;
+        if (g.member() == "1.0" && ++steps == 4) throw std::runtime_error("slot 1 dies");
+      }, false);
+  REQUIRE(run.survivors.size() == 3);
+  REQUIRE(run.events.size() == 1);
+  CHECK(run.events[0].change.left == std::vector<std::string>{"1.0"});
+  for (const auto& [member, p] : run.parameters)
+    for (const double v : p) REQUIRE(std::isfinite(v));
 }
