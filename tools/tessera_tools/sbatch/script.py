@@ -200,7 +200,7 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         '75) code="75 (stopped on a signal with its checkpoint saved)";; esac',
         '    echo "rank $r ($node): exit $code"',
         '    if [ "$code" != 0 ] && [ -f "$LOG_DIR/rank-$r.exit" ]; then',
-        '      echo "--- rank $r: error lines ---"; grep -i -m 10 "error" "$LOG_DIR/rank-$r.log"',
+        '      echo "--- rank $r: error lines ---"; grep -i -m 10 -E "error|timed out" "$LOG_DIR/rank-$r.log"',
         '      echo "--- rank $r: last lines ---"; tail -n 15 "$LOG_DIR/rank-$r.log"',
         '    elif [ -n "$dead" ]; then',
         '      echo "--- rank $r: last lines before its node stopped answering ---"; tail -n 5 "$LOG_DIR/rank-$r.log"',
