@@ -530,6 +530,7 @@ struct ElasticThreadsRun {
   std::map<std::string, std::vector<double>> parameters;
   std::vector<std::string> survivors;
   std::vector<ElasticEvent> events;
+  std::map<std::string, int> epochs;  // epochs each member's fit() returned
 };
 
 template <class Strat = DataParallel<CpuThreads64>, class Fault>
@@ -552,8 +553,11 @@ ElasticThreadsRun elastic_threads_run(const Dataset& ds, Fault fault, bool repla
             strategy.emplace(model, c, LocalSgdOptions{.period = 3});
         },
         ConstantLr{0.05}, options);
-    trainer.fit(ds, {.seed = 9, .global_batch_size = 16}, static_cast<DataLoader<double>*>(nullptr));
+    const auto results = trainer.fit(ds, {.seed = 9, .global_batch_size = 16}, static_cast<DataLoader<double>*>(nullptr));
+    REQUIRE(!results.empty());
+    CHECK(results.back().epoch == 2);
     std::lock_guard lock(mutex);
+    out.epochs[group.member()] = static_cast<int>(results.size());
     out.parameters[group.member()] = flat_parameters(model);
     out.survivors.push_back(group.member());
     if (group.comm().rank() == 0) out.events = trainer.events();
@@ -580,6 +584,7 @@ TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors en
       INFO("member " << member);
       CHECK(max_abs_difference(p, one) < 1e-10);
     }
+    for (const auto& [member, n] : run.epochs) CHECK(n == 2);  // both epochs, whichever generation ran them
     REQUIRE(run.events.size() == 1);
     CHECK(run.events[0].change.size_before == 4);
     CHECK(run.events[0].change.size_after == 3);

@@ -143,8 +143,8 @@ class ElasticTrainer {
 
   // Trains on `data` (a Dataset or SampleSource) until options.epochs are complete, through any
   // number of membership changes. `loader` gives the global batch (global_batch_size) and the
-  // order (shuffle, seed); its rank and world_size are each generation's. Returns the epochs
-  // completed (an epoch interrupted by a change counts from the change on).
+  // order (shuffle, seed); its rank and world_size are each generation's. Returns every epoch
+  // completed (the figures of an epoch interrupted by a change count from the change on).
   template <class Data, class TestLoader>
   std::vector<EpochResult> fit(const Data& data, LoaderOptions loader, TestLoader* test) {
     TESSERA_CHECK(loader.global_batch_size > 0 && loader.batch_size == 0, ArgumentError, "ElasticTrainer::fit: give "
@@ -196,8 +196,13 @@ class ElasticTrainer {
         };
         trainer.emplace(model_, optimizer_, *strategy, schedule_, o);
         trainer->set_state(state);
-        auto done = trainer->fit(*train, test);
-        results.insert(results.end(), done.begin(), done.end());
+        // One epoch per fit(), so that the epochs a generation completes are kept when a later
+        // one is interrupted (fit() returns nothing when it throws).
+        while (trainer->state().epoch < options_.epochs) {
+          const auto done = trainer->fit(*train, test, trainer->state().epoch + 1);
+          results.insert(results.end(), done.begin(), done.end());
+          if (done.empty()) break;  // stopped: stop_after_steps, or a stop signal
+        }
         return results;
       } catch (const detail::GroupGrows& grows) {
         state = trainer->state();

@@ -329,13 +329,11 @@ class GlooElasticGroup {
       if (index_of(me_) >= 0) break;
       TESSERA_CHECK(g < 1'000'000, CommError, where(), ": no decision admitted it");
     }
-    connect(cat("joined as a replacement for slot ", slot));
+    connect();
   }
 
-  void connect(const std::string& why) {
-    (void)why;
-    comm_.emplace(url_, index_of(me_), size(), comm_options_, cat(prefix_, ".g", generation_));
-  }
+  // This generation's communicator, under a key prefix of its own.
+  void connect() { comm_.emplace(url_, index_of(me_), size(), comm_options_, cat(prefix_, ".g", generation_)); }
 
   // One membership change: grow_step >= 0 for a growth at that step, -1 after a failure.
   void change(const std::string& cause, std::int64_t grow_step) {
@@ -423,7 +421,7 @@ class GlooElasticGroup {
     for (const auto& m : members_)
       if (std::find(before.begin(), before.end(), m) == before.end()) record.joined.push_back(m);
     record.cause = cause;
-    connect(cause);
+    connect();
     record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     history_.push_back(std::move(record));
   }
