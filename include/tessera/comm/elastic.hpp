@@ -18,10 +18,11 @@
 // train/elastic.hpp's ElasticTrainer drives a group: it rebuilds the strategy and loader at each
 // generation and heals the state from a healthy member (a replacement gets everything from it).
 //
-// Groups exist for Gloo (gloo_elastic.hpp) and for threads (threads_elastic.hpp: a rank that dies is
-// a thread whose function threw; the process's own death ends them all). Backends without one:
-// Open MPI without ULFM ends the job when a process dies (mpirun), so MpiComm has none; NCCL's
-// ncclCommAbort and re-init path needs a store-based quorum like Gloo's around it and is not built.
+// Groups exist for Gloo (gloo_elastic.hpp), for threads (threads_elastic.hpp: a rank that dies is a
+// thread whose function threw; the process's own death ends them all) and for NCCL
+// (nccl_elastic.hpp: a Gloo group agrees, each generation gets a new NcclComm; compiled, not yet
+// run after a failure on GPUs). Open MPI without ULFM ends the job when a process dies (mpirun),
+// so MpiComm has none.
 #pragma once
 
 #include <chrono>
