@@ -453,7 +453,7 @@ TEST_CASE("FSDP sharded checkpoints of GPT: the tied wte (lm_head.weight) round-
 namespace {
 
 // n random 1x28x28 images, labels i % 10.
-Dataset random_images(std::int64_t n, std::uint64_t seed) {
+Dataset elastic_random_images(std::int64_t n, std::uint64_t seed) {
   Dataset ds;
   ds.name = "random";
   ds.num_classes = 10;
@@ -465,13 +465,13 @@ Dataset random_images(std::int64_t n, std::uint64_t seed) {
 }
 
 template <class Model>
-std::vector<double> flat_parameters(Model& model) {
+std::vector<double> elastic_flat_parameters(Model& model) {
   std::vector<double> out;
   for (auto& [name, p] : named_tensors(model).parameters) out.insert(out.end(), p->value.begin(), p->value.end());
   return out;
 }
 
-double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+double elastic_max_difference(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());
   double worst = 0;
   for (std::size_t k = 0; k < a.size(); ++k) worst = std::max(worst, std::abs(a[k] - b[k]));
@@ -479,13 +479,13 @@ double max_abs_difference(const std::vector<double>& a, const std::vector<double
 }
 
 // LeNet-5 trained by one process on `ds` with global batches of 16 (float64): the reference.
-std::vector<double> one_process_lenet(const Dataset& ds, std::int64_t epochs) {
+std::vector<double> elastic_one_process_lenet(const Dataset& ds, std::int64_t epochs) {
   auto model = lenet5<CpuLocal64>(1, 28, 10, 3);
   Sgd<CpuLocal64> sgd(named_tensors(model), {.lr = 0.05, .momentum = 0.9});
   DataLoader<double> loader(ds, {.seed = 9, .global_batch_size = 16});
   Trainer trainer(model, sgd, ConstantLr{0.05}, {.epochs = epochs, .verbose = false});
   trainer.fit(loader);
-  return flat_parameters(model);
+  return elastic_flat_parameters(model);
 }
 
 }  // namespace
@@ -494,11 +494,11 @@ TEST_CASE("Global batches split unevenly over 3 ranks train as one process (the 
           "[parallel][elastic]") {
   // 52 samples, global batch 16: three batches of 16 (6, 5, 5 per rank) and a last one of 4
   // (2, 1, 1). float64: the same parameters up to summation order.
-  const Dataset ds = random_images(52, 5);
-  const auto flat = [](auto& model) { return flat_parameters(model); };
+  const Dataset ds = elastic_random_images(52, 5);
+  const auto flat = [](auto& model) { return elastic_flat_parameters(model); };
   const TrainOptions quiet{.epochs = 2, .verbose = false};
   const SgdOptions sgd_options{.lr = 0.05, .momentum = 0.9};
-  const std::vector<double> one = one_process_lenet(ds, 2);
+  const std::vector<double> one = elastic_one_process_lenet(ds, 2);
   std::vector<std::vector<double>> split(3);
   ThreadWorld world(3);
   world.run([&](ThreadComm& comm) {
@@ -558,7 +558,7 @@ ElasticThreadsRun elastic_threads_run(const Dataset& ds, Fault fault, bool repla
     CHECK(results.back().epoch == 2);
     std::lock_guard lock(mutex);
     out.epochs[group.member()] = static_cast<int>(results.size());
-    out.parameters[group.member()] = flat_parameters(model);
+    out.parameters[group.member()] = elastic_flat_parameters(model);
     out.survivors.push_back(group.member());
     if (group.comm().rank() == 0) out.events = trainer.events();
   };
@@ -572,8 +572,8 @@ TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors en
           "[parallel][elastic]") {
   // 96 samples, global batch 16: 6 steps per epoch, 12 in all. The member of slot 2 throws after
   // step 5; the others fail in step 6's all-reduce, regroup as 3 and redo step 6 split 6/5/5.
-  const Dataset ds = random_images(96, 7);
-  const std::vector<double> one = one_process_lenet(ds, 2);
+  const Dataset ds = elastic_random_images(96, 7);
+  const std::vector<double> one = elastic_one_process_lenet(ds, 2);
   SECTION("without a replacement") {
     const auto run = elastic_threads_run(ds, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&, bool) {
       static thread_local int steps = 0;
@@ -582,7 +582,7 @@ TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors en
     REQUIRE(run.survivors.size() == 3);
     for (const auto& [member, p] : run.parameters) {
       INFO("member " << member);
-      CHECK(max_abs_difference(p, one) < 1e-10);
+      CHECK(elastic_max_difference(p, one) < 1e-10);
     }
     for (const auto& [member, n] : run.epochs) CHECK(n == 2);  // both epochs, whichever generation ran them
     REQUIRE(run.events.size() == 1);
@@ -604,7 +604,7 @@ TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors en
     for (const auto& [member, p] : run.parameters) {
       INFO("member " << member);
       CHECK(p == run.parameters.at("0.0"));  // bit for bit
-      CHECK(max_abs_difference(p, one) < 1e-10);
+      CHECK(elastic_max_difference(p, one) < 1e-10);
     }
     REQUIRE(!run.events.empty());
     CHECK(run.events.back().change.size_after == 4);
@@ -616,14 +616,14 @@ TEST_CASE("ElasticTrainer on threads: a rank that dies mid-run, the survivors en
     }, false, CommOptions{.timeout = std::chrono::milliseconds(200)});
     REQUIRE(run.survivors.size() == 3);
     CHECK(run.parameters.count("1.0") == 0);
-    for (const auto& [member, p] : run.parameters) CHECK(max_abs_difference(p, one) < 1e-10);
+    for (const auto& [member, p] : run.parameters) CHECK(elastic_max_difference(p, one) < 1e-10);
   }
 }
 
 TEST_CASE("ElasticTrainer on threads: LocalSgd goes on after a rank dies", "[parallel][elastic]") {
   // Local SGD is not the one-process trajectory, so no reference: the survivors regroup, heal to
   // the member with the most steps (its parameters and momentum), and finish with finite values.
-  const Dataset ds = random_images(96, 7);
+  const Dataset ds = elastic_random_images(96, 7);
   const auto run = elastic_threads_run<LocalSgd<CpuThreads64>>(
       ds, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&, bool) {
         static thread_local int steps = 0;
