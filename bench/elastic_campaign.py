@@ -48,10 +48,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_campaign  # noqa: E402  (its Job: the launcher with its output read by a thread)
 FINAL_RE = re.compile(r"final: (\d+) ranks \(generation (\d+), (\d+) change\(s\)\), test accuracy ([\d.]+)%, "
                       r"replicas identical \(([0-9a-f]+)\)")
 GEN_RE = re.compile(r"elastic: generation (\d+): (\d+) -> (\d+) ranks.* at step (\d+), state from rank (\d+); "
@@ -60,15 +61,8 @@ MEMBER_RE = re.compile(r"member (\S+): rank (\d+) of (\d+) at step (\d+), parame
 FAIL_RE = re.compile(r"tessera: elastic: member (\S+) .* after step (\d+): ")
 
 
-class Job:
-    """The launcher, its output lines timestamped as they arrive."""
-
-    def __init__(self, argv, env):
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.lines = []  # (monotonic time, text)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+class Job(fault_campaign.Job):
+    """fault_campaign's launcher job, its output lines timestamped as they arrive."""
 
     def _read(self):
         for line in iter(self.proc.stdout.readline, b""):
@@ -101,12 +95,9 @@ class Job:
         return sorted(pids)
 
     def kill_all(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in self.rank_pids():
+        pids = self.rank_pids()  # before the launcher goes: they are found as its children
+        super().kill_all()
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -307,7 +298,6 @@ def main():
 
 def campaign(args):
     rng = random.Random(args.random_seed)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_common import cpu_model  # noqa: E402
     baseline = uninterrupted(args)
     print(f"uninterrupted run: test accuracy {baseline:.2f}%", flush=True)

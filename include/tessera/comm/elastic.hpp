@@ -25,10 +25,12 @@
 // so MpiComm has none.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tessera {
@@ -46,7 +48,8 @@ struct ElasticOptions {
   // cut off. 0: twice the communicator's timeout (a survivor notices a stopped peer only when a
   // collective times out, and may wait out one more already running on its worker thread).
   std::chrono::milliseconds settle{0};
-  // Every this many steps the group looks in the store for replacements waiting to join.
+  // Every this many steps (c) the group looks in the store for replacements waiting to join; they
+  // join 2c steps later.
   int join_check_every = 1;
 };
 
@@ -58,6 +61,25 @@ struct MembershipChange {
   std::vector<std::string> left, joined;  // member ids ("<slot>.<incarnation>")
   std::string cause;                      // the error that started it, or "replacement(s) joined"
   double seconds = 0;                     // from the failure (or the growth step) to the new communicator
+
+  // The change from members `before` to `after` (ids in rank order); seconds left to the caller.
+  static MembershipChange between(std::int64_t generation, std::int64_t step, const std::vector<std::string>& before,
+                                  const std::vector<std::string>& after, std::string cause) {
+    MembershipChange c;
+    c.generation = generation;
+    c.step = step;
+    c.size_before = static_cast<int>(before.size());
+    c.size_after = static_cast<int>(after.size());
+    const auto in = [](const std::vector<std::string>& ids, const std::string& id) {
+      return std::find(ids.begin(), ids.end(), id) != ids.end();
+    };
+    for (const auto& m : before)
+      if (!in(after, m)) c.left.push_back(m);
+    for (const auto& m : after)
+      if (!in(before, m)) c.joined.push_back(m);
+    c.cause = std::move(cause);
+    return c;
+  }
 };
 
 // The elastic group of communicator type C (a backend specializes it: `using type = ...`).

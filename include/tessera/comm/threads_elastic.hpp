@@ -145,7 +145,7 @@ class ThreadElasticGroup {
     std::lock_guard lock(hub_.mutex_);
     if (rank() == 0 && step % hub_.options_.join_check_every == 0 && !hub_.waiting_.empty() &&
         !hub_.grow_at_.count(generation_))
-      hub_.grow_at_[generation_] = step + 2;  // see gloo_elastic.hpp: every member sees it by then
+      hub_.grow_at_[generation_] = step + 2 * hub_.options_.join_check_every;  // as gloo_elastic.hpp's
     const auto at = hub_.grow_at_.find(generation_);
     return at != hub_.grow_at_.end() && at->second == step;
   }
@@ -229,16 +229,7 @@ class ThreadElasticGroup {
     TESSERA_CHECK(size() >= hub_.options_.min_size, CommError, "ThreadElasticGroup ", me_, ": ", size(),
                   " member(s) left, fewer than ElasticOptions::min_size = ", hub_.options_.min_size, "; after: ", cause);
     comm_.emplace(hub_.generations_[static_cast<std::size_t>(next)].world->comm(index_of(me_)));
-    MembershipChange record;
-    record.generation = next;
-    record.step = grow_step;
-    record.size_before = static_cast<int>(before.size());
-    record.size_after = size();
-    for (const auto& m : before)
-      if (index_of(m) < 0) record.left.push_back(m);
-    for (const auto& m : members_)
-      if (std::find(before.begin(), before.end(), m) == before.end()) record.joined.push_back(m);
-    record.cause = cause;
+    MembershipChange record = MembershipChange::between(next, grow_step, before, members_, cause);
     record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     history_.push_back(std::move(record));
   }

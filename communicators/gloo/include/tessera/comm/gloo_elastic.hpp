@@ -34,11 +34,12 @@
 // (it checked in too late: it was stopped; or it is cut off) throws CommError and must exit. If
 // the deciding member dies before writing, the next one decides.
 //
-// Growth. At every join_check_every-th step boundary the rank 0 member looks for want.<slot>.<k>
-// of each vacant slot (k: the slot's next incarnation, known to every member from the decisions);
-// when one is there it writes g<g>.grow = step + 2 and every member, which reads that key at each
-// boundary, grows at that step. Two steps ahead is enough: a member that reaches the boundary of
-// step s + 2 has finished that step's all-reduce, which rank 0 entered after writing the key.
+// Growth. At every join_check_every-th (c-th) step boundary the rank 0 member looks for
+// want.<slot>.<k> of each vacant slot (k: the slot's next incarnation, known to every member from
+// the decisions); when one is there it writes g<g>.grow = step + 2c and every member, which reads
+// that key at every c-th boundary, grows at that step. 2c steps ahead is enough: a member that
+// reaches the boundary of step s + 2c has finished that step's all-reduce, which rank 0 entered
+// after writing the key, and it reads the key there.
 //
 // A replacement writes its want key and reads the decisions g1, g2, ... (learning the history
 // every member knows) until one lists it; bounded by the communicator's timeout.
@@ -129,12 +130,19 @@ class GlooElasticGroup {
   void reform(const std::string& cause) { change(cause, -1); }
 
   // At the boundary after `step` optimizer steps (the same on every member).
+  // The store is read only every join_check_every-th step (k), and a growth is set 2k steps
+  // ahead, at a step every member reads the key on.
   bool growth_due(std::int64_t step) {
-    if (grow_at_ < 0 && rank() == 0 && step % options_.join_check_every == 0 && !waiting_replacements().empty()) {
-      grow_at_ = step + 2;
-      set(cat("g", generation_, ".grow"), std::to_string(grow_at_));
+    const int k = options_.join_check_every;
+    if (grow_at_ < 0 && step % k == 0) {
+      const std::string key = cat("g", generation_, ".grow");
+      if (rank() == 0 && !waiting_replacements().empty()) {
+        grow_at_ = step + 2 * k;
+        set(key, std::to_string(grow_at_));
+      } else if (has(key)) {
+        grow_at_ = std::stoll(get(key));
+      }
     }
-    if (grow_at_ < 0 && has(cat("g", generation_, ".grow"))) grow_at_ = std::stoll(get(cat("g", generation_, ".grow")));
     return step == grow_at_;
   }
   void grow(std::int64_t step) { change("replacement(s) joined", step); }
@@ -411,16 +419,7 @@ class GlooElasticGroup {
     TESSERA_CHECK(size() >= options_.min_size, CommError, where(), ": ", size(), " member(s) left (",
                   list_text(members_), "), fewer than ElasticOptions::min_size = ", options_.min_size, "; after: ",
                   cause);
-    MembershipChange record;
-    record.generation = next;
-    record.step = grow_step;
-    record.size_before = static_cast<int>(before.size());
-    record.size_after = size();
-    for (const auto& m : before)
-      if (index_of(m) < 0) record.left.push_back(m);
-    for (const auto& m : members_)
-      if (std::find(before.begin(), before.end(), m) == before.end()) record.joined.push_back(m);
-    record.cause = cause;
+    MembershipChange record = MembershipChange::between(next, grow_step, before, members_, cause);
     connect();
     record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     history_.push_back(std::move(record));
