@@ -32,6 +32,7 @@
 #include "tessera/optim/sgd.hpp"
 #include "tessera/parallel/data_parallel.hpp"
 #include "tessera/parallel/local_sgd.hpp"
+#include "tessera/parallel/zero_replicated.hpp"
 #include "tessera/train/elastic.hpp"
 #include "tessera/train/sharded_checkpoint.hpp"
 
@@ -634,4 +635,139 @@ TEST_CASE("ElasticTrainer on threads: LocalSgd goes on after a rank dies", "[par
   CHECK(run.events[0].change.left == std::vector<std::string>{"1.0"});
   for (const auto& [member, p] : run.parameters)
     for (const double v : p) REQUIRE(std::isfinite(v));
+}
+
+namespace {
+
+// Sgd that dies (throws) once, on member `dying`, when it is asked for update number `at`: a rank
+// killed after the commit of a ReplicatedZero1 step, in the middle of its update.
+struct SgdDyingInUpdate {
+  using Env = CpuThreads64;
+  Sgd<CpuThreads64> sgd;
+  std::function<void()> before_update;
+  void step() {
+    if (before_update) before_update();
+    sgd.step();
+  }
+  void zero_grad() { sgd.zero_grad(); }
+  double lr() const { return sgd.lr(); }
+  void set_lr(double lr) { sgd.set_lr(lr); }
+  std::int64_t steps() const { return sgd.steps(); }
+  template <class V>
+  void visit_state(V& v) {
+    sgd.visit_state(v);
+  }
+};
+
+struct ReplicatedZeroRun {
+  std::map<std::string, std::vector<double>> parameters;
+  std::vector<ElasticEvent> events;
+  std::map<std::string, std::string> errors;  // member -> what its fit() threw
+};
+
+// 4 threads train LeNet-5 with ReplicatedZero1 under ElasticTrainer. `dies(member, update)`: the
+// member throws when its shard optimizer runs that update (1-based, primary and replica counted
+// apart: update 2k-1 is step k's primary, 2k its replica); `after_step` as in elastic_threads_run.
+template <class Dies, class AfterStep>
+ReplicatedZeroRun replicated_zero_run(const Dataset& ds, Dies dies, AfterStep after_step) {
+  using E = CpuThreads64;
+  ReplicatedZeroRun out;
+  std::mutex mutex;
+  ThreadElasticHub hub(4);
+  std::function<void(ThreadElasticGroup&)> member;
+  member = [&](ThreadElasticGroup& group) {
+    auto model = lenet5<E>(1, 28, 10, 3);
+    auto updates = std::make_shared<int>(0);
+    ReplicatedZero1<E, SgdDyingInUpdate> zero(model, [&, updates](const NamedTensors<E>& shard) {
+      return SgdDyingInUpdate{Sgd<E>(shard, {.lr = 0.05, .momentum = 0.9}), [&, updates] {
+                                if (dies(group.member(), ++*updates)) throw std::runtime_error("dies in its update");
+                              }};
+    }, {.consistency_check_every = 1});
+    TrainOptions options{.epochs = 2, .verbose = false};
+    options.after_step = [&] { after_step(group, hub, member); };
+    ElasticTrainer<ThreadElasticGroup, decltype(model), decltype(zero), NoStrategy<E>> trainer(
+        group, model, zero, [](std::optional<NoStrategy<E>>& s, ThreadComm&) { s.emplace(); }, ConstantLr{0.05},
+        options);
+    try {
+      trainer.fit(ds, {.seed = 9, .global_batch_size = 16}, static_cast<DataLoader<double>*>(nullptr));
+    } catch (const Error& e) {
+      std::lock_guard lock(mutex);
+      out.errors[group.member()] = e.what();
+      return;
+    }
+    std::lock_guard lock(mutex);
+    out.parameters[group.member()] = elastic_flat_parameters(model);
+    if (group.comm().rank() == 0) out.events = trainer.events();
+  };
+  hub.run(member);
+  return out;
+}
+
+const auto no_death = [](const std::string&, int) { return false; };
+const auto no_after_step = [](ThreadElasticGroup&, ThreadElasticHub&, auto&) {};
+
+}  // namespace
+
+TEST_CASE("ReplicatedZero1 under ElasticTrainer on threads: a dead rank's shard comes from its replica",
+          "[parallel][elastic]") {
+  // 96 samples, global batch 16: 12 steps. Shard s lives on ranks s and s-1, so slot 2's shard
+  // survives on slot 1; the survivors end where one process ends (float64, summation order).
+  const Dataset ds = elastic_random_images(96, 7);
+  const std::vector<double> one = elastic_one_process_lenet(ds, 2);
+  const auto check_all = [&](const ReplicatedZeroRun& run, std::size_t members) {
+    REQUIRE(run.errors.empty());
+    REQUIRE(run.parameters.size() == members);
+    for (const auto& [member, p] : run.parameters) {
+      INFO("member " << member);
+      CHECK(p == run.parameters.begin()->second);  // bit for bit
+      CHECK(elastic_max_difference(p, one) < 1e-10);
+    }
+  };
+  SECTION("no failure: 4 ranks train as one process") {
+    check_all(replicated_zero_run(ds, no_death, no_after_step), 4);
+  }
+  SECTION("a rank dies between two steps: step 6 is redone by 3") {
+    const auto run = replicated_zero_run(ds, no_death, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&) {
+      static thread_local int steps = 0;
+      if (g.member() == "2.0" && ++steps == 5) throw std::runtime_error("slot 2 dies");
+    });
+    check_all(run, 3);
+    REQUIRE(run.events.size() == 1);
+    CHECK(run.events[0].change.left == std::vector<std::string>{"2.0"});
+    CHECK(run.events[0].healed_step == 5);
+  }
+  SECTION("a rank dies in its update after step 6's commit: the others keep step 6") {
+    // Update 11 is step 6's primary update on slot 2; the others committed step 6, their
+    // all_gather fails after it, and the step counts.
+    const auto run = replicated_zero_run(
+        ds, [](const std::string& m, int update) { return m == "2.0" && update == 11; }, no_after_step);
+    check_all(run, 3);
+    REQUIRE(run.events.size() == 1);
+    CHECK(run.events[0].healed_step == 6);
+  }
+  SECTION("with a replacement: the world returns to 4, the newcomer's shards from the others") {
+    const auto run = replicated_zero_run(ds, no_death, [](ThreadElasticGroup& g, ThreadElasticHub& hub, auto& member) {
+      static thread_local int steps = 0;
+      static std::atomic<bool> replaced{false};
+      if (g.member() == "2.0" && ++steps == 5) throw std::runtime_error("slot 2 dies");
+      if (g.member() == "0.0" && g.generation() == 1 && !replaced.exchange(true)) hub.replace(2, member);
+    });
+    check_all(run, 4);
+    CHECK(run.parameters.count("2.1") == 1);
+    REQUIRE(!run.events.empty());
+    CHECK(run.events.back().change.size_after == 4);
+  }
+  SECTION("two neighbours die in one step: the shard they held is lost, and every survivor says so") {
+    const auto run = replicated_zero_run(ds, no_death, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&) {
+      static thread_local int steps = 0;
+      if ((g.member() == "1.0" || g.member() == "2.0") && ++steps == 5) throw std::runtime_error("dies");
+    });
+    CHECK(run.parameters.empty());
+    REQUIRE(run.errors.size() == 2);
+    for (const auto& [member, what] : run.errors) {
+      INFO(what);
+      CHECK(what.find("lost shard(s) 2") != std::string::npos);
+      CHECK(what.find("resume from a checkpoint") != std::string::npos);
+    }
+  }
 }

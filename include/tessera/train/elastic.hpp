@@ -55,6 +55,7 @@
 #include "tessera/core/error.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/data/loader.hpp"
+#include "tessera/parallel/zero_replicated.hpp"
 #include "tessera/train/checkpoint.hpp"
 #include "tessera/train/trainer.hpp"
 
@@ -102,6 +103,13 @@ struct HealBroadcast {
     s.has_spare_normal = false;
     r.set_state(s);
   }
+};
+
+// HealBroadcast without the parameters (a sharded optimizer's regroup wrote them).
+template <class Comm>
+struct HealBroadcastBuffers : HealBroadcast<Comm> {
+  template <class P>
+  void parameter(const std::string&, P&) {}
 };
 
 }  // namespace detail
@@ -164,12 +172,10 @@ class ElasticTrainer {
       std::optional<Strat> strategy;
       std::optional<DataLoader<S>> train;
       std::optional<TrainerType> trainer;
-      bool healed = false;
       try {
         Comm& comm = group_.comm();
         const auto heal_start = std::chrono::steady_clock::now();
         const int source = heal(comm, state, holds);
-        healed = true;
         holds = true;
         if (pending) {
           pending->source_rank = source;
@@ -190,6 +196,8 @@ class ElasticTrainer {
         o.checkpoint_group = CheckpointGroup(comm);
         o.verbose = options_.verbose && comm.rank() == 0;
         o.after_step = [this, &trainer] {
+          // A sharded optimizer's failure after its commit (the step is taken and counted).
+          if constexpr (requires { optimizer_.rethrow_deferred_failure(); }) optimizer_.rethrow_deferred_failure();
           if (options_.after_step) options_.after_step();
           const std::int64_t step = trainer->state().global_step;
           if (group_.growth_due(step)) throw detail::GroupGrows{step};
@@ -217,8 +225,9 @@ class ElasticTrainer {
         trainer.reset();
         strategy.reset();
         train.reset();
-        // A death during the heal's broadcasts may have left this member half overwritten.
-        if (!healed && !was_source_) holds = false;
+        // A death during the heal's broadcasts may have left this member's state half overwritten.
+        if (state_at_risk_ && !was_source_) holds = false;
+        state_at_risk_ = false;
         if (options_.verbose) {
           std::fprintf(stderr, "tessera: elastic: member %s (rank %d of %d, generation %lld) after step %lld: %s\n",
                        group_.member().c_str(), group_.comm().rank(), group_.comm().size(),
@@ -263,6 +272,7 @@ class ElasticTrainer {
 
   // The heal (see the top of this file). Returns the source's rank.
   int heal(Comm& comm, TrainState& state, bool holds) {
+    if constexpr (requires { optimizer_.regroup(comm, holds, std::int64_t{}); }) return heal_sharded(comm, state, holds);
     was_source_ = false;
     const std::int64_t mine[2] = {holds ? 1 : 0, holds ? state.global_step : -1};
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
@@ -276,7 +286,32 @@ class ElasticTrainer {
                   "training state (every holder died, or died while handing it over); resume from a checkpoint");
     was_source_ = source == comm.rank();
     detail::HealBroadcast<Comm> broadcast{comm, source, !holds};
+    state_at_risk_ = true;
     detail::visit_all(model_, optimizer_, state, broadcast);
+    state_at_risk_ = false;
+    return source;
+  }
+
+  // The heal of a sharded optimizer (parallel/zero_replicated.hpp): its regroup rebuilds the
+  // shards from the members that hold them and writes the parameters; then the lowest-ranked
+  // member whose Trainer counted the agreed step broadcasts buffers, generators and position.
+  int heal_sharded(Comm& comm, TrainState& state, bool holds) {
+    was_source_ = false;
+    const RegroupResult agreed = optimizer_.regroup(comm, holds, group_.generation());
+    const std::int64_t mine = agreed.current ? 1 : 0;
+    std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
+    comm.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
+    const auto it = std::find(all.begin(), all.end(), 1);
+    TESSERA_CHECK(it != all.end(), Error, "ElasticTrainer: no member of generation ", group_.generation(), " holds the "
+                  "training position at step ", agreed.step, " (every holder died, or died while handing it over); "
+                  "resume from a checkpoint");
+    const int source = static_cast<int>(it - all.begin());
+    was_source_ = source == comm.rank();
+    detail::HealBroadcastBuffers<Comm> broadcast{{comm, source, !holds}};
+    state_at_risk_ = true;
+    model_.visit(broadcast, "");
+    detail::visit_train_state(state, broadcast);
+    state_at_risk_ = false;
     return source;
   }
 
@@ -289,6 +324,7 @@ class ElasticTrainer {
   ElasticTrainOptions elastic_;
   std::vector<ElasticEvent> events_;
   bool was_source_ = false;
+  bool state_at_risk_ = false;  // in a heal's broadcasts, where a failure leaves the state half overwritten
 };
 
 }  // namespace tessera
