@@ -4,7 +4,7 @@
 must go on without restarting, and with --replace a new process must join and the group return to 4.
 
   python3 bench/elastic_campaign.py [--build build] [--faults kill,stop,link] [--replace 0,1]
-                                    [--trials 100] [--timeout 2] [--netns] [--out FILE]
+                                    [--trials 100] [--timeout 2] [--netns] [--strategy dp|zero] [--out FILE]
 
 --netns (as root; needed for the link fault) puts each rank on a host of its own: a Linux network
 namespace joined to the others by a bridge (tests/net/netns_test.py's Network, created per
@@ -14,7 +14,7 @@ formed their new generation (the victim must then find itself left out and exit)
 
 Each trial runs `tools/tessera-run -n 4 --elastic [--replace 1]` on examples/19_elastic_gloo
 (LeNet-5, Fashion-MNIST, --check-every=1: DataParallel compares the replicas' parameter checksums
-after every step) with TESSERA_COMM_TIMEOUT=<timeout>. Once rank 0 reports training progress it
+after every step; --strategy zero: ZeRO-1 with replicated shards, the example's --zero, compares them too) with TESSERA_COMM_TIMEOUT=<timeout>. Once rank 0 reports training progress it
 waits a random delay (uniform in [0, --max-delay] s), then signals a random rank's process; a
 stopped one is continued after the job's final line (it must then find itself left out and exit).
 Per trial it records:
@@ -105,8 +105,9 @@ class Job(fault_campaign.Job):
 
 
 def example_args(args):
+    zero = ["--zero"] if getattr(args, "strategy", "dp") == "zero" else []
     return [f"--epochs={args.epochs}", f"--limit={args.limit}", "--check-every=1", f"--settle={args.settle}",
-            f"--seed={args.seed}"]
+            f"--seed={args.seed}"] + zero
 
 
 def launch(args, replace):
@@ -274,6 +275,8 @@ def main():
     ap.add_argument("--budget", type=float, default=60.0, help="seconds after the fault before a job counts as hung")
     ap.add_argument("--random-seed", type=int, default=12345)
     ap.add_argument("--netns", action="store_true", help="one network namespace per rank (root; the link fault needs it)")
+    ap.add_argument("--strategy", choices=("dp", "zero"), default="dp",
+                    help="dp: DataParallel; zero: ZeRO-1 with each optimizer shard on two ranks (ReplicatedZero1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.network = None
@@ -318,7 +321,8 @@ def campaign(args):
                     print(f"  {fault} replace={replace}: BAD trial (output in {kept}): "
                           f"{json.dumps({k: v for k, v in r.items() if k != 'output'})}", flush=True)
             row = summarize(records, fault, bool(replace))
-            row.update(cpu=cpu_model(), timeout_s=args.timeout, ranks=4, backend="gloo", epochs=args.epochs,
+            row.update(cpu=cpu_model(), timeout_s=args.timeout, ranks=4, backend="gloo", strategy=args.strategy,
+                       epochs=args.epochs,
                        netns=args.network is not None,
                        limit=args.limit, uninterrupted_accuracy=baseline,
                        date=datetime.datetime.now().isoformat(timespec="seconds"))

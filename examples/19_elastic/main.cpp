@@ -12,12 +12,15 @@
 // --check-every steps, and the run ends by comparing them once more. README.md explains it.
 #include <cinttypes>
 #include <cstdio>
+#include <functional>
 #include <optional>
 #include <string>
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
+#include "tessera/parallel/zero_replicated.hpp"
 #include "tessera/train/elastic.hpp"
+#include "common/elastic_report.hpp"
 #include "common/fashion_mnist_data.hpp"
 
 using namespace tessera;
@@ -32,87 +35,65 @@ struct Options {
   std::int64_t epochs = 3, batch = 64, limit = 0, check_every = 1;
   double lr = 0.05, weight_decay = 5e-4, settle = 0, min_accuracy = 0;
   int threads = 1, min_ranks = 1;
+  bool zero = false;
   std::uint64_t seed = 1;
   std::string data_dir;
 };
 
-// One 64-bit checksum of every parameter's bytes, the same on replicas that are bit-identical.
-template <class Model>
-std::uint64_t parameter_checksum(Model& model) {
-  std::uint64_t sum = 0;
-  std::vector<float> host;
-  for (const auto& [name, p] : parameters_of_env<E>(named_tensors(model)).parameters)
-    sum = sum * 31 + tensor_checksum(p->value, host);
-  return sum;
-}
-
-// What a membership change costs, from the model's size: the heal broadcasts parameters and
-// optimizer state (SGD momentum: as many values again) from one member to the others.
-template <class Model>
-void print_cost_model(Model& model, double timeout) {
-  std::int64_t parameters = 0;
-  for (const auto& [name, p] : parameters_of_env<E>(named_tensors(model)).parameters) parameters += p->value.numel();
-  const double heal_mb = 2.0 * static_cast<double>(parameters) * sizeof(float) / 1e6;
-  std::printf("cost of a change: detection (a dead process: its connections reset, ~1 ms; a stopped one: the "
-              "timeout, %.0f s) + check-in through the store + a new Gloo mesh + the heal, %.2f MB broadcast from "
-              "one member (%lld parameters and as many momentum values)\n",
-              timeout, heal_mb, static_cast<long long>(parameters));
+// Trains through membership changes; prints each member's checksum after each change.
+template <class Strat, class Model, class Optimizer>
+std::vector<EpochResult> fit(const Options& o, Group& group, Model& model, Optimizer& optimizer,
+                             std::function<void(std::optional<Strat>&, Comm&)> make_strategy,
+                             const examples::FashionMnist& data, DataLoader<float>& test_loader,
+                             std::vector<ElasticEvent>& events) {
+  ElasticTrainer<Group, Model, Optimizer, Strat> trainer(
+      group, model, optimizer, std::move(make_strategy), CosineLr{o.lr, static_cast<double>(o.epochs), 0.0},
+      {.epochs = o.epochs, .progress = 0}, {.on_change = [&](const ElasticEvent& event) {
+        std::printf("member %s: rank %d of %d at step %lld, parameters %016" PRIx64 "\n", group.member().c_str(),
+                    group.comm().rank(), group.comm().size(), static_cast<long long>(event.healed_step),
+                    examples::parameter_checksum(model));
+        std::fflush(stdout);
+      }});
+  auto results = trainer.fit(data.train, {.shuffle = true, .seed = o.seed, .global_batch_size = o.batch}, &test_loader);
+  events = trainer.events();
+  return results;
 }
 
 int train(const Options& o) {
   Cpu::set_num_threads(o.threads);
-  auto [train_set, test_set] = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
-  DataLoader<float> test_loader(test_set, {.batch_size = 500, .shuffle = false});
+  const auto data = examples::load_normalized_fashion_mnist(o.data_dir, o.limit);
+  DataLoader<float> test_loader(data.test, {.batch_size = 500, .shuffle = false});
   auto model = lenet5<E>(1, 28, 10, o.seed);  // every member builds the same; the heal aligns a replacement
-  Sgd<E> sgd(named_tensors(model),
-             {.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay, .decay_norm_and_bias = false});
+  const SgdOptions sgd_options{.lr = o.lr, .momentum = 0.9, .weight_decay = o.weight_decay, .decay_norm_and_bias = false};
   // Last, so that a replacement is ready to train when it is admitted (the group waits for it).
   Group group = Group::from_env({}, {.min_size = o.min_ranks, .settle = std::chrono::milliseconds(
                                                                   static_cast<std::int64_t>(o.settle * 1000))});
-  const bool first = group.comm().rank() == 0 && !group.joined_late();
-  if (first) {
+  if (group.comm().rank() == 0 && !group.joined_late()) {
     std::printf("19_elastic: LeNet-5, %d ranks, global batch %lld (split over however many ranks remain), %lld "
-                "epochs, member %s\n", group.comm().size(), static_cast<long long>(o.batch),
-                static_cast<long long>(o.epochs), group.member().c_str());
-    print_cost_model(model, group.comm().options().timeout.count() / 1000.0);
+                "epochs, %s, member %s\n", group.comm().size(), static_cast<long long>(o.batch),
+                static_cast<long long>(o.epochs), o.zero ? "ZeRO-1, each shard on 2 ranks" : "DataParallel",
+                group.member().c_str());
+    examples::print_elastic_cost_model(static_cast<std::int64_t>(count_parameters(named_tensors(model))),
+                     group.comm().options().timeout.count() / 1000.0, o.zero);
   }
   if (group.joined_late())
     std::printf("member %s joined generation %lld as rank %d of %d\n", group.member().c_str(),
                 static_cast<long long>(group.generation()), group.comm().rank(), group.comm().size());
   std::fflush(stdout);
-  ElasticTrainer<Group, decltype(model), Sgd<E>, DataParallel<E>> trainer(
-      group, model, sgd,
-      [&](std::optional<DataParallel<E>>& dp, Comm& comm) {
-        dp.emplace(model, comm, DataParallelOptions{.consistency_check_every = static_cast<int>(o.check_every)});
-      },
-      CosineLr{o.lr, static_cast<double>(o.epochs), 0.0}, {.epochs = o.epochs, .progress = 0},
-      {.on_change = [&](const ElasticEvent& event) {
-        std::printf("member %s: rank %d of %d at step %lld, parameters %016" PRIx64 "\n", group.member().c_str(),
-                    group.comm().rank(), group.comm().size(), static_cast<long long>(event.healed_step),
-                    parameter_checksum(model));
-        std::fflush(stdout);
-      }});
-  const auto results = trainer.fit(train_set, {.shuffle = true, .seed = o.seed, .global_batch_size = o.batch},
-                                   &test_loader);
-  // Self-check: every member ends with the same parameters, bit for bit.
-  Comm& comm = group.comm();
-  const auto mine = static_cast<std::int64_t>(parameter_checksum(model));
-  std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
-  for (const auto other : all)
-    TESSERA_CHECK(other == mine, Error, "19_elastic: the members' parameters differ at the end");
-  const double accuracy = results.empty() ? 0.0 : results.back().test_accuracy;
-  if (comm.rank() == 0) {
-    std::printf("final: %d ranks (generation %lld, %zu change(s)), test accuracy %.2f%%, replicas identical "
-                "(%016" PRIx64 ")\n", comm.size(), static_cast<long long>(group.generation()), group.history().size(),
-                100 * accuracy, static_cast<std::uint64_t>(mine));
-    for (const auto& e : trainer.events())
-      std::printf("change: generation %lld at step %lld, %d -> %d ranks, membership %.3f s, heal %.3f s\n",
-                  static_cast<long long>(e.change.generation), static_cast<long long>(e.healed_step),
-                  e.change.size_before, e.change.size_after, e.change.seconds, e.heal_seconds);
+  std::vector<ElasticEvent> events;
+  std::vector<EpochResult> results;
+  const int check_every = static_cast<int>(o.check_every);
+  if (o.zero) {  // parallel/zero_replicated.hpp: shard r on ranks r and r-1
+    ReplicatedZero1<E, Sgd<E>> zero(model, [&](const NamedTensors<E>& shard) { return Sgd<E>(shard, sgd_options); },
+                                    {.consistency_check_every = check_every});
+    results = fit<NoStrategy<E>>(o, group, model, zero, [](auto& none, Comm&) { none.emplace(); }, data, test_loader, events);
+  } else {
+    Sgd<E> sgd(named_tensors(model), sgd_options);
+    results = fit<DataParallel<E>>(o, group, model, sgd, [&](auto& dp, Comm& comm) {
+      dp.emplace(model, comm, DataParallelOptions{.consistency_check_every = check_every});
+    }, data, test_loader, events);
   }
-  TESSERA_CHECK(o.min_accuracy <= 0 || results.empty() || accuracy >= o.min_accuracy, Error, "19_elastic: test "
-                "accuracy ", accuracy, " is below --min-accuracy=", o.min_accuracy);
+  examples::report_elastic_end(group, model, results, events, o.min_accuracy);  // the self-check
   return 0;
 }
 
@@ -132,6 +113,7 @@ Options parse(int argc, char** argv) {
   o.settle = flags.get("settle", o.settle, {.min = 0},
                        "seconds the survivors wait for each other after a failure (0: twice the comm timeout)");
   o.min_ranks = static_cast<int>(flags.get("min-ranks", std::int64_t{1}, {.min = 1}, "fewer left: give up"));
+  o.zero = flags.get("zero", o.zero, "ZeRO-1 with each optimizer shard on two ranks (ReplicatedZero1) for DataParallel");
   o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 1}, "fail below this test accuracy");
   flags.finish();
   return o;
