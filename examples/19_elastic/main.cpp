@@ -9,7 +9,9 @@
 // The global batch stays fixed and each batch covers the same samples at every group size, so the
 // run follows the one-process trajectory: the final accuracy is that of an uninterrupted run. After
 // every change each rank prints its parameters' checksum, DataParallel compares the replicas every
-// --check-every steps, and the run ends by comparing them once more. README.md explains it.
+// --check-every steps, and the run ends by comparing them once more. --zero trains with ZeRO-1
+// whose optimizer shards live on two ranks each (ReplicatedZero1), so a dead rank's shard
+// survives on its neighbour. README.md explains it.
 #include <cinttypes>
 #include <cstdio>
 #include <functional>

@@ -665,9 +665,10 @@ struct ReplicatedZeroRun {
   std::map<std::string, std::string> errors;  // member -> what its fit() threw
 };
 
-// 4 threads train LeNet-5 with ReplicatedZero1 under ElasticTrainer. `dies(member, update)`: the
-// member throws when its shard optimizer runs that update (1-based, primary and replica counted
-// apart: update 2k-1 is step k's primary, 2k its replica); `after_step` as in elastic_threads_run.
+// 4 threads train LeNet-5 with ReplicatedZero1 under ElasticTrainer. `dies(member, update)`: 1,
+// the member dies (throws) when its shard optimizer runs that update (1-based, primary and replica
+// counted apart: update 2k-1 is step k's primary, 2k its replica); 2, a CommError there instead
+// (it lives on, one step behind the others); `after_step` as in elastic_threads_run.
 template <class Dies, class AfterStep>
 ReplicatedZeroRun replicated_zero_run(const Dataset& ds, Dies dies, AfterStep after_step) {
   using E = CpuThreads64;
@@ -680,7 +681,9 @@ ReplicatedZeroRun replicated_zero_run(const Dataset& ds, Dies dies, AfterStep af
     auto updates = std::make_shared<int>(0);
     ReplicatedZero1<E, SgdDyingInUpdate> zero(model, [&, updates](const NamedTensors<E>& shard) {
       return SgdDyingInUpdate{Sgd<E>(shard, {.lr = 0.05, .momentum = 0.9}), [&, updates] {
-                                if (dies(group.member(), ++*updates)) throw std::runtime_error("dies in its update");
+                                const int what = dies(group.member(), ++*updates);
+                                if (what == 1) throw std::runtime_error("dies in its update");
+                                if (what == 2) throw CommError("its connection fails after the commit");
                               }};
     }, {.consistency_check_every = 1});
     TrainOptions options{.epochs = 2, .verbose = false};
@@ -703,7 +706,7 @@ ReplicatedZeroRun replicated_zero_run(const Dataset& ds, Dies dies, AfterStep af
   return out;
 }
 
-const auto no_death = [](const std::string&, int) { return false; };
+const auto no_death = [](const std::string&, int) { return 0; };
 const auto no_after_step = [](ThreadElasticGroup&, ThreadElasticHub&, auto&) {};
 
 }  // namespace
@@ -740,10 +743,22 @@ TEST_CASE("ReplicatedZero1 under ElasticTrainer on threads: a dead rank's shard 
     // Update 11 is step 6's primary update on slot 2; the others committed step 6, their
     // all_gather fails after it, and the step counts.
     const auto run = replicated_zero_run(
-        ds, [](const std::string& m, int update) { return m == "2.0" && update == 11; }, no_after_step);
+        ds, [](const std::string& m, int update) { return m == "2.0" && update == 11 ? 1 : 0; }, no_after_step);
     check_all(run, 3);
     REQUIRE(run.events.size() == 1);
     CHECK(run.events[0].healed_step == 6);
+  }
+  SECTION("a rank's update fails after step 6's commit and it lives on: it rolls forward, nobody leaves") {
+    // Slot 1 throws CommError before updating: it holds step 6's gradients but not its update,
+    // the others took step 6. Its regroup applies them (the roll-forward), and the Trainer
+    // position comes from a member that counted step 6.
+    const auto run = replicated_zero_run(
+        ds, [](const std::string& m, int update) { return m == "1.0" && update == 11 ? 2 : 0; }, no_after_step);
+    check_all(run, 4);
+    REQUIRE(run.events.size() == 1);
+    CHECK(run.events[0].change.left.empty());
+    CHECK(run.events[0].healed_step == 6);
+    CHECK(run.events[0].source_rank != 1);
   }
   SECTION("with a replacement: the world returns to 4, the newcomer's shards from the others") {
     const auto run = replicated_zero_run(ds, no_death, [](ThreadElasticGroup& g, ThreadElasticHub& hub, auto& member) {

@@ -44,6 +44,10 @@
 // ranks therefore resumes on any M (elastic resume, train/checkpoint.hpp), and from or into a run
 // without ZeRO. The whole tensors exist only during a save or load (on every rank: the gather is
 // an all_gather).
+//
+// A dead rank takes its shard of the optimizer state with it: the run must resume from a
+// checkpoint. ReplicatedZero1 (parallel/zero_replicated.hpp) keeps each shard on two ranks so
+// that ElasticTrainer goes on without one.
 #pragma once
 
 #include <algorithm>

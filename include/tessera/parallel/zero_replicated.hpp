@@ -163,6 +163,7 @@ class ReplicatedZero1 final : UpdateGuard {
     } catch (const CommError& e) {
       deferred_failure_ = e.what();
     }
+    counted_ = committed_;
   }
 
   void zero_grad() {
@@ -226,7 +227,7 @@ class ReplicatedZero1 final : UpdateGuard {
     }
     // The replica's integers (the step count) follow the primary's, as in a regroup.
     if (l.replica) copy_integers(*l.primary.optimizer, *l.replica->optimizer);
-    committed_ = l.primary.optimizer->steps();
+    committed_ = counted_ = l.primary.optimizer->steps();
   }
   void checkpoint_release() { whole_.clear(); }
 
@@ -243,7 +244,6 @@ class ReplicatedZero1 final : UpdateGuard {
   // `holds_train_state`: this member's Trainer state is valid (not a replacement's, not half
   // overwritten by a heal that failed); `generation` names the layout this builds.
   RegroupResult regroup(Comm& comm, bool holds_train_state, std::int64_t generation) {
-    const std::int64_t committed_before = committed_;
     const std::vector<Record> records = gather_records(comm, holds_train_state);
     const std::int64_t chosen = choose_layout(records);
     std::int64_t target = 0;
@@ -258,10 +258,13 @@ class ReplicatedZero1 final : UpdateGuard {
       gather_shards(comm, records, chosen, whole, integers);
     }
     build_layout(comm, generation, whole, integers);
-    committed_ = target;
+    // Current: this member's step() returned after committing the agreed step, so its Trainer
+    // counted it (a roll-forward, here or in a regroup that failed, does not count).
+    const bool current = holds_train_state && counted_ == target;
+    committed_ = counted_ = target;
     pending_ = false;
     deferred_failure_.reset();
-    return {target, holds_train_state && committed_before == target};
+    return {target, current};
   }
 
  private:
@@ -616,6 +619,7 @@ class ReplicatedZero1 final : UpdateGuard {
   std::unique_ptr<Layout> layout_;
   Tensor<S, D> flat_;  // every parameter, padded to N shards: gradients to reduce-scatter, then gathered values
   std::int64_t committed_ = 0;
+  std::int64_t counted_ = 0;  // committed_ as the caller last saw step() return (a roll-forward is not seen)
   bool pending_ = false;  // both gradients of step committed_+1 are here
   bool in_step_ = false;
   std::optional<std::string> deferred_failure_;

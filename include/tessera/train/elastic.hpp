@@ -36,6 +36,17 @@
 // A member that fails to heal (a death during the broadcasts) no longer counts as holding a
 // state unless it was the source; if no member holds one, fit() throws: the run must resume
 // from a checkpoint.
+//
+// A sharded optimizer has no member that holds the whole state. ReplicatedZero1
+// (parallel/zero_replicated.hpp: ZeRO-1 with each shard on two ranks) heals through its
+// regroup(comm): the shards are rebuilt for the new size from the members holding them (rolled
+// forward to the agreed step where a member missed its commit) and the parameters written; then
+// the lowest-ranked member whose Trainer counted that step broadcasts buffers, generators and the
+// training position. Its step() keeps a failure that comes after the step's commit, and the
+// after_step hook rethrows it, so the Trainer has counted the step when the heal starts:
+//
+//   ReplicatedZero1<E, Sgd<E>> zero(model, [](const NamedTensors<E>& s) { return Sgd<E>(s, {...}); });
+//   ElasticTrainer trainer(group, model, zero, [](std::optional<NoStrategy<E>>& s, Comm&) { s.emplace(); }, ...);
 #pragma once
 
 #include <algorithm>
