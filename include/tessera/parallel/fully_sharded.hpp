@@ -77,6 +77,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -277,6 +278,14 @@ class FullyShardedDataParallel final : public StrategyBase<typename Model::Env>,
 
   void before_optimizer_step() { finish_reductions(); }
 
+  // This rank's share of an unevenly split global batch (Batch::weight = W n_r / g, data/loader.hpp):
+  // the next steps scale the loss gradient by it, as the Trainer does for a model it runs itself.
+  void set_batch_weight(double weight) {
+    TESSERA_CHECK(weight > 0 && std::isfinite(weight), ArgumentError, "FullyShardedDataParallel: batch weight ",
+                  weight, " must be positive and finite");
+    batch_weight_ = weight;
+  }
+
   // After the shard's values were replaced (a checkpoint loaded into the pieces): every unit is
   // gathered again before its next use.
   void shards_loaded() {
@@ -287,6 +296,8 @@ class FullyShardedDataParallel final : public StrategyBase<typename Model::Env>,
  private:
   template <class, class>
   friend class FullyShardedOptimizer;
+  template <class, class>
+  friend class ReplicatedFullyShardedOptimizer;  // parallel/fully_sharded_replicated.hpp: reads the units
 
   // The update guard of the shard's parameters: only FullyShardedOptimizer::step() may update
   // them (it checks the settings first); the shard's gradients must then be complete (the last
@@ -474,10 +485,11 @@ class FullyShardedDataParallel final : public StrategyBase<typename Model::Env>,
                                                static_cast<std::size_t>(per * labels_per_sample));
       loss_sum += static_cast<double>(loss_.forward(logits, micro_labels, loss_cache_));
       if constexpr (kCountsCorrect) correct += count_correct(logits, micro_labels);
-      // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits).
+      // d(mean over the batch)/d(logits) = (1/M) d(mean over the micro-batch)/d(logits), times this
+      // rank's share of the global batch (1 when the batch splits evenly).
       const Tensor& g = loss_.backward(loss_cache_);
       output_grad_.resize(g.shape());
-      scale_elements(D{}, g.data(), g.numel(), S(1) / static_cast<S>(m), output_grad_.data());
+      scale_elements(D{}, g.data(), g.numel(), static_cast<S>(batch_weight_ / m), output_grad_.data());
       hooks.before_backward(mb);
       {
         const MemoryScope memory("the backward pass (gradients)");
@@ -788,6 +800,7 @@ class FullyShardedDataParallel final : public StrategyBase<typename Model::Env>,
   std::size_t reducing_ = static_cast<std::size_t>(-1);  // the unit whose reduction started last
   bool in_step_ = false;        // inside FullyShardedOptimizer::step()
   std::int64_t updates_ = 0;
+  double batch_weight_ = 1.0;   // set_batch_weight's
   typename Model::Cache cache_{}, eval_cache_{};
   typename Loss::Cache loss_cache_{}, eval_loss_cache_{};
   Tensor micro_input_, output_grad_;

@@ -52,7 +52,6 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -72,15 +71,10 @@
 #include "tessera/optim/lars.hpp"
 #include "tessera/optim/optimizer.hpp"
 #include "tessera/parallel/agreement.hpp"
+#include "tessera/parallel/shard_ring.hpp"
 #include "tessera/parallel/zero.hpp"
 
 namespace tessera {
-
-// What a regroup agreed on, for ElasticTrainer's heal.
-struct RegroupResult {
-  std::int64_t step = 0;  // optimizer steps taken in the state the group continues from
-  bool current = false;   // this member had taken them before the regroup (its Trainer counted them)
-};
 
 template <class E, StatefulOptimizer Optimizer>
 class ReplicatedZero1 final : UpdateGuard {
@@ -111,8 +105,8 @@ class ReplicatedZero1 final : UpdateGuard {
     lr_ = probe.lr();
     const std::map<std::string, std::size_t> piece_of{{"probe", 0}};
     for (auto& [kind, tensors] : detail::state_by_kind<S, D>(probe, piece_of, 1, "ReplicatedZero1")) kinds_.push_back(kind);
-    IntegerCollector names{integer_names_};
-    detail::StateIntegersOf<IntegerCollector> ints{names};
+    detail::IntegerNames names{integer_names_};
+    detail::StateIntegersOf<detail::IntegerNames> ints{names};
     probe.visit_state(ints);
   }
 
@@ -139,20 +133,13 @@ class ReplicatedZero1 final : UpdateGuard {
     comm.reduce_scatter(std::span<const S>(flat_.data(), static_cast<std::size_t>(flat_.numel())),
                         l.primary.grad.span(), ReduceOp::Avg);
     // b. the replica holder (rank r-1) gets it too; this rank gets shard r+1's.
-    if (l.replica) {
-      Work received = comm.recv_async(l.replica->grad.span(), (l.rank + 1) % l.size);
-      comm.send(std::span<const S>(l.primary.grad.data(), static_cast<std::size_t>(l.shard)), (l.rank + l.size - 1) % l.size);
-      received.wait();
-    }
+    if (l.replica)
+      detail::exchange_shard_gradients(comm, std::span<const S>(l.primary.grad.data(), static_cast<std::size_t>(l.shard)),
+                                       l.replica->grad.span());
     pending_ = true;
     pending_lr_ = lr_;
-    // c. the commit: its sum is N only when every rank has both gradients of this step.
-    if (l.size > 1) {
-      std::int64_t entered = 1;
-      comm.all_reduce(std::span<std::int64_t>(&entered, 1), ReduceOp::Sum);
-      TESSERA_CHECK(entered == l.size, CommError, "ReplicatedZero1: the commit of step ", committed_ + 1, " counted ",
-                    entered, " of ", l.size, " ranks");
-    }
+    // c. the commit.
+    detail::commit_step(comm, committed_ + 1, "ReplicatedZero1");
     // d. both updates, local.
     apply_pending(l);
     // e. every rank's new shard to everyone. A failure here is kept: the step is taken.
@@ -226,7 +213,7 @@ class ReplicatedZero1 final : UpdateGuard {
         }
     }
     // The replica's integers (the step count) follow the primary's, as in a regroup.
-    if (l.replica) copy_integers(*l.primary.optimizer, *l.replica->optimizer);
+    if (l.replica) detail::set_optimizer_integers(*l.replica->optimizer, detail::optimizer_integers(*l.primary.optimizer));
     committed_ = counted_ = l.primary.optimizer->steps();
   }
   void checkpoint_release() { whole_.clear(); }
@@ -244,16 +231,25 @@ class ReplicatedZero1 final : UpdateGuard {
   // `holds_train_state`: this member's Trainer state is valid (not a replacement's, not half
   // overwritten by a heal that failed); `generation` names the layout this builds.
   RegroupResult regroup(Comm& comm, bool holds_train_state, std::int64_t generation) {
-    const std::vector<Record> records = gather_records(comm, holds_train_state);
-    const std::int64_t chosen = choose_layout(records);
+    const detail::ShardRecord mine{layout_ ? layout_->generation : -1,
+                                   layout_ ? layout_->size : 0,
+                                   layout_ ? layout_->rank : -1,
+                                   committed_,
+                                   pending_ ? 1 : 0,
+                                   holds_train_state ? 1 : 0,
+                                   total_,
+                                   static_cast<std::int64_t>(kinds_.size()),
+                                   static_cast<std::int64_t>(integer_names_.size())};
+    const auto records = detail::gather_shard_records(comm, mine, "ReplicatedZero1");
+    const std::int64_t chosen = detail::choose_shard_layout(records, "ReplicatedZero1").first;
     std::int64_t target = 0;
     std::vector<Tensor<S, D>> whole(1 + kinds_.size());  // [values, kind...], each of every layout shard
     std::vector<std::int64_t> integers;
     if (chosen < 0) {
       fresh_start(comm, records, whole, integers);
     } else {
-      target = agreed_step(records, chosen);
-      const Record& me = records[static_cast<std::size_t>(comm.rank())];
+      target = detail::agreed_shard_step(records, chosen, "ReplicatedZero1");
+      const detail::ShardRecord& me = records[static_cast<std::size_t>(comm.rank())];
       if (me.layout == chosen && me.committed == target - 1) apply_pending(*layout_);  // roll forward
       gather_shards(comm, records, chosen, whole, integers);
     }
@@ -268,10 +264,6 @@ class ReplicatedZero1 final : UpdateGuard {
   }
 
  private:
-  struct IntegerCollector {
-    std::vector<std::string>& names;
-    void integer(const std::string& name, std::int64_t&) { names.push_back(name); }
-  };
   struct Segment {
     std::size_t model_index;    // which model parameter
     std::int64_t param_offset;  // first element within it
@@ -296,106 +288,21 @@ class ReplicatedZero1 final : UpdateGuard {
     Shard primary;
     std::optional<Shard> replica;
   };
-  // One member's state as every member sees it in a regroup.
-  struct Record {
-    std::int64_t layout, size, rank, committed, pending, holds, total, kinds, integers;
-    static constexpr std::size_t kWords = 9;
-    std::array<std::int64_t, kWords> words() const {
-      return {layout, size, rank, committed, pending, holds, total, kinds, integers};
-    }
-    static Record of(const std::int64_t* w) { return {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]}; }
-  };
-
   Layout& require_layout(const char* what) {
     TESSERA_CHECK(layout_ != nullptr, Error, "ReplicatedZero1: cannot ", what, " before regroup(comm) laid out the "
                   "shards (ElasticTrainer does it before the first step)");
     return *layout_;
   }
 
-  std::vector<Record> gather_records(Comm& comm, bool holds) {
-    const Record mine{layout_ ? layout_->generation : -1,
-                      layout_ ? layout_->size : 0,
-                      layout_ ? layout_->rank : -1,
-                      committed_,
-                      pending_ ? 1 : 0,
-                      holds ? 1 : 0,
-                      total_,
-                      static_cast<std::int64_t>(kinds_.size()),
-                      static_cast<std::int64_t>(integer_names_.size())};
-    const auto words = mine.words();
-    std::vector<std::int64_t> gathered(Record::kWords * static_cast<std::size_t>(comm.size()));
-    comm.all_gather(std::span<const std::int64_t>(words), std::span<std::int64_t>(gathered));
-    std::vector<Record> all;
-    for (int q = 0; q < comm.size(); ++q) all.push_back(Record::of(&gathered[Record::kWords * static_cast<std::size_t>(q)]));
-    for (int q = 0; q < comm.size(); ++q) {
-      const Record& r = all[static_cast<std::size_t>(q)];
-      TESSERA_CHECK(r.total == total_ && r.kinds == mine.kinds && r.integers == mine.integers, AgreementError,
-                    "ReplicatedZero1: rank ", q, " has ", r.total, " parameters, ", r.kinds, " kind(s) of optimizer "
-                    "state and ", r.integers, " integer(s); rank ", comm.rank(), " has ", total_, ", ", mine.kinds,
-                    " and ", mine.integers, ": the members were launched with different models or optimizers");
-    }
-    return all;
-  }
-
-  // The member of layout `id` holding shard s, preferring its primary (rank s) to its replica
-  // (rank s-1); -1 when both are gone.
-  static int holder_of(const std::vector<Record>& records, std::int64_t id, std::int64_t size, std::int64_t s) {
-    int replica = -1;
-    for (std::size_t q = 0; q < records.size(); ++q) {
-      if (records[q].layout != id) continue;
-      if (records[q].rank == s) return static_cast<int>(q);
-      if (size > 1 && records[q].rank == (s + size - 1) % size) replica = static_cast<int>(q);
-    }
-    return replica;
-  }
-
-  // The newest layout among the members whose every shard survives; -1 when no member has one
-  // (the first regroup). A layout with a lost shard and no older complete one ends the run.
-  std::int64_t choose_layout(const std::vector<Record>& records) const {
-    std::vector<std::pair<std::int64_t, std::int64_t>> layouts;  // (generation, size)
-    for (const Record& r : records)
-      if (r.layout >= 0 && std::find(layouts.begin(), layouts.end(), std::pair{r.layout, r.size}) == layouts.end())
-        layouts.emplace_back(r.layout, r.size);
-    if (layouts.empty()) return -1;
-    std::sort(layouts.rbegin(), layouts.rend());
-    std::string lost;
-    for (const auto& [id, size] : layouts) {
-      std::string missing;
-      for (std::int64_t s = 0; s < size; ++s)
-        if (holder_of(records, id, size, s) < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(s);
-      if (missing.empty()) return id;
-      lost += detail::cat(lost.empty() ? "" : "; ", "generation ", id, " (", size, " ranks) lost shard(s) ", missing);
-    }
-    throw Error(detail::cat("ReplicatedZero1: the optimizer state is lost: ", lost, ". Shard s lives on ranks s and "
-                            "s-1 of its generation, and both died; resume from a checkpoint"));
-  }
-
-  // The step the group continues from in layout `id`: the most any member committed; the others
-  // must be one behind with that step's gradients (see the top of this file).
-  std::int64_t agreed_step(const std::vector<Record>& records, std::int64_t id) const {
-    std::int64_t target = -1;
-    for (const Record& r : records)
-      if (r.layout == id) target = std::max(target, r.committed);
-    for (std::size_t q = 0; q < records.size(); ++q) {
-      const Record& r = records[q];
-      if (r.layout != id) continue;
-      TESSERA_CHECK(r.committed == target || (r.committed == target - 1 && r.pending != 0), Error,
-                    "ReplicatedZero1: member ", q, " has committed ", r.committed, " steps and others ", target,
-                    (r.committed == target - 1 ? " but it lacks the gradients of the step between" : ""),
-                    ": their shards cannot be brought to one step; resume from a checkpoint");
-    }
-    return target;
-  }
-
   // The first regroup: every holder starts from the same parameters (the lowest-ranked holder's,
   // as Zero1's constructor takes rank 0's) and fresh optimizer state.
-  void fresh_start(Comm& comm, const std::vector<Record>& records, std::vector<Tensor<S, D>>& whole,
+  void fresh_start(Comm& comm, const std::vector<detail::ShardRecord>& records, std::vector<Tensor<S, D>>& whole,
                    std::vector<std::int64_t>& integers) {
     int source = -1;
     for (std::size_t q = 0; q < records.size() && source < 0; ++q)
       if (records[q].holds != 0) source = static_cast<int>(q);
     TESSERA_CHECK(source >= 0, Error, "ReplicatedZero1: no member holds a training state and none holds a shard");
-    for (const Record& r : records)
+    for (const detail::ShardRecord& r : records)
       TESSERA_CHECK(r.holds == 0 || r.committed == 0, Error, "ReplicatedZero1: a member has taken ", r.committed,
                     " steps but no member holds a shard of its optimizer state; resume from a checkpoint");
     for (auto& [name, p] : model_.parameters) comm.broadcast(std::span<S>(p->value.data(), p->value.numel()), source);
@@ -410,15 +317,15 @@ class ReplicatedZero1 final : UpdateGuard {
 
   // Every shard of layout `id` from one of its holders to every member: values and each kind of
   // state into `whole`, and the optimizer's integers (the step count) from shard 0's holder.
-  void gather_shards(Comm& comm, const std::vector<Record>& records, std::int64_t id, std::vector<Tensor<S, D>>& whole,
+  void gather_shards(Comm& comm, const std::vector<detail::ShardRecord>& records, std::int64_t id, std::vector<Tensor<S, D>>& whole,
                      std::vector<std::int64_t>& integers) {
     std::int64_t size = 0;
-    for (const Record& r : records)
+    for (const detail::ShardRecord& r : records)
       if (r.layout == id) size = r.size;
     const std::int64_t shard = (total_ + size - 1) / size;
     for (auto& t : whole) t.resize({shard * size});
     for (std::int64_t s = 0; s < size; ++s) {
-      const int holder = holder_of(records, id, size, s);
+      const int holder = detail::shard_holder(records, id, size, s);
       const Shard* mine = nullptr;
       if (holder == comm.rank()) mine = layout_->primary.index == s ? &layout_->primary : &*layout_->replica;
       for (std::size_t k = 0; k < whole.size(); ++k) {
@@ -430,37 +337,10 @@ class ReplicatedZero1 final : UpdateGuard {
         comm.broadcast(std::span<S>(out, static_cast<std::size_t>(shard)), holder);
       }
     }
-    const int first = holder_of(records, id, size, 0);
+    const int first = detail::shard_holder(records, id, size, 0);
     integers.assign(integer_names_.size(), 0);
-    if (first == comm.rank()) {
-      IntegerPacker packer{integers};
-      detail::StateIntegersOf<IntegerPacker> visitor{packer};
-      layout_->primary.optimizer->visit_state(visitor);
-    }
+    if (first == comm.rank()) integers = detail::optimizer_integers(*layout_->primary.optimizer);
     if (!integers.empty()) comm.broadcast(std::span<std::int64_t>(integers), first);
-  }
-
-  struct IntegerPacker {
-    std::vector<std::int64_t>& out;
-    std::size_t next = 0;
-    void integer(const std::string&, std::int64_t& v) { out[next++] = v; }
-  };
-  struct IntegerUnpacker {
-    const std::vector<std::int64_t>& in;
-    std::size_t next = 0;
-    void integer(const std::string&, std::int64_t& v) { v = in[next++]; }
-  };
-  static void copy_integers(Optimizer& from, Optimizer& to) {
-    std::vector<std::int64_t> values;
-    struct Push {
-      std::vector<std::int64_t>& out;
-      void integer(const std::string&, std::int64_t& v) { out.push_back(v); }
-    } push{values};
-    detail::StateIntegersOf<Push> read{push};
-    from.visit_state(read);
-    IntegerUnpacker unpack{values};
-    detail::StateIntegersOf<IntegerUnpacker> write{unpack};
-    to.visit_state(write);
   }
 
   // This member's shards of the new generation, from the gathered values and state; the model's
@@ -513,11 +393,7 @@ class ReplicatedZero1 final : UpdateGuard {
         if (pieces[k].second[j])
           std::copy_n(whole[1 + k].data() + first + shard.segments[j].shard_offset, shard.segments[j].length,
                       pieces[k].second[j]->data());
-    if (!integers.empty()) {
-      IntegerUnpacker unpack{integers};
-      detail::StateIntegersOf<IntegerUnpacker> write{unpack};
-      shard.optimizer->visit_state(write);
-    }
+    if (!integers.empty()) detail::set_optimizer_integers(*shard.optimizer, integers);
   }
 
   std::vector<std::pair<std::string, std::vector<Tensor<S, D>*>>> state_pieces(Shard& shard) {

@@ -50,6 +50,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <chrono>
 #include <cstdint>
@@ -179,8 +180,15 @@ class ElasticTrainer {
       pending->change.joined = {group_.member()};
       pending->change.cause = "joined as a replacement";
     }
+    // A strategy bound to the optimizer (ReplicatedFullyShardedOptimizer::bind: the FSDP's pieces
+    // are this member's shard) lives until the next generation's is bound; the others are rebuilt
+    // at each generation. Two slots, used in turn.
+    constexpr bool kBinds = requires(Optimizer& o, Strat& s) { o.bind(s); };
+    std::array<std::optional<Strat>, 2> strategies;
+    int bound = -1;
     for (;;) {
-      std::optional<Strat> strategy;
+      const int slot = bound == 0 ? 1 : 0;
+      std::optional<Strat>& strategy = strategies[static_cast<std::size_t>(slot)];
       std::optional<DataLoader<S>> train;
       std::optional<TrainerType> trainer;
       try {
@@ -201,8 +209,14 @@ class ElasticTrainer {
         mine.rank = comm.rank();
         mine.world_size = comm.size();
         train.emplace(data, mine);
+        strategy.reset();
         make_strategy_(strategy, comm);
         TESSERA_CHECK(strategy.has_value(), ArgumentError, "ElasticTrainer: the strategy callback built no strategy");
+        if constexpr (kBinds) {
+          optimizer_.bind(*strategy);
+          bound = slot;
+          strategies[static_cast<std::size_t>(1 - slot)].reset();
+        }
         TrainOptions o = options_;
         o.checkpoint_group = CheckpointGroup(comm);
         o.verbose = options_.verbose && comm.rank() == 0;
@@ -222,11 +236,13 @@ class ElasticTrainer {
           results.insert(results.end(), done.begin(), done.end());
           if (done.empty()) break;  // stopped: stop_after_steps, or a stop signal
         }
+        // A sharded strategy's parameters into the model (FSDP: collective), for the caller to read.
+        if constexpr (requires { strategy->gather_full(); }) strategy->gather_full();
         return results;
       } catch (const detail::GroupGrows& grows) {
         state = trainer->state();
         trainer.reset();
-        strategy.reset();
+        if (bound != slot) strategy.reset();
         train.reset();
         const auto before = group_.history().size();
         group_.grow(grows.step);
@@ -234,7 +250,7 @@ class ElasticTrainer {
       } catch (const CommError& e) {
         if (trainer) state = trainer->state();
         trainer.reset();
-        strategy.reset();
+        if (bound != slot) strategy.reset();
         train.reset();
         // A death during the heal's broadcasts may have left this member's state half overwritten.
         if (state_at_risk_ && !was_source_) holds = false;

@@ -243,10 +243,13 @@ class Trainer {
     optimizer_.zero_grad();
     S loss;
     batch_weight_ = batch.weight;  // micro_step scales this rank's loss gradient by it (data/loader.hpp)
-    TESSERA_CHECK(!kRunsModel || batch.weight == 1.0, ArgumentError, "Trainer: ", strategy_.name(), " computes the "
-                  "loss itself and cannot weight a rank's share of an unevenly split batch (weight ", batch.weight,
-                  "); split the global batch evenly (batch_size per rank)");
-    if constexpr (kRunsModel) {  // a pipeline: its stages run forward, loss and backward
+    // A strategy that runs the model weights the loss gradient itself, when it can (FSDP).
+    constexpr bool kWeighsBatches = requires { strategy_.set_batch_weight(1.0); };
+    TESSERA_CHECK(!kRunsModel || kWeighsBatches || batch.weight == 1.0, ArgumentError, "Trainer: ", strategy_.name(),
+                  " computes the loss itself and cannot weight a rank's share of an unevenly split batch (weight ",
+                  batch.weight, "); split the global batch evenly (batch_size per rank)");
+    if constexpr (kWeighsBatches) strategy_.set_batch_weight(batch.weight);
+    if constexpr (kRunsModel) {  // a pipeline or FSDP: it runs forward, loss and backward
       const ModelStepResult r = strategy_.run_model(model_input(batch), batch.labels, strategy_);
       correct_ += r.correct;
       loss = static_cast<S>(r.loss);
