@@ -4,7 +4,7 @@
 must go on without restarting, and with --replace a new process must join and the group return to 4.
 
   python3 bench/elastic_campaign.py [--build build] [--faults kill,stop,link] [--replace 0,1]
-                                    [--trials 100] [--timeout 2] [--netns] [--strategy dp|zero] [--out FILE]
+                                    [--trials 100] [--timeout 2] [--netns] [--strategy dp|zero1|fsdp2|fsdp3] [--out FILE]
 
 --netns (as root; needed for the link fault) puts each rank on a host of its own: a Linux network
 namespace joined to the others by a bridge (tests/net/netns_test.py's Network, created per
@@ -14,7 +14,8 @@ formed their new generation (the victim must then find itself left out and exit)
 
 Each trial runs `tools/tessera-run -n 4 --elastic [--replace 1]` on examples/19_elastic_gloo
 (LeNet-5, Fashion-MNIST, --check-every=1: DataParallel compares the replicas' parameter checksums
-after every step; --strategy zero: ZeRO-1 with replicated shards, the example's --zero, compares them too) with TESSERA_COMM_TIMEOUT=<timeout>. Once rank 0 reports training progress it
+after every step; --strategy zero1, fsdp2, fsdp3: ZeRO-1 or FSDP with replicated shards, the example's
+--zero=1, 2, 3, compare them too) with TESSERA_COMM_TIMEOUT=<timeout>. Once rank 0 reports training progress it
 waits a random delay (uniform in [0, --max-delay] s), then signals a random rank's process; a
 stopped one is continued after the job's final line (it must then find itself left out and exit).
 Per trial it records:
@@ -57,6 +58,8 @@ FINAL_RE = re.compile(r"final: (\d+) ranks \(generation (\d+), (\d+) change\(s\)
                       r"replicas identical \(([0-9a-f]+)\)")
 GEN_RE = re.compile(r"elastic: generation (\d+): (\d+) -> (\d+) ranks.* at step (\d+), state from rank (\d+); "
                     r"membership ([\d.]+) s, heal ([\d.]+) s")
+# --strategy: the example's --zero (0: DataParallel; 1: ZeRO-1; 2, 3: FSDP; shards on two ranks each).
+STRATEGIES = {"dp": 0, "zero1": 1, "fsdp2": 2, "fsdp3": 3}
 MEMBER_RE = re.compile(r"member (\S+): rank (\d+) of (\d+) at step (\d+), parameters ([0-9a-f]+)")
 FAIL_RE = re.compile(r"tessera: elastic: member (\S+) .* after step (\d+): ")
 
@@ -105,9 +108,9 @@ class Job(fault_campaign.Job):
 
 
 def example_args(args):
-    zero = ["--zero"] if getattr(args, "strategy", "dp") == "zero" else []
+    zero = STRATEGIES[getattr(args, "strategy", "dp")]
     return [f"--epochs={args.epochs}", f"--limit={args.limit}", "--check-every=1", f"--settle={args.settle}",
-            f"--seed={args.seed}"] + zero
+            f"--seed={args.seed}", f"--zero={zero}"]
 
 
 def launch(args, replace):
@@ -275,8 +278,9 @@ def main():
     ap.add_argument("--budget", type=float, default=60.0, help="seconds after the fault before a job counts as hung")
     ap.add_argument("--random-seed", type=int, default=12345)
     ap.add_argument("--netns", action="store_true", help="one network namespace per rank (root; the link fault needs it)")
-    ap.add_argument("--strategy", choices=("dp", "zero"), default="dp",
-                    help="dp: DataParallel; zero: ZeRO-1 with each optimizer shard on two ranks (ReplicatedZero1)")
+    ap.add_argument("--strategy", choices=tuple(STRATEGIES), default="dp",
+                    help="dp: DataParallel; zero1: ZeRO-1, fsdp2 / fsdp3: FSDP of that stage, each shard on two ranks "
+                    "(the example's --zero=1, 2, 3)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.network = None

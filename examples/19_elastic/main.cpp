@@ -9,9 +9,10 @@
 // The global batch stays fixed and each batch covers the same samples at every group size, so the
 // run follows the one-process trajectory: the final accuracy is that of an uninterrupted run. After
 // every change each rank prints its parameters' checksum, DataParallel compares the replicas every
-// --check-every steps, and the run ends by comparing them once more. --zero trains with ZeRO-1
-// whose optimizer shards live on two ranks each (ReplicatedZero1), so a dead rank's shard
-// survives on its neighbour. README.md explains it.
+// --check-every steps, and the run ends by comparing them once more. --zero=1 trains with ZeRO-1,
+// --zero=2 or 3 with FSDP of that stage, each shard on two ranks (ReplicatedZero1,
+// ReplicatedFullyShardedOptimizer), so a dead rank's shard survives on its neighbour. README.md
+// explains it.
 #include <cinttypes>
 #include <cstdio>
 #include <functional>
@@ -20,6 +21,7 @@
 
 #include "tessera/tessera.hpp"
 #include "tessera/build_env.hpp"
+#include "tessera/parallel/fully_sharded_replicated.hpp"
 #include "tessera/parallel/zero_replicated.hpp"
 #include "tessera/train/elastic.hpp"
 #include "common/elastic_report.hpp"
@@ -33,11 +35,14 @@ using E = BuildEnv;  // CpuGloo: the backend with an elastic group (comm/elastic
 using Comm = E::Comm;
 using Group = ElasticGroupOf<Comm>;
 
+constexpr const char* kStrategy[] = {"DataParallel", "ZeRO-1, each shard on 2 ranks", "FSDP stage 2, each shard on 2 ranks",
+                                     "FSDP stage 3, each shard on 2 ranks"};
+
 struct Options {
   std::int64_t epochs = 3, batch = 64, limit = 0, check_every = 1;
   double lr = 0.05, weight_decay = 5e-4, settle = 0, min_accuracy = 0;
   int threads = 1, min_ranks = 1;
-  bool zero = false;
+  int zero = 0;
   std::uint64_t seed = 1;
   std::string data_dir;
 };
@@ -73,10 +78,10 @@ int train(const Options& o) {
   if (group.comm().rank() == 0 && !group.joined_late()) {
     std::printf("19_elastic: LeNet-5, %d ranks, global batch %lld (split over however many ranks remain), %lld "
                 "epochs, %s, member %s\n", group.comm().size(), static_cast<long long>(o.batch),
-                static_cast<long long>(o.epochs), o.zero ? "ZeRO-1, each shard on 2 ranks" : "DataParallel",
+                static_cast<long long>(o.epochs), kStrategy[o.zero],
                 group.member().c_str());
     examples::print_elastic_cost_model(static_cast<std::int64_t>(count_parameters(named_tensors(model))),
-                     group.comm().options().timeout.count() / 1000.0, o.zero);
+                     group.comm().options().timeout.count() / 1000.0, o.zero > 0);
   }
   if (group.joined_late())
     std::printf("member %s joined generation %lld as rank %d of %d\n", group.member().c_str(),
@@ -85,10 +90,16 @@ int train(const Options& o) {
   std::vector<ElasticEvent> events;
   std::vector<EpochResult> results;
   const int check_every = static_cast<int>(o.check_every);
-  if (o.zero) {  // parallel/zero_replicated.hpp: shard r on ranks r and r-1
-    ReplicatedZero1<E, Sgd<E>> zero(model, [&](const NamedTensors<E>& shard) { return Sgd<E>(shard, sgd_options); },
-                                    {.consistency_check_every = check_every});
+  const auto make_sgd = [&](const NamedTensors<E>& shard) { return Sgd<E>(shard, sgd_options); };
+  if (o.zero == 1) {  // parallel/zero_replicated.hpp: shard r on ranks r and r-1
+    ReplicatedZero1<E, Sgd<E>> zero(model, make_sgd, {.consistency_check_every = check_every});
     results = fit<NoStrategy<E>>(o, group, model, zero, [](auto& none, Comm&) { none.emplace(); }, data, test_loader, events);
+  } else if (o.zero > 1) {  // parallel/fully_sharded_replicated.hpp: FSDP of that stage, the same ring
+    using Fsdp = FullyShardedDataParallel<decltype(model)>;
+    ReplicatedFullyShardedOptimizer<Fsdp, Sgd<E>> sharded(model, make_sgd);
+    results = fit<Fsdp>(o, group, model, sharded, [&](auto& fsdp, Comm& comm) {
+      fsdp.emplace(model, comm, FullyShardedOptions{.stage = o.zero, .consistency_check_every = check_every});
+    }, data, test_loader, events);
   } else {
     Sgd<E> sgd(named_tensors(model), sgd_options);
     results = fit<DataParallel<E>>(o, group, model, sgd, [&](auto& dp, Comm& comm) {
@@ -115,7 +126,8 @@ Options parse(int argc, char** argv) {
   o.settle = flags.get("settle", o.settle, {.min = 0},
                        "seconds the survivors wait for each other after a failure (0: twice the comm timeout)");
   o.min_ranks = static_cast<int>(flags.get("min-ranks", std::int64_t{1}, {.min = 1}, "fewer left: give up"));
-  o.zero = flags.get("zero", o.zero, "ZeRO-1 with each optimizer shard on two ranks (ReplicatedZero1) for DataParallel");
+  o.zero = static_cast<int>(flags.get("zero", std::int64_t{0}, {.min = 0, .max = 3}, "0: DataParallel; 1: ZeRO-1, "
+                                      "2 and 3: FSDP of that stage, each shard on two ranks"));
   o.min_accuracy = flags.get("min-accuracy", o.min_accuracy, {.min = 0, .max = 1}, "fail below this test accuracy");
   flags.finish();
   return o;

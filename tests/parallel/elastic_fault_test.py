@@ -2,8 +2,8 @@
 """Elastic data parallelism over Gloo, end to end: 4 ranks of examples/19_elastic_gloo under
 `tools/tessera-run --elastic`; one rank is killed (kill -9, with a replacement) and, in a second
 run, one is stopped past the timeout (SIGSTOP, continued after the others regrouped, no
-replacement); a third kills one under ZeRO-1 with replicated shards (--zero: the dead rank's
-optimizer shard comes from its replica), with a replacement. Each trial must: go on without restarting the survivors (same pids), lose no step,
+replacement); two more kill one under ZeRO-1 and under FSDP stage 3 with replicated shards
+(--zero=1, --zero=3: the dead rank's shard comes from its replica), with a replacement. Each trial must: go on without restarting the survivors (same pids), lose no step,
 keep the replicas bit-identical (DataParallel compares them after every step; every member prints
 its checksum after each change), end within 1 point of the uninterrupted run's test accuracy (a
 short run; the full-size figure is bench/elastic_campaign.py's), and with the replacement end
@@ -32,7 +32,8 @@ def main():
     baseline = elastic_campaign.uninterrupted(args)
     print(f"uninterrupted: test accuracy {baseline:.2f}%")
     failures = []
-    for fault, replace, strategy in (("kill", True, "dp"), ("stop", False, "dp"), ("kill", True, "zero")):
+    for fault, replace, strategy in (("kill", True, "dp"), ("stop", False, "dp"), ("kill", True, "zero1"),
+                                     ("kill", True, "fsdp3")):
         args.strategy = strategy
         for attempt in range(3):  # a fault that lands after the job ended is redrawn
             r = elastic_campaign.run_trial(args, fault, replace, rng, baseline)
