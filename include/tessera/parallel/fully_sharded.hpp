@@ -73,6 +73,10 @@
 // does, micro-batches do not change the masks, and ranks draw distinct masks for their rows.
 //
 // Not yet: LARS/LAMB (whole-tensor norms).
+// A dead rank takes its shard (parameters, gradients, optimizer state) with it: the run resumes
+// from a checkpoint. ReplicatedFullyShardedOptimizer (parallel/fully_sharded_replicated.hpp) keeps
+// each shard on two ranks so that ElasticTrainer goes on without one; set_batch_weight() lets the
+// ranks' shares of a global batch differ (the elastic loader's uneven splits).
 #pragma once
 
 #include <algorithm>

@@ -47,6 +47,12 @@
 //
 //   ReplicatedZero1<E, Sgd<E>> zero(model, [](const NamedTensors<E>& s) { return Sgd<E>(s, {...}); });
 //   ElasticTrainer trainer(group, model, zero, [](std::optional<NoStrategy<E>>& s, Comm&) { s.emplace(); }, ...);
+//
+// FSDP (stage 2 and 3) the same way through ReplicatedFullyShardedOptimizer
+// (parallel/fully_sharded_replicated.hpp), whose shard lives in the strategy: after its regroup the
+// callback builds the generation's FSDP from the model and the trainer hands it to the optimizer's
+// bind(); the previous FSDP (its pieces are this member's shard) lives until then. fit() returns
+// with the FSDP's parameters gathered into the model.
 #pragma once
 
 #include <algorithm>
