@@ -49,7 +49,8 @@ struct ElasticOptions {
   // collective times out, and may wait out one more already running on its worker thread).
   std::chrono::milliseconds settle{0};
   // Every this many steps (c) the group looks in the store for replacements waiting to join; they
-  // join 2c steps later.
+  // join 2c steps later. A replacement waits the comm timeout for a sign of the group (a new
+  // generation, or its growth scheduled), then three timeouts more for those 2c steps.
   int join_check_every = 1;
 };
 

@@ -161,8 +161,13 @@ class ThreadElasticGroup {
       comm_.emplace(hub_.generations_[0].world->comm(index_of(me_)));
       return;
     }
-    // Wait for a generation that admits this replacement (bounded by the timeout).
-    const auto deadline = std::chrono::steady_clock::now() + hub_.comm_options_.timeout;
+    // Wait for a generation that admits this replacement: the timeout for a sign of the group (a
+    // new generation, or a growth scheduled in the latest: then three timeouts more), as the Gloo
+    // group's joiner waits.
+    using Clock = std::chrono::steady_clock;
+    auto deadline = Clock::now() + hub_.comm_options_.timeout;
+    std::size_t seen = hub_.generations_.size();
+    bool scheduled = false;
     for (;;) {
       for (std::int64_t g = 0; g < static_cast<std::int64_t>(hub_.generations_.size()); ++g) {
         const auto& m = hub_.generations_[static_cast<std::size_t>(g)].members;
@@ -172,9 +177,18 @@ class ThreadElasticGroup {
         comm_.emplace(hub_.generations_[static_cast<std::size_t>(g)].world->comm(index_of(me_)));
         return;
       }
-      TESSERA_CHECK(hub_.changed_.wait_until(lock, deadline) != std::cv_status::timeout, CommError,
-                    "ThreadElasticGroup ", me_, ": waited ", detail::seconds_text(hub_.comm_options_.timeout),
-                    " to be admitted and no generation admitted it (has the group ended?)");
+      if (hub_.generations_.size() != seen) {
+        seen = hub_.generations_.size();
+        scheduled = false;
+        deadline = std::max(deadline, Clock::now() + hub_.comm_options_.timeout);
+      }
+      if (!scheduled && hub_.grow_at_.count(static_cast<std::int64_t>(seen) - 1)) {
+        scheduled = true;
+        deadline = std::max(deadline, Clock::now() + 3 * hub_.comm_options_.timeout);
+      }
+      TESSERA_CHECK(Clock::now() < deadline, CommError, "ThreadElasticGroup ", me_,
+                    ": no generation admitted it in time (has the group ended?)");
+      hub_.changed_.wait_until(lock, deadline);
     }
   }
 

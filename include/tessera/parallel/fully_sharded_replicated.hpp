@@ -81,6 +81,7 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
                   "parameters");
     for (auto& [name, p] : model_.parameters) {
       shapes_.push_back(p->value.shape());
+      param_offsets_.push_back(total_);
       total_ += p->value.numel();
     }
     // A one-element probe tells the learning rate, the kinds of state and the integers.
@@ -105,7 +106,7 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     Fsdp& f = *l.fsdp;
     f.finish_reductions();  // the Trainer's before_optimizer_step did; a loop of one's own may not
     f.check_consistency(lr_);  // collective: before the commit
-    pending_ = false;
+    pending_ = primary_applied_ = false;
     pack_grads(l.primary, l.send);
     detail::exchange_shard_gradients(*l.comm, std::span<const S>(l.send.data(), static_cast<std::size_t>(l.send.numel())),
                                       l.received.span());
@@ -188,6 +189,10 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     bind_generation_ = generation;
     return {target, current};
   }
+
+  // Lets go of the bound FSDP (ElasticTrainer's destructor, before the FSDP goes): the shards go
+  // with it, and a later step() or checkpoint says so.
+  void unbind() { layout_.reset(); }
 
   // The generation's FSDP, built by the strategy callback after regroup(): its shard gets the
   // gathered state, and the replica (shard r+1 of every unit) is built from the whole tensors.
@@ -296,20 +301,26 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
   }
 
   // Both updates of a step whose gradients this rank holds (the commit, or a roll-forward).
+  // A primary update done before an exception in the replica's is not done twice.
   void apply_pending(Layout& l) {
-    TESSERA_CHECK(pending_, Error, kWho, ": no gradients to apply");
+    TESSERA_CHECK(pending_, Error, kWho, " (rank ", l.rank, " of ", l.size, "): no gradients of step ", committed_ + 1,
+                  " to apply");
     const double lr = lr_;
     set_lr(pending_lr_);
     Fsdp& f = *l.fsdp;
-    ++f.updates_;
-    f.in_step_ = true;
-    try {
-      l.primary_optimizer->step();
-    } catch (...) {
+    if (!primary_applied_) {
+      f.in_step_ = true;
+      try {
+        l.primary_optimizer->step();
+      } catch (...) {
+        f.in_step_ = false;
+        set_lr(lr);
+        throw;
+      }
       f.in_step_ = false;
-      throw;
+      ++f.updates_;
+      primary_applied_ = true;
     }
-    f.in_step_ = false;
     if (l.replica_optimizer) {
       unpack(l, l.replica, l.received.data(), [](const Piece& p) -> S* { return p.param->grad.data(); });
       in_step_ = true;
@@ -317,13 +328,14 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
         l.replica_optimizer->step();
       } catch (...) {
         in_step_ = false;
+        set_lr(lr);
         throw;
       }
       in_step_ = false;
     }
     set_lr(lr);
     ++committed_;
-    pending_ = false;
+    pending_ = primary_applied_ = false;
   }
 
   // After a checkpoint load into the primaries: each replica from its primary (a ring exchange of
@@ -363,11 +375,7 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     });
   }
 
-  std::int64_t param_offset(std::size_t i) const {
-    std::int64_t offset = 0;
-    for (std::size_t q = 0; q < i; ++q) offset += shapes_[q].numel();
-    return offset;
-  }
+  std::int64_t param_offset(std::size_t i) const { return param_offsets_[i]; }
 
   // The first regroup: every member starts from the lowest-ranked holder's parameters and fresh state.
   void fresh_start(Comm& comm, const std::vector<detail::ShardRecord>& records) {
@@ -375,9 +383,6 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     for (std::size_t q = 0; q < records.size() && source < 0; ++q)
       if (records[q].holds != 0) source = static_cast<int>(q);
     TESSERA_CHECK(source >= 0, Error, kWho, ": no member holds a training state and none holds a shard");
-    for (const detail::ShardRecord& r : records)
-      TESSERA_CHECK(r.holds == 0 || r.committed == 0, Error, kWho, ": a member has taken ", r.committed, " steps but "
-                    "no member holds a shard of its optimizer state; resume from a checkpoint");
     for (auto& t : whole_) {
       t.resize({total_});
       t.zero();
@@ -430,7 +435,6 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     for (const auto s : unit_shard) shard_total += s;
     for (auto& t : whole_) t.resize({total_});
     std::vector<S> buffer(static_cast<std::size_t>(shard_total));
-    std::vector<std::vector<std::vector<Tensor<S, D>*>>> my_state(2);  // of my primary and replica, if I hold one
     for (std::int64_t s = 0; s < size; ++s) {
       const int holder = detail::shard_holder(records, id, size, s);
       const bool mine = holder == comm.rank();
@@ -535,6 +539,8 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
   std::int64_t bind_generation_ = 0;
   std::int64_t committed_ = 0, counted_ = 0;
   bool pending_ = false, in_step_ = false;
+  bool primary_applied_ = false;  // of the pending step
+  std::vector<std::int64_t> param_offsets_;  // each model parameter's first element in model order
 };
 
 }  // namespace tessera

@@ -125,8 +125,8 @@ inline std::int64_t agreed_shard_step(const std::vector<ShardRecord>& records, s
   for (std::size_t q = 0; q < records.size(); ++q) {
     const ShardRecord& r = records[q];
     if (r.layout != id) continue;
-    TESSERA_CHECK(r.committed == target || (r.committed == target - 1 && r.pending != 0), Error, who, ": member ", q,
-                  " has committed ", r.committed, " steps and others ", target,
+    TESSERA_CHECK(r.committed == target || (r.committed == target - 1 && r.pending != 0), Error, who, ": rank ", q,
+                  " (rank ", r.rank, " of generation ", id, ") has committed ", r.committed, " steps and others ", target,
                   (r.committed == target - 1 ? " but it lacks the gradients of the step between" : ""),
                   ": their shards cannot be brought to one step; resume from a checkpoint");
   }

@@ -127,7 +127,7 @@ class ReplicatedZero1 final : UpdateGuard {
     // The model is the source of truth for values (a checkpoint may have been loaded into it).
     refresh_values(l.primary);
     if (l.replica) refresh_values(*l.replica);
-    pending_ = false;
+    pending_ = primary_applied_ = false;
     // a. the averaged gradient of shard r lands on rank r.
     pack_model([](Parameter<S, D>& p) { return p.grad.data(); });
     comm.reduce_scatter(std::span<const S>(flat_.data(), static_cast<std::size_t>(flat_.numel())),
@@ -302,9 +302,6 @@ class ReplicatedZero1 final : UpdateGuard {
     for (std::size_t q = 0; q < records.size() && source < 0; ++q)
       if (records[q].holds != 0) source = static_cast<int>(q);
     TESSERA_CHECK(source >= 0, Error, "ReplicatedZero1: no member holds a training state and none holds a shard");
-    for (const detail::ShardRecord& r : records)
-      TESSERA_CHECK(r.holds == 0 || r.committed == 0, Error, "ReplicatedZero1: a member has taken ", r.committed,
-                    " steps but no member holds a shard of its optimizer state; resume from a checkpoint");
     for (auto& [name, p] : model_.parameters) comm.broadcast(std::span<S>(p->value.data(), p->value.numel()), source);
     whole[0].resize({total_});
     pack_model_into(whole[0].data(), [](Parameter<S, D>& p) { return p.value.data(); });
@@ -407,15 +404,23 @@ class ReplicatedZero1 final : UpdateGuard {
   }
 
   // Both updates of a step whose gradients this rank holds (the commit, or a roll-forward).
+  // A primary update done before an exception in the replica's is not done twice.
   void apply_pending(Layout& l) {
-    TESSERA_CHECK(pending_, Error, "ReplicatedZero1: no gradients to apply");
+    TESSERA_CHECK(pending_, Error, "ReplicatedZero1 (rank ", l.rank, " of ", l.size, "): no gradients of step ",
+                  committed_ + 1, " to apply");
     const double lr = lr_;
     set_lr(pending_lr_);
-    apply(l.primary);
-    if (l.replica) apply(*l.replica);
+    try {
+      if (!primary_applied_) apply(l.primary);
+      primary_applied_ = true;
+      if (l.replica) apply(*l.replica);
+    } catch (...) {
+      set_lr(lr);
+      throw;
+    }
     set_lr(lr);
     ++committed_;
-    pending_ = false;
+    pending_ = primary_applied_ = false;
   }
   void apply(Shard& shard) {
     for (auto& seg : shard.segments) std::copy_n(shard.grad.data() + seg.shard_offset, seg.length, seg.param.grad.data());
@@ -497,6 +502,7 @@ class ReplicatedZero1 final : UpdateGuard {
   std::int64_t committed_ = 0;
   std::int64_t counted_ = 0;  // committed_ as the caller last saw step() return (a roll-forward is not seen)
   bool pending_ = false;  // both gradients of step committed_+1 are here
+  bool primary_applied_ = false;  // of the pending step
   bool in_step_ = false;
   std::optional<std::string> deferred_failure_;
   std::vector<Tensor<S, D>> whole_;  // [kind][model parameter], during a save or load only

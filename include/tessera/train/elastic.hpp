@@ -186,15 +186,9 @@ class ElasticTrainer {
       pending->change.joined = {group_.member()};
       pending->change.cause = "joined as a replacement";
     }
-    // A strategy bound to the optimizer (ReplicatedFullyShardedOptimizer::bind: the FSDP's pieces
-    // are this member's shard) lives until the next generation's is bound; the others are rebuilt
-    // at each generation. Two slots, used in turn.
-    constexpr bool kBinds = requires(Optimizer& o, Strat& s) { o.bind(s); };
-    std::array<std::optional<Strat>, 2> strategies;
-    int bound = -1;
     for (;;) {
-      const int slot = bound == 0 ? 1 : 0;
-      std::optional<Strat>& strategy = strategies[static_cast<std::size_t>(slot)];
+      const int slot = bound_ == 0 ? 1 : 0;
+      std::optional<Strat>& strategy = strategies_[static_cast<std::size_t>(slot)];
       std::optional<DataLoader<S>> train;
       std::optional<TrainerType> trainer;
       try {
@@ -220,8 +214,8 @@ class ElasticTrainer {
         TESSERA_CHECK(strategy.has_value(), ArgumentError, "ElasticTrainer: the strategy callback built no strategy");
         if constexpr (kBinds) {
           optimizer_.bind(*strategy);
-          bound = slot;
-          strategies[static_cast<std::size_t>(1 - slot)].reset();
+          bound_ = slot;
+          strategies_[static_cast<std::size_t>(1 - slot)].reset();
         }
         TrainOptions o = options_;
         o.checkpoint_group = CheckpointGroup(comm);
@@ -248,7 +242,7 @@ class ElasticTrainer {
       } catch (const detail::GroupGrows& grows) {
         state = trainer->state();
         trainer.reset();
-        if (bound != slot) strategy.reset();
+        if (bound_ != slot) strategy.reset();
         train.reset();
         const auto before = group_.history().size();
         group_.grow(grows.step);
@@ -256,7 +250,7 @@ class ElasticTrainer {
       } catch (const CommError& e) {
         if (trainer) state = trainer->state();
         trainer.reset();
-        if (bound != slot) strategy.reset();
+        if (bound_ != slot) strategy.reset();
         train.reset();
         // A death during the heal's broadcasts may have left this member's state half overwritten.
         if (state_at_risk_ && !was_source_) holds = false;
@@ -276,6 +270,13 @@ class ElasticTrainer {
   }
 
   const std::vector<ElasticEvent>& events() const { return events_; }
+
+  // A bound optimizer lets go of the strategy that holds its shard before the strategy goes.
+  ~ElasticTrainer() {
+    if constexpr (kBinds) optimizer_.unbind();
+  }
+  ElasticTrainer(const ElasticTrainer&) = delete;
+  ElasticTrainer& operator=(const ElasticTrainer&) = delete;
 
  private:
   std::optional<ElasticEvent> event_since(std::size_t before) const {
@@ -331,6 +332,9 @@ class ElasticTrainer {
   int heal_sharded(Comm& comm, TrainState& state, bool holds) {
     was_source_ = false;
     const RegroupResult agreed = optimizer_.regroup(comm, holds, group_.generation());
+    // A member behind the agreed step (rolled forward) holds the training position only once the
+    // broadcast below gave it: if the heal fails before, it must not count as holding one.
+    state_at_risk_ = !agreed.current;
     const std::int64_t mine = agreed.current ? 1 : 0;
     std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
     comm.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
@@ -357,7 +361,14 @@ class ElasticTrainer {
   ElasticTrainOptions elastic_;
   std::vector<ElasticEvent> events_;
   bool was_source_ = false;
-  bool state_at_risk_ = false;  // in a heal's broadcasts, where a failure leaves the state half overwritten
+  bool state_at_risk_ = false;
+  // A strategy bound to the optimizer (ReplicatedFullyShardedOptimizer::bind: the FSDP's pieces
+  // are this member's shard) lives until the next generation's is bound, and as long as this
+  // trainer (a second fit() goes on from it); the others are rebuilt at each generation. Two
+  // slots, used in turn; bound_ is the bound one's (-1: none).
+  static constexpr bool kBinds = requires(Optimizer& o, Strat& s) { o.bind(s); };
+  std::array<std::optional<Strat>, 2> strategies_;
+  int bound_ = -1;  // in a heal's broadcasts, where a failure leaves the state half overwritten
 };
 
 }  // namespace tessera

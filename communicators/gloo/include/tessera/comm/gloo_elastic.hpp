@@ -318,24 +318,39 @@ class GlooElasticGroup {
 
   // A replacement: claim the slot's next free incarnation, then follow the decisions until one
   // lists this process.
+  //
+  // It waits the comm timeout for a sign of the group: a decision, or the growth scheduled in the
+  // latest generation (the group then admits it 2c steps later, however long its steps take, so
+  // from then on it waits three timeouts more); every decision without it starts the wait anew.
   void join_running_group(int slot) {
-    const auto deadline = std::chrono::steady_clock::now() + comm_options_.timeout;
+    using Clock = std::chrono::steady_clock;
+    const auto started = Clock::now();
+    auto deadline = started + comm_options_.timeout;
     std::int64_t k = 1;
     while (has(cat("want.", member_id(slot, k))) && k < 1'000'000) ++k;
     me_ = member_id(slot, k);
     publish_id();
     set(cat("want.", me_), me_);
     for (std::int64_t g = 1;; ++g) {
+      bool scheduled = false;
       while (!has(cat("g", g, ".members"))) {
-        TESSERA_CHECK(std::chrono::steady_clock::now() < deadline, CommError, where(), ": waited ",
-                      detail::seconds_text(comm_options_.timeout), " to be admitted and no group admitted it (is "
-                      "the group running, with the same TESSERA_STORE and TESSERA_STORE_PREFIX?)");
+        if (!scheduled && g > 1 && has(cat("g", g - 1, ".grow"))) {
+          scheduled = true;
+          deadline = Clock::now() + 3 * comm_options_.timeout;
+        }
+        TESSERA_CHECK(Clock::now() < deadline, CommError, where(), ": waited ",
+                      detail::seconds_text(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started)),
+                      " to be admitted and no group admitted it (",
+                      scheduled ? "the group scheduled a growth and did not reach it: stopped or failing?"
+                                : "is the group running, with the same TESSERA_STORE and TESSERA_STORE_PREFIX?",
+                      ")");
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
       members_ = read_decision(g);
       generation_ = g;
       if (index_of(me_) >= 0) break;
       TESSERA_CHECK(g < 1'000'000, CommError, where(), ": no decision admitted it");
+      deadline = Clock::now() + comm_options_.timeout;  // the group is alive: wait on
     }
     connect();
   }
