@@ -84,17 +84,10 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
       param_offsets_.push_back(total_);
       total_ += p->value.numel();
     }
-    // A one-element probe tells the learning rate, the kinds of state and the integers.
-    Parameter<S, D> probe_param(Shape{1}, ParamKind::Weight);
-    NamedTensors<Env> probe_named;
-    probe_named.parameter("probe", probe_param);
-    Optimizer probe = make_(probe_named);
-    lr_ = probe.lr();
-    const std::map<std::string, std::size_t> piece_of{{"probe", 0}};
-    for (auto& [kind, tensors] : detail::state_by_kind<S, D>(probe, piece_of, 1, kWho)) kinds_.push_back(kind);
-    detail::IntegerNames names{integer_names_};
-    detail::StateIntegersOf<detail::IntegerNames> ints{names};
-    probe.visit_state(ints);
+    auto probe = detail::probe_optimizer<Env>(make_, kWho);
+    lr_ = probe.lr;
+    kinds_ = std::move(probe.kinds);
+    integer_names_ = std::move(probe.integer_names);
   }
   ReplicatedFullyShardedOptimizer(const ReplicatedFullyShardedOptimizer&) = delete;
   ReplicatedFullyShardedOptimizer& operator=(const ReplicatedFullyShardedOptimizer&) = delete;
@@ -205,7 +198,11 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     l->size = fsdp.comm_.size();
     l->rank = fsdp.comm_.rank();
     take_units(fsdp);
-    for (const auto& unit : fsdp.units_) l->unit_shard.push_back(unit.shard);
+    for (const auto& unit : fsdp.units_) {
+      l->unit_base.push_back(l->shard_total);
+      l->unit_shard.push_back(unit.shard);
+      l->shard_total += unit.shard;
+    }
     // The primary: the FSDP's pieces, whose values its constructor took from the model.
     for (std::size_t u = 0; u < fsdp.units_.size(); ++u)
       for (std::size_t j : fsdp.units_[u].pieces) {
@@ -220,10 +217,8 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
       fill_state(*l->replica_optimizer, l->replica);
     }
     l->full.emplace(fsdp, *l->primary_optimizer);
-    std::int64_t shard_total = 0;
-    for (const auto s : l->unit_shard) shard_total += s;
-    l->send.resize({shard_total});
-    l->received.resize({shard_total});
+    l->send.resize({l->shard_total});
+    l->received.resize({l->shard_total});
     layout_ = std::move(l);
     whole_.clear();
     set_lr(lr_);
@@ -250,6 +245,8 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     Comm* comm = nullptr;
     int size = 1, rank = 0;
     std::vector<std::int64_t> unit_shard;  // s_u
+    std::vector<std::int64_t> unit_base;   // Σ_{v<u} s_v: where unit u's shard starts in a packed shard
+    std::int64_t shard_total = 0;          // L = Σ_u s_u
     Held primary, replica;
     std::optional<Optimizer> primary_optimizer, replica_optimizer;
     std::optional<FullyShardedOptimizer<Fsdp, Optimizer>> full;  // the primary's checkpoints
@@ -265,23 +262,17 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
   // The unit's shard of `held` side by side (unit u at Σ_{v<u} s_v), from what `data_of(piece)` points at.
   template <class Data>
   void pack(const Layout& l, const Held& held, S* out, Data data_of) const {
-    std::int64_t total = 0;
-    for (const auto s : l.unit_shard) total += s;
-    std::fill(out, out + total, S(0));
-    std::vector<std::int64_t> base(l.unit_shard.size(), 0);
-    for (std::size_t u = 1; u < base.size(); ++u) base[u] = base[u - 1] + l.unit_shard[u - 1];
+    std::fill(out, out + l.shard_total, S(0));
     for (const Piece& piece : held.pieces) {
       const S* from = data_of(piece);
-      if (from) std::copy_n(from, piece.length, out + base[piece.unit] + piece.shard_offset);
+      if (from) std::copy_n(from, piece.length, out + l.unit_base[piece.unit] + piece.shard_offset);
     }
   }
   template <class Data>
   void unpack(const Layout& l, Held& held, const S* in, Data data_of) const {
-    std::vector<std::int64_t> base(l.unit_shard.size(), 0);
-    for (std::size_t u = 1; u < base.size(); ++u) base[u] = base[u - 1] + l.unit_shard[u - 1];
     for (const Piece& piece : held.pieces) {
       S* to = data_of(piece);
-      if (to) std::copy_n(in + base[piece.unit] + piece.shard_offset, piece.length, to);
+      if (to) std::copy_n(in + l.unit_base[piece.unit] + piece.shard_offset, piece.length, to);
     }
   }
   void pack_grads(Held& held, Tensor<S, D>& out) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 
 #include "tessera/comm/communicator.hpp"
 #include "tessera/core/error.hpp"
+#include "tessera/core/parameter.hpp"
 #include "tessera/optim/optimizer.hpp"
 #include "tessera/parallel/agreement.hpp"
 
@@ -160,6 +162,31 @@ void set_optimizer_integers(O& optimizer, const std::vector<std::int64_t>& value
   IntegersIn in{values};
   StateIntegersOf<IntegersIn> visitor{in};
   optimizer.visit_state(visitor);
+}
+
+// What every shard optimizer the callback `make` builds will have, read off a one-element probe so
+// that the whole state is never allocated: its learning rate, its kinds of state
+// ("optim.<kind>.<param>") and its integers ("optim.step").
+struct OptimizerProbe {
+  double lr = 0;
+  std::vector<std::string> kinds, integer_names;
+};
+template <class E, class Make>
+OptimizerProbe probe_optimizer(const Make& make, const char* who) {
+  using S = typename E::Scalar;
+  using D = typename E::Device;
+  Parameter<S, D> param(Shape{1}, ParamKind::Weight);
+  NamedTensors<E> named;
+  named.parameter("probe", param);
+  auto probe = make(named);
+  OptimizerProbe out;
+  out.lr = probe.lr();
+  const std::map<std::string, std::size_t> piece_of{{"probe", 0}};
+  for (auto& [kind, tensors] : state_by_kind<S, D>(probe, piece_of, 1, who)) out.kinds.push_back(kind);
+  IntegerNames names{out.integer_names};
+  StateIntegersOf<IntegerNames> ints{names};
+  probe.visit_state(ints);
+  return out;
 }
 
 }  // namespace detail

@@ -96,18 +96,10 @@ class ReplicatedZero1 final : UpdateGuard {
     TESSERA_CHECK(options.consistency_check_every >= 0, ArgumentError, "ReplicatedZero1: consistency_check_every=",
                   options.consistency_check_every, " must be >= 0 (0: no check)");
     for (auto& [name, p] : model_.parameters) total_ += p->value.numel();
-    // A one-element probe tells the learning rate, the kinds of state and the integers without
-    // allocating the whole state.
-    Parameter<S, D> probe_param(Shape{1}, ParamKind::Weight);
-    NamedTensors<E> probe_named;
-    probe_named.parameter("probe", probe_param);
-    Optimizer probe = make_(probe_named);
-    lr_ = probe.lr();
-    const std::map<std::string, std::size_t> piece_of{{"probe", 0}};
-    for (auto& [kind, tensors] : detail::state_by_kind<S, D>(probe, piece_of, 1, "ReplicatedZero1")) kinds_.push_back(kind);
-    detail::IntegerNames names{integer_names_};
-    detail::StateIntegersOf<detail::IntegerNames> ints{names};
-    probe.visit_state(ints);
+    auto probe = detail::probe_optimizer<E>(make_, "ReplicatedZero1");
+    lr_ = probe.lr;
+    kinds_ = std::move(probe.kinds);
+    integer_names_ = std::move(probe.integer_names);
   }
 
   ReplicatedZero1(const ReplicatedZero1&) = delete;
