@@ -7,16 +7,19 @@
 First the generated scripts without Slurm (flags, per-backend launch lines, bad input), then jobs
 of 2 and 4 tasks over MPI (srun --mpi=pmix) and Gloo (file and Redis stores), a job whose rank 1
 fails (its error in the summary, the others stopped), a job requeued mid-training that
-resumes from its checkpoint, and a job sent SIGUSR1 (what --signal=USR1@T sends before the time
-limit) that checkpoints at a step, requeues itself and resumes at that step. Exits 77 (skipped) when Slurm cannot be started here; every wait is
+resumes from its checkpoint, a job sent SIGUSR1 (what --signal=USR1@T sends before the time
+limit) that checkpoints at a step, requeues itself and resumes at that step, and an elastic job
+(--elastic --replace 1) whose rank 2 is killed: the others go on and a replacement job step joins. Exits 77 (skipped) when Slurm cannot be started here; every wait is
 bounded.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,8 +28,9 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))  # the script checks, shared with the quick pytest tier
+from elastic_logs import check_regrouped, slot_pid, watch_changes  # noqa: E402
 from local_slurm import LocalSlurm, Unavailable  # noqa: E402
-from test_sbatch import JOB_TIMEOUT, CheckFailed, check_scripts, expect, tool  # noqa: E402
+from test_sbatch import JOB_TIMEOUT, TOOL, CheckFailed, check_scripts, expect, tool  # noqa: E402
 
 # --- with Slurm: jobs -------------------------------------------------------------------------
 
@@ -168,11 +172,69 @@ def check_signal_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str,
           f"{stopped.group(4)}); requeued, it resumed there and reached {accuracy.group(1)}%")
 
 
+# Example 19's training in the elastic job: 2 epochs of 4,096 images, replicas compared every step.
+ELASTIC_ARGS = ("--epochs=2", "--limit=4096", "--check-every=1")
+
+
+def check_elastic_kill(slurm: LocalSlurm, log_dir: pathlib.Path, program: str, victim_slot: int = 2,
+                       delay: float = 0.0) -> dict[str, object]:
+    """--elastic --replace 1 (issue 51, "joining"): rank VICTIM_SLOT of 4 is killed (SIGKILL)
+    DELAY s into training; the others go on as 3, the batch script starts a replacement job step,
+    which joins as that rank with the others' parameters, and the job succeeds with 4 ranks.
+    Returns what was measured (bench/slurm_elastic_campaign.py repeats it)."""
+    job = subprocess.Popen([sys.executable, str(TOOL), "--wait", f"--log-dir={log_dir}", "--ntasks-per-node=4",
+                            "--elastic", "--replace=1", "--comm-timeout=2", "--", program, *ELASTIC_ARGS],
+                           env=slurm.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        assert job.stdout is not None
+        first = job.stdout.readline()  # "submitted job N: ..." comes before the wait
+        match = re.search(r"submitted job (\d+)", first)
+        expect(match, f"no job submitted: {first}")
+        assert match is not None
+        job_id = match.group(1)
+        rank0 = log_dir / f"job-{job_id}" / "rank-0.log"
+        while not (rank0.exists() and re.search(r"epoch 1/2 \d+/", rank0.read_text())):
+            expect(job.poll() is None and time.monotonic() < deadline, "the elastic job did not begin training")
+            time.sleep(0.05)
+        time.sleep(delay)
+        others = [r for r in range(4) if r != victim_slot]
+        victim = slot_pid(program, job_id, victim_slot)
+        survivors = [slot_pid(program, job_id, r) for r in others]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        times = watch_changes(job, rank0, killed, JOB_TIMEOUT, 4)
+        out = first + job.communicate(timeout=JOB_TIMEOUT)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    logs = log_dir / f"job-{job_id}"
+    batch = (log_dir / f"job-{job_id}.out").read_text()
+    v = victim_slot
+    expect(job.returncode == 0, f"the elastic job exited {job.returncode} after rank {v} was killed:\n{out}\n{batch}")
+    expect(re.search(rf"rank {v} \({slurm.node}\): exit 137 \(signal 9\); replacement 1 of 1 started on {slurm.node}",
+                     out), f"the summary does not show rank {v}'s death and replacement:\n{out}")
+    for r in range(4):
+        expect(f"rank {r} ({slurm.node}): exit 0" in out, f"rank {r}'s slot did not end with exit 0:\n{out}")
+    record = check_regrouped(logs, 4, [v])
+    # The survivors were not restarted: each slot but the victim's kept its first process (member r.0).
+    text = (logs / "rank-0.log").read_text()
+    expect(all(re.search(rf"member {r}\.0: rank \d+ of 4", (logs / f"rank-{r}.log").read_text()) for r in others),
+           f"a survivor was restarted (its member id is not r.0 at the end):\n{text[-2000:]}")
+    record.update(times, job_end_s=round(time.monotonic() - killed, 2))
+    print(f"ok: elastic job {job_id}: rank {v} killed, pids {survivors} went on {times.get('recovery_s')} s after; "
+          f"{record['line']}; 4 ranks again {times.get('rejoined_s')} s after the kill, the job ended "
+          f"{record['job_end_s']} s after, exit 0")
+    return record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mpi-program", required=True, help="the MPI conformance suite (tests/conformance_mpi)")
     parser.add_argument("--gloo-program", required=True, help="the Gloo conformance suite (tests/conformance_gloo)")
     parser.add_argument("--example", required=True, help="examples/04_data_parallel_gloo, for the requeue test")
+    parser.add_argument("--elastic-example", required=True, help="examples/19_elastic_gloo, for the elastic job")
     args = parser.parse_args()
     programs = {"mpi": str(pathlib.Path(args.mpi_program).resolve()),
                 "gloo": str(pathlib.Path(args.gloo_program).resolve())}
@@ -196,6 +258,7 @@ def main() -> int:
             check_failure(slurm, log_dir, work)
             check_requeue(slurm, log_dir, str(pathlib.Path(args.example).resolve()), work)
             check_signal_requeue(slurm, log_dir, str(pathlib.Path(args.example).resolve()), work)
+            check_elastic_kill(slurm, log_dir, str(pathlib.Path(args.elastic_example).resolve()))
         finally:
             slurm.stop()
     except CheckFailed as e:

@@ -3,7 +3,7 @@
 and host name (tests/slurm/two_node_slurm.py): jobs that span the nodes, and a node that dies.
 
     test_slurm_two_nodes.py --mpi-program conformance_mpi --gloo-program conformance_gloo \\
-                            --fault-program fault_gloo
+                            --fault-program fault_gloo --elastic-program 19_elastic_gloo
 
   across nodes   the MPI (srun --mpi=pmix) and Gloo (--iface eth0) conformance suites, 2 tasks
                  on each node: every rank passes, ranks 0-1 ran on node1 and 2-3 on node2 (each
@@ -16,6 +16,11 @@ and host name (tests/slurm/two_node_slurm.py): jobs that span the nodes, and a n
                  NODE_DOWN_BOUND s, and its summary must name node2 with ranks 2 and 3 (no exit
                  status, the node not answering Slurm) and give ranks 0 and 1's errors, which
                  name ranks 2 and 3.
+  elastic        node2 comes back (a new slurmd); an elastic job of example 19 (--elastic
+                 --replace 2, 2 tasks per node) loses node2 the same way: ranks 0 and 1 go on
+                 as 2, the batch script starts a replacement job step for ranks 2 and 3 on node1
+                 once Slurm marks node2 down, they join with the others' parameters, and the job
+                 ends with 4 ranks and exit 0.
 
 Exits 77 (skipped) where namespaces or Slurm cannot be used (not root, not installed). Every wait
 is bounded; the daemons and namespaces are removed at the end, on failure and on SIGTERM.
@@ -36,6 +41,7 @@ from types import FrameType
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))
+from elastic_logs import check_regrouped, watch_changes  # noqa: E402
 from local_slurm import Unavailable  # noqa: E402
 from test_sbatch import JOB_TIMEOUT, CheckFailed, expect  # noqa: E402
 from two_node_slurm import TwoNodeSlurm  # noqa: E402
@@ -151,14 +157,61 @@ def check_node_down(slurm: TwoNodeSlurm, log_dir: pathlib.Path, fault_program: s
     print("     " + next(line for line in out.splitlines() if line.startswith("rank 2 (node2)")))
 
 
+# Example 19's training in the elastic job: long enough to still be training when Slurm marks node2
+# down (12 to 16 s after the fault, NODE_DOWN_BOUND's comment) and the replacements have joined.
+ELASTIC_ARGS = ("--epochs=4", "--limit=24000", "--check-every=1")
+
+
+def check_elastic_node_down(slurm: TwoNodeSlurm, log_dir: pathlib.Path, program: str,
+                            delay: float = 0.0) -> dict[str, object]:
+    """--elastic --replace 2 (issue 51): node2 dies mid-training with ranks 2 and 3; ranks 0 and 1
+    go on as a group of 2, and once Slurm marks node2 down the batch script starts a replacement
+    job step for each lost rank on node1, the node left, which join: the job ends with 4 ranks."""
+    earlier = set(log_dir.glob("job-*/"))
+    job = submit(slurm, log_dir, "--backend=gloo", "--iface=eth0", f"--comm-timeout={COMM_TIMEOUT}", "--no-requeue",
+                 "--elastic", "--replace=2", "--", program, *ELASTIC_ARGS)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not ((logs := next(iter(set(log_dir.glob("job-*/")) - earlier), None))
+                   and (logs / "rank-0.log").exists() and re.search(r"epoch 1/4 \d+/", (logs / "rank-0.log").read_text())):
+            if job.poll() is not None:
+                raise CheckFailed(f"the elastic job ended before node2 was taken down:\n{job.communicate()[0]}")
+            expect(time.monotonic() < deadline, f"the elastic job did not begin training in {JOB_TIMEOUT} s")
+            time.sleep(0.1)
+        time.sleep(delay)
+        down_at = time.monotonic()
+        slurm.take_down("node2")
+        times = watch_changes(job, logs / "rank-0.log", down_at, JOB_TIMEOUT, 4)
+        rc, out, job_id = finish(job, JOB_TIMEOUT)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    batch = (log_dir / f"job-{job_id}.out").read_text()
+    expect(rc == 0, f"the elastic job exited {rc} after node2 died:\n{out}\n{batch}")
+    for r in (2, 3):
+        expect(re.search(rf"rank {r} \(node2\): lost with node2 \(Slurm marks it down\); replacement [12] of 2 "
+                         rf"started on node1", out), f"the summary does not show rank {r} lost and replaced:\n{out}")
+    for r in range(4):
+        expect(f"rank {r} (node1): exit 0" in out, f"rank {r}'s slot did not end on node1 with exit 0:\n{out}")
+    record = check_regrouped(logs, 4, [2, 3])
+    record.update(times, job_end_s=round(time.monotonic() - down_at, 2))
+    print(f"ok: elastic job {job_id}: node2 taken down; ranks 0 and 1 went on {times.get('recovery_s')} s after; "
+          f"{record['line']}; 4 ranks again {times.get('rejoined_s')} s after, the job ended {record['job_end_s']} s "
+          f"after, exit 0")
+    return record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mpi-program", required=True, help="the MPI conformance suite (tests/conformance_mpi)")
     parser.add_argument("--gloo-program", required=True, help="the Gloo conformance suite (tests/conformance_gloo)")
     parser.add_argument("--fault-program", required=True, help="the Gloo fault program (tests/fault_gloo)")
+    parser.add_argument("--elastic-program", required=True, help="examples/19_elastic_gloo, for the elastic job")
     args = parser.parse_args()
     programs = {name: str(pathlib.Path(path).resolve()) for name, path in
-                (("mpi", args.mpi_program), ("gloo", args.gloo_program), ("fault", args.fault_program))}
+                (("mpi", args.mpi_program), ("gloo", args.gloo_program), ("fault", args.fault_program),
+                 ("elastic", args.elastic_program))}
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)  # unwinds through the finally blocks that remove Slurm and the network
@@ -180,6 +233,8 @@ def main() -> int:
             check_across_nodes(slurm, log_dir, "mpi", programs["mpi"])
             check_across_nodes(slurm, log_dir, "gloo", programs["gloo"])
             check_node_down(slurm, log_dir, programs["fault"])
+            slurm.bring_back("node2")
+            check_elastic_node_down(slurm, log_dir, programs["elastic"])
         finally:
             slurm.stop()
     except CheckFailed as e:

@@ -27,6 +27,7 @@ import os
 import pathlib
 import shlex
 import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -60,6 +61,7 @@ class TwoNodeSlurm(LocalSlurm):
         self.addresses = {name: self.net.address(i + 1) for i, name in enumerate(NODES)}
         self.bin = self.root / "bin"
         self.host = socket.gethostname().split(".")[0]  # slurmctld's, in "head"
+        self.down: set[str] = set()  # nodes taken down (take_down) and not brought back
 
     def node_names(self) -> list[str]:
         return list(NODES)
@@ -94,12 +96,15 @@ class TwoNodeSlurm(LocalSlurm):
     def _start_daemons(self, env: dict[str, str]) -> None:
         self._spawn([*enter(self.head), self.paths["slurmctld"], "-D", "-i", "-f", str(self.conf)],
                     "slurmctld", env)
-        for name, ns in self.namespaces.items():
+        for name in self.namespaces:
             (self.root / f"spool-{name}").mkdir(exist_ok=True)
             (self.root / f"tmp-{name}").mkdir(exist_ok=True)
-            # Its own host name too, as a real node has (Open MPI and Gloo tell hosts apart by it).
-            self._spawn([*enter(ns), "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name,
-                         self.paths["slurmd"], "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}", env)
+            self._start_slurmd(name, env)
+
+    def _start_slurmd(self, name: str, env: dict[str, str]) -> None:
+        # Its own host name too, as a real node has (Open MPI and Gloo tell hosts apart by it).
+        self._spawn([*enter(self.namespaces[name]), "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                     name, self.paths["slurmd"], "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}", env)
 
     def _conf_lines(self) -> list[str]:
         r = self.root
@@ -130,6 +135,26 @@ class TwoNodeSlurm(LocalSlurm):
         ns = self.namespaces[node]
         netns_test.run(["ip", "-n", ns, "link", "set", "eth0", "down"])
         netns_test.kill_namespace_processes(ns)
+        self.down.add(node)
+
+    def bring_back(self, node: str, seconds: float = 60) -> None:
+        """A node taken down comes back, as a host that is powered on again: its link up, a new
+        slurmd, which registers with slurmctld (ReturnToService=2 then makes the node usable). A
+        node that was not taken down is left as it is."""
+        if node not in self.down:
+            return
+        self.down.discard(node)
+        netns_test.run(["ip", "-n", self.namespaces[node], "link", "set", "eth0", "up"])
+        # The slurmd taken down is dead (killed with the namespace's processes); its entry goes.
+        self.processes = [p for p in self.processes if p.poll() is None]
+        env = self.env()
+        self._start_slurmd(node, env)
+
+        def idle() -> bool:
+            done = subprocess.run(self.command("sinfo") + ["-h", "-N", "-n", node, "-o", "%T"], env=env,
+                                  capture_output=True, text=True, timeout=10)
+            return done.returncode == 0 and done.stdout.split() == ["idle"]
+        self._wait(idle, seconds, f"{node} to be idle again", self.root / "slurmctld.log")
 
     def stop(self) -> None:
         try:

@@ -93,7 +93,15 @@ def check_scripts(programs: dict[str, str], work: pathlib.Path) -> None:
     rc, script, err = tool("--dry-run", "--no-requeue", f"--checkpoint={ckpt}", "--", gloo)
     expect(rc == 0 and "#SBATCH --no-requeue" in script and "scontrol requeue" not in script,
            "--no-requeue is not kept")
-    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint, signal)")
+    # --elastic: neither a failed task nor a dead node ends the step; --replace starts new steps.
+    rc, script, err = tool("--dry-run", "--elastic", "--replace=2", "--ntasks-per-node=4", "--", gloo)
+    expect(rc == 0 and "srun --kill-on-bad-exit=0 --wait=0 --no-kill" in script and "#SBATCH --no-kill" in script
+           and "srun --overlap --nodes=1 --ntasks=1" in script and "REPLACEMENTS_LEFT=2" in script
+           and "TESSERA_ELASTIC_JOIN=1" in script, f"--elastic --replace 2 does not watch and replace:\n{script}")
+    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    expect(syntax.returncode == 0, f"the elastic script is not valid bash: {syntax.stderr}")
+    expect("unset TESSERA_RANK TESSERA_WORLD_SIZE" in script, "a TESSERA_RANK from the submitting shell reaches the ranks")
+    print("ok: scripts (mpi with pmix and pmi2, gloo with file, redis and URL stores, nccl, checkpoint, signal, elastic)")
 
     # Several nodes: one task per node checks the rendezvous directory and (gloo without --iface)
     # that the host name is reachable, before any rank starts. The check itself, run here.
@@ -128,6 +136,10 @@ def check_scripts(programs: dict[str, str], work: pathlib.Path) -> None:
         (["--nodes=0", "--", mpi], "must be at least 1"),
         (["--store=tcp://x", "--", gloo], "--store=tcp://x"),
         (["--env=1X=2", "--", gloo], "is not NAME=VALUE"),
+        (["--elastic", "--backend=mpi", "--", mpi], "Open MPI without ULFM"),
+        (["--replace=1", "--", gloo], "needs --elastic"),
+        (["--elastic", "--replace=1", "--backend=nccl", "--", gloo], "--replace is for the gloo backend"),
+        (["--elastic", "--replace=-1", "--", gloo], "must be 0 or more"),
         (["--backend=mpi"], "no program given"),
         (["--backend=mpi", "--", str(work / "no-such-program")], "does not exist"),
     ]
@@ -226,22 +238,26 @@ def test_wait_for_a_purged_job_asks_the_accounting(tmp_path: pathlib.Path) -> No
 FAKE_NODES = {"node1": "State=IDLE", "node2": "State=DOWN+NOT_RESPONDING Reason=Not responding [root@2026-01-01]"}
 
 
-def run_batch_script(tmp_path: pathlib.Path, srun_body: str) -> tuple[subprocess.Popen[str], pathlib.Path]:
-    """The batch script of a 2-node, 4-rank gloo job, started under a fake srun (SRUN_BODY: what
-    it does for the ranks; the multi-node checks, one task per node, pass) and a fake scontrol that knows node1 (up)
-    and node2 (not answering). Returns the running script and its log folder."""
+def run_batch_script(tmp_path: pathlib.Path, srun_body: str, *options: str, replacement: str = "",
+                     nodes: dict[str, str] = FAKE_NODES) -> tuple[subprocess.Popen[str], pathlib.Path]:
+    """The batch script of a 2-node, 4-rank gloo job (more tessera-sbatch OPTIONS), started under
+    a fake srun (SRUN_BODY: what it does for the ranks; the multi-node checks, one task per node,
+    pass; REPLACEMENT: what a replacement step, srun --overlap, does) and a fake scontrol that knows
+    node1 (up) and node2 (not answering), or NODES. Returns the running script and its log folder."""
     program = stub_program(tmp_path / "prog_gloo")
     log_dir = tmp_path / "logs"
     rc, script, err = tool("--dry-run", "--nodes=2", "--ntasks-per-node=2", "--iface=eth0", f"--log-dir={log_dir}",
-                           "--", str(program))
+                           *options, "--", str(program))
     expect(rc == 0, f"dry run failed: {err}")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/bash\ncase "$*" in *--ntasks-per-node=1*) exit 0;; esac\n'
+                                  'case "$*" in *--overlap*)\n' + replacement + '\nexit 0;; esac\n'
                                   'for r in 0 1; do echo node1 > "$LOG_DIR/rank-$r.node"; done\n'
                                   'for r in 2 3; do echo node2 > "$LOG_DIR/rank-$r.node"; done\n' + srun_body)
-    (bin_dir / "scontrol").write_text("#!/bin/sh\ncase \"$3\" in\n" + "".join(
-        f"  {node}) echo 'NodeName={node} Arch=x86_64 {state}';;\n" for node, state in FAKE_NODES.items()) + "esac\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && { echo node1; echo node2; exit 0; }\n"
+                                      "case \"$3\" in\n" + "".join(
+        f"  {node}) echo 'NodeName={node} Arch=x86_64 {state}';;\n" for node, state in nodes.items()) + "esac\n")
     for name in ("srun", "scontrol"):
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(script)
@@ -288,3 +304,54 @@ def test_summary_written_when_the_job_is_stopped(tmp_path: pathlib.Path) -> None
                                                                                   f"(exit {job.returncode}):\n{out}")
     expect("rank 0 (node1): exit 143 (signal 15" in out and "rank 3 (node2): exit none: node2 stopped answering" in out,
            f"the summary after SIGTERM lacks the ranks' states:\n{out}")
+
+
+# A replacement step as the fake srun runs it: it records where it ran and how it was started.
+REPLACEMENT = ('node=$(sed -n "s/.*--nodelist=\\([^ ]*\\).*/\\1/p" <<< "$*")\n'
+               'echo "$node" > "$LOG_DIR/rank-$TESSERA_RANK.node"\n'
+               'echo "slot $TESSERA_RANK of $TESSERA_WORLD_SIZE join=$TESSERA_ELASTIC_JOIN on $node" '
+               '>> "$LOG_DIR/started.txt"\n'
+               'sleep 0.3; echo 0 > "$LOG_DIR/rank-$TESSERA_RANK.exit"')
+
+
+def test_elastic_replaces_a_failed_rank(tmp_path: pathlib.Path) -> None:
+    """--elastic --replace 1: rank 2 exits 137 while the others run; the script starts one
+    replacement step on rank 2's node as slot 2 (TESSERA_RANK=2, TESSERA_ELASTIC_JOIN=1), and the
+    job succeeds though srun reports the killed task (tests/slurm/test_slurm.py: the real thing)."""
+    job, logs = run_batch_script(tmp_path, 'sleep 0.3; echo 137 > "$LOG_DIR/rank-2.exit"; sleep 2\n'
+                                           'for r in 0 1 3; do echo 0 > "$LOG_DIR/rank-$r.exit"; done; exit 137\n',
+                                 "--elastic", "--replace=1", replacement=REPLACEMENT,
+                                 nodes={"node1": "State=ALLOCATED", "node2": "State=ALLOCATED"})
+    out = job.communicate(timeout=30)[0]
+    expect(job.returncode == 0, f"the elastic job did not succeed (exit {job.returncode}):\n{out}")
+    started = (logs / "started.txt").read_text()
+    expect(started == "slot 2 of 4 join=1 on node2\n", f"the replacement was not slot 2 joining on node2: {started}")
+    expect("rank 2 (node2): exit 137 (signal 9); replacement 1 of 1 started on node2" in out
+           and "rank 2 (node2): exit 0" in out and "elastic: the group finished (ranks 0 1 2 3 exited 0)" in out,
+           f"the summary does not show the failure, the replacement and its end:\n{out}")
+    expect((logs / "rank-2.exit-1").read_text().strip() == "137", "the failed process's exit status was not kept")
+
+
+def test_elastic_replaces_the_ranks_of_a_lost_node(tmp_path: pathlib.Path) -> None:
+    """node2 stops answering (the fake scontrol says DOWN): its ranks 2 and 3 left no exit status.
+    With --replace 1 one of them is replaced on node1, the node still up, and the other is recorded
+    as not replaced; ranks 0 and 1 finish, so the job succeeds."""
+    job, logs = run_batch_script(tmp_path, 'sleep 4; for r in 0 1; do echo 0 > "$LOG_DIR/rank-$r.exit"; done\n'
+                                           'exit 0\n', "--elastic", "--replace=1", replacement=REPLACEMENT)
+    out = job.communicate(timeout=30)[0]
+    expect(job.returncode == 0, f"the elastic job did not succeed (exit {job.returncode}):\n{out}")
+    started = (logs / "started.txt").read_text()
+    expect(started == "slot 2 of 4 join=1 on node1\n", f"rank 2 was not replaced on node1: {started}")
+    expect("rank 2 (node2): lost with node2 (Slurm marks it down); replacement 1 of 1 started on node1" in out
+           and "rank 3 (node2): lost with node2 (Slurm marks it down); not replaced: no replacement left (--replace 1)"
+           in out and "rank 2 (node1): exit 0" in out and "rank 3 (node2): exit none: node2 stopped answering" in out,
+           f"the summary does not show the lost node's ranks and what was done:\n{out}")
+
+
+def test_elastic_fails_when_no_rank_finishes(tmp_path: pathlib.Path) -> None:
+    """Every rank fails: no replacement (none allowed), and the job fails with srun's status."""
+    job, logs = run_batch_script(tmp_path, 'for r in 0 1 2 3; do echo 3 > "$LOG_DIR/rank-$r.exit"; done; exit 3\n',
+                                 "--elastic")
+    out = job.communicate(timeout=30)[0]
+    expect(job.returncode == 3 and "elastic: no rank finished the training" in out,
+           f"a job whose every rank failed did not fail (exit {job.returncode}):\n{out}")

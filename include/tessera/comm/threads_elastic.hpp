@@ -162,12 +162,14 @@ class ThreadElasticGroup {
       return;
     }
     // Wait for a generation that admits this replacement: the timeout for a sign of the group (a
-    // new generation, or a growth scheduled in the latest: then three timeouts more), as the Gloo
-    // group's joiner waits.
+    // new generation; a growth scheduled in the latest: then three timeouts more; a member's
+    // check-in for the next one, a change under way after a failure: two settles and a timeout
+    // more), as the Gloo group's joiner waits.
     using Clock = std::chrono::steady_clock;
     auto deadline = Clock::now() + hub_.comm_options_.timeout;
     std::size_t seen = hub_.generations_.size();
     bool scheduled = false;
+    bool changing = false;
     for (;;) {
       for (std::int64_t g = 0; g < static_cast<std::int64_t>(hub_.generations_.size()); ++g) {
         const auto& m = hub_.generations_[static_cast<std::size_t>(g)].members;
@@ -180,11 +182,16 @@ class ThreadElasticGroup {
       if (hub_.generations_.size() != seen) {
         seen = hub_.generations_.size();
         scheduled = false;
+        changing = false;
         deadline = std::max(deadline, Clock::now() + hub_.comm_options_.timeout);
       }
       if (!scheduled && hub_.grow_at_.count(static_cast<std::int64_t>(seen) - 1)) {
         scheduled = true;
         deadline = std::max(deadline, Clock::now() + 3 * hub_.comm_options_.timeout);
+      }
+      if (!changing && hub_.checked_in_.count(static_cast<std::int64_t>(seen))) {
+        changing = true;
+        deadline = std::max(deadline, Clock::now() + 2 * hub_.settle() + hub_.comm_options_.timeout);
       }
       TESSERA_CHECK(Clock::now() < deadline, CommError, "ThreadElasticGroup ", me_,
                     ": no generation admitted it in time (has the group ended?)");

@@ -41,7 +41,7 @@ how each backend is launched inside the allocation:
 logs and failures:
   The batch script's own output goes to LOG_DIR/job-<id>.out, each rank's to
   LOG_DIR/job-<id>/rank-<r>.log. srun stops the other ranks when one fails
-  (--kill-on-bad-exit); the script then writes LOG_DIR/job-<id>/summary.txt (also at the end of
+  (--kill-on-bad-exit; not with --elastic); the script then writes LOG_DIR/job-<id>/summary.txt (also at the end of
   job-<id>.out): each rank's node and exit status, and the failed rank's error lines and last
   lines. A rank that left no exit status on a node Slurm marks DOWN or NOT_RESPONDING is named
   as lost with that node ("rank 2 (node2): exit none: node2 stopped answering Slurm ..."). A
@@ -66,6 +66,23 @@ time limits (--signal-before):
   --no-requeue) and the next start resumes at that step. SIGTERM (the limit itself, scancel,
   preemption) saves the checkpoint the same way when the step ends in time. --checkpoint-every=N,
   a flag of the program, also saves every N steps, for losses no signal announces.
+
+elastic jobs (--elastic, --replace K; gloo):
+  For a program built on ElasticTrainer (examples/19_elastic): a rank that fails does not stop
+  the others, which go on as a smaller group. srun runs the ranks with --kill-on-bad-exit=0
+  --wait=0 --no-kill and the job is submitted with --no-kill, so neither a failed task nor a
+  node that dies ends the step or the allocation. The batch script watches the ranks (every
+  0.5 s; a node's state every 2 s): with --replace K, a rank that exits non-zero, or whose node
+  Slurm marks DOWN or NOT_RESPONDING, while others still run gets a new job step in the
+  allocation (srun --overlap -N 1 -n 1: the running step still holds every CPU of the
+  allocation), on its own node, or on the node of the allocation running the fewest ranks when
+  its node is down. The replacement is the same slot (TESSERA_RANK=r, TESSERA_WORLD_SIZE,
+  TESSERA_ELASTIC_JOIN=1), joins the group at its next step boundary and receives the model,
+  optimizer, loader and random state from a healthy peer; its output is appended to
+  rank-<r>.log. K replacements in all. The summary lists each failure and what was done about
+  it, then each slot's last process; the job succeeds when a rank finished the training. MPI
+  cannot go on without a rank (Open MPI has no ULFM here) and --replace is gloo's only: a
+  replacement NCCL rank would need the GPU that the running step still holds.
 
 multi-node checks (before the ranks start, gloo and nccl):
   A job on several nodes first runs one task per node that checks that the node sees the
@@ -162,6 +179,12 @@ def make_parser() -> argparse.ArgumentParser:
                      help="with --checkpoint: SIGUSR1 S seconds before the time limit, to checkpoint and requeue "
                           "(default 120; 0: no signal)")
     run.add_argument("--no-requeue", action="store_true", help="do not let Slurm requeue the job")
+    run.add_argument("--elastic", action="store_true",
+                     help="gloo, nccl: a failed rank does not stop the others (a program built on ElasticTrainer "
+                          "goes on without it; see elastic jobs below)")
+    run.add_argument("--replace", type=not_negative, default=0, metavar="K",
+                     help="with --elastic (gloo): start a replacement job step for each rank that fails or is lost "
+                          "with its node, K in all (default 0)")
     run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                      help="an environment variable for every rank (repeatable)")
     out = parser.add_argument_group("what to do")
@@ -219,6 +242,15 @@ def parse(argv: Sequence[str]) -> JobOptions:
     for item in args.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.S):
             parser.error(f"--env {item!r} is not NAME=VALUE")
+    if args.elastic and args.backend not in ("gloo", "nccl"):
+        parser.error(f"--elastic needs a backend whose ranks can go on without a dead one (gloo, nccl), not "
+                     f"{args.backend}: " + ("Open MPI without ULFM ends every rank when one dies"
+                                            if args.backend == "mpi" else "the threads backend is one process"))
+    if args.replace and not args.elastic:
+        parser.error(f"--replace {args.replace} needs --elastic (without it a failed rank stops the job)")
+    if args.replace and args.backend != "gloo":
+        parser.error(f"--replace is for the gloo backend, not {args.backend}: a replacement NCCL rank would need the "
+                     f"GPU that the running step still holds")
     args.job_name = args.job_name or "tessera-" + pathlib.Path(command[0]).name
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", args.job_name):
         parser.error(f"--job-name={args.job_name!r}: use letters, digits and _.+- only")
@@ -228,7 +260,7 @@ def parse(argv: Sequence[str]) -> JobOptions:
         time=args.time, partition=args.partition, account=args.account, qos=args.qos, sbatch_arg=args.sbatch_arg,
         mpi=args.mpi, store=args.store, iface=args.iface, comm_timeout=args.comm_timeout, log_dir=args.log_dir,
         checkpoint=args.checkpoint, signal_before=args.signal_before, isolate_gpus=args.isolate_gpus,
-        no_requeue=args.no_requeue, env=args.env, dry_run=args.dry_run,
+        no_requeue=args.no_requeue, elastic=args.elastic, replace=args.replace, env=args.env, dry_run=args.dry_run,
         script=args.script, wait=args.wait, sbatch=args.sbatch)
 
 

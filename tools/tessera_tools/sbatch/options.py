@@ -29,6 +29,8 @@ class JobOptions:
     signal_before: int = 0  # seconds before the time limit that Slurm sends USR1 (0: none)
     isolate_gpus: bool = False  # nccl: Slurm binds GPUs per task instead of per node
     no_requeue: bool = False
+    elastic: bool = False  # gloo: a failed rank does not stop the others (ElasticTrainer goes on)
+    replace: int = 0  # --elastic: replacements to start in all, one per failed rank (a new job step)
     env: list[str] = field(default_factory=list)
     dry_run: bool = False
     script: str | None = None

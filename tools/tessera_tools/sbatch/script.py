@@ -43,6 +43,112 @@ def preflight(args: JobOptions) -> list[str]:
     ]
 
 
+def elastic_monitor(args: JobOptions) -> list[str]:
+    """--elastic: instead of waiting on srun, the script watches the ranks (cli.py's help, "elastic
+    jobs"). A rank that fails, or whose node Slurm marks down, while others still run gets a new
+    job step in the allocation (srun --overlap: the running step still holds every CPU) that joins
+    the running group as the same slot (TESSERA_RANK, TESSERA_ELASTIC_JOIN=1), --replace in all."""
+    q = shlex.quote
+    replacement = ["srun", "--overlap", "--nodes=1", "--ntasks=1", '--nodelist="$node"', "--kill-on-bad-exit=0",
+                   "--cpus-per-task=$SLURM_CPUS_PER_TASK", '--output="$LOG_DIR/rank-$r.log"', "--open-mode=append"]
+    return [
+        "",
+        f"# --elastic --replace {args.replace}: the ranks are watched every 0.5 s (a node's state every 2 s).",
+        f"REPLACEMENTS_LEFT={args.replace}",
+        "REPLACEMENTS_USED=0",
+        "REPLACEMENT_PIDS=()",
+        "declare -A SETTLED  # slots whose failure was recorded without a replacement",
+        "declare -A DOWN     # per poll: node -> 1 (Slurm marks it down) or 0",
+        ': > "$LOG_DIR/replacements.txt"',
+        "node_down() {",
+        '  if [ -z "${DOWN[$1]+set}" ]; then',
+        '    case "$(scontrol show node "$1" --oneliner 2>/dev/null | grep -o "State=[^ ]*")" in',
+        '      *DOWN*|*NOT_RESPONDING*|*FAIL*) DOWN[$1]=1;; *) DOWN[$1]=0;; esac',
+        "  fi",
+        '  [ "${DOWN[$1]}" = 1 ]',
+        "}",
+        "# Slots still in the running group, slot $1 left out: started, no exit status, not given up.",
+        "running_slots() {",
+        "  local n=0 r",
+        "  for r in $(seq 0 $((SLURM_NTASKS - 1))); do",
+        '    [ "$r" != "$1" ] && [ -f "$LOG_DIR/rank-$r.node" ] && [ ! -f "$LOG_DIR/rank-$r.exit" ] '
+        '&& [ -z "${SETTLED[$r]+set}" ] && n=$((n + 1))',
+        "  done",
+        "  echo $n",
+        "}",
+        "# The node of the allocation, not marked down, that runs the fewest ranks (for a lost node's slot).",
+        "emptiest_node() {",
+        "  local best='' fewest=999999 node count",
+        '  for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null); do',
+        '    node_down "$node" && continue',
+        '    count=$(cat "$LOG_DIR"/rank-*.node 2>/dev/null | grep -cx "$node")',
+        '    [ "$count" -lt "$fewest" ] && best=$node && fewest=$count',
+        "  done",
+        '  echo "$best"',
+        "}",
+        "describe_exit() {",
+        '  case "$1" in 129|13[0-9]|14[0-9]|15[0-9]) echo "$1 (signal $(($1 - 128)))";; *) echo "$1";; esac',
+        "}",
+        "start_replacement() {  # slot, what happened to it, node",
+        "  local r=$1 node=$3",
+        "  REPLACEMENTS_LEFT=$((REPLACEMENTS_LEFT - 1)); REPLACEMENTS_USED=$((REPLACEMENTS_USED + 1))",
+        f'  echo "rank $r ($(cat "$LOG_DIR/rank-$r.node")): $2; replacement $REPLACEMENTS_USED of {args.replace} '
+        'started on $node at $(date +%T)" >> "$LOG_DIR/replacements.txt"',
+        '  [ -f "$LOG_DIR/rank-$r.exit" ] && mv "$LOG_DIR/rank-$r.exit" "$LOG_DIR/rank-$r.exit-$REPLACEMENTS_USED"',
+        '  echo "$node" > "$LOG_DIR/rank-$r.node"  # its own wrapper writes it again as it starts',
+        '  echo "=== replacement $REPLACEMENTS_USED: joins the running group ===" >> "$LOG_DIR/rank-$r.log"',
+        f"  TESSERA_RANK=$r TESSERA_WORLD_SIZE=$SLURM_NTASKS TESSERA_LOCAL_RANK=$((r % {args.ntasks_per_node})) "
+        "TESSERA_ELASTIC_JOIN=1 \\",
+        f'    {" ".join(replacement)} bash -c "$TASK" rank "${{PROGRAM[@]}}" &',
+        "  REPLACEMENT_PIDS+=($!)",
+        "}",
+        "POLLS=0",
+        'while [ -z "$STOPPED" ]; do',
+        "  # The watch ends when srun and every replacement have ended, or when no slot runs any more",
+        "  # (srun may wait on for the tasks of a node that died).",
+        '  active=""',
+        '  for p in "$SRUN_PID" "${REPLACEMENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && active=1; done',
+        '  [ -n "$active" ] || break',
+        '  started=$(ls "$LOG_DIR"/rank-*.node 2>/dev/null | wc -l)',
+        '  [ "$started" -ge "$SLURM_NTASKS" ] && [ "$(running_slots -1)" = 0 ] && break',
+        "  POLLS=$((POLLS + 1))",
+        "  DOWN=()",
+        "  for r in $(seq 0 $((SLURM_NTASKS - 1))); do",
+        '    [ -f "$LOG_DIR/rank-$r.node" ] && [ -z "${SETTLED[$r]+set}" ] || continue',
+        '    node=$(cat "$LOG_DIR/rank-$r.node")',
+        '    if [ -f "$LOG_DIR/rank-$r.exit" ]; then',
+        '      code=$(cat "$LOG_DIR/rank-$r.exit")',
+        '      case "$code" in 0|75) continue;; esac',
+        '      what="exit $(describe_exit "$code")"; target=$node',
+        "    elif [ $((POLLS % 4)) = 0 ] && node_down \"$node\"; then",
+        '      what="lost with $node (Slurm marks it down)"; target=""',
+        "    else",
+        "      continue",
+        "    fi",
+        '    if [ -n "$target" ] && node_down "$target"; then target=""; fi',
+        '    [ -n "$target" ] || target=$(emptiest_node)',
+        '    if [ "$REPLACEMENTS_LEFT" -gt 0 ] && [ -n "$target" ] && [ "$(running_slots "$r")" -gt 0 ]; then',
+        '      start_replacement "$r" "$what" "$target"',
+        "    else",
+        "      SETTLED[$r]=1",
+        '      if [ "$REPLACEMENTS_LEFT" -le 0 ]; then why="no replacement left (--replace ' + str(args.replace) + ')"',
+        '      elif [ -z "$target" ]; then why="no node of the allocation is up"',
+        '      else why="no other rank was running"; fi',
+        '      echo "rank $r ($node): $what; not replaced: $why" >> "$LOG_DIR/replacements.txt"',
+        "    fi",
+        "  done",
+        "  sleep 0.5",
+        "done",
+        "# srun still waiting on a node that died, or stopped by SIGTERM: given 5 s, then stopped.",
+        'for p in "$SRUN_PID" "${REPLACEMENT_PIDS[@]}"; do',
+        '  for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done',
+        '  kill "$p" 2>/dev/null',
+        "done",
+        'wait "$SRUN_PID"',
+        "STATUS=$?",
+    ]
+
+
 def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: Sequence[str]) -> str:
     """The sbatch script; `invocation` is tessera-sbatch's own arguments, quoted in its header."""
     q = shlex.quote
@@ -72,10 +178,15 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     lines.append("#SBATCH --no-requeue" if args.no_requeue else "#SBATCH --requeue")
+    if args.elastic:
+        lines.append("#SBATCH --no-kill")  # a node that dies leaves the allocation to the others
     lines += [f"#SBATCH {a}" for a in args.sbatch_arg]
     lines += [
         "",
         "set -uo pipefail",
+        "# sbatch passes on the submitting shell's environment: a TESSERA_RANK there would be every",
+        "# rank's rank (it comes before SLURM_PROCID). Only a replacement is given one, below.",
+        "unset TESSERA_RANK TESSERA_WORLD_SIZE TESSERA_LOCAL_RANK TESSERA_ELASTIC_JOIN",
         f"LOG_DIR={q(log_dir)}/job-$SLURM_JOB_ID",
         'START=$(( ${SLURM_RESTART_COUNT:-0} + 1 ))  # 1 on the first start, 2 after one requeue, ...',
         'mkdir -p "$LOG_DIR"',
@@ -92,8 +203,10 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
     if args.iface:
         lines.append(f"export {'NCCL_SOCKET_IFNAME' if args.backend == 'nccl' else 'TESSERA_GLOO_IFACE'}={q(args.iface)}")
 
-    srun = ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=$SLURM_CPUS_PER_TASK",
-            '--output="$LOG_DIR/rank-%t.log"', "--open-mode=append"]
+    # --elastic: a task that fails or a node that dies ends neither the step nor its other tasks.
+    stop = ["--kill-on-bad-exit=0", "--wait=0", "--no-kill"] if args.elastic else ["--kill-on-bad-exit=1"]
+    srun = ["srun", *stop, "--cpus-per-task=$SLURM_CPUS_PER_TASK", '--output="$LOG_DIR/rank-%t.log"',
+            "--open-mode=append"]
     if args.backend == "mpi":
         srun.insert(1, f"--mpi={args.mpi}")
     if args.backend in ("gloo", "nccl"):
@@ -145,8 +258,10 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         "# the step), so that it still records the program's exit status. A rank that stopped on a",
         "# signal with its checkpoint saved (75) exits 0 to srun: a bad exit would make srun kill the",
         "# ranks still finishing theirs, rank 0 perhaps while it writes the checkpoint.",
-        "TASK='trap : USR1 TERM; echo \"${SLURMD_NODENAME:-$(hostname)}\" > \"$LOG_DIR/rank-$SLURM_PROCID.node\"; "
-        "\"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$SLURM_PROCID.exit\"; [ $code = 75 ] && exit 0; exit $code'",
+        "# A replacement (--elastic) is slot TESSERA_RANK; srun numbers its one task 0.",
+        "TASK='trap : USR1 TERM; slot=${TESSERA_RANK:-$SLURM_PROCID}; "
+        "echo \"${SLURMD_NODENAME:-$(hostname)}\" > \"$LOG_DIR/rank-$slot.node\"; "
+        "\"$@\"; code=$?; echo $code > \"$LOG_DIR/rank-$slot.exit\"; [ $code = 75 ] && exit 0; exit $code'",
         "export LOG_DIR",
         f"LAUNCH=({' '.join(srun)})",
         'echo "launch: ${LAUNCH[*]} ${PROGRAM[*]}"',
@@ -158,9 +273,16 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         "trap 'STOPPED=1' TERM",
         '"${LAUNCH[@]}" bash -c "$TASK" rank "${PROGRAM[@]}" &',
         "SRUN_PID=$!",
-        'wait "$SRUN_PID"',
-        "STATUS=$?",
-        '[ -n "$STOPPED" ] && for _ in $(seq 20); do kill -0 "$SRUN_PID" 2>/dev/null || break; sleep 0.1; done',
+    ]
+    if args.elastic:
+        lines += elastic_monitor(args)
+    else:
+        lines += [
+            'wait "$SRUN_PID"',
+            "STATUS=$?",
+            '[ -n "$STOPPED" ] && for _ in $(seq 20); do kill -0 "$SRUN_PID" 2>/dev/null || break; sleep 0.1; done',
+        ]
+    lines += [
         "# From here a SIGTERM (the job ending as the summary is written) is ignored, by this shell and",
         "# the commands it starts; Slurm's SIGKILL, KillWait seconds later, still ends them.",
         "trap '' TERM",
@@ -172,6 +294,14 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         '  if [ -n "$STOPPED" ]; then echo "job $SLURM_JOB_ID start $START: stopped by SIGTERM (scancel, the time '
         'limit, a requeue, or a node failure: see job-$SLURM_JOB_ID.out)"; '
         'else echo "job $SLURM_JOB_ID start $START: srun exited with $STATUS"; fi',
+    ]
+    if args.elastic:
+        lines += [
+            '  if [ -s "$LOG_DIR/replacements.txt" ]; then echo "elastic: the ranks that failed while others ran '
+            '(a replacement joins as the same rank):"; sed "s/^/  /" "$LOG_DIR/replacements.txt"; fi',
+            '  echo "elastic: each rank as it ended (the last process of its slot):"',
+        ]
+    lines += [
         '  lost=""',
         '  missing=""',
         '  for r in $(seq 0 $((SLURM_NTASKS - 1))); do',
@@ -207,10 +337,29 @@ def render(args: JobOptions, command: Sequence[str], log_dir: str, invocation: S
         "    fi",
         "  done",
         '  if [ -n "$lost" ]; then echo "ranks lost with their node:$lost"; fi',
+    ]
+    if args.elastic:
+        # The group goes on without a failed rank, so srun's status (a killed task's) is not the
+        # job's: the job succeeded when a rank finished the training, which the group's members do
+        # together (a failure after that is reported above, as the launcher does).
+        lines += [
+            '  finished=""',
+            '  for r in $(seq 0 $((SLURM_NTASKS - 1))); do '
+            '[ "$(cat "$LOG_DIR/rank-$r.exit" 2>/dev/null)" = 0 ] && finished="$finished $r"; done',
+            '  if [ -z "$STOPPED" ] && [ -n "$finished" ]; then',
+            '    echo "elastic: the group finished (ranks$finished exited 0)"; STATUS=0',
+            "  else",
+            '    echo "elastic: no rank finished the training"; [ "$STATUS" = 0 ] && STATUS=1',
+            "  fi",
+        ]
+    else:
         # srun (22.05) exits 0 when it could not launch the tasks: no rank may go missing in a success.
-        '  if [ "$STATUS" = 0 ] && [ -n "$missing" ]; then',
-        '    echo "srun exited 0, but ranks$missing left no exit status: the job failed"; STATUS=1',
-        "  fi",
+        lines += [
+            '  if [ "$STATUS" = 0 ] && [ -n "$missing" ]; then',
+            '    echo "srun exited 0, but ranks$missing left no exit status: the job failed"; STATUS=1',
+            "  fi",
+        ]
+    lines += [
         '} > "$LOG_DIR/summary.txt"',
         'cat "$LOG_DIR/summary.txt"',
     ]

@@ -319,9 +319,13 @@ class GlooElasticGroup {
   // A replacement: claim the slot's next free incarnation, then follow the decisions until one
   // lists this process.
   //
-  // It waits the comm timeout for a sign of the group: a decision, or the growth scheduled in the
+  // It waits the comm timeout for a sign of the group: a decision; the growth scheduled in the
   // latest generation (the group then admits it 2c steps later, however long its steps take, so
-  // from then on it waits three timeouts more); every decision without it starts the wait anew.
+  // from then on it waits three timeouts more); or a member's check-in for the next generation,
+  // a change under way after a failure, which the group decides within two settles (change()),
+  // and whose decision admits the replacements waiting then. A replacement that Slurm starts once
+  // a node is marked down arrives in the middle of that change. Every decision without it starts
+  // the wait anew.
   void join_running_group(int slot) {
     using Clock = std::chrono::steady_clock;
     const auto started = Clock::now();
@@ -331,22 +335,33 @@ class GlooElasticGroup {
     me_ = member_id(slot, k);
     publish_id();
     set(cat("want.", me_), me_);
+    std::vector<std::string> before;  // the members of generation g - 1: the launch's for g = 1
+    for (int q = 0; q < slots_; ++q) before.push_back(member_id(q, 0));
     for (std::int64_t g = 1;; ++g) {
       bool scheduled = false;
-      while (!has(cat("g", g, ".members"))) {
+      bool changing = false;
+      for (int poll = 0; !has(cat("g", g, ".members")); ++poll) {
         if (!scheduled && g > 1 && has(cat("g", g - 1, ".grow"))) {
           scheduled = true;
-          deadline = Clock::now() + 3 * comm_options_.timeout;
+          deadline = std::max(deadline, Clock::now() + 3 * comm_options_.timeout);
+        }
+        // Every 0.2 s: a check-in is one store lookup per member.
+        if (!changing && poll % 20 == 0 &&
+            std::any_of(before.begin(), before.end(), [&](const std::string& m) { return has(cat("g", g, ".in.", m)); })) {
+          changing = true;
+          deadline = std::max(deadline, Clock::now() + 2 * settle() + comm_options_.timeout);
         }
         TESSERA_CHECK(Clock::now() < deadline, CommError, where(), ": waited ",
                       detail::seconds_text(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started)),
                       " to be admitted and no group admitted it (",
-                      scheduled ? "the group scheduled a growth and did not reach it: stopped or failing?"
-                                : "is the group running, with the same TESSERA_STORE and TESSERA_STORE_PREFIX?",
+                      scheduled  ? "the group scheduled a growth and did not reach it: stopped or failing?"
+                      : changing ? "the group began a change after a failure and did not decide it"
+                                 : "is the group running, with the same TESSERA_STORE and TESSERA_STORE_PREFIX?",
                       ")");
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
       members_ = read_decision(g);
+      before = members_;
       generation_ = g;
       if (index_of(me_) >= 0) break;
       TESSERA_CHECK(g < 1'000'000, CommError, where(), ": no decision admitted it");
