@@ -345,7 +345,7 @@ class GlooElasticGroup {
           scheduled = true;
           deadline = std::max(deadline, Clock::now() + 3 * comm_options_.timeout);
         }
-        // Every 0.2 s: a check-in is one store lookup per member.
+        // Every 20th poll: a check-in is one store lookup per member.
         if (!changing && poll % 20 == 0 &&
             std::any_of(before.begin(), before.end(), [&](const std::string& m) { return has(cat("g", g, ".in.", m)); })) {
           changing = true;
