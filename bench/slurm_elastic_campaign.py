@@ -21,7 +21,8 @@ back to 4; every member's checksum agreed at the step the replacements joined; t
 kept their processes (kill). Measured per trial: recovery_s (from the fault to the new group's
 first line in rank 0's log, polled every 50 ms), rejoined_s (to the line that brings it back to 4
 ranks), the job's end, and the final test accuracy against an uninterrupted job of the same
-settings (run first). Results: one JSON line in --out (default
+settings (run first). A trial whose replacement came after the training ended (the group says
+so to it) is drawn again and counted in too_late_redrawn. Results: one JSON line in --out (default
 bench/out/slurm_elastic_campaign_<date>.json), with the CPU model; failed trials' messages too.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
 from bench_common import cpu_model  # noqa: E402
+from elastic_logs import TooLate  # noqa: E402
 from local_slurm import LocalSlurm  # noqa: E402
 from test_sbatch import JOB_TIMEOUT, TOOL, CheckFailed  # noqa: E402
 
@@ -116,7 +118,9 @@ def main() -> int:
         log_dir = work / "jobs"
         baseline = uninterrupted(slurm, log_dir, options, program, elastic_args)
         print(f"uninterrupted job: test accuracy {baseline:.2f}%", flush=True)
-        for trial in range(args.trials):
+        too_late = 0
+        while len(records) < args.trials and too_late <= args.trials:  # bounded: every trial too late ends it
+            trial = len(records)
             delay = rng.uniform(0, args.max_delay)
             try:
                 if args.fault == "kill":
@@ -125,22 +129,27 @@ def main() -> int:
                     record["victim_slot"] = victim
                 else:
                     record = test_slurm_two_nodes.check_elastic_node_down(slurm, log_dir, program, delay)
+            except TooLate as e:  # the training ended before the replacement was in: drawn again
+                too_late += 1
+                print(f"trial {trial}: drawn again: {e}", flush=True)
+                continue
             except (CheckFailed, subprocess.TimeoutExpired) as e:
-                record = {"error": str(e)[-1500:], "hang": isinstance(e, subprocess.TimeoutExpired)
-                          or "still waiting" in str(e)}
-                print(f"trial {trial}: FAILED: {str(e)[-600:]}", flush=True)
+                text = str(e)
+                record = {"error": text[:1000] + (" [...] " + text[-1000:] if len(text) > 2000 else text[1000:]),
+                          "hang": isinstance(e, subprocess.TimeoutExpired) or "still waiting" in text}
+                print(f"trial {trial}: FAILED: {text[:300]} [...] {text[-300:]}", flush=True)
             finally:
                 if args.fault == "node":
                     slurm.bring_back("node2")  # type: ignore[attr-defined]
             record.pop("line", None)
             record["delay_s"] = round(delay, 3)
             records.append(record)
-            if "error" not in record:
-                shutil.rmtree(log_dir, ignore_errors=True)  # a passed trial's store and logs; a failed one's stay
+            if "error" not in record:  # a passed trial's store and logs go; a failed one's stay
+                shutil.rmtree(log_dir / f"job-{record['job']}", ignore_errors=True)
     finally:
         slurm.stop()
     row = summarize(records, baseline)
-    row.update(fault=args.fault, cpu=cpu_model(), ranks=4, backend="gloo", launcher="tessera-sbatch --elastic",
+    row.update(fault=args.fault, too_late_redrawn=too_late, cpu=cpu_model(), ranks=4, backend="gloo", launcher="tessera-sbatch --elastic",
                example_args=list(elastic_args), options=options, max_delay_s=args.max_delay,
                date=datetime.datetime.now().isoformat(timespec="seconds"))
     out = pathlib.Path(args.out or ROOT / "bench" / "out" / f"slurm_elastic_campaign_{datetime.date.today()}.json")

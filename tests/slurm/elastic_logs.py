@@ -17,6 +17,19 @@ from elastic_campaign import FAIL_RE, FINAL_RE, GEN_RE, MEMBER_RE  # noqa: E402
 from test_sbatch import CheckFailed, expect  # noqa: E402  (tests/tools is on the path of both tests)
 
 
+class TooLate(CheckFailed):
+    """The group finished training before a replacement could be admitted (the fault came too
+    close to the end): the campaign draws the trial again, a test fails."""
+
+
+def check_not_too_late(logs: pathlib.Path, slots: list[int]) -> None:
+    for slot in slots:
+        text = (logs / f"rank-{slot}.log").read_text(errors="replace")
+        if "before it could admit this replacement" in text:
+            raise TooLate(f"rank {slot}'s replacement came too late: "
+                          f"{next(line for line in text.splitlines() if 'before it could admit' in line)}")
+
+
 def slot_pid(program: str, job: str, slot: int) -> int:
     """The process id of slot `slot`'s program in Slurm job `job` (found in /proc by the name of
     its executable and its SLURM_JOB_ID and SLURM_PROCID; the wrapping shell is bash)."""
@@ -35,15 +48,16 @@ def slot_pid(program: str, job: str, slot: int) -> int:
     raise CheckFailed(f"no process of {program} for rank {slot} of job {job}")
 
 
-def watch_changes(job: subprocess.Popen[str], rank0_log: pathlib.Path, fault_at: float, seconds: float,
+def watch_changes(job: subprocess.Popen[str], logs: pathlib.Path, fault_at: float, seconds: float,
                   tasks: int) -> dict[str, float]:
-    """Polls rank 0's log until the job ends (at most SECONDS): the seconds from the fault to the
-    group's first change ("recovery_s": the survivors go on) and to the change that brings it back
-    to TASKS ranks ("rejoined_s": the replacements are in)."""
+    """Polls the ranks' logs in LOGS until the job ends (at most SECONDS): the seconds from the
+    fault to the group's first change ("recovery_s": the survivors go on) and to the change that
+    brings it back to TASKS ranks ("rejoined_s": the replacements are in). The group's rank 0
+    reports each change: slot 0's process, or after its death the lowest surviving slot's."""
     times: dict[str, float] = {}
     deadline = time.monotonic() + seconds
     while job.poll() is None and time.monotonic() < deadline:
-        text = rank0_log.read_text(errors="replace")
+        text = "\n".join(path.read_text(errors="replace") for path in sorted(logs.glob("rank-*.log")))
         now = time.monotonic()
         if "recovery_s" not in times and "elastic: generation 1:" in text:
             times["recovery_s"] = round(now - fault_at, 2)

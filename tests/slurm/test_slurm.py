@@ -28,7 +28,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))  # the script checks, shared with the quick pytest tier
-from elastic_logs import check_regrouped, slot_pid, watch_changes  # noqa: E402
+from elastic_logs import check_not_too_late, check_regrouped, slot_pid, watch_changes  # noqa: E402
 from local_slurm import LocalSlurm, Unavailable  # noqa: E402
 from test_sbatch import JOB_TIMEOUT, TOOL, CheckFailed, check_scripts, expect, tool  # noqa: E402
 
@@ -172,8 +172,9 @@ def check_signal_requeue(slurm: LocalSlurm, log_dir: pathlib.Path, example: str,
           f"{stopped.group(4)}); requeued, it resumed there and reached {accuracy.group(1)}%")
 
 
-# Example 19's training in the elastic job: 2 epochs of 4,096 images, replicas compared every step.
-ELASTIC_ARGS = ("--epochs=2", "--limit=4096", "--check-every=1")
+# Example 19's training in the elastic job: 3 epochs of 4,096 images (the replacement has about 4 s
+# to join), replicas compared every step.
+ELASTIC_ARGS = ("--epochs=3", "--limit=4096", "--check-every=1")
 
 
 def check_elastic_kill(slurm: LocalSlurm, log_dir: pathlib.Path, program: str, victim_slot: int = 2,
@@ -203,7 +204,7 @@ def check_elastic_kill(slurm: LocalSlurm, log_dir: pathlib.Path, program: str, v
         survivors = [slot_pid(program, job_id, r) for r in others]
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        times = watch_changes(job, rank0, killed, JOB_TIMEOUT, 4)
+        times = watch_changes(job, rank0.parent, killed, JOB_TIMEOUT, 4)
         out = first + job.communicate(timeout=JOB_TIMEOUT)[0]
     finally:
         if job.poll() is None:
@@ -212,6 +213,7 @@ def check_elastic_kill(slurm: LocalSlurm, log_dir: pathlib.Path, program: str, v
     logs = log_dir / f"job-{job_id}"
     batch = (log_dir / f"job-{job_id}.out").read_text()
     v = victim_slot
+    check_not_too_late(logs, [v])
     expect(job.returncode == 0, f"the elastic job exited {job.returncode} after rank {v} was killed:\n{out}\n{batch}")
     expect(re.search(rf"rank {v} \({slurm.node}\): exit 137 \(signal 9\); replacement 1 of 1 started on {slurm.node}",
                      out), f"the summary does not show rank {v}'s death and replacement:\n{out}")
@@ -222,7 +224,7 @@ def check_elastic_kill(slurm: LocalSlurm, log_dir: pathlib.Path, program: str, v
     text = (logs / "rank-0.log").read_text()
     expect(all(re.search(rf"member {r}\.0: rank \d+ of 4", (logs / f"rank-{r}.log").read_text()) for r in others),
            f"a survivor was restarted (its member id is not r.0 at the end):\n{text[-2000:]}")
-    record.update(times, job_end_s=round(time.monotonic() - killed, 2))
+    record.update(times, job=job_id, job_end_s=round(time.monotonic() - killed, 2))
     print(f"ok: elastic job {job_id}: rank {v} killed, pids {survivors} went on {times.get('recovery_s')} s after; "
           f"{record['line']}; 4 ranks again {times.get('rejoined_s')} s after the kill, the job ended "
           f"{record['job_end_s']} s after, exit 0")

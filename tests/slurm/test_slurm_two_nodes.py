@@ -41,7 +41,7 @@ from types import FrameType
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))
-from elastic_logs import check_regrouped, watch_changes  # noqa: E402
+from elastic_logs import check_not_too_late, check_regrouped, watch_changes  # noqa: E402
 from local_slurm import Unavailable  # noqa: E402
 from test_sbatch import JOB_TIMEOUT, CheckFailed, expect  # noqa: E402
 from two_node_slurm import TwoNodeSlurm  # noqa: E402
@@ -181,13 +181,14 @@ def check_elastic_node_down(slurm: TwoNodeSlurm, log_dir: pathlib.Path, program:
         time.sleep(delay)
         down_at = time.monotonic()
         slurm.take_down("node2")
-        times = watch_changes(job, logs / "rank-0.log", down_at, JOB_TIMEOUT, 4)
+        times = watch_changes(job, logs, down_at, JOB_TIMEOUT, 4)
         rc, out, job_id = finish(job, JOB_TIMEOUT)
     finally:
         if job.poll() is None:
             job.kill()
             job.communicate()
     batch = (log_dir / f"job-{job_id}.out").read_text()
+    check_not_too_late(logs, [2, 3])
     expect(rc == 0, f"the elastic job exited {rc} after node2 died:\n{out}\n{batch}")
     for r in (2, 3):
         expect(re.search(rf"rank {r} \(node2\): lost with node2 \(Slurm marks it down\); replacement [12] of 2 "
@@ -195,7 +196,7 @@ def check_elastic_node_down(slurm: TwoNodeSlurm, log_dir: pathlib.Path, program:
     for r in range(4):
         expect(f"rank {r} (node1): exit 0" in out, f"rank {r}'s slot did not end on node1 with exit 0:\n{out}")
     record = check_regrouped(logs, 4, [2, 3])
-    record.update(times, job_end_s=round(time.monotonic() - down_at, 2))
+    record.update(times, job=job_id, job_end_s=round(time.monotonic() - down_at, 2))
     print(f"ok: elastic job {job_id}: node2 taken down; ranks 0 and 1 went on {times.get('recovery_s')} s after; "
           f"{record['line']}; 4 ranks again {times.get('rejoined_s')} s after, the job ended {record['job_end_s']} s "
           f"after, exit 0")

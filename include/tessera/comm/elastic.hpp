@@ -14,6 +14,8 @@
 //                        check in within ElasticOptions::settle, is left out
 //   g.growth_due(step)   at a step boundary: whether replacements wait and the members agreed to
 //   g.grow(step)         admit them at this step (the same on every member), then admit them
+//   g.finished(step)     (optional) the training ended: a replacement still waiting for admission
+//                        stops with a CommError that says so, instead of waiting out its timeout
 //
 // train/elastic.hpp's ElasticTrainer drives a group: it rebuilds the strategy and loader at each
 // generation and heals the state from a healthy member (a replacement gets everything from it).

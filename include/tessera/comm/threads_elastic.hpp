@@ -193,6 +193,8 @@ class ThreadElasticGroup {
         changing = true;
         deadline = std::max(deadline, Clock::now() + 2 * hub_.settle() + hub_.comm_options_.timeout);
       }
+      TESSERA_CHECK(!hub_.someone_finished_, CommError, "ThreadElasticGroup ", me_, ": the group finished "
+                    "training before it could admit this replacement: nothing is left for it to do");
       TESSERA_CHECK(Clock::now() < deadline, CommError, "ThreadElasticGroup ", me_,
                     ": no generation admitted it in time (has the group ended?)");
       hub_.changed_.wait_until(lock, deadline);
@@ -274,6 +276,7 @@ void ThreadElasticHub::start(const std::string& id, bool joining, Fn fn) {
       fn(*group);
       std::lock_guard lock(mutex_);
       someone_finished_ = true;
+      changed_.notify_all();  // a replacement still waiting to be admitted stops
     } catch (const std::exception& e) {
       died(id, e.what());
     } catch (...) {

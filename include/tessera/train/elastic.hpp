@@ -238,6 +238,8 @@ class ElasticTrainer {
         }
         // A sharded strategy's parameters into the model (FSDP: collective), for the caller to read.
         if constexpr (requires { strategy->gather_full(); }) strategy->gather_full();
+        // A replacement still waiting for admission stops (Gloo: a key in the store).
+        if constexpr (requires { group_.finished(std::int64_t{}); }) group_.finished(trainer->state().global_step);
         return results;
       } catch (const detail::GroupGrows& grows) {
         state = trainer->state();

@@ -147,6 +147,17 @@ class GlooElasticGroup {
   }
   void grow(std::int64_t step) { change("replacement(s) joined", step); }
 
+  // The training ended after `step` steps (ElasticTrainer, on every member): a replacement still
+  // waiting to be admitted learns it and stops at once instead of waiting out its timeout.
+  void finished(std::int64_t step) {
+    if (rank() != 0) return;
+    try {
+      set("finished", cat("generation ", generation_, ", after step ", step));
+    } catch (const std::exception&) {
+      // A member of an earlier group that finished too (a group split by a cut link): theirs holds.
+    }
+  }
+
  private:
   static std::string member_id(int slot, std::int64_t incarnation) { return cat(slot, ".", incarnation); }
   static int slot_of(const std::string& id) { return std::stoi(id.substr(0, id.find('.'))); }
@@ -345,6 +356,8 @@ class GlooElasticGroup {
           scheduled = true;
           deadline = std::max(deadline, Clock::now() + 3 * comm_options_.timeout);
         }
+        TESSERA_CHECK(poll % 20 != 0 || !has("finished"), CommError, where(), ": the group finished training (",
+                      get("finished"), ") before it could admit this replacement: nothing is left for it to do");
         // Every 20th poll: a check-in is one store lookup per member.
         if (!changing && poll % 20 == 0 &&
             std::any_of(before.begin(), before.end(), [&](const std::string& m) { return has(cat("g", g, ".in.", m)); })) {

@@ -56,6 +56,7 @@ class NcclElasticGroup {
     connect();
   }
   bool growth_due(std::int64_t step) { return host_.growth_due(step); }
+  void finished(std::int64_t step) { host_.finished(step); }
   void grow(std::int64_t step) {
     comm_.reset();
     host_.grow(step);
