@@ -671,7 +671,10 @@ struct ShardedElasticRun {
 // `dies(member, update)`: 1, the member dies (throws) when its shard optimizer runs that update
 // (1-based, primary and replica counted apart: update 2k-1 is step k's primary, 2k its replica);
 // 2, a CommError there instead (it lives on, one step behind the others); `after_step` as in
-// elastic_threads_run.
+// elastic_threads_run. dies(member, kBuildOf + g) is asked as each shard optimizer of
+// generation g is built (a regroup, a bind): 1 or 2 fail the build the same ways.
+constexpr int kBuildOf = -1000;
+
 template <class Dies, class AfterStep>
 ShardedElasticRun sharded_elastic_run(const Dataset& ds, int stage, Dies dies, AfterStep after_step) {
   using E = CpuThreads64;
@@ -683,6 +686,10 @@ ShardedElasticRun sharded_elastic_run(const Dataset& ds, int stage, Dies dies, A
     auto model = lenet5<E>(1, 28, 10, 3);
     auto updates = std::make_shared<int>(0);
     const auto make_sgd = [&, updates](const NamedTensors<E>& shard) {
+      // Building a shard's optimizer (a regroup, a bind) asks too, as "update" kBuildOf + generation.
+      const int building = dies(group.member(), kBuildOf + static_cast<int>(group.generation()));
+      if (building == 1) throw std::runtime_error("dies building its shards");
+      if (building == 2) throw CommError("its link fails while it builds its shards");
       return SgdDyingInUpdate{Sgd<E>(shard, {.lr = 0.05, .momentum = 0.9}), [&, updates] {
                                 const int what = dies(group.member(), ++*updates);
                                 if (what == 1) throw std::runtime_error("dies in its update");
@@ -792,6 +799,27 @@ TEST_CASE("Replicated shards on threads: a dead rank's shard comes from its repl
     CHECK(run.parameters.count("2.1") == 1);
     REQUIRE(!run.events.empty());
     CHECK(run.events.back().change.size_after == 4);
+  }
+  SECTION("a second failure while the survivors build the new layout: the old one, kept, carries on") {
+    // Slot 2 dies after step 5; in generation 1's build slot 0 dies and slot 3's link fails, while
+    // slot 1 builds its shards. Generation 1's shard 0 (on slots 0 and 3) is then lost, but slot 1
+    // kept its generation-0 shards 1 and 2 until a commit in generation 1, and slot 3 still has
+    // shards 3 and 0: generation 0 is whole, and slots 1 and 3 go on from step 5 as one process.
+    const auto run = sharded_run(
+        [](const std::string& m, int update) {
+          if (update != kBuildOf + 1) return 0;
+          return m == "0.0" ? 1 : m == "3.0" ? 2 : 0;
+        },
+        [](ThreadElasticGroup& g, ThreadElasticHub&, auto&) {
+          static thread_local int steps = 0;
+          if (g.member() == "2.0" && ++steps == 5) throw std::runtime_error("slot 2 dies");
+        });
+    check_all(run, 2);
+    CHECK(run.parameters.count("1.0") == 1);
+    CHECK(run.parameters.count("3.0") == 1);
+    REQUIRE(!run.events.empty());
+    CHECK(run.events.back().change.size_after == 2);
+    CHECK(run.events.back().healed_step == 5);
   }
   SECTION("two neighbours die in one step: the shard they held is lost, and every survivor says so") {
     const auto run = sharded_run(no_death, [](ThreadElasticGroup& g, ThreadElasticHub&, auto&) {

@@ -80,9 +80,12 @@ def check_regrouped(logs: pathlib.Path, tasks: int, lost: list[int]) -> dict[str
     for slot in lost:
         expect(re.search(rf"left: [^)]*\b{slot}\.0\b", text) and re.search(rf"joined: [^)]*\b{slot}\.\d+", text),
                f"rank {slot}'s first process did not leave, or no replacement of it joined:\n{text[-3000:]}")
-    failures = [int(m.group(2)) for m in FAIL_RE.finditer(text[:text.find("elastic: generation 1:")])]
+    # Each survivor's first failure ("after step N"): the group goes on from the most steps any
+    # member completed, so the largest N must be the step of the first change.
+    firsts = [FAIL_RE.search((logs / f"rank-{r}.log").read_text(errors="replace")) for r in range(tasks)]
+    failures = [int(m.group(2)) for m in firsts if m]
     expect(failures and max(failures) == int(shrink[3]),
-           f"steps lost: the survivors failed after step {max(failures, default=-1)} and went on from step "
+           f"steps lost: the survivors failed after steps {sorted(failures)} and went on from step "
            f"{shrink[3]}:\n{text[-3000:]}")
     final = FINAL_RE.search(text)
     expect(final and final.group(1) == str(tasks), f"no final line with {tasks} ranks:\n{text[-3000:]}")

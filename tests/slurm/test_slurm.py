@@ -195,7 +195,7 @@ def check_elastic_kill(slurm: LocalSlurm, log_dir: pathlib.Path, program: str, v
         assert match is not None
         job_id = match.group(1)
         rank0 = log_dir / f"job-{job_id}" / "rank-0.log"
-        while not (rank0.exists() and re.search(r"epoch 1/2 \d+/", rank0.read_text())):
+        while not (rank0.exists() and re.search(r"epoch 1/\d+ \d+/", rank0.read_text())):
             expect(job.poll() is None and time.monotonic() < deadline, "the elastic job did not begin training")
             time.sleep(0.05)
         time.sleep(delay)

@@ -173,7 +173,7 @@ def check_elastic_node_down(slurm: TwoNodeSlurm, log_dir: pathlib.Path, program:
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         while not ((logs := next(iter(set(log_dir.glob("job-*/")) - earlier), None))
-                   and (logs / "rank-0.log").exists() and re.search(r"epoch 1/4 \d+/", (logs / "rank-0.log").read_text())):
+                   and (logs / "rank-0.log").exists() and re.search(r"epoch 1/\d+ \d+/", (logs / "rank-0.log").read_text())):
             if job.poll() is not None:
                 raise CheckFailed(f"the elastic job ended before node2 was taken down:\n{job.communicate()[0]}")
             expect(time.monotonic() < deadline, f"the elastic job did not begin training in {JOB_TIMEOUT} s")

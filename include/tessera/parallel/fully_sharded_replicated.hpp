@@ -27,7 +27,9 @@
 // tensors and writes the values into the model; the strategy callback then builds the generation's
 // FullyShardedDataParallel from the model; bind(fsdp) takes its shard (the optimizer made by the
 // callback below, its state from the whole tensors) and builds the replica. Until bind() the old
-// FSDP (its pieces are this rank's shard) must stay alive: ElasticTrainer keeps it.
+// FSDP (its pieces are this rank's shard) must stay alive: ElasticTrainer keeps it. The shards
+// this member held in the layout the regroup chose are kept as copies (detail::KeptShards) until
+// the new layout's first commit, so a second failure before it finds them (shard_ring.hpp).
 //
 //   ReplicatedFullyShardedOptimizer<Fsdp, AdamW<E>> optimizer(model, [](const NamedTensors<E>& shard) {
 //     return AdamW<E>(shard, {.lr = 1e-3});                // any element-wise optimizer
@@ -106,6 +108,7 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     pending_ = true;
     pending_lr_ = lr_;
     detail::commit_step(*l.comm, committed_ + 1, kWho);
+    kept_ = {};  // every member built this layout (each contributed to the commit)
     apply_pending(l);
     counted_ = committed_;
   }
@@ -157,20 +160,25 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
                                    total_,
                                    static_cast<std::int64_t>(kinds_.size()),
                                    static_cast<std::int64_t>(integer_names_.size())};
-    const auto records = detail::gather_shard_records(comm, mine, kWho);
+    const auto records = detail::gather_shard_records(comm, mine, kept_.record, kWho);
     const auto [chosen, size] = detail::choose_shard_layout(records, kWho);
     std::int64_t target = 0;
     whole_.assign(1 + kinds_.size(), {});
     integers_.clear();
+    detail::KeptShards<S> kept;
     if (chosen < 0) {
       fresh_start(comm, records);
     } else {
       target = detail::agreed_shard_step(records, chosen, kWho);
       const detail::ShardRecord& me = records[static_cast<std::size_t>(comm.rank())];
       if (me.layout == chosen && me.committed == target - 1) apply_pending(*layout_);  // roll forward
-      share_units(comm, detail::shard_holder(records, chosen, size, 0));
-      gather_shards(comm, records, chosen, size);
+      share_units(comm, detail::shard_holder(records, chosen, size, 0) % comm.size());
+      std::map<std::pair<std::int64_t, std::size_t>, std::vector<S>> held;  // (shard, kind): this member's
+      gather_shards(comm, records, chosen, size, held);
+      kept = detail::keep_shards<S>(records, comm.rank(), chosen, size, target, kinds_.size(), integers_,
+                                    [&](std::int64_t s, std::size_t k) { return std::span<const S>(held.at({s, k})); });
     }
+    kept_ = std::move(kept);
     for (std::size_t i = 0; i < model_.parameters.size(); ++i) {
       Parameter<S, D>& p = *model_.parameters[i].second;
       p.value.resize(shapes_[i]);
@@ -334,6 +342,7 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
   void loaded() {
     Layout& l = *layout_;
     committed_ = counted_ = l.primary_optimizer->steps();
+    kept_ = {};  // older than what was loaded
     if (!l.replica_optimizer) return;
     auto primary_state = state_of(*l.primary_optimizer, l.primary);
     auto replica_state = state_of(*l.replica_optimizer, l.replica);
@@ -414,7 +423,8 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
   // Every shard of layout `id` (`size` ranks) from one of its holders to every member: its values
   // and each kind of state, unit by unit, into whole_ (model order); the optimizer's integers from
   // shard 0's holder.
-  void gather_shards(Comm& comm, const std::vector<detail::ShardRecord>& records, std::int64_t id, std::int64_t size) {
+  void gather_shards(Comm& comm, const std::vector<detail::ShardRecord>& records, std::int64_t id, std::int64_t size,
+                     std::map<std::pair<std::int64_t, std::size_t>, std::vector<S>>& held) {
     std::vector<std::int64_t> unit_shard, unit_elements;
     for (const auto& unit : units_) {
       std::int64_t elements = 0;
@@ -426,18 +436,28 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     for (const auto s : unit_shard) shard_total += s;
     for (auto& t : whole_) t.resize({total_});
     std::vector<S> buffer(static_cast<std::size_t>(shard_total));
+    // This member's rank in layout `id` (current or kept), whose two shards it keeps after the regroup.
+    const int n = comm.size();  // a holder index q >= n: member q - n, from the shards it kept
+    std::int64_t my_rank = -1;
+    for (const int q : {comm.rank(), n + comm.rank()})
+      if (my_rank < 0 && records[static_cast<std::size_t>(q)].layout == id) my_rank = records[static_cast<std::size_t>(q)].rank;
     for (std::int64_t s = 0; s < size; ++s) {
       const int holder = detail::shard_holder(records, id, size, s);
       const bool mine = holder == comm.rank();
       const bool primary = mine && layout_->rank == s;
+      const bool keep = my_rank >= 0 && (s == my_rank || s == (my_rank + 1) % size);
       for (std::size_t k = 0; k < whole_.size(); ++k) {
         if (mine) {
-          Held& held = primary ? layout_->primary : layout_->replica;
+          Held& held_shard = primary ? layout_->primary : layout_->replica;
           Optimizer& optimizer = primary ? *layout_->primary_optimizer : *layout_->replica_optimizer;
-          const auto state = state_of(optimizer, held);
-          pack_kind(*layout_, held, state, k, buffer.data());
+          const auto state = state_of(optimizer, held_shard);
+          pack_kind(*layout_, held_shard, state, k, buffer.data());
+        } else if (holder == n + comm.rank()) {
+          const auto& from = kept_.shard(s, k);
+          std::copy(from.begin(), from.end(), buffer.begin());
         }
-        comm.broadcast(std::span<S>(buffer), holder);
+        comm.broadcast(std::span<S>(buffer), holder % n);
+        if (keep) held[{s, k}] = buffer;
         // Shard s of unit u holds the unit's flat elements [s s_u, (s + 1) s_u).
         std::int64_t base = 0;
         for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -458,7 +478,8 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     integers_.assign(integer_names_.size(), 0);
     if (first == comm.rank())
       integers_ = detail::optimizer_integers(layout_->rank == 0 ? *layout_->primary_optimizer : *layout_->replica_optimizer);
-    if (!integers_.empty()) comm.broadcast(std::span<std::int64_t>(integers_), first);
+    if (first == n + comm.rank()) integers_ = kept_.integers;
+    if (!integers_.empty()) comm.broadcast(std::span<std::int64_t>(integers_), first % n);
   }
 
   // The FSDP's units as model parameter indices; they must be the ones the regroup used.
@@ -528,6 +549,7 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
   std::vector<Tensor<S, D>> whole_;        // between regroup() and bind(): [values, kind...], model order
   std::vector<std::int64_t> integers_;     // between regroup() and bind(): the optimizer's integers
   std::int64_t bind_generation_ = 0;
+  detail::KeptShards<S> kept_;  // the last regroup's chosen layout, until this layout's first commit
   std::int64_t committed_ = 0, counted_ = 0;
   bool pending_ = false, in_step_ = false;
   bool primary_applied_ = false;  // of the pending step

@@ -66,26 +66,74 @@ struct ShardRecord {
   static ShardRecord of(const std::int64_t* w) { return {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]}; }
 };
 
-// Every member's record (one all_gather); members built for another model or optimizer are refused.
+// The shards of an earlier layout that a member keeps after a regroup, until the new layout's
+// first commit: a second failure before that commit (during the regroup's broadcasts, once some
+// members have built the new layout and others not) can leave the new layout without a shard while
+// the old one still has all of them. `record` says which (layout -1: none); `packed[i][k]` is
+// shard record.rank + i of that layout in the form the regroup broadcasts it (k = 0: values, then
+// each kind of state); `integers`: the optimizer's. Memory: two shards' values and state, held
+// from a change until the next step commits.
+template <class S>
+struct KeptShards {
+  ShardRecord record;
+  std::array<std::vector<std::vector<S>>, 2> packed;
+  std::vector<std::int64_t> integers;
+  const std::vector<S>& shard(std::int64_t s, std::size_t k) const {
+    return packed[s == record.rank ? 0 : 1][k];
+  }
+};
+
+// Every member's records (one all_gather): its current layout's, then its kept one's (layout -1:
+// none), so records[q] is member q's current layout and records[N + q] the one it keeps; a
+// holder index q >= N (shard_holder) means member q - N, from its kept shards. Members built for
+// another model or optimizer are refused.
 template <class Comm>
-std::vector<ShardRecord> gather_shard_records(Comm& comm, const ShardRecord& mine, const char* who) {
-  const auto words = mine.words();
-  std::vector<std::int64_t> gathered(ShardRecord::kWords * static_cast<std::size_t>(comm.size()));
+std::vector<ShardRecord> gather_shard_records(Comm& comm, const ShardRecord& mine, const ShardRecord& kept,
+                                              const char* who) {
+  std::array<std::int64_t, 2 * ShardRecord::kWords> words{};
+  std::copy_n(mine.words().begin(), ShardRecord::kWords, words.begin());
+  std::copy_n(kept.words().begin(), ShardRecord::kWords, words.begin() + ShardRecord::kWords);
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> gathered(words.size() * n);
   comm.all_gather(std::span<const std::int64_t>(words), std::span<std::int64_t>(gathered));
-  std::vector<ShardRecord> all;
-  for (int q = 0; q < comm.size(); ++q) {
-    const ShardRecord r = ShardRecord::of(&gathered[ShardRecord::kWords * static_cast<std::size_t>(q)]);
+  std::vector<ShardRecord> all(2 * n);
+  for (std::size_t q = 0; q < n; ++q) {
+    const ShardRecord r = ShardRecord::of(&gathered[words.size() * q]);
     TESSERA_CHECK(r.total == mine.total && r.kinds == mine.kinds && r.integers == mine.integers, AgreementError, who,
                   ": rank ", q, " has ", r.total, " parameters, ", r.kinds, " kind(s) of optimizer state and ",
                   r.integers, " integer(s); rank ", comm.rank(), " has ", mine.total, ", ", mine.kinds, " and ",
                   mine.integers, ": the members were launched with different models or optimizers");
-    all.push_back(r);
+    all[q] = r;
+    all[n + q] = ShardRecord::of(&gathered[words.size() * q + ShardRecord::kWords]);
   }
   return all;
 }
 
-// The member of layout `id` (of `size` ranks) holding shard s, preferring its primary (rank s) to
-// its replica (rank s-1); -1 when both are gone.
+// What member `rank` keeps of layout `id` (`size` ranks) after a regroup that chose it: the two
+// shards it held there, as its current layout or as kept ones, copied out of `shard_of(s, k)` (the
+// broadcast form); nothing when it held none.
+template <class S, class ShardOf>
+KeptShards<S> keep_shards(const std::vector<ShardRecord>& records, int rank, std::int64_t id, std::int64_t size,
+                          std::int64_t committed, std::size_t kinds, const std::vector<std::int64_t>& integers,
+                          const ShardOf& shard_of) {
+  KeptShards<S> kept;
+  const std::size_t n = records.size() / 2;
+  for (const ShardRecord* r : {&records[static_cast<std::size_t>(rank)], &records[n + static_cast<std::size_t>(rank)]})
+    if (r->layout == id && kept.record.layout < 0) kept.record = *r;
+  if (kept.record.layout < 0) return kept;
+  kept.record.committed = committed;
+  kept.record.pending = kept.record.holds = 0;
+  for (std::size_t i = 0; i < (size > 1 ? 2u : 1u); ++i)
+    for (std::size_t k = 0; k <= kinds; ++k) {
+      const auto piece = shard_of((kept.record.rank + static_cast<std::int64_t>(i)) % size, k);
+      kept.packed[i].emplace_back(piece.begin(), piece.end());
+    }
+  kept.integers = integers;
+  return kept;
+}
+
+// The record (gather_shard_records' index) of a member of layout `id` (of `size` ranks) holding
+// shard s, preferring its primary (rank s) to its replica (rank s-1); -1 when both are gone.
 inline int shard_holder(const std::vector<ShardRecord>& records, std::int64_t id, std::int64_t size, std::int64_t s) {
   int replica = -1;
   for (std::size_t q = 0; q < records.size(); ++q) {
@@ -124,11 +172,13 @@ inline std::int64_t agreed_shard_step(const std::vector<ShardRecord>& records, s
   std::int64_t target = -1;
   for (const ShardRecord& r : records)
     if (r.layout == id) target = std::max(target, r.committed);
+  const std::size_t n = records.size() / 2;  // gather_shard_records: current layouts, then kept ones
   for (std::size_t q = 0; q < records.size(); ++q) {
     const ShardRecord& r = records[q];
     if (r.layout != id) continue;
-    TESSERA_CHECK(r.committed == target || (r.committed == target - 1 && r.pending != 0), Error, who, ": rank ", q,
-                  " (rank ", r.rank, " of generation ", id, ") has committed ", r.committed, " steps and others ", target,
+    TESSERA_CHECK(r.committed == target || (r.committed == target - 1 && r.pending != 0), Error, who, ": rank ", q % n,
+                  (q >= n ? " (the shards it kept: " : " ("), "rank ", r.rank, " of generation ", id, ") has committed ",
+                  r.committed, " steps and others ", target,
                   (r.committed == target - 1 ? " but it lacks the gradients of the step between" : ""),
                   ": their shards cannot be brought to one step; resume from a checkpoint");
   }

@@ -38,7 +38,10 @@
 // broadcast each old shard's values and state from one holder (what a checkpoint's whole tensors
 // hold: P values and P per kind of state), and each member keeps its new shard and replica. The
 // model's parameters are written from the gathered values. A member keeps its old shards until
-// the regroup completes, so a death during it leaves the next regroup the same data.
+// the regroup completes, so a death during it leaves the next regroup the same data; and it keeps
+// its shards of the layout the regroup chose (detail::KeptShards) until the new layout's first
+// commit, so that a death after some members built the new layout and before others did leaves
+// that layout whole on the survivors (the next regroup's records list both).
 //
 //   ReplicatedZero1<E, Sgd<E>> zero(model, [](const NamedTensors<E>& shard) {
 //     return Sgd<E>(shard, {.lr = 0.05, .momentum = 0.9});     // any element-wise optimizer
@@ -130,8 +133,10 @@ class ReplicatedZero1 final : UpdateGuard {
                                        l.replica->grad.span());
     pending_ = true;
     pending_lr_ = lr_;
-    // c. the commit.
+    // c. the commit. Every member has built this layout (each contributed to the commit), so
+    // the shards kept from the last one can go.
     detail::commit_step(comm, committed_ + 1, "ReplicatedZero1");
+    kept_ = {};
     // d. both updates, local.
     apply_pending(l);
     // e. every rank's new shard to everyone. A failure here is kept: the step is taken.
@@ -207,6 +212,7 @@ class ReplicatedZero1 final : UpdateGuard {
     // The replica's integers (the step count) follow the primary's, as in a regroup.
     if (l.replica) detail::set_optimizer_integers(*l.replica->optimizer, detail::optimizer_integers(*l.primary.optimizer));
     committed_ = counted_ = l.primary.optimizer->steps();
+    kept_ = {};  // older than what was loaded
   }
   void checkpoint_release() { whole_.clear(); }
 
@@ -232,11 +238,12 @@ class ReplicatedZero1 final : UpdateGuard {
                                    total_,
                                    static_cast<std::int64_t>(kinds_.size()),
                                    static_cast<std::int64_t>(integer_names_.size())};
-    const auto records = detail::gather_shard_records(comm, mine, "ReplicatedZero1");
-    const std::int64_t chosen = detail::choose_shard_layout(records, "ReplicatedZero1").first;
+    const auto records = detail::gather_shard_records(comm, mine, kept_.record, "ReplicatedZero1");
+    const auto [chosen, size] = detail::choose_shard_layout(records, "ReplicatedZero1");
     std::int64_t target = 0;
     std::vector<Tensor<S, D>> whole(1 + kinds_.size());  // [values, kind...], each of every layout shard
     std::vector<std::int64_t> integers;
+    detail::KeptShards<S> kept;
     if (chosen < 0) {
       fresh_start(comm, records, whole, integers);
     } else {
@@ -244,8 +251,15 @@ class ReplicatedZero1 final : UpdateGuard {
       const detail::ShardRecord& me = records[static_cast<std::size_t>(comm.rank())];
       if (me.layout == chosen && me.committed == target - 1) apply_pending(*layout_);  // roll forward
       gather_shards(comm, records, chosen, whole, integers);
+      // Shard s of the chosen layout is whole[k][s K, (s + 1) K).
+      const std::int64_t shard = whole[0].numel() / size;
+      kept = detail::keep_shards<S>(records, comm.rank(), chosen, size, target, kinds_.size(), integers,
+                                    [&](std::int64_t s, std::size_t k) {
+                                      return std::span<const S>(whole[k].data() + s * shard, static_cast<std::size_t>(shard));
+                                    });
     }
     build_layout(comm, generation, whole, integers);
+    kept_ = std::move(kept);
     // Current: this member's step() returned after committing the agreed step, so its Trainer
     // counted it (a roll-forward, here or in a regroup that failed, does not count).
     const bool current = holds_train_state && counted_ == target;
@@ -313,6 +327,7 @@ class ReplicatedZero1 final : UpdateGuard {
       if (r.layout == id) size = r.size;
     const std::int64_t shard = (total_ + size - 1) / size;
     for (auto& t : whole) t.resize({shard * size});
+    const int n = comm.size();  // a holder index q >= n: member q - n, from the shards it kept
     for (std::int64_t s = 0; s < size; ++s) {
       const int holder = detail::shard_holder(records, id, size, s);
       const Shard* mine = nullptr;
@@ -322,14 +337,17 @@ class ReplicatedZero1 final : UpdateGuard {
         if (mine) {
           if (k == 0) pack_shard_values(*mine, out);
           else pack_shard_state(*mine, k - 1, out);
+        } else if (holder == n + comm.rank()) {
+          std::copy_n(kept_.shard(s, k).data(), shard, out);
         }
-        comm.broadcast(std::span<S>(out, static_cast<std::size_t>(shard)), holder);
+        comm.broadcast(std::span<S>(out, static_cast<std::size_t>(shard)), holder % n);
       }
     }
     const int first = detail::shard_holder(records, id, size, 0);
     integers.assign(integer_names_.size(), 0);
     if (first == comm.rank()) integers = detail::optimizer_integers(*layout_->primary.optimizer);
-    if (!integers.empty()) comm.broadcast(std::span<std::int64_t>(integers), first);
+    if (first == n + comm.rank()) integers = kept_.integers;
+    if (!integers.empty()) comm.broadcast(std::span<std::int64_t>(integers), first % n);
   }
 
   // This member's shards of the new generation, from the gathered values and state; the model's
@@ -490,6 +508,7 @@ class ReplicatedZero1 final : UpdateGuard {
   std::vector<std::string> integer_names_;  // the optimizer's integers ("optim.step")
   double lr_ = 0, pending_lr_ = 0;
   std::unique_ptr<Layout> layout_;
+  detail::KeptShards<S> kept_;  // the last regroup's chosen layout, until this layout's first commit
   Tensor<S, D> flat_;  // every parameter, padded to N shards: gradients to reduce-scatter, then gathered values
   std::int64_t committed_ = 0;
   std::int64_t counted_ = 0;  // committed_ as the caller last saw step() return (a roll-forward is not seen)

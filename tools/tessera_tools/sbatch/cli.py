@@ -41,9 +41,9 @@ how each backend is launched inside the allocation:
 logs and failures:
   The batch script's own output goes to LOG_DIR/job-<id>.out, each rank's to
   LOG_DIR/job-<id>/rank-<r>.log. srun stops the other ranks when one fails
-  (--kill-on-bad-exit; not with --elastic); the script then writes LOG_DIR/job-<id>/summary.txt (also at the end of
-  job-<id>.out): each rank's node and exit status, and the failed rank's error lines and last
-  lines. A rank that left no exit status on a node Slurm marks DOWN or NOT_RESPONDING is named
+  (--kill-on-bad-exit; not with --elastic); the script then writes
+  LOG_DIR/job-<id>/summary.txt (also at the end of job-<id>.out): each rank's node and exit
+  status, and the failed rank's error lines and last lines. A rank that left no exit status on a node Slurm marks DOWN or NOT_RESPONDING is named
   as lost with that node ("rank 2 (node2): exit none: node2 stopped answering Slurm ..."). A
   SIGTERM to the script (scancel, the time limit, a node failure that ends the job) still
   leaves the summary. With --wait, tessera-sbatch waits for the job, prints the summary (and the
