@@ -258,7 +258,10 @@ def run_batch_script(tmp_path: pathlib.Path, srun_body: str, *options: str, repl
     (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && { echo node1; echo node2; exit 0; }\n"
                                       "case \"$3\" in\n" + "".join(
         f"  {node}) echo 'NodeName={node} Arch=x86_64 {state}';;\n" for node, state in nodes.items()) + "esac\n")
-    for name in ("srun", "scontrol"):
+    # sinfo -N -o "%N %T", as the elastic watch asks: a trailing * is a node not responding.
+    (bin_dir / "sinfo").write_text("#!/bin/sh\n" + "".join(
+        f"echo '{node} {'down*' if 'DOWN' in state else 'allocated'}'\n" for node, state in nodes.items()))
+    for name in ("srun", "scontrol", "sinfo"):
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(script)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",

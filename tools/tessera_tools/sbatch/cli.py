@@ -72,8 +72,9 @@ elastic jobs (--elastic, --replace K; gloo):
   the others, which go on as a smaller group. srun runs the ranks with --kill-on-bad-exit=0
   --wait=0 --no-kill and the job is submitted with --no-kill, so neither a failed task nor a
   node that dies ends the step or the allocation. The batch script watches the ranks (every
-  0.5 s; a node's state every 2 s): with --replace K, a rank that exits non-zero, or whose node
-  Slurm marks DOWN or NOT_RESPONDING, while others still run gets a new job step in the
+  0.5 s; the nodes' states every 2 s, in one sinfo call): with --replace K, a rank that exits
+  non-zero, or whose node Slurm marks DOWN or NOT_RESPONDING, while others still run gets a new
+  job step in the
   allocation (srun --overlap -N 1 -n 1: the running step still holds every CPU of the
   allocation), on its own node, or on the node of the allocation running the fewest ranks when
   its node is down. The replacement is the same slot (TESSERA_RANK=r, TESSERA_WORLD_SIZE,
