@@ -438,9 +438,8 @@ class ReplicatedFullyShardedOptimizer final : UpdateGuard {
     std::vector<S> buffer(static_cast<std::size_t>(shard_total));
     // This member's rank in layout `id` (current or kept), whose two shards it keeps after the regroup.
     const int n = comm.size();  // a holder index q >= n: member q - n, from the shards it kept
-    std::int64_t my_rank = -1;
-    for (const int q : {comm.rank(), n + comm.rank()})
-      if (my_rank < 0 && records[static_cast<std::size_t>(q)].layout == id) my_rank = records[static_cast<std::size_t>(q)].rank;
+    const detail::ShardRecord* held_here = detail::held_record(records, comm.rank(), id);
+    const std::int64_t my_rank = held_here ? held_here->rank : -1;
     for (std::int64_t s = 0; s < size; ++s) {
       const int holder = detail::shard_holder(records, id, size, s);
       const bool mine = holder == comm.rank();

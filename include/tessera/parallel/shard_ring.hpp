@@ -109,6 +109,14 @@ std::vector<ShardRecord> gather_shard_records(Comm& comm, const ShardRecord& min
   return all;
 }
 
+// Member `rank`'s record of layout `id`, as its current layout or as kept shards; null if it holds none.
+inline const ShardRecord* held_record(const std::vector<ShardRecord>& records, int rank, std::int64_t id) {
+  const std::size_t n = records.size() / 2;
+  for (const ShardRecord* r : {&records[static_cast<std::size_t>(rank)], &records[n + static_cast<std::size_t>(rank)]})
+    if (r->layout == id) return r;
+  return nullptr;
+}
+
 // What member `rank` keeps of layout `id` (`size` ranks) after a regroup that chose it: the two
 // shards it held there, as its current layout or as kept ones, copied out of `shard_of(s, k)` (the
 // broadcast form); nothing when it held none.
@@ -117,10 +125,9 @@ KeptShards<S> keep_shards(const std::vector<ShardRecord>& records, int rank, std
                           std::int64_t committed, std::size_t kinds, const std::vector<std::int64_t>& integers,
                           const ShardOf& shard_of) {
   KeptShards<S> kept;
-  const std::size_t n = records.size() / 2;
-  for (const ShardRecord* r : {&records[static_cast<std::size_t>(rank)], &records[n + static_cast<std::size_t>(rank)]})
-    if (r->layout == id && kept.record.layout < 0) kept.record = *r;
-  if (kept.record.layout < 0) return kept;
+  const ShardRecord* held = held_record(records, rank, id);
+  if (held == nullptr) return kept;
+  kept.record = *held;
   kept.record.committed = committed;
   kept.record.pending = kept.record.holds = 0;
   for (std::size_t i = 0; i < (size > 1 ? 2u : 1u); ++i)
