@@ -84,15 +84,32 @@ def rank_nodes(logs: pathlib.Path) -> list[str]:
             for r in range(len(EXPECTED_NODES))]
 
 
+def failed_while_starting(out: str, logs: pathlib.Path) -> bool:
+    """The job failed before any rank ran a check: a rank died inside Open MPI's start-up (MPI_Init's
+    TCP wire-up) and the others were stopped before their first collective."""
+    started = any(re.search(r"rank \d+: \d+ checks", p.read_text(errors="replace")) for p in logs.glob("rank-*.log"))
+    return not started and "had not called a collective yet" in out and "Open MPI" in out
+
+
 def check_across_nodes(slurm: TwoNodeSlurm, log_dir: pathlib.Path, backend: str, program: str) -> None:
     extra = ["--backend=mpi"] if backend == "mpi" else ["--backend=gloo", "--iface=eth0"]
-    before = slurm.net.port_bytes(slurm.port("node2"))
-    start = time.monotonic()
-    rc, out, job = finish(submit(slurm, log_dir, *extra, "--comm-timeout=60", "--", program, "--no-large"),
-                          JOB_TIMEOUT)
-    seconds = time.monotonic() - start
-    crossed = slurm.net.port_bytes(slurm.port("node2")) - before
-    logs = log_dir / f"job-{job}"
+    for attempt in (1, 2):
+        before = slurm.net.port_bytes(slurm.port("node2"))
+        start = time.monotonic()
+        rc, out, job = finish(submit(slurm, log_dir, *extra, "--comm-timeout=60", "--", program, "--no-large"),
+                              JOB_TIMEOUT)
+        seconds = time.monotonic() - start
+        crossed = slurm.net.port_bytes(slurm.port("node2")) - before
+        logs = log_dir / f"job-{job}"
+        # Once in many CI runs (a loaded 2-core machine), Open MPI 4.1's TCP wire-up failed to
+        # connect between the namespaces and a rank crashed in that error path (a call through a
+        # null pointer) before any rank ran a check. That is Open MPI's start-up, not the code under
+        # test: one more job, with the first one's summary printed. A second failure fails the test.
+        if rc != 0 and backend == "mpi" and attempt == 1 and failed_while_starting(out, logs):
+            print(f"note: mpi job {job} failed inside Open MPI's start-up; submitting it once more. Its "
+                  f"summary:\n{out}")
+            continue
+        break
     batch = (log_dir / f"job-{job}.out").read_text()
     expect(rc == 0, f"{backend} job across 2 nodes exited {rc}:\n{out}\n{batch}")
     nodes = rank_nodes(logs)
