@@ -7,6 +7,7 @@
 // it always is). host_accessible says whether the host may dereference the device's pointers.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -89,6 +90,86 @@ inline void team_share(std::int64_t n, std::int64_t& begin, std::int64_t& end) {
   end = n * (t + 1) / team;
 }
 
+// body(i) for i in [0, n), as `#pragma omp for schedule(static)` runs it: inside a team, this
+// thread's contiguous share (team_share) and then a barrier unless `nowait`; outside one, all of
+// it. Written out instead of `omp for` because LLVM's libomp 14 as Debian builds it formats a debug
+// string (malloc, vsnprintf, free) three times per thread at the start of every `omp for` loop:
+// 220 heap allocations per ResNet-50 inference forward at batch 8, where a steady step must make
+// none (bench/README.md, "Inference and training memory").
+template <class Body>
+void static_for(std::int64_t n, const Body& body, bool nowait = false) {
+  std::int64_t begin, end;
+  team_share(n, begin, end);
+  for (std::int64_t i = begin; i < end; ++i) body(i);
+  if (!nowait && Cpu::team_size() > 1) {
+#pragma omp barrier
+  }
+}
+
+// body(i) for i in [0, n), as `#pragma omp parallel for schedule(static) if (parallel)` runs it,
+// without the runtime's loop start (static_for): split over a new team when `parallel` and this
+// thread is in no team yet; else on this thread alone, with no OpenMP call at all (an inactive
+// `parallel if (false)` region costs a runtime call and, in libomp, an allocation).
+template <class Body>
+void parallel_for(std::int64_t n, bool parallel, const Body& body) {
+#if defined(_OPENMP)
+  if (parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+#pragma omp parallel
+    static_for(n, body, /*nowait=*/true);  // the region's end is the barrier
+    return;
+  }
+#else
+  (void)parallel;
+#endif
+  for (std::int64_t i = 0; i < n; ++i) body(i);
+}
+
+// parallel_for whose loops the compiler vectorizes (`omp simd`): as `#pragma omp parallel for simd
+// schedule(static) if (parallel)`; body(i) must be independent across i.
+template <class Body>
+void parallel_for_simd(std::int64_t n, bool parallel, const Body& body) {
+  const auto run = [&](std::int64_t begin, std::int64_t end) {
+#pragma omp simd
+    for (std::int64_t i = begin; i < end; ++i) body(i);
+  };
+#if defined(_OPENMP)
+  if (parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+#pragma omp parallel
+    {
+      std::int64_t begin, end;
+      team_share(n, begin, end);
+      run(begin, end);
+    }
+    return;
+  }
+#else
+  (void)parallel;
+#endif
+  run(0, n);
+}
+
+// The sum over i in [0, n) of part(begin, end), the partial sum of a contiguous range, as
+// `#pragma omp parallel for reduction(+ : total) schedule(static) if (parallel)` computes it
+// (each thread one range, the partial sums then added) without the runtime's loop start.
+template <class T, class Part>
+T parallel_sum(std::int64_t n, bool parallel, const Part& part) {
+#if defined(_OPENMP)
+  if (parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+    T total = T(0);
+#pragma omp parallel reduction(+ : total)
+    {
+      std::int64_t begin, end;
+      team_share(n, begin, end);
+      total += part(begin, end);
+    }
+    return total;
+  }
+#else
+  (void)parallel;
+#endif
+  return part(0, n);
+}
+
 // body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
 // region (its orphaned `omp for` loops then run whole). Not `parallel if (...)`: an inactive
 // region of one thread still counts as a nesting level, so a gemm inside would open a nested
@@ -111,8 +192,11 @@ void run_in_team_if(bool parallel, const Body& body) {
 // Large fills (a ResNet-50's gradients: 25M elements) are split over the OpenMP team.
 template <class S>
 void fill_elements(Cpu, S* p, std::int64_t n, S value) {
-#pragma omp parallel for simd schedule(static) if (n >= (1 << 15))
-  for (std::int64_t i = 0; i < n; ++i) p[i] = value;
+  // Blocks of 4096 elements per iteration: the inner fill vectorizes (std::fill).
+  constexpr std::int64_t kBlock = 4096;
+  detail::parallel_for((n + kBlock - 1) / kBlock, n >= (1 << 15), [&](std::int64_t blk) {
+    std::fill(p + blk * kBlock, p + std::min(n, (blk + 1) * kBlock), value);
+  });
 }
 
 }  // namespace tessera

@@ -79,13 +79,12 @@ void dropout_rows(Cpu, const DropoutKey& key, std::int64_t batch, std::int64_t t
                   S* y) {
   const std::uint64_t threshold = key.threshold();
   const S scale = static_cast<S>(key.scale());
-#pragma omp parallel for schedule(static)
-  for (std::int64_t bt = 0; bt < batch * t; ++bt) {
+  detail::parallel_for(batch * t, true, [&](std::int64_t bt) {
     const std::uint64_t row = key.row(bt / t, 0, bt % t);
     const S* xr = x + bt * width;
     S* yr = y + bt * width;
     for (std::int64_t j = 0; j < width; ++j) yr[j] = xr[j] * (DropoutKey::keeps(row, j, threshold) ? scale : S(0));
-  }
+  });
 }
 // The CUDA overload: kernels/cuda/elementwise.cuh.
 

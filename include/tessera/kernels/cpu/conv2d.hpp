@@ -410,12 +410,12 @@ void conv2d_forward_impl(const Conv2dGeometry& g, const Conv2dBlocking& b, std::
       return conv2d_forward_block(g, b, blk, x, w, bias, y, workspace, workspace + b.col_elements(g), true, e, true);
     }
   }
-  const auto run = [&] {  // on each thread of a team, or alone (the orphaned `omp for` then runs it all)
+  const auto run = [&] {  // on each thread of a team, or alone (static_for then runs it all)
     S* col = workspace + Cpu::thread_index() * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < blocks; ++t)
+    static_for(blocks, [&](std::int64_t t) {
       conv2d_forward_block(g, b, conv_block(g, b, batch, t / bands, t % bands), x, w, bias, y, col, stage, false, e);
+    });
   };
   run_in_team_if(blocks > 1 && work > kParallelGrain, run);
 }
@@ -445,8 +445,7 @@ void conv2d_forward_epilogue(Cpu, const Conv2dGeometry& g, const Conv2dBlocking&
 // db (K) += sum over n, oh, ow of dy (N, K, H', W').
 template <class S>
 void conv2d_bias_backward(Cpu, std::int64_t batch, std::int64_t channels, std::int64_t plane, const S* dy, S* db) {
-#pragma omp parallel for schedule(static) if (batch * channels * plane > detail::kParallelGrain)
-  for (std::int64_t ch = 0; ch < channels; ++ch) {
+  detail::parallel_for(channels, batch * channels * plane > detail::kParallelGrain, [&](std::int64_t ch) {
     S sum = 0;
     for (std::int64_t n = 0; n < batch; ++n) {
       const S* d = dy + (n * channels + ch) * plane;
@@ -456,7 +455,7 @@ void conv2d_bias_backward(Cpu, std::int64_t batch, std::int64_t channels, std::i
       for (std::int64_t p = 0; p < plane; ++p) sum += d[p];
     }
     db[ch] += sum;
-  }
+  });
 }
 
 // dw (K, C/G, kh, kw) += dL/dw unless dw is null, and dx (N, C, H, W) = dL/dx unless dx is null,
@@ -476,8 +475,7 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
     S* stage = col + b.col_elements(g);
     S* dw_acc = dw == nullptr ? nullptr : t == 0 ? dw : partial + (t - 1) * weights;
     if (dw_acc != nullptr && t > 0) std::fill(dw_acc, dw_acc + weights, S(0));
-#pragma omp for schedule(static)
-    for (std::int64_t grp = 0; grp < groups; ++grp) {
+    detail::static_for(groups, [&](std::int64_t grp) {
       S* dx_group = dx ? dx + grp * in_group : nullptr;
       if (dx_group && !b.direct(g) && !detail::col2im_assigns(g, b)) {
         const std::int64_t count = std::min(b.samples, batch - grp * b.samples);
@@ -486,13 +484,13 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
       for (std::int64_t band = 0; band < bands; ++band)
         detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, grp, band), x, w, dy, dw_acc, dx, col,
                                       stage);
-    }
+    });
     if (dw == nullptr) return;  // dx only (Conv2d::backward_input): no accumulators to add
-    // The loop's implicit barrier has passed: every private accumulator is complete.
+    // static_for's barrier has passed: every private accumulator is complete.
     const std::int64_t team = Cpu::team_size();
-#pragma omp for schedule(static)
-    for (std::int64_t i = 0; i < weights; ++i)
+    detail::static_for(weights, [&](std::int64_t i) {
       for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
+    });
   };
   detail::run_in_team_if(b.parallel_backward, run);
 }

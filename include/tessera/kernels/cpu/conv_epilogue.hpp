@@ -42,16 +42,10 @@ void conv_epilogue_run(const ConvEpilogue<S>& e, std::int64_t ch, const S* src, 
 }
 
 // body(ch) for ch < channels: split over a new team when `team` (the caller runs outside any
-// parallel region), else on this thread. Two loops: an `if (false)` parallel region would still
-// cost a runtime call per block.
+// parallel region), else on this thread (parallel_for: no runtime call then).
 template <class Body>
 void for_each_channel(bool team, std::int64_t channels, const Body& body) {
-  if (team) {
-#pragma omp parallel for schedule(static)
-    for (std::int64_t ch = 0; ch < channels; ++ch) body(ch);
-  } else {
-    for (std::int64_t ch = 0; ch < channels; ++ch) body(ch);
-  }
+  parallel_for(channels, team, body);
 }
 
 // The epilogue in place on positions [first, first + n) of every channel plane of samples

@@ -34,51 +34,50 @@ inline constexpr std::int64_t kElementwiseParallelThreshold = 1 << 15;
 // stateful ops, e.g. LeakyReLU's slope): op.value(x) and op.derivative(x, y).
 template <class S, class Op>
 void map_forward(Cpu, const Op& op, const S* x, std::int64_t n, S* y) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) y[i] = op.value(x[i]);
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold,
+                            [&](std::int64_t i) { y[i] = op.value(x[i]); });
 }
 template <class S, class Op>
 void map_backward(Cpu, const Op& op, const S* dy, const S* x, const S* y, std::int64_t n, S* dx) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) dx[i] = dy[i] * op.derivative(x[i], y[i]);
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold,
+                            [&](std::int64_t i) { dx[i] = dy[i] * op.derivative(x[i], y[i]); });
 }
 
 template <class S>
 void relu_forward(Cpu, const S* x, std::int64_t n, S* y) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] < S(0) ? S(0) : x[i];  // NaN passes through, as in torch.relu
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold, [&](std::int64_t i) {
+    y[i] = x[i] < S(0) ? S(0) : x[i];  // NaN passes through, as in torch.relu
+  });
 }
 
 template <class S>
 void relu_backward(Cpu, const S* dy, const S* y, std::int64_t n, S* dx) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold, [&](std::int64_t i) {
     // dy[i] read whatever y[i] is: then this is a select, which SSE2 vectorizes; written as
     // `y[i] <= 0 ? 0 : dy[i]`, the load is conditional, and only a target with masked loads
     // (AVX-512) vectorized it: a portable build ran it as a branch per element.
     const S g = dy[i];
     dx[i] = y[i] <= S(0) ? S(0) : g;
-  }
+  });
 }
 
 template <class S>
 void gelu_forward(Cpu, const S* x, std::int64_t n, S* y) {
   const S inv_sqrt2 = static_cast<S>(std::numbers::sqrt2 / 2);
-#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold / 8)
-  for (std::int64_t i = 0; i < n; ++i) y[i] = S(0.5) * x[i] * (S(1) + std::erf(x[i] * inv_sqrt2));
+  detail::parallel_for(n, n >= detail::kElementwiseParallelThreshold / 8,
+                       [&](std::int64_t i) { y[i] = S(0.5) * x[i] * (S(1) + std::erf(x[i] * inv_sqrt2)); });
 }
 
 template <class S>
 void gelu_backward(Cpu, const S* dy, const S* x, std::int64_t n, S* dx) {
   const S inv_sqrt2 = static_cast<S>(std::numbers::sqrt2 / 2);
   const S inv_sqrt_2pi = static_cast<S>(std::numbers::inv_sqrtpi * std::numbers::sqrt2 / 2);
-#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold / 8)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for(n, n >= detail::kElementwiseParallelThreshold / 8, [&](std::int64_t i) {
     const S v = x[i];
     const S cdf = S(0.5) * (S(1) + std::erf(v * inv_sqrt2));
     const S pdf = inv_sqrt_2pi * std::exp(S(-0.5) * v * v);
     dx[i] = dy[i] * (cdf + v * pdf);
-  }
+  });
 }
 
 namespace detail {
@@ -101,22 +100,20 @@ inline constexpr double kGeluTanhCubic = 0.044715;
 template <class S>
 void gelu_tanh_forward(Cpu, const S* x, std::int64_t n, S* y) {
   const S k = S(detail::kGeluTanhScale), c = S(detail::kGeluTanhCubic);
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold, [&](std::int64_t i) {
     const S v = x[i];
     y[i] = S(0.5) * v * detail::one_plus_tanh(k * (v + c * v * v * v));
-  }
+  });
 }
 
 template <class S>
 void gelu_tanh_backward(Cpu, const S* dy, const S* x, std::int64_t n, S* dx) {
   const S k = S(detail::kGeluTanhScale), c = S(detail::kGeluTanhCubic);
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold, [&](std::int64_t i) {
     const S v = x[i];
     const S a = detail::one_plus_tanh(k * (v + c * v * v * v));  // 1 + t; 1 - t^2 = a (2 - a)
     dx[i] = dy[i] * (S(0.5) * a + S(0.5) * v * a * (S(2) - a) * k * (S(1) + S(3) * c * v * v));
-  }
+  });
 }
 
 // Sequential in the rng (so a seed fixes the mask whatever the thread count). keep_i is
@@ -130,25 +127,24 @@ void dropout_mask(Cpu, std::int64_t n, double p, Rng& rng, S* mask) {
 
 template <class S>
 void multiply(Cpu, const S* a, const S* b, std::int64_t n, S* out) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold,
+                            [&](std::int64_t i) { out[i] = a[i] * b[i]; });
 }
 
 template <class S>
 void add(Cpu, const S* a, const S* b, std::int64_t n, S* out) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold,
+                            [&](std::int64_t i) { out[i] = a[i] + b[i]; });
 }
 
 // The residual join y = max(a + b, 0), fused so the sum is never stored: one pass over memory
 // instead of two. Its backward is relu_backward on y.
 template <class S>
 void add_relu_forward(Cpu, const S* a, const S* b, std::int64_t n, S* y) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold, [&](std::int64_t i) {
     const S s = a[i] + b[i];
     y[i] = s < S(0) ? S(0) : s;
-  }
+  });
 }
 
 // Linear's bias: y (rows, cols) gets b (cols) in every row; db (cols) += the column sums of dy.
@@ -166,38 +162,43 @@ void add_column_sums(Cpu, const S* dy, std::int64_t rows, std::int64_t cols, S* 
 // inf or NaN (never reset here: the caller zeroes the flag once per step).
 template <class S>
 void unscale_and_flag(Cpu, S* g, std::int64_t n, S inv_scale, std::int32_t* found_nonfinite) {
-  bool bad = false;
-#pragma omp parallel for simd schedule(static) reduction(|| : bad) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) {
-    bad = bad || !std::isfinite(g[i]);
-    g[i] *= inv_scale;
-  }
+  // Counted as a sum (parallel_sum): the number of non-finite elements.
+  const std::int64_t bad = detail::parallel_sum<std::int64_t>(n, n >= detail::kElementwiseParallelThreshold,
+                                                              [&](std::int64_t begin, std::int64_t end) {
+    std::int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+    for (std::int64_t i = begin; i < end; ++i) {
+      count += !std::isfinite(g[i]);
+      g[i] *= inv_scale;
+    }
+    return count;
+  });
   if (bad) *found_nonfinite = 1;
 }
 
 // out = scale * x.
 template <class S>
 void scale_elements(Cpu, const S* x, std::int64_t n, S scale, S* out) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = scale * x[i];
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold,
+                            [&](std::int64_t i) { out[i] = scale * x[i]; });
 }
 
 // A 16-bit wire (W: Half or BHalf; a sharded strategy's gathers and reductions): values rounded
 // to W through float, read back through float, and added back through float.
 template <class S, class W>
 void cast_to_wire(Cpu, const S* x, std::int64_t n, W* out) {
-#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = W(static_cast<float>(x[i]));
+  detail::parallel_for(n, n >= detail::kElementwiseParallelThreshold,
+                       [&](std::int64_t i) { out[i] = W(static_cast<float>(x[i])); });
 }
 template <class S, class W>
 void cast_from_wire(Cpu, const W* x, std::int64_t n, S* out) {
-#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(static_cast<float>(x[i]));
+  detail::parallel_for(n, n >= detail::kElementwiseParallelThreshold,
+                       [&](std::int64_t i) { out[i] = static_cast<S>(static_cast<float>(x[i])); });
 }
 template <class S, class W>
 void add_from_wire(Cpu, const W* x, std::int64_t n, S* out) {
-#pragma omp parallel for schedule(static) if (n >= detail::kElementwiseParallelThreshold)
-  for (std::int64_t i = 0; i < n; ++i) out[i] += static_cast<S>(static_cast<float>(x[i]));
+  detail::parallel_for(n, n >= detail::kElementwiseParallelThreshold,
+                       [&](std::int64_t i) { out[i] += static_cast<S>(static_cast<float>(x[i])); });
 }
 
 // Strided blocks (pitches in elements): dst rows of `width` elements at dst_pitch apart get the
@@ -240,13 +241,13 @@ void transpose_tiles(const S* x, std::int64_t rows, std::int64_t cols, S* y) {
 }  // namespace detail
 template <class S>
 void nchw_to_nhwc(Cpu, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y) {
-#pragma omp parallel for schedule(static) if (n * c * hw > (1 << 16))
-  for (std::int64_t i = 0; i < n; ++i) detail::transpose_tiles(x + i * c * hw, c, hw, y + i * c * hw);
+  detail::parallel_for(n, n * c * hw > (1 << 16),
+                       [&](std::int64_t i) { detail::transpose_tiles(x + i * c * hw, c, hw, y + i * c * hw); });
 }
 template <class S>
 void nhwc_to_nchw(Cpu, std::int64_t n, std::int64_t c, std::int64_t hw, const S* x, S* y) {
-#pragma omp parallel for schedule(static) if (n * c * hw > (1 << 16))
-  for (std::int64_t i = 0; i < n; ++i) detail::transpose_tiles(x + i * c * hw, hw, c, y + i * c * hw);
+  detail::parallel_for(n, n * c * hw > (1 << 16),
+                       [&](std::int64_t i) { detail::transpose_tiles(x + i * c * hw, hw, c, y + i * c * hw); });
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp); map_forward/map_backward

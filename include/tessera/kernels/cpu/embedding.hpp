@@ -22,8 +22,8 @@ inline constexpr std::int64_t kEmbeddingParallelGrain = 1 << 15;  // elements be
 
 template <class S>
 void embedding_forward(Cpu, const S* weight, std::int64_t dim, const std::int64_t* ids, std::int64_t count, S* y) {
-#pragma omp parallel for schedule(static) if (count * dim >= detail::kEmbeddingParallelGrain)
-  for (std::int64_t i = 0; i < count; ++i) std::copy_n(weight + ids[i] * dim, dim, y + i * dim);
+  detail::parallel_for(count, count * dim >= detail::kEmbeddingParallelGrain,
+                       [&](std::int64_t i) { std::copy_n(weight + ids[i] * dim, dim, y + i * dim); });
 }
 
 // skip_id: the padding index (its row receives no gradient), or -1 for none.
@@ -32,8 +32,7 @@ void embedding_backward(Cpu, const S* dy, const std::int64_t* ids, std::int64_t 
                         std::int64_t skip_id, S* dweight) {
   constexpr std::int64_t kBlock = 64;  // columns per task
   const std::int64_t blocks = (dim + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (count * dim >= detail::kEmbeddingParallelGrain && blocks > 1)
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+  detail::parallel_for(blocks, count * dim >= detail::kEmbeddingParallelGrain && blocks > 1, [&](std::int64_t blk) {
     const std::int64_t j0 = blk * kBlock, j1 = std::min(dim, j0 + kBlock);
     for (std::int64_t i = 0; i < count; ++i) {
       if (ids[i] == skip_id) continue;
@@ -41,7 +40,7 @@ void embedding_backward(Cpu, const S* dy, const std::int64_t* ids, std::int64_t 
       const S* g = dy + i * dim;
       for (std::int64_t j = j0; j < j1; ++j) row[j] += g[j];
     }
-  }
+  });
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).

@@ -13,13 +13,15 @@ namespace tessera {
 // diff = y - t; returns sum_i diff_i^2 (accumulated in double).
 template <class S>
 double squared_error_forward(Cpu, const S* y, const S* t, std::int64_t n, S* diff) {
-  double total = 0;
-#pragma omp parallel for simd schedule(static) reduction(+ : total) if (n >= (1 << 15))
-  for (std::int64_t i = 0; i < n; ++i) {
-    diff[i] = y[i] - t[i];
-    total += static_cast<double>(diff[i]) * static_cast<double>(diff[i]);
-  }
-  return total;
+  return detail::parallel_sum<double>(n, n >= (1 << 15), [&](std::int64_t begin, std::int64_t end) {
+    double total = 0;
+#pragma omp simd reduction(+ : total)
+    for (std::int64_t i = begin; i < end; ++i) {
+      diff[i] = y[i] - t[i];
+      total += static_cast<double>(diff[i]) * static_cast<double>(diff[i]);
+    }
+    return total;
+  });
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).

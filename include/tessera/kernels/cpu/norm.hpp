@@ -35,8 +35,7 @@ void norm_parameter_grads(const S* x, const S* dy, const S* mean, const S* rstd,
                           S* dweight, S* dbias) {
   if (dweight == nullptr && dbias == nullptr) return;
   const std::int64_t blocks = (n + kNormColumnBlock - 1) / kNormColumnBlock;
-#pragma omp parallel for schedule(static) if (rows * n >= kNormParallelGrain && blocks > 1)
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+  detail::parallel_for(blocks, rows * n >= kNormParallelGrain && blocks > 1, [&](std::int64_t blk) {
     const std::int64_t j0 = blk * kNormColumnBlock, j1 = std::min(n, j0 + kNormColumnBlock);
     S dw[kNormColumnBlock] = {}, db[kNormColumnBlock] = {};
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -52,15 +51,14 @@ void norm_parameter_grads(const S* x, const S* dy, const S* mean, const S* rstd,
       if (dweight != nullptr) dweight[j] += dw[j - j0];
       if (dbias != nullptr) dbias[j] += db[j - j0];
     }
-  }
+  });
 }
 
 // The forward of both (mean null: RMSNorm, no centring).
 template <class S>
 void norm_forward(const S* x, std::int64_t rows, std::int64_t n, const S* weight, const S* bias, double eps, S* y,
                   S* mean, S* rstd) {
-#pragma omp parallel for schedule(static) if (rows * n >= kNormParallelGrain)
-  for (std::int64_t r = 0; r < rows; ++r) {
+  detail::parallel_for(rows, rows * n >= kNormParallelGrain, [&](std::int64_t r) {
     const S* xr = x + r * n;
     S* yr = y + r * n;
     // The row sums in double, vectorized: `omp simd reduction` lets the compiler reorder them (it
@@ -85,14 +83,13 @@ void norm_forward(const S* x, std::int64_t rows, std::int64_t n, const S* weight
       const S xhat = (xr[j] - m) * s;
       yr[j] = (weight != nullptr ? xhat * weight[j] : xhat) + (bias != nullptr ? bias[j] : S(0));
     }
-  }
+  });
 }
 
 template <class S>
 void norm_input_grad(const S* x, const S* dy, const S* mean, const S* rstd, const S* weight, std::int64_t rows,
                      std::int64_t n, S* dx) {
-#pragma omp parallel for schedule(static) if (rows * n >= kNormParallelGrain)
-  for (std::int64_t r = 0; r < rows; ++r) {
+  detail::parallel_for(rows, rows * n >= kNormParallelGrain, [&](std::int64_t r) {
     const S* xr = x + r * n;
     const S* gr = dy + r * n;
     S* dr = dx + r * n;
@@ -110,7 +107,7 @@ void norm_input_grad(const S* x, const S* dy, const S* mean, const S* rstd, cons
       const S g = weight != nullptr ? gr[j] * weight[j] : gr[j];
       dr[j] = rs * (g - mean_g - (xr[j] - mu) * rs * mean_gx);
     }
-  }
+  });
 }
 }  // namespace detail
 

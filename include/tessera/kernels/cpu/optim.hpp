@@ -35,8 +35,7 @@ template <class F>
 void for_each_element(std::int64_t n, F f) {
 // simd: the updates read and write several arrays, which the compiler cannot prove apart; each
 // element's arithmetic is the same in a vector lane (the tests compare with PyTorch bit for bit).
-#pragma omp parallel for simd schedule(static) if (n >= kOptimParallelElements)
-  for (std::int64_t i = 0; i < n; ++i) f(i);
+  detail::parallel_for_simd(n, n >= kOptimParallelElements, [&](std::int64_t i) { f(i); });
 }
 
 // 1 where this translation unit is compiled for a CPU with fused multiply-add (x86-64 with -mfma
@@ -139,9 +138,12 @@ void adam_update(Cpu, std::int64_t n, S* p, const S* g, S* m, S* v, S* v_max, co
 // ||x||_2 in double, over OpenMP threads for large tensors (the GPU's is in kernels/cuda/lars.cuh).
 template <class S>
 double l2_norm(Cpu, const S* x, std::int64_t n) {
-  double sum = 0;
-#pragma omp parallel for reduction(+ : sum) schedule(static) if (n >= detail::kOptimParallelElements)
-  for (std::int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  const double sum = detail::parallel_sum<double>(n, n >= detail::kOptimParallelElements,
+                                                  [&](std::int64_t begin, std::int64_t end) {
+    double part = 0;
+    for (std::int64_t i = begin; i < end; ++i) part += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+    return part;
+  });
   return std::sqrt(sum);
 }
 

@@ -167,10 +167,9 @@ TESSERA_TARGET_AVX512 inline void max_pool_2x2_row16(const float* r0, const floa
 // vectorizes (the generic loop's stride-2 gathers per tap were a large share of a LeNet-5 step).
 template <class S>
 void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
-  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * 4;
+  const std::int64_t work = planes * g.out_plane() * 4;
   const std::int64_t w = g.width, ow_count = g.out_width;
-#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  detail::parallel_for(planes, work > kPoolParallelGrain, [&](std::int64_t p) {
     const S* in = x + p * g.in_plane();
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
       const S* r0 = in + 2 * oh * w;
@@ -206,7 +205,7 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
         at[ow] = a;
       }
     }
-  }
+  });
 }
 
 // The window loop with k and s known at compile time, for ResNet's 3x3 stride-2 stem pooling
@@ -224,9 +223,8 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
   const std::int64_t inner_lo = std::min(ow_count, (pad + kStride - 1) / kStride);
   const std::int64_t inner_hi =
       width + pad < kKernel ? inner_lo : std::clamp((width + pad - kKernel) / kStride + 1, inner_lo, ow_count);
-  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * kKernel * kKernel;
-#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  const std::int64_t work = planes * g.out_plane() * kKernel * kKernel;
+  detail::parallel_for(planes, work > kPoolParallelGrain, [&](std::int64_t p) {
     const S* in = x + p * g.in_plane();
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
       S* best = y + p * g.out_plane() + oh * ow_count;
@@ -272,7 +270,7 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
         for (std::int64_t ow = inner_hi; ow < ow_count; ++ow) edge_column(ow);
       }
     }
-  }
+  });
 }
 
 // Channels last (Pool2dGeometry::channels_last): output by output in memory order, each window
@@ -282,9 +280,8 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
 template <class S>
 void max_pool2d_forward_channels_last(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y,
                                       std::int32_t* argmax) {
-  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
-#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
-  for (std::int64_t o = 0; o < planes * g.out_plane(); ++o) {
+  const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+  detail::parallel_for(planes * g.out_plane(), work > kPoolParallelGrain, [&](std::int64_t o) {
     std::int64_t p, oh, ow;
     g.locate(o, g.out_height, g.out_width, p, oh, ow);
     const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0), h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
@@ -301,15 +298,14 @@ void max_pool2d_forward_channels_last(const Pool2dGeometry& g, std::int64_t plan
       }
     y[o] = best;
     argmax[o] = at;
-  }
+  });
 }
 // Each image's outputs are contiguous in both formats: images split over the threads.
 template <class Body>
 void pool_images(const Pool2dGeometry& g, std::int64_t planes, const Body& body) {
   const std::int64_t images = planes / g.channels;
-  [[maybe_unused]] const std::int64_t work = planes * (g.in_plane() + g.out_plane() * g.kernel * g.kernel);
-#pragma omp parallel for schedule(static) if (work > kPoolParallelGrain)
-  for (std::int64_t i = 0; i < images; ++i) body(i);
+  const std::int64_t work = planes * (g.in_plane() + g.out_plane() * g.kernel * g.kernel);
+  parallel_for(images, work > kPoolParallelGrain, body);
 }
 }  // namespace detail
 
@@ -323,7 +319,7 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
     detail::max_pool2d_forward_channels_last(g, planes, x, y, argmax);
     return;
   }
-  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+  const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
   if (detail::max_pool_2x2_windows(g)) {
     detail::max_pool2d_forward_2x2(g, planes, x, y, argmax);
     return;
@@ -332,8 +328,7 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
     detail::max_pool2d_forward_fixed<3, 2>(g, planes, x, y, argmax);
     return;
   }
-#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  detail::parallel_for(planes, work > detail::kPoolParallelGrain, [&](std::int64_t p) {
     const S* in = x + p * g.in_plane();
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
       S* best = y + p * g.out_plane() + oh * g.out_width;
@@ -360,7 +355,7 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
         }
       }
     }
-  }
+  });
 }
 
 // dx (planes, H, W) = routing of dy (planes, H', W') to the argmax of each window (overwrites dx).
@@ -376,15 +371,14 @@ void max_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, cons
     });
     return;
   }
-  [[maybe_unused]] const std::int64_t work = planes * (g.in_plane() + g.out_plane());
-#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  const std::int64_t work = planes * (g.in_plane() + g.out_plane());
+  detail::parallel_for(planes, work > detail::kPoolParallelGrain, [&](std::int64_t p) {
     S* out = dx + p * g.in_plane();
     std::fill(out, out + g.in_plane(), S(0));
     const S* d = dy + p * g.out_plane();
     const std::int32_t* idx = argmax + p * g.out_plane();
     for (std::int64_t o = 0; o < g.out_plane(); ++o) out[idx[o]] += d[o];
-  }
+  });
 }
 
 // y (planes, H', W') <- average pooling of x (planes, H, W); tap by tap over whole output rows
@@ -410,9 +404,8 @@ void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
     });
     return;
   }
-  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
-#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+  detail::parallel_for(planes, work > detail::kPoolParallelGrain, [&](std::int64_t p) {
     const S* in = x + p * g.in_plane();
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
       S* out = y + p * g.out_plane() + oh * g.out_width;
@@ -434,7 +427,7 @@ void avg_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
         for (std::int64_t ow = 0; ow < g.out_width; ++ow) out[ow] /= static_cast<S>(g.avg_divisor(oh, ow));
       }
     }
-  }
+  });
 }
 
 // dx (planes, H, W) = dy (planes, H', W') spread evenly over each window (overwrites dx).
@@ -458,9 +451,8 @@ void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, cons
     });
     return;
   }
-  [[maybe_unused]] const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
-#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  const std::int64_t work = planes * g.out_plane() * g.kernel * g.kernel;
+  detail::parallel_for(planes, work > detail::kPoolParallelGrain, [&](std::int64_t p) {
     S* out = dx + p * g.in_plane();
     std::fill(out, out + g.in_plane(), S(0));
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
@@ -489,16 +481,15 @@ void avg_pool2d_backward(Cpu, const Pool2dGeometry& g, std::int64_t planes, cons
         }
       }
     }
-  }
+  });
 }
 
 // y (planes, H', W') <- adaptive average pooling of x (planes, H, W).
 template <class S>
 void adaptive_avg_pool2d_forward(Cpu, const AdaptivePool2dGeometry& g, std::int64_t planes, const S* x, S* y) {
   using G = AdaptivePool2dGeometry;
-  [[maybe_unused]] const std::int64_t work = planes * std::max(g.in_plane(), g.out_plane());
-#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  const std::int64_t work = planes * std::max(g.in_plane(), g.out_plane());
+  detail::parallel_for(planes, work > detail::kPoolParallelGrain, [&](std::int64_t p) {
     const S* in = x + p * g.in_plane();
     S* out = y + p * g.out_plane();
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
@@ -511,7 +502,7 @@ void adaptive_avg_pool2d_forward(Cpu, const AdaptivePool2dGeometry& g, std::int6
         out[oh * g.out_width + ow] = sum / static_cast<S>(h1 - h0) / static_cast<S>(w1 - w0);
       }
     }
-  }
+  });
 }
 
 // dx (planes, H, W) = each dy[oh, ow] / (rows cols) added over its window (overwrites dx; windows
@@ -519,9 +510,8 @@ void adaptive_avg_pool2d_forward(Cpu, const AdaptivePool2dGeometry& g, std::int6
 template <class S>
 void adaptive_avg_pool2d_backward(Cpu, const AdaptivePool2dGeometry& g, std::int64_t planes, const S* dy, S* dx) {
   using G = AdaptivePool2dGeometry;
-  [[maybe_unused]] const std::int64_t work = planes * std::max(g.in_plane(), g.out_plane());
-#pragma omp parallel for schedule(static) if (work > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  const std::int64_t work = planes * std::max(g.in_plane(), g.out_plane());
+  detail::parallel_for(planes, work > detail::kPoolParallelGrain, [&](std::int64_t p) {
     S* out = dx + p * g.in_plane();
     const S* d = dy + p * g.out_plane();
     std::fill(out, out + g.in_plane(), S(0));
@@ -534,28 +524,27 @@ void adaptive_avg_pool2d_backward(Cpu, const AdaptivePool2dGeometry& g, std::int
           for (std::int64_t w = w0; w < w1; ++w) out[h * g.width + w] += share;
       }
     }
-  }
+  });
 }
 
 // y (planes) = mean of each plane of x (planes, plane).
 template <class S>
 void global_avg_pool_forward(Cpu, std::int64_t planes, std::int64_t plane, const S* x, S* y) {
   const S scale = S(1) / static_cast<S>(plane);
-#pragma omp parallel for schedule(static) if (planes * plane > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) {
+  detail::parallel_for(planes, planes * plane > detail::kPoolParallelGrain, [&](std::int64_t p) {
     const S* in = x + p * plane;
     S sum = 0;
     for (std::int64_t i = 0; i < plane; ++i) sum += in[i];
     y[p] = sum * scale;
-  }
+  });
 }
 
 // dx (planes, plane) = dy[p] / plane on plane p.
 template <class S>
 void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, const S* dy, S* dx) {
   const S scale = S(1) / static_cast<S>(plane);
-#pragma omp parallel for schedule(static) if (planes * plane > detail::kPoolParallelGrain)
-  for (std::int64_t p = 0; p < planes; ++p) std::fill(dx + p * plane, dx + (p + 1) * plane, dy[p] * scale);
+  detail::parallel_for(planes, planes * plane > detail::kPoolParallelGrain,
+                       [&](std::int64_t p) { std::fill(dx + p * plane, dx + (p + 1) * plane, dy[p] * scale); });
 }
 
 // Channels last: y (n, c) = mean over the plane of x (n, plane, c); dx (n, plane, c) = dy / plane.
@@ -563,8 +552,7 @@ void global_avg_pool_backward(Cpu, std::int64_t planes, std::int64_t plane, cons
 template <class S>
 void global_avg_pool_channels_last_forward(Cpu, std::int64_t n, std::int64_t c, std::int64_t plane, const S* x, S* y) {
   const S scale = S(1) / static_cast<S>(plane);
-#pragma omp parallel for schedule(static) if (n * c * plane > detail::kPoolParallelGrain)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for(n, n * c * plane > detail::kPoolParallelGrain, [&](std::int64_t i) {
     S* out = y + i * c;
     std::fill(out, out + c, S(0));
     for (std::int64_t k = 0; k < plane; ++k) {
@@ -573,19 +561,19 @@ void global_avg_pool_channels_last_forward(Cpu, std::int64_t n, std::int64_t c, 
       for (std::int64_t ch = 0; ch < c; ++ch) out[ch] += row[ch];
     }
     for (std::int64_t ch = 0; ch < c; ++ch) out[ch] *= scale;
-  }
+  });
 }
 template <class S>
 void global_avg_pool_channels_last_backward(Cpu, std::int64_t n, std::int64_t c, std::int64_t plane, const S* dy,
                                             S* dx) {
   const S scale = S(1) / static_cast<S>(plane);
-#pragma omp parallel for schedule(static) if (n * c * plane > detail::kPoolParallelGrain)
-  for (std::int64_t i = 0; i < n; ++i)
+  detail::parallel_for(n, n * c * plane > detail::kPoolParallelGrain, [&](std::int64_t i) {
     for (std::int64_t k = 0; k < plane; ++k) {
       S* row = dx + (i * plane + k) * c;
 #pragma omp simd
       for (std::int64_t ch = 0; ch < c; ++ch) row[ch] = dy[i * c + ch] * scale;
     }
+  });
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).

@@ -37,8 +37,7 @@ constexpr std::int64_t kSoftmaxParallelGrain = 1 << 15;  // elements below which
 template <class S>
 void softmax_forward(Cpu, const S* x, std::int64_t outer, std::int64_t dim, std::int64_t inner, bool log, S* y) {
   [[maybe_unused]] const std::int64_t work = outer * dim * inner;
-#pragma omp parallel for schedule(static) if (work >= detail::kSoftmaxParallelGrain)
-  for (std::int64_t r = 0; r < outer * inner; ++r) {
+  detail::parallel_for(outer * inner, work >= detail::kSoftmaxParallelGrain, [&](std::int64_t r) {
     const std::int64_t o = r / inner, i = r % inner;
     const S* xr = x + o * dim * inner + i;
     S* yr = y + o * dim * inner + i;
@@ -61,7 +60,7 @@ void softmax_forward(Cpu, const S* x, std::int64_t outer, std::int64_t dim, std:
       for (std::int64_t j = 0; j < dim; ++j)
         yr[j * inner] = static_cast<S>(static_cast<double>(detail::exp_le0(xr[j * inner] - m)) * inv);
     }
-  }
+  });
 }
 
 // dx (outer, dim, inner) from the forward output y and dy (formulas at the top).
@@ -69,8 +68,7 @@ template <class S>
 void softmax_backward(Cpu, const S* y, const S* dy, std::int64_t outer, std::int64_t dim, std::int64_t inner,
                       bool log, S* dx) {
   [[maybe_unused]] const std::int64_t work = outer * dim * inner;
-#pragma omp parallel for schedule(static) if (work >= detail::kSoftmaxParallelGrain)
-  for (std::int64_t r = 0; r < outer * inner; ++r) {
+  detail::parallel_for(outer * inner, work >= detail::kSoftmaxParallelGrain, [&](std::int64_t r) {
     const std::int64_t o = r / inner, i = r % inner;
     const std::int64_t base = o * dim * inner + i;
     double dot = 0;
@@ -83,27 +81,29 @@ void softmax_backward(Cpu, const S* y, const S* dy, std::int64_t outer, std::int
       dx[k] = log ? static_cast<S>(dy[k] - detail::exp_le0(y[k]) * static_cast<S>(dot))
                   : static_cast<S>(y[k] * (dy[k] - static_cast<S>(dot)));
     }
-  }
+  });
 }
 
 // Returns sum_i loss_i over the rows whose label is not ignore_index.
 template <class S>
 double nll_forward(Cpu, const S* logp, const std::int64_t* labels, std::int64_t n, std::int64_t classes,
                    double smoothing, std::int64_t ignore_index) {
-  double total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total) if (n * classes >= detail::kSoftmaxParallelGrain)
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (labels[i] == ignore_index) continue;
-    const S* row = logp + i * classes;
-    double loss = -(1.0 - smoothing) * static_cast<double>(row[labels[i]]);
-    if (smoothing != 0) {
-      double sum = 0;
-      for (std::int64_t j = 0; j < classes; ++j) sum += static_cast<double>(row[j]);
-      loss -= smoothing / static_cast<double>(classes) * sum;
+  return detail::parallel_sum<double>(n, n * classes >= detail::kSoftmaxParallelGrain,
+                                      [&](std::int64_t begin, std::int64_t end) {
+    double total = 0;
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (labels[i] == ignore_index) continue;
+      const S* row = logp + i * classes;
+      double loss = -(1.0 - smoothing) * static_cast<double>(row[labels[i]]);
+      if (smoothing != 0) {
+        double sum = 0;
+        for (std::int64_t j = 0; j < classes; ++j) sum += static_cast<double>(row[j]);
+        loss -= smoothing / static_cast<double>(classes) * sum;
+      }
+      total += loss;
     }
-    total += loss;
-  }
-  return total;
+    return total;
+  });
 }
 
 // dx (n, C): -t scale (through_softmax = false) or (exp(logp) - t) scale (true); 0 on ignored rows.
@@ -113,12 +113,11 @@ void nll_backward(Cpu, const S* logp, const std::int64_t* labels, std::int64_t n
   const S s = static_cast<S>(scale);
   const S off = static_cast<S>(smoothing / static_cast<double>(classes));
   const S on = static_cast<S>(1.0 - smoothing);
-#pragma omp parallel for schedule(static) if (n * classes >= detail::kSoftmaxParallelGrain)
-  for (std::int64_t i = 0; i < n; ++i) {
+  detail::parallel_for(n, n * classes >= detail::kSoftmaxParallelGrain, [&](std::int64_t i) {
     S* g = dx + i * classes;
     if (labels[i] == ignore_index) {
       std::fill(g, g + classes, S(0));
-      continue;
+      return;
     }
     const S* row = logp + i * classes;
     if (through_softmax) {
@@ -127,7 +126,7 @@ void nll_backward(Cpu, const S* logp, const std::int64_t* labels, std::int64_t n
       for (std::int64_t j = 0; j < classes; ++j) g[j] = -off * s;
     }
     g[labels[i]] -= on * s;
-  }
+  });
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).

@@ -918,8 +918,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
 #pragma omp barrier
     }
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + Cpu::thread_index() * b.thread_elements(g));
-#pragma omp for schedule(static)
-    for (std::int64_t i = 0; i < blocks; ++i) {
+    detail::static_for(blocks, [&](std::int64_t i) {
       const detail::WinogradBlock blk = detail::winograd_block(pass, b, batch, i);
       detail::winograd_block_product(pass, blk, c, k, x, u, bias, y, buf);
       if (e) {
@@ -928,7 +927,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
         detail::conv_epilogue_planes(*e, y, blk.n0, blk.count, k, pass.out_h * pass.out_w, oh0 * pass.out_w,
                                      (oh1 - oh0) * pass.out_w);
       }
-    }
+    });
   };
   detail::run_in_team_if(blocks > 1 && batch * g.out_plane() * k * c * 9 > detail::kParallelGrain, run);
 }
@@ -957,12 +956,11 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
     }
 #pragma omp barrier
     const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + me * b.thread_elements(g));
-#pragma omp for schedule(static) nowait
-    for (std::int64_t i = 0; i < input_blocks; ++i)
+    detail::static_for(input_blocks, [&](std::int64_t i) {
       detail::winograd_block_product(back, detail::winograd_block(back, b, batch, i), k, c, dy, u_flipped,
                                      static_cast<const S*>(nullptr), dx, buf);
-#pragma omp for schedule(static)
-    for (std::int64_t i = 0; i < weight_blocks; ++i) {
+    }, /*nowait=*/true);
+    detail::static_for(weight_blocks, [&](std::int64_t i) {
       const detail::WinogradBlock blk = detail::winograd_block(fwd, b, batch, i);
       const std::int64_t tiles = blk.tiles(fwd);
       if (blocked) {
@@ -971,16 +969,16 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
         for (std::int64_t xi = 0; xi < detail::kWinogradPositions; ++xi)
           detail::winograd_product(true, k, c, tiles, buf.m + xi * tiles * k, k, buf.v + xi * tiles * c, c, S(1),
                                    my_du + xi * k * c, c);
-        continue;
+        return;
       }
       detail::winograd_input_transform(fwd, blk, c, x, buf.v, buf.pad);
       detail::winograd_output_gradient_transform(fwd, blk, k, dy, buf.m, buf.pad);
       for (std::int64_t xi = 0; xi < detail::kWinogradPositions; ++xi)
         gemm(Cpu{}, false, true, k, c, tiles, S(1), buf.m + xi * k * tiles, tiles, buf.v + xi * c * tiles, tiles, S(1),
              my_du + xi * k * c, c);
-    }
+    });
     if (!dw) return;  // dx only
-    // The loop's barrier has passed: every thread's dU is complete.
+    // static_for's barrier has passed: every thread's dU is complete.
     std::int64_t k0, k1;
     detail::team_share(k, k0, k1);
     detail::winograd_filter_gradient(du, team, filters, k, c, k0, k1, dw);
