@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""A steady step allocates nothing: every heap allocation (malloc and its family, interposed by
+bench/alloc_counter.hpp, so OpenMP's, OpenBLAS's and Eigen's count too) made during the timed
+training steps of MLP, LeNet-5 and ResNet-20, and during the timed ResNet-50 inference forwards at
+batch 1 and 2, must be zero. Run on 2 threads, where the kernels split work over a team.
+
+    check_steady_allocations.py TRAIN_THROUGHPUT INFERENCE_THROUGHPUT
+
+The benchmarks' JSON is read for the counts, never their times (this is not a timed test).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run(cmd: list[str]) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"FAILED: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr}")
+    return json.loads(done.stdout)
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    train, inference = sys.argv[1], sys.argv[2]
+    failures = []
+    report = run([train, "--models=mlp,lenet,resnet20", "--threads=2", "--warmup=2", "--steps=3"])
+    for r in report["results"]:
+        count = r["allocations_in_timed_steps"]
+        print(f"{r['model']}: {count} allocations in {r['steps']} timed training steps")
+        if count != 0:
+            failures.append(f"{r['model']} training: {count} allocations in {r['steps']} steady steps")
+    report = run([inference, "--batches=1,2", "--threads=2", "--warmup=2", "--steps=2"])
+    for r in report["results"]:
+        count = r["allocations_in_timed_forwards"]
+        print(f"resnet50 inference b{r['batch']}: {count} allocations in {r['steps']} timed forwards")
+        if count != 0:
+            failures.append(f"resnet50 inference b{r['batch']}: {count} allocations in {r['steps']} steady forwards")
+    if failures:
+        print("FAILED: a steady step allocated:\n  " + "\n  ".join(failures) +
+              "\n(perf probe -x libc.so.6 malloc, then perf record -e probe_libc:malloc --call-graph dwarf, finds them)")
+        return 1
+    print("ok: no allocation in any steady step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
