@@ -110,6 +110,17 @@ TEST_CASE("Conv2d picks Winograd only where it applies", "[layers][conv]") {
   CHECK_FALSE(conv2d_blocking(geometry(512, 512, 7, 1), 1, 4).winograd);
   CHECK_FALSE(conv2d_blocking(geometry(16, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Im2col).winograd);
   CHECK(conv2d_blocking(geometry(1, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Winograd).winograd);
+  // The 512-channel 7x7 layer at batch 8 saves enough, but with a backward its two threads' private
+  // dU (36 x 512 x 512 floats each) would pass the bound: only forward-only (Mode::Inference) takes it.
+  const int threads = Cpu::num_threads();
+  Cpu::set_num_threads(2);  // CHECK does not throw: restored below
+  const bool with_backward = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4).winograd;
+  const bool forward_only = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4, 0, ConvAlgorithm::Auto, false, true).winograd;
+  const bool forward_only_b1 = conv2d_blocking(geometry(512, 512, 7, 1), 1, 4, 0, ConvAlgorithm::Auto, false, true).winograd;
+  Cpu::set_num_threads(threads);
+  CHECK_FALSE(with_backward);
+  CHECK(forward_only);
+  CHECK_FALSE(forward_only_b1);
 }
 
 TEST_CASE("Pool gradients match central differences", "[layers][pool]") {

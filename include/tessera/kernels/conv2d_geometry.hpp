@@ -212,13 +212,15 @@ inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, s
 }
 
 // Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
-// every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes).
+// with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes;
+// `forward_only` (Mode::Inference) has no dU: ResNet-50's 512-channel 7x7 layers then take
+// Winograd from batch 7 on, 1.9x faster than im2col at batch 8 and 2.6x at 32, bench/README.md).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
-                          std::int64_t threads) {
+                          std::int64_t threads, bool forward_only = false) {
   const std::int64_t tiles = ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
   return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels &&
          batch * (9 * g.out_plane() - 36 * tiles) >= kWinogradMinSaving &&
-         threads * 36 * g.out_channels * g.channels * scalar_bytes <= kMaxPrivateGradientBytes;
+         (forward_only || threads * 36 * g.out_channels * g.channels * scalar_bytes <= kMaxPrivateGradientBytes);
 }
 
 }  // namespace detail
@@ -235,22 +237,23 @@ inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int6
 // still picks (float) Winograd where it pays: since the channel-blocked path, float Winograd's 4x
 // fewer multiply-adds beat bfloat16 im2col's twice-as-fast ones (ResNet-20 and ResNet-50 b8 under
 // CpuLocalBf16 on Zen 4; bench/README.md, "bfloat16"). Before it, bfloat16 im2col won, and Auto did
-// not pick Winograd with bfloat16.
+// not pick Winograd with bfloat16. `forward_only`: the caller runs no backward (Mode::Inference),
+// so Auto ignores the bound on Winograd's private dU.
 TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                                       std::int64_t block_columns = 0, ConvAlgorithm algorithm = ConvAlgorithm::Auto,
-                                      bool bf16 = false);
+                                      bool bf16 = false, bool forward_only = false);
 
 #if TESSERA_HEADER_DEFINITIONS
 
 TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                                       std::int64_t block_columns, ConvAlgorithm algorithm,
-                                      bool bf16) {
+                                      bool bf16, bool forward_only) {
   Conv2dBlocking b;
   b.threads = Cpu::num_threads();
   b.bf16 = bf16;
   b.winograd = winograd_applies(g) &&
                (algorithm == ConvAlgorithm::Winograd ||
-                (algorithm == ConvAlgorithm::Auto && detail::winograd_pays(g, batch, scalar_bytes, b.threads)));
+                (algorithm == ConvAlgorithm::Auto && detail::winograd_pays(g, batch, scalar_bytes, b.threads, forward_only)));
   if (b.winograd) {
     const std::int64_t tiles_w = Conv2dBlocking::winograd_tiles_w(g);
     const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 3) / 4;

@@ -299,7 +299,8 @@ class Conv2d {
   }
 
   Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch) const {
-    return conv2d_blocking(g, batch, sizeof(S), block_columns_, algorithm_, E::bf16_compute);
+    // Mode::Inference runs no backward: Auto need not keep Winograd's private dU within bounds.
+    return conv2d_blocking(g, batch, sizeof(S), block_columns_, algorithm_, E::bf16_compute, mode_ == Mode::Inference);
   }
 
   // In Mode::Inference on the CPU, where Winograd was chosen: the transformed filter U (36 C K
