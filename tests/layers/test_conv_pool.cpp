@@ -111,14 +111,19 @@ TEST_CASE("Conv2d picks Winograd only where it applies", "[layers][conv]") {
   CHECK_FALSE(conv2d_blocking(geometry(16, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Im2col).winograd);
   CHECK(conv2d_blocking(geometry(1, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Winograd).winograd);
   // The 512-channel 7x7 layer at batch 8 saves enough, but with a backward its two threads' private
-  // dU (36 x 512 x 512 floats each) would pass the bound: only forward-only (Mode::Inference) takes it.
+  // dU (36 x 512 x 512 floats each) pass the bound for that saving: only forward-only
+  // (Mode::Inference) takes it; at batch 16 the saving pays for the larger dU.
   const int threads = Cpu::num_threads();
   Cpu::set_num_threads(2);  // CHECK does not throw: restored below
   const bool with_backward = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4).winograd;
   const bool forward_only = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4, 0, ConvAlgorithm::Auto, false, true).winograd;
   const bool forward_only_b1 = conv2d_blocking(geometry(512, 512, 7, 1), 1, 4, 0, ConvAlgorithm::Auto, false, true).winograd;
+  const bool with_backward_b16 = conv2d_blocking(geometry(512, 512, 7, 1), 16, 4).winograd;  // a large saving
+  const bool with_backward_1024 = conv2d_blocking(geometry(1024, 1024, 7, 1), 32, 4).winograd;  // dU 151 MB
   Cpu::set_num_threads(threads);
   CHECK_FALSE(with_backward);
+  CHECK(with_backward_b16);
+  CHECK_FALSE(with_backward_1024);
   CHECK(forward_only);
   CHECK_FALSE(forward_only_b1);
 }

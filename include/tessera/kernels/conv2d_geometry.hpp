@@ -150,6 +150,14 @@ constexpr std::int64_t kWinogradMinSaving = 2048;
 // Fewer input channels than this make 36 products of depth C too shallow for the gemm kernel
 // (ResNet-20's 1-channel stem); im2col's single product has depth 9 C.
 constexpr std::int64_t kWinogradMinChannels = 8;
+// Winograd's private dU (36 K C per thread) may pass kMaxPrivateGradientBytes, up to this bound,
+// where the layer saves at least kWinogradMinSavingLargeGradient multiply-adds per output channel
+// pair: ResNet-50's 512-channel 7x7 layer (2 threads: 2 x 37.7 MB), forward and backward, took
+// 31.0 ms by Winograd against 41.1 by im2col at batch 16 (saving 4752), 49.4 against 92.3 at 32,
+// but 30.1 against 23.7 at batch 8 (saving 2376): accumulating dU costs the same per block however
+// few tiles the block has (bench/README.md, "Inference and training memory").
+constexpr std::int64_t kMaxPrivateWinogradGradientBytes = std::int64_t{128} << 20;
+constexpr std::int64_t kWinogradMinSavingLargeGradient = 4096;
 
 // Range [lo, hi) of output columns ow whose tap ow * stride + offset lies inside [0, extent).
 inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
@@ -212,15 +220,18 @@ inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, s
 }
 
 // Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
-// with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes;
+// with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes, or
+// kMaxPrivateWinogradGradientBytes for a large saving;
 // `forward_only` (Mode::Inference) has no dU: ResNet-50's 512-channel 7x7 layers then take
 // Winograd from batch 7 on, 1.9x faster than im2col at batch 8 and 2.6x at 32, bench/README.md).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                           std::int64_t threads, bool forward_only = false) {
   const std::int64_t tiles = ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
-  return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels &&
-         batch * (9 * g.out_plane() - 36 * tiles) >= kWinogradMinSaving &&
-         (forward_only || threads * 36 * g.out_channels * g.channels * scalar_bytes <= kMaxPrivateGradientBytes);
+  const std::int64_t saving = batch * (9 * g.out_plane() - 36 * tiles);
+  const std::int64_t private_du = threads * 36 * g.out_channels * g.channels * scalar_bytes;
+  return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels && saving >= kWinogradMinSaving &&
+         (forward_only || private_du <= kMaxPrivateGradientBytes ||
+          (private_du <= kMaxPrivateWinogradGradientBytes && saving >= kWinogradMinSavingLargeGradient));
 }
 
 }  // namespace detail
