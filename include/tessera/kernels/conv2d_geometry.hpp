@@ -152,10 +152,10 @@ constexpr std::int64_t kWinogradMinSaving = 2048;
 constexpr std::int64_t kWinogradMinChannels = 8;
 // Winograd's private dU (36 K C per thread) may pass kMaxPrivateGradientBytes, up to this bound,
 // where the layer saves at least kWinogradMinSavingLargeGradient multiply-adds per output channel
-// pair: ResNet-50's 512-channel 7x7 layer (2 threads: 2 x 37.7 MB), forward and backward, took
-// 31.0 ms by Winograd against 41.1 by im2col at batch 16 (saving 4752), 49.4 against 92.3 at 32,
-// but 30.1 against 23.7 at batch 8 (saving 2376): accumulating dU costs the same per block however
-// few tiles the block has (bench/README.md, "Inference and training memory").
+// pair: ResNet-50's 512-channel 7x7 layer (2 threads: 2 x 37.7 MB), forward and backward, won
+// with Winograd at batch 16 (saving 4752) and above but lost at batch 8 (saving 2376):
+// accumulating dU costs the same per block however few tiles the block has (figures in
+// bench/README.md, "Inference and training memory").
 constexpr std::int64_t kMaxPrivateWinogradGradientBytes = std::int64_t{128} << 20;
 constexpr std::int64_t kWinogradMinSavingLargeGradient = 4096;
 
@@ -223,7 +223,7 @@ inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, s
 // with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes, or
 // kMaxPrivateWinogradGradientBytes for a large saving;
 // `forward_only` (Mode::Inference) has no dU: ResNet-50's 512-channel 7x7 layers then take
-// Winograd from batch 7 on, 1.9x faster than im2col at batch 8 and 2.6x at 32, bench/README.md).
+// Winograd from batch 7 on, faster than im2col there: bench/README.md).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                           std::int64_t threads, bool forward_only = false) {
   const std::int64_t tiles = ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
