@@ -29,19 +29,19 @@ def main() -> int:
         print(__doc__)
         return 2
     train, inference = sys.argv[1], sys.argv[2]
-    failures = []
-    report = run([train, "--models=mlp,lenet,resnet20", "--threads=2", "--warmup=2", "--steps=3"])
-    for r in report["results"]:
-        count = r["allocations_in_timed_steps"]
-        print(f"{r['model']}: {count} allocations in {r['steps']} timed training steps")
-        if count != 0:
-            failures.append(f"{r['model']} training: {count} allocations in {r['steps']} steady steps")
-    report = run([inference, "--batches=1,2", "--threads=2", "--warmup=2", "--steps=2"])
-    for r in report["results"]:
-        count = r["allocations_in_timed_forwards"]
-        print(f"resnet50 inference b{r['batch']}: {count} allocations in {r['steps']} timed forwards")
-        if count != 0:
-            failures.append(f"resnet50 inference b{r['batch']}: {count} allocations in {r['steps']} steady forwards")
+    failures: list[str] = []
+
+    def check(report: dict, key: str, what: str, name) -> None:
+        for r in report["results"]:
+            count = r[key]
+            print(f"{name(r)}: {count} allocations in {r['steps']} timed {what}")
+            if count != 0:
+                failures.append(f"{name(r)}: {count} allocations in {r['steps']} steady {what}")
+
+    check(run([train, "--models=mlp,lenet,resnet20", "--threads=2", "--warmup=2", "--steps=3"]),
+          "allocations_in_timed_steps", "training steps", lambda r: f"{r['model']} training")
+    check(run([inference, "--batches=1,2", "--threads=2", "--warmup=2", "--steps=2"]),
+          "allocations_in_timed_forwards", "forwards", lambda r: f"resnet50 inference b{r['batch']}")
     if failures:
         print("FAILED: a steady step allocated:\n  " + "\n  ".join(failures) +
               "\n(perf probe -x libc.so.6 malloc, then perf record -e probe_libc:malloc --call-graph dwarf, finds them)")
