@@ -171,7 +171,7 @@ T parallel_sum(std::int64_t n, bool parallel, const Part& part) {
 }
 
 // body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
-// region (its orphaned `omp for` loops then run whole). Not `parallel if (...)`: an inactive
+// region (its static_for loops then run whole). Not `parallel if (...)`: an inactive
 // region of one thread still counts as a nesting level, so a gemm inside would open a nested
 // team, for which libgomp starts fresh threads every time (each rebuilding its thread_local
 // packing buffers: 32 allocations and thread starts per ResNet-50 forward at batch 1). Outside
