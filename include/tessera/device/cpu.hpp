@@ -106,34 +106,23 @@ void static_for(std::int64_t n, const Body& body, bool nowait = false) {
   }
 }
 
-// body(i) for i in [0, n), as `#pragma omp parallel for schedule(static) if (parallel)` runs it,
-// without the runtime's loop start (static_for): split over a new team when `parallel` and this
-// thread is in no team yet; else on this thread alone, with no OpenMP call at all (an inactive
-// `parallel if (false)` region costs a runtime call and, in libomp, an allocation).
-template <class Body>
-void parallel_for(std::int64_t n, bool parallel, const Body& body) {
+// Whether a `parallel if (parallel)` loop over n items opens a team here: only outside any team
+// and with more than one thread. Otherwise the helpers below make no OpenMP call at all (an
+// inactive `parallel if (false)` region costs a runtime call and, in libomp, an allocation).
+inline bool opens_team(std::int64_t n, bool parallel) {
 #if defined(_OPENMP)
-  if (parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-#pragma omp parallel
-    static_for(n, body, /*nowait=*/true);  // the region's end is the barrier
-    return;
-  }
+  return parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1;
 #else
-  (void)parallel;
+  (void)n, (void)parallel;
+  return false;
 #endif
-  for (std::int64_t i = 0; i < n; ++i) body(i);
 }
 
-// parallel_for whose loops the compiler vectorizes (`omp simd`): as `#pragma omp parallel for simd
-// schedule(static) if (parallel)`; body(i) must be independent across i.
-template <class Body>
-void parallel_for_simd(std::int64_t n, bool parallel, const Body& body) {
-  const auto run = [&](std::int64_t begin, std::int64_t end) {
-#pragma omp simd
-    for (std::int64_t i = begin; i < end; ++i) body(i);
-  };
-#if defined(_OPENMP)
-  if (parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+// run(begin, end) over contiguous shares of [0, n): one per thread of a new team when
+// opens_team(n, parallel), else [0, n) on this thread.
+template <class Run>
+void parallel_ranges(std::int64_t n, bool parallel, const Run& run) {
+  if (opens_team(n, parallel)) {
 #pragma omp parallel
     {
       std::int64_t begin, end;
@@ -142,10 +131,26 @@ void parallel_for_simd(std::int64_t n, bool parallel, const Body& body) {
     }
     return;
   }
-#else
-  (void)parallel;
-#endif
-  run(0, n);
+  run(std::int64_t{0}, n);
+}
+
+// body(i) for i in [0, n), as `#pragma omp parallel for schedule(static) if (parallel)` runs it,
+// without the runtime's loop start (static_for).
+template <class Body>
+void parallel_for(std::int64_t n, bool parallel, const Body& body) {
+  parallel_ranges(n, parallel, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) body(i);
+  });
+}
+
+// parallel_for whose loops the compiler vectorizes (`omp simd`): as `#pragma omp parallel for simd
+// schedule(static) if (parallel)`; body(i) must be independent across i.
+template <class Body>
+void parallel_for_simd(std::int64_t n, bool parallel, const Body& body) {
+  parallel_ranges(n, parallel, [&](std::int64_t begin, std::int64_t end) {
+#pragma omp simd
+    for (std::int64_t i = begin; i < end; ++i) body(i);
+  });
 }
 
 // The sum over i in [0, n) of part(begin, end), the partial sum of a contiguous range, as
@@ -153,21 +158,15 @@ void parallel_for_simd(std::int64_t n, bool parallel, const Body& body) {
 // (each thread one range, the partial sums then added) without the runtime's loop start.
 template <class T, class Part>
 T parallel_sum(std::int64_t n, bool parallel, const Part& part) {
-#if defined(_OPENMP)
-  if (parallel && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-    T total = T(0);
+  if (!opens_team(n, parallel)) return part(std::int64_t{0}, n);
+  T total = T(0);
 #pragma omp parallel reduction(+ : total)
-    {
-      std::int64_t begin, end;
-      team_share(n, begin, end);
-      total += part(begin, end);
-    }
-    return total;
+  {
+    std::int64_t begin, end;
+    team_share(n, begin, end);
+    total += part(begin, end);
   }
-#else
-  (void)parallel;
-#endif
-  return part(0, n);
+  return total;
 }
 
 // body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
