@@ -409,6 +409,87 @@ TEST_CASE("im2col of short unpadded rows (gathered 16 columns at a time) matches
   }
 }
 
+TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) match their definitions",
+          "[layers][conv]") {
+  // detail::phase_taps: ResNet's 3x3 and 7x7 stride-2 shapes, odd and even sizes, bands, several
+  // samples, a team's share of the col rows, and a width whose band needs several passes over the
+  // phase buffer (W' = 150: 27 rows a pass); 3x3 unpadded (ceil(W / 2) > W') and 1x1 keep the
+  // per-row path and are checked the same way. float (AVX-512 split and interleave) and double.
+  struct Case {
+    std::int64_t samples, c, h, w, kh, kw, pad, oh0, oh1, row_begin, row_end;
+    bool phases;
+  };
+  const Case cases[] = {{2, 3, 14, 14, 3, 3, 1, 0, 7, 0, -1, true},     {1, 2, 13, 11, 3, 3, 1, 0, 7, 0, -1, true},
+                        {2, 3, 16, 16, 7, 7, 3, 2, 6, 0, -1, true},     {1, 4, 9, 40, 3, 3, 1, 1, 4, 5, 29, true},
+                        {1, 1, 70, 300, 3, 3, 1, 0, 35, 0, -1, true},   {3, 2, 7, 7, 3, 3, 1, 0, 4, 0, -1, true},
+                        {1, 2, 10, 10, 2, 2, 0, 0, 5, 0, -1, true},     {2, 2, 11, 12, 5, 4, 2, 1, 5, 3, 40, true},
+                        {1, 2, 12, 12, 3, 3, 0, 0, 5, 0, -1, false},    {2, 3, 8, 8, 1, 1, 0, 0, 4, 0, -1, false}};
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.samples << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kh << "x" << c.kw
+                               << " padding " << c.pad << ", rows " << c.oh0 << "-" << c.oh1) {
+      Conv2dGeometry g;
+      g.channels = c.c, g.height = c.h, g.width = c.w, g.out_channels = 1, g.kernel_h = c.kh, g.kernel_w = c.kw;
+      g.stride_h = g.stride_w = 2, g.pad_h = g.pad_w = c.pad;
+      g.out_height = conv_output_extent(c.h, c.kh, 2, c.pad), g.out_width = conv_output_extent(c.w, c.kw, 2, c.pad);
+      CHECK(detail::phase_taps(g) == c.phases);
+      const std::int64_t cols = c.samples * (c.oh1 - c.oh0) * g.out_width, rows = g.col_rows();
+      const std::int64_t first = c.row_begin, last = c.row_end < 0 ? rows : c.row_end;
+      // The definition: col row (ch, i, j), column (s, oh - oh0, ow) holds x[s, ch, 2 oh - p + i, 2 ow - p + j].
+      auto pixel = [&](std::int64_t s, std::int64_t ch, std::int64_t ih, std::int64_t iw) {
+        return static_cast<double>(((s * c.c + ch) * c.h + ih) * c.w + iw) * 0.25 - 300.0;
+      };
+      auto each_entry = [&](auto&& f) {  // f(col index, s, ch, ih, iw, inside the image) over rows [first, last)
+        for (std::int64_t r = first; r < last; ++r)
+          for (std::int64_t s = 0; s < c.samples; ++s)
+            for (std::int64_t oh = c.oh0; oh < c.oh1; ++oh)
+              for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+                const std::int64_t ch = r / g.taps(), i = r % g.taps() / c.kw, j = r % c.kw;
+                const std::int64_t ih = 2 * oh - c.pad + i, iw = 2 * ow - c.pad + j;
+                const std::int64_t at = r * cols + (s * (c.oh1 - c.oh0) + oh - c.oh0) * g.out_width + ow;
+                f(at, s, ch, ih, iw, ih >= 0 && ih < c.h && iw >= 0 && iw < c.w);
+              }
+      };
+      auto check = [&](auto scalar) {
+        using S = decltype(scalar);
+        std::vector<S> x(static_cast<std::size_t>(c.samples * c.c * c.h * c.w));
+        for (std::int64_t s = 0; s < c.samples; ++s)
+          for (std::int64_t ch = 0; ch < c.c; ++ch)
+            for (std::int64_t ih = 0; ih < c.h; ++ih)
+              for (std::int64_t iw = 0; iw < c.w; ++iw)
+                x[static_cast<std::size_t>(((s * c.c + ch) * c.h + ih) * c.w + iw)] = S(pixel(s, ch, ih, iw));
+        std::vector<S> col(static_cast<std::size_t>(rows * cols), S(-7));
+        im2col(Cpu{}, g, x.data(), c.samples, c.oh0, c.oh1, col.data(), cols, c.row_begin, c.row_end);
+        std::int64_t wrong = 0;
+        each_entry([&](std::int64_t at, std::int64_t s, std::int64_t ch, std::int64_t ih, std::int64_t iw, bool inside) {
+          wrong += static_cast<double>(col[static_cast<std::size_t>(at)]) != (inside ? pixel(s, ch, ih, iw) : 0.0);
+        });
+        CHECK(wrong == 0);
+        // col2im over all rows: dx[s, ch, ih, iw] += sum of the col entries that came from it.
+        std::vector<double> expected(x.size(), 1.0);
+        std::vector<S> dx(x.size(), S(1));
+        for (std::size_t e = 0; e < col.size(); ++e) col[e] = S(static_cast<double>(e % 61) * 0.5 - 15.0);
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t s = 0; s < c.samples; ++s)
+            for (std::int64_t oh = c.oh0; oh < c.oh1; ++oh)
+              for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+                const std::int64_t ch = r / g.taps(), i = r % g.taps() / c.kw, j = r % c.kw;
+                const std::int64_t ih = 2 * oh - c.pad + i, iw = 2 * ow - c.pad + j;
+                if (ih < 0 || ih >= c.h || iw < 0 || iw >= c.w) continue;
+                const std::int64_t at = r * cols + (s * (c.oh1 - c.oh0) + oh - c.oh0) * g.out_width + ow;
+                expected[static_cast<std::size_t>(((s * c.c + ch) * c.h + ih) * c.w + iw)] +=
+                    static_cast<double>(col[static_cast<std::size_t>(at)]);
+              }
+        col2im_add(Cpu{}, g, col.data(), cols, c.samples, c.oh0, c.oh1, dx.data());
+        double worst = 0;
+        for (std::size_t e = 0; e < dx.size(); ++e) worst = std::max(worst, std::abs(static_cast<double>(dx[e]) - expected[e]));
+        CHECK(worst <= 1e-3);
+      };
+      check(0.0f);
+      check(0.0);
+    }
+  }
+}
+
 TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
   // Larger than the reference cases: several vectors of tiles per block (28x28: 49 tiles a sample),
   // bands, whole-sample groups with a short last group, odd widths, more channels than

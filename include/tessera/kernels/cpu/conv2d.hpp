@@ -78,7 +78,134 @@ inline std::int64_t covering_tap(const Conv2dGeometry& g) {
   return i < g.kernel_h && j < g.kernel_w ? i * g.kernel_w + j : -1;
 }
 
+// Stride 2 in both directions with more than one tap (ResNet's 7x7 stem and its 3x3
+// downsampling layers). Input pixel (2 r + py, 2 q + px) lies in phase (py, px) at (r, q), and tap
+// (i, j) of output (oh, ow) reads phase ((i - ph) mod 2, (j - pw) mod 2) at (oh + sy, ow + sx),
+// sy = floor((i - ph) / 2), sx = floor((j - pw) / 2). Each channel's input rows are split into the
+// four phases once (detail::split_row_stride2); a phase plane W' wide then serves each tap as the
+// contiguous path does: one long shifted run per tap instead of a stride-2 gather per output row
+// (W' = 28, 14, 7 values; im2col and col2im were most of these layers' time beyond the products).
+// Needs every phase column of the input to fit in W' (ceil(W / 2) <= W': padding of at least
+// (kw - 1) / 2) and a band of at least one output row in kPhaseElements.
+constexpr std::int64_t kPhaseElements = 16384;  // on the stack: 64 KiB of float
+
+inline std::int64_t floor_half(std::int64_t v) { return v >= 0 ? v / 2 : -((1 - v) / 2); }
+
+// Phase rows a band needs beyond its output rows: sy spans [floor(-ph / 2), floor((kh - 1 - ph) / 2)].
+inline std::int64_t phase_extra_rows(const Conv2dGeometry& g) {
+  return floor_half(g.kernel_h - 1 - g.pad_h) - floor_half(-g.pad_h);
+}
+
+inline bool phase_taps(const Conv2dGeometry& g) {
+  return g.stride_h == 2 && g.stride_w == 2 && g.dilation_h == 1 && g.dilation_w == 1 && g.taps() > 1 &&
+         (g.width + 1) / 2 <= g.out_width &&
+         4 * (1 + phase_extra_rows(g)) * g.out_width <= kPhaseElements;
+}
+
+// The output rows of one pass over the phase buffer (all of [oh0, oh1) when they fit).
+inline std::int64_t phase_band_rows(const Conv2dGeometry& g) {
+  return kPhaseElements / (4 * g.out_width) - phase_extra_rows(g);
+}
+
+// Tap (i, j)'s phase plane (0 to 3) and its shifts (sy, sx), and the output rows [a, b) of
+// [oh0, oh1) and columns [lo, hi) whose input pixel lies inside the image.
+struct PhaseTap {
+  std::int64_t plane, sy, sx, a, b, lo, hi;
+  PhaseTap(const Conv2dGeometry& g, std::int64_t i, std::int64_t j, std::int64_t oh0, std::int64_t oh1) {
+    const std::int64_t di = i - g.pad_h, dj = j - g.pad_w;
+    sy = floor_half(di), sx = floor_half(dj);
+    plane = 2 * (di - 2 * sy) + (dj - 2 * sx);
+    valid_output_range(di, 2, g.height, g.out_height, a, b);
+    a = std::clamp(a, oh0, oh1);
+    b = std::clamp(b, a, oh1);
+    valid_output_range(dj, 2, g.width, g.out_width, lo, hi);
+  }
+  bool empty() const { return a == b || lo == hi; }
+};
+
 }  // namespace detail
+
+// im2col on the phase path (detail::phase_taps; arguments as im2col's).
+template <class S>
+void im2col_phases(const Conv2dGeometry& g, const S* x, std::int64_t samples, std::int64_t oh0, std::int64_t oh1,
+                   S* col, std::int64_t ldcol, std::int64_t row_begin, std::int64_t row_end) {
+  const std::int64_t w = g.out_width, taps = g.taps(), sample_cols = (oh1 - oh0) * w;
+  const std::int64_t extra = detail::phase_extra_rows(g), band = detail::phase_band_rows(g);
+  alignas(64) S phases[detail::kPhaseElements];
+  for (std::int64_t s = 0; s < samples; ++s)
+    for (std::int64_t b0 = oh0; b0 < oh1; b0 += band) {
+      const std::int64_t b1 = std::min(oh1, b0 + band), plane_rows = b1 - b0 + extra;
+      const std::int64_t r0 = b0 + detail::floor_half(-g.pad_h), plane = plane_rows * w;
+      for (std::int64_t c = row_begin / taps; c * taps < row_end; ++c) {
+        const S* in = x + (s * g.channels + c) * g.in_plane();
+        // Phase rows whose input row lies inside the image; columns past the input's are only
+        // ever read inside a run and then zeroed as wrapped columns, but are set all the same.
+        for (std::int64_t r = r0; r < r0 + plane_rows; ++r)
+          for (std::int64_t py = 0; py < 2; ++py) {
+            const std::int64_t ih = 2 * r + py;
+            if (ih < 0 || ih >= g.height) continue;
+            S* even = phases + 2 * py * plane + (r - r0) * w;
+            S* odd = even + plane;
+            detail::split_row_stride2(even, odd, in + ih * g.width, g.width);
+            std::fill(even + (g.width + 1) / 2, even + w, S(0));
+            std::fill(odd + g.width / 2, odd + w, S(0));
+          }
+        for (std::int64_t t = std::max(row_begin, c * taps); t < std::min(row_end, (c + 1) * taps); ++t) {
+          const std::int64_t tap = t - c * taps;
+          const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, b0, b1);
+          S* out = col + t * ldcol + s * sample_cols + (b0 - oh0) * w;
+          std::fill(out, out + (p.a - b0) * w, S(0));
+          std::fill(out + (p.b - b0) * w, out + (b1 - b0) * w, S(0));
+          if (p.empty()) {
+            std::fill(out + (p.a - b0) * w, out + (p.b - b0) * w, S(0));
+            continue;
+          }
+          S* dst = out + (p.a - b0) * w;
+          const S* src = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
+          std::copy(src, src + (p.b - p.a - 1) * w + p.hi - p.lo, dst + p.lo);
+          detail::zero_wrapped_columns(dst, p.b - p.a, w, p.lo, p.hi);
+        }
+      }
+    }
+}
+
+// col2im_add on the phase path: each channel's taps are added into its phase planes (col's
+// entries in the padding zeroed first, as on the contiguous path), then the planes are added onto
+// dx row by row, interleaved (detail::add_interleaved_row).
+template <class S>
+void col2im_add_phases(const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
+                       std::int64_t oh1, S* dx) {
+  const std::int64_t w = g.out_width, taps = g.taps(), sample_cols = (oh1 - oh0) * w;
+  const std::int64_t extra = detail::phase_extra_rows(g), band = detail::phase_band_rows(g);
+  alignas(64) S phases[detail::kPhaseElements];
+  for (std::int64_t s = 0; s < samples; ++s)
+    for (std::int64_t b0 = oh0; b0 < oh1; b0 += band) {
+      const std::int64_t b1 = std::min(oh1, b0 + band), plane_rows = b1 - b0 + extra;
+      const std::int64_t r0 = b0 + detail::floor_half(-g.pad_h), plane = plane_rows * w;
+      for (std::int64_t c = 0; c < g.channels; ++c) {
+        std::fill(phases, phases + 4 * plane, S(0));
+        for (std::int64_t tap = 0; tap < taps; ++tap) {
+          const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, b0, b1);
+          if (p.empty()) continue;
+          S* src = col + (c * taps + tap) * ldcol + s * sample_cols + (p.a - oh0) * w;
+          detail::zero_wrapped_columns(src, p.b - p.a, w, p.lo, p.hi);
+          const S* run = src + p.lo;
+          S* dst = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
+          const std::int64_t length = (p.b - p.a - 1) * w + p.hi - p.lo;
+#pragma omp simd
+          for (std::int64_t e = 0; e < length; ++e) dst[e] += run[e];
+        }
+        S* out = dx + (s * g.channels + c) * g.in_plane();
+        for (std::int64_t r = r0; r < r0 + plane_rows; ++r)
+          for (std::int64_t py = 0; py < 2; ++py) {
+            const std::int64_t ih = 2 * r + py;
+            if (ih < 0 || ih >= g.height) continue;
+            const S* even = phases + 2 * py * plane + (r - r0) * w;
+            detail::add_interleaved_row(out + ih * g.width, even, even + plane, g.width);
+          }
+      }
+    }
+}
 
 // col (C kh kw, ldcol) <- patches of output rows [oh0, oh1) of `samples` consecutive inputs
 // x (samples, C, H, W); sample s fills columns [s (oh1 - oh0) W', (s + 1) (oh1 - oh0) W'). Only
@@ -115,6 +242,7 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
     }
   }
 #endif
+  if (detail::phase_taps(g)) return im2col_phases(g, x, samples, oh0, oh1, col, ldcol, row_begin, rows);
   for (std::int64_t s = 0; s < samples; ++s) {
     for (std::int64_t r = row_begin; r < rows; ++r) {
       const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
@@ -174,6 +302,7 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
   const std::int64_t taps = g.taps(), sample_cols = (oh1 - oh0) * g.out_width;
   const bool contiguous = detail::contiguous_taps(g);
   const std::int64_t first_tap = assign ? detail::covering_tap(g) : -1;
+  if (detail::phase_taps(g)) return col2im_add_phases(g, col, ldcol, samples, oh0, oh1, dx);
   if (!contiguous && g.stride_w == 1 && g.pad_w == 0 && g.dilation_w == 1) {
     // Unpadded columns (LeNet's 5x5 on 14x14): all kw taps of a kernel row at once, per output
     // row (detail::add_shifted_rows).

@@ -109,6 +109,76 @@ inline void copy_row_stride2(S* dst, const S* src, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) dst[i] = src[2 * i];
 }
 
+// even[q] = src[2 q] for q < (n + 1) / 2 and odd[q] = src[2 q + 1] for q < n / 2: an input row of
+// a stride-2 convolution split into its two column phases (im2col's phase path, kernels/cpu/conv2d.hpp).
+// AVX-512: two loads, two permutes and two stores per 32 values; src[n - 1] is the last read.
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void split_row_stride2_avx512(float* even, float* odd, const float* src, std::int64_t n) {
+  const __m512i even_lanes = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd_lanes = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  std::int64_t q = 0;
+  for (; 2 * q + 32 <= n; q += 16) {
+    const __m512 lo = _mm512_loadu_ps(src + 2 * q), hi = _mm512_loadu_ps(src + 2 * q + 16);
+    _mm512_storeu_ps(even + q, _mm512_permutex2var_ps(lo, even_lanes, hi));
+    _mm512_storeu_ps(odd + q, _mm512_permutex2var_ps(lo, odd_lanes, hi));
+  }
+  if (2 * q < n) {
+    const std::int64_t left = n - 2 * q;  // 1 to 31 values
+    const __m512 lo = _mm512_maskz_loadu_ps(lanes16(left), src + 2 * q);
+    const __m512 hi = _mm512_maskz_loadu_ps(lanes16(left - 16), src + 2 * q + 16);
+    _mm512_mask_storeu_ps(even + q, lanes16((left + 1) / 2), _mm512_permutex2var_ps(lo, even_lanes, hi));
+    _mm512_mask_storeu_ps(odd + q, lanes16(left / 2), _mm512_permutex2var_ps(lo, odd_lanes, hi));
+  }
+}
+#endif
+template <class S>
+inline void split_row_stride2(S* even, S* odd, const S* src, std::int64_t n) {
+#if TESSERA_X86_DISPATCH
+  if constexpr (std::is_same_v<S, float>) {
+    if (cpu_avx512()) return split_row_stride2_avx512(even, odd, src, n);
+  }
+#endif
+  for (std::int64_t q = 0; 2 * q < n; ++q) even[q] = src[2 * q];
+  for (std::int64_t q = 0; 2 * q + 1 < n; ++q) odd[q] = src[2 * q + 1];
+}
+
+// dst[2 q] += even[q] and dst[2 q + 1] += odd[q] for the entries of dst[0, n): the inverse of
+// split_row_stride2, adding (col2im's phase path).
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void add_interleaved_row_avx512(float* dst, const float* even, const float* odd,
+                                                            std::int64_t n) {
+  const __m512i low_lanes = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high_lanes = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  std::int64_t q = 0;
+  for (; 2 * q + 32 <= n; q += 16) {
+    const __m512 e = _mm512_loadu_ps(even + q), o = _mm512_loadu_ps(odd + q);
+    _mm512_storeu_ps(dst + 2 * q, _mm512_add_ps(_mm512_loadu_ps(dst + 2 * q), _mm512_permutex2var_ps(e, low_lanes, o)));
+    _mm512_storeu_ps(dst + 2 * q + 16,
+                     _mm512_add_ps(_mm512_loadu_ps(dst + 2 * q + 16), _mm512_permutex2var_ps(e, high_lanes, o)));
+  }
+  if (2 * q < n) {
+    const std::int64_t left = n - 2 * q;
+    const __m512 e = _mm512_maskz_loadu_ps(lanes16((left + 1) / 2), even + q);
+    const __m512 o = _mm512_maskz_loadu_ps(lanes16(left / 2), odd + q);
+    const __mmask16 m0 = lanes16(left), m1 = lanes16(left - 16);
+    _mm512_mask_storeu_ps(dst + 2 * q, m0,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(m0, dst + 2 * q), _mm512_permutex2var_ps(e, low_lanes, o)));
+    _mm512_mask_storeu_ps(dst + 2 * q + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, dst + 2 * q + 16),
+                                                              _mm512_permutex2var_ps(e, high_lanes, o)));
+  }
+}
+#endif
+template <class S>
+inline void add_interleaved_row(S* dst, const S* even, const S* odd, std::int64_t n) {
+#if TESSERA_X86_DISPATCH
+  if constexpr (std::is_same_v<S, float>) {
+    if (cpu_avx512()) return add_interleaved_row_avx512(dst, even, odd, n);
+  }
+#endif
+  for (std::int64_t q = 0; 2 * q < n; ++q) dst[2 * q] += even[q];
+  for (std::int64_t q = 0; 2 * q + 1 < n; ++q) dst[2 * q + 1] += odd[q];
+}
+
 // dx_row[x] += sum over j in [0, taps) of first[j * ld + x - j], for 0 <= x - j < n: col2im of
 // the taps (i, 0..taps-1) of one output row onto one input row (stride 1, no column padding, so
 // the input row is n + taps - 1 wide). Each input value is loaded, summed over its taps in a
