@@ -76,10 +76,10 @@ inline void copy_row(S* dst, const S* src, std::int64_t n) {
   std::copy(src, src + n, dst);
 }
 
-// dst[i] = src[2 i] for i in [0, n): im2col's rows for stride-2 convolutions (ResNet-50's 7x7
-// stem, its stride-2 3x3 and 1x1 layers). The plain loop compiles to scalar loads two at a time
-// (most of im2col's share of a ResNet-50 b8 inference profile); AVX-512 picks the even lanes of two
-// loads with one permute. src[2 (n - 1)] is the last element read.
+// dst[i] = src[2 i] for i in [0, n): im2col's rows for stride-2 convolutions off the phase path
+// (ResNet-50's 1x1 stride-2 layers; its 7x7 stem and 3x3 stride-2 layers until im2col_phases).
+// The plain loop compiles to scalar loads two at a time (most of im2col's share of a ResNet-50 b8
+// inference profile); AVX-512 picks the even lanes of two loads with one permute. src[2 (n - 1)] is the last element read.
 #if TESSERA_X86_DISPATCH
 TESSERA_TARGET_AVX512 inline void copy_row_stride2_avx512(float* dst, const float* src, std::int64_t n) {
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
