@@ -33,12 +33,18 @@
 #include "tessera/kernels/cpu/conv_epilogue.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/gemm_bf16.hpp"
+#include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 #include "tessera/kernels/cpu/winograd.hpp"
 
 namespace tessera {
 
 namespace detail {
+
+// The narrowest product conv_gemm gives the unpacked kernel: from 256 columns on it beat
+// OpenBLAS on ResNet-50's shapes by 1.00-1.15x, at 196 it lost (0.92-0.99; figures in
+// bench/README.md, "Figures behind design choices in the headers").
+constexpr std::int64_t kUnpackedMinColumns = 256;
 
 // Stride 1 with W' = W (a "same"-width convolution, e.g. 3x3 with padding 1): the columns of one
 // sample's rows [oh0, oh1) for tap (i, j) are the input rows [ih0, ih1) read as one run shifted
@@ -384,12 +390,27 @@ inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, st
   return {n0, std::min(b.samples, batch - n0), oh0, std::min(oh0 + b.rows, g.out_height)};
 }
 
-// The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only).
+// The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only);
+// in float with AVX-512, products at least kUnpackedMinColumns wide whose second operand is not
+// transposed (forward and dx, not dw) by the unpacked kernel (kernels/cpu/gemm_unpacked.hpp): OpenBLAS
+// packs a (the weights) again for each block.
 template <class S>
 void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                const S* a, std::int64_t lda, const S* x, std::int64_t ldx, S beta, S* c, std::int64_t ldc) {
-  if constexpr (std::is_same_v<S, float>)
+  if constexpr (std::is_same_v<S, float>) {
     if (b.bf16) return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
+#if TESSERA_X86_DISPATCH
+    if (!trans_b && n >= kUnpackedMinColumns && cpu_avx512()) {
+      if (Cpu::team_size() > 1 || Cpu::num_threads() == 1)  // on this thread alone
+        return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, x, ldx, beta, c, ldc);
+      return gemm_split(trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc,
+                        [](bool ta, bool, std::int64_t mm, std::int64_t nn, std::int64_t kk, float, const float* aa,
+                           std::int64_t la, const float* bb, std::int64_t lb, float* cc, std::int64_t lc) {
+                          gemm_unpacked_avx512(ta, mm, nn, kk, aa, la, bb, lb, 1.0f, cc, lc);
+                        });
+    }
+#endif
+  }
   gemm(Cpu{}, trans_a, trans_b, m, n, k, S(1), a, lda, x, ldx, beta, c, ldc);
 }
 

@@ -46,6 +46,7 @@
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/conv_epilogue.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
 #include "tessera/kernels/cpu/capability.hpp"
@@ -624,106 +625,10 @@ inline std::int64_t tile_origin(std::int64_t f, std::int64_t tw, std::int64_t ro
   return ((sr / rows) * hb + kWinogradTile * (sr % rows)) * wb + kWinogradTile * t;
 }
 
-// c (m, n) = beta c + op(a) b for the blocked path's 36 products, beta 0 or 1, n a multiple of 16:
-// op(a)(i, p) = a[i lda + p], or a[p lda + i] when trans_a; b and c row-major. On the calling thread.
-// With AVX-512 (float) a kernel that reads both operands where they lie, with no packing: an R x NV
-// block of c (R rows, NV vectors of 16 columns) stays in registers while p runs, each step one
-// vector load per column vector and one broadcast per row; b's k x 16 NV panel is cut into pieces
-// of about 16 KiB, which stay in the L1 cache while the row blocks pass. Eigen's gebp (the gemm
-// below) packs both operands on every call, and zeroes c first when beta is 0: on these products
-// (depth and width 16-64 on ResNet-20) that was a third of their time.
-#if TESSERA_X86_DISPATCH
-template <int R, int NV>
-TESSERA_TARGET_AVX512 inline void winograd_product_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
-                                  std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
-                                  std::int64_t ldc) {
-  const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
-  for (int r = 0; r < R; ++r) row[r] = a + std::min<std::int64_t>(r, rows - 1) * a_rs;
-  __m512 acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (std::int64_t p = 0; p < k; ++p) {
-    const std::int64_t at = p * a_cs;
-    __m512 bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + p * ldb + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(row[r][at]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    if (r >= rows) break;
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      float* out = c + r * ldc + 16 * v;
-      _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
-    }
-  }
-}
-
-// A tile of exactly `rows` (1 .. H) rows.
-template <int H, int NV>
-TESSERA_TARGET_AVX512 inline void winograd_product_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
-                                  std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
-                                  std::int64_t ldc) {
-  if constexpr (H > 1) {
-    if (rows < H) return winograd_product_rows<H - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc);
-  }
-  winograd_product_tile<H, NV>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc);
-}
-
-template <int NV>
-TESSERA_TARGET_AVX512 void winograd_product_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs, std::int64_t a_cs,
-                            const float* b, std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc) {
-  constexpr int R = NV == 4 ? 6 : 8;          // R NV accumulators + NV + 1 of the 32 registers
-  constexpr std::int64_t kc = 256 / NV;       // b's piece: kc x 16 NV floats = 16 KiB
-  // The rows split evenly into tiles of R or R - 1 rows (m = 28: 6, 6, 6, 5, 5): a full-height
-  // tile over the last m % R rows would compute rows it does not store (ResNet-50's 28x28 layers
-  // make blocks of 14 tiles: 18 rows computed for 14), and one short tile runs below the kernel's
-  // best ratio of multiply-adds to loads.
-  const std::int64_t tiles = (m + R - 1) / R, base = m / tiles, taller = m % tiles;
-  for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
-    const std::int64_t depth = std::min(kc, k - k0);
-    const bool acc = accumulate || k0 > 0;
-    for (std::int64_t t = 0, i0 = 0; t < tiles; ++t) {
-      const std::int64_t rows = base + (t < taller ? 1 : 0);
-      winograd_product_rows<R, NV>(rows, depth, a + i0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc,
-                                   c + i0 * ldc, ldc);
-      i0 += rows;
-    }
-  }
-}
-
-// c = beta c + op(a) b on AVX-512, n a multiple of 16.
-TESSERA_TARGET_AVX512 inline void winograd_product_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
-                                                          const float* a, std::int64_t lda, const float* b,
-                                                          std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
-  if (k == 0 || m == 0) {
-    if (beta == 0)
-      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
-    return;
-  }
-  const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
-  const bool accumulate = beta != 0;
-  for (std::int64_t j0 = 0; j0 < n;) {
-    const std::int64_t vectors = std::min<std::int64_t>(4, (n - j0) / 16);
-    switch (vectors) {
-      case 4: winograd_product_panel<4>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-      case 3: winograd_product_panel<3>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-      case 2: winograd_product_panel<2>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-      default: winograd_product_panel<1>(m, k, a, a_rs, a_cs, b + j0, ldb, accumulate, c + j0, ldc); break;
-    }
-    j0 += 16 * std::max<std::int64_t>(vectors, 1);
-  }
-}
-#endif
-
+// c (m, n) = beta c + op(a) b for the blocked path's 36 products, beta 0 or 1: on AVX-512 (float)
+// the unpacked product of kernels/cpu/gemm_unpacked.hpp (Eigen's gebp, the gemm below, packs both
+// operands on every call and zeroes c first when beta is 0: on these products, depth and width
+// 16-64 on ResNet-20, that was a third of their time).
 template <class S>
 void winograd_product(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k, const S* a, std::int64_t lda,
                       const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
@@ -731,7 +636,7 @@ void winograd_product(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t
   // The kernel's panels are whole vectors of 16 columns: n is a multiple of 16 when the blocked
   // path's vectors are 16 floats (a -march with AVX-512); a portable build's are narrower.
   if constexpr (std::is_same_v<S, float>) {
-    if (n % 16 == 0 && cpu_avx512()) return winograd_product_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    if (n % 16 == 0 && cpu_avx512()) return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
   }
 #endif
   gemm(Cpu{}, trans_a, false, m, n, k, S(1), a, lda, b, ldb, beta, c, ldc);

@@ -1,0 +1,140 @@
+// gemm_unpacked_avx512: c (m, n) = beta c + op(a) b, beta 0 or 1, on one thread, float, AVX-512,
+// reading both operands where they lie: op(a)(i, p) = a[i lda + p], or a[p lda + i] when trans_a;
+// b (k, n) and c row-major. No packing: an R x NV block of c (R rows, NV vectors of 16 columns)
+// stays in registers while p runs, each step one vector load of b per column vector and one
+// broadcast of a per row; b's k x 16 NV panel is cut into pieces of about 16 KiB, which stay in
+// the L1 cache while the row blocks pass. A last vector narrower than 16 columns is loaded and
+// stored under a mask.
+//
+// Who uses it: Winograd's 36 products (kernels/cpu/winograd.hpp), where Eigen's gebp packed both
+// operands on every call (a third of their time at ResNet-20's depth and width 16-64), and the
+// convolutions' wide products (kernels/cpu/conv2d.hpp, conv_gemm): there OpenBLAS packs the
+// weights (a) again for every block of columns, and loses to this kernel once the block is wide
+// (bench/README.md, "Figures behind design choices in the headers").
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "tessera/kernels/cpu/capability.hpp"
+#include "tessera/kernels/cpu/short_rows.hpp"
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
+namespace tessera::detail {
+
+#if TESSERA_X86_DISPATCH
+// One R x NV block; with Tail, the last vector's columns are those of `tail` (a lane mask).
+template <int R, int NV, bool Tail>
+TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
+                                                std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
+                                                float* c, std::int64_t ldc, __mmask16 tail) {
+  const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
+  for (int r = 0; r < R; ++r) row[r] = a + std::min<std::int64_t>(r, rows - 1) * a_rs;
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (std::int64_t p = 0; p < k; ++p) {
+    const std::int64_t at = p * a_cs;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      bv[v] = Tail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, b + p * ldb + 16 * v) : _mm512_loadu_ps(b + p * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(row[r][at]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* out = c + r * ldc + 16 * v;
+      if (Tail && v == NV - 1)
+        _mm512_mask_storeu_ps(out, tail, accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(tail, out), acc[r][v]) : acc[r][v]);
+      else
+        _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
+    }
+  }
+}
+
+// A tile of exactly `rows` (1 .. H) rows.
+template <int H, int NV, bool Tail>
+TESSERA_TARGET_AVX512 inline void unpacked_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
+                                                std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
+                                                float* c, std::int64_t ldc, __mmask16 tail) {
+  if constexpr (H > 1) {
+    if (rows < H) return unpacked_rows<H - 1, NV, Tail>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+  }
+  unpacked_tile<H, NV, Tail>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+}
+
+// All m rows of one panel of NV vectors.
+template <int NV, bool Tail>
+TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs,
+                                          std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
+                                          std::int64_t ldc, __mmask16 tail) {
+  constexpr int R = NV == 4 ? 6 : 8;     // R NV accumulators + NV + 1 of the 32 registers
+  constexpr std::int64_t kc = 256 / NV;  // b's piece: kc x 16 NV floats = 16 KiB
+  // The rows split evenly into tiles of R or R - 1 rows (m = 28: 6, 6, 6, 5, 5): a full-height
+  // tile over the last m % R rows would compute rows it does not store (ResNet-50's 28x28 layers
+  // make Winograd blocks of 14 tiles: 18 rows computed for 14), and one short tile runs below the
+  // kernel's best ratio of multiply-adds to loads.
+  const std::int64_t tiles = (m + R - 1) / R, base = m / tiles, taller = m % tiles;
+  for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
+    const std::int64_t depth = std::min(kc, k - k0);
+    const bool acc = accumulate || k0 > 0;
+    for (std::int64_t t = 0, i0 = 0; t < tiles; ++t) {
+      const std::int64_t rows = base + (t < taller ? 1 : 0);
+      unpacked_rows<R, NV, Tail>(rows, depth, a + i0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc,
+                                 c + i0 * ldc, ldc, tail);
+      i0 += rows;
+    }
+  }
+}
+
+TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
+                                                       const float* a, std::int64_t lda, const float* b,
+                                                       std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  if (k == 0 || m == 0) {
+    if (beta == 0)
+      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
+  const bool accumulate = beta != 0;
+  for (std::int64_t j0 = 0; j0 < n;) {
+    const std::int64_t left = n - j0, vectors = std::min<std::int64_t>(4, (left + 15) / 16);
+    const std::int64_t width = std::min(left, 16 * vectors);
+    const __mmask16 tail = lanes16(width - 16 * (vectors - 1));
+    const float* bp = b + j0;
+    float* cp = c + j0;
+    if (width == 16 * vectors) {
+      switch (vectors) {
+        case 4: unpacked_panel<4, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+        case 3: unpacked_panel<3, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+        case 2: unpacked_panel<2, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+        default: unpacked_panel<1, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+      }
+    } else {
+      switch (vectors) {
+        case 4: unpacked_panel<4, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+        case 3: unpacked_panel<3, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+        case 2: unpacked_panel<2, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+        default: unpacked_panel<1, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+      }
+    }
+    j0 += width;
+  }
+}
+#endif
+
+}  // namespace tessera::detail
+
+TESSERA_SIMD_CODE_END
