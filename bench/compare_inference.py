@@ -7,8 +7,8 @@ Inference, per batch size (--batches, default 1,8): the PyTorch configuration is
 compare_pytorch.py does (bench/peer.py: OpenBLAS selected, one OpenBLAS thread, each malloc setting,
 OMP_WAIT_POLICY and OPENBLAS_CORETYPE tried once, the fastest kept); PyTorch reports the faster of torch.no_grad()
 and torch.inference_mode() and which one it was. Then Tessera and PyTorch runs alternate --runs
-times; the ratio is of the medians (goal >= 1.3). Tessera's OpenBLAS core type is chosen per batch the
-same way (the shell's, 'unset', then each other candidate, once; peer.choose_tessera_coretype).
+times; the ratio is of the medians (goal >= 1.5, issue 52; 1.3 before it). Tessera's OpenBLAS core
+type is chosen per batch the same way (the shell's, 'unset', then each other candidate, once; peer.choose_tessera_coretype).
 
 Memory (--memory-batch, default 32): each run is one SGD training step in a fresh process of each
 framework, alternating, --runs times, PyTorch with the configuration chosen for the largest
@@ -104,14 +104,14 @@ def main():
         entry = {"model": "resnet50", "mode": "inference (eval, forward only)", "batch": batch,
                  "tessera_images_per_second": statistics.median(ours),
                  "pytorch_images_per_second": statistics.median(theirs),
-                 "ratio": statistics.median(ours) / statistics.median(theirs), "goal": ">= 1.3",
+                 "ratio": statistics.median(ours) / statistics.median(theirs), "goal": ">= 1.5",
                  "tessera_runs": ours, "pytorch_runs": theirs, "pytorch_context_per_run": contexts,
                  "pytorch_contexts_last_run": torch_last["contexts"],
                  "tessera_allocations_in_timed_forwards_last_run": tessera_last["allocations_in_timed_forwards"],
                  "logits_finite": {"tessera": tessera_last["logits_finite"], "pytorch": torch_last["logits_finite"]},
                  "tessera_config": peer.tessera_record(tessera_best, tessera_trials),
                  "pytorch_config": setup.record(best, trials, child)}
-        entry["meets_goal"] = entry["ratio"] >= 1.3
+        entry["meets_goal"] = entry["ratio"] >= 1.5
         print(f"resnet50 eval b{batch:<3} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  (tessera "
               f"OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; torch "

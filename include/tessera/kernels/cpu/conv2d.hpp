@@ -42,8 +42,8 @@ namespace tessera {
 namespace detail {
 
 // The narrowest product conv_gemm gives the unpacked kernel: from 256 columns on it beat
-// OpenBLAS on ResNet-50's shapes by 1.00-1.15x, at 196 it lost (0.92-0.99; figures in
-// bench/README.md, "Figures behind design choices in the headers").
+// OpenBLAS on ResNet-50's shapes, at 196 it lost (figures in bench/README.md, "Figures behind
+// design choices in the headers").
 constexpr std::int64_t kUnpackedMinColumns = 256;
 
 // Stride 1 with W' = W (a "same"-width convolution, e.g. 3x3 with padding 1): the columns of one
@@ -129,6 +129,23 @@ struct PhaseTap {
   bool empty() const { return a == b || lo == hi; }
 };
 
+// One pass over the phase buffer: output rows [b0, b1) of sample s, for which each phase plane
+// holds `rows` rows of its phase from row r0 on (`plane` = rows W' values).
+struct PhasePass {
+  std::int64_t s, b0, b1, r0, rows, plane;
+};
+
+template <class Body>
+void for_each_phase_pass(const Conv2dGeometry& g, std::int64_t samples, std::int64_t oh0, std::int64_t oh1,
+                         const Body& body) {
+  const std::int64_t extra = phase_extra_rows(g), band = phase_band_rows(g);
+  for (std::int64_t s = 0; s < samples; ++s)
+    for (std::int64_t b0 = oh0; b0 < oh1; b0 += band) {
+      const std::int64_t b1 = std::min(oh1, b0 + band), rows = b1 - b0 + extra;
+      body(PhasePass{s, b0, b1, b0 + floor_half(-g.pad_h), rows, rows * g.out_width});
+    }
+}
+
 }  // namespace detail
 
 // im2col on the phase path (detail::phase_taps; arguments as im2col's).
@@ -136,43 +153,40 @@ template <class S>
 void im2col_phases(const Conv2dGeometry& g, const S* x, std::int64_t samples, std::int64_t oh0, std::int64_t oh1,
                    S* col, std::int64_t ldcol, std::int64_t row_begin, std::int64_t row_end) {
   const std::int64_t w = g.out_width, taps = g.taps(), sample_cols = (oh1 - oh0) * w;
-  const std::int64_t extra = detail::phase_extra_rows(g), band = detail::phase_band_rows(g);
   alignas(64) S phases[detail::kPhaseElements];
-  for (std::int64_t s = 0; s < samples; ++s)
-    for (std::int64_t b0 = oh0; b0 < oh1; b0 += band) {
-      const std::int64_t b1 = std::min(oh1, b0 + band), plane_rows = b1 - b0 + extra;
-      const std::int64_t r0 = b0 + detail::floor_half(-g.pad_h), plane = plane_rows * w;
-      for (std::int64_t c = row_begin / taps; c * taps < row_end; ++c) {
-        const S* in = x + (s * g.channels + c) * g.in_plane();
-        // Phase rows whose input row lies inside the image; columns past the input's are only
-        // ever read inside a run and then zeroed as wrapped columns, but are set all the same.
-        for (std::int64_t r = r0; r < r0 + plane_rows; ++r)
-          for (std::int64_t py = 0; py < 2; ++py) {
-            const std::int64_t ih = 2 * r + py;
-            if (ih < 0 || ih >= g.height) continue;
-            S* even = phases + 2 * py * plane + (r - r0) * w;
-            S* odd = even + plane;
-            detail::split_row_stride2(even, odd, in + ih * g.width, g.width);
-            std::fill(even + (g.width + 1) / 2, even + w, S(0));
-            std::fill(odd + g.width / 2, odd + w, S(0));
-          }
-        for (std::int64_t t = std::max(row_begin, c * taps); t < std::min(row_end, (c + 1) * taps); ++t) {
-          const std::int64_t tap = t - c * taps;
-          const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, b0, b1);
-          S* out = col + t * ldcol + s * sample_cols + (b0 - oh0) * w;
-          std::fill(out, out + (p.a - b0) * w, S(0));
-          std::fill(out + (p.b - b0) * w, out + (b1 - b0) * w, S(0));
-          if (p.empty()) {
-            std::fill(out + (p.a - b0) * w, out + (p.b - b0) * w, S(0));
-            continue;
-          }
-          S* dst = out + (p.a - b0) * w;
-          const S* src = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
-          std::copy(src, src + (p.b - p.a - 1) * w + p.hi - p.lo, dst + p.lo);
-          detail::zero_wrapped_columns(dst, p.b - p.a, w, p.lo, p.hi);
+  detail::for_each_phase_pass(g, samples, oh0, oh1, [&](const detail::PhasePass& pass) {
+    const std::int64_t b0 = pass.b0, b1 = pass.b1, r0 = pass.r0, plane = pass.plane;
+    for (std::int64_t c = row_begin / taps; c * taps < row_end; ++c) {
+      const S* in = x + (pass.s * g.channels + c) * g.in_plane();
+      // Phase rows whose input row lies inside the image; columns past the input's are only
+      // ever read inside a run and then zeroed as wrapped columns, but are set all the same.
+      for (std::int64_t r = r0; r < r0 + pass.rows; ++r)
+        for (std::int64_t py = 0; py < 2; ++py) {
+          const std::int64_t ih = 2 * r + py;
+          if (ih < 0 || ih >= g.height) continue;
+          S* even = phases + 2 * py * plane + (r - r0) * w;
+          S* odd = even + plane;
+          detail::split_row_stride2(even, odd, in + ih * g.width, g.width);
+          std::fill(even + (g.width + 1) / 2, even + w, S(0));
+          std::fill(odd + g.width / 2, odd + w, S(0));
         }
+      for (std::int64_t t = std::max(row_begin, c * taps); t < std::min(row_end, (c + 1) * taps); ++t) {
+        const std::int64_t tap = t - c * taps;
+        const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, b0, b1);
+        S* out = col + t * ldcol + pass.s * sample_cols + (b0 - oh0) * w;
+        std::fill(out, out + (p.a - b0) * w, S(0));
+        std::fill(out + (p.b - b0) * w, out + (b1 - b0) * w, S(0));
+        if (p.empty()) {
+          std::fill(out + (p.a - b0) * w, out + (p.b - b0) * w, S(0));
+          continue;
+        }
+        S* dst = out + (p.a - b0) * w;
+        const S* src = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
+        std::copy(src, src + (p.b - p.a - 1) * w + p.hi - p.lo, dst + p.lo);
+        detail::zero_wrapped_columns(dst, p.b - p.a, w, p.lo, p.hi);
       }
     }
+  });
 }
 
 // col2im_add on the phase path: each channel's taps are added into its phase planes (col's
@@ -182,35 +196,32 @@ template <class S>
 void col2im_add_phases(const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
                        std::int64_t oh1, S* dx) {
   const std::int64_t w = g.out_width, taps = g.taps(), sample_cols = (oh1 - oh0) * w;
-  const std::int64_t extra = detail::phase_extra_rows(g), band = detail::phase_band_rows(g);
   alignas(64) S phases[detail::kPhaseElements];
-  for (std::int64_t s = 0; s < samples; ++s)
-    for (std::int64_t b0 = oh0; b0 < oh1; b0 += band) {
-      const std::int64_t b1 = std::min(oh1, b0 + band), plane_rows = b1 - b0 + extra;
-      const std::int64_t r0 = b0 + detail::floor_half(-g.pad_h), plane = plane_rows * w;
-      for (std::int64_t c = 0; c < g.channels; ++c) {
-        std::fill(phases, phases + 4 * plane, S(0));
-        for (std::int64_t tap = 0; tap < taps; ++tap) {
-          const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, b0, b1);
-          if (p.empty()) continue;
-          S* src = col + (c * taps + tap) * ldcol + s * sample_cols + (p.a - oh0) * w;
-          detail::zero_wrapped_columns(src, p.b - p.a, w, p.lo, p.hi);
-          const S* run = src + p.lo;
-          S* dst = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
-          const std::int64_t length = (p.b - p.a - 1) * w + p.hi - p.lo;
+  detail::for_each_phase_pass(g, samples, oh0, oh1, [&](const detail::PhasePass& pass) {
+    const std::int64_t r0 = pass.r0, plane = pass.plane;
+    for (std::int64_t c = 0; c < g.channels; ++c) {
+      std::fill(phases, phases + 4 * plane, S(0));
+      for (std::int64_t tap = 0; tap < taps; ++tap) {
+        const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, pass.b0, pass.b1);
+        if (p.empty()) continue;
+        S* src = col + (c * taps + tap) * ldcol + pass.s * sample_cols + (p.a - oh0) * w;
+        detail::zero_wrapped_columns(src, p.b - p.a, w, p.lo, p.hi);
+        const S* run = src + p.lo;
+        S* dst = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
+        const std::int64_t length = (p.b - p.a - 1) * w + p.hi - p.lo;
 #pragma omp simd
-          for (std::int64_t e = 0; e < length; ++e) dst[e] += run[e];
-        }
-        S* out = dx + (s * g.channels + c) * g.in_plane();
-        for (std::int64_t r = r0; r < r0 + plane_rows; ++r)
-          for (std::int64_t py = 0; py < 2; ++py) {
-            const std::int64_t ih = 2 * r + py;
-            if (ih < 0 || ih >= g.height) continue;
-            const S* even = phases + 2 * py * plane + (r - r0) * w;
-            detail::add_interleaved_row(out + ih * g.width, even, even + plane, g.width);
-          }
+        for (std::int64_t e = 0; e < length; ++e) dst[e] += run[e];
       }
+      S* out = dx + (pass.s * g.channels + c) * g.in_plane();
+      for (std::int64_t r = r0; r < r0 + pass.rows; ++r)
+        for (std::int64_t py = 0; py < 2; ++py) {
+          const std::int64_t ih = 2 * r + py;
+          if (ih < 0 || ih >= g.height) continue;
+          const S* even = phases + 2 * py * plane + (r - r0) * w;
+          detail::add_interleaved_row(out + ih * g.width, even, even + plane, g.width);
+        }
     }
+  });
 }
 
 // col (C kh kw, ldcol) <- patches of output rows [oh0, oh1) of `samples` consecutive inputs
