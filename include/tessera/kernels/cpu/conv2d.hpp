@@ -174,12 +174,12 @@ void im2col_phases(const Conv2dGeometry& g, const S* x, std::int64_t samples, st
         const std::int64_t tap = t - c * taps;
         const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, b0, b1);
         S* out = col + t * ldcol + pass.s * sample_cols + (b0 - oh0) * w;
-        std::fill(out, out + (p.a - b0) * w, S(0));
-        std::fill(out + (p.b - b0) * w, out + (b1 - b0) * w, S(0));
         if (p.empty()) {
-          std::fill(out + (p.a - b0) * w, out + (p.b - b0) * w, S(0));
+          std::fill(out, out + (b1 - b0) * w, S(0));
           continue;
         }
+        std::fill(out, out + (p.a - b0) * w, S(0));
+        std::fill(out + (p.b - b0) * w, out + (b1 - b0) * w, S(0));
         S* dst = out + (p.a - b0) * w;
         const S* src = phases + p.plane * plane + (p.a + p.sy - r0) * w + p.lo + p.sx;
         std::copy(src, src + (p.b - p.a - 1) * w + p.hi - p.lo, dst + p.lo);
@@ -412,7 +412,9 @@ void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t
     if (b.bf16) return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
 #if TESSERA_X86_DISPATCH
     if (!trans_b && n >= kUnpackedMinColumns && cpu_avx512()) {
-      if (Cpu::team_size() > 1 || Cpu::num_threads() == 1)  // on this thread alone
+      // On this thread alone the kernel takes beta itself; gemm_split would first zero c in a
+      // pass of its own for beta 0.
+      if (Cpu::team_size() > 1 || Cpu::num_threads() == 1)
         return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, x, ldx, beta, c, ldc);
       return gemm_split(trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc,
                         [](bool ta, bool, std::int64_t mm, std::int64_t nn, std::int64_t kk, float, const float* aa,
