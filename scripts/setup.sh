@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 # mypy and python3-pytest: the tools package's type check and tests (quick tier); ccache: meson
 # picks it up by itself, so a rebuild after switching branches recompiles only what changed.
 # fortunes: English text (about 1.4 MB) that example 15_gpt trains its language model on.
-packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev libopenblas-dev catch2 zlib1g-dev dataset-fashion-mnist
+# libdnnl-dev: oneDNN, the bfloat16 Envs' convolutions (AMX where the CPU has it; optional to the build).
+packages=(g++ meson ninja-build pkg-config python3 libeigen3-dev libopenblas-dev libdnnl-dev catch2 zlib1g-dev dataset-fashion-mnist
   libopenmpi-dev openmpi-bin libgloo-dev libhiredis-dev redis-server clang libclang-rt-14-dev libomp-dev
   slurm-wlm munge python3-matplotlib cmake libturbojpeg0-dev libpng-dev mypy python3-pytest ccache fortunes)
 missing=()

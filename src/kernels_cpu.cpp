@@ -38,6 +38,7 @@
 #include "tessera/io/json.hpp"
 #include "tessera/io/safetensors.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cpu/onednn_conv.hpp"
 #include "tessera/layers/pool.hpp"
 #include "tessera/parallel/agreement.hpp"
 #include "tessera/parallel/pipeline_schedule.hpp"

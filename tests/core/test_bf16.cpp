@@ -293,3 +293,126 @@ TEST_CASE("The CPU capability follows the CPU and TESSERA_CPU_CAPABILITY", "[cor
   WARN("this CPU supports " << cpu_capability_name(cpu_capability_supported()) << "; the kernels run "
                             << cpu_capability_name(cpu_capability()));
 }
+
+// oneDNN's bfloat16 convolutions (kernels/cpu/onednn_conv.hpp), forced for every layer: the same
+// rounded-operand contract as Tessera's own kernels, forward and both gradients, over strides,
+// padding, dilation, groups, bias and a Winograd-shaped layer. Where the build has no oneDNN or the
+// CPU no AVX512-BF16, this checks that nothing would choose it, and says that it skipped.
+TEST_CASE("Conv2d with bfloat16 compute on oneDNN equals float64 on bfloat16-rounded operands",
+          "[layers][bf16][onednn]") {
+  const Conv2dGeometry g{.channels = 16, .height = 14, .width = 14, .out_channels = 16, .kernel_h = 3, .kernel_w = 3,
+                         .pad_h = 1, .pad_w = 1, .out_height = 14, .out_width = 14};
+  if (!onednn_built() || !cpu_bf16_active()) {
+    CHECK_FALSE(onednn_conv_chosen(g, 8, false));
+    CHECK_THROWS_WITH(OneDnnConv(g, 8, true, false), Catch::Contains("oneDNN") || Catch::Contains("bfloat16"));
+    WARN("skipped: " << cpu_bf16_conv_kernel());
+    return;
+  }
+  INFO("oneDNN: " << cpu_bf16_conv_kernel());
+  std::uint64_t state = 19;
+  Rng rng(9);
+  struct Case {
+    const char* what;
+    Conv2dOptions o;
+    Shape x;
+  };
+  const Case cases[] = {
+      {"3x3 stride 2 padding 1, bias", {16, 24, 3, 3, 2, 2, 1, 1, 1, 1, 1, true}, {3, 16, 15, 14}},
+      {"1x1, bias", {32, 16, 1, 1, 1, 1, 0, 0, 1, 1, 1, true}, {2, 32, 9, 9}},
+      {"7x7 stride 2 (a ResNet stem)", {3, 8, 7, 7, 2, 2, 3, 3, 1, 1, 1, false}, {2, 3, 32, 32}},
+      {"3x3 stride 1 (Winograd's shape)", {16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, false}, {2, 16, 13, 13}},
+      {"3x5 dilation 2, groups 2, uneven padding", {8, 12, 3, 5, 1, 2, 2, 1, 2, 2, 2, true}, {2, 8, 11, 12}},
+  };
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.what) {
+      Conv2d<CpuLocalBf16> layer(c.o, rng);
+      Conv2d<CpuLocal64> twin(c.o, rng);
+      twin.set_algorithm(ConvAlgorithm::Im2col);
+      check_against_rounded_twin(layer, twin, c.x, state);
+    }
+  }
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+}
+
+TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and follows batch and size",
+          "[layers][bf16][onednn]") {
+  if (!onednn_built() || !cpu_bf16_active()) {
+    WARN("skipped: " << cpu_bf16_conv_kernel());
+    return;
+  }
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+  Rng rng(10);
+  std::uint64_t state = 23;
+  const Conv2dOptions o{8, 16, 3, 3, 2, 2, 1, 1, 1, 1, 1, true};
+  Conv2d<CpuLocalBf16> layer(o, rng);
+  for (const Shape& shape : {Shape{2, 8, 12, 12}, Shape{3, 8, 12, 12}, Shape{3, 8, 9, 10}, Shape{2, 8, 12, 12}}) {
+    INFO("x " << shape);
+    const Tensor<float> x = random_float(shape, state);
+    Conv2d<CpuLocalBf16>::Cache c;
+    const Tensor<float> y = layer.forward(x, c);
+    // The layer's output is the primitive's, bit for bit: Conv2d really delegated.
+    Conv2dGeometry g{.channels = 8, .height = shape[2], .width = shape[3], .out_channels = 16, .kernel_h = 3,
+                     .kernel_w = 3, .stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1,
+                     .out_height = y.dim(2), .out_width = y.dim(3)};
+    OneDnnConv direct(g, shape[0], true, true);
+    Tensor<float> y_direct(y.shape());
+    direct.forward(x.data(), layer.weight().value.data(), layer.bias().value.data(), y_direct.data());
+    CHECK(std::equal(y.data(), y.data() + y.numel(), y_direct.data()));
+    CHECK_FALSE(direct.implementation().empty());
+    // dW accumulates: twice the same backward is twice the gradient; dx is assigned each time.
+    const Tensor<float> dy = random_float(y.shape(), state);
+    layer.weight().grad.fill(0.0f);
+    const Tensor<float> dx1 = layer.backward(dy, c);
+    const Tensor<float> once = layer.weight().grad;
+    const Tensor<float>& dx2 = layer.backward(dy, c);
+    CHECK(std::equal(dx1.data(), dx1.data() + dx1.numel(), dx2.data()));
+    double gap = 0, scale = 0;
+    for (std::int64_t i = 0; i < once.numel(); ++i) {
+      gap = std::max(gap, std::abs(static_cast<double>(layer.weight().grad[i]) - 2.0 * once[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(once[i])));
+    }
+    CHECK(gap <= 1e-6 * scale);
+  }
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+}
+
+// Auto's choice (bench/README.md, "bfloat16", has the per-layer timings behind it): with AMX every
+// convolution; with AVX512-BF16 alone the spatial kernels, except Winograd's layers with at least
+// 2.5 tiles per output channel; none when the setting is Tessera or bfloat16 is off.
+TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting", "[core][bf16][onednn]") {
+  auto conv = [](std::int64_t c, std::int64_t k, std::int64_t size, std::int64_t kernel, std::int64_t stride) {
+    const std::int64_t out = (size + 2 * (kernel / 2) - kernel) / stride + 1;
+    return Conv2dGeometry{.channels = c, .height = size, .width = size, .out_channels = k, .kernel_h = kernel,
+                          .kernel_w = kernel, .stride_h = stride, .stride_w = stride, .pad_h = kernel / 2,
+                          .pad_w = kernel / 2, .out_height = out, .out_width = out};
+  };
+  const Conv2dGeometry pointwise = conv(256, 1024, 14, 1, 1), strided = conv(128, 128, 56, 3, 2);
+  const Conv2dGeometry stem = conv(3, 64, 224, 7, 2), wide = conv(64, 64, 56, 3, 1), deep = conv(512, 512, 7, 3, 1);
+  const bool on = onednn_built() && cpu_bf16_active();
+  INFO("bfloat16 convolutions: " << cpu_bf16_conv_kernel());
+  CHECK(cpu_bf16_conv_library() == Bf16ConvLibrary::Auto);
+  CHECK(onednn_conv_chosen(strided, 8, false) == on);
+  CHECK(onednn_conv_chosen(stem, 8, false) == on);
+  CHECK(onednn_conv_chosen(deep, 8, true) == on);                                 // 4 tiles x 8 for 512 channels
+  CHECK(onednn_conv_chosen(pointwise, 8, false) == (on && onednn_uses_amx()));   // 1x1: Tessera's without AMX
+  CHECK(onednn_conv_chosen(wide, 8, true) == (on && onednn_uses_amx()));         // 196 tiles x 8 for 64
+  CHECK(onednn_conv_chosen(wide, 8, false) == on);  // where Tessera's Auto runs im2col, not Winograd
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
+  CHECK_FALSE(onednn_conv_chosen(strided, 8, false));
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+  set_cpu_bf16_enabled(false);
+  CHECK_FALSE(onednn_conv_chosen(strided, 8, false));  // bfloat16 off: the float path, no oneDNN
+  set_cpu_bf16_enabled(true);
+  if (!onednn_built()) {
+    CHECK_THROWS_WITH(set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn), Catch::Contains("libdnnl-dev"));
+    WARN("this build has no oneDNN");
+  } else if (onednn_uses_amx()) {
+    set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+    OneDnnConv amx(strided, 8, true, false);
+    CHECK(amx.implementation().find("amx") != std::string::npos);
+    set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+  } else {
+    WARN("no AMX on this CPU (oneDNN runs " << onednn_cpu_isa() << "): the AMX kernels were not exercised");
+  }
+}

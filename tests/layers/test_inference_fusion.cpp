@@ -133,6 +133,27 @@ TEST_CASE("Conv2d's inference epilogue equals the eval BatchNorm, add and ReLU o
         }
 }
 
+// A bfloat16 Env's convolution on oneDNN (kernels/cpu/onednn_conv.hpp) takes the epilogue as one
+// pass after the primitive; the reference runs the same primitive unfused.
+TEST_CASE("Conv2d's inference epilogue on oneDNN's bfloat16 convolution", "[layers][conv][inference][onednn]") {
+  if (!onednn_built() || !cpu_bf16_active()) {
+    WARN("skipped: " << cpu_bf16_conv_kernel());
+    return;
+  }
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+  const EpilogueCase cases[] = {
+      {"3x3, conv bias", 2, 16, 24, 9, 3, 1, 1, true, ConvAlgorithm::Auto, 0},
+      {"3x3 stride 2", 3, 8, 16, 12, 3, 2, 1, false, ConvAlgorithm::Auto, 0},
+  };
+  for (const auto& cc : cases)
+    for (bool with_addend : {false, true}) {
+      DYNAMIC_SECTION(cc.path << (with_addend ? ", addend" : "")) {
+        check_epilogue<CpuLocalBf16>(cc, with_addend, /*relu=*/true, 2e-6);
+      }
+    }
+  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+}
+
 // y from a copy of conv in Mode::Eval: the convolution of conv's current weights, computed afresh.
 template <class E>
 Tensor<typename E::Scalar> eval_output(const Conv2d<E>& conv, const Tensor<typename E::Scalar>& x) {

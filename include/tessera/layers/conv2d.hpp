@@ -32,6 +32,7 @@
 #include "tessera/core/scratch.hpp"
 #include "tessera/core/tensor.hpp"
 #include "tessera/kernels/conv2d.hpp"
+#include "tessera/kernels/cpu/onednn_conv.hpp"
 #include "tessera/kernels/elementwise.hpp"
 
 namespace tessera {
@@ -91,16 +92,20 @@ class Conv2d {
     c.x = &x;
     c.y_shape = Shape{x.dim(0), o_.out_channels, g.out_height, g.out_width};
     c.y.resize(c.y_shape);
-    const Conv2dBlocking b = blocking(g, x.dim(0));
-    S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
     const S* bias = o_.bias ? bias_.value.data() : nullptr;
     const S* xd = planar_reference() ? to_planar(x, c.x_planar) : x.data();
     S* yd = planar_reference() ? planar_buffer(c.planar, c.y_shape) : c.y.data();
-    if constexpr (std::is_same_v<D, Cpu>)
-      conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace,
-                     prepared_winograd_filter(g, b));
-    else
-      conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace);
+    if (on_onednn(g, x.dim(0))) {
+      onednn_forward(g, x.dim(0), xd, bias, yd);
+    } else {
+      const Conv2dBlocking b = blocking(g, x.dim(0));
+      S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
+      if constexpr (std::is_same_v<D, Cpu>)
+        conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace,
+                       prepared_winograd_filter(g, b));
+      else
+        conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace);
+    }
     if (planar_reference()) from_planar(c.planar, c.y);
     return c.y;
   }
@@ -120,16 +125,24 @@ class Conv2d {
     e.bias = o_.bias ? bias_.value.data() : nullptr;
     e.addend = addend != nullptr ? addend->data() : nullptr;
     y.resize(c.y_shape);
-    const Conv2dBlocking b = blocking(g, x.dim(0));
-    S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
     const S* xd = planar_reference() ? to_planar(x, c.x_planar) : x.data();
     S* yd = planar_reference() ? planar_buffer(c.planar, c.y_shape) : y.data();
     if (planar_reference() && addend != nullptr) e.addend = to_planar(*addend, c.dx);  // c.dx: free in inference
-    if constexpr (std::is_same_v<D, Cpu>)
-      conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace,
-                              prepared_winograd_filter(g, b));
-    else
-      conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace);
+    if (on_onednn(g, x.dim(0))) {
+      // oneDNN's output (with the bias), then the epilogue in one pass over it.
+      onednn_forward(g, x.dim(0), xd, e.bias, yd);
+      e.bias = nullptr;
+      if constexpr (std::is_same_v<D, Cpu>)
+        detail::conv_epilogue_planes(e, yd, 0, x.dim(0), o_.out_channels, g.out_plane(), 0, g.out_plane(), true);
+    } else {
+      const Conv2dBlocking b = blocking(g, x.dim(0));
+      S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
+      if constexpr (std::is_same_v<D, Cpu>)
+        conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace,
+                                prepared_winograd_filter(g, b));
+      else
+        conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace);
+    }
     if (planar_reference()) from_planar(c.planar, y);
     return y;
   }
@@ -242,10 +255,16 @@ class Conv2d {
     const std::int64_t n = x.dim(0);
     if (input) c.dx.resize(x.shape());
     S* dxd = !input ? nullptr : planar_reference() ? planar_buffer(c.dx_planar, x.shape()) : c.dx.data();
-    const Conv2dBlocking b = blocking(g, n);
-    conv2d_backward(D{}, g, b, n, planar_reference() ? c.x_planar.data() : x.data(), weight_.value.data(), dyd,
-                    weight ? weight_.grad.data() : nullptr, dxd,
-                    scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
+    const S* xd = planar_reference() ? c.x_planar.data() : x.data();
+    if (on_onednn(g, n)) {
+      if constexpr (std::is_same_v<S, float>)
+        onednn_.get(g, n, /*training=*/true, o_.bias).backward(xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr,
+                                                      dxd);
+    } else {
+      const Conv2dBlocking b = blocking(g, n);
+      conv2d_backward(D{}, g, b, n, xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr, dxd,
+                      scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
+    }
     if (weight) weight_.grad_ready();
     if (planar_reference() && input) from_planar(c.dx_planar, c.dx);
     return c.dx;
@@ -296,6 +315,20 @@ class Conv2d {
   static void from_planar(const Tensor& planar, Tensor& t) {
     t.resize(planar.shape());
     nchw_to_nhwc(D{}, planar.dim(0), planar.dim(1), planar.dim(2) * planar.dim(3), planar.data(), t.data());
+  }
+
+  // A bfloat16 Env's convolution on the CPU runs on oneDNN where onednn_conv_chosen says so
+  // (kernels/cpu/onednn_conv.hpp: AMX or AVX512-BF16 kernels), unless set_algorithm forced one of
+  // Tessera's own algorithms.
+  bool on_onednn(const Conv2dGeometry& g, std::int64_t batch) const {
+    if constexpr (std::is_same_v<D, Cpu> && std::is_same_v<S, float> && E::bf16_compute)
+      return algorithm_ == ConvAlgorithm::Auto && onednn_conv_chosen(g, batch, blocking(g, batch).winograd);
+    else
+      return false;
+  }
+  void onednn_forward(const Conv2dGeometry& g, std::int64_t n, const S* x, const S* bias, S* y) {
+    if constexpr (std::is_same_v<S, float>)
+      onednn_.get(g, n, /*training=*/mode_ != Mode::Inference, o_.bias).forward(x, weight_.value.data(), bias, y);
   }
 
   Conv2dBlocking blocking(const Conv2dGeometry& g, std::int64_t batch) const {
@@ -349,6 +382,7 @@ class Conv2d {
   MemoryFormat format_ = MemoryFormat::Contiguous;
   Tensor winograd_filter_;  // prepared_winograd_filter's U, and the weights' fingerprint it is of
   std::uint64_t winograd_filter_of_ = 0;
+  OneDnnConvSlot onednn_;  // a bfloat16 Env's oneDNN primitives (on_onednn), for the last input size
 };
 
 // The class of any other Env is this one renamed (comm/local_env.hpp).

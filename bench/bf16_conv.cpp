@@ -1,0 +1,117 @@
+// ResNet-50's convolutions one by one, forward + backward (dW and dx; the stem has no dx), in a
+// bfloat16 Env on Tessera's own kernels, on oneDNN, and as Auto chooses between them
+// (onednn_conv_chosen, kernels/cpu/onednn_conv.hpp), and in float32 for reference: the figures behind
+// that choice (bench/README.md, "bfloat16").
+//
+//   ./bf16_conv [--batch=8] [--threads=2] [--runs=7]
+//
+// Per distinct layer shape, the four configurations run in turn, --runs times, so machine noise
+// hits them alike; each figure is a median in ms, and the totals weight each shape by how often
+// ResNet-50 has it. Prints one JSON object (stdout) and a table (stderr). Never a timed test.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.hpp"
+
+using namespace tessera;
+
+namespace {
+
+struct Shape50 {
+  std::int64_t in, out, size, kernel, stride, count;  // input channels, output channels, input H = W, k, s, layers
+};
+
+// ResNet-50 (torchvision's v1.5: stride on the 3x3) at 224x224, each distinct convolution once.
+const std::vector<Shape50> kShapes = {
+    {3, 64, 224, 7, 2, 1},     {64, 64, 56, 1, 1, 1},     {64, 64, 56, 3, 1, 3},    {64, 256, 56, 1, 1, 4},
+    {256, 64, 56, 1, 1, 2},    {256, 128, 56, 1, 1, 1},   {128, 128, 56, 3, 2, 1},  {128, 512, 28, 1, 1, 4},
+    {256, 512, 56, 1, 2, 1},   {512, 128, 28, 1, 1, 3},   {128, 128, 28, 3, 1, 3},  {512, 256, 28, 1, 1, 1},
+    {256, 256, 28, 3, 2, 1},   {256, 1024, 14, 1, 1, 6},  {512, 1024, 28, 1, 2, 1}, {1024, 256, 14, 1, 1, 5},
+    {256, 256, 14, 3, 1, 5},   {1024, 512, 14, 1, 1, 1},  {512, 512, 14, 3, 2, 1},  {512, 2048, 7, 1, 1, 3},
+    {1024, 2048, 14, 1, 2, 1}, {2048, 512, 7, 1, 1, 2},   {512, 512, 7, 3, 1, 2},
+};
+
+// One forward and backward of a fresh layer of shape s in Env E, after one untimed warm-up pass; ms.
+template <class E>
+double step_ms(const Shape50& s, std::int64_t batch) {
+  Rng rng(1);
+  Conv2d<E> conv(s.in, s.out, s.kernel, rng, s.stride, s.kernel / 2, /*bias=*/false);
+  conv.set_needs_input_grad(s.in != 3);  // the stem computes no dx
+  Tensor<float, Cpu> x({batch, s.in, s.size, s.size});
+  uniform_(x, -1.0, 1.0, rng);
+  typename Conv2d<E>::Cache c;
+  const auto& y = conv.forward(x, c);
+  Tensor<float, Cpu> dy(y.shape());
+  uniform_(dy, -1.0, 1.0, rng);
+  conv.backward(dy, c);
+  const auto t0 = std::chrono::steady_clock::now();
+  conv.forward(x, c);
+  conv.backward(dy, c);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Flags flags(argc, argv);
+    const std::int64_t batch = flags.get("batch", 8, {.min = 1});
+    const int threads = flags.threads("threads", 2);
+    const int runs = flags.get("runs", 7, {.min = 1});
+    flags.finish();
+    Cpu::set_num_threads(threads);
+    TESSERA_CHECK(onednn_built(), Error, "bf16_conv compares Tessera's bfloat16 kernels with oneDNN's: this build has "
+                                         "no oneDNN (meson option onednn; Debian: libdnnl-dev)");
+    TESSERA_CHECK(cpu_bf16_active(), Error, "bf16_conv: this CPU has no AVX512-BF16, so both would compute in float");
+    constexpr int kConfigs = 4;
+    const char* names[kConfigs] = {"float32", "bf16_tessera", "bf16_onednn", "bf16_auto"};
+    double total[kConfigs] = {0, 0, 0, 0};
+    std::string rows;
+    std::fprintf(stderr, "%-28s %9s %13s %12s %10s\n", "C K size kxk/stride x count", "float32", "bf16 Tessera",
+                 "bf16 oneDNN", "bf16 Auto");
+    for (const Shape50& s : kShapes) {
+      std::vector<double> t[kConfigs];
+      for (int r = 0; r < runs; ++r) {
+        t[0].push_back(step_ms<CpuLocal>(s, batch));
+        set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
+        t[1].push_back(step_ms<CpuLocalBf16>(s, batch));
+        set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+        t[2].push_back(step_ms<CpuLocalBf16>(s, batch));
+        set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+        t[3].push_back(step_ms<CpuLocalBf16>(s, batch));
+      }
+      double m[kConfigs];
+      for (int i = 0; i < kConfigs; ++i) total[i] += (m[i] = median(t[i])) * s.count;
+      std::fprintf(stderr, "%4lld %4lld %3lld %lldx%lld/%lld x%lld %12.2f %13.2f %12.2f %10.2f\n", (long long)s.in, (long long)s.out,
+                   (long long)s.size, (long long)s.kernel, (long long)s.kernel, (long long)s.stride, (long long)s.count,
+                   m[0], m[1], m[2], m[3]);
+      char row[400];
+      std::snprintf(row, sizeof row,
+                    "%s{\"in\": %lld, \"out\": %lld, \"size\": %lld, \"kernel\": %lld, \"stride\": %lld, \"count\": %lld, "
+                    "\"ms\": {\"%s\": %.3f, \"%s\": %.3f, \"%s\": %.3f, \"%s\": %.3f}}",
+                    rows.empty() ? "" : ", ", (long long)s.in, (long long)s.out, (long long)s.size, (long long)s.kernel,
+                    (long long)s.stride, (long long)s.count, names[0], m[0], names[1], m[1], names[2], m[2], names[3], m[3]);
+      rows += row;
+    }
+    std::fprintf(stderr, "%-28s %12.1f %13.1f %12.1f %10.1f\n", "ResNet-50 total (ms)", total[0], total[1], total[2],
+                 total[3]);
+    std::printf("{\"benchmark\": \"bf16_conv\", \"batch\": %lld, \"image\": 224, \"threads\": %d, \"runs\": %d, "
+                "\"onednn\": \"%s\", \"total_ms\": {\"%s\": %.2f, \"%s\": %.2f, \"%s\": %.2f, \"%s\": %.2f}, "
+                "\"layers\": [%s]}\n",
+                (long long)batch, threads, runs, onednn_cpu_isa().c_str(), names[0], total[0], names[1],
+                total[1], names[2], total[2], names[3], total[3], rows.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
