@@ -1,13 +1,15 @@
-// ResNet-50's convolutions one by one, forward + backward (dW and dx; the stem has no dx), in a
+// A network's convolutions one by one, forward + backward (dW and dx; the first layer has no dx), in a
 // bfloat16 Env on Tessera's own kernels, on oneDNN, and as Auto chooses between them
 // (onednn_conv_chosen, kernels/cpu/onednn_conv.hpp), and in float32 for reference: the figures behind
 // that choice (bench/README.md, "bfloat16").
 //
-//   ./bf16_conv [--batch=8] [--threads=2] [--runs=7]
+//   ./bf16_conv [--model=resnet50] [--batch=0] [--threads=2] [--runs=7]
 //
+// --model: resnet50 (224x224, batch 8 by default), resnet20 or lenet (Fashion-MNIST's 28x28, batch 64
+// as train_throughput); --batch=0 takes the model's.
 // Per distinct layer shape, the four configurations run in turn, --runs times, so machine noise
 // hits them alike; each figure is a median in ms, and the totals weight each shape by how often
-// ResNet-50 has it. Prints one JSON object (stdout) and a table (stderr). Never a timed test.
+// the network has it. Prints one JSON object (stdout) and a table (stderr). Never a timed test.
 
 #include <algorithm>
 #include <chrono>
@@ -21,26 +23,35 @@ using namespace tessera;
 
 namespace {
 
-struct Shape50 {
-  std::int64_t in, out, size, kernel, stride, count;  // input channels, output channels, input H = W, k, s, layers
+struct ConvShape {
+  std::int64_t in, out, size, kernel, stride, pad, count;  // channels in and out, input H = W, k, s, p, layers
 };
 
 // ResNet-50 (torchvision's v1.5: stride on the 3x3) at 224x224, each distinct convolution once.
-const std::vector<Shape50> kShapes = {
-    {3, 64, 224, 7, 2, 1},     {64, 64, 56, 1, 1, 1},     {64, 64, 56, 3, 1, 3},    {64, 256, 56, 1, 1, 4},
-    {256, 64, 56, 1, 1, 2},    {256, 128, 56, 1, 1, 1},   {128, 128, 56, 3, 2, 1},  {128, 512, 28, 1, 1, 4},
-    {256, 512, 56, 1, 2, 1},   {512, 128, 28, 1, 1, 3},   {128, 128, 28, 3, 1, 3},  {512, 256, 28, 1, 1, 1},
-    {256, 256, 28, 3, 2, 1},   {256, 1024, 14, 1, 1, 6},  {512, 1024, 28, 1, 2, 1}, {1024, 256, 14, 1, 1, 5},
-    {256, 256, 14, 3, 1, 5},   {1024, 512, 14, 1, 1, 1},  {512, 512, 14, 3, 2, 1},  {512, 2048, 7, 1, 1, 3},
-    {1024, 2048, 14, 1, 2, 1}, {2048, 512, 7, 1, 1, 2},   {512, 512, 7, 3, 1, 2},
+const std::vector<ConvShape> kResNet50 = {
+    {3, 64, 224, 7, 2, 3, 1},     {64, 64, 56, 1, 1, 0, 1},     {64, 64, 56, 3, 1, 1, 3},
+    {64, 256, 56, 1, 1, 0, 4},    {256, 64, 56, 1, 1, 0, 2},    {256, 128, 56, 1, 1, 0, 1},
+    {128, 128, 56, 3, 2, 1, 1},   {128, 512, 28, 1, 1, 0, 4},   {256, 512, 56, 1, 2, 0, 1},
+    {512, 128, 28, 1, 1, 0, 3},   {128, 128, 28, 3, 1, 1, 3},   {512, 256, 28, 1, 1, 0, 1},
+    {256, 256, 28, 3, 2, 1, 1},   {256, 1024, 14, 1, 1, 0, 6},  {512, 1024, 28, 1, 2, 0, 1},
+    {1024, 256, 14, 1, 1, 0, 5},  {256, 256, 14, 3, 1, 1, 5},   {1024, 512, 14, 1, 1, 0, 1},
+    {512, 512, 14, 3, 2, 1, 1},   {512, 2048, 7, 1, 1, 0, 3},   {1024, 2048, 14, 1, 2, 0, 1},
+    {2048, 512, 7, 1, 1, 0, 2},   {512, 512, 7, 3, 1, 1, 2},
 };
+// ResNet-20 on Fashion-MNIST (models/resnet.hpp: 1 channel in, 1x1 projection shortcuts).
+const std::vector<ConvShape> kResNet20 = {
+    {1, 16, 28, 3, 1, 1, 1},  {16, 16, 28, 3, 1, 1, 6}, {16, 32, 28, 3, 2, 1, 1}, {16, 32, 28, 1, 2, 0, 1},
+    {32, 32, 14, 3, 1, 1, 5}, {32, 64, 14, 3, 2, 1, 1}, {32, 64, 14, 1, 2, 0, 1}, {64, 64, 7, 3, 1, 1, 5},
+};
+// LeNet-5 on Fashion-MNIST (models/lenet.hpp).
+const std::vector<ConvShape> kLeNet = {{1, 6, 28, 5, 1, 2, 1}, {6, 16, 14, 5, 1, 0, 1}};
 
 // One forward and backward of a fresh layer of shape s in Env E, after one untimed warm-up pass; ms.
 template <class E>
-double step_ms(const Shape50& s, std::int64_t batch) {
+double step_ms(const ConvShape& s, std::int64_t batch, bool first) {
   Rng rng(1);
-  Conv2d<E> conv(s.in, s.out, s.kernel, rng, s.stride, s.kernel / 2, /*bias=*/false);
-  conv.set_needs_input_grad(s.in != 3);  // the stem computes no dx
+  Conv2d<E> conv(s.in, s.out, s.kernel, rng, s.stride, s.pad, /*bias=*/false);
+  conv.set_needs_input_grad(!first);  // a network's first layer computes no dx
   Tensor<float, Cpu> x({batch, s.in, s.size, s.size});
   uniform_(x, -1.0, 1.0, rng);
   typename Conv2d<E>::Cache c;
@@ -64,10 +75,13 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
-    const std::int64_t batch = flags.get("batch", 8, {.min = 1});
+    const std::string model = flags.choice("model", "resnet50", {"resnet50", "resnet20", "lenet"});
+    std::int64_t batch = flags.get("batch", 0, {.min = 0});
     const int threads = flags.threads("threads", 2);
     const int runs = flags.get("runs", 7, {.min = 1});
     flags.finish();
+    const std::vector<ConvShape>& shapes = model == "resnet50" ? kResNet50 : model == "resnet20" ? kResNet20 : kLeNet;
+    if (batch == 0) batch = model == "resnet50" ? 8 : 64;
     Cpu::set_num_threads(threads);
     TESSERA_CHECK(onednn_built(), Error, "bf16_conv compares Tessera's bfloat16 kernels with oneDNN's: this build has "
                                          "no oneDNN (meson option onednn; Debian: libdnnl-dev)");
@@ -78,16 +92,17 @@ int main(int argc, char** argv) {
     std::string rows;
     std::fprintf(stderr, "%-28s %9s %13s %12s %10s\n", "C K size kxk/stride x count", "float32", "bf16 Tessera",
                  "bf16 oneDNN", "bf16 Auto");
-    for (const Shape50& s : kShapes) {
+    for (const ConvShape& s : shapes) {
+      const bool first = &s == &shapes.front();
       std::vector<double> t[kConfigs];
       for (int r = 0; r < runs; ++r) {
-        t[0].push_back(step_ms<CpuLocal>(s, batch));
+        t[0].push_back(step_ms<CpuLocal>(s, batch, first));
         set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
-        t[1].push_back(step_ms<CpuLocalBf16>(s, batch));
+        t[1].push_back(step_ms<CpuLocalBf16>(s, batch, first));
         set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
-        t[2].push_back(step_ms<CpuLocalBf16>(s, batch));
+        t[2].push_back(step_ms<CpuLocalBf16>(s, batch, first));
         set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
-        t[3].push_back(step_ms<CpuLocalBf16>(s, batch));
+        t[3].push_back(step_ms<CpuLocalBf16>(s, batch, first));
       }
       double m[kConfigs];
       for (int i = 0; i < kConfigs; ++i) total[i] += (m[i] = median(t[i])) * s.count;
@@ -96,18 +111,18 @@ int main(int argc, char** argv) {
                    m[0], m[1], m[2], m[3]);
       char row[400];
       std::snprintf(row, sizeof row,
-                    "%s{\"in\": %lld, \"out\": %lld, \"size\": %lld, \"kernel\": %lld, \"stride\": %lld, \"count\": %lld, "
-                    "\"ms\": {\"%s\": %.3f, \"%s\": %.3f, \"%s\": %.3f, \"%s\": %.3f}}",
+                    "%s{\"in\": %lld, \"out\": %lld, \"size\": %lld, \"kernel\": %lld, \"stride\": %lld, "
+                    "\"pad\": %lld, \"count\": %lld, \"ms\": {\"%s\": %.3f, \"%s\": %.3f, \"%s\": %.3f, \"%s\": %.3f}}",
                     rows.empty() ? "" : ", ", (long long)s.in, (long long)s.out, (long long)s.size, (long long)s.kernel,
-                    (long long)s.stride, (long long)s.count, names[0], m[0], names[1], m[1], names[2], m[2], names[3], m[3]);
+                    (long long)s.stride, (long long)s.pad, (long long)s.count, names[0], m[0], names[1], m[1], names[2], m[2], names[3], m[3]);
       rows += row;
     }
-    std::fprintf(stderr, "%-28s %12.1f %13.1f %12.1f %10.1f\n", "ResNet-50 total (ms)", total[0], total[1], total[2],
+    std::fprintf(stderr, "%-28s %12.2f %13.2f %12.2f %10.2f\n", (model + " total (ms)").c_str(), total[0], total[1], total[2],
                  total[3]);
-    std::printf("{\"benchmark\": \"bf16_conv\", \"batch\": %lld, \"image\": 224, \"threads\": %d, \"runs\": %d, "
+    std::printf("{\"benchmark\": \"bf16_conv\", \"model\": \"%s\", \"batch\": %lld, \"threads\": %d, \"runs\": %d, "
                 "\"onednn\": \"%s\", \"total_ms\": {\"%s\": %.2f, \"%s\": %.2f, \"%s\": %.2f, \"%s\": %.2f}, "
                 "\"layers\": [%s]}\n",
-                (long long)batch, threads, runs, onednn_cpu_isa().c_str(), names[0], total[0], names[1],
+                model.c_str(), (long long)batch, threads, runs, onednn_cpu_isa().c_str(), names[0], total[0], names[1],
                 total[1], names[2], total[2], names[3], total[3], rows.c_str());
     return 0;
   } catch (const std::exception& e) {

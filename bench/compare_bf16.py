@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402
-from bench_common import cpu_model, default_result  # noqa: E402
+from bench_common import cpu_details, cpu_model, default_result  # noqa: E402
 from compare_pytorch import run_tessera, run_torch  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16")
@@ -48,7 +48,8 @@ def speed(args, setup):
             for p in PRECISIONS:
                 t = run_tessera(binary, model, args.threads, p)
                 runs[f"tessera_{p}"].append(t["images_per_second"])
-                tessera_config[p] = {"gemm": t["gemm"], "bf16_kernel": t["bf16_kernel"]}
+                tessera_config[p] = {"gemm": t["gemm"], "bf16_kernel": t["bf16_kernel"],
+                                     "bf16_conv": t.get("bf16_conv", "")}
             for p in PRECISIONS:
                 b = best[p][0]
                 r = run_torch(setup.env_of(b), model, args.threads, p)
@@ -112,7 +113,7 @@ def main():
     ap.add_argument("--out", default="")
     peer.add_arguments(ap)
     args = ap.parse_args()
-    report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs}
+    report = {"cpu": cpu_model(), "cpu_details": cpu_details(), "threads": args.threads, "runs": args.runs}
     if args.models:
         setup = peer.peer_or_exit(args.coretypes)
         report["pytorch_blas"] = setup.blas

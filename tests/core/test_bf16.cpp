@@ -303,7 +303,7 @@ TEST_CASE("Conv2d with bfloat16 compute on oneDNN equals float64 on bfloat16-rou
   const Conv2dGeometry g{.channels = 16, .height = 14, .width = 14, .out_channels = 16, .kernel_h = 3, .kernel_w = 3,
                          .pad_h = 1, .pad_w = 1, .out_height = 14, .out_width = 14};
   if (!onednn_built() || !cpu_bf16_active()) {
-    CHECK_FALSE(onednn_conv_chosen(g, 8, false));
+    CHECK_FALSE(onednn_conv_chosen(g, false));
     CHECK_THROWS_WITH(OneDnnConv(g, 8, true, false), Catch::Contains("oneDNN") || Catch::Contains("bfloat16"));
     WARN("skipped: " << cpu_bf16_conv_kernel());
     return;
@@ -377,9 +377,10 @@ TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and fo
   set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
 }
 
-// Auto's choice (bench/README.md, "bfloat16", has the per-layer timings behind it): with AMX every
-// convolution; with AVX512-BF16 alone the spatial kernels, except Winograd's layers with at least
-// 2.5 tiles per output channel; none when the setting is Tessera or bfloat16 is off.
+// Auto's choice (bench/README.md, "bfloat16", has the per-layer timings behind it): never a layer
+// with one input channel; with AMX every other; with AVX512-BF16 alone the spatial kernels, except
+// Winograd's layers whose 4x4 tiles cover the output exactly; none when the setting is Tessera or
+// bfloat16 is off.
 TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting", "[core][bf16][onednn]") {
   auto conv = [](std::int64_t c, std::int64_t k, std::int64_t size, std::int64_t kernel, std::int64_t stride) {
     const std::int64_t out = (size + 2 * (kernel / 2) - kernel) / stride + 1;
@@ -388,21 +389,24 @@ TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting"
                           .pad_w = kernel / 2, .out_height = out, .out_width = out};
   };
   const Conv2dGeometry pointwise = conv(256, 1024, 14, 1, 1), strided = conv(128, 128, 56, 3, 2);
-  const Conv2dGeometry stem = conv(3, 64, 224, 7, 2), wide = conv(64, 64, 56, 3, 1), deep = conv(512, 512, 7, 3, 1);
+  const Conv2dGeometry stem = conv(3, 64, 224, 7, 2), grey = conv(1, 16, 28, 3, 1);
+  const Conv2dGeometry wide = conv(64, 64, 56, 3, 1), deep = conv(512, 512, 7, 3, 1), mid = conv(256, 256, 14, 3, 1);
   const bool on = onednn_built() && cpu_bf16_active();
   INFO("bfloat16 convolutions: " << cpu_bf16_conv_kernel());
   CHECK(cpu_bf16_conv_library() == Bf16ConvLibrary::Auto);
-  CHECK(onednn_conv_chosen(strided, 8, false) == on);
-  CHECK(onednn_conv_chosen(stem, 8, false) == on);
-  CHECK(onednn_conv_chosen(deep, 8, true) == on);                                 // 4 tiles x 8 for 512 channels
-  CHECK(onednn_conv_chosen(pointwise, 8, false) == (on && onednn_uses_amx()));   // 1x1: Tessera's without AMX
-  CHECK(onednn_conv_chosen(wide, 8, true) == (on && onednn_uses_amx()));         // 196 tiles x 8 for 64
-  CHECK(onednn_conv_chosen(wide, 8, false) == on);  // where Tessera's Auto runs im2col, not Winograd
+  CHECK(onednn_conv_chosen(strided, false) == on);
+  CHECK(onednn_conv_chosen(stem, false) == on);
+  CHECK_FALSE(onednn_conv_chosen(grey, false));                               // one input channel: Tessera's
+  CHECK(onednn_conv_chosen(deep, true) == on);                                // 7x7: the tiles overhang
+  CHECK(onednn_conv_chosen(mid, true) == on);                                 // 14x14: the tiles overhang
+  CHECK(onednn_conv_chosen(pointwise, false) == (on && onednn_uses_amx()));  // 1x1: Tessera's without AMX
+  CHECK(onednn_conv_chosen(wide, true) == (on && onednn_uses_amx()));        // 56x56: 14 whole tiles a row
+  CHECK(onednn_conv_chosen(wide, false) == on);  // where Tessera's Auto runs im2col, not Winograd
   set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
-  CHECK_FALSE(onednn_conv_chosen(strided, 8, false));
+  CHECK_FALSE(onednn_conv_chosen(strided, false));
   set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
   set_cpu_bf16_enabled(false);
-  CHECK_FALSE(onednn_conv_chosen(strided, 8, false));  // bfloat16 off: the float path, no oneDNN
+  CHECK_FALSE(onednn_conv_chosen(strided, false));  // bfloat16 off: the float path, no oneDNN
   set_cpu_bf16_enabled(true);
   if (!onednn_built()) {
     CHECK_THROWS_WITH(set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn), Catch::Contains("libdnnl-dev"));

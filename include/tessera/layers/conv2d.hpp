@@ -322,7 +322,7 @@ class Conv2d {
   // Tessera's own algorithms.
   bool on_onednn(const Conv2dGeometry& g, std::int64_t batch) const {
     if constexpr (std::is_same_v<D, Cpu> && std::is_same_v<S, float> && E::bf16_compute)
-      return algorithm_ == ConvAlgorithm::Auto && onednn_conv_chosen(g, batch, blocking(g, batch).winograd);
+      return algorithm_ == ConvAlgorithm::Auto && onednn_conv_chosen(g, blocking(g, batch).winograd);
     else
       return false;
   }

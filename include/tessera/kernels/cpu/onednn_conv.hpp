@@ -49,11 +49,11 @@ TESSERA_LINKAGE bool onednn_uses_amx();
 // Process-wide; the default is Auto unless TESSERA_BF16_CONV says otherwise.
 TESSERA_LINKAGE void set_cpu_bf16_conv_library(Bf16ConvLibrary library);
 TESSERA_LINKAGE Bf16ConvLibrary cpu_bf16_conv_library();
-// Whether a bfloat16 convolution of this geometry and batch runs on oneDNN now: the setting above,
+// Whether a bfloat16 convolution of this geometry runs on oneDNN now: the setting above,
 // the build, and bfloat16 being on (cpu_bf16_active: AVX512-BF16 present and not turned off;
 // without it the bfloat16 Env computes in float, and so does its convolution). `winograd`: Tessera's
 // own Auto would run this layer as Winograd F(4x4, 3x3) (conv2d_blocking).
-TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, std::int64_t batch, bool winograd);
+TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, bool winograd);
 // For benchmark reports: "oneDNN 2.6.3 (avx512_core_bf16)", or why not.
 TESSERA_LINKAGE std::string cpu_bf16_conv_kernel();
 
@@ -111,7 +111,6 @@ class OneDnnConvSlot {
 #if TESSERA_HEADER_DEFINITIONS
 #include <atomic>
 #include <cstdlib>
-#include <initializer_list>
 #include <unordered_map>
 
 #include "tessera/core/error.hpp"
@@ -177,25 +176,26 @@ TESSERA_LINKAGE void set_cpu_bf16_conv_library(Bf16ConvLibrary library) {
 
 TESSERA_LINKAGE Bf16ConvLibrary cpu_bf16_conv_library() { return detail::bf16_conv_library_setting().load(); }
 
-TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, std::int64_t batch, bool winograd) {
+TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, bool winograd) {
   const Bf16ConvLibrary library = cpu_bf16_conv_library();
   if (library == Bf16ConvLibrary::Tessera || !onednn_built() || !cpu_bf16_active()) return false;
-  if (library == Bf16ConvLibrary::OneDnn || onednn_uses_amx()) return true;
-  // AVX512-BF16 without AMX (ResNet-50 layer by layer on Zen 5: bench/README.md, "bfloat16"):
+  if (library == Bf16ConvLibrary::OneDnn) return true;
+  // Both oneDNN's bfloat16 instructions (VDPBF16PS, AMX's TDPBF16PS) multiply pairs along the input
+  // channels: with one channel (a grey-scale stem) half of every pair is padding, and oneDNN's dW
+  // falls back to a plain GEMM. Tessera's im2col product runs along C kh kw instead.
+  if (g.channels / g.groups < 2) return false;
+  if (onednn_uses_amx()) return true;
+  // AVX512-BF16 without AMX, as measured layer by layer (ResNet-50, ResNet-20 and LeNet-5 on Zen 5:
+  // bench/README.md, "bfloat16"):
   // - 1x1 layers are plain products: Tessera's gemm_bf16 reads NCHW as it lies, where oneDNN pays
-  //   a reorder in and one out; Tessera's.
-  // - Winograd's float products read the transformed filter U (36 C K floats: 37 MiB at 512
-  //   channels) once per block, so they run at memory speed unless the batch has many tiles per
-  //   output channel: with at least 2.5 per channel (ResNet-50 b8 and b32: 64 channels at 56x56,
-  //   128 at 28x28, 3 to 24 tiles per channel) F(4x4, 3x3)'s 4x fewer multiply-adds beat
-  //   bfloat16's 2x rate; with fewer (256 at 14x14: 0.5 at b8, 2 at b32; 512 at 7x7) oneDNN's
-  //   direct kernel wins.
-  // - Other spatial kernels (3x3 stride 2, the 7x7 stem): oneDNN folds the im2col into its kernel.
+  //   a reorder in and one out.
+  // - Winograd's layers stay Tessera's where F(4x4, 3x3)'s 4x fewer multiply-adds (float) beat
+  //   bfloat16's 2x rate: where its 4x4 output tiles cover the image exactly (ResNet's 56x56 and
+  //   28x28). On 14x14 and 7x7 outputs the last tile of each row and column overhangs (16 computed
+  //   for 14, 8 for 7: a quarter of the tile work is padding), and oneDNN's direct kernel wins.
+  // - Other spatial kernels (3x3 stride 2, 5x5, the 7x7 stem): oneDNN folds the im2col into its kernel.
   if (g.kernel_h * g.kernel_w == 1) return false;
-  if (winograd) {
-    const std::int64_t tiles = (g.out_height + 3) / 4 * ((g.out_width + 3) / 4) * batch;
-    return 2 * tiles < 5 * g.out_channels;
-  }
+  if (winograd) return g.out_height % 4 != 0 || g.out_width % 4 != 0;
   return true;
 }
 
@@ -216,27 +216,106 @@ TESSERA_LINKAGE std::string cpu_bf16_conv_kernel() {
 
 #if defined(TESSERA_ONEDNN)
 
-// The primitives of one geometry and batch, and the layouts they chose ("any": the kernel's own).
-// User memories describe Tessera's tensors (float NCHW, [G]OIHW); their data handles are set per
-// call. The kernels' operands live in scratch (their descriptors only are kept).
+namespace detail {
+
+using dnnl_memory = dnnl::memory;
+
+// Carves the calling thread's scratch into 64-byte aligned buffers, one per operand in oneDNN's
+// layout; `bytes`: what the takes of one call add up to (Arena::rounded each, plus 64 for the start).
+class OneDnnArena {
+ public:
+  explicit OneDnnArena(std::size_t bytes) {
+    const auto base = reinterpret_cast<std::uintptr_t>(scratch<float, Cpu>(static_cast<std::int64_t>((bytes + 3) / 4)));
+    next_ = reinterpret_cast<char*>((base + 63) / 64 * 64);
+  }
+  static std::size_t rounded(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+  void* take(const dnnl_memory::desc& d) {
+    void* p = next_;
+    next_ += rounded(d.get_size());
+    return p;
+  }
+
+ private:
+  char* next_;
+};
+
+// One operand of a primitive: `user` describes Tessera's tensor, `kernel` the layout the primitive
+// chose. Where they differ, `convert` reorders between them (user -> kernel for inputs; kernel ->
+// user for outputs, adding into the user's tensor when accumulating). The memories are built once,
+// without buffers: each call only sets their data handles (no allocation, no primitive lookup).
+struct OneDnnOperand {
+  dnnl_memory user, kernel;
+  dnnl::reorder convert;
+  bool direct = true;  // the primitive reads or writes the user's tensor itself
+
+  void init(const dnnl::engine& e, const dnnl_memory::desc& user_desc, const dnnl_memory::desc& kernel_desc,
+            bool output, bool accumulate = false) {
+    user = dnnl_memory(user_desc, e, DNNL_MEMORY_NONE);
+    direct = !accumulate && user_desc == kernel_desc;
+    if (direct) {
+      kernel = user;
+      return;
+    }
+    kernel = dnnl_memory(kernel_desc, e, DNNL_MEMORY_NONE);
+    dnnl::primitive_attr attr;
+    if (accumulate) {  // dst += src: the reorder's sum post-op (beta = 1)
+      dnnl::post_ops ops;
+      ops.append_sum(1.0f);
+      attr.set_post_ops(ops);
+    }
+    convert = output ? dnnl::reorder(dnnl::reorder::primitive_desc(e, kernel_desc, e, user_desc, attr))
+                     : dnnl::reorder(dnnl::reorder::primitive_desc(e, user_desc, e, kernel_desc, attr));
+  }
+  std::size_t kernel_bytes() const { return direct ? 0 : OneDnnArena::rounded(kernel.get_desc().get_size()); }
+  // An input: the primitive's copy of `data` (converted into the arena unless direct).
+  void read(const void* data, OneDnnArena& arena, dnnl::stream& s) {
+    user.set_data_handle(const_cast<void*>(data));
+    if (direct) return;
+    kernel.set_data_handle(arena.take(kernel.get_desc()));
+    convert.execute(s, user, kernel);
+  }
+  // An output: where the primitive writes, then finish() moves it into `data`.
+  void write_to(void* data, OneDnnArena& arena) {
+    user.set_data_handle(data);
+    if (!direct) kernel.set_data_handle(arena.take(kernel.get_desc()));
+  }
+  void finish(dnnl::stream& s) {
+    if (!direct) convert.execute(s, kernel, user);
+  }
+};
+
+}  // namespace detail
+
+// The primitives of one geometry and batch, the layouts they chose ("any": the kernel's own), and
+// their operands (detail::OneDnnOperand). The operands in oneDNN's layouts live in scratch.
 struct OneDnnConv::Impl {
   using memory = dnnl::memory;
   using dt = memory::data_type;
   using tag = memory::format_tag;
+  using Operand = detail::OneDnnOperand;
 
   Conv2dGeometry g;
   std::int64_t batch;
   bool training, with_bias;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
-  memory::desc x_user, w_user, b_user, y_user;  // Tessera's layouts (dy as y, dx as x, dW as W)
+  memory::desc x_user, w_user, y_user;  // Tessera's layouts (dy as y, dx as x, dW as W)
+  memory bias_user;
   dnnl::convolution_forward::primitive_desc fwd_pd;
   dnnl::convolution_forward fwd;
+  Operand fwd_x, fwd_w, fwd_y;
+  std::unordered_map<int, memory> fwd_args;
   bool have_backward = false;
   dnnl::convolution_backward_data::primitive_desc bwd_data_pd;
   dnnl::convolution_backward_data bwd_data;
+  Operand data_dy, data_w, data_dx;
+  std::unordered_map<int, memory> data_args;
   dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd;
   dnnl::convolution_backward_weights bwd_weights;
+  Operand weights_x, weights_dy, weights_dw;
+  std::unordered_map<int, memory> weights_args;
+  // dW's kernel reads dy in the layout dx's kernel converted it to: one conversion serves both.
+  bool shared_dy = false;
 
   memory::dims strides() const { return {g.stride_h, g.stride_w}; }
   memory::dims dilates() const { return {g.dilation_h - 1, g.dilation_w - 1}; }
@@ -255,7 +334,7 @@ struct OneDnnConv::Impl {
     x_user = memory::desc(x_dims(), dt::f32, tag::nchw);
     y_user = memory::desc(y_dims(), dt::f32, tag::nchw);
     w_user = memory::desc(w_dims(), dt::f32, g.groups == 1 ? tag::oihw : tag::goihw);
-    b_user = memory::desc({g.out_channels}, dt::f32, tag::x);
+    const memory::desc b_user({g.out_channels}, dt::f32, tag::x);
     const memory::desc x_any(x_dims(), dt::bf16, tag::any), w_any(w_dims(), dt::bf16, tag::any);
     const memory::desc y_any(y_dims(), dt::f32, tag::any);
     const auto prop = train ? dnnl::prop_kind::forward_training : dnnl::prop_kind::forward_inference;
@@ -267,6 +346,14 @@ struct OneDnnConv::Impl {
                                                padding()),
         engine);
     fwd = dnnl::convolution_forward(fwd_pd);
+    fwd_x.init(engine, x_user, fwd_pd.src_desc(), false);
+    fwd_w.init(engine, w_user, fwd_pd.weights_desc(), false);
+    fwd_y.init(engine, y_user, fwd_pd.dst_desc(), true);
+    fwd_args = {{DNNL_ARG_SRC, fwd_x.kernel}, {DNNL_ARG_WEIGHTS, fwd_w.kernel}, {DNNL_ARG_DST, fwd_y.kernel}};
+    if (bias) {
+      bias_user = memory(b_user, engine, DNNL_MEMORY_NONE);
+      fwd_args.emplace(DNNL_ARG_BIAS, bias_user);
+    }
   }
 
   void build_backward() {
@@ -277,90 +364,56 @@ struct OneDnnConv::Impl {
                                                    strides(), dilates(), padding(), padding());
     bwd_data_pd = dnnl::convolution_backward_data::primitive_desc(dd, engine, fwd_pd);
     bwd_data = dnnl::convolution_backward_data(bwd_data_pd);
+    data_dy.init(engine, y_user, bwd_data_pd.diff_dst_desc(), false);
+    data_w.init(engine, w_user, bwd_data_pd.weights_desc(), false);
+    data_dx.init(engine, x_user, bwd_data_pd.diff_src_desc(), true);
+    data_args = {{DNNL_ARG_DIFF_DST, data_dy.kernel}, {DNNL_ARG_WEIGHTS, data_w.kernel},
+                 {DNNL_ARG_DIFF_SRC, data_dx.kernel}};
     const dnnl::convolution_backward_weights::desc wd(dnnl::algorithm::convolution_direct, x_any, dw_any, dy_any,
                                                       strides(), dilates(), padding(), padding());
     bwd_weights_pd = dnnl::convolution_backward_weights::primitive_desc(wd, engine, fwd_pd);
     bwd_weights = dnnl::convolution_backward_weights(bwd_weights_pd);
+    weights_x.init(engine, x_user, bwd_weights_pd.src_desc(), false);
+    shared_dy = !data_dy.direct && bwd_weights_pd.diff_dst_desc() == bwd_data_pd.diff_dst_desc();
+    weights_dy.init(engine, y_user, bwd_weights_pd.diff_dst_desc(), false);
+    // dW is accumulated (Conv2d's contract: weight.grad +=): the kernel writes its own buffer and
+    // the reorder back adds it.
+    weights_dw.init(engine, w_user, bwd_weights_pd.diff_weights_desc(), true, /*accumulate=*/true);
+    weights_args = {{DNNL_ARG_SRC, weights_x.kernel}, {DNNL_ARG_DIFF_DST, shared_dy ? data_dy.kernel : weights_dy.kernel},
+                    {DNNL_ARG_DIFF_WEIGHTS, weights_dw.kernel}};
     have_backward = true;
   }
 
-  // Carves the calling thread's scratch into 64-byte aligned buffers, one per descriptor.
-  struct Arena {
-    char* next;
-    explicit Arena(std::size_t bytes) {
-      const auto base = reinterpret_cast<std::uintptr_t>(scratch<float, Cpu>(static_cast<std::int64_t>((bytes + 3) / 4)));
-      next = reinterpret_cast<char*>((base + 63) / 64 * 64);
-    }
-    static std::size_t rounded(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
-    void* take(const memory::desc& d) {
-      void* p = next;
-      next += rounded(d.get_size());
-      return p;
-    }
-  };
-  static std::size_t bytes(std::initializer_list<memory::desc> ds) {
-    std::size_t total = 64;  // scratch's own alignment may be less than 64
-    for (const auto& d : ds) total += Arena::rounded(d.get_size());
-    return total;
-  }
-
-  // The operand `user` as the kernel wants it (`want`): the user's memory itself when the layouts
-  // agree, else a reorder into the arena. `accumulate`: dst += src (reorders into the user's).
-  memory as(const memory::desc& want, const memory::desc& user_desc, const void* user, Arena& arena) {
-    memory u(user_desc, engine, const_cast<void*>(user));
-    if (want == user_desc) return u;
-    memory m(want, engine, arena.take(want));
-    dnnl::reorder(u, m).execute(stream, u, m);
-    return m;
-  }
-  void to_user(const memory& src, const memory::desc& user_desc, void* user, bool accumulate) {
-    memory u(user_desc, engine, user);
-    if (!accumulate && src.get_desc() == user_desc) return;  // the kernel wrote the user's memory
-    dnnl::primitive_attr attr;
-    if (accumulate) {
-      dnnl::post_ops ops;
-      ops.append_sum(1.0f);
-      attr.set_post_ops(ops);
-    }
-    const dnnl::reorder::primitive_desc pd(engine, src.get_desc(), engine, user_desc, attr);
-    dnnl::reorder(pd).execute(stream, const_cast<memory&>(src), u);
-  }
-  memory output(const memory::desc& want, const memory::desc& user_desc, void* user, Arena& arena) {
-    if (want == user_desc) return memory(user_desc, engine, user);
-    return memory(want, engine, arena.take(want));
-  }
-
   void forward(const float* x, const float* w, const float* bias, float* y) {
-    Arena arena(bytes({fwd_pd.src_desc(), fwd_pd.weights_desc(), fwd_pd.dst_desc()}));
-    memory xs = as(fwd_pd.src_desc(), x_user, x, arena);
-    memory ws = as(fwd_pd.weights_desc(), w_user, w, arena);
-    memory ys = output(fwd_pd.dst_desc(), y_user, y, arena);
-    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, xs}, {DNNL_ARG_WEIGHTS, ws}, {DNNL_ARG_DST, ys}};
-    if (with_bias) args.emplace(DNNL_ARG_BIAS, memory(b_user, engine, const_cast<float*>(bias)));
-    fwd.execute(stream, args);
-    to_user(ys, y_user, y, false);
+    detail::OneDnnArena arena(64 + fwd_x.kernel_bytes() + fwd_w.kernel_bytes() + fwd_y.kernel_bytes());
+    fwd_x.read(x, arena, stream);
+    fwd_w.read(w, arena, stream);
+    fwd_y.write_to(y, arena);
+    if (with_bias) bias_user.set_data_handle(const_cast<float*>(bias));
+    fwd.execute(stream, fwd_args);
+    fwd_y.finish(stream);
     stream.wait();
   }
 
   void backward(const float* x, const float* w, const float* dy, float* dw, float* dx) {
     if (!have_backward) build_backward();
+    detail::OneDnnArena arena(64 + data_dy.kernel_bytes() + data_w.kernel_bytes() + data_dx.kernel_bytes() +
+                              weights_x.kernel_bytes() + weights_dy.kernel_bytes() + weights_dw.kernel_bytes());
+    const bool dy_converted = dx != nullptr;
     if (dx != nullptr) {
-      Arena arena(bytes({bwd_data_pd.diff_dst_desc(), bwd_data_pd.weights_desc(), bwd_data_pd.diff_src_desc()}));
-      memory dys = as(bwd_data_pd.diff_dst_desc(), y_user, dy, arena);
-      memory ws = as(bwd_data_pd.weights_desc(), w_user, w, arena);
-      memory dxs = output(bwd_data_pd.diff_src_desc(), x_user, dx, arena);
-      bwd_data.execute(stream, {{DNNL_ARG_DIFF_DST, dys}, {DNNL_ARG_WEIGHTS, ws}, {DNNL_ARG_DIFF_SRC, dxs}});
-      to_user(dxs, x_user, dx, false);
+      data_dy.read(dy, arena, stream);
+      data_w.read(w, arena, stream);
+      data_dx.write_to(dx, arena);
+      bwd_data.execute(stream, data_args);
+      data_dx.finish(stream);
     }
     if (dw != nullptr) {
-      // dW is accumulated (Conv2d's contract: weight.grad +=), so the kernel writes its own
-      // buffer and the reorder back adds it.
-      Arena arena(bytes({bwd_weights_pd.src_desc(), bwd_weights_pd.diff_dst_desc(), bwd_weights_pd.diff_weights_desc()}));
-      memory xs = as(bwd_weights_pd.src_desc(), x_user, x, arena);
-      memory dys = as(bwd_weights_pd.diff_dst_desc(), y_user, dy, arena);
-      memory dws(bwd_weights_pd.diff_weights_desc(), engine, arena.take(bwd_weights_pd.diff_weights_desc()));
-      bwd_weights.execute(stream, {{DNNL_ARG_SRC, xs}, {DNNL_ARG_DIFF_DST, dys}, {DNNL_ARG_DIFF_WEIGHTS, dws}});
-      to_user(dws, w_user, dw, true);
+      weights_x.read(x, arena, stream);
+      if (shared_dy && !dy_converted) data_dy.read(dy, arena, stream);  // the layout the args name
+      if (!shared_dy) weights_dy.read(dy, arena, stream);
+      weights_dw.write_to(dw, arena);
+      bwd_weights.execute(stream, weights_args);
+      weights_dw.finish(stream);
     }
     stream.wait();
   }
