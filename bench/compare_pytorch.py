@@ -35,7 +35,8 @@ def run_tessera(binary, model, threads, precision="float32", env=None):
     report = json.loads(out)
     # Which gemm kernel Tessera ran ("OpenBLAS <core>" or "Eigen gebp"); its OpenBLAS core type is
     # chosen by peer.choose_tessera_coretype, as the peer's is.
-    return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", "")}
+    return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", ""),
+            "bf16_conv": report.get("bf16_conv", "")}
 
 
 def run_torch(env, model, threads, precision="float32"):

@@ -378,9 +378,9 @@ TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and fo
 }
 
 // Auto's choice (bench/README.md, "bfloat16", has the per-layer timings behind it): never a layer
-// with one input channel; with AMX every other; with AVX512-BF16 alone the spatial kernels and the
-// strided 1x1 layers, except Winograd's layers whose 4x4 tiles cover the output exactly; none when
-// the setting is Tessera or bfloat16 is off.
+// with one input channel; with AMX every other; with AVX512-BF16 alone the spatial kernels, except
+// Winograd's layers of at least 64 channels whose 4x4 tiles cover the output exactly; none when the
+// setting is Tessera or bfloat16 is off.
 TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting", "[core][bf16][onednn]") {
   auto conv = [](std::int64_t c, std::int64_t k, std::int64_t size, std::int64_t kernel, std::int64_t stride) {
     const std::int64_t out = (size + 2 * (kernel / 2) - kernel) / stride + 1;
@@ -400,8 +400,9 @@ TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting"
   CHECK(onednn_conv_chosen(deep, true) == on);                                // 7x7: the tiles overhang
   CHECK(onednn_conv_chosen(mid, true) == on);                                 // 14x14: the tiles overhang
   CHECK(onednn_conv_chosen(pointwise, false) == (on && onednn_uses_amx()));  // 1x1: Tessera's without AMX
-  CHECK(onednn_conv_chosen(conv(256, 512, 56, 1, 2), false) == on);          // unless strided
+  CHECK(onednn_conv_chosen(conv(256, 512, 56, 1, 2), false) == (on && onednn_uses_amx()));  // strided too
   CHECK(onednn_conv_chosen(wide, true) == (on && onednn_uses_amx()));        // 56x56: 14 whole tiles a row
+  CHECK(onednn_conv_chosen(conv(16, 16, 28, 3, 1), true) == on);               // but too few channels
   CHECK(onednn_conv_chosen(wide, false) == on);  // where Tessera's Auto runs im2col, not Winograd
   set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
   CHECK_FALSE(onednn_conv_chosen(strided, false));

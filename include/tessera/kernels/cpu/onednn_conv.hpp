@@ -109,6 +109,7 @@ class OneDnnConvSlot {
 }  // namespace tessera
 
 #if TESSERA_HEADER_DEFINITIONS
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <unordered_map>
@@ -187,16 +188,20 @@ TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, bool winograd) 
   if (onednn_uses_amx()) return true;
   // AVX512-BF16 without AMX, as measured layer by layer (ResNet-50, ResNet-20 and LeNet-5 on Zen 5:
   // bench/README.md, "bfloat16"):
-  // - 1x1 layers of stride 1 are plain products: Tessera's gemm_bf16 reads NCHW as it lies, where
-  //   oneDNN pays a reorder in and one out. With stride 2 Tessera first gathers every other pixel
-  //   into im2col's buffer, and oneDNN, which reads them in place, is as fast or faster.
+  // - 1x1 layers are plain products: Tessera's gemm_bf16 reads NCHW as it lies, where oneDNN pays
+  //   a reorder in and one out. (The strided ones, which Tessera gathers first, came out either
+  //   way by layer and batch.)
   // - Winograd's layers stay Tessera's where F(4x4, 3x3)'s 4x fewer multiply-adds (float) beat
-  //   bfloat16's 2x rate: where its 4x4 output tiles cover the image exactly (ResNet's 56x56 and
-  //   28x28). On 14x14 and 7x7 outputs the last tile of each row and column overhangs (16 computed
-  //   for 14, 8 for 7: a quarter of the tile work is padding), and oneDNN's direct kernel wins.
+  //   bfloat16's 2x rate: where its 4x4 output tiles cover the image exactly (ResNet-50's 56x56 and
+  //   28x28) and the channels are many enough for the 36 products to outweigh the tile transforms,
+  //   whose cost per tile grows with C + K where the products' grows with C K (64 and 128 channels
+  //   were faster on Tessera's, ResNet-20's 16 on oneDNN's; nothing between was measured). On 14x14
+  //   and 7x7 outputs the last tile of each row and column overhangs (16 computed for 14, 8 for 7:
+  //   a quarter of the tile work is padding), and oneDNN's direct kernel wins.
   // - Other spatial kernels (3x3 stride 2, 5x5, the 7x7 stem): oneDNN folds the im2col into its kernel.
-  if (g.kernel_h * g.kernel_w == 1) return g.stride_h > 1 || g.stride_w > 1;
-  if (winograd) return g.out_height % 4 != 0 || g.out_width % 4 != 0;
+  if (g.kernel_h * g.kernel_w == 1) return false;
+  if (winograd)
+    return g.out_height % 4 != 0 || g.out_width % 4 != 0 || std::min(g.channels, g.out_channels) < 64;
   return true;
 }
 
@@ -209,7 +214,7 @@ TESSERA_LINKAGE std::string cpu_bf16_conv_kernel() {
   const std::string onednn = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
                              std::to_string(v->patch) + " (" + onednn_cpu_isa() + ")";
   if (cpu_bf16_conv_library() == Bf16ConvLibrary::OneDnn || onednn_uses_amx()) return onednn;
-  return onednn + " for kernels wider than 1x1, Tessera's gemm_bf16 for 1x1";
+  return onednn + " for kernels wider than 1x1, Tessera's for the rest (onednn_conv_chosen)";
 #else
   return "";
 #endif
