@@ -304,7 +304,7 @@ TEST_CASE("Conv2d with bfloat16 compute on oneDNN equals float64 on bfloat16-rou
                          .pad_h = 1, .pad_w = 1, .out_height = 14, .out_width = 14};
   if (!onednn_built() || !cpu_bf16_active()) {
     CHECK_FALSE(onednn_conv_chosen(g, false));
-    CHECK_THROWS_WITH(OneDnnConv(g, 8, true, false), Catch::Contains("oneDNN") || Catch::Contains("bfloat16"));
+    if (!onednn_built()) CHECK_THROWS_WITH(OneDnnConv(g, 8, true, false), Catch::Contains("libdnnl-dev"));
     WARN("skipped: " << cpu_bf16_conv_kernel());
     return;
   }

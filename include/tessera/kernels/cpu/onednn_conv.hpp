@@ -34,7 +34,7 @@ namespace tessera {
 
 // Which kernels compute a bfloat16 Env's convolutions.
 enum class Bf16ConvLibrary {
-  Auto,     // oneDNN where it is built in and the CPU has AVX512-BF16 (or AMX); else Tessera's
+  Auto,     // per layer, as onednn_conv_chosen decides (oneDNN only where built in, with AVX512-BF16 or AMX)
   Tessera,  // im2col + gemm_bf16, Winograd in float (kernels/cpu/conv2d.hpp)
   OneDnn,   // oneDNN wherever it is built in (an error otherwise: onednn_built())
 };
@@ -438,14 +438,31 @@ TESSERA_LINKAGE OneDnnConv::OneDnnConv(const Conv2dGeometry& g, std::int64_t bat
 
 TESSERA_LINKAGE std::string OneDnnConv::implementation() const { return impl_->fwd_pd.impl_info_str(); }
 
+namespace detail {
+// A oneDNN failure at run time, with the convolution it was running.
+[[noreturn]] inline void onednn_failed(const char* what, const Conv2dGeometry& g, std::int64_t batch,
+                                       const dnnl::error& e) {
+  throw Error(cat("OneDnnConv::", what, " (C=", g.channels, " K=", g.out_channels, " ", g.kernel_h, "x", g.kernel_w,
+                  " stride ", g.stride_h, " on input ", g.height, "x", g.width, " batch ", batch, "): oneDNN: ", e.what()));
+}
+}  // namespace detail
+
 TESSERA_LINKAGE void OneDnnConv::forward(const float* x, const float* w, const float* bias, float* y) {
   TESSERA_CHECK(bias != nullptr || !impl_->with_bias, ArgumentError, "OneDnnConv::forward: built with a bias, given none");
-  impl_->forward(x, w, bias, y);
+  try {
+    impl_->forward(x, w, bias, y);
+  } catch (const dnnl::error& e) {
+    detail::onednn_failed("forward", impl_->g, impl_->batch, e);
+  }
 }
 
 TESSERA_LINKAGE void OneDnnConv::backward(const float* x, const float* w, const float* dy, float* dw, float* dx) {
   TESSERA_CHECK(impl_->training, Error, "OneDnnConv::backward: built for inference (forward only)");
-  impl_->backward(x, w, dy, dw, dx);
+  try {
+    impl_->backward(x, w, dy, dw, dx);
+  } catch (const dnnl::error& e) {
+    detail::onednn_failed("backward", impl_->g, impl_->batch, e);
+  }
 }
 
 #else  // no oneDNN in this build: nothing can construct one (onednn_conv_chosen is false)
