@@ -258,8 +258,8 @@ class Conv2d {
     const S* xd = planar_reference() ? c.x_planar.data() : x.data();
     if (on_onednn(g, n)) {
       if constexpr (std::is_same_v<S, float>)
-        onednn_.get(g, n, /*training=*/true, o_.bias).backward(xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr,
-                                                      dxd);
+        onednn_.get(g, n, /*training=*/true, o_.bias)
+            .backward(xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr, dxd);
     } else {
       const Conv2dBlocking b = blocking(g, n);
       conv2d_backward(D{}, g, b, n, xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr, dxd,

@@ -15,7 +15,9 @@
 // and OIHW: each call reorders x (and W) into oneDNN's blocked bfloat16 layouts and the result back,
 // in buffers of the calling thread's scratch memory (core/scratch.hpp), so a layer keeps no
 // activation copies between calls (a ResNet-50 b8 would hold about 1 GiB of them) and the
-// primitives (the generated kernels, a few hundred KiB) are all it keeps.
+// primitives (the generated kernels, a few hundred KiB) are all it keeps. oneDNN itself allocates
+// a little inside every primitive call (its argument table and execution context), so unlike
+// Tessera's own kernels a step on it is not free of heap allocations (bench/README.md, "bfloat16").
 //
 // Build: the meson option `onednn` (auto) defines TESSERA_ONEDNN and links libdnnl. Without it
 // onednn_built() is false and Conv2d keeps its own kernels. Which convolutions run here:
@@ -166,7 +168,10 @@ TESSERA_LINKAGE std::string onednn_cpu_isa() {
 #endif
 }
 
-TESSERA_LINKAGE bool onednn_uses_amx() { return onednn_cpu_isa().find("amx") != std::string::npos; }
+TESSERA_LINKAGE bool onednn_uses_amx() {
+  static const bool amx = onednn_cpu_isa().find("amx") != std::string::npos;  // asked per layer call
+  return amx;
+}
 
 TESSERA_LINKAGE void set_cpu_bf16_conv_library(Bf16ConvLibrary library) {
   TESSERA_CHECK(library != Bf16ConvLibrary::OneDnn || onednn_built(), ArgumentError,
