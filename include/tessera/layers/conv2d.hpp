@@ -95,10 +95,10 @@ class Conv2d {
     const S* bias = o_.bias ? bias_.value.data() : nullptr;
     const S* xd = planar_reference() ? to_planar(x, c.x_planar) : x.data();
     S* yd = planar_reference() ? planar_buffer(c.planar, c.y_shape) : c.y.data();
-    if (on_onednn(g, x.dim(0))) {
+    const Conv2dBlocking b = blocking(g, x.dim(0));
+    if (on_onednn(g, b)) {
       onednn_forward(g, x.dim(0), xd, bias, yd);
     } else {
-      const Conv2dBlocking b = blocking(g, x.dim(0));
       S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
       if constexpr (std::is_same_v<D, Cpu>)
         conv2d_forward(D{}, g, b, x.dim(0), xd, weight_.value.data(), bias, yd, workspace,
@@ -128,14 +128,14 @@ class Conv2d {
     const S* xd = planar_reference() ? to_planar(x, c.x_planar) : x.data();
     S* yd = planar_reference() ? planar_buffer(c.planar, c.y_shape) : y.data();
     if (planar_reference() && addend != nullptr) e.addend = to_planar(*addend, c.dx);  // c.dx: free in inference
-    if (on_onednn(g, x.dim(0))) {
+    const Conv2dBlocking b = blocking(g, x.dim(0));
+    if (on_onednn(g, b)) {
       // oneDNN's output (with the bias), then the epilogue in one pass over it.
       onednn_forward(g, x.dim(0), xd, e.bias, yd);
       e.bias = nullptr;
       if constexpr (std::is_same_v<D, Cpu>)
         detail::conv_epilogue_planes(e, yd, 0, x.dim(0), o_.out_channels, g.out_plane(), 0, g.out_plane(), true);
     } else {
-      const Conv2dBlocking b = blocking(g, x.dim(0));
       S* workspace = scratch<S, D>(D::host_accessible ? b.workspace_elements(g, false) : 0);
       if constexpr (std::is_same_v<D, Cpu>)
         conv2d_forward_epilogue(D{}, g, b, x.dim(0), xd, weight_.value.data(), e, yd, workspace,
@@ -256,12 +256,12 @@ class Conv2d {
     if (input) c.dx.resize(x.shape());
     S* dxd = !input ? nullptr : planar_reference() ? planar_buffer(c.dx_planar, x.shape()) : c.dx.data();
     const S* xd = planar_reference() ? c.x_planar.data() : x.data();
-    if (on_onednn(g, n)) {
+    const Conv2dBlocking b = blocking(g, n);
+    if (on_onednn(g, b)) {
       if constexpr (std::is_same_v<S, float>)
         onednn_.get(g, n, /*training=*/true, o_.bias)
             .backward(xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr, dxd);
     } else {
-      const Conv2dBlocking b = blocking(g, n);
       conv2d_backward(D{}, g, b, n, xd, weight_.value.data(), dyd, weight ? weight_.grad.data() : nullptr, dxd,
                       scratch<S, D>(D::host_accessible ? b.workspace_elements(g, true) : 0));  // cuDNN has its own
     }
@@ -319,10 +319,10 @@ class Conv2d {
 
   // A bfloat16 Env's convolution on the CPU runs on oneDNN where onednn_conv_chosen says so
   // (kernels/cpu/onednn_conv.hpp: AMX or AVX512-BF16 kernels), unless set_algorithm forced one of
-  // Tessera's own algorithms.
-  bool on_onednn(const Conv2dGeometry& g, std::int64_t batch) const {
+  // Tessera's own algorithms. `b`: the layer's blocking, which says whether Auto chose Winograd.
+  bool on_onednn(const Conv2dGeometry& g, const Conv2dBlocking& b) const {
     if constexpr (std::is_same_v<D, Cpu> && std::is_same_v<S, float> && E::bf16_compute)
-      return algorithm_ == ConvAlgorithm::Auto && onednn_conv_chosen(g, blocking(g, batch).winograd);
+      return algorithm_ == ConvAlgorithm::Auto && onednn_conv_chosen(g, b.winograd);
     else
       return false;
   }

@@ -102,8 +102,6 @@ class OneDnnConvSlot {
     }
     return *conv_;
   }
-  void reset() { conv_.reset(); }
-
  private:
   std::unique_ptr<OneDnnConv> conv_;
 };
@@ -232,7 +230,7 @@ namespace detail {
 using dnnl_memory = dnnl::memory;
 
 // Carves the calling thread's scratch into 64-byte aligned buffers, one per operand in oneDNN's
-// layout; `bytes`: what the takes of one call add up to (Arena::rounded each, plus 64 for the start).
+// layout; `bytes`: what the takes of one call add up to (rounded() each, plus 64 for the start).
 class OneDnnArena {
  public:
   explicit OneDnnArena(std::size_t bytes) {
@@ -386,7 +384,7 @@ struct OneDnnConv::Impl {
     bwd_weights = dnnl::convolution_backward_weights(bwd_weights_pd);
     weights_x.init(engine, x_user, bwd_weights_pd.src_desc(), false);
     shared_dy = !data_dy.direct && bwd_weights_pd.diff_dst_desc() == bwd_data_pd.diff_dst_desc();
-    weights_dy.init(engine, y_user, bwd_weights_pd.diff_dst_desc(), false);
+    if (!shared_dy) weights_dy.init(engine, y_user, bwd_weights_pd.diff_dst_desc(), false);
     // dW is accumulated (Conv2d's contract: weight.grad +=): the kernel writes its own buffer and
     // the reorder back adds it.
     weights_dw.init(engine, w_user, bwd_weights_pd.diff_weights_desc(), true, /*accumulate=*/true);
