@@ -11,13 +11,14 @@
 // hits them alike; each figure is a median in ms, and the totals weight each shape by how often
 // the network has it. Prints one JSON object (stdout) and a table (stderr). Never a timed test.
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "tessera/tessera.hpp"
+
+#include "bf16_configs.hpp"
 
 using namespace tessera;
 
@@ -65,11 +66,6 @@ double step_ms(const ConvShape& s, std::int64_t batch, bool first) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -86,26 +82,15 @@ int main(int argc, char** argv) {
     TESSERA_CHECK(onednn_built(), Error, "bf16_conv compares Tessera's bfloat16 kernels with oneDNN's: this build has "
                                          "no oneDNN (meson option onednn; Debian: libdnnl-dev)");
     TESSERA_CHECK(cpu_bf16_active(), Error, "bf16_conv: this CPU has no AVX512-BF16, so both would compute in float");
-    constexpr int kConfigs = 4;
-    const char* names[kConfigs] = {"float32", "bf16_tessera", "bf16_onednn", "bf16_auto"};
-    double total[kConfigs] = {0, 0, 0, 0};
+    const auto& names = kBf16ConfigNames;
+    double total[kBf16Configs] = {0, 0, 0, 0};
     std::string rows;
     std::fprintf(stderr, "%-28s %9s %13s %12s %10s\n", "C K size kxk/stride x count", "float32", "bf16 Tessera",
                  "bf16 oneDNN", "bf16 Auto");
     for (const ConvShape& s : shapes) {
       const bool first = &s == &shapes.front();
-      std::vector<double> t[kConfigs];
-      for (int r = 0; r < runs; ++r) {
-        t[0].push_back(step_ms<CpuLocal>(s, batch, first));
-        set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
-        t[1].push_back(step_ms<CpuLocalBf16>(s, batch, first));
-        set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
-        t[2].push_back(step_ms<CpuLocalBf16>(s, batch, first));
-        set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
-        t[3].push_back(step_ms<CpuLocalBf16>(s, batch, first));
-      }
-      double m[kConfigs];
-      for (int i = 0; i < kConfigs; ++i) total[i] += (m[i] = median(t[i])) * s.count;
+      const auto m = bf16_config_medians(runs, [&]<class E>() { return step_ms<E>(s, batch, first); });
+      for (int i = 0; i < kBf16Configs; ++i) total[i] += m[i] * s.count;
       std::fprintf(stderr, "%4lld %4lld %3lld %lldx%lld/%lld x%lld %12.2f %13.2f %12.2f %10.2f\n", (long long)s.in, (long long)s.out,
                    (long long)s.size, (long long)s.kernel, (long long)s.kernel, (long long)s.stride, (long long)s.count,
                    m[0], m[1], m[2], m[3]);

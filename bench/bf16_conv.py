@@ -1,10 +1,12 @@
-"""bfloat16 convolutions layer by layer: float32, Tessera's bfloat16 kernels, oneDNN's, and Auto's
-choice between them (build/bench/bf16_conv, which alternates the four per layer), for each model
-asked, in one JSON object naming the CPU. The figures behind onednn_conv_chosen
-(include/tessera/kernels/cpu/onednn_conv.hpp; bench/README.md, "bfloat16").
+"""bfloat16 convolutions or Linear layers, layer by layer: float32, Tessera's bfloat16 kernels,
+oneDNN's, and Auto's choice between them (build/bench/bf16_conv and bf16_linear, which alternate the
+four per layer), for each model asked, in one JSON object naming the CPU. The figures behind
+onednn_conv_chosen and onednn_gemm_chosen (include/tessera/kernels/cpu/onednn_conv.hpp and
+onednn_gemm.hpp; bench/README.md, "bfloat16").
 
     python3 bench/bf16_conv.py --build build [--threads 2] [--runs 7] \\
         [--models resnet50_b8,resnet50_b32,resnet20,lenet] [--out FILE]
+    python3 bench/bf16_conv.py --build build --models mlp_linear,lenet_linear,gpt_linear,gpt2_linear
 """
 import argparse
 import json
@@ -15,9 +17,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import cpu_details, cpu_model, default_result, write_result  # noqa: E402
 
-# model name -> (bf16_conv's --model, --batch; 0 takes the model's own)
-MODELS = {"resnet50_b8": ("resnet50", 8), "resnet50_b32": ("resnet50", 32), "resnet20": ("resnet20", 0),
-          "lenet": ("lenet", 0)}
+# model name -> (the program, its --model, --batch; 0 takes the model's own, None has no flag)
+MODELS = {"resnet50_b8": ("bf16_conv", "resnet50", 8), "resnet50_b32": ("bf16_conv", "resnet50", 32),
+          "resnet20": ("bf16_conv", "resnet20", 0), "lenet": ("bf16_conv", "lenet", 0),
+          "mlp_linear": ("bf16_linear", "mlp", None), "lenet_linear": ("bf16_linear", "lenet", None),
+          "gpt_linear": ("bf16_linear", "gpt", None), "gpt2_linear": ("bf16_linear", "gpt2", None)}
 
 
 def main():
@@ -28,15 +32,17 @@ def main():
     ap.add_argument("--models", default="resnet50_b8,resnet50_b32,resnet20,lenet")
     ap.add_argument("--out", default=default_result("bf16_conv"))
     args = ap.parse_args()
-    binary = os.path.join(args.build, "bench", "bf16_conv")
-    if not os.path.exists(binary):
-        sys.exit(f"{binary} not found: bf16_conv is built only with oneDNN (meson option onednn; Debian: libdnnl-dev)")
     results = []
     for name in args.models.split(","):
         if name not in MODELS:
             sys.exit(f"unknown model '{name}' (one of {', '.join(MODELS)})")
-        model, batch = MODELS[name]
-        cmd = [binary, f"--model={model}", f"--batch={batch}", f"--threads={args.threads}", f"--runs={args.runs}"]
+        program, model, batch = MODELS[name]
+        binary = os.path.join(args.build, "bench", program)
+        if not os.path.exists(binary):
+            sys.exit(f"{binary} not found: {program} is built only with oneDNN (meson option onednn; Debian: libdnnl-dev)")
+        cmd = [binary, f"--model={model}", f"--threads={args.threads}", f"--runs={args.runs}"]
+        if batch is not None:
+            cmd.append(f"--batch={batch}")
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         sys.stderr.write(out.stderr)
         result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tessera/tessera.hpp"
@@ -54,9 +55,11 @@ TEST_CASE("float_to_bf16_bits rounds to nearest even, keeps NaN and overflows to
   CHECK(round_to_bf16(3.14159265f) == 3.140625f);
 }
 
-TEST_CASE("gemm_bf16 is a float-accumulated product of bfloat16-rounded operands", "[core][bf16]") {
+namespace {
+
+// gemm_bf16 against a float64 product of the rounded operands, as the library setting now has it.
+void check_gemm_bf16_contract() {
   INFO("bf16 kernel: " << cpu_bf16_kernel());
-  if (!cpu_bf16_active()) WARN("this CPU has no AVX512-BF16: checking the float fallback instead");
   struct Case {
     std::int64_t m, n, k;
   };
@@ -113,8 +116,107 @@ TEST_CASE("gemm_bf16 is a float-accumulated product of bfloat16-rounded operands
             // the kernel really multiplied bfloat16 values (on the fallback it must not have).
             if (cpu_bf16_active() && g.k >= 2) CHECK(worst_unrounded > 1e-4);
             if (!cpu_bf16_active()) CHECK(worst_unrounded < 2e-5);
+            // The padding between rows of C is nobody's: never written.
+            for (std::int64_t i = 0; i < g.m; ++i)
+              for (std::int64_t j = g.n; j < ldc; ++j) CHECK(c[i * ldc + j] == c0[i * ldc + j]);
           }
 }
+
+}  // namespace
+
+TEST_CASE("gemm_bf16 is a float-accumulated product of bfloat16-rounded operands", "[core][bf16]") {
+  if (!cpu_bf16_active()) WARN("this CPU has no AVX512-BF16: checking the float fallback instead");
+  check_gemm_bf16_contract();
+}
+
+// oneDNN's matmul (kernels/cpu/onednn_gemm.hpp) under gemm_bf16, forced for every product: the same
+// contract, with the same cases (transposes, strides, alpha, beta, inside a team).
+TEST_CASE("gemm_bf16 on oneDNN's matmul is the same float-accumulated product", "[core][bf16][onednn]") {
+  if (!onednn_built() || !cpu_bf16_active()) {
+    if (!onednn_built()) {  // nothing chooses it, and it declines
+      CHECK_FALSE(onednn_gemm_chosen(64, 64, 64));
+      CHECK_FALSE(onednn_gemm_bf16(false, false, 1, 1, 1, 1.0f, nullptr, 1, nullptr, 1, 0.0f, nullptr, 1));
+    }
+    WARN("skipped: " << cpu_bf16_kernel());
+    return;
+  }
+  set_cpu_bf16_library(Bf16Library::OneDnn);
+  CHECK(cpu_bf16_kernel().starts_with("oneDNN"));
+  CHECK(onednn_gemm_chosen(1, 1, 1));
+  CHECK_FALSE(onednn_gemm_chosen(0, 5, 5));  // nothing to multiply: gemm_bf16's own handles beta
+  check_gemm_bf16_contract();
+  // The matmul really ran: gemm_bf16's own kernel sums in another order, so some sums differ in
+  // their last bits, and onednn_gemm_bf16 called directly gives gemm_bf16's bits.
+  const std::int64_t m = 40, n = 56, k = 300;
+  std::uint64_t state = 5;
+  std::vector<float> a(m * k), b(k * n), via_gemm(m * n), direct(m * n), own(m * n);
+  for (auto& v : a) v = static_cast<float>(bf16_random(state));
+  for (auto& v : b) v = static_cast<float>(bf16_random(state));
+  gemm_bf16(Cpu{}, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, via_gemm.data(), n);
+  REQUIRE(onednn_gemm_bf16(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, direct.data(), n));
+  set_cpu_bf16_library(Bf16Library::Tessera);
+  CHECK_FALSE(onednn_gemm_chosen(m, n, k));
+  gemm_bf16(Cpu{}, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, own.data(), n);
+  set_cpu_bf16_library(Bf16Library::Auto);
+  CHECK(via_gemm == direct);
+  CHECK(via_gemm != own);
+}
+
+// Auto's choice for products: oneDNN's matmul only with AMX and for products of at least 2^23
+// multiply-adds (below, its fixed cost per call outweighs the tiles); without AMX gemm_bf16's own
+// kernel, which measured as fast or faster on Zen 5 (bench/README.md, "bfloat16").
+TEST_CASE("oneDNN's share of the bfloat16 products follows the CPU, the size and the setting",
+          "[core][bf16][onednn]") {
+  CHECK(cpu_bf16_library() == Bf16Library::Auto);
+  const bool amx = onednn_built() && onednn_uses_amx();
+  CHECK(onednn_gemm_chosen(128, 512, 784) == amx);    // the MLP's first layer, 51 M multiply-adds
+  CHECK(onednn_gemm_chosen(256, 256, 128) == amx);    // exactly 2^23
+  CHECK_FALSE(onednn_gemm_chosen(255, 256, 128));     // just below
+  CHECK_FALSE(onednn_gemm_chosen(128, 10, 256));      // the MLP's last layer
+  set_cpu_bf16_library(Bf16Library::Tessera);
+  CHECK_FALSE(onednn_gemm_chosen(1024, 1024, 1024));
+  set_cpu_bf16_library(Bf16Library::Auto);
+  if (amx && cpu_bf16_active()) {
+    // On AMX hardware the chosen products run on the tiles and keep the contract.
+    INFO("bf16 kernel: " << cpu_bf16_kernel());
+    CHECK(cpu_bf16_kernel().find("matmul") != std::string::npos);
+    check_gemm_bf16_contract();
+  } else {
+    WARN("no AMX here (oneDNN: " << (onednn_built() ? onednn_cpu_isa() : std::string("not built"))
+                                 << "): the AMX products were not exercised");
+  }
+}
+
+// Each thread keeps its own primitives and buffers: two threads multiplying at once, each its own
+// shapes and the same one, get what one thread alone gets.
+TEST_CASE("gemm_bf16 on oneDNN from two threads at once", "[core][bf16][onednn]") {
+  if (!onednn_built() || !cpu_bf16_active()) {
+    WARN("skipped: " << cpu_bf16_kernel());
+    return;
+  }
+  set_cpu_bf16_library(Bf16Library::OneDnn);
+  const std::int64_t m = 64, n = 96, k = 200;
+  std::uint64_t state = 17;
+  std::vector<float> a(m * k), b(k * n), alone(m * n);
+  for (auto& v : a) v = static_cast<float>(bf16_random(state));
+  for (auto& v : b) v = static_cast<float>(bf16_random(state));
+  gemm_bf16(Cpu{}, false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, alone.data(), n);
+  std::vector<float> c0(m * n), c1(m * n), c2(n * m);
+  auto worker = [&](std::vector<float>* c, bool other_shape) {
+    for (int round = 0; round < 20; ++round) {
+      if (other_shape) gemm_bf16(Cpu{}, true, false, n, m, k, 1.0f, b.data(), n, a.data(), k, 0.0f, c->data(), m);
+      else gemm_bf16(Cpu{}, false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c->data(), n);
+    }
+  };
+  std::thread t0(worker, &c0, false), t1(worker, &c1, false), t2(worker, &c2, true);
+  t0.join();
+  t1.join();
+  t2.join();
+  set_cpu_bf16_library(Bf16Library::Auto);
+  CHECK(c0 == alone);
+  CHECK(c1 == alone);
+}
+
 
 TEST_CASE("gemm_bf16 turned off is exactly the float gemm", "[core][bf16]") {
   const std::int64_t m = 33, n = 70, k = 65;
@@ -209,6 +311,22 @@ TEST_CASE("Linear with bfloat16 compute equals float64 on bfloat16-rounded opera
     check_against_rounded_twin(layer, twin, Shape{33, 300}, state);
   }
   set_cpu_bf16_enabled(true);
+}
+
+// Linear of a bfloat16 Env whose three products run on oneDNN's matmul (dW's with beta = 1).
+TEST_CASE("Linear with bfloat16 compute on oneDNN equals float64 on bfloat16-rounded operands",
+          "[layers][bf16][onednn]") {
+  if (!onednn_built() || !cpu_bf16_active()) {
+    WARN("skipped: " << cpu_bf16_kernel());
+    return;
+  }
+  set_cpu_bf16_library(Bf16Library::OneDnn);
+  std::uint64_t state = 29;
+  Rng rng(12);
+  Linear<CpuLocalBf16> layer(300, 70, rng);
+  Linear<CpuLocal64> twin(300, 70, rng);
+  check_against_rounded_twin(layer, twin, Shape{4, 9, 300}, state);  // (B, T, in): 36 rows
+  set_cpu_bf16_library(Bf16Library::Auto);
 }
 
 TEST_CASE("Conv2d with bfloat16 compute equals float64 on bfloat16-rounded operands", "[layers][bf16]") {
@@ -323,7 +441,7 @@ TEST_CASE("Conv2d with bfloat16 compute on oneDNN equals float64 on bfloat16-rou
       {"3x3 stride 1 (Winograd's shape)", {16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, false}, {2, 16, 13, 13}},
       {"3x5 dilation 2, groups 2, uneven padding", {8, 12, 3, 5, 1, 2, 2, 1, 2, 2, 2, true}, {2, 8, 11, 12}},
   };
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+  set_cpu_bf16_library(Bf16Library::OneDnn);
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.what) {
       Conv2d<CpuLocalBf16> layer(c.o, rng);
@@ -332,7 +450,7 @@ TEST_CASE("Conv2d with bfloat16 compute on oneDNN equals float64 on bfloat16-rou
       check_against_rounded_twin(layer, twin, c.x, state);
     }
   }
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+  set_cpu_bf16_library(Bf16Library::Auto);
 }
 
 TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and follows batch and size",
@@ -341,7 +459,7 @@ TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and fo
     WARN("skipped: " << cpu_bf16_conv_kernel());
     return;
   }
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+  set_cpu_bf16_library(Bf16Library::OneDnn);
   Rng rng(10);
   std::uint64_t state = 23;
   const Conv2dOptions o{8, 16, 3, 3, 2, 2, 1, 1, 1, 1, 1, true};
@@ -374,7 +492,7 @@ TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and fo
     }
     CHECK(gap <= 1e-6 * scale);
   }
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+  set_cpu_bf16_library(Bf16Library::Auto);
 }
 
 // Auto's choice (bench/README.md, "bfloat16", has the per-layer timings behind it): never a layer
@@ -393,7 +511,7 @@ TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting"
   const Conv2dGeometry wide = conv(64, 64, 56, 3, 1), deep = conv(512, 512, 7, 3, 1), mid = conv(256, 256, 14, 3, 1);
   const bool on = onednn_built() && cpu_bf16_active();
   INFO("bfloat16 convolutions: " << cpu_bf16_conv_kernel());
-  CHECK(cpu_bf16_conv_library() == Bf16ConvLibrary::Auto);
+  CHECK(cpu_bf16_library() == Bf16Library::Auto);
   CHECK(onednn_conv_chosen(strided, false) == on);
   CHECK(onednn_conv_chosen(stem, false) == on);
   CHECK_FALSE(onednn_conv_chosen(grey, false));                               // one input channel: Tessera's
@@ -404,20 +522,20 @@ TEST_CASE("oneDNN's share of a bfloat16 network follows the CPU and the setting"
   CHECK(onednn_conv_chosen(wide, true) == (on && onednn_uses_amx()));        // 56x56: 14 whole tiles a row
   CHECK(onednn_conv_chosen(conv(16, 16, 28, 3, 1), true) == on);               // but too few channels
   CHECK(onednn_conv_chosen(wide, false) == on);  // where Tessera's Auto runs im2col, not Winograd
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::Tessera);
+  set_cpu_bf16_library(Bf16Library::Tessera);
   CHECK_FALSE(onednn_conv_chosen(strided, false));
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+  set_cpu_bf16_library(Bf16Library::Auto);
   set_cpu_bf16_enabled(false);
   CHECK_FALSE(onednn_conv_chosen(strided, false));  // bfloat16 off: the float path, no oneDNN
   set_cpu_bf16_enabled(true);
   if (!onednn_built()) {
-    CHECK_THROWS_WITH(set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn), Catch::Contains("libdnnl-dev"));
+    CHECK_THROWS_WITH(set_cpu_bf16_library(Bf16Library::OneDnn), Catch::Contains("libdnnl-dev"));
     WARN("this build has no oneDNN");
   } else if (onednn_uses_amx()) {
-    set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+    set_cpu_bf16_library(Bf16Library::OneDnn);
     OneDnnConv amx(strided, 8, true, false);
     CHECK(amx.implementation().find("amx") != std::string::npos);
-    set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+    set_cpu_bf16_library(Bf16Library::Auto);
   } else {
     WARN("no AMX on this CPU (oneDNN runs " << onednn_cpu_isa() << "): the AMX kernels were not exercised");
   }

@@ -140,7 +140,7 @@ TEST_CASE("Conv2d's inference epilogue on oneDNN's bfloat16 convolution", "[laye
     WARN("skipped: " << cpu_bf16_conv_kernel());
     return;
   }
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::OneDnn);
+  set_cpu_bf16_library(Bf16Library::OneDnn);
   const EpilogueCase cases[] = {
       {"3x3, conv bias", 2, 16, 24, 9, 3, 1, 1, true, ConvAlgorithm::Auto, 0},
       {"3x3 stride 2", 3, 8, 16, 12, 3, 2, 1, false, ConvAlgorithm::Auto, 0},
@@ -151,7 +151,7 @@ TEST_CASE("Conv2d's inference epilogue on oneDNN's bfloat16 convolution", "[laye
         check_epilogue<CpuLocalBf16>(cc, with_addend, /*relu=*/true, 2e-6);
       }
     }
-  set_cpu_bf16_conv_library(Bf16ConvLibrary::Auto);
+  set_cpu_bf16_library(Bf16Library::Auto);
 }
 
 // y from a copy of conv in Mode::Eval: the convolution of conv's current weights, computed afresh.

@@ -21,6 +21,8 @@
 // TESSERA_CPU_CAPABILITY=default asks for the portable kernels (kernels/cpu/capability.hpp), or where
 // set_cpu_bf16_enabled(false) turned it off, gemm_bf16 is the float gemm: the fp32 fallback.
 // Threads: as gemm, split over the OpenMP team outside a parallel region, one thread inside one.
+// On a CPU with AMX (and where set_cpu_bf16_library asks), large products run on oneDNN's matmul
+// instead, with the same rounding (kernels/cpu/onednn_gemm.hpp, onednn_gemm_chosen).
 #pragma once
 
 #include <algorithm>
@@ -45,6 +47,7 @@
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
+#include "tessera/kernels/cpu/onednn_gemm.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
 #include "tessera/kernels/cpu/simd_diagnostics.hpp"
@@ -81,7 +84,11 @@ inline bool cpu_bf16_active() { return cpu_has_avx512_bf16() && detail::cpu_bf16
 
 // What gemm_bf16 runs, for benchmark reports.
 inline std::string cpu_bf16_kernel() {
-  if (cpu_bf16_active()) return "AVX512-BF16 VDPBF16PS, float accumulation";
+  if (cpu_bf16_active()) {
+    const std::string onednn = onednn_gemm_report();
+    return onednn.empty() ? "AVX512-BF16 VDPBF16PS, float accumulation"
+                          : onednn + ", AVX512-BF16 VDPBF16PS for the rest, float accumulation";
+  }
   if (cpu_has_avx512_bf16()) return "float gemm (bf16 turned off)";
   return cpu_avx512() || cpu_capability_supported() == CpuCapability::Default
              ? "float gemm (this CPU has no AVX512-BF16)"
@@ -271,6 +278,10 @@ inline void gemm_bf16(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int6
                       std::int64_t ldc) {
 #if TESSERA_HAVE_BF16_KERNEL
   if (cpu_bf16_active()) {
+    // oneDNN's matmul where onednn_gemm_chosen says (AMX tiles), unless it has no kernel for this one.
+    if (onednn_gemm_chosen(m, n, k) &&
+        onednn_gemm_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+      return;
     detail::gemm_split(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, detail::gemm_bf16_serial);
     return;
   }

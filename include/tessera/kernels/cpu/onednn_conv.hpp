@@ -1,14 +1,7 @@
-// bfloat16 convolutions through oneDNN (Debian's libdnnl-dev 2.6, the library PyTorch's CPU
-// convolutions and autocast use), for Conv2d in a bfloat16 Env (CpuLocalBf16, core/env.hpp).
-//
-// Why a second library: on a CPU with AMX (Sapphire Rapids and later) a core multiplies 1,024
-// bfloat16 pairs per cycle in its tile unit against 64 float FMAs with AVX-512, and oneDNN's
-// convolution kernels (brgconv) drive the tiles with the input blocked as nChw16c, the weights as
-// pairs along the input channel and the im2col folded into the kernel. Tessera's own bfloat16
-// path (im2col, then gemm_bf16's VDPBF16PS kernel, kernels/cpu/gemm_bf16.hpp) cannot reach the
-// tiles. oneDNN chooses its kernel at run time from the CPU it finds: AMX tiles where they exist,
-// AVX512-BF16 dot products where they do not (Zen 4 and 5, Cooper Lake), so one binary serves
-// both, and the measured choice per CPU kind is in bench/README.md, "bfloat16".
+// bfloat16 convolutions through oneDNN (kernels/cpu/onednn.hpp says why, and how the build and the
+// process-wide setting choose it), for Conv2d in a bfloat16 Env (CpuLocalBf16, core/env.hpp). On a
+// CPU with AMX, oneDNN's convolution kernels (brgconv) drive the tiles with the input blocked as
+// nChw16c, the weights as pairs along the input channel and the im2col folded into the kernel.
 //
 // Semantics are autocast's and gemm_bf16's: x, W and dy are rounded to bfloat16 (nearest even),
 // products are exact, sums are float; y, dx and dW are float. Tensors stay Tessera's float NCHW
@@ -18,11 +11,7 @@
 // primitives (the generated kernels, a few hundred KiB) are all it keeps. oneDNN itself allocates
 // a little inside every primitive call (its argument table and execution context), so unlike
 // Tessera's own kernels a step on it is not free of heap allocations (bench/README.md, "bfloat16").
-//
-// Build: the meson option `onednn` (auto) defines TESSERA_ONEDNN and links libdnnl. Without it
-// onednn_built() is false and Conv2d keeps its own kernels. Which convolutions run here:
-// onednn_conv_chosen(); set_cpu_bf16_conv_library() overrides it for the whole process
-// (TESSERA_BF16_CONV=tessera|onednn does the same from the environment, read once).
+// Which convolutions run here: onednn_conv_chosen().
 #pragma once
 
 #include <cstdint>
@@ -31,27 +20,11 @@
 
 #include "tessera/core/linkage.hpp"
 #include "tessera/kernels/conv2d_geometry.hpp"
+#include "tessera/kernels/cpu/onednn.hpp"
 
 namespace tessera {
 
-// Which kernels compute a bfloat16 Env's convolutions.
-enum class Bf16ConvLibrary {
-  Auto,     // per layer, as onednn_conv_chosen decides (oneDNN only where built in, with AVX512-BF16 or AMX)
-  Tessera,  // im2col + gemm_bf16, Winograd in float (kernels/cpu/conv2d.hpp)
-  OneDnn,   // oneDNN wherever it is built in (an error otherwise: onednn_built())
-};
-
-// True when this build links oneDNN (TESSERA_ONEDNN).
-TESSERA_LINKAGE bool onednn_built();
-// The instruction set oneDNN's kernels use on this CPU ("avx512_core_amx", "avx512_core_bf16", ...),
-// or "" without oneDNN.
-TESSERA_LINKAGE std::string onednn_cpu_isa();
-// True when that instruction set has AMX tiles.
-TESSERA_LINKAGE bool onednn_uses_amx();
-// Process-wide; the default is Auto unless TESSERA_BF16_CONV says otherwise.
-TESSERA_LINKAGE void set_cpu_bf16_conv_library(Bf16ConvLibrary library);
-TESSERA_LINKAGE Bf16ConvLibrary cpu_bf16_conv_library();
-// Whether a bfloat16 convolution of this geometry runs on oneDNN now: the setting above,
+// Whether a bfloat16 convolution of this geometry runs on oneDNN now: set_cpu_bf16_library,
 // the build, and bfloat16 being on (cpu_bf16_active: AVX512-BF16 present and not turned off;
 // without it the bfloat16 Env computes in float, and so does its convolution). `winograd`: Tessera's
 // own Auto would run this layer as Winograd F(4x4, 3x3) (conv2d_blocking).
@@ -110,80 +83,18 @@ class OneDnnConvSlot {
 
 #if TESSERA_HEADER_DEFINITIONS
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <unordered_map>
 
 #include "tessera/core/error.hpp"
 #include "tessera/core/scratch.hpp"
 #include "tessera/kernels/cpu/gemm_bf16.hpp"
 
-#if defined(TESSERA_ONEDNN)
-#include <oneapi/dnnl/dnnl.hpp>
-#endif
-
 namespace tessera {
 
-namespace detail {
-// TESSERA_BF16_CONV, read once: "tessera", "onednn" or "auto"/unset.
-inline Bf16ConvLibrary bf16_conv_library_from_environment() {
-  const char* v = std::getenv("TESSERA_BF16_CONV");
-  if (v == nullptr || *v == '\0' || std::string(v) == "auto") return Bf16ConvLibrary::Auto;
-  if (std::string(v) == "tessera") return Bf16ConvLibrary::Tessera;
-  if (std::string(v) == "onednn") return Bf16ConvLibrary::OneDnn;
-  throw ArgumentError(std::string("TESSERA_BF16_CONV='") + v +
-                      "' is not a bfloat16 convolution library: use auto, tessera or onednn");
-}
-inline std::atomic<Bf16ConvLibrary>& bf16_conv_library_setting() {
-  static std::atomic<Bf16ConvLibrary> setting{bf16_conv_library_from_environment()};
-  return setting;
-}
-}  // namespace detail
-
-TESSERA_LINKAGE bool onednn_built() {
-#if defined(TESSERA_ONEDNN)
-  return true;
-#else
-  return false;
-#endif
-}
-
-TESSERA_LINKAGE std::string onednn_cpu_isa() {
-#if defined(TESSERA_ONEDNN)
-  switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::sse41: return "sse41";
-    case dnnl::cpu_isa::avx: return "avx";
-    case dnnl::cpu_isa::avx2: return "avx2";
-    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
-    case dnnl::cpu_isa::avx512_core: return "avx512_core";
-    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
-    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
-    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
-    default: return "other";
-  }
-#else
-  return "";
-#endif
-}
-
-TESSERA_LINKAGE bool onednn_uses_amx() {
-  static const bool amx = onednn_cpu_isa().find("amx") != std::string::npos;  // asked per layer call
-  return amx;
-}
-
-TESSERA_LINKAGE void set_cpu_bf16_conv_library(Bf16ConvLibrary library) {
-  TESSERA_CHECK(library != Bf16ConvLibrary::OneDnn || onednn_built(), ArgumentError,
-                "set_cpu_bf16_conv_library(OneDnn): this build has no oneDNN (meson option onednn; Debian: "
-                "libdnnl-dev)");
-  detail::bf16_conv_library_setting() = library;
-}
-
-TESSERA_LINKAGE Bf16ConvLibrary cpu_bf16_conv_library() { return detail::bf16_conv_library_setting().load(); }
-
 TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, bool winograd) {
-  const Bf16ConvLibrary library = cpu_bf16_conv_library();
-  if (library == Bf16ConvLibrary::Tessera || !onednn_built() || !cpu_bf16_active()) return false;
-  if (library == Bf16ConvLibrary::OneDnn) return true;
+  const Bf16Library library = cpu_bf16_library();
+  if (library == Bf16Library::Tessera || !onednn_built() || !cpu_bf16_active()) return false;
+  if (library == Bf16Library::OneDnn) return true;
   // Both oneDNN's bfloat16 instructions (VDPBF16PS, AMX's TDPBF16PS) multiply pairs along the input
   // channels: with one channel (a grey-scale stem) half of every pair is padding, and oneDNN's dW
   // falls back to a plain GEMM. Tessera's im2col product runs along C kh kw instead.
@@ -211,89 +122,12 @@ TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, bool winograd) 
 TESSERA_LINKAGE std::string cpu_bf16_conv_kernel() {
   if (!onednn_built()) return "Tessera im2col + gemm_bf16 (built without oneDNN)";
   if (!cpu_bf16_active()) return "Tessera float (bfloat16 off or no AVX512-BF16)";
-  if (cpu_bf16_conv_library() == Bf16ConvLibrary::Tessera) return "Tessera im2col + gemm_bf16 (oneDNN turned off)";
-#if defined(TESSERA_ONEDNN)
-  const dnnl_version_t* v = dnnl_version();
-  const std::string onednn = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
-                             std::to_string(v->patch) + " (" + onednn_cpu_isa() + ")";
-  if (cpu_bf16_conv_library() == Bf16ConvLibrary::OneDnn || onednn_uses_amx()) return onednn;
-  return onednn + " for kernels wider than 1x1, Tessera's for the rest (onednn_conv_chosen)";
-#else
-  return "";
-#endif
+  if (cpu_bf16_library() == Bf16Library::Tessera) return "Tessera im2col + gemm_bf16 (oneDNN turned off)";
+  if (cpu_bf16_library() == Bf16Library::OneDnn || onednn_uses_amx()) return onednn_version();
+  return onednn_version() + " for kernels wider than 1x1, Tessera's for the rest (onednn_conv_chosen)";
 }
 
 #if defined(TESSERA_ONEDNN)
-
-namespace detail {
-
-using dnnl_memory = dnnl::memory;
-
-// Carves the calling thread's scratch into 64-byte aligned buffers, one per operand in oneDNN's
-// layout; `bytes`: what the takes of one call add up to (rounded() each, plus 64 for the start).
-class OneDnnArena {
- public:
-  explicit OneDnnArena(std::size_t bytes) {
-    const auto base = reinterpret_cast<std::uintptr_t>(scratch<float, Cpu>(static_cast<std::int64_t>((bytes + 3) / 4)));
-    next_ = reinterpret_cast<char*>((base + 63) / 64 * 64);
-  }
-  static std::size_t rounded(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
-  void* take(const dnnl_memory::desc& d) {
-    void* p = next_;
-    next_ += rounded(d.get_size());
-    return p;
-  }
-
- private:
-  char* next_;
-};
-
-// One operand of a primitive: `user` describes Tessera's tensor, `kernel` the layout the primitive
-// chose. Where they differ, `convert` reorders between them (user -> kernel for inputs; kernel ->
-// user for outputs, adding into the user's tensor when accumulating). The memories are built once,
-// without buffers: each call only sets their data handles (no allocation, no primitive lookup).
-struct OneDnnOperand {
-  dnnl_memory user, kernel;
-  dnnl::reorder convert;
-  bool direct = true;  // the primitive reads or writes the user's tensor itself
-
-  void init(const dnnl::engine& e, const dnnl_memory::desc& user_desc, const dnnl_memory::desc& kernel_desc,
-            bool output, bool accumulate = false) {
-    user = dnnl_memory(user_desc, e, DNNL_MEMORY_NONE);
-    direct = !accumulate && user_desc == kernel_desc;
-    if (direct) {
-      kernel = user;
-      return;
-    }
-    kernel = dnnl_memory(kernel_desc, e, DNNL_MEMORY_NONE);
-    dnnl::primitive_attr attr;
-    if (accumulate) {  // dst += src: the reorder's sum post-op (beta = 1)
-      dnnl::post_ops ops;
-      ops.append_sum(1.0f);
-      attr.set_post_ops(ops);
-    }
-    convert = output ? dnnl::reorder(dnnl::reorder::primitive_desc(e, kernel_desc, e, user_desc, attr))
-                     : dnnl::reorder(dnnl::reorder::primitive_desc(e, user_desc, e, kernel_desc, attr));
-  }
-  std::size_t kernel_bytes() const { return direct ? 0 : OneDnnArena::rounded(kernel.get_desc().get_size()); }
-  // An input: the primitive's copy of `data` (converted into the arena unless direct).
-  void read(const void* data, OneDnnArena& arena, dnnl::stream& s) {
-    user.set_data_handle(const_cast<void*>(data));
-    if (direct) return;
-    kernel.set_data_handle(arena.take(kernel.get_desc()));
-    convert.execute(s, user, kernel);
-  }
-  // An output: where the primitive writes, then finish() moves it into `data`.
-  void write_to(void* data, OneDnnArena& arena) {
-    user.set_data_handle(data);
-    if (!direct) kernel.set_data_handle(arena.take(kernel.get_desc()));
-  }
-  void finish(dnnl::stream& s) {
-    if (!direct) convert.execute(s, kernel, user);
-  }
-};
-
-}  // namespace detail
 
 // The primitives of one geometry and batch, the layouts they chose ("any": the kernel's own), and
 // their operands (detail::OneDnnOperand). The operands in oneDNN's layouts live in scratch.
@@ -394,7 +228,8 @@ struct OneDnnConv::Impl {
   }
 
   void forward(const float* x, const float* w, const float* bias, float* y) {
-    detail::OneDnnArena arena(64 + fwd_x.kernel_bytes() + fwd_w.kernel_bytes() + fwd_y.kernel_bytes());
+    detail::OneDnnArena arena(
+        scratch<float, Cpu>(detail::OneDnnArena::words(fwd_x.kernel_bytes() + fwd_w.kernel_bytes() + fwd_y.kernel_bytes())));
     fwd_x.read(x, arena, stream);
     fwd_w.read(w, arena, stream);
     fwd_y.write_to(y, arena);
@@ -406,8 +241,9 @@ struct OneDnnConv::Impl {
 
   void backward(const float* x, const float* w, const float* dy, float* dw, float* dx) {
     if (!have_backward) build_backward();
-    detail::OneDnnArena arena(64 + data_dy.kernel_bytes() + data_w.kernel_bytes() + data_dx.kernel_bytes() +
-                              weights_x.kernel_bytes() + weights_dy.kernel_bytes() + weights_dw.kernel_bytes());
+    detail::OneDnnArena arena(scratch<float, Cpu>(
+        detail::OneDnnArena::words(data_dy.kernel_bytes() + data_w.kernel_bytes() + data_dx.kernel_bytes() +
+                                   weights_x.kernel_bytes() + weights_dy.kernel_bytes() + weights_dw.kernel_bytes())));
     const bool dy_converted = dx != nullptr;
     if (dx != nullptr) {
       data_dy.read(dy, arena, stream);
@@ -435,7 +271,7 @@ TESSERA_LINKAGE OneDnnConv::OneDnnConv(const Conv2dGeometry& g, std::int64_t bat
   } catch (const dnnl::error& e) {
     throw Error(detail::cat("oneDNN has no bfloat16 convolution for C=", g.channels, " K=", g.out_channels, " ",
                             g.kernel_h, "x", g.kernel_w, " stride ", g.stride_h, " on input ", g.height, "x", g.width,
-                            " batch ", batch, ": ", e.what(), " (TESSERA_BF16_CONV=tessera uses Tessera's kernels)"));
+                            " batch ", batch, ": ", e.what(), " (TESSERA_BF16_LIBRARY=tessera uses Tessera's kernels)"));
   }
 }
 
