@@ -200,12 +200,17 @@ TEST_CASE("gemm_bf16 on oneDNN from two threads at once", "[core][bf16][onednn]"
   std::vector<float> a(m * k), b(k * n), alone(m * n);
   for (auto& v : a) v = static_cast<float>(bf16_random(state));
   for (auto& v : b) v = static_cast<float>(bf16_random(state));
-  gemm_bf16(Cpu{}, false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, alone.data(), n);
+  // a is (m, k) and b (n, k), both row-major: a b^T (m, n) and b a^T (n, m).
+  auto ab = [&](float* c) { gemm_bf16(Cpu{}, false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c, n); };
+  auto ba = [&](float* c) { gemm_bf16(Cpu{}, false, true, n, m, k, 1.0f, b.data(), k, a.data(), k, 0.0f, c, m); };
+  std::vector<float> alone_other(n * m);
+  ab(alone.data());
+  ba(alone_other.data());
   std::vector<float> c0(m * n), c1(m * n), c2(n * m);
   auto worker = [&](std::vector<float>* c, bool other_shape) {
     for (int round = 0; round < 20; ++round) {
-      if (other_shape) gemm_bf16(Cpu{}, true, false, n, m, k, 1.0f, b.data(), n, a.data(), k, 0.0f, c->data(), m);
-      else gemm_bf16(Cpu{}, false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c->data(), n);
+      if (other_shape) ba(c->data());
+      else ab(c->data());
     }
   };
   std::thread t0(worker, &c0, false), t1(worker, &c1, false), t2(worker, &c2, true);
@@ -215,6 +220,7 @@ TEST_CASE("gemm_bf16 on oneDNN from two threads at once", "[core][bf16][onednn]"
   set_cpu_bf16_library(Bf16Library::Auto);
   CHECK(c0 == alone);
   CHECK(c1 == alone);
+  CHECK(c2 == alone_other);
 }
 
 
