@@ -459,6 +459,53 @@ TEST_CASE("Conv2d with bfloat16 compute on oneDNN equals float64 on bfloat16-rou
   set_cpu_bf16_library(Bf16Library::Auto);
 }
 
+// Replicas on threads (CpuThreadsBf16's ranks): each copy of a layer builds its own primitives
+// (OneDnnConvSlot), and each thread converts in its own scratch. Two copies running at once give
+// what the original gives alone, bit for bit.
+TEST_CASE("Conv2d on oneDNN: copies of a layer on two threads at once", "[layers][bf16][onednn]") {
+  if (!onednn_built() || !cpu_bf16_active()) {
+    WARN("skipped: " << cpu_bf16_conv_kernel());
+    return;
+  }
+  set_cpu_bf16_library(Bf16Library::OneDnn);
+  Rng rng(14);
+  std::uint64_t state = 31;
+  Conv2d<CpuLocalBf16> layer(Conv2dOptions{8, 16, 3, 3, 2, 2, 1, 1, 1, 1, 1, true}, rng);
+  const Tensor<float> x = random_float(Shape{2, 8, 12, 12}, state);
+  Conv2d<CpuLocalBf16>::Cache c;
+  const Tensor<float> y = layer.forward(x, c);
+  const Tensor<float> dy = random_float(y.shape(), state);
+  layer.weight().grad.fill(0.0f);
+  const Tensor<float> dx = layer.backward(dy, c);
+  const Tensor<float> dw = layer.weight().grad;
+  struct Result {
+    Tensor<float> y, dx, dw;
+  };
+  Result got[2];
+  auto replica = [&](Result* r) {
+    Conv2d<CpuLocalBf16> copy = layer;
+    for (int round = 0; round < 10; ++round) {
+      Conv2d<CpuLocalBf16>::Cache cc;
+      r->y = copy.forward(x, cc);
+      copy.weight().grad.fill(0.0f);
+      r->dx = copy.backward(dy, cc);
+      r->dw = copy.weight().grad;
+    }
+  };
+  std::thread t0(replica, &got[0]), t1(replica, &got[1]);
+  t0.join();
+  t1.join();
+  set_cpu_bf16_library(Bf16Library::Auto);
+  auto same = [](const Tensor<float>& p, const Tensor<float>& q) {
+    return p.shape() == q.shape() && std::equal(p.data(), p.data() + p.numel(), q.data());
+  };
+  for (const Result& r : got) {
+    CHECK(same(r.y, y));
+    CHECK(same(r.dx, dx));
+    CHECK(same(r.dw, dw));
+  }
+}
+
 TEST_CASE("Conv2d on oneDNN: the layer runs its primitive, accumulates dW and follows batch and size",
           "[layers][bf16][onednn]") {
   if (!onednn_built() || !cpu_bf16_active()) {
