@@ -60,6 +60,10 @@ namespace tessera {
 namespace detail {
 // TESSERA_BF16_LIBRARY, read once: "tessera", "onednn" or "auto"/unset.
 inline Bf16Library bf16_library_from_environment() {
+  // Its name until it covered the products too: refused rather than silently ignored.
+  if (std::getenv("TESSERA_BF16_CONV") != nullptr)
+    throw ArgumentError("TESSERA_BF16_CONV is now TESSERA_BF16_LIBRARY (auto, tessera or onednn; it covers the "
+                        "products too)");
   const char* v = std::getenv("TESSERA_BF16_LIBRARY");
   if (v == nullptr || *v == '\0' || std::string(v) == "auto") return Bf16Library::Auto;
   if (std::string(v) == "tessera") return Bf16Library::Tessera;

@@ -25,6 +25,20 @@ namespace cuda_detail {
 // arrays are kept) plus block_reduce's 32, so 6016 keys (47 KiB) leave it room.
 inline constexpr std::int64_t kMaxAttentionKeys = 6016;
 inline constexpr unsigned kAttentionThreads = 128;
+// Doubles allocated past each row array. compute-sanitizer's memcheck on an H200 (2026-12-04,
+// bench/results/nvidia-h200-2026-12-04/README.md) saw the forward kernel make a 16-byte shared read
+// reaching past the block's shared memory, in every thread of a warp, while its results were right.
+// The PTX (nvcc 13.0, sm_90) reads the row only inside its bounds: two doubles at a time in the
+// unrolled loop over the keys, one at a time in the loop's remainder. The SASS (no disassembler
+// here) may widen a remainder read to a pair, or load the unrolled loop's next four doubles before
+// its exit test, and use none of them; four doubles of slack keep such reads inside the block's
+// memory (6,020 of them and block_reduce's 32 still fit in 48 KiB). Not yet rerun under memcheck.
+inline constexpr std::int64_t kAttentionSlack = 4;
+
+// Dynamic shared memory for `count` row doubles.
+inline std::size_t attention_shared_bytes(std::int64_t count) {
+  return static_cast<std::size_t>(count + kAttentionSlack) * sizeof(double);
+}
 
 __device__ inline std::int64_t attention_visible(bool causal, std::int64_t i, const AttentionDims& n) {
   if (!causal) return n.keys;
@@ -170,7 +184,7 @@ void attention_forward(Cuda, const AttentionDims& n, const S* q, AttentionLayout
   if (rows == 0) return;
   cuda_detail::check_attention_size(n);
   cuda_detail::attention_forward_kernel<S>
-      <<<static_cast<unsigned>(rows), cuda_detail::kAttentionThreads, static_cast<std::size_t>(n.keys) * sizeof(double),
+      <<<static_cast<unsigned>(rows), cuda_detail::kAttentionThreads, cuda_detail::attention_shared_bytes(n.keys),
          Cuda::stream()>>>(n, q, ql, k, kl, v, vl, scale, causal, out, ol, lse);
   TESSERA_CUDA_CHECK(cudaGetLastError());
 }
@@ -189,12 +203,12 @@ void attention_backward(Cuda, const AttentionDims& n, const S* q, AttentionLayou
       n, out, dout, ol, dvec.as<double>());
   TESSERA_CUDA_CHECK(cudaGetLastError());
   cuda_detail::attention_dq_kernel<S>
-      <<<static_cast<unsigned>(query_rows), threads, static_cast<std::size_t>(n.keys) * sizeof(double),
-         Cuda::stream()>>>(n, q, ql, k, kl, v, vl, dout, ol, lse, dvec.as<double>(), scale, causal, dq, dql);
+      <<<static_cast<unsigned>(query_rows), threads, cuda_detail::attention_shared_bytes(n.keys), Cuda::stream()>>>(
+          n, q, ql, k, kl, v, vl, dout, ol, lse, dvec.as<double>(), scale, causal, dq, dql);
   TESSERA_CUDA_CHECK(cudaGetLastError());
   cuda_detail::attention_dkdv_kernel<S>
-      <<<static_cast<unsigned>(key_rows), threads, 2 * static_cast<std::size_t>(n.queries) * sizeof(double),
-         Cuda::stream()>>>(n, q, ql, k, kl, v, vl, dout, ol, lse, dvec.as<double>(), scale, causal, dk, dkl, dv, dvl);
+      <<<static_cast<unsigned>(key_rows), threads, cuda_detail::attention_shared_bytes(2 * n.queries), Cuda::stream()>>>(
+          n, q, ql, k, kl, v, vl, dout, ol, lse, dvec.as<double>(), scale, causal, dk, dkl, dv, dvl);
   TESSERA_CUDA_CHECK(cudaGetLastError());
   Cuda::synchronize();  // dvec is freed on return
 }
