@@ -49,8 +49,9 @@ namespace tessera {
 
 // Without AMX, Auto keeps gemm_bf16's own kernel: measured layer by layer on Zen 5 (forward and both
 // gradients, bench/bf16_linear.cpp), it was faster on the MLP's, LeNet-5's and examples/15_gpt's
-// Linear layers, and even on a GPT-2 small block (bench/README.md, "bfloat16", "oneDNN's matmul for
-// the products", has the figures). With AMX, oneDNN's tiles do 16x the multiply-adds per cycle of
+// Linear layers by a wide margin, and oneDNN's matmul won only on a GPT-2 small block's two widest
+// layers, by a few percent (bench/README.md, "bfloat16", "oneDNN's matmul for the products", has
+// the figures): not worth a size rule on one run. With AMX, oneDNN's tiles do 16x the multiply-adds per cycle of
 // VDPBF16PS, but each call has a fixed cost (primitive execution, two reorders, the team's start)
 // that is ten times a small product's whole time on gemm_bf16. Below 2^23 multiply-adds that cost
 // would eat the gain; the threshold is an estimate from the fixed cost measured without AMX, not a
