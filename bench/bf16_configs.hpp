@@ -5,12 +5,30 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <vector>
 
 #include "tessera/tessera.hpp"
 
 inline constexpr int kBf16Configs = 4;
 inline constexpr const char* kBf16ConfigNames[kBf16Configs] = {"float32", "bf16_tessera", "bf16_onednn", "bf16_auto"};
+
+// One forward and backward of `layer` on an input of shape x_shape (values and dy drawn from rng),
+// after one untimed pass (primitives built, workspaces sized); ms.
+template <class Layer>
+double layer_step_ms(Layer& layer, tessera::Shape x_shape, tessera::Rng& rng) {
+  tessera::Tensor<float, tessera::Cpu> x(x_shape);
+  tessera::uniform_(x, -1.0, 1.0, rng);
+  typename Layer::Cache c;
+  const auto& y = layer.forward(x, c);
+  tessera::Tensor<float, tessera::Cpu> dy(y.shape());
+  tessera::uniform_(dy, -1.0, 1.0, rng);
+  layer.backward(dy, c);
+  const auto t0 = std::chrono::steady_clock::now();
+  layer.forward(x, c);
+  layer.backward(dy, c);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // step.template operator()<E>() times one forward and backward of the layer in Env E, in ms.
 template <class Step>

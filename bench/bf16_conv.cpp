@@ -11,7 +11,6 @@
 // hits them alike; each figure is a median in ms, and the totals weight each shape by how often
 // the network has it. Prints one JSON object (stdout) and a table (stderr). Never a timed test.
 
-#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -53,17 +52,7 @@ double step_ms(const ConvShape& s, std::int64_t batch, bool first) {
   Rng rng(1);
   Conv2d<E> conv(s.in, s.out, s.kernel, rng, s.stride, s.pad, /*bias=*/false);
   conv.set_needs_input_grad(!first);  // a network's first layer computes no dx
-  Tensor<float, Cpu> x({batch, s.in, s.size, s.size});
-  uniform_(x, -1.0, 1.0, rng);
-  typename Conv2d<E>::Cache c;
-  const auto& y = conv.forward(x, c);
-  Tensor<float, Cpu> dy(y.shape());
-  uniform_(dy, -1.0, 1.0, rng);
-  conv.backward(dy, c);
-  const auto t0 = std::chrono::steady_clock::now();
-  conv.forward(x, c);
-  conv.backward(dy, c);
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return layer_step_ms(conv, {batch, s.in, s.size, s.size}, rng);
 }
 
 }  // namespace

@@ -12,7 +12,6 @@
 // them alike; each figure is a median in ms, and the totals weight each shape by how often the
 // network has it. Prints one JSON object (stdout) and a table (stderr). Never a timed test.
 
-#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -48,17 +47,7 @@ double step_ms(const LinearShape& s, std::int64_t rows, bool first) {
   Rng rng(1);
   Linear<E> layer(s.in, s.out, rng);
   layer.set_needs_input_grad(!first);
-  Tensor<float, Cpu> x({rows, s.in});
-  uniform_(x, -1.0, 1.0, rng);
-  typename Linear<E>::Cache c;
-  const auto& y = layer.forward(x, c);
-  Tensor<float, Cpu> dy(y.shape());
-  uniform_(dy, -1.0, 1.0, rng);
-  layer.backward(dy, c);
-  const auto t0 = std::chrono::steady_clock::now();
-  layer.forward(x, c);
-  layer.backward(dy, c);
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return layer_step_ms(layer, {rows, s.in}, rng);
 }
 
 }  // namespace
