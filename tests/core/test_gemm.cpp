@@ -131,34 +131,38 @@ TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core]
 
 TEST_CASE("the unpacked product handles widths that are not whole vectors", "[core][conv]") {
   // detail::gemm_unpacked_avx512 (kernels/cpu/gemm_unpacked.hpp), as conv_gemm calls it on blocks
-  // of any width: a last vector of 1 to 15 columns under a mask, alone or after whole panels; both
-  // layouts of a, beta 0 and 1. The entries past n in each row of c (the next block's) stay.
+  // of any width: a last vector of 1 to 15 columns under a mask, alone or after whole panels of
+  // 1 to 4 vectors; both layouts of a, beta 0 and 1; k in the default blocks, in blocks of 5
+  // steps (many, the last one short) and in deep blocks of 1024 (a thin product's: k in one). The
+  // entries past n in each row of c (the next block's) stay.
 #if TESSERA_X86_DISPATCH
   if (!cpu_avx512()) {
     WARN("skipped: this CPU has no AVX-512, where conv_gemm never calls the unpacked product");
     return;
   }
   const GemmCase cases[] = {{3, 1, 5}, {7, 7, 70}, {6, 17, 64}, {13, 49, 300}, {20, 63, 33},
-                            {9, 65, 257}, {32, 196, 40}, {5, 300, 129}};
+                            {9, 65, 257}, {32, 196, 40}, {5, 300, 129}, {8, 208, 1100}};
   std::uint64_t state = 11;
   for (const auto& g : cases)
     for (bool ta : {false, true})
-      for (double beta : {0.0, 1.0}) {
-        const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = g.n + 5, ldc = g.n + 7;
-        std::vector<float> a((ta ? g.k : g.m) * lda), b(g.k * ldb), c0(g.m * ldc);
-        for (auto& v : a) v = static_cast<float>(pseudo_random(state));
-        for (auto& v : b) v = static_cast<float>(pseudo_random(state));
-        for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
-        INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " beta " << beta);
-        std::vector<float> c = c0;
-        detail::gemm_unpacked_avx512(ta, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, static_cast<float>(beta), c.data(),
-                                     ldc);
-        CHECK(worst_relative_error(ta, false, g, 1.0, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
-        bool padding_kept = true;
-        for (std::int64_t i = 0; i < g.m; ++i)
-          for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
-        CHECK(padding_kept);
-      }
+      for (double beta : {0.0, 1.0})
+        for (std::int64_t depth_block : {0, 5, 1024}) {
+          const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = g.n + 5, ldc = g.n + 7;
+          std::vector<float> a((ta ? g.k : g.m) * lda), b(g.k * ldb), c0(g.m * ldc);
+          for (auto& v : a) v = static_cast<float>(pseudo_random(state));
+          for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+          for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
+          INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " beta " << beta << " depth block "
+                    << depth_block);
+          std::vector<float> c = c0;
+          detail::gemm_unpacked_avx512(ta, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, static_cast<float>(beta),
+                                       c.data(), ldc, depth_block);
+          CHECK(worst_relative_error(ta, false, g, 1.0, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
+          bool padding_kept = true;
+          for (std::int64_t i = 0; i < g.m; ++i)
+            for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
+          CHECK(padding_kept);
+        }
 #else
   WARN("skipped: built without x86 dispatch, where conv_gemm never calls the unpacked product");
 #endif

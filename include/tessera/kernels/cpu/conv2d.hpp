@@ -41,10 +41,19 @@ namespace tessera {
 
 namespace detail {
 
-// The narrowest product conv_gemm gives the unpacked kernel: from 256 columns on it beat
-// OpenBLAS on ResNet-50's shapes, at 196 it lost (figures in bench/README.md, "Figures behind
-// design choices in the headers").
-constexpr std::int64_t kUnpackedMinColumns = 256;
+// Which products conv_gemm gives the unpacked kernel (kernels/cpu/gemm_unpacked.hpp) instead of
+// OpenBLAS: from kUnpackedMinColumns columns on (one whole vector; the narrowest product of a
+// ResNet-50 at 224x224 and batch 1 is 49 columns, nothing narrower was measured). Below
+// kUnpackedWideColumns a product is thin (ResNet-50's 14x14 and 7x7 layers at batch 1: 196 and
+// 49 columns) and its weights are the most of what it reads, from memory: it walks k in blocks of
+// kUnpackedThinDepth steps, so that each of a tile's six rows is read in runs of 4 KiB, which
+// the hardware prefetcher follows, and b's piece (1024 x 64 floats, 256 KiB) stays in L2. With
+// the wide products' 64-step blocks (1 KiB to 256 B runs), the unpacked kernel lost to OpenBLAS
+// at 196 columns; with deep blocks a ResNet-50 forward at batch 1 ran 5-20% faster than with
+// OpenBLAS there (figures in bench/README.md, "Figures behind design choices in the headers").
+constexpr std::int64_t kUnpackedMinColumns = 16;
+constexpr std::int64_t kUnpackedWideColumns = 256;
+constexpr std::int64_t kUnpackedThinDepth = 1024;
 
 // Stride 1 with W' = W (a "same"-width convolution, e.g. 3x3 with padding 1): the columns of one
 // sample's rows [oh0, oh1) for tap (i, j) are the input rows [ih0, ih1) read as one run shifted
@@ -403,8 +412,8 @@ inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, st
 
 // The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only);
 // in float with AVX-512, products at least kUnpackedMinColumns wide whose second operand is not
-// transposed (forward and dx, not dw) by the unpacked kernel (kernels/cpu/gemm_unpacked.hpp): OpenBLAS
-// packs a (the weights) again for each block.
+// transposed (forward and dx, not dw) by the unpacked kernel (kernels/cpu/gemm_unpacked.hpp), thin
+// ones in deep blocks (above): OpenBLAS packs a (the weights) again for each block.
 template <class S>
 void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                const S* a, std::int64_t lda, const S* x, std::int64_t ldx, S beta, S* c, std::int64_t ldc) {
@@ -414,12 +423,14 @@ void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t
     if (!trans_b && n >= kUnpackedMinColumns && cpu_avx512()) {
       // On this thread alone the kernel takes beta itself; gemm_split would first zero c in a
       // pass of its own for beta 0.
+      const std::int64_t depth_block = n < kUnpackedWideColumns ? kUnpackedThinDepth : 0;
       if (Cpu::team_size() > 1 || Cpu::num_threads() == 1)
-        return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, x, ldx, beta, c, ldc);
+        return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, x, ldx, beta, c, ldc, depth_block);
       return gemm_split(trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc,
-                        [](bool ta, bool, std::int64_t mm, std::int64_t nn, std::int64_t kk, float, const float* aa,
-                           std::int64_t la, const float* bb, std::int64_t lb, float* cc, std::int64_t lc) {
-                          gemm_unpacked_avx512(ta, mm, nn, kk, aa, la, bb, lb, 1.0f, cc, lc);
+                        [depth_block](bool ta, bool, std::int64_t mm, std::int64_t nn, std::int64_t kk, float,
+                                      const float* aa, std::int64_t la, const float* bb, std::int64_t lb, float* cc,
+                                      std::int64_t lc) {
+                          gemm_unpacked_avx512(ta, mm, nn, kk, aa, la, bb, lb, 1.0f, cc, lc, depth_block);
                         });
     }
 #endif

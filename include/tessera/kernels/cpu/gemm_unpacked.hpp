@@ -2,9 +2,10 @@
 // reading both operands where they lie: op(a)(i, p) = a[i lda + p], or a[p lda + i] when trans_a;
 // b (k, n) and c row-major. No packing: an R x NV block of c (R rows, NV vectors of 16 columns)
 // stays in registers while p runs, each step one vector load of b per column vector and one
-// broadcast of a per row; b's k x 16 NV panel is cut into pieces of about 16 KiB, which stay in
-// the L1 cache while the row blocks pass. A last vector narrower than 16 columns is loaded and
-// stored under a mask.
+// broadcast of a per row; b's k x 16 NV panel is cut into pieces of `depth_block` steps (by
+// default about 16 KiB, which stay in the L1 cache while the row blocks pass; a thin product,
+// whose a comes from memory, takes deeper blocks: kernels/cpu/conv2d.hpp, kUnpackedThinDepth).
+// A last vector narrower than 16 columns is loaded and stored under a mask.
 //
 // Who uses it: Winograd's 36 products (kernels/cpu/winograd.hpp), where Eigen's gebp packed both
 // operands on every call (a third of their time at ResNet-20's depth and width 16-64), and the
@@ -79,9 +80,10 @@ TESSERA_TARGET_AVX512 inline void unpacked_rows(std::int64_t rows, std::int64_t 
 template <int NV, bool Tail>
 TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs,
                                           std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
-                                          std::int64_t ldc, __mmask16 tail) {
-  constexpr int R = NV == 4 ? 6 : 8;     // R NV accumulators + NV + 1 of the 32 registers
-  constexpr std::int64_t kc = 256 / NV;  // b's piece: kc x 16 NV floats = 16 KiB
+                                          std::int64_t ldc, __mmask16 tail, std::int64_t depth_block) {
+  constexpr int R = NV == 4 ? 6 : 8;  // R NV accumulators + NV + 1 of the 32 registers
+  // b's piece: kc x 16 NV floats, 16 KiB by default
+  const std::int64_t kc = depth_block > 0 ? depth_block : 256 / NV;
   // The rows split evenly into tiles of R or R - 1 rows (m = 28: 6, 6, 6, 5, 5): a full-height
   // tile over the last m % R rows would compute rows it does not store (ResNet-50's 28x28 layers
   // make Winograd blocks of 14 tiles: 18 rows computed for 14), and one short tile runs below the
@@ -101,7 +103,8 @@ TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const 
 
 TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
                                                        const float* a, std::int64_t lda, const float* b,
-                                                       std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+                                                       std::int64_t ldb, float beta, float* c, std::int64_t ldc,
+                                                       std::int64_t depth_block = 0) {
   if (k == 0 || m == 0) {
     if (beta == 0)
       for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
@@ -109,28 +112,31 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
   }
   const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
   const bool accumulate = beta != 0;
-  for (std::int64_t j0 = 0; j0 < n;) {
-    const std::int64_t left = n - j0, vectors = std::min<std::int64_t>(4, (left + 15) / 16);
-    const std::int64_t width = std::min(left, 16 * vectors);
-    const __mmask16 tail = lanes16(width - 16 * (vectors - 1));
+  // The columns' vectors in panels of at most 4, as even as they go (13 vectors: 4 3 3 3, not
+  // 4 4 4 1: a panel of one vector loads as much as it computes).
+  const std::int64_t vectors = (n + 15) / 16, panels = (vectors + 3) / 4;
+  for (std::int64_t p = 0, v0 = 0; p < panels; ++p) {
+    const std::int64_t nv = (vectors - v0 + (panels - p) - 1) / (panels - p);
+    const std::int64_t j0 = 16 * v0, width = std::min(n, 16 * (v0 + nv)) - j0;
+    const __mmask16 tail = lanes16(width - 16 * (nv - 1));
     const float* bp = b + j0;
     float* cp = c + j0;
-    if (width == 16 * vectors) {
-      switch (vectors) {
-        case 4: unpacked_panel<4, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
-        case 3: unpacked_panel<3, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
-        case 2: unpacked_panel<2, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
-        default: unpacked_panel<1, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+    if (width == 16 * nv) {
+      switch (nv) {
+        case 4: unpacked_panel<4, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        case 3: unpacked_panel<3, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        case 2: unpacked_panel<2, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        default: unpacked_panel<1, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
       }
     } else {
-      switch (vectors) {
-        case 4: unpacked_panel<4, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
-        case 3: unpacked_panel<3, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
-        case 2: unpacked_panel<2, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
-        default: unpacked_panel<1, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail); break;
+      switch (nv) {
+        case 4: unpacked_panel<4, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        case 3: unpacked_panel<3, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        case 2: unpacked_panel<2, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        default: unpacked_panel<1, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
       }
     }
-    j0 += width;
+    v0 += nv;
   }
 }
 #endif
