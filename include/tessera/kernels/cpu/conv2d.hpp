@@ -49,8 +49,8 @@ namespace detail {
 // kUnpackedThinDepth steps, so that each of a tile's six rows is read in runs of 4 KiB, which
 // the hardware prefetcher follows, and b's piece (1024 x 64 floats, 256 KiB) stays in L2. With
 // the wide products' 64-step blocks (1 KiB to 256 B runs), the unpacked kernel lost to OpenBLAS
-// at 196 columns; with deep blocks a ResNet-50 forward at batch 1 ran 5-20% faster than with
-// OpenBLAS there (figures in bench/README.md, "Figures behind design choices in the headers").
+// at 196 columns; with deep blocks it wins there, and a ResNet-50 forward at batch 1 is faster
+// (figures in bench/README.md, "Figures behind design choices in the headers").
 constexpr std::int64_t kUnpackedMinColumns = 16;
 constexpr std::int64_t kUnpackedWideColumns = 256;
 constexpr std::int64_t kUnpackedThinDepth = 1024;
