@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -808,6 +809,53 @@ TEST_CASE("MaxPool2d breaks ties and propagates NaN like PyTorch", "[layers][poo
               }
         }
   }
+}
+
+TEST_CASE("MaxPool2d in Mode::Inference keeps no argmax, gives the same bits, and refuses backward",
+          "[layers][pool][inference]") {
+  // Every kernel path (ResNet's 3x3 stride 2 with padding and ceil mode, LeNet's 2x2, the generic
+  // loop, channels last), on values with ties, NaNs, -inf and both zeros: Mode::Inference's values
+  // are Mode::Train's bit for bit, NaN payloads included.
+  struct Case {
+    std::int64_t kernel, stride, pad;
+    bool ceil_mode;
+    MemoryFormat format;
+  };
+  const Case cases[] = {{3, 2, 1, false, MemoryFormat::Contiguous}, {3, 2, 1, true, MemoryFormat::Contiguous},
+                        {3, 2, 0, false, MemoryFormat::Contiguous}, {2, 2, 0, false, MemoryFormat::Contiguous},
+                        {3, 1, 1, false, MemoryFormat::Contiguous}, {2, 2, 0, true, MemoryFormat::Contiguous},
+                        {3, 2, 1, false, MemoryFormat::ChannelsLast}};
+  Rng rng(21);
+  for (const Case& k : cases)
+    for (std::int64_t width : {5, 16, 29, 33}) {
+      Tensor<float> x({2, 3, 7, width});
+      for (std::int64_t i = 0; i < x.numel(); ++i) {
+        const auto r = static_cast<int>(rng.uniform() * 8);
+        x[i] = r == 5   ? std::numeric_limits<float>::quiet_NaN()
+               : r == 6 ? -std::numeric_limits<float>::infinity()
+               : r == 7 ? -0.0f
+                        : static_cast<float>(r % 3);
+      }
+      MaxPool2d<E32> train({.kernel = k.kernel, .stride = k.stride, .padding = k.pad, .ceil_mode = k.ceil_mode});
+      train.set_memory_format(k.format);
+      MaxPool2d<E32> inference = train;
+      inference.set_mode(Mode::Inference);
+      MaxPool2d<E32>::Cache train_cache, inference_cache;
+      const Tensor<float>& want = train.forward(x, train_cache);
+      const Tensor<float>& got = inference.forward(x, inference_cache);
+      INFO("kernel " << k.kernel << " stride " << k.stride << " pad " << k.pad << " ceil " << k.ceil_mode << " "
+                     << to_string(k.format) << " width " << width);
+      REQUIRE(got.shape() == want.shape());
+      CHECK(inference_cache.argmax.numel() == 0);
+      CHECK(std::memcmp(got.data(), want.data(), sizeof(float) * static_cast<std::size_t>(want.numel())) == 0);
+      CHECK_THROWS_WITH(inference.backward(want, inference_cache), Catch::Contains("Mode::Inference"));
+      // Back in Mode::Train the same layer keeps its argmax again and differentiates.
+      inference.set_mode(Mode::Train);
+      MaxPool2d<E32>::Cache again;
+      inference.forward(x, again);
+      CHECK(again.argmax.numel() == want.numel());
+      CHECK_NOTHROW(inference.backward(want, again));
+    }
 }
 
 TEST_CASE("Conv2d accumulates parameter gradients and can skip dx", "[layers][conv]") {

@@ -147,21 +147,27 @@ class MaxPool2d {
     Tensor y, dx;
     tessera::Tensor<std::int32_t, D> argmax;  // (N, C, H', W'): flat index h W + w of each window's maximum
     Shape x_shape, y_shape;
+    bool forward_only = false;  // the forward ran in Mode::Inference and kept no argmax
   };
 
   explicit MaxPool2d(MaxPool2dOptions o) : config_("MaxPool2d", o.kernel, o.stride, o.padding, o.ceil_mode) {}
   explicit MaxPool2d(std::int64_t kernel, std::int64_t stride = 0, std::int64_t padding = 0, bool ceil_mode = false)
       : MaxPool2d(MaxPool2dOptions{kernel, stride, padding, ceil_mode}) {}
 
-  // y (N, C, H', W') = max over each window of x (N, C, H, W)
+  // y (N, C, H', W') = max over each window of x (N, C, H, W). In Mode::Inference the argmax that
+  // backward routes through is not kept (the same values, without an int32 per output to write:
+  // ResNet-50's stem pooling writes 6.4 MB of it at batch 8), and backward is refused.
   const Tensor& forward(const Tensor& x, Cache& c) {
     const Pool2dGeometry g = config_.geometry(x, format_);
     c.x = &x;
     c.y.resize({x.dim(0), x.dim(1), g.out_height, g.out_width});
-    c.argmax.resize(c.y.shape());
+    c.forward_only = mode_ == Mode::Inference;
+    if (c.forward_only) c.argmax = tessera::Tensor<std::int32_t, D>();
+    else c.argmax.resize(c.y.shape());
     TESSERA_CHECK(g.in_plane() <= INT32_MAX, ShapeError, config_.name(), ": input plane ", x.shape(),
                   " has more than 2^31 elements");
-    max_pool2d_forward(D{}, g, x.dim(0) * x.dim(1), x.data(), c.y.data(), c.argmax.data());
+    max_pool2d_forward(D{}, g, x.dim(0) * x.dim(1), x.data(), c.y.data(),
+                       c.forward_only ? nullptr : c.argmax.data());
     c.x_shape = x.shape();
     c.y_shape = c.y.shape();
     return c.y;
@@ -170,6 +176,8 @@ class MaxPool2d {
   // dy (N, C, H', W') -> dx (N, C, H, W), nonzero only at each window's argmax
   const Tensor& backward(const Tensor& dy, Cache& c) {
     TESSERA_CHECK(c.x != nullptr, Error, config_.name(), "::backward called before forward on this cache");
+    TESSERA_CHECK(!c.forward_only, Error, config_.name(), ": backward after a forward in Mode::Inference, which kept ",
+                  "no argmax (set Mode::Train or Mode::Eval before the forward to differentiate)");
     TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, config_.name(), "::backward: dy ", dy.shape(),
                   " does not match the output ", c.y_shape);
     if (!needs_input_grad_) return c.dx;
@@ -181,13 +189,14 @@ class MaxPool2d {
 
   template <class V>
   void visit(V&, const std::string&) {}
-  void set_mode(Mode) {}
+  void set_mode(Mode m) { mode_ = m; }
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
   void set_memory_format(MemoryFormat f) { format_ = f; }
   const std::string& name() const { return config_.name(); }
 
  private:
   detail::Pool2dConfig config_;
+  Mode mode_ = Mode::Train;
   bool needs_input_grad_ = true;
   MemoryFormat format_ = MemoryFormat::Contiguous;
 };

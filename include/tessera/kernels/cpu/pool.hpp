@@ -157,7 +157,7 @@ TESSERA_TARGET_AVX512 inline void max_pool_2x2_row16(const float* r0, const floa
   }
   const auto out = static_cast<__mmask16>((1u << ow_count) - 1u);
   _mm512_mask_storeu_ps(best, out, m);
-  _mm512_mask_storeu_epi32(at, out, a);
+  if (at != nullptr) _mm512_mask_storeu_epi32(at, out, a);
 }
 #endif
 
@@ -175,7 +175,7 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
       const S* r0 = in + 2 * oh * w;
       const S* r1 = r0 + w;
       S* best = y + p * g.out_plane() + oh * ow_count;
-      std::int32_t* at = argmax + p * g.out_plane() + oh * ow_count;
+      std::int32_t* at = argmax ? argmax + p * g.out_plane() + oh * ow_count : nullptr;
       const auto base = static_cast<std::int32_t>(2 * oh * w);
       const auto below = static_cast<std::int32_t>(w);
 #if TESSERA_X86_DISPATCH
@@ -202,7 +202,7 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
         m = take ? v3 : m;
         a = take ? i0 + below + 1 : a;
         best[ow] = m;
-        at[ow] = a;
+        if (at != nullptr) at[ow] = a;
       }
     }
   });
@@ -215,7 +215,8 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
 // them by shuffles, where clang left the generic loop scalar and branchy for s = 2 (bench/README,
 // "Figures behind design choices in the headers"). Taps are visited in the generic loop's order
 // (h, then j), so values and argmax are identical. Columns with a tap in the padding go through the
-// same comparisons one by one.
+// same comparisons one by one. Without argmax (null: Mode::Inference keeps none) the same passes
+// leave it out, so the values are those with argmax, bit for bit.
 template <int kKernel, int kStride, class S>
 void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, const S* x, S* y, std::int32_t* argmax) {
   const std::int64_t pad = g.pad, width = g.width, ow_count = g.out_width;
@@ -224,53 +225,58 @@ void max_pool2d_forward_fixed(const Pool2dGeometry& g, std::int64_t planes, cons
   const std::int64_t inner_hi =
       width + pad < kKernel ? inner_lo : std::clamp((width + pad - kKernel) / kStride + 1, inner_lo, ow_count);
   const std::int64_t work = planes * g.out_plane() * kKernel * kKernel;
-  detail::parallel_for(planes, work > kPoolParallelGrain, [&](std::int64_t p) {
-    const S* in = x + p * g.in_plane();
-    for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
-      S* best = y + p * g.out_plane() + oh * ow_count;
-      std::int32_t* at = argmax + p * g.out_plane() + oh * ow_count;
-      const std::int64_t h0 = std::max<std::int64_t>(oh * kStride - pad, 0);
-      const std::int64_t h1 = std::min(oh * kStride - pad + kKernel, g.height);
-      for (std::int64_t ow = 0; ow < ow_count; ++ow) {
-        best[ow] = -std::numeric_limits<S>::infinity();
-        at[ow] = static_cast<std::int32_t>(h0 * width + std::max<std::int64_t>(ow * kStride - pad, 0));
-      }
-      for (std::int64_t h = h0; h < h1; ++h) {
-        const S* row = in + h * width;
-        const auto edge_column = [&](std::int64_t ow) {
-          for (std::int64_t j = 0; j < kKernel; ++j) {
-            const std::int64_t iw = ow * kStride + j - pad;
-            if (iw < 0 || iw >= width) continue;
-            const S v = row[iw];
-            if (v > best[ow] || v != v) {
-              best[ow] = v;
-              at[ow] = static_cast<std::int32_t>(h * width + iw);
+  const auto pool = [&](auto with_argmax) {
+    constexpr bool kArgmax = decltype(with_argmax)::value;
+    detail::parallel_for(planes, work > kPoolParallelGrain, [&](std::int64_t p) {
+      const S* in = x + p * g.in_plane();
+      for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+        S* best = y + p * g.out_plane() + oh * ow_count;
+        std::int32_t* at = kArgmax ? argmax + p * g.out_plane() + oh * ow_count : nullptr;
+        const std::int64_t h0 = std::max<std::int64_t>(oh * kStride - pad, 0);
+        const std::int64_t h1 = std::min(oh * kStride - pad + kKernel, g.height);
+        std::fill(best, best + ow_count, -std::numeric_limits<S>::infinity());
+        if constexpr (kArgmax)
+          for (std::int64_t ow = 0; ow < ow_count; ++ow)
+            at[ow] = static_cast<std::int32_t>(h0 * width + std::max<std::int64_t>(ow * kStride - pad, 0));
+        for (std::int64_t h = h0; h < h1; ++h) {
+          const S* row = in + h * width;
+          const auto edge_column = [&](std::int64_t ow) {
+            for (std::int64_t j = 0; j < kKernel; ++j) {
+              const std::int64_t iw = ow * kStride + j - pad;
+              if (iw < 0 || iw >= width) continue;
+              const S v = row[iw];
+              if (v > best[ow] || v != v) {
+                best[ow] = v;
+                if constexpr (kArgmax) at[ow] = static_cast<std::int32_t>(h * width + iw);
+              }
             }
-          }
-        };
-        for (std::int64_t ow = 0; ow < inner_lo; ++ow) edge_column(ow);
+          };
+          for (std::int64_t ow = 0; ow < inner_lo; ++ow) edge_column(ow);
 #pragma omp simd
-        for (std::int64_t ow = inner_lo; ow < inner_hi; ++ow) {
-          const S* window = row + ow * kStride - pad;
-          const auto first = static_cast<std::int32_t>(h * width + ow * kStride - pad);
-          S m = best[ow];
-          std::int32_t a = at[ow];
+          for (std::int64_t ow = inner_lo; ow < inner_hi; ++ow) {
+            const S* window = row + ow * kStride - pad;
+            const auto first = static_cast<std::int32_t>(h * width + ow * kStride - pad);
+            S m = best[ow];
+            std::int32_t a = kArgmax ? at[ow] : 0;
 #if !defined(__CUDACC__)  // nvcc's front end, which sees this header through the CUDA launchers' declarations, warns
 #pragma GCC unroll 16
 #endif
-          for (int j = 0; j < kKernel; ++j) {
-            const S v = window[j];
-            const bool take = v > m || v != v;
-            m = take ? v : m;
-            a = take ? first + j : a;
+            for (int j = 0; j < kKernel; ++j) {
+              const S v = window[j];
+              const bool take = v > m || v != v;
+              m = take ? v : m;
+              if constexpr (kArgmax) a = take ? first + j : a;
+            }
+            best[ow] = m;
+            if constexpr (kArgmax) at[ow] = a;
           }
-          best[ow] = m;
-          at[ow] = a;
+          for (std::int64_t ow = inner_hi; ow < ow_count; ++ow) edge_column(ow);
         }
-        for (std::int64_t ow = inner_hi; ow < ow_count; ++ow) edge_column(ow);
       }
-    }
-  });
+    });
+  };
+  if (argmax != nullptr) pool(std::true_type{});
+  else pool(std::false_type{});
 }
 
 // Channels last (Pool2dGeometry::channels_last): output by output in memory order, each window
@@ -297,7 +303,7 @@ void max_pool2d_forward_channels_last(const Pool2dGeometry& g, std::int64_t plan
         }
       }
     y[o] = best;
-    argmax[o] = at;
+    if (argmax != nullptr) argmax[o] = at;
   });
 }
 // Each image's outputs are contiguous in both formats: images split over the threads.
@@ -309,7 +315,8 @@ void pool_images(const Pool2dGeometry& g, std::int64_t planes, const Body& body)
 }
 }  // namespace detail
 
-// y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W).
+// y (planes, H', W') and argmax (planes, H', W') <- max pooling of x (planes, H, W); argmax may be
+// null (Mode::Inference: the values only, the same as with it).
 // Each output row is built tap by tap over all its columns at once: the inner loop runs along ow
 // with no branches, so it vectorizes; taps are visited in row-major window order and only a
 // strictly larger value (or a NaN) replaces the current maximum, which keeps PyTorch's argmax.
@@ -332,13 +339,13 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
     const S* in = x + p * g.in_plane();
     for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
       S* best = y + p * g.out_plane() + oh * g.out_width;
-      std::int32_t* at = argmax + p * g.out_plane() + oh * g.out_width;
+      std::int32_t* at = argmax ? argmax + p * g.out_plane() + oh * g.out_width : nullptr;
       const std::int64_t h0 = std::max<std::int64_t>(oh * g.stride - g.pad, 0);
       const std::int64_t h1 = std::min(oh * g.stride - g.pad + g.kernel, g.height);
-      for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
-        best[ow] = -std::numeric_limits<S>::infinity();
-        at[ow] = static_cast<std::int32_t>(h0 * g.width + std::max<std::int64_t>(ow * g.stride - g.pad, 0));
-      }
+      std::fill(best, best + g.out_width, -std::numeric_limits<S>::infinity());
+      if (at != nullptr)
+        for (std::int64_t ow = 0; ow < g.out_width; ++ow)
+          at[ow] = static_cast<std::int32_t>(h0 * g.width + std::max<std::int64_t>(ow * g.stride - g.pad, 0));
       for (std::int64_t h = h0; h < h1; ++h) {
         const S* row = in + h * g.width;
         for (std::int64_t j = 0; j < g.kernel; ++j) {
@@ -346,6 +353,13 @@ void max_pool2d_forward(Cpu, const Pool2dGeometry& g, std::int64_t planes, const
           std::int64_t lo, hi;
           detail::pool_valid_range(offset, g.stride, g.width, g.out_width, lo, hi);
           const auto base = static_cast<std::int32_t>(h * g.width + offset);
+          if (at == nullptr) {
+            for (std::int64_t ow = lo; ow < hi; ++ow) {
+              const S v = row[ow * g.stride + offset];
+              best[ow] = v > best[ow] || v != v ? v : best[ow];
+            }
+            continue;
+          }
           for (std::int64_t ow = lo; ow < hi; ++ow) {
             const S v = row[ow * g.stride + offset];
             const bool take = v > best[ow] || v != v;

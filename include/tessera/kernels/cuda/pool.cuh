@@ -48,7 +48,7 @@ __global__ void max_pool_forward_kernel(Pool2dGeometry g, std::int64_t planes, c
         }
       }
     y[o] = best;
-    argmax[o] = at;
+    if (argmax != nullptr) argmax[o] = at;  // null: Mode::Inference keeps none
   }
 }
 
