@@ -167,3 +167,22 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
   WARN("skipped: built without x86 dispatch, where conv_gemm never calls the unpacked product");
 #endif
 }
+
+// OpenBLAS's threaded builds export blas_server_avail: 1 while the worker pool they start at load
+// runs (on more than one core). Weak: null in a build without OpenBLAS, or with its serial build.
+extern "C" __attribute__((weak)) int blas_server_avail;
+
+TEST_CASE("the first product stops OpenBLAS's idle worker pool, which polled the cores at start", "[core]") {
+  if (&blas_server_avail == nullptr) {
+    WARN("skipped: no threaded OpenBLAS in this program (Eigen's gebp or a serial OpenBLAS: no pool to stop)");
+    return;
+  }
+  // Any product, however small (below 2^20 multiply-adds it stays on Eigen): the pool's polling
+  // costs the same whether OpenBLAS computes or not (kernels/cpu/gemm.hpp).
+  const float a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+  float c[4] = {};
+  gemm(Cpu{}, false, false, 2, 2, 2, 1.0f, a, 2, b, 2, 0.0f, c, 2);
+  CHECK(c[0] == 19.0f);
+  CHECK(c[3] == 50.0f);
+  CHECK(blas_server_avail == 0);
+}

@@ -18,7 +18,7 @@
 // per-thread product is OpenBLAS's sgemm/dgemm, run on one thread: its AVX-512 kernels
 // (Cooperlake/SkylakeX/SapphireRapids, picked at run time) beat Eigen's gebp on one Zen 4 core on
 // every ResNet shape measured (bench/README.md, "GEMM"). The splitting over the team stays
-// Tessera's; OpenBLAS's thread count is set to 1 once, on first use.
+// Tessera's; OpenBLAS's thread count is set to 1 once, on first use, and its idle pool stopped.
 //
 // With TESSERA_COMPILED_KERNELS (kernels/cpu/compiled.hpp) only the declaration below is visible:
 // the float and double instances come from src/kernels_cpu.cpp, and Eigen is not parsed here.
@@ -50,6 +50,8 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
 void openblas_set_num_threads(int threads);
+// Exported by OpenBLAS's threaded builds (pthread and OpenMP) and absent from the serial one, hence weak.
+int blas_thread_shutdown_(void) __attribute__((weak));
 }
 #endif
 
@@ -172,6 +174,25 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
 }
 
 #if defined(TESSERA_OPENBLAS)
+// OpenBLAS to one thread per call, and its idle worker pool stopped. The pthread build starts that
+// pool (cores - 1 threads) when the library loads, and each worker polls for work with sched_yield
+// for 2^28 cycles (its THREAD_TIMEOUT, 0.1 to 0.3 s) before it sleeps. Tessera never hands the pool
+// any work, but while the workers poll they take turns on the cores with the OpenMP team: on 2
+// cores an MLP's first 40-odd steps ran at about half speed in some starts, and a 50-step
+// benchmark's median with them (bench/README.md, "OpenBLAS's idle workers"). Stopping the pool is
+// what OpenBLAS itself does before a fork; a later openblas_set_num_threads(n > 1) starts it again.
+// Once, on the first product of any size (gemm below, or gemm_openblas): a network whose products
+// all stay on Eigen or the unpacked kernel (LeNet-5's) still pays for the polling otherwise. Under
+// the static guard no Tessera thread is inside OpenBLAS while the pool stops.
+inline void openblas_single_threaded() {
+  static const bool done = [] {
+    openblas_set_num_threads(1);
+    if (blas_thread_shutdown_ != nullptr) blas_thread_shutdown_();
+    return true;
+  }();
+  (void)done;
+}
+
 // C += alpha op(A) op(B) by OpenBLAS on the calling thread; false when a size does not fit its int.
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a row-major matrix read
 // column-major is its transpose: so B goes first, each with its own transpose flag.
@@ -188,8 +209,7 @@ bool gemm_openblas(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, s
   if (lda < std::max<std::int64_t>(1, trans_a ? m : k) || ldb < std::max<std::int64_t>(1, trans_b ? k : n) ||
       ldc < std::max<std::int64_t>(1, n))
     return false;
-  static const bool one_thread = (openblas_set_num_threads(1), true);  // Tessera's team does the splitting
-  (void)one_thread;
+  openblas_single_threaded();  // Tessera's team does the splitting
   const int mm = static_cast<int>(n), nn = static_cast<int>(m), kk = static_cast<int>(k);
   const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
@@ -220,6 +240,9 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
 template <GemmScalar S>
 void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
           std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
+#if defined(TESSERA_OPENBLAS)
+  detail::openblas_single_threaded();
+#endif
   detail::gemm_split(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, detail::gemm_serial<S>);
 }
 #endif  // TESSERA_CPU_KERNELS_EXTERN
