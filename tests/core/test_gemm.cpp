@@ -141,7 +141,9 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
     return;
   }
   const GemmCase cases[] = {{3, 1, 5}, {7, 7, 70}, {6, 17, 64}, {13, 49, 300}, {20, 63, 33},
-                            {9, 65, 257}, {32, 196, 40}, {5, 300, 129}, {8, 208, 1100}};
+                            {9, 65, 257}, {32, 196, 40}, {5, 300, 129}, {8, 208, 1100},
+                            // thin products in blocks of 96 rows by 512 steps: a last short block of each
+                            {200, 196, 1100}, {97, 80, 513}};
   std::uint64_t state = 11;
   for (const auto& g : cases)
     for (bool ta : {false, true})

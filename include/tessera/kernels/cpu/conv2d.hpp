@@ -50,7 +50,10 @@ namespace detail {
 // the hardware prefetcher follows, and b's piece (1024 x 64 floats, 256 KiB) stays in L2. With
 // the wide products' 64-step blocks (1 KiB to 256 B runs), the unpacked kernel lost to OpenBLAS
 // at 196 columns; with deep blocks it wins there, and a ResNet-50 forward at batch 1 is faster
-// (figures in bench/README.md, "Figures behind design choices in the headers").
+// (figures in bench/README.md, "Figures behind design choices in the headers"). A thin product of
+// more than one panel of 64 columns runs in blocks of 96 rows by 512 steps instead, every panel
+// inside each block, so the weights are read from memory once rather than once per panel
+// (gemm_unpacked.hpp, kThinRowBlock).
 constexpr std::int64_t kUnpackedMinColumns = 16;
 constexpr std::int64_t kUnpackedWideColumns = 256;
 constexpr std::int64_t kUnpackedThinDepth = 1024;

@@ -101,19 +101,12 @@ TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const 
   }
 }
 
-TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
-                                                       const float* a, std::int64_t lda, const float* b,
-                                                       std::int64_t ldb, float beta, float* c, std::int64_t ldc,
-                                                       std::int64_t depth_block = 0) {
-  if (k == 0 || m == 0) {
-    if (beta == 0)
-      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
-    return;
-  }
-  const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
-  const bool accumulate = beta != 0;
-  // The columns' vectors in panels of at most 4, as even as they go (13 vectors: 4 3 3 3, not
-  // 4 4 4 1: a panel of one vector loads as much as it computes).
+// The columns' vectors in panels of at most 4, as even as they go (13 vectors: 4 3 3 3, not
+// 4 4 4 1: a panel of one vector loads as much as it computes), each over all m rows and all k.
+TESSERA_TARGET_AVX512 inline void unpacked_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                                                  std::int64_t a_rs, std::int64_t a_cs, const float* b,
+                                                  std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc,
+                                                  std::int64_t depth_block) {
   const std::int64_t vectors = (n + 15) / 16, panels = (vectors + 3) / 4;
   for (std::int64_t p = 0, v0 = 0; p < panels; ++p) {
     const std::int64_t nv = (vectors - v0 + (panels - p) - 1) / (panels - p);
@@ -138,6 +131,39 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
     }
     v0 += nv;
   }
+}
+
+// A thin product (a depth_block given: conv_gemm's, below kUnpackedWideColumns columns) of more than
+// one panel runs in blocks of kThinRowBlock rows by kThinDepthBlock steps of a, every panel inside
+// each block. Panel by panel, each panel read all of a, the layer's weights, from memory again
+// (ResNet-50's 512-channel 3x3 layer: 9.4 MB, four panels at batch 8); a 96 x 512 block (192 KiB)
+// is read once and stays in the L2 cache while the panels pass. 96 rows are whole tiles of 6 and
+// of 8. One panel (49 or 64 columns) keeps the deep blocks of unpacked_panel. Figures in
+// bench/README.md, "Figures behind design choices in the headers".
+constexpr std::int64_t kThinRowBlock = 96;
+constexpr std::int64_t kThinDepthBlock = 512;
+
+TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
+                                                       const float* a, std::int64_t lda, const float* b,
+                                                       std::int64_t ldb, float beta, float* c, std::int64_t ldc,
+                                                       std::int64_t depth_block = 0) {
+  if (k == 0 || m == 0) {
+    if (beta == 0)
+      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
+  const bool accumulate = beta != 0;
+  if (depth_block > 0 && n > 64) {
+    for (std::int64_t k0 = 0; k0 < k; k0 += kThinDepthBlock) {
+      const std::int64_t depth = std::min(kThinDepthBlock, k - k0);
+      for (std::int64_t m0 = 0; m0 < m; m0 += kThinRowBlock)
+        unpacked_panels(std::min(kThinRowBlock, m - m0), n, depth, a + m0 * a_rs + k0 * a_cs, a_rs, a_cs,
+                        b + k0 * ldb, ldb, accumulate || k0 > 0, c + m0 * ldc, ldc, depth);
+    }
+    return;
+  }
+  unpacked_panels(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, depth_block);
 }
 #endif
 
