@@ -37,15 +37,11 @@ double step_ms(const ConvShape& s, std::int64_t batch, bool first) {
 
 int main(int argc, char** argv) {
   try {
-    Flags flags(argc, argv);
-    const std::string model = flags.choice("model", "resnet50", {"resnet50", "resnet20", "lenet"});
-    std::int64_t batch = flags.get("batch", 0, {.min = 0});
-    const int threads = flags.threads("threads", 2);
-    const int runs = flags.get("runs", 7, {.min = 1});
-    flags.finish();
-    const std::vector<ConvShape>& shapes = model == "resnet50" ? kResNet50 : model == "resnet20" ? kResNet20 : kLeNet;
-    if (batch == 0) batch = model == "resnet50" ? 8 : 64;
-    Cpu::set_num_threads(threads);
+    const ConvBenchSetup setup = conv_bench_setup(argc, argv);
+    const std::string& model = setup.model;
+    const std::int64_t batch = setup.batch;
+    const int threads = setup.threads, runs = setup.runs;
+    const std::vector<ConvShape>& shapes = setup.shapes;
     TESSERA_CHECK(onednn_built(), Error, "bf16_conv compares Tessera's bfloat16 kernels with oneDNN's: this build has "
                                          "no oneDNN (meson option onednn; Debian: libdnnl-dev)");
     TESSERA_CHECK(cpu_bf16_active(), Error, "bf16_conv: this CPU has no AVX512-BF16, so both would compute in float");

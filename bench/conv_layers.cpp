@@ -64,20 +64,12 @@ LayerTimes time_layer(const ConvShape& s, std::int64_t batch, bool first, int ru
 
 int main(int argc, char** argv) {
   try {
-    Flags flags(argc, argv);
-    const std::string model = flags.choice("model", "resnet50", {"resnet50", "resnet20", "lenet"});
-    std::int64_t batch = flags.get("batch", 0, {.min = 0});
-    const int threads = flags.threads("threads", 2);
-    const int runs = flags.get("runs", 7, {.min = 1});
-    flags.finish();
-    const std::vector<ConvShape>& shapes = model == "resnet50" ? kResNet50 : model == "resnet20" ? kResNet20 : kLeNet;
-    if (batch == 0) batch = model == "resnet50" ? 8 : 64;
-    Cpu::set_num_threads(threads);
+    const ConvBenchSetup run = conv_bench_setup(argc, argv);
     double total_forward = 0, total_backward = 0;
     std::string rows;
     std::fprintf(stderr, "%-28s %11s %12s\n", "C K size kxk/stride x count", "forward ms", "backward ms");
-    for (const ConvShape& s : shapes) {
-      const LayerTimes t = time_layer(s, batch, &s == &shapes.front(), runs);
+    for (const ConvShape& s : run.shapes) {
+      const LayerTimes t = time_layer(s, run.batch, &s == &run.shapes.front(), run.runs);
       total_forward += t.forward_ms * s.count;
       total_backward += t.backward_ms * s.count;
       std::fprintf(stderr, "%4lld %4lld %3lld %lldx%lld/%lld x%lld %14.3f %12.3f\n", (long long)s.in, (long long)s.out,
@@ -91,12 +83,12 @@ int main(int argc, char** argv) {
                     (long long)s.stride, (long long)s.pad, (long long)s.count, t.forward_ms, t.backward_ms);
       rows += row;
     }
-    std::fprintf(stderr, "%-28s %14.2f %12.2f\n", (model + " total (ms)").c_str(), total_forward, total_backward);
+    std::fprintf(stderr, "%-28s %14.2f %12.2f\n", (run.model + " total (ms)").c_str(), total_forward, total_backward);
     std::printf("{\"framework\": \"tessera\", \"benchmark\": \"conv_layers\", \"model\": \"%s\", \"batch\": %lld, "
                 "\"threads\": %d, \"runs\": %d, \"gemm\": \"%s\", \"total_ms\": {\"forward\": %.3f, \"backward\": %.3f}, "
                 "\"layers\": [%s]}\n",
-                model.c_str(), (long long)batch, threads, runs, cpu_gemm_kernel().c_str(), total_forward, total_backward,
-                rows.c_str());
+                run.model.c_str(), (long long)run.batch, run.threads, run.runs, cpu_gemm_kernel().c_str(), total_forward,
+                total_backward, rows.c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

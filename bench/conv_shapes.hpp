@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "tessera/tessera.hpp"
 
 struct ConvShape {
   std::int64_t in, out, size, kernel, stride, pad, count;  // channels in and out, input H = W, k, s, p, layers
@@ -27,3 +30,23 @@ inline const std::vector<ConvShape> kResNet20 = {
 };
 // LeNet-5 on Fashion-MNIST (models/lenet.hpp).
 inline const std::vector<ConvShape> kLeNet = {{1, 6, 28, 5, 1, 2, 1}, {6, 16, 14, 5, 1, 0, 1}};
+
+// The flags both programs take: --model (resnet50 at 224x224, batch 8 by default; resnet20 or lenet
+// at 28x28, batch 64), --batch (0: the model's), --threads, --runs. Sets the threads.
+struct ConvBenchSetup {
+  std::string model;
+  std::int64_t batch;
+  int threads, runs;
+  const std::vector<ConvShape>& shapes;
+};
+inline ConvBenchSetup conv_bench_setup(int argc, char** argv) {
+  tessera::Flags flags(argc, argv);
+  const std::string model = flags.choice("model", "resnet50", {"resnet50", "resnet20", "lenet"});
+  std::int64_t batch = flags.get("batch", 0, {.min = 0});
+  const int threads = flags.threads("threads", 2);
+  const int runs = flags.get("runs", 7, {.min = 1});
+  flags.finish();
+  if (batch == 0) batch = model == "resnet50" ? 8 : 64;
+  tessera::Cpu::set_num_threads(threads);
+  return {model, batch, threads, runs, model == "resnet50" ? kResNet50 : model == "resnet20" ? kResNet20 : kLeNet};
+}
