@@ -181,9 +181,10 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
 // cores an MLP's first 40-odd steps ran at about half speed in some starts, and a 50-step
 // benchmark's median with them (bench/README.md, "OpenBLAS's idle workers"). Stopping the pool is
 // what OpenBLAS itself does before a fork; a later openblas_set_num_threads(n > 1) starts it again.
-// Once, on the first product of any size (gemm below, or gemm_openblas): a network whose products
-// all stay on Eigen or the unpacked kernel (LeNet-5's) still pays for the polling otherwise. Under
-// the static guard no Tessera thread is inside OpenBLAS while the pool stops.
+// Once, from gemm (below), the only way into gemm_openblas, on its first product of any size:
+// Tessera's team does the splitting, and a network whose products stay on Eigen or the unpacked
+// kernel (LeNet-5's) would still pay for the polling. Under the static guard no Tessera thread is
+// inside OpenBLAS while the pool stops.
 inline void openblas_single_threaded() {
   static const bool done = [] {
     openblas_set_num_threads(1);
@@ -209,7 +210,6 @@ bool gemm_openblas(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, s
   if (lda < std::max<std::int64_t>(1, trans_a ? m : k) || ldb < std::max<std::int64_t>(1, trans_b ? k : n) ||
       ldc < std::max<std::int64_t>(1, n))
     return false;
-  openblas_single_threaded();  // Tessera's team does the splitting
   const int mm = static_cast<int>(n), nn = static_cast<int>(m), kk = static_cast<int>(k);
   const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';

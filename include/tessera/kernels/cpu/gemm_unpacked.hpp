@@ -154,7 +154,7 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
   }
   const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
   const bool accumulate = beta != 0;
-  if (depth_block > 0 && n > 64) {
+  if (depth_block > 0 && n > 4 * 16) {  // more than one panel
     for (std::int64_t k0 = 0; k0 < k; k0 += kThinDepthBlock) {
       const std::int64_t depth = std::min(kThinDepthBlock, k - k0);
       for (std::int64_t m0 = 0; m0 < m; m0 += kThinRowBlock)
