@@ -414,8 +414,11 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
           "[layers][conv]") {
   // detail::phase_taps: ResNet's 3x3 and 7x7 stride-2 shapes, odd and even sizes, bands, several
   // samples, a team's share of the col rows, and a width whose band needs several passes over the
-  // phase buffer (W' = 150: 27 rows a pass); 3x3 unpadded (ceil(W / 2) > W') and 1x1 keep the
-  // per-row path and are checked the same way. float (AVX-512 split and interleave) and double.
+  // phase buffer (W' = 150: 27 rows a pass); 3x3 unpadded (ceil(W / 2) > W') keeps the per-row
+  // path and is checked the same way. 1x1 unpadded takes the subsample path (detail::subsample_taps:
+  // rows of W' <= 8 two at a time, wider ones one by one, odd sizes, bands, a share of the rows),
+  // whose col2im also assigns: the block's input rows written whole, 0 where no output reads them,
+  // every other row untouched. float (AVX-512 split and interleave) and double.
   struct Case {
     std::int64_t samples, c, h, w, kh, kw, pad, oh0, oh1, row_begin, row_end;
     bool phases;
@@ -424,7 +427,10 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
                         {2, 3, 16, 16, 7, 7, 3, 2, 6, 0, -1, true},     {1, 4, 9, 40, 3, 3, 1, 1, 4, 5, 29, true},
                         {1, 1, 70, 300, 3, 3, 1, 0, 35, 0, -1, true},   {3, 2, 7, 7, 3, 3, 1, 0, 4, 0, -1, true},
                         {1, 2, 10, 10, 2, 2, 0, 0, 5, 0, -1, true},     {2, 2, 11, 12, 5, 4, 2, 1, 5, 3, 40, true},
-                        {1, 2, 12, 12, 3, 3, 0, 0, 5, 0, -1, false},    {2, 3, 8, 8, 1, 1, 0, 0, 4, 0, -1, false}};
+                        {1, 2, 12, 12, 3, 3, 0, 0, 5, 0, -1, false},    {2, 3, 8, 8, 1, 1, 0, 0, 4, 0, -1, false},
+                        {2, 3, 14, 14, 1, 1, 0, 0, 7, 0, -1, false},    {1, 4, 13, 11, 1, 1, 0, 2, 6, 1, 3, false},
+                        {3, 2, 56, 56, 1, 1, 0, 0, 28, 0, -1, false},   {1, 2, 16, 16, 1, 1, 0, 1, 8, 0, -1, false},
+                        {2, 1, 7, 7, 1, 1, 0, 3, 4, 0, -1, false},      {1, 2, 9, 17, 1, 1, 0, 0, 5, 0, -1, false}};
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.samples << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kh << "x" << c.kw
                                << " padding " << c.pad << ", rows " << c.oh0 << "-" << c.oh1) {
@@ -433,6 +439,8 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
       g.stride_h = g.stride_w = 2, g.pad_h = g.pad_w = c.pad;
       g.out_height = conv_output_extent(c.h, c.kh, 2, c.pad), g.out_width = conv_output_extent(c.w, c.kw, 2, c.pad);
       CHECK(detail::phase_taps(g) == c.phases);
+      const bool subsample = c.kh == 1 && c.kw == 1 && c.pad == 0;
+      CHECK(detail::subsample_taps(g) == subsample);
       const std::int64_t cols = c.samples * (c.oh1 - c.oh0) * g.out_width, rows = g.col_rows();
       const std::int64_t first = c.row_begin, last = c.row_end < 0 ? rows : c.row_end;
       // The definition: col row (ch, i, j), column (s, oh - oh0, ow) holds x[s, ch, 2 oh - p + i, 2 ow - p + j].
@@ -484,6 +492,21 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
         double worst = 0;
         for (std::size_t e = 0; e < dx.size(); ++e) worst = std::max(worst, std::abs(static_cast<double>(dx[e]) - expected[e]));
         CHECK(worst <= 1e-3);
+        if (!subsample) return;
+        // Assigning: rows [2 oh0, min(H, 2 oh1)) of each plane become exactly the sums above less
+        // the 1 they started from (0 where no output reads them); the other rows keep their 9.
+        std::fill(dx.begin(), dx.end(), S(9));
+        col2im_add(Cpu{}, g, col.data(), cols, c.samples, c.oh0, c.oh1, dx.data(), /*assign=*/true);
+        std::int64_t wrong_assigned = 0;
+        for (std::int64_t s = 0; s < c.samples; ++s)
+          for (std::int64_t ch = 0; ch < c.c; ++ch)
+            for (std::int64_t ih = 0; ih < c.h; ++ih)
+              for (std::int64_t iw = 0; iw < c.w; ++iw) {
+                const auto e = static_cast<std::size_t>(((s * c.c + ch) * c.h + ih) * c.w + iw);
+                const bool written = ih >= 2 * c.oh0 && ih < 2 * c.oh1;
+                wrong_assigned += static_cast<double>(dx[e]) != (written ? expected[e] - 1.0 : 9.0);
+              }
+        CHECK(wrong_assigned == 0);
       };
       check(0.0f);
       check(0.0);

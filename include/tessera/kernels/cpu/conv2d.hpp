@@ -67,6 +67,14 @@ inline bool contiguous_taps(const Conv2dGeometry& g) {
   return g.stride_h == 1 && g.stride_w == 1 && g.out_width == g.width;
 }
 
+// 1x1, stride 2 both ways, unpadded (ResNet's downsampling shortcuts): output (oh, ow) reads input
+// (2 oh, 2 ow) and nothing else does, so a col row is a plane's even rows' even columns
+// (detail::gather_rows_stride2), and col2im assigns whole input rows, band by band, the pixels no
+// output reads set to 0 (detail::scatter_rows_stride2): dx is not zeroed first.
+inline bool subsample_taps(const Conv2dGeometry& g) {
+  return g.kernel_h == 1 && g.kernel_w == 1 && g.stride_h == 2 && g.stride_w == 2 && g.pad_h == 0 && g.pad_w == 0;
+}
+
 // Output rows [a, b) of [oh0, oh1) whose input row oh - pad_h + i dh (stride 1) lies inside [0, H).
 inline void valid_row_range(const Conv2dGeometry& g, std::int64_t i, std::int64_t oh0, std::int64_t oh1,
                             std::int64_t& a, std::int64_t& b) {
@@ -272,6 +280,14 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
   }
 #endif
   if (detail::phase_taps(g)) return im2col_phases(g, x, samples, oh0, oh1, col, ldcol, row_begin, rows);
+  if (detail::subsample_taps(g)) {  // col row c (one tap per channel) of sample s
+    for (std::int64_t s = 0; s < samples; ++s)
+      for (std::int64_t c = row_begin; c < rows; ++c)
+        detail::gather_rows_stride2(col + c * ldcol + s * sample_cols,
+                                    x + (s * g.channels + c) * g.in_plane() + 2 * oh0 * g.width, oh1 - oh0,
+                                    g.out_width, g.width);
+    return;
+  }
   for (std::int64_t s = 0; s < samples; ++s) {
     for (std::int64_t r = row_begin; r < rows; ++r) {
       const std::int64_t c = r / taps, i = r % taps / g.kernel_w, j = r % g.kernel_w;
@@ -324,7 +340,9 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
 // column entry added onto the input pixel it was copied from. Serial, like im2col. col is scratch:
 // on the contiguous path the entries that fall into the padding are zeroed first, so that one
 // shifted run can be added per tap. With `assign` (whole samples, and detail::covering_tap(g) >= 0)
-// dx need not be initialized: each channel starts with a copy of the covering tap.
+// dx need not be initialized: each channel starts with a copy of the covering tap. With `assign`
+// on the subsample path (detail::subsample_taps, any block) the block's input rows [2 oh0,
+// min(H, 2 oh1)) are written whole, 0 where no output reads them.
 template <class S>
 void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
                 std::int64_t oh1, S* dx, bool assign = false) {
@@ -332,6 +350,14 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
   const bool contiguous = detail::contiguous_taps(g);
   const std::int64_t first_tap = assign ? detail::covering_tap(g) : -1;
   if (detail::phase_taps(g)) return col2im_add_phases(g, col, ldcol, samples, oh0, oh1, dx);
+  if (assign && detail::subsample_taps(g)) {
+    const std::int64_t in_rows = std::min(g.height, 2 * oh1) - 2 * oh0;
+    for (std::int64_t s = 0; s < samples; ++s)
+      for (std::int64_t c = 0; c < g.channels; ++c)
+        detail::scatter_rows_stride2(dx + (s * g.channels + c) * g.in_plane() + 2 * oh0 * g.width,
+                                     col + c * ldcol + s * sample_cols, in_rows, g.out_width, g.width);
+    return;
+  }
   if (!contiguous && g.stride_w == 1 && g.pad_w == 0 && g.dilation_w == 1) {
     // Unpadded columns (LeNet's 5x5 on 14x14): all kw taps of a kernel row at once, per output
     // row (detail::add_shifted_rows).
@@ -401,9 +427,9 @@ struct ConvBlock {
 };
 
 // Backward blocks of whole samples on a geometry with a covering tap write dx outright (col2im
-// copies that tap first), so dx is not zeroed beforehand.
+// copies that tap first), and so does every block on the subsample path: dx is not zeroed beforehand.
 inline bool col2im_assigns(const Conv2dGeometry& g, const Conv2dBlocking& b) {
-  return b.bands(g) == 1 && covering_tap(g) >= 0;
+  return subsample_taps(g) || (b.bands(g) == 1 && covering_tap(g) >= 0);
 }
 
 inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, std::int64_t group,

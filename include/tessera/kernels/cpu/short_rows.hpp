@@ -109,6 +109,82 @@ inline void copy_row_stride2(S* dst, const S* src, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) dst[i] = src[2 * i];
 }
 
+// dst[r w_out + q] = src[2 r w_in + 2 q] for r < rows, q < w_out (2 (w_out - 1) < w_in): a plane's
+// even rows' even columns, one col row of a 1x1 stride-2 unpadded convolution (ResNet's
+// downsampling shortcuts; im2col's subsample path). Output rows of up to 8 values (W' = 7 from 14)
+// go two at a time: one masked load from each input row, one permute, one store of 2 W' lanes;
+// wider rows one at a time, without the generic loop's per-row bounds and padding checks (figures
+// in bench/README.md, "Figures behind design choices in the headers").
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void gather_rows_stride2_avx512(float* dst, const float* src, std::int64_t rows,
+                                                             std::int64_t w_out, std::int64_t w_in) {
+  if (w_out > 8) {
+    for (std::int64_t r = 0; r < rows; ++r) copy_row_stride2_avx512(dst + r * w_out, src + 2 * r * w_in, w_out);
+    return;
+  }
+  alignas(64) std::int32_t lane[16] = {};
+  for (std::int64_t q = 0; q < w_out; ++q) lane[q] = static_cast<std::int32_t>(2 * q), lane[w_out + q] = static_cast<std::int32_t>(16 + 2 * q);
+  const __m512i pick = _mm512_load_si512(lane);
+  const __mmask16 read = lanes16(2 * w_out - 1);
+  std::int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const __m512 a = _mm512_maskz_loadu_ps(read, src + 2 * r * w_in);
+    const __m512 b = _mm512_maskz_loadu_ps(read, src + 2 * (r + 1) * w_in);
+    _mm512_mask_storeu_ps(dst + r * w_out, lanes16(2 * w_out), _mm512_permutex2var_ps(a, pick, b));
+  }
+  if (r < rows)
+    _mm512_mask_storeu_ps(dst + r * w_out, lanes16(w_out),
+                          _mm512_permutexvar_ps(pick, _mm512_maskz_loadu_ps(read, src + 2 * r * w_in)));
+}
+#endif
+template <class S>
+inline void gather_rows_stride2(S* dst, const S* src, std::int64_t rows, std::int64_t w_out, std::int64_t w_in) {
+#if TESSERA_X86_DISPATCH
+  if constexpr (std::is_same_v<S, float>) {
+    if (cpu_avx512()) return gather_rows_stride2_avx512(dst, src, rows, w_out, w_in);
+  }
+#endif
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t q = 0; q < w_out; ++q) dst[r * w_out + q] = src[2 * r * w_in + 2 * q];
+}
+
+// The inverse, assigning: for input rows ih < in_rows of a plane w_in wide, dst[ih w_in + 2 q] =
+// src[(ih / 2) w_out + q] on even rows and every other entry 0 (col2im's subsample path, where no
+// other tap reaches those pixels, so dx needs no zero fill first). AVX-512: 8 values spread over
+// 16 lanes, odd lanes zeroed, by one masked permute.
+#if TESSERA_X86_DISPATCH
+TESSERA_TARGET_AVX512 inline void scatter_rows_stride2_avx512(float* dst, const float* src, std::int64_t in_rows,
+                                                              std::int64_t w_out, std::int64_t w_in) {
+  const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  for (std::int64_t ih = 0; ih < in_rows; ++ih) {
+    float* row = dst + ih * w_in;
+    if (ih % 2 == 1) {
+      std::fill(row, row + w_in, 0.0f);
+      continue;
+    }
+    const float* from = src + ih / 2 * w_out;
+    for (std::int64_t q0 = 0; 2 * q0 < w_in; q0 += 8) {
+      const __m512 v = _mm512_maskz_loadu_ps(lanes16(w_out - q0), from + q0);
+      _mm512_mask_storeu_ps(row + 2 * q0, lanes16(w_in - 2 * q0), _mm512_maskz_permutexvar_ps(0x5555, spread, v));
+    }
+  }
+}
+#endif
+template <class S>
+inline void scatter_rows_stride2(S* dst, const S* src, std::int64_t in_rows, std::int64_t w_out, std::int64_t w_in) {
+#if TESSERA_X86_DISPATCH
+  if constexpr (std::is_same_v<S, float>) {
+    if (cpu_avx512()) return scatter_rows_stride2_avx512(dst, src, in_rows, w_out, w_in);
+  }
+#endif
+  for (std::int64_t ih = 0; ih < in_rows; ++ih) {
+    S* row = dst + ih * w_in;
+    std::fill(row, row + w_in, S(0));
+    if (ih % 2 == 0)
+      for (std::int64_t q = 0; 2 * q < w_in; ++q) row[2 * q] = src[ih / 2 * w_out + q];
+  }
+}
+
 // even[q] = src[2 q] for q < (n + 1) / 2 and odd[q] = src[2 q + 1] for q < n / 2: an input row of
 // a stride-2 convolution split into its two column phases (im2col's phase path, kernels/cpu/conv2d.hpp).
 // AVX-512: two loads, two permutes and two stores per 32 values; src[n - 1] is the last read.
