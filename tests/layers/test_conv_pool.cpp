@@ -414,7 +414,9 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
           "[layers][conv]") {
   // detail::phase_taps: ResNet's 3x3 and 7x7 stride-2 shapes, odd and even sizes, bands, several
   // samples, a team's share of the col rows, and a width whose band needs several passes over the
-  // phase buffer (W' = 150: 27 rows a pass); 3x3 unpadded (ceil(W / 2) > W') keeps the per-row
+  // phase buffer (W' = 150: 27 rows a pass), a last input row no tap reads (2x2 unpadded on 11
+  // rows); whole samples in one pass are also checked assigning (detail::phase_assigns: dx not
+  // zeroed first). 3x3 unpadded (ceil(W / 2) > W') keeps the per-row
   // path and is checked the same way. 1x1 unpadded takes the subsample path (detail::subsample_taps:
   // rows of W' <= 8 two at a time, wider ones one by one, odd sizes, bands, a share of the rows),
   // whose col2im also assigns: the block's input rows written whole, 0 where no output reads them,
@@ -430,7 +432,8 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
                         {1, 2, 12, 12, 3, 3, 0, 0, 5, 0, -1, false},    {2, 3, 8, 8, 1, 1, 0, 0, 4, 0, -1, false},
                         {2, 3, 14, 14, 1, 1, 0, 0, 7, 0, -1, false},    {1, 4, 13, 11, 1, 1, 0, 2, 6, 1, 3, false},
                         {3, 2, 56, 56, 1, 1, 0, 0, 28, 0, -1, false},   {1, 2, 16, 16, 1, 1, 0, 1, 8, 0, -1, false},
-                        {2, 1, 7, 7, 1, 1, 0, 3, 4, 0, -1, false},      {1, 2, 9, 17, 1, 1, 0, 0, 5, 0, -1, false}};
+                        {2, 1, 7, 7, 1, 1, 0, 3, 4, 0, -1, false},      {1, 2, 9, 17, 1, 1, 0, 0, 5, 0, -1, false},
+                        {2, 2, 11, 10, 2, 2, 0, 0, 5, 0, -1, true}};
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.samples << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kh << "x" << c.kw
                                << " padding " << c.pad << ", rows " << c.oh0 << "-" << c.oh1) {
@@ -492,9 +495,10 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
         double worst = 0;
         for (std::size_t e = 0; e < dx.size(); ++e) worst = std::max(worst, std::abs(static_cast<double>(dx[e]) - expected[e]));
         CHECK(worst <= 1e-3);
-        if (!subsample) return;
-        // Assigning: rows [2 oh0, min(H, 2 oh1)) of each plane become exactly the sums above less
-        // the 1 they started from (0 where no output reads them); the other rows keep their 9.
+        if (!subsample && !(c.phases && detail::phase_assigns(g, c.oh0, c.oh1))) return;
+        // Assigning: rows [2 oh0, min(H, 2 oh1)) of each plane (on the phase path: whole samples,
+        // all rows) become exactly the sums above less the 1 they started from (0 where no
+        // output reads them); the other rows keep their 9.
         std::fill(dx.begin(), dx.end(), S(9));
         col2im_add(Cpu{}, g, col.data(), cols, c.samples, c.oh0, c.oh1, dx.data(), /*assign=*/true);
         std::int64_t wrong_assigned = 0;
@@ -503,8 +507,8 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
             for (std::int64_t ih = 0; ih < c.h; ++ih)
               for (std::int64_t iw = 0; iw < c.w; ++iw) {
                 const auto e = static_cast<std::size_t>(((s * c.c + ch) * c.h + ih) * c.w + iw);
-                const bool written = ih >= 2 * c.oh0 && ih < 2 * c.oh1;
-                wrong_assigned += static_cast<double>(dx[e]) != (written ? expected[e] - 1.0 : 9.0);
+                const bool written = !subsample || (ih >= 2 * c.oh0 && ih < 2 * c.oh1);
+                wrong_assigned += std::abs(static_cast<double>(dx[e]) - (written ? expected[e] - 1.0 : 9.0)) > 1e-3;
               }
         CHECK(wrong_assigned == 0);
       };

@@ -117,6 +117,16 @@ constexpr std::int64_t kPhaseElements = 16384;  // on the stack: 64 KiB of float
 
 inline std::int64_t floor_half(std::int64_t v) { return v >= 0 ? v / 2 : -((1 - v) / 2); }
 
+// Asks for the input rows 2 r0 - 1 .. 2 (r0 + rows) of a channel plane (those a pass splits), one
+// cache line at a time, while the pass is still copying the previous channel's taps.
+template <class S>
+inline void prefetch_rows(const S* plane, const Conv2dGeometry& g, std::int64_t r0, std::int64_t rows) {
+  const std::int64_t first = std::max<std::int64_t>(0, 2 * r0), last = std::min(g.height, 2 * (r0 + rows));
+  const char* begin = reinterpret_cast<const char*>(plane + first * g.width);
+  const char* end = reinterpret_cast<const char*>(plane + last * g.width);
+  for (const char* p = begin; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 // Phase rows a band needs beyond its output rows: sy spans [floor(-ph / 2), floor((kh - 1 - ph) / 2)].
 inline std::int64_t phase_extra_rows(const Conv2dGeometry& g) {
   return floor_half(g.kernel_h - 1 - g.pad_h) - floor_half(-g.pad_h);
@@ -131,6 +141,13 @@ inline bool phase_taps(const Conv2dGeometry& g) {
 // The output rows of one pass over the phase buffer (all of [oh0, oh1) when they fit).
 inline std::int64_t phase_band_rows(const Conv2dGeometry& g) {
   return kPhaseElements / (4 * g.out_width) - phase_extra_rows(g);
+}
+
+// Whether col2im of output rows [oh0, oh1) on the phase path may assign dx: whole samples, each in
+// one pass over the phase buffer, so that every input row is written by one pass only (bands and
+// passes share the rows at their edges).
+inline bool phase_assigns(const Conv2dGeometry& g, std::int64_t oh0, std::int64_t oh1) {
+  return oh0 == 0 && oh1 == g.out_height && phase_band_rows(g) >= g.out_height;
 }
 
 // Tap (i, j)'s phase plane (0 to 3) and its shifts (sy, sx), and the output rows [a, b) of
@@ -178,6 +195,7 @@ void im2col_phases(const Conv2dGeometry& g, const S* x, std::int64_t samples, st
     const std::int64_t b0 = pass.b0, b1 = pass.b1, r0 = pass.r0, plane = pass.plane;
     for (std::int64_t c = row_begin / taps; c * taps < row_end; ++c) {
       const S* in = x + (pass.s * g.channels + c) * g.in_plane();
+      if ((c + 1) * taps < row_end) detail::prefetch_rows(in + g.in_plane(), g, r0, pass.rows);
       // Phase rows whose input row lies inside the image; columns past the input's are only
       // ever read inside a run and then zeroed as wrapped columns, but are set all the same.
       for (std::int64_t r = r0; r < r0 + pass.rows; ++r)
@@ -211,15 +229,19 @@ void im2col_phases(const Conv2dGeometry& g, const S* x, std::int64_t samples, st
 
 // col2im_add on the phase path: each channel's taps are added into its phase planes (col's
 // entries in the padding zeroed first, as on the contiguous path), then the planes are added onto
-// dx row by row, interleaved (detail::add_interleaved_row).
+// dx row by row, interleaved (detail::interleave_row). With `assign` (whole samples, one pass
+// each: detail::phase_assigns) the planes are written onto dx instead, and the input rows no tap
+// reads are set to 0, so dx need not be zeroed first.
 template <class S>
 void col2im_add_phases(const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::int64_t samples, std::int64_t oh0,
-                       std::int64_t oh1, S* dx) {
+                       std::int64_t oh1, S* dx, bool assign = false) {
   const std::int64_t w = g.out_width, taps = g.taps(), sample_cols = (oh1 - oh0) * w;
   alignas(64) S phases[detail::kPhaseElements];
   detail::for_each_phase_pass(g, samples, oh0, oh1, [&](const detail::PhasePass& pass) {
     const std::int64_t r0 = pass.r0, plane = pass.plane;
     for (std::int64_t c = 0; c < g.channels; ++c) {
+      if (c + 1 < g.channels)
+        detail::prefetch_rows(dx + (pass.s * g.channels + c + 1) * g.in_plane(), g, r0, pass.rows);
       std::fill(phases, phases + 4 * plane, S(0));
       for (std::int64_t tap = 0; tap < taps; ++tap) {
         const detail::PhaseTap p(g, tap / g.kernel_w, tap % g.kernel_w, pass.b0, pass.b1);
@@ -238,8 +260,15 @@ void col2im_add_phases(const Conv2dGeometry& g, S* col, std::int64_t ldcol, std:
           const std::int64_t ih = 2 * r + py;
           if (ih < 0 || ih >= g.height) continue;
           const S* even = phases + 2 * py * plane + (r - r0) * w;
-          detail::add_interleaved_row(out + ih * g.width, even, even + plane, g.width);
+          if (assign)
+            detail::interleave_row<true>(out + ih * g.width, even, even + plane, g.width);
+          else
+            detail::interleave_row(out + ih * g.width, even, even + plane, g.width);
         }
+      if (assign) {  // rows past the pass's (a last input row no tap reaches); none before row 0
+        const std::int64_t covered = std::clamp<std::int64_t>(2 * (r0 + pass.rows), 0, g.height);
+        std::fill(out + covered * g.width, out + g.in_plane(), S(0));
+      }
     }
   });
 }
@@ -349,7 +378,8 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
   const std::int64_t taps = g.taps(), sample_cols = (oh1 - oh0) * g.out_width;
   const bool contiguous = detail::contiguous_taps(g);
   const std::int64_t first_tap = assign ? detail::covering_tap(g) : -1;
-  if (detail::phase_taps(g)) return col2im_add_phases(g, col, ldcol, samples, oh0, oh1, dx);
+  if (detail::phase_taps(g))
+    return col2im_add_phases(g, col, ldcol, samples, oh0, oh1, dx, assign && detail::phase_assigns(g, oh0, oh1));
   if (assign && detail::subsample_taps(g)) {
     const std::int64_t in_rows = std::min(g.height, 2 * oh1) - 2 * oh0;
     for (std::int64_t s = 0; s < samples; ++s)
@@ -427,9 +457,12 @@ struct ConvBlock {
 };
 
 // Backward blocks of whole samples on a geometry with a covering tap write dx outright (col2im
-// copies that tap first), and so does every block on the subsample path: dx is not zeroed beforehand.
+// copies that tap first), and so do those on the phase path that take one pass per sample, and
+// every block on the subsample path: dx is not zeroed beforehand.
 inline bool col2im_assigns(const Conv2dGeometry& g, const Conv2dBlocking& b) {
-  return subsample_taps(g) || (b.bands(g) == 1 && covering_tap(g) >= 0);
+  if (subsample_taps(g)) return true;
+  if (b.bands(g) != 1) return false;
+  return covering_tap(g) >= 0 || (phase_taps(g) && phase_assigns(g, 0, g.out_height));
 }
 
 inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, std::int64_t batch, std::int64_t group,

@@ -219,40 +219,49 @@ inline void split_row_stride2(S* even, S* odd, const S* src, std::int64_t n) {
 }
 
 // dst[2 q] += even[q] and dst[2 q + 1] += odd[q] for the entries of dst[0, n): the inverse of
-// split_row_stride2, adding (col2im's phase path).
+// split_row_stride2, adding (col2im's phase path); with Assign, = instead of += (whole-sample
+// blocks, whose dx is then not zeroed first). AVX-512: two loads, two permutes and two stores per
+// 32 values.
 #if TESSERA_X86_DISPATCH
-TESSERA_TARGET_AVX512 inline void add_interleaved_row_avx512(float* dst, const float* even, const float* odd,
-                                                            std::int64_t n) {
+template <bool Assign>
+TESSERA_TARGET_AVX512 inline void interleave_row_avx512(float* dst, const float* even, const float* odd, std::int64_t n) {
   const __m512i low_lanes = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i high_lanes = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   std::int64_t q = 0;
   for (; 2 * q + 32 <= n; q += 16) {
     const __m512 e = _mm512_loadu_ps(even + q), o = _mm512_loadu_ps(odd + q);
-    _mm512_storeu_ps(dst + 2 * q, _mm512_add_ps(_mm512_loadu_ps(dst + 2 * q), _mm512_permutex2var_ps(e, low_lanes, o)));
-    _mm512_storeu_ps(dst + 2 * q + 16,
-                     _mm512_add_ps(_mm512_loadu_ps(dst + 2 * q + 16), _mm512_permutex2var_ps(e, high_lanes, o)));
+    __m512 low = _mm512_permutex2var_ps(e, low_lanes, o), high = _mm512_permutex2var_ps(e, high_lanes, o);
+    if constexpr (!Assign) {
+      low = _mm512_add_ps(_mm512_loadu_ps(dst + 2 * q), low);
+      high = _mm512_add_ps(_mm512_loadu_ps(dst + 2 * q + 16), high);
+    }
+    _mm512_storeu_ps(dst + 2 * q, low);
+    _mm512_storeu_ps(dst + 2 * q + 16, high);
   }
   if (2 * q < n) {
     const std::int64_t left = n - 2 * q;
     const __m512 e = _mm512_maskz_loadu_ps(lanes16((left + 1) / 2), even + q);
     const __m512 o = _mm512_maskz_loadu_ps(lanes16(left / 2), odd + q);
     const __mmask16 m0 = lanes16(left), m1 = lanes16(left - 16);
-    _mm512_mask_storeu_ps(dst + 2 * q, m0,
-                          _mm512_add_ps(_mm512_maskz_loadu_ps(m0, dst + 2 * q), _mm512_permutex2var_ps(e, low_lanes, o)));
-    _mm512_mask_storeu_ps(dst + 2 * q + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, dst + 2 * q + 16),
-                                                              _mm512_permutex2var_ps(e, high_lanes, o)));
+    __m512 low = _mm512_permutex2var_ps(e, low_lanes, o), high = _mm512_permutex2var_ps(e, high_lanes, o);
+    if constexpr (!Assign) {
+      low = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, dst + 2 * q), low);
+      high = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, dst + 2 * q + 16), high);
+    }
+    _mm512_mask_storeu_ps(dst + 2 * q, m0, low);
+    _mm512_mask_storeu_ps(dst + 2 * q + 16, m1, high);
   }
 }
 #endif
-template <class S>
-inline void add_interleaved_row(S* dst, const S* even, const S* odd, std::int64_t n) {
+template <bool Assign = false, class S>
+inline void interleave_row(S* dst, const S* even, const S* odd, std::int64_t n) {
 #if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    if (cpu_avx512()) return add_interleaved_row_avx512(dst, even, odd, n);
+    if (cpu_avx512()) return interleave_row_avx512<Assign>(dst, even, odd, n);
   }
 #endif
-  for (std::int64_t q = 0; 2 * q < n; ++q) dst[2 * q] += even[q];
-  for (std::int64_t q = 0; 2 * q + 1 < n; ++q) dst[2 * q + 1] += odd[q];
+  for (std::int64_t q = 0; 2 * q < n; ++q) dst[2 * q] = Assign ? even[q] : dst[2 * q] + even[q];
+  for (std::int64_t q = 0; 2 * q + 1 < n; ++q) dst[2 * q + 1] = Assign ? odd[q] : dst[2 * q + 1] + odd[q];
 }
 
 // dx_row[x] += sum over j in [0, taps) of first[j * ld + x - j], for 0 <= x - j < n: col2im of
