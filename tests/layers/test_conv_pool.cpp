@@ -111,18 +111,24 @@ TEST_CASE("Conv2d picks Winograd only where it applies", "[layers][conv]") {
   CHECK_FALSE(conv2d_blocking(geometry(512, 512, 7, 1), 1, 4).winograd);
   CHECK_FALSE(conv2d_blocking(geometry(16, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Im2col).winograd);
   CHECK(conv2d_blocking(geometry(1, 16, 28, 1), 64, 4, 0, ConvAlgorithm::Winograd).winograd);
-  // The 512-channel 7x7 layer at batch 8 saves enough, but with a backward its two threads' private
-  // dU (36 x 512 x 512 floats each) pass the bound for that saving: only forward-only
-  // (Mode::Inference) takes it; at batch 16 the saving pays for the larger dU.
+  // The 512-channel 7x7 layer at batch 8 saves enough, but with a backward its dU (36 x 512 x 512
+  // floats, one for the team: its two blocks run split by position) passes the bound for that
+  // saving: only forward-only (Mode::Inference) takes it; at batch 16 the saving pays for the dU.
+  // Forced, at batch 8 it keeps one dU, not two.
   const int threads = Cpu::num_threads();
   Cpu::set_num_threads(2);  // CHECK does not throw: restored below
   const bool with_backward = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4).winograd;
+  const Conv2dBlocking b8 = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4, 0, ConvAlgorithm::Winograd);
+  const std::int64_t b8_du_bytes = b8.workspace_elements(geometry(512, 512, 7, 1), true) * 4 -
+                                   b8.workspace_elements(geometry(512, 512, 7, 1), false) * 4;
   const bool forward_only = conv2d_blocking(geometry(512, 512, 7, 1), 8, 4, 0, ConvAlgorithm::Auto, false, true).winograd;
   const bool forward_only_b1 = conv2d_blocking(geometry(512, 512, 7, 1), 1, 4, 0, ConvAlgorithm::Auto, false, true).winograd;
   const bool with_backward_b16 = conv2d_blocking(geometry(512, 512, 7, 1), 16, 4).winograd;  // a large saving
   const bool with_backward_1024 = conv2d_blocking(geometry(1024, 1024, 7, 1), 32, 4).winograd;  // dU 151 MB
   Cpu::set_num_threads(threads);
   CHECK_FALSE(with_backward);
+  CHECK(b8.winograd_by_position);
+  CHECK(b8_du_bytes == (36 * 512 * 512 + 16) * 4);  // one dU, not two
   CHECK(with_backward_b16);
   CHECK_FALSE(with_backward_1024);
   CHECK(forward_only);
@@ -521,17 +527,28 @@ TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) 
 TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "[layers][conv]") {
   // Larger than the reference cases: several vectors of tiles per block (28x28: 49 tiles a sample),
   // bands, whole-sample groups with a short last group, odd widths, more channels than
-  // kWinogradMinChannels; float32 against the im2col result in float64.
+  // kWinogradMinChannels; float32 against the im2col result in float64. Two threads: the cases
+  // marked true have one block per thread and few tiles against many channels, so they run split
+  // by position (kernels/cpu/winograd.hpp; whole samples, blocks of 2 and 1 samples, two bands of
+  // one sample, K != C, and padding 0, whose dx pass has more tiles than its forward).
+  struct Threads {  // restored even when a REQUIRE below throws
+    int before = Cpu::num_threads();
+    ~Threads() { Cpu::set_num_threads(before); }
+  } restore;
+  Cpu::set_num_threads(2);
   struct Case {
     std::int64_t n, c, k, h, w, pad, block_tiles;
+    bool by_position = false;
   };
   // Channel counts that are multiples of 16 run the channel-blocked path (kernels/cpu/winograd.hpp)
   // in float, the others the tile-vector path.
-  const Case cases[] = {{3, 16, 16, 28, 28, 1, 0}, {5, 32, 24, 14, 14, 1, 0}, {4, 64, 64, 7, 7, 1, 0},
+  const Case cases[] = {{3, 16, 16, 28, 28, 1, 0}, {5, 32, 24, 14, 14, 1, 0}, {4, 64, 64, 7, 7, 1, 0, true},
                         {2, 8, 12, 13, 11, 1, 9},  {3, 9, 8, 30, 5, 1, 40},   {2, 8, 8, 9, 33, 0, 0},
                         {2, 8, 8, 6, 17, 2, 3},    {3, 8, 8, 10, 4, 1, 0},   {2, 8, 9, 9, 22, 1, 0},
                         {2, 16, 32, 13, 11, 1, 9}, {3, 32, 16, 30, 5, 1, 40}, {2, 16, 16, 9, 33, 0, 0},
-                        {2, 16, 48, 6, 17, 2, 3},  {3, 16, 16, 10, 4, 1, 0}, {5, 16, 16, 3, 3, 1, 0}};
+                        {2, 16, 48, 6, 17, 2, 3},  {3, 16, 16, 10, 4, 1, 0}, {5, 16, 16, 3, 3, 1, 0, true},
+                        {3, 64, 64, 7, 7, 1, 0, true}, {1, 64, 64, 14, 14, 1, 8, true}, {2, 32, 48, 7, 7, 1, 0, true},
+                        {2, 64, 64, 6, 6, 0, 0, true}};
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.n << "x" << c.c << "x" << c.h << "x" << c.w << " -> " << c.k << ", padding " << c.pad
                         << ", block tiles " << c.block_tiles) {
@@ -542,6 +559,11 @@ TEST_CASE("Conv2d Winograd F(4x4, 3x3) agrees with im2col on ResNet's shapes", "
       reference_conv.set_algorithm(ConvAlgorithm::Im2col);
       winograd.set_algorithm(ConvAlgorithm::Winograd);
       winograd.set_block_columns(c.block_tiles);
+      Conv2dGeometry geom;
+      geom.channels = c.c, geom.out_channels = c.k, geom.height = c.h, geom.width = c.w, geom.kernel_h = geom.kernel_w = 3;
+      geom.pad_h = geom.pad_w = c.pad;
+      geom.out_height = conv_output_extent(c.h, 3, 1, c.pad), geom.out_width = conv_output_extent(c.w, 3, 1, c.pad);
+      CHECK(conv2d_blocking(geom, c.n, 4, c.block_tiles, ConvAlgorithm::Winograd).winograd_by_position == c.by_position);
       winograd.weight().value = reference_conv.weight().value.template cast<float>();
       winograd.bias().value = reference_conv.bias().value.template cast<float>();
       const T64 x = random_tensor({c.n, c.c, c.h, c.w}, rng);

@@ -77,6 +77,11 @@ struct Conv2dBlocking {
   std::int64_t threads = 1;  // threads the workspace was sized for
   bool parallel_backward = false;  // sample groups split over threads, each with a private dw
   bool winograd = false;           // F(4x4, 3x3) instead of im2col (kernels/cpu/winograd.hpp)
+  // Winograd's forward and dw passes split by position, not by block (kernels/cpu/winograd.hpp,
+  // "Blocks split by position"): one block per thread, channel counts multiples of 16, and the
+  // transformed filters larger than the blocks' tile matrices. Backward then keeps one dU, not one
+  // per thread.
+  bool winograd_by_position = false;
   // im2col products in bfloat16 (Env<..., BFloat16>). Winograd's 36 products stay float: they are
   // small (channels x tiles), so packing to bfloat16 eats the gain (measured: ResNet-20 and
   // ResNet-50 b8 no faster), and F(4x4, 3x3)'s transforms would amplify bfloat16's rounding.
@@ -106,7 +111,8 @@ struct Conv2dBlocking {
   std::int64_t workspace_elements(const Conv2dGeometry& g, bool backward) const {
     std::int64_t private_gradients = 0;  // per thread but the first (im2col) or every thread (Winograd's dU)
     // (+ 16: whole-vector loads of the last dU row may read past it.)
-    if (backward && winograd) private_gradients = threads * 36 * g.out_channels * g.channels + 16;
+    if (backward && winograd)
+      private_gradients = (winograd_by_position ? 1 : threads) * 36 * g.out_channels * g.channels + 16;
     if (backward && !winograd && parallel_backward) private_gradients = (threads - 1) * g.weight_elements();
     return shared_elements(g) + threads * thread_elements(g) + private_gradients;
   }
@@ -155,7 +161,11 @@ constexpr std::int64_t kWinogradMinChannels = 8;
 // pair: ResNet-50's 512-channel 7x7 layer (2 threads: 2 x 37.7 MB), forward and backward, won
 // with Winograd at batch 16 (saving 4752) and above but lost at batch 8 (saving 2376):
 // accumulating dU costs the same per block however few tiles the block has (figures in
-// bench/README.md, "Inference and training memory").
+// bench/README.md, "Inference and training memory"). Split by position
+// (Conv2dBlocking::winograd_by_position: one dU, written once, U read once) that layer's backward
+// at batch 8 is a third faster than with private dU, yet still no faster than im2col when memory
+// is slow: its three filter transforms move 37.7 MB each (bench/README.md, "Figures behind design
+// choices"), so the bound stays.
 constexpr std::int64_t kMaxPrivateWinogradGradientBytes = std::int64_t{128} << 20;
 constexpr std::int64_t kWinogradMinSavingLargeGradient = 4096;
 
@@ -221,14 +231,14 @@ inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, s
 
 // Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
 // with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes, or
-// kMaxPrivateWinogradGradientBytes for a large saving;
+// kMaxPrivateWinogradGradientBytes for a large saving; `by_position`: the team keeps one dU;
 // `forward_only` (Mode::Inference) has no dU: ResNet-50's 512-channel 7x7 layers then take
 // Winograd from batch 7 on, faster than im2col there: bench/README.md).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
-                          std::int64_t threads, bool forward_only = false) {
+                          std::int64_t threads, bool forward_only = false, bool by_position = false) {
   const std::int64_t tiles = ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
   const std::int64_t saving = batch * (9 * g.out_plane() - 36 * tiles);
-  const std::int64_t private_du = threads * 36 * g.out_channels * g.channels * scalar_bytes;
+  const std::int64_t private_du = (by_position ? 1 : threads) * 36 * g.out_channels * g.channels * scalar_bytes;
   return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels && saving >= kWinogradMinSaving &&
          (forward_only || private_du <= kMaxPrivateGradientBytes ||
           (private_du <= kMaxPrivateWinogradGradientBytes && saving >= kWinogradMinSavingLargeGradient));
@@ -244,11 +254,12 @@ inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int6
 // Winograd (where `algorithm` asks for it, or Auto finds it pays) blocks tiles the same way: its
 // V and M matrices take the L2 budget, `block_columns` counts tiles, and bands are an even number
 // of rows (whole tiles); its backward blocks are all independent (private dU), so it runs them
-// over the team whenever there are enough blocks. `bf16`: the im2col products in bfloat16; Auto
-// still picks (float) Winograd where it pays: since the channel-blocked path, float Winograd's 4x
-// fewer multiply-adds beat bfloat16 im2col's twice-as-fast ones (ResNet-20 and ResNet-50 b8 under
-// CpuLocalBf16 on Zen 4; bench/README.md, "bfloat16"). Before it, bfloat16 im2col won, and Auto did
-// not pick Winograd with bfloat16. `forward_only`: the caller runs no backward (Mode::Inference),
+// over the team whenever there are enough blocks; with exactly one block per thread and filters
+// larger than the tiles, forward and backward split by position instead (winograd_by_position).
+// `bf16`: the im2col products in bfloat16; Auto still picks (float) Winograd where it pays: since
+// the channel-blocked path, float Winograd's 4x fewer multiply-adds beat bfloat16 im2col's
+// twice-as-fast ones (ResNet-20 and ResNet-50 b8 under CpuLocalBf16 on Zen 4; bench/README.md,
+// "bfloat16"). Before it, bfloat16 im2col won, and Auto did not pick Winograd with bfloat16. `forward_only`: the caller runs no backward (Mode::Inference),
 // so Auto ignores the bound on Winograd's private dU.
 TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
                                       std::int64_t block_columns = 0, ConvAlgorithm algorithm = ConvAlgorithm::Auto,
@@ -256,35 +267,41 @@ TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int
 
 #if TESSERA_HEADER_DEFINITIONS
 
-TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
-                                      std::int64_t block_columns, ConvAlgorithm algorithm,
-                                      bool bf16, bool forward_only) {
-  Conv2dBlocking b;
-  b.threads = Cpu::num_threads();
-  b.bf16 = bf16;
-  b.winograd = winograd_applies(g) &&
-               (algorithm == ConvAlgorithm::Winograd ||
-                (algorithm == ConvAlgorithm::Auto && detail::winograd_pays(g, batch, scalar_bytes, b.threads, forward_only)));
-  if (b.winograd) {
-    const std::int64_t tiles_w = Conv2dBlocking::winograd_tiles_w(g);
-    const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 3) / 4;
-    const std::int64_t tile_bytes = 2 * 36 * std::max(g.channels, g.out_channels) * scalar_bytes;  // V and M
-    const std::int64_t target =
-        block_columns > 0 ? block_columns : std::max<std::int64_t>(32, detail::kBlockBytes / tile_bytes);
-    const std::int64_t per_sample = tiles_h * tiles_w;
-    if (per_sample > target) {
-      // Not below 2 tile rows: thinner blocks re-read the transformed filters U too often.
-      const std::int64_t most = std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
-      b.rows = 4 * detail::balanced_band_rows(tiles_h, most, std::min<std::int64_t>(2, most),
-                                              std::max<std::int64_t>(batch, 1), b.threads);
-    } else {
-      b.rows = 4 * tiles_h;
-      b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / per_sample, 1, std::max<std::int64_t>(batch, 1)),
-                                              std::max<std::int64_t>(batch, 1), b.threads);
-    }
-    b.parallel_backward = b.threads > 1 && b.groups(batch) * b.bands(g) >= b.threads;
-    return b;
+namespace detail {
+
+// conv2d_blocking's two halves: the blocking of Winograd's tiles (which Auto then weighs) and
+// of im2col's columns; `b` carries the threads and the bfloat16 flag.
+TESSERA_LINKAGE Conv2dBlocking winograd_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+                                               std::int64_t block_columns, Conv2dBlocking b) {
+  b.winograd = true;
+  const std::int64_t tiles_w = Conv2dBlocking::winograd_tiles_w(g);
+  const std::int64_t tiles_h = (std::max(g.out_height, g.height) + 3) / 4;
+  const std::int64_t tile_bytes = 2 * 36 * std::max(g.channels, g.out_channels) * scalar_bytes;  // V and M
+  const std::int64_t target =
+      block_columns > 0 ? block_columns : std::max<std::int64_t>(32, detail::kBlockBytes / tile_bytes);
+  const std::int64_t per_sample = tiles_h * tiles_w;
+  if (per_sample > target) {
+    // Not below 2 tile rows: thinner blocks re-read the transformed filters U too often.
+    const std::int64_t most = std::clamp<std::int64_t>(target / tiles_w, 1, tiles_h);
+    b.rows = 4 * detail::balanced_band_rows(tiles_h, most, std::min<std::int64_t>(2, most),
+                                            std::max<std::int64_t>(batch, 1), b.threads);
+  } else {
+    b.rows = 4 * tiles_h;
+    b.samples = detail::balanced_group_size(std::clamp<std::int64_t>(target / per_sample, 1, std::max<std::int64_t>(batch, 1)),
+                                            std::max<std::int64_t>(batch, 1), b.threads);
   }
+  b.parallel_backward = b.threads > 1 && b.groups(batch) * b.bands(g) >= b.threads;
+  // The forward pass's blocks and tiles, as kernels/cpu/winograd.hpp counts them
+  // (winograd_by_position there).
+  const std::int64_t blocks = b.groups(batch) * ((g.out_height + b.rows - 1) / b.rows);
+  const std::int64_t tiles = std::max<std::int64_t>(batch, 1) * ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
+  b.winograd_by_position = b.threads > 1 && blocks == b.threads && g.channels % 16 == 0 && g.out_channels % 16 == 0 &&
+                           g.channels * g.out_channels > tiles * (g.channels + g.out_channels);
+  return b;
+}
+
+TESSERA_LINKAGE Conv2dBlocking im2col_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+                                               std::int64_t block_columns, Conv2dBlocking b) {
   const std::int64_t target =
       block_columns > 0
           ? block_columns
@@ -301,6 +318,23 @@ TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int
   b.parallel_backward = b.threads > 1 && b.groups(batch) >= b.threads &&
                         (b.threads - 1) * g.weight_elements() * scalar_bytes <= detail::kMaxPrivateGradientBytes;
   return b;
+}
+
+}  // namespace detail
+
+TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
+                                      std::int64_t block_columns, ConvAlgorithm algorithm,
+                                      bool bf16, bool forward_only) {
+  Conv2dBlocking b;
+  b.threads = Cpu::num_threads();
+  b.bf16 = bf16;
+  if (winograd_applies(g) && algorithm != ConvAlgorithm::Im2col) {
+    const Conv2dBlocking w = detail::winograd_blocking(g, batch, scalar_bytes, block_columns, b);
+    if (algorithm == ConvAlgorithm::Winograd ||
+        detail::winograd_pays(g, batch, scalar_bytes, b.threads, forward_only, w.winograd_by_position))
+      return w;
+  }
+  return detail::im2col_blocking(g, batch, scalar_bytes, block_columns, b);
 }
 
 #endif  // TESSERA_HEADER_DEFINITIONS

@@ -775,6 +775,85 @@ void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std
   winograd_output_transform(p, blk, out_ch, buf.m, bias, out, buf.pad);
 }
 
+// ---- Blocks split by position ----
+//
+// With few tiles against many channel pairs (ResNet-50's 512-channel 7x7 layers at batch 8: 32
+// tiles, U 36 x 512 x 512 floats = 37.7 MB), the 36 products are weight-bound: each thread's block
+// streams all of U (or dU) through the cache for a handful of tiles, and backward keeps one
+// private dU per thread, zeroed, accumulated and reduced. When the team has exactly one block per
+// thread (channel-blocked path), the work is instead split by position: every thread transforms
+// its own block into its V (and dM), the team meets, each thread takes its share of the 36
+// positions for every block (reading the other threads' V and M, written before the barrier),
+// and after a second barrier each thread finishes its own block. U is then read once by the team,
+// and dU is one shared copy written by products with beta 0: no zero fill and no reduction.
+// Whether a pass runs so: U (K C per position) larger than all blocks' V and M (T (C + K));
+// conv2d_blocking decides the same for the forward pass (Conv2dBlocking::winograd_by_position),
+// and Auto then counts one dU, not one per thread.
+inline bool winograd_by_position(std::int64_t blocks, std::int64_t team, std::int64_t tiles, std::int64_t in_ch,
+                                 std::int64_t out_ch) {
+  return team > 1 && blocks == team && in_ch * out_ch > tiles * (in_ch + out_ch);
+}
+
+// All tiles of a pass's blocks (a pass of `blocks` blocks).
+inline std::int64_t winograd_pass_tiles(const WinogradPass& p, const Conv2dBlocking& b, std::int64_t batch,
+                                        std::int64_t blocks) {
+  std::int64_t tiles = 0;
+  for (std::int64_t i = 0; i < blocks; ++i) tiles += winograd_block(p, b, batch, i).tiles(p);
+  return tiles;
+}
+
+// out = a pass on the team's blocks, split by position (channel-blocked; block i on thread i;
+// u is U^T (36, in_ch, out_ch)); then the epilogue, if any, on this thread's block's rows.
+// Called by every thread of the team; `threads_base` is the first thread's buffers.
+template <class S>
+void winograd_pass_by_position(const Conv2dGeometry& g, const Conv2dBlocking& b, const WinogradPass& p,
+                               std::int64_t batch, std::int64_t in_ch, std::int64_t out_ch, const S* in, const S* u,
+                               const S* bias, S* out, S* threads_base, const ConvEpilogue<S>* e = nullptr) {
+  const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
+  const auto buffers = [&](std::int64_t t) { return WinogradBuffers<S>(g, b, threads_base + t * b.thread_elements(g)); };
+  const WinogradBlock mine = winograd_block(p, b, batch, me);
+  winograd_input_transform_blocked(p, mine, in_ch, in, buffers(me).v, buffers(me).pad);
+#pragma omp barrier
+  std::int64_t x0, x1;
+  team_share(kWinogradPositions, x0, x1);
+  for (std::int64_t xi = x0; xi < x1; ++xi)
+    for (std::int64_t t = 0; t < team; ++t) {  // U[xi] stays in cache over the blocks
+      const std::int64_t tiles = winograd_block(p, b, batch, t).tiles(p);
+      const WinogradBuffers<S> buf = buffers(t);
+      winograd_product(false, tiles, out_ch, in_ch, buf.v + xi * tiles * in_ch, in_ch, u + xi * in_ch * out_ch, out_ch,
+                       S(0), buf.m + xi * tiles * out_ch, out_ch);
+    }
+#pragma omp barrier
+  winograd_output_transform_blocked(p, mine, out_ch, buffers(me).m, bias, out, buffers(me).pad);
+  if (e) {
+    const std::int64_t oh0 = kWinogradTile * mine.tr0, oh1 = std::min(p.out_h, kWinogradTile * mine.tr1);
+    conv_epilogue_planes(*e, out, mine.n0, mine.count, out_ch, p.out_h * p.out_w, oh0 * p.out_w, (oh1 - oh0) * p.out_w);
+  }
+}
+
+// dU (36, K, C) = the filter gradient of the team's blocks, split by position (as above): each
+// position's products over the blocks, the first with beta 0, into the one shared dU.
+template <class S>
+void winograd_filter_gradient_by_position(const Conv2dGeometry& g, const Conv2dBlocking& b, const WinogradPass& p,
+                                          std::int64_t batch, const S* x, const S* dy, S* du, S* threads_base) {
+  const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size(), k = g.out_channels, c = g.channels;
+  const auto buffers = [&](std::int64_t t) { return WinogradBuffers<S>(g, b, threads_base + t * b.thread_elements(g)); };
+  const WinogradBlock mine = winograd_block(p, b, batch, me);
+  winograd_input_transform_blocked(p, mine, c, x, buffers(me).v, buffers(me).pad);
+  winograd_output_gradient_transform_blocked(p, mine, k, dy, buffers(me).m, buffers(me).pad);
+#pragma omp barrier
+  std::int64_t x0, x1;
+  team_share(kWinogradPositions, x0, x1);
+  for (std::int64_t xi = x0; xi < x1; ++xi)
+    for (std::int64_t t = 0; t < team; ++t) {
+      const std::int64_t tiles = winograd_block(p, b, batch, t).tiles(p);
+      const WinogradBuffers<S> buf = buffers(t);
+      winograd_product(true, k, c, tiles, buf.m + xi * tiles * k, k, buf.v + xi * tiles * c, c, S(t == 0 ? 0 : 1),
+                       du + xi * k * c, c);
+    }
+#pragma omp barrier
+}
+
 }  // namespace detail
 
 // The transformed filter U of the forward pass, as winograd_conv2d_forward computes it first from w
@@ -822,7 +901,10 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
       detail::winograd_forward_filter_share(g, w, workspace);
 #pragma omp barrier
     }
-    const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + Cpu::thread_index() * b.thread_elements(g));
+    S* threads_base = workspace + b.shared_elements(g);
+    if (b.winograd_by_position && Cpu::team_size() == b.threads)
+      return detail::winograd_pass_by_position(g, b, pass, batch, c, k, x, u, bias, y, threads_base, e);
+    const detail::WinogradBuffers<S> buf(g, b, threads_base + Cpu::thread_index() * b.thread_elements(g));
     detail::static_for(blocks, [&](std::int64_t i) {
       const detail::WinogradBlock blk = detail::winograd_block(pass, b, batch, i);
       detail::winograd_block_product(pass, blk, c, k, x, u, bias, y, buf);
@@ -851,8 +933,16 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 36, K, C)
   const auto run = [&] {
     const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
+    S* threads_base = workspace + b.shared_elements(g);
+    // Split by position: dw as the blocking says (its workspace then holds one dU; a team of another
+    // size than the blocking's is a single thread, nested in another team, which needs one too), dx
+    // wherever its own pass qualifies.
+    const bool dx_by_position =
+        blocked && dx &&
+        detail::winograd_by_position(input_blocks, team, detail::winograd_pass_tiles(back, b, batch, input_blocks), k, c);
+    const bool dw_by_position = dw && b.winograd_by_position && team == b.threads;
     S* my_du = du + me * filters;
-    if (dw) std::fill(my_du, my_du + filters, S(0));
+    if (dw && !dw_by_position) std::fill(my_du, my_du + filters, S(0));
     if (dx) {  // the flipped filter (36, C, K), or its transpose (36, K, C) for the channel-blocked path
       std::int64_t r0, r1;
       const std::int64_t rows = blocked ? k : c;
@@ -860,11 +950,23 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
       detail::winograd_filter_transform(w, rows, blocked ? c : k, !blocked, true, r0, r1, u_flipped);
     }
 #pragma omp barrier
-    const detail::WinogradBuffers<S> buf(g, b, workspace + b.shared_elements(g) + me * b.thread_elements(g));
-    detail::static_for(input_blocks, [&](std::int64_t i) {
-      detail::winograd_block_product(back, detail::winograd_block(back, b, batch, i), k, c, dy, u_flipped,
-                                     static_cast<const S*>(nullptr), dx, buf);
-    }, /*nowait=*/true);
+    const detail::WinogradBuffers<S> buf(g, b, threads_base + me * b.thread_elements(g));
+    if (dx_by_position)
+      detail::winograd_pass_by_position(g, b, back, batch, k, c, dy, u_flipped, static_cast<const S*>(nullptr), dx,
+                                        threads_base);
+    else
+      detail::static_for(input_blocks, [&](std::int64_t i) {
+        detail::winograd_block_product(back, detail::winograd_block(back, b, batch, i), k, c, dy, u_flipped,
+                                       static_cast<const S*>(nullptr), dx, buf);
+      }, /*nowait=*/true);
+    if (dw_by_position) {
+      // Both barriers inside: dU (the first thread's copy) is complete after it.
+      detail::winograd_filter_gradient_by_position(g, b, fwd, batch, x, dy, du, threads_base);
+      std::int64_t k0, k1;
+      detail::team_share(k, k0, k1);
+      detail::winograd_filter_gradient(du, 1, filters, k, c, k0, k1, dw);
+      return;
+    }
     detail::static_for(weight_blocks, [&](std::int64_t i) {
       const detail::WinogradBlock blk = detail::winograd_block(fwd, b, batch, i);
       const std::int64_t tiles = blk.tiles(fwd);
