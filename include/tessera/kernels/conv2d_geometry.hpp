@@ -229,6 +229,14 @@ inline std::int64_t balanced_band_rows(std::int64_t extent, std::int64_t most, s
   return (extent + bands - 1) / bands;
 }
 
+// Whether a Winograd pass of `blocks` blocks and `tiles` tiles in all runs split by position
+// (kernels/cpu/winograd.hpp, "Blocks split by position"): one block per thread of the team, and the
+// transformed filters (K C per position) larger than all blocks' tile matrices (T (C + K)).
+inline bool winograd_by_position(std::int64_t blocks, std::int64_t team, std::int64_t tiles, std::int64_t in_ch,
+                                 std::int64_t out_ch) {
+  return team > 1 && blocks == team && in_ch * out_ch > tiles * (in_ch + out_ch);
+}
+
 // Whether Auto picks Winograd for g at this batch (see kWinogradMinSaving, kWinogradMinChannels;
 // with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes, or
 // kMaxPrivateWinogradGradientBytes for a large saving; `by_position`: the team keeps one dU;
@@ -291,12 +299,12 @@ TESSERA_LINKAGE Conv2dBlocking winograd_blocking(const Conv2dGeometry& g, std::i
                                             std::max<std::int64_t>(batch, 1), b.threads);
   }
   b.parallel_backward = b.threads > 1 && b.groups(batch) * b.bands(g) >= b.threads;
-  // The forward pass's blocks and tiles, as kernels/cpu/winograd.hpp counts them
-  // (winograd_by_position there).
+  // The forward pass's blocks and tiles, as kernels/cpu/winograd.hpp counts them; channel counts
+  // that are multiples of 16 run the channel-blocked path whatever the vector width.
   const std::int64_t blocks = b.groups(batch) * ((g.out_height + b.rows - 1) / b.rows);
   const std::int64_t tiles = std::max<std::int64_t>(batch, 1) * ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
-  b.winograd_by_position = b.threads > 1 && blocks == b.threads && g.channels % 16 == 0 && g.out_channels % 16 == 0 &&
-                           g.channels * g.out_channels > tiles * (g.channels + g.out_channels);
+  b.winograd_by_position = g.channels % 16 == 0 && g.out_channels % 16 == 0 &&
+                           winograd_by_position(blocks, b.threads, tiles, g.channels, g.out_channels);
   return b;
 }
 

@@ -786,13 +786,9 @@ void winograd_block_product(const WinogradPass& p, const WinogradBlock& blk, std
 // positions for every block (reading the other threads' V and M, written before the barrier),
 // and after a second barrier each thread finishes its own block. U is then read once by the team,
 // and dU is one shared copy written by products with beta 0: no zero fill and no reduction.
-// Whether a pass runs so: U (K C per position) larger than all blocks' V and M (T (C + K));
-// conv2d_blocking decides the same for the forward pass (Conv2dBlocking::winograd_by_position),
-// and Auto then counts one dU, not one per thread.
-inline bool winograd_by_position(std::int64_t blocks, std::int64_t team, std::int64_t tiles, std::int64_t in_ch,
-                                 std::int64_t out_ch) {
-  return team > 1 && blocks == team && in_ch * out_ch > tiles * (in_ch + out_ch);
-}
+// Whether a pass runs so: detail::winograd_by_position (kernels/conv2d_geometry.hpp), which
+// conv2d_blocking applies to the forward pass (Conv2dBlocking::winograd_by_position, and Auto
+// then counts one dU, not one per thread) and the dx pass applies to its own blocks here.
 
 // All tiles of a pass's blocks (a pass of `blocks` blocks).
 inline std::int64_t winograd_pass_tiles(const WinogradPass& p, const Conv2dBlocking& b, std::int64_t batch,
