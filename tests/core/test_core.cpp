@@ -1,15 +1,19 @@
-// Core: Shape, Tensor, CachingAllocator, Rng, LocalComm.
+// Core: Shape, Tensor, CachingAllocator, Rng, LocalComm, the CPU team's loops (stealing_for).
 #include <catch2/catch.hpp>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <numeric>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "tessera/comm/local.hpp"
 #include "tessera/core/allocator.hpp"
 #include "tessera/core/random.hpp"
 #include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
 #include "tessera/io/flags.hpp"
 
 using namespace tessera;
@@ -316,4 +320,48 @@ TEST_CASE("Shape refuses element counts that would overflow", "[core]") {
   Tensor<float> t;
   CHECK_THROWS_AS(t.resize({std::int64_t{1} << 40, std::int64_t{1} << 30}), ShapeError);
   CHECK(t.empty());  // refused when the shape is built, before any allocation
+}
+
+TEST_CASE("stealing_for runs every item once, and a thread done early takes the other's last items", "[core]") {
+  constexpr std::int64_t n = 400;
+  SECTION("outside a team: every item, in order, on this thread") {
+    detail::StealRanges ranges;
+    std::vector<std::int64_t> order;
+    detail::stealing_for(ranges, n, [&](std::int64_t i) { order.push_back(i); });
+    std::vector<std::int64_t> want(n);
+    std::iota(want.begin(), want.end(), 0);
+    CHECK(order == want);
+  }
+#if defined(_OPENMP)
+  SECTION("a team of two, the first thread slowed down on its first item") {
+    for (const std::int64_t items : {std::int64_t{0}, std::int64_t{1}, std::int64_t{3}, n}) {
+      detail::StealRanges ranges;
+      std::vector<std::atomic<int>> runs(static_cast<std::size_t>(items));
+      std::vector<int> runner(static_cast<std::size_t>(items), -1);
+      int team = 0;
+#pragma omp parallel num_threads(2)
+      {
+#pragma omp single
+        team = Cpu::team_size();
+        detail::stealing_for(ranges, items, [&](std::int64_t i) {
+          const int t = Cpu::thread_index();
+          // Thread 0's first item (item 0) takes 50 ms: thread 1 finishes its own half long before.
+          if (i == 0 && t == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          runs[static_cast<std::size_t>(i)].fetch_add(1);
+          runner[static_cast<std::size_t>(i)] = t;
+        });
+      }
+      for (std::int64_t i = 0; i < items; ++i) {
+        INFO("items " << items << ", item " << i);
+        CHECK(runs[static_cast<std::size_t>(i)].load() == 1);
+      }
+      if (team == 2 && items == n) {
+        // Thread 1 owned [200, 400) and took thread 0's items from the back: the last of them.
+        CHECK(runner[n - 1] == 1);
+        CHECK(runner[0] == 0);
+        CHECK(runner[n / 2 - 1] == 1);
+      }
+    }
+  }
+#endif
 }

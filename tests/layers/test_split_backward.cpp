@@ -88,6 +88,7 @@ TEMPLATE_TEST_CASE("Conv2d: backward_input then backward_weight equal backward b
     ConvAlgorithm algorithm;
     MemoryFormat format;
     Shape x;
+    std::int64_t block_columns = 0;  // 0: the layer's own blocking
   };
   const Case cases[] = {
       {"3x3 pad 1, im2col", {.in_channels = 3, .out_channels = 5, .kernel_h = 3, .kernel_w = 3, .pad_h = 1, .pad_w = 1},
@@ -106,6 +107,13 @@ TEMPLATE_TEST_CASE("Conv2d: backward_input then backward_weight equal backward b
       // A batch large enough that the backward runs its blocks over the OpenMP team.
       {"wide batch", {.in_channels = 8, .out_channels = 16, .kernel_h = 3, .kernel_w = 3, .pad_h = 1, .pad_w = 1},
        ConvAlgorithm::Im2col, MemoryFormat::Contiguous, {16, 8, 16, 16}},
+      // Bands of single samples on the direct (1x1) path and Winograd blocks, over the team, an odd
+      // batch: dw's blocks run on the static split, dx's on any thread (detail::stealing_for).
+      {"1x1 bands, odd batch", {.in_channels = 16, .out_channels = 24, .kernel_h = 1, .kernel_w = 1},
+       ConvAlgorithm::Auto, MemoryFormat::Contiguous, {7, 16, 24, 24}, 96},
+      {"3x3 Winograd bands, odd batch", {.in_channels = 16, .out_channels = 16, .kernel_h = 3, .kernel_w = 3,
+                                         .pad_h = 1, .pad_w = 1},
+       ConvAlgorithm::Winograd, MemoryFormat::Contiguous, {7, 16, 24, 24}, 96},
   };
   for (const Case& k : cases) {
     SECTION(k.what) {
@@ -114,6 +122,7 @@ TEMPLATE_TEST_CASE("Conv2d: backward_input then backward_weight equal backward b
         Conv2d<E> conv(k.o, rng);
         conv.set_algorithm(k.algorithm);
         conv.set_memory_format(k.format);
+        if (k.block_columns > 0) conv.set_block_columns(k.block_columns);
         return conv;
       };
       Tensor<TestType, Cpu> x = split_normal<TestType>(k.x, data);

@@ -892,6 +892,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   // U (36, K, C), or U^T (36, C, K) for the channel-blocked path: given, or computed into the
   // workspace's shared part.
   const S* u = prepared_filter != nullptr ? prepared_filter : workspace;
+  detail::StealRanges ranges;  // the blocks are independent (detail::stealing_for)
   const auto run = [&] {
     if (prepared_filter == nullptr) {
       detail::winograd_forward_filter_share(g, w, workspace);
@@ -901,7 +902,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
     if (b.winograd_by_position && Cpu::team_size() == b.threads)
       return detail::winograd_pass_by_position(g, b, pass, batch, c, k, x, u, bias, y, threads_base, e);
     const detail::WinogradBuffers<S> buf(g, b, threads_base + Cpu::thread_index() * b.thread_elements(g));
-    detail::static_for(blocks, [&](std::int64_t i) {
+    detail::stealing_for(ranges, blocks, [&](std::int64_t i) {
       const detail::WinogradBlock blk = detail::winograd_block(pass, b, batch, i);
       detail::winograd_block_product(pass, blk, c, k, x, u, bias, y, buf);
       if (e) {
@@ -927,6 +928,7 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   const bool blocked = detail::winograd_channel_blocked<S>(c, k);
   S* u_flipped = workspace;                                                     // see below
   S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 36, K, C)
+  detail::StealRanges ranges;
   const auto run = [&] {
     const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
     S* threads_base = workspace + b.shared_elements(g);
@@ -947,14 +949,19 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
     }
 #pragma omp barrier
     const detail::WinogradBuffers<S> buf(g, b, threads_base + me * b.thread_elements(g));
+    // Split by block on both passes: dw's blocks first, over the static split (each thread's dU
+    // sums the same blocks in the same order every time: the same bits), then dx's, which any
+    // thread may take (detail::stealing_for), so that one done early with dw takes the other's.
+    const bool dx_stealing = !dx_by_position && !dw_by_position;
+    const auto input_block = [&](std::int64_t i) {
+      detail::winograd_block_product(back, detail::winograd_block(back, b, batch, i), k, c, dy, u_flipped,
+                                     static_cast<const S*>(nullptr), dx, buf);
+    };
     if (dx_by_position)
       detail::winograd_pass_by_position(g, b, back, batch, k, c, dy, u_flipped, static_cast<const S*>(nullptr), dx,
                                         threads_base);
-    else
-      detail::static_for(input_blocks, [&](std::int64_t i) {
-        detail::winograd_block_product(back, detail::winograd_block(back, b, batch, i), k, c, dy, u_flipped,
-                                       static_cast<const S*>(nullptr), dx, buf);
-      }, /*nowait=*/true);
+    else if (!dx_stealing)
+      detail::static_for(input_blocks, input_block, /*nowait=*/true);
     if (dw_by_position) {
       // Both barriers inside: dU (the first thread's copy) is complete after it.
       detail::winograd_filter_gradient_by_position(g, b, fwd, batch, x, dy, du, threads_base);
@@ -979,7 +986,13 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
       for (std::int64_t xi = 0; xi < detail::kWinogradPositions; ++xi)
         gemm(Cpu{}, false, true, k, c, tiles, S(1), buf.m + xi * k * tiles, tiles, buf.v + xi * c * tiles, tiles, S(1),
              my_du + xi * k * c, c);
-    });
+    }, /*nowait=*/dx_stealing);
+    if (dx_stealing) {
+      detail::stealing_for(ranges, input_blocks, input_block);
+      if (dw && team > 1) {
+#pragma omp barrier
+      }
+    }
     if (!dw) return;  // dx only
     // static_for's barrier has passed: every thread's dU is complete.
     std::int64_t k0, k1;
