@@ -325,7 +325,7 @@ TEST_CASE("Shape refuses element counts that would overflow", "[core]") {
 TEST_CASE("stealing_for runs every item once, and a thread done early takes the other's last items", "[core]") {
   constexpr std::int64_t n = 400;
   SECTION("outside a team: every item, in order, on this thread") {
-    detail::StealRanges ranges;
+    detail::StealRanges ranges(n);
     std::vector<std::int64_t> order;
     detail::stealing_for(ranges, n, [&](std::int64_t i) { order.push_back(i); });
     std::vector<std::int64_t> want(n);
@@ -334,8 +334,10 @@ TEST_CASE("stealing_for runs every item once, and a thread done early takes the 
   }
 #if defined(_OPENMP)
   SECTION("a team of two, the first thread slowed down on its first item") {
+    const int threads = Cpu::num_threads();
+    Cpu::set_num_threads(2);  // the ranges are made for a team of Cpu::num_threads()
     for (const std::int64_t items : {std::int64_t{0}, std::int64_t{1}, std::int64_t{3}, n}) {
-      detail::StealRanges ranges;
+      detail::StealRanges ranges(items);
       std::vector<std::atomic<int>> runs(static_cast<std::size_t>(items));
       std::vector<int> runner(static_cast<std::size_t>(items), -1);
       int team = 0;
@@ -362,6 +364,7 @@ TEST_CASE("stealing_for runs every item once, and a thread done early takes the 
         CHECK(runner[n / 2 - 1] == 1);
       }
     }
+    Cpu::set_num_threads(threads);
   }
 #endif
 }

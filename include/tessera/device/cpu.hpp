@@ -107,12 +107,19 @@ void static_for(std::int64_t n, const Body& body, bool nowait = false) {
   }
 }
 
-// Shared state of stealing_for: each thread's range of items, its front and its back (exclusive)
-// packed into one word, so that the owner taking from the front and a thief taking from the back
-// can never both take the last item.
+// The shared state of stealing_for over n items, made outside the parallel region for a team of
+// Cpu::num_threads(): each thread's static share, its front and its back (exclusive) packed into
+// one word, so that the owner taking from the front and a thief taking from the back can never
+// both take the last item.
 struct StealRanges {
   static constexpr int kMaxTeam = 64;
+  int team;
   std::atomic<std::uint64_t> range[kMaxTeam];
+  explicit StealRanges(std::int64_t n) : team(Cpu::num_threads()) {
+    if (team > kMaxTeam || n >= (std::int64_t(1) << 32)) team = 0;  // stealing_for runs static shares
+    for (int t = 0; t < team; ++t)
+      range[t].store((std::uint64_t(n * t / team) << 32) | std::uint64_t(n * (t + 1) / team), std::memory_order_relaxed);
+  }
   // Item `front` (or `back - 1`) of thread t's range, which is taken; -1 once the range is empty.
   std::int64_t take(int t, bool from_front) {
     std::uint64_t v = range[t].load(std::memory_order_relaxed);
@@ -126,22 +133,17 @@ struct StealRanges {
   }
 };
 
-// body(i) for i in [0, n) on every thread of a team, all passing the same `ranges` (declared
-// outside the region): each thread runs its static_for share front to back, then takes items from
-// the back of the others' shares until none is left; no barrier at the end (one at the start
-// publishes the shares). For items that may run on any thread, in any order: the two cores of a
+// body(i) for the n items of `ranges` on every thread of a team (no barrier at the end): each thread
+// runs its static_for share front to back, then takes items from the back of the others' shares
+// until none is left. For items that may run on any thread, in any order: the cores of a
 // shared machine do not run at the same speed (one took 5% to 20% longer over the same blocks of a
 // ResNet-50 backward, which of the two changing from start to start), and a static split leaves
-// the faster one waiting at the next barrier. Outside a team (or a team above kMaxTeam, or 2^32
-// items and more): static_for without its barrier.
+// the faster one waiting at the next barrier. Outside a team, or in a team of another size than
+// the ranges were made for: static_for without its barrier.
 template <class Body>
 void stealing_for(StealRanges& ranges, std::int64_t n, const Body& body) {
   const int team = Cpu::team_size(), t = Cpu::thread_index();
-  if (team == 1 || team > StealRanges::kMaxTeam || n >= (std::int64_t(1) << 32)) return static_for(n, body, true);
-  std::int64_t begin, end;
-  team_share(n, begin, end);
-  ranges.range[t].store((std::uint64_t(begin) << 32) | std::uint64_t(end), std::memory_order_relaxed);
-#pragma omp barrier
+  if (team == 1 || team != ranges.team) return static_for(n, body, true);
   for (std::int64_t i = ranges.take(t, true); i >= 0; i = ranges.take(t, true)) body(i);
   for (int k = 1; k < team; ++k) {
     const int victim = (t + k) % team;

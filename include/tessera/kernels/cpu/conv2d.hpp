@@ -646,7 +646,7 @@ void conv2d_forward_impl(const Conv2dGeometry& g, const Conv2dBlocking& b, std::
       return conv2d_forward_block(g, b, blk, x, w, bias, y, workspace, workspace + b.col_elements(g), true, e, true);
     }
   }
-  StealRanges ranges;  // the blocks are independent: a thread done early takes the others' last ones
+  StealRanges ranges(blocks);  // the blocks are independent: a thread done early takes the others' last ones
   const auto run = [&] {  // on each thread of a team, or alone (stealing_for then runs it all)
     S* col = workspace + Cpu::thread_index() * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
@@ -706,43 +706,22 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
   const std::int64_t bands = b.bands(g), groups = b.groups(batch), in_group = b.samples * g.channels * g.in_plane();
   const std::int64_t weights = g.weight_elements();
   S* partial = workspace + b.threads * b.thread_elements(g);  // (threads - 1) private dw accumulators
-  // On the direct path a block's dw and dx products share no buffer, so they run as two loops:
-  // dw's over the static split (each thread's accumulator sums the same blocks in the same order
-  // every time, so dw has the same bits), then dx's, whose blocks any thread may take
-  // (detail::stealing_for): a thread that finished its dw share early takes dx blocks of the other.
-  const bool split_dx = b.direct(g) && dw != nullptr && dx != nullptr;
-  detail::StealRanges ranges;
   const auto run = [&] {  // a team's threads, or alone with gemm parallel inside
     const std::int64_t t = Cpu::thread_index();
     S* col = workspace + t * b.thread_elements(g);
     S* stage = col + b.col_elements(g);
     S* dw_acc = dw == nullptr ? nullptr : t == 0 ? dw : partial + (t - 1) * weights;
     if (dw_acc != nullptr && t > 0) std::fill(dw_acc, dw_acc + weights, S(0));
-    if (split_dx) {
-      detail::static_for(groups, [&](std::int64_t grp) {  // the same blocks, in the same order, as below
-        for (std::int64_t band = 0; band < bands; ++band)
-          detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, grp, band), x, w, dy, dw_acc,
-                                        static_cast<S*>(nullptr), col, stage);
-      }, /*nowait=*/true);
-      detail::stealing_for(ranges, groups * bands, [&](std::int64_t i) {
-        detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, i / bands, i % bands), x, w, dy,
-                                      static_cast<S*>(nullptr), dx, col, stage);
-      });
-      if (Cpu::team_size() > 1) {
-#pragma omp barrier
+    detail::static_for(groups, [&](std::int64_t grp) {
+      S* dx_group = dx ? dx + grp * in_group : nullptr;
+      if (dx_group && !b.direct(g) && !detail::col2im_assigns(g, b)) {
+        const std::int64_t count = std::min(b.samples, batch - grp * b.samples);
+        std::fill(dx_group, dx_group + count * g.channels * g.in_plane(), S(0));
       }
-    } else {
-      detail::static_for(groups, [&](std::int64_t grp) {
-        S* dx_group = dx ? dx + grp * in_group : nullptr;
-        if (dx_group && !b.direct(g) && !detail::col2im_assigns(g, b)) {
-          const std::int64_t count = std::min(b.samples, batch - grp * b.samples);
-          std::fill(dx_group, dx_group + count * g.channels * g.in_plane(), S(0));
-        }
-        for (std::int64_t band = 0; band < bands; ++band)
-          detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, grp, band), x, w, dy, dw_acc, dx, col,
-                                        stage);
-      });
-    }
+      for (std::int64_t band = 0; band < bands; ++band)
+        detail::conv2d_backward_block(g, b, detail::conv_block(g, b, batch, grp, band), x, w, dy, dw_acc, dx, col,
+                                      stage);
+    });
     if (dw == nullptr) return;  // dx only (Conv2d::backward_input): no accumulators to add
     // static_for's barrier has passed: every private accumulator is complete.
     const std::int64_t team = Cpu::team_size();

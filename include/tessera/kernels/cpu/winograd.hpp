@@ -892,7 +892,7 @@ void winograd_conv2d_forward(const Conv2dGeometry& g, const Conv2dBlocking& b, s
   // U (36, K, C), or U^T (36, C, K) for the channel-blocked path: given, or computed into the
   // workspace's shared part.
   const S* u = prepared_filter != nullptr ? prepared_filter : workspace;
-  detail::StealRanges ranges;  // the blocks are independent (detail::stealing_for)
+  detail::StealRanges ranges(blocks);  // the blocks are independent (detail::stealing_for)
   const auto run = [&] {
     if (prepared_filter == nullptr) {
       detail::winograd_forward_filter_share(g, w, workspace);
@@ -928,7 +928,7 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
   const bool blocked = detail::winograd_channel_blocked<S>(c, k);
   S* u_flipped = workspace;                                                     // see below
   S* du = workspace + b.shared_elements(g) + b.threads * b.thread_elements(g);  // (team, 36, K, C)
-  detail::StealRanges ranges;
+  detail::StealRanges ranges(input_blocks);
   const auto run = [&] {
     const std::int64_t me = Cpu::thread_index(), team = Cpu::team_size();
     S* threads_base = workspace + b.shared_elements(g);
