@@ -136,10 +136,10 @@ struct StealRanges {
 // body(i) for the n items of `ranges` on every thread of a team (no barrier at the end): each thread
 // runs its static_for share front to back, then takes items from the back of the others' shares
 // until none is left. For items that may run on any thread, in any order: the cores of a
-// shared machine do not run at the same speed (one took 5% to 20% longer over the same blocks of a
-// ResNet-50 backward, which of the two changing from start to start), and a static split leaves
-// the faster one waiting at the next barrier. Outside a team, or in a team of another size than
-// the ranges were made for: static_for without its barrier.
+// shared machine do not run at the same speed (interrupts, other tenants; which one is slower
+// changes from start to start), and a static split leaves the faster one waiting at the next
+// barrier (figures in bench/README.md, "Work stealing for independent blocks"). Outside a team,
+// or in a team of another size than the ranges were made for: static_for without its barrier.
 template <class Body>
 void stealing_for(StealRanges& ranges, std::int64_t n, const Body& body) {
   const int team = Cpu::team_size(), t = Cpu::thread_index();
