@@ -29,7 +29,10 @@
 // half of every pass's data sat in the other core's cache: on a 2-core EPYC a core reads another
 // core's freshly written lines much more slowly than its own (from 256 KiB to 4 MiB), and
 // ResNet-20's memory-bound Winograd transforms ran markedly longer on one thread than on the
-// other. The sums then take per-thread partial sums per channel, added in thread order: the same
+// other. Each thread takes its own run first and only then, idle, what is left of another's
+// (detail::stealing_for). The sums over images keep one slot per plane, added per channel over the
+// samples in order: the same bits on any number of threads; over (N, C) inputs (hw below
+// kBatchNormPlaneSlotsMinHw) per-thread partial sums per channel, added in thread order: the same
 // result on every run with the same number of threads (the last bits may change with that number).
 #pragma once
 
@@ -87,21 +90,28 @@ inline S relu_pass_masked(S y, S dy) {
 }  // namespace detail
 
 namespace detail {
-// body(u0, u1) on each thread of a team (once, u in [0, units), outside one) for its contiguous
-// run of units: the flat plane index p = sample * c + channel, or in channels last the rows
-// (one pixel's c values each), so each thread reads and writes one contiguous share of memory.
+// Units per piece of work: whole units of about 2^15 elements (128 KiB of float) at least.
+inline std::int64_t batch_norm_chunk_units(BatchNormShape s, std::int64_t units) {
+  const std::int64_t per_unit = std::max<std::int64_t>(1, s.numel() / std::max<std::int64_t>(units, 1));
+  return std::max<std::int64_t>(1, (std::int64_t(1) << 15) / per_unit);
+}
+
+// body(u0, u1) over [0, units) in contiguous runs: outside a team (or below the threshold), once
+// for all of it; else on each thread of a new team, over its static share of the runs of
+// batch_norm_chunk_units units, front to back, and then over runs from the back of the others'
+// shares that they have not reached (detail::stealing_for: the two cores' speeds differ). Units
+// are the flat plane index p = sample * c + channel, or in channels last the rows (one pixel's c
+// values each), so each thread reads and writes one contiguous share of memory unless it is idle.
 template <class Body>
 void batch_norm_units(BatchNormShape s, std::int64_t units, const Body& body) {
   if (s.numel() < kBatchNormParallelThreshold || units < 2) {
     body(std::int64_t{0}, units);
     return;
   }
+  const std::int64_t chunk = batch_norm_chunk_units(s, units), chunks = (units + chunk - 1) / chunk;
+  StealRanges ranges(chunks);
 #pragma omp parallel
-  {
-    std::int64_t u0, u1;
-    team_share(units, u0, u1);
-    body(u0, u1);
-  }
+  stealing_for(ranges, chunks, [&](std::int64_t i) { body(i * chunk, std::min(units, (i + 1) * chunk)); });
 }
 template <class Body>
 void batch_norm_planes(BatchNormShape s, const Body& body) {
@@ -149,11 +159,43 @@ void batch_norm_unit_sums(BatchNormShape s, std::int64_t units, double* out_a, d
   }
 }
 // The planes' sums: plane(i, ch, a, b) adds plane (i, ch)'s contribution to the scalars a and b.
+// Planes of at least kBatchNormPlaneSlotsMinHw values (images) each put their sums in a slot of
+// their own (2 n c doubles of this calling thread's `scratch`), taken by any thread of the team
+// (batch_norm_units), and then each channel's slots are added over the samples in order: the bits
+// of one thread's plain loop over the planes, on any team, whichever thread summed a plane.
+inline constexpr std::int64_t kBatchNormPlaneSlotsMinHw = 16;
 template <class Plane>
 void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, const Plane& plane) {
-  batch_norm_unit_sums(s, s.n * s.c, out_a, out_b, [&](std::int64_t p, double* a, double* b) {
-    plane(p / s.c, p % s.c, a[p % s.c], b[p % s.c]);
-  });
+  const std::int64_t planes = s.n * s.c;
+  if (s.numel() < kBatchNormParallelThreshold || s.hw < kBatchNormPlaneSlotsMinHw) {
+    return batch_norm_unit_sums(s, planes, out_a, out_b, [&](std::int64_t p, double* a, double* b) {
+      plane(p / s.c, p % s.c, a[p % s.c], b[p % s.c]);
+    });
+  }
+  thread_local std::vector<double> scratch;
+  if (scratch.size() < static_cast<std::size_t>(2 * planes)) scratch.resize(static_cast<std::size_t>(2 * planes));
+  double* slot_a = scratch.data();
+  double* slot_b = slot_a + planes;
+  const std::int64_t chunk = batch_norm_chunk_units(s, planes), chunks = (planes + chunk - 1) / chunk;
+  StealRanges ranges(chunks);
+#pragma omp parallel
+  {
+    stealing_for(ranges, chunks, [&](std::int64_t i) {
+      for (std::int64_t p = i * chunk; p < std::min(planes, (i + 1) * chunk); ++p) {
+        slot_a[p] = slot_b[p] = 0.0;
+        plane(p / s.c, p % s.c, slot_a[p], slot_b[p]);
+      }
+    });
+#pragma omp barrier
+    std::int64_t c0, c1;
+    team_share(s.c, c0, c1);
+    for (std::int64_t ch = c0; ch < c1; ++ch) {
+      double sa = 0, sb = 0;
+      for (std::int64_t i = 0; i < s.n; ++i) sa += slot_a[i * s.c + ch], sb += slot_b[i * s.c + ch];
+      out_a[ch] = sa;
+      out_b[ch] = sb;
+    }
+  }
 }
 // Channels last: row(r, a, b) adds row r's c values' contributions to the channel vectors a and b.
 template <class Row>
