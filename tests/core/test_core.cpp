@@ -341,14 +341,21 @@ TEST_CASE("stealing_for runs every item once, and a thread done early takes the 
       std::vector<std::atomic<int>> runs(static_cast<std::size_t>(items));
       std::vector<int> runner(static_cast<std::size_t>(items), -1);
       int team = 0;
+      std::atomic<bool> stolen{false};
 #pragma omp parallel num_threads(2)
       {
 #pragma omp single
         team = Cpu::team_size();
         detail::stealing_for(ranges, items, [&](std::int64_t i) {
           const int t = Cpu::thread_index();
-          // Thread 0's first item (item 0) takes 50 ms: thread 1 finishes its own half long before.
-          if (i == 0 && t == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          // Thread 0 stays on its first item (item 0) until thread 1 has taken one of its items,
+          // for 5 s at most: without stealing it would wait the 5 s and then run them all itself.
+          if (i == 0 && t == 0 && team == 2 && items == n) {
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+            while (!stolen.load() && std::chrono::steady_clock::now() < deadline)
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          if (t == 1 && i < items / 2) stolen.store(true);
           runs[static_cast<std::size_t>(i)].fetch_add(1);
           runner[static_cast<std::size_t>(i)] = t;
         });
@@ -358,7 +365,7 @@ TEST_CASE("stealing_for runs every item once, and a thread done early takes the 
         CHECK(runs[static_cast<std::size_t>(i)].load() == 1);
       }
       if (team == 2 && items == n) {
-        // Thread 1 owned [200, 400) and took thread 0's items from the back: the last of them.
+        // Thread 1 owned [200, 400) and took thread 0's items from the back while thread 0 waited.
         CHECK(runner[n - 1] == 1);
         CHECK(runner[0] == 0);
         CHECK(runner[n / 2 - 1] == 1);

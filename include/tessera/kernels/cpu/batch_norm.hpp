@@ -102,16 +102,28 @@ inline std::int64_t batch_norm_chunk_units(BatchNormShape s, std::int64_t units)
 // shares that they have not reached (detail::stealing_for: the two cores' speeds differ). Units
 // are the flat plane index p = sample * c + channel, or in channels last the rows (one pixel's c
 // values each), so each thread reads and writes one contiguous share of memory unless it is idle.
+// The runs of batch_norm_chunk_units units, for stealing_for; body(u0, u1) for each run this thread takes.
+struct BatchNormRuns {
+  std::int64_t units, chunk;
+  StealRanges ranges;
+  BatchNormRuns(BatchNormShape s, std::int64_t n)
+      : units(n), chunk(batch_norm_chunk_units(s, n)), ranges((n + chunk - 1) / chunk) {}
+  template <class Body>
+  void run(const Body& body) {
+    stealing_for(ranges, (units + chunk - 1) / chunk,
+                 [&](std::int64_t i) { body(i * chunk, std::min(units, (i + 1) * chunk)); });
+  }
+};
+
 template <class Body>
 void batch_norm_units(BatchNormShape s, std::int64_t units, const Body& body) {
   if (s.numel() < kBatchNormParallelThreshold || units < 2) {
     body(std::int64_t{0}, units);
     return;
   }
-  const std::int64_t chunk = batch_norm_chunk_units(s, units), chunks = (units + chunk - 1) / chunk;
-  StealRanges ranges(chunks);
+  BatchNormRuns runs(s, units);
 #pragma omp parallel
-  stealing_for(ranges, chunks, [&](std::int64_t i) { body(i * chunk, std::min(units, (i + 1) * chunk)); });
+  runs.run(body);
 }
 template <class Body>
 void batch_norm_planes(BatchNormShape s, const Body& body) {
@@ -120,6 +132,20 @@ void batch_norm_planes(BatchNormShape s, const Body& body) {
 template <class Body>
 void batch_norm_rows(BatchNormShape s, const Body& body) {
   batch_norm_units(s, s.n * s.hw, body);
+}
+
+// out_a[ch] = sum over r of a[r stride + ch], likewise out_b from b, for this thread's share of
+// the channels (all of them outside a team), r in order.
+inline void batch_norm_add_rows(std::int64_t c, std::int64_t rows, std::int64_t stride, const double* a,
+                                const double* b, double* out_a, double* out_b) {
+  std::int64_t c0, c1;
+  team_share(c, c0, c1);
+  for (std::int64_t ch = c0; ch < c1; ++ch) {
+    double sa = 0, sb = 0;
+    for (std::int64_t r = 0; r < rows; ++r) sa += a[r * stride + ch], sb += b[r * stride + ch];
+    out_a[ch] = sa;
+    out_b[ch] = sb;
+  }
 }
 
 // out_a[ch], out_b[ch]: sums over `units`, where unit(u, a, b) adds unit u's contributions to the
@@ -145,17 +171,11 @@ void batch_norm_unit_sums(BatchNormShape s, std::int64_t units, double* out_a, d
     double* a = partial + t * 2 * s.c;
     double* b = a + s.c;
     std::fill(a, a + 2 * s.c, 0.0);
-    std::int64_t u0, u1, c0, c1;
+    std::int64_t u0, u1;
     team_share(units, u0, u1);
     for (std::int64_t u = u0; u < u1; ++u) unit(u, a, b);
 #pragma omp barrier
-    team_share(s.c, c0, c1);
-    for (std::int64_t ch = c0; ch < c1; ++ch) {
-      double sa = 0, sb = 0;
-      for (std::int64_t k = 0; k < team; ++k) sa += partial[k * 2 * s.c + ch], sb += partial[k * 2 * s.c + s.c + ch];
-      out_a[ch] = sa;
-      out_b[ch] = sb;
-    }
+    batch_norm_add_rows(s.c, team, 2 * s.c, partial, partial + s.c, out_a, out_b);
   }
 }
 // The planes' sums: plane(i, ch, a, b) adds plane (i, ch)'s contribution to the scalars a and b.
@@ -176,25 +196,17 @@ void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, con
   if (scratch.size() < static_cast<std::size_t>(2 * planes)) scratch.resize(static_cast<std::size_t>(2 * planes));
   double* slot_a = scratch.data();
   double* slot_b = slot_a + planes;
-  const std::int64_t chunk = batch_norm_chunk_units(s, planes), chunks = (planes + chunk - 1) / chunk;
-  StealRanges ranges(chunks);
+  BatchNormRuns runs(s, planes);
 #pragma omp parallel
   {
-    stealing_for(ranges, chunks, [&](std::int64_t i) {
-      for (std::int64_t p = i * chunk; p < std::min(planes, (i + 1) * chunk); ++p) {
+    runs.run([&](std::int64_t p0, std::int64_t p1) {
+      for (std::int64_t p = p0; p < p1; ++p) {
         slot_a[p] = slot_b[p] = 0.0;
         plane(p / s.c, p % s.c, slot_a[p], slot_b[p]);
       }
     });
 #pragma omp barrier
-    std::int64_t c0, c1;
-    team_share(s.c, c0, c1);
-    for (std::int64_t ch = c0; ch < c1; ++ch) {
-      double sa = 0, sb = 0;
-      for (std::int64_t i = 0; i < s.n; ++i) sa += slot_a[i * s.c + ch], sb += slot_b[i * s.c + ch];
-      out_a[ch] = sa;
-      out_b[ch] = sb;
-    }
+    batch_norm_add_rows(s.c, s.n, s.c, slot_a, slot_b, out_a, out_b);
   }
 }
 // Channels last: row(r, a, b) adds row r's c values' contributions to the channel vectors a and b.

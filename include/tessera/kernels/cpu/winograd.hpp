@@ -994,7 +994,8 @@ void winograd_conv2d_backward(const Conv2dGeometry& g, const Conv2dBlocking& b, 
       }
     }
     if (!dw) return;  // dx only
-    // static_for's barrier has passed: every thread's dU is complete.
+    // A barrier has passed (static_for's, or the one after the stolen dx blocks): every thread's
+    // dU is complete.
     std::int64_t k0, k1;
     detail::team_share(k, k0, k1);
     detail::winograd_filter_gradient(du, team, filters, k, c, k0, k1, dw);
