@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
@@ -187,4 +189,34 @@ TEST_CASE("the first product stops OpenBLAS's idle worker pool, which polled the
   CHECK(c[0] == 19.0f);
   CHECK(c[3] == 50.0f);
   CHECK(blas_server_avail == 0);
+}
+
+// OpenBLAS 0.3.21 runs a CPU model it does not know (Emerald Rapids) on its SSE3 "Prescott" core;
+// Tessera then chooses the core the CPU's vector units run (detail::openblas_better_core). The
+// report names the core the products run on: never a fallback where a better one exists.
+TEST_CASE("gemm runs OpenBLAS on a core with the CPU's vector width, not a fallback", "[core]") {
+  const char* wide = detail::openblas_better_core("Prescott");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl")) {
+    REQUIRE(wide != nullptr);
+    CHECK(std::string(wide) == (__builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX"));
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    REQUIRE(wide != nullptr);
+    CHECK(std::string(wide) == "Haswell");
+  } else {
+    CHECK(wide == nullptr);
+  }
+  // Cores with AVX2 kernels or better stay, in any spelling.
+  for (const char* kept : {"Haswell", "SKYLAKEX", "Cooperlake", "Zen", "SapphireRapids"})
+    CHECK(detail::openblas_better_core(kept) == nullptr);
+  // After a product large enough for OpenBLAS, the report names the core it runs.
+  std::vector<float> a(256 * 256, 1.0f), b(256 * 256, 1.0f), c(256 * 256, 0.0f);
+  gemm(Cpu{}, false, false, 256, 256, 256, 1.0f, a.data(), 256, b.data(), 256, 0.0f, c.data(), 256);
+  CHECK(c[0] == 256.0f);
+  const std::string kernel = cpu_gemm_kernel();
+  INFO("gemm kernel: " << kernel);
+  if (kernel.rfind("OpenBLAS ", 0) == 0 && std::getenv("OPENBLAS_CORETYPE") == nullptr) {
+    const std::string core = kernel.substr(9, kernel.find_first_of(" ,", 9) - 9);
+    CHECK(detail::openblas_better_core(core.c_str()) == nullptr);
+  }
 }

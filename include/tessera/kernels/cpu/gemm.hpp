@@ -24,8 +24,11 @@
 // the float and double instances come from src/kernels_cpu.cpp, and Eigen is not parsed here.
 #pragma once
 
+#include <strings.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -53,6 +56,75 @@ void openblas_set_num_threads(int threads);
 // Exported by OpenBLAS's threaded builds (pthread and OpenMP) and absent from the serial one, hence weak.
 int blas_thread_shutdown_(void) __attribute__((weak));
 }
+#endif
+
+namespace tessera::detail {
+
+// The OpenBLAS core this CPU should run where OpenBLAS's detection fell back to a generic one, or
+// nullptr. OpenBLAS knows CPUs by family and model: 0.3.21 (Debian 12) does not know Emerald Rapids
+// (family 6, model 207) and runs it as "Prescott", its SSE3 fallback, whose sgemm does 4 float
+// multiply-adds per instruction where the AVX-512 kernels do 16 (bench/README.md, "OpenBLAS on a
+// CPU it does not know", has what it cost ResNet-50). So: a detected core without AVX2 kernels on a CPU with AVX-512 (F, BW,
+// DQ, VL) becomes Cooperlake where the CPU has AVX512-BF16 (what OpenBLAS picks for Sapphire
+// Rapids and AMD Zen 4/5) else SkylakeX; on a CPU with AVX2 and FMA, Haswell. A detected core
+// with AVX2 or better, and any core the user forces with OPENBLAS_CORETYPE, stay as they are.
+inline const char* openblas_better_core(const char* detected) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // OpenBLAS's x86-64 cores without AVX2 kernels (its corename table, lower case).
+  static const char* const generic[] = {"unknown",   "prescott", "core2",      "penryn",   "dunnington", "nehalem",
+                                        "atom",      "nano",     "katmai",     "coppermine", "northwood", "banias",
+                                        "athlon",    "opteron",  "opteron_sse3", "barcelona", "bobcat",   "sandybridge"};
+  bool is_generic = false;
+  for (const char* g : generic) is_generic = is_generic || strcasecmp(detected, g) == 0;
+  if (!is_generic) return nullptr;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+#else
+  (void)detected;
+#endif
+  return nullptr;
+}
+
+}  // namespace tessera::detail
+
+#if defined(TESSERA_OPENBLAS)
+extern "C" {
+char* openblas_get_corename(void);
+// OpenBLAS's core selection, exported by its DYNAMIC_ARCH builds (Debian's) and absent from a
+// build for one core, hence weak: quit forgets the core, init picks one again, reading
+// OPENBLAS_CORETYPE first (driver/others/dynamic.c).
+void gotoblas_dynamic_init(void) __attribute__((weak));
+void gotoblas_dynamic_quit(void) __attribute__((weak));
+}
+
+namespace tessera::detail {
+
+// Replaces a fallback core (openblas_better_core) once, before Tessera's first product, the way
+// OPENBLAS_CORETYPE would have at load time: the variable is set, OpenBLAS's own selection runs
+// again, and the variable is removed (child processes detect for themselves). Returns the name of
+// the core it replaced ("" when none was). Nothing changes when OPENBLAS_CORETYPE is set, or in an OpenBLAS without run-time selection. Called
+// under a static guard from the first gemm (before any Tessera thread is inside OpenBLAS) and from
+// cpu_gemm_kernel; a second call finds the better core in place and changes nothing.
+inline std::string openblas_core_checked() {
+  static const std::string replaced = []() -> std::string {
+    if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return "";
+    if (gotoblas_dynamic_init == nullptr || gotoblas_dynamic_quit == nullptr) return "";
+    const std::string detected = openblas_get_corename();
+    const char* better = openblas_better_core(detected.c_str());
+    if (better == nullptr) return "";
+    setenv("OPENBLAS_CORETYPE", better, 0);
+    gotoblas_dynamic_quit();
+    gotoblas_dynamic_init();
+    unsetenv("OPENBLAS_CORETYPE");
+    return detected;
+  }();
+  return replaced;
+}
+
+}  // namespace tessera::detail
 #endif
 
 #include "tessera/core/tensor.hpp"
@@ -187,6 +259,7 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
 // inside OpenBLAS while the pool stops.
 inline void openblas_single_threaded() {
   static const bool done = [] {
+    openblas_core_checked();
     openblas_set_num_threads(1);
     if (blas_thread_shutdown_ != nullptr) blas_thread_shutdown_();
     return true;
@@ -247,13 +320,14 @@ void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
 }
 #endif  // TESSERA_CPU_KERNELS_EXTERN
 
-// What runs the CPU gemm, for benchmark reports: "Eigen gebp" or "OpenBLAS <core>".
-#if defined(TESSERA_OPENBLAS)
-extern "C" char* openblas_get_corename(void);
-#endif
+// What runs the CPU gemm, for benchmark reports: "Eigen gebp" or "OpenBLAS <core>" (naming the
+// core OpenBLAS detected where Tessera replaced it, detail::openblas_core_checked).
 inline std::string cpu_gemm_kernel() {
 #if defined(TESSERA_OPENBLAS)
-  return std::string("OpenBLAS ") + openblas_get_corename() + ", one thread per call (Eigen gebp below 2^20 multiply-adds)";
+  const std::string replaced = detail::openblas_core_checked();
+  return std::string("OpenBLAS ") + openblas_get_corename() +
+         (replaced.empty() ? "" : " (in place of " + replaced + ", which OpenBLAS detected)") +
+         ", one thread per call (Eigen gebp below 2^20 multiply-adds)";
 #else
   return "Eigen gebp";
 #endif
