@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
     const std::vector<ConvShape>& shapes = setup.shapes;
     TESSERA_CHECK(onednn_built(), Error, "bf16_conv compares Tessera's bfloat16 kernels with oneDNN's: this build has "
                                          "no oneDNN (meson option onednn; Debian: libdnnl-dev)");
-    TESSERA_CHECK(cpu_bf16_active(), Error, "bf16_conv: this CPU has no AVX512-BF16, so both would compute in float");
+    TESSERA_CHECK(cpu_bf16_active(), Error, "bf16_conv: bfloat16 compute is off here, " + cpu_bf16_kernel() +
+                                              ", so both would compute in float");
     const auto& names = kBf16ConfigNames;
     double total[kBf16Configs] = {0, 0, 0, 0};
     std::string rows;

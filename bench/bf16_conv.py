@@ -43,7 +43,10 @@ def main():
         cmd = [binary, f"--model={model}", f"--threads={args.threads}", f"--runs={args.runs}"]
         if batch is not None:
             cmd.append(f"--batch={batch}")
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        # TESSERA_CPU_BF16=on: these programs time the bfloat16 kernels themselves, also on a CPU
+        # where a bfloat16 Env computes in float by default (kernels/cpu/gemm_bf16.hpp).
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                             env=dict(os.environ, TESSERA_CPU_BF16="on"))
         sys.stderr.write(out.stderr)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         totals = result["total_ms"]

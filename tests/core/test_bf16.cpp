@@ -237,7 +237,47 @@ TEST_CASE("gemm_bf16 turned off is exactly the float gemm", "[core][bf16]") {
   gemm_bf16(Cpu{}, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, got.data(), n);
   set_cpu_bf16_enabled(true);
   CHECK(got == want);
-  CHECK(cpu_bf16_active() == cpu_has_avx512_bf16());
+  CHECK(cpu_bf16_active() == (cpu_has_avx512_bf16() && detail::cpu_bf16_pays_here()));
+}
+
+// Whether bfloat16 compute pays on this CPU (TESSERA_CPU_BF16, gemm_bf16.hpp). The unit tests run
+// with TESSERA_CPU_BF16=on (tests/meson.build), so the bfloat16 kernels are checked on every CPU
+// with AVX512-BF16, also where auto would compute in float; `kernels-bf16-auto` runs the [bf16]
+// cases again under auto.
+TEST_CASE("bfloat16 compute follows TESSERA_CPU_BF16 and, under auto, this CPU's measured rates", "[core][bf16]") {
+  CHECK(parse_cpu_bf16_setting("auto", "X") == CpuBf16Setting::Auto);
+  CHECK(parse_cpu_bf16_setting("", "X") == CpuBf16Setting::Auto);
+  CHECK(parse_cpu_bf16_setting("on", "X") == CpuBf16Setting::On);
+  CHECK(parse_cpu_bf16_setting("off", "X") == CpuBf16Setting::Off);
+  CHECK_THROWS_WITH(parse_cpu_bf16_setting("yes", "TESSERA_CPU_BF16"),
+                    Catch::Contains("TESSERA_CPU_BF16='yes'") && Catch::Contains("auto"));
+  // Auto: AMX always; otherwise VDPBF16PS must do at least 1.25x FMA's multiply-adds per second.
+  CHECK(cpu_bf16_pays(CpuBf16Setting::Auto, true, 0.5));
+  CHECK(cpu_bf16_pays(CpuBf16Setting::Auto, false, 2.0));
+  CHECK(cpu_bf16_pays(CpuBf16Setting::Auto, false, kBf16MinDotSpeedup));
+  CHECK_FALSE(cpu_bf16_pays(CpuBf16Setting::Auto, false, 0.52));
+  CHECK_FALSE(cpu_bf16_pays(CpuBf16Setting::Auto, false, 1.1));
+  CHECK(cpu_bf16_pays(CpuBf16Setting::On, false, 0.5));
+  CHECK_FALSE(cpu_bf16_pays(CpuBf16Setting::Off, true, 2.0));
+  const char* value = std::getenv("TESSERA_CPU_BF16");
+  const CpuBf16Setting setting = parse_cpu_bf16_setting(value ? value : "", "TESSERA_CPU_BF16");
+  CHECK(cpu_bf16_setting() == setting);
+  if (!cpu_has_avx512_bf16()) {
+    CHECK_FALSE(cpu_bf16_active());
+    CHECK(detail::cpu_bf16_dot_speedup_measured() == 0.0);
+    WARN("this CPU has no AVX512-BF16: " << cpu_bf16_kernel());
+    return;
+  }
+  // The probe measures an instruction rate: a ratio between a quarter and four on any CPU (one
+  // VDPBF16PS does two multiply-adds a lane, an FMA one; both issue one or two a cycle).
+  const double speedup = detail::cpu_bf16_dot_speedup_measured();
+  CHECK(speedup > 0.25);
+  CHECK(speedup < 4.0);
+  CHECK(detail::cpu_bf16_pays_here() == cpu_bf16_pays(setting, onednn_uses_amx(), speedup));
+  CHECK(cpu_bf16_active() == detail::cpu_bf16_pays_here());
+  if (!cpu_bf16_active()) CHECK(cpu_bf16_kernel().starts_with("float gemm ("));
+  WARN("VDPBF16PS multiply-adds per second over FMA's here: " << speedup << "; TESSERA_CPU_BF16="
+                                                               << (value ? value : "(unset)") << ": " << cpu_bf16_kernel());
 }
 
 namespace {
@@ -393,6 +433,41 @@ TEST_CASE("Conv2d with bfloat16 compute: Winograd stays float", "[layers][bf16]"
   const Tensor<float>& y2 = plain.forward(x, c2);
   REQUIRE(y1.shape() == y2.shape());
   CHECK(std::equal(y1.data(), y1.data() + y1.numel(), y2.data()));
+}
+
+// Where bfloat16 compute is off (turned off, or TESSERA_CPU_BF16=auto on a CPU whose VDPBF16PS is
+// slower than float), a bfloat16 Env's im2col convolution is float32's, bit for bit: the same
+// kernels (the unpacked product with AVX-512), not gemm_bf16's float fallback, which is another
+// product and ran LeNet-5 slower than float32 (bench/README.md, "bfloat16 where VDPBF16PS is slow").
+TEST_CASE("Conv2d of a bfloat16 Env with bfloat16 compute off is float32's, to the bit", "[layers][bf16]") {
+  Rng rng(21);
+  const Conv2dOptions o{6, 16, 5, 5, 1, 1, 0, 0, 1, 1, 1, true};  // LeNet-5's second convolution
+  Conv2d<CpuLocalBf16> layer(o, rng);
+  Conv2d<CpuLocal> plain(o, rng);
+  plain.weight().value = layer.weight().value;
+  plain.bias().value = layer.bias().value;
+  layer.set_algorithm(ConvAlgorithm::Im2col);
+  plain.set_algorithm(ConvAlgorithm::Im2col);
+  std::uint64_t state = 23;
+  const Tensor<float> x = random_float({4, 6, 14, 14}, state);
+  set_cpu_bf16_enabled(false);
+  Conv2d<CpuLocalBf16>::Cache c1;
+  Conv2d<CpuLocal>::Cache c2;
+  const Tensor<float> y1 = layer.forward(x, c1);
+  const Tensor<float> y2 = plain.forward(x, c2);
+  const Tensor<float> dy = random_float(y1.shape(), state);
+  layer.weight().grad.fill(0.0f);
+  plain.weight().grad.fill(0.0f);
+  const Tensor<float> dx1 = layer.backward(dy, c1);
+  const Tensor<float> dx2 = plain.backward(dy, c2);
+  set_cpu_bf16_enabled(true);
+  REQUIRE(y1.shape() == y2.shape());
+  CHECK(std::equal(y1.data(), y1.data() + y1.numel(), y2.data()));
+  REQUIRE(dx1.shape() == dx2.shape());
+  CHECK(std::equal(dx1.data(), dx1.data() + dx1.numel(), dx2.data()));
+  const Tensor<float>& dw1 = layer.weight().grad;
+  const Tensor<float>& dw2 = plain.weight().grad;
+  CHECK(std::equal(dw1.data(), dw1.data() + dw1.numel(), dw2.data()));
 }
 
 // The run-time choice of the AVX-512 kernels (kernels/cpu/capability.hpp). The `kernels-portable`

@@ -472,15 +472,16 @@ inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, st
   return {n0, std::min(b.samples, batch - n0), oh0, std::min(oh0 + b.rows, g.out_height)};
 }
 
-// The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only);
-// in float with AVX-512, products at least kUnpackedMinColumns wide whose second operand is not
+// The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only)
+// and bfloat16 compute is on here (cpu_bf16_active; where it is off, float32's own path below, not
+// gemm_bf16's float fallback, which would skip the unpacked kernel); in float with AVX-512, products at least kUnpackedMinColumns wide whose second operand is not
 // transposed (forward and dx, not dw) by the unpacked kernel (kernels/cpu/gemm_unpacked.hpp), thin
 // ones in deep blocks (above): OpenBLAS packs a (the weights) again for each block.
 template <class S>
 void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                const S* a, std::int64_t lda, const S* x, std::int64_t ldx, S beta, S* c, std::int64_t ldc) {
   if constexpr (std::is_same_v<S, float>) {
-    if (b.bf16) return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
+    if (b.bf16 && cpu_bf16_active()) return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
 #if TESSERA_X86_DISPATCH
     if (!trans_b && n >= kUnpackedMinColumns && cpu_avx512()) {
       // On this thread alone the kernel takes beta itself; gemm_split would first zero c in a

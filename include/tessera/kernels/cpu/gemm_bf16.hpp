@@ -27,8 +27,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <string>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -79,8 +83,143 @@ inline std::atomic<bool>& cpu_bf16_enabled_flag() {
 // it to run the fallback on a CPU that has the instructions).
 inline void set_cpu_bf16_enabled(bool enabled) { detail::cpu_bf16_enabled_flag() = enabled; }
 
+// Whether a bfloat16 Env computes in bfloat16 on a CPU with AVX512-BF16, from TESSERA_CPU_BF16:
+//   auto (or unset)  where it runs faster than float: AMX tiles (oneDNN), or VDPBF16PS doing at
+//                    least kBf16MinDotSpeedup times the multiply-adds per second of float FMAs
+//   on               wherever the CPU has AVX512-BF16 (the tests use it, to check the kernel on
+//                    every such CPU)
+//   off              never: float, as on a CPU without AVX512-BF16
+// A CPU may decode VDPBF16PS and still run it slower than float: on an Intel Xeon of family 6 model
+// 207 (Emerald Rapids, its AMX hidden by the hypervisor) it issues at a quarter of FMA's rate, so
+// its two multiply-adds a lane come to half of FMA's one, and bfloat16 training ran slower than
+// float32 (bench/README.md, "bfloat16 where VDPBF16PS is slow"). On Zen 4 and Zen 5 the bfloat16
+// products ran faster than float's, as a rate above FMA's must.
+enum class CpuBf16Setting { Auto, On, Off };
+
+// The setting a value of TESSERA_CPU_BF16 asks for; `where` names the variable in the error.
+inline CpuBf16Setting parse_cpu_bf16_setting(const std::string& value, const std::string& where) {
+  if (value.empty() || value == "auto") return CpuBf16Setting::Auto;
+  if (value == "on") return CpuBf16Setting::On;
+  if (value == "off") return CpuBf16Setting::Off;
+  throw ArgumentError(where + "='" + value + "' is not a bfloat16 setting: use auto (bfloat16 where it runs faster " +
+                      "than float here), on (wherever the CPU has AVX512-BF16) or off (float)");
+}
+
+inline constexpr double kBf16MinDotSpeedup = 1.25;
+
+// Auto's rule, apart from the measurement so that it can be tested: AMX, or dot products fast enough.
+inline bool cpu_bf16_pays(CpuBf16Setting setting, bool amx, double dot_speedup) {
+  if (setting != CpuBf16Setting::Auto) return setting == CpuBf16Setting::On;
+  return amx || dot_speedup >= kBf16MinDotSpeedup;
+}
+
+#if TESSERA_HAVE_BF16_KERNEL
+namespace detail {
+
+// Seconds for `rounds` x 12 independent VDPBF16PS (bf16 == true) or VFMADD231PS on zmm registers:
+// 12 chains hide either instruction's latency, so the time is the issue rate. In assembly, so that
+// the accumulators stay in registers at any optimization level (at -O1 a C++ loop kept them on the
+// stack and timed the stores instead), and zeroed first (garbage could hold denormals, which slow
+// FMA down). Both multiply 0.999 (as float; as bfloat16 pairs about 1 and -0.24): no overflow.
+__attribute__((target("avx512f,avx512bf16"), noinline)) inline double bf16_rate_probe_seconds(bool bf16,
+                                                                                          std::int64_t rounds) {
+#define TESSERA_PROBE_ZERO                                                                                 \
+  "vxorps %%xmm0, %%xmm0, %%xmm0\n\tvxorps %%xmm1, %%xmm1, %%xmm1\n\tvxorps %%xmm2, %%xmm2, %%xmm2\n\t"     \
+  "vxorps %%xmm3, %%xmm3, %%xmm3\n\tvxorps %%xmm4, %%xmm4, %%xmm4\n\tvxorps %%xmm5, %%xmm5, %%xmm5\n\t"     \
+  "vxorps %%xmm6, %%xmm6, %%xmm6\n\tvxorps %%xmm7, %%xmm7, %%xmm7\n\tvxorps %%xmm8, %%xmm8, %%xmm8\n\t"     \
+  "vxorps %%xmm9, %%xmm9, %%xmm9\n\tvxorps %%xmm10, %%xmm10, %%xmm10\n\tvxorps %%xmm11, %%xmm11, %%xmm11\n\t"
+#define TESSERA_PROBE_12(OP)                                                                                  \
+  OP " %[x], %[x], %%zmm0\n\t" OP " %[x], %[x], %%zmm1\n\t" OP " %[x], %[x], %%zmm2\n\t" OP                  \
+     " %[x], %[x], %%zmm3\n\t" OP " %[x], %[x], %%zmm4\n\t" OP " %[x], %[x], %%zmm5\n\t" OP " %[x], %[x], %%zmm6\n\t" \
+     OP " %[x], %[x], %%zmm7\n\t" OP " %[x], %[x], %%zmm8\n\t" OP " %[x], %[x], %%zmm9\n\t" OP                 \
+     " %[x], %[x], %%zmm10\n\t" OP " %[x], %[x], %%zmm11\n\t"
+  const __m512 x = _mm512_set1_ps(0.999f);
+  std::int64_t n = rounds;
+  const auto start = std::chrono::steady_clock::now();
+  if (bf16)
+    __asm__ volatile(TESSERA_PROBE_ZERO "1:\n\t" TESSERA_PROBE_12("vdpbf16ps") "dec %[n]\n\tjnz 1b"
+                     : [n] "+r"(n)
+                     : [x] "v"(x)
+                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+                       "cc");
+  else
+    __asm__ volatile(TESSERA_PROBE_ZERO "1:\n\t" TESSERA_PROBE_12("vfmadd231ps") "dec %[n]\n\tjnz 1b"
+                     : [n] "+r"(n)
+                     : [x] "v"(x)
+                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+                       "cc");
+#undef TESSERA_PROBE_12
+#undef TESSERA_PROBE_ZERO
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Multiply-adds per second of VDPBF16PS (two per lane) over those of FMA (one per lane) on the
+// calling core. Each is timed 7 times, alternating, and its fastest run kept: an interruption only
+// lengthens a run, so the minimum is the instruction's rate (the first runs also wake the 512-bit
+// units). Its cost, once per process: bench/README.md, "bfloat16 where VDPBF16PS is slow".
+inline double bf16_dot_speedup() {
+  constexpr std::int64_t kRounds = 20000;  // 240,000 instructions a run
+  double fma = 1e30, dot = 1e30;
+  for (int run = 0; run < 7; ++run) {
+    fma = std::min(fma, bf16_rate_probe_seconds(false, kRounds));
+    dot = std::min(dot, bf16_rate_probe_seconds(true, kRounds));
+  }
+  return 2.0 * fma / dot;
+}
+
+}  // namespace detail
+#endif
+
+// TESSERA_CPU_BF16, read once (a bad value ends the program when it starts, as
+// TESSERA_CPU_CAPABILITY's does).
+inline CpuBf16Setting cpu_bf16_setting() {
+  static const CpuBf16Setting setting = [] {
+    const char* value = std::getenv("TESSERA_CPU_BF16");
+    return value == nullptr ? CpuBf16Setting::Auto : parse_cpu_bf16_setting(value, "TESSERA_CPU_BF16");
+  }();
+  return setting;
+}
+
+namespace detail {
+inline CpuBf16Setting checked_cpu_bf16_setting_at_start() {
+  try {
+    return cpu_bf16_setting();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera: %s\n", e.what());
+    std::exit(2);
+  }
+}
+inline const CpuBf16Setting cpu_bf16_setting_at_start = checked_cpu_bf16_setting_at_start();
+
+// VDPBF16PS's rate over FMA's on this CPU (bf16_dot_speedup), measured once, on first use; 0 where
+// the CPU has no AVX512-BF16.
+inline double cpu_bf16_dot_speedup_measured() {
+#if TESSERA_HAVE_BF16_KERNEL
+  static const double speedup = cpu_has_avx512_bf16() ? bf16_dot_speedup() : 0.0;
+  return speedup;
+#else
+  return 0.0;
+#endif
+}
+
+// Whether bfloat16 products pay here (cpu_bf16_pays under the process's setting), decided once.
+// Asked on every gemm_bf16 call: the measurement runs on the first, and only where the CPU has
+// AVX512-BF16, the setting is auto and there is no AMX.
+inline bool cpu_bf16_pays_here() {
+  static const bool pays = [] {
+    const CpuBf16Setting setting = cpu_bf16_setting();
+    if (!cpu_has_avx512_bf16()) return false;
+    if (setting != CpuBf16Setting::Auto || onednn_uses_amx()) return cpu_bf16_pays(setting, onednn_uses_amx(), 0.0);
+    return cpu_bf16_pays(setting, false, cpu_bf16_dot_speedup_measured());
+  }();
+  return pays;
+}
+}  // namespace detail
+
 // True when gemm_bf16 computes in bfloat16 now, false when it falls back to float.
-inline bool cpu_bf16_active() { return cpu_has_avx512_bf16() && detail::cpu_bf16_enabled_flag().load(); }
+inline bool cpu_bf16_active() {
+  return cpu_has_avx512_bf16() && detail::cpu_bf16_enabled_flag().load() && detail::cpu_bf16_pays_here();
+}
 
 // What gemm_bf16 runs, for benchmark reports.
 inline std::string cpu_bf16_kernel() {
@@ -88,6 +227,13 @@ inline std::string cpu_bf16_kernel() {
     const std::string onednn = onednn_gemm_report();
     return onednn.empty() ? "AVX512-BF16 VDPBF16PS, float accumulation"
                           : onednn + ", AVX512-BF16 VDPBF16PS for the rest, float accumulation";
+  }
+  if (cpu_has_avx512_bf16() && !detail::cpu_bf16_pays_here()) {
+    if (cpu_bf16_setting() == CpuBf16Setting::Off) return "float gemm (TESSERA_CPU_BF16=off)";
+    char speedup[32];
+    std::snprintf(speedup, sizeof speedup, "%.2f", detail::cpu_bf16_dot_speedup_measured());
+    return std::string("float gemm (VDPBF16PS does ") + speedup +
+           "x float FMA's multiply-adds per second here, no AMX: TESSERA_CPU_BF16=on forces it)";
   }
   if (cpu_has_avx512_bf16()) return "float gemm (bf16 turned off)";
   return cpu_avx512() || cpu_capability_supported() == CpuCapability::Default
