@@ -89,6 +89,10 @@ def check_portable(binary):
                          env=dict(os.environ, TESSERA_CPU_CAPABILITY="avx9"))
     expect(bad.returncode != 0 and "TESSERA_CPU_CAPABILITY='avx9'" in bad.stderr,
            f"TESSERA_CPU_CAPABILITY=avx9 was not refused by name (exit {bad.returncode}):\n{bad.stderr[-2000:]}")
+    bad = subprocess.run([str(binary), "--steps=2"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TESSERA_CPU_BF16="maybe"))
+    expect(bad.returncode != 0 and "TESSERA_CPU_BF16='maybe'" in bad.stderr,
+           f"TESSERA_CPU_BF16=maybe was not refused by name (exit {bad.returncode}):\n{bad.stderr[-2000:]}")
     return fast["cpu_capability"]
 
 

@@ -87,16 +87,18 @@ namespace detail {
 // call is usually on an OpenMP thread inside a parallel region, where an exception cannot reach
 // the caller, and two threads throwing at once ended the program in std::terminate with the
 // message cut off ("terminate called recursively"). A bad value ends it here instead, with the
-// message an uncaught ArgumentError would print and exit status 2.
-inline CpuCapability checked_cpu_capability_at_start() {
+// message an uncaught ArgumentError would print and exit status 2. (TESSERA_CPU_BF16 likewise,
+// kernels/cpu/gemm_bf16.hpp.)
+template <class ReadSetting>
+auto setting_or_exit(ReadSetting read) {
   try {
-    return cpu_capability();
+    return read();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessera: %s\n", e.what());
     std::exit(2);
   }
 }
-inline const CpuCapability cpu_capability_at_start = checked_cpu_capability_at_start();
+inline const CpuCapability cpu_capability_at_start = setting_or_exit([] { return cpu_capability(); });
 
 }  // namespace detail
 

@@ -32,7 +32,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <string>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -181,15 +180,7 @@ inline CpuBf16Setting cpu_bf16_setting() {
 }
 
 namespace detail {
-inline CpuBf16Setting checked_cpu_bf16_setting_at_start() {
-  try {
-    return cpu_bf16_setting();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "tessera: %s\n", e.what());
-    std::exit(2);
-  }
-}
-inline const CpuBf16Setting cpu_bf16_setting_at_start = checked_cpu_bf16_setting_at_start();
+inline const CpuBf16Setting cpu_bf16_setting_at_start = setting_or_exit([] { return cpu_bf16_setting(); });
 
 // VDPBF16PS's rate over FMA's on this CPU (bf16_dot_speedup), measured once, on first use; 0 where
 // the CPU has no AVX512-BF16.
