@@ -64,10 +64,11 @@ namespace tessera::detail {
 // nullptr. OpenBLAS knows CPUs by family and model: 0.3.21 (Debian 12) does not know Emerald Rapids
 // (family 6, model 207) and runs it as "Prescott", its SSE3 fallback, whose sgemm does 4 float
 // multiply-adds per instruction where the AVX-512 kernels do 16 (bench/README.md, "OpenBLAS on a
-// CPU it does not know", has what it cost ResNet-50). So: a detected core without AVX2 kernels on a CPU with AVX-512 (F, BW,
-// DQ, VL) becomes Cooperlake where the CPU has AVX512-BF16 (what OpenBLAS picks for Sapphire
-// Rapids and AMD Zen 4/5) else SkylakeX; on a CPU with AVX2 and FMA, Haswell. A detected core
-// with AVX2 or better, and any core the user forces with OPENBLAS_CORETYPE, stay as they are.
+// CPU it does not know", has what it cost ResNet-50). So: a detected core without AVX2 kernels on
+// a CPU with AVX-512 (F, BW, DQ, VL) becomes Cooperlake where the CPU has AVX512-BF16 (what
+// OpenBLAS picks for Sapphire Rapids and AMD Zen 4/5) else SkylakeX; on a CPU with AVX2 and FMA,
+// Haswell. A detected core with AVX2 or better, and any core the user forces with
+// OPENBLAS_CORETYPE, stay as they are.
 inline const char* openblas_better_core(const char* detected) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   // OpenBLAS's x86-64 cores without AVX2 kernels (its corename table, lower case).
@@ -105,9 +106,10 @@ namespace tessera::detail {
 // Replaces a fallback core (openblas_better_core) once, before Tessera's first product, the way
 // OPENBLAS_CORETYPE would have at load time: the variable is set, OpenBLAS's own selection runs
 // again, and the variable is removed (child processes detect for themselves). Returns the name of
-// the core it replaced ("" when none was). Nothing changes when OPENBLAS_CORETYPE is set, or in an OpenBLAS without run-time selection. Called
-// under a static guard from the first gemm (before any Tessera thread is inside OpenBLAS) and from
-// cpu_gemm_kernel; a second call finds the better core in place and changes nothing.
+// the core it replaced ("" when none was). Nothing changes when OPENBLAS_CORETYPE is set, or in an
+// OpenBLAS without run-time selection. Called under a static guard from the first gemm (before any
+// Tessera thread is inside OpenBLAS) and from cpu_gemm_kernel; a second call finds the better core
+// in place and changes nothing.
 inline std::string openblas_core_checked() {
   static const std::string replaced = []() -> std::string {
     if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return "";
