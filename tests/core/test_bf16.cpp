@@ -294,6 +294,18 @@ Tensor<float> random_float(Shape shape, std::uint64_t& state) {
   return t;
 }
 
+// A bfloat16 Env's Conv2d and a float32 twin with the same weights, both on `algorithm`.
+struct ConvTwins {
+  Conv2d<CpuLocalBf16> bf16;
+  Conv2d<CpuLocal> plain;
+  ConvTwins(const Conv2dOptions& o, ConvAlgorithm algorithm, Rng& rng) : bf16(o, rng), plain(o, rng) {
+    plain.weight().value = bf16.weight().value;
+    plain.bias().value = bf16.bias().value;
+    bf16.set_algorithm(algorithm);
+    plain.set_algorithm(algorithm);
+  }
+};
+
 // max |got - want| / (1 + max |want|) over the elements.
 double relative_gap(const Tensor<float>& got, const Tensor<double>& want) {
   REQUIRE(got.shape() == want.shape());
@@ -418,13 +430,9 @@ TEST_CASE("Conv2d with bfloat16 compute: Winograd stays float", "[layers][bf16]"
                                .out_height = 14, .out_width = 14};
   CHECK_FALSE(conv2d_blocking(strided, 64, 4, 0, ConvAlgorithm::Auto, /*bf16=*/true).winograd);
   Rng rng(8);
-  const Conv2dOptions o{16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, true};
-  Conv2d<CpuLocalBf16> layer(o, rng);
-  Conv2d<CpuLocal> plain(o, rng);
-  plain.weight().value = layer.weight().value;
-  plain.bias().value = layer.bias().value;
-  layer.set_algorithm(ConvAlgorithm::Winograd);
-  plain.set_algorithm(ConvAlgorithm::Winograd);
+  ConvTwins twins({16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1, true}, ConvAlgorithm::Winograd, rng);
+  auto& layer = twins.bf16;
+  auto& plain = twins.plain;
   std::uint64_t state = 17;
   const Tensor<float> x = random_float({2, 16, 12, 12}, state);
   Conv2d<CpuLocalBf16>::Cache c1;
@@ -441,13 +449,10 @@ TEST_CASE("Conv2d with bfloat16 compute: Winograd stays float", "[layers][bf16]"
 // product and ran LeNet-5 slower than float32 (bench/README.md, "bfloat16 where VDPBF16PS is slow").
 TEST_CASE("Conv2d of a bfloat16 Env with bfloat16 compute off is float32's, to the bit", "[layers][bf16]") {
   Rng rng(21);
-  const Conv2dOptions o{6, 16, 5, 5, 1, 1, 0, 0, 1, 1, 1, true};  // LeNet-5's second convolution
-  Conv2d<CpuLocalBf16> layer(o, rng);
-  Conv2d<CpuLocal> plain(o, rng);
-  plain.weight().value = layer.weight().value;
-  plain.bias().value = layer.bias().value;
-  layer.set_algorithm(ConvAlgorithm::Im2col);
-  plain.set_algorithm(ConvAlgorithm::Im2col);
+  // LeNet-5's second convolution.
+  ConvTwins twins({6, 16, 5, 5, 1, 1, 0, 0, 1, 1, 1, true}, ConvAlgorithm::Im2col, rng);
+  auto& layer = twins.bf16;
+  auto& plain = twins.plain;
   std::uint64_t state = 23;
   const Tensor<float> x = random_float({4, 6, 14, 14}, state);
   set_cpu_bf16_enabled(false);

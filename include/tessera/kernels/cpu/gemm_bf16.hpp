@@ -198,10 +198,11 @@ inline double cpu_bf16_dot_speedup_measured() {
 // AVX512-BF16, the setting is auto and there is no AMX.
 inline bool cpu_bf16_pays_here() {
   static const bool pays = [] {
-    const CpuBf16Setting setting = cpu_bf16_setting();
     if (!cpu_has_avx512_bf16()) return false;
-    if (setting != CpuBf16Setting::Auto || onednn_uses_amx()) return cpu_bf16_pays(setting, onednn_uses_amx(), 0.0);
-    return cpu_bf16_pays(setting, false, cpu_bf16_dot_speedup_measured());
+    const CpuBf16Setting setting = cpu_bf16_setting();
+    const bool amx = onednn_uses_amx();
+    const bool measure = setting == CpuBf16Setting::Auto && !amx;
+    return cpu_bf16_pays(setting, amx, measure ? cpu_bf16_dot_speedup_measured() : 0.0);
   }();
   return pays;
 }
