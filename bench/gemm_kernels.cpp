@@ -1,0 +1,241 @@
+// The float32 matrix products of the MLP and of ResNet-50 (batch 8) on one thread, product by
+// product, on each kernel this build can run them on: OpenBLAS's sgemm (what Tessera's gemm calls
+// above 2^20 multiply-adds), Tessera's unpacked AVX-512 kernel (what the convolutions call,
+// kernels/cpu/gemm_unpacked.hpp; products whose B is not transposed) and oneDNN's sgemm
+// (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). Each
+// kernel's GFLOP/s is given next to the core's register-only FMA rate (12 independent chains of
+// 512-bit FMAs, no memory), and its heap allocations per call are counted (alloc_counter.hpp).
+//
+//   ./gemm_kernels [--runs=41]
+//
+// The kernels take turns within each run (a noisy machine slows all of them alike); medians. One
+// thread: OpenMP's team is set to 1, so oneDNN's sgemm runs on one thread as the others do.
+// Prints one JSON object (stdout) and a table (stderr). Never a timed test. bench/README.md,
+// "Where the float32 products stand", has what it measured.
+
+#include <immintrin.h>
+#include <oneapi/dnnl/dnnl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.hpp"
+
+#include "alloc_counter.hpp"
+
+// OpenBLAS's Fortran interface (column-major), as kernels/cpu/gemm.hpp declares it.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+extern "C" void openblas_set_num_threads(int threads);
+
+using namespace tessera;
+
+namespace {
+
+// One row-major product C (m, n) = op(A) (m, k) op(B) (k, n), and where a network runs it.
+struct Product {
+  const char* name;
+  bool trans_a, trans_b;
+  int m, n, k;
+};
+
+// The MLP of bench/compare_pytorch.py (784-512-256-10, batch 128; bench/gemm_ceiling.py lists
+// the same) and ResNet-50's convolutions at batch 8 as Tessera runs them: a 1x1 layer C -> K on a
+// block of `cols` output pixels is forward W (K, C) x (C, cols), input gradient W^T dY and weight
+// gradient dY X^T; a strided 3x3 layer goes through im2col (C 9 rows).
+const Product kProducts[] = {
+    {"mlp forward 784->512", false, true, 128, 512, 784},
+    {"mlp weight grad 784->512", true, false, 512, 784, 128},
+    {"mlp forward 512->256", false, true, 128, 256, 512},
+    {"mlp weight grad 512->256", true, false, 256, 512, 128},
+    {"mlp input grad 512->256", false, false, 128, 512, 256},
+    {"conv fwd 1x1 64->256 56x56", false, false, 256, 3136, 64},
+    {"conv fwd 1x1 256->64 56x56", false, false, 64, 3136, 256},
+    {"conv fwd 1x1 512->128 28x28", false, false, 128, 784, 512},
+    {"conv fwd 1x1 1024->256 14x14 b8", false, false, 256, 1568, 1024},
+    {"conv fwd 1x1 2048->512 7x7 b8", false, false, 512, 392, 2048},
+    {"conv fwd 3x3/2 128 im2col 28x28", false, false, 128, 784, 1152},
+    {"conv dx 1x1 256->64 56x56", true, false, 256, 3136, 64},
+    {"conv dx 1x1 2048->512 7x7 b8", true, false, 2048, 392, 512},
+    {"conv dW 1x1 64->256 56x56", false, true, 256, 64, 3136},
+    {"conv dW 1x1 1024->256 14x14 b8", false, true, 256, 1024, 1568},
+};
+
+// /proc/cpuinfo's first "vendor_id", "cpu family", "model" and "model name": the JSON names its CPU.
+std::string cpu_description() {
+  std::string out;
+  for (const std::string key : {"vendor_id", "cpu family", "model", "model name"}) {
+    std::ifstream f("/proc/cpuinfo");
+    for (std::string line; std::getline(f, line);) {
+      const std::size_t colon = line.find(':');
+      if (colon == std::string::npos || line.substr(0, line.find_last_not_of(" \t", colon - 1) + 1) != key) continue;
+      out += (out.empty() ? "" : ", ") + key + " " + line.substr(std::min(line.size(), colon + 2));
+      break;
+    }
+  }
+  return out;
+}
+
+enum Kernel { kOpenBlas, kUnpacked, kOneDnn, kKernels };
+const char* const kKernelNames[kKernels] = {"openblas", "unpacked", "onednn"};
+
+// Floating-point operations per second of 12 independent chains of 512-bit FMAs (2 per FMA per
+// lane): the most any kernel can reach on this core. Best of 5.
+__attribute__((target("avx512f"), noinline)) double fma_peak_gflops() {
+  constexpr int kChains = 12;
+  constexpr long kRounds = 4000000;
+  double best = 1e30;
+  float sink = 0;
+  for (int trial = 0; trial < 5; ++trial) {
+    __m512 acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(1.0f + 1e-7f * i);
+    const __m512 scale = _mm512_set1_ps(0.9999999f), shift = _mm512_set1_ps(1e-7f);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (long r = 0; r < kRounds; ++r) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) {
+        acc[i] = _mm512_fmadd_ps(acc[i], scale, shift);
+        asm volatile("" : "+v"(acc[i]));  // each FMA is executed, none folded away
+      }
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  }
+  if (sink == 12345.0f) std::fprintf(stderr, " ");  // keeps the chains live
+  return 2.0 * 16 * kChains * kRounds / best / 1e9;
+}
+
+// C = op(A) op(B) (beta 0) by one kernel; false where the kernel does not take this product.
+bool run(Kernel kernel, const Product& p, const float* a, const float* b, float* c) {
+  const int lda = p.trans_a ? p.m : p.k, ldb = p.trans_b ? p.k : p.n, ldc = p.n;
+  switch (kernel) {
+    case kOpenBlas: {  // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T
+      const char ta = p.trans_a ? 'T' : 'N', tb = p.trans_b ? 'T' : 'N';
+      const float one = 1, zero = 0;
+      sgemm_(&tb, &ta, &p.n, &p.m, &p.k, &one, b, &ldb, a, &lda, &zero, c, &ldc);
+      return true;
+    }
+    case kUnpacked:
+      if (p.trans_b || !cpu_avx512()) return false;
+      // conv_gemm's depth rule (kernels/cpu/conv2d.hpp): thin products take deeper blocks.
+      detail::gemm_unpacked_avx512(p.trans_a, p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc,
+                                   p.n < detail::kUnpackedWideColumns ? detail::kUnpackedThinDepth : 0);
+      return true;
+    case kOneDnn:
+      return dnnl_sgemm(p.trans_a ? 'T' : 'N', p.trans_b ? 'T' : 'N', p.m, p.n, p.k, 1.0f, a, lda, b, ldb, 0.0f, c,
+                        ldc) == dnnl_success;
+    default: return false;
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Row {
+  const Product* product;
+  double gflops[kKernels];  // 0: the kernel does not take this product
+  double allocations_per_call[kKernels];
+  double max_difference[kKernels];  // against OpenBLAS's C, relative to max |C|
+};
+
+Row measure(const Product& p, int runs) {
+  Rng rng(7);
+  const std::int64_t a_size = std::int64_t{p.m} * p.k, b_size = std::int64_t{p.k} * p.n, c_size = std::int64_t{p.m} * p.n;
+  Tensor<float, Cpu> a(Shape{a_size}), b(Shape{b_size});
+  uniform_(a, -1.0, 1.0, rng);
+  uniform_(b, -1.0, 1.0, rng);
+  std::vector<std::vector<float>> c(kKernels, std::vector<float>(static_cast<std::size_t>(c_size)));
+  std::vector<std::vector<double>> seconds(kKernels);
+  Row row{&p, {}, {}, {}};
+  bool takes[kKernels];
+  for (int kernel = 0; kernel < kKernels; ++kernel)  // warm-up: oneDNN generates its kernels here
+    takes[kernel] = run(static_cast<Kernel>(kernel), p, a.data(), b.data(), c[kernel].data());
+  long allocations[kKernels] = {};
+  for (int r = 0; r < runs; ++r) {
+    for (int kernel = 0; kernel < kKernels; ++kernel) {
+      if (!takes[kernel]) continue;
+      g_allocations = 0;
+      g_counting = true;
+      const auto t0 = std::chrono::steady_clock::now();
+      run(static_cast<Kernel>(kernel), p, a.data(), b.data(), c[kernel].data());
+      const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      g_counting = false;
+      allocations[kernel] += g_allocations.load();
+      seconds[kernel].push_back(took);
+    }
+  }
+  double scale = 0;
+  for (float v : c[kOpenBlas]) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+  const double flops = 2.0 * p.m * p.n * p.k;
+  for (int kernel = 0; kernel < kKernels; ++kernel) {
+    if (!takes[kernel]) continue;
+    row.gflops[kernel] = flops / median(seconds[kernel]) / 1e9;
+    row.allocations_per_call[kernel] = static_cast<double>(allocations[kernel]) / runs;
+    double diff = 0;
+    for (std::int64_t i = 0; i < c_size; ++i)
+      diff = std::max(diff, static_cast<double>(std::fabs(c[kernel][i] - c[kOpenBlas][i])));
+    row.max_difference[kernel] = diff / std::max(scale, 1e-30);
+    // Same products, summed in another order: a kernel that disagrees beyond rounding is wrong,
+    // and its speed means nothing.
+    TESSERA_CHECK(row.max_difference[kernel] < 1e-4, Error,
+                  std::string(kKernelNames[kernel]) + " disagrees with OpenBLAS on " + p.name);
+  }
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Flags flags(argc, argv);
+    const int runs = flags.get("runs", 41, {.min = 1});
+    flags.finish();
+    TESSERA_CHECK(cpu_avx512(), Error, "gemm_kernels measures AVX-512 kernels; this CPU has no AVX-512");
+    Cpu::set_num_threads(1);
+    const std::string blas = cpu_gemm_kernel();  // OpenBLAS's core checked (and replaced) first
+    openblas_set_num_threads(1);
+    const double peak = fma_peak_gflops();
+    std::vector<Row> rows;
+    std::fprintf(stderr, "one thread; register-only FMA rate %.1f GFLOP/s\n%-34s %9s %9s %9s   allocations/call\n",
+                 peak, "product (m x n x k)", "openblas", "unpacked", "onednn");
+    for (const Product& p : kProducts) {
+      rows.push_back(measure(p, runs));
+      const Row& r = rows.back();
+      std::fprintf(stderr, "%-34s", p.name);
+      for (int kernel = 0; kernel < kKernels; ++kernel)
+        r.gflops[kernel] > 0 ? std::fprintf(stderr, " %9.1f", r.gflops[kernel]) : std::fprintf(stderr, " %9s", "-");
+      std::fprintf(stderr, "   %.0f / %.0f / %.0f\n", r.allocations_per_call[0], r.allocations_per_call[1],
+                   r.allocations_per_call[2]);
+    }
+    std::printf("{\"benchmark\": \"gemm_kernels\", \"cpu\": \"%s\", \"threads\": 1, \"runs\": %d, \"gemm\": \"%s\", "
+                "\"onednn\": \"%s\", \"fma_peak_gflops\": %.2f, \"products\": [",
+                cpu_description().c_str(), runs, blas.c_str(), onednn_version().c_str(), peak);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::printf("%s{\"name\": \"%s\", \"trans_a\": %s, \"trans_b\": %s, \"m\": %d, \"n\": %d, \"k\": %d", i ? ", " : "",
+                  r.product->name, r.product->trans_a ? "true" : "false", r.product->trans_b ? "true" : "false",
+                  r.product->m, r.product->n, r.product->k);
+      for (int kernel = 0; kernel < kKernels; ++kernel) {
+        if (r.gflops[kernel] <= 0) continue;
+        std::printf(", \"%s\": {\"gflops\": %.2f, \"of_fma_peak\": %.3f, \"allocations_per_call\": %.2f, "
+                    "\"max_relative_difference\": %.2e}",
+                    kKernelNames[kernel], r.gflops[kernel], r.gflops[kernel] / peak, r.allocations_per_call[kernel],
+                    r.max_difference[kernel]);
+      }
+      std::printf("}");
+    }
+    std::printf("]}\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
