@@ -2,7 +2,9 @@
 """A steady step allocates nothing: every heap allocation (malloc and its family, interposed by
 bench/alloc_counter.hpp, so OpenMP's, OpenBLAS's and Eigen's count too) made during the timed
 training steps of MLP, LeNet-5 and ResNet-20, and during the timed ResNet-50 inference forwards at
-batch 1 and 2, must be zero. Run on 2 threads, where the kernels split work over a team.
+batch 1 and 2, must be zero. Run on 2 threads, where the kernels split work over a team, and on 1
+(OMP_NUM_THREADS=1, one rank per core), where every parallel region must be skipped, not entered
+alone: libomp allocates for each region it serializes.
 
     check_steady_allocations.py TRAIN_THROUGHPUT INFERENCE_THROUGHPUT
 
@@ -16,8 +18,8 @@ import subprocess
 import sys
 
 
-def run(cmd: list[str]) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+def run(cmd: list[str], threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if done.returncode != 0:
         raise SystemExit(f"FAILED: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr}")
@@ -38,10 +40,13 @@ def main() -> int:
             if count != 0:
                 failures.append(f"{name(r)}: {count} allocations in {r['steps']} steady {what}")
 
-    check(run([train, "--models=mlp,lenet,resnet20", "--threads=2", "--warmup=2", "--steps=3"]),
-          "allocations_in_timed_steps", "training steps", lambda r: f"{r['model']} training")
-    check(run([inference, "--batches=1,2", "--threads=2", "--warmup=2", "--steps=2"]),
-          "allocations_in_timed_forwards", "forwards", lambda r: f"resnet50 inference b{r['batch']}")
+    for threads in (2, 1):
+        check(run([train, "--models=mlp,lenet,resnet20", f"--threads={threads}", "--warmup=2", "--steps=3"], threads),
+              "allocations_in_timed_steps", "training steps",
+              lambda r: f"{r['model']} training, {threads} thread(s)")
+        check(run([inference, "--batches=1,2", f"--threads={threads}", "--warmup=2", "--steps=2"], threads),
+              "allocations_in_timed_forwards", "forwards",
+              lambda r: f"resnet50 inference b{r['batch']}, {threads} thread(s)")
     if failures:
         print("FAILED: a steady step allocated:\n  " + "\n  ".join(failures) +
               "\n(perf probe -x libc.so.6 malloc, then perf record -e probe_libc:malloc --call-graph dwarf, finds them)")

@@ -214,15 +214,31 @@ T parallel_sum(std::int64_t n, bool parallel, const Part& part) {
   return total;
 }
 
-// body() on every thread of an OpenMP team when `parallel`, else once on this thread outside any
-// region (its static_for loops then run whole). Not `parallel if (...)`: an inactive
-// region of one thread still counts as a nesting level, so a gemm inside would open a nested
-// team, for which libgomp starts fresh threads every time (each rebuilding its thread_local
-// packing buffers: 32 allocations and thread starts per ResNet-50 forward at batch 1). Outside
-// any region the gemm's own team is the pooled one.
+// Whether a `#pragma omp parallel` region entered here has a team: more than one thread, or an
+// enclosing team (the region then nests as a team of one, which the body's static_for shares rely
+// on). At the top level with one thread (OMP_NUM_THREADS=1, --threads=1: one rank per core) it
+// has none, and entering it anyway costs a runtime call and, in libomp 14, a heap block for the
+// serialized region's dispatch buffer: 113 allocations per ResNet-20 training step and 21 to 33
+// per ResNet-50 inference forward, where a steady step must make none
+// (tests/bench/check_steady_allocations.py runs at 1 thread too).
+inline bool region_has_team() {
+#if defined(_OPENMP)
+  return omp_in_parallel() || omp_get_max_threads() > 1;
+#else
+  return false;
+#endif
+}
+
+// body() on every thread of an OpenMP team when `parallel` and the region has a team
+// (region_has_team), else once on this thread outside any region (its static_for loops then run
+// whole, as in a team of one). Not `parallel if (...)`: an inactive region of one thread still
+// counts as a nesting level, so a gemm inside would open a nested team, for which libgomp starts
+// fresh threads every time (each rebuilding its thread_local packing buffers: 32 allocations and
+// thread starts per ResNet-50 forward at batch 1). Outside any region the gemm's own team is the
+// pooled one.
 template <class Body>
 void run_in_team_if(bool parallel, const Body& body) {
-  if (parallel) {
+  if (parallel && region_has_team()) {
 #pragma omp parallel
     body();
   } else {

@@ -69,8 +69,7 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
   const bool drop = n.dropout.active();
   const std::uint64_t threshold = n.dropout.threshold();
   const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
-#pragma omp parallel
-  {
+  detail::run_in_team_if(true, [&] {
     // Per thread: scores/probabilities (Br, Bc), the output accumulator (Br, dv), m and l (Br).
     S* tile = scratch<S>(kQueryTile * kKeyTile + kQueryTile * dv + 2 * kQueryTile);
     S* acc = tile + kQueryTile * kKeyTile;
@@ -133,7 +132,7 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
         lse_i[r] = m[r] + std::log(l[r]);
       }
     }
-  }
+  });
 }
 
 // dq, dk, dv (strided; overwritten) from dout (laid out as out), out and lse of forward.
@@ -149,8 +148,7 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
   const bool drop = n.dropout.active();
   const std::uint64_t threshold = n.dropout.threshold();
   const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
-#pragma omp parallel
-  {
+  detail::run_in_team_if(true, [&] {
     // Per thread: p and ds tiles (Br, Bc), and D (T); with dropout also p o M (Br, Bc).
     S* p = scratch<S>((drop ? 3 : 2) * kQueryTile * kKeyTile + n.queries);
     S* ds = p + kQueryTile * kKeyTile;
@@ -225,7 +223,7 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
         }
       }
     }
-  }
+  });
 }
 
 // Compiled once in compiled-kernels mode (kernels/cpu/compiled.hpp).

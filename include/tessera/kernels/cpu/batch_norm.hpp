@@ -122,8 +122,7 @@ void batch_norm_units(BatchNormShape s, std::int64_t units, const Body& body) {
     return;
   }
   BatchNormRuns runs(s, units);
-#pragma omp parallel
-  runs.run(body);
+  run_in_team_if(true, [&] { runs.run(body); });
 }
 template <class Body>
 void batch_norm_planes(BatchNormShape s, const Body& body) {
@@ -165,8 +164,7 @@ void batch_norm_unit_sums(BatchNormShape s, std::int64_t units, double* out_a, d
   const std::size_t need = static_cast<std::size_t>(Cpu::num_threads() * 2 * s.c);
   if (scratch.size() < need) scratch.resize(need);
   double* partial = scratch.data();
-#pragma omp parallel
-  {
+  run_in_team_if(true, [&] {
     const std::int64_t t = Cpu::thread_index(), team = Cpu::team_size();
     double* a = partial + t * 2 * s.c;
     double* b = a + s.c;
@@ -174,9 +172,11 @@ void batch_norm_unit_sums(BatchNormShape s, std::int64_t units, double* out_a, d
     std::int64_t u0, u1;
     team_share(units, u0, u1);
     for (std::int64_t u = u0; u < u1; ++u) unit(u, a, b);
+    if (team > 1) {
 #pragma omp barrier
+    }
     batch_norm_add_rows(s.c, team, 2 * s.c, partial, partial + s.c, out_a, out_b);
-  }
+  });
 }
 // The planes' sums: plane(i, ch, a, b) adds plane (i, ch)'s contribution to the scalars a and b.
 // Planes of at least kBatchNormPlaneSlotsMinHw values (images) each put their sums in a slot of
@@ -197,17 +197,18 @@ void batch_norm_channel_sums(BatchNormShape s, double* out_a, double* out_b, con
   double* slot_a = scratch.data();
   double* slot_b = slot_a + planes;
   BatchNormRuns runs(s, planes);
-#pragma omp parallel
-  {
+  run_in_team_if(true, [&] {
     runs.run([&](std::int64_t p0, std::int64_t p1) {
       for (std::int64_t p = p0; p < p1; ++p) {
         slot_a[p] = slot_b[p] = 0.0;
         plane(p / s.c, p % s.c, slot_a[p], slot_b[p]);
       }
     });
+    if (Cpu::team_size() > 1) {
 #pragma omp barrier
+    }
     batch_norm_add_rows(s.c, s.n, s.c, slot_a, slot_b, out_a, out_b);
-  }
+  });
 }
 // Channels last: row(r, a, b) adds row r's c values' contributions to the channel vectors a and b.
 template <class Row>
