@@ -6,7 +6,9 @@
 //   ./attention --memory [--t=1024] ...
 //
 // Time: float32 q, k, v (B, H, T, d) of N(0, 1) values; `warmup` untimed forward + backward pairs,
-// then `steps` timed ones; reports the medians of forward, backward and their sum.
+// then `steps` timed ones; reports the medians of forward, backward and their sum, and the heap
+// allocations the timed pairs made (alloc_counter.hpp; tests/bench/check_steady_allocations.py
+// wants 0).
 // --memory: one forward + backward in this fresh process. VmHWM (/proc/self/status) after q, k, v
 // and the upstream gradient exist (the baseline) and after the backward; "extra" is the growth
 // minus what the call must return (out, dq, dk, dv: 4 B H T d floats), i.e. the attention's own
@@ -23,6 +25,7 @@
 
 #include "tessera/tessera.hpp"
 
+#include "alloc_counter.hpp"
 #include "proc_status.hpp"
 
 using namespace tessera;
@@ -81,7 +84,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::vector<double> forward_s, backward_s;
+    forward_s.reserve(static_cast<std::size_t>(steps));  // the timed pairs' own allocations: none
+    backward_s.reserve(static_cast<std::size_t>(steps));
     for (int i = 0; i < warmup + steps; ++i) {
+      if (i == warmup) {
+        g_allocations = 0;
+        g_counting = true;
+      }
       auto t0 = std::chrono::steady_clock::now();
       attention.forward(q, k, v, cache);
       const double f = seconds_since(t0);
@@ -93,11 +102,12 @@ int main(int argc, char** argv) {
         backward_s.push_back(b);
       }
     }
+    g_counting = false;
     std::vector<double> total_s(forward_s.size());
     for (std::size_t i = 0; i < total_s.size(); ++i) total_s[i] = forward_s[i] + backward_s[i];
     std::printf("\"mode\": \"time\", \"steps\": %d, \"median_forward_s\": %.6f, \"median_backward_s\": %.6f, "
-                "\"median_forward_backward_s\": %.6f, \"finite\": %s}\n",
-                steps, median(forward_s), median(backward_s), median(total_s),
+                "\"median_forward_backward_s\": %.6f, \"allocations_in_timed_steps\": %ld, \"finite\": %s}\n",
+                steps, median(forward_s), median(backward_s), median(total_s), g_allocations.load(),
                 std::isfinite(cache.out[0]) ? "true" : "false");
     return 0;
   } catch (const std::exception& e) {

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """A steady step allocates nothing: every heap allocation (malloc and its family, interposed by
 bench/alloc_counter.hpp, so OpenMP's, OpenBLAS's and Eigen's count too) made during the timed
-training steps of MLP, LeNet-5 and ResNet-20, and during the timed ResNet-50 inference forwards at
-batch 1 and 2, must be zero. Run on 2 threads, where the kernels split work over a team, and on 1
+training steps of MLP, LeNet-5 and ResNet-20, during the timed ResNet-50 inference forwards at
+batch 1 and 2, and during the timed forward + backward pairs of fused attention (a GPT block's),
+must be zero. Run on 2 threads, where the kernels split work over a team, and on 1
 (OMP_NUM_THREADS=1, one rank per core), where every parallel region must be skipped, not entered
 alone: libomp allocates for each region it serializes.
 
-    check_steady_allocations.py TRAIN_THROUGHPUT INFERENCE_THROUGHPUT
+    check_steady_allocations.py TRAIN_THROUGHPUT INFERENCE_THROUGHPUT ATTENTION
 
 The benchmarks' JSON is read for the counts, never their times (this is not a timed test).
 """
@@ -27,10 +28,10 @@ def run(cmd: list[str], threads: int) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) != 3:
+    if len(sys.argv) != 4:
         print(__doc__)
         return 2
-    train, inference = sys.argv[1], sys.argv[2]
+    train, inference, attention = sys.argv[1], sys.argv[2], sys.argv[3]
     failures: list[str] = []
 
     def check(report: dict, key: str, what: str, name) -> None:
@@ -47,6 +48,11 @@ def main() -> int:
         check(run([inference, "--batches=1,2", f"--threads={threads}", "--warmup=2", "--steps=2"], threads),
               "allocations_in_timed_forwards", "forwards",
               lambda r: f"resnet50 inference b{r['batch']}, {threads} thread(s)")
+        # The attention program prints one result, not a list: wrapped as one.
+        check({"results": [run([attention, "--t=256", "--heads=4", f"--threads={threads}", "--warmup=2",
+                                 "--steps=3"], threads)]},
+              "allocations_in_timed_steps", "forward + backward pairs",
+              lambda r: f"attention T=256, {threads} thread(s)")
     if failures:
         print("FAILED: a steady step allocated:\n  " + "\n  ".join(failures) +
               "\n(perf probe -x libc.so.6 malloc, then perf record -e probe_libc:malloc --call-graph dwarf, finds them)")
