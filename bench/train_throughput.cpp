@@ -4,6 +4,7 @@
 //                      [--steps=N] [--warmup=2] [--precision=float32|bfloat16]
 //
 // --precision=bfloat16 trains with CpuLocalBf16: float weights, bfloat16 products (core/env.hpp).
+// --models=gpt (not among the defaults): a small GPT, windows/s in place of images/s (measure_gpt).
 //
 // Each model: `warmup` steps (caches and workspaces settle; at least 1), then `steps` timed steps; reports the
 // median step time, images/s, and the heap allocations made during the timed steps, counted by
@@ -67,6 +68,49 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
           steps};
 }
 
+// A small GPT (2 blocks of 4 heads, width 128, windows of 64 byte tokens, batch 8): token and
+// position embeddings, LayerNorm, fused causal attention, the GELU MLP, cross-entropy over 256
+// tokens and AdamW, through the Trainer as examples/15_gpt trains it; a fixed pseudo-random byte
+// stream for tokens. Not one of compare_pytorch.py's models: here for the steady step's
+// allocations (tests/bench/check_steady_allocations.py). "image" is the window length.
+template <class E>
+Result measure_gpt(int warmup, int steps) {
+  const GPTConfig config{.block_size = 64, .vocab_size = 256, .n_layer = 2, .n_head = 4, .n_embd = 128};
+  const std::int64_t batch = 8;
+  Rng rng(1);
+  GPT<E> model(config, rng);
+  AdamW<E> adamw(named_tensors(model), {.lr = 1e-3, .weight_decay = 0.1, .decay_norm_and_bias = false});
+  Trainer trainer(model, adamw, ConstantLr{1e-3}, {.epochs = 1, .verbose = false});
+  std::vector<std::uint16_t> tokens(1 << 14);
+  std::uint64_t state = 11;
+  for (auto& t : tokens) t = static_cast<std::uint16_t>((state = state * 6364136223846793005ULL + 1442695040888963407ULL) >> 56);
+  TokenLoader<float> loader(TokenSpan{tokens.data(), static_cast<std::int64_t>(tokens.size())}, config.block_size,
+                            {.batch_size = batch, .shuffle = false});
+  Batch<float> b;
+  loader.start_epoch(0);
+  loader.next(b);
+  g_allocations = 0;
+  g_counting = true;
+  trainer.train_step(b);
+  g_counting = false;
+  const long first_step_allocations = g_allocations.load();
+  for (int i = 1; i < warmup; ++i) trainer.train_step(b);
+  std::vector<double> times;
+  g_allocations = 0;
+  for (int i = 0; i < steps; ++i) {
+    g_counting = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    trainer.train_step(b);
+    const auto t1 = std::chrono::steady_clock::now();
+    g_counting = false;
+    times.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+  return {"gpt", batch, config.block_size, median, static_cast<double>(batch) / median, first_step_allocations,
+          g_allocations.load(), steps};
+}
+
 template <class E>
 Result measure_model(const std::string& m, int warmup, int steps_flag) {
   auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
@@ -87,14 +131,15 @@ Result measure_model(const std::string& m, int warmup, int steps_flag) {
     const std::int64_t batch = m == "resnet50_b8" ? 8 : 32;
     return measure<E>(m, net, batch, 3, 224, 1000, std::min(warmup, 2), steps(3));
   }
-  throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32)");
+  if (m == "gpt") return measure_gpt<E>(warmup, steps(20));
+  throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32, gpt)");
 }
 
 int main(int argc, char** argv) {
   try {
     Flags flags(argc, argv);
     const std::vector<std::string> models = flags.list("models", "mlp,lenet,resnet20,resnet50_b8,resnet50_b32",
-                                                       {"mlp", "lenet", "resnet20", "resnet50_b8", "resnet50_b32"});
+                                                       {"mlp", "lenet", "resnet20", "resnet50_b8", "resnet50_b32", "gpt"});
     const int threads = flags.threads("threads", 2);
     const int steps_flag = flags.get("steps", 0, {.min = 0});  // 0: each model's own count
     const int warmup = flags.get("warmup", 2, {.min = 1});     // the first step is never timed
