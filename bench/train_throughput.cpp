@@ -1,10 +1,12 @@
 // Training-step throughput (images/s) of Tessera models on synthetic data, as JSON.
 //
 //   ./train_throughput [--models=mlp,lenet,resnet20,resnet50_b8,resnet50_b32] [--threads=2]
-//                      [--steps=N] [--warmup=2] [--precision=float32|bfloat16]
+//                      [--steps=N] [--warmup=2] [--precision=float32|bfloat16] [--loader]
 //
 // --precision=bfloat16 trains with CpuLocalBf16: float weights, bfloat16 products (core/env.hpp).
 // --models=gpt (not among the defaults): a small GPT, windows/s in place of images/s (measure_gpt).
+// --loader: each timed step also takes its batch from the DataLoader (TokenLoader for the GPT), as
+// Trainer::fit does; without it every step trains on one batch, as bench/torch_throughput.py does.
 //
 // Each model: `warmup` steps (caches and workspaces settle; at least 1), then `steps` timed steps; reports the
 // median step time, images/s, and the heap allocations made during the timed steps, counted by
@@ -35,15 +37,21 @@ struct Result {
 
 template <class E, class Model>
 Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
-               std::int64_t classes, int warmup, int steps) {
+               std::int64_t classes, int warmup, int steps, bool from_loader) {
   auto named = named_tensors(model);
   Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-4});
   Trainer trainer(model, sgd, ConstantLr{0.01}, {.epochs = 1, .verbose = false});
   Dataset data = SyntheticImages(batch, channels, image, image, classes, 11);
   DataLoader<float> loader(data, {.batch_size = batch, .shuffle = false, .prefetch = false});
   Batch<float> b;
-  loader.start_epoch(0);
-  loader.next(b);
+  std::int64_t epoch = 0;
+  // --loader: each step takes its batch from the loader first, as Trainer::fit does (the dataset
+  // is one batch, so each step starts an epoch); else every step trains on the first batch.
+  const auto next_batch = [&] {
+    loader.start_epoch(epoch++);
+    loader.next(b);
+  };
+  next_batch();
   // The first step is counted too: it must allocate (caches, workspaces, optimizer state), which
   // shows the counter works; the timed steps after warm-up must not.
   g_allocations = 0;
@@ -51,12 +59,16 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
   trainer.train_step(b);
   g_counting = false;
   const long first_step_allocations = g_allocations.load();
-  for (int i = 1; i < warmup; ++i) trainer.train_step(b);
+  for (int i = 1; i < warmup; ++i) {
+    if (from_loader) next_batch();
+    trainer.train_step(b);
+  }
   std::vector<double> times;
   g_allocations = 0;
   for (int i = 0; i < steps; ++i) {
     g_counting = true;
     const auto t0 = std::chrono::steady_clock::now();
+    if (from_loader) next_batch();
     trainer.train_step(b);
     const auto t1 = std::chrono::steady_clock::now();
     g_counting = false;
@@ -74,7 +86,7 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
 // stream for tokens. Not one of compare_pytorch.py's models: here for the steady step's
 // allocations (tests/bench/check_steady_allocations.py). "image" is the window length.
 template <class E>
-Result measure_gpt(int warmup, int steps) {
+Result measure_gpt(int warmup, int steps, bool from_loader) {
   const GPTConfig config{.block_size = 64, .vocab_size = 256, .n_layer = 2, .n_head = 4, .n_embd = 128};
   const std::int64_t batch = 8;
   Rng rng(1);
@@ -87,19 +99,30 @@ Result measure_gpt(int warmup, int steps) {
   TokenLoader<float> loader(TokenSpan{tokens.data(), static_cast<std::int64_t>(tokens.size())}, config.block_size,
                             {.batch_size = batch, .shuffle = false});
   Batch<float> b;
-  loader.start_epoch(0);
-  loader.next(b);
+  std::int64_t epoch = 0;
+  const auto next_batch = [&] {  // as measure's: --loader takes each step's windows from the loader
+    if (!loader.next(b)) {
+      loader.start_epoch(epoch++);
+      loader.next(b);
+    }
+  };
+  loader.start_epoch(epoch++);
+  next_batch();
   g_allocations = 0;
   g_counting = true;
   trainer.train_step(b);
   g_counting = false;
   const long first_step_allocations = g_allocations.load();
-  for (int i = 1; i < warmup; ++i) trainer.train_step(b);
+  for (int i = 1; i < warmup; ++i) {
+    if (from_loader) next_batch();
+    trainer.train_step(b);
+  }
   std::vector<double> times;
   g_allocations = 0;
   for (int i = 0; i < steps; ++i) {
     g_counting = true;
     const auto t0 = std::chrono::steady_clock::now();
+    if (from_loader) next_batch();
     trainer.train_step(b);
     const auto t1 = std::chrono::steady_clock::now();
     g_counting = false;
@@ -112,26 +135,26 @@ Result measure_gpt(int warmup, int steps) {
 }
 
 template <class E>
-Result measure_model(const std::string& m, int warmup, int steps_flag) {
+Result measure_model(const std::string& m, int warmup, int steps_flag, bool from_loader) {
   auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
   if (m == "mlp") {
     Mlp<E> net(784, {512, 256}, 10, 1);
-    return measure<E>(m, net, 128, 1, 28, 10, warmup, steps(50));
+    return measure<E>(m, net, 128, 1, 28, 10, warmup, steps(50), from_loader);
   }
   if (m == "lenet") {
     auto net = lenet5<E>(1, 28, 10, 1);
-    return measure<E>(m, net, 64, 1, 28, 10, warmup, steps(50));
+    return measure<E>(m, net, 64, 1, 28, 10, warmup, steps(50), from_loader);
   }
   if (m == "resnet20") {
     auto net = resnet20<E>({.in_channels = 1, .num_classes = 10, .seed = 1});
-    return measure<E>(m, net, 64, 1, 28, 10, warmup, steps(10));
+    return measure<E>(m, net, 64, 1, 28, 10, warmup, steps(10), from_loader);
   }
   if (m == "resnet50_b8" || m == "resnet50_b32") {
     auto net = resnet50<E>({.in_channels = 3, .num_classes = 1000, .seed = 1});
     const std::int64_t batch = m == "resnet50_b8" ? 8 : 32;
-    return measure<E>(m, net, batch, 3, 224, 1000, std::min(warmup, 2), steps(3));
+    return measure<E>(m, net, batch, 3, 224, 1000, std::min(warmup, 2), steps(3), from_loader);
   }
-  if (m == "gpt") return measure_gpt<E>(warmup, steps(20));
+  if (m == "gpt") return measure_gpt<E>(warmup, steps(20), from_loader);
   throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32, gpt)");
 }
 
@@ -145,21 +168,22 @@ int main(int argc, char** argv) {
     const int warmup = flags.get("warmup", 2, {.min = 1});     // the first step is never timed
     const std::string precision = flags.choice("precision", "float32", {"float32", "bfloat16"});
     const bool bf16 = precision == "bfloat16";
+    const bool from_loader = flags.get("loader", false);  // each step's batch from the DataLoader
     flags.finish();
     Cpu::set_num_threads(threads);
 
     std::vector<Result> results;
     for (const std::string& m : models) {
-      results.push_back(bf16 ? measure_model<CpuLocalBf16>(m, warmup, steps_flag)
-                             : measure_model<CpuLocal>(m, warmup, steps_flag));
+      results.push_back(bf16 ? measure_model<CpuLocalBf16>(m, warmup, steps_flag, from_loader)
+                             : measure_model<CpuLocal>(m, warmup, steps_flag, from_loader));
       Cpu::allocator().release_cached();  // the next model starts from a clean host heap
       const auto& r = results.back();
       std::fprintf(stderr, "%-13s batch %3lld  %8.1f img/s  median step %.4f s  allocations: first step %ld, timed %ld\n", r.model.c_str(),
                    static_cast<long long>(r.batch), r.images_per_second, r.median_step_s, r.first_step_allocations, r.allocations);
     }
-    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"gemm\": \"%s\", \"precision\": \"%s\", "
+    std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"loader\": %s, \"gemm\": \"%s\", \"precision\": \"%s\", "
                 "\"bf16_kernel\": \"%s\", \"bf16_conv\": \"%s\", \"results\": [",
-                threads, cpu_gemm_kernel().c_str(), precision.c_str(), bf16 ? cpu_bf16_kernel().c_str() : "",
+                threads, from_loader ? "true" : "false", cpu_gemm_kernel().c_str(), precision.c_str(), bf16 ? cpu_bf16_kernel().c_str() : "",
                 bf16 ? cpu_bf16_conv_kernel().c_str() : "");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A steady step allocates nothing: every heap allocation (malloc and its family, interposed by
 bench/alloc_counter.hpp, so OpenMP's, OpenBLAS's and Eigen's count too) made during the timed
-training steps of MLP, LeNet-5, ResNet-20 and a small GPT, during the timed ResNet-50 inference forwards at
+training steps of MLP, LeNet-5, ResNet-20 and a small GPT (each step's batch taken from the
+DataLoader or TokenLoader first, as Trainer::fit does), during the timed ResNet-50 inference forwards at
 batch 1 and 2, and during the timed forward + backward pairs of fused attention (a GPT block's),
 must be zero. Run on 2 threads, where the kernels split work over a team, and on 1
 (OMP_NUM_THREADS=1, one rank per core), where every parallel region must be skipped, not entered
@@ -42,7 +43,8 @@ def main() -> int:
                 failures.append(f"{name(r)}: {count} allocations in {r['steps']} steady {what}")
 
     for threads in (2, 1):
-        check(run([train, "--models=mlp,lenet,resnet20,gpt", f"--threads={threads}", "--warmup=2", "--steps=3"], threads),
+        check(run([train, "--models=mlp,lenet,resnet20,gpt", f"--threads={threads}", "--warmup=2", "--steps=3",
+                   "--loader"], threads),
               "allocations_in_timed_steps", "training steps",
               lambda r: f"{r['model']} training, {threads} thread(s)")
         check(run([inference, "--batches=1,2", f"--threads={threads}", "--warmup=2", "--steps=2"], threads),

@@ -387,14 +387,15 @@ class DataLoader {
     const std::int64_t* order = indices_.data() + first;
     if (ds_ != nullptr) {
       const float* src = ds_->images.data();
-#pragma omp parallel for schedule(static) if (parallel && rows * per > (1 << 18))
-      for (std::int64_t i = 0; i < rows; ++i) {
+      // detail::parallel_for, not `omp parallel for ... if (...)`: libomp allocates at the start of
+      // every `omp for` and in every region it serializes, and a steady step allocates nothing.
+      detail::parallel_for(rows, parallel && rows * per > (1 << 18), [&](std::int64_t i) {
         const std::int64_t sample = order[i];
         const float* from = src + sample * per;
         S* to = dst + i * per;
         for (std::int64_t k = 0; k < per; ++k) to[k] = static_cast<S>(from[k]);
         out.labels[static_cast<std::size_t>(i)] = ds_->labels[static_cast<std::size_t>(sample)];
-      }
+      });
     } else {
       const auto read_one = [&](std::int64_t i) {
         S* to = dst + i * per;

@@ -107,12 +107,23 @@ void static_for(std::int64_t n, const Body& body, bool nowait = false) {
   }
 }
 
-// The next item of a loop whose items the threads of a team take one at a time, as `#pragma omp
-// for schedule(dynamic, 1)` hands them out: `next` is shared by the team and starts at 0, and each
-// thread runs `for (i = take_next(next); i < n; i = take_next(next))`. Written out for the same
-// reason as static_for: libomp 14 allocates at the start of every `omp for` loop (225 heap
-// allocations per attention forward + backward at 2 threads, 12 heads). No barrier at the end.
-inline std::int64_t take_next(std::atomic<std::int64_t>& next) { return next.fetch_add(1, std::memory_order_relaxed); }
+// The items of a loop that the threads of a team take one at a time, as `#pragma omp for
+// schedule(dynamic, 1)` hands them out, written out for the same reason as static_for: libomp 14
+// allocates at the start of every `omp for` loop (225 heap allocations per attention forward +
+// backward at 2 threads, 12 heads). Made outside the region and shared by the team; each thread
+// runs `for (i = items.first(); i < n; i = items.next())`. Thread t's first item is t, then each
+// takes the next one no thread has: so with at least as many items as threads every thread works
+// in every call, and its per-thread state (scratch, gemm workspaces) is made in the first call
+// rather than in whichever later one a slow-to-wake thread first gets an item. No barrier at the
+// end. Outside a team: 0, 1, 2, ...
+class DynamicItems {
+ public:
+  std::int64_t first() const { return Cpu::thread_index(); }
+  std::int64_t next() { return Cpu::team_size() + taken_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::int64_t> taken_{0};  // items handed out after each thread's first
+};
 
 // The shared state of stealing_for over n items, made outside the parallel region for a team of
 // Cpu::num_threads(): each thread's static share, its front and its back (exclusive) packed into

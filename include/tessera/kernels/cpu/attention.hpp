@@ -32,7 +32,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -70,14 +69,14 @@ void attention_forward(Cpu, const AttentionDims& n, const S* q, AttentionLayout 
   const bool drop = n.dropout.active();
   const std::uint64_t threshold = n.dropout.threshold();
   const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
-  std::atomic<std::int64_t> next_item{0};  // the team's shared schedule (detail::take_next)
+  detail::DynamicItems schedule;  // the team's items, taken one at a time
   detail::run_in_team_if(true, [&] {
     // Per thread: scores/probabilities (Br, Bc), the output accumulator (Br, dv), m and l (Br).
     S* tile = scratch<S>(kQueryTile * kKeyTile + kQueryTile * dv + 2 * kQueryTile);
     S* acc = tile + kQueryTile * kKeyTile;
     S* m = acc + kQueryTile * dv;
     S* l = m + kQueryTile;
-    for (std::int64_t item = detail::take_next(next_item); item < items; item = detail::take_next(next_item)) {
+    for (std::int64_t item = schedule.first(); item < items; item = schedule.next()) {
       const std::int64_t bh = item / query_tiles, qt = item % query_tiles;
       const std::int64_t b = bh / n.heads, h = bh % n.heads;
       const std::int64_t i0 = qt * kQueryTile, rows = std::min(kQueryTile, n.queries - i0);
@@ -149,14 +148,14 @@ void attention_backward(Cpu, const AttentionDims& n, const S* q, AttentionLayout
   const bool drop = n.dropout.active();
   const std::uint64_t threshold = n.dropout.threshold();
   const S keep_scale = drop ? static_cast<S>(n.dropout.scale()) : S(1);
-  std::atomic<std::int64_t> next_head{0};  // the team's shared schedule (detail::take_next)
+  detail::DynamicItems schedule;  // the team's heads, taken one at a time
   detail::run_in_team_if(true, [&] {
     // Per thread: p and ds tiles (Br, Bc), and D (T); with dropout also p o M (Br, Bc).
     S* p = scratch<S>((drop ? 3 : 2) * kQueryTile * kKeyTile + n.queries);
     S* ds = p + kQueryTile * kKeyTile;
     S* dvec = ds + kQueryTile * kKeyTile;
     S* pm = dvec + n.queries;
-    for (std::int64_t bh = detail::take_next(next_head); bh < heads; bh = detail::take_next(next_head)) {
+    for (std::int64_t bh = schedule.first(); bh < heads; bh = schedule.next()) {
       const std::int64_t b = bh / n.heads, h = bh % n.heads;
       const S* qh = q + ql.offset(b, h);
       const S* kh = k + kl.offset(b, h);
