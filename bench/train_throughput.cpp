@@ -35,22 +35,12 @@ struct Result {
   int steps;
 };
 
-template <class E, class Model>
-Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
-               std::int64_t classes, int warmup, int steps, bool from_loader) {
-  auto named = named_tensors(model);
-  Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-4});
-  Trainer trainer(model, sgd, ConstantLr{0.01}, {.epochs = 1, .verbose = false});
-  Dataset data = SyntheticImages(batch, channels, image, image, classes, 11);
-  DataLoader<float> loader(data, {.batch_size = batch, .shuffle = false, .prefetch = false});
-  Batch<float> b;
-  std::int64_t epoch = 0;
-  // --loader: each step takes its batch from the loader first, as Trainer::fit does (the dataset
-  // is one batch, so each step starts an epoch); else every step trains on the first batch.
-  const auto next_batch = [&] {
-    loader.start_epoch(epoch++);
-    loader.next(b);
-  };
+// One model's run: next_batch() fills b (the first batch before anything; with --loader before
+// every step too), then the first step (counted, untimed), the rest of the warm-up, and the timed
+// steps, whose heap allocations are counted.
+template <class T, class NextBatch>
+Result run_steps(const std::string& label, T& trainer, Batch<float>& b, const NextBatch& next_batch,
+                 std::int64_t batch, std::int64_t image, int warmup, int steps, bool from_loader) {
   next_batch();
   // The first step is counted too: it must allocate (caches, workspaces, optimizer state), which
   // shows the counter works; the timed steps after warm-up must not.
@@ -80,6 +70,25 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
           steps};
 }
 
+template <class E, class Model>
+Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
+               std::int64_t classes, int warmup, int steps, bool from_loader) {
+  auto named = named_tensors(model);
+  Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-4});
+  Trainer trainer(model, sgd, ConstantLr{0.01}, {.epochs = 1, .verbose = false});
+  Dataset data = SyntheticImages(batch, channels, image, image, classes, 11);
+  DataLoader<float> loader(data, {.batch_size = batch, .shuffle = false, .prefetch = false});
+  Batch<float> b;
+  std::int64_t epoch = 0;
+  // --loader: each step takes its batch from the loader first, as Trainer::fit does (the dataset
+  // is one batch, so each step starts an epoch); else every step trains on the first batch.
+  const auto next_batch = [&] {
+    loader.start_epoch(epoch++);
+    loader.next(b);
+  };
+  return run_steps(label, trainer, b, next_batch, batch, image, warmup, steps, from_loader);
+}
+
 // A small GPT (2 blocks of 4 heads, width 128, windows of 64 byte tokens, batch 8): token and
 // position embeddings, LayerNorm, fused causal attention, the GELU MLP, cross-entropy over 256
 // tokens and AdamW, through the Trainer as examples/15_gpt trains it; a fixed pseudo-random byte
@@ -100,38 +109,14 @@ Result measure_gpt(int warmup, int steps, bool from_loader) {
                             {.batch_size = batch, .shuffle = false});
   Batch<float> b;
   std::int64_t epoch = 0;
-  const auto next_batch = [&] {  // as measure's: --loader takes each step's windows from the loader
+  loader.start_epoch(epoch++);
+  const auto next_batch = [&] {  // the next windows, a new epoch once the stream's are used up
     if (!loader.next(b)) {
       loader.start_epoch(epoch++);
       loader.next(b);
     }
   };
-  loader.start_epoch(epoch++);
-  next_batch();
-  g_allocations = 0;
-  g_counting = true;
-  trainer.train_step(b);
-  g_counting = false;
-  const long first_step_allocations = g_allocations.load();
-  for (int i = 1; i < warmup; ++i) {
-    if (from_loader) next_batch();
-    trainer.train_step(b);
-  }
-  std::vector<double> times;
-  g_allocations = 0;
-  for (int i = 0; i < steps; ++i) {
-    g_counting = true;
-    const auto t0 = std::chrono::steady_clock::now();
-    if (from_loader) next_batch();
-    trainer.train_step(b);
-    const auto t1 = std::chrono::steady_clock::now();
-    g_counting = false;
-    times.push_back(std::chrono::duration<double>(t1 - t0).count());
-  }
-  std::sort(times.begin(), times.end());
-  const double median = times[times.size() / 2];
-  return {"gpt", batch, config.block_size, median, static_cast<double>(batch) / median, first_step_allocations,
-          g_allocations.load(), steps};
+  return run_steps("gpt", trainer, b, next_batch, batch, config.block_size, warmup, steps, from_loader);
 }
 
 template <class E>
