@@ -123,9 +123,9 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
     }
     case kUnpacked:
       if (p.trans_b || !cpu_avx512()) return false;
-      // conv_gemm's depth rule (kernels/cpu/conv2d.hpp): thin products take deeper blocks.
+      // conv_gemm's depth blocks (kernels/cpu/conv2d.hpp): thin products take deeper ones.
       detail::gemm_unpacked_avx512(p.trans_a, p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc,
-                                   p.n < detail::kUnpackedWideColumns ? detail::kUnpackedThinDepth : 0);
+                                   detail::unpacked_depth_block(p.n));
       return true;
     case kOneDnn:
       return dnnl_sgemm(p.trans_a ? 'T' : 'N', p.trans_b ? 'T' : 'N', p.m, p.n, p.k, 1.0f, a, lda, b, ldb, 0.0f, c,

@@ -57,6 +57,11 @@ namespace detail {
 constexpr std::int64_t kUnpackedMinColumns = 16;
 constexpr std::int64_t kUnpackedWideColumns = 256;
 constexpr std::int64_t kUnpackedThinDepth = 1024;
+// The depth_block conv_gemm gives the unpacked kernel for a product n columns wide: deep blocks when
+// it is thin, the kernel's own default (0) otherwise.
+constexpr std::int64_t unpacked_depth_block(std::int64_t n) {
+  return n < kUnpackedWideColumns ? kUnpackedThinDepth : 0;
+}
 
 // Stride 1 with W' = W (a "same"-width convolution, e.g. 3x3 with padding 1): the columns of one
 // sample's rows [oh0, oh1) for tap (i, j) are the input rows [ih0, ih1) read as one run shifted
@@ -474,19 +479,21 @@ inline ConvBlock conv_block(const Conv2dGeometry& g, const Conv2dBlocking& b, st
 
 // The blocks' products: bfloat16 operands when the layer's Env asks for them (b.bf16, float only)
 // and bfloat16 compute is on here (cpu_bf16_active; where it is off, float32's own path below, not
-// gemm_bf16's float fallback, which would skip the unpacked kernel); in float with AVX-512, products at least kUnpackedMinColumns wide whose second operand is not
-// transposed (forward and dx, not dw) by the unpacked kernel (kernels/cpu/gemm_unpacked.hpp), thin
-// ones in deep blocks (above): OpenBLAS packs a (the weights) again for each block.
+// gemm_bf16's float fallback, which would skip the unpacked kernel); in float with AVX-512,
+// products at least kUnpackedMinColumns wide whose second operand is not transposed (forward and
+// dx, not dw) by the unpacked kernel (kernels/cpu/gemm_unpacked.hpp), thin ones in deep blocks
+// (unpacked_depth_block): OpenBLAS packs a (the weights) again for each block.
 template <class S>
 void conv_gemm(const Conv2dBlocking& b, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                const S* a, std::int64_t lda, const S* x, std::int64_t ldx, S beta, S* c, std::int64_t ldc) {
   if constexpr (std::is_same_v<S, float>) {
-    if (b.bf16 && cpu_bf16_active()) return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
+    if (b.bf16 && cpu_bf16_active())
+      return gemm_bf16(Cpu{}, trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc);
 #if TESSERA_X86_DISPATCH
     if (!trans_b && n >= kUnpackedMinColumns && cpu_avx512()) {
       // On this thread alone the kernel takes beta itself; gemm_split would first zero c in a
       // pass of its own for beta 0.
-      const std::int64_t depth_block = n < kUnpackedWideColumns ? kUnpackedThinDepth : 0;
+      const std::int64_t depth_block = unpacked_depth_block(n);
       if (Cpu::team_size() > 1 || Cpu::num_threads() == 1)
         return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, x, ldx, beta, c, ldc, depth_block);
       return gemm_split(trans_a, trans_b, m, n, k, 1.0f, a, lda, x, ldx, beta, c, ldc,

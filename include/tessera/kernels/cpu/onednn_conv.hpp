@@ -121,7 +121,8 @@ TESSERA_LINKAGE bool onednn_conv_chosen(const Conv2dGeometry& g, bool winograd) 
 
 TESSERA_LINKAGE std::string cpu_bf16_conv_kernel() {
   if (!onednn_built()) return "Tessera im2col + gemm_bf16 (built without oneDNN)";
-  if (!cpu_bf16_active()) return "Tessera float (bfloat16 compute off: turned off, slower than float here, or no AVX512-BF16)";
+  if (!cpu_bf16_active())
+    return "Tessera float (bfloat16 compute off: turned off, slower than float here, or no AVX512-BF16)";
   if (cpu_bf16_library() == Bf16Library::Tessera) return "Tessera im2col + gemm_bf16 (oneDNN turned off)";
   if (cpu_bf16_library() == Bf16Library::OneDnn || onednn_uses_amx()) return onednn_version();
   return onednn_version() + " for kernels wider than 1x1, Tessera's for the rest (onednn_conv_chosen)";
