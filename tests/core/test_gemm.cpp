@@ -135,8 +135,8 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
   // detail::gemm_unpacked_avx512 (kernels/cpu/gemm_unpacked.hpp), as conv_gemm calls it on blocks
   // of any width: a last vector of 1 to 15 columns under a mask, alone or after whole panels of
   // 1 to 4 vectors; both layouts of a, beta 0 and 1; k in the default blocks, in blocks of 5
-  // steps (many, the last one short) and in deep blocks of 1024 (a thin product's: k in one). The
-  // entries past n in each row of c (the next block's) stay.
+  // steps (many, the last one short) and in deep blocks of 1024 (a thin product's: k in one); a
+  // tall product's rows in blocks. The entries past n in each row of c (the next block's) stay.
 #if TESSERA_X86_DISPATCH
   if (!cpu_avx512()) {
     WARN("skipped: this CPU has no AVX-512, where conv_gemm never calls the unpacked product");
@@ -145,7 +145,10 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
   const GemmCase cases[] = {{3, 1, 5}, {7, 7, 70}, {6, 17, 64}, {13, 49, 300}, {20, 63, 33},
                             {9, 65, 257}, {32, 196, 40}, {5, 300, 129}, {8, 208, 1100},
                             // thin products in blocks of 96 rows by 512 steps: a last short block of each
-                            {200, 196, 1100}, {97, 80, 513}};
+                            {200, 196, 1100}, {97, 80, 513},
+                            // without a depth block, rows in blocks of 24 while b fits in 1 MiB (the last
+                            // block 47 rows), and a b of 1.2 MB in whole panels
+                            {119, 40, 20}, {100, 300, 1000}};
   std::uint64_t state = 11;
   for (const auto& g : cases)
     for (bool ta : {false, true})

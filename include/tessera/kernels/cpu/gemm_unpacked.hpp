@@ -26,8 +26,15 @@ TESSERA_SIMD_CODE_BEGIN
 namespace tessera::detail {
 
 #if TESSERA_X86_DISPATCH
-// One R x NV block; with Tail, the last vector's columns are those of `tail` (a lane mask).
-template <int R, int NV, bool Tail>
+// How far ahead (steps of p) a panel's first tile prefetches b's rows (unpacked_tile, First).
+constexpr std::int64_t kUnpackedPrefetchSteps = 16;
+
+// One R x NV block; with Tail, the last vector's columns are those of `tail` (a lane mask). With
+// First (the first tile of a panel's depth block), b's rows are prefetched kUnpackedPrefetchSteps
+// ahead: its rows lie ldb apart, each in a page of its own, where the hardware prefetchers do not
+// follow (the L1's stride prefetcher stops at 2 KiB, the L2's streamer at the page), so without it
+// this tile waits on every row of b from L2 or L3; the later tiles find the rows in L1.
+template <int R, int NV, bool Tail, bool First>
 TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                                 std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
                                                 float* c, std::int64_t ldc, __mmask16 tail) {
@@ -39,6 +46,13 @@ TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t 
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (std::int64_t p = 0; p < k; ++p) {
+    if constexpr (First) {
+      if (p + kUnpackedPrefetchSteps < k) {
+        const char* ahead = reinterpret_cast<const char*>(b + (p + kUnpackedPrefetchSteps) * ldb);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) _mm_prefetch(ahead + 64 * v, _MM_HINT_T0);
+      }
+    }
     const std::int64_t at = p * a_cs;
     __m512 bv[NV];
 #pragma GCC unroll 4
@@ -66,14 +80,15 @@ TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t 
 }
 
 // A tile of exactly `rows` (1 .. H) rows.
-template <int H, int NV, bool Tail>
+template <int H, int NV, bool Tail, bool First>
 TESSERA_TARGET_AVX512 inline void unpacked_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                                 std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
                                                 float* c, std::int64_t ldc, __mmask16 tail) {
   if constexpr (H > 1) {
-    if (rows < H) return unpacked_rows<H - 1, NV, Tail>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+    if (rows < H)
+      return unpacked_rows<H - 1, NV, Tail, First>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
   }
-  unpacked_tile<H, NV, Tail>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+  unpacked_tile<H, NV, Tail, First>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
 }
 
 // All m rows of one panel of NV vectors.
@@ -94,8 +109,11 @@ TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const 
     const bool acc = accumulate || k0 > 0;
     for (std::int64_t t = 0, i0 = 0; t < tiles; ++t) {
       const std::int64_t rows = base + (t < taller ? 1 : 0);
-      unpacked_rows<R, NV, Tail>(rows, depth, a + i0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc,
-                                 c + i0 * ldc, ldc, tail);
+      const float* ai = a + i0 * a_rs + k0 * a_cs;
+      if (t == 0)
+        unpacked_rows<R, NV, Tail, true>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc, tail);
+      else
+        unpacked_rows<R, NV, Tail, false>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc, tail);
       i0 += rows;
     }
   }
@@ -143,6 +161,19 @@ TESSERA_TARGET_AVX512 inline void unpacked_panels(std::int64_t m, std::int64_t n
 constexpr std::int64_t kThinRowBlock = 96;
 constexpr std::int64_t kThinDepthBlock = 512;
 
+// A wide product whose b is small (k n floats, at most kWideRowBlockMaxB bytes: it stays in the
+// L2 cache) runs in blocks of kWideRowBlock rows, every panel inside each block. Panel by panel,
+// each tile's stores to c land 16 NV floats into rows ldc apart, a new page for every row, which
+// the L2 streamer does not follow: the stores wait on c's lines from L3 (ResNet-50's 1x1 64-to-256
+// layer at 56x56: 256 x 1568 x 64 ran at 95 GFLOP/s in the network, 167 with c in cache). Row
+// block by row block, each of the block's rows is written left to right, a stream the streamer
+// does follow, and b is read again from L2 per block. Products of fewer than 4 blocks' rows
+// gain nothing (their c is small) and keep the panels whole. 24 rows (4 tiles of 6, 3 of 8) beat 12, 48
+// and 96; above 1 MiB b no longer stays in L2 while the blocks pass, and panel by panel wins
+// again. Figures in bench/README.md, "Figures behind design choices in the headers".
+constexpr std::int64_t kWideRowBlock = 24;
+constexpr std::int64_t kWideRowBlockMaxB = std::int64_t{1} << 20;
+
 TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
                                                        const float* a, std::int64_t lda, const float* b,
                                                        std::int64_t ldb, float beta, float* c, std::int64_t ldc,
@@ -160,6 +191,15 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
       for (std::int64_t m0 = 0; m0 < m; m0 += kThinRowBlock)
         unpacked_panels(std::min(kThinRowBlock, m - m0), n, depth, a + m0 * a_rs + k0 * a_cs, a_rs, a_cs,
                         b + k0 * ldb, ldb, accumulate || k0 > 0, c + m0 * ldc, ldc, depth);
+    }
+    return;
+  }
+  if (m >= 4 * kWideRowBlock && k * n * std::int64_t{sizeof(float)} <= kWideRowBlockMaxB) {
+    // The last block also takes the m % kWideRowBlock rows left over (no short tile of its own).
+    const std::int64_t blocks = m / kWideRowBlock;
+    for (std::int64_t i = 0; i < blocks; ++i) {
+      const std::int64_t m0 = i * kWideRowBlock, rows = i + 1 < blocks ? kWideRowBlock : m - m0;
+      unpacked_panels(rows, n, k, a + m0 * a_rs, a_rs, a_cs, b, ldb, accumulate, c + m0 * ldc, ldc, depth_block);
     }
     return;
   }
