@@ -147,8 +147,9 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
                             // thin products in blocks of 96 rows by 512 steps: a last short block of each
                             {200, 196, 1100}, {97, 80, 513},
                             // without a depth block, rows in blocks of 24 while b fits in 1 MiB (the last
-                            // block 47 rows), and a b of 1.2 MB in whole panels
-                            {119, 40, 20}, {100, 300, 1000}};
+                            // block 47 rows); a b of 1.2 MB in whole panels, and an a of 1.2 MB (whole
+                            // panels when a is transposed)
+                            {119, 40, 20}, {100, 300, 1000}, {300, 20, 1000}};
   std::uint64_t state = 11;
   for (const auto& g : cases)
     for (bool ta : {false, true})
