@@ -165,11 +165,11 @@ constexpr std::int64_t kThinDepthBlock = 512;
 // cache) runs in blocks of kWideRowBlock rows, every panel inside each block. Panel by panel, each
 // tile's stores to c land 16 NV floats into rows ldc apart, a new page for every row, which the L2
 // streamer does not follow: the stores wait on c's lines from L3 (ResNet-50's 1x1 64-to-256 layer
-// at 56x56: 256 x 1568 x 64 ran at 95 GFLOP/s in the network, 167 with c in cache). Row block by
-// row block, each of the block's rows is written left to right, a stream the streamer does follow,
-// and b is read again from L2 per block. Products of fewer than 4 blocks' rows gain nothing (their
-// c is small) and keep the panels whole. 24 rows (4 tiles of 6, 3 of 8) beat 12, 48 and 96; above 1
-// MiB b no longer stays in L2 while the blocks pass, and panel by panel wins again. With a
+// at 56x56, 256 x 1568 x 64, ran at little more than half the speed it has with c in cache). Row
+// block by row block, each of the block's rows is written left to right, a stream the streamer does
+// follow, and b is read again from L2 per block. Products of fewer than 4 blocks' rows gain nothing
+// (their c is small) and keep the panels whole. 24 rows (4 tiles of 6, 3 of 8) beat 12, 48 and 96;
+// above 1 MiB b no longer stays in L2 while the blocks pass, and panel by panel wins again. With a
 // transposed, a block's rows are 24 floats of each of a's k rows, lda apart, parts of lines: above
 // 1 MiB of a (ResNet-50's dx of the 2048-to-512 1x1 layer, 2048 x 392 x 512) those came from L3 at
 // a cost the streams did not make up, and the panels stay whole. Figures in bench/README.md,
