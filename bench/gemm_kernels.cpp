@@ -63,6 +63,9 @@ const Product kProducts[] = {
     {"conv fwd 3x3/2 128 im2col 28x28", false, false, 128, 784, 1152},
     {"conv dx 1x1 256->64 56x56", true, false, 256, 3136, 64},
     {"conv dx 1x1 2048->512 7x7 b8", true, false, 2048, 392, 512},
+    // thin input gradients (one block of 1 or 5 samples): a, the weights, over 1 MiB
+    {"conv dx 1x1 1024->256 14x14 1 img", true, false, 1024, 196, 256},
+    {"conv dx 3x3 512 im2col 7x7 5 img", true, false, 4608, 245, 512},
     {"conv dW 1x1 64->256 56x56", false, true, 256, 64, 3136},
     {"conv dW 1x1 1024->256 14x14 b8", false, true, 256, 1024, 1568},
 };

@@ -146,6 +146,9 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
                             {9, 65, 257}, {32, 196, 40}, {5, 300, 129}, {8, 208, 1100},
                             // thin products in blocks of 96 rows by 512 steps: a last short block of each
                             {200, 196, 1100}, {97, 80, 513},
+                            // a transposed a of 1.25 MB, rows over 512 floats apart: its blocks copied (p major)
+                            // before the tiles read them; one of 1.08 MB without a depth block, in the same blocks
+                            {600, 100, 520}, {520, 130, 520},
                             // without a depth block, rows in blocks of 24 while b fits in 1 MiB (the last
                             // block 47 rows); a b of 1.2 MB in whole panels, and an a of 1.2 MB (whole
                             // panels when a is transposed)

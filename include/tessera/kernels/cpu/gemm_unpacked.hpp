@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 
 #include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
@@ -161,6 +162,27 @@ TESSERA_TARGET_AVX512 inline void unpacked_panels(std::int64_t m, std::int64_t n
 constexpr std::int64_t kThinRowBlock = 96;
 constexpr std::int64_t kThinDepthBlock = 512;
 
+// A thin product whose transposed a has at least kThinPackMinA bytes and rows at least
+// kThinPackMinLda floats (2 KiB) apart (the input gradient of ResNet-50's 14x14 and 7x7 layers: a is
+// the weights, k x m with m up to 4608) copies each 96 x 512 block of a into a buffer of its own
+// first, step by step (p major), and the tiles read it there. In place, a tile's six rows at step p
+// are six floats of a's row p: a new page every step or two, and at lda = 1024 or 2048 floats all
+// of a block's 512 rows fall in the same set of the L1 cache; the tiles waited on a from L2 and ran
+// at 60 to 105 GFLOP/s, against 110 to 125 from the copy. An a that stays in L2 is faster in place
+// (the copy costs more than it saves at 512 x 196 x 128, a 256 KiB), and so are rows 1 KiB apart
+// (256 x 3136 x 512). A wide product with such an a that would run panel by panel (below) takes the
+// same blocks and copies. Figures in bench/README.md, "Figures behind design choices in the headers".
+constexpr std::int64_t kThinPackMinA = std::int64_t{1} << 19;
+constexpr std::int64_t kThinPackMinLda = 512;
+
+// The calling thread's buffer for one block of a transposed a (kThinRowBlock x kThinDepthBlock
+// floats, 192 KiB), made on its first use: steady state allocates nothing.
+inline float* thin_pack_buffer() {
+  thread_local std::unique_ptr<float[]> buffer;
+  if (!buffer) buffer = std::make_unique<float[]>(kThinRowBlock * kThinDepthBlock);
+  return buffer.get();
+}
+
 // A wide product whose b is small (k n floats, at most kWideRowBlockMaxB bytes: it stays in the L2
 // cache) runs in blocks of kWideRowBlock rows, every panel inside each block. Panel by panel, each
 // tile's stores to c land 16 NV floats into rows ldc apart, a new page for every row, which the L2
@@ -172,7 +194,8 @@ constexpr std::int64_t kThinDepthBlock = 512;
 // above 1 MiB b no longer stays in L2 while the blocks pass, and panel by panel wins again. With a
 // transposed, a block's rows are 24 floats of each of a's k rows, lda apart, parts of lines: above
 // 1 MiB of a (ResNet-50's dx of the 2048-to-512 1x1 layer, 2048 x 392 x 512) those came from L3 at
-// a cost the streams did not make up, and the panels stay whole. Figures in bench/README.md,
+// a cost the streams did not make up (82 GFLOP/s, 108 panel by panel); there the product runs as a
+// thin one does, in 96 x 512 blocks of a copied first (130-136). Figures in bench/README.md,
 // "Figures behind design choices in the headers".
 constexpr std::int64_t kWideRowBlock = 24;
 constexpr std::int64_t kWideRowBlockMaxB = std::int64_t{1} << 20;
@@ -188,18 +211,29 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
   }
   const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
   const bool accumulate = beta != 0;
-  if (depth_block > 0 && n > 4 * 16) {  // more than one panel
+  const std::int64_t bytes = std::int64_t{sizeof(float)}, a_bytes = m * k * bytes;
+  const bool row_blocks = m >= 4 * kWideRowBlock && k * n * bytes <= kWideRowBlockMaxB &&
+                          (!trans_a || a_bytes <= kWideRowBlockMaxB);
+  const bool pack_a = trans_a && a_bytes >= kThinPackMinA && lda >= kThinPackMinLda;
+  if ((depth_block > 0 || (pack_a && !row_blocks)) && n > 4 * 16) {  // more than one panel
+    float* packed = pack_a ? thin_pack_buffer() : nullptr;
     for (std::int64_t k0 = 0; k0 < k; k0 += kThinDepthBlock) {
       const std::int64_t depth = std::min(kThinDepthBlock, k - k0);
-      for (std::int64_t m0 = 0; m0 < m; m0 += kThinRowBlock)
-        unpacked_panels(std::min(kThinRowBlock, m - m0), n, depth, a + m0 * a_rs + k0 * a_cs, a_rs, a_cs,
-                        b + k0 * ldb, ldb, accumulate || k0 > 0, c + m0 * ldc, ldc, depth);
+      for (std::int64_t m0 = 0; m0 < m; m0 += kThinRowBlock) {
+        const std::int64_t rows = std::min(kThinRowBlock, m - m0);
+        const bool acc = accumulate || k0 > 0;
+        if (packed) {  // op(a)(m0 + i, k0 + p) at packed[p rows + i]
+          for (std::int64_t p = 0; p < depth; ++p) std::copy_n(a + (k0 + p) * lda + m0, rows, packed + p * rows);
+          unpacked_panels(rows, n, depth, packed, 1, rows, b + k0 * ldb, ldb, acc, c + m0 * ldc, ldc, depth);
+        } else {
+          unpacked_panels(rows, n, depth, a + m0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + m0 * ldc,
+                          ldc, depth);
+        }
+      }
     }
     return;
   }
-  const std::int64_t bytes = std::int64_t{sizeof(float)};
-  if (m >= 4 * kWideRowBlock && k * n * bytes <= kWideRowBlockMaxB &&
-      (!trans_a || m * k * bytes <= kWideRowBlockMaxB)) {
+  if (row_blocks) {
     // The last block also takes the m % kWideRowBlock rows left over (no short tile of its own).
     const std::int64_t blocks = m / kWideRowBlock;
     for (std::int64_t i = 0; i < blocks; ++i) {
