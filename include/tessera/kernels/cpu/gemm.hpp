@@ -298,9 +298,8 @@ bool gemm_openblas(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, s
 // c (1, n) += alpha op(a) (1, k) op(b) (k, n): one row of output (a Linear layer at batch 1), from
 // the operands where they lie. OpenBLAS and Eigen pack all of b first: ResNet-50's classifier at
 // batch 1 (1 x 1000 x 2048, split over the threads into halves that Eigen takes) packed its 8 MB of
-// weights on every forward, 1.4% of the profile at 2 threads. With b transposed each output is a
-// dot product of a with one of b's rows; otherwise c gets b's row p times alpha op(a)(0, p), row
-// by row.
+// weights on every forward. With b transposed each output is a dot product of a with one of b's
+// rows; otherwise c gets b's row p times alpha op(a)(0, p), row by row.
 template <class S>
 void gemm_one_row(bool trans_a, bool trans_b, std::int64_t n, std::int64_t k, S alpha, const S* a, std::int64_t lda,
                   const S* b, std::int64_t ldb, S* c) {

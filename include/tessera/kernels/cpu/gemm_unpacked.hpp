@@ -167,11 +167,11 @@ constexpr std::int64_t kThinDepthBlock = 512;
 // the weights, k x m with m up to 4608) copies each 96 x 512 block of a into a buffer of its own
 // first, step by step (p major), and the tiles read it there. In place, a tile's six rows at step p
 // are six floats of a's row p: a new page every step or two, and at lda = 1024 or 2048 floats all
-// of a block's 512 rows fall in the same set of the L1 cache; the tiles waited on a from L2 and ran
-// at 60 to 105 GFLOP/s, against 110 to 125 from the copy. An a that stays in L2 is faster in place
-// (the copy costs more than it saves at 512 x 196 x 128, a 256 KiB), and so are rows 1 KiB apart
-// (256 x 3136 x 512). A wide product with such an a that would run panel by panel (below) takes the
-// same blocks and copies. Figures in bench/README.md, "Figures behind design choices in the headers".
+// of a block's 512 rows fall in the same set of the L1 cache, and the tiles waited on a from L2 far
+// longer than the copy takes. An a that stays in L2 is faster in place (the copy costs more than
+// it saves at 512 x 196 x 128, a 256 KiB), and so are rows 1 KiB apart (256 x 3136 x 512). A wide
+// product with such an a that would run panel by panel (below) takes the same blocks and copies.
+// Figures in bench/README.md, "Figures behind design choices in the headers".
 constexpr std::int64_t kThinPackMinA = std::int64_t{1} << 19;
 constexpr std::int64_t kThinPackMinLda = 512;
 
@@ -194,8 +194,8 @@ inline float* thin_pack_buffer() {
 // above 1 MiB b no longer stays in L2 while the blocks pass, and panel by panel wins again. With a
 // transposed, a block's rows are 24 floats of each of a's k rows, lda apart, parts of lines: above
 // 1 MiB of a (ResNet-50's dx of the 2048-to-512 1x1 layer, 2048 x 392 x 512) those came from L3 at
-// a cost the streams did not make up (82 GFLOP/s, 108 panel by panel); there the product runs as a
-// thin one does, in 96 x 512 blocks of a copied first (130-136). Figures in bench/README.md,
+// a cost the streams did not make up, slower even than panel by panel; there the product runs as a
+// thin one does, in 96 x 512 blocks of a copied first, faster than both. Figures in bench/README.md,
 // "Figures behind design choices in the headers".
 constexpr std::int64_t kWideRowBlock = 24;
 constexpr std::int64_t kWideRowBlockMaxB = std::int64_t{1} << 20;
