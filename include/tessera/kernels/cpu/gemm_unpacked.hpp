@@ -194,9 +194,9 @@ inline float* thin_pack_buffer() {
 // above 1 MiB b no longer stays in L2 while the blocks pass, and panel by panel wins again. With a
 // transposed, a block's rows are 24 floats of each of a's k rows, lda apart, parts of lines: above
 // 1 MiB of a (ResNet-50's dx of the 2048-to-512 1x1 layer, 2048 x 392 x 512) those came from L3 at
-// a cost the streams did not make up, slower even than panel by panel; there the product runs as a
-// thin one does, in 96 x 512 blocks of a copied first, faster than both. Figures in bench/README.md,
-// "Figures behind design choices in the headers".
+// a cost the streams did not make up, slower even than panel by panel; there, with a's rows at
+// least kThinPackMinLda apart, the product runs as a thin one does, in 96 x 512 blocks of a copied
+// first, faster than both. Figures in bench/README.md, "Figures behind design choices in the headers".
 constexpr std::int64_t kWideRowBlock = 24;
 constexpr std::int64_t kWideRowBlockMaxB = std::int64_t{1} << 20;
 
