@@ -1,7 +1,8 @@
 // The float32 matrix products of the MLP and of ResNet-50 (batch 8) on one thread, product by
 // product, on each kernel this build can run them on: OpenBLAS's sgemm (what Tessera's gemm calls
 // above 2^20 multiply-adds), Tessera's unpacked AVX-512 kernel (what the convolutions call,
-// kernels/cpu/gemm_unpacked.hpp; products whose B is not transposed) and oneDNN's sgemm
+// kernels/cpu/gemm_unpacked.hpp; a transposed B as dot products, gemm_dot_bt_avx512, which gemm
+// takes for products of a few rows) and oneDNN's sgemm
 // (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). Each
 // kernel's GFLOP/s is given next to the core's register-only FMA rate (12 independent chains of
 // 512-bit FMAs, no memory), and its heap allocations per call are counted (alloc_counter.hpp).
@@ -68,6 +69,9 @@ const Product kProducts[] = {
     {"conv dx 3x3 512 im2col 7x7 5 img", true, false, 4608, 245, 512},
     {"conv dW 1x1 64->256 56x56", false, true, 256, 64, 3136},
     {"conv dW 1x1 1024->256 14x14 b8", false, true, 256, 1024, 1568},
+    // LeNet-5's weight gradients (batch 64; blocks of 6 and 8 samples): a few rows, b transposed
+    {"lenet conv dW 5x5 1->6 28x28 6 img", false, true, 6, 25, 4704},
+    {"lenet conv dW 5x5 6->16 10x10 8 img", false, true, 16, 150, 800},
 };
 
 // /proc/cpuinfo's first "vendor_id", "cpu family", "model" and "model name": the JSON names its CPU.
@@ -125,7 +129,12 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
       return true;
     }
     case kUnpacked:
-      if (p.trans_b || !cpu_avx512()) return false;
+      if (!cpu_avx512()) return false;
+      if (p.trans_b && p.trans_a) return false;
+      if (p.trans_b) {
+        detail::gemm_dot_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
+        return true;
+      }
       // conv_gemm's depth blocks (kernels/cpu/conv2d.hpp): thin products take deeper ones.
       detail::gemm_unpacked_avx512(p.trans_a, p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc,
                                    detail::unpacked_depth_block(p.n));

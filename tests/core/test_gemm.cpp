@@ -57,8 +57,13 @@ TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta
   // Rounding of k products: far below what a wrong transpose, stride or scalar gives (order 1).
   const double tolerance = std::is_same_v<S, float> ? 2e-5 : 1e-12;
   // Below and above 2^20 multiply-adds; a single row and a single column among the large ones.
-  const GemmCase cases[] = {{3, 5, 7}, {130, 97, 100}, {64, 300, 70}, {1, 1200, 1000}, {1500, 1, 800}};
-  const double scalars[][2] = {{1, 0}, {0.5, 1}, {-2, 0.25}};
+  // With AVX-512, alpha 1 and beta 0 or 1, float products with a small operand run on the
+  // unpacked kernel (gemm.hpp, unpacked_suits); with b transposed, up to 32 rows, as dot products
+  // (gemm_dot_bt_avx512): {24, 600, 1100} in two depth blocks of 560 and 540 steps (a masked last
+  // vector), {6, 25, 70} in edge tiles of 2 rows and 1 column.
+  const GemmCase cases[] = {{3, 5, 7},      {130, 97, 100}, {64, 300, 70}, {1, 1200, 1000},
+                            {1500, 1, 800}, {24, 600, 1100}, {6, 25, 70}};
+  const double scalars[][2] = {{1, 0}, {1, 1}, {0.5, 1}, {-2, 0.25}};
   std::uint64_t state = 42;
   INFO("gemm kernel: " << cpu_gemm_kernel());
   for (const auto& g : cases)
@@ -216,10 +221,11 @@ TEST_CASE("gemm runs OpenBLAS on a core with the CPU's vector width, not a fallb
   // Cores with AVX2 kernels or better stay, in any spelling.
   for (const char* kept : {"Haswell", "SKYLAKEX", "Cooperlake", "Zen", "SapphireRapids"})
     CHECK(detail::openblas_better_core(kept) == nullptr);
-  // After a product large enough for OpenBLAS, the report names the core it runs.
-  std::vector<float> a(256 * 256, 1.0f), b(256 * 256, 1.0f), c(256 * 256, 0.0f);
-  gemm(Cpu{}, false, false, 256, 256, 256, 1.0f, a.data(), 256, b.data(), 256, 0.0f, c.data(), 256);
-  CHECK(c[0] == 256.0f);
+  // After a product large enough for OpenBLAS (a of 1 MiB: not the unpacked kernel's, gemm.hpp's
+  // unpacked_suits), the report names the core it runs.
+  std::vector<float> a(512 * 512, 1.0f), b(512 * 512, 1.0f), c(512 * 512, 0.0f);
+  gemm(Cpu{}, false, false, 512, 512, 512, 1.0f, a.data(), 512, b.data(), 512, 0.0f, c.data(), 512);
+  CHECK(c[0] == 512.0f);
   const std::string kernel = cpu_gemm_kernel();
   INFO("gemm kernel: " << kernel);
   if (kernel.rfind("OpenBLAS ", 0) == 0 && std::getenv("OPENBLAS_CORETYPE") == nullptr) {

@@ -19,6 +19,7 @@
 // (Cooperlake/SkylakeX/SapphireRapids, picked at run time) beat Eigen's gebp on one Zen 4 core on
 // every ResNet shape measured (bench/README.md, "GEMM"). The splitting over the team stays
 // Tessera's; OpenBLAS's thread count is set to 1 once, on first use, and its idle pool stopped.
+// With AVX-512, some short float products go to Tessera's unpacked kernel instead (unpacked_suits).
 //
 // With TESSERA_COMPILED_KERNELS (kernels/cpu/compiled.hpp) only the declaration below is visible:
 // the float and double instances come from src/kernels_cpu.cpp, and Eigen is not parsed here.
@@ -32,10 +33,13 @@
 #include <string>
 #include <type_traits>
 
+#include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
 #include "tessera/kernels/cpu/simd_diagnostics.hpp"  // before Eigen: its <immintrin.h> warnings
 #if !TESSERA_CPU_KERNELS_EXTERN
 #include <Eigen/Core>
+
+#include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #endif
 
 #if defined(_OPENMP)
@@ -140,8 +144,23 @@ concept GemmScalar = std::is_same_v<S, float> || std::is_same_v<S, double>;
 
 namespace detail {
 
+// c (m, n; rows ldc apart) *= beta, zeroed for beta 0 whatever c held.
+template <class S>
+void scale_matrix(std::int64_t m, std::int64_t n, S beta, S* c, std::int64_t ldc) {
+  if (beta == S(1)) return;
+  for (std::int64_t i = 0; i < m; ++i) {
+    S* row = c + i * ldc;
+    if (beta == S(0))
+      std::fill(row, row + n, S(0));
+    else
+      for (std::int64_t j = 0; j < n; ++j) row[j] *= beta;
+  }
+}
+
 // The threading of every CPU matrix product: C = beta C first, then C += alpha op(A) op(B) by
-// `serial` (same arguments as gemm, minus the device and beta), which runs on one thread. Called
+// `serial` (same arguments as gemm, minus the device and beta), which runs on one thread; a
+// `serial` that takes beta too (before c, as gemm does) gets it and scales C itself, so that a
+// kernel which writes C outright for beta 0 skips a pass of zeros over it. Called
 // from outside a parallel region, a large product is split over the OpenMP team by rows of C
 // when it is taller than wide, else by columns (in multiples of 16, one AVX-512 register of
 // floats, so each thread's panel stays vector-aligned); inside one, or below ~2^20 multiply-adds
@@ -150,26 +169,25 @@ template <class S, class Serial>
 void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
                 std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc, const Serial& serial) {
   if (m == 0 || n == 0) return;
-  // C's rows [r0, r1), columns [c0, c1) *= beta (zeroed for beta = 0, whatever C held).
-  const auto scale_c = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
-    if (beta == S(1)) return;
-    for (std::int64_t i = r0; i < r1; ++i) {
-      S* row = c + i * ldc;
-      if (beta == S(0))
-        std::fill(row + c0, row + c1, S(0));
-      else
-        for (std::int64_t j = c0; j < c1; ++j) row[j] *= beta;
+  constexpr bool takes_beta = std::is_invocable_v<const Serial&, bool, bool, std::int64_t, std::int64_t, std::int64_t,
+                                                  S, const S*, std::int64_t, const S*, std::int64_t, S, S*, std::int64_t>;
+  // C's rows [r0, r1), columns [c0, c1) = beta C + alpha op(A) op(B), on this thread.
+  const auto part = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1, std::int64_t rows,
+                        std::int64_t cols, const S* a_part, const S* b_part) {
+    S* c_part = c + r0 * ldc + c0;
+    if constexpr (takes_beta) {
+      serial(trans_a, trans_b, rows, cols, k, alpha, a_part, lda, b_part, ldb, beta, c_part, ldc);
+    } else {
+      scale_matrix(r1 - r0, c1 - c0, beta, c_part, ldc);
+      serial(trans_a, trans_b, rows, cols, k, alpha, a_part, lda, b_part, ldb, c_part, ldc);
     }
   };
   int threads = 1;
 #if defined(_OPENMP)
   if (!omp_in_parallel() && m * n * k >= (1 << 20)) threads = omp_get_max_threads();
 #endif
-  if (threads <= 1 || k == 0) {
-    scale_c(0, m, 0, n);
-    if (k > 0) serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc);
-    return;
-  }
+  if (k == 0) return scale_matrix(m, n, beta, c, ldc);
+  if (threads <= 1) return part(0, m, 0, n, m, n, a, b);
 #if defined(_OPENMP)
   const bool split_rows = m >= n;
   const std::int64_t extent = split_rows ? m : n;
@@ -180,19 +198,12 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
     std::int64_t chunk = (extent + team - 1) / team;
     chunk = (chunk + grain - 1) / grain * grain;
     const std::int64_t begin = std::min(extent, t * chunk), end = std::min(extent, begin + chunk);
-    if (begin < end) {
-      // Each thread scales its own part of C, just before its product reads it (in parallel, and
-      // while it is in this core's cache; a serial pass first showed in ResNet-50's inference profile).
-      if (split_rows) scale_c(begin, end, 0, n);
-      else scale_c(0, m, begin, end);
-      if (split_rows) {
-        const S* a_part = trans_a ? a + begin : a + begin * lda;  // rows of op(A)
-        serial(trans_a, trans_b, end - begin, n, k, alpha, a_part, lda, b, ldb, c + begin * ldc, ldc);
-      } else {
-        const S* b_part = trans_b ? b + begin * ldb : b + begin;  // columns of op(B)
-        serial(trans_a, trans_b, m, end - begin, k, alpha, a, lda, b_part, ldb, c + begin, ldc);
-      }
-    }
+    // Each thread scales its own part of C, just before its product reads it (in parallel, and
+    // while it is in this core's cache; a serial pass first showed in ResNet-50's inference profile).
+    if (begin < end && split_rows)  // rows of op(A)
+      part(begin, end, 0, n, end - begin, n, trans_a ? a + begin : a + begin * lda, b);
+    else if (begin < end)  // columns of op(B)
+      part(0, m, begin, end, m, end - begin, a, trans_b ? b + begin * ldb : b + begin);
   }
 #endif
 }
@@ -224,6 +235,10 @@ class GemmBlocking : public Eigen::internal::level3_blocking<S, S> {
     this->m_blockB = b;
   }
 };
+
+// Products of at most this many multiply-adds run on Eigen (or the unpacked kernel), not OpenBLAS:
+// gemm_openblas.
+constexpr std::int64_t kSmallGemm = std::int64_t{1} << 20;
 
 // One thread's packing buffers; they only ever grow, so steady state allocates nothing.
 template <class S>
@@ -278,7 +293,7 @@ bool gemm_openblas(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, s
   // Small products stay on Eigen: OpenBLAS 0.3.21 sends them to its AVX-512 "small matrix"
   // kernels, which malloc on every call (seen as 2 allocations per LeNet-5 step, from
   // sgemm_small_kernel_nn; none above this cut), and a steady training step must not allocate.
-  if (m * n * k <= (std::int64_t{1} << 20)) return false;
+  if (m * n * k <= kSmallGemm) return false;
   for (std::int64_t v : {m, n, k, lda, ldb, ldc})
     if (v > INT_MAX) return false;
   // BLAS wants each stride to be at least the stored row's length; Eigen takes any stride.
@@ -322,10 +337,46 @@ void gemm_one_row(bool trans_a, bool trans_b, std::int64_t n, std::int64_t k, S 
   }
 }
 
-// C += alpha op(A) op(B) on the calling thread.
+// Which float products (one thread's part) the unpacked kernel (kernels/cpu/gemm_unpacked.hpp)
+// runs instead of OpenBLAS or Eigen, with AVX-512 and alpha 1: at least one vector of columns and
+// two rows (one row: gemm_one_row), and
+// - b as it lies, a of at most kUnpackedGemmMaxA bytes (it stays in L2 while the kernel reads it
+//   where it lies once for each panel of 64 columns), and either beta 0 (an MLP's input gradient,
+//   a classifier's at any batch: OpenBLAS zeroes c in a pass of its own first, the kernel writes
+//   it outright) or at most kSmallGemm multiply-adds (where Eigen, which packs both operands,
+//   would run). The weight gradients (beta 1, a = dy^T) stay on OpenBLAS, which ran them faster
+//   inside an MLP's training step. Above 512 KiB of a (ResNet-50's 1x1 layers' 1 and 4 MiB of weights)
+//   OpenBLAS packs a once and wins.
+// - b transposed and a not, at most kUnpackedBtMaxRows rows (LeNet-5's convolution weight
+//   gradients, 6 or 16 rows; a classifier's forward at a small batch): as dot products
+//   (gemm_dot_bt_avx512), where Eigen and OpenBLAS run such short products at a fraction of their
+//   speed. With more rows (an MLP's forward, 128) the dot products, and b copied into the
+//   kernel's layout, both lost to OpenBLAS inside the training step.
+// Figures in bench/README.md, "Figures behind design choices in the headers".
+constexpr std::int64_t kUnpackedGemmMaxA = std::int64_t{1} << 19;
+constexpr std::int64_t kUnpackedBtMaxRows = 32;
+constexpr bool unpacked_suits(bool trans_a, bool trans_b, bool beta_zero, std::int64_t m, std::int64_t n,
+                              std::int64_t k) {
+  const std::int64_t bytes = sizeof(float);
+  if (m < 2 || n < 16) return false;
+  if (trans_b) return !trans_a && m <= kUnpackedBtMaxRows;
+  return m * k * bytes <= kUnpackedGemmMaxA && (beta_zero || m * n * k <= kSmallGemm);
+}
+
+// C = beta C + alpha op(A) op(B) on the calling thread.
 template <class S>
 void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
-                 std::int64_t lda, const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
+                 std::int64_t lda, const S* b, std::int64_t ldb, S beta, S* c, std::int64_t ldc) {
+#if TESSERA_X86_DISPATCH
+  if constexpr (std::is_same_v<S, float>) {
+    if (alpha == 1 && (beta == 0 || beta == 1) && unpacked_suits(trans_a, trans_b, beta == 0, m, n, k) &&
+        cpu_avx512()) {
+      if (trans_b) return gemm_dot_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc);
+      return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    }
+  }
+#endif
+  scale_matrix(m, n, beta, c, ldc);
   if (m == 1) return gemm_one_row(trans_a, trans_b, n, k, alpha, a, lda, b, ldb, c);
 #if defined(TESSERA_OPENBLAS)
   if (gemm_openblas(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc)) return;
@@ -353,13 +404,16 @@ void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
 // What runs the CPU gemm, for benchmark reports: "Eigen gebp" or "OpenBLAS <core>" (naming the
 // core OpenBLAS detected where Tessera replaced it, detail::openblas_core_checked).
 inline std::string cpu_gemm_kernel() {
+  const std::string unpacked_note =
+      TESSERA_X86_DISPATCH && cpu_avx512() ? "; float products with a small operand on Tessera's unpacked AVX-512 kernel"
+                                           : "";
 #if defined(TESSERA_OPENBLAS)
   const std::string replaced = detail::openblas_core_checked();
   return std::string("OpenBLAS ") + openblas_get_corename() +
          (replaced.empty() ? "" : " (in place of " + replaced + ", which OpenBLAS detected)") +
-         ", one thread per call (Eigen gebp below 2^20 multiply-adds)";
+         ", one thread per call (Eigen gebp below 2^20 multiply-adds)" + unpacked_note;
 #else
-  return "Eigen gebp";
+  return "Eigen gebp" + unpacked_note;
 #endif
 }
 

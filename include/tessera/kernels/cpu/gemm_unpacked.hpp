@@ -11,7 +11,9 @@
 // operands on every call (a third of their time at ResNet-20's depth and width 16-64), and the
 // convolutions' wide products (kernels/cpu/conv2d.hpp, conv_gemm): there OpenBLAS packs the
 // weights (a) again for every block of columns, and loses to this kernel once the block is wide
-// (bench/README.md, "Figures behind design choices in the headers").
+// (bench/README.md, "Figures behind design choices in the headers"); and gemm's short float
+// products (kernels/cpu/gemm.hpp, unpacked_suits), those with b transposed as dot products
+// (gemm_dot_bt_avx512, below).
 #pragma once
 
 #include <algorithm>
@@ -243,6 +245,89 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
     return;
   }
   unpacked_panels(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, depth_block);
+}
+
+// Short products with b transposed (a few rows: LeNet-5's weight gradients, 6 x 25 x 4704; a
+// classifier's forward at a small batch) as dot products: c(i, j) = a's row i . bt's row j, both
+// contiguous along k. A 4 x 4 tile keeps 16 vectors of partial sums over a block of k (4 loads of
+// a, 4 of bt, 16 multiply-adds per 16 steps) and folds them into 16 sums at the block's end
+// (dot_fold16). Copying b transposed into the kernel's layout instead costs more than the product
+// with few rows (its b is used by m / 6 tiles only), and the dot products lose with many: the
+// rows of a stream from L2 for every 4 columns (bench/README.md, "Figures behind design choices in
+// the headers").
+constexpr std::int64_t kDotDepth = 1024;  // a tile's 8 rows of 4 KiB stay in L1 while the block runs
+
+// lane 4 r + q = the sum of acc[4 r + q]'s 16 lanes: pairs of vectors folded into one (unpack lo
+// and hi, added), then pairs of those (shuffle_ps), then the 128-bit lanes twice (shuffle_f32x4):
+// 45 instructions for 16 sums where 16 horizontal reductions take about 130.
+TESSERA_TARGET_AVX512 inline __m512 dot_fold16(const __m512 (&acc)[16]) {
+  __m512 x[8], y[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // lane group l: acc[2i] (4l, 4l+2) ... summed in pairs
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // group l of y[i]: acc[4i .. 4i+3] summed over group l's 4 lanes
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+// c's rows [0, rows) x columns [0, cols) (at most 4 x 4) += or = the tile's dot products over
+// `depth` steps; rows and columns past the edge repeat the last one (computed, never stored).
+TESSERA_TARGET_AVX512 inline void dot_tile(std::int64_t rows, std::int64_t cols, std::int64_t depth, const float* a,
+                                           std::int64_t lda, const float* bt, std::int64_t ldb, bool accumulate,
+                                           float* c, std::int64_t ldc) {
+  const float* ar[4];
+  const float* br[4];
+  for (int r = 0; r < 4; ++r) ar[r] = a + std::min<std::int64_t>(r, rows - 1) * lda;
+  for (int q = 0; q < 4; ++q) br[q] = bt + std::min<std::int64_t>(q, cols - 1) * ldb;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (std::int64_t p = 0; p < depth; p += 16) {
+    const __mmask16 lanes = depth - p >= 16 ? __mmask16(0xFFFF) : lanes16(depth - p);
+    __m512 bv[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) bv[q] = _mm512_maskz_loadu_ps(lanes, br[q] + p);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m512 av = _mm512_maskz_loadu_ps(lanes, ar[r] + p);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) acc[4 * r + q] = _mm512_fmadd_ps(av, bv[q], acc[4 * r + q]);
+    }
+  }
+  const __m512 sums = dot_fold16(acc);
+  const __mmask8 store = static_cast<__mmask8>((1u << cols) - 1);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const __m128 row = r == 0 ? _mm512_castps512_ps128(sums)
+                       : r == 1 ? _mm512_extractf32x4_ps(sums, 1)
+                       : r == 2 ? _mm512_extractf32x4_ps(sums, 2)
+                                : _mm512_extractf32x4_ps(sums, 3);
+    float* out = c + r * ldc;
+    _mm_mask_storeu_ps(out, store, accumulate ? _mm_add_ps(_mm_maskz_loadu_ps(store, out), row) : row);
+  }
+}
+
+// c (m, n) = beta c + a bt^T, beta 0 or 1, one thread: a (m, k) and bt (n, k) row-major.
+TESSERA_TARGET_AVX512 inline void gemm_dot_bt_avx512(std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                                                     std::int64_t lda, const float* bt, std::int64_t ldb, float beta,
+                                                     float* c, std::int64_t ldc) {
+  if (k == 0) {
+    if (beta == 0)
+      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  // Blocks of k as even as they go, whole vectors: 4704 steps in 3 of 1568.
+  const std::int64_t blocks = (k + kDotDepth - 1) / kDotDepth, depth_max = ((k + blocks - 1) / blocks + 15) / 16 * 16;
+  for (std::int64_t k0 = 0; k0 < k; k0 += depth_max) {
+    const std::int64_t depth = std::min(depth_max, k - k0);
+    const bool accumulate = beta != 0 || k0 > 0;
+    for (std::int64_t j0 = 0; j0 < n; j0 += 4)
+      for (std::int64_t i0 = 0; i0 < m; i0 += 4)
+        dot_tile(std::min<std::int64_t>(4, m - i0), std::min<std::int64_t>(4, n - j0), depth, a + i0 * lda + k0, lda,
+                 bt + j0 * ldb + k0, ldb, accumulate, c + i0 * ldc + j0, ldc);
+  }
 }
 #endif
 
