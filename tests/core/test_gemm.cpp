@@ -60,9 +60,10 @@ TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta
   // With AVX-512, alpha 1 and beta 0 or 1, float products with a small operand run on the
   // unpacked kernel (gemm.hpp, unpacked_suits); with b transposed, up to 32 rows, as dot products
   // (gemm_dot_bt_avx512): {24, 600, 1100} in two depth blocks of 560 and 540 steps (a masked last
-  // vector), {6, 25, 70} in edge tiles of 2 rows and 1 column.
-  const GemmCase cases[] = {{3, 5, 7},      {130, 97, 100}, {64, 300, 70}, {1, 1200, 1000},
-                            {1500, 1, 800}, {24, 600, 1100}, {6, 25, 70}};
+  // vector), {6, 25, 70} in edge tiles of 2 rows and 1 column, {100, 10, 90} (more rows, few
+  // columns) in tiles of 4 rows and a last one of 2 columns.
+  const GemmCase cases[] = {{3, 5, 7},       {130, 97, 100}, {64, 300, 70}, {1, 1200, 1000},
+                            {1500, 1, 800}, {24, 600, 1100}, {6, 25, 70},  {100, 10, 90}};
   const double scalars[][2] = {{1, 0}, {1, 1}, {0.5, 1}, {-2, 0.25}};
   std::uint64_t state = 42;
   INFO("gemm kernel: " << cpu_gemm_kernel());

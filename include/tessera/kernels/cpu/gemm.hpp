@@ -338,28 +338,34 @@ void gemm_one_row(bool trans_a, bool trans_b, std::int64_t n, std::int64_t k, S 
 }
 
 // Which float products (one thread's part) the unpacked kernel (kernels/cpu/gemm_unpacked.hpp)
-// runs instead of OpenBLAS or Eigen, with AVX-512 and alpha 1: at least one vector of columns and
-// two rows (one row: gemm_one_row), and
-// - b as it lies, a of at most kUnpackedGemmMaxA bytes (it stays in L2 while the kernel reads it
-//   where it lies once for each panel of 64 columns), and either beta 0 (an MLP's input gradient,
-//   a classifier's at any batch: OpenBLAS zeroes c in a pass of its own first, the kernel writes
-//   it outright) or at most kSmallGemm multiply-adds (where Eigen, which packs both operands,
-//   would run). The weight gradients (beta 1, a = dy^T) stay on OpenBLAS, which ran them faster
-//   inside an MLP's training step. Above 512 KiB of a (ResNet-50's 1x1 layers' 1 and 4 MiB of weights)
-//   OpenBLAS packs a once and wins.
+// runs instead of OpenBLAS or Eigen, with AVX-512 and alpha 1: at least two rows (one row:
+// gemm_one_row), and
+// - b as it lies, at least one vector of columns, a of at most kUnpackedGemmMaxA bytes (it stays
+//   in L2 while the kernel reads it where it lies once for each panel of 64 columns), and either
+//   beta 0 (an MLP's input gradient, a classifier's at any batch: OpenBLAS zeroes c in a pass of
+//   its own first, the kernel writes it outright) or at most kSmallGemm multiply-adds (where
+//   Eigen, which packs both operands, would run). The weight gradients (beta 1, a = dy^T) stay on
+//   OpenBLAS, which ran them faster inside an MLP's training step, also with c's tile prefetched.
+//   Above 512 KiB of a (ResNet-50's 1x1 layers' 1 and 4 MiB of weights) OpenBLAS packs a once and
+//   wins.
 // - b transposed and a not, at most kUnpackedBtMaxRows rows (LeNet-5's convolution weight
-//   gradients, 6 or 16 rows; a classifier's forward at a small batch): as dot products
-//   (gemm_dot_bt_avx512), where Eigen and OpenBLAS run such short products at a fraction of their
-//   speed. With more rows (an MLP's forward, 128) the dot products, and b copied into the
-//   kernel's layout, both lost to OpenBLAS inside the training step.
+//   gradients, 6 or 16 rows; a classifier's forward at a small batch) or at most
+//   kUnpackedBtMaxColumns columns with an a of at most kUnpackedGemmMaxA bytes (an MLP's last
+//   layer, 10 classes): as dot products (gemm_dot_bt_avx512), where Eigen and OpenBLAS run such
+//   short products at a fraction of their speed. The dot products read a once per 4 columns;
+//   with more rows and columns (an MLP's forward, 128 x 512) they, and b copied into the kernel's
+//   layout, both lost to OpenBLAS inside the training step.
 // Figures in bench/README.md, "Figures behind design choices in the headers".
 constexpr std::int64_t kUnpackedGemmMaxA = std::int64_t{1} << 19;
 constexpr std::int64_t kUnpackedBtMaxRows = 32;
+constexpr std::int64_t kUnpackedBtMaxColumns = 32;
 constexpr bool unpacked_suits(bool trans_a, bool trans_b, bool beta_zero, std::int64_t m, std::int64_t n,
                               std::int64_t k) {
   const std::int64_t bytes = sizeof(float);
-  if (m < 2 || n < 16) return false;
-  if (trans_b) return !trans_a && m <= kUnpackedBtMaxRows;
+  if (m < 2) return false;
+  if (trans_b)
+    return !trans_a && (m <= kUnpackedBtMaxRows || (n <= kUnpackedBtMaxColumns && m * k * bytes <= kUnpackedGemmMaxA));
+  if (n < 16) return false;
   return m * k * bytes <= kUnpackedGemmMaxA && (beta_zero || m * n * k <= kSmallGemm);
 }
 
