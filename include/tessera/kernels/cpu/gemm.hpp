@@ -171,14 +171,14 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
   if (m == 0 || n == 0) return;
   constexpr bool takes_beta = std::is_invocable_v<const Serial&, bool, bool, std::int64_t, std::int64_t, std::int64_t,
                                                   S, const S*, std::int64_t, const S*, std::int64_t, S, S*, std::int64_t>;
-  // C's rows [r0, r1), columns [c0, c1) = beta C + alpha op(A) op(B), on this thread.
-  const auto part = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1, std::int64_t rows,
-                        std::int64_t cols, const S* a_part, const S* b_part) {
+  // C's rows [r0, r0 + rows), columns [c0, c0 + cols) = beta C + alpha op(A) op(B), on this thread.
+  const auto part = [&](std::int64_t r0, std::int64_t c0, std::int64_t rows, std::int64_t cols, const S* a_part,
+                        const S* b_part) {
     S* c_part = c + r0 * ldc + c0;
     if constexpr (takes_beta) {
       serial(trans_a, trans_b, rows, cols, k, alpha, a_part, lda, b_part, ldb, beta, c_part, ldc);
     } else {
-      scale_matrix(r1 - r0, c1 - c0, beta, c_part, ldc);
+      scale_matrix(rows, cols, beta, c_part, ldc);
       serial(trans_a, trans_b, rows, cols, k, alpha, a_part, lda, b_part, ldb, c_part, ldc);
     }
   };
@@ -187,7 +187,7 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
   if (!omp_in_parallel() && m * n * k >= (1 << 20)) threads = omp_get_max_threads();
 #endif
   if (k == 0) return scale_matrix(m, n, beta, c, ldc);
-  if (threads <= 1) return part(0, m, 0, n, m, n, a, b);
+  if (threads <= 1) return part(0, 0, m, n, a, b);
 #if defined(_OPENMP)
   const bool split_rows = m >= n;
   const std::int64_t extent = split_rows ? m : n;
@@ -201,9 +201,9 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
     // Each thread scales its own part of C, just before its product reads it (in parallel, and
     // while it is in this core's cache; a serial pass first showed in ResNet-50's inference profile).
     if (begin < end && split_rows)  // rows of op(A)
-      part(begin, end, 0, n, end - begin, n, trans_a ? a + begin : a + begin * lda, b);
+      part(begin, 0, end - begin, n, trans_a ? a + begin : a + begin * lda, b);
     else if (begin < end)  // columns of op(B)
-      part(0, m, begin, end, m, end - begin, a, trans_b ? b + begin * ldb : b + begin);
+      part(0, begin, m, end - begin, a, trans_b ? b + begin * ldb : b + begin);
   }
 #endif
 }

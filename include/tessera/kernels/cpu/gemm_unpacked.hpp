@@ -263,7 +263,7 @@ constexpr std::int64_t kDotDepth = 1024;  // a tile's 8 rows of 4 KiB stay in L1
 TESSERA_TARGET_AVX512 inline __m512 dot_fold16(const __m512 (&acc)[16]) {
   __m512 x[8], y[4];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)  // lane group l: acc[2i] (4l, 4l+2) ... summed in pairs
+  for (int i = 0; i < 8; ++i)  // 128-bit group g of x[i]: a0+a2, b0+b2, a1+a3, b1+b3 of acc[2i], acc[2i+1]
     x[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i)  // group l of y[i]: acc[4i .. 4i+3] summed over group l's 4 lanes
