@@ -6,7 +6,7 @@
 Time (--t, default 1024; B 1, 12 heads of 64, causal): the PyTorch configuration is probed as
 compare_inference.py does (bench/peer.py: OpenBLAS selected and checked, one OpenBLAS thread, each
 malloc setting, OMP_WAIT_POLICY and OPENBLAS_CORETYPE tried once, the fastest kept), Tessera's
-OpenBLAS core type likewise (peer.choose_tessera_coretype). Then Tessera and PyTorch runs alternate
+OpenBLAS core type and idle spin likewise (peer.choose_tessera_config). Then Tessera and PyTorch runs alternate
 --runs times, each a fresh process timing --steps forward + backward pairs; the ratios (PyTorch time
 / Tessera time) are of the medians, for forward, backward and both (goal: both >= 1.5).
 
@@ -78,7 +78,7 @@ def main():
         r = run_tessera(args.tessera, tessera_args, env)
         return 1.0 / r["median_forward_backward_s"], r.get("gemm", "?")
 
-    tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
+    tessera_best, tessera_trials, tessera_env = peer.choose_tessera_config(probe_tessera, setup.candidates)
     ours, theirs, child = [], [], None
     for _ in range(args.runs):
         ours.append(run_tessera(args.tessera, tessera_args, tessera_env))

@@ -7,7 +7,7 @@ training time goes, shape by shape, forward and backward.
 build/bench/conv_layers times each distinct convolution of the model (its JSON names the shapes);
 bench/torch_conv_layers.py times the same shapes with torch.nn.Conv2d. Both sides are set up at
 their best as compare_pytorch.py sets them (bench/peer.py: the peer's malloc, OpenMP wait policy
-and OpenBLAS core type probed, Tessera's core type probed; each probe one run with --runs 3, scored
+and OpenBLAS core type probed, Tessera's core type and idle spin probed; each probe one run with --runs 3, scored
 by the total time), then --rounds rounds alternate one process of each, so machine noise hits both
 alike. Per layer and pass, the median over the rounds of each process's median; "speedup" is
 PyTorch's time over Tessera's. Writes one JSON object naming the CPU (bench/out/ unless --out).
@@ -75,7 +75,7 @@ def main():
         t = run_tessera(binary, args.model, batch, args.threads, 3, env=env)
         return 1e3 / total_ms(t), t["gemm"]
 
-    tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
+    tessera_best, tessera_trials, tessera_env = peer.choose_tessera_config(probe_tessera, setup.candidates)
     ours, theirs, child = [], [], None
     for _ in range(args.rounds):
         ours.append(run_tessera(binary, args.model, batch, args.threads, args.runs, env=tessera_env))

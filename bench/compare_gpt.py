@@ -13,8 +13,8 @@ OPENBLAS_CORETYPE fastest for short runs of the twin (--probe-steps); in each of
 multi-tensor update (foreach) on and off and, at more than one thread, OpenBLAS's own threads (1, as
 the other benches keep it, or as many as PyTorch's: a GPT's steps are mostly matrix products, which
 PyTorch hands to OpenBLAS whole) are tried too, and the fastest kept. Tessera's OpenBLAS core type
-is probed the same way
-(peer.choose_tessera_coretype). Then the two alternate --runs times per thread count, each a fresh
+and idle spin are probed the same way
+(peer.choose_tessera_config). Then the two alternate --runs times per thread count, each a fresh
 process training the whole recipe; speed ratios are of the medians, loss gaps of the medians.
 """
 import argparse
@@ -104,7 +104,7 @@ def main():
             r = run_tessera(binary, probe_recipe, threads, data_dir, "", env)
             return r["tokens_per_second"], r.get("gemm", "?")
 
-        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_config(probe_tessera, setup.candidates)
         ours, theirs, child = [], [], None
         for run in range(args.runs):
             ours.append(run_tessera(binary, recipe, threads, data_dir, "", tessera_env))

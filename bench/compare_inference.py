@@ -8,7 +8,8 @@ compare_pytorch.py does (bench/peer.py: OpenBLAS selected, one OpenBLAS thread, 
 OMP_WAIT_POLICY and OPENBLAS_CORETYPE tried once, the fastest kept); PyTorch reports the faster of torch.no_grad()
 and torch.inference_mode() and which one it was. Then Tessera and PyTorch runs alternate --runs
 times; the ratio is of the medians (goal >= 1.5, issue 52; 1.3 before it). Tessera's OpenBLAS core
-type is chosen per batch the same way (the shell's, 'unset', then each other candidate, once; peer.choose_tessera_coretype).
+type is chosen per batch the same way (the shell's, 'unset', then each other candidate, once), then its idle spin
+(KMP_BLOCKTIME=1 against the OpenMP runtime's default, two runs each; peer.choose_tessera_config).
 
 Memory (--memory-batch, default 32): each run is one SGD training step in a fresh process of each
 framework, alternating, --runs times, PyTorch with the configuration chosen for the largest
@@ -91,7 +92,7 @@ def main():
             t = run_tessera(args.tessera, tessera_args, env)
             return t["results"][0]["images_per_second"], t.get("gemm", "?")
 
-        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_config(probe_tessera, setup.candidates)
         ours, theirs, contexts, child, tessera_last, torch_last = [], [], [], None, None, None
         for _ in range(args.runs):
             tessera_last = run_tessera(args.tessera, tessera_args, tessera_env)["results"][0]
@@ -114,7 +115,7 @@ def main():
         entry["meets_goal"] = entry["ratio"] >= 1.5
         print(f"resnet50 eval b{batch:<3} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  (tessera "
-              f"OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; torch "
+              f"OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']} KMP_BLOCKTIME={tessera_best['KMP_BLOCKTIME']}; torch "
               f"{'/'.join(sorted(set(contexts)))}, OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
               f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} malloc={best['malloc']})", file=sys.stderr)
         report["inference"].append(entry)

@@ -10,7 +10,8 @@ malloc, one retaining freed memory and jemalloc where installed (peer.MALLOCS), 
 ACTIVE), then each OPENBLAS_CORETYPE this CPU supports (--coretypes narrows them) tried once
 (peer.choose_config); the fastest configuration is used for the measured runs. Tessera is run at
 its best the same way: its OpenBLAS core type (the shell's, 'unset', then each other candidate) tried once per
-model, the fastest kept (bench/peer.py, choose_tessera_coretype). Tessera and PyTorch runs
+model, the fastest kept, then its idle spin (KMP_BLOCKTIME=1 against the OpenMP runtime's default, two runs
+each; bench/peer.py, choose_tessera_config). Tessera and PyTorch runs
 alternate, so machine noise hits both alike; the ratio is of the medians over --runs runs. Prints
 one JSON object, whose "pytorch_config" and "tessera_config" per model record each side's setup and
 every trial.
@@ -34,7 +35,7 @@ def run_tessera(binary, model, threads, precision="float32", env=None):
                          check=True, capture_output=True, text=True, env=env).stdout
     report = json.loads(out)
     # Which gemm kernel Tessera ran ("OpenBLAS <core>" or "Eigen gebp"); its OpenBLAS core type is
-    # chosen by peer.choose_tessera_coretype, as the peer's is.
+    # chosen by peer.choose_tessera_config, as the peer's is.
     return {**report["results"][0], "gemm": report.get("gemm", "?"), "bf16_kernel": report.get("bf16_kernel", ""),
             "bf16_conv": report.get("bf16_conv", "")}
 
@@ -69,7 +70,7 @@ def main():
             t = run_tessera(args.tessera, model, args.threads, env=env)
             return t["images_per_second"], t["gemm"]
 
-        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates)
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_config(probe_tessera, setup.candidates)
         tessera_config = peer.tessera_record(tessera_best, tessera_trials)
         ours, theirs, child = [], [], None
         for _ in range(args.runs):
@@ -85,7 +86,7 @@ def main():
                  "pytorch_config": setup.record(best, trials, child)}
         print(f"{model:13} tessera {entry['tessera_images_per_second']:8.1f}  pytorch "
               f"{entry['pytorch_images_per_second']:8.1f} img/s  ratio {entry['ratio']:.2f}  "
-              f"(tessera OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']}; "
+              f"(tessera OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']} KMP_BLOCKTIME={tessera_best['KMP_BLOCKTIME']}; "
               f"torch OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} "
               f"malloc={best['malloc']}, "
               f"OpenBLAS core {child['openblas'].get('corename', '?')})", file=sys.stderr)

@@ -19,8 +19,9 @@ Each row records its command line ("argv"). The file is rewritten after every ro
 that hangs or fails on all 3 attempts is recorded as {"failed": ...} and left out of the medians;
 a Tessera run that does so ends the script.
 
-Tessera runs with the OpenBLAS core type its 1-rank run found fastest (the shell's, 'unset', then each
-other candidate, once; peer.choose_tessera_coretype), recorded in each row's "tessera_config".
+Tessera runs with the OpenBLAS core type and idle spin its 1-rank run found fastest (the shell's, 'unset',
+then each other candidate, once; then KMP_BLOCKTIME=1 against the default, two runs each;
+peer.choose_tessera_config), recorded in each row's "tessera_config".
 PyTorch runs with the peer setup of bench/peer.py: on OpenBLAS (refused where it is not installed),
 OPENBLAS_NUM_THREADS=1, OPENBLAS_L2_SIZE unset, and per model the malloc setting, OMP_WAIT_POLICY and
 OPENBLAS_CORETYPE that its 1-process run found fastest (probed once each before the rounds; both
@@ -126,9 +127,9 @@ def main():
             row = run(tessera_single, e)
             return row["images_per_second"], row.get("gemm", "?")
 
-        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_coretype(probe_tessera, setup.candidates, env)
+        tessera_best, tessera_trials, tessera_env = peer.choose_tessera_config(probe_tessera, setup.candidates, env)
         tessera_config = peer.tessera_record(tessera_best, tessera_trials, env)
-        print(f"  {model:8} Tessera: OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']} "
+        print(f"  {model:8} Tessera: OPENBLAS_CORETYPE={tessera_best['OPENBLAS_CORETYPE']} KMP_BLOCKTIME={tessera_best['KMP_BLOCKTIME']} "
               f"({len(tessera_trials)} trials)", file=sys.stderr, flush=True)
         print(f"  {model:8} PyTorch peer: OMP_WAIT_POLICY={best['OMP_WAIT_POLICY']} "
               f"OPENBLAS_CORETYPE={best['OPENBLAS_CORETYPE']} malloc={best['malloc']} ({len(trials)} trials)",

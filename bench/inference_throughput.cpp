@@ -162,8 +162,8 @@ int main(int argc, char** argv) {
                    r.first_forward_allocations, r.allocations, r.finite ? "" : "  NON-FINITE LOGITS");
     }
     std::printf("{\"framework\": \"tessera\", \"mode\": \"inference\", \"tessera_mode\": \"%s\", \"threads\": %d, "
-                "\"gemm\": \"%s\", \"results\": [",
-                mode_flag.c_str(), threads, cpu_gemm_kernel().c_str());
+                "\"gemm\": \"%s\", \"idle_spin_ms\": %d, \"results\": [",
+                mode_flag.c_str(), threads, cpu_gemm_kernel().c_str(), Cpu::idle_spin_ms());
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       std::printf("%s{\"model\": \"resnet50\", \"batch\": %lld, \"image\": 224, \"steps\": %d, \"median_forward_s\": %.6f, "

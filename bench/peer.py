@@ -319,11 +319,25 @@ def gemm_core(gemm):
     return words[1] if len(words) > 1 and words[0] == "OpenBLAS" else None
 
 
-def choose_tessera_coretype(run, coretypes, base_env=None):
+# Tessera's idle spin (Cpu::set_idle_spin_ms; KMP_BLOCKTIME, read by LLVM's OpenMP runtime, which
+# the clang build links) tried against the runtime's default of 200 ms, as the peer's OMP_WAIT_POLICY
+# is: on a VM whose vCPUs the host rations, the default spin at every barrier spends the ration
+# and the host stops the vCPUs for whole periods (ResNet-50 at two threads ran faster with 1 ms),
+# while small models, many short parallel regions a step, ran faster with the default
+# (bench/README.md, "Idle threads that spin"). Two runs each way, alternating, the means compared: one run each
+# would often choose by which of the machine's minutes it fell in.
+IDLE_SPIN_MS = "1"
+IDLE_SPIN_RUNS = 2
+
+
+def choose_tessera_config(run, coretypes, base_env=None):
     """Tessera at its best, as the peer is: run(env) -> (images/s, the "gemm" string Tessera
     reports) once with the inherited setting (when the shell sets a core type), once with 'unset',
-    then with each other candidate whose core no earlier trial ran. Returns (best trial, trials,
-    its environment); every trial is recorded."""
+    then with each other candidate whose core no earlier trial ran; then, with the fastest core
+    type and unless the shell sets KMP_BLOCKTIME or OMP_WAIT_POLICY, KMP_BLOCKTIME=IDLE_SPIN_MS
+    against the default (IDLE_SPIN_RUNS runs each, alternating, the first default run being the
+    core type's trial). Returns (best trial, trials, its environment); every trial is recorded,
+    and the best one says its KMP_BLOCKTIME ('inherited', 'unset' or IDLE_SPIN_MS)."""
     base_env = dict(os.environ if base_env is None else base_env)
     order = ([INHERITED] if "OPENBLAS_CORETYPE" in base_env else []) + [UNSET] + [c for c in coretypes if c != UNSET]
     trials, seen = [], set()
@@ -335,16 +349,33 @@ def choose_tessera_coretype(run, coretypes, base_env=None):
         seen.add((core or "").lower())
         trials.append({"OPENBLAS_CORETYPE": coretype, "images_per_second": ips, "openblas_corename": core,
                        "gemm": gemm})
-    best = max(trials, key=lambda t: t["images_per_second"])
-    return best, trials, tessera_env(base_env, best["OPENBLAS_CORETYPE"])
+    best = dict(max(trials, key=lambda t: t["images_per_second"]))
+    env = tessera_env(base_env, best["OPENBLAS_CORETYPE"])
+    if "KMP_BLOCKTIME" in base_env or "OMP_WAIT_POLICY" in base_env:
+        best["KMP_BLOCKTIME"] = INHERITED
+        return best, trials, env
+    spin_env = dict(env, KMP_BLOCKTIME=IDLE_SPIN_MS)
+    default_runs, spin_runs = [best["images_per_second"]], []
+    for i in range(2 * IDLE_SPIN_RUNS - 1):  # short, default, short, ...: the default's first run is above
+        short = i % 2 == 0
+        ips, gemm = run(spin_env if short else env)
+        (spin_runs if short else default_runs).append(ips)
+        trials.append({"OPENBLAS_CORETYPE": best["OPENBLAS_CORETYPE"], "KMP_BLOCKTIME": IDLE_SPIN_MS if short else UNSET,
+                       "images_per_second": ips, "openblas_corename": gemm_core(gemm), "gemm": gemm})
+    if sum(spin_runs) / len(spin_runs) > sum(default_runs) / len(default_runs):
+        best.update(KMP_BLOCKTIME=IDLE_SPIN_MS, images_per_second=max(spin_runs))
+        return best, trials, spin_env
+    best.update(KMP_BLOCKTIME=UNSET, images_per_second=max(default_runs))
+    return best, trials, env
 
 
 def tessera_record(best, trials, base_env=None):
-    """The JSON record of Tessera's configuration: the chosen core type and every trial."""
+    """The JSON record of Tessera's configuration: the chosen core type and idle spin, every trial."""
     base_env = os.environ if base_env is None else base_env
     return {"OPENBLAS_CORETYPE": best["OPENBLAS_CORETYPE"], "openblas_corename": best["openblas_corename"],
-            "gemm": best["gemm"], "inherited": {k: base_env[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-                                                if k in base_env},
+            "KMP_BLOCKTIME": best.get("KMP_BLOCKTIME", UNSET), "gemm": best["gemm"],
+            "inherited": {k: base_env[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "KMP_BLOCKTIME",
+                                                   "OMP_WAIT_POLICY") if k in base_env},
             "trials": trials}
 
 

@@ -167,9 +167,9 @@ int main(int argc, char** argv) {
                    static_cast<long long>(r.batch), r.images_per_second, r.median_step_s, r.first_step_allocations, r.allocations);
     }
     std::printf("{\"framework\": \"tessera\", \"threads\": %d, \"loader\": %s, \"gemm\": \"%s\", \"precision\": \"%s\", "
-                "\"bf16_kernel\": \"%s\", \"bf16_conv\": \"%s\", \"results\": [",
+                "\"bf16_kernel\": \"%s\", \"bf16_conv\": \"%s\", \"idle_spin_ms\": %d, \"results\": [",
                 threads, from_loader ? "true" : "false", cpu_gemm_kernel().c_str(), precision.c_str(), bf16 ? cpu_bf16_kernel().c_str() : "",
-                bf16 ? cpu_bf16_conv_kernel().c_str() : "");
+                bf16 ? cpu_bf16_conv_kernel().c_str() : "", Cpu::idle_spin_ms());
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       std::printf("%s{\"model\": \"%s\", \"batch\": %lld, \"image\": %lld, \"steps\": %d, \"median_step_s\": %.6f, "

@@ -193,13 +193,17 @@ class TesseraCoretype(unittest.TestCase):
     def test_inherited_then_unset_then_cores_not_yet_run(self):
         seen = []
         base = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512", "PATH": "/bin"}
-        best, trials, env = peer.choose_tessera_coretype(
+        best, trials, env = peer.choose_tessera_config(
             self.fake_run(seen), ["unset", "Haswell", "Zen", "SkylakeX", "Cooperlake"], base)
         # inherited (Haswell, L2 kept), unset (detects Cooperlake, L2 dropped), Zen, SkylakeX;
-        # Haswell and Cooperlake already ran, so they are not run again.
-        self.assertEqual(seen, [("Haswell", "512"), (None, None), ("Zen", None), ("SkylakeX", None)])
-        self.assertEqual([t["OPENBLAS_CORETYPE"] for t in trials], ["inherited", "unset", "Zen", "SkylakeX"])
+        # Haswell and Cooperlake already ran, so they are not run again. Then SkylakeX's idle
+        # spin: short, default, short.
+        self.assertEqual(seen[:4], [("Haswell", "512"), (None, None), ("Zen", None), ("SkylakeX", None)])
+        self.assertEqual(seen[4:], [("SkylakeX", None)] * 3)
+        self.assertEqual([t["OPENBLAS_CORETYPE"] for t in trials],
+                         ["inherited", "unset", "Zen", "SkylakeX", "SkylakeX", "SkylakeX", "SkylakeX"])
         self.assertEqual(best["OPENBLAS_CORETYPE"], "SkylakeX")
+        self.assertEqual(best["KMP_BLOCKTIME"], "unset")  # the fake runs do not care: the default stays
         self.assertEqual(env["OPENBLAS_CORETYPE"], "SkylakeX")
         self.assertNotIn("OPENBLAS_L2_SIZE", env)
         self.assertEqual(env["PATH"], "/bin")
@@ -209,10 +213,50 @@ class TesseraCoretype(unittest.TestCase):
 
     def test_nothing_inherited_starts_with_unset(self):
         seen = []
-        best, trials, env = peer.choose_tessera_coretype(self.fake_run(seen), ["unset", "Haswell"], {})
-        self.assertEqual([t["OPENBLAS_CORETYPE"] for t in trials], ["unset", "Haswell"])
+        best, trials, env = peer.choose_tessera_config(self.fake_run(seen), ["unset", "Haswell"], {})
+        self.assertEqual([t["OPENBLAS_CORETYPE"] for t in trials], ["unset", "Haswell", "unset", "unset", "unset"])
         self.assertEqual(best["OPENBLAS_CORETYPE"], "unset")
         self.assertNotIn("OPENBLAS_CORETYPE", env)
+
+    def spin_run(self, speeds, blocktimes):
+        """A run whose speed is the next of speeds[KMP_BLOCKTIME or 'unset'] in turn."""
+        turns = {k: iter(v) for k, v in speeds.items()}
+
+        def run(env):
+            blocktimes.append(env.get("KMP_BLOCKTIME"))
+            return next(turns[env.get("KMP_BLOCKTIME", "unset")]), "OpenBLAS Cooperlake, one thread per call"
+        return run
+
+    def test_short_idle_spin_kept_when_faster_on_average(self):
+        blocktimes = []
+        # The default's first run is the core type's trial; one fast default run among slow ones
+        # loses to two steady short-spin runs (means 30 against 33).
+        run = self.spin_run({"unset": [36.0, 24.0], peer.IDLE_SPIN_MS: [33.0, 33.0]}, blocktimes)
+        best, trials, env = peer.choose_tessera_config(run, ["unset"], {"PATH": "/bin"})
+        self.assertEqual(blocktimes, [None, peer.IDLE_SPIN_MS, None, peer.IDLE_SPIN_MS])
+        self.assertEqual(best["KMP_BLOCKTIME"], peer.IDLE_SPIN_MS)
+        self.assertEqual(best["images_per_second"], 33.0)
+        self.assertEqual(env["KMP_BLOCKTIME"], peer.IDLE_SPIN_MS)
+        self.assertEqual([t.get("KMP_BLOCKTIME") for t in trials], [None, peer.IDLE_SPIN_MS, "unset", peer.IDLE_SPIN_MS])
+        self.assertEqual(peer.tessera_record(best, trials, {})["KMP_BLOCKTIME"], peer.IDLE_SPIN_MS)
+
+    def test_default_spin_kept_when_faster(self):
+        blocktimes = []
+        run = self.spin_run({"unset": [80.0, 78.0], peer.IDLE_SPIN_MS: [40.0, 41.0]}, blocktimes)
+        best, trials, env = peer.choose_tessera_config(run, ["unset"], {})
+        self.assertEqual(best["KMP_BLOCKTIME"], "unset")
+        self.assertEqual(best["images_per_second"], 80.0)
+        self.assertNotIn("KMP_BLOCKTIME", env)
+
+    def test_shell_wait_setting_is_kept_and_not_probed(self):
+        for var, value in (("KMP_BLOCKTIME", "0"), ("OMP_WAIT_POLICY", "PASSIVE")):
+            blocktimes = []
+            run = self.spin_run({"unset": [10.0], "0": [10.0]}, blocktimes)
+            best, trials, env = peer.choose_tessera_config(run, ["unset"], {var: value})
+            self.assertEqual(len(blocktimes), 1)
+            self.assertEqual(best["KMP_BLOCKTIME"], "inherited")
+            self.assertEqual(env[var], value)
+            self.assertEqual(peer.tessera_record(best, trials, {var: value})["inherited"], {var: value})
 
     def test_gemm_core(self):
         self.assertEqual(peer.gemm_core("OpenBLAS Cooperlake, one thread per call (Eigen gebp below 2^20)"),

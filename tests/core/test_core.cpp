@@ -375,3 +375,24 @@ TEST_CASE("stealing_for runs every item once, and a thread done early takes the 
   }
 #endif
 }
+
+TEST_CASE("Cpu::set_idle_spin_ms reaches the calling thread, threads started later and a team's workers") {
+  CHECK_THROWS_AS(Cpu::set_idle_spin_ms(-1), ArgumentError);
+  const int before = Cpu::idle_spin_ms();
+  if (!Cpu::set_idle_spin_ms(7)) {  // libgomp or no OpenMP: no such setting to read back either
+    CHECK(before == -1);
+    return;
+  }
+  CHECK(Cpu::idle_spin_ms() == 7);
+  int later = -2;
+  std::thread([&later] { later = Cpu::idle_spin_ms(); }).join();
+  CHECK(later == 7);
+  std::atomic<int> worker{-2};
+#pragma omp parallel num_threads(2)
+  {
+    if (Cpu::thread_index() == Cpu::team_size() - 1) worker = Cpu::idle_spin_ms();
+  }
+  CHECK(worker.load() == 7);
+  Cpu::set_idle_spin_ms(before);
+  CHECK(Cpu::idle_spin_ms() == before);
+}
