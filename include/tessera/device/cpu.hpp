@@ -64,16 +64,16 @@ struct Cpu {
   // How long a thread of an OpenMP team that has nothing to do spins before it sleeps, in
   // milliseconds (0: it sleeps at once), for every thread of the process from now on; the
   // environment's KMP_BLOCKTIME does the same from the start. Spinning starts the next parallel
-  // region sooner; sleeping gives the core back. LLVM's runtime (libomp, the clang build's)
-  // spins for a default of 200 ms, at every barrier and after every region. On a VM whose vCPUs
-  // the host rations, that spin spends the ration while the other thread still works, and the
-  // host then stops the vCPUs for whole accounting periods: there ResNet-50 ran faster at two
-  // threads with KMP_BLOCKTIME=1, and the MLP and LeNet-5, whose steps are many short regions,
-  // slower (their sleeping threads wake late). So the default stays the runtime's, and the benchmarks
-  // try both (bench/README.md, "Idle threads that spin"). Applies through LLVM's and Intel's
-  // runtimes (kmp_set_defaults, which reaches threads started later as well) and returns true
-  // there; GCC's libgomp reads its policy from the environment only (OMP_WAIT_POLICY,
-  // GOMP_SPINCOUNT), and this returns false.
+  // region sooner; sleeping gives the core back. LLVM's runtime (libomp, the clang build's) spins
+  // by default far longer than the gaps between a step's regions, at every barrier and after
+  // every region. On a VM whose vCPUs the host rations, that spin spends the ration while the
+  // other thread still works, and the host then stops the vCPUs for whole accounting periods:
+  // there a short spin helped ResNet-50 at two threads, and hurt the MLP and LeNet-5, whose
+  // steps are many short regions (their sleeping threads wake late). So the default stays the
+  // runtime's, and the benchmarks try both (bench/README.md, "Idle threads that spin"). Applies
+  // through LLVM's and Intel's runtimes (kmp_set_defaults, which reaches threads started later as
+  // well) and returns true there; GCC's libgomp reads its policy from the environment only
+  // (OMP_WAIT_POLICY, GOMP_SPINCOUNT), and this returns false.
   static bool set_idle_spin_ms(int ms) {
     TESSERA_CHECK(ms >= 0, ArgumentError, "Cpu::set_idle_spin_ms: ms=", ms, " must be >= 0");
 #if defined(_OPENMP) && defined(KMP_VERSION_MAJOR)
