@@ -10,6 +10,7 @@
 #include "tessera/layers/activation.hpp"
 #include "tessera/layers/batch_norm.hpp"
 #include "tessera/layers/conv2d.hpp"
+#include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
 #include "tessera/layers/residual.hpp"
 #include "tessera/layers/sequential.hpp"
@@ -194,6 +195,47 @@ TEST_CASE("Linear: shape errors name the layer and both shapes", "[layers]") {
     CHECK_THAT(msg, Catch::Contains("Linear(5, 4)") && Catch::Contains("(*, 5)") && Catch::Contains("(3, 6)"));
   }
   CHECK_THROWS_AS(Linear<CpuLocal>(0, 4, rng), ArgumentError);
+}
+
+TEST_CASE("Linear reading a flattened input equals Flatten then Linear bit for bit; the MLP flattens so", "[layers]") {
+  Rng data(12);
+  Tensor<float> x(Shape{3, 2, 2, 5}), dy(Shape{3, 4});
+  for (auto& v : x) v = static_cast<float>(data.normal());
+  for (auto& v : dy) v = static_cast<float>(data.normal());
+  const auto bits = [](const Tensor<float>& a, const Tensor<float>& b) {
+    return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+  };
+  Rng r1(3), r2(3);
+  Flatten<CpuLocal> flatten;
+  Linear<CpuLocal> after_flatten(20, 4, r1), flattening(20, 4, r2);
+  flattening.set_flattens_input(true);
+  Flatten<CpuLocal>::Cache cf;
+  Linear<CpuLocal>::Cache c1, c2;
+  const Tensor<float>& y1 = after_flatten.forward(flatten.forward(x, cf), c1);
+  const Tensor<float>& y2 = flattening.forward(x, c2);
+  CHECK(y2.shape() == Shape{3, 4});
+  CHECK(bits(y1, y2));
+  const Tensor<float>& dx1 = flatten.backward(after_flatten.backward(dy, c1), cf);
+  const Tensor<float>& dx2 = flattening.backward(dy, c2);
+  CHECK(dx2.shape() == x.shape());  // dL/dx in x's shape, as Flatten's backward gives it
+  CHECK(bits(dx1, dx2));
+  CHECK(bits(after_flatten.weight().grad, flattening.weight().grad));
+  CHECK(bits(after_flatten.bias().grad, flattening.bias().grad));
+  // A sample of the wrong size, and a lone vector (no batch dimension), are refused by name.
+  CHECK_THROWS_WITH(flattening.forward(Tensor<float>(Shape{3, 21}), c2),
+                    Catch::Contains("Linear(20, 4) on a flattened input") && Catch::Contains("(3, 21)"));
+  CHECK_THROWS_AS(flattening.forward(Tensor<float>(Shape{20}), c2), ShapeError);
+  // The MLP's first layer flattens: an (N, 1, 28, 28)-like batch and its flat copy train alike.
+  Mlp<CpuLocal> from_image(20, {6}, 4, 5), from_flat(20, {6}, 4, 5);
+  Mlp<CpuLocal>::Cache m1, m2;
+  Tensor<float> flat = x;
+  flat.reshape({3, 20});
+  CHECK(bits(from_image.forward(x, m1), from_flat.forward(flat, m2)));
+  from_image.backward(dy, m1);
+  from_flat.backward(dy, m2);
+  auto a = named_tensors(from_image), b = named_tensors(from_flat);
+  for (std::size_t k = 0; k < a.parameters.size(); ++k) CHECK(bits(a.parameters[k].second->grad, b.parameters[k].second->grad));
+  CHECK_THROWS_AS(from_image.forward(Tensor<float>(Shape{20}), m1), ShapeError);
 }
 
 TEST_CASE("Backward calls each parameter's gradient-ready hook once, last layer first", "[layers]") {

@@ -61,14 +61,18 @@ class Linear {
   }
 
   const Tensor& forward(const Tensor& x, Cache& c) {
-    TESSERA_CHECK(x.rank() >= 1 && x.shape().dim(-1) == in_, ShapeError, "Linear(", in_, ", ", out_,
-                  "): expected input (*, ", in_, ") (the last dimension is in_features), got ", x.shape());
+    if (flattens_input_)
+      TESSERA_CHECK(x.rank() >= 2 && x.numel() == x.dim(0) * in_, ShapeError, "Linear(", in_, ", ", out_,
+                    ") on a flattened input: expected (N, ...) with ", in_, " elements per sample, got ", x.shape());
+    else
+      TESSERA_CHECK(x.rank() >= 1 && x.shape().dim(-1) == in_, ShapeError, "Linear(", in_, ", ", out_,
+                    "): expected input (*, ", in_, ") (the last dimension is in_features), got ", x.shape());
     TESSERA_CHECK(format_ == MemoryFormat::Contiguous || x.rank() != 4, ArgumentError, "Linear(", in_, ", ", out_,
                   "): a 4-D input ", x.shape(), " in channels_last has its last dimension (W) apart in memory; ",
                   "flatten or pool it first");
     const auto n = x.numel() / in_;
     c.x = &x;
-    Shape y_shape = x.shape();
+    Shape y_shape = flattens_input_ ? Shape{n, out_} : x.shape();
     y_shape[y_shape.rank() - 1] = out_;
     c.y_shape = y_shape;
     c.y.resize(y_shape);
@@ -112,6 +116,11 @@ class Linear {
   void set_memory_format(MemoryFormat f) { format_ = f; }
   // The first layer of a network need not compute dL/dx (nobody consumes it).
   void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
+  // On: x (N, d1, ..., dk) is read as (N, d1 ... dk), what an nn.Flatten before this layer would
+  // hand it, and dL/dx comes back in x's shape. For a model that holds both (Mlp): tensors have no
+  // views, so a Flatten layer copies its input (bench/README.md, "Figures behind design choices in
+  // the headers"). Off by default: as in nn.Linear, the last dimension is in_features.
+  void set_flattens_input(bool on) { flattens_input_ = on; }
 
   Parameter<S, D>& weight() { return weight_; }
   static Shape checked_weight_shape(std::int64_t in, std::int64_t out) {
@@ -129,9 +138,10 @@ class Linear {
     TESSERA_CHECK(dy.shape() == c.y_shape, ShapeError, "Linear(", in_, ", ", out_, ")::", what, ": dy ",
                   dy.shape(), " does not match output ", c.y_shape);
     const auto n = c.y_shape.numel() / out_;
-    TESSERA_CHECK(x.rank() == c.y_shape.rank() && x.shape().dim(-1) == in_ && x.numel() == n * in_, ShapeError, "Linear(",
-                  in_, ", ", out_, ")::", what, ": the input changed shape to ", x.shape(),
-                  " since forward (keep it alive and unchanged)");
+    const bool same_rows = flattens_input_ ? x.rank() >= 2 && x.dim(0) == n
+                                           : x.rank() == c.y_shape.rank() && x.shape().dim(-1) == in_;
+    TESSERA_CHECK(same_rows && x.numel() == n * in_, ShapeError, "Linear(", in_, ", ", out_, ")::", what,
+                  ": the input changed shape to ", x.shape(), " since forward (keep it alive and unchanged)");
     return n;
   }
   const Tensor& input_grad(const Tensor& dy, Cache& c, std::int64_t n) {
@@ -146,6 +156,7 @@ class Linear {
   std::int64_t in_, out_;
   bool has_bias_;
   bool needs_input_grad_ = true;
+  bool flattens_input_ = false;
   Parameter<S, D> weight_;
   Parameter<S, D> bias_;
   MemoryFormat format_ = MemoryFormat::Contiguous;

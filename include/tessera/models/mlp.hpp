@@ -1,6 +1,8 @@
 // MLP: flatten -> [Linear -> ReLU] x hidden -> Linear.   x (N, ...) -> logits (N, classes)
 // Hidden widths are a runtime list, so one type covers every depth. Parameter names follow a
 // torch.nn.Sequential(Flatten, Linear, ReLU, ...): "1.weight" for the first Linear, "3.weight", ...
+// The flatten is the first Linear's (Linear::set_flattens_input): it reads x (N, ...) as
+// (N, in_features) where it lies, which a Flatten layer could only do by copying x.
 #pragma once
 
 #include <string>
@@ -9,7 +11,6 @@
 #include "tessera/comm/local_env.hpp"
 #include "tessera/core/concepts.hpp"
 #include "tessera/layers/activation.hpp"
-#include "tessera/layers/flatten.hpp"
 #include "tessera/layers/linear.hpp"
 
 namespace tessera {
@@ -22,7 +23,6 @@ class Mlp {
   using D = typename E::Device;
   using Tensor = tessera::Tensor<S, D>;
   struct Cache {
-    typename Flatten<E>::Cache flatten;
     std::vector<typename Linear<E>::Cache> linear;
     std::vector<typename ReLU<E>::Cache> relu;
   };
@@ -38,6 +38,7 @@ class Mlp {
     linear_.emplace_back(in, num_classes, rng);
     relu_.resize(hidden.size());
     linear_.front().set_needs_input_grad(false);
+    linear_.front().set_flattens_input(true);
   }
 
   const Tensor& forward(const Tensor& x, Cache& c) { return forward_units(x, c, 0, unit_count()); }
@@ -45,14 +46,14 @@ class Mlp {
     return backward_units(dy, c, 0, unit_count());  // the first Linear skips dL/dx: nothing consumes it
   }
 
-  // Pipeline units: unit i is Linear i with its ReLU (unit 0 starts with the Flatten).
+  // Pipeline units: unit i is Linear i with its ReLU (unit 0's Linear flattens x).
   std::size_t unit_count() const { return linear_.size(); }
   const Tensor& forward_units(const Tensor& x, Cache& c, std::size_t begin, std::size_t end) {
     if (c.linear.size() != linear_.size()) {  // first forward on this cache only
       c.linear.resize(linear_.size());
       c.relu.resize(relu_.size());
     }
-    const Tensor* h = begin == 0 ? &flatten_.forward(x, c.flatten) : &x;
+    const Tensor* h = &x;
     for (std::size_t i = begin; i < end; ++i) {
       h = &linear_[i].forward(*h, c.linear[i]);
       if (i < relu_.size()) h = &relu_[i].forward(*h, c.relu[i]);
@@ -94,7 +95,6 @@ class Mlp {
     return *g;
   }
 
-  Flatten<E> flatten_;
   std::vector<Linear<E>> linear_;
   std::vector<ReLU<E>> relu_;
 };
