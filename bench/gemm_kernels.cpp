@@ -11,6 +11,8 @@
 //
 // The kernels take turns within each run (a noisy machine slows all of them alike); medians. One
 // thread: OpenMP's team is set to 1, so oneDNN's sgemm runs on one thread as the others do.
+// Beside the products, the MLP step's SGD update alone (mlp_sgd_update_seconds), the part of that
+// step no product kernel can speed up.
 // Prints one JSON object (stdout) and a table (stderr). Never a timed test. bench/README.md,
 // "Where the float32 products stand", has what it measured.
 
@@ -203,6 +205,37 @@ Row measure(const Product& p, int runs) {
   return row;
 }
 
+// The MLP step's other floor: its SGD update (momentum 0.9, weight decay 1e-4, as train_throughput
+// steps it) over the 535,818 parameters, tensor by tensor as Sgd calls it. Each element reads the
+// weight, its gradient and its momentum and writes two back, 20 bytes, 10.7 MB a step: more than a
+// core's L2, so a 16 MB pass evicts them before each timed update, as the step's products do.
+// Median seconds of `runs` updates.
+double mlp_sgd_update_seconds(int runs, std::int64_t& parameters) {
+  const std::int64_t sizes[] = {512 * 784, 512, 256 * 512, 256, 10 * 256, 10};
+  std::vector<std::vector<float>> weight, grad, momentum;
+  parameters = 0;
+  for (std::int64_t n : sizes) {
+    weight.emplace_back(static_cast<std::size_t>(n), 0.5f);
+    grad.emplace_back(static_cast<std::size_t>(n), 0.01f);
+    momentum.emplace_back(static_cast<std::size_t>(n), 0.02f);
+    parameters += n;
+  }
+  std::vector<float> evict(std::size_t{4} << 20, 1.0f);
+  const SgdStep step{.lr = 0.01, .momentum = 0.9, .dampening = 0, .weight_decay = 1e-4, .nesterov = false,
+                     .first_step = false};
+  std::vector<double> seconds;
+  float sink = 0;
+  for (int r = 0; r < runs + 1; ++r) {  // the first update warms pages and is not timed
+    for (std::size_t i = 0; i < evict.size(); i += 16) sink += evict[i];
+    evict[static_cast<std::size_t>(r) % evict.size()] = sink;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t t = 0; t < weight.size(); ++t)
+      sgd_update(Cpu{}, sizes[t], weight[t].data(), grad[t].data(), momentum[t].data(), step);
+    if (r > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return median(seconds);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -227,9 +260,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "   %.0f / %.0f / %.0f\n", r.allocations_per_call[0], r.allocations_per_call[1],
                    r.allocations_per_call[2]);
     }
+    std::int64_t parameters = 0;
+    const double sgd_s = mlp_sgd_update_seconds(runs, parameters);
+    const double sgd_bytes = 20.0 * static_cast<double>(parameters);
+    std::fprintf(stderr, "MLP's SGD update (%lld parameters, %.1f MB streamed): %.1f us, %.1f GB/s\n",
+                 static_cast<long long>(parameters), sgd_bytes / 1e6, sgd_s * 1e6, sgd_bytes / sgd_s / 1e9);
     std::printf("{\"benchmark\": \"gemm_kernels\", \"cpu\": \"%s\", \"threads\": 1, \"runs\": %d, \"gemm\": \"%s\", "
-                "\"onednn\": \"%s\", \"fma_peak_gflops\": %.2f, \"products\": [",
-                cpu_description().c_str(), runs, blas.c_str(), onednn_version().c_str(), peak);
+                "\"onednn\": \"%s\", \"fma_peak_gflops\": %.2f, \"mlp_sgd_update\": {\"parameters\": %lld, "
+                "\"bytes_streamed\": %.0f, \"median_us\": %.2f, \"gb_per_s\": %.2f}, \"products\": [",
+                cpu_description().c_str(), runs, blas.c_str(), onednn_version().c_str(), peak,
+                static_cast<long long>(parameters), sgd_bytes, sgd_s * 1e6, sgd_bytes / sgd_s / 1e9);
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       std::printf("%s{\"name\": \"%s\", \"trans_a\": %s, \"trans_b\": %s, \"m\": %d, \"n\": %d, \"k\": %d", i ? ", " : "",
