@@ -1,8 +1,9 @@
 // The float32 matrix products of the MLP and of ResNet-50 (batch 8) on one thread, product by
 // product, on each kernel this build can run them on: OpenBLAS's sgemm (what Tessera's gemm calls
 // above 2^20 multiply-adds), Tessera's unpacked AVX-512 kernel (what the convolutions call,
-// kernels/cpu/gemm_unpacked.hpp; a transposed B as dot products, gemm_dot_bt_avx512, which gemm
-// takes for products of a few rows) and oneDNN's sgemm
+// kernels/cpu/gemm_unpacked.hpp; a transposed B as gemm takes it: swapped, c^T = b a^T, for a
+// Linear layer's forward at batch 64 to 128, gemm_swapped_bt_avx512, else as dot products,
+// gemm_dot_bt_avx512) and oneDNN's sgemm
 // (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). Each
 // kernel's GFLOP/s is given next to the core's register-only FMA rate (12 independent chains of
 // 512-bit FMAs, no memory), and its heap allocations per call are counted (alloc_counter.hpp).
@@ -133,8 +134,11 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
     case kUnpacked:
       if (!cpu_avx512()) return false;
       if (p.trans_b && p.trans_a) return false;
-      if (p.trans_b) {
-        detail::gemm_dot_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
+      if (p.trans_b) {  // as gemm picks: swapped (c^T = b a^T) where swapped_bt_suits, else dot products
+        if (detail::swapped_bt_suits(p.trans_a, p.trans_b, p.m, p.n, p.k))
+          detail::gemm_swapped_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
+        else
+          detail::gemm_dot_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
         return true;
       }
       // conv_gemm's depth blocks (kernels/cpu/conv2d.hpp): thin products take deeper ones.

@@ -61,9 +61,12 @@ TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta
   // unpacked kernel (gemm.hpp, unpacked_suits); with b transposed, up to 32 rows, as dot products
   // (gemm_dot_bt_avx512): {24, 600, 1100} in two depth blocks of 560 and 540 steps (a masked last
   // vector), {6, 25, 70} in edge tiles of 2 rows and 1 column, {100, 10, 90} (more rows, few
-  // columns) in tiles of 4 rows and a last one of 2 columns.
+  // columns) in tiles of 4 rows and a last one of 2 columns. With b transposed, 64 to 128 rows and
+  // 256 or more columns and steps (gemm.hpp, swapped_bt_suits): c^T = b a^T on the unpacked kernel,
+  // {96, 320, 272} in whole 16 x 16 transposes, {100, 300, 260} with edges in both.
   const GemmCase cases[] = {{3, 5, 7},       {130, 97, 100}, {64, 300, 70}, {1, 1200, 1000},
-                            {1500, 1, 800}, {24, 600, 1100}, {6, 25, 70},  {100, 10, 90}};
+                            {1500, 1, 800}, {24, 600, 1100}, {6, 25, 70},  {100, 10, 90},
+                            {96, 320, 272}, {100, 300, 260}};
   const double scalars[][2] = {{1, 0}, {1, 1}, {0.5, 1}, {-2, 0.25}};
   std::uint64_t state = 42;
   INFO("gemm kernel: " << cpu_gemm_kernel());
@@ -105,6 +108,19 @@ TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta
         for (int me = 0; me < std::min(team, 2); ++me)
           CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, per_thread[me], ldc) <= tolerance);
       }
+}
+
+TEST_CASE("gemm's swapped b-transposed products: which products take them", "[core]") {
+  // An MLP's forward at batch 128 (x (128, 784) w^T, w (512, 784)); a classifier at batch 8 stays
+  // on the dot products, wider or deeper products and a transposed a on OpenBLAS or Eigen.
+  CHECK(detail::swapped_bt_suits(false, true, 128, 512, 784));
+  CHECK(detail::swapped_bt_suits(false, true, 64, 256, 256));
+  CHECK_FALSE(detail::swapped_bt_suits(false, true, 8, 1000, 2048));
+  CHECK_FALSE(detail::swapped_bt_suits(false, true, 256, 1024, 1024));
+  CHECK_FALSE(detail::swapped_bt_suits(false, true, 128, 512, 3136));
+  CHECK_FALSE(detail::swapped_bt_suits(false, true, 128, 120, 400));
+  CHECK_FALSE(detail::swapped_bt_suits(true, true, 128, 512, 784));
+  CHECK_FALSE(detail::swapped_bt_suits(false, false, 128, 512, 784));
 }
 
 TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core][conv]", float, double) {

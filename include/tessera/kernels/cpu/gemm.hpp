@@ -208,6 +208,24 @@ void gemm_split(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
 #endif
 }
 
+// Which b-transposed float products (one thread's part, with AVX-512, alpha 1, beta 0 or 1)
+// gemm_swapped_bt_avx512 runs as c^T = b a^T: kSwappedBtMinRows to kSwappedBtMaxRows rows, at least
+// kSwappedBtMinSize columns, kSwappedBtMinSize to kSwappedBtMaxDepth steps, a^T of at most
+// kSwappedBtMaxA bytes (the unpacked kernel's b, which then stays in L2). That is a Linear layer's
+// forward at a batch of 64 to 128 (an MLP's, 128 x 512 x 784), and the weight gradients of
+// convolutions with 64 to 128 output channels over blocks of up to 1,024 columns (ResNet-50's
+// 64 x 256 x 448). Up to 32 rows go to the dot products first (unpacked_suits); 200 x 300 x 130
+// and 256 x 1024 x 1024 ran slower swapped than on OpenBLAS, and stay there, as does all not measured.
+constexpr std::int64_t kSwappedBtMinRows = 64;
+constexpr std::int64_t kSwappedBtMaxRows = 128;
+constexpr std::int64_t kSwappedBtMinSize = 256;
+constexpr std::int64_t kSwappedBtMaxDepth = 1024;
+constexpr std::int64_t kSwappedBtMaxA = std::int64_t{1} << 20;
+constexpr bool swapped_bt_suits(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k) {
+  return trans_b && !trans_a && m >= kSwappedBtMinRows && m <= kSwappedBtMaxRows && n >= kSwappedBtMinSize &&
+         k >= kSwappedBtMinSize && k <= kSwappedBtMaxDepth && m * k * std::int64_t{sizeof(float)} <= kSwappedBtMaxA;
+}
+
 }  // namespace detail
 
 #if TESSERA_CPU_KERNELS_EXTERN
@@ -380,6 +398,8 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
       if (trans_b) return gemm_dot_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc);
       return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
     }
+    if (alpha == 1 && (beta == 0 || beta == 1) && swapped_bt_suits(trans_a, trans_b, m, n, k) && cpu_avx512())
+      return gemm_swapped_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc);
   }
 #endif
   scale_matrix(m, n, beta, c, ldc);

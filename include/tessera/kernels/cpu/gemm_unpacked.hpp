@@ -247,6 +247,71 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
   unpacked_panels(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, depth_block);
 }
 
+// Mid-sized products with b transposed (a Linear layer's forward at a batch of 64 to 256:
+// x (m, k) w^T, w (n, k)) computed swapped: c^T (n, m) = w x^T on the unpacked kernel, whose a is
+// then w where it lies and whose b is x^T (k, m), small enough to stay in L2. OpenBLAS packs all of
+// w into its panel layout on every call (an MLP's first layer: 1.6 MB), and the dot products
+// (gemm_dot_bt_avx512) read x from L2 for every 4 columns; the two transposes here move x and c
+// once each. gemm's rule (swapped_bt_suits, kernels/cpu/gemm.hpp) picks it; figures in
+// bench/README.md, "Figures behind design choices in the headers".
+
+// The calling thread's buffer of at least `floats` floats, grown only (steady state allocates
+// nothing); slot 0 holds x^T, slot 1 c^T.
+inline float* swapped_bt_buffer(int slot, std::int64_t floats) {
+  struct Buffer {
+    std::unique_ptr<float[]> data;
+    std::int64_t size = 0;
+  };
+  thread_local Buffer buffers[2];
+  Buffer& b = buffers[slot];
+  if (b.size < floats) {
+    b.data = std::make_unique<float[]>(static_cast<std::size_t>(floats));
+    b.size = floats;
+  }
+  return b.data.get();
+}
+
+// dst (cols, rows; row stride ldd) = src (rows, cols; row stride lds)^T, plus dst's own values when
+// Add, in 16 x 16 blocks through registers (transpose16); the edges element by element.
+template <bool Add>
+TESSERA_TARGET_AVX512 inline void transpose_block16(std::int64_t rows, std::int64_t cols, const float* src,
+                                                    std::int64_t lds, float* dst, std::int64_t ldd) {
+  const std::int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+  for (std::int64_t i0 = 0; i0 < rows16; i0 += 16)
+    for (std::int64_t j0 = 0; j0 < cols16; j0 += 16) {
+      __m512i w[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) w[r] = _mm512_castps_si512(_mm512_loadu_ps(src + (i0 + r) * lds + j0));
+      transpose16(w);
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        float* out = dst + (j0 + r) * ldd + i0;
+        const __m512 v = _mm512_castsi512_ps(w[r]);
+        _mm512_storeu_ps(out, Add ? _mm512_add_ps(_mm512_loadu_ps(out), v) : v);
+      }
+    }
+  const auto one = [&](std::int64_t i, std::int64_t j) {
+    float& out = dst[j * ldd + i];
+    out = Add ? out + src[i * lds + j] : src[i * lds + j];
+  };
+  for (std::int64_t i = 0; i < rows16; ++i)
+    for (std::int64_t j = cols16; j < cols; ++j) one(i, j);
+  for (std::int64_t i = rows16; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) one(i, j);
+}
+
+// c (m, n) = beta c + a bt^T, beta 0 or 1, one thread: a (m, k) and bt (n, k) row-major.
+TESSERA_TARGET_AVX512 inline void gemm_swapped_bt_avx512(std::int64_t m, std::int64_t n, std::int64_t k,
+                                                        const float* a, std::int64_t lda, const float* bt,
+                                                        std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  float* at = swapped_bt_buffer(0, k * m);  // (k, m)
+  float* ct = swapped_bt_buffer(1, n * m);  // (n, m)
+  transpose_block16<false>(m, k, a, lda, at, m);
+  gemm_unpacked_avx512(false, n, m, k, bt, ldb, at, m, 0.0f, ct, m);
+  if (beta == 0) transpose_block16<false>(n, m, ct, m, c, ldc);
+  else transpose_block16<true>(n, m, ct, m, c, ldc);
+}
+
 // Short products with b transposed (a few rows: LeNet-5's weight gradients, 6 x 25 x 4704; a
 // classifier's forward at a small batch) as dot products: c(i, j) = a's row i . bt's row j, both
 // contiguous along k. A 4 x 4 tile keeps 16 vectors of partial sums over a block of k (4 loads of
