@@ -247,7 +247,7 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
   unpacked_panels(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, depth_block);
 }
 
-// Mid-sized products with b transposed (a Linear layer's forward at a batch of 64 to 256:
+// Mid-sized products with b transposed (a Linear layer's forward at a batch of 64 to 128:
 // x (m, k) w^T, w (n, k)) computed swapped: c^T (n, m) = w x^T on the unpacked kernel, whose a is
 // then w where it lies and whose b is x^T (k, m), small enough to stay in L2. OpenBLAS packs all of
 // w into its panel layout on every call (an MLP's first layer: 1.6 MB), and the dot products
