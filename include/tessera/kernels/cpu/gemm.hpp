@@ -258,7 +258,8 @@ class GemmBlocking : public Eigen::internal::level3_blocking<S, S> {
 // gemm_openblas.
 constexpr std::int64_t kSmallGemm = std::int64_t{1} << 20;
 
-// One thread's packing buffers; they only ever grow, so steady state allocates nothing.
+// One thread's packing buffers (Eigen's path; the swapped products' a^T and c^T); they only ever grow,
+// so steady state allocates nothing.
 template <class S>
 struct GemmWorkspace {
   Tensor<S> packed_a, packed_b;
@@ -398,8 +399,12 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
       if (trans_b) return gemm_dot_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc);
       return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
     }
-    if (alpha == 1 && (beta == 0 || beta == 1) && swapped_bt_suits(trans_a, trans_b, m, n, k) && cpu_avx512())
-      return gemm_swapped_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc);
+    if (alpha == 1 && (beta == 0 || beta == 1) && swapped_bt_suits(trans_a, trans_b, m, n, k) && cpu_avx512()) {
+      auto& ws = GemmWorkspace<float>::local();  // a^T and c^T, in the buffers Eigen's path packs into
+      if (ws.packed_a.numel() < k * m) ws.packed_a.resize({k * m});
+      if (ws.packed_b.numel() < n * m) ws.packed_b.resize({n * m});
+      return gemm_swapped_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc, ws.packed_a.data(), ws.packed_b.data());
+    }
   }
 #endif
   scale_matrix(m, n, beta, c, ldc);

@@ -255,22 +255,6 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
 // once each. gemm's rule (swapped_bt_suits, kernels/cpu/gemm.hpp) picks it; figures in
 // bench/README.md, "Figures behind design choices in the headers".
 
-// The calling thread's buffer of at least `floats` floats, grown only (steady state allocates
-// nothing); slot 0 holds x^T, slot 1 c^T.
-inline float* swapped_bt_buffer(int slot, std::int64_t floats) {
-  struct Buffer {
-    std::unique_ptr<float[]> data;
-    std::int64_t size = 0;
-  };
-  thread_local Buffer buffers[2];
-  Buffer& b = buffers[slot];
-  if (b.size < floats) {
-    b.data = std::make_unique<float[]>(static_cast<std::size_t>(floats));
-    b.size = floats;
-  }
-  return b.data.get();
-}
-
 // dst (cols, rows; row stride ldd) = src (rows, cols; row stride lds)^T, plus dst's own values when
 // Add, in 16 x 16 blocks through registers (transpose16); the edges element by element.
 template <bool Add>
@@ -300,12 +284,13 @@ TESSERA_TARGET_AVX512 inline void transpose_block16(std::int64_t rows, std::int6
     for (std::int64_t j = 0; j < cols; ++j) one(i, j);
 }
 
-// c (m, n) = beta c + a bt^T, beta 0 or 1, one thread: a (m, k) and bt (n, k) row-major.
+// c (m, n) = beta c + a bt^T, beta 0 or 1, one thread: a (m, k) and bt (n, k) row-major. The
+// caller's buffers hold a^T (k m floats, `at`) and c^T (n m floats, `ct`): gemm gives its
+// per-thread packing buffers (GemmWorkspace), so steady state allocates nothing.
 TESSERA_TARGET_AVX512 inline void gemm_swapped_bt_avx512(std::int64_t m, std::int64_t n, std::int64_t k,
                                                         const float* a, std::int64_t lda, const float* bt,
-                                                        std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
-  float* at = swapped_bt_buffer(0, k * m);  // (k, m)
-  float* ct = swapped_bt_buffer(1, n * m);  // (n, m)
+                                                        std::int64_t ldb, float beta, float* c, std::int64_t ldc,
+                                                        float* at, float* ct) {
   transpose_block16<false>(m, k, a, lda, at, m);
   gemm_unpacked_avx512(false, n, m, k, bt, ldb, at, m, 0.0f, ct, m);
   if (beta == 0) transpose_block16<false>(n, m, ct, m, c, ldc);
