@@ -929,6 +929,42 @@ TEST_CASE("Conv2d accumulates parameter gradients and can skip dx", "[layers][co
   CHECK(dx.shape() == x.shape());
 }
 
+TEST_CASE("Conv2d's weight gradient from per-thread accumulators equals one thread's", "[layers][conv]") {
+  // With sample groups split over the team, each thread but the first sums its blocks' dw into a
+  // private accumulator, and the team then adds them into the gradient, each thread its share in
+  // runs of 2048 (kernels/cpu/conv2d.hpp, conv2d_backward). 32 -> 48 3x3: 13,824 weights, so at 3
+  // threads every share spans several runs and two accumulators are added; the gradient starts
+  // non-zero (it accumulates). Float64 against 1 thread (sums in another order: 1e-13).
+  struct Threads {  // restored even when a REQUIRE below throws
+    int before = Cpu::num_threads();
+    ~Threads() { Cpu::set_num_threads(before); }
+  } restore;
+  Rng rng(17);
+  Conv2d<E64> conv(32, 48, 3, rng, 1, 1);
+  conv.set_algorithm(ConvAlgorithm::Im2col);
+  conv.set_block_columns(36);  // one 6x6 sample per block: 6 groups
+  const T64 x = random_tensor({6, 32, 6, 6}, rng);
+  const T64 dy = random_tensor({6, 48, 6, 6}, rng);
+  const T64 prior = random_tensor(conv.weight().grad.shape(), rng);
+  Conv2dGeometry g;
+  g.channels = 32, g.out_channels = 48, g.height = g.width = 6, g.kernel_h = g.kernel_w = 3;
+  g.stride_h = g.stride_w = 1, g.pad_h = g.pad_w = 1, g.out_height = g.out_width = 6;
+  const auto weight_grad = [&](int threads) {
+    Cpu::set_num_threads(threads);
+    REQUIRE(conv2d_blocking(g, 6, 8, 36, ConvAlgorithm::Im2col).parallel_backward == (threads > 1));
+    Conv2d<E64>::Cache cache;
+    conv.forward(x, cache);
+    conv.weight().grad = prior;
+    conv.backward(dy, cache);
+    return conv.weight().grad;
+  };
+  const T64 want = weight_grad(1);
+  REQUIRE(relative_error(want, prior) > 1e-3);  // the blocks' sums were added
+  for (int threads : {2, 3}) {
+    DYNAMIC_SECTION(threads << " threads") { CHECK(relative_error(weight_grad(threads), want) <= 1e-13); }
+  }
+}
+
 TEST_CASE("Conv2d initializes like PyTorch and names its parameters", "[layers][conv]") {
   Rng rng(14);
   Conv2d<E32> conv(Conv2dOptions{.in_channels = 4, .out_channels = 8, .kernel_h = 3, .kernel_w = 3, .groups = 2}, rng);

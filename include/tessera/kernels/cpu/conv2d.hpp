@@ -731,11 +731,23 @@ void conv2d_backward(Cpu, const Conv2dGeometry& g, const Conv2dBlocking& b, std:
                                       stage);
     });
     if (dw == nullptr) return;  // dx only (Conv2d::backward_input): no accumulators to add
-    // static_for's barrier has passed: every private accumulator is complete.
+    // static_for's barrier has passed: every private accumulator is complete. Each thread adds
+    // them into its contiguous share of dw, in runs that stay in L1 while every accumulator
+    // passes, as vector loops: written per element (a call per weight), the loop stayed scalar
+    // and showed in ResNet-50's two-thread profile (bench/README.md, "Figures behind design
+    // choices in the headers"). Per element the order is dw, then accumulators 0, 1, ...
     const std::int64_t team = Cpu::team_size();
-    detail::static_for(weights, [&](std::int64_t i) {
-      for (std::int64_t p = 0; p + 1 < team; ++p) dw[i] += partial[p * weights + i];
-    });
+    std::int64_t begin, end;
+    detail::team_share(weights, begin, end);
+    constexpr std::int64_t kRun = 2048;
+    for (std::int64_t r0 = begin; r0 < end; r0 += kRun) {
+      const std::int64_t r1 = std::min(end, r0 + kRun);
+      for (std::int64_t p = 0; p + 1 < team; ++p) {
+        const S* acc = partial + p * weights;
+#pragma omp simd
+        for (std::int64_t i = r0; i < r1; ++i) dw[i] += acc[i];
+      }
+    }
   };
   detail::run_in_team_if(b.parallel_backward, run);
 }
