@@ -89,6 +89,17 @@ class Residual {
     release_branch_grads(c);
     return c.dx;
   }
+  // backward for a chain of blocks (models/resnet.hpp), which saves the ReLU gradient's pass over
+  // memory at each join. `dy_is_ds`: dy is already ds, dL/dy taken through this block's ReLU by
+  // the block after it. `input_relu_output`, when given: this block's input x is that tensor, the
+  // output of a block before it (a ReLU's), and the dL/dx returned is taken on through that ReLU,
+  // dL/dx * [x > 0] (formed with the sum, add_relu_backward), for that block to take with
+  // dy_is_ds. With neither: backward. The same bits as backward and relu_backward in turn.
+  const Tensor& backward_chained(const Tensor& dy, Cache& c, bool dy_is_ds, const Tensor* input_relu_output) {
+    backward_impl(dy, c, /*input_only=*/false, dy_is_ds, input_relu_output);
+    release_branch_grads(c);
+    return c.dx;
+  }
   // The backward in two halves, for zero-bubble pipeline schedules (core/concepts.hpp,
   // SplitsBackward): backward_input runs both branches' input halves and sums dx; backward_weight
   // their weight halves, then releases what backward releases. ds stays in the cache between the
@@ -124,18 +135,29 @@ class Residual {
   Projection* projection() { return projection_ ? &*projection_ : nullptr; }
 
  private:
-  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool input_only) {
+  const Tensor& backward_impl(const Tensor& dy, Cache& c, bool input_only, bool dy_is_ds = false,
+                              const Tensor* input_relu_output = nullptr) {
     check_backward_allowed(mode_, "Residual");
     TESSERA_CHECK(dy.shape() == c.y.shape(), ShapeError, "Residual::backward: dy ", dy.shape(),
                   " does not match the output ", c.y.shape());
-    c.dsum.resize(dy.shape());
-    relu_backward(D{}, dy.data(), c.y.data(), dy.numel(), c.dsum.data());  // ds = dy * [y > 0]
-    const Tensor& dmain = backward_or_input(main_, c.dsum, c.main, input_only);
-    const Tensor& dshortcut = projection_ ? backward_or_input(*projection_, c.dsum, c.projection, input_only) : c.dsum;
+    const Tensor* ds = &dy;
+    if (!dy_is_ds) {
+      c.dsum.resize(dy.shape());
+      relu_backward(D{}, dy.data(), c.y.data(), dy.numel(), c.dsum.data());  // ds = dy * [y > 0]
+      ds = &c.dsum;
+    }
+    const Tensor& dmain = backward_or_input(main_, *ds, c.main, input_only);
+    const Tensor& dshortcut = projection_ ? backward_or_input(*projection_, *ds, c.projection, input_only) : *ds;
     c.dx.resize(dmain.shape());
-    add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
-    c.main_handed_on = &dmain == &c.dsum;
-    c.shortcut_handed_on = &dshortcut == &c.dsum;
+    if (input_relu_output) {
+      TESSERA_CHECK(input_relu_output->shape() == dmain.shape(), ShapeError, "Residual::backward_chained: the input ",
+                    input_relu_output->shape(), " does not match dL/dx ", dmain.shape());
+      add_relu_backward(D{}, dmain.data(), dshortcut.data(), input_relu_output->data(), dmain.numel(), c.dx.data());
+    } else {
+      add(D{}, dmain.data(), dshortcut.data(), dmain.numel(), c.dx.data());
+    }
+    c.main_handed_on = &dmain == ds;
+    c.shortcut_handed_on = &dshortcut == ds;
     // The input half frees what no weight half reads: the branches' input gradients, and ds
     // unless a branch's last layer reads it back (a BatchNorm at the end does not).
     if (input_only) release_branch_grads(c, !weight_reads_output_grad<Main>() && !weight_reads_output_grad<Projection>());

@@ -277,13 +277,20 @@ class ResNet {
     check_backward_allowed(mode_, name_);
     // Each gradient is released once the unit before has consumed it (core/concepts.hpp).
     const Tensor* g = &dy;
+    // Between two blocks of this call (a whole backward), the later block forms the earlier one's
+    // ds with its own dL/dx sum (Residual::backward_chained): one pass over the activation less
+    // per join. g_is_ds: g is already the next block's ds.
+    bool g_is_ds = false;
     for (std::size_t u = end; u-- > begin;) {
       if (u == blocks_.size() + 1) {
         const Tensor& dpooled = backward_or_input(fc_, *g, c.fc, input_only);
         g = &avgpool_.backward(dpooled, c.avgpool);
         release_input_grad(fc_, c.fc);
       } else if (u >= 1) {
-        g = &backward_or_input(blocks_[u - 1], *g, c.blocks[u - 1], input_only);
+        const bool chain = !input_only && u >= 2 && u - 1 >= begin;  // unit u - 1, a block, runs next here
+        if (input_only) g = &backward_or_input(blocks_[u - 1], *g, c.blocks[u - 1], input_only);
+        else g = &blocks_[u - 1].backward_chained(*g, c.blocks[u - 1], g_is_ds, chain ? &c.blocks[u - 2].y : nullptr);
+        g_is_ds = chain;
       } else {
         if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
         const Tensor& dconv = input_only ? bn1_.backward_relu_input(*g, c.bn1) : bn1_.backward_relu(*g, c.bn1);

@@ -8,6 +8,7 @@
 //   gelu_tanh_backward dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 x^2)),  t = tanh(u)
 //   dropout_mask      mask_i = keep_i / (1 - p), keep_i ~ Bernoulli(1 - p), drawn in order from rng
 //   multiply          out = a * b
+//   add_relu_backward out = (a + b) where y > 0 (or NaN), else 0: add, then relu_backward on y
 //
 // Loops are contiguous (the compiler vectorizes them) and OpenMP-parallel above a size threshold.
 #pragma once
@@ -147,6 +148,18 @@ void add_relu_forward(Cpu, const S* a, const S* b, std::int64_t n, S* y) {
   });
 }
 
+// The residual join's backward taken on through the ReLU before it: out = a + b where y > 0 (and
+// where y is NaN), 0 where y <= 0; the bits of add then relu_backward on y, in one pass over memory
+// instead of two (layers/residual.hpp: a ResNet block's dL/dx masked by its input, the output of
+// the block before, so that block skips its own relu_backward).
+template <class S>
+void add_relu_backward(Cpu, const S* a, const S* b, const S* y, std::int64_t n, S* out) {
+  detail::parallel_for_simd(n, n >= detail::kElementwiseParallelThreshold, [&](std::int64_t i) {
+    const S g = a[i] + b[i];  // read whatever y is: a select, as in relu_backward
+    out[i] = y[i] <= S(0) ? S(0) : g;
+  });
+}
+
 // Linear's bias: y (rows, cols) gets b (cols) in every row; db (cols) += the column sums of dy.
 template <class S>
 void broadcast_rows(Cpu, const S* b, std::int64_t rows, std::int64_t cols, S* y) {
@@ -263,6 +276,7 @@ void nhwc_to_nchw(Cpu, std::int64_t n, std::int64_t c, std::int64_t hw, const S*
   PREFIX template void multiply<S>(Cpu, const S*, const S*, std::int64_t, S*);                                 \
   PREFIX template void add<S>(Cpu, const S*, const S*, std::int64_t, S*);                                      \
   PREFIX template void add_relu_forward<S>(Cpu, const S*, const S*, std::int64_t, S*);                         \
+  PREFIX template void add_relu_backward<S>(Cpu, const S*, const S*, const S*, std::int64_t, S*);              \
   PREFIX template void broadcast_rows<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);                       \
   PREFIX template void add_column_sums<S>(Cpu, const S*, std::int64_t, std::int64_t, S*);                      \
   PREFIX template void unscale_and_flag<S>(Cpu, S*, std::int64_t, S, std::int32_t*);                           \

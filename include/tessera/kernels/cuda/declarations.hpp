@@ -55,6 +55,8 @@ void add(Cuda, const S* a, const S* b, std::int64_t n, S* out);
 template <class S>
 void add_relu_forward(Cuda, const S* a, const S* b, std::int64_t n, S* y);
 template <class S>
+void add_relu_backward(Cuda, const S* a, const S* b, const S* y, std::int64_t n, S* out);
+template <class S>
 void dropout_mask(Cuda, std::int64_t n, double p, Rng& rng, S* mask);
 template <class S>
 void dropout_rows(Cuda, const DropoutKey& key, std::int64_t batch, std::int64_t t, std::int64_t width, const S* x,
@@ -237,6 +239,7 @@ void lamb_apply(Cuda, std::int64_t n, S* w, const S* r, S neg_step);
   template void multiply<S>(Cuda, const S*, const S*, std::int64_t, S*);                                           \
   template void add<S>(Cuda, const S*, const S*, std::int64_t, S*);                                                \
   template void add_relu_forward<S>(Cuda, const S*, const S*, std::int64_t, S*);                                   \
+  template void add_relu_backward<S>(Cuda, const S*, const S*, const S*, std::int64_t, S*);                        \
   template void dropout_mask<S>(Cuda, std::int64_t, double, Rng&, S*);                                             \
   template void dropout_rows<S>(Cuda, const DropoutKey&, std::int64_t, std::int64_t, std::int64_t, const S*, S*);  \
   template void broadcast_rows<S>(Cuda, const S*, std::int64_t, std::int64_t, S*);                                 \

@@ -60,6 +60,10 @@ __global__ void add_kernel(const S* a, const S* b, std::int64_t n, S* out) {
   TESSERA_CUDA_FOR(i, n) out[i] = a[i] + b[i];
 }
 template <class S>
+__global__ void add_relu_backward_kernel(const S* a, const S* b, const S* y, std::int64_t n, S* out) {
+  TESSERA_CUDA_FOR(i, n) out[i] = y[i] <= S(0) ? S(0) : a[i] + b[i];
+}
+template <class S>
 __global__ void add_relu_forward_kernel(const S* a, const S* b, std::int64_t n, S* y) {
   TESSERA_CUDA_FOR(i, n) {
     const S s = a[i] + b[i];
@@ -236,6 +240,10 @@ void multiply(Cuda, const S* a, const S* b, std::int64_t n, S* out) {
 template <class S>
 void add(Cuda, const S* a, const S* b, std::int64_t n, S* out) {
   TESSERA_CUDA_LAUNCH(cuda_detail::add_kernel<S>, n, a, b, n, out);
+}
+template <class S>
+void add_relu_backward(Cuda, const S* a, const S* b, const S* y, std::int64_t n, S* out) {
+  TESSERA_CUDA_LAUNCH(cuda_detail::add_relu_backward_kernel<S>, n, a, b, y, n, out);
 }
 template <class S>
 void add_relu_forward(Cuda, const S* a, const S* b, std::int64_t n, S* y) {
