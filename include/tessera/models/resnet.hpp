@@ -286,10 +286,11 @@ class ResNet {
         const Tensor& dpooled = backward_or_input(fc_, *g, c.fc, input_only);
         g = &avgpool_.backward(dpooled, c.avgpool);
         release_input_grad(fc_, c.fc);
+      } else if (u >= 1 && input_only) {
+        g = &blocks_[u - 1].backward_input(*g, c.blocks[u - 1]);
       } else if (u >= 1) {
-        const bool chain = !input_only && u >= 2 && u - 1 >= begin;  // unit u - 1, a block, runs next here
-        if (input_only) g = &backward_or_input(blocks_[u - 1], *g, c.blocks[u - 1], input_only);
-        else g = &blocks_[u - 1].backward_chained(*g, c.blocks[u - 1], g_is_ds, chain ? &c.blocks[u - 2].y : nullptr);
+        const bool chain = u >= 2 && u - 1 >= begin;  // unit u - 1, a block, runs next in this call
+        g = &blocks_[u - 1].backward_chained(*g, c.blocks[u - 1], g_is_ds, chain ? &c.blocks[u - 2].y : nullptr);
         g_is_ds = chain;
       } else {
         if (maxpool_) g = &maxpool_->backward(*g, c.maxpool);
