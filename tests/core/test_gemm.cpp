@@ -127,11 +127,11 @@ TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core]
   // detail::winograd_product (kernels/cpu/winograd.hpp): the channel-blocked Winograd path's 36
   // products, c = beta c + op(a) b with n a multiple of 16. Rows that are not a whole micro-tile
   // (6 or 8), 1 to 5 vectors of columns (the 4-wide panel and each narrower one), depths across
-  // its 16 KiB pieces of b (64 to 256 rows), both layouts of a, beta 0 and 1, strides wider than rows.
+  // its 32 KiB pieces of b (128 to 512 rows), both layouts of a, beta 0 and 1, strides wider than rows.
   using S = TestType;
   const double tolerance = std::is_same_v<S, float> ? 2e-5 : 1e-12;
-  const GemmCase cases[] = {{1, 16, 1},  {5, 32, 16},   {6, 64, 64},  {7, 48, 65},
-                            {49, 80, 300}, {100, 16, 257}, {13, 128, 9}, {9, 64, 0}};
+  const GemmCase cases[] = {{1, 16, 1},    {5, 32, 16},    {6, 64, 64},  {7, 48, 180}, {7, 48, 65},
+                            {49, 80, 300}, {100, 16, 520}, {13, 128, 9}, {9, 64, 0}};
   std::uint64_t state = 7;
   for (const auto& g : cases)
     for (bool ta : {false, true})

@@ -3,7 +3,7 @@
 // b (k, n) and c row-major. No packing: an R x NV block of c (R rows, NV vectors of 16 columns)
 // stays in registers while p runs, each step one vector load of b per column vector and one
 // broadcast of a per row; b's k x 16 NV panel is cut into pieces of `depth_block` steps (by
-// default about 16 KiB, which stay in the L1 cache while the row blocks pass; a thin product,
+// default about 32 KiB, which stay in the L1 cache while the row blocks pass; a thin product,
 // whose a comes from memory, takes deeper blocks: kernels/cpu/conv2d.hpp, kUnpackedThinDepth).
 // A last vector narrower than 16 columns is loaded and stored under a mask.
 //
@@ -100,8 +100,9 @@ TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const 
                                           std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
                                           std::int64_t ldc, __mmask16 tail, std::int64_t depth_block) {
   constexpr int R = NV == 4 ? 6 : 8;  // R NV accumulators + NV + 1 of the 32 registers
-  // b's piece: kc x 16 NV floats, 16 KiB by default
-  const std::int64_t kc = depth_block > 0 ? depth_block : 256 / NV;
+  // b's piece: kc x 16 NV floats, 32 KiB by default: two thirds of a 48 KiB L1, and half as
+  // many passes over c as 16 KiB pieces (bench/README.md, "Figures behind design choices")
+  const std::int64_t kc = depth_block > 0 ? depth_block : 512 / NV;
   // The rows split evenly into tiles of R or R - 1 rows (m = 28: 6, 6, 6, 5, 5): a full-height
   // tile over the last m % R rows would compute rows it does not store (ResNet-50's 28x28 layers
   // make Winograd blocks of 14 tiles: 18 rows computed for 14), and one short tile runs below the
