@@ -37,36 +37,64 @@ constexpr std::int64_t kUnpackedPrefetchSteps = 16;
 // ahead: its rows lie ldb apart, each in a page of its own, where the hardware prefetchers do not
 // follow (the L1's stride prefetcher stops at 2 KiB, the L2's streamer at the page), so without it
 // this tile waits on every row of b from L2 or L3; the later tiles find the rows in L1.
-template <int R, int NV, bool Tail, bool First>
+//
+// With Column (a not transposed, Tail false), the panel is NV whole vectors and one column more,
+// 16 NV + 1 wide (ResNet-50's 7x7 layers at batch 1: 49 columns). A masked last vector would
+// spend a whole vector of multiply-adds on that one column (49 of every 64 lanes used); instead
+// each row's dot product with b's column runs along p, 16 steps to a vector: a's row read as a
+// vector (it lies along p), b's column gathered once per 16 steps, and R vectors of partial sums
+// summed at the tile's end.
+template <int R, int NV, bool Tail, bool First, bool Column = false>
 TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                                 std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
                                                 float* c, std::int64_t ldc, __mmask16 tail) {
+  static_assert(!(Column && Tail), "a column panel's vectors are whole");
+  constexpr int kLines = Column ? NV + 1 : NV;  // b's lines per step (the column's in the last)
   const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
   for (int r = 0; r < R; ++r) row[r] = a + std::min<std::int64_t>(r, rows - 1) * a_rs;
   __m512 acc[R][NV];
+  [[maybe_unused]] __m512 dot[Column ? R : 1];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (std::int64_t p = 0; p < k; ++p) {
-    if constexpr (First) {
-      if (p + kUnpackedPrefetchSteps < k) {
-        const char* ahead = reinterpret_cast<const char*>(b + (p + kUnpackedPrefetchSteps) * ldb);
+    if constexpr (Column) dot[r] = _mm512_setzero_ps();
+  }
+  const auto steps = [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      if constexpr (First) {
+        if (p + kUnpackedPrefetchSteps < k) {
+          const char* ahead = reinterpret_cast<const char*>(b + (p + kUnpackedPrefetchSteps) * ldb);
+#pragma GCC unroll 5
+          for (int v = 0; v < kLines; ++v) _mm_prefetch(ahead + 64 * v, _MM_HINT_T0);
+        }
+      }
+      const std::int64_t at = p * a_cs;
+      __m512 bv[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) _mm_prefetch(ahead + 64 * v, _MM_HINT_T0);
+      for (int v = 0; v < NV; ++v)
+        bv[v] = Tail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, b + p * ldb + 16 * v) : _mm512_loadu_ps(b + p * ldb + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(row[r][at]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
       }
     }
-    const std::int64_t at = p * a_cs;
-    __m512 bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      bv[v] = Tail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, b + p * ldb + 16 * v) : _mm512_loadu_ps(b + p * ldb + 16 * v);
+  };
+  if constexpr (Column) {
+    // b's column at steps p0 .. p0 + 15: 16 floats ldb apart
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int>(ldb)));
+    for (std::int64_t p0 = 0; p0 < k; p0 += 16) {
+      const __mmask16 lanes = k - p0 >= 16 ? __mmask16(0xFFFF) : lanes16(k - p0);
+      const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, offsets, b + p0 * ldb + 16 * NV, 4);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(row[r][at]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, row[r] + p0), column, dot[r]);
+      steps(p0, std::min(k, p0 + 16));
     }
+  } else {
+    steps(0, k);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -79,27 +107,32 @@ TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t 
       else
         _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
     }
+    if constexpr (Column) {
+      float* out = c + r * ldc + 16 * NV;
+      *out = (accumulate ? *out : 0.0f) + _mm512_reduce_add_ps(dot[r]);
+    }
   }
 }
 
 // A tile of exactly `rows` (1 .. H) rows.
-template <int H, int NV, bool Tail, bool First>
+template <int H, int NV, bool Tail, bool First, bool Column = false>
 TESSERA_TARGET_AVX512 inline void unpacked_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                                 std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
                                                 float* c, std::int64_t ldc, __mmask16 tail) {
   if constexpr (H > 1) {
     if (rows < H)
-      return unpacked_rows<H - 1, NV, Tail, First>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+      return unpacked_rows<H - 1, NV, Tail, First, Column>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
   }
-  unpacked_tile<H, NV, Tail, First>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+  unpacked_tile<H, NV, Tail, First, Column>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
 }
 
-// All m rows of one panel of NV vectors.
-template <int NV, bool Tail>
+// All m rows of one panel of NV vectors (with Column, and one column more: unpacked_tile).
+template <int NV, bool Tail, bool Column = false>
 TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs,
                                           std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
                                           std::int64_t ldc, __mmask16 tail, std::int64_t depth_block) {
-  constexpr int R = NV == 4 ? 6 : 8;  // R NV accumulators + NV + 1 of the 32 registers
+  // R NV accumulators + NV + 1 of the 32 registers; a column panel's R (NV + 1) + NV + 4
+  constexpr int R = Column || NV == 4 ? 6 : 8;
   // b's piece: kc x 16 NV floats, 32 KiB by default: two thirds of a 48 KiB L1, and half as
   // many passes over c as 16 KiB pieces (bench/README.md, "Figures behind design choices")
   const std::int64_t kc = depth_block > 0 ? depth_block : 512 / NV;
@@ -115,9 +148,11 @@ TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const 
       const std::int64_t rows = base + (t < taller ? 1 : 0);
       const float* ai = a + i0 * a_rs + k0 * a_cs;
       if (t == 0)
-        unpacked_rows<R, NV, Tail, true>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc, tail);
+        unpacked_rows<R, NV, Tail, true, Column>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc,
+                                                 tail);
       else
-        unpacked_rows<R, NV, Tail, false>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc, tail);
+        unpacked_rows<R, NV, Tail, false, Column>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc,
+                                                  tail);
       i0 += rows;
     }
   }
@@ -136,7 +171,13 @@ TESSERA_TARGET_AVX512 inline void unpacked_panels(std::int64_t m, std::int64_t n
     const __mmask16 tail = lanes16(width - 16 * (nv - 1));
     const float* bp = b + j0;
     float* cp = c + j0;
-    if (width == 16 * nv) {
+    if (width == 16 * (nv - 1) + 1 && nv > 1 && a_cs == 1) {  // whole vectors and one column
+      switch (nv) {
+        case 4: unpacked_panel<3, false, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        case 3: unpacked_panel<2, false, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+        default: unpacked_panel<1, false, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
+      }
+    } else if (width == 16 * nv) {
       switch (nv) {
         case 4: unpacked_panel<4, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
         case 3: unpacked_panel<3, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
