@@ -178,8 +178,9 @@ void check_kept_winograd_filter(std::int64_t c, std::int64_t k, std::int64_t hw)
   CHECK(max_relative_difference(conv.forward(x, cache), want) == 0);
   const Tensor<S> second = conv.forward(x, cache);
   CHECK(max_relative_difference(second, want) == 0);
-  // A weight changed in place, still in Mode::Inference: the output follows it.
-  w[5] = w[5] + S(0.25);
+  // A weight changed in place, still in Mode::Inference: the output follows it. One near the end:
+  // a large layer's fingerprint is summed in shares over the team, this one in the last share.
+  w[w.numel() - 5] = w[w.numel() - 5] + S(0.25);
   const Tensor<S> changed = eval_output(conv, x);
   CHECK(max_relative_difference(changed, want) > 1e-3);
   CHECK(max_relative_difference(conv.forward(x, cache), changed) == 0);
@@ -212,6 +213,10 @@ TEST_CASE("Conv2d in Mode::Inference transforms its Winograd filter once, and ag
     DYNAMIC_SECTION("channel blocks, " << threads << " thread(s)") {
       check_kept_winograd_filter<E64>(32, 32, 13);
       check_kept_winograd_filter<E32>(32, 32, 13);
+    }
+    DYNAMIC_SECTION("36,864 weights, a fingerprint in shares, " << threads << " thread(s)") {
+      check_kept_winograd_filter<E64>(64, 64, 6);
+      check_kept_winograd_filter<E32>(64, 64, 6);
     }
   }
 }
