@@ -156,9 +156,9 @@ TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core]
 TEST_CASE("the unpacked product handles widths that are not whole vectors", "[core][conv]") {
   // detail::gemm_unpacked_avx512 (kernels/cpu/gemm_unpacked.hpp), as conv_gemm calls it on blocks
   // of any width: a last vector of 1 to 15 columns under a mask, alone or after whole panels of
-  // 1 to 4 vectors, or one column after 1 to 3 vectors; both layouts of a, beta 0 and 1; k in the
-  // default blocks, in blocks of 5 steps (many, the last one short) and in deep blocks of 1024 (a
-  // thin product's: k in one); a
+  // 1 to 4 vectors, or (a not transposed) 1 to 4 last columns as dot products; both layouts of a,
+  // beta 0 and 1; k in the default blocks, in blocks of 5 steps (many, the last one short) and in
+  // deep blocks of 1024 (a thin product's: k in one); a
   // tall product's rows in blocks. The entries past n in each row of c (the next block's) stay.
 #if TESSERA_X86_DISPATCH
   if (!cpu_avx512()) {
@@ -176,9 +176,9 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
                             // block 47 rows); a b of 1.2 MB in whole panels, and an a of 1.2 MB (whole
                             // panels when a is transposed)
                             {119, 40, 20}, {100, 300, 1000}, {300, 20, 1000},
-                            // a last panel of whole vectors and one column (dot products along k when a
-                            // is not transposed): 17, 33, 49 and 113 columns, k not a multiple of 16
-                            {14, 17, 37}, {7, 33, 16}, {130, 49, 700}, {25, 113, 250}};
+                            // 1 to 4 columns past the last whole vector (dot products along k when a is
+                            // not transposed): 17, 33, 49, 84 and 113 columns, k not a multiple of 16
+                            {14, 17, 37}, {7, 33, 16}, {130, 49, 700}, {6, 84, 150}, {25, 115, 250}};
   std::uint64_t state = 11;
   for (const auto& g : cases)
     for (bool ta : {false, true})

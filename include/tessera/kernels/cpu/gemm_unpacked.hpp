@@ -37,64 +37,36 @@ constexpr std::int64_t kUnpackedPrefetchSteps = 16;
 // ahead: its rows lie ldb apart, each in a page of its own, where the hardware prefetchers do not
 // follow (the L1's stride prefetcher stops at 2 KiB, the L2's streamer at the page), so without it
 // this tile waits on every row of b from L2 or L3; the later tiles find the rows in L1.
-//
-// With Column (a not transposed, Tail false), the panel is NV whole vectors and one column more,
-// 16 NV + 1 wide (ResNet-50's 7x7 layers at batch 1: 49 columns). A masked last vector would
-// spend a whole vector of multiply-adds on that one column (49 of every 64 lanes used); instead
-// each row's dot product with b's column runs along p, 16 steps to a vector: a's row read as a
-// vector (it lies along p), b's column gathered once per 16 steps, and R vectors of partial sums
-// summed at the tile's end.
-template <int R, int NV, bool Tail, bool First, bool Column = false>
+template <int R, int NV, bool Tail, bool First>
 TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                                 std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
                                                 float* c, std::int64_t ldc, __mmask16 tail) {
-  static_assert(!(Column && Tail), "a column panel's vectors are whole");
-  constexpr int kLines = Column ? NV + 1 : NV;  // b's lines per step (the column's in the last)
   const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
   for (int r = 0; r < R; ++r) row[r] = a + std::min<std::int64_t>(r, rows - 1) * a_rs;
   __m512 acc[R][NV];
-  [[maybe_unused]] __m512 dot[Column ? R : 1];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-    if constexpr (Column) dot[r] = _mm512_setzero_ps();
-  }
-  const auto steps = [&](std::int64_t p0, std::int64_t p1) {
-    for (std::int64_t p = p0; p < p1; ++p) {
-      if constexpr (First) {
-        if (p + kUnpackedPrefetchSteps < k) {
-          const char* ahead = reinterpret_cast<const char*>(b + (p + kUnpackedPrefetchSteps) * ldb);
-#pragma GCC unroll 5
-          for (int v = 0; v < kLines; ++v) _mm_prefetch(ahead + 64 * v, _MM_HINT_T0);
-        }
-      }
-      const std::int64_t at = p * a_cs;
-      __m512 bv[NV];
+  for (std::int64_t p = 0; p < k; ++p) {
+    if constexpr (First) {
+      if (p + kUnpackedPrefetchSteps < k) {
+        const char* ahead = reinterpret_cast<const char*>(b + (p + kUnpackedPrefetchSteps) * ldb);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        bv[v] = Tail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, b + p * ldb + 16 * v) : _mm512_loadu_ps(b + p * ldb + 16 * v);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 av = _mm512_set1_ps(row[r][at]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+        for (int v = 0; v < NV; ++v) _mm_prefetch(ahead + 64 * v, _MM_HINT_T0);
       }
     }
-  };
-  if constexpr (Column) {
-    // b's column at steps p0 .. p0 + 15: 16 floats ldb apart
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(static_cast<int>(ldb)));
-    for (std::int64_t p0 = 0; p0 < k; p0 += 16) {
-      const __mmask16 lanes = k - p0 >= 16 ? __mmask16(0xFFFF) : lanes16(k - p0);
-      const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, offsets, b + p0 * ldb + 16 * NV, 4);
+    const std::int64_t at = p * a_cs;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      bv[v] = Tail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, b + p * ldb + 16 * v) : _mm512_loadu_ps(b + p * ldb + 16 * v);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, row[r] + p0), column, dot[r]);
-      steps(p0, std::min(k, p0 + 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(row[r][at]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
     }
-  } else {
-    steps(0, k);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -107,32 +79,27 @@ TESSERA_TARGET_AVX512 inline void unpacked_tile(std::int64_t rows, std::int64_t 
       else
         _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
     }
-    if constexpr (Column) {
-      float* out = c + r * ldc + 16 * NV;
-      *out = (accumulate ? *out : 0.0f) + _mm512_reduce_add_ps(dot[r]);
-    }
   }
 }
 
 // A tile of exactly `rows` (1 .. H) rows.
-template <int H, int NV, bool Tail, bool First, bool Column = false>
+template <int H, int NV, bool Tail, bool First>
 TESSERA_TARGET_AVX512 inline void unpacked_rows(std::int64_t rows, std::int64_t k, const float* a, std::int64_t a_rs,
                                                 std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
                                                 float* c, std::int64_t ldc, __mmask16 tail) {
   if constexpr (H > 1) {
     if (rows < H)
-      return unpacked_rows<H - 1, NV, Tail, First, Column>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+      return unpacked_rows<H - 1, NV, Tail, First>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
   }
-  unpacked_tile<H, NV, Tail, First, Column>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+  unpacked_tile<H, NV, Tail, First>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
 }
 
-// All m rows of one panel of NV vectors (with Column, and one column more: unpacked_tile).
-template <int NV, bool Tail, bool Column = false>
+// All m rows of one panel of NV vectors.
+template <int NV, bool Tail>
 TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs,
                                           std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate, float* c,
                                           std::int64_t ldc, __mmask16 tail, std::int64_t depth_block) {
-  // R NV accumulators + NV + 1 of the 32 registers; a column panel's R (NV + 1) + NV + 4
-  constexpr int R = Column || NV == 4 ? 6 : 8;
+  constexpr int R = NV == 4 ? 6 : 8;  // R NV accumulators + NV + 1 of the 32 registers
   // b's piece: kc x 16 NV floats, 32 KiB by default: two thirds of a 48 KiB L1, and half as
   // many passes over c as 16 KiB pieces (bench/README.md, "Figures behind design choices")
   const std::int64_t kc = depth_block > 0 ? depth_block : 512 / NV;
@@ -148,11 +115,9 @@ TESSERA_TARGET_AVX512 void unpacked_panel(std::int64_t m, std::int64_t k, const 
       const std::int64_t rows = base + (t < taller ? 1 : 0);
       const float* ai = a + i0 * a_rs + k0 * a_cs;
       if (t == 0)
-        unpacked_rows<R, NV, Tail, true, Column>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc,
-                                                 tail);
+        unpacked_rows<R, NV, Tail, true>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc, tail);
       else
-        unpacked_rows<R, NV, Tail, false, Column>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc,
-                                                  tail);
+        unpacked_rows<R, NV, Tail, false>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc, tail);
       i0 += rows;
     }
   }
@@ -171,13 +136,7 @@ TESSERA_TARGET_AVX512 inline void unpacked_panels(std::int64_t m, std::int64_t n
     const __mmask16 tail = lanes16(width - 16 * (nv - 1));
     const float* bp = b + j0;
     float* cp = c + j0;
-    if (width == 16 * (nv - 1) + 1 && nv > 1 && a_cs == 1) {  // whole vectors and one column
-      switch (nv) {
-        case 4: unpacked_panel<3, false, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
-        case 3: unpacked_panel<2, false, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
-        default: unpacked_panel<1, false, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
-      }
-    } else if (width == 16 * nv) {
+    if (width == 16 * nv) {
       switch (nv) {
         case 4: unpacked_panel<4, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
         case 3: unpacked_panel<3, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, tail, depth_block); break;
@@ -244,6 +203,29 @@ inline float* thin_pack_buffer() {
 constexpr std::int64_t kWideRowBlock = 24;
 constexpr std::int64_t kWideRowBlockMaxB = std::int64_t{1} << 20;
 
+TESSERA_TARGET_AVX512 inline void gemm_dot_bt_avx512(std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                                                     std::int64_t lda, const float* bt, std::int64_t ldb, float beta,
+                                                     float* c, std::int64_t ldc);
+
+// A product whose a is not transposed and whose last vector would hold 1 to kRestColumns columns
+// (ResNet-50's 7x7 and 14x14 layers at batch 1: 49 and 196 columns) leaves those columns to dot
+// products (gemm_dot_bt_avx512, below) over the same blocks of a while they are in cache: a masked
+// last vector spends 16 lanes of multiply-adds on each of its rows' 1 to 4 columns (196 columns
+// computed as 208, 49 as 64). The columns are first copied transposed (k floats each, contiguous),
+// into the calling thread's buffer, made on its first use and grown to the largest k: steady state
+// allocates nothing.
+constexpr std::int64_t kRestColumns = 4;
+
+inline float* rest_columns_buffer(std::int64_t elements) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local std::int64_t size = 0;
+  if (size < elements) {
+    buffer = std::make_unique<float[]>(static_cast<std::size_t>(elements));
+    size = elements;
+  }
+  return buffer.get();
+}
+
 TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
                                                        const float* a, std::int64_t lda, const float* b,
                                                        std::int64_t ldb, float beta, float* c, std::int64_t ldc,
@@ -255,11 +237,25 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
   }
   const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
   const bool accumulate = beta != 0;
+  // Columns [0, whole) on the kernel's panels; [whole, n) as dot products (kRestColumns), each
+  // over the rows and steps of a that the panels have just read.
+  const std::int64_t rest = n % 16, whole = n > 16 && !trans_a && rest <= kRestColumns ? n - rest : n;
+  float* rest_bt = nullptr;  // (n - whole, k): b's last columns transposed
+  if (whole < n) {
+    rest_bt = rest_columns_buffer((n - whole) * k);
+    for (std::int64_t p = 0; p < k; ++p)
+      for (std::int64_t j = 0; j < n - whole; ++j) rest_bt[j * k + p] = b[p * ldb + whole + j];
+  }
+  const auto rest_dots = [&](std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t depth, bool acc) {
+    if (rest_bt)
+      gemm_dot_bt_avx512(rows, n - whole, depth, a + m0 * lda + k0, lda, rest_bt + k0, k, acc ? 1.0f : 0.0f,
+                         c + m0 * ldc + whole, ldc);
+  };
   const std::int64_t bytes = std::int64_t{sizeof(float)}, a_bytes = m * k * bytes;
   const bool row_blocks = m >= 4 * kWideRowBlock && k * n * bytes <= kWideRowBlockMaxB &&
                           (!trans_a || a_bytes <= kWideRowBlockMaxB);
   const bool pack_a = trans_a && a_bytes >= kThinPackMinA && lda >= kThinPackMinLda;
-  if ((depth_block > 0 || (pack_a && !row_blocks)) && n > 4 * 16) {  // more than one panel
+  if ((depth_block > 0 || (pack_a && !row_blocks)) && whole > 4 * 16) {  // more than one panel
     float* packed = pack_a ? thin_pack_buffer() : nullptr;
     for (std::int64_t k0 = 0; k0 < k; k0 += kThinDepthBlock) {
       const std::int64_t depth = std::min(kThinDepthBlock, k - k0);
@@ -268,11 +264,12 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
         const bool acc = accumulate || k0 > 0;
         if (packed) {  // op(a)(m0 + i, k0 + p) at packed[p rows + i]
           for (std::int64_t p = 0; p < depth; ++p) std::copy_n(a + (k0 + p) * lda + m0, rows, packed + p * rows);
-          unpacked_panels(rows, n, depth, packed, 1, rows, b + k0 * ldb, ldb, acc, c + m0 * ldc, ldc, depth);
+          unpacked_panels(rows, whole, depth, packed, 1, rows, b + k0 * ldb, ldb, acc, c + m0 * ldc, ldc, depth);
         } else {
-          unpacked_panels(rows, n, depth, a + m0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + m0 * ldc,
-                          ldc, depth);
+          unpacked_panels(rows, whole, depth, a + m0 * a_rs + k0 * a_cs, a_rs, a_cs, b + k0 * ldb, ldb, acc,
+                          c + m0 * ldc, ldc, depth);
         }
+        rest_dots(m0, rows, k0, depth, acc);
       }
     }
     return;
@@ -282,11 +279,13 @@ TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_
     const std::int64_t blocks = m / kWideRowBlock;
     for (std::int64_t i = 0; i < blocks; ++i) {
       const std::int64_t m0 = i * kWideRowBlock, rows = i + 1 < blocks ? kWideRowBlock : m - m0;
-      unpacked_panels(rows, n, k, a + m0 * a_rs, a_rs, a_cs, b, ldb, accumulate, c + m0 * ldc, ldc, depth_block);
+      unpacked_panels(rows, whole, k, a + m0 * a_rs, a_rs, a_cs, b, ldb, accumulate, c + m0 * ldc, ldc, depth_block);
+      rest_dots(m0, rows, 0, k, accumulate);
     }
     return;
   }
-  unpacked_panels(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, depth_block);
+  unpacked_panels(m, whole, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, depth_block);
+  rest_dots(0, m, 0, k, accumulate);
 }
 
 // Mid-sized products with b transposed (a Linear layer's forward at a batch of 64 to 128:
