@@ -5,7 +5,8 @@
 // broadcast of a per row; b's k x 16 NV panel is cut into pieces of `depth_block` steps (by
 // default about 32 KiB, which stay in the L1 cache while the row blocks pass; a thin product,
 // whose a comes from memory, takes deeper blocks: kernels/cpu/conv2d.hpp, kUnpackedThinDepth).
-// A last vector narrower than 16 columns is loaded and stored under a mask.
+// A last vector narrower than 16 columns is loaded and stored under a mask, except 1 to 4 columns
+// past the last whole vector when a is not transposed: dot products take those (kRestColumns).
 //
 // Who uses it: Winograd's 36 products (kernels/cpu/winograd.hpp), where Eigen's gebp packed both
 // operands on every call (a third of their time at ResNet-20's depth and width 16-64), and the
