@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
@@ -218,13 +219,9 @@ TESSERA_TARGET_AVX512 inline void gemm_dot_bt_avx512(std::int64_t m, std::int64_
 constexpr std::int64_t kRestColumns = 4;
 
 inline float* rest_columns_buffer(std::int64_t elements) {
-  thread_local std::unique_ptr<float[]> buffer;
-  thread_local std::int64_t size = 0;
-  if (size < elements) {
-    buffer = std::make_unique<float[]>(static_cast<std::size_t>(elements));
-    size = elements;
-  }
-  return buffer.get();
+  thread_local std::vector<float> buffer;
+  if (static_cast<std::int64_t>(buffer.size()) < elements) buffer.resize(static_cast<std::size_t>(elements));
+  return buffer.data();
 }
 
 TESSERA_TARGET_AVX512 inline void gemm_unpacked_avx512(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
