@@ -475,22 +475,32 @@ TEST_CASE("Conv2d of a bfloat16 Env with bfloat16 compute off is float32's, to t
   CHECK(std::equal(dw1.data(), dw1.data() + dw1.numel(), dw2.data()));
 }
 
-// The run-time choice of the AVX-512 kernels (kernels/cpu/capability.hpp). The `kernels-portable`
-// meson test runs the convolution, pooling and bfloat16 cases again with
-// TESSERA_CPU_CAPABILITY=default: there this case checks that the cap took, and the others that the
-// portable loops give the answers the AVX-512 kernels give in the ordinary run.
+// The run-time choice of the AVX-512 and AVX2 kernels (kernels/cpu/capability.hpp). The
+// `kernels-portable` meson test runs the convolution, pooling and bfloat16 cases again with
+// TESSERA_CPU_CAPABILITY=default, and `kernels-avx2` the convolution cases with =avx2: there this
+// case checks that the cap took, and the others that the portable loops (or the AVX2 kernels)
+// give the answers the widest kernels give in the ordinary run.
 TEST_CASE("The CPU capability follows the CPU and TESSERA_CPU_CAPABILITY", "[core][capability]") {
   CHECK(parse_cpu_capability("default", "X") == CpuCapability::Default);
+  CHECK(parse_cpu_capability("avx2", "X") == CpuCapability::Avx2);
   CHECK(parse_cpu_capability("avx512", "X") == CpuCapability::Avx512);
-  CHECK_THROWS_WITH(parse_cpu_capability("avx2", "TESSERA_CPU_CAPABILITY"),
-                    Catch::Contains("TESSERA_CPU_CAPABILITY='avx2'") && Catch::Contains("default"));
+  CHECK_THROWS_WITH(parse_cpu_capability("avx9", "TESSERA_CPU_CAPABILITY"),
+                    Catch::Contains("TESSERA_CPU_CAPABILITY='avx9'") && Catch::Contains("default") &&
+                        Catch::Contains("avx2"));
   CHECK(std::string(cpu_capability_name(CpuCapability::Avx512)) == "avx512");
+  CHECK(std::string(cpu_capability_name(CpuCapability::Avx2)) == "avx2");
   const char* cap = std::getenv("TESSERA_CPU_CAPABILITY");
   const std::string asked = cap ? cap : "";
   if (asked == "default") {
     CHECK(cpu_capability() == CpuCapability::Default);
     CHECK_FALSE(cpu_avx512());
+    CHECK_FALSE(cpu_avx2());
     CHECK_FALSE(cpu_has_avx512_bf16());  // the bfloat16 kernel is AVX-512 too
+  } else if (asked == "avx2") {
+    // Capped: AVX2 where the CPU has at least that, else what it has.
+    CHECK(cpu_capability() == std::min(CpuCapability::Avx2, cpu_capability_supported()));
+    CHECK_FALSE(cpu_avx512());
+    CHECK_FALSE(cpu_has_avx512_bf16());
   } else {
     CHECK(cpu_capability() == cpu_capability_supported());
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
+#include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
 #include "tessera/kernels/cpu/winograd.hpp"
 #include "tessera/kernels/gemm.hpp"
 
@@ -125,13 +126,15 @@ TEST_CASE("gemm's swapped b-transposed products: which products take them", "[co
 
 TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core][conv]", float, double) {
   // detail::winograd_product (kernels/cpu/winograd.hpp): the channel-blocked Winograd path's 36
-  // products, c = beta c + op(a) b with n a multiple of 16. Rows that are not a whole micro-tile
-  // (6 or 8), 1 to 5 vectors of columns (the 4-wide panel and each narrower one), depths across
-  // its 32 KiB pieces of b (128 to 512 rows), both layouts of a, beta 0 and 1, strides wider than rows.
+  // products, c = beta c + op(a) b with n a multiple of the vector width (16 with AVX-512, 8 with
+  // AVX2). Rows that are not a whole micro-tile (5, 6 or 8), 1 to 5 vectors of columns (the 4-wide
+  // panel and each narrower one; AVX2's panels of 2 and a last one of 1), depths across the pieces
+  // of b (128 to 512 rows), both layouts of a, beta 0 and 1, strides wider than rows.
   using S = TestType;
   const double tolerance = std::is_same_v<S, float> ? 2e-5 : 1e-12;
   const GemmCase cases[] = {{1, 16, 1},    {5, 32, 16},    {6, 64, 64},  {7, 48, 180}, {7, 48, 65},
-                            {49, 80, 300}, {100, 16, 520}, {13, 128, 9}, {9, 64, 0}};
+                            {49, 80, 300}, {100, 16, 520}, {13, 128, 9}, {9, 64, 0},
+                            {11, 8, 40},   {29, 24, 300},  {6, 40, 520}};
   std::uint64_t state = 7;
   for (const auto& g : cases)
     for (bool ta : {false, true})
@@ -160,9 +163,12 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
   // beta 0 and 1; k in the default blocks, in blocks of 5 steps (many, the last one short) and in
   // deep blocks of 1024 (a thin product's: k in one); a
   // tall product's rows in blocks. The entries past n in each row of c (the next block's) stay.
+  // The same cases on detail::gemm_unpacked_avx2 (kernels/cpu/gemm_unpacked_avx2.hpp), Winograd's
+  // product on AVX2 CPUs: panels of 2 vectors of 8, a last panel of 1 or 2 with 1 to 7 columns
+  // masked; it runs on AVX-512 CPUs too, so both kernels are checked there.
 #if TESSERA_X86_DISPATCH
-  if (!cpu_avx512()) {
-    WARN("skipped: this CPU has no AVX-512, where conv_gemm never calls the unpacked product");
+  if (!cpu_avx2()) {
+    WARN("skipped: this CPU has neither AVX-512 nor AVX2, where conv_gemm never calls the unpacked product");
     return;
   }
   const GemmCase cases[] = {{3, 1, 5}, {7, 7, 70}, {6, 17, 64}, {13, 49, 300}, {20, 63, 33},
@@ -178,28 +184,39 @@ TEST_CASE("the unpacked product handles widths that are not whole vectors", "[co
                             {119, 40, 20}, {100, 300, 1000}, {300, 20, 1000},
                             // 1 to 4 columns past the last whole vector (dot products along k when a is
                             // not transposed): 17, 33, 49, 84 and 113 columns, k not a multiple of 16
-                            {14, 17, 37}, {7, 33, 16}, {130, 49, 700}, {6, 84, 150}, {25, 115, 250}};
+                            {14, 17, 37}, {7, 33, 16}, {130, 49, 700}, {6, 84, 150}, {25, 115, 250},
+                            // AVX2's panels: 8, 24 and 40 columns (a last panel of one whole vector),
+                            // 12 and 29 (one of 1 or 2 vectors, the last masked)
+                            {11, 8, 90}, {6, 24, 600}, {15, 40, 17}, {9, 12, 33}, {17, 29, 300}};
+  using Kernel = void (*)(bool, std::int64_t, std::int64_t, std::int64_t, const float*, std::int64_t, const float*,
+                          std::int64_t, float, float*, std::int64_t, std::int64_t);
+  struct Named {
+    const char* name;
+    Kernel kernel;
+  };
+  std::vector<Named> kernels = {{"avx2", detail::gemm_unpacked_avx2}};
+  if (cpu_avx512()) kernels.push_back({"avx512", detail::gemm_unpacked_avx512});
   std::uint64_t state = 11;
-  for (const auto& g : cases)
-    for (bool ta : {false, true})
-      for (double beta : {0.0, 1.0})
-        for (std::int64_t depth_block : {0, 5, 1024}) {
-          const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = g.n + 5, ldc = g.n + 7;
-          std::vector<float> a((ta ? g.k : g.m) * lda), b(g.k * ldb), c0(g.m * ldc);
-          for (auto& v : a) v = static_cast<float>(pseudo_random(state));
-          for (auto& v : b) v = static_cast<float>(pseudo_random(state));
-          for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
-          INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " beta " << beta << " depth block "
-                    << depth_block);
-          std::vector<float> c = c0;
-          detail::gemm_unpacked_avx512(ta, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, static_cast<float>(beta),
-                                       c.data(), ldc, depth_block);
-          CHECK(worst_relative_error(ta, false, g, 1.0, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
-          bool padding_kept = true;
-          for (std::int64_t i = 0; i < g.m; ++i)
-            for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
-          CHECK(padding_kept);
-        }
+  for (const auto& [name, kernel] : kernels)
+    for (const auto& g : cases)
+      for (bool ta : {false, true})
+        for (double beta : {0.0, 1.0})
+          for (std::int64_t depth_block : {0, 5, 1024}) {
+            const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = g.n + 5, ldc = g.n + 7;
+            std::vector<float> a((ta ? g.k : g.m) * lda), b(g.k * ldb), c0(g.m * ldc);
+            for (auto& v : a) v = static_cast<float>(pseudo_random(state));
+            for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+            for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
+            INFO(name << ": m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " beta " << beta
+                      << " depth block " << depth_block);
+            std::vector<float> c = c0;
+            kernel(ta, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, static_cast<float>(beta), c.data(), ldc, depth_block);
+            CHECK(worst_relative_error(ta, false, g, 1.0, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
+            bool padding_kept = true;
+            for (std::int64_t i = 0; i < g.m; ++i)
+              for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
+            CHECK(padding_kept);
+          }
 #else
   WARN("skipped: built without x86 dispatch, where conv_gemm never calls the unpacked product");
 #endif

@@ -228,9 +228,9 @@ inline std::string cpu_bf16_kernel() {
            "x float FMA's multiply-adds per second here, no AMX: TESSERA_CPU_BF16=on forces it)";
   }
   if (cpu_has_avx512_bf16()) return "float gemm (bf16 turned off)";
-  return cpu_avx512() || cpu_capability_supported() == CpuCapability::Default
+  return cpu_avx512() || cpu_capability_supported() != CpuCapability::Avx512
              ? "float gemm (this CPU has no AVX512-BF16)"
-             : "float gemm (TESSERA_CPU_CAPABILITY=default)";
+             : std::string("float gemm (TESSERA_CPU_CAPABILITY=") + cpu_capability_name(cpu_capability()) + ")";
 }
 
 // float -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN: the scalar reference

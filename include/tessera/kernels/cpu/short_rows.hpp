@@ -53,6 +53,34 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i (&w)[16]) {
     w[12 + q] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
   }
 }
+// Lanes [0, n) of 8 as a VMASKMOVPS mask (lane i's sign bit set), n clamped to [0, 8]; AVX alone
+// (a float compare: the integer one is AVX2).
+__attribute__((target("avx"))) inline __m256i lanes8(std::int64_t n) {
+  const float count = static_cast<float>(std::clamp<std::int64_t>(n, 0, 8));
+  return _mm256_castps_si256(
+      _mm256_cmp_ps(_mm256_set1_ps(count), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _CMP_GT_OQ));
+}
+// w[i][j] -> w[j][i] for an 8 x 8 matrix of floats, one row per register: pairs of rows
+// interleaved by 32 bits, then by 64 (shuffle_ps), then the 128-bit halves exchanged. The Winograd
+// channel-blocked layout's transposition under -march with AVX but not AVX-512 (8 lanes).
+__attribute__((target("avx"))) inline void transpose8(__m256 (&w)[8]) {
+  __m256 t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(w[2 * k], w[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(w[2 * k], w[2 * k + 1]);
+  }
+  // u[4 h + q], 128-bit half L: column 4 L + q of rows 4 h .. 4 h + 3.
+  for (int h = 0; h < 2; ++h) {
+    u[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int q = 0; q < 4; ++q) {
+    w[q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x20);
+    w[4 + q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x31);
+  }
+}
 #endif
 
 // dst[0, n) = src[0, n); the ranges do not overlap.

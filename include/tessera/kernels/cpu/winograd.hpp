@@ -47,6 +47,7 @@
 #include "tessera/kernels/cpu/conv_epilogue.hpp"
 #include "tessera/kernels/cpu/gemm.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
+#include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
 
 #include "tessera/kernels/cpu/capability.hpp"
@@ -555,6 +556,23 @@ void to_channel_block(const S* in, std::int64_t count, std::int64_t channels, st
           }
         continue;
       }
+#elif defined(__AVX__)
+      if constexpr (std::is_same_v<S, float>) {
+        // Whole vectors unmasked: VMASKMOVPS is slow on AMD (a store takes about 12 cycles on Zen 3).
+        const __m256i m = lanes8(n);
+        __m256 v[8];  // v[l]: channel c0 + l of the 8 pixels; after the transpose v[j]: pixel j's channels
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l)
+          v[l] = n == 8 ? _mm256_loadu_ps(plane + q + l * stride) : _mm256_maskload_ps(plane + q + l * stride, m);
+        transpose8(v);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          if (j < n) {
+            if (x0 + x < wb) _mm256_storeu_ps(f + y * row + (x0 + x) * L, v[j]);
+            if (++x == w) x = 0, ++y;
+          }
+        continue;
+      }
 #endif
       for (std::int64_t j = 0; j < n; ++j) {
         if (x0 + x < wb)
@@ -597,6 +615,26 @@ void from_channel_block(const S* frame, std::int64_t count, std::int64_t hb, std
         for (int l = 0; l < 16; ++l) _mm512_mask_storeu_ps(plane + q + l * stride, m, _mm512_castsi512_ps(v[l]));
         continue;
       }
+#elif defined(__AVX__)
+      if constexpr (std::is_same_v<S, float>) {
+        __m256 v[8];  // v[j]: pixel j's channels; after the transpose v[l]: channel c0 + l of the 8 pixels
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          v[j] = _mm256_setzero_ps();
+          if (j < n) {
+            v[j] = _mm256_loadu_ps(f + (y * wb + x) * L);
+            if (++x == w) x = 0, ++y;
+          }
+        }
+        transpose8(v);
+        const __m256i m = lanes8(n);
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l) {
+          if (n == 8) _mm256_storeu_ps(plane + q + l * stride, v[l]);
+          else _mm256_maskstore_ps(plane + q + l * stride, m, v[l]);
+        }
+        continue;
+      }
 #endif
       for (std::int64_t j = 0; j < n; ++j) {
         for (std::int64_t l = 0; l < L; ++l) plane[q + l * stride + j] = f[(y * wb + x) * L + l];
@@ -626,7 +664,8 @@ inline std::int64_t tile_origin(std::int64_t f, std::int64_t tw, std::int64_t ro
 }
 
 // c (m, n) = beta c + op(a) b for the blocked path's 36 products, beta 0 or 1: on AVX-512 (float)
-// the unpacked product of kernels/cpu/gemm_unpacked.hpp (Eigen's gebp, the gemm below, packs both
+// the unpacked product of kernels/cpu/gemm_unpacked.hpp, on AVX2 its 8-lane form
+// (kernels/cpu/gemm_unpacked_avx2.hpp; Eigen's gebp, the gemm below, packs both
 // operands on every call and zeroes c first when beta is 0: on these products, depth and width
 // 16-64 on ResNet-20, that was a third of their time).
 template <class S>
@@ -637,6 +676,7 @@ void winograd_product(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t
   // path's vectors are 16 floats (a -march with AVX-512); a portable build's are narrower.
   if constexpr (std::is_same_v<S, float>) {
     if (n % 16 == 0 && cpu_avx512()) return gemm_unpacked_avx512(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    if (cpu_avx2()) return gemm_unpacked_avx2(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
   }
 #endif
   gemm(Cpu{}, trans_a, false, m, n, k, S(1), a, lda, b, ldb, beta, c, ldc);

@@ -1,0 +1,162 @@
+// gemm_unpacked_avx2: the unpacked product of kernels/cpu/gemm_unpacked.hpp for CPUs with AVX2 and
+// FMA but no AVX-512 (AMD Zen 2 and 3, Intel Haswell to Alder Lake): c (m, n) = beta c + op(a) b,
+// beta 0 or 1, on one thread, float, both operands read where they lie: op(a)(i, p) = a[i lda + p],
+// or a[p lda + i] when trans_a; b (k, n) and c row-major.
+//
+// Its registers are 16 of 8 floats, so a tile is 6 rows x 2 vectors (16 columns): 12 accumulators,
+// 2 vectors of b and 1 broadcast of a, the shape of OpenBLAS's and BLIS's Haswell kernels. Each
+// step loads 2 vectors of b and broadcasts 6 floats of a for 12 multiply-adds: 6 cycles of the two
+// FMA pipes against 4 of loads, so the tile runs at the FMA rate while b's piece is in L1. A panel
+// of one vector (the last 8 columns of an odd count) takes 8 rows. b's k x 16 panel is cut into
+// pieces of `depth_block` steps (by default 16 KiB: half of a 32 KiB L1, Zen 3's and Haswell's;
+// 32 KiB pieces were slower), and the columns past the last whole vector are loaded and stored
+// under a lane mask (VMASKMOVPS does not fault on the lanes it leaves).
+//
+// Who uses it: where kernels/cpu/gemm_unpacked.hpp's AVX-512 kernel runs on an AVX-512 CPU,
+// Winograd's 36 products (kernels/cpu/winograd.hpp); without it Eigen's gebp packed both operands
+// on every call and zeroed c first (a quarter of a ResNet-20 training step on a Zen 3: bench/README.md,
+// "Figures behind design choices in the headers").
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "tessera/kernels/cpu/capability.hpp"
+#include "tessera/kernels/cpu/short_rows.hpp"
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
+namespace tessera::detail {
+
+#if TESSERA_X86_DISPATCH
+// One R x NV block of c; with Tail, the last vector's columns are those of `tail`. The first tile of
+// a piece (First) prefetches b's rows kUnpackedAvx2PrefetchSteps ahead, as the AVX-512 kernel does:
+// b's rows lie ldb apart, where the hardware prefetchers do not follow.
+constexpr std::int64_t kUnpackedAvx2PrefetchSteps = 16;
+
+template <int R, int NV, bool Tail, bool First>
+TESSERA_TARGET_AVX2 inline void unpacked_tile_avx2(std::int64_t rows, std::int64_t k, const float* a,
+                                                   std::int64_t a_rs, std::int64_t a_cs, const float* b,
+                                                   std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc,
+                                                   __m256i tail) {
+  const float* row[R];  // rows past `rows` repeat the last one (computed, never stored)
+  for (int r = 0; r < R; ++r) row[r] = a + std::min<std::int64_t>(r, rows - 1) * a_rs;
+  __m256 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+#pragma GCC unroll 1
+  for (std::int64_t p = 0; p < k; ++p) {
+    if constexpr (First) {
+      if (p + kUnpackedAvx2PrefetchSteps < k) {
+        const char* ahead = reinterpret_cast<const char*>(b + (p + kUnpackedAvx2PrefetchSteps) * ldb);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        if (NV == 2) _mm_prefetch(ahead + 32, _MM_HINT_T0);  // the panel's 64 bytes may straddle two lines
+      }
+    }
+    const std::int64_t at = p * a_cs;
+    __m256 bv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v)
+      bv[v] = Tail && v == NV - 1 ? _mm256_maskload_ps(b + p * ldb + 8 * v, tail) : _mm256_loadu_ps(b + p * ldb + 8 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(row[r] + at);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      float* out = c + r * ldc + 8 * v;
+      if (Tail && v == NV - 1)
+        _mm256_maskstore_ps(out, tail, accumulate ? _mm256_add_ps(_mm256_maskload_ps(out, tail), acc[r][v]) : acc[r][v]);
+      else
+        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r][v]) : acc[r][v]);
+    }
+  }
+}
+
+// A tile of exactly `rows` (1 .. H) rows. Not inlined into the panel loop, and the tile's step loop
+// not unrolled: with 16 registers there is no room for either. Inlined, clang kept the panel's
+// values live across the tile and spilled accumulators to the stack; unrolled 8 times, the 8 steps'
+// addresses of a's 6 rows spilled the general registers. Each cost half the kernel's speed
+// (Winograd's products on one Zen 3 core: 38 to 47 GFLOP/s against 83 to 94; bench/README.md,
+// "Figures behind design choices in the headers").
+template <int H, int NV, bool Tail, bool First>
+TESSERA_TARGET_AVX2 __attribute__((noinline)) void unpacked_rows_avx2(std::int64_t rows, std::int64_t k, const float* a,
+                                                   std::int64_t a_rs, std::int64_t a_cs, const float* b,
+                                                   std::int64_t ldb, bool accumulate, float* c, std::int64_t ldc,
+                                                   __m256i tail) {
+  if constexpr (H > 1) {
+    if (rows < H)
+      return unpacked_rows_avx2<H - 1, NV, Tail, First>(rows, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+  }
+  unpacked_tile_avx2<H, NV, Tail, First>(H, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, tail);
+}
+
+// All m rows of one panel of NV vectors, b's panel in pieces of kc steps; the rows split evenly
+// into tiles of R or R - 1 rows, as in the AVX-512 kernel (no short tile below the best ratio of
+// multiply-adds to loads).
+template <int NV, bool Tail>
+TESSERA_TARGET_AVX2 void unpacked_panel_avx2(std::int64_t m, std::int64_t k, const float* a, std::int64_t a_rs,
+                                             std::int64_t a_cs, const float* b, std::int64_t ldb, bool accumulate,
+                                             float* c, std::int64_t ldc, __m256i tail, std::int64_t depth_block) {
+  constexpr int R = NV == 2 ? 6 : 8;
+  const std::int64_t kc = depth_block > 0 ? depth_block : 512 / NV;  // 16 KiB of b: kc x 8 NV floats
+  const std::int64_t tiles = (m + R - 1) / R, base = m / tiles, taller = m % tiles;
+  for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
+    const std::int64_t depth = std::min(kc, k - k0);
+    const bool acc = accumulate || k0 > 0;
+    for (std::int64_t t = 0, i0 = 0; t < tiles; ++t) {
+      const std::int64_t rows = base + (t < taller ? 1 : 0);
+      const float* ai = a + i0 * a_rs + k0 * a_cs;
+      if (t == 0)
+        unpacked_rows_avx2<R, NV, Tail, true>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc,
+                                              tail);
+      else
+        unpacked_rows_avx2<R, NV, Tail, false>(rows, depth, ai, a_rs, a_cs, b + k0 * ldb, ldb, acc, c + i0 * ldc, ldc,
+                                               tail);
+      i0 += rows;
+    }
+  }
+}
+
+TESSERA_TARGET_AVX2 inline void gemm_unpacked_avx2(bool trans_a, std::int64_t m, std::int64_t n, std::int64_t k,
+                                                   const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+                                                   float beta, float* c, std::int64_t ldc,
+                                                   std::int64_t depth_block = 0) {
+  if (k == 0 || m == 0) {
+    if (beta == 0)
+      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  const std::int64_t a_rs = trans_a ? 1 : lda, a_cs = trans_a ? lda : 1;
+  const bool accumulate = beta != 0;
+  // Panels of 2 vectors (16 columns), the last one of 1 or 2 vectors, masked when n is not a
+  // multiple of 8.
+  for (std::int64_t j0 = 0; j0 < n; j0 += 16) {
+    const std::int64_t width = std::min<std::int64_t>(16, n - j0);
+    const float* bp = b + j0;
+    float* cp = c + j0;
+    if (width == 16) {
+      unpacked_panel_avx2<2, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, lanes8(8), depth_block);
+    } else if (width > 8) {
+      unpacked_panel_avx2<2, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, lanes8(width - 8), depth_block);
+    } else if (width == 8) {
+      unpacked_panel_avx2<1, false>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, lanes8(8), depth_block);
+    } else {
+      unpacked_panel_avx2<1, true>(m, k, a, a_rs, a_cs, bp, ldb, accumulate, cp, ldc, lanes8(width), depth_block);
+    }
+  }
+}
+#endif
+
+}  // namespace tessera::detail
+
+TESSERA_SIMD_CODE_END
