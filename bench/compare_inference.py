@@ -35,7 +35,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402
-from bench_common import cpu_model  # noqa: E402
+from bench_common import cpu_details, cpu_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 2 ** 20
@@ -73,7 +73,8 @@ def main():
         sys.exit("compare_inference.py: --runs must be >= 1")
     setup = peer.peer_or_exit(args.coretypes)
     threads = str(args.threads)
-    report = {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs, "pytorch_blas": setup.blas,
+    report = {"cpu": cpu_model(), "cpu_details": cpu_details(), "threads": args.threads, "runs": args.runs,
+              "pytorch_blas": setup.blas,
               "inference": [], "memory": None}
 
     best = {"OPENBLAS_CORETYPE": peer.UNSET, "OMP_WAIT_POLICY": peer.UNSET}

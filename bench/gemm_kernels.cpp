@@ -4,9 +4,12 @@
 // kernels/cpu/gemm_unpacked.hpp; a transposed B as gemm takes it: swapped, c^T = b a^T, for a
 // Linear layer's forward at batch 64 to 128, gemm_swapped_bt_avx512, else as dot products,
 // gemm_dot_bt_avx512) and oneDNN's sgemm
-// (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). Each
+// (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). On a CPU
+// with AVX2 but no AVX-512 (a Zen 3), "unpacked" is the 8-lane kernel (gemm_unpacked_avx2, which
+// only Winograd calls there) on the products without a transposed B. Each
 // kernel's GFLOP/s is given next to the core's register-only FMA rate (12 independent chains of
-// 512-bit FMAs, no memory), and its heap allocations per call are counted (alloc_counter.hpp).
+// 512-bit FMAs, or 256-bit ones without AVX-512; no memory), and its heap allocations per call are
+// counted (alloc_counter.hpp).
 //
 //   ./gemm_kernels [--runs=41]
 //
@@ -95,31 +98,45 @@ std::string cpu_description() {
 enum Kernel { kOpenBlas, kUnpacked, kOneDnn, kKernels };
 const char* const kKernelNames[kKernels] = {"openblas", "unpacked", "onednn"};
 
-// Floating-point operations per second of 12 independent chains of 512-bit FMAs (2 per FMA per
-// lane): the most any kernel can reach on this core. Best of 5.
-__attribute__((target("avx512f"), noinline)) double fma_peak_gflops() {
-  constexpr int kChains = 12;
-  constexpr long kRounds = 4000000;
-  double best = 1e30;
-  float sink = 0;
-  for (int trial = 0; trial < 5; ++trial) {
-    __m512 acc[kChains];
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(1.0f + 1e-7f * i);
-    const __m512 scale = _mm512_set1_ps(0.9999999f), shift = _mm512_set1_ps(1e-7f);
-    const auto t0 = std::chrono::steady_clock::now();
-    for (long r = 0; r < kRounds; ++r) {
-#pragma GCC unroll 12
-      for (int i = 0; i < kChains; ++i) {
-        acc[i] = _mm512_fmadd_ps(acc[i], scale, shift);
-        asm volatile("" : "+v"(acc[i]));  // each FMA is executed, none folded away
-      }
-    }
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  }
-  if (sink == 12345.0f) std::fprintf(stderr, " ");  // keeps the chains live
-  return 2.0 * 16 * kChains * kRounds / best / 1e9;
+// Floating-point operations per second of 12 independent chains of FMAs, 512-bit (__m512) or
+// 256-bit (__m256, on a CPU without AVX-512), 2 FLOPs per FMA per lane: the most any kernel can
+// reach on this core. Best of 5.
+// (A macro, not a template: the body must be compiled under each function's own target attribute.)
+#define TESSERA_FMA_PEAK_BODY(V, lanes, fmadd, set1, sum_lanes)                                \
+  constexpr int kChains = 12;                                                                   \
+  constexpr long kRounds = 4000000;                                                             \
+  double best = 1e30;                                                                           \
+  float sink = 0;                                                                               \
+  for (int trial = 0; trial < 5; ++trial) {                                                     \
+    V acc[kChains];                                                                             \
+    for (int i = 0; i < kChains; ++i) acc[i] = set1(1.0f + 1e-7f * i);                          \
+    const V scale = set1(0.9999999f), shift = set1(1e-7f);                                      \
+    const auto t0 = std::chrono::steady_clock::now();                                           \
+    for (long r = 0; r < kRounds; ++r) {                                                        \
+      _Pragma("GCC unroll 12") for (int i = 0; i < kChains; ++i) {                              \
+        acc[i] = fmadd(acc[i], scale, shift);                                                   \
+        asm volatile("" : "+v"(acc[i])); /* each FMA is executed, none folded away */           \
+      }                                                                                         \
+    }                                                                                           \
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()); \
+    for (int i = 0; i < kChains; ++i) sink += sum_lanes(acc[i]);                                \
+  }                                                                                             \
+  if (sink == 12345.0f) std::fprintf(stderr, " "); /* keeps the chains live */                  \
+  return 2.0 * (lanes) * kChains * kRounds / best / 1e9;
+
+__attribute__((target("avx512f"), noinline)) double fma_peak_gflops_avx512() {
+  TESSERA_FMA_PEAK_BODY(__m512, 16, _mm512_fmadd_ps, _mm512_set1_ps, _mm512_reduce_add_ps)
 }
+
+__attribute__((target("avx2,fma"), noinline)) float sum_first_last(__m256 a) {
+  return _mm256_cvtss_f32(a) + _mm256_cvtss_f32(_mm256_permute2f128_ps(a, a, 1));
+}
+
+__attribute__((target("avx2,fma"), noinline)) double fma_peak_gflops_avx2() {
+  TESSERA_FMA_PEAK_BODY(__m256, 8, _mm256_fmadd_ps, _mm256_set1_ps, sum_first_last)
+}
+
+double fma_peak_gflops() { return cpu_avx512() ? fma_peak_gflops_avx512() : fma_peak_gflops_avx2(); }
 
 // C = op(A) op(B) (beta 0) by one kernel; false where the kernel does not take this product.
 bool run(Kernel kernel, const Product& p, const float* a, const float* b, float* c) {
@@ -132,7 +149,12 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
       return true;
     }
     case kUnpacked:
-      if (!cpu_avx512()) return false;
+      if (!cpu_avx512()) {  // AVX2: the 8-lane kernel, on the products conv_gemm would give it (not dW)
+        if (p.trans_b) return false;
+        detail::gemm_unpacked_avx2(p.trans_a, p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc,
+                                   detail::unpacked_depth_block(p.n));
+        return true;
+      }
       if (p.trans_b && p.trans_a) return false;
       if (p.trans_b) {  // as gemm picks: swapped (c^T = b a^T) where swapped_bt_suits, else dot products
         if (detail::swapped_bt_suits(p.trans_a, p.trans_b, p.m, p.n, p.k)) {
@@ -251,7 +273,9 @@ int main(int argc, char** argv) {
     Flags flags(argc, argv);
     const int runs = flags.get("runs", 41, {.min = 1});
     flags.finish();
-    TESSERA_CHECK(cpu_avx512(), Error, "gemm_kernels measures AVX-512 kernels; this CPU has no AVX-512");
+    TESSERA_CHECK(cpu_avx2(), Error,
+                  "gemm_kernels measures the AVX-512 and AVX2 kernels; this CPU has neither (or "
+                  "TESSERA_CPU_CAPABILITY=default)");
     Cpu::set_num_threads(1);
     const std::string blas = cpu_gemm_kernel();  // OpenBLAS's core checked (and replaced) first
     openblas_set_num_threads(1);
@@ -274,9 +298,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "MLP's SGD update (%lld parameters, %.1f MB streamed): %.1f us, %.1f GB/s\n",
                  static_cast<long long>(parameters), sgd_bytes / 1e6, sgd_s * 1e6, sgd_bytes / sgd_s / 1e9);
     std::printf("{\"benchmark\": \"gemm_kernels\", \"cpu\": \"%s\", \"threads\": 1, \"runs\": %d, \"gemm\": \"%s\", "
+                "\"unpacked_kernel\": \"%s\", "
                 "\"onednn\": \"%s\", \"fma_peak_gflops\": %.2f, \"mlp_sgd_update\": {\"parameters\": %lld, "
                 "\"bytes_streamed\": %.0f, \"median_us\": %.2f, \"gb_per_s\": %.2f}, \"products\": [",
-                cpu_description().c_str(), runs, blas.c_str(), onednn_version().c_str(), peak,
+                cpu_description().c_str(), runs, blas.c_str(), cpu_avx512() ? "avx512" : "avx2 (no AVX-512 here)",
+                onednn_version().c_str(), peak,
                 static_cast<long long>(parameters), sgd_bytes, sgd_s * 1e6, sgd_bytes / sgd_s / 1e9);
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
