@@ -28,6 +28,7 @@
 #include "tessera/kernels/conv2d_geometry.hpp"
 #include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/compiled.hpp"
+#include "tessera/kernels/cpu/short_rows.hpp"
 
 #include "tessera/kernels/cpu/simd_diagnostics.hpp"
 
@@ -159,6 +160,52 @@ TESSERA_TARGET_AVX512 inline void max_pool_2x2_row16(const float* r0, const floa
   _mm512_mask_storeu_ps(best, out, m);
   if (at != nullptr) _mm512_mask_storeu_epi32(at, out, a);
 }
+
+// AVX2: the same 8 windows at a time, from input columns [2 o0, 2 o0 + 16) of both rows (masked
+// loads past w: nothing outside the row is read): shuffle_ps takes the even (odd) columns of each
+// 128-bit half, and one cross-half permute puts them in order. The last 1 to 7 windows go through
+// a buffer: VMASKMOVPS stores are slow on AMD.
+TESSERA_TARGET_AVX2 inline void max_pool_2x2_row_avx2(const float* r0, const float* r1, std::int64_t w,
+                                                      std::int64_t ow_count, std::int32_t base, float* best,
+                                                      std::int32_t* at) {
+  const std::int32_t offsets[4] = {0, 1, static_cast<std::int32_t>(w), static_cast<std::int32_t>(w) + 1};
+  for (std::int64_t o0 = 0; o0 < ow_count; o0 += 8) {
+    const std::int64_t c0 = 2 * o0, left = w - c0;  // input columns from c0 on
+    const auto load = [&](const float* row, std::int64_t from) TESSERA_TARGET_AVX2 {
+      return left - from >= 8 ? _mm256_loadu_ps(row + c0 + from) : _mm256_maskload_ps(row + c0 + from, lanes8(left - from));
+    };
+    const auto split = [](__m256 lo, __m256 hi, int pick) TESSERA_TARGET_AVX2 {
+      const __m256 halves = pick == 0 ? _mm256_shuffle_ps(lo, hi, 0x88) : _mm256_shuffle_ps(lo, hi, 0xDD);
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(halves), 0xD8));
+    };
+    const __m256 a0 = load(r0, 0), a1 = load(r0, 8), b0 = load(r1, 0), b1 = load(r1, 8);
+    const __m256 taps[4] = {split(a0, a1, 0), split(a0, a1, 1), split(b0, b1, 0), split(b0, b1, 1)};
+    const __m256i first = _mm256_add_epi32(_mm256_set1_epi32(base + static_cast<std::int32_t>(c0)),
+                                           _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    __m256 m = taps[0];
+    __m256i a = first;
+    for (int t = 1; t < 4; ++t) {
+      // A later tap wins when greater, or when NaN (unordered with itself).
+      const __m256 take = _mm256_or_ps(_mm256_cmp_ps(taps[t], m, _CMP_GT_OQ), _mm256_cmp_ps(taps[t], taps[t], _CMP_UNORD_Q));
+      m = _mm256_blendv_ps(m, taps[t], take);
+      a = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a),
+                                               _mm256_castsi256_ps(_mm256_add_epi32(first, _mm256_set1_epi32(offsets[t]))),
+                                               take));
+    }
+    const std::int64_t n = std::min<std::int64_t>(8, ow_count - o0);
+    if (n == 8) {
+      _mm256_storeu_ps(best + o0, m);
+      if (at != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + o0), a);
+    } else {
+      alignas(32) float mb[8];
+      alignas(32) std::int32_t ab[8];
+      _mm256_store_ps(mb, m);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ab), a);
+      std::copy_n(mb, n, best + o0);
+      if (at != nullptr) std::copy_n(ab, n, at + o0);
+    }
+  }
+}
 #endif
 
 // max_pool2d_forward's loop, unrolled for 2x2 windows: the four taps in the same scan order with the
@@ -182,6 +229,10 @@ void max_pool2d_forward_2x2(const Pool2dGeometry& g, std::int64_t planes, const 
       if constexpr (std::is_same_v<S, float>) {
         if (w <= 32 && cpu_avx512()) {
           max_pool_2x2_row16(r0, r1, w, ow_count, base, best, at);
+          continue;
+        }
+        if (w <= 32 && cpu_avx2()) {
+          max_pool_2x2_row_avx2(r0, r1, w, ow_count, base, best, at);
           continue;
         }
       }
