@@ -5,8 +5,8 @@
 //
 // Its registers are 16 of 8 floats, so a tile is 6 rows x 2 vectors (16 columns): 12 accumulators,
 // 2 vectors of b and 1 broadcast of a, the shape of OpenBLAS's and BLIS's Haswell kernels. Each
-// step loads 2 vectors of b and broadcasts 6 floats of a for 12 multiply-adds: 6 cycles of the two
-// FMA pipes against 4 of loads, so the tile runs at the FMA rate while b's piece is in L1. A panel
+// step loads 2 vectors of b and broadcasts 6 floats of a for 12 multiply-adds: the two FMA pipes
+// are busier than the load ports, so the tile runs at the FMA rate while b's piece is in L1. A panel
 // of one vector (the last 8 columns of an odd count) takes 8 rows. b's k x 16 panel is cut into
 // pieces of `depth_block` steps (by default 16 KiB: half of a 32 KiB L1, Zen 3's and Haswell's;
 // 32 KiB pieces were slower), and the columns past the last whole vector are loaded and stored
@@ -85,9 +85,9 @@ TESSERA_TARGET_AVX2 inline void unpacked_tile_avx2(std::int64_t rows, std::int64
 // A tile of exactly `rows` (1 .. H) rows. Not inlined into the panel loop, and the tile's step loop
 // not unrolled: with 16 registers there is no room for either. Inlined, clang kept the panel's
 // values live across the tile and spilled accumulators to the stack; unrolled 8 times, the 8 steps'
-// addresses of a's 6 rows spilled the general registers. Each cost half the kernel's speed
-// (Winograd's products on one Zen 3 core: 38 to 47 GFLOP/s against 83 to 94; bench/README.md,
-// "Figures behind design choices in the headers").
+// addresses of a's 6 rows spilled the general registers. Together they cost about half the
+// kernel's speed on Winograd's products (bench/README.md, "Figures behind design choices in the
+// headers").
 template <int H, int NV, bool Tail, bool First>
 TESSERA_TARGET_AVX2 __attribute__((noinline)) void unpacked_rows_avx2(std::int64_t rows, std::int64_t k, const float* a,
                                                    std::int64_t a_rs, std::int64_t a_cs, const float* b,

@@ -95,8 +95,8 @@ TESSERA_TARGET_AVX512 inline void copy_row_avx512(float* dst, const float* src, 
 }
 // AVX2: whole vectors of 8, the last one ending at n (overlapping the one before: stored twice,
 // same values), 4 and then 1 at a time below 8. No masked store: VMASKMOVPS to memory is slow on
-// AMD (Zen 3: about 12 cycles each). std::copy calls memmove for each short row, which was 13% of a
-// LeNet-5 step at one thread on a Zen 3.
+// AMD. std::copy calls memmove for each short row, a large share of a LeNet-5 step at one thread
+// on a Zen 3 (bench/README.md, "Figures behind design choices in the headers").
 TESSERA_TARGET_AVX2 inline void copy_row_avx2(float* dst, const float* src, std::int64_t n) {
   if (n >= 8) {
     std::int64_t i = 0;

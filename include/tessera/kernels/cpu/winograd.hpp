@@ -558,7 +558,8 @@ void to_channel_block(const S* in, std::int64_t count, std::int64_t channels, st
       }
 #elif defined(__AVX__)
       if constexpr (std::is_same_v<S, float>) {
-        // Whole vectors unmasked: VMASKMOVPS is slow on AMD (a store takes about 12 cycles on Zen 3).
+        // Whole vectors unmasked: VMASKMOVPS is slow on AMD, a store most of all (bench/README.md,
+        // "Figures behind design choices in the headers").
         const __m256i m = lanes8(n);
         __m256 v[8];  // v[l]: channel c0 + l of the 8 pixels; after the transpose v[j]: pixel j's channels
 #pragma GCC unroll 8
