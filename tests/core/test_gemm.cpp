@@ -53,7 +53,7 @@ double worst_relative_error(bool ta, bool tb, const GemmCase& g, double alpha, d
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta and stride", "[core]", float, double) {
+TEMPLATE_TEST_CASE("gemm matches a float64 loop for every transpose, alpha, beta and stride", "[core][capability]", float, double) {
   using S = TestType;
   // Rounding of k products: far below what a wrong transpose, stride or scalar gives (order 1).
   const double tolerance = std::is_same_v<S, float> ? 2e-5 : 1e-12;
@@ -122,6 +122,59 @@ TEST_CASE("gemm's swapped b-transposed products: which products take them", "[co
   CHECK_FALSE(detail::swapped_bt_suits(false, true, 128, 120, 400));
   CHECK_FALSE(detail::swapped_bt_suits(true, true, 128, 512, 784));
   CHECK_FALSE(detail::swapped_bt_suits(false, false, 128, 512, 784));
+}
+
+TEST_CASE("gemm on AVX2 CPUs: which products take the 8-lane kernels", "[core]") {
+  // detail::unpacked_suits_avx2 (kernels/cpu/gemm.hpp): LeNet-5's convolutions (6 and 16 output
+  // channels: forward, dx over 16 steps, dW as dot products) and a classifier's gradients over 10
+  // classes; OpenBLAS keeps products with many rows and steps, and those with a large b or c.
+  CHECK(detail::unpacked_suits_avx2(false, false, 16, 800, 150));     // conv forward, 16 channels
+  CHECK(detail::unpacked_suits_avx2(true, false, 150, 800, 16));      // its dx
+  CHECK(detail::unpacked_suits_avx2(false, true, 16, 150, 800));      // its dW, dot products
+  CHECK(detail::unpacked_suits_avx2(true, false, 10, 256, 128));      // a classifier's dW
+  CHECK(detail::unpacked_suits_avx2(false, true, 128, 10, 256));      // its forward, 10 columns
+  CHECK(detail::unpacked_suits_avx2(false, true, 8, 1000, 2048));     // ResNet-50's classifier at batch 8
+  CHECK_FALSE(detail::unpacked_suits_avx2(false, true, 32, 1000, 2048));  // and at batch 32
+  CHECK_FALSE(detail::unpacked_suits_avx2(false, false, 128, 512, 256));  // an MLP's dx
+  CHECK_FALSE(detail::unpacked_suits_avx2(false, false, 8, 2048, 1000));  // 8 MB of b
+  CHECK_FALSE(detail::unpacked_suits_avx2(true, false, 1000, 2048, 8));   // 8 MB of c
+  CHECK_FALSE(detail::unpacked_suits_avx2(false, false, 16, 8, 150));     // under one panel of 16
+  CHECK_FALSE(detail::unpacked_suits_avx2(false, false, 1, 800, 150));    // one row: gemm_one_row
+  CHECK_FALSE(detail::unpacked_suits_avx2(true, true, 16, 150, 800));
+}
+
+TEST_CASE("the 8-lane dot products match a float64 loop", "[core][capability]") {
+  // detail::gemm_dot_bt_avx2 (kernels/cpu/gemm_unpacked_avx2.hpp): c = beta c + a bt^T in tiles of
+  // 4 rows x 3 columns; edge tiles of 1 to 3 rows and 1 or 2 columns; k of 1 to 7 (one masked
+  // step), a multiple of 8, one past it, and 2500 in blocks of 840, 840 and 820 steps.
+#if TESSERA_X86_DISPATCH
+  if (!cpu_avx2()) {
+    WARN("skipped: this CPU has no AVX2, where gemm never calls the 8-lane dot products");
+    return;
+  }
+  std::uint64_t state = 5;
+  for (std::int64_t m : {1, 3, 4, 5, 16, 31})
+    for (std::int64_t n : {1, 2, 3, 4, 10, 25})
+      for (std::int64_t k : {1, 7, 16, 17, 300, 2500})
+        for (double beta : {0.0, 1.0}) {
+          const GemmCase g{m, n, k};
+          const std::int64_t lda = k + 3, ldb = k + 1, ldc = n + 2;
+          std::vector<float> a(m * lda), b(n * ldb), c0(m * ldc);
+          for (auto& v : a) v = static_cast<float>(pseudo_random(state));
+          for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+          for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
+          INFO("m " << m << " n " << n << " k " << k << " beta " << beta);
+          std::vector<float> c = c0;
+          detail::gemm_dot_bt_avx2(m, n, k, a.data(), lda, b.data(), ldb, static_cast<float>(beta), c.data(), ldc);
+          CHECK(worst_relative_error(false, true, g, 1.0, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
+          bool padding_kept = true;
+          for (std::int64_t i = 0; i < m; ++i)
+            for (std::int64_t j = n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
+          CHECK(padding_kept);
+        }
+#else
+  WARN("skipped: built without x86 dispatch, where gemm never calls the 8-lane dot products");
+#endif
 }
 
 TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core][conv]", float, double) {

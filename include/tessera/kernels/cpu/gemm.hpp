@@ -40,6 +40,7 @@
 #include <Eigen/Core>
 
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
+#include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
 #endif
 
 #if defined(_OPENMP)
@@ -226,6 +227,68 @@ constexpr bool swapped_bt_suits(bool trans_a, bool trans_b, std::int64_t m, std:
          k >= kSwappedBtMinSize && k <= kSwappedBtMaxDepth && m * k * std::int64_t{sizeof(float)} <= kSwappedBtMaxA;
 }
 
+// Products of at most this many multiply-adds run on Eigen (or the unpacked kernel), not OpenBLAS:
+// gemm_openblas.
+constexpr std::int64_t kSmallGemm = std::int64_t{1} << 20;
+
+// Which float products (one thread's part) the unpacked kernel (kernels/cpu/gemm_unpacked.hpp)
+// runs instead of OpenBLAS or Eigen, with AVX-512 and alpha 1: at least two rows (one row:
+// gemm_one_row), and
+// - b as it lies, at least one vector of columns, a of at most kUnpackedGemmMaxA bytes (it stays
+//   in L2 while the kernel reads it where it lies once for each panel of 64 columns), and either
+//   beta 0 (an MLP's input gradient, a classifier's at any batch: OpenBLAS zeroes c in a pass of
+//   its own first, the kernel writes it outright) or at most kSmallGemm multiply-adds (where
+//   Eigen, which packs both operands, would run). The weight gradients (beta 1, a = dy^T) stay on
+//   OpenBLAS, which ran them faster inside an MLP's training step, also with c's tile prefetched.
+//   Above 512 KiB of a (ResNet-50's 1x1 layers' 1 and 4 MiB of weights) OpenBLAS packs a once and
+//   wins.
+// - b transposed and a not, at most kUnpackedBtMaxRows rows (LeNet-5's convolution weight
+//   gradients, 6 or 16 rows; a classifier's forward at a small batch) or at most
+//   kUnpackedBtMaxColumns columns with an a of at most kUnpackedGemmMaxA bytes (an MLP's last
+//   layer, 10 classes): as dot products (gemm_dot_bt_avx512), where Eigen and OpenBLAS run such
+//   short products at a fraction of their speed. The dot products read a once per 4 columns;
+//   with more rows and columns (an MLP's forward, 128 x 512) they, and b copied into the kernel's
+//   layout, both lost to OpenBLAS inside the training step.
+// Figures in bench/README.md, "Figures behind design choices in the headers".
+constexpr std::int64_t kUnpackedGemmMaxA = std::int64_t{1} << 19;
+constexpr std::int64_t kUnpackedBtMaxRows = 32;
+constexpr std::int64_t kUnpackedBtMaxColumns = 32;
+constexpr bool unpacked_suits(bool trans_a, bool trans_b, bool beta_zero, std::int64_t m, std::int64_t n,
+                              std::int64_t k) {
+  const std::int64_t bytes = sizeof(float);
+  if (m < 2) return false;
+  if (trans_b)
+    return !trans_a && (m <= kUnpackedBtMaxRows || (n <= kUnpackedBtMaxColumns && m * k * bytes <= kUnpackedGemmMaxA));
+  if (n < 16) return false;
+  return m * k * bytes <= kUnpackedGemmMaxA && (beta_zero || m * n * k <= kSmallGemm);
+}
+
+// The same choice on a CPU with AVX2 but not AVX-512 (kernels/cpu/gemm_unpacked_avx2.hpp), where
+// OpenBLAS's Haswell and Zen kernels run most products faster than the 8-lane kernels: those with
+// many rows and steps (an MLP's input gradient, 128 x 512 x 256), and those whose b or c is large,
+// which the unpacked kernel walks in strips of 16 columns (ResNet-50's classifier gradients:
+// 8 MB of weights or of dW, 0.3 to 0.65 of OpenBLAS's speed). The 8-lane kernels take:
+// - b as it lies, at least 16 columns, at most kUnpackedAvx2Thin rows or steps, and a, b and c
+//   within kUnpackedGemmMaxA, kUnpackedAvx2MaxBC and kUnpackedAvx2MaxBC bytes, beta 0 or 1: a
+//   convolution with few output channels or a product over them (LeNet-5's 6 and 16; its dx over
+//   16 steps), a classifier's input and weight gradients over 10 classes; 1.1 to 1.6 times
+//   OpenBLAS or Eigen there, whose packing is most of such a product;
+// - b transposed, at most kUnpackedAvx2Thin rows (the weight gradients of LeNet-5's convolutions,
+//   1.5 and 2.1 times OpenBLAS; ResNet-50's classifier at batch 8, 1.7 times, but at batch 32 0.94)
+//   or the dot products' rule above for few columns (an MLP's last layer), as dot products
+//   (gemm_dot_bt_avx2).
+// Figures in bench/README.md, "Figures behind design choices in the headers".
+constexpr std::int64_t kUnpackedAvx2Thin = 16;
+constexpr std::int64_t kUnpackedAvx2MaxBC = std::int64_t{1} << 21;
+constexpr bool unpacked_suits_avx2(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k) {
+  const std::int64_t bytes = sizeof(float);
+  if (m < 2) return false;
+  if (trans_b)
+    return !trans_a && (m <= kUnpackedAvx2Thin || (n <= kUnpackedBtMaxColumns && m * k * bytes <= kUnpackedGemmMaxA));
+  return n >= 16 && std::min(m, k) <= kUnpackedAvx2Thin && m * k * bytes <= kUnpackedGemmMaxA &&
+         k * n * bytes <= kUnpackedAvx2MaxBC && m * n * bytes <= kUnpackedAvx2MaxBC;
+}
+
 }  // namespace detail
 
 #if TESSERA_CPU_KERNELS_EXTERN
@@ -253,10 +316,6 @@ class GemmBlocking : public Eigen::internal::level3_blocking<S, S> {
     this->m_blockB = b;
   }
 };
-
-// Products of at most this many multiply-adds run on Eigen (or the unpacked kernel), not OpenBLAS:
-// gemm_openblas.
-constexpr std::int64_t kSmallGemm = std::int64_t{1} << 20;
 
 // One thread's packing buffers (Eigen's path; the swapped products' a^T and c^T); they only ever grow,
 // so steady state allocates nothing.
@@ -356,38 +415,6 @@ void gemm_one_row(bool trans_a, bool trans_b, std::int64_t n, std::int64_t k, S 
   }
 }
 
-// Which float products (one thread's part) the unpacked kernel (kernels/cpu/gemm_unpacked.hpp)
-// runs instead of OpenBLAS or Eigen, with AVX-512 and alpha 1: at least two rows (one row:
-// gemm_one_row), and
-// - b as it lies, at least one vector of columns, a of at most kUnpackedGemmMaxA bytes (it stays
-//   in L2 while the kernel reads it where it lies once for each panel of 64 columns), and either
-//   beta 0 (an MLP's input gradient, a classifier's at any batch: OpenBLAS zeroes c in a pass of
-//   its own first, the kernel writes it outright) or at most kSmallGemm multiply-adds (where
-//   Eigen, which packs both operands, would run). The weight gradients (beta 1, a = dy^T) stay on
-//   OpenBLAS, which ran them faster inside an MLP's training step, also with c's tile prefetched.
-//   Above 512 KiB of a (ResNet-50's 1x1 layers' 1 and 4 MiB of weights) OpenBLAS packs a once and
-//   wins.
-// - b transposed and a not, at most kUnpackedBtMaxRows rows (LeNet-5's convolution weight
-//   gradients, 6 or 16 rows; a classifier's forward at a small batch) or at most
-//   kUnpackedBtMaxColumns columns with an a of at most kUnpackedGemmMaxA bytes (an MLP's last
-//   layer, 10 classes): as dot products (gemm_dot_bt_avx512), where Eigen and OpenBLAS run such
-//   short products at a fraction of their speed. The dot products read a once per 4 columns;
-//   with more rows and columns (an MLP's forward, 128 x 512) they, and b copied into the kernel's
-//   layout, both lost to OpenBLAS inside the training step.
-// Figures in bench/README.md, "Figures behind design choices in the headers".
-constexpr std::int64_t kUnpackedGemmMaxA = std::int64_t{1} << 19;
-constexpr std::int64_t kUnpackedBtMaxRows = 32;
-constexpr std::int64_t kUnpackedBtMaxColumns = 32;
-constexpr bool unpacked_suits(bool trans_a, bool trans_b, bool beta_zero, std::int64_t m, std::int64_t n,
-                              std::int64_t k) {
-  const std::int64_t bytes = sizeof(float);
-  if (m < 2) return false;
-  if (trans_b)
-    return !trans_a && (m <= kUnpackedBtMaxRows || (n <= kUnpackedBtMaxColumns && m * k * bytes <= kUnpackedGemmMaxA));
-  if (n < 16) return false;
-  return m * k * bytes <= kUnpackedGemmMaxA && (beta_zero || m * n * k <= kSmallGemm);
-}
-
 // C = beta C + alpha op(A) op(B) on the calling thread.
 template <class S>
 void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, S alpha, const S* a,
@@ -404,6 +431,11 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
       if (ws.packed_a.numel() < k * m) ws.packed_a.resize({k * m});
       if (ws.packed_b.numel() < n * m) ws.packed_b.resize({n * m});
       return gemm_swapped_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc, ws.packed_a.data(), ws.packed_b.data());
+    }
+    if (alpha == 1 && (beta == 0 || beta == 1) && !cpu_avx512() && cpu_avx2() &&
+        unpacked_suits_avx2(trans_a, trans_b, m, n, k)) {
+      if (trans_b) return gemm_dot_bt_avx2(m, n, k, a, lda, b, ldb, beta, c, ldc);
+      return gemm_unpacked_avx2(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
     }
   }
 #endif

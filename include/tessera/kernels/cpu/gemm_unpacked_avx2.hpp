@@ -155,6 +155,82 @@ TESSERA_TARGET_AVX2 inline void gemm_unpacked_avx2(bool trans_a, std::int64_t m,
     }
   }
 }
+
+// c (m, n) = beta c + a bt^T, beta 0 or 1, one thread: a (m, k) and bt (n, k) row-major, as dot
+// products along k (gemm_unpacked.hpp's gemm_dot_bt_avx512 in 8 lanes): a convolution's weight
+// gradient dy (K, cols) col^T with few output channels (LeNet-5's 6 and 16), a classifier's last
+// layer (10 columns). A tile is 4 rows of a x 3 rows of bt: 12 accumulators, 3 vectors of bt and one
+// of a fill the 16 registers; each step of 8 loads 7 vectors for 12 multiply-adds. The sums are
+// folded at the end of each block of kDotDepthAvx2 steps (4 KiB per row: the tile's 7 rows stay in
+// L1), and the columns of c a tile leaves are taken by the next tile to the right.
+constexpr std::int64_t kDotDepthAvx2 = 1024;
+
+// One step of 8 (with Masked, the lanes of `lanes`: masked loads do not fault on the lanes they
+// leave) of the tile's 12 dot products.
+template <bool Masked>
+TESSERA_TARGET_AVX2 inline __attribute__((always_inline)) void dot_step_avx2(__m256 (&acc)[12], const float* const (&ar)[4],
+                                                                             const float* const (&br)[3], std::int64_t p,
+                                                                             __m256i lanes) {
+  __m256 bv[3];
+#pragma GCC unroll 3
+  for (int q = 0; q < 3; ++q) bv[q] = Masked ? _mm256_maskload_ps(br[q] + p, lanes) : _mm256_loadu_ps(br[q] + p);
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const __m256 av = Masked ? _mm256_maskload_ps(ar[r] + p, lanes) : _mm256_loadu_ps(ar[r] + p);
+#pragma GCC unroll 3
+    for (int q = 0; q < 3; ++q) acc[3 * r + q] = _mm256_fmadd_ps(av, bv[q], acc[3 * r + q]);
+  }
+}
+
+// c's rows [0, rows) x columns [0, cols) (at most 4 x 3) += or = the tile's dot products over
+// `depth` steps; rows and columns past the edge repeat the last one (computed, never stored).
+TESSERA_TARGET_AVX2 __attribute__((noinline)) inline void dot_tile_avx2(std::int64_t rows, std::int64_t cols,
+                                                                        std::int64_t depth, const float* a,
+                                                                        std::int64_t lda, const float* bt,
+                                                                        std::int64_t ldb, bool accumulate, float* c,
+                                                                        std::int64_t ldc) {
+  const float* ar[4];
+  const float* br[3];
+  for (int r = 0; r < 4; ++r) ar[r] = a + std::min<std::int64_t>(r, rows - 1) * lda;
+  for (int q = 0; q < 3; ++q) br[q] = bt + std::min<std::int64_t>(q, cols - 1) * ldb;
+  __m256 acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
+  const std::int64_t whole = depth / 8 * 8;
+#pragma GCC unroll 1
+  for (std::int64_t p = 0; p < whole; p += 8) dot_step_avx2<false>(acc, ar, br, p, __m256i{});
+  if (whole < depth) dot_step_avx2<true>(acc, ar, br, whole, lanes8(depth - whole));
+  // Three sums of a row at a time: horizontal adds pair the lanes, then the two 128-bit halves.
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const __m256 h01 = _mm256_hadd_ps(acc[3 * r], acc[3 * r + 1]), h2 = _mm256_hadd_ps(acc[3 * r + 2], acc[3 * r + 2]);
+    const __m256 h = _mm256_hadd_ps(h01, h2);  // lanes 0..3 and 4..7: sums of q = 0, 1, 2, 2 per half
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    float* out = c + r * ldc;
+    for (std::int64_t q = 0; q < cols; ++q) out[q] = accumulate ? out[q] + sums[q] : sums[q];
+  }
+}
+
+TESSERA_TARGET_AVX2 inline void gemm_dot_bt_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                                                 std::int64_t lda, const float* bt, std::int64_t ldb, float beta,
+                                                 float* c, std::int64_t ldc) {
+  if (k == 0) {
+    if (beta == 0)
+      for (std::int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  // Blocks of k as even as they go, whole vectors.
+  const std::int64_t blocks = (k + kDotDepthAvx2 - 1) / kDotDepthAvx2;
+  const std::int64_t depth_max = ((k + blocks - 1) / blocks + 7) / 8 * 8;
+  for (std::int64_t k0 = 0; k0 < k; k0 += depth_max) {
+    const std::int64_t depth = std::min(depth_max, k - k0);
+    const bool accumulate = beta != 0 || k0 > 0;
+    for (std::int64_t j0 = 0; j0 < n; j0 += 3)
+      for (std::int64_t i0 = 0; i0 < m; i0 += 4)
+        dot_tile_avx2(std::min<std::int64_t>(4, m - i0), std::min<std::int64_t>(3, n - j0), depth, a + i0 * lda + k0,
+                      lda, bt + j0 * ldb + k0, ldb, accumulate, c + i0 * ldc + j0, ldc);
+  }
+}
 #endif
 
 }  // namespace tessera::detail
