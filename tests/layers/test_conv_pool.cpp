@@ -380,11 +380,15 @@ TEST_CASE("Conv2d's stride-2 rows match a direct sum on wide images", "[layers][
   }
 }
 
-TEST_CASE("im2col of short unpadded rows (gathered 16 columns at a time) matches the plain copy", "[layers][conv]") {
-  // float takes detail::ShortRowGather where AVX-512 is compiled in; double always copies row by
-  // row. Output widths 1 to 15 with kernel widths that make 16 columns span up to 32 inputs, bands
-  // of rows, several samples, and a subset of col rows (a team's share). x is sized exactly, so a
-  // read past the last sample's plane would be outside the allocation (the sanitizer build's job).
+TEST_CASE("im2col of short unpadded rows (gathered 8 or 16 columns at a time) matches the plain copy", "[layers][conv]") {
+  // float takes detail::ShortRowGather with AVX-512 and detail::ShortRowGatherAvx2 with AVX2 (the
+  // kernels-avx2 test runs this case capped at AVX2 on AVX-512 CPUs); double always copies row by
+  // row. Output widths 1 to 15 with kernel widths that make 16 columns span up to 32 inputs (8
+  // columns up to 16: LeNet-5's 100 columns a sample end with an overlapping chunk), bands of rows,
+  // several samples, and a subset of col rows (a team's share). Where 8 columns span more than 16
+  // inputs (W' = 2 on a 9-wide plane) or a band has fewer than 8 columns, AVX2 copies row by row.
+  // x is sized exactly, so a read past the last sample's plane would be outside the allocation
+  // (the sanitizer build's job).
   struct Case {
     std::int64_t samples, c, h, w, kh, kw, oh0, oh1, row_begin, row_end;
   };
@@ -394,7 +398,8 @@ TEST_CASE("im2col of short unpadded rows (gathered 16 columns at a time) matches
                         {2, 3, 9, 8, 3, 5, 0, 7, 0, -1},      // W' = 4: 16 columns span 28 inputs
                         {2, 2, 5, 5, 5, 5, 0, 1, 0, -1},      // W' = 1
                         {1, 4, 20, 17, 2, 3, 0, 19, 0, -1},   // W' = 15, 19 rows: 18 chunks (run-time count), partial last
-                        {5, 1, 8, 7, 1, 2, 0, 8, 0, -1}};     // 1x2 on a 7-wide plane
+                        {5, 1, 8, 7, 1, 2, 0, 8, 0, -1},      // 1x2 on a 7-wide plane
+                        {2, 2, 6, 9, 2, 8, 0, 5, 0, -1}};     // W' = 2 on 9: 8 columns span 29 inputs
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.samples << "x" << c.c << "x" << c.h << "x" << c.w << ", kernel " << c.kh << "x" << c.kw
                                << ", rows " << c.oh0 << "-" << c.oh1) {

@@ -290,14 +290,13 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
 #if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
     // Unpadded, stride 1, output rows short and not adjacent (W' < min(W, 16)): whole col rows
-    // gathered 16 columns at a time (LeNet-5's second layer; faster than copying row by row).
-    detail::ShortRowGather gather;
-    if (cpu_avx512() && !contiguous && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 && g.dilation_w == 1 &&
-        g.pad_h == 0 && g.pad_w == 0 && gather.build(g.width, g.out_width, sample_cols)) {
-      const S* end = x + samples * g.channels * g.in_plane();  // this block's input
-      // (c, i, j) of row r kept by counting: three divisions per row cost about a row's copy.
+    // gathered 16 (AVX-512) or 8 (AVX2) columns at a time (LeNet-5's second layer; faster than
+    // copying row by row).
+    const S* end = x + samples * g.channels * g.in_plane();  // this block's input
+    auto gather_rows = [&](const auto& gather) {
       gather.run([&](auto write) {
         for (std::int64_t s = 0; s < samples; ++s) {
+          // (c, i, j) of row r kept by counting: three divisions per row cost about a row's copy.
           std::int64_t c = row_begin / taps, i = row_begin % taps / g.kernel_w, j = row_begin % g.kernel_w;
           for (std::int64_t r = row_begin; r < rows; ++r) {
             const S* src = x + (s * g.channels + c) * g.in_plane() + (oh0 + i) * g.width + j;
@@ -309,7 +308,15 @@ void im2col(Cpu, const Conv2dGeometry& g, const S* x, std::int64_t samples, std:
           }
         }
       });
-      return;
+    };
+    const bool short_rows = !contiguous && g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 &&
+                            g.dilation_w == 1 && g.pad_h == 0 && g.pad_w == 0;
+    if (short_rows && cpu_avx512()) {
+      detail::ShortRowGather gather;
+      if (gather.build(g.width, g.out_width, sample_cols)) return gather_rows(gather);
+    } else if (short_rows && cpu_avx2()) {
+      detail::ShortRowGatherAvx2 gather;
+      if (gather.build(g.width, g.out_width, sample_cols)) return gather_rows(gather);
     }
   }
 #endif

@@ -462,6 +462,93 @@ class ShortRowGather {
   std::int64_t start_[kMaxChunks];
   __mmask16 low_[kMaxChunks], high_[kMaxChunks], store_[kMaxChunks];
 };
+
+// The same gather in 8 lanes, for CPUs with AVX2 but not AVX-512 (callers check cpu_avx2()): each
+// 8 columns come from the (at most 16) input values they span, by two loads, two in-lane-crossing
+// permutes (VPERMPS) of one index vector and a blend of the two by the lanes past the first 8
+// values; a chunk inside one input row needs the first load alone. No masked store (slow on AMD
+// cores): a band whose columns are not a multiple of 8 ends with a chunk that overlaps the one
+// before it (same values stored twice), so a band needs at least 8 columns. Per row of LeNet-5's
+// second layer's col (100 columns), 13 chunks replace ten short copies and their loop.
+class ShortRowGatherAvx2 {
+ public:
+  static constexpr std::int64_t kMaxChunks = 128;  // 1024 columns per band
+
+  // False (the caller copies row by row) when a band has fewer than 8 or more than 8 kMaxChunks
+  // columns, or 8 columns span more than 16 input values.
+  TESSERA_TARGET_AVX2 bool build(std::int64_t in_width, std::int64_t out_width, std::int64_t columns) {
+    if (out_width <= 0 || out_width >= 16 || in_width < out_width || columns < 8) return false;
+    chunks_ = (columns + 7) / 8;
+    if (chunks_ > kMaxChunks) return false;
+    auto offset = [&](std::int64_t q) { return q / out_width * in_width + q % out_width; };
+    for (std::int64_t m = 0; m < chunks_; ++m) {
+      const std::int64_t q0 = std::min(8 * m, columns - 8);
+      alignas(32) std::int32_t lane_index[8], past_first[8];
+      start_[m] = offset(q0);
+      std::int64_t needed = 0;
+      for (std::int64_t t = 0; t < 8; ++t) {
+        const std::int64_t at = offset(q0 + t) - start_[m];
+        if (at > 15) return false;
+        lane_index[t] = static_cast<std::int32_t>(at & 7);
+        past_first[t] = at >= 8 ? -1 : 0;
+        needed = at + 1;
+      }
+      column_[m] = q0;
+      index_[m] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_index));
+      blend_[m] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(past_first)));
+      two_[m] = needed > 8;
+      low_[m] = lanes8(needed);
+      high_[m] = lanes8(needed - 8);
+    }
+    return true;
+  }
+
+  // As ShortRowGather::reach: unmasked loads are safe while src + reach() is inside the buffer.
+  std::int64_t reach() const { return start_[chunks_ - 1] + 16; }
+
+  // As ShortRowGather::run.
+  template <class Rows>
+  void run(Rows&& rows) const {
+    [&]<std::size_t... C>(std::index_sequence<C...>) {
+      const bool fixed = ((chunks_ == static_cast<std::int64_t>(C) + 1 ? (rows(Writer<C + 1>{*this}), true) : false) || ...);
+      if (!fixed) rows(Writer<0>{*this});
+    }(std::make_index_sequence<kUnrolled>{});
+  }
+
+ private:
+  static constexpr std::int64_t kUnrolled = 16;
+
+  template <bool Masked>
+  TESSERA_TARGET_AVX2 __m256 chunk(std::int64_t m, const float* src) const {
+    const float* at = src + start_[m];
+    const __m256 low = _mm256_permutevar8x32_ps(Masked ? _mm256_maskload_ps(at, low_[m]) : _mm256_loadu_ps(at), index_[m]);
+    if (!two_[m]) return low;
+    const __m256 high =
+        _mm256_permutevar8x32_ps(Masked ? _mm256_maskload_ps(at + 8, high_[m]) : _mm256_loadu_ps(at + 8), index_[m]);
+    return _mm256_blendv_ps(low, high, blend_[m]);
+  }
+  template <bool Masked>
+  TESSERA_TARGET_AVX2 void write(std::int64_t chunks, float* dst, const float* src) const {
+    for (std::int64_t m = 0; m < chunks; ++m) _mm256_storeu_ps(dst + column_[m], chunk<Masked>(m, src));
+  }
+  template <std::int64_t Chunks>  // 0: the run-time count
+  struct Writer {
+    const ShortRowGatherAvx2& g;
+    TESSERA_TARGET_AVX2 void operator()(float* dst, const float* src, bool unmasked) const {
+      const std::int64_t chunks = Chunks > 0 ? Chunks : g.chunks_;
+      if (unmasked)
+        g.write<false>(chunks, dst, src);
+      else
+        g.write<true>(chunks, dst, src);
+    }
+  };
+
+  std::int64_t chunks_ = 0;
+  __m256i index_[kMaxChunks], low_[kMaxChunks], high_[kMaxChunks];
+  __m256 blend_[kMaxChunks];
+  std::int64_t start_[kMaxChunks], column_[kMaxChunks];
+  bool two_[kMaxChunks];
+};
 #endif
 
 }  // namespace tessera::detail
