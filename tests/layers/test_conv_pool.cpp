@@ -421,6 +421,31 @@ TEST_CASE("im2col of short unpadded rows (gathered 8 or 16 columns at a time) ma
   }
 }
 
+TEST_CASE("col2im's sum of a kernel row's taps (stride 1, unpadded) matches the plain loop", "[layers][conv]") {
+  // detail::add_shifted_rows: dx_row[x] += sum over j of first[j ld + x - j] for 0 <= x - j < n,
+  // in float with AVX-512 (masked vectors of 16) or AVX2 (vectors of 8, a row not a whole number of
+  // vectors ending in one that overlaps the one before; under 8 values, the plain loop). Output
+  // widths 1 to 21 and 1 to 7 taps: input rows of 1 to 27 values, whole vectors, one over, one
+  // under. dx_row has a guard value on either side that must stay.
+  std::int64_t wrong = 0, cases = 0;
+  for (std::int64_t taps = 1; taps <= 7; ++taps)
+    for (std::int64_t n = 1; n <= 21; ++n) {
+      const std::int64_t width = n + taps - 1, ld = n + 3;
+      std::vector<float> first(static_cast<std::size_t>(taps * ld));
+      for (std::size_t e = 0; e < first.size(); ++e) first[e] = static_cast<float>(e % 13) - 6.0f;
+      std::vector<float> row(static_cast<std::size_t>(width + 2));
+      for (std::size_t e = 0; e < row.size(); ++e) row[e] = static_cast<float>(e % 5) + 0.5f;
+      std::vector<double> want(row.begin(), row.end());
+      for (std::int64_t j = 0; j < taps; ++j)
+        for (std::int64_t x = 0; x < n; ++x) want[static_cast<std::size_t>(1 + x + j)] += first[static_cast<std::size_t>(j * ld + x)];
+      detail::add_shifted_rows(row.data() + 1, first.data(), ld, taps, n);
+      for (std::size_t e = 0; e < row.size(); ++e) wrong += static_cast<double>(row[e]) != want[e];
+      ++cases;
+    }
+  CHECK(cases == 7 * 21);
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("im2col and col2im of stride-2 convolutions (split into input phases) match their definitions",
           "[layers][conv]") {
   // detail::phase_taps: ResNet's 3x3 and 7x7 stride-2 shapes, odd and even sizes, bands, several

@@ -53,12 +53,13 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i (&w)[16]) {
     w[12 + q] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
   }
 }
-// Lanes [0, n) of 8 as a VMASKMOVPS mask (lane i's sign bit set), n clamped to [0, 8]; AVX alone
-// (a float compare: the integer one is AVX2).
+// Lanes [0, n) of 8 as a VMASKMOVPS mask (lane i's sign bit set), n clamped to [0, 8]: 8 lanes of a
+// table of 8 set words then 8 clear ones, from word 8 - n (one load; the table is one cache line).
+// col2im's shifted rows build two per tap; by a float compare of n against 0..7 (broadcast,
+// convert, compare) this took a visible share of them.
+alignas(64) inline constexpr std::int32_t kLanes8Table[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 __attribute__((target("avx"))) inline __m256i lanes8(std::int64_t n) {
-  const float count = static_cast<float>(std::clamp<std::int64_t>(n, 0, 8));
-  return _mm256_castps_si256(
-      _mm256_cmp_ps(_mm256_set1_ps(count), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _CMP_GT_OQ));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kLanes8Table + 8 - std::clamp<std::int64_t>(n, 0, 8)));
 }
 // w[i][j] -> w[j][i] for an 8 x 8 matrix of floats, one row per register: pairs of rows
 // interleaved by 32 bits, then by 64 (shuffle_ps), then the 128-bit halves exchanged. The Winograd
@@ -335,28 +336,36 @@ TESSERA_TARGET_AVX512 inline void add_shifted_rows_avx512(float* dx_row, const f
   }
 }
 // AVX2: the same, 8 lanes at a time; the taps' partial lanes at the row's ends by masked loads
-// (which are fast, unlike masked stores), and the last 1 to 7 values of dx_row one by one.
+// (which are fast, unlike masked stores). A row not a whole number of vectors ends with a vector
+// that overlaps the one before it, summed onto dx_row's values as they were before any store: its
+// lanes shared with that vector get the same sums, stored twice. (One by one, the last 1 to 7
+// values and their taps took as long as the rest of a 14-wide row of LeNet-5's second layer.)
+TESSERA_TARGET_AVX2 inline __m256 shifted_rows_sum_avx2(__m256 acc, const float* first, std::int64_t ld,
+                                                       std::int64_t taps, std::int64_t n, std::int64_t x0) {
+  for (std::int64_t j = 0; j < taps; ++j) {
+    // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
+    const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
+    if (lo >= hi) continue;
+    const float* from = first + j * ld + x0 - j;
+    acc = _mm256_add_ps(acc, lo == 0 && hi == 8 ? _mm256_loadu_ps(from)
+                                                : _mm256_maskload_ps(from, _mm256_andnot_si256(lanes8(lo), lanes8(hi))));
+  }
+  return acc;
+}
 TESSERA_TARGET_AVX2 inline void add_shifted_rows_avx2(float* dx_row, const float* first, std::int64_t ld,
                                                      std::int64_t taps, std::int64_t n) {
   const std::int64_t width = n + taps - 1;
+  if (width < 8) {
+    for (std::int64_t j = 0; j < taps; ++j)
+      for (std::int64_t x = 0; x < n; ++x) dx_row[x + j] += first[j * ld + x];
+    return;
+  }
+  const std::int64_t last = width - 8;  // the last vector's first lane
+  const __m256 last_before = _mm256_loadu_ps(dx_row + last);
   std::int64_t x0 = 0;
-  for (; x0 + 8 <= width; x0 += 8) {
-    __m256 acc = _mm256_loadu_ps(dx_row + x0);
-    for (std::int64_t j = 0; j < taps; ++j) {
-      // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
-      const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
-      if (lo >= hi) continue;
-      const float* from = first + j * ld + x0 - j;
-      acc = _mm256_add_ps(acc, lo == 0 && hi == 8 ? _mm256_loadu_ps(from)
-                                                  : _mm256_maskload_ps(from, _mm256_andnot_si256(lanes8(lo), lanes8(hi))));
-    }
-    _mm256_storeu_ps(dx_row + x0, acc);
-  }
-  for (std::int64_t x = x0; x < width; ++x) {
-    float sum = dx_row[x];
-    for (std::int64_t j = std::max<std::int64_t>(0, x - n + 1); j < taps && j <= x; ++j) sum += first[j * ld + x - j];
-    dx_row[x] = sum;
-  }
+  for (; x0 + 8 <= width; x0 += 8)
+    _mm256_storeu_ps(dx_row + x0, shifted_rows_sum_avx2(_mm256_loadu_ps(dx_row + x0), first, ld, taps, n, x0));
+  if (x0 < width) _mm256_storeu_ps(dx_row + last, shifted_rows_sum_avx2(last_before, first, ld, taps, n, last));
 }
 #endif
 template <class S>
