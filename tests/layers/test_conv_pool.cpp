@@ -422,27 +422,31 @@ TEST_CASE("im2col of short unpadded rows (gathered 8 or 16 columns at a time) ma
 }
 
 TEST_CASE("col2im's sum of a kernel row's taps (stride 1, unpadded) matches the plain loop", "[layers][conv]") {
-  // detail::add_shifted_rows: dx_row[x] += sum over j of first[j ld + x - j] for 0 <= x - j < n,
-  // in float with AVX-512 (masked vectors of 16) or AVX2 (vectors of 8, a row not a whole number of
-  // vectors ending in one that overlaps the one before; under 8 values, the plain loop). Output
-  // widths 1 to 21 and 1 to 7 taps: input rows of 1 to 27 values, whole vectors, one over, one
-  // under. dx_row has a guard value on either side that must stay.
+  // detail::add_shifted_rows: for rows r, dx_row + r dx_step [x] += sum over j of
+  // first[r first_step + j ld + x - j] for 0 <= x - j < n, in float with AVX-512 (masked vectors of
+  // 16, row by row) or AVX2 (vectors of 8 planned once for all rows, a row not a whole number of
+  // vectors ending in one that overlaps the one before; under 8 values the plain loop; over 4
+  // vectors or 8 taps row by row with the last values one by one). Output widths 1 to 21 and 38,
+  // 1 to 9 taps, 3 rows: input rows of 1 to 46 values. Guard values around each dx row must stay.
   std::int64_t wrong = 0, cases = 0;
-  for (std::int64_t taps = 1; taps <= 7; ++taps)
-    for (std::int64_t n = 1; n <= 21; ++n) {
-      const std::int64_t width = n + taps - 1, ld = n + 3;
+  const std::int64_t rows = 3;
+  for (std::int64_t taps = 1; taps <= 9; ++taps)
+    for (std::int64_t n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 38}) {
+      const std::int64_t width = n + taps - 1, ld = rows * n + 3, dx_step = width + 4, first_step = n;
       std::vector<float> first(static_cast<std::size_t>(taps * ld));
       for (std::size_t e = 0; e < first.size(); ++e) first[e] = static_cast<float>(e % 13) - 6.0f;
-      std::vector<float> row(static_cast<std::size_t>(width + 2));
-      for (std::size_t e = 0; e < row.size(); ++e) row[e] = static_cast<float>(e % 5) + 0.5f;
-      std::vector<double> want(row.begin(), row.end());
-      for (std::int64_t j = 0; j < taps; ++j)
-        for (std::int64_t x = 0; x < n; ++x) want[static_cast<std::size_t>(1 + x + j)] += first[static_cast<std::size_t>(j * ld + x)];
-      detail::add_shifted_rows(row.data() + 1, first.data(), ld, taps, n);
-      for (std::size_t e = 0; e < row.size(); ++e) wrong += static_cast<double>(row[e]) != want[e];
+      std::vector<float> dx(static_cast<std::size_t>(rows * dx_step + 2));
+      for (std::size_t e = 0; e < dx.size(); ++e) dx[e] = static_cast<float>(e % 5) + 0.5f;
+      std::vector<double> want(dx.begin(), dx.end());
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t j = 0; j < taps; ++j)
+          for (std::int64_t x = 0; x < n; ++x)
+            want[static_cast<std::size_t>(1 + r * dx_step + x + j)] += first[static_cast<std::size_t>(r * first_step + j * ld + x)];
+      detail::add_shifted_rows(dx.data() + 1, dx_step, first.data(), first_step, rows, ld, taps, n);
+      for (std::size_t e = 0; e < dx.size(); ++e) wrong += static_cast<double>(dx[e]) != want[e];
       ++cases;
     }
-  CHECK(cases == 7 * 21);
+  CHECK(cases == 9 * 22);
   CHECK(wrong == 0);
 }
 

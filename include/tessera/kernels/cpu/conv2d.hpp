@@ -401,18 +401,20 @@ void col2im_add(Cpu, const Conv2dGeometry& g, S* col, std::int64_t ldcol, std::i
     return;
   }
   if (!contiguous && g.stride_w == 1 && g.pad_w == 0 && g.dilation_w == 1) {
-    // Unpadded columns (LeNet's 5x5 on 14x14): all kw taps of a kernel row at once, per output
-    // row (detail::add_shifted_rows).
+    // Unpadded columns (LeNet's 5x5 on 14x14): all kw taps of a kernel row at once, for the output
+    // rows whose input row lies inside the plane (detail::add_shifted_rows).
     for (std::int64_t s = 0; s < samples; ++s)
       for (std::int64_t c = 0; c < g.channels; ++c)
         for (std::int64_t i = 0; i < g.kernel_h; ++i) {
-          S* out = dx + (s * g.channels + c) * g.in_plane();
-          const S* in = col + (c * taps + i * g.kernel_w) * ldcol + s * sample_cols;
-          for (std::int64_t oh = oh0; oh < oh1; ++oh, in += g.out_width) {
-            const std::int64_t ih = oh * g.stride_h - g.pad_h + i * g.dilation_h;
-            if (ih >= 0 && ih < g.height)
-              detail::add_shifted_rows(out + ih * g.width, in, ldcol, g.kernel_w, g.out_width);
-          }
+          // ih = oh stride_h + i_offset in [0, H) for oh in [a, b).
+          const std::int64_t i_offset = i * g.dilation_h - g.pad_h;
+          std::int64_t a = oh0, b = oh1;
+          while (a < b && a * g.stride_h + i_offset < 0) ++a;
+          while (b > a && (b - 1) * g.stride_h + i_offset >= g.height) --b;
+          if (a == b) continue;
+          S* out = dx + (s * g.channels + c) * g.in_plane() + (a * g.stride_h + i_offset) * g.width;
+          const S* in = col + (c * taps + i * g.kernel_w) * ldcol + s * sample_cols + (a - oh0) * g.out_width;
+          detail::add_shifted_rows(out, g.stride_h * g.width, in, g.out_width, b - a, ldcol, g.kernel_w, g.out_width);
         }
     return;
   }

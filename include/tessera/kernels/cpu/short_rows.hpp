@@ -335,49 +335,105 @@ TESSERA_TARGET_AVX512 inline void add_shifted_rows_avx512(float* dx_row, const f
     _mm512_mask_storeu_ps(dx_row + x0, m, acc);
   }
 }
-// AVX2: the same, 8 lanes at a time; the taps' partial lanes at the row's ends by masked loads
-// (which are fast, unlike masked stores). A row not a whole number of vectors ends with a vector
-// that overlaps the one before it, summed onto dx_row's values as they were before any store: its
-// lanes shared with that vector get the same sums, stored twice. (One by one, the last 1 to 7
-// values and their taps took as long as the rest of a 14-wide row of LeNet-5's second layer.)
-TESSERA_TARGET_AVX2 inline __m256 shifted_rows_sum_avx2(__m256 acc, const float* first, std::int64_t ld,
-                                                       std::int64_t taps, std::int64_t n, std::int64_t x0) {
-  for (std::int64_t j = 0; j < taps; ++j) {
-    // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
-    const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
-    if (lo >= hi) continue;
-    const float* from = first + j * ld + x0 - j;
-    acc = _mm256_add_ps(acc, lo == 0 && hi == 8 ? _mm256_loadu_ps(from)
-                                                : _mm256_maskload_ps(from, _mm256_andnot_si256(lanes8(lo), lanes8(hi))));
+// AVX2: the same, 8 lanes at a time, for `rows` rows (dx_row + r dx_step from first + r
+// first_step): which taps reach which lanes of each vector is the same on every row, so it is
+// worked out once (a plan of at most kShiftedVectors vectors by kShiftedTaps taps; wider rows or
+// more taps go row by row, their last 1 to 7 values one by one). Taps' partial lanes at
+// the row's ends by masked loads (which are fast, unlike masked stores). A row not a whole number
+// of vectors ends with a vector that overlaps the one before it, summed onto dx_row's values as
+// they were before any store: its lanes shared with that vector get the same sums, stored twice.
+// (Per row, with the last 1 to 7 values one by one and the masks rebuilt for each row, col2im
+// took 2.5 times as long in a LeNet-5 step on a Zen 3.)
+constexpr std::int64_t kShiftedVectors = 4, kShiftedTaps = 8;
+struct ShiftedRowsPlan {
+  std::int64_t vectors = 0, first_lane[kShiftedVectors] = {};
+  // Per vector and tap: 0 no lane, 1 all 8 lanes, 2 the lanes in mask.
+  std::int8_t kind[kShiftedVectors][kShiftedTaps] = {};
+  __m256i mask[kShiftedVectors][kShiftedTaps];
+};
+TESSERA_TARGET_AVX2 inline void add_shifted_rows_planned_avx2(const ShiftedRowsPlan& plan, float* dx_row,
+                                                             const float* first, std::int64_t ld, std::int64_t taps) {
+  __m256 sums[kShiftedVectors];
+  for (std::int64_t v = 0; v < plan.vectors; ++v) {
+    const std::int64_t x0 = plan.first_lane[v];
+    __m256 acc = _mm256_loadu_ps(dx_row + x0);  // every load before the first store (the overlap)
+    for (std::int64_t j = 0; j < taps; ++j) {
+      const float* from = first + j * ld + x0 - j;
+      if (plan.kind[v][j] == 1) acc = _mm256_add_ps(acc, _mm256_loadu_ps(from));
+      else if (plan.kind[v][j] == 2) acc = _mm256_add_ps(acc, _mm256_maskload_ps(from, plan.mask[v][j]));
+    }
+    sums[v] = acc;
   }
-  return acc;
+  for (std::int64_t v = 0; v < plan.vectors; ++v) _mm256_storeu_ps(dx_row + plan.first_lane[v], sums[v]);
 }
-TESSERA_TARGET_AVX2 inline void add_shifted_rows_avx2(float* dx_row, const float* first, std::int64_t ld,
+TESSERA_TARGET_AVX2 inline void add_shifted_rows_avx2(float* dx_row, std::int64_t dx_step, const float* first,
+                                                     std::int64_t first_step, std::int64_t rows, std::int64_t ld,
                                                      std::int64_t taps, std::int64_t n) {
   const std::int64_t width = n + taps - 1;
   if (width < 8) {
-    for (std::int64_t j = 0; j < taps; ++j)
-      for (std::int64_t x = 0; x < n; ++x) dx_row[x + j] += first[j * ld + x];
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < taps; ++j)
+        for (std::int64_t x = 0; x < n; ++x) dx_row[r * dx_step + x + j] += first[r * first_step + j * ld + x];
     return;
   }
-  const std::int64_t last = width - 8;  // the last vector's first lane
-  const __m256 last_before = _mm256_loadu_ps(dx_row + last);
-  std::int64_t x0 = 0;
-  for (; x0 + 8 <= width; x0 += 8)
-    _mm256_storeu_ps(dx_row + x0, shifted_rows_sum_avx2(_mm256_loadu_ps(dx_row + x0), first, ld, taps, n, x0));
-  if (x0 < width) _mm256_storeu_ps(dx_row + last, shifted_rows_sum_avx2(last_before, first, ld, taps, n, last));
+  const std::int64_t vectors = (width + 7) / 8;
+  if (vectors > kShiftedVectors || taps > kShiftedTaps) {
+    // Row by row: whole vectors, then the last 1 to 7 values one by one.
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = dx_row + r * dx_step;
+      const float* row_first = first + r * first_step;
+      std::int64_t x0 = 0;
+      for (; x0 + 8 <= width; x0 += 8) {
+        __m256 acc = _mm256_loadu_ps(row + x0);
+        for (std::int64_t j = 0; j < taps; ++j) {
+          const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
+          if (lo >= hi) continue;
+          const float* from = row_first + j * ld + x0 - j;
+          acc = _mm256_add_ps(acc, lo == 0 && hi == 8 ? _mm256_loadu_ps(from)
+                                                      : _mm256_maskload_ps(from, _mm256_andnot_si256(lanes8(lo), lanes8(hi))));
+        }
+        _mm256_storeu_ps(row + x0, acc);
+      }
+      for (std::int64_t x = x0; x < width; ++x) {
+        float sum = row[x];
+        for (std::int64_t j = std::max<std::int64_t>(0, x - n + 1); j < taps && j <= x; ++j) sum += row_first[j * ld + x - j];
+        row[x] = sum;
+      }
+    }
+    return;
+  }
+  ShiftedRowsPlan plan;
+  plan.vectors = vectors;
+  for (std::int64_t v = 0; v < vectors; ++v) {
+    const std::int64_t x0 = std::min(8 * v, width - 8);  // the last one overlaps when width % 8 != 0
+    plan.first_lane[v] = x0;
+    for (std::int64_t j = 0; j < taps; ++j) {
+      // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
+      const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
+      plan.kind[v][j] = lo >= hi ? 0 : lo == 0 && hi == 8 ? 1 : 2;
+      plan.mask[v][j] = _mm256_andnot_si256(lanes8(lo), lanes8(hi));
+    }
+  }
+  for (std::int64_t r = 0; r < rows; ++r)
+    add_shifted_rows_planned_avx2(plan, dx_row + r * dx_step, first + r * first_step, ld, taps);
 }
 #endif
+// add_shifted_rows for `rows` rows: dx_row + r dx_step from first + r first_step.
 template <class S>
-inline void add_shifted_rows(S* dx_row, const S* first, std::int64_t ld, std::int64_t taps, std::int64_t n) {
+inline void add_shifted_rows(S* dx_row, std::int64_t dx_step, const S* first, std::int64_t first_step,
+                             std::int64_t rows, std::int64_t ld, std::int64_t taps, std::int64_t n) {
 #if TESSERA_X86_DISPATCH
   if constexpr (std::is_same_v<S, float>) {
-    if (cpu_avx512()) return add_shifted_rows_avx512(dx_row, first, ld, taps, n);
-    if (cpu_avx2()) return add_shifted_rows_avx2(dx_row, first, ld, taps, n);
+    if (cpu_avx512()) {
+      for (std::int64_t r = 0; r < rows; ++r) add_shifted_rows_avx512(dx_row + r * dx_step, first + r * first_step, ld, taps, n);
+      return;
+    }
+    if (cpu_avx2()) return add_shifted_rows_avx2(dx_row, dx_step, first, first_step, rows, ld, taps, n);
   }
 #endif
-  for (std::int64_t j = 0; j < taps; ++j)
-    for (std::int64_t x = 0; x < n; ++x) dx_row[x + j] += first[j * ld + x];
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < taps; ++j)
+      for (std::int64_t x = 0; x < n; ++x) dx_row[r * dx_step + x + j] += first[r * first_step + j * ld + x];
 }
 
 #if TESSERA_X86_DISPATCH
