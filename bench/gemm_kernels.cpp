@@ -5,8 +5,9 @@
 // Linear layer's forward at batch 64 to 128, gemm_swapped_bt_avx512, else as dot products,
 // gemm_dot_bt_avx512) and oneDNN's sgemm
 // (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). On a CPU
-// with AVX2 but no AVX-512 (a Zen 3), "unpacked" is the 8-lane kernel (gemm_unpacked_avx2, which
-// only Winograd calls there) on the products without a transposed B. Each
+// with AVX2 but no AVX-512 (a Zen 3), "unpacked" is the 8-lane kernel (gemm_unpacked_avx2: Winograd
+// calls it there, and gemm on products with few rows or steps) on the products without a transposed
+// B, and the 8-lane dot products (gemm_dot_bt_avx2) on the transposed ones gemm gives them. Each
 // kernel's GFLOP/s is given next to the core's register-only FMA rate (12 independent chains of
 // 512-bit FMAs, or 256-bit ones without AVX-512; no memory), and its heap allocations per call are
 // counted (alloc_counter.hpp).
@@ -78,6 +79,13 @@ const Product kProducts[] = {
     // LeNet-5's weight gradients (batch 64; blocks of 6 and 8 samples): a few rows, b transposed
     {"lenet conv dW 5x5 1->6 28x28 6 img", false, true, 6, 25, 4704},
     {"lenet conv dW 5x5 6->16 10x10 8 img", false, true, 16, 150, 800},
+    // LeNet-5's second convolution forward and dx, and the MLP's last layer (10 classes): on AVX2
+    // CPUs gemm gives these to the 8-lane kernels (gemm.hpp, unpacked_suits_avx2)
+    {"lenet conv fwd 5x5 6->16 10x10 8 img", false, false, 16, 800, 150},
+    {"lenet conv dx 5x5 6->16 10x10 8 img", true, false, 150, 800, 16},
+    {"mlp forward 256->10", false, true, 128, 10, 256},
+    {"mlp weight grad 256->10", true, false, 10, 256, 128},
+    {"mlp input grad 256->10", false, false, 128, 256, 10},
 };
 
 // /proc/cpuinfo's first "vendor_id", "cpu family", "model" and "model name": the JSON names its CPU.
@@ -149,8 +157,12 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
       return true;
     }
     case kUnpacked:
-      if (!cpu_avx512()) {  // AVX2: the 8-lane kernel, on the products conv_gemm would give it (not dW)
-        if (p.trans_b) return false;
+      if (!cpu_avx512()) {  // AVX2: the 8-lane kernel; b transposed, its dot products where gemm takes them
+        if (p.trans_b) {
+          if (p.trans_a || !detail::unpacked_suits_avx2(p.trans_a, p.trans_b, p.m, p.n, p.k)) return false;
+          detail::gemm_dot_bt_avx2(p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc);
+          return true;
+        }
         detail::gemm_unpacked_avx2(p.trans_a, p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc,
                                    detail::unpacked_depth_block(p.n));
         return true;

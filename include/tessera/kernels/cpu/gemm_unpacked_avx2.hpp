@@ -15,7 +15,10 @@
 // Who uses it: where kernels/cpu/gemm_unpacked.hpp's AVX-512 kernel runs on an AVX-512 CPU,
 // Winograd's 36 products (kernels/cpu/winograd.hpp); without it Eigen's gebp packed both operands
 // on every call and zeroed c first (a quarter of a ResNet-20 training step on a Zen 3: bench/README.md,
-// "Figures behind design choices in the headers").
+// "Figures behind design choices in the headers"). And gemm's products with at most 16 rows or
+// steps (kernels/cpu/gemm.hpp, unpacked_suits_avx2), with the dot products below (gemm_dot_bt_avx2)
+// for a transposed b: LeNet-5's convolutions and a classifier's last layer, where OpenBLAS and
+// Eigen spend most of such a product packing.
 #pragma once
 
 #include <algorithm>

@@ -3,9 +3,10 @@
 // adjacent in memory (no padding: W' < W). A plain loop of 10 floats compiles to a vector of 8 and
 // a scalar tail, or to a call to memmove; with AVX-512 one masked load and one masked store move
 // up to 16 floats (measured: im2col + col2im were a large share of a LeNet-5 step).
-// float only (double serves the gradient checks, where speed does not matter); without AVX-512
-// (another CPU, TESSERA_CPU_CAPABILITY=default, or nvcc's host pass) the plain loops are used.
-// The AVX-512 versions are functions of their own, chosen at run time (kernels/cpu/capability.hpp).
+// float only (double serves the gradient checks, where speed does not matter); with AVX2 but not
+// AVX-512, 8-lane versions without masked stores (slow on AMD cores); with neither (another CPU,
+// TESSERA_CPU_CAPABILITY=default, or nvcc's host pass) the plain loops. The SIMD versions are
+// functions of their own, chosen at run time (kernels/cpu/capability.hpp).
 #pragma once
 
 #include <algorithm>
