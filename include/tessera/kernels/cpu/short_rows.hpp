@@ -55,9 +55,8 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i (&w)[16]) {
   }
 }
 // Lanes [0, n) of 8 as a VMASKMOVPS mask (lane i's sign bit set), n clamped to [0, 8]: 8 lanes of a
-// table of 8 set words then 8 clear ones, from word 8 - n (one load; the table is one cache line).
-// col2im's shifted rows build two per tap; by a float compare of n against 0..7 (broadcast,
-// convert, compare) this took a visible share of them.
+// table of 8 set words then 8 clear ones, from word 8 - n: one load (the table is one cache line)
+// where a float compare of n against 0..7 takes a convert, a broadcast and the compare.
 alignas(64) inline constexpr std::int32_t kLanes8Table[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 __attribute__((target("avx"))) inline __m256i lanes8(std::int64_t n) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kLanes8Table + 8 - std::clamp<std::int64_t>(n, 0, 8)));
@@ -346,9 +345,18 @@ TESSERA_TARGET_AVX512 inline void add_shifted_rows_avx512(float* dx_row, const f
 // (Per row, with the last 1 to 7 values one by one and the masks rebuilt for each row, col2im
 // took 2.5 times as long in a LeNet-5 step on a Zen 3.)
 constexpr std::int64_t kShiftedVectors = 4, kShiftedTaps = 8;
+// Which lanes l of the vector at x0 tap j reaches (0 <= x0 + l - j < n): 0 none, 1 all 8, 2 those
+// in `mask` (masked-off lanes are neither read nor faulted on).
+TESSERA_TARGET_AVX2 inline std::int8_t shifted_tap_lanes(std::int64_t x0, std::int64_t j, std::int64_t n, __m256i& mask) {
+  const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
+  if (lo >= hi) return 0;
+  if (lo == 0 && hi == 8) return 1;
+  mask = _mm256_andnot_si256(lanes8(lo), lanes8(hi));
+  return 2;
+}
 struct ShiftedRowsPlan {
   std::int64_t vectors = 0, first_lane[kShiftedVectors] = {};
-  // Per vector and tap: 0 no lane, 1 all 8 lanes, 2 the lanes in mask.
+  // Per vector and tap, shifted_tap_lanes: 0 no lane, 1 all 8 lanes, 2 the lanes in mask.
   std::int8_t kind[kShiftedVectors][kShiftedTaps] = {};
   __m256i mask[kShiftedVectors][kShiftedTaps];
 };
@@ -387,11 +395,11 @@ TESSERA_TARGET_AVX2 inline void add_shifted_rows_avx2(float* dx_row, std::int64_
       for (; x0 + 8 <= width; x0 += 8) {
         __m256 acc = _mm256_loadu_ps(row + x0);
         for (std::int64_t j = 0; j < taps; ++j) {
-          const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
-          if (lo >= hi) continue;
+          __m256i mask;
+          const std::int8_t kind = shifted_tap_lanes(x0, j, n, mask);
           const float* from = row_first + j * ld + x0 - j;
-          acc = _mm256_add_ps(acc, lo == 0 && hi == 8 ? _mm256_loadu_ps(from)
-                                                      : _mm256_maskload_ps(from, _mm256_andnot_si256(lanes8(lo), lanes8(hi))));
+          if (kind == 1) acc = _mm256_add_ps(acc, _mm256_loadu_ps(from));
+          else if (kind == 2) acc = _mm256_add_ps(acc, _mm256_maskload_ps(from, mask));
         }
         _mm256_storeu_ps(row + x0, acc);
       }
@@ -408,12 +416,7 @@ TESSERA_TARGET_AVX2 inline void add_shifted_rows_avx2(float* dx_row, std::int64_
   for (std::int64_t v = 0; v < vectors; ++v) {
     const std::int64_t x0 = std::min(8 * v, width - 8);  // the last one overlaps when width % 8 != 0
     plan.first_lane[v] = x0;
-    for (std::int64_t j = 0; j < taps; ++j) {
-      // Lanes l with 0 <= x0 + l - j < n; masked-off lanes are neither read nor faulted on.
-      const std::int64_t lo = std::max<std::int64_t>(0, j - x0), hi = std::min<std::int64_t>(8, n + j - x0);
-      plan.kind[v][j] = lo >= hi ? 0 : lo == 0 && hi == 8 ? 1 : 2;
-      plan.mask[v][j] = _mm256_andnot_si256(lanes8(lo), lanes8(hi));
-    }
+    for (std::int64_t j = 0; j < taps; ++j) plan.kind[v][j] = shifted_tap_lanes(x0, j, n, plan.mask[v][j]);
   }
   for (std::int64_t r = 0; r < rows; ++r)
     add_shifted_rows_planned_avx2(plan, dx_row + r * dx_step, first + r * first_step, ld, taps);
@@ -438,6 +441,16 @@ inline void add_shifted_rows(S* dx_row, std::int64_t dx_step, const S* first, st
 }
 
 #if TESSERA_X86_DISPATCH
+// body(std::integral_constant<std::int64_t, n>{}) for n in [1, Max], else with the constant 0 (a
+// run-time count): the short-row gathers' chunk loops unrolled for the counts that occur.
+template <std::int64_t Max, class Body>
+void with_fixed_count(std::int64_t n, Body&& body) {
+  [&]<std::int64_t... C>(std::integer_sequence<std::int64_t, C...>) {
+    const bool fixed = ((n == C + 1 ? (body(std::integral_constant<std::int64_t, C + 1>{}), true) : false) || ...);
+    if (!fixed) body(std::integral_constant<std::int64_t, 0>{});
+  }(std::make_integer_sequence<std::int64_t, Max>{});
+}
+
 // im2col's rows for an unpadded stride-1 convolution with short output rows (W' < 16, such as
 // LeNet-5's second layer: 10 wide on a 14-wide input). Column q of a band's col row for tap
 // (i, j) holds input element (oh0 + i) W + j + (q / W') W + q % W': runs of W' values, W apart.
@@ -487,10 +500,7 @@ class ShortRowGather {
   // its loop: with a run-time count of 7 (LeNet-5), or a call per row, the same work took longer.
   template <class Rows>
   void run(Rows&& rows) const {
-    [&]<std::size_t... C>(std::index_sequence<C...>) {
-      const bool fixed = ((chunks_ == static_cast<std::int64_t>(C) + 1 ? (rows(Writer<C + 1>{*this}), true) : false) || ...);
-      if (!fixed) rows(Writer<0>{*this});
-    }(std::make_index_sequence<kUnrolled>{});
+    with_fixed_count<kUnrolled>(chunks_, [&](auto count) { rows(Writer<decltype(count)::value>{*this}); });
   }
 
  private:
@@ -575,10 +585,7 @@ class ShortRowGatherAvx2 {
   // As ShortRowGather::run.
   template <class Rows>
   void run(Rows&& rows) const {
-    [&]<std::size_t... C>(std::index_sequence<C...>) {
-      const bool fixed = ((chunks_ == static_cast<std::int64_t>(C) + 1 ? (rows(Writer<C + 1>{*this}), true) : false) || ...);
-      if (!fixed) rows(Writer<0>{*this});
-    }(std::make_index_sequence<kUnrolled>{});
+    with_fixed_count<kUnrolled>(chunks_, [&](auto count) { rows(Writer<decltype(count)::value>{*this}); });
   }
 
  private:
