@@ -8,6 +8,7 @@
 
 #include "tessera/core/linkage.hpp"
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/capability.hpp"
 
 namespace tessera {
 
@@ -165,9 +166,14 @@ constexpr std::int64_t kWinogradMinChannels = 8;
 // (Conv2dBlocking::winograd_by_position: one dU, written once, U read once) that layer's backward
 // at batch 8 is a third faster than with private dU, yet still no faster than im2col when memory
 // is slow: its three filter transforms move 37.7 MB each (bench/README.md, "Figures behind design
-// choices"), so the bound stays.
+// choices"), so the bound stays. That is where im2col's products run on 16-lane (AVX-512) kernels;
+// on a CPU without AVX-512 they run at half that rate, and the same layer at batch 8 (saving 2376)
+// is faster with Winograd: kWinogradMinSavingLargeGradientNarrow (ResNet-50 training at batch 8 on
+// a Zen 3, two threads: 5.97 -> 6.21 img/s; one thread: 3.51 -> 3.54; bench/README.md, "Figures
+// behind design choices in the headers").
 constexpr std::int64_t kMaxPrivateWinogradGradientBytes = std::int64_t{128} << 20;
 constexpr std::int64_t kWinogradMinSavingLargeGradient = 4096;
+constexpr std::int64_t kWinogradMinSavingLargeGradientNarrow = 2048;
 
 // Range [lo, hi) of output columns ow whose tap ow * stride + offset lies inside [0, extent).
 inline void valid_output_range(std::int64_t offset, std::int64_t stride, std::int64_t extent, std::int64_t out,
@@ -241,15 +247,18 @@ inline bool winograd_by_position(std::int64_t blocks, std::int64_t team, std::in
 // with a backward, every thread's private dU (36 K C) must also fit kMaxPrivateGradientBytes, or
 // kMaxPrivateWinogradGradientBytes for a large saving; `by_position`: the team keeps one dU;
 // `forward_only` (Mode::Inference) has no dU: ResNet-50's 512-channel 7x7 layers then take
-// Winograd from batch 7 on, faster than im2col there: bench/README.md).
+// Winograd from batch 7 on, faster than im2col there: bench/README.md; `wide_products`: im2col's
+// products would run on 16-lane kernels (cpu_avx512), which sets the saving a large dU needs).
 inline bool winograd_pays(const Conv2dGeometry& g, std::int64_t batch, std::int64_t scalar_bytes,
-                          std::int64_t threads, bool forward_only = false, bool by_position = false) {
+                          std::int64_t threads, bool forward_only = false, bool by_position = false,
+                          bool wide_products = true) {
   const std::int64_t tiles = ((g.out_height + 3) / 4) * ((g.out_width + 3) / 4);
   const std::int64_t saving = batch * (9 * g.out_plane() - 36 * tiles);
   const std::int64_t private_du = (by_position ? 1 : threads) * 36 * g.out_channels * g.channels * scalar_bytes;
   return g.channels >= kWinogradMinChannels && g.out_channels >= kWinogradMinChannels && saving >= kWinogradMinSaving &&
          (forward_only || private_du <= kMaxPrivateGradientBytes ||
-          (private_du <= kMaxPrivateWinogradGradientBytes && saving >= kWinogradMinSavingLargeGradient));
+          (private_du <= kMaxPrivateWinogradGradientBytes &&
+           saving >= (wide_products ? kWinogradMinSavingLargeGradient : kWinogradMinSavingLargeGradientNarrow)));
 }
 
 }  // namespace detail
@@ -339,7 +348,8 @@ TESSERA_LINKAGE Conv2dBlocking conv2d_blocking(const Conv2dGeometry& g, std::int
   if (winograd_applies(g) && algorithm != ConvAlgorithm::Im2col) {
     const Conv2dBlocking w = detail::winograd_blocking(g, batch, scalar_bytes, block_columns, b);
     if (algorithm == ConvAlgorithm::Winograd ||
-        detail::winograd_pays(g, batch, scalar_bytes, b.threads, forward_only, w.winograd_by_position))
+        detail::winograd_pays(g, batch, scalar_bytes, b.threads, forward_only, w.winograd_by_position,
+                              cpu_avx512()))
       return w;
   }
   return detail::im2col_blocking(g, batch, scalar_bytes, block_columns, b);
