@@ -209,6 +209,49 @@ TEMPLATE_TEST_CASE("Winograd's unpacked product matches a float64 loop", "[core]
       }
 }
 
+TEST_CASE("Winograd's filter transform gathers the same taps as a float64 loop", "[core][conv]") {
+  // detail::winograd_filter_transform (kernels/cpu/winograd.hpp) in float takes each tap of a
+  // vector of consecutive filters with one hardware gather (WinogradTapGather, builds with AVX2 or
+  // AVX-512) where the vector is whole; float64 always loops. Both layouts of w (transposed: the
+  // channel-blocked path's), the flipped filter (rotated: dx), column counts of whole vectors and a
+  // last partial one, a row range [r0, r1) of a team's share: the float result equals the float64
+  // one rounded, up to the transform's own rounding.
+  struct Case {
+    std::int64_t rows, cols, r0, r1;
+  };
+  const Case cases[] = {{3, 5, 0, 3}, {4, 16, 0, 4}, {6, 37, 2, 5}, {20, 48, 0, 20}, {9, 130, 3, 9}};
+  std::uint64_t state = 11;
+  for (const auto& c : cases)
+    for (bool transposed : {false, true})
+      for (bool rotated : {false, true}) {
+        const std::int64_t filters = c.rows * c.cols, plane = filters;
+        std::vector<double> w64(filters * 9);
+        for (auto& v : w64) v = pseudo_random(state);
+        std::vector<float> w32(w64.begin(), w64.end());
+        for (auto& v : w64) v = static_cast<double>(static_cast<float>(v));  // the same inputs
+        std::vector<double> u64(36 * plane, 7.0);
+        std::vector<float> u32(36 * plane, 7.0f);
+        detail::winograd_filter_transform(w64.data(), c.rows, c.cols, transposed, rotated, c.r0, c.r1, u64.data());
+        detail::winograd_filter_transform(w32.data(), c.rows, c.cols, transposed, rotated, c.r0, c.r1, u32.data());
+        INFO("rows " << c.rows << " cols " << c.cols << " [" << c.r0 << ", " << c.r1 << ") transposed " << transposed
+                     << " rotated " << rotated);
+        double worst = 0;
+        bool outside_kept = true;
+        for (std::int64_t xi = 0; xi < 36; ++xi)
+          for (std::int64_t r = 0; r < c.rows; ++r)
+            for (std::int64_t q = 0; q < c.cols; ++q) {
+              const std::int64_t at = xi * plane + r * c.cols + q;
+              if (r < c.r0 || r >= c.r1) {
+                outside_kept = outside_kept && u32[at] == 7.0f && u64[at] == 7.0;
+                continue;
+              }
+              worst = std::max(worst, std::fabs(static_cast<double>(u32[at]) - u64[at]) / (1.0 + std::fabs(u64[at])));
+            }
+        CHECK(worst <= 1e-6);
+        CHECK(outside_kept);
+      }
+}
+
 TEST_CASE("the unpacked product handles widths that are not whole vectors", "[core][conv]") {
   // detail::gemm_unpacked_avx512 (kernels/cpu/gemm_unpacked.hpp), as conv_gemm calls it on blocks
   // of any width: a last vector of 1 to 15 columns under a mask, alone or after whole panels of

@@ -271,6 +271,53 @@ inline WinogradBlock winograd_block(const WinogradPass& p, const Conv2dBlocking&
   return {n0, std::min(b.samples, batch - n0), oh0 / kWinogradTile, (oh1 + kWinogradTile - 1) / kWinogradTile};
 }
 
+// One tap of P::width consecutive filters, `lane_stride` elements apart, as a vector (lanes past n
+// zero): a hardware gather for float where the build has AVX2 (or AVX-512: 16 lanes), a loop
+// elsewhere. The loop stored lanes one by one and read them back as a vector (a store-forwarding
+// stall each time); with the gathers ResNet-50's 512-channel filter transform (36 x 512 x 512) took
+// 7-8 ms instead of 13-18 on one Zen 3 core, and no less on two, where writing U's 37.7 MB bounds
+// it (bench/README.md, "Figures behind design choices in the headers").
+template <class S>
+struct WinogradTapGather {
+  using P = WinogradVector<S>;
+  using V = typename P::V;
+  std::int64_t lane_stride;
+#if defined(__AVX512F__)
+  __m512i index;
+  explicit WinogradTapGather(std::int64_t stride)
+      : lane_stride(stride), index(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                      _mm512_set1_epi32(static_cast<int>(stride)))) {}
+#elif defined(__AVX2__)
+  __m256i index;
+  explicit WinogradTapGather(std::int64_t stride)
+      : lane_stride(stride),
+        index(_mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(stride)))) {}
+#else
+  explicit WinogradTapGather(std::int64_t stride) : lane_stride(stride) {}
+#endif
+  template <class R>
+  static V bits(R r) {
+    static_assert(sizeof(R) == sizeof(V));
+    V v;
+    std::memcpy(&v, &r, sizeof v);
+    return v;
+  }
+  V operator()(const S* first, std::int64_t n) const {
+    if constexpr (std::is_same_v<S, float>) {
+      if (n == P::width && lane_stride * P::width <= std::int64_t{1} << 30) {
+#if defined(__AVX512F__)
+        return bits(_mm512_i32gather_ps(index, first, 4));
+#elif defined(__AVX2__)
+        return bits(_mm256_i32gather_ps(first, index, 4));
+#endif
+      }
+    }
+    V v = {};
+    for (std::int64_t l = 0; l < n; ++l) v[l] = first[l * lane_stride];
+    return v;
+  }
+};
+
 // U[xi] (rows, cols) from 3x3 filters: U[xi][r][q] = (G f G^T)[xi] with f = w[r, q], or w[q, r]
 // when `transposed` (w is (cols, rows, 3, 3) then), rotated by 180 degrees when `rotated` (the dx
 // filter). Rows r in [r0, r1) only, so that a team can split them. A vector of consecutive q at a
@@ -282,20 +329,19 @@ void winograd_filter_transform(const S* w, std::int64_t rows, std::int64_t cols,
   using P = WinogradVector<S>;
   using V = typename P::V;
   const std::int64_t plane = rows * cols;
+  const std::int64_t lane_stride = transposed ? rows * 9 : 9;  // between filters q and q + 1
+  const WinogradTapGather<S> gather(lane_stride);
   for (std::int64_t r = r0; r < r1; ++r)
     for (std::int64_t q0 = 0; q0 < cols; q0 += P::width) {
       const std::int64_t n = std::min(P::width, cols - q0);
-      S taps[3][3][P::width] = {};  // the filters' taps, lane = q - q0
-      for (std::int64_t l = 0; l < n; ++l) {
-        const std::int64_t q = q0 + l;
-        const S* f = transposed ? w + (q * rows + r) * 9 : w + (r * cols + q) * 9;
-        for (int i = 0; i < 3; ++i)
-          for (int j = 0; j < 3; ++j) taps[i][j][l] = rotated ? f[(2 - i) * 3 + (2 - j)] : f[i * 3 + j];
-      }
+      const S* f0 = transposed ? w + (q0 * rows + r) * 9 : w + (r * cols + q0) * 9;
+      V tap[3][3];  // the filters' taps, lane = q - q0
+      for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 3; ++j) tap[i][j] = gather(f0 + (rotated ? (2 - i) * 3 + (2 - j) : i * 3 + j), n);
       V h[6][3];  // G f, column by column ...
       for (int j = 0; j < 3; ++j) {
         V column[3], out[6];
-        for (int i = 0; i < 3; ++i) column[i] = P::load(taps[i][j]);
+        for (int i = 0; i < 3; ++i) column[i] = tap[i][j];
         winograd_filter_1d<S>(column, out);
         for (int i = 0; i < 6; ++i) h[i][j] = out[i];
       }
