@@ -274,9 +274,9 @@ inline WinogradBlock winograd_block(const WinogradPass& p, const Conv2dBlocking&
 // One tap of P::width consecutive filters, `lane_stride` elements apart, as a vector (lanes past n
 // zero): a hardware gather for float where the build has AVX2 (or AVX-512: 16 lanes), a loop
 // elsewhere. The loop stored lanes one by one and read them back as a vector (a store-forwarding
-// stall each time); with the gathers ResNet-50's 512-channel filter transform (36 x 512 x 512) took
-// 7-8 ms instead of 13-18 on one Zen 3 core, and no less on two, where writing U's 37.7 MB bounds
-// it (bench/README.md, "Figures behind design choices in the headers").
+// stall each time); with the gathers ResNet-50's 512-channel filter transform (36 x 512 x 512) ran
+// twice as fast on one Zen 3 core, and no faster on two, where writing U's 37.7 MB bounds it
+// (bench/README.md, "Figures behind design choices in the headers").
 template <class S>
 struct WinogradTapGather {
   using P = WinogradVector<S>;
