@@ -393,8 +393,10 @@ TEST_CASE("Search: a group that loses a rank fails only its trial, is retired, a
     memory->muted_rank = 3;
     SearchOptions channel = evolution_options(37);
     channel.channel = memory;
-    // Long enough that a loaded machine (a sanitizer build) does not miss a beat of the others.
-    channel.heartbeat_timeout = std::chrono::milliseconds(1000);
+    // Long enough that a loaded machine does not miss a beat of the others: under ASan, with both
+    // sanitizer shards and another test on 2 cores, rank 3 once saw the coordinator's heartbeat
+    // thread silent for 2.0 s (1 s was the bound then), and stopped the search.
+    channel.heartbeat_timeout = std::chrono::milliseconds(4000);
     const auto start = std::chrono::steady_clock::now();
     check_retired(run_search(4, channel, lr_momentum(), faulty_trial(Fault::Silent, target, memory.get())),
                   "world rank 3 stopped answering: no heartbeat for");
