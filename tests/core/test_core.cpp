@@ -1,5 +1,6 @@
 // Core: Shape, Tensor, CachingAllocator, Rng, LocalComm, the CPU team's loops (stealing_for).
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -366,8 +367,10 @@ TEST_CASE("stealing_for runs every item once, and a thread done early takes the 
       }
       if (team == 2 && items == n) {
         // Thread 1 owned [200, 400) and took thread 0's items from the back while thread 0 waited.
+        // Thread 0 starts its range at item 0, unless it was not scheduled before thread 1 had
+        // taken all of it (seen once under ASan on 2 cores): then it ran nothing.
         CHECK(runner[n - 1] == 1);
-        CHECK(runner[0] == 0);
+        if (std::count(runner.begin(), runner.end(), 0) > 0) CHECK(runner[0] == 0);
         CHECK(runner[n / 2 - 1] == 1);
       }
     }
