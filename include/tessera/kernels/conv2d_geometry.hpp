@@ -168,8 +168,8 @@ constexpr std::int64_t kWinogradMinChannels = 8;
 // is slow: its three filter transforms move 37.7 MB each (bench/README.md, "Figures behind design
 // choices"), so the bound stays. That is where im2col's products run on 16-lane (AVX-512) kernels;
 // on a CPU without AVX-512 they run at half that rate, and the same layer at batch 8 (saving 2376)
-// is faster with Winograd: kWinogradMinSavingLargeGradientNarrow (its backward a sixth faster on a
-// Zen 3; bench/README.md, "Figures behind design choices in the headers").
+// is faster with Winograd: kWinogradMinSavingLargeGradientNarrow (its backward faster on a Zen 3 at
+// one and two threads; bench/README.md, "Figures behind design choices in the headers").
 constexpr std::int64_t kMaxPrivateWinogradGradientBytes = std::int64_t{128} << 20;
 constexpr std::int64_t kWinogradMinSavingLargeGradient = 4096;
 constexpr std::int64_t kWinogradMinSavingLargeGradientNarrow = 2048;
