@@ -7,9 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "tessera/kernels/cpu/gemm_packed_avx2.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
 #include "tessera/kernels/cpu/winograd.hpp"
@@ -174,6 +176,61 @@ TEST_CASE("the 8-lane dot products match a float64 loop", "[core][capability]") 
         }
 #else
   WARN("skipped: built without x86 dispatch, where gemm never calls the 8-lane dot products");
+#endif
+}
+
+TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and edges", "[core][capability]") {
+  // detail::gemm_packed_avx2 (kernels/cpu/gemm_packed_avx2.hpp), which gemm calls on CPUs with AVX2
+  // but not AVX-512: tiles of 6 x 16 and edge tiles of fewer rows or columns, one block of steps
+  // and several (kPackedKc 256: k 257 and 600), rows past one packed block (kPackedMc 144: m 150),
+  // columns past one (kPackedNc 4080: n 4100), steps not a multiple of 8 (pack_b_panels'
+  // transposes); each transpose, alpha 1 and -0.5, beta 0 and 1, strides wider than the rows.
+#if TESSERA_X86_DISPATCH
+  if (!cpu_avx2()) {
+    WARN("skipped: this CPU has no AVX2, where gemm never calls the packed AVX2 kernel");
+    return;
+  }
+  const GemmCase cases[] = {{6, 16, 8}, {7, 17, 3}, {5, 40, 19}, {150, 33, 300}, {12, 32, 257}, {13, 4100, 20},
+                            {61, 45, 600}};
+  std::uint64_t state = 9;
+  for (const auto& g : cases)
+    for (int t = 0; t < 4; ++t)
+      for (const double alpha : {1.0, -0.5})
+        for (const double beta : {0.0, 1.0}) {
+          const bool ta = t & 1, tb = t & 2;
+          const std::int64_t lda = (ta ? g.m : g.k) + 3, ldb = (tb ? g.k : g.n) + 5, ldc = g.n + 2;
+          std::vector<float> a((ta ? g.k : g.m) * lda), b((tb ? g.n : g.k) * ldb), c0(g.m * ldc);
+          for (auto& v : a) v = static_cast<float>(pseudo_random(state));
+          for (auto& v : b) v = static_cast<float>(pseudo_random(state));
+          for (auto& v : c0) v = static_cast<float>(pseudo_random(state));
+          INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " trans_b " << tb << " alpha "
+                    << alpha << " beta " << beta);
+          std::vector<float> c = c0;
+          detail::gemm_packed_avx2(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
+                                   static_cast<float>(beta), c.data(), ldc);
+          CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
+          bool padding_kept = true;
+          for (std::int64_t i = 0; i < g.m; ++i)
+            for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
+          CHECK(padding_kept);
+          if (beta == 0.0) {  // BLAS's beta 0: c is written, never read, so a NaN there does not survive
+            std::vector<float> from_nan(c0.size(), std::numeric_limits<float>::quiet_NaN());
+            detail::gemm_packed_avx2(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
+                                     0.0f, from_nan.data(), ldc);
+            bool same = true;
+            for (std::int64_t i = 0; i < g.m; ++i)
+              for (std::int64_t j = 0; j < g.n; ++j) same = same && from_nan[i * ldc + j] == c[i * ldc + j];
+            CHECK(same);
+          }
+        }
+  // gemm takes it for the products OpenBLAS ran before: large ones, beta 0 or 1.
+  CHECK(detail::packed_avx2_suits(128, 512, 784, 0.0f));
+  CHECK(detail::packed_avx2_suits(256, 3136, 64, 1.0f));
+  CHECK_FALSE(detail::packed_avx2_suits(64, 64, 64, 0.0f));       // 2^18 multiply-adds: Eigen
+  CHECK_FALSE(detail::packed_avx2_suits(1, 4096, 4096, 0.0f));    // one row: gemm_one_row
+  CHECK_FALSE(detail::packed_avx2_suits(512, 512, 512, 0.5f));    // other betas: OpenBLAS
+#else
+  WARN("skipped: built without x86 dispatch, where gemm never calls the packed AVX2 kernel");
 #endif
 }
 

@@ -1,0 +1,235 @@
+// gemm_packed_avx2: c (m, n) = beta c + alpha op(a) op(b), beta 0 or 1, float, on one thread, for
+// CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2 and 3, Intel Haswell to Alder Lake), where it
+// takes the products that OpenBLAS ran before (kernels/cpu/gemm.hpp, gemm_serial): op(a)(i, p) =
+// a[i lda + p], or a[p lda + i] with trans_a; op(b)(p, j) = b[p ldb + j], or b[j ldb + p] with
+// trans_b; c row-major.
+//
+// The Goto / BLIS blocking. Columns of C in blocks of kPackedNc; steps in blocks of kPackedKc,
+// each packing op(b)'s kc x nc block into panels of 16 columns (kc x 16, 16 KiB: half of a 32 KiB
+// L1, where the panel stays while the 6-row panels of a stream past it); rows in blocks of kPackedMc,
+// each packing op(a)'s mc x kc block into panels of 6 rows (kc x 6; the block, 144 KiB, stays in a
+// 512 KiB L2). The tile is 6 rows x 2 vectors (16 columns): 12 accumulators, 2 vectors of b and 1
+// broadcast of a in 16 registers, the shape of OpenBLAS's Haswell / Zen kernel; each step loads 2
+// vectors and broadcasts 6 floats for 12 multiply-adds, so the two FMA pipes set the pace.
+//
+// Why not OpenBLAS: with beta 0 it first zeroes c in a pass of its own (Tessera's scale_matrix
+// did the same before calling it), where the first block of steps here writes c outright; and its
+// driver costs more per call on the mid-sized products of a training step. On a Zen 3 a step ran
+// 1.01 to 1.06 times faster (ResNet-50 b8), 1.05 to 1.11 (an MLP's; bench/README.md, "Figures behind
+// design choices in the headers"); per product 0.9 to 1.13 times OpenBLAS's speed. Edge panels are
+// packed with zeros, and their tiles go through a 6 x 16 scratch tile, so any m, n, k and stride
+// work (k >= 1).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "tessera/kernels/cpu/capability.hpp"
+#include "tessera/kernels/cpu/short_rows.hpp"
+#include "tessera/kernels/cpu/simd_diagnostics.hpp"
+
+TESSERA_SIMD_CODE_BEGIN
+
+namespace tessera::detail {
+
+constexpr std::int64_t kPackedMr = 6;     // a tile's rows
+constexpr std::int64_t kPackedNr = 16;    // a tile's columns: 2 vectors of 8 floats
+constexpr std::int64_t kPackedMc = 144;   // rows of a packed block of op(a): 144 x 256 floats, 144 KiB
+constexpr std::int64_t kPackedKc = 256;   // steps per block: a panel of b, 256 x 16 floats, is 16 KiB
+constexpr std::int64_t kPackedNc = 4080;  // columns per packed block of op(b): 4 MiB, 255 panels
+
+#if TESSERA_X86_DISPATCH
+// One thread's packing buffers, 64-byte aligned (the kernel loads b's panels aligned). They only
+// grow, so a steady training step allocates nothing; a's has 8 floats of slack for pack_a_panels'
+// last 8-float store (2 floats past the block).
+struct PackedGemmBuffers {
+  float* a = nullptr;
+  float* b = nullptr;
+  std::int64_t a_floats = 0, b_floats = 0;
+  PackedGemmBuffers() = default;
+  PackedGemmBuffers(const PackedGemmBuffers&) = delete;
+  PackedGemmBuffers& operator=(const PackedGemmBuffers&) = delete;
+  ~PackedGemmBuffers() {
+    std::free(a);
+    std::free(b);
+  }
+  static float* reserve(float*& buffer, std::int64_t& have, std::int64_t want) {
+    if (want > have) {
+      std::free(buffer);
+      const std::size_t bytes = (static_cast<std::size_t>(want) * sizeof(float) + 63) / 64 * 64;
+      buffer = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (buffer == nullptr) throw std::bad_alloc();
+      have = want;
+    }
+    return buffer;
+  }
+  static PackedGemmBuffers& local() {
+    thread_local PackedGemmBuffers buffers;
+    return buffers;
+  }
+};
+
+// c's 6 x 16 tile = (accumulate ? c : 0) + alpha ap bp over kc steps: ap a panel of a (kc x 6,
+// step-major), bp one of b (kc x 16). Whole tiles store straight into c; an edge tile (rows < 6 or
+// cols < 16) goes through a scratch tile, of which only its rows and columns reach c.
+template <bool Whole>
+TESSERA_TARGET_AVX2 inline void packed_tile_avx2(std::int64_t kc, const float* __restrict ap,
+                                                 const float* __restrict bp, float alpha, bool accumulate, float* c,
+                                                 std::int64_t ldc, std::int64_t rows, std::int64_t cols) {
+  __m256 acc[6][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  if constexpr (Whole)  // c's tile is read (accumulate) or written at the end: start bringing it in
+    for (int r = 0; r < 6; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + 15), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+  for (std::int64_t p = 0; p < kc; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(ap + 96), _MM_HINT_T0);  // 16 steps of a ahead
+    const __m256 b0 = _mm256_load_ps(bp), b1 = _mm256_load_ps(bp + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; ++r) {
+      const __m256 av = _mm256_broadcast_ss(ap + r);
+      acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+    }
+    ap += 6;
+    bp += 16;
+  }
+  const __m256 scale = _mm256_set1_ps(alpha);
+  if constexpr (Whole) {
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; ++r) {
+      float* out = c + r * ldc;
+      if (accumulate) {
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[r][0], scale, _mm256_loadu_ps(out)));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(acc[r][1], scale, _mm256_loadu_ps(out + 8)));
+      } else {
+        _mm256_storeu_ps(out, _mm256_mul_ps(acc[r][0], scale));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(acc[r][1], scale));
+      }
+    }
+  } else {
+    alignas(32) float tile[6][16];
+    for (int r = 0; r < 6; ++r) {
+      _mm256_store_ps(tile[r], _mm256_mul_ps(acc[r][0], scale));
+      _mm256_store_ps(tile[r] + 8, _mm256_mul_ps(acc[r][1], scale));
+    }
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < cols; ++j) c[r * ldc + j] = (accumulate ? c[r * ldc + j] : 0.0f) + tile[r][j];
+  }
+}
+
+// op(b)'s kc x nc block (its first element at `b`) into panels of 16 columns, panel q at
+// out + 16 q kc, step-major; the last panel's missing columns are zeros.
+TESSERA_TARGET_AVX2 inline void pack_b_panels(bool trans_b, std::int64_t kc, std::int64_t nc, const float* b,
+                                              std::int64_t ldb, float* out) {
+  for (std::int64_t j0 = 0; j0 < nc; j0 += kPackedNr) {
+    const std::int64_t width = std::min(kPackedNr, nc - j0);
+    float* o = out + j0 * kc;
+    if (!trans_b) {  // op(b)(p, j) = b[p ldb + j]: each step's 16 columns lie together
+      const float* src = b + j0;
+      if (width == kPackedNr) {
+        for (std::int64_t p = 0; p < kc; ++p) {
+          _mm256_store_ps(o + p * 16, _mm256_loadu_ps(src + p * ldb));
+          _mm256_store_ps(o + p * 16 + 8, _mm256_loadu_ps(src + p * ldb + 8));
+        }
+      } else {
+        for (std::int64_t p = 0; p < kc; ++p)
+          for (std::int64_t j = 0; j < 16; ++j) o[p * 16 + j] = j < width ? src[p * ldb + j] : 0.0f;
+      }
+      continue;
+    }
+    // op(b)(p, j) = b[j ldb + p]: 8 x 8 blocks (8 columns' runs of 8 steps) transposed in registers.
+    const std::int64_t whole_steps = width == kPackedNr ? kc / 8 * 8 : 0;
+    for (std::int64_t p = 0; p < whole_steps; p += 8)
+      for (int half = 0; half < 2; ++half) {
+        __m256 v[8];
+        for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(b + (j0 + 8 * half + j) * ldb + p);
+        transpose8(v);
+        for (int q = 0; q < 8; ++q) _mm256_store_ps(o + (p + q) * 16 + 8 * half, v[q]);
+      }
+    for (std::int64_t j = 0; j < 16; ++j) {
+      const float* src = b + (j0 + j) * ldb;
+      for (std::int64_t p = whole_steps; p < kc; ++p) o[p * 16 + j] = j < width ? src[p] : 0.0f;
+    }
+  }
+}
+
+// op(a)'s mc x kc block (its first element at `a`) into panels of 6 rows, panel q at out + 6 q kc,
+// step-major; the last panel's missing rows are zeros. Writes up to 2 floats past the block.
+TESSERA_TARGET_AVX2 inline void pack_a_panels(bool trans_a, std::int64_t mc, std::int64_t kc, const float* a,
+                                              std::int64_t lda, float* out) {
+  for (std::int64_t i0 = 0; i0 < mc; i0 += kPackedMr) {
+    const std::int64_t height = std::min(kPackedMr, mc - i0);
+    float* o = out + i0 * kc;
+    if (trans_a) {  // op(a)(i, p) = a[p lda + i]: each step's 6 rows lie together
+      const float* src = a + i0;
+      for (std::int64_t p = 0; p < kc; ++p)
+        for (std::int64_t r = 0; r < 6; ++r) o[p * 6 + r] = r < height ? src[p * lda + r] : 0.0f;
+      continue;
+    }
+    const float* row[6];  // rows past the panel's repeat its last (never stored: see below)
+    for (std::int64_t r = 0; r < 6; ++r) row[r] = a + (i0 + std::min(r, height - 1)) * lda;
+    std::int64_t p = 0;
+    if (height == kPackedMr) {
+      // 8 steps at a time: the 6 rows (and 2 zero rows) transposed, then 8-float stores 6 apart,
+      // each one's last 2 lanes overwritten by the next (the last one's by what follows).
+      for (; p + 8 <= kc; p += 8) {
+        __m256 v[8];
+        for (int r = 0; r < 6; ++r) v[r] = _mm256_loadu_ps(row[r] + p);
+        v[6] = v[7] = _mm256_setzero_ps();
+        transpose8(v);
+        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(o + (p + q) * 6, v[q]);
+      }
+    }
+    for (; p < kc; ++p)
+      for (std::int64_t r = 0; r < 6; ++r) o[p * 6 + r] = r < height ? row[r][p] : 0.0f;
+  }
+}
+
+inline void gemm_packed_avx2(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                             const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+                             std::int64_t ldc) {
+  PackedGemmBuffers& buffers = PackedGemmBuffers::local();
+  const std::int64_t nc_max = std::min(kPackedNc, (n + kPackedNr - 1) / kPackedNr * kPackedNr);
+  const std::int64_t mc_max = std::min(kPackedMc, (m + kPackedMr - 1) / kPackedMr * kPackedMr);
+  const std::int64_t kc_max = std::min(kPackedKc, k);
+  float* packed_a = PackedGemmBuffers::reserve(buffers.a, buffers.a_floats, mc_max * kc_max + 8);
+  float* packed_b = PackedGemmBuffers::reserve(buffers.b, buffers.b_floats, nc_max * kc_max);
+  for (std::int64_t j0 = 0; j0 < n; j0 += kPackedNc) {
+    const std::int64_t nc = std::min(kPackedNc, n - j0);
+    for (std::int64_t p0 = 0; p0 < k; p0 += kPackedKc) {
+      const std::int64_t kc = std::min(kPackedKc, k - p0);
+      const bool accumulate = beta != 0.0f || p0 > 0;  // beta 0: the first block writes c outright
+      pack_b_panels(trans_b, kc, nc, trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0, ldb, packed_b);
+      for (std::int64_t i0 = 0; i0 < m; i0 += kPackedMc) {
+        const std::int64_t mc = std::min(kPackedMc, m - i0);
+        pack_a_panels(trans_a, mc, kc, trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0, lda, packed_a);
+        // Columns outer: b's panel stays in L1 while a's panels (in L2) pass it.
+        for (std::int64_t jr = 0; jr < nc; jr += kPackedNr) {
+          const std::int64_t cols = std::min(kPackedNr, nc - jr);
+          for (std::int64_t ir = 0; ir < mc; ir += kPackedMr) {
+            const std::int64_t rows = std::min(kPackedMr, mc - ir);
+            float* tile = c + (i0 + ir) * ldc + j0 + jr;
+            if (rows == kPackedMr && cols == kPackedNr)
+              packed_tile_avx2<true>(kc, packed_a + ir * kc, packed_b + jr * kc, alpha, accumulate, tile, ldc, rows,
+                                     cols);
+            else
+              packed_tile_avx2<false>(kc, packed_a + ir * kc, packed_b + jr * kc, alpha, accumulate, tile, ldc, rows,
+                                      cols);
+          }
+        }
+      }
+    }
+  }
+}
+#endif  // TESSERA_X86_DISPATCH
+
+}  // namespace tessera::detail
+
+TESSERA_SIMD_CODE_END
