@@ -72,30 +72,37 @@ struct PackedGemmBuffers {
   }
 };
 
-// c's 6 x 16 tile = (accumulate ? c : 0) + alpha ap bp over kc steps: ap a panel of a (kc x 6,
-// step-major), bp one of b (kc x 16). Whole tiles store straight into c; an edge tile (rows < 6 or
-// cols < 16) goes through a scratch tile, of which only its rows and columns reach c.
-template <bool Whole>
+// c's 6 x 8 NV tile = (accumulate ? c : 0) + alpha ap bp over kc steps: ap a panel of a (kc x 6,
+// step-major), bp one of b (kc x 16; NV 1 reads its first 8 columns: an edge of at most 8 columns,
+// ResNet-50's 49 and 196 columns at batch 1 end in 1 and 4, so half the multiply-adds of a whole
+// tile are spent there instead of all). Whole tiles store straight into c; an edge tile (rows < 6
+// or cols < 8 NV) goes through a scratch tile, of which only its rows and columns reach c.
+template <bool Whole, int NV>
 TESSERA_TARGET_AVX2 inline void packed_tile_avx2(std::int64_t kc, const float* __restrict ap,
                                                  const float* __restrict bp, float alpha, bool accumulate, float* c,
                                                  std::int64_t ldc, std::int64_t rows, std::int64_t cols) {
-  __m256 acc[6][2];
+  static_assert(NV == 1 || NV == 2);
+  __m256 acc[6][NV];
 #pragma GCC unroll 6
-  for (int r = 0; r < 6; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < 6; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
   if constexpr (Whole)  // c's tile is read (accumulate) or written at the end: start bringing it in
     for (int r = 0; r < 6; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + 15), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + 8 * NV - 1), _MM_HINT_T0);
     }
 #pragma GCC unroll 4
   for (std::int64_t p = 0; p < kc; ++p) {
     _mm_prefetch(reinterpret_cast<const char*>(ap + 96), _MM_HINT_T0);  // 16 steps of a ahead
-    const __m256 b0 = _mm256_load_ps(bp), b1 = _mm256_load_ps(bp + 8);
+    __m256 bv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_load_ps(bp + 8 * v);
 #pragma GCC unroll 6
     for (int r = 0; r < 6; ++r) {
       const __m256 av = _mm256_broadcast_ss(ap + r);
-      acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
     }
     ap += 6;
     bp += 16;
@@ -103,22 +110,17 @@ TESSERA_TARGET_AVX2 inline void packed_tile_avx2(std::int64_t kc, const float* _
   const __m256 scale = _mm256_set1_ps(alpha);
   if constexpr (Whole) {
 #pragma GCC unroll 6
-    for (int r = 0; r < 6; ++r) {
-      float* out = c + r * ldc;
-      if (accumulate) {
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[r][0], scale, _mm256_loadu_ps(out)));
-        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(acc[r][1], scale, _mm256_loadu_ps(out + 8)));
-      } else {
-        _mm256_storeu_ps(out, _mm256_mul_ps(acc[r][0], scale));
-        _mm256_storeu_ps(out + 8, _mm256_mul_ps(acc[r][1], scale));
+    for (int r = 0; r < 6; ++r)
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) {
+        float* out = c + r * ldc + 8 * v;
+        _mm256_storeu_ps(out, accumulate ? _mm256_fmadd_ps(acc[r][v], scale, _mm256_loadu_ps(out))
+                                         : _mm256_mul_ps(acc[r][v], scale));
       }
-    }
   } else {
     alignas(32) float tile[6][16];
-    for (int r = 0; r < 6; ++r) {
-      _mm256_store_ps(tile[r], _mm256_mul_ps(acc[r][0], scale));
-      _mm256_store_ps(tile[r] + 8, _mm256_mul_ps(acc[r][1], scale));
-    }
+    for (int r = 0; r < 6; ++r)
+      for (int v = 0; v < NV; ++v) _mm256_store_ps(tile[r] + 8 * v, _mm256_mul_ps(acc[r][v], scale));
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t j = 0; j < cols; ++j) c[r * ldc + j] = (accumulate ? c[r * ldc + j] : 0.0f) + tile[r][j];
   }
@@ -216,12 +218,14 @@ inline void gemm_packed_avx2(bool trans_a, bool trans_b, std::int64_t m, std::in
           for (std::int64_t ir = 0; ir < mc; ir += kPackedMr) {
             const std::int64_t rows = std::min(kPackedMr, mc - ir);
             float* tile = c + (i0 + ir) * ldc + j0 + jr;
+            const float* ap = packed_a + ir * kc;
+            const float* bp = packed_b + jr * kc;
             if (rows == kPackedMr && cols == kPackedNr)
-              packed_tile_avx2<true>(kc, packed_a + ir * kc, packed_b + jr * kc, alpha, accumulate, tile, ldc, rows,
-                                     cols);
+              packed_tile_avx2<true, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+            else if (cols <= kPackedNr / 2)
+              packed_tile_avx2<false, 1>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
             else
-              packed_tile_avx2<false>(kc, packed_a + ir * kc, packed_b + jr * kc, alpha, accumulate, tile, ldc, rows,
-                                      cols);
+              packed_tile_avx2<false, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
           }
         }
       }
