@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "tessera/core/tensor.hpp"
+#include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/gemm_packed_avx2.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
@@ -207,8 +209,10 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
           INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " trans_b " << tb << " alpha "
                     << alpha << " beta " << beta);
           std::vector<float> c = c0;
+          Tensor<float, Cpu> packed_a({detail::packed_avx2_a_floats(g.m, g.k)}),
+              packed_b({detail::packed_avx2_b_floats(g.n, g.k)});  // 64-byte aligned
           detail::gemm_packed_avx2(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
-                                   static_cast<float>(beta), c.data(), ldc);
+                                   static_cast<float>(beta), c.data(), ldc, packed_a.data(), packed_b.data());
           CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
           bool padding_kept = true;
           for (std::int64_t i = 0; i < g.m; ++i)
@@ -217,7 +221,7 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
           if (beta == 0.0) {  // BLAS's beta 0: c is written, never read, so a NaN there does not survive
             std::vector<float> from_nan(c0.size(), std::numeric_limits<float>::quiet_NaN());
             detail::gemm_packed_avx2(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
-                                     0.0f, from_nan.data(), ldc);
+                                     0.0f, from_nan.data(), ldc, packed_a.data(), packed_b.data());
             bool same = true;
             for (std::int64_t i = 0; i < g.m; ++i)
               for (std::int64_t j = 0; j < g.n; ++j) same = same && from_nan[i * ldc + j] == c[i * ldc + j];

@@ -336,6 +336,15 @@ struct GemmWorkspace {
     thread_local GemmWorkspace workspace;
     return workspace;
   }
+  // packed_a's and packed_b's data, each grown to at least its count of elements.
+  S* a(std::int64_t elements) { return reserve(packed_a, elements); }
+  S* b(std::int64_t elements) { return reserve(packed_b, elements); }
+
+ private:
+  static S* reserve(Tensor<S>& buffer, std::int64_t elements) {
+    if (buffer.numel() < elements) buffer.resize({elements});
+    return buffer.data();
+  }
 };
 
 template <class S, int LhsOrder, int RhsOrder>
@@ -343,9 +352,7 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
                          const S* b, std::int64_t ldb, S* c, std::int64_t ldc) {
   GemmBlocking<S> blocking(m, n, k);
   auto& ws = GemmWorkspace<S>::local();
-  if (ws.packed_a.numel() < blocking.size_a()) ws.packed_a.resize({blocking.size_a()});
-  if (ws.packed_b.numel() < blocking.size_b()) ws.packed_b.resize({blocking.size_b()});
-  blocking.set_buffers(ws.packed_a.data(), ws.packed_b.data());
+  blocking.set_buffers(ws.a(blocking.size_a()), ws.b(blocking.size_b()));
   Eigen::internal::general_matrix_matrix_product<Eigen::Index, S, LhsOrder, false, S, RhsOrder, false, Eigen::RowMajor,
                                                  1>::run(m, n, k, a, lda, b, ldb, c, 1, ldc, alpha, blocking, nullptr);
 }
@@ -438,17 +445,18 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
     }
     if (alpha == 1 && (beta == 0 || beta == 1) && swapped_bt_suits(trans_a, trans_b, m, n, k) && cpu_avx512()) {
       auto& ws = GemmWorkspace<float>::local();  // a^T and c^T, in the buffers Eigen's path packs into
-      if (ws.packed_a.numel() < k * m) ws.packed_a.resize({k * m});
-      if (ws.packed_b.numel() < n * m) ws.packed_b.resize({n * m});
-      return gemm_swapped_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc, ws.packed_a.data(), ws.packed_b.data());
+      return gemm_swapped_bt_avx512(m, n, k, a, lda, b, ldb, beta, c, ldc, ws.a(k * m), ws.b(n * m));
     }
     if (alpha == 1 && (beta == 0 || beta == 1) && !cpu_avx512() && cpu_avx2() &&
         unpacked_suits_avx2(trans_a, trans_b, m, n, k)) {
       if (trans_b) return gemm_dot_bt_avx2(m, n, k, a, lda, b, ldb, beta, c, ldc);
       return gemm_unpacked_avx2(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
     }
-    if (packed_avx2_suits(m, n, k, beta) && !cpu_avx512() && cpu_avx2())
-      return gemm_packed_avx2(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (packed_avx2_suits(m, n, k, beta) && !cpu_avx512() && cpu_avx2()) {
+      auto& ws = GemmWorkspace<float>::local();  // the packed blocks, in the buffers Eigen's path packs into
+      return gemm_packed_avx2(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                              ws.a(packed_avx2_a_floats(m, k)), ws.b(packed_avx2_b_floats(n, k)));
+    }
   }
 #endif
   scale_matrix(m, n, beta, c, ldc);

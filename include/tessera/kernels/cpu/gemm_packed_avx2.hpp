@@ -23,9 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <new>
 
 #include "tessera/kernels/cpu/capability.hpp"
 #include "tessera/kernels/cpu/short_rows.hpp"
@@ -41,37 +38,18 @@ constexpr std::int64_t kPackedMc = 144;   // rows of a packed block of op(a): 14
 constexpr std::int64_t kPackedKc = 256;   // steps per block: a panel of b, 256 x 16 floats, is 16 KiB
 constexpr std::int64_t kPackedNc = 4080;  // columns per packed block of op(b): 4 MiB, 255 panels
 
-#if TESSERA_X86_DISPATCH
-// One thread's packing buffers, 64-byte aligned (the kernel loads b's panels aligned). They only
-// grow, so a steady training step allocates nothing; a's has 8 floats of slack for pack_a_panels'
-// last 8-float store (2 floats past the block).
-struct PackedGemmBuffers {
-  float* a = nullptr;
-  float* b = nullptr;
-  std::int64_t a_floats = 0, b_floats = 0;
-  PackedGemmBuffers() = default;
-  PackedGemmBuffers(const PackedGemmBuffers&) = delete;
-  PackedGemmBuffers& operator=(const PackedGemmBuffers&) = delete;
-  ~PackedGemmBuffers() {
-    std::free(a);
-    std::free(b);
-  }
-  static float* reserve(float*& buffer, std::int64_t& have, std::int64_t want) {
-    if (want > have) {
-      std::free(buffer);
-      const std::size_t bytes = (static_cast<std::size_t>(want) * sizeof(float) + 63) / 64 * 64;
-      buffer = static_cast<float*>(std::aligned_alloc(64, bytes));
-      if (buffer == nullptr) throw std::bad_alloc();
-      have = want;
-    }
-    return buffer;
-  }
-  static PackedGemmBuffers& local() {
-    thread_local PackedGemmBuffers buffers;
-    return buffers;
-  }
-};
+// The packing buffers gemm_packed_avx2 needs for an (m, n, k) product, in floats: op(a)'s block
+// (with 8 floats of slack for pack_a_panels' last 8-float store, 2 floats past the block) and
+// op(b)'s. The caller's (gemm_serial: GemmWorkspace, grown once, so a steady step allocates
+// nothing); b's must be 32-byte aligned (the kernel loads its panels aligned).
+constexpr std::int64_t packed_avx2_a_floats(std::int64_t m, std::int64_t k) {
+  return std::min(kPackedMc, (m + kPackedMr - 1) / kPackedMr * kPackedMr) * std::min(kPackedKc, k) + 8;
+}
+constexpr std::int64_t packed_avx2_b_floats(std::int64_t n, std::int64_t k) {
+  return std::min(kPackedNc, (n + kPackedNr - 1) / kPackedNr * kPackedNr) * std::min(kPackedKc, k);
+}
 
+#if TESSERA_X86_DISPATCH
 // c's 6 x 8 NV tile = (accumulate ? c : 0) + alpha ap bp over kc steps: ap a panel of a (kc x 6,
 // step-major), bp one of b (kc x 16; NV 1 reads its first 8 columns: an edge of at most 8 columns,
 // ResNet-50's 49 and 196 columns at batch 1 end in 1 and 4, so half the multiply-adds of a whole
@@ -194,15 +172,10 @@ TESSERA_TARGET_AVX2 inline void pack_a_panels(bool trans_a, std::int64_t mc, std
   }
 }
 
+// packed_a and packed_b: packed_avx2_a_floats(m, k) and packed_avx2_b_floats(n, k) floats.
 inline void gemm_packed_avx2(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
-                             std::int64_t ldc) {
-  PackedGemmBuffers& buffers = PackedGemmBuffers::local();
-  const std::int64_t nc_max = std::min(kPackedNc, (n + kPackedNr - 1) / kPackedNr * kPackedNr);
-  const std::int64_t mc_max = std::min(kPackedMc, (m + kPackedMr - 1) / kPackedMr * kPackedMr);
-  const std::int64_t kc_max = std::min(kPackedKc, k);
-  float* packed_a = PackedGemmBuffers::reserve(buffers.a, buffers.a_floats, mc_max * kc_max + 8);
-  float* packed_b = PackedGemmBuffers::reserve(buffers.b, buffers.b_floats, nc_max * kc_max);
+                             std::int64_t ldc, float* packed_a, float* packed_b) {
   for (std::int64_t j0 = 0; j0 < n; j0 += kPackedNc) {
     const std::int64_t nc = std::min(kPackedNc, n - j0);
     for (std::int64_t p0 = 0; p0 < k; p0 += kPackedKc) {
