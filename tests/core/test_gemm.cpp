@@ -184,7 +184,8 @@ TEST_CASE("the 8-lane dot products match a float64 loop", "[core][capability]") 
 TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and edges", "[core][capability]") {
   // detail::gemm_packed_avx2 (kernels/cpu/gemm_packed_avx2.hpp), which gemm calls on CPUs with AVX2
   // but not AVX-512: tiles of 6 x 16, edge tiles of fewer rows or columns (of 9 to 15 columns on
-  // two vectors, of 1 to 8 on one: n 17, 25, 28, 33, 40, 45, 49, 4100's last block of 20), one block of steps
+  // two vectors: n 25, 28, 45; of 5 to 8 on one: n 40; of 1 to 4 as matrix-vector products: n 3,
+  // 17, 18, 33, 35, 49, 4100's last block of 20; steps not a multiple of their 2 or 4), one block of steps
   // and several (kPackedKc 256: k 257 and 600), rows past one packed block (kPackedMc 144: m 150),
   // columns past one (kPackedNc 4080: n 4100), steps not a multiple of 8 (pack_b_panels'
   // transposes); each transpose, alpha 1 and -0.5, beta 0 and 1, strides wider than the rows.
@@ -194,7 +195,8 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
     return;
   }
   const GemmCase cases[] = {{6, 16, 8}, {7, 17, 3}, {5, 40, 19}, {150, 33, 300}, {12, 32, 257}, {13, 4100, 20},
-                            {61, 45, 600}, {8, 49, 70}, {9, 28, 33}, {7, 25, 260}};
+                            {61, 45, 600}, {8, 49, 70}, {9, 28, 33}, {7, 25, 260}, {11, 18, 41}, {6, 35, 9},
+                            {20, 3, 5}};
   std::uint64_t state = 9;
   for (const auto& g : cases)
     for (int t = 0; t < 4; ++t)

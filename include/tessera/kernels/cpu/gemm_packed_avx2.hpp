@@ -39,7 +39,8 @@ constexpr std::int64_t kPackedKc = 256;   // steps per block: a panel of b, 256 
 constexpr std::int64_t kPackedNc = 4080;  // columns per packed block of op(b): 4 MiB, 255 panels
 
 // The packing buffers gemm_packed_avx2 needs for an (m, n, k) product, in floats: op(a)'s block
-// (with 8 floats of slack for pack_a_panels' last 8-float store, 2 floats past the block) and
+// (with 8 floats of slack for pack_a_panels' last 8-float store and packed_columns_avx2's last
+// 8-float load, each 2 floats past the block) and
 // op(b)'s. The caller's (gemm_serial: GemmWorkspace, grown once, so a steady step allocates
 // nothing); b's must be 32-byte aligned (the kernel loads its panels aligned).
 constexpr std::int64_t packed_avx2_a_floats(std::int64_t m, std::int64_t k) {
@@ -51,10 +52,11 @@ constexpr std::int64_t packed_avx2_b_floats(std::int64_t n, std::int64_t k) {
 
 #if TESSERA_X86_DISPATCH
 // c's 6 x 8 NV tile = (accumulate ? c : 0) + alpha ap bp over kc steps: ap a panel of a (kc x 6,
-// step-major), bp one of b (kc x 16; NV 1 reads its first 8 columns: an edge of at most 8 columns,
-// ResNet-50's 49 and 196 columns at batch 1 end in 1 and 4, so half the multiply-adds of a whole
-// tile are spent there instead of all). Whole tiles store straight into c; an edge tile (rows < 6
-// or cols < 8 NV) goes through a scratch tile, of which only its rows and columns reach c.
+// step-major), bp one of b (kc x 16; NV 1 reads its first 8 columns: an edge of 5 to 8 columns,
+// such as ResNet-50's 392 at batch 8, so half the multiply-adds of a whole tile are spent there
+// instead of all; 1 to 4 go to packed_columns_avx2). Whole tiles store straight into c; an edge
+// tile (rows < 6 or cols < 8 NV) goes through a scratch tile, of which only its rows and columns
+// reach c.
 template <bool Whole, int NV>
 TESSERA_TARGET_AVX2 inline void packed_tile_avx2(std::int64_t kc, const float* __restrict ap,
                                                  const float* __restrict bp, float alpha, bool accumulate, float* c,
@@ -102,6 +104,50 @@ TESSERA_TARGET_AVX2 inline void packed_tile_avx2(std::int64_t kc, const float* _
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t j = 0; j < cols; ++j) c[r * ldc + j] = (accumulate ? c[r * ldc + j] : 0.0f) + tile[r][j];
   }
+}
+
+// The last 1 to 4 columns of a 6-row panel as matrix-vector products along the panel's rows:
+// each step loads the panel's 6 rows of a as one vector (lanes 6 and 7 are the next step's first
+// rows, or the slack past the block: computed, never stored) and multiplies it by each column's
+// broadcast. A one-vector tile spends 6 broadcasts and 6 multiply-adds a step on them whatever
+// their number: ResNet-50's 49 columns at batch 1 end in 1 (a whole tile's worth of steps for a
+// sixteenth of its work), its 196 in 4. U steps go to separate accumulators, so that the U x Cols
+// chains of dependent multiply-adds keep both FMA pipes busy.
+template <int Cols>
+TESSERA_TARGET_AVX2 __attribute__((noinline)) void packed_columns_avx2(std::int64_t kc, const float* ap,
+                                                                      const float* bp, float alpha, bool accumulate,
+                                                                      float* c, std::int64_t ldc, std::int64_t rows) {
+  static_assert(Cols >= 1 && Cols <= 4);
+  constexpr int U = Cols <= 3 ? 4 : 2;
+  __m256 acc[U][Cols];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 4
+    for (int j = 0; j < Cols; ++j) acc[u][j] = _mm256_setzero_ps();
+  std::int64_t p = 0;
+  for (; p + U <= kc; p += U)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 av = _mm256_loadu_ps(ap + (p + u) * 6);
+#pragma GCC unroll 4
+      for (int j = 0; j < Cols; ++j)
+        acc[u][j] = _mm256_fmadd_ps(av, _mm256_broadcast_ss(bp + (p + u) * 16 + j), acc[u][j]);
+    }
+  for (; p < kc; ++p) {
+    const __m256 av = _mm256_loadu_ps(ap + p * 6);
+#pragma GCC unroll 4
+    for (int j = 0; j < Cols; ++j) acc[0][j] = _mm256_fmadd_ps(av, _mm256_broadcast_ss(bp + p * 16 + j), acc[0][j]);
+  }
+  alignas(32) float sums[Cols][8];
+#pragma GCC unroll 4
+  for (int j = 0; j < Cols; ++j) {
+    __m256 sum = acc[0][j];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[u][j]);
+    _mm256_store_ps(sums[j], _mm256_mul_ps(sum, _mm256_set1_ps(alpha)));
+  }
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < Cols; ++j) c[r * ldc + j] = (accumulate ? c[r * ldc + j] : 0.0f) + sums[j][r];
 }
 
 // op(b)'s kc x nc block (its first element at `b`) into panels of 16 columns, panel q at
@@ -172,6 +218,17 @@ TESSERA_TARGET_AVX2 inline void pack_a_panels(bool trans_a, std::int64_t mc, std
   }
 }
 
+TESSERA_TARGET_AVX2 inline void packed_columns(std::int64_t cols, std::int64_t kc, const float* ap, const float* bp,
+                                               float alpha, bool accumulate, float* c, std::int64_t ldc,
+                                               std::int64_t rows) {
+  switch (cols) {
+    case 1: return packed_columns_avx2<1>(kc, ap, bp, alpha, accumulate, c, ldc, rows);
+    case 2: return packed_columns_avx2<2>(kc, ap, bp, alpha, accumulate, c, ldc, rows);
+    case 3: return packed_columns_avx2<3>(kc, ap, bp, alpha, accumulate, c, ldc, rows);
+    default: return packed_columns_avx2<4>(kc, ap, bp, alpha, accumulate, c, ldc, rows);
+  }
+}
+
 // packed_a and packed_b: packed_avx2_a_floats(m, k) and packed_avx2_b_floats(n, k) floats.
 inline void gemm_packed_avx2(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
@@ -195,6 +252,8 @@ inline void gemm_packed_avx2(bool trans_a, bool trans_b, std::int64_t m, std::in
             const float* bp = packed_b + jr * kc;
             if (rows == kPackedMr && cols == kPackedNr)
               packed_tile_avx2<true, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+            else if (cols <= 4)
+              packed_columns(cols, kc, ap, bp, alpha, accumulate, tile, ldc, rows);
             else if (cols <= kPackedNr / 2)
               packed_tile_avx2<false, 1>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
             else
