@@ -204,8 +204,16 @@ TESSERA_TARGET_AVX2 inline void pack_a_panels(bool trans_a, std::int64_t mc, std
     std::int64_t p = 0;
     if (height == kPackedMr) {
       // 8 steps at a time: the 6 rows (and 2 zero rows) transposed, then 8-float stores 6 apart,
-      // each one's last 2 lanes overwritten by the next (the last one's by what follows).
+      // each one's last 2 lanes overwritten by the next (the last one's by what follows). Each
+      // 16 steps prefetch the next panel's 6 lines there: a row's run of a block is only kc
+      // floats (16 lines at 256), too short for the hardware's stream prefetch to get ahead, and
+      // where a is the weights of a narrow product it comes from memory (ResNet-50 inference at
+      // batch 1, 2 threads: 1.013 and 1.034 times faster in paired forwards; b8 training 0.97
+      // to 1.05, median of four runs 1.02).
+      const bool ahead = i0 + 2 * kPackedMr <= mc;
       for (; p + 8 <= kc; p += 8) {
+        if (ahead && p % 16 == 0)
+          for (int r = 0; r < 6; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 6 * lda + p), _MM_HINT_T0);
         __m256 v[8];
         for (int r = 0; r < 6; ++r) v[r] = _mm256_loadu_ps(row[r] + p);
         v[6] = v[7] = _mm256_setzero_ps();
