@@ -18,7 +18,7 @@
 // 1.01 to 1.06 times faster (ResNet-50 b8), 1.05 to 1.11 (an MLP's; bench/README.md, "Figures behind
 // design choices in the headers"); per product 0.9 to 1.13 times OpenBLAS's speed. Edge panels are
 // packed with zeros, and their tiles go through a 6 x 16 scratch tile, so any m, n, k and stride
-// work (k >= 1).
+// work (k >= 1); the last 1 to 4 columns run as matrix-vector products (packed_columns_avx2).
 #pragma once
 
 #include <algorithm>
