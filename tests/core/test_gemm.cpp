@@ -185,7 +185,8 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
   // detail::gemm_packed_avx2 (kernels/cpu/gemm_packed_avx2.hpp), which gemm calls on CPUs with AVX2
   // but not AVX-512: tiles of 6 x 16, edge tiles of fewer rows or columns (of 9 to 15 columns on
   // two vectors: n 25, 28, 45; of 5 to 8 on one: n 40; of 1 to 4 as matrix-vector products: n 3,
-  // 17, 18, 33, 35, 49, 4100's last block of 20; steps not a multiple of their 2 or 4), one block of steps
+  // 17, 18, 20, 33, 35, 49, 4100's last block of 20; steps not a multiple of their interleave of 4
+  // (1 to 3 columns: k 5, 9, 41) or 2 (4 columns: k 7)), one block of steps
   // and several (kPackedKc 256: k 257 and 600), rows past one packed block (kPackedMc 144: m 150),
   // columns past one (kPackedNc 4080: n 4100), steps not a multiple of 8 (pack_b_panels'
   // transposes); each transpose, alpha 1 and -0.5, beta 0 and 1, strides wider than the rows.
@@ -196,7 +197,7 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
   }
   const GemmCase cases[] = {{6, 16, 8}, {7, 17, 3}, {5, 40, 19}, {150, 33, 300}, {12, 32, 257}, {13, 4100, 20},
                             {61, 45, 600}, {8, 49, 70}, {9, 28, 33}, {7, 25, 260}, {11, 18, 41}, {6, 35, 9},
-                            {20, 3, 5}};
+                            {20, 3, 5}, {10, 20, 7}};
   std::uint64_t state = 9;
   for (const auto& g : cases)
     for (int t = 0; t < 4; ++t)
