@@ -3,7 +3,8 @@
 // above 2^20 multiply-adds), Tessera's unpacked AVX-512 kernel (what the convolutions call,
 // kernels/cpu/gemm_unpacked.hpp; a transposed B as gemm takes it: swapped, c^T = b a^T, for a
 // Linear layer's forward at batch 64 to 128, gemm_swapped_bt_avx512, else as dot products,
-// gemm_dot_bt_avx512) and oneDNN's sgemm
+// gemm_dot_bt_avx512), Tessera's packed kernel (what gemm calls above 2^20 multiply-adds in place
+// of OpenBLAS: gemm_packed_avx512, or gemm_packed_avx2 without AVX-512) and oneDNN's sgemm
 // (dnnl_sgemm, which Tessera does not call for float32: it allocates inside every call). On a CPU
 // with AVX2 but no AVX-512 (a Zen 3), "unpacked" is the 8-lane kernel (gemm_unpacked_avx2: Winograd
 // calls it there, and gemm on products with few rows or steps) on the products without a transposed
@@ -32,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/kernels/cpu/gemm_packed_avx512.hpp"
 #include "tessera/tessera.hpp"
 
 #include "alloc_counter.hpp"
@@ -103,8 +105,8 @@ std::string cpu_description() {
   return out;
 }
 
-enum Kernel { kOpenBlas, kUnpacked, kOneDnn, kKernels };
-const char* const kKernelNames[kKernels] = {"openblas", "unpacked", "onednn"};
+enum Kernel { kOpenBlas, kUnpacked, kPacked, kOneDnn, kKernels };
+const char* const kKernelNames[kKernels] = {"openblas", "unpacked", "packed", "onednn"};
 
 // Floating-point operations per second of 12 independent chains of FMAs, 512-bit (__m512) or
 // 256-bit (__m256, on a CPU without AVX-512), 2 FLOPs per FMA per lane: the most any kernel can
@@ -183,6 +185,18 @@ bool run(Kernel kernel, const Product& p, const float* a, const float* b, float*
       detail::gemm_unpacked_avx512(p.trans_a, p.m, p.n, p.k, a, lda, b, ldb, 0.0f, c, ldc,
                                    detail::unpacked_depth_block(p.n));
       return true;
+    case kPacked: {  // Tessera's packed kernel, in the buffers gemm would give it (grown on the warm-up call)
+      thread_local Tensor<float, Cpu> packed_a(Shape{1}), packed_b(Shape{1});
+      const bool wide = cpu_avx512();
+      const std::int64_t a_floats = wide ? detail::packed_avx512_a_floats(p.m, p.k) : detail::packed_avx2_a_floats(p.m, p.k);
+      const std::int64_t b_floats = wide ? detail::packed_avx512_b_floats(p.n, p.k) : detail::packed_avx2_b_floats(p.n, p.k);
+      if (packed_a.numel() < a_floats) packed_a = Tensor<float, Cpu>(Shape{a_floats});
+      if (packed_b.numel() < b_floats) packed_b = Tensor<float, Cpu>(Shape{b_floats});
+      (wide ? detail::gemm_packed_avx512 : detail::gemm_packed_avx2)(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.0f, a, lda,
+                                                                    b, ldb, 0.0f, c, ldc, packed_a.data(),
+                                                                    packed_b.data());
+      return true;
+    }
     case kOneDnn:
       return dnnl_sgemm(p.trans_a ? 'T' : 'N', p.trans_b ? 'T' : 'N', p.m, p.n, p.k, 1.0f, a, lda, b, ldb, 0.0f, c,
                         ldc) == dnnl_success;
@@ -293,16 +307,16 @@ int main(int argc, char** argv) {
     openblas_set_num_threads(1);
     const double peak = fma_peak_gflops();
     std::vector<Row> rows;
-    std::fprintf(stderr, "one thread; register-only FMA rate %.1f GFLOP/s\n%-34s %9s %9s %9s   allocations/call\n",
-                 peak, "product (m x n x k)", "openblas", "unpacked", "onednn");
+    std::fprintf(stderr, "one thread; register-only FMA rate %.1f GFLOP/s\n%-34s %9s %9s %9s %9s   allocations/call\n",
+                 peak, "product (m x n x k)", "openblas", "unpacked", "packed", "onednn");
     for (const Product& p : kProducts) {
       rows.push_back(measure(p, runs));
       const Row& r = rows.back();
       std::fprintf(stderr, "%-34s", p.name);
       for (int kernel = 0; kernel < kKernels; ++kernel)
         r.gflops[kernel] > 0 ? std::fprintf(stderr, " %9.1f", r.gflops[kernel]) : std::fprintf(stderr, " %9s", "-");
-      std::fprintf(stderr, "   %.0f / %.0f / %.0f\n", r.allocations_per_call[0], r.allocations_per_call[1],
-                   r.allocations_per_call[2]);
+      std::fprintf(stderr, "   %.0f / %.0f / %.0f / %.0f\n", r.allocations_per_call[0], r.allocations_per_call[1],
+                   r.allocations_per_call[2], r.allocations_per_call[3]);
     }
     std::int64_t parameters = 0;
     const double sgd_s = mlp_sgd_update_seconds(runs, parameters);

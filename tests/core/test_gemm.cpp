@@ -14,6 +14,7 @@
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
 #include "tessera/kernels/cpu/gemm_packed_avx2.hpp"
+#include "tessera/kernels/cpu/gemm_packed_avx512.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
 #include "tessera/kernels/cpu/winograd.hpp"
@@ -181,23 +182,14 @@ TEST_CASE("the 8-lane dot products match a float64 loop", "[core][capability]") 
 #endif
 }
 
-TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and edges", "[core][capability]") {
-  // detail::gemm_packed_avx2 (kernels/cpu/gemm_packed_avx2.hpp), which gemm calls on CPUs with AVX2
-  // but not AVX-512: tiles of 6 x 16, edge tiles of fewer rows or columns (of 9 to 15 columns on
-  // two vectors: n 25, 28, 45; of 5 to 8 on one: n 40; of 1 to 4 as matrix-vector products: n 3,
-  // 17, 18, 20, 33, 35, 49, 4100's last block of 20; steps not a multiple of their interleave of 4
-  // (1 to 3 columns: k 5, 9, 41) or 2 (4 columns: k 7)), one block of steps
-  // and several (kPackedKc 256: k 257 and 600), rows past one packed block (kPackedMc 144: m 150),
-  // columns past one (kPackedNc 4080: n 4100), steps not a multiple of 8 (pack_b_panels'
-  // transposes); each transpose, alpha 1 and -0.5, beta 0 and 1, strides wider than the rows.
 #if TESSERA_X86_DISPATCH
-  if (!cpu_avx2()) {
-    WARN("skipped: this CPU has no AVX2, where gemm never calls the packed AVX2 kernel");
-    return;
-  }
-  const GemmCase cases[] = {{6, 16, 8}, {7, 17, 3}, {5, 40, 19}, {150, 33, 300}, {12, 32, 257}, {13, 4100, 20},
-                            {61, 45, 600}, {8, 49, 70}, {9, 28, 33}, {7, 25, 260}, {11, 18, 41}, {6, 35, 9},
-                            {20, 3, 5}, {10, 20, 7}};
+// One packed kernel (gemm_packed_avx2 or gemm_packed_avx512, with its buffer sizes) on each case:
+// each transpose, alpha 1 and -0.5, beta 0 and 1, strides wider than the rows, against a float64
+// loop; c's padding past n untouched; with beta 0, c written and never read (a NaN there does not
+// survive, as with BLAS's beta 0).
+template <class Kernel, class AFloats, class BFloats>
+void check_packed_kernel(const Kernel& kernel, const AFloats& a_floats, const BFloats& b_floats,
+                         const std::vector<GemmCase>& cases) {
   std::uint64_t state = 9;
   for (const auto& g : cases)
     for (int t = 0; t < 4; ++t)
@@ -212,25 +204,45 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
           INFO("m " << g.m << " n " << g.n << " k " << g.k << " trans_a " << ta << " trans_b " << tb << " alpha "
                     << alpha << " beta " << beta);
           std::vector<float> c = c0;
-          Tensor<float, Cpu> packed_a({detail::packed_avx2_a_floats(g.m, g.k)}),
-              packed_b({detail::packed_avx2_b_floats(g.n, g.k)});  // 64-byte aligned
-          detail::gemm_packed_avx2(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
-                                   static_cast<float>(beta), c.data(), ldc, packed_a.data(), packed_b.data());
+          Tensor<float, Cpu> packed_a({a_floats(g.m, g.k)}), packed_b({b_floats(g.n, g.k)});  // 64-byte aligned
+          kernel(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
+                 static_cast<float>(beta), c.data(), ldc, packed_a.data(), packed_b.data());
           CHECK(worst_relative_error(ta, tb, g, alpha, beta, a, lda, b, ldb, c0, c, ldc) <= 2e-5);
           bool padding_kept = true;
           for (std::int64_t i = 0; i < g.m; ++i)
             for (std::int64_t j = g.n; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == c0[i * ldc + j];
           CHECK(padding_kept);
-          if (beta == 0.0) {  // BLAS's beta 0: c is written, never read, so a NaN there does not survive
+          if (beta == 0.0) {
             std::vector<float> from_nan(c0.size(), std::numeric_limits<float>::quiet_NaN());
-            detail::gemm_packed_avx2(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb,
-                                     0.0f, from_nan.data(), ldc, packed_a.data(), packed_b.data());
+            kernel(ta, tb, g.m, g.n, g.k, static_cast<float>(alpha), a.data(), lda, b.data(), ldb, 0.0f,
+                   from_nan.data(), ldc, packed_a.data(), packed_b.data());
             bool same = true;
             for (std::int64_t i = 0; i < g.m; ++i)
               for (std::int64_t j = 0; j < g.n; ++j) same = same && from_nan[i * ldc + j] == c[i * ldc + j];
             CHECK(same);
           }
         }
+}
+#endif
+
+TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and edges", "[core][capability]") {
+  // detail::gemm_packed_avx2 (kernels/cpu/gemm_packed_avx2.hpp), which gemm calls on CPUs with AVX2
+  // but not AVX-512: tiles of 6 x 16, edge tiles of fewer rows or columns (of 9 to 15 columns on
+  // two vectors: n 25, 28, 45; of 5 to 8 on one: n 40; of 1 to 4 as matrix-vector products: n 3,
+  // 17, 18, 20, 33, 35, 49, 4100's last block of 20; steps not a multiple of their interleave of 4
+  // (1 to 3 columns: k 5, 9, 41) or 2 (4 columns: k 7)), one block of steps
+  // and several (kPackedKc 256: k 257 and 600), rows past one packed block (kPackedMc 144: m 150),
+  // columns past one (kPackedNc 4080: n 4100), steps not a multiple of 8 (pack_b_panels'
+  // transposes).
+#if TESSERA_X86_DISPATCH
+  if (!cpu_avx2()) {
+    WARN("skipped: this CPU has no AVX2, where gemm never calls the packed AVX2 kernel");
+    return;
+  }
+  check_packed_kernel(detail::gemm_packed_avx2, detail::packed_avx2_a_floats, detail::packed_avx2_b_floats,
+                      {{6, 16, 8}, {7, 17, 3}, {5, 40, 19}, {150, 33, 300}, {12, 32, 257}, {13, 4100, 20},
+                       {61, 45, 600}, {8, 49, 70}, {9, 28, 33}, {7, 25, 260}, {11, 18, 41}, {6, 35, 9},
+                       {20, 3, 5}, {10, 20, 7}});
   // gemm takes it for the products OpenBLAS ran before: large ones, beta 0 or 1.
   CHECK(detail::packed_avx2_suits(128, 512, 784, 0.0f));
   CHECK(detail::packed_avx2_suits(256, 3136, 64, 1.0f));
@@ -239,6 +251,29 @@ TEST_CASE("the packed AVX2 kernel matches a float64 loop across its blocks and e
   CHECK_FALSE(detail::packed_avx2_suits(512, 512, 512, 0.5f));    // other betas: OpenBLAS
 #else
   WARN("skipped: built without x86 dispatch, where gemm never calls the packed AVX2 kernel");
+#endif
+}
+
+TEST_CASE("the packed AVX-512 kernel matches a float64 loop across its blocks and edges", "[core][capability]") {
+  // detail::gemm_packed_avx512 (kernels/cpu/gemm_packed_avx512.hpp), which gemm calls on CPUs with
+  // AVX-512: tiles of 8 x 32; edge tiles of fewer rows (m 5, 7, 9, 13, 61, 203), of 17 to 31
+  // columns (two vectors, the second masked: n 17, 25, 49), of 1 to 16 (one masked vector: n 3, 16,
+  // 33, 40, and 4 in n 4100's second block); one block of steps and several (kPacked512Kc 256:
+  // k 257 and 600); rows past one packed block (kPacked512Mc 192: m 203); columns past one
+  // (kPacked512Nc 4096: n 4100); steps not a multiple of 8 (the packers' transposes: k 3, 5, 19, 41).
+#if TESSERA_X86_DISPATCH
+  if (!cpu_avx512()) {
+    WARN("skipped: this CPU has no AVX-512, where gemm never calls the packed AVX-512 kernel");
+    return;
+  }
+  check_packed_kernel(detail::gemm_packed_avx512, detail::packed_avx512_a_floats, detail::packed_avx512_b_floats,
+                      {{8, 32, 8}, {7, 17, 3}, {5, 40, 19}, {203, 33, 300}, {16, 64, 257}, {13, 4100, 20},
+                       {61, 49, 600}, {8, 16, 70}, {9, 25, 41}, {24, 3, 5}});
+  CHECK(detail::packed_avx512_suits(128, 512, 784, 0.0f));
+  CHECK_FALSE(detail::packed_avx512_suits(64, 64, 64, 0.0f));  // 2^18 multiply-adds: Eigen
+  CHECK_FALSE(detail::packed_avx512_suits(512, 512, 512, 0.5f));  // other betas: OpenBLAS
+#else
+  WARN("skipped: built without x86 dispatch, where gemm never calls the packed AVX-512 kernel");
 #endif
 }
 

@@ -19,7 +19,9 @@
 // (Cooperlake/SkylakeX/SapphireRapids, picked at run time) beat Eigen's gebp on one Zen 4 core on
 // every ResNet shape measured (bench/README.md, "GEMM"). The splitting over the team stays
 // Tessera's; OpenBLAS's thread count is set to 1 once, on first use, and its idle pool stopped.
-// With AVX-512, some short float products go to Tessera's unpacked kernel instead (unpacked_suits).
+// With AVX-512, some short float products go to Tessera's unpacked kernel instead (unpacked_suits),
+// and the other float products above 2^20 multiply-adds to its packed kernel (packed_avx512_suits):
+// OpenBLAS 0.3.21 runs a Zen 5 on its AVX2 ("Haswell") kernels, at half the speed.
 //
 // With TESSERA_COMPILED_KERNELS (kernels/cpu/compiled.hpp) only the declaration below is visible:
 // the float and double instances come from src/kernels_cpu.cpp, and Eigen is not parsed here.
@@ -40,6 +42,7 @@
 #include <Eigen/Core>
 
 #include "tessera/kernels/cpu/gemm_packed_avx2.hpp"
+#include "tessera/kernels/cpu/gemm_packed_avx512.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked_avx2.hpp"
 #endif
@@ -299,6 +302,19 @@ constexpr bool packed_avx2_suits(std::int64_t m, std::int64_t n, std::int64_t k,
   return m >= 2 && m * n * k > kSmallGemm && (beta == 0.0f || beta == 1.0f);
 }
 
+// The same on a CPU with AVX-512, for Tessera's 16-lane packed kernel
+// (kernels/cpu/gemm_packed_avx512.hpp), after the unpacked and swapped kernels' share above. On a
+// Zen 5 (family 26), which OpenBLAS 0.3.21 does not know and runs on its AVX2 kernels ("Haswell",
+// not a fallback that openblas_better_core replaces), ResNet-50's and the MLP's products ran at
+// 172 to 209 GFLOP/s here against 94 to 107 there, and a ResNet-50 b8 training step 1.19 times
+// faster (2 threads); against OpenBLAS's AVX-512 kernels (OPENBLAS_CORETYPE=Cooperlake) the
+// products ran at 0.96 to 1.17 times its speed and whole steps at 0.99 to 1.04 (bench/README.md,
+// "Figures behind design choices in the headers"). So the speed no longer depends on whether
+// OpenBLAS knows the CPU.
+constexpr bool packed_avx512_suits(std::int64_t m, std::int64_t n, std::int64_t k, float beta) {
+  return packed_avx2_suits(m, n, k, beta);
+}
+
 }  // namespace detail
 
 #if TESSERA_CPU_KERNELS_EXTERN
@@ -452,6 +468,11 @@ void gemm_serial(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
       if (trans_b) return gemm_dot_bt_avx2(m, n, k, a, lda, b, ldb, beta, c, ldc);
       return gemm_unpacked_avx2(trans_a, m, n, k, a, lda, b, ldb, beta, c, ldc);
     }
+    if (packed_avx512_suits(m, n, k, beta) && cpu_avx512()) {
+      auto& ws = GemmWorkspace<float>::local();  // the packed blocks, in the buffers Eigen's path packs into
+      return gemm_packed_avx512(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                                ws.a(packed_avx512_a_floats(m, k)), ws.b(packed_avx512_b_floats(n, k)));
+    }
     if (packed_avx2_suits(m, n, k, beta) && !cpu_avx512() && cpu_avx2()) {
       auto& ws = GemmWorkspace<float>::local();  // the packed blocks, in the buffers Eigen's path packs into
       return gemm_packed_avx2(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
@@ -489,7 +510,8 @@ void gemm(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
 inline std::string cpu_gemm_kernel() {
   const std::string unpacked_note =
       TESSERA_X86_DISPATCH && cpu_avx512()
-          ? "; float products with a small operand on Tessera's unpacked AVX-512 kernel"
+          ? "; float products with a small operand on Tessera's unpacked AVX-512 kernel, the others above 2^20 "
+            "multiply-adds on its packed AVX-512 kernel"
           : TESSERA_X86_DISPATCH && cpu_avx2() ? "; float products above 2^20 multiply-adds on Tessera's packed AVX2 kernel"
                                                : "";
 #if defined(TESSERA_OPENBLAS)

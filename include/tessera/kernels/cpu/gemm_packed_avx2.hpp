@@ -150,79 +150,90 @@ TESSERA_TARGET_AVX2 __attribute__((noinline)) void packed_columns_avx2(std::int6
     for (int j = 0; j < Cols; ++j) c[r * ldc + j] = (accumulate ? c[r * ldc + j] : 0.0f) + sums[j][r];
 }
 
-// op(b)'s kc x nc block (its first element at `b`) into panels of 16 columns, panel q at
-// out + 16 q kc, step-major; the last panel's missing columns are zeros.
+// op(b)'s kc x nc block (its first element at `b`) into panels of Nr columns (16 here, 32 for
+// gemm_packed_avx512), panel q at out + Nr q kc, step-major; the last panel's missing columns are zeros.
+template <int Nr = kPackedNr>
 TESSERA_TARGET_AVX2 inline void pack_b_panels(bool trans_b, std::int64_t kc, std::int64_t nc, const float* b,
                                               std::int64_t ldb, float* out) {
-  for (std::int64_t j0 = 0; j0 < nc; j0 += kPackedNr) {
-    const std::int64_t width = std::min(kPackedNr, nc - j0);
+  static_assert(Nr % 8 == 0);
+  for (std::int64_t j0 = 0; j0 < nc; j0 += Nr) {
+    const std::int64_t width = std::min<std::int64_t>(Nr, nc - j0);
     float* o = out + j0 * kc;
-    if (!trans_b) {  // op(b)(p, j) = b[p ldb + j]: each step's 16 columns lie together
+    if (!trans_b) {  // op(b)(p, j) = b[p ldb + j]: each step's Nr columns lie together
       const float* src = b + j0;
-      if (width == kPackedNr) {
-        for (std::int64_t p = 0; p < kc; ++p) {
-          _mm256_store_ps(o + p * 16, _mm256_loadu_ps(src + p * ldb));
-          _mm256_store_ps(o + p * 16 + 8, _mm256_loadu_ps(src + p * ldb + 8));
-        }
+      if (width == Nr) {
+        for (std::int64_t p = 0; p < kc; ++p)
+          for (int h = 0; h < Nr / 8; ++h) _mm256_store_ps(o + p * Nr + 8 * h, _mm256_loadu_ps(src + p * ldb + 8 * h));
       } else {
         for (std::int64_t p = 0; p < kc; ++p)
-          for (std::int64_t j = 0; j < 16; ++j) o[p * 16 + j] = j < width ? src[p * ldb + j] : 0.0f;
+          for (std::int64_t j = 0; j < Nr; ++j) o[p * Nr + j] = j < width ? src[p * ldb + j] : 0.0f;
       }
       continue;
     }
     // op(b)(p, j) = b[j ldb + p]: 8 x 8 blocks (8 columns' runs of 8 steps) transposed in registers.
-    const std::int64_t whole_steps = width == kPackedNr ? kc / 8 * 8 : 0;
+    const std::int64_t whole_steps = width == Nr ? kc / 8 * 8 : 0;
     for (std::int64_t p = 0; p < whole_steps; p += 8)
-      for (int half = 0; half < 2; ++half) {
+      for (int h = 0; h < Nr / 8; ++h) {
         __m256 v[8];
-        for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(b + (j0 + 8 * half + j) * ldb + p);
+        for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(b + (j0 + 8 * h + j) * ldb + p);
         transpose8(v);
-        for (int q = 0; q < 8; ++q) _mm256_store_ps(o + (p + q) * 16 + 8 * half, v[q]);
+        for (int q = 0; q < 8; ++q) _mm256_store_ps(o + (p + q) * Nr + 8 * h, v[q]);
       }
-    for (std::int64_t j = 0; j < 16; ++j) {
+    for (std::int64_t j = 0; j < Nr; ++j) {
       const float* src = b + (j0 + j) * ldb;
-      for (std::int64_t p = whole_steps; p < kc; ++p) o[p * 16 + j] = j < width ? src[p] : 0.0f;
+      for (std::int64_t p = whole_steps; p < kc; ++p) o[p * Nr + j] = j < width ? src[p] : 0.0f;
     }
   }
 }
 
-// op(a)'s mc x kc block (its first element at `a`) into panels of 6 rows, panel q at out + 6 q kc,
-// step-major; the last panel's missing rows are zeros. Writes up to 2 floats past the block.
+// op(a)'s mc x kc block (its first element at `a`) into panels of Mr rows (6 here, 8 for
+// gemm_packed_avx512), panel q at out + Mr q kc, step-major; the last panel's missing rows are
+// zeros. Writes up to 8 ceil(Mr / 8) - Mr floats past the block (2 for 6 rows, none for 8).
+template <int Mr = kPackedMr>
 TESSERA_TARGET_AVX2 inline void pack_a_panels(bool trans_a, std::int64_t mc, std::int64_t kc, const float* a,
                                               std::int64_t lda, float* out) {
-  for (std::int64_t i0 = 0; i0 < mc; i0 += kPackedMr) {
-    const std::int64_t height = std::min(kPackedMr, mc - i0);
+  constexpr int kGroups = (Mr + 7) / 8;  // runs of 8 rows, each transposed as an 8 x 8 block
+  for (std::int64_t i0 = 0; i0 < mc; i0 += Mr) {
+    const std::int64_t height = std::min<std::int64_t>(Mr, mc - i0);
     float* o = out + i0 * kc;
-    if (trans_a) {  // op(a)(i, p) = a[p lda + i]: each step's 6 rows lie together
+    if (trans_a) {  // op(a)(i, p) = a[p lda + i]: each step's Mr rows lie together
       const float* src = a + i0;
+      if (height == Mr && Mr % 8 == 0) {  // whole vectors (8 rows: the AVX-512 kernel's panels)
+        for (std::int64_t p = 0; p < kc; ++p)
+          for (int h = 0; h < Mr / 8; ++h) _mm256_storeu_ps(o + p * Mr + 8 * h, _mm256_loadu_ps(src + p * lda + 8 * h));
+        continue;
+      }
       for (std::int64_t p = 0; p < kc; ++p)
-        for (std::int64_t r = 0; r < 6; ++r) o[p * 6 + r] = r < height ? src[p * lda + r] : 0.0f;
+        for (std::int64_t r = 0; r < Mr; ++r) o[p * Mr + r] = r < height ? src[p * lda + r] : 0.0f;
       continue;
     }
-    const float* row[6];  // rows past the panel's repeat its last (never stored: see below)
-    for (std::int64_t r = 0; r < 6; ++r) row[r] = a + (i0 + std::min(r, height - 1)) * lda;
+    const float* row[Mr];  // rows past the panel's repeat its last (never stored: see below)
+    for (std::int64_t r = 0; r < Mr; ++r) row[r] = a + (i0 + std::min<std::int64_t>(r, height - 1)) * lda;
     std::int64_t p = 0;
-    if (height == kPackedMr) {
-      // 8 steps at a time: the 6 rows (and 2 zero rows) transposed, then 8-float stores 6 apart,
-      // each one's last 2 lanes overwritten by the next (the last one's by what follows). Each
-      // 16 steps prefetch the next panel's 6 lines there: a row's run of a block is only kc
-      // floats (16 lines at 256), too short for the hardware's stream prefetch to get ahead, and
-      // where a is the weights of a narrow product it comes from memory (ResNet-50 inference at
-      // batch 1, 2 threads: 1.013 and 1.034 times faster in paired forwards; b8 training 0.97
-      // to 1.05, median of four runs 1.02).
-      const bool ahead = i0 + 2 * kPackedMr <= mc;
+    if (height == Mr) {
+      // 8 steps at a time: each run of 8 rows (the last padded with zero rows) transposed, then
+      // 8-float stores Mr apart, each one's padding lanes overwritten by the next (the last one's
+      // by what follows). Each 16 steps prefetch the next panel's Mr lines there: a row's run of
+      // a block is only kc floats (16 lines at 256), too short for the hardware's stream prefetch
+      // to get ahead, and where a is the weights of a narrow product it comes from memory
+      // (ResNet-50 inference at batch 1, 2 threads, on a Zen 3: 1.013 and 1.034 times faster in
+      // paired forwards; b8 training 0.97 to 1.05, median of four runs 1.02).
+      const bool ahead = i0 + 2 * Mr <= mc;
       for (; p + 8 <= kc; p += 8) {
         if (ahead && p % 16 == 0)
-          for (int r = 0; r < 6; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 6 * lda + p), _MM_HINT_T0);
-        __m256 v[8];
-        for (int r = 0; r < 6; ++r) v[r] = _mm256_loadu_ps(row[r] + p);
-        v[6] = v[7] = _mm256_setzero_ps();
-        transpose8(v);
-        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(o + (p + q) * 6, v[q]);
+          for (int r = 0; r < Mr; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + Mr * lda + p), _MM_HINT_T0);
+        __m256 v[kGroups][8];
+        for (int g = 0; g < kGroups; ++g) {
+          for (int j = 0; j < 8; ++j)
+            v[g][j] = 8 * g + j < Mr ? _mm256_loadu_ps(row[8 * g + j] + p) : _mm256_setzero_ps();
+          transpose8(v[g]);
+        }
+        for (int q = 0; q < 8; ++q)
+          for (int g = 0; g < kGroups; ++g) _mm256_storeu_ps(o + (p + q) * Mr + 8 * g, v[g][q]);
       }
     }
     for (; p < kc; ++p)
-      for (std::int64_t r = 0; r < 6; ++r) o[p * 6 + r] = r < height ? row[r][p] : 0.0f;
+      for (std::int64_t r = 0; r < Mr; ++r) o[p * Mr + r] = r < height ? row[r][p] : 0.0f;
   }
 }
 
