@@ -306,11 +306,10 @@ constexpr bool packed_avx2_suits(std::int64_t m, std::int64_t n, std::int64_t k,
 // (kernels/cpu/gemm_packed_avx512.hpp), after the unpacked and swapped kernels' share above. On a
 // Zen 5 (family 26), which OpenBLAS 0.3.21 does not know and runs on its AVX2 kernels ("Haswell",
 // not a fallback that openblas_better_core replaces), ResNet-50's and the MLP's products ran at
-// 172 to 209 GFLOP/s here against 94 to 107 there, and a ResNet-50 b8 training step 1.19 times
-// faster (2 threads); against OpenBLAS's AVX-512 kernels (OPENBLAS_CORETYPE=Cooperlake) the
-// products ran at 0.96 to 1.17 times its speed and whole steps at 0.99 to 1.04 (bench/README.md,
-// "Figures behind design choices in the headers"). So the speed no longer depends on whether
-// OpenBLAS knows the CPU.
+// about twice OpenBLAS's speed and a ResNet-50 training step faster by a fifth; against OpenBLAS's
+// AVX-512 kernels (OPENBLAS_CORETYPE=Cooperlake) the products are level or faster and whole steps
+// level (bench/README.md, "Figures behind design choices in the headers"). So the speed no longer
+// depends on whether OpenBLAS knows the CPU.
 constexpr bool packed_avx512_suits(std::int64_t m, std::int64_t n, std::int64_t k, float beta) {
   return packed_avx2_suits(m, n, k, beta);
 }
