@@ -43,11 +43,17 @@ constexpr std::int64_t kPackedNc = 4080;  // columns per packed block of op(b): 
 // 8-float load, each 2 floats past the block) and
 // op(b)'s. The caller's (gemm_serial: GemmWorkspace, grown once, so a steady step allocates
 // nothing); b's must be 32-byte aligned (the kernel loads its panels aligned).
+// One packed block's floats (both kernels): `extent` rows or columns rounded up to whole panels of
+// `panel`, at most `block` of them, by at most `depth` of the k steps.
+constexpr std::int64_t packed_block_floats(std::int64_t extent, std::int64_t k, std::int64_t panel, std::int64_t block,
+                                           std::int64_t depth) {
+  return std::min(block, (extent + panel - 1) / panel * panel) * std::min(depth, k);
+}
 constexpr std::int64_t packed_avx2_a_floats(std::int64_t m, std::int64_t k) {
-  return std::min(kPackedMc, (m + kPackedMr - 1) / kPackedMr * kPackedMr) * std::min(kPackedKc, k) + 8;
+  return packed_block_floats(m, k, kPackedMr, kPackedMc, kPackedKc) + 8;
 }
 constexpr std::int64_t packed_avx2_b_floats(std::int64_t n, std::int64_t k) {
-  return std::min(kPackedNc, (n + kPackedNr - 1) / kPackedNr * kPackedNr) * std::min(kPackedKc, k);
+  return packed_block_floats(n, k, kPackedNr, kPackedNc, kPackedKc);
 }
 
 #if TESSERA_X86_DISPATCH
@@ -248,40 +254,51 @@ TESSERA_TARGET_AVX2 inline void packed_columns(std::int64_t cols, std::int64_t k
   }
 }
 
+// The loops both packed kernels share (BLIS's): columns in blocks of Nc, steps in blocks of Kc
+// (op(b)'s kc x nc block packed into panels of Nr columns), rows in blocks of Mc (op(a)'s mc x kc
+// block packed into panels of Mr rows), then tile(kc, ap, bp, accumulate, c_tile, rows, cols) for
+// each Mr x Nr tile of c (rows <= Mr, cols <= Nr at the edges). accumulate: beta 1, or a later
+// block of steps; with beta 0 the first block writes c outright.
+template <int Mr, int Nr, std::int64_t Mc, std::int64_t Kc, std::int64_t Nc, class Tile>
+inline void gemm_packed_blocks(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                               const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+                               std::int64_t ldc, float* packed_a, float* packed_b, const Tile& tile) {
+  for (std::int64_t j0 = 0; j0 < n; j0 += Nc) {
+    const std::int64_t nc = std::min(Nc, n - j0);
+    for (std::int64_t p0 = 0; p0 < k; p0 += Kc) {
+      const std::int64_t kc = std::min(Kc, k - p0);
+      const bool accumulate = beta != 0.0f || p0 > 0;
+      pack_b_panels<Nr>(trans_b, kc, nc, trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0, ldb, packed_b);
+      for (std::int64_t i0 = 0; i0 < m; i0 += Mc) {
+        const std::int64_t mc = std::min(Mc, m - i0);
+        pack_a_panels<Mr>(trans_a, mc, kc, trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0, lda, packed_a);
+        // Columns outer: b's panel stays in L1 while a's panels (in L2) pass it.
+        for (std::int64_t jr = 0; jr < nc; jr += Nr)
+          for (std::int64_t ir = 0; ir < mc; ir += Mr)
+            tile(kc, packed_a + ir * kc, packed_b + jr * kc, accumulate, c + (i0 + ir) * ldc + j0 + jr,
+                 std::min<std::int64_t>(Mr, mc - ir), std::min<std::int64_t>(Nr, nc - jr));
+      }
+    }
+  }
+}
+
 // packed_a and packed_b: packed_avx2_a_floats(m, k) and packed_avx2_b_floats(n, k) floats.
 inline void gemm_packed_avx2(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
                              std::int64_t ldc, float* packed_a, float* packed_b) {
-  for (std::int64_t j0 = 0; j0 < n; j0 += kPackedNc) {
-    const std::int64_t nc = std::min(kPackedNc, n - j0);
-    for (std::int64_t p0 = 0; p0 < k; p0 += kPackedKc) {
-      const std::int64_t kc = std::min(kPackedKc, k - p0);
-      const bool accumulate = beta != 0.0f || p0 > 0;  // beta 0: the first block writes c outright
-      pack_b_panels(trans_b, kc, nc, trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0, ldb, packed_b);
-      for (std::int64_t i0 = 0; i0 < m; i0 += kPackedMc) {
-        const std::int64_t mc = std::min(kPackedMc, m - i0);
-        pack_a_panels(trans_a, mc, kc, trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0, lda, packed_a);
-        // Columns outer: b's panel stays in L1 while a's panels (in L2) pass it.
-        for (std::int64_t jr = 0; jr < nc; jr += kPackedNr) {
-          const std::int64_t cols = std::min(kPackedNr, nc - jr);
-          for (std::int64_t ir = 0; ir < mc; ir += kPackedMr) {
-            const std::int64_t rows = std::min(kPackedMr, mc - ir);
-            float* tile = c + (i0 + ir) * ldc + j0 + jr;
-            const float* ap = packed_a + ir * kc;
-            const float* bp = packed_b + jr * kc;
-            if (rows == kPackedMr && cols == kPackedNr)
-              packed_tile_avx2<true, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
-            else if (cols <= 4)
-              packed_columns(cols, kc, ap, bp, alpha, accumulate, tile, ldc, rows);
-            else if (cols <= kPackedNr / 2)
-              packed_tile_avx2<false, 1>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
-            else
-              packed_tile_avx2<false, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
-          }
-        }
-      }
-    }
-  }
+  gemm_packed_blocks<kPackedMr, kPackedNr, kPackedMc, kPackedKc, kPackedNc>(
+      trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc, packed_a, packed_b,
+      [&](std::int64_t kc, const float* ap, const float* bp, bool accumulate, float* tile, std::int64_t rows,
+          std::int64_t cols) {
+        if (rows == kPackedMr && cols == kPackedNr)
+          packed_tile_avx2<true, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+        else if (cols <= 4)
+          packed_columns(cols, kc, ap, bp, alpha, accumulate, tile, ldc, rows);
+        else if (cols <= kPackedNr / 2)
+          packed_tile_avx2<false, 1>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+        else
+          packed_tile_avx2<false, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+      });
 }
 #endif  // TESSERA_X86_DISPATCH
 

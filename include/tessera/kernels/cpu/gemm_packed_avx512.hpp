@@ -42,10 +42,10 @@ constexpr std::int64_t kPacked512Nc = 4096;  // columns per packed block of op(b
 // and op(b)'s (64-byte aligned: the tile loads b's panels aligned). The caller's (gemm_serial:
 // GemmWorkspace, grown once, so a steady step allocates nothing).
 constexpr std::int64_t packed_avx512_a_floats(std::int64_t m, std::int64_t k) {
-  return std::min(kPacked512Mc, (m + kPacked512Mr - 1) / kPacked512Mr * kPacked512Mr) * std::min(kPacked512Kc, k);
+  return packed_block_floats(m, k, kPacked512Mr, kPacked512Mc, kPacked512Kc);
 }
 constexpr std::int64_t packed_avx512_b_floats(std::int64_t n, std::int64_t k) {
-  return std::min(kPacked512Nc, (n + kPacked512Nr - 1) / kPacked512Nr * kPacked512Nr) * std::min(kPacked512Kc, k);
+  return packed_block_floats(n, k, kPacked512Nr, kPacked512Nc, kPacked512Kc);
 }
 
 #if TESSERA_X86_DISPATCH
@@ -111,34 +111,17 @@ TESSERA_TARGET_AVX512 inline void packed_tile_avx512(std::int64_t kc, const floa
 inline void gemm_packed_avx512(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                                float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
                                float beta, float* c, std::int64_t ldc, float* packed_a, float* packed_b) {
-  for (std::int64_t j0 = 0; j0 < n; j0 += kPacked512Nc) {
-    const std::int64_t nc = std::min(kPacked512Nc, n - j0);
-    for (std::int64_t p0 = 0; p0 < k; p0 += kPacked512Kc) {
-      const std::int64_t kc = std::min(kPacked512Kc, k - p0);
-      const bool accumulate = beta != 0.0f || p0 > 0;  // beta 0: the first block writes c outright
-      pack_b_panels<kPacked512Nr>(trans_b, kc, nc, trans_b ? b + j0 * ldb + p0 : b + p0 * ldb + j0, ldb, packed_b);
-      for (std::int64_t i0 = 0; i0 < m; i0 += kPacked512Mc) {
-        const std::int64_t mc = std::min(kPacked512Mc, m - i0);
-        pack_a_panels<kPacked512Mr>(trans_a, mc, kc, trans_a ? a + p0 * lda + i0 : a + i0 * lda + p0, lda, packed_a);
-        // Columns outer: b's panel stays in L1 while a's panels (in L2) pass it.
-        for (std::int64_t jr = 0; jr < nc; jr += kPacked512Nr) {
-          const std::int64_t cols = std::min(kPacked512Nr, nc - jr);
-          for (std::int64_t ir = 0; ir < mc; ir += kPacked512Mr) {
-            const std::int64_t rows = std::min(kPacked512Mr, mc - ir);
-            float* tile = c + (i0 + ir) * ldc + j0 + jr;
-            const float* ap = packed_a + ir * kc;
-            const float* bp = packed_b + jr * kc;
-            if (rows == kPacked512Mr && cols == kPacked512Nr)
-              packed_tile_avx512<true, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
-            else if (cols <= kPacked512Nr / 2)
-              packed_tile_avx512<false, 1>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
-            else
-              packed_tile_avx512<false, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
-          }
-        }
-      }
-    }
-  }
+  gemm_packed_blocks<kPacked512Mr, kPacked512Nr, kPacked512Mc, kPacked512Kc, kPacked512Nc>(
+      trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc, packed_a, packed_b,
+      [&](std::int64_t kc, const float* ap, const float* bp, bool accumulate, float* tile, std::int64_t rows,
+          std::int64_t cols) {
+        if (rows == kPacked512Mr && cols == kPacked512Nr)
+          packed_tile_avx512<true, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+        else if (cols <= kPacked512Nr / 2)
+          packed_tile_avx512<false, 1>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+        else
+          packed_tile_avx512<false, 2>(kc, ap, bp, alpha, accumulate, tile, ldc, rows, cols);
+      });
 }
 #endif  // TESSERA_X86_DISPATCH
 
