@@ -13,6 +13,7 @@
 
 #include "tessera/core/tensor.hpp"
 #include "tessera/device/cpu.hpp"
+#include "tessera/kernels/cpu/gemm_bf16.hpp"
 #include "tessera/kernels/cpu/gemm_packed_avx2.hpp"
 #include "tessera/kernels/cpu/gemm_packed_avx512.hpp"
 #include "tessera/kernels/cpu/gemm_unpacked.hpp"
@@ -433,6 +434,29 @@ TEST_CASE("the first product stops OpenBLAS's idle worker pool, which polled the
   float c[4] = {};
   gemm(Cpu{}, false, false, 2, 2, 2, 1.0f, a, 2, b, 2, 0.0f, c, 2);
   CHECK(c[0] == 19.0f);
+  CHECK(c[3] == 50.0f);
+  CHECK(blas_server_avail == 0);
+}
+
+// The same for a program whose first product is a bfloat16 one (a bfloat16 MLP's: every product on
+// gemm_bf16's kernel, none through gemm). Hidden ([.]): it must be the first product of its
+// process, which the test `openblas-pool-bf16` (tests/meson.build) runs with this tag alone.
+TEST_CASE("the first bfloat16 product stops OpenBLAS's idle worker pool too", "[.][openblas-pool]") {
+  if (&blas_server_avail == nullptr) {
+    WARN("skipped: no threaded OpenBLAS in this program (Eigen's gebp or a serial OpenBLAS: no pool to stop)");
+    return;
+  }
+  if (blas_server_avail == 0) {
+    WARN("skipped: OpenBLAS started no pool in this process (one core, OPENBLAS_NUM_THREADS=1, or a product ran "
+         "before this test)");
+    return;
+  }
+  if (!cpu_bf16_active())
+    WARN("this CPU computes gemm_bf16 in float (" << cpu_bf16_kernel() << "): the product goes through gemm");
+  const float a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+  float c[4] = {};
+  gemm_bf16(Cpu{}, false, false, 2, 2, 2, 1.0f, a, 2, b, 2, 0.0f, c, 2);
+  CHECK(c[0] == 19.0f);  // bfloat16 holds these integers exactly
   CHECK(c[3] == 50.0f);
   CHECK(blas_server_avail == 0);
 }

@@ -61,9 +61,6 @@ void sgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
-void openblas_set_num_threads(int threads);
-// Exported by OpenBLAS's threaded builds (pthread and OpenMP) and absent from the serial one, hence weak.
-int blas_thread_shutdown_(void) __attribute__((weak));
 }
 #endif
 
@@ -108,6 +105,9 @@ char* openblas_get_corename(void);
 // OPENBLAS_CORETYPE first (driver/others/dynamic.c).
 void gotoblas_dynamic_init(void) __attribute__((weak));
 void gotoblas_dynamic_quit(void) __attribute__((weak));
+void openblas_set_num_threads(int threads);
+// Exported by OpenBLAS's threaded builds (pthread and OpenMP) and absent from the serial one, hence weak.
+int blas_thread_shutdown_(void) __attribute__((weak));
 }
 
 namespace tessera::detail {
@@ -133,6 +133,30 @@ inline std::string openblas_core_checked() {
     return detected;
   }();
   return replaced;
+}
+
+// OpenBLAS to one thread per call, and its idle worker pool stopped. The pthread build starts that
+// pool (cores - 1 threads) when the library loads, and each worker polls for work with sched_yield
+// for 2^28 cycles (its THREAD_TIMEOUT, 0.1 to 0.3 s) before it sleeps. Tessera never hands the pool
+// any work, but while the workers poll they take turns on the cores with the OpenMP team: on 2
+// cores an MLP's first 40-odd steps ran at about half speed in some starts, and a 50-step
+// benchmark's median with them (bench/README.md, "OpenBLAS's idle workers"). Stopping the pool is
+// what OpenBLAS itself does before a fork; a later openblas_set_num_threads(n > 1) starts it again.
+// Once, from the first product of any size, float (gemm, the only way into gemm_openblas) or
+// bfloat16 (gemm_bf16, kernels/cpu/gemm_bf16.hpp, which never calls OpenBLAS): Tessera's team does
+// the splitting, and a network whose products stay on Eigen, the unpacked kernel (LeNet-5's) or
+// the bfloat16 kernel (a bfloat16 MLP's, whose 2-thread runs fell from 260k to 97k img/s in the
+// starts the pool overlapped) would still pay for the polling. Under the static guard no Tessera
+// thread is inside OpenBLAS while the pool stops. Visible in compiled mode too (core/linkage.hpp):
+// gemm_bf16 is compiled in the program, gemm in the library, and both share this one guard.
+inline void openblas_single_threaded() {
+  static const bool done = [] {
+    openblas_core_checked();
+    openblas_set_num_threads(1);
+    if (blas_thread_shutdown_ != nullptr) blas_thread_shutdown_();
+    return true;
+  }();
+  (void)done;
 }
 
 }  // namespace tessera::detail
@@ -373,26 +397,6 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
 }
 
 #if defined(TESSERA_OPENBLAS)
-// OpenBLAS to one thread per call, and its idle worker pool stopped. The pthread build starts that
-// pool (cores - 1 threads) when the library loads, and each worker polls for work with sched_yield
-// for 2^28 cycles (its THREAD_TIMEOUT, 0.1 to 0.3 s) before it sleeps. Tessera never hands the pool
-// any work, but while the workers poll they take turns on the cores with the OpenMP team: on 2
-// cores an MLP's first 40-odd steps ran at about half speed in some starts, and a 50-step
-// benchmark's median with them (bench/README.md, "OpenBLAS's idle workers"). Stopping the pool is
-// what OpenBLAS itself does before a fork; a later openblas_set_num_threads(n > 1) starts it again.
-// Once, from gemm (below), the only way into gemm_openblas, on its first product of any size:
-// Tessera's team does the splitting, and a network whose products stay on Eigen or the unpacked
-// kernel (LeNet-5's) would still pay for the polling. Under the static guard no Tessera thread is
-// inside OpenBLAS while the pool stops.
-inline void openblas_single_threaded() {
-  static const bool done = [] {
-    openblas_core_checked();
-    openblas_set_num_threads(1);
-    if (blas_thread_shutdown_ != nullptr) blas_thread_shutdown_();
-    return true;
-  }();
-  (void)done;
-}
 
 // C += alpha op(A) op(B) by OpenBLAS on the calling thread; false when a size does not fit its int.
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a row-major matrix read

@@ -414,6 +414,9 @@ TESSERA_BF16_TARGET inline void gemm_bf16_serial(bool trans_a, bool trans_b, std
 inline void gemm_bf16(Cpu, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                       const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
                       std::int64_t ldc) {
+#if defined(TESSERA_OPENBLAS)
+  detail::openblas_single_threaded();  // the idle pool's polling, as gemm's (kernels/cpu/gemm.hpp)
+#endif
 #if TESSERA_HAVE_BF16_KERNEL
   if (cpu_bf16_active()) {
     // oneDNN's matmul where onednn_gemm_chosen says (AMX tiles), unless it has no kernel for this one.
