@@ -35,7 +35,10 @@ CONFIGS = {  # name: (builder, batch, channels, image, classes, default steps)
 }
 
 
-def measure(name, steps_flag, warmup, precision="float32"):
+MAX_WARMUP_STEPS = 100000
+
+
+def measure(name, steps_flag, warmup, precision="float32", warmup_seconds=0.5):
     build, batch, channels, image, classes, default_steps = CONFIGS[name]
     steps = steps_flag or default_steps
     torch.manual_seed(1)
@@ -53,8 +56,13 @@ def measure(name, steps_flag, warmup, precision="float32"):
         loss.backward()
         opt.step()
 
-    for _ in range(max(1, min(warmup, 2) if name.startswith("resnet50") else warmup)):
+    # Warm-up as train_throughput's: at least `warmup` steps (2 at most for ResNet-50), and more
+    # until warmup_seconds have passed since the first began (at most MAX_WARMUP_STEPS).
+    start = time.perf_counter()
+    done, least = 0, max(1, min(warmup, 2) if name.startswith("resnet50") else warmup)
+    while done < least or (done < MAX_WARMUP_STEPS and time.perf_counter() - start < warmup_seconds):
         step()
+        done += 1
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -73,12 +81,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup-seconds", type=float, default=0.5)
     ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
     for name in args.models.split(","):
-        r = measure(name, args.steps, args.warmup, args.precision)
+        r = measure(name, args.steps, args.warmup, args.precision, args.warmup_seconds)
         print(f"{name:13} batch {r['batch']:3}  {r['images_per_second']:8.1f} img/s", file=sys.stderr)
         results.append(r)
     print(json.dumps({"framework": "pytorch", "version": torch.__version__, "threads": args.threads,

@@ -1,16 +1,23 @@
 // Training-step throughput (images/s) of Tessera models on synthetic data, as JSON.
 //
 //   ./train_throughput [--models=mlp,lenet,resnet20,resnet50_b8,resnet50_b32] [--threads=2]
-//                      [--steps=N] [--warmup=2] [--precision=float32|bfloat16] [--loader]
+//                      [--steps=N] [--warmup=2] [--warmup-seconds=0.5] [--precision=float32|bfloat16]
+//                      [--loader]
 //
 // --precision=bfloat16 trains with CpuLocalBf16: float weights, bfloat16 products (core/env.hpp).
 // --models=gpt (not among the defaults): a small GPT, windows/s in place of images/s (measure_gpt).
 // --loader: each timed step also takes its batch from the DataLoader (TokenLoader for the GPT), as
 // Trainer::fit does; without it every step trains on one batch, as bench/torch_throughput.py does.
 //
-// Each model: `warmup` steps (caches and workspaces settle; at least 1), then `steps` timed steps; reports the
-// median step time, images/s, and the heap allocations made during the timed steps, counted by
+// Each model: `warmup` steps (caches and workspaces settle; at least 1), and more until
+// `warmup-seconds` have passed since its first step, then `steps` timed steps; reports the median
+// step time, images/s, and the heap allocations made during the timed steps, counted by
 // interposing malloc (so Eigen's and OpenMP's allocations count too, not just operator new).
+// The seconds are for the small models, whose 50 timed steps of 0.5 to 1.5 ms otherwise lie in a
+// process's first tenth of a second, where the kernel may still run both OpenMP threads of a
+// 2-core machine on one core (it separates them within about a second): a start's median then
+// came out at 100k img/s instead of 165k-270k (bench/README.md, "Warm-up by time").
+// bench/torch_throughput.py warms up by the same rule.
 // Never a timed test: bench/compare_pytorch.py runs this next to PyTorch and prints the ratio.
 
 #include <algorithm>
@@ -36,12 +43,26 @@ struct Result {
 };
 
 // One model's run: next_batch() fills b (the first batch before anything; with --loader before
-// every step too), then the first step (counted, untimed), the rest of the warm-up, and the timed
-// steps, whose heap allocations are counted.
+// every step too), then the first step (counted, untimed), the rest of the warm-up (at least
+// `warmup.steps` steps and `warmup.seconds` since the first began, at most kMaxWarmupSteps), and the
+// timed steps, whose heap allocations are counted.
+constexpr int kMaxWarmupSteps = 100000;
+
+struct Warmup {
+  int steps;       // at least 1: the first step is never timed
+  double seconds;  // and at least this long since the first step began
+};
+
 template <class T, class NextBatch>
 Result run_steps(const std::string& label, T& trainer, Batch<float>& b, const NextBatch& next_batch,
-                 std::int64_t batch, std::int64_t image, int warmup, int steps, bool from_loader) {
+                 std::int64_t batch, std::int64_t image, Warmup warmup, int steps, bool from_loader) {
   next_batch();
+  const auto start = std::chrono::steady_clock::now();
+  const auto warming = [&](int done) {
+    return done < warmup.steps ||
+           (done < kMaxWarmupSteps &&
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < warmup.seconds);
+  };
   // The first step is counted too: it must allocate (caches, workspaces, optimizer state), which
   // shows the counter works; the timed steps after warm-up must not.
   g_allocations = 0;
@@ -49,7 +70,7 @@ Result run_steps(const std::string& label, T& trainer, Batch<float>& b, const Ne
   trainer.train_step(b);
   g_counting = false;
   const long first_step_allocations = g_allocations.load();
-  for (int i = 1; i < warmup; ++i) {
+  for (int i = 1; warming(i); ++i) {
     if (from_loader) next_batch();
     trainer.train_step(b);
   }
@@ -72,7 +93,7 @@ Result run_steps(const std::string& label, T& trainer, Batch<float>& b, const Ne
 
 template <class E, class Model>
 Result measure(const std::string& label, Model& model, std::int64_t batch, std::int64_t channels, std::int64_t image,
-               std::int64_t classes, int warmup, int steps, bool from_loader) {
+               std::int64_t classes, Warmup warmup, int steps, bool from_loader) {
   auto named = named_tensors(model);
   Sgd<E> sgd(named, {.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-4});
   Trainer trainer(model, sgd, ConstantLr{0.01}, {.epochs = 1, .verbose = false});
@@ -95,7 +116,7 @@ Result measure(const std::string& label, Model& model, std::int64_t batch, std::
 // stream for tokens. Not one of compare_pytorch.py's models: here for the steady step's
 // allocations (tests/bench/check_steady_allocations.py). "image" is the window length.
 template <class E>
-Result measure_gpt(int warmup, int steps, bool from_loader) {
+Result measure_gpt(Warmup warmup, int steps, bool from_loader) {
   const GPTConfig config{.block_size = 64, .vocab_size = 256, .n_layer = 2, .n_head = 4, .n_embd = 128};
   const std::int64_t batch = 8;
   Rng rng(1);
@@ -120,7 +141,7 @@ Result measure_gpt(int warmup, int steps, bool from_loader) {
 }
 
 template <class E>
-Result measure_model(const std::string& m, int warmup, int steps_flag, bool from_loader) {
+Result measure_model(const std::string& m, Warmup warmup, int steps_flag, bool from_loader) {
   auto steps = [&](int fallback) { return steps_flag > 0 ? steps_flag : fallback; };
   if (m == "mlp") {
     Mlp<E> net(784, {512, 256}, 10, 1);
@@ -137,7 +158,7 @@ Result measure_model(const std::string& m, int warmup, int steps_flag, bool from
   if (m == "resnet50_b8" || m == "resnet50_b32") {
     auto net = resnet50<E>({.in_channels = 3, .num_classes = 1000, .seed = 1});
     const std::int64_t batch = m == "resnet50_b8" ? 8 : 32;
-    return measure<E>(m, net, batch, 3, 224, 1000, std::min(warmup, 2), steps(3), from_loader);
+    return measure<E>(m, net, batch, 3, 224, 1000, Warmup{std::min(warmup.steps, 2), warmup.seconds}, steps(3), from_loader);
   }
   if (m == "gpt") return measure_gpt<E>(warmup, steps(20), from_loader);
   throw ArgumentError("unknown model '" + m + "' (mlp, lenet, resnet20, resnet50_b8, resnet50_b32, gpt)");
@@ -150,7 +171,8 @@ int main(int argc, char** argv) {
                                                        {"mlp", "lenet", "resnet20", "resnet50_b8", "resnet50_b32", "gpt"});
     const int threads = flags.threads("threads", 2);
     const int steps_flag = flags.get("steps", 0, {.min = 0});  // 0: each model's own count
-    const int warmup = flags.get("warmup", 2, {.min = 1});     // the first step is never timed
+    const Warmup warmup{flags.get("warmup", 2, {.min = 1}),  // the first step is never timed
+                        flags.get("warmup-seconds", 0.5, {.min = 0.0})};
     const std::string precision = flags.choice("precision", "float32", {"float32", "bfloat16"});
     const bool bf16 = precision == "bfloat16";
     const bool from_loader = flags.get("loader", false);  // each step's batch from the DataLoader
