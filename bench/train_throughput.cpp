@@ -13,11 +13,10 @@
 // `warmup-seconds` have passed since its first step, then `steps` timed steps; reports the median
 // step time, images/s, and the heap allocations made during the timed steps, counted by
 // interposing malloc (so Eigen's and OpenMP's allocations count too, not just operator new).
-// The seconds are for the small models, whose 50 timed steps of 0.5 to 1.5 ms otherwise lie in a
-// process's first tenth of a second, where the kernel may still run both OpenMP threads of a
-// 2-core machine on one core (it separates them within about a second): a start's median then
-// came out at 100k img/s instead of 165k-270k (bench/README.md, "Warm-up by time").
-// bench/torch_throughput.py warms up by the same rule.
+// The seconds are for the small models, whose 50 timed steps otherwise lie in a process's first
+// tenth of a second, where Linux may still run both OpenMP threads of a 2-core machine on one core
+// (it separates them later), and some starts' medians measured that instead of training (bench/README.md,
+// "On the AMD EPYC Zen 5, 2026-12-08"). bench/torch_throughput.py warms up by the same rule.
 // Never a timed test: bench/compare_pytorch.py runs this next to PyTorch and prints the ratio.
 
 #include <algorithm>

@@ -145,10 +145,10 @@ inline std::string openblas_core_checked() {
 // Once, from the first product of any size, float (gemm, the only way into gemm_openblas) or
 // bfloat16 (gemm_bf16, kernels/cpu/gemm_bf16.hpp, which never calls OpenBLAS): Tessera's team does
 // the splitting, and a network whose products stay on Eigen, the unpacked kernel (LeNet-5's) or
-// the bfloat16 kernel (a bfloat16 MLP's, whose 2-thread runs fell from 260k to 97k img/s in the
-// starts the pool overlapped) would still pay for the polling. Under the static guard no Tessera
-// thread is inside OpenBLAS while the pool stops. Visible in compiled mode too (core/linkage.hpp):
-// gemm_bf16 is compiled in the program, gemm in the library, and both share this one guard.
+// the bfloat16 kernel (a bfloat16 MLP's: bench/README.md, "On the AMD EPYC Zen 5, 2026-12-08")
+// would still pay for the polling. Under the static guard no Tessera thread is inside OpenBLAS
+// while the pool stops. Visible in compiled mode too (core/linkage.hpp): gemm_bf16 is compiled in
+// the program, gemm in the library, and both share this one guard.
 inline void openblas_single_threaded() {
   static const bool done = [] {
     openblas_core_checked();
