@@ -4,9 +4,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <numeric>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -210,6 +213,46 @@ TEST_CASE("CachingAllocator: large blocks are carved from one segment and merge 
     CHECK(alloc.stats().bytes_cached == 8 * MiB);
   }
   CHECK(SmallSegments::live == 0);  // the destructor returned the rest
+}
+
+// Host segments are 2 MiB aligned and advised for transparent huge pages (core/allocator.hpp,
+// HostMemory): the kernel marks such a mapping "hg" in its VmFlags (/proc/self/smaps), whatever
+// the system's THP mode; small blocks stay plain 64-byte-aligned ones.
+TEST_CASE("HostMemory: segments are 2 MiB aligned and ask for transparent huge pages", "[core]") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  void* small = HostMemory::allocate(4096);
+  REQUIRE(small != nullptr);
+  CHECK(reinterpret_cast<std::uintptr_t>(small) % 64 == 0);
+  HostMemory::release(small);
+  const std::size_t bytes = 8 * MiB + 64 * 1024;  // not a multiple of 2 MiB: the advice covers the whole pages
+  char* p = static_cast<char*>(HostMemory::allocate(bytes));
+  REQUIRE(p != nullptr);
+  CHECK(reinterpret_cast<std::uintptr_t>(p) % (2 * MiB) == 0);
+  std::fill(p, p + bytes, char{1});
+  std::ifstream smaps("/proc/self/smaps");
+  if (!smaps) {
+    HostMemory::release(p);
+    WARN("skipped the advice's check: /proc/self/smaps cannot be read here");
+    return;
+  }
+  // The mapping holding p: a header line "begin-end perms ...", then fields up to "VmFlags: ...".
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  bool inside = false, found = false;
+  std::string line, flags;
+  while (std::getline(smaps, line)) {
+    std::uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2) {  // field lines ("Size:", "Anonymous:") fail
+      inside = begin <= at && at < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      flags = line + " ";
+      found = true;
+      break;
+    }
+  }
+  HostMemory::release(p);
+  REQUIRE(found);
+  INFO("VmFlags of the segment's mapping: " << flags);
+  CHECK(flags.find(" hg ") != std::string::npos);
 }
 
 // Committed memory (a GPU's): a segment is the request, and a free range is not split into a piece
