@@ -397,7 +397,6 @@ void gemm_serial_ordered(std::int64_t m, std::int64_t n, std::int64_t k, S alpha
 }
 
 #if defined(TESSERA_OPENBLAS)
-
 // C += alpha op(A) op(B) by OpenBLAS on the calling thread; false when a size does not fit its int.
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a row-major matrix read
 // column-major is its transpose: so B goes first, each with its own transpose flag.
