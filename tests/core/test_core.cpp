@@ -230,9 +230,9 @@ TEST_CASE("HostMemory: segments are 2 MiB aligned and ask for transparent huge p
   CHECK(reinterpret_cast<std::uintptr_t>(p) % (2 * MiB) == 0);
   std::fill(p, p + bytes, char{1});
   std::ifstream smaps("/proc/self/smaps");
-  if (!smaps) {
+  if (!smaps || !std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {
     HostMemory::release(p);
-    WARN("skipped the advice's check: /proc/self/smaps cannot be read here");
+    WARN("skipped the advice's check: /proc/self/smaps cannot be read here, or this kernel has no THP");
     return;
   }
   // The mapping holding p: a header line "begin-end perms ...", then fields up to "VmFlags: ...".
